@@ -1,0 +1,1 @@
+"""Capture: an embedded mitmproxy that logs every LLM call of an unmodified agent as a turn."""

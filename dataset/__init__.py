@@ -1,0 +1,1 @@
+"""Dataset: episodes, verifier rewards, cleaning, GRPO samples."""

@@ -1,0 +1,3 @@
+"""lcap: reinforcement learning for any LLM agent, without touching the agent."""
+
+__version__ = "0.1.0"

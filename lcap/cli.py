@@ -1,0 +1,92 @@
+"""The `lcap` command line. Each stage registers its own commands; heavy imports stay inside them."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from lcap.config import LcapError, default_db
+
+app = typer.Typer(
+    name="lcap",
+    help="Reinforcement learning for any LLM agent, without touching the agent.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+DbOption = Annotated[Path, typer.Option("--db", help="DuckDB store (env LCAP_DB).", default_factory=default_db)]
+
+
+def one_line_errors(func):
+    """Turn an LcapError into one line on stderr and exit code 2: no traceback for user mistakes."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except LcapError as exc:
+            typer.echo(f"lcap: {exc}", err=True)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+@app.command()
+@one_line_errors
+def sql(
+    query: Annotated[str, typer.Argument(help="SQL to run against the store.")],
+    db: DbOption,
+    format: Annotated[str, typer.Option("--format", "-f", help="table | csv | json")] = "table",
+    write: Annotated[bool, typer.Option("--write", help="Allow statements that modify the store.")] = False,
+) -> None:
+    """Run SQL on the store, even while a proxy is writing to it (read-only unless --write)."""
+    import duckdb
+
+    from lcap.sql_output import render
+    from lcap.store import Store
+
+    if format not in ("table", "csv", "json"):
+        raise LcapError(f"unknown format {format!r}: use table, csv or json")
+    store = Store(db)
+    try:
+        with store.connect(read_only=not write) as con:
+            cursor = con.execute(query)
+            columns = [d[0] for d in cursor.description] if cursor.description else []
+            rows = cursor.fetchall() if columns else []
+    except duckdb.Error as exc:
+        raise LcapError(str(exc).splitlines()[0]) from None
+    sys.stdout.write(render(columns, rows, format))
+
+
+@app.command()
+@one_line_errors
+def setup(
+    parts: Annotated[list[str] | None, typer.Argument(help="What to set up: node, vllm (default: both).")] = None,
+) -> None:
+    """Install what lcap runs beside itself: the Node proxy preload and vLLM's own venv. Idempotent."""
+    from lcap.capture.node_preload import install_node_preload
+    from lcap.train.vllm_env import ensure_vllm_env
+
+    steps = {"node": install_node_preload, "vllm": ensure_vllm_env}
+    for part in parts or list(steps):
+        if part not in steps:
+            raise LcapError(f"unknown set-up part {part!r}: use {', '.join(steps)}")
+        typer.echo(f"lcap setup {part}: {steps[part]()}")
+
+
+def _register_stages() -> None:
+    from lcap.capture.commands import register as register_capture
+    from lcap.dataset.commands import register as register_dataset
+    from lcap.train.commands import register as register_train
+
+    register_capture(app)
+    register_dataset(app)
+    register_train(app)
+
+
+_register_stages()

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Idempotent set-up on a fresh machine: the project's venv (.venv, or $LCAP_VENV) with lcap
+# installed editable, the Node preload's npm packages, and vLLM in a venv of its own (its pins
+# clash with mitmproxy's). Re-running it only checks what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${LCAP_VENV:-.venv}
+py=$venv/bin/python
+
+[ -x "$py" ] || python3 -m venv "$venv"
+if ! "$py" -c "import torch" 2>/dev/null; then
+  "$py" -m pip install -q --upgrade pip
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    "$py" -m pip install -q torch
+  else
+    "$py" -m pip install -q torch==2.13.0   # the CPU build; unpinned torch pulls GBs of CUDA
+  fi
+fi
+stamp=$venv/.lcap-installed
+want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  "$py" -m pip install -q -e ".[train,test]"
+  echo "$want" > "$stamp"
+fi
+"$venv/bin/lcap" setup "$@"

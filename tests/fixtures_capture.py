@@ -1,0 +1,1 @@
+"""Fixtures of the capture tests."""
