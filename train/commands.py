@@ -1,4 +1,4 @@
-"""CLI commands of this stage (registered on lcap's typer app)."""
+"""CLI commands of the train stage: the policy server (serve_commands) and GRPO rounds (train_commands)."""
 
 from __future__ import annotations
 
@@ -6,4 +6,8 @@ import typer
 
 
 def register(app: typer.Typer) -> None:
-    """Add this stage's commands to `app`. Keep module-level imports light: the CLI loads this at start."""
+    from lcap.train.serve_commands import register_serve
+    from lcap.train.train_commands import register_train
+
+    register_serve(app)
+    register_train(app)
