@@ -69,6 +69,44 @@ CREATE TABLE IF NOT EXISTS deployments (
     round       INTEGER,
     created_at  TIMESTAMPTZ
 );
+-- train stage: one row per GRPO round (`lcap train`), metrics averaged over its steps
+CREATE TABLE IF NOT EXISTS train_runs (
+    run            VARCHAR,   -- the run folder (absolute)
+    round          INTEGER,
+    started_at     TIMESTAMPTZ,
+    ended_at       TIMESTAMPTZ,
+    base_model     VARCHAR,
+    init_from      VARCHAR,   -- the previous round's adapter/checkpoint it continued, NULL for round 1
+    output         VARCHAR,   -- RUN/round-N/adapter or RUN/round-N/checkpoint
+    kind           VARCHAR,   -- lora | full
+    n_samples      INTEGER,
+    n_groups       INTEGER,
+    group_size     INTEGER,
+    dropped_stale  INTEGER,
+    padded         INTEGER,
+    mean_reward    DOUBLE,
+    loss           DOUBLE,
+    kl             DOUBLE,
+    is_ratio_mean  DOUBLE,    -- importance-sampling ratio vs the captured behaviour logprobs
+    is_ratio_min   DOUBLE,
+    is_ratio_max   DOUBLE,
+    clip_fraction  DOUBLE,
+    entropy        DOUBLE,
+    tokens         BIGINT,
+    train_seconds  DOUBLE,
+    tokens_per_s   DOUBLE,
+    steps          INTEGER,
+    config         JSON
+);
+-- train stage: `lcap loop` progress, one row per finished step of a round (collect, build, train, deploy, eval)
+CREATE TABLE IF NOT EXISTS loop_steps (
+    run          VARCHAR,
+    round        INTEGER,
+    step         VARCHAR,
+    mean_reward  DOUBLE,      -- collect: training episodes' mean reward; eval: held-out mean reward
+    details      JSON,
+    created_at   TIMESTAMPTZ
+);
 """
 
 VIEWS = """

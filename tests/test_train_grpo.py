@@ -1,0 +1,175 @@
+"""GRPO on captured samples: the direction of a step, LoRA, the off-policy correction, groups."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from fixtures_train import write_samples
+from lcap.store import Store
+from lcap.train.grpo import TrainOptions, prepare_round, train_round
+from lcap.train.samples import Sample, make_groups, read_samples
+
+
+def token_logps(model, sample: Sample) -> torch.Tensor:
+    """Log-probability of each completion token under `model`, one forward pass, no padding."""
+    ids = torch.tensor([sample.prompt_ids + sample.completion_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(sample.prompt_ids) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(sample.completion_ids)[:, None])[:, 0]
+
+
+def model_token_logp(model, sample: Sample) -> float:
+    mask = torch.tensor(sample.env_mask, dtype=torch.bool)
+    return float(token_logps(model, sample)[mask].sum())
+
+
+def options(model_dir: Path, **kw) -> TrainOptions:
+    return TrainOptions(base_model=str(model_dir), report_to="none", **kw)
+
+
+def test_step_raises_positive_and_lowers_negative_advantage(tiny_train_model, captured_samples, tmp_path):
+    store = Store(tmp_path / "lcap.duckdb")
+    prepared = prepare_round(store, tmp_path / "run", 1, options(tiny_train_model, learning_rate=3e-3), data=captured_samples)
+    samples = prepared.groups.real_samples
+    model = prepared.trainer.model
+    before = [model_token_logp(model, s) for s in samples]
+    prepared.trainer.train()
+    model.eval()
+    after = [model_token_logp(model, s) for s in samples]
+    deltas = [(a - b, s.advantage) for a, b, s in zip(after, before, samples)]
+    assert {adv > 0 for _, adv in deltas} == {True, False}
+    for delta, adv in deltas:
+        assert (delta > 0) == (adv > 0), deltas
+    assert min(abs(d) for d, _ in deltas) > 1e-4
+
+
+def test_round_saves_changed_lora_and_metrics(tiny_train_model, captured_samples, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    store = Store(tmp_path / "lcap.duckdb")
+    result = train_round(store, tmp_path / "run", 1, options(tiny_train_model, learning_rate=1e-3), data=captured_samples)
+    assert result.output == tmp_path / "run" / "round-1" / "adapter"
+    base = AutoModelForCausalLM.from_pretrained(tiny_train_model)
+    base_state = {k: v.clone() for k, v in base.state_dict().items()}
+    tuned = PeftModel.from_pretrained(base, str(result.output))
+    lora_b = {k: v for k, v in tuned.state_dict().items() if "lora_B" in k}
+    assert lora_b and all(v.abs().max() > 0 for v in lora_b.values())  # B starts at zero: a step moved every one
+    targets = {k.split(".lora_B")[0].split(".")[-1] for k in lora_b}
+    assert {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} <= targets
+    assert tuned.peft_config["default"].lora_dropout == 0.0
+    merged = tuned.merge_and_unload().state_dict()
+    assert any(not torch.equal(merged[k], base_state[k]) for k in base_state if "proj" in k)
+
+    row = store.fetchall("SELECT round, kind, n_samples, n_groups, mean_reward, is_ratio_mean, tokens_per_s, steps FROM train_runs")
+    assert row == [(1, "lora", 8, 2, 0.5, pytest.approx(row[0][5]), pytest.approx(row[0][6]), 1)]
+    assert 0.5 < row[0][5] < 2.0 and row[0][6] > 0
+    assert (tmp_path / "run" / "round-1" / "config.json").exists()
+
+
+def perturbed_samples(tiny_train_model, captured_samples, out: Path) -> tuple[Path, dict, list[Sample]]:
+    """Captured samples whose behaviour logprobs differ from the model's by known amounts per token."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_train_model).eval()
+    rows = pq.read_table(captured_samples).to_pylist()
+    shifts = (0.3, -1.0, 0.0, -0.2)  # captured = true + shift: ratio exp(-shift); exp(1.0) > the 2.0 cap
+    for row, sample in zip(rows, read_samples(captured_samples)):
+        true = token_logps(model, sample).tolist()
+        row["logprobs"] = [t + shifts[i % 4] if m else 0.0 for i, (t, m) in enumerate(zip(true, sample.env_mask))]
+    path = write_samples(out / "samples.parquet", rows)
+    samples = read_samples(path)
+    train_logps = {s.sample_id: token_logps(model, s) for s in samples}
+    return path, train_logps, samples
+
+
+def captured_batches(monkeypatch) -> list[dict]:
+    from lcap.train.trainer import CapturedGRPOTrainer
+
+    seen: list[dict] = []
+    original = CapturedGRPOTrainer._generate_and_score_completions
+
+    def spy(self, inputs):
+        output = original(self, inputs)
+        seen.append(output)
+        return output
+
+    monkeypatch.setattr(CapturedGRPOTrainer, "_generate_and_score_completions", spy)
+    return seen
+
+
+def match(row_ids: torch.Tensor, samples: list[Sample]) -> Sample:
+    ids = row_ids.tolist()
+    return next(s for s in samples if ids[: len(s.completion_ids)] == s.completion_ids)
+
+
+def test_is_ratio_is_truncated_exp_of_train_minus_captured(tiny_train_model, captured_samples, tmp_path, monkeypatch):
+    path, train_logps, samples = perturbed_samples(tiny_train_model, captured_samples, tmp_path / "data")
+    seen = captured_batches(monkeypatch)
+    prepared = prepare_round(Store(tmp_path / "db"), tmp_path / "run", 1,
+                             options(tiny_train_model, is_mode="token_truncate", is_max=2.0), data=path)
+    prepared.trainer.train()
+    out = seen[0]
+    checked = 0
+    for i in range(out["completion_ids"].shape[0]):
+        s = match(out["completion_ids"][i], samples)
+        n = len(s.completion_ids)
+        ratio = out["importance_sampling_ratio"][i, :n]
+        expected = torch.exp(train_logps[s.sample_id] - torch.tensor(s.logprobs)).clamp(max=2.0)
+        mask = torch.tensor(s.env_mask, dtype=torch.bool)
+        torch.testing.assert_close(ratio[mask], expected[mask], atol=2e-4, rtol=2e-4)
+        assert torch.all(ratio[~mask] == 1.0)  # env tokens: no correction, and no loss (tool_mask 0)
+        assert torch.all(out["tool_mask"][i, :n][~mask] == 0)
+        checked += int(mask.sum())
+    assert checked > 20
+    assert (ratio == 2.0).any()  # the -1.0 shift was truncated at the cap
+
+
+def test_token_mask_mode_drops_rejected_tokens_from_the_denominator(tiny_train_model, captured_samples, tmp_path, monkeypatch):
+    path, train_logps, samples = perturbed_samples(tiny_train_model, captured_samples, tmp_path / "data")
+    seen = captured_batches(monkeypatch)
+    prepared = prepare_round(Store(tmp_path / "db"), tmp_path / "run", 1,
+                             options(tiny_train_model, is_mode="token_mask", is_max=2.0), data=path)
+    prepared.trainer.train()
+    out = seen[0]
+    rejected = 0
+    for i in range(out["completion_ids"].shape[0]):
+        s = match(out["completion_ids"][i], samples)
+        n = len(s.completion_ids)
+        ratio = torch.exp(train_logps[s.sample_id] - torch.tensor(s.logprobs))
+        mask = torch.tensor(s.env_mask, dtype=torch.bool)
+        keep = mask & (ratio <= 2.0)
+        assert torch.equal(out["tool_mask"][i, :n].bool(), keep)
+        rejected += int((mask & ~keep).sum())
+    assert rejected > 0
+    assert int(out["num_items_in_batch"]) == int((out["completion_mask"] * out["tool_mask"]).sum())
+
+
+def test_without_correction_no_ratio(tiny_train_model, captured_samples, tmp_path, monkeypatch):
+    seen = captured_batches(monkeypatch)
+    prepared = prepare_round(Store(tmp_path / "db"), tmp_path / "run", 1,
+                             options(tiny_train_model, is_correction=False), data=captured_samples)
+    prepared.trainer.train()
+    assert "importance_sampling_ratio" not in seen[0]
+
+
+def sample(gid: str, k: int, deployment: str = "r1", reward: float = 0.0) -> Sample:
+    return Sample(sample_id=f"{gid}-{k}", group_id=gid, prompt_ids=[1, 2], completion_ids=[3, 4], logprobs=[-1.0, -1.0],
+                  env_mask=[1, 1], reward=reward, advantage=reward - 0.5, deployment=deployment)
+
+
+def test_groups_pad_short_groups_and_drop_or_keep_stale():
+    samples = [sample("a", k, reward=k % 2) for k in range(4)] + [sample("b", 0, "r0"), sample("b", 1), sample("b", 2, "r0"), sample("c", 0)]
+    groups = make_groups(samples, stale="correct", current="r1")
+    assert groups.size == 4 and set(groups.groups) == {"a", "b"} and groups.dropped_small == 1
+    padded = [s for s in groups.groups["b"] if s.padding]
+    assert len(padded) == 1 and padded[0].advantage == 0.0 and set(padded[0].env_mask) == {0}
+
+    dropped = make_groups(samples, stale="drop", current="r1")
+    assert dropped.dropped_stale == 2 and set(dropped.groups) == {"a"}  # b keeps one sample: no signal
+    assert math.isclose(dropped.mean_reward(), 0.5)

@@ -1,0 +1,294 @@
+"""One GRPO round on captured samples: `lcap train --round N --run RUN`.
+
+Layout of a run folder, one sub-folder per round:
+
+    RUN/run.json                  base model and the options the run was started with
+    RUN/round-N/data/             the dataset this round trained on (samples.parquet, from build_dataset)
+    RUN/round-N/adapter/          the LoRA adapter (default) or RUN/round-N/checkpoint/ (--full)
+    RUN/round-N/config.json       every option, resolved paths, library versions
+    RUN/round-N/trainer/runs/     TRL's tensorboard logs (offline)
+
+Each round continues the policy of the round before it (its adapter or checkpoint), so round N's
+output is exactly what `lcap deploy` serves for round N+1's collection.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lcap.config import LcapError
+
+TRAIN_RUNS_COLUMNS = (
+    "run", "round", "started_at", "ended_at", "base_model", "init_from", "output", "kind", "n_samples", "n_groups",
+    "group_size", "dropped_stale", "padded", "mean_reward", "loss", "kl", "is_ratio_mean", "is_ratio_min",
+    "is_ratio_max", "clip_fraction", "entropy", "tokens", "train_seconds", "tokens_per_s", "steps", "config",
+)
+
+
+@dataclass
+class TrainOptions:
+    """Every knob of a round; the CLI maps its flags one to one onto these fields."""
+
+    base_model: str | None = None          # HF path or name; default: RUN/run.json, else the policy server's base
+    full: bool = False                     # full fine-tuning instead of LoRA
+    loss_type: str = "dapo"                # TRL loss: grpo | dapo | dr_grpo | bnpo | cispo | sapo | luspo
+    learning_rate: float = 1e-5
+    beta: float = 0.0                      # KL coefficient against the base (0: no reference forward)
+    epochs: float = 1.0
+    batch_size: int = 0                    # samples per optimiser step; 0: two groups; rounded up to whole groups
+    grad_accum: int = 1
+    num_iterations: int = 1                # PPO-style updates per captured batch (TRL's mu)
+    max_steps: int = -1
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    group_size: int | None = None          # default: the largest captured group
+    stale: str = "correct"                 # samples from an older deployment: correct (IS) | drop
+    current: str | None = None             # the deployment being trained (default: the policy record's current)
+    is_correction: bool = True
+    is_mode: str = "token_truncate"        # TRL vllm_importance_sampling_mode
+    is_max: float | None = 2.0
+    is_min: float | None = None
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_target: str = "all-linear"
+    seed: int = 0
+    report_to: str = "tensorboard"
+    logging_steps: int = 1
+    accelerate_config: str | None = None
+
+
+@dataclass
+class TrainResult:
+    round: int
+    output: Path
+    kind: str
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def round_dir(run: Path, round: int) -> Path:
+    return Path(run) / f"round-{round}"
+
+
+def round_output(run: Path, round: int) -> Path | None:
+    """The adapter or checkpoint a finished round left, or None."""
+    for name in ("adapter", "checkpoint"):
+        path = round_dir(run, round) / name
+        if (path / "adapter_config.json").exists() or (path / "config.json").exists():
+            return path
+    return None
+
+
+def resolve_base_model(run: Path, base_model: str | None) -> str:
+    """The run's base model: the flag, else RUN/run.json, else the policy server's; recorded in RUN/run.json."""
+    run_json = Path(run) / "run.json"
+    recorded = json.loads(run_json.read_text()) if run_json.exists() else {}
+    if base_model is None:
+        base_model = recorded.get("base_model")
+    if base_model is None:
+        from lcap.policy import read_policy
+
+        policy = read_policy()
+        base_model = policy.base_model if policy else None
+    if base_model is None:
+        raise LcapError("no base model: pass --model, or start the policy server (`lcap serve`) first")
+    if recorded.get("base_model") not in (None, base_model):
+        raise LcapError(f"run {run} was started on {recorded['base_model']}, not {base_model}")
+    if not recorded:
+        run_json.parent.mkdir(parents=True, exist_ok=True)
+        run_json.write_text(json.dumps({"base_model": base_model}, indent=2))
+    return base_model
+
+
+def ensure_dataset(store, run: Path, round: int, data: Path | None) -> Path:
+    """The samples file this round trains on: --data, else RUN/round-N/data, built from the store if missing."""
+    if data is not None:
+        path = Path(data)
+        return path if path.suffix == ".parquet" else path / "samples.parquet"
+    out = round_dir(run, round) / "data"
+    if not (out / "samples.parquet").exists():
+        from lcap.dataset.build import build_dataset
+
+        build_dataset(store, round=round, out=out)
+    return out / "samples.parquet"
+
+
+def accelerate_command(config: str, argv: list[str]) -> list[str]:
+    """The `accelerate launch` command that reruns `lcap train ARGV` on every process of CONFIG."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "-m", "lcap.train.grpo", *argv]
+
+
+@dataclass
+class PreparedRound:
+    trainer: Any
+    groups: Any
+    base_model: str
+    init_from: Path | None
+    kind: str
+    samples_path: Path
+    current: str | None
+    batch: int
+
+
+def prepare_round(store, run: Path, round: int, options: TrainOptions = TrainOptions(), *, data: Path | None = None) -> PreparedRound:
+    """Everything up to `trainer.train()`: the samples as groups, the policy, the TRL trainer."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig
+
+    from lcap.train.samples import make_groups, read_samples
+    from lcap.train.trainer import CapturedGRPOTrainer, captured_advantage, captured_rollout
+
+    run = Path(run)
+    base_model = resolve_base_model(run, options.base_model)
+    samples_path = ensure_dataset(store, run, round, data)
+    current = options.current
+    if current is None:
+        from lcap.policy import read_policy
+
+        policy = read_policy()
+        current = policy.current if policy else None
+    groups = make_groups(read_samples(samples_path), group_size=options.group_size, stale=options.stale, current=current)
+    if not groups.groups:
+        raise LcapError(f"round {round}: no group with two or more usable samples in {samples_path}")
+    size = groups.size
+    batch = options.batch_size or 2 * size
+    batch = max(size, math.ceil(batch / size) * size)
+
+    on_gpu = torch.cuda.is_available()
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    init_from = round_output(run, round - 1) if round > 1 else None
+    out_dir = round_dir(run, round)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(base_model)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model, peft_config, kind = _load_policy(base_model, init_from, options, dtype)
+
+    args = GRPOConfig(
+        output_dir=str(out_dir / "trainer"),
+        use_cpu=not on_gpu, bf16=on_gpu,
+        learning_rate=options.learning_rate, beta=options.beta, loss_type=options.loss_type,
+        num_train_epochs=options.epochs, max_steps=options.max_steps,
+        per_device_train_batch_size=batch, gradient_accumulation_steps=options.grad_accum,
+        num_generations=size, num_iterations=options.num_iterations,
+        epsilon=options.epsilon, epsilon_high=options.epsilon_high,
+        scale_rewards="none",
+        vllm_importance_sampling_correction=options.is_correction,
+        vllm_importance_sampling_mode=options.is_mode,
+        vllm_importance_sampling_clip_max=options.is_max, vllm_importance_sampling_clip_min=options.is_min,
+        max_completion_length=max(len(s.completion_ids) for s in groups.samples),
+        report_to=options.report_to, logging_steps=options.logging_steps, save_strategy="no",
+        seed=options.seed, shuffle_dataset=True, log_completions=False, remove_unused_columns=False,
+        dataloader_num_workers=0, disable_tqdm=True,
+    )
+    trainer = CapturedGRPOTrainer(
+        model=model, reward_funcs=[captured_advantage], args=args,
+        train_dataset=Dataset.from_dict({"prompt": list(groups.groups)}), processing_class=tokenizer,
+        peft_config=peft_config, rollout_func=captured_rollout(groups), off_policy_correction=options.is_correction,
+    )
+    return PreparedRound(trainer=trainer, groups=groups, base_model=base_model, init_from=init_from, kind=kind,
+                         samples_path=samples_path, current=current, batch=batch)
+
+
+def train_round(store, run: Path, round: int, options: TrainOptions = TrainOptions(), *, data: Path | None = None) -> TrainResult:
+    """Train round `round` on its captured samples; write the adapter/checkpoint, config and metrics."""
+    import torch
+
+    from lcap.store import now
+
+    run = Path(run)
+    started_at = now()
+    p = prepare_round(store, run, round, options, data=data)
+    trainer, groups, kind = p.trainer, p.groups, p.kind
+    out_dir = round_dir(run, round)
+    t0 = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - t0
+    output = out_dir / ("checkpoint" if kind == "full" else "adapter")
+    trainer.save_model(str(output))
+    if kind == "full":
+        trainer.processing_class.save_pretrained(str(output))
+
+    tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in groups.samples)
+    passes = trainer.state.global_step * p.batch * trainer.args.gradient_accumulation_steps / max(len(groups.samples), 1)
+    metrics = _round_metrics(trainer.state.log_history)
+    metrics.update(
+        n_samples=len(groups.real_samples), n_groups=len(groups.groups), group_size=groups.size,
+        dropped_stale=groups.dropped_stale, padded=groups.padded, mean_reward=groups.mean_reward(),
+        tokens=int(tokens * passes), train_seconds=seconds, tokens_per_s=tokens * passes / seconds if seconds else None,
+        steps=trainer.state.global_step,
+    )
+    config = {
+        "round": round, "base_model": p.base_model, "init_from": str(p.init_from) if p.init_from else None,
+        "output": str(output), "kind": kind, "samples": str(p.samples_path), "current": p.current,
+        "options": asdict(options), "trl": _version("trl"), "transformers": _version("transformers"),
+        "peft": _version("peft"), "torch": torch.__version__, "device": str(trainer.accelerator.device),
+    }
+    if trainer.accelerator.is_main_process:
+        (out_dir / "config.json").write_text(json.dumps({**config, "metrics": metrics}, indent=2, default=str))
+        row = {"run": str(run.resolve()), "round": round, "started_at": started_at, "ended_at": now(),
+               "base_model": p.base_model, "init_from": config["init_from"], "output": str(output), "kind": kind,
+               "config": json.dumps(config, default=str)}
+        row.update({k: metrics.get(k) for k in TRAIN_RUNS_COLUMNS if k in metrics})
+        store.append("train_runs", [row])
+    return TrainResult(round=round, output=output, kind=kind, metrics=metrics)
+
+
+def _load_policy(base_model: str, init_from: Path | None, options: TrainOptions, dtype):
+    """The model to train: the previous round's policy when there is one, else the base."""
+    from transformers import AutoModelForCausalLM
+
+    if options.full:
+        source = str(init_from) if init_from and init_from.name == "checkpoint" else base_model
+        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype), None, "full"
+    from peft import LoraConfig, PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype)
+    if init_from is not None and init_from.name == "adapter":
+        return PeftModel.from_pretrained(base, str(init_from), is_trainable=True), None, "lora"
+    config = LoraConfig(r=options.lora_r, lora_alpha=options.lora_alpha, lora_dropout=0.0,
+                        target_modules=options.lora_target, task_type="CAUSAL_LM")
+    return base, config, "lora"
+
+
+def _round_metrics(history: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Average TRL's per-step logs into one row: loss, KL, IS ratio, clip fraction, entropy."""
+    keys = {
+        "loss": "loss", "kl": "kl", "entropy": "entropy", "clip_fraction": "clip_ratio/region_mean",
+        "is_ratio_mean": "sampling/importance_sampling_ratio/mean",
+        "is_ratio_min": "sampling/importance_sampling_ratio/min", "is_ratio_max": "sampling/importance_sampling_ratio/max",
+    }
+    out: dict[str, float | None] = {}
+    for name, key in keys.items():
+        values = [h[key] for h in history if key in h and h[key] is not None and not math.isnan(h[key])]
+        if not values:
+            out[name] = None
+        elif name == "is_ratio_min":
+            out[name] = min(values)
+        elif name == "is_ratio_max":
+            out[name] = max(values)
+        else:
+            out[name] = sum(values) / len(values)
+    return out
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":  # `accelerate launch -m lcap.train.grpo train ...` (see accelerate_command)
+    from lcap.cli import app
+
+    app()

@@ -1,0 +1,113 @@
+"""TRL's GRPOTrainer, fed with captured samples instead of generating its own.
+
+Two small, named departures from stock TRL, each tested:
+
+1. `captured_rollout`: a `rollout_func` that returns, for each dataset row (one row = one GRPO
+   group), the samples the proxy captured for that group: prompt ids, completion ids, the
+   behaviour logprobs vLLM reported when it served them, and the env mask (0 at tool/env tokens).
+   It never generates.
+2. `CapturedGRPOTrainer.use_vllm`: TRL applies its importance-sampling correction
+   (`vllm_importance_sampling_*`: truncated or masked IS, token or sequence level) only when it
+   generated with vLLM itself. Captured samples were served by vLLM too, by a deployment that may
+   be older than the weights being trained, so the correction must apply to them: the trainer
+   reports `use_vllm` true everywhere TRL asks about the correction, and false while generating
+   (so TRL never tries to sync weights into a vLLM it does not own). In the `*_mask` modes the
+   tokens whose ratio is rejected also leave the loss denominator (their loss mask becomes 0),
+   the same way env tokens do.
+
+Advantages: the reward function hands TRL the advantage the episode builder computed (one
+definition of advantage for the whole product: the builder's group normalisation, its filters and
+its handling of short groups) and TRL runs with `scale_rewards="none"`, so its own group centring
+is a no-op on already-centred values (padding members carry 0 and no loss).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is the documented way in; no warning per round
+from trl import GRPOTrainer  # noqa: E402
+
+from lcap.train.samples import Groups
+
+
+def captured_rollout(groups: Groups):
+    """Build the `rollout_func` that serves `groups` to TRL; dataset prompts are group ids.
+
+    TRL passes the per-process prompt list with each row repeated `num_generations` times in a
+    row; the k-th repeat of a group id gets the group's k-th sample.
+    """
+
+    def rollout(prompts: list[Any], trainer: GRPOTrainer) -> dict[str, list]:
+        out: dict[str, list] = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask", "advantage", "captured_reward", "padding")}
+        seen: dict[str, int] = {}
+        for prompt in prompts:
+            gid = _group_id(prompt)
+            members = groups.groups[gid]
+            k = seen.get(gid, 0)
+            seen[gid] = k + 1
+            s = members[k % len(members)]
+            out["prompt_ids"].append(list(s.prompt_ids))
+            out["completion_ids"].append(list(s.completion_ids))
+            out["logprobs"].append(list(s.logprobs))
+            out["env_mask"].append(list(s.env_mask))
+            out["advantage"].append(s.advantage)
+            out["captured_reward"].append(s.reward)
+            out["padding"].append(s.padding)
+        return out
+
+    return rollout
+
+
+def captured_advantage(prompts, completions, advantage, **kwargs) -> list[float]:
+    """Reward function: the builder's advantage for each captured sample (see module docstring)."""
+    return [float(a) for a in advantage]
+
+
+def _group_id(prompt: Any) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):  # conversational form
+        return str(prompt[-1]["content"])
+    raise ValueError(f"unexpected GRPO prompt {prompt!r}: dataset prompts must be group ids")
+
+
+class CapturedGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer whose importance-sampling correction runs against the captured behaviour logprobs."""
+
+    def __init__(self, *args, off_policy_correction: bool = True, **kwargs) -> None:
+        self._is_correction = False  # TRL's __init__ must see use_vllm=False (it would start its own vLLM)
+        self._generating = False
+        super().__init__(*args, **kwargs)
+        self._is_correction = off_policy_correction and self.vllm_importance_sampling_correction
+
+    @property
+    def use_vllm(self) -> bool:
+        return self._is_correction and not self._generating
+
+    @use_vllm.setter
+    def use_vllm(self, value: bool) -> None:
+        if value:
+            raise ValueError("CapturedGRPOTrainer trains on captured samples: it never generates with vLLM")
+
+    def _generate(self, prompts: list):
+        self._generating = True
+        try:
+            return super()._generate(prompts)
+        finally:
+            self._generating = False
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        output = super()._generate_and_score_completions(inputs)
+        ratio = output.get("importance_sampling_ratio")
+        if ratio is not None and self.vllm_importance_sampling_mode.endswith("_mask"):
+            # Rejected tokens (ratio set to 0) leave the denominator too, not only the numerator.
+            keep = (ratio > 0).to(output["completion_mask"].dtype).expand_as(output["completion_mask"])
+            tool_mask = output.get("tool_mask", torch.ones_like(output["completion_mask"]))
+            output["tool_mask"] = tool_mask * keep
+            loss_mask = output["completion_mask"] * output["tool_mask"]
+            output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+        return output
