@@ -1,1 +1,378 @@
-"""Fixtures of the capture tests."""
+"""Fixtures of the capture tests: a real local LLM server, an isolated lcap home, helpers to run agents.
+
+`FakeLLM` is a real HTTP/1.1 server on 127.0.0.1 that speaks OpenAI chat completions, legacy
+completions, Responses and Anthropic Messages, streamed (SSE) and not. It stands in for the
+hosted APIs, which this machine cannot reach; the agents still call their real default hosts
+(api.openai.com, ...) through `lcap proxy --upstream`, so the whole capture path is real. It
+records every request it receives and can answer like vLLM (prompt_token_ids, token_ids,
+logprobs when asked with return_token_ids).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+AGENTS = Path(__file__).resolve().parent / "agents_capture"
+LCAP = str(REPO / ".venv" / "bin" / "lcap") if (REPO / ".venv" / "bin" / "lcap").exists() else shutil.which("lcap")
+SECRET = "sk-test-SECRET-do-not-store-0123456789abcdef"
+ANTHROPIC_SECRET = "sk-ant-api03-SECRET-do-not-store-abcdef0123456789"
+
+
+class FakeLLM(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, *, vllm: bool = False) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.vllm = vllm
+        self.requests: list[dict] = []
+        self.text = "Hello from the upstream."
+        self.tool_call: dict | None = None      # {"name": ..., "arguments": {...}} answers with a tool call
+        self.fail: tuple[int, dict] | None = None
+        self.gzip = False
+        self.gate: threading.Event | None = None  # streams pause after the first chunk until set
+        self.chunk_delay = 0.0
+        self.thread = threading.Thread(target=self.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def calls(self, path_suffix: str = "") -> list[dict]:
+        return [r for r in self.requests if r["path"].split("?")[0].endswith(path_suffix) and r["method"] == "POST"]
+
+    def reset(self) -> None:
+        self.requests.clear()
+        self.text, self.tool_call, self.fail, self.gzip, self.gate, self.chunk_delay = \
+            "Hello from the upstream.", None, None, False, None, 0.0
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: FakeLLM
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self.server.requests.append({"method": "GET", "path": self.path, "headers": dict(self.headers), "body": None})
+        if self.path.rstrip("/").endswith("/models"):
+            owner = "vllm" if self.server.vllm else "openai"
+            self._json(200, {"object": "list", "data": [{"id": "fake-model", "object": "model", "owned_by": owner}]})
+        else:
+            self._json(404, {"error": {"message": "not found"}})
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("content-length") or 0)
+        raw = self.rfile.read(length)
+        if self.headers.get("content-encoding") == "gzip":
+            raw = gzip.decompress(raw)
+        try:
+            body = json.loads(raw) if raw else None
+        except ValueError:
+            body = raw.decode("utf-8", "replace")
+        self.server.requests.append({"method": "POST", "path": self.path, "headers": dict(self.headers), "body": body})
+        path = self.path.split("?")[0].rstrip("/")
+        if self.server.fail is not None:
+            status, payload = self.server.fail
+            return self._json(status, payload)
+        if not isinstance(body, dict):
+            return self._json(200, {"ok": True})  # side traffic (telemetry, ...)
+        stream = bool(body.get("stream"))
+        if path.endswith("/chat/completions"):
+            return self._sse(_chat_events(self.server, body)) if stream else self._json(200, _chat(self.server, body))
+        if path.endswith("/completions"):
+            return self._sse(_completion_events(self.server, body)) if stream else self._json(200, _completion(self.server, body))
+        if path.endswith("/responses"):
+            return self._sse(_responses_events(self.server, body), named=True) if stream else self._json(200, _response(self.server, body))
+        if path.endswith("/messages"):
+            return self._sse(_messages_events(self.server, body), named=True) if stream else self._json(200, _message(self.server, body))
+        return self._json(200, {"ok": True})
+
+    def _json(self, status: int, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        if self.server.gzip:
+            data = gzip.compress(data)
+            self.send_header("content-encoding", "gzip")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _sse(self, events: list[dict], named: bool = False) -> None:
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("cache-control", "no-cache")
+        self.send_header("connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        for i, event in enumerate(events):
+            head = f"event: {event['type']}\n" if named else ""
+            self.wfile.write(f"{head}data: {json.dumps(event)}\n\n".encode())
+            self.wfile.flush()
+            if i == 0 and self.server.gate is not None:
+                self.server.gate.wait(30)
+            if self.server.chunk_delay:
+                time.sleep(self.server.chunk_delay)
+        if not named:
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+
+
+# --- answers --------------------------------------------------------------------------------------
+# Token ids are deterministic functions of the text, so tests can check what was stored.
+
+def fake_ids(text: str) -> list[int]:
+    return [ord(c) % 1000 for c in text]
+
+
+def _words(text: str) -> list[str]:
+    words = text.split(" ")
+    return [w + (" " if i < len(words) - 1 else "") for i, w in enumerate(words)]
+
+
+def _wants_ids(server: FakeLLM, body: dict) -> bool:
+    return server.vllm and bool(body.get("return_token_ids"))
+
+
+def _prompt_text(body: dict) -> str:
+    return json.dumps(body.get("messages") or body.get("prompt") or body.get("input"))
+
+
+def _chat(server: FakeLLM, body: dict) -> dict:
+    message: dict = {"role": "assistant", "content": server.text}
+    finish = "stop"
+    if server.tool_call:
+        message = {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": server.tool_call["name"], "arguments": json.dumps(server.tool_call["arguments"])}}]}
+        finish = "tool_calls"
+    choice: dict = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+    out = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": body.get("model"),
+           "choices": [choice], "usage": {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}}
+    if _wants_ids(server, body):
+        out["prompt_token_ids"] = fake_ids(_prompt_text(body))
+        choice["token_ids"] = fake_ids(server.text)
+        if body.get("logprobs"):
+            choice["logprobs"] = {"content": [{"token": c, "logprob": -0.5, "bytes": None, "top_logprobs": []} for c in server.text]}
+    return out
+
+
+def _chat_events(server: FakeLLM, body: dict) -> list[dict]:
+    base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": body.get("model")}
+    ids = _wants_ids(server, body)
+    events = [{**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}]
+    if ids:
+        events[0]["prompt_token_ids"] = fake_ids(_prompt_text(body))
+    if server.tool_call:
+        args = json.dumps(server.tool_call["arguments"])
+        half = len(args) // 2
+        events.append({**base, "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                       "function": {"name": server.tool_call["name"], "arguments": args[:half]}}]}, "finish_reason": None}]})
+        events.append({**base, "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": args[half:]}}]},
+                       "finish_reason": None}]})
+        events.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+    else:
+        for word in _words(server.text):
+            choice: dict = {"index": 0, "delta": {"content": word}, "finish_reason": None}
+            if ids:
+                choice["token_ids"] = fake_ids(word)
+                if body.get("logprobs"):
+                    choice["logprobs"] = {"content": [{"token": c, "logprob": -0.5, "bytes": None, "top_logprobs": []} for c in word]}
+            events.append({**base, "choices": [choice]})
+        events.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    if (body.get("stream_options") or {}).get("include_usage"):
+        events.append({**base, "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}})
+    return events
+
+
+def _completion(server: FakeLLM, body: dict) -> dict:
+    choice: dict = {"index": 0, "text": server.text, "finish_reason": "stop", "logprobs": None}
+    if _wants_ids(server, body):
+        choice["prompt_token_ids"] = fake_ids(_prompt_text(body))
+        choice["token_ids"] = fake_ids(server.text)
+        choice["logprobs"] = {"tokens": list(server.text), "token_logprobs": [-0.25] * len(server.text)}
+    return {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": body.get("model"), "choices": [choice],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}}
+
+
+def _completion_events(server: FakeLLM, body: dict) -> list[dict]:
+    return [{"id": "cmpl-1", "object": "text_completion", "created": 1, "model": body.get("model"),
+             "choices": [{"index": 0, "text": word, "finish_reason": None}]} for word in _words(server.text)] + [
+        {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": body.get("model"),
+         "choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}]
+
+
+def _response(server: FakeLLM, body: dict) -> dict:
+    if server.tool_call:
+        output = [{"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": server.tool_call["name"],
+                   "arguments": json.dumps(server.tool_call["arguments"]), "status": "completed"}]
+    else:
+        output = [{"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+                   "content": [{"type": "output_text", "text": server.text, "annotations": []}]}]
+    out = {"id": "resp_1", "object": "response", "created_at": 1, "model": body.get("model"), "status": "completed",
+           "output": output, "usage": {"input_tokens": 9, "output_tokens": 4, "total_tokens": 13}}
+    if server.vllm and body.get("enable_response_messages"):
+        out["input_messages"] = [{"message": "prompt", "tokens": fake_ids(_prompt_text(body))}]
+        out["output_messages"] = [{"message": server.text, "tokens": fake_ids(server.text)}]
+    return out
+
+
+def _responses_events(server: FakeLLM, body: dict) -> list[dict]:
+    final = _response(server, body)
+    created = {k: v for k, v in final.items() if k not in ("input_messages", "output_messages")}
+    events = [{"type": "response.created", "sequence_number": 0, "response": {**created, "status": "in_progress", "output": []}}]
+    for word in _words(server.text):
+        events.append({"type": "response.output_text.delta", "sequence_number": len(events), "item_id": "msg_1",
+                       "output_index": 0, "content_index": 0, "delta": word})
+    events.append({"type": "response.completed", "sequence_number": len(events), "response": final})
+    return events
+
+
+def _message(server: FakeLLM, body: dict) -> dict:
+    if server.tool_call:
+        content = [{"type": "tool_use", "id": "toolu_1", "name": server.tool_call["name"], "input": server.tool_call["arguments"]}]
+        stop = "tool_use"
+    else:
+        content, stop = [{"type": "text", "text": server.text}], "end_turn"
+    return {"id": "msg_1", "type": "message", "role": "assistant", "model": body.get("model"), "content": content,
+            "stop_reason": stop, "stop_sequence": None, "usage": {"input_tokens": 11, "output_tokens": 6}}
+
+
+def _messages_events(server: FakeLLM, body: dict) -> list[dict]:
+    start = {"id": "msg_1", "type": "message", "role": "assistant", "model": body.get("model"), "content": [],
+             "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 11, "output_tokens": 1}}
+    events = [{"type": "message_start", "message": start}]
+    if server.tool_call:
+        args = json.dumps(server.tool_call["arguments"])
+        events += [
+            {"type": "content_block_start", "index": 0, "content_block": {"type": "tool_use", "id": "toolu_1",
+                                                                           "name": server.tool_call["name"], "input": {}}},
+            {"type": "content_block_delta", "index": 0, "delta": {"type": "input_json_delta", "partial_json": args[:5]}},
+            {"type": "content_block_delta", "index": 0, "delta": {"type": "input_json_delta", "partial_json": args[5:]}},
+            {"type": "content_block_stop", "index": 0},
+        ]
+        stop = "tool_use"
+    else:
+        events.append({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
+        events += [{"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": w}} for w in _words(server.text)]
+        events.append({"type": "content_block_stop", "index": 0})
+        stop = "end_turn"
+    events += [{"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None}, "usage": {"output_tokens": 6}},
+               {"type": "message_stop"}]
+    return events
+
+
+# --- fixtures -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def capture_home(tmp_path_factory) -> Path:
+    """An lcap home of the capture tests' own (CA, spool), shared by the whole session."""
+    return tmp_path_factory.mktemp("lcap-home")
+
+
+@pytest.fixture
+def capture_env(capture_home, tmp_path, monkeypatch) -> dict[str, str]:
+    """Environment for `lcap` child processes: isolated home, a fresh store, the test node modules."""
+    monkeypatch.setenv("LCAP_HOME", str(capture_home))
+    env = dict(os.environ)
+    env["LCAP_HOME"] = str(capture_home)
+    env["LCAP_DB"] = str(tmp_path / "lcap.duckdb")
+    env["LCAP_NODE_DIR"] = str(node_cache_dir())
+    env["PYTHONUNBUFFERED"] = "1"
+    for name in ("OPENAI_BASE_URL", "ANTHROPIC_BASE_URL", "NO_PROXY", "no_proxy"):
+        env.pop(name, None)
+    env["OPENAI_API_KEY"] = SECRET
+    env["ANTHROPIC_API_KEY"] = ANTHROPIC_SECRET
+    return env
+
+
+@pytest.fixture(scope="session")
+def fake_llm():
+    server = FakeLLM()
+    server.thread.start()
+    yield server
+    server.shutdown()
+
+
+@pytest.fixture
+def llm(fake_llm) -> FakeLLM:
+    fake_llm.reset()
+    fake_llm.vllm = False
+    return fake_llm
+
+
+def node_cache_dir() -> Path:
+    """npm packages for tests (undici for the preload, the openai SDK), cached across runs."""
+    return Path(os.environ.get("LCAP_TEST_NODE_DIR") or Path.home() / ".cache" / "lcap-test-node")
+
+
+@pytest.fixture(scope="session")
+def node_modules() -> Path:
+    """Install the preload's undici and the openai Node SDK once (skip only if npm cannot)."""
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("node/npm are not installed")
+    target = node_cache_dir()
+    env = {**os.environ, "LCAP_NODE_DIR": str(target)}
+    setup = subprocess.run([LCAP, "setup", "node"], env=env, capture_output=True, text=True)
+    if not (target / "node_modules" / "undici").exists():
+        pytest.skip(f"npm could not install undici: {setup.stdout} {setup.stderr}")
+    if not (target / "node_modules" / "openai").exists():
+        result = subprocess.run(["npm", "install", "--prefix", str(target), "--no-audit", "--no-fund", "--loglevel=error",
+                                 "openai@4.104.0"], capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            pytest.skip(f"npm could not install the openai SDK: {result.stderr.strip()[-300:]}")
+    return target / "node_modules"
+
+
+def run_lcap(args: list[str], env: dict[str, str], *, timeout: float = 60, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([LCAP, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def agent(name: str) -> list[str]:
+    """argv of a test agent script run by the project's Python."""
+    return [sys.executable, str(AGENTS / name)]
+
+
+def turns(db: str | Path, where: str = "true") -> list[dict]:
+    """Stored turns as dicts, in (episode, seq) order."""
+    import duckdb
+
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        cur = con.execute(f"SELECT * FROM turns WHERE {where} ORDER BY episode_id, seq, started_at")
+        cols = [d[0] for d in cur.description]
+        rows = [dict(zip(cols, row)) for row in cur.fetchall()]
+    finally:
+        con.close()
+    for row in rows:
+        for col in ("request", "response", "tool_calls"):
+            if isinstance(row[col], str):
+                row[col] = json.loads(row[col])
+    return rows
+
+
+def store_text(db: str | Path) -> str:
+    """Every value of every table, as text, plus the raw bytes of the file: for secret checks."""
+    import duckdb
+
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        parts = []
+        for (table,) in con.execute("SELECT table_name FROM information_schema.tables").fetchall():
+            parts.append(str(con.execute(f"SELECT * FROM {table}").fetchall()))
+    finally:
+        con.close()
+    return "\n".join(parts) + Path(db).read_bytes().decode("latin-1")

@@ -1,0 +1,58 @@
+"""Keep secrets out of the store: credentials never leave the request path.
+
+Headers are not stored at all. Bodies, paths and error texts go through `redact_*` before they
+are written: fields named like credentials lose their values, and anything shaped like a
+well-known API key or bearer token is replaced wherever it appears.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+from urllib.parse import parse_qsl, urlencode
+
+REDACTED = "[REDACTED]"
+
+# Header names that carry credentials; stripped from requests lcap reroutes to another host.
+CREDENTIAL_HEADERS = ("authorization", "x-api-key", "api-key", "cookie", "proxy-authorization",
+                      "x-goog-api-key", "openai-organization", "openai-project")
+
+_SECRET_KEYS = {"apikey", "xapikey", "key", "authorization", "password", "passwd", "secret", "clientsecret",
+                "accesstoken", "refreshtoken", "idtoken", "sessiontoken", "token", "bearer", "cookie",
+                "credentials", "privatekey"}
+_SECRET_QUERY_KEYS = _SECRET_KEYS | {"sig", "signature", "code", "auth"}
+_SECRET_VALUE = re.compile(
+    r"(?:sk-(?:ant-|proj-)?[A-Za-z0-9_\-]{12,}|Bearer\s+[A-Za-z0-9._\-~+/]{8,}=*"
+    r"|AIza[0-9A-Za-z_\-]{20,}|xox[abp]-[0-9A-Za-z\-]{10,}|gh[pousr]_[A-Za-z0-9]{20,})"
+)
+
+
+def _is_secret_key(key: str) -> bool:
+    norm = re.sub(r"[^a-z]", "", key.lower())
+    return norm in _SECRET_KEYS or norm.endswith("apikey") or norm.endswith("secret")
+
+
+def redact_json(value: Any) -> Any:
+    """A copy of a JSON value with credential fields blanked and key-shaped strings replaced."""
+    if isinstance(value, dict):
+        return {k: (REDACTED if _is_secret_key(k) and isinstance(v, str) else redact_json(v)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact_json(v) for v in value]
+    if isinstance(value, str):
+        return redact_text(value)
+    return value
+
+
+def redact_text(text: str | None) -> str | None:
+    if not text:
+        return text
+    return _SECRET_VALUE.sub(REDACTED, text)
+
+
+def redact_path(path: str) -> str:
+    """The path with the values of credential-like query parameters removed."""
+    base, sep, query = path.partition("?")
+    if not sep:
+        return path
+    pairs = [(k, REDACTED if _is_secret_key(k) or re.sub(r"[^a-z]", "", k.lower()) in _SECRET_QUERY_KEYS else redact_text(v)) for k, v in parse_qsl(query, keep_blank_values=True)]
+    return f"{base}?{urlencode(pairs, safe='[]')}"

@@ -1,0 +1,57 @@
+"""What `lcap proxy` does: one episode around one child command, or a long-running shared proxy."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+from lcap.capture.server import CaptureProxy, run_child
+from lcap.store import Store
+
+
+def _proxy(db: Path, upstream: str | None, model: str | None, token_ids: bool | None, host: str, port: int) -> CaptureProxy:
+    return CaptureProxy(Store(db), upstream=upstream, model=model, token_ids=token_ids, listen_host=host, listen_port=port)
+
+
+def run_proxy(command: list[str], *, labels: dict[str, str], episode: str | None, db: Path, upstream: str | None,
+              model: str | None, token_ids: bool | None, host: str, port: int) -> int:
+    """Run `command` as one episode behind a fresh proxy; return its exit code."""
+    proxy = _proxy(db, upstream, model, token_ids, host, port)
+    proxy.start()
+    episode_id = episode or str(uuid.uuid4())
+    store = proxy.store
+    status, code, error, seen = "failed", None, None, []
+    try:
+        store.start_episode(episode_id, command=shlex.join(command), cwd=os.getcwd(), labels=labels)
+        code = run_child(command, proxy.child_env(episode_id), signals_seen=seen)
+        status = "interrupted" if seen else ("ok" if code == 0 else "failed")
+    except BaseException as exc:
+        status, error = "error", str(exc) or exc.__class__.__name__
+        raise
+    finally:
+        proxy.stop()
+        store.end_episode(episode_id, status=status, exit_code=code, error=error)
+    return code
+
+
+def serve_proxy(*, db: Path, upstream: str | None, model: str | None, token_ids: bool | None, host: str, port: int) -> None:
+    """Serve until SIGINT/SIGTERM, then write every finished turn and exit."""
+    proxy = _proxy(db, upstream, model, token_ids, host, port)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    proxy.start()
+    print(f"lcap proxy listening on {proxy.url} (store {db}; token ids {'on' if proxy.token_ids else 'off'})", flush=True)
+    print(f"  clients: HTTPS_PROXY=http://EPISODE@{host}:{proxy.port}  SSL_CERT_FILE={proxy.child_env(None)['SSL_CERT_FILE']}",
+          flush=True)
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        proxy.stop()
+        print(f"lcap proxy stopped: {proxy.writer.written} turns written", file=sys.stderr, flush=True)

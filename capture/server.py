@@ -1,0 +1,334 @@
+"""The capture proxy: an embedded mitmproxy in its own thread, and the environment a child runs in.
+
+`CaptureProxy` is used by `lcap proxy` (one child, one episode) and by collect (one proxy, many
+concurrent episodes told apart by the proxy URL's credentials). Only the mitmproxy addons lcap
+needs are loaded (proxy server, layer selection, TLS), which keeps the per-call hook path short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shlex
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from urllib.parse import quote
+
+from lcap.capture.addon import CaptureAddon, Router, parse_upstream
+from lcap.capture.writer import TurnWriter
+from lcap.config import LcapError, lcap_home
+from lcap.store import Store
+
+log = logging.getLogger("lcap.capture")
+
+CA_BASENAME = "mitmproxy"
+PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
+CA_VARS = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS")
+# Hosts of hosted LLM APIs: a NO_PROXY entry covering them would let calls bypass capture.
+LLM_HOSTS = ("api.openai.com", "api.anthropic.com", "generativelanguage.googleapis.com", "openrouter.ai",
+             "api.mistral.ai", "api.groq.com", "api.together.xyz", "api.deepseek.com", "api.x.ai")
+
+
+# --- the certificate authority ------------------------------------------------------------------
+
+def ca_dir() -> Path:
+    return lcap_home() / "ca"
+
+
+def ensure_ca() -> Path:
+    """Create lcap's CA on first use (key 0600) and return the path of its certificate."""
+    from mitmproxy.certs import CertStore
+
+    directory = ca_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        CertStore.from_store(directory, CA_BASENAME, 2048)
+        key = directory / f"{CA_BASENAME}-ca.pem"
+        for secret in (key, directory / f"{CA_BASENAME}-ca.p12"):
+            if secret.exists():
+                secret.chmod(0o600)
+    except Exception as exc:
+        raise LcapError(f"bad CA dir {directory}: {exc}") from None
+    return directory / f"{CA_BASENAME}-ca-cert.pem"
+
+
+def _system_roots() -> str | None:
+    paths = ssl.get_default_verify_paths()
+    candidates = [paths.cafile, paths.openssl_cafile, "/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt"]
+    try:
+        import certifi
+
+        candidates.append(certifi.where())
+    except ImportError:
+        pass
+    return next((c for c in candidates if c and os.path.isfile(c)), None)
+
+
+def ca_bundle() -> Path:
+    """System roots plus lcap's CA in one file: children trust both the real internet and the proxy."""
+    cert = ensure_ca()
+    bundle = ca_dir() / "bundle.pem"
+    roots = _system_roots()
+    newest = max(cert.stat().st_mtime, os.path.getmtime(roots) if roots else 0)
+    if not bundle.exists() or bundle.stat().st_mtime < newest:
+        parts = [Path(roots).read_bytes().rstrip(b"\n") + b"\n"] if roots else []
+        parts.append(cert.read_bytes())
+        tmp = bundle.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(b"".join(parts))
+        tmp.replace(bundle)
+    return bundle
+
+
+# --- the proxy ----------------------------------------------------------------------------------
+
+def probe_models(base_url: str, timeout: float = 5.0) -> list[dict]:
+    """GET {upstream}/v1/models; LcapError when the upstream cannot be reached."""
+    import httpx
+
+    route = parse_upstream(base_url, None)
+    url = f"{route.scheme}://{route.host}:{route.port}{route.base_path or '/v1'}/models"
+    try:
+        resp = httpx.get(url, timeout=timeout, trust_env=False)
+    except httpx.HTTPError as exc:
+        raise LcapError(f"upstream {base_url} is unreachable: {exc.__class__.__name__}: {exc}") from None
+    try:
+        data = resp.json().get("data") or []
+    except ValueError:
+        data = []
+    return [m for m in data if isinstance(m, dict)]
+
+
+class CaptureProxy:
+    """An in-process mitmproxy that logs every LLM call passing through it as a turn in `store`."""
+
+    def __init__(self, store: Store, *, upstream: str | None = None, model: str | None = None,
+                 token_ids: bool | None = None, listen_host: str = "127.0.0.1", listen_port: int = 0) -> None:
+        self.store = store
+        self.upstream = upstream
+        self.model = model
+        self.token_ids = token_ids
+        self.listen_host = listen_host
+        self.listen_port = listen_port
+        self.port: int | None = None
+        self.writer = TurnWriter(store)
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._error: str | None = None
+        self._master = None
+        self._bundle: Path | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise LcapError("the capture proxy is not started")
+        return f"http://{self.listen_host}:{self.port}"
+
+    # --- start / stop ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Check the CA, the upstream and the port, then listen. Returns once the proxy accepts connections."""
+        self._bundle = ca_bundle()
+        self.token_ids = self._resolve_token_ids()
+        if self.listen_port:
+            _check_port_free(self.listen_host, self.listen_port)
+        router = Router(self.upstream, self.model)
+        addon = CaptureAddon(self.writer, router, token_ids=bool(self.token_ids),
+                             upstream_api_key=os.environ.get("LCAP_UPSTREAM_API_KEY"))
+        self.writer.start()
+        self._thread = threading.Thread(target=self._serve, args=(addon,), name="lcap-proxy", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(60) or self._error:
+            self.writer.stop()
+            raise LcapError(self._error or "the capture proxy did not start within 60 s")
+
+    def _resolve_token_ids(self) -> bool:
+        if self.upstream is None:
+            if self.token_ids:
+                raise LcapError("--token-ids needs --upstream (a vLLM server, or 'policy')")
+            return False
+        if self.upstream == "policy":
+            from lcap.policy import read_policy, record_path
+
+            record = read_policy()
+            if record is None:
+                raise LcapError(f"--upstream policy: no policy server record at {record_path()} (run `lcap serve`)")
+            probe_models(record.url)
+            return True if self.token_ids is None else self.token_ids
+        try:
+            parse_upstream(self.upstream, None)
+        except ValueError as exc:
+            raise LcapError(f"bad --upstream: {exc}") from None
+        models = probe_models(self.upstream)
+        if self.token_ids is None:
+            return any(m.get("owned_by") == "vllm" for m in models)
+        return self.token_ids
+
+    def _serve(self, addon: CaptureAddon) -> None:
+        try:
+            asyncio.run(self._main(addon))
+        except Exception as exc:  # start-up failures end here; later ones are logged by mitmproxy
+            self._error = self._error or f"capture proxy failed: {exc}"
+            self._ready.set()
+
+    async def _main(self, addon: CaptureAddon) -> None:
+        from mitmproxy import options
+        from mitmproxy.addons import next_layer, proxyserver, tlsconfig
+        from mitmproxy.master import Master
+        from mitmproxy.utils import asyncio_utils
+
+        opts = options.Options()
+        master = Master(opts)
+        master.addons.add(proxyserver.Proxyserver(), next_layer.NextLayer(), tlsconfig.TlsConfig(), addon)
+        opts.update(
+            confdir=str(ca_dir()), listen_host=self.listen_host, listen_port=self.listen_port, mode=["regular"],
+            connection_strategy="lazy", upstream_cert=False, stream_large_bodies=None,
+        )
+        self._master = master
+        server = master.addons.get("proxyserver")
+        with asyncio_utils.set_eager_task_factory():
+            if not await server.setup_servers():
+                self._error = f"cannot listen on {self.listen_host}:{self.listen_port} (port in use?)"
+                self._ready.set()
+                return
+            addrs = server.listen_addrs()
+            if not addrs:
+                self._error = f"cannot listen on {self.listen_host}:{self.listen_port}"
+                self._ready.set()
+                return
+            self.port = addrs[0][1]
+            await master.running()
+            self._ready.set()
+            try:
+                await master.should_exit.wait()
+            finally:
+                await server.servers.update([])
+                await master.done()
+
+    def stop(self) -> None:
+        """Stop accepting calls and write every finished turn to the store."""
+        if self._master is not None and self._thread is not None:
+            self._master.shutdown()
+            self._thread.join(10)
+        self._thread = None
+        self.writer.stop()
+
+    def __enter__(self) -> CaptureProxy:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # --- the child's environment -------------------------------------------------------------
+
+    def proxy_url(self, episode_id: str | None) -> str:
+        if not episode_id:
+            return self.url
+        return f"http://{quote(episode_id, safe='')}@{self.listen_host}:{self.port}"
+
+    def child_env(self, episode_id: str | None, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The full environment of a child whose LLM calls go through this proxy as `episode_id`."""
+        from lcap.capture.node_preload import node_options, preload_env
+
+        env = dict(os.environ if base is None else base)
+        proxy = self.proxy_url(episode_id)
+        for name in PROXY_VARS:
+            env[name] = proxy
+        for name in ("NO_PROXY", "no_proxy"):
+            if name in env:
+                env[name] = _no_proxy_without_llm_hosts(env[name])
+        bundle = str(self._bundle or ca_bundle())
+        for name in CA_VARS:
+            env[name] = bundle
+        env["NODE_OPTIONS"] = node_options(env.get("NODE_OPTIONS"))
+        env.update(preload_env())
+        env["LCAP_PROXY_URL"] = self.url
+        if episode_id:
+            env["LCAP_EPISODE_ID"] = episode_id
+        return env
+
+
+def _no_proxy_without_llm_hosts(value: str) -> str:
+    """NO_PROXY minus entries that would let LLM calls bypass the proxy (`*`, `.openai.com`, ...)."""
+    keep = []
+    for entry in (e.strip() for e in value.split(",")):
+        if not entry:
+            continue
+        bare = entry.lstrip("*").lstrip(".").split(":")[0].lower()
+        if entry == "*" or any(host == bare or host.endswith("." + bare) for host in LLM_HOSTS):
+            continue
+        keep.append(entry)
+    return ",".join(keep)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise LcapError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+# --- running a child ------------------------------------------------------------------------
+
+def run_child(argv: Sequence[str], env: Mapping[str, str], *, cwd: str | os.PathLike | None = None,
+              timeout: float | None = None, signals_seen: list[int] | None = None) -> int:
+    """Run `argv` with stdio passed through and return its exit code (128+N when killed by signal N).
+
+    SIGINT and SIGTERM sent to lcap reach the child (a Ctrl-C at a terminal already reaches the
+    whole foreground group, so it is not sent twice); lcap itself keeps running until the child
+    exits, so the caller can flush. `timeout` ends the child with SIGTERM (then SIGKILL) and
+    returns 124. Signal handlers are only installed from the main thread.
+    """
+    if not argv:
+        raise LcapError("no command to run (put it after --)")
+    try:
+        child = subprocess.Popen(list(argv), env=dict(env), cwd=cwd)
+    except OSError as exc:
+        raise LcapError(f"cannot run {shlex.join(argv)}: {exc.strerror or exc}") from None
+
+    def forward(signum, _frame):
+        if signals_seen is not None:
+            signals_seen.append(signum)
+        if signum == signal.SIGINT and _terminal_sent_it():
+            return
+        try:
+            child.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            previous[signum] = signal.signal(signum, forward)
+    try:
+        try:
+            code = child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            child.terminate()
+            try:
+                child.wait(5)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+            return 124
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return 128 - code if code < 0 else code
+
+
+def _terminal_sent_it() -> bool:
+    """True when lcap is in the foreground of a terminal: its SIGINT went to the child too."""
+    try:
+        return sys.stdin.isatty() and os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except OSError:
+        return False
