@@ -1,1 +1,88 @@
-"""Fixtures of the vllm tests."""
+"""The policy server every stage tests against: the tiny model on the real vLLM CPU server.
+
+`vllm_server` (session) makes the tiny model once, starts vLLM on it once (the slow part, ~30 s
+to minutes on a busy machine) with an isolated LCAP_HOME, and stops it when the session ends.
+Tests that use it are marked `@pytest.mark.vllm`. Deploy tests change the record's `current`:
+use `vllm_policy` (function scope) to get the server with `current` reset to the base model
+before and after the test.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from lcap.policy import PolicyServer
+
+
+@dataclass
+class VllmServer:
+    url: str              # http://127.0.0.1:PORT (OpenAI API under /v1)
+    served_model: str     # the name vLLM serves the base model under
+    model_dir: Path       # the tiny model (HF layout: config, safetensors, tokenizer, chat template)
+    record: PolicyServer  # the record as `lcap serve` wrote it
+    lcap_home: Path       # the isolated LCAP_HOME the session runs with (the record lives here)
+    python: str           # the vLLM venv's interpreter
+
+    def use_base(self) -> None:
+        """Point the record's `current` back at the base model (undo a test's `lcap deploy`)."""
+        from lcap.policy import read_policy, write_policy
+
+        record = read_policy()
+        if record is not None and record.current != self.served_model:
+            record.current = self.served_model
+            write_policy(record)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The tiny default model (`lcap init-model`), made once per session."""
+    from lcap.train.tiny_model import init_model
+
+    return init_model(tmp_path_factory.mktemp("tiny-model") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_dir, tmp_path_factory):
+    from lcap.config import LcapError
+    from lcap.policy import read_policy
+    from lcap.train.vllm_server import resolve_python, start_server, stop_server
+
+    try:
+        python = resolve_python()  # finds lcap's vLLM venv, else installs it (as `lcap setup vllm`)
+    except LcapError as exc:
+        pytest.skip(f"vLLM cannot be installed or imported here: {exc}")
+
+    home = tmp_path_factory.mktemp("lcap-home")
+    venv = Path(python).parent.parent
+    if venv.name == "vllm-venv":  # let `lcap serve` without --python find the venv in the isolated home too
+        (home / "vllm-venv").symlink_to(venv, target_is_directory=True)
+    saved = {key: os.environ.get(key) for key in ("LCAP_HOME", "LCAP_POLICY_RECORD")}
+    os.environ["LCAP_HOME"] = str(home)
+    os.environ["LCAP_POLICY_RECORD"] = str(home / "policy.json")
+    try:
+        record = start_server(str(tiny_model_dir), python=python, served_name="tiny", timeout=900, progress=False)
+        yield VllmServer(
+            url=record.url, served_model=record.served_model, model_dir=tiny_model_dir,
+            record=record, lcap_home=home, python=python,
+        )
+    finally:
+        running = read_policy()
+        if running is not None:
+            stop_server()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture
+def vllm_policy(vllm_server):
+    """The session's server with `current` = the base model, restored after the test."""
+    vllm_server.use_base()
+    yield vllm_server
+    vllm_server.use_base()

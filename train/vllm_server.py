@@ -1,0 +1,225 @@
+"""`lcap serve`: run vLLM's OpenAI server on the policy and record it for the other commands.
+
+vLLM runs in its own process group (so stopping it also stops its engine workers), from the
+interpreter of its own venv, with LoRA enabled and runtime adapter loading allowed: `lcap deploy`
+hot-loads each new round's adapter without restarting anything. The record (`lcap.policy`) is
+written only once /health answers, so a reader that finds one can send requests.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import httpx
+
+from lcap.config import LcapError, lcap_home
+from lcap.policy import PolicyServer, clear_policy, read_policy, write_policy
+from lcap.store import Store, now
+
+MAX_LORA_RANK = 64  # vLLM's default is 16; adapters of rank 32/64 are common. Allowed: 8, 16, 32, 64, 128...
+MAX_LORAS = 2       # adapters resident per batch: the new deployment and the one still finishing calls
+TOOL_PARSER = "hermes"  # <tool_call>{json}</tool_call>: the tiny model's template and Qwen2.5/3's
+
+
+def resolve_python(python: str | None = None) -> str:
+    """The interpreter that runs vLLM: `--python`, else lcap's vLLM venv, else a `vllm` on PATH, else install."""
+    from lcap.train.vllm_env import ensure_vllm_env, working_vllm_python
+
+    if python:
+        if not shutil.which(python) and not Path(python).exists():
+            raise LcapError(f"no python at {python}")
+        return python
+    if found := working_vllm_python():
+        return found
+    if script := shutil.which("vllm"):
+        first = Path(script).read_bytes().split(b"\n", 1)[0].decode(errors="replace")
+        if first.startswith("#!") and Path(first[2:].strip()).exists():
+            return first[2:].strip()
+    return ensure_vllm_env()
+
+
+def served_name_for(model: str) -> str:
+    """The name the base model is served under: its directory name or the HF repo's last part."""
+    return Path(model.rstrip("/")).name or "policy-base"
+
+
+def server_command(
+    python: str, model: str, *, port: int, served_name: str, gpu: bool, tool_parser: str | None = TOOL_PARSER, extra_args: Sequence[str] = ()
+) -> list[str]:
+    cmd = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model,
+        "--served-model-name", served_name,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        # GPU: the checkpoint's dtype (bf16 for fp32 weights); CPU: fp32, the path vLLM's CPU backend tests.
+        "--dtype", "auto" if gpu else "float32",
+        "--enable-lora",
+        "--max-lora-rank", str(MAX_LORA_RANK),
+        "--max-loras", str(MAX_LORAS),
+    ]
+    if tool_parser:
+        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", tool_parser]
+    return cmd + list(extra_args)
+
+
+def start_server(
+    model: str,
+    *,
+    port: int | None = None,
+    python: str | None = None,
+    served_name: str | None = None,
+    log_path: Path | None = None,
+    timeout: float = 300,
+    tool_parser: str | None = TOOL_PARSER,
+    extra_args: Sequence[str] = (),
+    store: Store | None = None,
+    progress: bool | None = None,
+) -> PolicyServer:
+    """Start vLLM on `model`, wait until it is healthy, record it (and, with `store`, its 'base' deployment)."""
+    from lcap.train.vllm_env import has_gpu
+
+    running = read_policy()
+    if running and _alive(running.pid):
+        raise LcapError(f"a policy server is already running at {running.url} (pid {running.pid}): `lcap serve --stop` first")
+    if Path(model).expanduser().exists():
+        model = str(Path(model).expanduser().resolve())
+    python = resolve_python(python)
+    port = port or _free_port()
+    served_name = served_name or served_name_for(model)
+    gpu = has_gpu()
+    log_path = Path(log_path or lcap_home() / "logs" / f"vllm-{port}.log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
+    if not gpu:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default would reserve a large share of RAM
+    cmd = server_command(python, model, port=port, served_name=served_name, gpu=gpu, tool_parser=tool_parser, extra_args=extra_args)
+    with open(log_path, "ab") as log:
+        log.write(f"\n$ {' '.join(cmd)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(proc, url, log_path, timeout, progress)
+    except BaseException:
+        _kill_group(proc.pid)
+        raise
+    record = PolicyServer(
+        url=url, pid=proc.pid, base_model=model, served_model=served_name, current=served_name,
+        log_path=str(log_path), python=python, started_at=now().isoformat(), loras={},
+    )
+    write_policy(record)
+    if store is not None:
+        store.append("deployments", [{"name": served_name, "path": model, "base_model": model, "kind": "base", "round": None, "created_at": now()}])
+    return record
+
+
+def stop_server(timeout: float = 30) -> PolicyServer | None:
+    """Stop the recorded server (its whole process group) and remove the record; returns what was stopped."""
+    record = read_policy()
+    if record is None:
+        return None
+    _kill_group(record.pid, timeout)
+    clear_policy()
+    return record
+
+
+def server_status() -> dict | None:
+    """The record plus whether its process is alive and /health answers; None when nothing is recorded."""
+    record = read_policy()
+    if record is None:
+        return None
+    return {**asdict(record), "alive": _alive(record.pid), "healthy": _healthy(record.url)}
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout: float, progress: bool | None) -> None:
+    import sys
+
+    show = sys.stderr.isatty() if progress is None else progress
+    status = None
+    if show:
+        from rich.console import Console
+
+        status = Console(stderr=True).status(f"starting vLLM ({log_path})")
+        status.start()
+    started = time.monotonic()
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise LcapError(f"vLLM exited with code {proc.returncode} while starting; last lines of {log_path}:\n{_tail(log_path)}")
+            if _healthy(url):
+                return
+            elapsed = time.monotonic() - started
+            if elapsed > timeout:
+                raise LcapError(f"vLLM was not healthy after {timeout:.0f}s; last lines of {log_path}:\n{_tail(log_path)}")
+            if status is not None:
+                last = _tail(log_path, 1)[-100:]
+                status.update(f"starting vLLM: {elapsed:.0f}s  {last}")
+            time.sleep(0.5)
+    finally:
+        if status is not None:
+            status.stop()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child of this process counts as dead
+        return os.waitpid(pid, os.WNOHANG) == (0, 0)
+    except ChildProcessError:
+        return True
+
+
+def _kill_group(pid: int, timeout: float = 30) -> None:
+    """SIGTERM the process group vLLM leads, then SIGKILL what is left after `timeout`."""
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if not _alive(pid) and not _group_alive(pid):
+                return
+            time.sleep(0.2)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        text = path.read_bytes()[-16384:].decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+    return "\n".join([line for line in text.splitlines() if line.strip()][-lines:])
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
