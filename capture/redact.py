@@ -39,14 +39,25 @@ def redact_json(value: Any) -> Any:
     if isinstance(value, list):
         return [redact_json(v) for v in value]
     if isinstance(value, str):
-        return redact_text(value)
+        return redact_keys(value)
     return value
 
 
+def redact_keys(text: str | None) -> str | None:
+    """Text with API-key-shaped strings replaced (used on prompts and answers: nothing else changes)."""
+    return _SECRET_VALUE.sub(REDACTED, text) if text else text
+
+
+_SECRET_ASSIGNMENT = re.compile(
+    r"""(?i)\b((?:x-)?api[_-]?key|access[_-]?token|secret|password|token)(["']?\s*[=:]\s*["']?)([^&\s'"]{6,})""")
+
+
 def redact_text(text: str | None) -> str | None:
+    """Text with key-shaped strings and `api_key=...`-style assignments replaced (commands, errors)."""
     if not text:
         return text
-    return _SECRET_VALUE.sub(REDACTED, text)
+    text = _SECRET_VALUE.sub(REDACTED, text)
+    return _SECRET_ASSIGNMENT.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)
 
 
 def redact_path(path: str) -> str:

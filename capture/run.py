@@ -10,6 +10,7 @@ import threading
 import uuid
 from pathlib import Path
 
+from lcap.capture.redact import redact_text
 from lcap.capture.server import CaptureProxy, run_child
 from lcap.store import Store
 
@@ -27,7 +28,7 @@ def run_proxy(command: list[str], *, labels: dict[str, str], episode: str | None
     store = proxy.store
     status, code, error, seen = "failed", None, None, []
     try:
-        store.start_episode(episode_id, command=shlex.join(command), cwd=os.getcwd(), labels=labels)
+        store.start_episode(episode_id, command=redact_text(shlex.join(command)), cwd=os.getcwd(), labels=labels)
         code = run_child(command, proxy.child_env(episode_id), signals_seen=seen)
         status = "interrupted" if seen else ("ok" if code == 0 else "failed")
     except BaseException as exc:

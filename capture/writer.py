@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lcap.capture import dialects
-from lcap.capture.redact import redact_json, redact_path, redact_text
+from lcap.capture.redact import redact_json, redact_keys, redact_path, redact_text
 from lcap.config import lcap_home
 from lcap.store import Store
 
@@ -149,9 +149,9 @@ def build_row(p: PendingTurn) -> dict[str, Any]:
         "status_code": p.status_code,
         "error": redact_text(error),
         "finish_reason": turn.finish_reason,
-        "completion_text": redact_text(turn.text),
+        "completion_text": redact_keys(turn.text),
         "tool_calls": _dumps(turn.tool_calls),
-        "reasoning": turn.reasoning,
+        "reasoning": redact_keys(turn.reasoning),
         "prompt_tokens": turn.prompt_tokens,
         "completion_tokens": turn.completion_tokens,
         "prompt_token_ids": turn.prompt_token_ids if has_ids else None,

@@ -233,7 +233,11 @@ def _response(server: FakeLLM, body: dict) -> dict:
 def _responses_events(server: FakeLLM, body: dict) -> list[dict]:
     final = _response(server, body)
     created = {k: v for k, v in final.items() if k not in ("input_messages", "output_messages")}
-    events = [{"type": "response.created", "sequence_number": 0, "response": {**created, "status": "in_progress", "output": []}}]
+    events = [{"type": "response.created", "sequence_number": 0, "response": {**created, "status": "in_progress", "output": []}},
+              {"type": "response.output_item.added", "sequence_number": 1, "output_index": 0,
+               "item": {"type": "message", "id": "msg_1", "role": "assistant", "status": "in_progress", "content": []}},
+              {"type": "response.content_part.added", "sequence_number": 2, "item_id": "msg_1", "output_index": 0,
+               "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}}]
     for word in _words(server.text):
         events.append({"type": "response.output_text.delta", "sequence_number": len(events), "item_id": "msg_1",
                        "output_index": 0, "content_index": 0, "delta": word})
