@@ -69,6 +69,23 @@ CREATE TABLE IF NOT EXISTS deployments (
     round       INTEGER,
     created_at  TIMESTAMPTZ
 );
+-- dataset stage: flags raised on episodes (tampered, verifier_error, ...), one row per flag
+CREATE TABLE IF NOT EXISTS episode_flags (
+    episode_id  VARCHAR,
+    flag        VARCHAR,
+    details     JSON,
+    created_at  TIMESTAMPTZ
+);
+
+-- dataset stage: token ids re-tokenised from the chat template for turns captured without ids
+CREATE TABLE IF NOT EXISTS rebuilt_turns (
+    turn_id              VARCHAR,
+    prompt_token_ids     INTEGER[],
+    completion_token_ids INTEGER[],
+    tokenizer            VARCHAR,
+    created_at           TIMESTAMPTZ
+);
+
 -- train stage: one row per GRPO round (`lcap train`), metrics averaged over its steps
 CREATE TABLE IF NOT EXISTS train_runs (
     run            VARCHAR,   -- the run folder (absolute)
@@ -98,6 +115,7 @@ CREATE TABLE IF NOT EXISTS train_runs (
     steps          INTEGER,
     config         JSON
 );
+
 -- train stage: `lcap loop` progress, one row per finished step of a round (collect, build, train, deploy, eval)
 CREATE TABLE IF NOT EXISTS loop_steps (
     run          VARCHAR,
@@ -107,6 +125,15 @@ CREATE TABLE IF NOT EXISTS loop_steps (
     details      JSON,
     created_at   TIMESTAMPTZ
 );
+
+-- dataset stage: one row per `lcap build-dataset`, the cleaning counts as JSON
+CREATE TABLE IF NOT EXISTS dataset_reports (
+    round       INTEGER,
+    split       VARCHAR,
+    out         VARCHAR,
+    report      JSON,
+    created_at  TIMESTAMPTZ
+);
 """
 
 VIEWS = """
@@ -114,4 +141,124 @@ CREATE OR REPLACE VIEW latest_rewards AS
     SELECT episode_id, arg_max(value, created_at) AS reward,
            arg_max(details, created_at) AS details, arg_max(source, created_at) AS source
     FROM rewards GROUP BY episode_id;
+-- dataset stage views. A collect episode is keyed by (round, split, task_id, sample); its GRPO
+-- group is every sample of one task in one round and split.
+CREATE OR REPLACE VIEW episode_summary AS
+    WITH t AS (
+        SELECT episode_id, count(*) AS n_turns,
+               sum(coalesce(prompt_tokens, len(prompt_token_ids))) AS prompt_tokens,
+               sum(coalesce(completion_tokens, len(completion_token_ids))) AS completion_tokens,
+               count(*) FILTER (WHERE error IS NOT NULL OR status_code >= 400) AS failed_calls
+        FROM turns WHERE episode_id IS NOT NULL GROUP BY episode_id),
+    f AS (SELECT episode_id, list(DISTINCT flag ORDER BY flag) AS flags FROM episode_flags GROUP BY episode_id)
+    SELECT e.episode_id, e.task_id, e.round, coalesce(e.labels->>'split', 'train') AS split,
+           e.group_index AS sample,
+           concat_ws('/', e.round, coalesce(e.labels->>'split', 'train'), e.task_id) AS group_id,
+           e.status, e.error, e.exit_code,
+           coalesce(t.n_turns, 0) AS n_turns, coalesce(t.prompt_tokens, 0) AS prompt_tokens,
+           coalesce(t.completion_tokens, 0) AS completion_tokens, coalesce(t.failed_calls, 0) AS failed_calls,
+           r.reward, r.source AS reward_source, r.details AS reward_details,
+           coalesce(f.flags, []::VARCHAR[]) AS flags,
+           e.started_at, e.ended_at, epoch(e.ended_at) - epoch(e.started_at) AS duration_s,
+           e.labels->>'collect' AS collect_run, e.command
+    FROM episodes e LEFT JOIN t USING (episode_id) LEFT JOIN latest_rewards r USING (episode_id)
+    LEFT JOIN f USING (episode_id);
+
+-- Episodes that can train: finished ok, rewarded, one per key (the latest), with the group's
+-- statistics and the GRPO advantage (reward - group mean) / (sample std + 1e-4), as TRL computes it.
+CREATE OR REPLACE VIEW episode_advantages AS
+    WITH eligible AS (
+        SELECT *, row_number() OVER (PARTITION BY round, split, task_id, sample ORDER BY started_at DESC) AS key_rank
+        FROM episode_summary
+        WHERE round IS NOT NULL AND task_id IS NOT NULL AND status = 'ok' AND reward IS NOT NULL),
+    kept AS (SELECT * FROM eligible WHERE key_rank = 1)
+    SELECT episode_id, task_id, round, split, sample, group_id, reward, list_contains(flags, 'tampered') AS tampered,
+           count(*) OVER g AS group_size, avg(reward) OVER g AS group_mean,
+           coalesce(stddev_samp(reward) OVER g, 0) AS group_std,
+           (reward - avg(reward) OVER g) / (coalesce(stddev_samp(reward) OVER g, 0) + 1e-4) AS advantage,
+           max(reward) OVER g = min(reward) OVER g AS zero_variance
+    FROM kept WINDOW g AS (PARTITION BY group_id);
+
+-- Every successful LLM call of an episode with its token ids: captured ones, else the ids
+-- re-tokenised from the chat template (rebuilt). One row per turn_id even if it was logged twice.
+CREATE OR REPLACE VIEW turn_tokens AS
+    WITH dup AS (  -- later copies of a turn_id (narrow: the dedup never moves token lists)
+        SELECT rowid AS rid FROM turns
+        WHERE turn_id IN (SELECT turn_id FROM turns GROUP BY turn_id HAVING count(*) > 1)
+        QUALIFY row_number() OVER (PARTITION BY turn_id ORDER BY rowid) > 1),
+    t AS (
+        SELECT * FROM turns
+        WHERE episode_id IS NOT NULL AND error IS NULL AND coalesce(status_code, 200) < 400
+          AND rowid NOT IN (SELECT rid FROM dup)),
+    rb AS (SELECT * FROM rebuilt_turns QUALIFY row_number() OVER (PARTITION BY turn_id ORDER BY created_at DESC) = 1),
+    j AS (
+        SELECT t.turn_id, t.episode_id, t.seq, t.deployment, t.finish_reason,
+               t.token_source IS NULL OR t.prompt_token_ids IS NULL OR t.completion_token_ids IS NULL AS rebuilt,
+               t.prompt_token_ids AS cap_prompt, t.completion_token_ids AS cap_completion,
+               t.completion_logprobs AS cap_logprobs,
+               rb.prompt_token_ids AS rb_prompt, rb.completion_token_ids AS rb_completion
+        FROM t LEFT JOIN rb USING (turn_id))
+    SELECT turn_id, episode_id, seq, deployment, finish_reason, rebuilt,
+           coalesce(finish_reason = 'length', false) AS truncated,
+           CASE WHEN rebuilt THEN rb_prompt ELSE cap_prompt END AS prompt_ids,
+           CASE WHEN rebuilt THEN rb_completion ELSE cap_completion END AS completion_ids,
+           CASE WHEN rebuilt OR cap_logprobs IS NULL
+                THEN list_transform(CASE WHEN rebuilt THEN rb_completion ELSE cap_completion END, lambda x: 0.0)
+                ELSE cap_logprobs END AS logprobs
+    FROM j;
+"""
+
+# Training samples (dataset stage). Consecutive calls of an episode merge into one sequence when
+# the next prompt's token ids start with the previous prompt + completion (checked on ids, never
+# assumed: templates may rewrite history), the same deployment served both and the previous
+# completion was not truncated; the tokens in between are environment tokens (env_mask 0,
+# logprob 0). Otherwise a call starts a new sample. Only narrow columns travel through the
+# window sorts; the episode's reward and advantage are joined per sample at the end.
+# `samples` is the view over every round; `samples_of(round, split)` is the same query with the
+# filter applied before the sorts, which is what build-dataset reads.
+_SAMPLES = """
+    WITH tt AS (
+        SELECT tt.episode_id, tt.seq, tt.prompt_ids, tt.completion_ids, tt.logprobs, tt.truncated,
+               tt.deployment, tt.rebuilt,
+               lag(tt.prompt_ids) OVER w AS prev_prompt, lag(tt.completion_ids) OVER w AS prev_completion,
+               lag(tt.truncated) OVER w AS prev_truncated, lag(tt.deployment) OVER w AS prev_deployment
+        FROM turn_tokens tt
+        SEMI JOIN (SELECT episode_id FROM episode_advantages WHERE {where}) a USING (episode_id)
+        WHERE tt.prompt_ids IS NOT NULL AND tt.completion_ids IS NOT NULL
+        WINDOW w AS (PARTITION BY tt.episode_id ORDER BY tt.seq)),
+    m AS (
+        SELECT * EXCLUDE (prev_prompt, prev_completion, prev_truncated, prev_deployment),
+               coalesce(prev_prompt IS NOT NULL AND NOT prev_truncated
+                        AND deployment IS NOT DISTINCT FROM prev_deployment
+                        AND len(prompt_ids) >= len(prev_prompt) + len(prev_completion)
+                        AND list_slice(prompt_ids, 1, len(prev_prompt) + len(prev_completion))
+                            = list_concat(prev_prompt, prev_completion), false) AS extends,
+               len(prev_prompt) + len(prev_completion) AS prev_len
+        FROM tt),
+    p AS (
+        SELECT *, sum(CASE WHEN extends THEN 0 ELSE 1 END) OVER (PARTITION BY episode_id ORDER BY seq
+                      ROWS UNBOUNDED PRECEDING) - 1 AS part,
+               CASE WHEN extends THEN list_slice(prompt_ids, prev_len + 1, len(prompt_ids))
+                    ELSE []::INTEGER[] END AS env_ids
+        FROM m),
+    s AS (
+        SELECT episode_id, part, arg_min(prompt_ids, seq) AS prompt_ids,
+               flatten(list(list_concat(env_ids, completion_ids) ORDER BY seq)) AS completion_ids,
+               flatten(list(list_concat(list_transform(env_ids, lambda x: 0.0), logprobs) ORDER BY seq)) AS logprobs,
+               flatten(list(list_concat(list_transform(env_ids, lambda x: 0), list_transform(completion_ids, lambda x: 1))
+                            ORDER BY seq)) AS env_mask,
+               arg_min(deployment, seq) AS deployment, bool_or(rebuilt) AS rebuilt,
+               arg_max(truncated, seq) AS truncated, arg_max(len(completion_ids), seq) AS last_completion_len,
+               count(*)::INTEGER AS n_turns, count(*) > 1 AS merged, min(seq) AS first_seq
+        FROM p GROUP BY episode_id, part)
+    SELECT s.episode_id || '#' || s.part AS sample_id, s.episode_id, a.task_id, a.round, a.split, a.group_id,
+           s.prompt_ids, s.completion_ids, s.logprobs, s.env_mask, a.reward, a.advantage, s.deployment,
+           s.rebuilt, s.truncated, s.n_turns, s.merged, s.last_completion_len, s.first_seq,
+           a.zero_variance, a.tampered
+    FROM s JOIN episode_advantages a USING (episode_id)
+"""
+
+VIEWS += f"""
+CREATE OR REPLACE VIEW samples AS {_SAMPLES.format(where="true")};
+CREATE OR REPLACE MACRO samples_of(round_, split_) AS TABLE {_SAMPLES.format(where="round = round_ AND split = split_")};
 """

@@ -1,0 +1,105 @@
+"""Re-tokenise turns that were captured without token ids (e.g. a call that did not go to vLLM).
+
+Re-rendering a conversation through the chat template is not guaranteed to give the tokens the
+model produced (decode -> encode is not the identity; tool parsers rewrite content), so every
+sample built from these ids is flagged `rebuilt` and carries logprob 0.0: the trainer must not use
+them as behaviour logprobs. Results are cached in the `rebuilt_turns` table, one row per turn.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from typing import Any
+
+from lcap.store import Store, now
+
+_PENDING = """
+SELECT t.turn_id, t.dialect, t.request, t.completion_text, t.tool_calls, t.finish_reason,
+       d.base_model, t.model_served
+FROM turns t
+JOIN episode_advantages a USING (episode_id)
+LEFT JOIN (SELECT name, arg_max(base_model, created_at) AS base_model FROM deployments GROUP BY name) d
+       ON d.name = t.deployment
+WHERE a.round = $round AND a.split = $split
+  AND (t.token_source IS NULL OR t.prompt_token_ids IS NULL OR t.completion_token_ids IS NULL)
+  AND t.error IS NULL AND coalesce(t.status_code, 200) < 400
+  AND t.turn_id NOT IN (SELECT turn_id FROM rebuilt_turns)
+"""
+
+
+def rebuild_missing_tokens(store: Store, *, round: int, split: str, tokenizer: str | None = None) -> tuple[int, int]:
+    """Fill `rebuilt_turns` for the round's trainable turns that lack ids; returns (rebuilt, unrebuildable)."""
+    pending = store.fetchall(_PENDING, {"round": round, "split": split})
+    if not pending:
+        return 0, 0
+    rows: list[dict[str, Any]] = []
+    failed = 0
+    for turn_id, dialect, request, text, tool_calls, finish_reason, base_model, served in pending:
+        name = tokenizer or base_model or _policy_base_model() or served
+        try:
+            tok = _load_tokenizer(name) if name else None
+            ids = rebuild_turn(tok, dialect, json.loads(request or "{}"), text, json.loads(tool_calls or "null"),
+                               finish_reason) if tok else None
+        except Exception as exc:  # a bad template or request: count it, the other turns still build
+            print(f"lcap: cannot re-tokenise turn {turn_id}: {exc}", file=sys.stderr)
+            ids = None
+        if ids is None:
+            failed += 1
+            continue
+        rows.append({"turn_id": turn_id, "prompt_token_ids": ids[0], "completion_token_ids": ids[1],
+                     "tokenizer": name, "created_at": now()})
+    store.append("rebuilt_turns", rows)
+    return len(rows), failed
+
+
+def rebuild_turn(tokenizer, dialect: str | None, request: dict, text: str | None, tool_calls: Any,
+                 finish_reason: str | None) -> tuple[list[int], list[int]] | None:
+    """(prompt ids, completion ids) for one call, or None when its dialect cannot be re-rendered."""
+    text = text or ""
+    if dialect == "completions":
+        prompt = request.get("prompt")
+        if not isinstance(prompt, str):
+            return None
+        return _encode(tokenizer, prompt), _encode(tokenizer, text)
+    messages = request.get("messages")
+    if dialect not in (None, "chat") or not isinstance(messages, list):
+        return None
+    tools = request.get("tools") or None
+    prompt_text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    prompt_ids = _encode(tokenizer, prompt_text)
+    if finish_reason == "length":
+        # No stop token was produced, so none is added (FIELD-NOTES pitfall 3).
+        return prompt_ids, _encode(tokenizer, text)
+    assistant: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        assistant["tool_calls"] = tool_calls
+    full_ids = _encode(tokenizer, tokenizer.apply_chat_template(messages + [assistant], tools=tools, tokenize=False))
+    if full_ids[: len(prompt_ids)] != prompt_ids:
+        completion = _encode(tokenizer, text) + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+        return prompt_ids, completion
+    completion = full_ids[len(prompt_ids):]
+    # The template may add a newline after the end-of-turn token; the model stopped at the token.
+    eos = tokenizer.eos_token_id
+    if eos is not None and eos in completion:
+        completion = completion[: len(completion) - completion[::-1].index(eos)]
+    return prompt_ids, completion
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@functools.lru_cache(maxsize=8)
+def _load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name)
+
+
+def _policy_base_model() -> str | None:
+    from lcap.policy import read_policy
+
+    policy = read_policy()
+    return policy.base_model if policy else None
