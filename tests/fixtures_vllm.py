@@ -37,6 +37,31 @@ class VllmServer:
             write_policy(record)
 
 
+def make_lora(model_dir: Path, out: Path, *, seed: int = 1, rank: int = 8, scale: float = 0.5) -> Path:
+    """A PEFT LoRA adapter on `model_dir` whose B matrices are random, not zero: it changes outputs."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, init_lora_weights=False,
+                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, scale)
+    peft_model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_lora(tiny_model_dir, tmp_path_factory) -> Path:
+    """A non-zero LoRA adapter for the tiny model (PEFT layout, as `lcap train` saves it)."""
+    return make_lora(tiny_model_dir, tmp_path_factory.mktemp("tiny-lora") / "adapter")
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The tiny default model (`lcap init-model`), made once per session."""

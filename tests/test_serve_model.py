@@ -1,0 +1,86 @@
+"""`lcap init-model` and the failure paths of `lcap serve` / `lcap deploy` (no vLLM start needed)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from lcap.cli import app
+
+
+def tree_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(file.relative_to(path).as_posix().encode() + b"\0" + file.read_bytes())
+    return digest.hexdigest()
+
+
+def test_init_model_is_deterministic_given_the_seed(tmp_path):
+    runner = CliRunner()
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        result = runner.invoke(app, ["init-model", str(tmp_path / name), "--seed", str(seed)])
+        assert result.exit_code == 0, result.output
+    assert tree_hash(tmp_path / "a") == tree_hash(tmp_path / "b")
+    assert tree_hash(tmp_path / "a") != tree_hash(tmp_path / "c")
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in (tmp_path / "a").iterdir()}
+
+
+def test_tiny_model_is_what_vllm_cpu_needs(tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from lcap.train.tiny_model import init_model
+
+    out = init_model(tmp_path / "m", hidden_size=128, num_heads=2)
+    config = AutoConfig.from_pretrained(out)
+    assert config.architectures == ["Qwen2ForCausalLM"]
+    assert config.hidden_size // config.num_attention_heads >= 32
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    assert config.vocab_size == len(tokenizer)
+    # digits are single tokens; the tool-call markers are one token each
+    assert tokenizer.tokenize("2024") == ["2", "0", "2", "4"]
+    assert tokenizer.tokenize("<tool_call>") == ["<tool_call>"]
+    text = 'What is 12 * 7? {"name": "calculator", "arguments": {"expression": "12 * 7"}} héllo'
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                                             add_generation_prompt=True, tokenize=False)
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_init_model_rejects_a_head_dim_vllm_cpu_cannot_run(tmp_path):
+    result = CliRunner().invoke(app, ["init-model", str(tmp_path / "m"), "--hidden-size", "64", "--heads", "4"])
+    assert result.exit_code == 2 and "head_dim >= 32" in result.output
+
+
+def test_serve_reports_the_log_when_vllm_dies_on_start(tmp_path, monkeypatch):
+    """An interpreter without vllm dies at once: the error carries the log's last lines."""
+    import sys
+
+    from lcap.config import LcapError
+    from lcap.policy import read_policy
+    from lcap.train.vllm_server import start_server
+
+    monkeypatch.setenv("LCAP_POLICY_RECORD", str(tmp_path / "policy.json"))
+    with pytest.raises(LcapError) as caught:
+        start_server(str(tmp_path), python=sys.executable, log_path=tmp_path / "vllm.log", timeout=60)
+    assert "exited with code" in str(caught.value) and "No module named 'vllm'" in str(caught.value)
+    assert read_policy() is None
+
+
+def test_serve_status_and_deploy_without_a_server(tmp_path, monkeypatch):
+    monkeypatch.setenv("LCAP_POLICY_RECORD", str(tmp_path / "policy.json"))
+    runner = CliRunner()
+    status = runner.invoke(app, ["serve", "--status"])
+    assert status.exit_code == 1 and json.loads(status.output) == {"running": False}
+    deployed = runner.invoke(app, ["deploy", str(tmp_path), "--db", str(tmp_path / "s.duckdb")])
+    assert deployed.exit_code == 2 and "no policy server is running" in deployed.output
+    (tmp_path / "policy.json").write_text(json.dumps({
+        "url": "http://127.0.0.1:9", "pid": 2**22 + 1, "base_model": "m", "served_model": "m", "current": "m",
+        "log_path": "", "python": "", "started_at": "", "loras": {},
+    }))
+    deployed = runner.invoke(app, ["deploy", str(tmp_path / "nothing-here"), "--db", str(tmp_path / "s.duckdb")])
+    assert deployed.exit_code == 2 and "neither a LoRA adapter" in deployed.output
