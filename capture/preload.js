@@ -7,6 +7,12 @@ try {
   const modules = process.env.LCAP_NODE_MODULES;
   if (modules && (process.env.HTTPS_PROXY || process.env.HTTP_PROXY || process.env.https_proxy)) {
     const undici = require(path.join(modules, 'undici'));
+    const emitWarning = process.emitWarning;
+    process.emitWarning = function (warning, ...rest) {  // undici flags EnvHttpProxyAgent experimental
+      const code = rest.find((r) => typeof r === 'string' && r.startsWith('UNDICI-')) || (rest[0] && rest[0].code);
+      if (code === 'UNDICI-EHPA') return;
+      return emitWarning.call(this, warning, ...rest);
+    };
     undici.setGlobalDispatcher(new undici.EnvHttpProxyAgent());
   }
 } catch (err) {

@@ -122,7 +122,7 @@ class _Handler(BaseHTTPRequestHandler):
             head = f"event: {event['type']}\n" if named else ""
             self.wfile.write(f"{head}data: {json.dumps(event)}\n\n".encode())
             self.wfile.flush()
-            if i == 0 and self.server.gate is not None:
+            if i == 1 and self.server.gate is not None:  # after the first content chunk
                 self.server.gate.wait(30)
             if self.server.chunk_delay:
                 time.sleep(self.server.chunk_delay)
@@ -333,9 +333,9 @@ def node_modules() -> Path:
     setup = subprocess.run([LCAP, "setup", "node"], env=env, capture_output=True, text=True)
     if not (target / "node_modules" / "undici").exists():
         pytest.skip(f"npm could not install undici: {setup.stdout} {setup.stderr}")
-    if not (target / "node_modules" / "openai").exists():
+    if _npm_version(target, "openai") != "6.30.1":
         result = subprocess.run(["npm", "install", "--prefix", str(target), "--no-audit", "--no-fund", "--loglevel=error",
-                                 "openai@4.104.0"], capture_output=True, text=True, timeout=300)
+                                 "openai@6.30.1"], capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             pytest.skip(f"npm could not install the openai SDK: {result.stderr.strip()[-300:]}")
     return target / "node_modules"
@@ -380,3 +380,10 @@ def store_text(db: str | Path) -> str:
     finally:
         con.close()
     return "\n".join(parts) + Path(db).read_bytes().decode("latin-1")
+
+
+def _npm_version(target: Path, package: str) -> str | None:
+    try:
+        return json.loads((target / "node_modules" / package / "package.json").read_text())["version"]
+    except (OSError, ValueError, KeyError):
+        return None

@@ -1,0 +1,186 @@
+"""Added latency of `lcap proxy` against a local upstream: direct vs proxied, measured interleaved.
+
+    .venv/bin/python benchmarks/bench_proxy.py [--n 300] [--rounds 40]
+
+Starts a minimal asyncio HTTP upstream (OpenAI chat completions, plain and SSE) in a subprocess,
+`lcap proxy --serve --upstream` in another, and measures from this process with httpx:
+- c=1 and c=16 (16 concurrent requests in flight), non-streaming: full response time;
+- streaming: time to the first SSE chunk.
+Direct and proxied requests alternate in one run, so machine noise hits both alike. Two proxied
+paths: plain HTTP through the proxy (the hook path alone), and HTTPS to api.openai.com rerouted
+(CONNECT + TLS interception with lcap's CA, keep-alive): what a real agent pays. At the end the
+proxy is stopped and every proxied call must be a turn in the store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import ssl
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+LCAP = str(REPO / ".venv" / "bin" / "lcap") if (REPO / ".venv" / "bin" / "lcap").exists() else shutil.which("lcap")
+
+UPSTREAM = r'''
+import asyncio, json, sys
+BODY = json.dumps({"id": "c1", "object": "chat.completion", "model": "m", "choices": [{"index": 0,
+    "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}).encode()
+CHUNK = b'data: {"id":"c1","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{"content":"ok"},"finish_reason":null}]}\n\n'
+LAST = b'data: {"id":"c1","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
+
+async def handle(reader, writer):
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            length = 0
+            for line in lines[1:]:
+                if line.lower().startswith("content-length:"):
+                    length = int(line.split(":", 1)[1])
+            body = await reader.readexactly(length) if length else b""
+            if lines[0].startswith("GET"):
+                data = b'{"object":"list","data":[{"id":"m","owned_by":"bench"}]}'
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(data) + data)
+            elif b'"stream": true' in body or b'"stream":true' in body:
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+                writer.write(b"%x\r\n%s\r\n" % (len(CHUNK), CHUNK))
+                await writer.drain()
+                await asyncio.sleep(0.005)
+                writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(LAST), LAST))
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(BODY) + BODY)
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+async def main():
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, backlog=256)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await server.serve_forever()
+
+asyncio.run(main())
+'''
+
+REQUEST = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Say ok."}]}
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+async def _one(client: httpx.AsyncClient, url: str, stream: bool) -> float:
+    body = {**REQUEST, "stream": True} if stream else REQUEST
+    t0 = time.perf_counter()
+    if not stream:
+        resp = await client.post(url, json=body)
+        resp.read()
+        assert resp.status_code == 200, resp.text
+        return (time.perf_counter() - t0) * 1000
+    async with client.stream("POST", url, json=body) as resp:
+        chunks = resp.aiter_raw()
+        await chunks.__anext__()
+        first = (time.perf_counter() - t0) * 1000
+        async for _chunk in chunks:
+            pass
+    return first
+
+
+async def _measure(clients: dict[str, tuple[httpx.AsyncClient, str]], *, concurrency: int, rounds: int, stream: bool) -> dict[str, list[float]]:
+    """Alternate the paths round by round; each round sends `concurrency` requests at once on one path."""
+    results: dict[str, list[float]] = {name: [] for name in clients}
+    for name, (client, url) in clients.items():  # warm connections (and TLS sessions)
+        await asyncio.gather(*(_one(client, url, stream) for _ in range(concurrency)))
+    for _ in range(rounds):
+        for name, (client, url) in clients.items():
+            results[name] += await asyncio.gather(*(_one(client, url, stream) for _ in range(concurrency)))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=300, help="requests per path at concurrency 1")
+    parser.add_argument("--rounds", type=int, default=25, help="rounds of 16 concurrent requests per path")
+    args = parser.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="lcap-bench-"))
+    env = {**os.environ, "LCAP_HOME": os.environ.get("LCAP_HOME", str(Path.home() / ".lcap"))}
+    upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM], stdout=subprocess.PIPE, text=True)
+    up_url = f"http://127.0.0.1:{upstream.stdout.readline().strip()}"
+    db = tmp / "bench.duckdb"
+    proxy = subprocess.Popen([LCAP, "proxy", "--serve", "--upstream", up_url, "--db", str(db)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proxy.stdout.readline()
+    if "listening on" not in line:
+        raise SystemExit(f"proxy did not start: {line} {proxy.stderr.read()}")
+    proxy_url = line.split("listening on ", 1)[1].split()[0]
+    bundle = proxy.stdout.readline().split("SSL_CERT_FILE=", 1)[1].strip()
+
+    async def run() -> list[tuple]:
+        limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
+        ctx = ssl.create_default_context(cafile=bundle)
+        direct = httpx.AsyncClient(limits=limits, trust_env=False, timeout=30)
+        via_http = httpx.AsyncClient(limits=limits, proxy=f"http://bench@{proxy_url[7:]}", trust_env=False, timeout=30)
+        via_https = httpx.AsyncClient(limits=limits, proxy=f"http://bench@{proxy_url[7:]}", verify=ctx, trust_env=False, timeout=30)
+        clients = {
+            "direct": (direct, f"{up_url}/v1/chat/completions"),
+            "proxy http": (via_http, f"{up_url}/v1/chat/completions"),
+            "proxy https": (via_https, "https://api.openai.com/v1/chat/completions"),
+        }
+        rows = []
+        try:
+            for label, conc, rounds, stream in (("non-streaming c=1", 1, args.n, False),
+                                                ("non-streaming c=16", 16, args.rounds, False),
+                                                ("streaming TTFC c=1", 1, args.n, True),
+                                                ("streaming TTFC c=16", 16, args.rounds, True)):
+                res = await _measure(clients, concurrency=conc, rounds=rounds, stream=stream)
+                rows.append((label, res))
+        finally:
+            for client, _ in clients.values():
+                await client.aclose()
+        return rows
+
+    try:
+        rows = asyncio.run(run())
+    finally:
+        proxy.send_signal(signal.SIGINT)
+        proxy.wait(60)
+        upstream.kill()
+
+    sent = 0
+    print(f"{'case':<22}{'path':<13}{'n':>6}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'+p99 ms':>9}{'p50 x':>7}")
+    for label, res in rows:
+        d50, d99 = _pct(res["direct"], 0.5), _pct(res["direct"], 0.99)
+        for name, values in res.items():
+            p50, p99 = _pct(values, 0.5), _pct(values, 0.99)
+            extra = "" if name == "direct" else f"{p50 - d50:>9.2f}{p99 - d99:>9.2f}{p50 / d50:>7.2f}"
+            print(f"{label:<22}{name:<13}{len(values):>6}{p50:>9.2f}{p99:>9.2f}{extra}")
+            if name != "direct":
+                sent += len(values)
+    import duckdb
+
+    con = duckdb.connect(str(db), read_only=True)
+    stored = con.execute("SELECT count(*) FROM turns").fetchone()[0]
+    con.close()
+    warm = sum(16 if "c=16" in label else 1 for label, _ in rows) * 2
+    print(f"turns stored: {stored} of {sent + warm} proxied calls (including warm-up)")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
