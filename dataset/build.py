@@ -131,6 +131,8 @@ def build_dataset(store: Store, *, round: int, out: Path, options: BuildOptions 
                        count(*) FILTER (WHERE merged) AS merged, count(*) FILTER (WHERE NOT merged) AS single_call,
                        count(*) FILTER (WHERE zero_variance) AS zero_variance,
                        count(*) FILTER (WHERE truncated) AS truncated,
+                       count(*) FILTER (WHERE truncated AND {'true' if options.truncated == 'mask' else 'false'})
+                           AS truncated_masked,
                        count(*) FILTER (WHERE tampered) AS tampered,
                        count(*) FILTER (WHERE rebuilt) AS rebuilt,
                        count(DISTINCT episode_id) FILTER (WHERE sample_id NOT LIKE '%#0') AS episodes_split

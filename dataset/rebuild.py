@@ -20,7 +20,8 @@ SELECT t.turn_id, t.dialect, t.request, t.completion_text, t.tool_calls, t.finis
        d.base_model, t.model_served
 FROM turns t
 JOIN episode_advantages a USING (episode_id)
-LEFT JOIN (SELECT name, arg_max(base_model, created_at) AS base_model FROM deployments GROUP BY name) d
+LEFT JOIN (SELECT name, arg_max(base_model, coalesce(created_at, TIMESTAMPTZ '-infinity')) AS base_model
+                  FROM deployments GROUP BY name) d
        ON d.name = t.deployment
 WHERE a.round = $round AND a.split = $split
   AND (t.token_source IS NULL OR t.prompt_token_ids IS NULL OR t.completion_token_ids IS NULL)

@@ -186,14 +186,17 @@ def resolve_argv(argv: Sequence[str], base: Path) -> list[str]:
 # --- tamper guard ---------------------------------------------------------------------------
 
 def hash_protected(workdir: Path, globs: Iterable[str]) -> dict[str, str]:
-    """sha256 of every file matching `globs` under `workdir` (relative path -> digest)."""
+    """sha256 of every file matching `globs` under `workdir` (a matched directory: every file in it)."""
     digests: dict[str, str] = {}
     for pattern in globs:
-        for path in sorted(workdir.glob(pattern)):
-            if path.is_file() and not path.is_symlink():
-                digests[path.relative_to(workdir).as_posix()] = hashlib.sha256(path.read_bytes()).hexdigest()
-            elif path.is_symlink():
-                digests[path.relative_to(workdir).as_posix()] = "symlink:" + os.readlink(path)
+        for match in sorted(workdir.glob(pattern)):
+            paths = [match] if match.is_symlink() or not match.is_dir() else sorted(match.rglob("*"))
+            for path in paths:
+                rel = path.relative_to(workdir).as_posix()
+                if path.is_symlink():
+                    digests[rel] = "symlink:" + os.readlink(path)
+                elif path.is_file():
+                    digests[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
     return digests
 
 
