@@ -1,0 +1,178 @@
+"""`lcap collect` runner without a model: statuses and reasons, timeouts killing the process group,
+verifier errors, the tamper guard, resume after an interrupted run. Real subprocesses, a real
+capture proxy (pass-through: these agents make no LLM call) and a real DuckDB file."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lcap.dataset.collect import collect
+from lcap.store import Store
+
+AGENT = '''
+import json, os, subprocess, sys, time
+task = json.loads(os.environ["LCAP_TASK"])
+print("agent", os.environ["LCAP_EPISODE_ID"], os.getcwd(), "proxy" if os.environ.get("HTTPS_PROXY") else "no-proxy")
+mode = sys.argv[1]
+if mode == "fail":
+    print("something broke", file=sys.stderr)
+    sys.exit(3)
+if mode == "hang":
+    child = subprocess.Popen(["sleep", "120"])  # a grandchild: the whole group must die on timeout
+    open(os.environ["PIDFILE"], "w").write(str(child.pid))
+    time.sleep(120)
+if mode == "cheat":
+    open("tests/test_task.py", "w").write("def test_ok(): pass\\n")
+if mode == "gate" and os.path.exists(os.environ["GATE"]) and task["id"] == "t2":
+    time.sleep(120)
+open("answer.txt", "w").write(task.get("answer", mode))
+'''
+
+VERIFIER = '''
+def judge(ctx):
+    text = (ctx.workdir / "answer.txt").read_text()
+    if text == "crash":
+        raise ValueError("cannot judge " + text)
+    return {"reward": float(len(text) % 3), "text": text}
+
+judge.protected = ["tests/**"]
+'''
+
+
+@pytest.fixture
+def collect_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("LCAP_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PIDFILE", str(tmp_path / "grandchild.pid"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "agent.py").write_text(AGENT)
+    (tmp_path / "judge.py").write_text(VERIFIER)
+    return tmp_path
+
+
+def _tasks(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie waiting for init to reap it."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _summary(store: Store) -> dict[str, tuple]:
+    rows = store.fetchall("SELECT episode_id, task_id, sample, status, error, reward, reward_source, flags "
+                          "FROM episode_summary ORDER BY episode_id")
+    return {(r[1], r[2]): r for r in rows}
+
+
+def test_collect_records_every_outcome(collect_env):
+    tmp = collect_env
+    tasks = _tasks(tmp / "tasks.jsonl", [
+        {"id": "ok", "mode": "ok", "answer": "abcd"},
+        {"id": "fail", "mode": "fail"},
+        {"id": "hang", "mode": "hang"},
+        {"id": "crash", "mode": "ok", "answer": "crash"},
+        {"id": "cheat", "mode": "cheat", "files": {"tests/test_task.py": "def test_ok(): assert False\n"}},
+    ])
+    store = Store(tmp / "lcap.duckdb")
+    started = time.monotonic()
+    result = collect(store, tasks=tasks, command=[sys.executable, "agent.py", "{mode}"], group_size=2, concurrency=4,
+                     round=3, verifier="judge.py:judge", upstream=None, timeout=4, labels={"exp": "unit"})
+    assert time.monotonic() - started < 60
+    assert (result.episodes, result.finished, result.failed, result.skipped) == (10, 4, 6, 0)
+    assert result.statuses == {"ok": 4, "failed": 2, "timeout": 2, "error": 2} and result.tampered == 2
+    assert result.mean_reward == pytest.approx(0.5)  # 1.0, 1.0 (len 4 % 3) and 0.0, 0.0 (tampered)
+
+    rows = _summary(store)
+    assert len(rows) == 10
+    ok = rows[("ok", 0)]
+    assert ok[3:7] == ("ok", None, 1.0, "judge.py:judge")
+    fail = rows[("fail", 1)]
+    assert fail[3] == "failed" and "agent exited 3: something broke" in fail[4] and fail[5] is None
+    hang = rows[("hang", 0)]
+    assert hang[3] == "timeout" and hang[4] == "timed out after 4s"
+    crash = rows[("crash", 0)]
+    assert crash[3] == "error" and "ValueError: cannot judge crash" in crash[4] and crash[7] == ["verifier_error"]
+    cheat = rows[("cheat", 1)]
+    assert cheat[3:8] == ("ok", None, 0.0, "tamper-guard", ["tampered"])
+    (details,) = store.fetchall("SELECT details FROM episode_flags WHERE episode_id = ? AND flag = 'tampered'", [cheat[0]])
+    assert json.loads(details[0])["tampered"] == ["tests/test_task.py"]
+
+    # the grandchild of the timed-out agent was killed with its process group
+    pid = int((tmp / "grandchild.pid").read_text())
+    assert _dead(pid)
+
+    # labels, group, command and the per-episode working directory
+    (labels, command, cwd) = store.fetchall("SELECT labels, command, cwd FROM episodes WHERE episode_id = ?", [ok[0]])[0]
+    labels = json.loads(labels)
+    assert labels["exp"] == "unit" and labels["group"] == "3/train/ok" and labels["collect"] == result.run_id
+    assert command.endswith("agent.py ok") and cwd.endswith(f"{ok[0]}/work")
+    out = (Path(cwd).parent / "stdout.txt").read_text()
+    assert out.startswith(f"agent {ok[0]} {cwd} proxy")
+
+
+def test_resume_after_interrupted_run(collect_env):
+    tmp = collect_env
+    tasks = _tasks(tmp / "tasks.jsonl", [{"id": f"t{i}", "mode": "gate"} for i in range(3)])
+    gate = tmp / "gate"
+    gate.write_text("")
+    lcap = str(Path(sys.executable).parent / "lcap")
+    argv = [lcap, "collect", "--tasks", str(tasks), "--db", str(tmp / "lcap.duckdb"), "-g", "2", "-j", "6",
+            "--round", "1", "--upstream", "none", "--verifier", "judge.py:judge", "--",
+            sys.executable, "agent.py", "{mode}"]
+    env = {**os.environ, "GATE": str(gate)}
+    first = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(list(tmp.glob("lcap-runs/*/round-1/*/work/answer.txt"))) < 4 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)  # the four quick episodes get verified and recorded
+    first.send_signal(signal.SIGINT)
+    _, err = first.communicate(timeout=60)
+    assert first.returncode == 130, err
+    assert "interrupted; finished episodes are kept" in err
+
+    store = Store(tmp / "lcap.duckdb")
+    before = {r[0]: r for r in store.fetchall("SELECT episode_id, status, started_at, task_id FROM episodes")}
+    assert sorted(r[1] for r in before.values()) == ["interrupted", "interrupted", "ok", "ok", "ok", "ok"]
+    assert {r[3] for r in before.values() if r[1] == "interrupted"} == {"t2"}
+
+    gate.unlink()
+    second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0, second.stderr
+    assert "6 episodes, 2 ok, 0 failed, 4 skipped (already done)" in second.stdout
+    after = {r[0]: r for r in store.fetchall("SELECT episode_id, status, started_at, task_id FROM episodes")}
+    assert sorted(after) == sorted(before) and {r[1] for r in after.values()} == {"ok"}
+    for eid, row in before.items():
+        if row[1] == "ok":
+            assert after[eid][2] == row[2]  # finished episodes were not run again
+    assert store.fetchall("SELECT count(*) FROM latest_rewards")[0][0] == 6
+
+    third = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert "0 ok, 0 failed, 6 skipped" in third.stdout
+
+
+def test_collect_bad_input_is_one_line(collect_env):
+    lcap = str(Path(sys.executable).parent / "lcap")
+    bad = _tasks(collect_env / "bad.jsonl", [{"id": "a"}])
+    run = subprocess.run([lcap, "collect", "--tasks", str(bad), "--db", str(collect_env / "x.duckdb"), "--upstream",
+                          "none", "--", "echo", "{question}"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert run.stderr.strip() == "lcap: placeholder {question} in the command is not a task field (fields: cwd, " \
+                                 "episode_id, id, round, sample, split, workdir)"

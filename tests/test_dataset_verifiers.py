@@ -1,0 +1,125 @@
+"""Verifiers (command and Python), the tamper guard's hashing, task files and command templates."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from fixtures_dataset import DATASET_VERIFIERS
+
+from lcap.config import LcapError
+from lcap.dataset.collect import episode_id, load_tasks, render_command
+from lcap.dataset.verifiers import (
+    VerifierContext, VerifierError, hash_protected, load_verifier, tampered_files, to_verdict,
+)
+
+
+def _ctx(tmp_path: Path, stdout: str = "", task: dict | None = None) -> VerifierContext:
+    work = tmp_path / "ep" / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    (work.parent / "stdout.txt").write_text(stdout)
+    return VerifierContext(task=task or {"id": "t1", "answer": "Paris"}, episode_id="ep-1", workdir=work,
+                           stdout=stdout, exit_code=0, status="ok")
+
+
+def test_command_verifier_reads_task_stdout_and_workdir(tmp_path):
+    verdict = load_verifier(f"{sys.executable} {DATASET_VERIFIERS / 'contains_answer.py'}")(
+        _ctx(tmp_path, "It is paris, I think."))
+    assert verdict.reward == 1.0 and verdict.details == {"expected": "Paris", "output_chars": 21}
+    assert load_verifier(f"{sys.executable} {DATASET_VERIFIERS / 'contains_answer.py'}")(_ctx(tmp_path, "Rome")).reward == 0.0
+    ctx = _ctx(tmp_path)
+    (ctx.workdir / "answer.txt").write_text("one two three")
+    assert load_verifier(f"{sys.executable} {DATASET_VERIFIERS / 'brevity.py'}")(ctx).reward == 0.25
+
+
+def test_command_verifier_sees_its_environment(tmp_path):
+    script = tmp_path / "v.py"
+    script.write_text("import os, json, sys\n"
+                      "print('noise')\n"
+                      "print(json.dumps({'reward': 0.5, 'ep': os.environ['LCAP_EPISODE_ID'], 'cwd': os.getcwd(),"
+                      " 'task': json.loads(os.environ['LCAP_TASK'])['id'], 'stdin': sys.stdin.read(),"
+                      " 'file': open(os.environ['LCAP_AGENT_STDOUT']).read()}))\n")
+    ctx = _ctx(tmp_path, "agent says hi")
+    verdict = load_verifier(f"{sys.executable} v.py", base=tmp_path)(ctx)  # relative script path resolved
+    assert verdict.reward == 0.5
+    assert verdict.details == {"ep": "ep-1", "cwd": str(ctx.workdir), "task": "t1", "stdin": "agent says hi",
+                               "file": "agent says hi"}
+
+
+@pytest.mark.parametrize("code, message", [
+    ("import sys; sys.exit(3)", "verifier exited 3"),
+    ("print('not a number')", "not a float or JSON"),
+    ("pass", "printed nothing"),
+    ("import json; print(json.dumps(dict(score=1)))", "without 'reward'"),
+    ("print('NaN')", "non-finite"),
+])
+def test_command_verifier_errors(tmp_path, code, message):
+    with pytest.raises(VerifierError, match=message):
+        load_verifier(f"{sys.executable} -c \"{code}\"")(_ctx(tmp_path))
+
+
+def test_python_verifier_return_shapes_and_errors(tmp_path):
+    module = tmp_path / "judge.py"
+    module.write_text("def pair(ctx): return 0.25, {'why': ctx.task_id}\n"
+                      "def mapping(ctx): return {'reward': True, 'n': len(ctx.stdout)}\n"
+                      "def boom(ctx): raise RuntimeError('bad judge')\n"
+                      "def text(ctx): return 'yes'\n"
+                      "boom.protected = ['tests/*.py']\n")
+    ctx = _ctx(tmp_path, "abc")
+    assert load_verifier("judge.py:pair", base=tmp_path)(ctx).details == {"why": "t1"}
+    assert load_verifier("judge.py:mapping", base=tmp_path)(ctx).reward == 1.0
+    boom = load_verifier("judge.py:boom", base=tmp_path)
+    assert boom.protected == ("tests/*.py",)
+    with pytest.raises(VerifierError, match="RuntimeError: bad judge"):
+        boom(ctx)
+    with pytest.raises(VerifierError, match="not a number"):
+        load_verifier("judge.py:text", base=tmp_path)(ctx)
+    assert load_verifier("judge:pair", base=tmp_path)(ctx).reward == 0.25  # module:function on the path
+    with pytest.raises(LcapError, match="is not a function"):
+        load_verifier("judge.py:missing", base=tmp_path)
+    assert to_verdict(3).reward == 3.0
+
+
+def test_tamper_hashes_detect_edit_add_delete(tmp_path):
+    (tmp_path / "tests" / "sub").mkdir(parents=True)
+    (tmp_path / "tests" / "test_a.py").write_text("assert 1")
+    (tmp_path / "tests" / "sub" / "test_b.py").write_text("assert 2")
+    (tmp_path / "src.py").write_text("x = 1")
+    before = hash_protected(tmp_path, ["tests/**"])
+    assert sorted(before) == ["tests/sub/test_b.py", "tests/test_a.py"]
+    (tmp_path / "src.py").write_text("x = 2")  # not protected
+    assert tampered_files(before, hash_protected(tmp_path, ["tests/**"])) == []
+    (tmp_path / "tests" / "test_a.py").write_text("assert True")
+    (tmp_path / "tests" / "sub" / "test_b.py").unlink()
+    (tmp_path / "tests" / "conftest.py").write_text("")
+    assert tampered_files(before, hash_protected(tmp_path, ["tests/**"])) == [
+        "tests/conftest.py", "tests/sub/test_b.py", "tests/test_a.py"]
+
+
+def test_command_templates_and_episode_ids():
+    task = {"id": "t/1", "question": "it's \"quoted\"; rm -rf /", "n": 3, "meta": {"a": 1}}
+    argv = render_command(["python", "agent.py", "--question", "{question}", "--n={n}", "{meta}"], task)
+    assert argv == ["python", "agent.py", "--question", task["question"], "--n=3", '{"a": 1}']
+    shell = render_command(["sh", "-c", "echo {question} > out.txt"], task)
+    assert shell[2] == "echo 'it'\"'\"'s \"quoted\"; rm -rf /' > out.txt"
+    with pytest.raises(LcapError, match=r"placeholder \{missing\}"):
+        render_command(["x", "{missing}"], task)
+    eid = episode_id("abcd1234", 2, "train", "t/1", 5)
+    assert eid.startswith("cabcd1234-r2-train-t_1-") and eid.endswith("-5")
+    assert eid == episode_id("abcd1234", 2, "train", "t/1", 5) != episode_id("abcd1234", 2, "eval", "t/1", 5)
+
+
+def test_load_tasks_errors(tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    path.write_text('{"id": 1, "q": "a"}\n\n{"id": "2"}\n')
+    assert [t["id"] for t in load_tasks(path)] == ["1", "2"]
+    for text, message in [('{"q": 1}\n', "with an 'id'"), ('{"id": 1}\n{"id": "1"}\n', "duplicate task id"),
+                          ("{oops\n", "tasks.jsonl:1: not JSON"), ("\n", "no tasks")]:
+        path.write_text(text)
+        with pytest.raises(LcapError, match=message):
+            load_tasks(path)
+    with pytest.raises(LcapError, match="cannot read tasks"):
+        load_tasks(tmp_path / "missing.jsonl")
