@@ -225,8 +225,8 @@ class CaptureAddon:
 
     def _reroute(self, req: http.Request, route: Route) -> None:
         """Send the request to `route`, without the agent's credentials for its original host."""
-        for name in CREDENTIAL_HEADERS:
-            req.headers.pop(name, None)
+        for name in [k for k in req.headers if k.lower() in CREDENTIAL_HEADERS]:
+            del req.headers[name]
         if self.upstream_api_key:
             req.headers["authorization"] = f"Bearer {self.upstream_api_key}"
         path = route.path_for(req.path)
@@ -315,25 +315,26 @@ class CaptureAddon:
             return
         kind = frame.get("type")
         if message.from_client:
-            if kind != "response.create" or frame.get("generate") is False:
+            if kind != "response.create":
+                return
+            request = frame.get("response") if isinstance(frame.get("response"), dict) else frame
+            route: Route | None = state["route"]
+            if route is not None and route.model and request.get("model") != route.model:
+                forward = json.loads(message.content)
+                target = forward.get("response") if isinstance(forward.get("response"), dict) else forward
+                target["model"] = route.model
+                message.content = json.dumps(forward, ensure_ascii=False).encode()
+            if frame.get("generate") is False:  # a warm-up frame: no model output, no turn
                 return
             self._ws_close_turn(state, "superseded by a new response.create")
             turn = PendingTurn(episode_id=state["episode"], seq=self.next_seq(state["episode"]), host=state["host"],
                                path=state["path"], dialect=dialects.RESPONSES, transport="websocket")
             turn.request_json = frame
-            request = frame.get("response") if isinstance(frame.get("response"), dict) else frame
             turn.model_requested = request.get("model")
             turn.upstream = state["upstream"]
+            turn.deployment = route.deployment if route is not None else None
             turn.streamed = True
             turn.events = []
-            route: Route | None = state["route"]
-            if route is not None:
-                turn.deployment = route.deployment
-                if route.model and request.get("model") != route.model:
-                    forward = json.loads(message.content)
-                    target = forward.get("response") if isinstance(forward.get("response"), dict) else forward
-                    target["model"] = route.model
-                    message.content = json.dumps(forward, ensure_ascii=False).encode()
             state["turn"] = turn
             return
         turn: PendingTurn | None = state["turn"]

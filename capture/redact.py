@@ -7,6 +7,7 @@ well-known API key or bearer token is replaced wherever it appears.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
@@ -14,8 +15,8 @@ from urllib.parse import parse_qsl, urlencode
 REDACTED = "[REDACTED]"
 
 # Header names that carry credentials; stripped from requests lcap reroutes to another host.
-CREDENTIAL_HEADERS = ("authorization", "x-api-key", "api-key", "cookie", "proxy-authorization",
-                      "x-goog-api-key", "openai-organization", "openai-project")
+CREDENTIAL_HEADERS = frozenset(("authorization", "x-api-key", "api-key", "cookie", "proxy-authorization",
+                      "x-goog-api-key", "openai-organization", "openai-project"))
 
 _SECRET_KEYS = {"apikey", "xapikey", "key", "authorization", "password", "passwd", "secret", "clientsecret",
                 "accesstoken", "refreshtoken", "idtoken", "sessiontoken", "token", "bearer", "cookie",
@@ -27,25 +28,33 @@ _SECRET_VALUE = re.compile(
 )
 
 
+_MARKERS = ("sk-", "Bearer", "bearer", "AIza", "xoxa-", "xoxb-", "xoxp-", "ghp_", "gho_", "ghu_", "ghs_", "ghr_")
+
+
+@functools.lru_cache(maxsize=4096)
 def _is_secret_key(key: str) -> bool:
     norm = re.sub(r"[^a-z]", "", key.lower())
     return norm in _SECRET_KEYS or norm.endswith("apikey") or norm.endswith("secret")
 
 
 def redact_json(value: Any) -> Any:
-    """A copy of a JSON value with credential fields blanked and key-shaped strings replaced."""
+    """A copy of a JSON value with the values of credential-named fields blanked.
+
+    Key-shaped strings inside values are replaced later, in one pass over the serialized text
+    (`redact_keys`): far cheaper than a regex per string.
+    """
     if isinstance(value, dict):
-        return {k: (REDACTED if _is_secret_key(k) and isinstance(v, str) else redact_json(v)) for k, v in value.items()}
+        return {k: (REDACTED if isinstance(v, str) and _is_secret_key(k) else redact_json(v)) for k, v in value.items()}
     if isinstance(value, list):
         return [redact_json(v) for v in value]
-    if isinstance(value, str):
-        return redact_keys(value)
     return value
 
 
 def redact_keys(text: str | None) -> str | None:
     """Text with API-key-shaped strings replaced (used on prompts and answers: nothing else changes)."""
-    return _SECRET_VALUE.sub(REDACTED, text) if text else text
+    if not text or not any(marker in text for marker in _MARKERS):
+        return text
+    return _SECRET_VALUE.sub(REDACTED, text)
 
 
 _SECRET_ASSIGNMENT = re.compile(

@@ -138,6 +138,8 @@ class CaptureProxy:
         self.token_ids = self._resolve_token_ids()
         if self.listen_port:
             _check_port_free(self.listen_host, self.listen_port)
+        with self.store.connect():  # the schema exists from the start: `lcap sql` works before the first turn
+            pass
         router = Router(self.upstream, self.model)
         addon = CaptureAddon(self.writer, router, token_ids=bool(self.token_ids),
                              upstream_api_key=os.environ.get("LCAP_UPSTREAM_API_KEY"))
@@ -231,7 +233,8 @@ class CaptureProxy:
     def proxy_url(self, episode_id: str | None) -> str:
         if not episode_id:
             return self.url
-        return f"http://{quote(episode_id, safe='')}@{self.listen_host}:{self.port}"
+        # A password too: some clients (python websockets) reject a proxy user without one.
+        return f"http://{quote(episode_id, safe='')}:lcap@{self.listen_host}:{self.port}"
 
     def child_env(self, episode_id: str | None, base: Mapping[str, str] | None = None) -> dict[str, str]:
         """The full environment of a child whose LLM calls go through this proxy as `episode_id`."""

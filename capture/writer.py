@@ -94,7 +94,7 @@ def _ts(t: float) -> datetime:
 
 
 def _dumps(value: Any) -> str | None:
-    return None if value is None else json.dumps(redact_json(value), ensure_ascii=False)
+    return None if value is None else redact_keys(json.dumps(redact_json(value), ensure_ascii=False))
 
 
 def build_row(p: PendingTurn) -> dict[str, Any]:

@@ -10,10 +10,13 @@ logprobs when asked with return_token_ids).
 
 from __future__ import annotations
 
+import base64
 import gzip
+import hashlib
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import threading
@@ -25,7 +28,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 AGENTS = Path(__file__).resolve().parent / "agents_capture"
-LCAP = str(REPO / ".venv" / "bin" / "lcap") if (REPO / ".venv" / "bin" / "lcap").exists() else shutil.which("lcap")
+LCAP = os.environ.get("LCAP_TEST_CLI") or (
+    str(REPO / ".venv" / "bin" / "lcap") if (REPO / ".venv" / "bin" / "lcap").exists() else shutil.which("lcap"))
 SECRET = "sk-test-SECRET-do-not-store-0123456789abcdef"
 ANTHROPIC_SECRET = "sk-ant-api03-SECRET-do-not-store-abcdef0123456789"
 
@@ -67,6 +71,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         self.server.requests.append({"method": "GET", "path": self.path, "headers": dict(self.headers), "body": None})
+        if self.headers.get("upgrade", "").lower() == "websocket":
+            return self._websocket()
         if self.path.rstrip("/").endswith("/models"):
             owner = "vllm" if self.server.vllm else "openai"
             self._json(200, {"object": "list", "data": [{"id": "fake-model", "object": "model", "owned_by": owner}]})
@@ -100,6 +106,30 @@ class _Handler(BaseHTTPRequestHandler):
             return self._sse(_messages_events(self.server, body), named=True) if stream else self._json(200, _message(self.server, body))
         return self._json(200, {"ok": True})
 
+    def _websocket(self) -> None:
+        """Responses API over WebSocket: `response.create` frames in, the SSE events as frames out."""
+        accept = base64.b64encode(hashlib.sha1((self.headers["sec-websocket-key"] + _WS_GUID).encode()).digest()).decode()
+        self.send_response(101)
+        self.send_header("upgrade", "websocket")
+        self.send_header("connection", "Upgrade")
+        self.send_header("sec-websocket-accept", accept)
+        self.end_headers()
+        self.wfile.flush()
+        self.close_connection = True
+        while True:
+            opcode, payload = _ws_read(self.rfile)
+            if opcode is None or opcode == 8:
+                _ws_write(self.wfile, b"", opcode=8)
+                return
+            if opcode != 1:
+                continue
+            frame = json.loads(payload)
+            self.server.requests.append({"method": "WS", "path": self.path, "headers": {}, "body": frame})
+            if frame.get("type") != "response.create" or frame.get("generate") is False:
+                continue
+            for event in _responses_events(self.server, frame):
+                _ws_write(self.wfile, json.dumps(event).encode())
+
     def _json(self, status: int, payload: dict) -> None:
         data = json.dumps(payload).encode()
         self.send_response(status)
@@ -129,6 +159,31 @@ class _Handler(BaseHTTPRequestHandler):
         if not named:
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
+
+
+_WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+
+
+def _ws_read(rfile) -> tuple[int | None, bytes]:
+    head = rfile.read(2)
+    if len(head) < 2:
+        return None, b""
+    opcode, length = head[0] & 0x0F, head[1] & 0x7F
+    if length == 126:
+        length = struct.unpack(">H", rfile.read(2))[0]
+    elif length == 127:
+        length = struct.unpack(">Q", rfile.read(8))[0]
+    mask = rfile.read(4) if head[1] & 0x80 else b"\0\0\0\0"
+    data = rfile.read(length)
+    return opcode, bytes(b ^ mask[i % 4] for i, b in enumerate(data))
+
+
+def _ws_write(wfile, data: bytes, opcode: int = 1) -> None:
+    n = len(data)
+    head = bytes([0x80 | opcode]) + (bytes([n]) if n < 126 else bytes([126]) + struct.pack(">H", n) if n < 65536
+                                     else bytes([127]) + struct.pack(">Q", n))
+    wfile.write(head + data)
+    wfile.flush()
 
 
 # --- answers --------------------------------------------------------------------------------------

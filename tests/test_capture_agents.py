@@ -224,3 +224,20 @@ def test_one_line_errors(capture_env, llm, tmp_path):
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and needle in lines[0], result.stderr
     assert unknown.returncode == 2 and "no-such-flag" in unknown.stderr
+
+
+def test_responses_over_websocket(capture_env, llm):
+    db = capture_env["LCAP_DB"]
+    result = run_lcap(["proxy", "--upstream", llm.url, "--model", "policy-ws", "--", *agent("ws_agent.py")], capture_env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines() == [f"ws: {TEXT}"] * 2
+    rows = turns(db)
+    assert [(r["seq"], r["dialect"], r["transport"], r["stream"]) for r in rows] == [
+        (0, "responses", "websocket", True), (1, "responses", "websocket", True)]  # the generate:false frame is no turn
+    for row in rows:
+        assert row["completion_text"] == TEXT and row["finish_reason"] == "completed"
+        assert row["model_requested"] == "gpt-5" and row["model_served"] == "policy-ws"
+        assert row["host"] == "api.openai.com" and row["ttft_ms"] <= row["latency_ms"]
+    assert [r["request"]["input"] for r in rows] == ["Say hello", "Say it again"]
+    assert [f["body"]["model"] for f in llm.requests if f["method"] == "WS"] == ["policy-ws"] * 3
+    _assert_no_secret(db)

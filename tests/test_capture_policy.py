@@ -143,7 +143,7 @@ def test_child_env(tmp_path, capture_home, monkeypatch):
         base = {"NO_PROXY": "localhost,.openai.com,internal.corp,*", "NODE_OPTIONS": "--max-old-space-size=512",
                 "SSL_CERT_FILE": "/etc/ssl/certs/ca-certificates.crt", "PATH": "/usr/bin"}
         env = proxy.child_env("ep 1/x", base=base)
-    assert env["HTTPS_PROXY"] == env["http_proxy"] == env["ALL_PROXY"] == f"http://ep%201%2Fx@127.0.0.1:{proxy.port}"
+    assert env["HTTPS_PROXY"] == env["http_proxy"] == env["ALL_PROXY"] == f"http://ep%201%2Fx:lcap@127.0.0.1:{proxy.port}"
     assert env["NO_PROXY"] == "localhost,internal.corp" and env["PATH"] == "/usr/bin"
     bundle = env["SSL_CERT_FILE"]
     assert env["REQUESTS_CA_BUNDLE"] == env["CURL_CA_BUNDLE"] == env["NODE_EXTRA_CA_CERTS"] == bundle

@@ -1,0 +1,71 @@
+"""`lcap proxy --serve`: one long-running proxy for many agents, read by `lcap sql` while it writes."""
+
+from __future__ import annotations
+
+import signal
+import ssl
+import subprocess
+import threading
+import time
+
+import httpx
+
+from fixtures_capture import LCAP, run_lcap, turns
+
+CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_serve_attribution_side_traffic_and_sql_while_writing(capture_env, llm):
+    db = capture_env["LCAP_DB"]
+    proc = subprocess.Popen([LCAP, "proxy", "--serve", "--upstream", llm.url], env=capture_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "listening on http://127.0.0.1:" in line, line + proc.stderr.read()
+        port = int(line.split("listening on http://127.0.0.1:", 1)[1].split()[0])
+        bundle = proc.stdout.readline().split("SSL_CERT_FILE=", 1)[1].strip()
+        verify = ssl.create_default_context(cafile=bundle)
+        sent = {"agent-a": 0, "agent-b": 0}
+        stop = threading.Event()
+
+        def agent(name: str) -> None:
+            with httpx.Client(proxy=f"http://{name}@127.0.0.1:{port}", verify=verify, timeout=30) as client:
+                while not stop.is_set():
+                    client.post("https://api.openai.com/v1/chat/completions", json=CHAT).raise_for_status()
+                    side = client.post("https://api.openai.com/v1/telemetry", json={"event": "x"})
+                    assert side.status_code == 502  # passed through untouched: api.openai.com is unreachable here
+                    sent[name] += 1
+
+        threads = [threading.Thread(target=agent, args=(name,)) for name in sent]
+        for thread in threads:
+            thread.start()
+        counts = []
+        try:
+            deadline = time.monotonic() + 8
+            while time.monotonic() < deadline and len(counts) < 4:
+                result = run_lcap(["sql", "--format", "csv", "SELECT count(*) AS n FROM turns"], capture_env)
+                assert result.returncode == 0, result.stderr
+                counts.append(int(result.stdout.splitlines()[1]))
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join()
+        assert counts == sorted(counts) and counts[-1] > 0  # read while the proxy kept writing
+        with httpx.Client(proxy=f"http://127.0.0.1:{port}", verify=verify) as client:
+            client.post("https://api.openai.com/v1/chat/completions", json=CHAT, headers={"X-Lcap-Episode": "by-header"})
+            client.post("https://api.openai.com/v1/chat/completions", json=CHAT)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, proc.stderr.read()
+    rows = turns(db)
+    by_episode: dict = {}
+    for row in rows:
+        by_episode.setdefault(row["episode_id"], []).append(row["seq"])
+    assert {k: len(v) for k, v in by_episode.items()} == {**sent, "by-header": 1, None: 1}
+    for seqs in by_episode.values():
+        assert sorted(seqs) == list(range(len(seqs)))
+    assert all(r["path"] == "/v1/chat/completions" for r in rows)  # telemetry passed through, not stored
+    assert llm.calls("/telemetry") == []  # side traffic went on to its own host (unreachable here), not rerouted
