@@ -1,0 +1,100 @@
+"""The demo's task and its warm start: "Reply with the middle word: A B C" -> "B".
+
+Why this task: GRPO can only sharpen what a policy already does sometimes. A real base model
+answers in the right format but is often wrong; the warm start reproduces that with a short
+supervised pass on a synthetic corpus where the answer is the middle word 30% of the time and the
+first or last word otherwise. The policy then picks one of the three words with learned
+positional weights shared by every question, so what GRPO learns on the training questions (put
+the weight on the middle position) carries over to held-out questions it never saw.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+QUESTION = "Which is a number:\n{a}\n{b}\n{c}"
+NUMBERS = frozenset("zero one two three four five six seven eight nine ten hundred thousand".split())
+
+
+def make_triple(rng: random.Random, words: list[str]) -> tuple[list[str], str]:
+    """Three words in random order, exactly one of them a number word; returns (words, answer)."""
+    numbers = [w for w in words if w in NUMBERS]
+    others = [w for w in words if w not in NUMBERS]
+    answer = rng.choice(numbers)
+    triple = [answer, *rng.sample(others, 2)]
+    rng.shuffle(triple)
+    return triple, answer
+
+
+def read_words(path: Path) -> list[str]:
+    return Path(path).read_text().split()
+
+
+def make_tasks(words: list[str], *, n_train: int, n_eval: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """Train and held-out tasks: distinct word triples, no triple in both."""
+    rng = random.Random(seed)
+    seen: set[tuple[str, ...]] = set()
+    tasks = []
+    while len(tasks) < n_train + n_eval:
+        triple, answer = make_triple(rng, words)
+        if tuple(triple) in seen:
+            continue
+        seen.add(tuple(triple))
+        a, b, c = triple
+        tasks.append({"question": QUESTION.format(a=a, b=b, c=c), "answer": answer})
+    train = [{"id": f"train-{i}", **t} for i, t in enumerate(tasks[:n_train])]
+    held = [{"id": f"heldout-{i}", **t} for i, t in enumerate(tasks[n_train:])]
+    return train, held
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    Path(path).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return Path(path)
+
+
+def warm_start(model_dir: Path, words: list[str], *, p_correct: float = 0.3, examples: int = 4000, steps: int = 300,
+               batch_size: int = 64, lr: float = 3e-3, seed: int = 0, log=print) -> dict:
+    """Supervised pass that teaches the answer format with a wrong-most-of-the-time answer; saves in place."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    rows = []
+    for _ in range(examples):
+        (a, b, c), right = make_triple(rng, words)
+        answer = right if rng.random() < p_correct else rng.choice([w for w in (a, b, c) if w != right])
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION.format(a=a, b=b, c=c)}],
+                                               add_generation_prompt=True, tokenize=False)
+        p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        c_ids = tokenizer(answer + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        rows.append((p_ids, c_ids))
+    if len({len(p) + len(c) for p, c in rows}) != 1:
+        raise ValueError("warm start needs single-token words (every row the same length)")
+    # Every word is one token, so every row has the same length: no padding, and only the answer
+    # positions go through the LM head.
+    n_answer = len(rows[0][1])
+    ids = torch.tensor([p + c for p, c in rows])
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    model.train()
+    loss = None
+    for step in range(steps):
+        batch = ids[torch.randint(0, len(rows), (batch_size,))]
+        logits = model(input_ids=batch[:, :-1], logits_to_keep=n_answer).logits
+        out = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, -n_answer:].reshape(-1))
+        out.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        loss = out.item()
+        if log and (step + 1) % 50 == 0:
+            log(f"warm start step {step + 1}/{steps}: loss {loss:.3f}")
+    model.eval()
+    model.save_pretrained(model_dir, safe_serialization=True)
+    return {"steps": steps, "loss": loss, "examples": examples, "p_correct": p_correct}

@@ -1,0 +1,211 @@
+"""`lcap loop`: collect -> build-dataset -> train -> deploy, round after round, resumable.
+
+Every finished step is written to RUN/state.json (atomically) before the next one starts, and
+mirrored in the store's `loop_steps` table for SQL. Run the same command again after a kill and
+it continues at the first unfinished step: collect resumes itself (finished episodes are kept),
+build and train are redone from their inputs, and the last deployed adapter is deployed again if
+the policy server no longer serves it (e.g. it was restarted).
+
+Round numbering: round N's samples are collected with the policy trained in round N-1 (round 1
+with the base), train on them, and deploy the result. With --eval-tasks the held-out tasks run
+before round 1 (`eval` of round 0, the base policy) and after each round's deploy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lcap.config import LcapError
+from lcap.train.grpo import TrainOptions, round_dir
+
+STEPS = ("collect", "build", "train", "deploy", "eval")
+
+
+@dataclass
+class LoopConfig:
+    run: Path
+    rounds: int
+    tasks: Path
+    command: list[str]
+    group_size: int = 8
+    verifier: str | None = None
+    eval_tasks: Path | None = None
+    eval_group_size: int = 1
+    concurrency: int = 4
+    timeout: float | None = 300.0
+    train: TrainOptions = field(default_factory=TrainOptions)
+
+    def key(self) -> str:
+        """What must not change between a run and its resume (more rounds may be added)."""
+        ident = [list(self.command), str(Path(self.tasks).resolve()), self.group_size, self.verifier,
+                 str(Path(self.eval_tasks).resolve()) if self.eval_tasks else None, self.eval_group_size]
+        return hashlib.sha1(json.dumps(ident).encode()).hexdigest()[:12]
+
+
+class LoopState:
+    """RUN/state.json: the finished steps and what they produced."""
+
+    def __init__(self, run: Path, key: str) -> None:
+        self.path = Path(run) / "state.json"
+        data = json.loads(self.path.read_text()) if self.path.exists() else {}
+        if data and data.get("key") != key:
+            raise LcapError(f"{self.path} belongs to a loop with another agent command, tasks, group size or "
+                            "verifier: use a new --run folder")
+        self.data = data or {"key": key, "steps": {}}
+
+    def done(self, round: int, step: str) -> dict | None:
+        return self.data["steps"].get(f"{round}:{step}")
+
+    def finish(self, round: int, step: str, info: dict) -> None:
+        self.data["steps"][f"{round}:{step}"] = {**info, "finished_at": time.time()}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, default=str))
+        tmp.replace(self.path)
+
+    def last_deployed(self) -> dict | None:
+        deployed = [(int(k.split(":")[0]), v) for k, v in self.data["steps"].items() if k.endswith(":deploy")]
+        return max(deployed, key=lambda x: x[0])[1] if deployed else None
+
+
+@dataclass
+class RoundSummary:
+    round: int
+    train_reward: float | None = None
+    eval_reward: float | None = None
+    train: dict[str, Any] = field(default_factory=dict)
+    deployed: str | None = None
+
+
+def split_reward(store, run_id: str, round: int, split: str) -> tuple[float | None, int]:
+    """Mean reward of one collect run's episodes of a round and split, from the store (resume-proof)."""
+    rows = store.fetchall(
+        "SELECT avg(reward), count(reward) FROM episode_summary WHERE collect_run = ? AND round = ? AND split = ?",
+        [run_id, round, split],
+    )
+    return (rows[0][0], rows[0][1]) if rows else (None, 0)
+
+
+def run_loop(store, config: LoopConfig, *, echo: Callable[[str], None] = print,
+             stop_after: tuple[int, str] | None = None) -> list[RoundSummary]:
+    """Run (or resume) the loop; `stop_after=(round, step)` ends it there (tests use it to stage a kill)."""
+    from lcap.dataset.build import BuildOptions, build_dataset
+    from lcap.dataset.collect import collect
+    from lcap.policy import read_policy
+    from lcap.train.deploy import deploy
+    from lcap.train.grpo import resolve_base_model, train_round
+
+    run = Path(config.run)
+    state = LoopState(run, config.key())
+    policy = read_policy()
+    if policy is None:
+        raise LcapError("no policy server is running: start one with `lcap serve --model M` (or run `lcap demo`)")
+    resolve_base_model(run, config.train.base_model or policy.base_model)
+    (run / "loop.json").write_text(json.dumps({**asdict(config), "key": config.key()}, indent=2, default=str))
+    _redeploy_if_lost(state, store, echo)
+
+    def step(round: int, name: str, body: Callable[[], dict]) -> dict:
+        info = state.done(round, name)
+        if info is None:
+            t0 = time.perf_counter()
+            info = {**body(), "seconds": round_(time.perf_counter() - t0)}
+            state.finish(round, name, info)
+            store.append("loop_steps", [{"run": str(run.resolve()), "round": round, "step": name,
+                                         "mean_reward": info.get("mean_reward"), "details": json.dumps(info, default=str),
+                                         "created_at": _now()}])
+        if stop_after == (round, name):
+            raise _Stop()
+        return info
+
+    def collect_step(round: int, split: str, tasks: Path, group_size: int) -> dict:
+        result = collect(store, tasks=tasks, command=config.command, group_size=group_size,
+                         concurrency=config.concurrency, round=round, verifier=config.verifier, upstream="policy",
+                         timeout=config.timeout, split=split, run_dir=run / "episodes")
+        mean, n = split_reward(store, result.run_id, round, split)
+        return {"mean_reward": mean, "rewarded": n, "episodes": result.episodes, "failed": result.failed,
+                "skipped": result.skipped, "collect_run": result.run_id}
+
+    summaries: list[RoundSummary] = []
+    try:
+        if config.eval_tasks:
+            info = step(0, "eval", lambda: collect_step(0, "eval", config.eval_tasks, config.eval_group_size))
+            echo(f"round 0 (base policy): held-out reward {_fmt(info['mean_reward'])} ({info['rewarded']} episodes)")
+            summaries.append(RoundSummary(round=0, eval_reward=info["mean_reward"]))
+        for n in range(1, config.rounds + 1):
+            t0 = time.perf_counter()
+            s = RoundSummary(round=n)
+            got = step(n, "collect", lambda: collect_step(n, "train", config.tasks, config.group_size))
+            s.train_reward = got["mean_reward"]
+            data = round_dir(run, n) / "data"
+            step(n, "build", lambda: {"samples": build_dataset(store, round=n, out=data,
+                                                               options=BuildOptions(split="train")).samples})
+            trained = step(n, "train", lambda: _train(store, run, n, config.train, data))
+            s.train = trained
+            deployed = step(n, "deploy", lambda: {"name": deploy(Path(trained["output"]), round=n, store=store),
+                                                  "path": trained["output"]})
+            s.deployed = deployed["name"]
+            if config.eval_tasks:
+                ev = step(n, "eval", lambda: collect_step(n, "eval", config.eval_tasks, config.eval_group_size))
+                s.eval_reward = ev["mean_reward"]
+            summaries.append(s)
+            echo(f"round {n}: train reward {_fmt(s.train_reward)} ({got['rewarded']} episodes)"
+                 + (f" | held-out {_fmt(s.eval_reward)}" if config.eval_tasks else "")
+                 + f" | loss {_fmt(trained.get('loss'))} | IS ratio {_fmt(trained.get('is_ratio_mean'))}"
+                 + f" | clip {_fmt(trained.get('clip_fraction'))} | {_fmt(trained.get('tokens_per_s'), 0)} tok/s"
+                 + f" | deployed {s.deployed} | {time.perf_counter() - t0:.0f}s")
+    except _Stop:
+        pass
+    return summaries
+
+
+def _train(store, run: Path, n: int, options: TrainOptions, data: Path) -> dict:
+    from lcap.train.grpo import train_round
+
+    samples = data / "samples.parquet"
+    if not samples.exists() or _parquet_rows(samples) == 0:
+        raise LcapError(f"round {n}: the dataset is empty (every group had equal rewards, or no episode finished): "
+                        "more tasks or a larger --group-size give GRPO something to compare")
+    result = train_round(store, run, n, options, data=data)
+    return {"output": str(result.output), **{k: v for k, v in result.metrics.items() if isinstance(v, (int, float)) or v is None}}
+
+
+def _redeploy_if_lost(state: LoopState, store, echo) -> None:
+    from lcap.policy import read_policy
+    from lcap.train.deploy import deploy
+
+    last = state.last_deployed()
+    policy = read_policy()
+    if last and policy and policy.current != last["name"]:
+        echo(f"policy server serves {policy.current}, not {last['name']}: deploying {last['path']} again")
+        deploy(Path(last["path"]), name=last["name"], store=store)
+
+
+def _parquet_rows(path: Path) -> int:
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(path).metadata.num_rows
+
+
+class _Stop(Exception):
+    pass
+
+
+def _fmt(x, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def round_(x: float) -> float:
+    return float(f"{x:.3f}")
+
+
+def _now():
+    from lcap.store import now
+
+    return now()
