@@ -260,6 +260,8 @@ class _Runner:
         return status, reason
 
     def _episode(self, spec: EpisodeSpec) -> tuple[str, int | None, str | None]:
+        # Recorded first, so that even a task whose workdir cannot be set up leaves an episode row.
+        self.store.start_episode(spec.episode_id, command=shlex.join(spec.argv), cwd=str(spec.workdir), labels=spec.labels)
         if spec.dir.exists():
             shutil.rmtree(spec.dir)
         spec.workdir.mkdir(parents=True)
@@ -267,7 +269,6 @@ class _Runner:
         guard = tuple(self.guard) + tuple(spec.task.get("protected") or ())
         before = hash_protected(spec.workdir, guard) if guard else {}
 
-        self.store.start_episode(spec.episode_id, command=shlex.join(spec.argv), cwd=str(spec.workdir), labels=spec.labels)
         env = self.proxy.child_env(spec.episode_id)
         env["LCAP_TASK"] = json.dumps(dict(spec.task), ensure_ascii=False)
         env["LCAP_WORKDIR"] = str(spec.workdir)

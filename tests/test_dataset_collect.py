@@ -90,18 +90,21 @@ def test_collect_records_every_outcome(collect_env):
         {"id": "hang", "mode": "hang"},
         {"id": "crash", "mode": "ok", "answer": "crash"},
         {"id": "cheat", "mode": "cheat", "files": {"tests/test_task.py": "def test_ok(): assert False\n"}},
+        {"id": "setup", "mode": "ok", "template": "no-such-dir"},
     ])
     store = Store(tmp / "lcap.duckdb")
     started = time.monotonic()
     result = collect(store, tasks=tasks, command=[sys.executable, "agent.py", "{mode}"], group_size=2, concurrency=4,
                      round=3, verifier="judge.py:judge", upstream=None, timeout=4, labels={"exp": "unit"})
     assert time.monotonic() - started < 60
-    assert (result.episodes, result.finished, result.failed, result.skipped) == (10, 4, 6, 0)
-    assert result.statuses == {"ok": 4, "failed": 2, "timeout": 2, "error": 2} and result.tampered == 2
+    assert (result.episodes, result.finished, result.failed, result.skipped) == (12, 4, 8, 0)
+    assert result.statuses == {"ok": 4, "failed": 2, "timeout": 2, "error": 4} and result.tampered == 2
     assert result.mean_reward == pytest.approx(0.5)  # 1.0, 1.0 (len 4 % 3) and 0.0, 0.0 (tampered)
 
     rows = _summary(store)
-    assert len(rows) == 10
+    assert len(rows) == 12
+    setup = rows[("setup", 0)]
+    assert setup[3] == "error" and "no-such-dir is not a directory" in setup[4]
     ok = rows[("ok", 0)]
     assert ok[3:7] == ("ok", None, 1.0, "judge.py:judge")
     fail = rows[("fail", 1)]
