@@ -73,7 +73,17 @@ def _restart_on(record: PolicyServer, path: Path, name: str) -> PolicyServer:
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         extra = ["--tokenizer", record.base_model]  # trainers often save weights only
     stop_server()
-    return start_server(str(path), port=port, python=record.python, served_name=name, log_path=Path(record.log_path), extra_args=extra)
+    try:
+        return start_server(str(path), port=port, python=record.python, served_name=name, log_path=Path(record.log_path), extra_args=extra)
+    except LcapError as exc:
+        # Leave the agents a policy: bring the previous one back (base and adapters), then report.
+        previous = start_server(record.base_model, port=port, python=record.python, served_name=record.served_model,
+                                log_path=Path(record.log_path))
+        for lora, lora_path in record.loras.items():
+            previous = _load_lora(previous, Path(lora_path), lora)
+        previous.current = record.current
+        write_policy(previous)
+        raise LcapError(f"checkpoint {path} did not start, so {record.current!r} is serving again: {exc}") from None
 
 
 def _unique_name(path: Path, round: int | None) -> str:
