@@ -142,6 +142,7 @@ class CaptureAddon:
         self._conn_episode: dict[str, str] = {}
         self._seq: defaultdict[str | None, int] = defaultdict(int)
         self._seq_lock = threading.Lock()
+        self.in_flight: defaultdict[str | None, int] = defaultdict(int)  # recognised calls not finished yet
 
     # --- attribution -------------------------------------------------------------------------
 
@@ -149,6 +150,7 @@ class CaptureAddon:
         with self._seq_lock:
             seq = self._seq[episode]
             self._seq[episode] = seq + 1
+            self.in_flight[episode] += 1
         return seq
 
     @_guarded
@@ -286,6 +288,14 @@ class CaptureAddon:
     def _finish(self, pending: PendingTurn) -> None:
         pending.done = True
         self.writer.put(pending)
+        if pending.seq is not None:
+            with self._seq_lock:
+                self.in_flight[pending.episode_id] -= 1
+
+    def busy(self, episode: str | None = None, *, any_episode: bool = False) -> bool:
+        if any_episode:
+            return any(n > 0 for n in self.in_flight.values())
+        return self.in_flight.get(episode, 0) > 0
 
     # --- Responses API over WebSocket ---------------------------------------------------------
 

@@ -17,6 +17,7 @@ import ssl
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from urllib.parse import quote
@@ -122,6 +123,7 @@ class CaptureProxy:
         self._ready = threading.Event()
         self._error: str | None = None
         self._master = None
+        self._addon: CaptureAddon | None = None
         self._bundle: Path | None = None
 
     @property
@@ -143,6 +145,7 @@ class CaptureProxy:
         router = Router(self.upstream, self.model)
         addon = CaptureAddon(self.writer, router, token_ids=bool(self.token_ids),
                              upstream_api_key=os.environ.get("LCAP_UPSTREAM_API_KEY"))
+        self._addon = addon
         self.writer.start()
         self._thread = threading.Thread(target=self._serve, args=(addon,), name="lcap-proxy", daemon=True)
         self._thread.start()
@@ -212,6 +215,17 @@ class CaptureProxy:
             finally:
                 await server.servers.update([])
                 await master.done()
+
+    def flush(self, episode_id: str | None = None, *, timeout: float = 30.0) -> bool:
+        """Block until the calls in flight (of `episode_id`, or all) are finished and every finished turn is
+        in the store. Collect calls it when an episode's child exits, before reading that episode's turns."""
+        deadline = time.monotonic() + timeout
+        addon = self._addon
+        while addon is not None and addon.busy(episode_id, any_episode=episode_id is None):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return self.writer.flush(max(0.0, deadline - time.monotonic()))
 
     def stop(self) -> None:
         """Stop accepting calls and write every finished turn to the store."""

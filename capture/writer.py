@@ -170,7 +170,7 @@ class TurnWriter:
     def __init__(self, store: Store, *, interval: float = 0.25, spool_dir: Path | None = None) -> None:
         self.store = store
         self.interval = interval
-        self._queue: queue.SimpleQueue[PendingTurn | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[PendingTurn | threading.Event | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._spool_dir = spool_dir or lcap_home() / "spool"
         self._spool: Path | None = None
@@ -187,6 +187,14 @@ class TurnWriter:
     def put(self, turn: PendingTurn) -> None:
         self._queue.put(turn)
 
+    def flush(self, timeout: float | None = 30.0) -> bool:
+        """Block until every turn queued before this call is in the store (or `timeout`)."""
+        if self._thread is None:
+            return True
+        marker = threading.Event()
+        self._queue.put(marker)
+        return marker.wait(timeout)
+
     def stop(self) -> None:
         """Write everything queued so far, then end the thread."""
         if self._thread is None:
@@ -200,14 +208,15 @@ class TurnWriter:
     def _run(self) -> None:
         stopping = False
         while not stopping:
-            batch: list[PendingTurn] = []
+            batch: list = []
             item = self._queue.get()
             if item is None:
                 stopping = True
             else:
                 batch.append(item)
                 deadline = time.monotonic() + self.interval
-                while (left := deadline - time.monotonic()) > 0:
+                # gather a batch for up to `interval`, unless someone waits on a flush
+                while not isinstance(item, threading.Event) and (left := deadline - time.monotonic()) > 0:
                     try:
                         item = self._queue.get(timeout=left)
                     except queue.Empty:
@@ -225,8 +234,12 @@ class TurnWriter:
                     stopping = True
                 else:
                     batch.append(item)
-            if batch:
-                self._write(batch)
+            markers = [t for t in batch if isinstance(t, threading.Event)]
+            turns = [t for t in batch if not isinstance(t, threading.Event)]
+            if turns:
+                self._write(turns)
+            for marker in markers:
+                marker.set()
 
     def _write(self, batch: list[PendingTurn]) -> None:
         rows = []

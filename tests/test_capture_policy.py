@@ -104,7 +104,10 @@ def test_policy_route_token_ids_and_clean_answers(tmp_path, policy_record, vllm_
 def test_deploy_switches_new_calls_without_restart(tmp_path, policy_record, vllm_like):
     store = Store(tmp_path / "lcap.duckdb")
     with CaptureProxy(store, upstream="policy", token_ids=False) as proxy, _client(proxy, None) as client:
-        client.post("https://api.openai.com/v1/chat/completions", json=CHAT)
+        first = client.post("https://api.openai.com/v1/chat/completions", json=CHAT)
+        assert first.status_code == 200, first.text
+        assert proxy.flush(timeout=10)
+        assert len(turns(tmp_path / "lcap.duckdb")) == 1  # in the store while the proxy still runs
         policy_record.current = "lora-2"
         write_policy(policy_record)
         time.sleep(0.7)
