@@ -84,3 +84,24 @@ def test_serve_status_and_deploy_without_a_server(tmp_path, monkeypatch):
     }))
     deployed = runner.invoke(app, ["deploy", str(tmp_path / "nothing-here"), "--db", str(tmp_path / "s.duckdb")])
     assert deployed.exit_code == 2 and "neither a LoRA adapter" in deployed.output
+
+
+def test_vllm_env_rejects_a_venv_without_vllm_and_reuses_a_stamped_one(tmp_path, monkeypatch):
+    import sys
+
+    from lcap.train import vllm_env
+
+    monkeypatch.setenv("LCAP_HOME", str(tmp_path))
+    (tmp_path / "vllm-venv" / "bin").mkdir(parents=True)
+    (tmp_path / "vllm-venv" / "lib" / "python3.11" / "site-packages").mkdir(parents=True)
+    (tmp_path / "vllm-venv" / "bin" / "python").symlink_to(sys.executable)  # this python has no vllm
+    assert vllm_env.working_vllm_python() is None
+    assert not (tmp_path / "vllm-venv" / ".lcap-vllm-ok").exists()
+    # a venv stamped as importing vllm is returned without running anything (no install, no import)
+    python = tmp_path / "vllm-venv" / "bin" / "python"
+    (tmp_path / "vllm-venv" / ".lcap-vllm-ok").write_text(vllm_env._fingerprint(python))
+    monkeypatch.setattr(vllm_env.subprocess, "run", lambda *a, **k: pytest.fail(f"ran {a}"))
+    assert vllm_env.ensure_vllm_env() == str(python)
+    # installing or removing a package changes the fingerprint, so the stamp stops counting
+    (tmp_path / "vllm-venv" / "lib" / "python3.11" / "site-packages" / "new_pkg").mkdir()
+    assert (tmp_path / "vllm-venv" / ".lcap-vllm-ok").read_text() != vllm_env._fingerprint(python)

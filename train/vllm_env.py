@@ -90,5 +90,6 @@ def _stamp_path() -> Path:
 
 def _fingerprint(python: Path) -> str:
     """Changes whenever a package is installed into or removed from the venv."""
-    site = sorted((python.parent.parent / "lib").glob("python3*/site-packages"))
-    return json.dumps({"python": str(python), "site": [[str(p), p.stat().st_mtime_ns] for p in site]})
+    venv = python.parent.parent.resolve()  # the same venv reached through a symlink has the same stamp
+    site = sorted((venv / "lib").glob("python3*/site-packages"))
+    return json.dumps({"venv": str(venv), "site": [[str(p), p.stat().st_mtime_ns] for p in site]})
