@@ -13,7 +13,7 @@ import gzip
 import json
 import logging
 import os
-import queue
+import collections
 import threading
 import time
 import uuid
@@ -165,12 +165,20 @@ _TIME_COLUMNS = ("started_at", "ended_at")
 
 
 class TurnWriter:
-    """A thread that appends finished turns to the store in batches, through a crash spool."""
+    """A thread that appends finished turns to the store in batches, through a crash spool.
+
+    `put` is a lock-free deque append that wakes nobody: the writer wakes every `interval` on its
+    own (or at once for a flush or stop), so the proxy's event loop never hands the GIL to the
+    writer per call. Building rows yields the GIL between turns for the same reason.
+    """
 
     def __init__(self, store: Store, *, interval: float = 0.25, spool_dir: Path | None = None) -> None:
         self.store = store
         self.interval = interval
-        self._queue: queue.SimpleQueue[PendingTurn | threading.Event | None] = queue.SimpleQueue()
+        self._pending: collections.deque[PendingTurn] = collections.deque()
+        self._markers: collections.deque[threading.Event] = collections.deque()
+        self._wake = threading.Event()
+        self._stopping = False
         self._thread: threading.Thread | None = None
         self._spool_dir = spool_dir or lcap_home() / "spool"
         self._spool: Path | None = None
@@ -181,65 +189,50 @@ class TurnWriter:
         self._spool_dir.mkdir(parents=True, exist_ok=True)
         self._spool = self._spool_dir / f"{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
         self.replay_spools()
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="lcap-turn-writer", daemon=True)
         self._thread.start()
 
     def put(self, turn: PendingTurn) -> None:
-        self._queue.put(turn)
+        self._pending.append(turn)
 
     def flush(self, timeout: float | None = 30.0) -> bool:
-        """Block until every turn queued before this call is in the store (or `timeout`)."""
+        """Block until every turn put before this call is in the store (or `timeout`)."""
         if self._thread is None:
             return True
         marker = threading.Event()
-        self._queue.put(marker)
+        self._markers.append(marker)
+        self._wake.set()
         return marker.wait(timeout)
 
     def stop(self) -> None:
-        """Write everything queued so far, then end the thread."""
+        """Write everything put so far, then end the thread."""
         if self._thread is None:
             return
-        self._queue.put(None)
+        self._stopping = True
+        self._wake.set()
         self._thread.join()
         self._thread = None
         if self._spool is not None:
             self._spool.unlink(missing_ok=True)
 
     def _run(self) -> None:
-        stopping = False
-        while not stopping:
-            batch: list = []
-            item = self._queue.get()
-            if item is None:
-                stopping = True
-            else:
-                batch.append(item)
-                deadline = time.monotonic() + self.interval
-                # gather a batch for up to `interval`, unless someone waits on a flush
-                while not isinstance(item, threading.Event) and (left := deadline - time.monotonic()) > 0:
-                    try:
-                        item = self._queue.get(timeout=left)
-                    except queue.Empty:
-                        break
-                    if item is None:
-                        stopping = True
-                        break
-                    batch.append(item)
-            while True:  # drain what is already there without waiting
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    stopping = True
-                else:
-                    batch.append(item)
-            markers = [t for t in batch if isinstance(t, threading.Event)]
-            turns = [t for t in batch if not isinstance(t, threading.Event)]
-            if turns:
-                self._write(turns)
+        while True:
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            stopping = self._stopping
+            markers = []
+            while self._markers:  # taken before the turns: every turn put before a flush is written
+                markers.append(self._markers.popleft())
+            batch = []
+            while self._pending:
+                batch.append(self._pending.popleft())
+            if batch:
+                self._write(batch)
             for marker in markers:
                 marker.set()
+            if stopping and not self._pending:
+                return
 
     def _write(self, batch: list[PendingTurn]) -> None:
         rows = []
@@ -249,6 +242,7 @@ class TurnWriter:
             except Exception:
                 log.exception("lcap: dropped a turn that could not be read")
                 self.failed += 1
+            time.sleep(0)  # let the proxy's event loop run between turns
         if not rows:
             return
         self._spool_rows(rows)
