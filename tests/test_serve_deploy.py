@@ -51,6 +51,11 @@ def test_deploy_lora_hot_loads_it_as_the_current_policy(vllm_policy, tiny_lora, 
         ("policy-cli", str(tiny_lora.resolve()), str(vllm_policy.model_dir.resolve()), "lora", 2),
     ]
 
+    # Deploying a name vLLM already holds (a resumed loop whose record was reset) replaces it in place.
+    vllm_policy.use_base()
+    assert deploy(tiny_lora, name=name) == name and read_policy().current == name
+    assert completion_ids(vllm_policy.url, name) != base
+
 
 def test_lcap_serve_status_full_deploy_and_stop(vllm_server, tmp_path):
     """The CLI's own start path (second vLLM), a full checkpoint that restarts it on the same port, then --stop."""

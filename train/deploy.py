@@ -50,7 +50,8 @@ def _load_lora(record: PolicyServer, path: Path, name: str) -> PolicyServer:
     rank = max([config.get("r") or 0, *(config.get("rank_pattern") or {}).values()])
     if rank > MAX_LORA_RANK:
         raise LcapError(f"adapter {path} has rank {rank}; the server allows at most {MAX_LORA_RANK} (restart `lcap serve` with a larger --max-lora-rank)")
-    body = {"lora_name": name, "lora_path": str(path), "load_inplace": name in record.loras}
+    # In place: deploying a name again (a resumed loop, or a retrained adapter under a fixed name) replaces it.
+    body = {"lora_name": name, "lora_path": str(path), "load_inplace": True}
     try:
         response = httpx.post(f"{record.url}/v1/load_lora_adapter", json=body, timeout=600)
     except httpx.HTTPError as exc:
