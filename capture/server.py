@@ -48,16 +48,20 @@ def ensure_ca() -> Path:
     from mitmproxy.certs import CertStore
 
     directory = ca_dir()
+    cert = directory / f"{CA_BASENAME}-ca-cert.pem"
+    key = directory / f"{CA_BASENAME}-ca.pem"
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        CertStore.from_store(directory, CA_BASENAME, 2048)
-        key = directory / f"{CA_BASENAME}-ca.pem"
+        if not (key.exists() and cert.exists()):
+            CertStore.create_store(directory, CA_BASENAME, 2048)
+        elif not os.access(key, os.R_OK):
+            raise PermissionError(f"cannot read {key}")
         for secret in (key, directory / f"{CA_BASENAME}-ca.p12"):
             if secret.exists():
                 secret.chmod(0o600)
     except Exception as exc:
         raise LcapError(f"bad CA dir {directory}: {exc}") from None
-    return directory / f"{CA_BASENAME}-ca-cert.pem"
+    return cert
 
 
 def _system_roots() -> str | None:
@@ -190,7 +194,11 @@ class CaptureProxy:
 
         opts = options.Options()
         master = Master(opts)
-        master.addons.add(proxyserver.Proxyserver(), next_layer.NextLayer(), tlsconfig.TlsConfig(), addon)
+        class TlsConfig(tlsconfig.TlsConfig):
+            def running(self) -> None:
+                """Upstream reloads the CA here again (a workaround lcap does not need): ~0.3 s saved."""
+
+        master.addons.add(proxyserver.Proxyserver(), next_layer.NextLayer(), TlsConfig(), addon)
         opts.update(
             confdir=str(ca_dir()), listen_host=self.listen_host, listen_port=self.listen_port, mode=["regular"],
             connection_strategy="lazy", upstream_cert=False, stream_large_bodies=None,
