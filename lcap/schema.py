@@ -214,9 +214,10 @@ CREATE OR REPLACE VIEW turn_tokens AS
 # completion was not truncated; the tokens in between are environment tokens (env_mask 0,
 # logprob 0). Otherwise a call starts a new sample, so a truncated call always ends its sample.
 # `turn_segments(round, split)` (NULL: all) gives, per call, the sample it belongs to and its
-# segment: env tokens + completion. A sample is its calls' segments concatenated in seq order:
-# the view `samples` does that with SQL aggregates; build-dataset does the same concatenation on
-# Arrow buffers (one sort, no per-group list sorting), which is what makes 1M turns fast.
+# segment: env tokens + completion; the view `samples` concatenates them in seq order. This is
+# the rule's SQL statement, for inspection; build-dataset applies the same rule vectorised on the
+# Arrow buffers of the joined turns (lcap.dataset.merge, 10-20x faster), and a test checks that
+# both agree.
 _SEGMENTS = """
     WITH tt AS (
         SELECT tt.episode_id, tt.seq, tt.prompt_ids, tt.completion_ids, tt.logprobs, tt.truncated,
