@@ -21,7 +21,6 @@ import os
 import shutil
 import signal
 import ssl
-import statistics
 import subprocess
 import sys
 import tempfile

@@ -205,6 +205,7 @@ class CaptureProxy:
         )
         self._master = master
         server = master.addons.get("proxyserver")
+        asyncio.get_running_loop().set_exception_handler(_loop_exception)  # kept through asyncio.run's shutdown
         with asyncio_utils.set_eager_task_factory():
             if not await server.setup_servers():
                 self._error = f"cannot listen on {self.listen_host}:{self.listen_port} (port in use?)"
@@ -278,6 +279,14 @@ class CaptureProxy:
         if episode_id:
             env["LCAP_EPISODE_ID"] = episode_id
         return env
+
+
+def _loop_exception(loop, context) -> None:
+    """Connections still open when the proxy stops are cancelled: not an error worth a traceback."""
+    exc = context.get("exception")
+    if isinstance(exc, (asyncio.CancelledError, ConnectionError)):
+        return
+    log.error("lcap proxy: %s", context.get("message"), exc_info=exc)
 
 
 def _no_proxy_without_llm_hosts(value: str) -> str:

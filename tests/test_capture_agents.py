@@ -8,7 +8,6 @@ interception with lcap's CA, the child environment and the DuckDB store are all 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import threading
