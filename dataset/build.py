@@ -97,6 +97,8 @@ def build_dataset(store: Store, *, round: int, out: Path, options: BuildOptions 
     """Write `out/samples.parquet` and `out/report.json` for the `options.split` episodes of `round`."""
     started = time.perf_counter()
     round = int(round)
+    if options.truncated not in ("drop", "mask"):
+        raise LcapError(f"truncated must be 'drop' or 'mask', not {options.truncated!r}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     report = BuildReport(round=round, split=options.split, out=str(out), options=asdict(options))
@@ -110,8 +112,6 @@ def build_dataset(store: Store, *, round: int, out: Path, options: BuildOptions 
         rebuilt = unrebuildable = 0
     clock("rebuild")
 
-    if options.truncated not in ("drop", "mask"):
-        raise LcapError(f"truncated must be 'drop' or 'mask', not {options.truncated!r}")
     params = {"round": round, "split": options.split}
     with store.connect() as con:
         turns = con.sql(_TURNS, params=params).to_arrow_table()

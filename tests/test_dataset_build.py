@@ -240,6 +240,15 @@ def test_reward_command(builder, dstore, tmp_path):
     bad = subprocess.run([str(lcap), "reward", "nope", "1", "--db", str(dstore.path)], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip() == f"lcap: no episode 'nope' in {dstore.path}"
     assert dstore.fetchall("SELECT reward, details->>'judge', source FROM latest_rewards") == [(0.7, "human", "cli")]
+    built = subprocess.run([str(lcap), "build-dataset", "--round", "1", "--out", str(tmp_path / "data"),
+                            "--keep-zero-variance", "--truncated", "mask", "--db", str(dstore.path)],
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    assert built.stdout.startswith(f"round 1 (train): 1 samples -> {tmp_path / 'data'}")
+    assert "groups: total 1, zero_variance 1, singleton 1" in built.stdout
+    bad = subprocess.run([str(lcap), "build-dataset", "--round", "1", "--out", str(tmp_path / "d2"), "--truncated", "cut",
+                          "--db", str(dstore.path)], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip() == "lcap: truncated must be 'drop' or 'mask', not 'cut'"
 
 
 def test_vectorised_merge_agrees_with_the_samples_view(builder, dstore, tmp_path, monkeypatch):
