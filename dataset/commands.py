@@ -48,7 +48,10 @@ def register(app: typer.Typer) -> None:
             if not sep or not key:
                 raise LcapError(f"--label {item!r}: expected key=value")
             labels[key] = value
-        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        def stop(*_):  # SIGTERM ends collect like Ctrl-C: children killed, episodes marked interrupted
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, stop)
         try:
             result = run_collect(
                 Store(db), tasks=tasks, command=list(ctx.args), group_size=group_size, concurrency=concurrency,
