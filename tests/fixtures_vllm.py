@@ -1,7 +1,9 @@
 """The policy server every stage tests against: the tiny model on the real vLLM CPU server.
 
-`vllm_server` (session) makes the tiny model once, starts vLLM on it once (the slow part, ~30 s
-to minutes on a busy machine) with an isolated LCAP_HOME, and stops it when the session ends.
+`vllm_server` (session) makes the tiny model once, starts vLLM on it once with `lcap serve` (the
+slow part, ~1 minute, more on a busy machine) with an isolated LCAP_HOME and LCAP_POLICY_RECORD,
+and stops it when the session ends. `record.pid` may change during the session: a full-checkpoint
+deploy test restarts the server on an identical copy of the model, same name and URL.
 Tests that use it are marked `@pytest.mark.vllm`. Deploy tests change the record's `current`:
 use `vllm_policy` (function scope) to get the server with `current` reset to the base model
 before and after the test.
@@ -10,6 +12,8 @@ before and after the test.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,7 +78,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def vllm_server(tiny_model_dir, tmp_path_factory):
     from lcap.config import LcapError
     from lcap.policy import read_policy
-    from lcap.train.vllm_server import resolve_python, start_server, stop_server
+    from lcap.train.vllm_server import resolve_python, stop_server
 
     try:
         python = resolve_python()  # finds lcap's vLLM venv, else installs it (as `lcap setup vllm`)
@@ -89,7 +93,15 @@ def vllm_server(tiny_model_dir, tmp_path_factory):
     os.environ["LCAP_HOME"] = str(home)
     os.environ["LCAP_POLICY_RECORD"] = str(home / "policy.json")
     try:
-        record = start_server(str(tiny_model_dir), python=python, served_name="tiny", timeout=900, progress=False)
+        # Started through the CLI, as a user would: this is also the test of `lcap serve`'s start path.
+        started = subprocess.run(
+            [str(Path(sys.executable).parent / "lcap"), "serve", "--model", str(tiny_model_dir), "--name", "tiny",
+             "--python", python, "--timeout", "900", "--db", str(home / "serve.duckdb")],
+            capture_output=True, text=True, timeout=1000,
+        )
+        record = read_policy()
+        assert started.returncode == 0 and record is not None, f"lcap serve failed:\n{started.stdout}\n{started.stderr[-4000:]}"
+        assert f"policy server ready at {record.url}" in started.stdout
         yield VllmServer(
             url=record.url, served_model=record.served_model, model_dir=tiny_model_dir,
             record=record, lcap_home=home, python=python,

@@ -1,9 +1,10 @@
-"""`lcap deploy` on the real vLLM CPU server: LoRA hot-load, and `lcap serve` + full-checkpoint restart via the CLI."""
+"""`lcap serve --status` and `lcap deploy` on the real vLLM CPU server: LoRA hot-load, full-checkpoint restart."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -57,46 +58,37 @@ def test_deploy_lora_hot_loads_it_as_the_current_policy(vllm_policy, tiny_lora, 
     assert completion_ids(vllm_policy.url, name) != base
 
 
-def test_lcap_serve_status_full_deploy_and_stop(vllm_server, tmp_path):
-    """The CLI's own start path (second vLLM), a full checkpoint that restarts it on the same port, then --stop."""
-    from lcap.train.tiny_model import init_model
+def test_lcap_serve_status_reports_the_running_server(vllm_server):
+    """The session's server was started by `lcap serve` (see fixtures_vllm): its record, health and base row."""
+    status = subprocess.run([str(Path(sys.executable).parent / "lcap"), "serve", "--status"], capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    state = json.loads(status.stdout)
+    assert state["running"] and state["healthy"] and state["alive"]
+    assert state["url"] == vllm_server.url and state["served_model"] == "tiny"
+    assert Path(state["log_path"]).is_file() and "--enable-lora" in Path(state["log_path"]).read_text()
+    rows = Store(vllm_server.lcap_home / "serve.duckdb").fetchall("SELECT name, path, kind, round FROM deployments")
+    assert rows == [("tiny", str(vllm_server.model_dir.resolve()), "base", None)]
 
-    home = tmp_path / "home"
-    home.mkdir()
-    venv = Path(vllm_server.python).parent.parent
-    if venv.name == "vllm-venv":
-        (home / "vllm-venv").symlink_to(venv, target_is_directory=True)
-    env = dict(os.environ, LCAP_HOME=str(home), LCAP_POLICY_RECORD=str(home / "policy.json"))
-    lcap = [str(Path(sys.executable).parent / "lcap")]
-    db = str(tmp_path / "lcap.duckdb")
 
-    def run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-        return subprocess.run([*lcap, *args], env=env, capture_output=True, text=True, timeout=timeout)
+def test_deploy_full_checkpoint_restarts_vllm_on_the_same_url(vllm_policy, tmp_path):
+    """A full checkpoint restarts vLLM on it. The checkpoint is an exact copy of the tiny model under the same
+    name, so the session's server keeps serving the same policy to the tests that follow."""
+    before = read_policy()
+    base = completion_ids(vllm_policy.url, vllm_policy.served_model)
+    checkpoint = tmp_path / "round-3" / "checkpoint"
+    shutil.copytree(vllm_policy.model_dir, checkpoint)
 
-    started = run("serve", "--model", str(vllm_server.model_dir), "--name", "base", "--db", db)
-    try:
-        assert started.returncode == 0, started.stderr[-3000:]
-        assert "policy server ready at http://127.0.0.1:" in started.stdout
-        status = json.loads(run("serve", "--status").stdout)
-        assert status["running"] and status["healthy"] and status["current"] == "base"
-        url, pid = status["url"], status["pid"]
-        assert completion_ids(url, "base")
-
-        checkpoint = init_model(tmp_path / "round-3", seed=3)
-        deployed = run("deploy", str(checkpoint), "--round", "3", "--db", db)
-        assert deployed.returncode == 0, deployed.stderr[-3000:]
-        name = deployed.stdout.strip()
-        status = json.loads(run("serve", "--status").stdout)
-        assert status["healthy"] and status["url"] == url and status["pid"] != pid
-        assert status["current"] == status["served_model"] == name and status["base_model"] == str(checkpoint.resolve())
-        assert completion_ids(url, name)
-        rows = Store(db).fetchall("SELECT name, kind, round FROM deployments ORDER BY created_at")
-        assert rows == [("base", "base", None), (name, "full", 3)]
-    finally:
-        stopped = run("serve", "--stop", timeout=120)
-    assert stopped.returncode == 0 and "stopped policy server" in stopped.stdout
-    assert not (home / "policy.json").exists()
-    status = run("serve", "--status")
-    assert status.returncode == 1 and json.loads(status.stdout) == {"running": False}
+    result = CliRunner().invoke(app, ["deploy", str(checkpoint), "--name", vllm_policy.served_model, "--round", "3",
+                                      "--db", str(tmp_path / "lcap.duckdb")])
+    assert result.exit_code == 0, result.output
+    after = read_policy()
+    vllm_policy.record = after
+    assert after.pid != before.pid and after.url == before.url
+    assert after.base_model == str(checkpoint.resolve()) and after.current == after.served_model == vllm_policy.served_model
     with pytest.raises(ProcessLookupError):
-        os.killpg(pid, 0)
+        os.killpg(before.pid, 0)
+    models = httpx.get(f"{after.url}/v1/models", timeout=30).json()["data"]
+    assert [(m["id"], m["root"]) for m in models] == [(vllm_policy.served_model, str(checkpoint.resolve()))]
+    assert completion_ids(after.url, vllm_policy.served_model) == base  # same weights, same greedy answer
+    rows = Store(tmp_path / "lcap.duckdb").fetchall("SELECT name, path, base_model, kind, round FROM deployments")
+    assert rows == [(vllm_policy.served_model, str(checkpoint.resolve()), str(checkpoint.resolve()), "full", 3)]

@@ -105,3 +105,24 @@ def test_vllm_env_rejects_a_venv_without_vllm_and_reuses_a_stamped_one(tmp_path,
     # installing or removing a package changes the fingerprint, so the stamp stops counting
     (tmp_path / "vllm-venv" / "lib" / "python3.11" / "site-packages" / "new_pkg").mkdir()
     assert (tmp_path / "vllm-venv" / ".lcap-vllm-ok").read_text() != vllm_env._fingerprint(python)
+
+
+def test_serve_stop_ends_the_whole_process_group(tmp_path, monkeypatch):
+    """vLLM's engine runs in child processes: --stop must end the group, not only the leader (a shell and its sleeps here)."""
+    import os
+    import subprocess
+    import time
+
+    monkeypatch.setenv("LCAP_POLICY_RECORD", str(tmp_path / "policy.json"))
+    leader = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300; wait"], start_new_session=True)
+    time.sleep(0.2)
+    (tmp_path / "policy.json").write_text(json.dumps({
+        "url": "http://127.0.0.1:9", "pid": leader.pid, "base_model": "m", "served_model": "m", "current": "m",
+        "log_path": "", "python": "", "started_at": "", "loras": {},
+    }))
+    result = CliRunner().invoke(app, ["serve", "--stop"])
+    assert result.exit_code == 0 and f"stopped policy server http://127.0.0.1:9 (pid {leader.pid})" in result.output
+    assert leader.poll() is not None and not (tmp_path / "policy.json").exists()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(leader.pid, 0)
+    assert CliRunner().invoke(app, ["serve", "--stop"]).output.strip() == "no policy server was running"
