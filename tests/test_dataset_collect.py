@@ -142,16 +142,18 @@ def test_resume_after_interrupted_run(collect_env):
             sys.executable, "agent.py", "{mode}"]
     env = {**os.environ, "GATE": str(gate)}
     first = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while len(list(tmp.glob("lcap-runs/*/round-1/*/work/answer.txt"))) < 4 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(1.0)  # the four quick episodes get verified and recorded
+    store = Store(tmp / "lcap.duckdb")
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:  # the four quick episodes finish (the store is shared per transaction)
+        if (tmp / "lcap.duckdb").exists() and \
+                store.fetchall("SELECT count(*) FROM episodes WHERE status = 'ok'")[0][0] == 4:
+            break
+        time.sleep(0.3)
     first.send_signal(signal.SIGINT)
     _, err = first.communicate(timeout=60)
     assert first.returncode == 130, err
     assert "interrupted; finished episodes are kept" in err
 
-    store = Store(tmp / "lcap.duckdb")
     before = {r[0]: r for r in store.fetchall("SELECT episode_id, status, started_at, task_id FROM episodes")}
     assert sorted(r[1] for r in before.values()) == ["interrupted", "interrupted", "ok", "ok", "ok", "ok"]
     assert {r[3] for r in before.values() if r[1] == "interrupted"} == {"t2"}
