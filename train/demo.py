@@ -34,14 +34,15 @@ MODEL_SIZES = dict(hidden_size=128, num_layers=2, num_heads=2)
 class DemoSettings:
     n_train: int = 16           # training tasks
     n_eval: int = 32            # held-out tasks (distinct word triples)
-    group_size: int = 6
-    eval_group_size: int = 2
+    group_size: int = 4
+    eval_group_size: int = 1
     concurrency: int = 4
     warm_steps: int = 400
-    warm_p_correct: float = 0.3
-    lr: float = 2e-3
-    epochs: float = 2.0
-    batch_size: int = 24
+    warm_p_correct: float = 0.3   # the warm start's answer is the right word this often...
+    warm_p_format: float = 0.2    # ...and written in the format the verifier parses this often
+    lr: float = 5e-3
+    epochs: int = 2
+    batch_size: int = 32
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -64,6 +65,10 @@ def run_demo(out: Path, *, rounds: int = 5, fresh: bool = False, settings: DemoS
     from lcap.train.tiny_model import init_model
     from lcap.train.vllm_server import start_server, stop_server
 
+    import torch
+
+    if (os.cpu_count() or 1) <= 2:
+        torch.set_num_threads(1)  # two busy threads on two cores thrash (vLLM, the proxy and agents share them)
     t0 = time.perf_counter()
     out = Path(out).resolve()
     if fresh and out.exists():
@@ -78,7 +83,7 @@ def run_demo(out: Path, *, rounds: int = 5, fresh: bool = False, settings: DemoS
         echo(f"[demo] making the tiny model in {model} and warm-starting it ({settings.warm_steps} supervised steps)")
         shutil.rmtree(model, ignore_errors=True)
         init_model(model, seed=settings.seed, **MODEL_SIZES)
-        report = warm_start(model, read_words(bundled / "words.txt"), p_correct=settings.warm_p_correct,
+        report = warm_start(model, read_words(bundled / "words.txt"), p_correct=settings.warm_p_correct, p_format=settings.warm_p_format,
                             steps=settings.warm_steps, seed=settings.seed, log=echo)
         (model / "warm_start.json").write_text(json.dumps(report, indent=2))
     timings["model"] = time.perf_counter() - t0
@@ -88,6 +93,9 @@ def run_demo(out: Path, *, rounds: int = 5, fresh: bool = False, settings: DemoS
     tasks = write_jsonl(out / "tasks.jsonl", train_tasks)
     eval_tasks = write_jsonl(out / "heldout.jsonl", held_out)
 
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))  # stop vLLM on `kill` too
     running = read_policy()
     started = False
     if running is None or running.base_model != str(model):

@@ -14,7 +14,9 @@ import json
 import random
 from pathlib import Path
 
-QUESTION = "Which is a number:\n{a}\n{b}\n{c}"
+QUESTION = "Which is a number: {a} {b} {c}"
+# The verifier parses this format; the warm start uses it 30% of the time, the others otherwise.
+FORMATS = ("Answer: {w}", "{w}", "The answer is {w}.")
 NUMBERS = frozenset("zero one two three four five six seven eight nine ten hundred thousand".split())
 
 
@@ -54,7 +56,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return Path(path)
 
 
-def warm_start(model_dir: Path, words: list[str], *, p_correct: float = 0.3, examples: int = 4000, steps: int = 300,
+def warm_start(model_dir: Path, words: list[str], *, p_correct: float = 0.3, p_format: float = 0.3, examples: int = 4000, steps: int = 300,
                batch_size: int = 64, lr: float = 3e-3, seed: int = 0, log=print) -> dict:
     """Supervised pass that teaches the answer format with a wrong-most-of-the-time answer; saves in place."""
     import torch
@@ -71,22 +73,27 @@ def warm_start(model_dir: Path, words: list[str], *, p_correct: float = 0.3, exa
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION.format(a=a, b=b, c=c)}],
                                                add_generation_prompt=True, tokenize=False)
         p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        c_ids = tokenizer(answer + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        form = FORMATS[0] if rng.random() < p_format else rng.choice(FORMATS[1:])
+        c_ids = tokenizer(form.format(w=answer) + "<|im_end|>", add_special_tokens=False)["input_ids"]
         rows.append((p_ids, c_ids))
-    if len({len(p) + len(c) for p, c in rows}) != 1:
-        raise ValueError("warm start needs single-token words (every row the same length)")
-    # Every word is one token, so every row has the same length: no padding, and only the answer
-    # positions go through the LM head.
-    n_answer = len(rows[0][1])
-    ids = torch.tensor([p + c for p, c in rows])
+    # Every word is one token, so every prompt has the same length: answers are padded on the right
+    # and only the answer positions go through the LM head.
+    if len({len(p) for p, _ in rows}) != 1:
+        raise ValueError("warm start needs single-token words (every prompt the same length)")
+    n_answer = max(len(c) for _, c in rows)
+    ids = torch.full((len(rows), len(rows[0][0]) + n_answer), tokenizer.pad_token_id)
+    labels = torch.full((len(rows), n_answer), -100)
+    for i, (p, c) in enumerate(rows):
+        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+        labels[i, : len(c)] = torch.tensor(c)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     model.train()
     loss = None
     for step in range(steps):
-        batch = ids[torch.randint(0, len(rows), (batch_size,))]
-        logits = model(input_ids=batch[:, :-1], logits_to_keep=n_answer).logits
-        out = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, -n_answer:].reshape(-1))
+        pick = torch.randint(0, len(rows), (batch_size,))
+        logits = model(input_ids=ids[pick, :-1], logits_to_keep=n_answer).logits
+        out = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[pick].reshape(-1), ignore_index=-100)
         out.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -97,4 +104,4 @@ def warm_start(model_dir: Path, words: list[str], *, p_correct: float = 0.3, exa
             log(f"warm start step {step + 1}/{steps}: loss {loss:.3f}")
     model.eval()
     model.save_pretrained(model_dir, safe_serialization=True)
-    return {"steps": steps, "loss": loss, "examples": examples, "p_correct": p_correct}
+    return {"steps": steps, "loss": loss, "examples": examples, "p_correct": p_correct, "p_format": p_format}

@@ -40,11 +40,10 @@ class TrainOptions:
     loss_type: str = "dapo"                # TRL loss: grpo | dapo | dr_grpo | bnpo | cispo | sapo | luspo
     learning_rate: float = 1e-5
     beta: float = 0.0                      # KL coefficient against the base (0: no reference forward)
-    epochs: float = 1.0
-    batch_size: int = 0                    # samples per optimiser step; 0: two groups; rounded up to whole groups
+    epochs: int = 1                        # passes over the round's samples (TRL num_iterations)
+    batch_size: int = 0                    # samples per micro-batch; 0: two groups; rounded up to whole groups
     grad_accum: int = 1
-    num_iterations: int = 1                # PPO-style updates per captured batch (TRL's mu)
-    max_steps: int = -1
+    max_steps: int = -1                    # cap on optimiser steps
     epsilon: float = 0.2
     epsilon_high: float | None = None
     group_size: int | None = None          # default: the largest captured group
@@ -160,6 +159,16 @@ def prepare_round(store, run: Path, round: int, options: TrainOptions = TrainOpt
     size = groups.size
     batch = options.batch_size or 2 * size
     batch = max(size, math.ceil(batch / size) * size)
+    batch = min(batch, len(groups.groups) * size)  # a round with few usable groups still makes one step
+    # The whole round is one TRL "generation": old logps are taken once, from the policy the round
+    # starts from, so PPO's clip bounds the drift over every step and pass of the round, and the IS
+    # ratio compares that policy with the captured behaviour logprobs. The group count is padded
+    # (zero-weight groups) to whole optimiser steps.
+    groups.pad_to_multiple(batch // size * options.grad_accum)
+    steps_per_generation = len(groups.groups) * size // batch
+    max_steps = steps_per_generation * options.epochs // options.grad_accum
+    if options.max_steps > 0:
+        max_steps = min(max_steps, options.max_steps)
 
     on_gpu = torch.cuda.is_available()
     dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -175,9 +184,9 @@ def prepare_round(store, run: Path, round: int, options: TrainOptions = TrainOpt
         output_dir=str(out_dir / "trainer"),
         use_cpu=not on_gpu, bf16=on_gpu,
         learning_rate=options.learning_rate, beta=options.beta, loss_type=options.loss_type,
-        num_train_epochs=options.epochs, max_steps=options.max_steps,
+        max_steps=max_steps, steps_per_generation=steps_per_generation,
         per_device_train_batch_size=batch, gradient_accumulation_steps=options.grad_accum,
-        num_generations=size, num_iterations=options.num_iterations,
+        num_generations=size, num_iterations=options.epochs,
         epsilon=options.epsilon, epsilon_high=options.epsilon_high,
         scale_rewards="none",
         vllm_importance_sampling_correction=options.is_correction,
@@ -218,6 +227,7 @@ def train_round(store, run: Path, round: int, options: TrainOptions = TrainOptio
 
     tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in groups.samples)
     passes = trainer.state.global_step * p.batch * trainer.args.gradient_accumulation_steps / max(len(groups.samples), 1)
+    # (+1 forward per sample for the old/IS logps, not counted: tokens/s is training tokens)
     metrics = _round_metrics(trainer.state.log_history)
     metrics.update(
         n_samples=len(groups.real_samples), n_groups=len(groups.groups), group_size=groups.size,

@@ -62,6 +62,17 @@ class Groups:
     def real_samples(self) -> list[Sample]:
         return [s for s in self.samples if not s.padding]
 
+    def pad_to_multiple(self, n: int) -> int:
+        """Add zero-weight copies of groups until the count is a multiple of `n`; returns how many."""
+        real = list(self.groups.items())
+        added = 0
+        while len(self.groups) % n:
+            gid, members = real[added % len(real)]
+            self.groups[f"{gid}#pad{added}"] = [s.pad_copy() for s in members]
+            added += 1
+        self.padded += added * self.size
+        return added
+
     def mean_reward(self) -> float:
         real = self.real_samples
         return sum(s.reward for s in real) / len(real) if real else float("nan")

@@ -13,10 +13,9 @@ Full = Annotated[bool, typer.Option("--full", help="Full fine-tuning instead of 
 LossType = Annotated[str, typer.Option("--loss-type", help="TRL loss: dapo, grpo, dr_grpo, bnpo, cispo, sapo, luspo.")]
 Lr = Annotated[float, typer.Option("--lr", help="Learning rate.")]
 Beta = Annotated[float, typer.Option("--beta", help="KL coefficient against the base model (0: no reference pass).")]
-Epochs = Annotated[float, typer.Option("--epochs", help="Passes over the round's samples.")]
+Epochs = Annotated[int, typer.Option("--epochs", help="Passes over the round's samples, all clipped against the round's starting policy (TRL num_iterations).")]
 BatchSize = Annotated[int, typer.Option("--batch-size", help="Samples per optimiser step, whole groups (0: two groups).")]
 GradAccum = Annotated[int, typer.Option("--grad-accum", help="Gradient accumulation steps.")]
-Iterations = Annotated[int, typer.Option("--iterations", help="Updates per captured batch (TRL num_iterations).")]
 MaxSteps = Annotated[int, typer.Option("--max-steps", help="Stop after this many optimiser steps (-1: epochs decide).")]
 Stale = Annotated[str, typer.Option("--stale", help="Samples from an older deployment: correct (importance sampling) or drop.")]
 IsMode = Annotated[str, typer.Option("--is-mode", help="token_truncate, token_mask, sequence_truncate, sequence_mask (TRL).")]
@@ -39,7 +38,7 @@ def register_train(app: typer.Typer) -> None:
         db: DbOption,
         data: Annotated[Path | None, typer.Option("--data", help="A samples.parquet (or its folder) instead of building RUN/round-N/data.")] = None,
         model: Model = None, full: Full = False, loss_type: LossType = "dapo", lr: Lr = 1e-5, beta: Beta = 0.0,
-        epochs: Epochs = 1.0, batch_size: BatchSize = 0, grad_accum: GradAccum = 1, iterations: Iterations = 1,
+        epochs: Epochs = 1, batch_size: BatchSize = 0, grad_accum: GradAccum = 1,
         max_steps: MaxSteps = -1, stale: Stale = "correct", is_mode: IsMode = "token_truncate", is_max: IsMax = 2.0,
         no_is: NoIs = False, lora_r: LoraR = 16, lora_alpha: LoraAlpha = 32, report_to: ReportTo = "tensorboard",
         current: Annotated[str | None, typer.Option("--current", help="The deployment being trained (default: the policy server's current).")] = None,
@@ -67,7 +66,7 @@ def register_train(app: typer.Typer) -> None:
 
         options = TrainOptions(
             base_model=model, full=full, loss_type=loss_type, learning_rate=lr, beta=beta, epochs=epochs,
-            batch_size=batch_size, grad_accum=grad_accum, num_iterations=iterations, max_steps=max_steps, stale=stale,
+            batch_size=batch_size, grad_accum=grad_accum, max_steps=max_steps, stale=stale,
             current=current, is_correction=not no_is, is_mode=is_mode, is_max=is_max, lora_r=lora_r, lora_alpha=lora_alpha,
             report_to=report_to,
         )
@@ -94,7 +93,7 @@ def register_train(app: typer.Typer) -> None:
         concurrency: Annotated[int, typer.Option("--concurrency", "-j", help="Episodes running at once.")] = 4,
         timeout: Annotated[float, typer.Option("--timeout", help="Seconds per episode.")] = 300.0,
         model: Model = None, full: Full = False, loss_type: LossType = "dapo", lr: Lr = 1e-5, beta: Beta = 0.0,
-        epochs: Epochs = 1.0, batch_size: BatchSize = 0, grad_accum: GradAccum = 1, iterations: Iterations = 1,
+        epochs: Epochs = 1, batch_size: BatchSize = 0, grad_accum: GradAccum = 1,
         max_steps: MaxSteps = -1, stale: Stale = "correct", is_mode: IsMode = "token_truncate", is_max: IsMax = 2.0,
         no_is: NoIs = False, lora_r: LoraR = 16, lora_alpha: LoraAlpha = 32, report_to: ReportTo = "tensorboard",
     ) -> None:
@@ -109,7 +108,7 @@ def register_train(app: typer.Typer) -> None:
 
         options = TrainOptions(
             base_model=model, full=full, loss_type=loss_type, learning_rate=lr, beta=beta, epochs=epochs,
-            batch_size=batch_size, grad_accum=grad_accum, num_iterations=iterations, max_steps=max_steps, stale=stale,
+            batch_size=batch_size, grad_accum=grad_accum, max_steps=max_steps, stale=stale,
             is_correction=not no_is, is_mode=is_mode, is_max=is_max, lora_r=lora_r, lora_alpha=lora_alpha,
             report_to=report_to,
         )

@@ -1,0 +1,120 @@
+"""`lcap loop` end to end on the real vLLM CPU server: two rounds, killed mid-run, resumed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lcap.config import LcapError
+from lcap.store import Store
+from lcap.train.loop import LoopConfig, LoopState
+
+REPO = Path(__file__).resolve().parent.parent
+
+# An unmodified OpenAI-SDK agent; a space ends its answer, so the tiny random model's completions
+# finish with "stop" (not "length") and are trainable.
+AGENT = '''
+import sys
+from openai import OpenAI
+reply = OpenAI().chat.completions.create(model="gpt-4o-mini", max_tokens=12, temperature=1.0, stop=[" "],
+                                         messages=[{"role": "user", "content": sys.argv[1]}])
+print(reply.choices[0].message.content or "")
+'''
+
+# Reward with variance on random text: the share of lowercase letters in the answer.
+VERIFIER = '''
+def verify(ctx):
+    said = ctx.stdout.strip()
+    return sum(c.islower() for c in said) / max(len(said), 1)
+'''
+
+
+def loop_command(tmp_path: Path, db: Path) -> list[str]:
+    (tmp_path / "agent.py").write_text(AGENT)
+    (tmp_path / "verify.py").write_text(VERIFIER)
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps({"id": f"t{i}", "q": f"Which is a number: code {w} tool"}) + "\n"
+                                                  for i, w in enumerate(["one", "two", "three"])))
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"id": "e0", "q": "Which is a number: list five text"}) + "\n")
+    return [
+        str(REPO / ".venv" / "bin" / "lcap") if (REPO / ".venv" / "bin" / "lcap").exists() else "lcap",
+        "loop", "--db", str(db), "--run", str(tmp_path / "run"), "--rounds", "2",
+        "--tasks", str(tmp_path / "tasks.jsonl"), "--group-size", "3", "--verifier", f"{tmp_path / 'verify.py'}:verify",
+        "--eval-tasks", str(tmp_path / "eval.jsonl"), "--eval-group-size", "2", "--concurrency", "3",
+        "--lr", "1e-3", "--report-to", "none", "--",
+        sys.executable, str(tmp_path / "agent.py"), "{q}",
+    ]
+
+
+@pytest.mark.vllm
+def test_loop_two_rounds_killed_and_resumed(vllm_policy, tmp_path):
+    db = tmp_path / "lcap.duckdb"
+    command = loop_command(tmp_path, db)
+    env = dict(os.environ, OPENAI_API_KEY="sk-test")
+    state = tmp_path / "run" / "state.json"
+
+    # Kill the loop (SIGKILL: no clean-up) as soon as round 1's collect is recorded.
+    first = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and first.poll() is None:
+        if state.exists() and "1:collect" in json.loads(state.read_text())["steps"]:
+            break
+        time.sleep(0.2)
+    assert first.poll() is None, first.stdout.read().decode()[-3000:]
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    steps = json.loads(state.read_text())["steps"]
+    assert "1:collect" in steps and "2:collect" not in steps
+
+    # The same command continues from the last completed step and finishes both rounds.
+    second = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "round 1: train reward" in second.stdout and "round 2: train reward" in second.stdout
+    assert "round 0 (base policy)" not in second.stdout  # the base eval finished before the kill: not redone
+
+    steps = json.loads(state.read_text())["steps"]
+    for n in (1, 2):
+        assert {f"{n}:{s}" for s in ("collect", "build", "train", "deploy", "eval")} <= set(steps)
+    assert "0:eval" in steps
+
+    store = Store(db)
+    counts = dict(store.fetchall("SELECT round || ':' || step, count(*) FROM loop_steps GROUP BY ALL"))
+    assert counts["1:collect"] == 1 and counts["2:collect"] == 1  # round 1's collect was not run twice
+    assert store.fetchall("SELECT count(*) FROM episodes WHERE round = 1 AND labels->>'split' = 'train'") == [(9,)]
+
+    runs = store.fetchall("SELECT round, init_from, output, n_samples FROM train_runs ORDER BY round")
+    assert [r[0] for r in runs] == [1, 2]
+    assert runs[0][1] is None and runs[1][1] == runs[0][2]  # round 2 continued round 1's adapter
+    assert all(r[3] > 0 for r in runs)
+    assert (tmp_path / "run" / "round-2" / "adapter" / "adapter_config.json").exists()
+    assert (tmp_path / "run" / "round-2" / "data" / "samples.parquet").exists()
+    assert json.loads((tmp_path / "run" / "round-2" / "config.json").read_text())["kind"] == "lora"
+
+    from lcap.policy import read_policy
+
+    assert read_policy().current == steps["2:deploy"]["name"]
+    deployed = store.fetchall("SELECT name, round FROM deployments WHERE kind = 'lora' ORDER BY created_at")
+    assert deployed[-1] == (steps["2:deploy"]["name"], 2)
+    # Round 2 was collected with round 1's deployment.
+    served = store.fetchall("SELECT DISTINCT t.deployment FROM turns t JOIN episodes e USING (episode_id) "
+                            "WHERE e.round = 2 AND e.labels->>'split' = 'train'")
+    assert served == [(steps["1:deploy"]["name"],)]
+
+
+def test_loop_state_refuses_another_loop(tmp_path):
+    config = LoopConfig(run=tmp_path, rounds=2, tasks=tmp_path / "t.jsonl", command=["agent"], group_size=4)
+    state = LoopState(tmp_path, config.key())
+    state.finish(1, "collect", {"mean_reward": 0.5})
+    assert LoopState(tmp_path, config.key()).done(1, "collect")["mean_reward"] == 0.5
+    other = LoopConfig(run=tmp_path, rounds=3, tasks=tmp_path / "t.jsonl", command=["agent"], group_size=8)
+    with pytest.raises(LcapError, match="another agent command"):
+        LoopState(tmp_path, other.key())
+    more_rounds = LoopConfig(run=tmp_path, rounds=5, tasks=tmp_path / "t.jsonl", command=["agent"], group_size=4)
+    assert more_rounds.key() == config.key()  # extending a loop with more rounds is a resume
