@@ -34,9 +34,10 @@ def resolve_python(python: str | None = None) -> str:
     from lcap.train.vllm_env import ensure_vllm_env, working_vllm_python
 
     if python:
-        if not shutil.which(python) and not Path(python).exists():
+        found = shutil.which(python) or (python if Path(python).exists() else None)
+        if not found:
             raise LcapError(f"no python at {python}")
-        return python
+        return os.path.abspath(found)  # not resolve(): a venv's python is a symlink that must stay one
     if found := working_vllm_python():
         return found
     if script := shutil.which("vllm"):
