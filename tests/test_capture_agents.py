@@ -166,20 +166,15 @@ def test_sse_chunks_are_not_buffered(capture_env, llm):
     assert row["completion_text"] == TEXT and row["stream"]
 
 
-def test_upstream_error_is_passed_and_stored(capture_env, llm):
+def test_upstream_error_stored_and_child_crash_keeps_finished_turns(capture_env, llm):
     llm.fail = (429, {"error": {"message": "rate limited, slow down", "type": "rate_limit"}})
-    result = run_lcap(["proxy", "--upstream", llm.url, "--", *agent("openai_agent.py"), "error"], capture_env)
-    assert result.returncode == 0, result.stderr
-    assert "error: 429" in result.stdout
-    (row,) = turns(capture_env["LCAP_DB"])
-    assert row["status_code"] == 429 and row["error"] == "rate limited, slow down"
-
-
-def test_child_crash_keeps_finished_turns(capture_env, llm):
     result = run_lcap(["proxy", "--upstream", llm.url, "--episode", "crashy", "--", *agent("openai_agent.py"),
-                       "chat", "chat_stream", "crash"], capture_env)
-    assert result.returncode == 3
-    assert len(turns(capture_env["LCAP_DB"])) == 2
+                       "error", "crash"], capture_env)
+    assert "error: 429" in result.stdout  # the agent got the upstream's error as-is
+    assert result.returncode == 3  # the child's own exit code
+    (row,) = turns(capture_env["LCAP_DB"])  # finished before the crash: kept
+    assert row["status_code"] == 429 and row["error"] == "rate limited, slow down"
+    assert row["episode_id"] == "crashy"
     (episode,) = _episodes(capture_env["LCAP_DB"])
     assert (episode["status"], episode["exit_code"]) == ("failed", 3)
 
@@ -218,7 +213,9 @@ def test_one_line_errors(capture_env, llm, tmp_path):
     (bad_home / "ca").write_text("not a directory")
     bad_ca = run_lcap(["proxy", "--", "true"], {**capture_env, "LCAP_HOME": str(bad_home)})
     unknown = run_lcap(["proxy", "--no-such-flag", "--", "true"], capture_env)
-    for result, needle in ((in_use, f"127.0.0.1:{port}"), (unreachable, "unreachable"), (bad_ca, "bad CA dir")):
+    missing = run_lcap(["proxy", "--", "no-such-agent-xyz"], capture_env)
+    for result, needle in ((in_use, f"127.0.0.1:{port}"), (unreachable, "unreachable"), (bad_ca, "bad CA dir"),
+                           (missing, "cannot run no-such-agent-xyz")):
         assert result.returncode == 2
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and needle in lines[0], result.stderr
