@@ -48,7 +48,7 @@ def serve_proxy(*, db: Path, upstream: str | None, model: str | None, token_ids:
         signal.signal(signum, lambda *_: stop.set())
     proxy.start()
     print(f"lcap proxy listening on {proxy.url} (store {db}; token ids {'on' if proxy.token_ids else 'off'})", flush=True)
-    print(f"  clients: HTTPS_PROXY=http://EPISODE@{host}:{proxy.port}  SSL_CERT_FILE={proxy.child_env(None)['SSL_CERT_FILE']}",
+    print(f"  clients: HTTPS_PROXY=http://EPISODE:x@{host}:{proxy.port}  SSL_CERT_FILE={proxy.child_env(None)['SSL_CERT_FILE']}",
           flush=True)
     try:
         while not stop.wait(0.5):

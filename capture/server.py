@@ -194,6 +194,7 @@ class CaptureProxy:
 
         opts = options.Options()
         master = Master(opts)
+
         class TlsConfig(tlsconfig.TlsConfig):
             def running(self) -> None:
                 """Upstream reloads the CA here again (a workaround lcap does not need): ~0.3 s saved."""
