@@ -182,6 +182,7 @@ class TurnWriter:
         self._thread: threading.Thread | None = None
         self._spool_dir = spool_dir or lcap_home() / "spool"
         self._spool: Path | None = None
+        self._unwritten: list[dict[str, Any]] = []
         self.written = 0
         self.failed = 0
 
@@ -213,7 +214,7 @@ class TurnWriter:
         self._wake.set()
         self._thread.join()
         self._thread = None
-        if self._spool is not None:
+        if self._spool is not None and not self._unwritten:
             self._spool.unlink(missing_ok=True)
 
     def _run(self) -> None:
@@ -227,12 +228,12 @@ class TurnWriter:
             batch = []
             while self._pending:
                 batch.append(self._pending.popleft())
-            if batch:
+            if batch or self._unwritten:
                 self._write(batch)
             for marker in markers:
                 marker.set()
             if stopping and not self._pending:
-                return
+                return  # anything DuckDB still refused stays in the spool for the next proxy
 
     def _write(self, batch: list[PendingTurn]) -> None:
         rows = []
@@ -243,21 +244,24 @@ class TurnWriter:
                 log.exception("lcap: dropped a turn that could not be read")
                 self.failed += 1
             time.sleep(0)  # let the proxy's event loop run between turns
+        self._spool_rows(rows)
+        rows = self._unwritten + rows  # a batch DuckDB refused before (already in the spool) goes first
         if not rows:
             return
-        self._spool_rows(rows)
         try:
             self.store.append("turns", rows)
         except Exception as exc:
-            log.error("lcap: could not write %d turns to %s (kept in %s): %s", len(rows), self.store.path, self._spool, exc)
-            self.failed += len(rows)
+            self._unwritten = rows
+            log.error("lcap: could not write %d turns to %s yet (kept, retried with the next batch): %s",
+                      len(rows), self.store.path, exc)
             return
+        self._unwritten = []
         self.written += len(rows)
         if self._spool is not None:
             self._spool.write_bytes(b"")
 
     def _spool_rows(self, rows: list[dict[str, Any]]) -> None:
-        if self._spool is None:
+        if self._spool is None or not rows:
             return
         store = str(self.store.path.resolve())
         with self._spool.open("a", encoding="utf-8") as fh:

@@ -175,3 +175,30 @@ def test_spool_left_by_a_dead_proxy_is_replayed(tmp_path, capture_home, monkeypa
     (row,) = turns(tmp_path / "db.duckdb")
     assert row["episode_id"] == "lost" and row["completion_text"] == "hi"
     assert not dead._spool.exists()
+
+
+def test_turns_wait_while_another_process_holds_the_store(tmp_path, capture_home, monkeypatch):
+    """DuckDB refuses a second writer process: the batch waits (spooled) and is written once the file is free."""
+    import subprocess
+    import sys
+
+    from lcap.capture.writer import PendingTurn, TurnWriter
+
+    monkeypatch.setenv("LCAP_HOME", str(capture_home))
+    db = tmp_path / "db.duckdb"
+    Store(db).execute("SELECT 1")  # schema
+    holder = subprocess.Popen([sys.executable, "-c", "import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); "
+                               "print('held', flush=True); time.sleep(2.5)", str(db)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    writer = TurnWriter(Store(db, timeout=0.3), interval=0.05, spool_dir=tmp_path / "spool")
+    writer.start()
+    pending = PendingTurn(episode_id="waited", seq=0, host="h", path="/v1/chat/completions", dialect="chat")
+    pending.response_body = json.dumps({"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}]}).encode()
+    writer.put(pending)
+    time.sleep(0.6)
+    assert writer.written == 0 and writer._unwritten  # refused while held, kept
+    holder.wait(10)
+    assert writer.flush(timeout=10)
+    writer.stop()
+    (row,) = turns(db)
+    assert row["episode_id"] == "waited" and row["completion_text"] == "hi"
