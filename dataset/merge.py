@@ -5,9 +5,9 @@ sequence of call i-1 of the same episode when its prompt ids start with prompt(i
 completion(i-1), the same deployment served both and call i-1 was not truncated. The tokens in
 between are environment tokens (env_mask 0, logprob 0). DuckDB's list comparisons cost about
 15 us per call; here they are two element-wise comparisons over the flattened token buffers
-(after one sort, prompt(i-1) sits right before prompt(i) in the buffer, so the prefix check is
-`values[x] == values[x + len(prompt(i-1))]`), and each sample's tokens are gathered by offset
-arithmetic. Nothing loops over calls or tokens in Python.
+(only the keys are sorted; the token buffers are read where DuckDB put them, through index
+arithmetic on their offsets), and each sample's tokens are gathered the same way. Nothing loops
+over calls or tokens in Python.
 """
 
 from __future__ import annotations
@@ -26,18 +26,22 @@ def merge_turns(turns: pa.Table, *, mask_truncated: bool = False) -> pa.Table:
     truncated, rebuilt, part (the sample's index in its episode) and the per-episode columns."""
     if len(turns) == 0:
         return _empty(turns)
-    order = pc.sort_indices(turns, sort_keys=[("group_id", "ascending"), ("episode_id", "ascending"),
-                                              ("seq", "ascending")])
-    turns = turns.take(order).combine_chunks()
+    # Sort only the keys; the token buffers stay where DuckDB put them and are read by gathers.
+    order = pc.sort_indices(turns.select(["group_id", "episode_id", "seq"]),
+                            sort_keys=[("group_id", "ascending"), ("episode_id", "ascending"), ("seq", "ascending")])
+    order_np = order.to_numpy()
+    turns = turns.combine_chunks()
     n = len(turns)
     p_off, p_val = _buffers(turns["prompt_ids"])
     c_off, c_val = _buffers(turns["completion_ids"])
-    _, l_val = _buffers(turns["logprobs"])
-    p_len, c_len = np.diff(p_off), np.diff(c_off)
-    truncated = _bools(turns["truncated"])
+    l_off, l_val = _buffers(turns["logprobs"])
+    p_start, p_len = p_off[:-1][order_np], np.diff(p_off)[order_np]
+    c_start, c_len = c_off[:-1][order_np], np.diff(c_off)[order_np]
+    l_start = l_off[:-1][order_np]
+    truncated = _bools(turns["truncated"])[order_np]
 
-    episode = turns["episode_id"].chunk(0)
-    deployment = turns["deployment"].chunk(0)
+    episode = turns["episode_id"].chunk(0).take(order)
+    deployment = turns["deployment"].chunk(0).take(order)
     same_episode = np.zeros(n, dtype=bool)
     same_deployment = np.zeros(n, dtype=bool)
     if n > 1:
@@ -52,16 +56,17 @@ def merge_turns(turns: pa.Table, *, mask_truncated: bool = False) -> pa.Table:
     prev = np.flatnonzero(extends) - 1
     for block in _blocks(p_len[prev]):
         j = prev[block]
-        # prompt(i) starts with prompt(i-1): they are adjacent in the buffer
-        idx, owner = _ranges(p_off[j], p_len[j])
-        bad = owner[p_val[idx] != p_val[idx + np.repeat(p_len[j], p_len[j])]]
+        # prompt(i) starts with prompt(i-1) ...
+        idx, owner = _ranges(p_start[j], p_len[j])
+        shift = p_start[j + 1] - p_start[j]
+        bad = owner[p_val[idx] != p_val[idx + shift[owner]]]
         extends[j[np.unique(bad)] + 1] = False
     prev = np.flatnonzero(extends) - 1
     for block in _blocks(c_len[prev]):
         j = prev[block]
         # ... followed by completion(i-1)
-        idx, owner = _ranges(c_off[j], c_len[j])
-        target = idx - np.repeat(c_off[j], c_len[j]) + np.repeat(p_off[j + 1] + p_len[j], c_len[j])
+        idx, owner = _ranges(c_start[j], c_len[j])
+        target = idx + (p_start[j + 1] + p_len[j] - c_start[j])[owner]
         bad = owner[c_val[idx] != p_val[target]]
         extends[j[np.unique(bad)] + 1] = False
 
@@ -70,7 +75,7 @@ def merge_turns(turns: pa.Table, *, mask_truncated: bool = False) -> pa.Table:
     env_src = np.zeros(n, dtype=np.int64)
     ext = np.flatnonzero(extends)
     env_len[ext] = p_len[ext] - p_len[ext - 1] - c_len[ext - 1]
-    env_src[ext] = p_off[ext] + p_len[ext - 1] + c_len[ext - 1]
+    env_src[ext] = p_start[ext] + p_len[ext - 1] + c_len[ext - 1]
     seg_len = env_len + c_len
     seg_start = np.concatenate(([0], np.cumsum(seg_len)))
     total = int(seg_start[-1])
@@ -80,8 +85,9 @@ def merge_turns(turns: pa.Table, *, mask_truncated: bool = False) -> pa.Table:
     env_dst, _ = _ranges(seg_start[:-1], env_len)
     ids[env_dst] = p_val[_ranges(env_src, env_len)[0]]
     comp_dst, comp_owner = _ranges(seg_start[:-1] + env_len, c_len)
-    ids[comp_dst] = c_val
-    logprobs[comp_dst] = l_val
+    comp_src = comp_dst + (c_start - seg_start[:-1] - env_len)[comp_owner]
+    ids[comp_dst] = c_val[comp_src]
+    logprobs[comp_dst] = l_val[comp_src + (l_start - c_start)[comp_owner]]
     mask[comp_dst] = 1
     if mask_truncated:
         mask[comp_dst[truncated[comp_owner]]] = 0  # no stop token was produced and none is added
@@ -93,7 +99,7 @@ def merge_turns(turns: pa.Table, *, mask_truncated: bool = False) -> pa.Table:
     sample_index = np.cumsum(~extends) - 1
     part = (sample_index - sample_index[episode_start][np.cumsum(~same_episode) - 1])[starts]
     n_turns = (ends - starts).astype(np.int32)
-    first = pa.array(starts)
+    first = order.take(pa.array(starts))  # original row of each sample's first call
     columns = {name: turns[name].take(first) for name in turns.column_names
                if name not in ("seq", "prompt_ids", "completion_ids", "logprobs", "truncated", "rebuilt")}
     episode_ids = columns["episode_id"]
@@ -106,7 +112,7 @@ def merge_turns(turns: pa.Table, *, mask_truncated: bool = False) -> pa.Table:
         "env_mask": pa.ListArray.from_arrays(offsets, pa.array(mask)),
         # a truncated call always ends its sample (nothing merges after it): the last call decides
         "truncated": pa.array(truncated[ends - 1]),
-        "rebuilt": pa.array(np.logical_or.reduceat(_bools(turns["rebuilt"]), starts)),
+        "rebuilt": pa.array(np.logical_or.reduceat(_bools(turns["rebuilt"])[order_np], starts)),
         "n_turns": pa.array(n_turns), "merged": pa.array(n_turns > 1), "part": pa.array(part),
     })
 

@@ -174,9 +174,11 @@ def test_cleaning_failed_calls_are_not_trained_on(builder, dstore, tmp_path):
                      "token_source": None})
     builder.episode("ep", sample=0, reward=1.0, turns=turns)
     builder.episode("ep2", sample=1, reward=0.0, turns=chat_turns([5, 2]))
+    builder.episode("ep3", sample=2, reward=0.5, turns=[dict(turns[1])])  # its only call failed
     report, samples, _ = _build(dstore, tmp_path)
     assert samples["ep#0"]["n_turns"] == 2  # the failed call in between does not break the merge
-    assert report.turns["failed_calls"] == 1
+    assert report.turns["failed_calls"] == 2 and report.episodes["no_usable_turns"] == 1
+    assert "ep3#0" not in samples
 
 
 def test_tampered_episodes_keep_reward_zero_or_drop(builder, dstore, tmp_path):
