@@ -153,7 +153,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(f"{head}data: {json.dumps(event)}\n\n".encode())
             self.wfile.flush()
             if i == 1 and self.server.gate is not None:  # after the first content chunk
-                self.server.gate.wait(30)
+                self.server.gate.wait(120)
             if self.server.chunk_delay:
                 time.sleep(self.server.chunk_delay)
         if not named:
@@ -396,7 +396,7 @@ def node_modules() -> Path:
     return target / "node_modules"
 
 
-def run_lcap(args: list[str], env: dict[str, str], *, timeout: float = 60, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run_lcap(args: list[str], env: dict[str, str], *, timeout: float = 180, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([LCAP, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
