@@ -189,7 +189,7 @@ def test_signal_reaches_child_and_turns_are_flushed(capture_env, llm, signum):
             if line.strip() == "READY" or time.monotonic() > deadline:
                 break
         proc.send_signal(signum)
-        proc.wait(20)
+        proc.wait(90)
     finally:
         proc.kill() if proc.poll() is None else None
     assert proc.returncode == 128 + signum  # the child died of the forwarded signal; lcap reports it
