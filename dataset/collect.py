@@ -273,6 +273,8 @@ class _Runner:
         env["LCAP_TASK"] = json.dumps(dict(spec.task), ensure_ascii=False)
         env["LCAP_WORKDIR"] = str(spec.workdir)
         exit_code = self._run_agent(spec, env)
+        # The episode's turns are in the store before it is verified and marked finished.
+        self.proxy.flush(spec.episode_id)
         if self.stopping.is_set():
             self._end(spec, "interrupted", exit_code, "collect was interrupted")
             return "interrupted", exit_code, "interrupted"
