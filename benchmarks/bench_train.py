@@ -44,7 +44,9 @@ def main() -> None:
     data = make_captured_samples(model_dir, tmp / "data", n_groups=args.groups, group_size=args.group_size,
                                  max_new_tokens=args.max_new_tokens)
     batch = 2 * args.group_size
-    options = TrainOptions(base_model=str(model_dir), learning_rate=1e-4, batch_size=batch, max_steps=args.steps,
+    # epochs = steps: one TRL generation (one old/IS forward) per pass over the groups, as in `lcap train`.
+    options = TrainOptions(base_model=str(model_dir), learning_rate=1e-4, batch_size=batch,
+                           epochs=max(1, args.steps * batch // (args.groups * args.group_size)), max_steps=args.steps,
                            report_to="none")
     prepared = prepare_round(Store(tmp / "lcap.duckdb"), tmp / "run", 1, options, data=data)
     samples = prepared.groups.samples
@@ -85,6 +87,7 @@ def main() -> None:
     bare_s = time.perf_counter() - t0
 
     trainer = prepared.trainer
+    trainer.args.logging_steps = 10**6  # no per-step log formatting in the timed loop
     t0 = time.perf_counter()
     trainer.train()
     grpo_s = time.perf_counter() - t0
