@@ -97,7 +97,7 @@ class Store:
 
     def fetch_arrow(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> pa.Table:
         with self.connect() as con:
-            return con.execute(sql, params).to_arrow_table()
+            return con.sql(sql, params=params).to_arrow_table()
 
     # Episodes are shared by capture (one per `lcap proxy -- CMD`) and collect (one per task run).
 
