@@ -15,6 +15,9 @@ from typing import Any
 
 from lcap.store import Store, now
 
+# How each dialect says a completion was cut by the token limit (as in the turn_tokens view).
+TRUNCATED_REASONS = ("length", "max_tokens", "max_output_tokens")
+
 _PENDING = """
 SELECT t.turn_id, t.dialect, t.request, t.completion_text, t.tool_calls, t.finish_reason,
        d.base_model, t.model_served
@@ -64,13 +67,15 @@ def rebuild_turn(tokenizer, dialect: str | None, request: dict, text: str | None
         if not isinstance(prompt, str):
             return None
         return _encode(tokenizer, prompt), _encode(tokenizer, text)
-    messages = request.get("messages")
-    if dialect not in (None, "chat") or not isinstance(messages, list):
+    if dialect == "messages":
+        messages, tools = chat_from_anthropic(request)
+    elif dialect in (None, "chat") and isinstance(request.get("messages"), list):
+        messages, tools = request["messages"], request.get("tools") or None
+    else:
         return None
-    tools = request.get("tools") or None
     prompt_text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     prompt_ids = _encode(tokenizer, prompt_text)
-    if finish_reason == "length":
+    if finish_reason in TRUNCATED_REASONS:
         # No stop token was produced, so none is added (FIELD-NOTES pitfall 3).
         return prompt_ids, _encode(tokenizer, text)
     assistant: dict[str, Any] = {"role": "assistant", "content": text}
@@ -86,6 +91,39 @@ def rebuild_turn(tokenizer, dialect: str | None, request: dict, text: str | None
     if eos is not None and eos in completion:
         completion = completion[: len(completion) - completion[::-1].index(eos)]
     return prompt_ids, completion
+
+
+def chat_from_anthropic(request: dict) -> tuple[list[dict], list[dict] | None]:
+    """An Anthropic Messages request as chat-template messages and tools (vLLM returns no ids for it)."""
+    messages: list[dict[str, Any]] = []
+    system = request.get("system")
+    if isinstance(system, list):
+        system = "".join(block.get("text", "") for block in system if block.get("type") == "text")
+    if system:
+        messages.append({"role": "system", "content": system})
+    for message in request.get("messages") or []:
+        content = message.get("content")
+        if isinstance(content, str):
+            messages.append({"role": message["role"], "content": content})
+            continue
+        texts, calls = [], []
+        for block in content or []:
+            kind = block.get("type")
+            if kind == "text":
+                texts.append(block.get("text", ""))
+            elif kind == "tool_use":
+                calls.append({"id": block.get("id"), "name": block.get("name"), "arguments": block.get("input") or {}})
+            elif kind == "tool_result":
+                result = block.get("content")
+                if isinstance(result, list):
+                    result = "".join(part.get("text", "") for part in result if part.get("type") == "text")
+                messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result or ""})
+        if texts or calls:
+            messages.append({"role": message["role"], "content": "".join(texts), **({"tool_calls": calls} if calls else {})})
+    tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
+                                               "parameters": t.get("input_schema") or {}}}
+             for t in request.get("tools") or [] if t.get("name")]
+    return messages, tools or None
 
 
 def _encode(tokenizer, text: str) -> list[int]:

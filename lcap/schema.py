@@ -199,7 +199,8 @@ CREATE OR REPLACE VIEW turn_tokens AS
                rb.prompt_token_ids AS rb_prompt, rb.completion_token_ids AS rb_completion
         FROM t LEFT JOIN rb USING (turn_id))
     SELECT turn_id, episode_id, seq, deployment, finish_reason, rebuilt,
-           coalesce(finish_reason = 'length', false) AS truncated,
+           -- cut by the token limit: chat/completions 'length', Messages 'max_tokens', Responses 'max_output_tokens'
+           coalesce(finish_reason IN ('length', 'max_tokens', 'max_output_tokens'), false) AS truncated,
            CASE WHEN rebuilt THEN rb_prompt ELSE cap_prompt END AS prompt_ids,
            CASE WHEN rebuilt THEN rb_completion ELSE cap_completion END AS completion_ids,
            CASE WHEN rebuilt OR cap_logprobs IS NULL

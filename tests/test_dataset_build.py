@@ -291,3 +291,37 @@ def test_vectorised_merge_agrees_with_the_samples_view(builder, dstore, tmp_path
         assert row["logprobs"] == pytest.approx(logprobs, abs=1e-6) and row["advantage"] == pytest.approx(adv)
         if not truncated:
             assert row["env_mask"] == env_mask
+
+
+def test_rebuild_anthropic_messages_turn(tiny_model_dir):
+    """vLLM returns no ids for /v1/messages: the turn is re-rendered as the equivalent chat."""
+    from transformers import AutoTokenizer
+
+    from lcap.dataset.rebuild import rebuild_turn
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    request = {
+        "model": "claude-x", "max_tokens": 64, "system": [{"type": "text", "text": "Use tools."}],
+        "tools": [{"name": "lookup", "description": "Find a fact.", "input_schema": {"type": "object"}}],
+        "messages": [
+            {"role": "user", "content": "Capital of France?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "lookup", "input": {"q": "France"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                          "content": [{"type": "text", "text": "Paris"}]}]},
+        ],
+    }
+    chat = [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "Capital of France?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "t1", "name": "lookup", "arguments": {"q": "France"}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "Paris"},
+    ]
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "Find a fact.",
+                                               "parameters": {"type": "object"}}}]
+    prompt, completion = rebuild_turn(tok, "messages", request, "Paris.", None, "end_turn")
+    rendered = tok.apply_chat_template(chat, tools=tools, add_generation_prompt=True, tokenize=False)
+    assert prompt == tok(rendered, add_special_tokens=False)["input_ids"]
+    assert "Paris" in tok.decode(prompt) and "lookup" in tok.decode(prompt)
+    assert tok.decode(completion) == "Paris.<|im_end|>"
+    _, cut = rebuild_turn(tok, "messages", request, "Par", None, "max_tokens")
+    assert tok.decode(cut) == "Par"  # Anthropic's truncation: no stop token appended
