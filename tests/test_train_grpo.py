@@ -130,6 +130,39 @@ def test_is_ratio_is_truncated_exp_of_train_minus_captured(tiny_train_model, cap
     assert (ratio == 2.0).any()  # the -1.0 shift was truncated at the cap
 
 
+def test_samples_without_behaviour_logprobs_get_no_correction(tiny_train_model, captured_samples, tmp_path, monkeypatch):
+    """Rebuilt samples (and Responses turns) carry 0.0 placeholders, not the server's logprobs: ratio 1."""
+    path, train_logps, samples = perturbed_samples(tiny_train_model, captured_samples, tmp_path / "data")
+    rows = pq.read_table(path).to_pylist()
+    rebuilt = {rows[i]["sample_id"] for i in range(0, len(rows), 2)}
+    for row in rows:
+        if row["sample_id"] in rebuilt:
+            row["rebuilt"] = True
+            row["logprobs"] = [0.0] * len(row["logprobs"])
+    path = write_samples(tmp_path / "data2" / "samples.parquet", rows)
+    samples = read_samples(path)
+    assert [s.behaviour for s in samples] == [s.sample_id not in rebuilt for s in samples]
+    seen = captured_batches(monkeypatch)
+    prepared = prepare_round(Store(tmp_path / "db"), tmp_path / "run", 1,
+                             options(tiny_train_model, is_mode="token_truncate", is_max=2.0), data=path)
+    prepared.trainer.train()
+    out = seen[0]
+    corrected = uncorrected = 0
+    for i in range(out["completion_ids"].shape[0]):
+        s = match(out["completion_ids"][i], samples)
+        n = len(s.completion_ids)
+        ratio = out["importance_sampling_ratio"][i, :n]
+        mask = torch.tensor(s.env_mask, dtype=torch.bool)
+        if s.behaviour:
+            expected = torch.exp(train_logps[s.sample_id] - torch.tensor(s.logprobs)).clamp(max=2.0)
+            torch.testing.assert_close(ratio[mask], expected[mask], atol=2e-4, rtol=2e-4)
+            corrected += 1
+        else:
+            assert torch.all(ratio == 1.0)
+            uncorrected += 1
+    assert corrected and uncorrected
+
+
 def test_token_mask_mode_drops_rejected_tokens_from_the_denominator(tiny_train_model, captured_samples, tmp_path, monkeypatch):
     path, train_logps, samples = perturbed_samples(tiny_train_model, captured_samples, tmp_path / "data")
     seen = captured_batches(monkeypatch)

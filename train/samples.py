@@ -34,12 +34,16 @@ class Sample:
     deployment: str | None = None
     truncated: bool = False
     padding: bool = False  # a zero-weight copy that fills a short group
+    # False when the builder had no behaviour logprobs (re-tokenised turns, Responses turns): it
+    # writes 0.0 there, which is no logprob of the serving policy, so the IS correction skips it.
+    behaviour: bool = True
 
     def pad_copy(self) -> "Sample":
         return Sample(
             sample_id=f"{self.sample_id}#pad", group_id=self.group_id, prompt_ids=self.prompt_ids,
             completion_ids=self.completion_ids, logprobs=self.logprobs, env_mask=[0] * len(self.env_mask),
             reward=self.reward, advantage=0.0, deployment=self.deployment, truncated=self.truncated, padding=True,
+            behaviour=self.behaviour,
         )
 
 
@@ -96,6 +100,7 @@ def read_samples(path: str | Path) -> list[Sample]:
             completion_ids=list(r["completion_ids"]), logprobs=[float(x) for x in r["logprobs"]],
             env_mask=[int(x) for x in r["env_mask"]], reward=float(r["reward"]), advantage=float(r["advantage"]),
             deployment=r.get("deployment"), truncated=bool(r.get("truncated") or False),
+            behaviour=_has_behaviour_logprobs(r),
         )
         for i, r in enumerate(rows)
     ]
@@ -138,3 +143,10 @@ def make_groups(
         size=size, groups=groups, dropped_stale=dropped_stale, dropped_small=dropped_small, padded=padded,
         deployments=Counter(s.deployment for s in samples),
     )
+
+
+def _has_behaviour_logprobs(row: dict) -> bool:
+    """Whether a sample's logprobs came from the policy that served it (see `Sample.behaviour`)."""
+    if row.get("rebuilt"):
+        return False
+    return any(lp != 0.0 for lp, m in zip(row["logprobs"], row["env_mask"]) if m)

@@ -44,6 +44,7 @@ def captured_rollout(groups: Groups):
     def rollout(prompts: list[Any], trainer: GRPOTrainer) -> dict[str, list]:
         out: dict[str, list] = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask", "advantage", "captured_reward", "padding")}
         seen: dict[str, int] = {}
+        without_behaviour: list[int] = []
         for prompt in prompts:
             gid = _group_id(prompt)
             members = groups.groups[gid]
@@ -57,6 +58,9 @@ def captured_rollout(groups: Groups):
             out["advantage"].append(s.advantage)
             out["captured_reward"].append(s.reward)
             out["padding"].append(s.padding)
+            if not s.behaviour:
+                without_behaviour.append(len(out["padding"]) - 1)
+        trainer._without_behaviour = without_behaviour
         return out
 
     return rollout
@@ -101,8 +105,12 @@ class CapturedGRPOTrainer(GRPOTrainer):
             self._generating = False
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        self._without_behaviour = []
         output = super()._generate_and_score_completions(inputs)
         ratio = output.get("importance_sampling_ratio")
+        if ratio is not None and self._without_behaviour:
+            # No behaviour logprobs were captured for these (their 0.0 is a placeholder): no correction.
+            ratio[self._without_behaviour] = 1.0
         if ratio is not None and self.vllm_importance_sampling_mode.endswith("_mask"):
             # Rejected tokens (ratio set to 0) leave the denominator too, not only the numerator.
             keep = (ratio > 0).to(output["completion_mask"].dtype).expand_as(output["completion_mask"])
