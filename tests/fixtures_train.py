@@ -14,13 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-SAMPLES_SCHEMA = pa.schema([
-    ("sample_id", pa.string()), ("episode_id", pa.string()), ("task_id", pa.string()), ("round", pa.int32()),
-    ("group_id", pa.string()), ("prompt_ids", pa.list_(pa.int32())), ("completion_ids", pa.list_(pa.int32())),
-    ("logprobs", pa.list_(pa.float32())), ("env_mask", pa.list_(pa.int8())), ("reward", pa.float64()),
-    ("advantage", pa.float64()), ("deployment", pa.string()), ("rebuilt", pa.bool_()), ("truncated", pa.bool_()),
-    ("n_turns", pa.int32()), ("merged", pa.bool_()),
-])
+from lcap.dataset.build import SAMPLE_SCHEMA as SAMPLES_SCHEMA  # the trainer reads what the builder writes
 
 
 def make_tiny_model(out: Path, seed: int = 0) -> Path:

@@ -108,21 +108,33 @@ def match(row_ids: torch.Tensor, samples: list[Sample]) -> Sample:
     return next(s for s in samples if ids[: len(s.completion_ids)] == s.completion_ids)
 
 
-def test_is_ratio_is_truncated_exp_of_train_minus_captured(tiny_train_model, captured_samples, tmp_path, monkeypatch):
-    path, train_logps, samples = perturbed_samples(tiny_train_model, captured_samples, tmp_path / "data")
+def first_batch(model_dir: Path, data: Path, tmp_path: Path, monkeypatch, is_mode: str) -> dict:
+    """Train one round on `data` and return the first batch TRL scored, with its IS ratio."""
     seen = captured_batches(monkeypatch)
     prepared = prepare_round(Store(tmp_path / "db"), tmp_path / "run", 1,
-                             options(tiny_train_model, is_mode="token_truncate", is_max=2.0), data=path)
+                             options(model_dir, is_mode=is_mode, is_max=2.0), data=data)
     prepared.trainer.train()
-    out = seen[0]
-    checked = 0
+    return seen[0]
+
+
+def scored_rows(out: dict, samples: list[Sample]):
+    """Each row of a scored batch: its index, its sample, its length and its model-token mask."""
     for i in range(out["completion_ids"].shape[0]):
         s = match(out["completion_ids"][i], samples)
-        n = len(s.completion_ids)
+        yield i, s, len(s.completion_ids), torch.tensor(s.env_mask, dtype=torch.bool)
+
+
+def truncated_ratio(train_logps: dict, s: Sample) -> torch.Tensor:
+    return torch.exp(train_logps[s.sample_id] - torch.tensor(s.logprobs)).clamp(max=2.0)
+
+
+def test_is_ratio_is_truncated_exp_of_train_minus_captured(tiny_train_model, captured_samples, tmp_path, monkeypatch):
+    path, train_logps, samples = perturbed_samples(tiny_train_model, captured_samples, tmp_path / "data")
+    out = first_batch(tiny_train_model, path, tmp_path, monkeypatch, "token_truncate")
+    checked = 0
+    for i, s, n, mask in scored_rows(out, samples):
         ratio = out["importance_sampling_ratio"][i, :n]
-        expected = torch.exp(train_logps[s.sample_id] - torch.tensor(s.logprobs)).clamp(max=2.0)
-        mask = torch.tensor(s.env_mask, dtype=torch.bool)
-        torch.testing.assert_close(ratio[mask], expected[mask], atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(ratio[mask], truncated_ratio(train_logps, s)[mask], atol=2e-4, rtol=2e-4)
         assert torch.all(ratio[~mask] == 1.0)  # env tokens: no correction, and no loss (tool_mask 0)
         assert torch.all(out["tool_mask"][i, :n][~mask] == 0)
         checked += int(mask.sum())
@@ -142,20 +154,12 @@ def test_samples_without_behaviour_logprobs_get_no_correction(tiny_train_model, 
     path = write_samples(tmp_path / "data2" / "samples.parquet", rows)
     samples = read_samples(path)
     assert [s.behaviour for s in samples] == [s.sample_id not in rebuilt for s in samples]
-    seen = captured_batches(monkeypatch)
-    prepared = prepare_round(Store(tmp_path / "db"), tmp_path / "run", 1,
-                             options(tiny_train_model, is_mode="token_truncate", is_max=2.0), data=path)
-    prepared.trainer.train()
-    out = seen[0]
+    out = first_batch(tiny_train_model, path, tmp_path, monkeypatch, "token_truncate")
     corrected = uncorrected = 0
-    for i in range(out["completion_ids"].shape[0]):
-        s = match(out["completion_ids"][i], samples)
-        n = len(s.completion_ids)
+    for i, s, n, mask in scored_rows(out, samples):
         ratio = out["importance_sampling_ratio"][i, :n]
-        mask = torch.tensor(s.env_mask, dtype=torch.bool)
         if s.behaviour:
-            expected = torch.exp(train_logps[s.sample_id] - torch.tensor(s.logprobs)).clamp(max=2.0)
-            torch.testing.assert_close(ratio[mask], expected[mask], atol=2e-4, rtol=2e-4)
+            torch.testing.assert_close(ratio[mask], truncated_ratio(train_logps, s)[mask], atol=2e-4, rtol=2e-4)
             corrected += 1
         else:
             assert torch.all(ratio == 1.0)
@@ -165,17 +169,10 @@ def test_samples_without_behaviour_logprobs_get_no_correction(tiny_train_model, 
 
 def test_token_mask_mode_drops_rejected_tokens_from_the_denominator(tiny_train_model, captured_samples, tmp_path, monkeypatch):
     path, train_logps, samples = perturbed_samples(tiny_train_model, captured_samples, tmp_path / "data")
-    seen = captured_batches(monkeypatch)
-    prepared = prepare_round(Store(tmp_path / "db"), tmp_path / "run", 1,
-                             options(tiny_train_model, is_mode="token_mask", is_max=2.0), data=path)
-    prepared.trainer.train()
-    out = seen[0]
+    out = first_batch(tiny_train_model, path, tmp_path, monkeypatch, "token_mask")
     rejected = 0
-    for i in range(out["completion_ids"].shape[0]):
-        s = match(out["completion_ids"][i], samples)
-        n = len(s.completion_ids)
+    for i, s, n, mask in scored_rows(out, samples):
         ratio = torch.exp(train_logps[s.sample_id] - torch.tensor(s.logprobs))
-        mask = torch.tensor(s.env_mask, dtype=torch.bool)
         keep = mask & (ratio <= 2.0)
         assert torch.equal(out["tool_mask"][i, :n].bool(), keep)
         rejected += int((mask & ~keep).sum())
