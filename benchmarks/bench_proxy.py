@@ -118,7 +118,7 @@ def hook_path_cost(n: int = 2000) -> tuple[float, float, float]:
     from mitmproxy.test import tflow, tutils
 
     from lcap.capture.addon import CaptureAddon, Router
-    from lcap.capture.writer import build_row
+    from lcap.capture.turn import build_row
 
     class Sink(list):
         put = list.append

@@ -23,7 +23,8 @@ from mitmproxy import http
 
 from lcap.capture import dialects
 from lcap.capture.redact import CREDENTIAL_HEADERS
-from lcap.capture.writer import PendingTurn, TurnWriter
+from lcap.capture.turn import PendingTurn
+from lcap.capture.writer import TurnWriter
 
 log = logging.getLogger("lcap.capture")
 
@@ -205,7 +206,7 @@ class CaptureAddon:
             del flow.metadata[_KEY]
             return
         pending.seq = self.next_seq(pending.episode_id)
-        pending.request_json = body
+        pending.request_body = raw
         pending.model_requested = body.get("model")
         route = self.router.route()
         if route is None:
@@ -287,6 +288,8 @@ class CaptureAddon:
 
     def _finish(self, pending: PendingTurn) -> None:
         pending.done = True
+        if pending.t_end is None:
+            pending.t_end = time.perf_counter()
         self.writer.put(pending)
         if pending.seq is not None:
             with self._seq_lock:

@@ -1,307 +1,144 @@
-"""Finished turns leave the request path at once: a queue, a writer thread, batched appends.
+"""The writer process: finished turns leave the proxy's process at once.
 
-The proxy's hooks only put a `PendingTurn` (raw bytes and timings) on a queue. The writer thread
-turns it into a row (JSON parsing, SSE reassembly, redaction) and appends batches to the store,
-one DuckDB open per batch. Before a batch goes to DuckDB it is written to a spool file, and the
-spool is cleared once DuckDB has it: if lcap dies in between, the next proxy on the same store
-replays it, so a finished turn is not lost.
+The proxy's hooks append each finished call to a spool (capture/spool.py) and go on. A separate
+process, `python -m lcap.capture.writer`, reads the spool, builds the rows (JSON, SSE reassembly,
+redaction) and appends them to DuckDB in batches, one open per batch. None of that work competes
+with the proxy's event loop for the GIL, so the agent does not wait for capture.
+
+The writer outlives its proxy on purpose: when lcap dies (kill -9 included) the writer's stdin
+closes, and it writes what is left before exiting. A spool whose proxy and writer both died is
+replayed by the next proxy on the same store, skipping turns that are there already.
 """
 
 from __future__ import annotations
 
-import gzip
-import json
+import argparse
+import fcntl
 import logging
 import os
-import collections
+import select
+import shutil
+import signal
+import subprocess
+import sys
 import threading
-import time
 import uuid
-import zlib
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from lcap.capture import dialects
-from lcap.capture.redact import redact_json, redact_keys, redact_path, redact_text
+from lcap.capture.spool import SpoolAppender, SpoolReader, spool_store
+from lcap.capture.turn import PendingTurn, build_row
 from lcap.config import lcap_home
 from lcap.store import Store
 
 log = logging.getLogger("lcap.capture")
 
-
-class PendingTurn:
-    """What the hooks record about one call; everything expensive happens later, in the writer."""
-
-    __slots__ = ("turn_id", "episode_id", "seq", "started_at", "t0", "t_first", "t_end", "host", "path", "dialect",
-                 "transport", "upstream", "model_requested", "deployment", "request_body", "request_json",
-                 "chunks", "response_body", "streamed", "encoding", "status_code", "error", "token_ids", "added",
-                 "events", "done")
-
-    def __init__(self, *, episode_id: str | None, seq: int | None, host: str, path: str, dialect: str,
-                 transport: str = "http") -> None:
-        self.turn_id = uuid.uuid4().hex
-        self.episode_id, self.seq = episode_id, seq
-        self.started_at = time.time()
-        self.t0 = time.perf_counter()
-        self.t_first: float | None = None
-        self.t_end: float | None = None
-        self.host, self.path, self.dialect, self.transport = host, path, dialect, transport
-        self.upstream: str | None = None
-        self.model_requested: str | None = None
-        self.deployment: str | None = None
-        self.request_body: bytes = b""
-        self.request_json: Any = None          # set when the hook already parsed the body
-        self.chunks: list[bytes] | None = None  # SSE chunks as forwarded
-        self.response_body: bytes = b""
-        self.streamed = False
-        self.encoding: str | None = None
-        self.status_code: int | None = None
-        self.error: str | None = None
-        self.token_ids = False
-        self.added: dialects.Added | None = None
-        self.events: list[Any] | None = None    # WebSocket: decoded server events
-        self.done = False
-
-
-def _decode(body: bytes, encoding: str | None) -> bytes:
-    if not encoding or encoding == "identity" or not body:
-        return body
-    enc = encoding.strip().lower()
-    try:
-        if enc in ("gzip", "x-gzip"):
-            return gzip.decompress(body)
-        if enc == "deflate":
-            try:
-                return zlib.decompress(body)
-            except zlib.error:
-                return zlib.decompress(body, -zlib.MAX_WBITS)
-        if enc == "br":
-            import brotli
-
-            return brotli.decompress(body)
-        if enc == "zstd":
-            import zstandard
-
-            return zstandard.ZstdDecompressor().decompressobj().decompress(body)
-    except Exception as exc:  # a body lcap cannot decode is still forwarded; the turn says why
-        raise ValueError(f"cannot decode {enc} body: {exc}") from exc
-    return body
-
-
-def _ts(t: float) -> datetime:
-    return datetime.fromtimestamp(t, timezone.utc)
-
-
-def _dumps(value: Any) -> str | None:
-    return None if value is None else redact_keys(json.dumps(redact_json(value), ensure_ascii=False))
-
-
-def build_row(p: PendingTurn) -> dict[str, Any]:
-    """The `turns` row of a finished call."""
-    error = p.error
-    request = p.request_json
-    if request is None and p.request_body:
-        try:
-            request = json.loads(p.request_body)
-        except ValueError:
-            request = p.request_body.decode("utf-8", "replace")
-    turn = dialects.Turn()
-    try:
-        if p.events is not None:
-            turn = dialects.assemble_events(p.dialect, p.events)
-        else:
-            raw = b"".join(p.chunks) if p.chunks is not None else p.response_body
-            raw = _decode(raw, p.encoding)
-            if raw:
-                turn = dialects.assemble(p.dialect, raw, p.streamed)
-                if turn.response is None and not p.streamed:
-                    turn.response = raw.decode("utf-8", "replace")
-    except Exception as exc:
-        log.warning("lcap: could not read the answer of %s %s: %s", p.dialect, p.path, exc)
-        turn.error = turn.error or f"capture: {exc}"
-    if p.status_code is not None and p.status_code >= 400 and not error:
-        error = turn.error or f"HTTP {p.status_code}"
-    error = error or turn.error
-    has_ids = bool(turn.completion_token_ids) and p.token_ids
-    if isinstance(request, dict) and p.model_requested is None:
-        p.model_requested = request.get("model")
-    ended = p.t_end or time.perf_counter()
-    return {
-        "turn_id": p.turn_id,
-        "episode_id": p.episode_id,
-        "seq": p.seq,
-        "started_at": _ts(p.started_at),
-        "ended_at": _ts(p.started_at + (ended - p.t0)),
-        "latency_ms": (ended - p.t0) * 1000.0,
-        "ttft_ms": None if p.t_first is None else (p.t_first - p.t0) * 1000.0,
-        "host": p.host,
-        "path": redact_path(p.path),
-        "dialect": p.dialect,
-        "transport": p.transport,
-        "stream": p.streamed,
-        "upstream": p.upstream,
-        "model_requested": p.model_requested,
-        "model_served": turn.model_served,
-        "deployment": p.deployment,
-        "request": _dumps(request),
-        "response": _dumps(turn.response),
-        "status_code": p.status_code,
-        "error": redact_text(error),
-        "finish_reason": turn.finish_reason,
-        "completion_text": redact_keys(turn.text),
-        "tool_calls": _dumps(turn.tool_calls),
-        "reasoning": redact_keys(turn.reasoning),
-        "prompt_tokens": turn.prompt_tokens,
-        "completion_tokens": turn.completion_tokens,
-        "prompt_token_ids": turn.prompt_token_ids if has_ids else None,
-        "completion_token_ids": turn.completion_token_ids if has_ids else None,
-        "completion_logprobs": turn.completion_logprobs if has_ids else None,
-        "token_source": "vllm" if has_ids else None,
-    }
-
-
-_TIME_COLUMNS = ("started_at", "ended_at")
+_LOCK_NAME = "writer.lock"
 
 
 class TurnWriter:
-    """A thread that appends finished turns to the store in batches, through a crash spool.
+    """The proxy's handle on its writer process: `put` finished turns, `flush`, `stop`."""
 
-    `put` is a lock-free deque append that wakes nobody: the writer wakes every `interval` on its
-    own (or at once for a flush or stop), so the proxy's event loop never hands the GIL to the
-    writer per call. Building rows yields the GIL between turns for the same reason.
-    """
-
-    def __init__(self, store: Store, *, interval: float = 0.25, spool_dir: Path | None = None) -> None:
+    def __init__(self, store: Store, *, interval: float = 0.25, spool_root: Path | None = None) -> None:
         self.store = store
         self.interval = interval
-        self._pending: collections.deque[PendingTurn] = collections.deque()
-        self._markers: collections.deque[threading.Event] = collections.deque()
-        self._wake = threading.Event()
-        self._stopping = False
-        self._thread: threading.Thread | None = None
-        self._spool_dir = spool_dir or lcap_home() / "spool"
-        self._spool: Path | None = None
-        self._unwritten: list[dict[str, Any]] = []
+        self.spool_root = spool_root or lcap_home() / "spool"
+        self._spool: SpoolAppender | None = None
+        self._proc: subprocess.Popen | None = None
+        self._progress = threading.Condition()
+        self._committed = (0, 0)
+        self._exited = False
         self.written = 0
         self.failed = 0
 
     def start(self) -> None:
-        self._spool_dir.mkdir(parents=True, exist_ok=True)
-        self._spool = self._spool_dir / f"{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
-        self.replay_spools()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="lcap-turn-writer", daemon=True)
-        self._thread.start()
+        directory = self.spool_root / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._spool = SpoolAppender(directory, self.store.path)
+        self._exited = False
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "lcap.capture.writer", str(directory), str(self.store.path),
+             "--interval", str(self.interval), "--timeout", str(self.store.timeout)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,  # a Ctrl-C must not cut a write
+        )
+        threading.Thread(target=self._follow, args=(self._proc.stdout,), name="lcap-writer-progress", daemon=True).start()
 
     def put(self, turn: PendingTurn) -> None:
-        self._pending.append(turn)
+        assert self._spool is not None, "TurnWriter.put before start"
+        self._spool.append(turn)
 
     def flush(self, timeout: float | None = 30.0) -> bool:
-        """Block until every turn put before this call is in the store (or `timeout`)."""
-        if self._thread is None:
+        """Block until every turn put before this call is in the store (False after `timeout`)."""
+        if self._spool is None:
             return True
-        marker = threading.Event()
-        self._markers.append(marker)
-        self._wake.set()
-        return marker.wait(timeout)
+        target = self._spool.position()
+        self._send(b"flush\n")
+        with self._progress:
+            self._progress.wait_for(lambda: self._committed >= target or self._exited, timeout)
+            return self._committed >= target
 
-    def stop(self) -> None:
-        """Write everything put so far, then end the thread."""
-        if self._thread is None:
-            return
-        self._stopping = True
-        self._wake.set()
-        self._thread.join()
-        self._thread = None
-        if self._spool is not None and not self._unwritten:
-            self._spool.unlink(missing_ok=True)
-
-    def _run(self) -> None:
-        while True:
-            self._wake.wait(self.interval)
-            self._wake.clear()
-            stopping = self._stopping
-            markers = []
-            while self._markers:  # taken before the turns: every turn put before a flush is written
-                markers.append(self._markers.popleft())
-            batch = []
-            while self._pending:
-                batch.append(self._pending.popleft())
-            if batch or self._unwritten:
-                self._write(batch)
-            for marker in markers:
-                marker.set()
-            if stopping and not self._pending:
-                return  # anything DuckDB still refused stays in the spool for the next proxy
-
-    def _write(self, batch: list[PendingTurn]) -> None:
-        rows = []
-        for pending in batch:
-            try:
-                rows.append(build_row(pending))
-            except Exception:
-                log.exception("lcap: dropped a turn that could not be read")
-                self.failed += 1
-            time.sleep(0)  # let the proxy's event loop run between turns
-        self._spool_rows(rows)
-        rows = self._unwritten + rows  # a batch DuckDB refused before (already in the spool) goes first
-        if not rows:
-            return
+    def stop(self, timeout: float | None = None) -> bool:
+        """Write everything put so far and end the writer; False if some turns stay in the spool."""
+        if self._spool is None or self._proc is None:
+            return True
+        self._spool.close()
+        self._send(b"stop\n")
         try:
-            self.store.append("turns", rows)
-        except Exception as exc:
-            self._unwritten = rows
-            log.error("lcap: could not write %d turns to %s yet (kept, retried with the next batch): %s",
-                      len(rows), self.store.path, exc)
-            return
-        self._unwritten = []
-        self.written += len(rows)
-        if self._spool is not None:
-            self._spool.write_bytes(b"")
+            self._proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            code = self._proc.wait(timeout if timeout is not None else self.store.timeout + 30)
+        except subprocess.TimeoutExpired:
+            log.error("lcap: the turn writer is still busy; it finishes on its own (spool %s)", self._spool.directory)
+            code = None
+        with self._progress:
+            self._progress.wait_for(lambda: self._exited, 5)
+        self._spool = None
+        return code == 0
 
-    def _spool_rows(self, rows: list[dict[str, Any]]) -> None:
-        if self._spool is None or not rows:
-            return
-        store = str(self.store.path.resolve())
-        with self._spool.open("a", encoding="utf-8") as fh:
-            for row in rows:
-                fh.write(json.dumps({"store": store, "row": row}, default=lambda d: d.isoformat()) + "\n")
+    def _send(self, command: bytes) -> None:
+        try:
+            self._proc.stdin.write(command)
+            self._proc.stdin.flush()
+        except (OSError, ValueError):  # the writer is gone: `flush` reports it by timing out
+            pass
 
-    def replay_spools(self) -> int:
-        """Append the turns that a proxy which died on this store left in its spool."""
-        store = str(self.store.path.resolve())
-        rows: list[dict[str, Any]] = []
-        done: list[Path] = []
-        for path in sorted(self._spool_dir.glob("*.jsonl")):
-            if path == self._spool or _pid_alive(path.name.split("-", 1)[0]):
-                continue
-            mine, others = [], []
-            for line in path.read_text(encoding="utf-8").splitlines():
-                try:
-                    entry = json.loads(line)
-                except ValueError:
-                    continue  # a line cut by the crash
-                (mine if entry.get("store") == store else others).append(line)
-            for entry in map(json.loads, mine):
-                row = entry["row"]
-                for col in _TIME_COLUMNS:
-                    if row.get(col):
-                        row[col] = datetime.fromisoformat(row[col])
-                rows.append(row)
-            if others:
-                continue  # another store's turns: its own proxy replays them
-            done.append(path)
-        if rows:
-            known = {r[0] for r in self.store.fetchall(
-                "SELECT turn_id FROM turns WHERE turn_id IN (SELECT unnest(?))", [[r["turn_id"] for r in rows]])}
-            fresh = [r for r in rows if r["turn_id"] not in known]
-            self.store.append("turns", fresh)
-            if fresh:
-                log.warning("lcap: recovered %d turns from a spool left by a proxy that died", len(fresh))
-        for path in done:
-            path.unlink(missing_ok=True)
-        return len(rows)
+    def _follow(self, stdout: IO[bytes]) -> None:
+        """Track the writer's progress lines: `committed SEGMENT OFFSET WRITTEN FAILED`."""
+        for line in stdout:
+            parts = line.split()
+            if len(parts) == 5 and parts[0] == b"committed":
+                with self._progress:
+                    self._committed = (int(parts[1]), int(parts[2]))
+                    self.written, self.failed = int(parts[3]), int(parts[4])
+                    self._progress.notify_all()
+        with self._progress:
+            self._exited = True
+            self._progress.notify_all()
+
+
+# --- the writer process ---------------------------------------------------------------------------
+
+def build_rows(records: list[Any]) -> tuple[list[dict[str, Any]], int]:
+    rows, failed = [], 0
+    for pending in records:
+        try:
+            rows.append(build_row(pending))
+        except Exception:
+            log.exception("lcap: dropped a turn that could not be read")
+            failed += 1
+    return rows, failed
+
+
+def append_new(store: Store, rows: list[dict[str, Any]]) -> int:
+    """Append the rows whose turn_id is not in the store yet (a replayed spool may hold some twice)."""
+    if not rows:
+        return 0
+    known = {r[0] for r in store.fetchall("SELECT turn_id FROM turns WHERE turn_id IN (SELECT unnest(?))",
+                                          [[r["turn_id"] for r in rows]])}
+    fresh = [r for r in rows if r["turn_id"] not in known]
+    store.append("turns", fresh)
+    return len(fresh)
 
 
 def _pid_alive(pid: str) -> bool:
@@ -312,3 +149,107 @@ def _pid_alive(pid: str) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _lock(directory: Path) -> int | None:
+    """Hold the spool's writer lock (until this process ends); None if another writer holds it."""
+    fd = os.open(directory / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def replay_dead_spools(store: Store, root: Path, *, skip: Path | None = None) -> int:
+    """Store the turns of spools on this store whose proxy and writer both died; return how many were new."""
+    mine = str(store.path.resolve())
+    recovered = 0
+    for directory in sorted(p for p in root.glob("*-*") if p.is_dir() and p != skip):
+        if _pid_alive(directory.name.split("-", 1)[0]) or spool_store(directory) != mine:
+            continue
+        fd = _lock(directory)
+        if fd is None:
+            continue  # its writer is still at work
+        try:
+            rows, _ = build_rows(SpoolReader(directory).read())
+            recovered += append_new(store, rows)
+        finally:
+            os.close(fd)
+        shutil.rmtree(directory, ignore_errors=True)
+    if recovered:
+        log.warning("lcap: recovered %d turns from a spool left by a proxy that died", recovered)
+    return recovered
+
+
+def _commands(timeout: float) -> bytes | None:
+    """Wait up to `timeout` for the proxy's commands on stdin; None once stdin is closed (the proxy is gone)."""
+    ready, _, _ = select.select([sys.stdin.fileno()], [], [], timeout)
+    if not ready:
+        return b""
+    return os.read(sys.stdin.fileno(), 4096) or None
+
+
+def _report(line: str) -> None:
+    """Tell the proxy how far the store is; a proxy that is gone no longer listens."""
+    try:
+        os.write(sys.stdout.fileno(), f"{line}\n".encode())
+    except OSError:
+        pass
+
+
+def run(directory: Path, store: Store, interval: float) -> int:
+    if _lock(directory) is None:
+        log.error("lcap: another writer holds %s", directory)
+        return 2
+    try:
+        replay_dead_spools(store, directory.parent, skip=directory)
+    except Exception as exc:
+        log.error("lcap: could not replay spools left by dead proxies yet: %s", exc)
+    reader = SpoolReader(directory)
+    unwritten: list[dict[str, Any]] = []
+    written = failed = 0
+    reported = None
+    stopping = False
+    while True:
+        command = _commands(0 if stopping else interval)
+        stopping = stopping or command is None or b"stop" in command
+        rows, bad = build_rows(reader.read())
+        failed += bad
+        unwritten += rows
+        if unwritten:
+            try:
+                store.append("turns", unwritten)
+            except Exception as exc:
+                log.error("lcap: could not write %d turns to %s yet (kept in the spool, retried): %s",
+                          len(unwritten), store.path, exc)
+                if stopping:
+                    return 1  # the spool stays: the next proxy on this store writes it
+                continue
+            written += len(unwritten)
+            unwritten = []
+        reader.delete_finished()
+        if reader.position() != reported or command:
+            reported = reader.position()
+            _report(f"committed {reported[0]} {reported[1]} {written} {failed}")
+        if stopping:
+            shutil.rmtree(directory, ignore_errors=True)
+            return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lcap.capture.writer", description="lcap's turn writer process")
+    parser.add_argument("spool", type=Path)
+    parser.add_argument("db", type=Path)
+    parser.add_argument("--interval", type=float, default=0.25)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the proxy's end (stdin closing) is what stops the writer
+    return run(args.spool, Store(args.db, timeout=args.timeout), args.interval)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -157,48 +157,61 @@ def test_child_env(tmp_path, capture_home, monkeypatch):
     assert oct(os.stat(capture_home / "ca" / "mitmproxy-ca.pem").st_mode & 0o777) == "0o600"
 
 
-def test_spool_left_by_a_dead_proxy_is_replayed(tmp_path, capture_home, monkeypatch):
-    from lcap.capture.writer import PendingTurn, TurnWriter, build_row
+def _finished_turn(episode: str, text: str = "hi"):
+    from lcap.capture.turn import PendingTurn
 
-    monkeypatch.setenv("LCAP_HOME", str(capture_home))
-    store = Store(tmp_path / "db.duckdb")
-    pending = PendingTurn(episode_id="lost", seq=0, host="api.openai.com", path="/v1/chat/completions", dialect="chat")
+    pending = PendingTurn(episode_id=episode, seq=0, host="api.openai.com", path="/v1/chat/completions", dialect="chat")
     pending.request_body = json.dumps(CHAT).encode()
-    pending.response_body = json.dumps({"model": "m", "choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}]}).encode()
-    dead = TurnWriter(store, spool_dir=tmp_path / "spool")
-    dead._spool = tmp_path / "spool" / "999999999-dead.jsonl"
-    dead._spool.parent.mkdir()
-    dead._spool_rows([build_row(pending)])  # as if the process died before its DuckDB append
-    writer = TurnWriter(store, spool_dir=tmp_path / "spool")
+    pending.response_body = json.dumps({"model": "m", "choices": [{"message": {"content": text}, "finish_reason": "stop"}]}).encode()
+    pending.status_code = 200
+    return pending
+
+
+def test_spool_left_by_a_dead_proxy_is_replayed_once(tmp_path, capture_home):
+    """Turns spooled by a proxy whose writer died are written by the next proxy's writer, without duplicates."""
+    from lcap.capture.spool import SpoolAppender
+    from lcap.capture.writer import TurnWriter
+
+    db, root = tmp_path / "db.duckdb", tmp_path / "spool"
+    store = Store(db)
+    dead = SpoolAppender(root / "999999999-deadbeef", db)  # no such pid: its proxy is gone
+    lost, stored = _finished_turn("lost"), _finished_turn("stored", "already")
+    dead.append(lost)
+    dead.append(stored)
+    dead.close()
+    other = SpoolAppender(root / "999999998-0therdb0", tmp_path / "other.duckdb")  # another store's spool: left alone
+    other.append(_finished_turn("other"))
+    other.close()
+    from lcap.capture.turn import build_row
+
+    store.append("turns", [build_row(stored)])  # written before the crash, still in the spool
+    writer = TurnWriter(store, spool_root=root)
     writer.start()
-    writer.stop()
-    (row,) = turns(tmp_path / "db.duckdb")
-    assert row["episode_id"] == "lost" and row["completion_text"] == "hi"
-    assert not dead._spool.exists()
+    assert writer.stop(timeout=60)
+    rows = turns(db)
+    assert [(r["episode_id"], r["completion_text"]) for r in rows] == [("lost", "hi"), ("stored", "already")]
+    assert sorted(p.name for p in root.iterdir()) == ["999999998-0therdb0"]
 
 
-def test_turns_wait_while_another_process_holds_the_store(tmp_path, capture_home, monkeypatch):
-    """DuckDB refuses a second writer process: the batch waits (spooled) and is written once the file is free."""
+def test_turns_wait_while_another_process_holds_the_store(tmp_path, capture_home):
+    """DuckDB refuses a second writer process: the turn waits in the spool and is written once the file is free."""
     import subprocess
     import sys
 
-    from lcap.capture.writer import PendingTurn, TurnWriter
+    from lcap.capture.writer import TurnWriter
 
-    monkeypatch.setenv("LCAP_HOME", str(capture_home))
     db = tmp_path / "db.duckdb"
     Store(db).execute("SELECT 1")  # schema
     holder = subprocess.Popen([sys.executable, "-c", "import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); "
-                               "print('held', flush=True); time.sleep(2.5)", str(db)], stdout=subprocess.PIPE, text=True)
+                               "print('held', flush=True); time.sleep(3)", str(db)], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
-    writer = TurnWriter(Store(db, timeout=0.3), interval=0.05, spool_dir=tmp_path / "spool")
+    writer = TurnWriter(Store(db, timeout=0.3), interval=0.05, spool_root=tmp_path / "spool")
     writer.start()
-    pending = PendingTurn(episode_id="waited", seq=0, host="h", path="/v1/chat/completions", dialect="chat")
-    pending.response_body = json.dumps({"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}]}).encode()
-    writer.put(pending)
-    time.sleep(0.6)
-    assert writer.written == 0 and writer._unwritten  # refused while held, kept
+    writer.put(_finished_turn("waited"))
+    assert not writer.flush(timeout=1.0) and writer.written == 0  # refused while held, kept
     holder.wait(10)
-    assert writer.flush(timeout=10)
-    writer.stop()
+    assert writer.flush(timeout=20)
+    assert writer.stop(timeout=30)
     (row,) = turns(db)
     assert row["episode_id"] == "waited" and row["completion_text"] == "hi"
+    assert not any((tmp_path / "spool").iterdir())  # all stored: the spool is gone

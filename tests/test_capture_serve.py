@@ -69,3 +69,36 @@ def test_serve_attribution_side_traffic_and_sql_while_writing(capture_env, llm):
         assert sorted(seqs) == list(range(len(seqs)))
     assert all(r["path"] == "/v1/chat/completions" for r in rows)  # telemetry passed through, not stored
     assert llm.calls("/telemetry") == []  # side traffic went on to its own host (unreachable here), not rerouted
+
+
+def test_kill_9_of_the_proxy_loses_no_finished_turn(capture_env, llm):
+    """The spool and the writer process outlive lcap: turns finished before a kill -9 still reach the store."""
+    db = capture_env["LCAP_DB"]
+    proc = subprocess.Popen([LCAP, "proxy", "--serve", "--upstream", llm.url], env=capture_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "listening on http://127.0.0.1:" in line, line + proc.stderr.read()
+        port = int(line.split("listening on http://127.0.0.1:", 1)[1].split()[0])
+        with httpx.Client(proxy=f"http://killed@127.0.0.1:{port}", timeout=30) as client:
+            for _ in range(5):
+                client.post(f"{llm.url}/v1/chat/completions", json=CHAT).raise_for_status()
+        proc.kill()  # no flush, no clean stop: the last turns were finished a moment ago
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(rows := _turns_if_free(db)) < 5:
+        time.sleep(0.2)
+    assert [r["seq"] for r in rows if r["episode_id"] == "killed"] == [0, 1, 2, 3, 4]
+
+
+def _turns_if_free(db) -> list[dict]:
+    """The stored turns, or [] while the writer still holds the file."""
+    import duckdb
+
+    try:
+        return turns(db)
+    except duckdb.IOException:
+        return []

@@ -1,0 +1,152 @@
+"""One finished call: what the proxy's hooks record (`PendingTurn`) and the `turns` row it becomes.
+
+The hooks keep raw bytes and timings only; `build_row` does the parsing (JSON, SSE reassembly,
+decompression, redaction) in the writer process, away from the proxy's event loop.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import time
+import uuid
+import zlib
+from datetime import datetime, timezone
+from typing import Any
+
+from lcap.capture import dialects
+from lcap.capture.redact import redact_json, redact_keys, redact_path, redact_text
+
+log = logging.getLogger("lcap.capture")
+
+
+class PendingTurn:
+    """What the hooks record about one call; everything expensive happens later, in the writer process."""
+
+    __slots__ = ("turn_id", "episode_id", "seq", "started_at", "t0", "t_first", "t_end", "host", "path", "dialect",
+                 "transport", "upstream", "model_requested", "deployment", "request_body", "request_json",
+                 "chunks", "response_body", "streamed", "encoding", "status_code", "error", "token_ids", "added",
+                 "events", "done")
+
+    def __init__(self, *, episode_id: str | None, seq: int | None, host: str, path: str, dialect: str,
+                 transport: str = "http") -> None:
+        self.turn_id = uuid.uuid4().hex
+        self.episode_id, self.seq = episode_id, seq
+        self.started_at = time.time()
+        self.t0 = time.perf_counter()
+        self.t_first: float | None = None
+        self.t_end: float | None = None
+        self.host, self.path, self.dialect, self.transport = host, path, dialect, transport
+        self.upstream: str | None = None
+        self.model_requested: str | None = None
+        self.deployment: str | None = None
+        self.request_body: bytes = b""
+        self.request_json: Any = None          # WebSocket: the response.create frame, already decoded
+        self.chunks: list[bytes] | None = None  # SSE chunks as forwarded
+        self.response_body: bytes = b""
+        self.streamed = False
+        self.encoding: str | None = None
+        self.status_code: int | None = None
+        self.error: str | None = None
+        self.token_ids = False
+        self.added: dialects.Added | None = None
+        self.events: list[Any] | None = None    # WebSocket: decoded server events
+        self.done = False
+
+
+def _decode(body: bytes, encoding: str | None) -> bytes:
+    if not encoding or encoding == "identity" or not body:
+        return body
+    enc = encoding.strip().lower()
+    try:
+        if enc in ("gzip", "x-gzip"):
+            return gzip.decompress(body)
+        if enc == "deflate":
+            try:
+                return zlib.decompress(body)
+            except zlib.error:
+                return zlib.decompress(body, -zlib.MAX_WBITS)
+        if enc == "br":
+            import brotli
+
+            return brotli.decompress(body)
+        if enc == "zstd":
+            import zstandard
+
+            return zstandard.ZstdDecompressor().decompressobj().decompress(body)
+    except Exception as exc:  # a body lcap cannot decode is still forwarded; the turn says why
+        raise ValueError(f"cannot decode {enc} body: {exc}") from exc
+    return body
+
+
+def _ts(t: float) -> datetime:
+    return datetime.fromtimestamp(t, timezone.utc)
+
+
+def _dumps(value: Any) -> str | None:
+    return None if value is None else redact_keys(json.dumps(redact_json(value), ensure_ascii=False))
+
+
+def build_row(p: PendingTurn) -> dict[str, Any]:
+    """The `turns` row of a finished call."""
+    error = p.error
+    request = p.request_json
+    if request is None and p.request_body:
+        try:
+            request = json.loads(p.request_body)
+        except ValueError:
+            request = p.request_body.decode("utf-8", "replace")
+    turn = dialects.Turn()
+    try:
+        if p.events is not None:
+            turn = dialects.assemble_events(p.dialect, p.events)
+        else:
+            raw = b"".join(p.chunks) if p.chunks is not None else p.response_body
+            raw = _decode(raw, p.encoding)
+            if raw:
+                turn = dialects.assemble(p.dialect, raw, p.streamed)
+                if turn.response is None and not p.streamed:
+                    turn.response = raw.decode("utf-8", "replace")
+    except Exception as exc:
+        log.warning("lcap: could not read the answer of %s %s: %s", p.dialect, p.path, exc)
+        turn.error = turn.error or f"capture: {exc}"
+    if p.status_code is not None and p.status_code >= 400 and not error:
+        error = turn.error or f"HTTP {p.status_code}"
+    error = error or turn.error
+    has_ids = bool(turn.completion_token_ids) and p.token_ids
+    if isinstance(request, dict) and p.model_requested is None:
+        p.model_requested = request.get("model")
+    ended = p.t_end if p.t_end is not None else p.t0
+    return {
+        "turn_id": p.turn_id,
+        "episode_id": p.episode_id,
+        "seq": p.seq,
+        "started_at": _ts(p.started_at),
+        "ended_at": _ts(p.started_at + (ended - p.t0)),
+        "latency_ms": (ended - p.t0) * 1000.0,
+        "ttft_ms": None if p.t_first is None else (p.t_first - p.t0) * 1000.0,
+        "host": p.host,
+        "path": redact_path(p.path),
+        "dialect": p.dialect,
+        "transport": p.transport,
+        "stream": p.streamed,
+        "upstream": p.upstream,
+        "model_requested": p.model_requested,
+        "model_served": turn.model_served,
+        "deployment": p.deployment,
+        "request": _dumps(request),
+        "response": _dumps(turn.response),
+        "status_code": p.status_code,
+        "error": redact_text(error),
+        "finish_reason": turn.finish_reason,
+        "completion_text": redact_keys(turn.text),
+        "tool_calls": _dumps(turn.tool_calls),
+        "reasoning": redact_keys(turn.reasoning),
+        "prompt_tokens": turn.prompt_tokens,
+        "completion_tokens": turn.completion_tokens,
+        "prompt_token_ids": turn.prompt_token_ids if has_ids else None,
+        "completion_token_ids": turn.completion_token_ids if has_ids else None,
+        "completion_logprobs": turn.completion_logprobs if has_ids else None,
+        "token_source": "vllm" if has_ids else None,
+    }
