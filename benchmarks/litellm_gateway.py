@@ -85,7 +85,9 @@ def start_litellm(upstream_url: str, workdir: Path, *, timeout: float = 120) -> 
     """Start LiteLLM's proxy in front of `upstream_url` (an OpenAI-compatible server's root).
 
     Returns the process and the URL a client posts chat completions to, with model
-    ``gpt-4o-mini``. Its output goes to ``workdir/litellm.log``.
+    ``gpt-4o-mini`` and ``HEADERS`` (without them LiteLLM 1.108.7 answers 500, not 401: its auth
+    error path imports ``prisma``, which ``litellm[proxy]`` does not install). Its output goes to
+    ``workdir/litellm.log``.
     """
     port = _free_port()
     config = _write_config(upstream_url, workdir)
