@@ -102,6 +102,9 @@ def run_demo(out: Path, *, rounds: int = 5, fresh: bool = False, settings: DemoS
         if running is not None:
             raise LcapError(f"a policy server for {running.base_model} is running: stop it (`lcap serve --stop`) first")
         echo("[demo] starting vLLM on the tiny model (about 30 s on CPU)")
+        # vLLM means to serve with one torch thread, but its CPU backend skips that and runs an OpenMP
+        # thread per core; next to the agents they spin and wait on each other: 4x the CPU per call here.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
         start_server(str(model), store=store, log_path=out / "vllm.log")
         started = True
     timings["server"] = time.perf_counter() - t0 - timings["model"]
