@@ -188,6 +188,49 @@ def test_without_correction_no_ratio(tiny_train_model, captured_samples, tmp_pat
     assert "importance_sampling_ratio" not in seen[0]
 
 
+def padded_batch(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Prompt + completion ids as TRL lays them out: prompts left-padded, completions right-padded."""
+    p_len = max(len(s.prompt_ids) for s in samples)
+    c_len = max(len(s.completion_ids) for s in samples)
+    ids = torch.zeros(len(samples), p_len + c_len, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, s in enumerate(samples):
+        ids[i, p_len - len(s.prompt_ids):p_len + len(s.completion_ids)] = torch.tensor(s.prompt_ids + s.completion_ids)
+        attn[i, p_len - len(s.prompt_ids):p_len + len(s.completion_ids)] = 1
+    return ids, attn, c_len
+
+
+def test_cpu_lm_head_scores_only_completion_positions(tiny_train_model, captured_samples, tmp_path, monkeypatch):
+    import trl.trainer.utils as trl_utils
+    from trl import GRPOTrainer
+
+    prepared = prepare_round(Store(tmp_path / "db"), tmp_path / "run", 1, options(tiny_train_model), data=captured_samples)
+    trainer, samples = prepared.trainer, prepared.groups.real_samples
+    ids, attn, c_len = padded_batch(samples)
+    scored: list[int] = []
+    apply = trl_utils._ChunkedLogProbFunction.apply
+    monkeypatch.setattr(trl_utils._ChunkedLogProbFunction, "apply", lambda hidden, *a: scored.append(hidden.shape[0]) or apply(hidden, *a))
+
+    with torch.no_grad():
+        ours = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attn, c_len, compute_entropy=True)
+        trl_own = GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, ids, attn, c_len, compute_entropy=True)
+    assert scored == [sum(len(s.completion_ids) for s in samples), ids.shape[0] * (ids.shape[1] - 1)]
+    torch.testing.assert_close(ours[0], trl_own[0])  # log-probs
+    torch.testing.assert_close(ours[1], trl_own[1])  # entropies
+    model = trainer.model.eval()
+    for i, s in enumerate(samples):
+        torch.testing.assert_close(ours[0][i, :len(s.completion_ids)], token_logps(model, s), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("setting, expected", [(None, False), (True, True)])
+def test_activation_checkpointing_off_on_cpu_unless_asked(tiny_train_model, captured_samples, tmp_path, setting, expected):
+    """Checkpointing trades a second forward for memory: worth it on a GPU, not on CPU (the default there)."""
+    prepared = prepare_round(Store(tmp_path / "db"), tmp_path / "run", 1,
+                             options(tiny_train_model, activation_checkpointing=setting, max_steps=1), data=captured_samples)
+    prepared.trainer.train()
+    assert prepared.trainer.model.get_base_model().is_activation_checkpointing is expected
+
+
 def sample(gid: str, k: int, deployment: str = "r1", reward: float = 0.0) -> Sample:
     return Sample(sample_id=f"{gid}-{k}", group_id=gid, prompt_ids=[1, 2], completion_ids=[3, 4], logprobs=[-1.0, -1.0],
                   env_mask=[1, 1], reward=reward, advantage=reward - 0.5, deployment=deployment)

@@ -56,6 +56,7 @@ class TrainOptions:
     lora_r: int = 16
     lora_alpha: int = 32
     lora_target: str = "all-linear"
+    activation_checkpointing: bool | None = None  # None: on a GPU (memory is the limit); off on CPU (compute is)
     seed: int = 0
     report_to: str = "tensorboard"
     logging_steps: int = 1
@@ -183,6 +184,7 @@ def prepare_round(store, run: Path, round: int, options: TrainOptions = TrainOpt
     args = GRPOConfig(
         output_dir=str(out_dir / "trainer"),
         use_cpu=not on_gpu, bf16=on_gpu,
+        activation_checkpointing=on_gpu if options.activation_checkpointing is None else options.activation_checkpointing,
         learning_rate=options.learning_rate, beta=options.beta, loss_type=options.loss_type,
         max_steps=max_steps, steps_per_generation=steps_per_generation,
         per_device_train_batch_size=batch, gradient_accumulation_steps=options.grad_accum,

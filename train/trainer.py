@@ -1,6 +1,6 @@
 """TRL's GRPOTrainer, fed with captured samples instead of generating its own.
 
-Two small, named departures from stock TRL, each tested:
+Three small, named departures from stock TRL, each tested:
 
 1. `captured_rollout`: a `rollout_func` that returns, for each dataset row (one row = one GRPO
    group), the samples the proxy captured for that group: prompt ids, completion ids, the
@@ -14,6 +14,12 @@ Two small, named departures from stock TRL, each tested:
    (so TRL never tries to sync weights into a vLLM it does not own). In the `*_mask` modes the
    tokens whose ratio is rejected also leave the loss denominator (their loss mask becomes 0),
    the same way env tokens do.
+3. `CapturedGRPOTrainer._get_per_token_logps_and_entropies`: on CPU, TRL's fused LM head scores
+   only the completion positions, as it does on Triton devices. Without Triton, TRL 1.16 projects
+   every position (prompt and padding too) through the head and masks the extra scores away, to
+   keep XLA/Neuron tile shapes static; CPU has nothing to recompile, and agent prompts are long,
+   so that projection was the largest single cost of a step on the benchmark's model
+   (`benchmarks/bench_train.py`). The scores are the same either way.
 
 Advantages: the reward function hands TRL the advantage the episode builder computed (one
 definition of advantage for the whole product: the builder's group normalisation, its filters and
@@ -24,11 +30,14 @@ is a no-op on already-centred values (padding members carry 0 and no loss).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is the documented way in; no warning per round
+import trl.trainer.utils as trl_utils  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
 from lcap.train.samples import Groups
@@ -104,6 +113,10 @@ class CapturedGRPOTrainer(GRPOTrainer):
         finally:
             self._generating = False
 
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        with _completion_positions_only():
+            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         self._without_behaviour = []
         output = super()._generate_and_score_completions(inputs)
@@ -119,3 +132,14 @@ class CapturedGRPOTrainer(GRPOTrainer):
             loss_mask = output["completion_mask"] * output["tool_mask"]
             output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
         return output
+
+
+@contextmanager
+def _completion_positions_only() -> Iterator[None]:
+    """Let TRL's fused LM head take its compact path (completion positions only) on CPU too (see module docstring)."""
+    triton_rule = trl_utils._use_triton
+    trl_utils._use_triton = lambda device: device.type == "cpu" or triton_rule(device)
+    try:
+        yield
+    finally:
+        trl_utils._use_triton = triton_rule
