@@ -1,15 +1,20 @@
-"""Added latency of `lcap proxy` against a local upstream: direct vs proxied, measured interleaved.
+"""Added latency of `lcap proxy` against a local upstream, side by side with its baselines in one run.
 
-    .venv/bin/python benchmarks/bench_proxy.py [--n 300] [--rounds 40]
+    .venv/bin/python benchmarks/bench_proxy.py [--n 300] [--rounds 25] [--no-litellm]
 
-Starts a minimal asyncio HTTP upstream (OpenAI chat completions, plain and SSE) in a subprocess,
-`lcap proxy --serve --upstream` in another, and measures from this process with httpx:
-- c=1 and c=16 (16 concurrent requests in flight), non-streaming: full response time;
-- streaming: time to the first SSE chunk.
-Direct and proxied requests alternate in one run, so machine noise hits both alike. Two proxied
-paths: plain HTTP through the proxy (the hook path alone), and HTTPS to api.openai.com rerouted
-(CONNECT + TLS interception with lcap's CA, keep-alive): what a real agent pays. At the end the
-proxy is stopped and every proxied call must be a turn in the store.
+Starts a minimal asyncio HTTP upstream (OpenAI chat completions, plain and SSE) in a subprocess and
+measures from this process with httpx, all paths interleaved round by round so machine noise hits
+them alike:
+- direct: straight to the upstream;
+- lcap http / lcap https: `lcap proxy --serve --upstream` (every call stored); plain HTTP through
+  the proxy (the hook path), and HTTPS to api.openai.com rerouted (CONNECT + TLS interception with
+  lcap's CA, keep-alive): what a real agent pays;
+- mitmproxy: stock mitmproxy embedded with the same three addons lcap loads and an addon that only
+  reroutes (no capture): the floor under lcap's own work;
+- mitmdump: stock `mitmdump` (all default addons) with the same reroute script, as a user would run it;
+- litellm: LiteLLM's proxy (benchmarks/litellm_gateway.py; its own venv), when installed.
+Cases: c=1 and c=16 (16 requests in flight), non-streaming (full response) and streaming (time to
+the first SSE chunk). At the end lcap is stopped and every call it proxied must be a turn in the store.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -75,6 +81,43 @@ async def main():
 asyncio.run(main())
 '''
 
+REROUTE = r'''
+import os
+UP = int(os.environ["BENCH_UPSTREAM_PORT"])
+
+class Reroute:
+    def request(self, flow):
+        flow.request.scheme, flow.request.host, flow.request.port = "http", "127.0.0.1", UP
+        flow.request.headers.pop("proxy-authorization", None)
+
+addons = [Reroute()]
+'''
+
+BARE = r'''
+import asyncio, os, sys
+from mitmproxy import options
+from mitmproxy.addons import next_layer, proxyserver, tlsconfig
+from mitmproxy.master import Master
+from mitmproxy.utils import asyncio_utils
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
+from reroute import Reroute
+
+async def main():
+    opts = options.Options()
+    master = Master(opts)
+    master.addons.add(proxyserver.Proxyserver(), next_layer.NextLayer(), tlsconfig.TlsConfig(), Reroute())
+    opts.update(confdir=sys.argv[2], listen_host="127.0.0.1", listen_port=0, mode=["regular"],
+                connection_strategy="lazy", upstream_cert=False)
+    server = master.addons.get("proxyserver")
+    with asyncio_utils.set_eager_task_factory():
+        await server.setup_servers()
+        print(server.listen_addrs()[0][1], flush=True)
+        await master.running()
+        await master.should_exit.wait()
+
+asyncio.run(main())
+'''
+
 REQUEST = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Say ok."}]}
 
 
@@ -112,32 +155,37 @@ async def _measure(clients: dict[str, tuple[httpx.AsyncClient, str]], *, concurr
 
 
 def hook_path_cost(n: int = 2000) -> tuple[float, float, float]:
-    """lcap's own share: the addon's hooks on one rerouted 8 KB chat call (p50, p99 in us), and
-    the writer's row building per turn (us), measured on synthetic mitmproxy flows."""
+    """lcap's own share: the addon's hooks on one rerouted 8 KB chat call, spool record included (p50, p99
+    in us), and the writer process's row building per turn (us), measured on synthetic mitmproxy flows."""
     from mitmproxy import http
     from mitmproxy.test import tflow, tutils
 
     from lcap.capture.addon import CaptureAddon, Router
+    from lcap.capture.spool import SpoolAppender, SpoolReader
     from lcap.capture.turn import build_row
 
-    class Sink(list):
-        put = list.append
+    spool_dir = Path(tempfile.mkdtemp(prefix="lcap-bench-spool-"))
+    spool = SpoolAppender(spool_dir, spool_dir / "unused.duckdb")
 
-    sink = Sink()
-    addon = CaptureAddon(sink, Router("http://127.0.0.1:9", None), token_ids=False)
+    class Writer:
+        put = spool.append
+
+    addon = CaptureAddon(Writer(), Router("http://127.0.0.1:9", None), token_ids=False)
     body = json.dumps({**REQUEST, "messages": [{"role": "user", "content": "x" * 2000}] * 4}).encode()
     answer = json.dumps({"id": "c", "model": "m", "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok" * 100},
                                                                 "finish_reason": "stop"}]}).encode()
     headers = http.Headers(((b"authorization", b"Bearer sk-x"), (b"content-type", b"application/json")))
+    response_headers = http.Headers(((b"content-type", b"application/json"),))
 
     def one() -> float:
         flow = tflow.tflow(req=tutils.treq(method=b"POST", path=b"/v1/chat/completions", content=body, host="api.openai.com",
                                            port=443, scheme=b"https", headers=headers.copy()))
         flow.response = None
+        response = tutils.tresp(content=answer, headers=response_headers.copy())
         t0 = time.perf_counter()
         addon.requestheaders(flow)
         addon.request(flow)
-        flow.response = tutils.tresp(content=answer, headers=http.Headers(((b"content-type", b"application/json"),)))
+        flow.response = response
         addon.responseheaders(flow)
         flow.response.stream(answer)
         flow.response.stream(b"")
@@ -147,64 +195,127 @@ def hook_path_cost(n: int = 2000) -> tuple[float, float, float]:
     for _ in range(200):
         one()
     times = [one() for _ in range(n)]
+    spool.close()
+    records = SpoolReader(spool_dir).read()[-n:]
     t0 = time.perf_counter()
-    for pending in sink[-n:]:
+    for pending in records:
         build_row(pending)
     per_row = (time.perf_counter() - t0) / n * 1e6
+    shutil.rmtree(spool_dir, ignore_errors=True)
     return _pct(times, 0.5), _pct(times, 0.99), per_row
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_listening(port: int, proc: subprocess.Popen, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited with {proc.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit(f"{what} did not listen on {port} within {timeout:.0f} s")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=300, help="requests per path at concurrency 1")
     parser.add_argument("--rounds", type=int, default=25, help="rounds of 16 concurrent requests per path")
+    parser.add_argument("--no-litellm", action="store_true", help="leave out the LiteLLM row")
     args = parser.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="lcap-bench-"))
-    env = {**os.environ, "LCAP_HOME": os.environ.get("LCAP_HOME", str(Path.home() / ".lcap"))}
-    upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM], stdout=subprocess.PIPE, text=True)
-    up_url = f"http://127.0.0.1:{upstream.stdout.readline().strip()}"
+    home = os.environ.get("LCAP_HOME", str(Path.home() / ".lcap"))
+    env = {**os.environ, "LCAP_HOME": home}
+    procs: list[subprocess.Popen] = []
+
+    def spawn(argv: list[str], **kwargs) -> subprocess.Popen:
+        proc = subprocess.Popen(argv, **kwargs)
+        procs.append(proc)
+        return proc
+
+    upstream = spawn([sys.executable, "-c", UPSTREAM], stdout=subprocess.PIPE, text=True)
+    up_port = int(upstream.stdout.readline())
+    up_url = f"http://127.0.0.1:{up_port}"
     db = tmp / "bench.duckdb"
-    proxy = subprocess.Popen([LCAP, "proxy", "--serve", "--upstream", up_url, "--db", str(db)], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = proxy.stdout.readline()
-    if "listening on" not in line:
-        raise SystemExit(f"proxy did not start: {line} {proxy.stderr.read()}")
-    proxy_url = line.split("listening on ", 1)[1].split()[0]
-    bundle = proxy.stdout.readline().split("SSL_CERT_FILE=", 1)[1].strip()
-
-    async def run() -> list[tuple]:
-        limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
-        ctx = ssl.create_default_context(cafile=bundle)
-        direct = httpx.AsyncClient(limits=limits, trust_env=False, timeout=30)
-        via_http = httpx.AsyncClient(limits=limits, proxy=f"http://bench@{proxy_url[7:]}", trust_env=False, timeout=30)
-        via_https = httpx.AsyncClient(limits=limits, proxy=f"http://bench@{proxy_url[7:]}", verify=ctx, trust_env=False, timeout=30)
-        clients = {
-            "direct": (direct, f"{up_url}/v1/chat/completions"),
-            "proxy http": (via_http, f"{up_url}/v1/chat/completions"),
-            "proxy https": (via_https, "https://api.openai.com/v1/chat/completions"),
-        }
-        rows = []
-        try:
-            for label, conc, rounds, stream in (("non-streaming c=1", 1, args.n, False),
-                                                ("non-streaming c=16", 16, args.rounds, False),
-                                                ("streaming TTFC c=1", 1, args.n, True),
-                                                ("streaming TTFC c=16", 16, args.rounds, True)):
-                res = await _measure(clients, concurrency=conc, rounds=rounds, stream=stream)
-                rows.append((label, res))
-        finally:
-            for client, _ in clients.values():
-                await client.aclose()
-        return rows
-
+    litellm = None
     try:
-        rows = asyncio.run(run())
-    finally:
-        proxy.send_signal(signal.SIGINT)
-        proxy.wait(60)
-        upstream.kill()
+        proxy = spawn([LCAP, "proxy", "--serve", "--upstream", up_url, "--db", str(db)], env=env,
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = proxy.stdout.readline()
+        if "listening on" not in line:
+            raise SystemExit(f"proxy did not start: {line} {proxy.stderr.read()}")
+        lcap_port = int(line.split("listening on ", 1)[1].split()[0].rsplit(":", 1)[1])
+        bundle = proxy.stdout.readline().split("SSL_CERT_FILE=", 1)[1].strip()
 
-    sent = 0
+        (tmp / "reroute.py").write_text(REROUTE)
+        base_env = {**env, "BENCH_UPSTREAM_PORT": str(up_port)}
+        bare = spawn([sys.executable, "-c", BARE, str(tmp / "reroute.py"), str(Path(home) / "ca")], env=base_env,
+                     stdout=subprocess.PIPE, text=True)
+        bare_port = int(bare.stdout.readline())
+        dump_port = _free_port()
+        mitmdump = str(Path(sys.executable).with_name("mitmdump"))
+        spawn([mitmdump, "-q", "--listen-host", "127.0.0.1", "--listen-port", str(dump_port), "-s", str(tmp / "reroute.py"),
+               "--set", f"confdir={Path(home) / 'ca'}", "--set", "connection_strategy=lazy"], env=base_env)
+        _wait_listening(dump_port, procs[-1], "mitmdump")
+
+        litellm_url = None
+        if not args.no_litellm:
+            import litellm_gateway
+
+            if litellm_gateway.available():
+                litellm, litellm_url = litellm_gateway.start_litellm(up_url, tmp)
+            else:
+                print(f"(no LiteLLM row: no venv at {litellm_gateway.LITELLM_VENV}; see benchmarks/litellm_gateway.py)")
+
+        async def run() -> list[tuple]:
+            limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
+            ctx = ssl.create_default_context(cafile=bundle)
+
+            def client(**kwargs) -> httpx.AsyncClient:
+                return httpx.AsyncClient(limits=limits, trust_env=False, timeout=60, **kwargs)
+
+            chat = f"{up_url}/v1/chat/completions"
+            clients = {
+                "direct": (client(), chat),
+                "lcap http": (client(proxy=f"http://bench:x@127.0.0.1:{lcap_port}"), chat),
+                "lcap https": (client(proxy=f"http://bench:x@127.0.0.1:{lcap_port}", verify=ctx),
+                               "https://api.openai.com/v1/chat/completions"),
+                "mitmproxy": (client(proxy=f"http://127.0.0.1:{bare_port}"), chat),
+                "mitmdump": (client(proxy=f"http://127.0.0.1:{dump_port}"), chat),
+            }
+            if litellm_url:
+                clients["litellm"] = (client(headers=litellm_gateway.HEADERS), litellm_url)
+            rows = []
+            try:
+                for label, conc, rounds, stream in (("non-streaming c=1", 1, args.n, False),
+                                                    ("non-streaming c=16", 16, args.rounds, False),
+                                                    ("streaming TTFC c=1", 1, args.n, True),
+                                                    ("streaming TTFC c=16", 16, args.rounds, True)):
+                    rows.append((label, await _measure(clients, concurrency=conc, rounds=rounds, stream=stream)))
+            finally:
+                for c, _ in clients.values():
+                    await c.aclose()
+            return rows
+
+        rows = asyncio.run(run())
+        proxy.send_signal(signal.SIGINT)
+        proxy.wait(120)
+    finally:
+        if litellm is not None:
+            litellm_gateway.stop_litellm(litellm)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+
+    lcap_sent = 0
     print(f"{'case':<22}{'path':<13}{'n':>6}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'+p99 ms':>9}{'p50 x':>7}")
     for label, res in rows:
         d50, d99 = _pct(res["direct"], 0.5), _pct(res["direct"], 0.99)
@@ -212,18 +323,18 @@ def main() -> None:
             p50, p99 = _pct(values, 0.5), _pct(values, 0.99)
             extra = "" if name == "direct" else f"{p50 - d50:>9.2f}{p99 - d99:>9.2f}{p50 / d50:>7.2f}"
             print(f"{label:<22}{name:<13}{len(values):>6}{p50:>9.2f}{p99:>9.2f}{extra}")
-            if name != "direct":
-                sent += len(values)
+            if name.startswith("lcap"):
+                lcap_sent += len(values)
     import duckdb
 
     con = duckdb.connect(str(db), read_only=True)
     stored = con.execute("SELECT count(*) FROM turns").fetchone()[0]
     con.close()
     warm = sum(16 if "c=16" in label else 1 for label, _ in rows) * 2
-    print(f"turns stored: {stored} of {sent + warm} proxied calls (including warm-up)")
+    print(f"turns stored by lcap: {stored} of {lcap_sent + warm} calls it proxied (including warm-up)")
     p50, p99, per_row = hook_path_cost()
-    print(f"lcap hooks per call (8 KB request, rerouted): p50 {p50:.0f} us, p99 {p99:.0f} us; "
-          f"writer thread builds a row in {per_row:.0f} us")
+    print(f"lcap hooks per call (8 KB request, rerouted, spool record included): p50 {p50:.0f} us, p99 {p99:.0f} us; "
+          f"the writer process builds a row in {per_row:.0f} us")
     shutil.rmtree(tmp, ignore_errors=True)
 
 
