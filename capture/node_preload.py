@@ -1,9 +1,11 @@
-"""Node's built-in fetch ignores proxy variables: a `--require` preload routes it through the proxy.
+"""Node 20 ignores proxy variables: a `--require` preload routes Node children through the proxy.
 
-`lcap setup node` installs a pinned `undici` into lcap's home with npm; `preload.js` (shipped in
-this package) makes its `EnvHttpProxyAgent` Node's global dispatcher, so `fetch` (and every SDK
-built on it, such as the openai and anthropic Node SDKs) honours HTTPS_PROXY. Without the install
-the preload does nothing and says so only when LCAP_DEBUG is set.
+`lcap setup node` installs pinned npm packages into lcap's home; `preload.js` (shipped in this
+package) makes undici's `EnvHttpProxyAgent` the global dispatcher, so `fetch` (and every SDK built
+on it, such as the openai and anthropic Node SDKs) honours HTTPS_PROXY, and points the `http` /
+`https` modules' global agents at the proxy (https-proxy-agent / http-proxy-agent, NO_PROXY
+honoured), for clients built on them. Clients that bring their own agent keep it. Without the
+install the preload does nothing and says so only when LCAP_DEBUG is set.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from pathlib import Path
 
 from lcap.config import lcap_home
 
-UNDICI_VERSION = "6.21.3"  # the 6.x line matches Node 20's built-in fetch dispatcher interface
+# undici 6.x matches Node 20's built-in fetch dispatcher interface; the 7.x proxy agents are CommonJS.
+PACKAGES = {"undici": "6.21.3", "https-proxy-agent": "7.0.6", "http-proxy-agent": "7.0.2"}
 PRELOAD = Path(__file__).with_name("preload.js")
 
 
@@ -25,31 +28,36 @@ def node_dir() -> Path:
     return Path(os.environ.get("LCAP_NODE_DIR") or lcap_home() / "node")
 
 
-def installed_version() -> str | None:
+def installed_version(package: str) -> str | None:
     try:
-        return json.loads((node_dir() / "node_modules" / "undici" / "package.json").read_text())["version"]
+        return json.loads((node_dir() / "node_modules" / package / "package.json").read_text())["version"]
     except (OSError, ValueError, KeyError):
         return None
 
 
+def _all_installed() -> bool:
+    return all(installed_version(name) == version for name, version in PACKAGES.items())
+
+
 def install_node_preload() -> str:
     """Install the preload's npm packages into lcap's home (idempotent); return what was done."""
-    if installed_version() == UNDICI_VERSION:
-        return f"undici {UNDICI_VERSION} already in {node_dir()}"
+    wanted = ", ".join(f"{name} {version}" for name, version in PACKAGES.items())
+    if _all_installed():
+        return f"{wanted} already in {node_dir()}"
     npm = shutil.which("npm")
     if npm is None:
-        return "npm not found: Node agents' fetch will not go through the proxy (install Node 18+ and rerun)"
+        return "npm not found: Node agents will not go through the proxy (install Node 18+ and rerun)"
     target = node_dir()
     target.mkdir(parents=True, exist_ok=True)
     result = subprocess.run(
         [npm, "install", "--prefix", str(target), "--no-audit", "--no-fund", "--loglevel=error",
-         f"undici@{UNDICI_VERSION}"],
+         *(f"{name}@{version}" for name, version in PACKAGES.items())],
         capture_output=True, text=True,
     )
-    if result.returncode != 0 or installed_version() != UNDICI_VERSION:
+    if result.returncode != 0 or not _all_installed():
         last = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
-        return f"npm could not install undici {UNDICI_VERSION} (offline?): {last[0]}"
-    return f"installed undici {UNDICI_VERSION} into {target}"
+        return f"npm could not install {wanted} (offline?): {last[0]}"
+    return f"installed {wanted} into {target}"
 
 
 def node_options(existing: str | None) -> str:

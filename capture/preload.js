@@ -1,19 +1,57 @@
-// lcap's Node preload (NODE_OPTIONS=--require): Node's built-in fetch ignores HTTP(S)_PROXY, so
-// make undici's EnvHttpProxyAgent the global dispatcher. It reads HTTPS_PROXY / HTTP_PROXY /
-// NO_PROXY; the CA comes from NODE_EXTRA_CA_CERTS, which lcap also sets. Never breaks the child.
+// lcap's Node preload (NODE_OPTIONS=--require). Node 20 ignores HTTP(S)_PROXY everywhere, so:
+// - fetch (undici): undici's EnvHttpProxyAgent becomes the global dispatcher;
+// - the http/https modules (node-fetch, axios without its own proxy set-up, raw https.request):
+//   their global agents go through the proxy unless NO_PROXY names the host.
+// The CA comes from NODE_EXTRA_CA_CERTS, which lcap also sets. Never breaks the child.
 'use strict';
+
+function routeFetch(modules) {
+  const undici = require(modules + '/undici');
+  const emitWarning = process.emitWarning;
+  process.emitWarning = function (warning, ...rest) {  // undici flags EnvHttpProxyAgent experimental
+    const code = rest.find((r) => typeof r === 'string' && r.startsWith('UNDICI-')) || (rest[0] && rest[0].code);
+    if (code === 'UNDICI-EHPA') return;
+    return emitWarning.call(this, warning, ...rest);
+  };
+  undici.setGlobalDispatcher(new undici.EnvHttpProxyAgent());
+}
+
+function bypassed(host, noProxy) {
+  const name = String(host || '').toLowerCase().replace(/^\[|\]$/g, '');
+  return noProxy.some((entry) => entry === '*' || name === entry || name.endsWith('.' + entry));
+}
+
+function routeHttpModules(modules, env) {
+  const http = require('http');
+  const https = require('https');
+  const { Agent } = require(modules + '/agent-base');
+  const { HttpsProxyAgent } = require(modules + '/https-proxy-agent');
+  const { HttpProxyAgent } = require(modules + '/http-proxy-agent');
+  const httpsProxy = env.HTTPS_PROXY || env.https_proxy || env.HTTP_PROXY || env.http_proxy;
+  const httpProxy = env.HTTP_PROXY || env.http_proxy || httpsProxy;
+  const noProxy = (env.NO_PROXY || env.no_proxy || '').split(',')
+    .map((e) => e.trim().toLowerCase().replace(/^\*?\./, '').replace(/:\d+$/, '')).filter(Boolean);
+  const direct = { http: new http.Agent({ keepAlive: true }), https: new https.Agent({ keepAlive: true }) };
+  const proxied = { http: new HttpProxyAgent(httpProxy, { keepAlive: true }),
+                    https: new HttpsProxyAgent(httpsProxy, { keepAlive: true }) };
+
+  class LcapAgent extends Agent {
+    connect(req, opts) {
+      const scheme = opts.secureEndpoint ? 'https' : 'http';
+      return bypassed(opts.host, noProxy) ? direct[scheme] : proxied[scheme];
+    }
+  }
+
+  const agent = new LcapAgent({ keepAlive: true });
+  http.globalAgent = agent;
+  https.globalAgent = agent;
+}
+
 try {
-  const path = require('path');
   const modules = process.env.LCAP_NODE_MODULES;
   if (modules && (process.env.HTTPS_PROXY || process.env.HTTP_PROXY || process.env.https_proxy)) {
-    const undici = require(path.join(modules, 'undici'));
-    const emitWarning = process.emitWarning;
-    process.emitWarning = function (warning, ...rest) {  // undici flags EnvHttpProxyAgent experimental
-      const code = rest.find((r) => typeof r === 'string' && r.startsWith('UNDICI-')) || (rest[0] && rest[0].code);
-      if (code === 'UNDICI-EHPA') return;
-      return emitWarning.call(this, warning, ...rest);
-    };
-    undici.setGlobalDispatcher(new undici.EnvHttpProxyAgent());
+    routeFetch(modules);
+    routeHttpModules(modules, process.env);
   }
 } catch (err) {
   if (process.env.LCAP_DEBUG) {

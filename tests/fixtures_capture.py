@@ -386,8 +386,8 @@ def node_modules() -> Path:
     target = node_cache_dir()
     env = {**os.environ, "LCAP_NODE_DIR": str(target)}
     setup = subprocess.run([LCAP, "setup", "node"], env=env, capture_output=True, text=True)
-    if not (target / "node_modules" / "undici").exists():
-        pytest.skip(f"npm could not install undici: {setup.stdout} {setup.stderr}")
+    if not all((target / "node_modules" / name).exists() for name in ("undici", "https-proxy-agent", "http-proxy-agent")):
+        pytest.skip(f"npm could not install the preload's packages: {setup.stdout} {setup.stderr}")
     if _npm_version(target, "openai") != "6.30.1":
         result = subprocess.run(["npm", "install", "--prefix", str(target), "--no-audit", "--no-fund", "--loglevel=error",
                                  "openai@6.30.1"], capture_output=True, text=True, timeout=300)
