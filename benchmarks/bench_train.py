@@ -1,23 +1,35 @@
 """Training throughput: a GRPO step on captured samples (lcap's TRL trainer) vs bare PyTorch.
 
-    .venv/bin/python benchmarks/bench_train.py [--groups 8] [--group-size 8] [--steps 6] [--hidden 256]
+    .venv/bin/python benchmarks/bench_train.py [--groups 8] [--group-size 8] [--steps 6] [--hidden 256] [--repeats 3]
 
 Both sides train the same LoRA-wrapped model on the same captured samples (real completions of
 the model, multi-turn with env tokens) for the same number of optimiser steps with the same
 batch; the bare side is one forward + backward + AdamW step of a policy-gradient loss over the
 padded batch. Prints tokens/s of each and the ratio (target: GRPO <= 1.3x the bare time).
 
-The GRPO step does one more forward than the bare one: the no-grad pass that gives the
-importance-sampling ratio against the captured behaviour logprobs (TRL's old_per_token_logps).
+What is timed is the step, the two sides interleaved so that a busy machine slows both alike:
+after each GRPO optimiser step, a callback runs one bare step. The GRPO time is TRL's training
+loop (`on_train_begin` to `on_train_end`) less the bare steps run inside it. Each repeat is a
+fresh `prepare_round`, as `lcap train` does; one warm-up round and one warm-up bare step come
+first. The set-up that `Trainer.train()` pays once per round before its loop (a full
+`gc.collect`, the optimiser, the dataloader) is printed apart.
+
+The GRPO step does work the bare one does not: once per round, a no-grad forward over the
+round's samples (TRL's old_per_token_logps: the importance-sampling ratio against the captured
+behaviour logprobs, and PPO's clip anchor); per step, gradient clipping, the entropy and clip
+metrics.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -30,9 +42,11 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
     import torch
+    from transformers import PrinterCallback, TrainerCallback
 
     from fixtures_train import make_captured_samples
     from lcap.store import Store
@@ -47,9 +61,9 @@ def main() -> None:
     # epochs = steps: one TRL generation (one old/IS forward) per pass over the groups, as in `lcap train`.
     options = TrainOptions(base_model=str(model_dir), learning_rate=1e-4, batch_size=batch,
                            epochs=max(1, args.steps * batch // (args.groups * args.group_size)), max_steps=args.steps,
-                           report_to="none")
-    prepared = prepare_round(Store(tmp / "lcap.duckdb"), tmp / "run", 1, options, data=data)
-    samples = prepared.groups.samples
+                           report_to="none", logging_steps=10**6)  # no per-step log formatting in the timed loop
+
+    samples = prepare_round(Store(tmp / "lcap.duckdb"), tmp / "run", 1, options, data=data).groups.samples
     tokens_per_step = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples) / len(samples) * batch
 
     # Bare PyTorch: the same model object class (fresh LoRA), the same batches, padded like TRL does.
@@ -80,26 +94,58 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
 
-    bare_step(batches[0])  # warm-up, as TRL's first step also pays one-off costs below
-    t0 = time.perf_counter()
-    for chunk in batches:
-        bare_step(chunk)
-    bare_s = time.perf_counter() - t0
+    def clocks() -> np.ndarray:
+        """Wall and CPU (this process, all threads) seconds: CPU time is what a busy machine distorts least."""
+        return np.array([time.perf_counter(), time.process_time()])
 
-    trainer = prepared.trainer
-    trainer.args.logging_steps = 10**6  # no per-step log formatting in the timed loop
-    t0 = time.perf_counter()
-    trainer.train()
-    grpo_s = time.perf_counter() - t0
-    steps = trainer.state.global_step
+    class Interleave(TrainerCallback):
+        """One bare step after each GRPO step; times TRL's loop and the bare steps inside it."""
 
-    bare_tps = tokens_per_step * len(batches) / bare_s
-    grpo_tps = tokens_per_step * steps / grpo_s
+        def __init__(self) -> None:
+            self.bare = np.zeros(2)
+            self.bare_steps = 0
+
+        def on_train_begin(self, *_, **__) -> None:
+            self.begin = clocks()
+
+        def on_step_end(self, *_, **__) -> None:
+            t0 = clocks()
+            bare_step(batches[self.bare_steps % len(batches)])
+            self.bare += clocks() - t0
+            self.bare_steps += 1
+
+        def on_train_end(self, *_, **__) -> None:
+            self.loop = clocks() - self.begin
+
+    def repeat(n: int) -> tuple[np.ndarray, np.ndarray, float, int]:
+        """A fresh round interleaved with bare steps: bare and GRPO seconds (wall, CPU), set-up seconds, steps."""
+        prepared = prepare_round(Store(tmp / f"lcap-{n}.duckdb"), tmp / f"run-{n}", 1, options, data=data)
+        clock = Interleave()
+        prepared.trainer.add_callback(clock)
+        prepared.trainer.remove_callback(PrinterCallback)  # its end-of-train metrics dump
+        t0 = time.perf_counter()
+        prepared.trainer.train()
+        train_s = time.perf_counter() - t0
+        steps = prepared.trainer.state.global_step
+        assert clock.bare_steps == steps
+        return clock.bare, clock.loop - clock.bare, train_s - clock.loop[0], steps
+
+    bare_step(batches[0])  # warm-up
+    repeat(0)  # warm-up
+    bare_s, grpo_s, setup_s, steps = zip(*(repeat(n) for n in range(1, args.repeats + 1)))
+    ratios = np.array(grpo_s) / np.array(bare_s)  # [repeat, (wall, CPU)]
+
+    tokens = tokens_per_step * np.array(steps)
+    bare_tps = np.median(tokens / np.array(bare_s)[:, 0])
+    grpo_tps = np.median(tokens / np.array(grpo_s)[:, 0])
     print(f"model: hidden {args.hidden}, {args.layers} layers, LoRA r16; batch {batch} samples "
-          f"({tokens_per_step:.0f} tokens/step), {steps} steps, torch threads {torch.get_num_threads()}")
-    print(f"bare PyTorch fwd+bwd+AdamW : {bare_tps:8.0f} tokens/s  ({bare_s / len(batches) * 1000:.0f} ms/step)")
-    print(f"lcap GRPO (TRL) step       : {grpo_tps:8.0f} tokens/s  ({grpo_s / steps * 1000:.0f} ms/step)")
-    print(f"overhead: {bare_tps / grpo_tps:.2f}x the bare time per token (target <= 1.3x)")
+          f"({tokens_per_step:.0f} tokens/step), {steps[0]} steps x {args.repeats} repeats, torch threads {torch.get_num_threads()}")
+    print(f"bare PyTorch fwd+bwd+AdamW : {bare_tps:8.0f} tokens/s  ({tokens_per_step / bare_tps * 1000:.0f} ms/step, median)")
+    print(f"lcap GRPO (TRL) step       : {grpo_tps:8.0f} tokens/s  ({tokens_per_step / grpo_tps * 1000:.0f} ms/step, median)")
+    print(f"Trainer.train() set-up, once per round: {statistics.median(setup_s):.2f} s")
+    for name, column in (("wall", 0), ("CPU ", 1)):
+        print(f"overhead ({name} time): {np.median(ratios[:, column]):.2f}x the bare time per token (target <= 1.3x); "
+              f"repeats: {', '.join(f'{r:.2f}x' for r in ratios[:, column])}")
 
 
 if __name__ == "__main__":

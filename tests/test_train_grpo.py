@@ -200,23 +200,33 @@ def padded_batch(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, int
     return ids, attn, c_len
 
 
-def test_cpu_lm_head_scores_only_completion_positions(tiny_train_model, captured_samples, tmp_path, monkeypatch):
+def test_cpu_logps_from_the_plain_lm_head_equal_trls_fused_head(tiny_train_model, captured_samples, tmp_path, monkeypatch):
+    """On CPU the trainer scores completions with the model's LM head, not TRL's fused head: same numbers."""
     import trl.trainer.utils as trl_utils
     from trl import GRPOTrainer
 
     prepared = prepare_round(Store(tmp_path / "db"), tmp_path / "run", 1, options(tiny_train_model), data=captured_samples)
     trainer, samples = prepared.trainer, prepared.groups.real_samples
     ids, attn, c_len = padded_batch(samples)
-    scored: list[int] = []
+    fused_calls: list[int] = []
     apply = trl_utils._ChunkedLogProbFunction.apply
-    monkeypatch.setattr(trl_utils._ChunkedLogProbFunction, "apply", lambda hidden, *a: scored.append(hidden.shape[0]) or apply(hidden, *a))
+    monkeypatch.setattr(trl_utils._ChunkedLogProbFunction, "apply", lambda *a: fused_calls.append(1) or apply(*a))
 
-    with torch.no_grad():
-        ours = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attn, c_len, compute_entropy=True)
-        trl_own = GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, ids, attn, c_len, compute_entropy=True)
-    assert scored == [sum(len(s.completion_ids) for s in samples), ids.shape[0] * (ids.shape[1] - 1)]
-    torch.testing.assert_close(ours[0], trl_own[0])  # log-probs
+    def scored(get_logps) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """Log-probs, entropies and the LoRA gradients of their masked sum."""
+        trainer.model.zero_grad()
+        logps, entropies, _ = get_logps(trainer, trainer.model, ids, attn, c_len, batch_size=3, compute_entropy=True)
+        (logps * attn[:, -c_len:]).sum().backward()
+        return logps.detach(), entropies.detach(), [p.grad.clone() for p in trainer.model.parameters() if p.requires_grad]
+
+    ours = scored(type(trainer)._get_per_token_logps_and_entropies)
+    assert not fused_calls
+    trl_own = scored(GRPOTrainer._get_per_token_logps_and_entropies)
+    assert fused_calls
+    torch.testing.assert_close(ours[0], trl_own[0])  # log-probs, 0 at padding like TRL's
     torch.testing.assert_close(ours[1], trl_own[1])  # entropies
+    assert any(g.abs().max() > 0 for g in ours[2])
+    torch.testing.assert_close(ours[2], trl_own[2])  # gradients
     model = trainer.model.eval()
     for i, s in enumerate(samples):
         torch.testing.assert_close(ours[0][i, :len(s.completion_ids)], token_logps(model, s), atol=1e-5, rtol=1e-5)

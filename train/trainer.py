@@ -14,12 +14,14 @@ Three small, named departures from stock TRL, each tested:
    (so TRL never tries to sync weights into a vLLM it does not own). In the `*_mask` modes the
    tokens whose ratio is rejected also leave the loss denominator (their loss mask becomes 0),
    the same way env tokens do.
-3. `CapturedGRPOTrainer._get_per_token_logps_and_entropies`: on CPU, TRL's fused LM head scores
-   only the completion positions, as it does on Triton devices. Without Triton, TRL 1.16 projects
-   every position (prompt and padding too) through the head and masks the extra scores away, to
-   keep XLA/Neuron tile shapes static; CPU has nothing to recompile, and agent prompts are long,
-   so that projection was the largest single cost of a step on the benchmark's model
-   (`benchmarks/bench_train.py`). The scores are the same either way.
+3. `CapturedGRPOTrainer._get_per_token_logps_and_entropies`: on CPU, the completion log-probs
+   (and entropies) come from the model's own LM head over the completion positions only
+   (`logits_to_keep`) and TRL's `selective_log_softmax_and_entropy`, as in a plain PyTorch loop.
+   TRL 1.16's fused LM head is built for Triton devices; its torch fallback projects every
+   position (prompt and padding too) and recomputes each logits tile in the backward, which made
+   it the largest single cost of a step on CPU (`benchmarks/bench_train.py`). The fused head's
+   gain, never holding a batch's logits, matters on a GPU, where it runs as TRL ships it; on CPU
+   one micro-batch's completion logits (batch x completion length x vocab floats) are held.
 
 Advantages: the reward function hands TRL the advantage the episode builder computed (one
 definition of advantage for the whole product: the builder's group normalisation, its filters and
@@ -30,15 +32,13 @@ is a no-op on already-centred values (padding members carry 0 and no loss).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is the documented way in; no warning per round
-import trl.trainer.utils as trl_utils  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
+from trl.trainer.utils import selective_log_softmax, selective_log_softmax_and_entropy  # noqa: E402
 
 from lcap.train.samples import Groups
 
@@ -113,9 +113,27 @@ class CapturedGRPOTrainer(GRPOTrainer):
         finally:
             self._generating = False
 
-    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-        with _completion_positions_only():
-            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        if input_ids.device.type != "cpu" or compute_aux_loss or any(v is not None for v in multimodal.values()):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **multimodal)
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids, attn = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
+            with self.accelerator.autocast():
+                logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=logits_to_keep + 1, use_cache=False).logits
+            logits, targets, mask = logits[:, :-1].float(), ids[:, -logits_to_keep:], attn[:, -logits_to_keep:]
+            if compute_entropy:
+                lp, entropy = selective_log_softmax_and_entropy(
+                    logits, targets, entropy_requires_grad=self._entropy_bonus_enabled, temperature=self.temperature,
+                    row_mask=mask)
+                entropies.append(entropy)
+            else:
+                lp = selective_log_softmax(logits, targets, temperature=self.temperature, row_mask=mask)
+            logps.append(lp)
+        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         self._without_behaviour = []
@@ -133,13 +151,3 @@ class CapturedGRPOTrainer(GRPOTrainer):
             output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
         return output
 
-
-@contextmanager
-def _completion_positions_only() -> Iterator[None]:
-    """Let TRL's fused LM head take its compact path (completion positions only) on CPU too (see module docstring)."""
-    triton_rule = trl_utils._use_triton
-    trl_utils._use_triton = lambda device: device.type == "cpu" or triton_rule(device)
-    try:
-        yield
-    finally:
-        trl_utils._use_triton = triton_rule
