@@ -188,6 +188,8 @@ class CaptureAddon:
                 and req.headers.get("upgrade", "").lower() == "websocket":
             flow.metadata[_WS_KEY] = {"episode": episode, "turn": None, "host": req.pretty_host, "path": req.path,
                                       "route": None, "upstream": None}
+        else:
+            req.stream = True  # not an LLM call: passed through as it comes, never held in memory
 
     @_guarded
     def request(self, flow: http.HTTPFlow) -> None:
@@ -240,21 +242,25 @@ class CaptureAddon:
 
     @_guarded
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        pending: PendingTurn | None = flow.metadata.get(_KEY)
-        if pending is None or flow.response is None:
-            return
+        """Streams (SSE) go to the agent chunk by chunk, copied on the way; a plain answer is held until it
+        is complete (it is useless to the agent before), so its turn is spooled before the agent has it."""
         resp = flow.response
+        if resp is None:
+            return
+        pending: PendingTurn | None = flow.metadata.get(_KEY)
+        if pending is None:
+            if _WS_KEY not in flow.metadata:
+                resp.stream = True  # not an LLM call
+            return
         pending.status_code = resp.status_code
         pending.t_first = time.perf_counter()
         pending.encoding = resp.headers.get("content-encoding")
         pending.streamed = "text/event-stream" in resp.headers.get("content-type", "")
-        if pending.added is not None and resp.status_code < 400:
-            if pending.streamed:
-                pending.chunks = []
-                resp.stream = _SseRewriter(pending)
-            return  # a plain answer is rewritten in `response`, once complete
+        if not pending.streamed:
+            return
         pending.chunks = []
-        resp.stream = _collector(pending)
+        rewrite = pending.added is not None and resp.status_code < 400
+        resp.stream = _SseRewriter(pending) if rewrite else _collector(pending)
 
     @_guarded
     def response(self, flow: http.HTTPFlow) -> None:
@@ -264,17 +270,23 @@ class CaptureAddon:
         resp = flow.response
         pending.t_end = time.perf_counter()
         pending.status_code = resp.status_code
-        if pending.chunks is None:  # buffered: the vLLM path rewrites what lcap added
-            content = resp.get_content(strict=False) or b""
-            pending.response_body, pending.encoding = content, None
-            if pending.added is not None:
-                try:
-                    answer = json.loads(content)
-                except ValueError:
-                    answer = None
-                if isinstance(answer, dict):
-                    resp.content = json.dumps(dialects.strip_added(answer, pending.added), ensure_ascii=False).encode()
+        if pending.chunks is None:  # held until complete: decoded by the writer process, or rewritten here
+            pending.response_body = resp.raw_content or b""
+            if pending.added is not None and resp.status_code < 400:
+                self._strip_added(resp, pending)
         self._finish(pending)
+
+    @staticmethod
+    def _strip_added(resp: http.Response, pending: PendingTurn) -> None:
+        """vLLM path: the agent gets the answer without the fields lcap asked for; the turn keeps them."""
+        content = resp.get_content(strict=False) or b""
+        pending.response_body, pending.encoding = content, None
+        try:
+            answer = json.loads(content)
+        except ValueError:
+            return
+        if isinstance(answer, dict):
+            resp.content = json.dumps(dialects.strip_added(answer, pending.added), ensure_ascii=False).encode()
 
     @_guarded
     def error(self, flow: http.HTTPFlow) -> None:

@@ -232,16 +232,21 @@ class CaptureProxy:
         """Block until the calls in flight (of `episode_id`, or all) are finished and every finished turn is
         in the store. Collect calls it when an episode's child exits, before reading that episode's turns."""
         deadline = time.monotonic() + timeout
+        return self._wait_idle(episode_id, deadline) and self.writer.flush(max(0.0, deadline - time.monotonic()))
+
+    def _wait_idle(self, episode_id: str | None, deadline: float) -> bool:
         addon = self._addon
         while addon is not None and addon.busy(episode_id, any_episode=episode_id is None):
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.005)
-        return self.writer.flush(max(0.0, deadline - time.monotonic()))
+        return True
 
-    def stop(self) -> None:
-        """Stop accepting calls and write every finished turn to the store."""
+    def stop(self, *, drain: float = 10.0) -> None:
+        """Let the calls in flight finish (for up to `drain` seconds), stop accepting calls and write every
+        finished turn to the store."""
         if self._master is not None and self._thread is not None:
+            self._wait_idle(None, time.monotonic() + drain)
             self._master.shutdown()
             self._thread.join(10)
         self._thread = None
