@@ -1,8 +1,8 @@
 """The mitmproxy addon: recognise LLM calls, reroute them, and hand finished turns to the writer.
 
-One hook per concern, each cheap: the hooks record raw bytes and timings on a `PendingTurn`; all
-parsing of answers happens in the writer thread. Every hook body is wrapped: a capture bug is
-logged and the agent's traffic flows on untouched.
+One hook per concern, each cheap: the hooks record raw bytes and timings on a `PendingTurn` and
+spool it when the call ends; all parsing of answers happens in the writer process. Every hook body
+is wrapped: a capture bug is logged and the agent's traffic flows on untouched.
 """
 
 from __future__ import annotations
