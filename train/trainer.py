@@ -16,7 +16,7 @@ Three small, named departures from stock TRL, each tested:
    the same way env tokens do.
 3. `CapturedGRPOTrainer._get_per_token_logps_and_entropies`: on CPU, the completion log-probs
    (and entropies) come from the model's own LM head over the completion positions only
-   (`logits_to_keep`) and TRL's `selective_log_softmax_and_entropy`, as in a plain PyTorch loop.
+   (`logits_to_keep`) and one log-softmax, as in a plain PyTorch loop.
    TRL 1.16's fused LM head is built for Triton devices; its torch fallback projects every
    position (prompt and padding too) and recomputes each logits tile in the backward, which made
    it the largest single cost of a step on CPU (`benchmarks/bench_train.py`). The fused head's
@@ -38,7 +38,6 @@ import torch
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is the documented way in; no warning per round
 from trl import GRPOTrainer  # noqa: E402
-from trl.trainer.utils import selective_log_softmax, selective_log_softmax_and_entropy  # noqa: E402
 
 from lcap.train.samples import Groups
 
@@ -124,15 +123,12 @@ class CapturedGRPOTrainer(GRPOTrainer):
             ids, attn = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
             with self.accelerator.autocast():
                 logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=logits_to_keep + 1, use_cache=False).logits
-            logits, targets, mask = logits[:, :-1].float(), ids[:, -logits_to_keep:], attn[:, -logits_to_keep:]
+            logps_all = torch.log_softmax(logits[:, :-1].float() / self.temperature, dim=-1)
+            padding = attn[:, -logits_to_keep:] == 0
+            logps.append(logps_all.gather(-1, ids[:, -logits_to_keep:, None])[..., 0].masked_fill(padding, 0.0))
             if compute_entropy:
-                lp, entropy = selective_log_softmax_and_entropy(
-                    logits, targets, entropy_requires_grad=self._entropy_bonus_enabled, temperature=self.temperature,
-                    row_mask=mask)
-                entropies.append(entropy)
-            else:
-                lp = selective_log_softmax(logits, targets, temperature=self.temperature, row_mask=mask)
-            logps.append(lp)
+                with torch.set_grad_enabled(torch.is_grad_enabled() and self._entropy_bonus_enabled):
+                    entropies.append(-(logps_all.exp() * logps_all).sum(-1).masked_fill(padding, 0.0))
         return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
