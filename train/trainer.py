@@ -146,4 +146,3 @@ class CapturedGRPOTrainer(GRPOTrainer):
             loss_mask = output["completion_mask"] * output["tool_mask"]
             output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
         return output
-
