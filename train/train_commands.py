@@ -24,6 +24,8 @@ NoIs = Annotated[bool, typer.Option("--no-is", help="Turn the off-policy correct
 LoraR = Annotated[int, typer.Option("--lora-r", help="LoRA rank.")]
 LoraAlpha = Annotated[int, typer.Option("--lora-alpha", help="LoRA alpha.")]
 ReportTo = Annotated[str, typer.Option("--report-to", help="TRL report_to: tensorboard (offline), none, wandb...")]
+Checkpointing = Annotated[bool | None, typer.Option("--activation-checkpointing/--no-activation-checkpointing",
+                                                    help="Recompute activations in the backward pass (default: on a GPU, off on CPU).")]
 
 
 def register_train(app: typer.Typer) -> None:
@@ -41,6 +43,7 @@ def register_train(app: typer.Typer) -> None:
         epochs: Epochs = 1, batch_size: BatchSize = 0, grad_accum: GradAccum = 1,
         max_steps: MaxSteps = -1, stale: Stale = "correct", is_mode: IsMode = "token_truncate", is_max: IsMax = 2.0,
         no_is: NoIs = False, lora_r: LoraR = 16, lora_alpha: LoraAlpha = 32, report_to: ReportTo = "tensorboard",
+        activation_checkpointing: Checkpointing = None,
         current: Annotated[str | None, typer.Option("--current", help="The deployment being trained (default: the policy server's current).")] = None,
         accelerate_config: Annotated[Path | None, typer.Option("--accelerate-config", help="Run under `accelerate launch --config_file` (multi-GPU).")] = None,
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the accelerate command instead of running it.")] = False,
@@ -68,7 +71,7 @@ def register_train(app: typer.Typer) -> None:
             base_model=model, full=full, loss_type=loss_type, learning_rate=lr, beta=beta, epochs=epochs,
             batch_size=batch_size, grad_accum=grad_accum, max_steps=max_steps, stale=stale,
             current=current, is_correction=not no_is, is_mode=is_mode, is_max=is_max, lora_r=lora_r, lora_alpha=lora_alpha,
-            report_to=report_to,
+            report_to=report_to, activation_checkpointing=activation_checkpointing,
         )
         result = train_round(Store(db), run, round, options, data=data)
         m = result.metrics
@@ -96,6 +99,7 @@ def register_train(app: typer.Typer) -> None:
         epochs: Epochs = 1, batch_size: BatchSize = 0, grad_accum: GradAccum = 1,
         max_steps: MaxSteps = -1, stale: Stale = "correct", is_mode: IsMode = "token_truncate", is_max: IsMax = 2.0,
         no_is: NoIs = False, lora_r: LoraR = 16, lora_alpha: LoraAlpha = 32, report_to: ReportTo = "tensorboard",
+        activation_checkpointing: Checkpointing = None,
     ) -> None:
         """Alternate collect -> build-dataset -> train -> deploy for --rounds rounds against the served policy.
 
@@ -110,7 +114,7 @@ def register_train(app: typer.Typer) -> None:
             base_model=model, full=full, loss_type=loss_type, learning_rate=lr, beta=beta, epochs=epochs,
             batch_size=batch_size, grad_accum=grad_accum, max_steps=max_steps, stale=stale,
             is_correction=not no_is, is_mode=is_mode, is_max=is_max, lora_r=lora_r, lora_alpha=lora_alpha,
-            report_to=report_to,
+            report_to=report_to, activation_checkpointing=activation_checkpointing,
         )
         config = LoopConfig(run=run, rounds=rounds, tasks=tasks, command=list(ctx.args), group_size=group_size,
                             verifier=verifier, eval_tasks=eval_tasks, eval_group_size=eval_group_size,
