@@ -10,7 +10,7 @@ them alike:
   the proxy (the hook path), and HTTPS to api.openai.com rerouted (CONNECT + TLS interception with
   lcap's CA, keep-alive): what a real agent pays;
 - mitmproxy: stock mitmproxy embedded with the same three addons lcap loads and an addon that only
-  reroutes (no capture): the floor under lcap's own work;
+  reroutes and streams answers through (no capture): the floor under lcap's own work;
 - mitmdump: stock `mitmdump` (all default addons) with the same reroute script, as a user would run it;
 - litellm: LiteLLM's proxy (benchmarks/litellm_gateway.py; its own venv), when installed.
 Cases: c=1 and c=16 (16 requests in flight), non-streaming (full response) and streaming (time to
@@ -89,6 +89,9 @@ class Reroute:
     def request(self, flow):
         flow.request.scheme, flow.request.host, flow.request.port = "http", "127.0.0.1", UP
         flow.request.headers.pop("proxy-authorization", None)
+
+    def responseheaders(self, flow):
+        flow.response.stream = True  # else mitmproxy holds SSE until the stream ends
 
 addons = [Reroute()]
 '''
@@ -187,8 +190,6 @@ def hook_path_cost(n: int = 2000) -> tuple[float, float, float]:
         addon.request(flow)
         flow.response = response
         addon.responseheaders(flow)
-        flow.response.stream(answer)
-        flow.response.stream(b"")
         addon.response(flow)
         return (time.perf_counter() - t0) * 1e6
 
