@@ -15,14 +15,21 @@ from fixtures_capture import LCAP, run_lcap, turns
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
 
 
+def start_serve(env: dict[str, str], upstream: str) -> tuple[subprocess.Popen, int]:
+    """`lcap proxy --serve --upstream UPSTREAM` as a child process, and the port it listens on."""
+    proc = subprocess.Popen([LCAP, "proxy", "--serve", "--upstream", upstream], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if "listening on http://127.0.0.1:" not in line:
+        proc.kill()
+        raise AssertionError(line + proc.stderr.read())
+    return proc, int(line.split("listening on http://127.0.0.1:", 1)[1].split()[0])
+
+
 def test_serve_attribution_side_traffic_and_sql_while_writing(capture_env, llm):
     db = capture_env["LCAP_DB"]
-    proc = subprocess.Popen([LCAP, "proxy", "--serve", "--upstream", llm.url], env=capture_env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc, port = start_serve(capture_env, llm.url)
     try:
-        line = proc.stdout.readline()
-        assert "listening on http://127.0.0.1:" in line, line + proc.stderr.read()
-        port = int(line.split("listening on http://127.0.0.1:", 1)[1].split()[0])
         bundle = proc.stdout.readline().split("SSL_CERT_FILE=", 1)[1].strip()
         verify = ssl.create_default_context(cafile=bundle)
         sent = {"agent-a": 0, "agent-b": 0}
@@ -74,12 +81,8 @@ def test_serve_attribution_side_traffic_and_sql_while_writing(capture_env, llm):
 def test_kill_9_of_the_proxy_loses_no_finished_turn(capture_env, llm):
     """The spool and the writer process outlive lcap: turns finished before a kill -9 still reach the store."""
     db = capture_env["LCAP_DB"]
-    proc = subprocess.Popen([LCAP, "proxy", "--serve", "--upstream", llm.url], env=capture_env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc, port = start_serve(capture_env, llm.url)
     try:
-        line = proc.stdout.readline()
-        assert "listening on http://127.0.0.1:" in line, line + proc.stderr.read()
-        port = int(line.split("listening on http://127.0.0.1:", 1)[1].split()[0])
         with httpx.Client(proxy=f"http://killed@127.0.0.1:{port}", timeout=30) as client:
             for _ in range(5):
                 client.post(f"{llm.url}/v1/chat/completions", json=CHAT).raise_for_status()
