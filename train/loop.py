@@ -116,10 +116,12 @@ def run_loop(store, config: LoopConfig, *, echo: Callable[[str], None] = print,
         if info is None:
             t0 = time.perf_counter()
             info = {**body(), "seconds": round_(time.perf_counter() - t0)}
-            state.finish(round, name, info)
+            # The store's record first: a kill between the two reruns the step (and records it twice),
+            # rather than resuming past a step the store never heard of.
             store.append("loop_steps", [{"run": str(run.resolve()), "round": round, "step": name,
                                          "mean_reward": info.get("mean_reward"), "details": json.dumps(info, default=str),
                                          "created_at": _now()}])
+            state.finish(round, name, info)
         if stop_after == (round, name):
             raise _Stop()
         return info
