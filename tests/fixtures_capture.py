@@ -104,6 +104,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._sse(_responses_events(self.server, body), named=True) if stream else self._json(200, _response(self.server, body))
         if path.endswith("/messages"):
             return self._sse(_messages_events(self.server, body), named=True) if stream else self._json(200, _message(self.server, body))
+        if path.endswith("/events"):  # not an LLM API: a plain event stream
+            return self._sse(_chat_events(self.server, {**body, "model": "events"}))
         return self._json(200, {"ok": True})
 
     def _websocket(self) -> None:

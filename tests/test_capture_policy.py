@@ -101,6 +101,32 @@ def test_policy_route_token_ids_and_clean_answers(tmp_path, policy_record, vllm_
     assert rows[0]["model_requested"] == "gpt-4o-mini" and rows[0]["request"]["model"] == "gpt-4o-mini"
 
 
+def test_traffic_that_is_not_an_llm_call_streams_through_unstored(tmp_path, capture_home, monkeypatch, llm):
+    """A stream on a path no dialect claims reaches the client chunk by chunk (the upstream holds it after
+    the first chunk until the client has read it) and is not a turn."""
+    import threading
+
+    monkeypatch.setenv("LCAP_HOME", str(capture_home))
+    llm.gate = threading.Event()
+    store = Store(tmp_path / "lcap.duckdb")
+    timer = threading.Timer(15, llm.gate.set)  # a buffering proxy gets its first chunk only after this
+    try:
+        with CaptureProxy(store) as proxy, _client(proxy, "ep-1") as client:
+            timer.start()
+            with client.stream("POST", f"{llm.url}/v1/events", json={"stream": True}) as resp:
+                chunks = resp.iter_raw()
+                first = next(chunks)
+                assert b"data:" in first and not llm.gate.is_set()
+                llm.gate.set()
+                rest = b"".join(chunks)
+            assert b"[DONE]" in first + rest
+            assert proxy.flush(timeout=10)
+    finally:
+        timer.cancel()
+        llm.gate.set()
+    assert turns(tmp_path / "lcap.duckdb") == []
+
+
 def test_deploy_switches_new_calls_without_restart(tmp_path, policy_record, vllm_like):
     store = Store(tmp_path / "lcap.duckdb")
     with CaptureProxy(store, upstream="policy", token_ids=False) as proxy, _client(proxy, None) as client:
