@@ -270,10 +270,11 @@ class CaptureAddon:
         resp = flow.response
         pending.t_end = time.perf_counter()
         pending.status_code = resp.status_code
-        if pending.chunks is None:  # held until complete: decoded by the writer process, or rewritten here
-            pending.response_body = resp.raw_content or b""
+        if pending.chunks is None:  # held until complete: rewritten here, or decoded by the writer process
             if pending.added is not None and resp.status_code < 400:
                 self._strip_added(resp, pending)
+            else:
+                pending.response_body = resp.raw_content or b""
         self._finish(pending)
 
     @staticmethod

@@ -18,9 +18,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger("lcap.capture")
+
 SEGMENT_BYTES = 32 << 20
 _LENGTH = struct.Struct("<I")
-log = logging.getLogger("lcap.capture")
 _SUFFIX = ".turns"
 
 

@@ -130,17 +130,6 @@ def build_rows(records: list[Any]) -> tuple[list[dict[str, Any]], int]:
     return rows, failed
 
 
-def append_new(store: Store, rows: list[dict[str, Any]]) -> int:
-    """Append the rows whose turn_id is not in the store yet (a replayed spool may hold some twice)."""
-    if not rows:
-        return 0
-    known = {r[0] for r in store.fetchall("SELECT turn_id FROM turns WHERE turn_id IN (SELECT unnest(?))",
-                                          [[r["turn_id"] for r in rows]])}
-    fresh = [r for r in rows if r["turn_id"] not in known]
-    store.append("turns", fresh)
-    return len(fresh)
-
-
 def _pid_alive(pid: str) -> bool:
     try:
         os.kill(int(pid), 0)
@@ -174,7 +163,7 @@ def replay_dead_spools(store: Store, root: Path, *, skip: Path | None = None) ->
             continue  # its writer is still at work
         try:
             rows, _ = build_rows(SpoolReader(directory).read())
-            recovered += append_new(store, rows)
+            recovered += store.append("turns", rows, new_by="turn_id")  # its writer may have stored some
         finally:
             os.close(fd)
         shutil.rmtree(directory, ignore_errors=True)

@@ -213,7 +213,7 @@ WITH e AS (SELECT episode_id FROM episode_summary WHERE round = $round AND split
      t AS (SELECT * FROM turns WHERE episode_id IN (SELECT episode_id FROM e))
 SELECT count(*) AS total, count(*) - count(DISTINCT turn_id) AS duplicate,
        count(*) FILTER (WHERE error IS NOT NULL OR status_code >= 400) AS failed_calls,
-       count(*) FILTER (WHERE finish_reason IN ('length', 'max_tokens', 'max_output_tokens')) AS truncated,
+       count(*) FILTER (WHERE cut_by_token_limit(finish_reason)) AS truncated,
        count(*) FILTER (WHERE token_source IS NULL OR prompt_token_ids IS NULL) AS without_token_ids
 FROM t
 """

@@ -345,8 +345,7 @@ class _Runner:
 
     def _reward_and_end(self, spec: EpisodeSpec, exit_code: int, value: float, details: Mapping[str, Any],
                         source: str) -> None:
-        """Reward the episode and mark it `ok` in one open of the store (the nested writes share the outer
-        connection): opening the file costs more CPU than both writes, ~50 ms saved per episode here."""
+        """Reward the episode and mark it `ok` in one attach of the store (the nested writes share it)."""
         with self.store.connect():
             self._reward(spec, value, details, source)
             self._end(spec, "ok", exit_code, None)

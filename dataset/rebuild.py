@@ -13,10 +13,8 @@ import json
 import sys
 from typing import Any
 
+from lcap.schema import TRUNCATED_REASONS
 from lcap.store import Store, now
-
-# How each dialect says a completion was cut by the token limit (as in the turn_tokens view).
-TRUNCATED_REASONS = ("length", "max_tokens", "max_output_tokens")
 
 _PENDING = """
 SELECT t.turn_id, t.dialect, t.request, t.completion_text, t.tool_calls, t.finish_reason,

@@ -136,7 +136,14 @@ CREATE TABLE IF NOT EXISTS dataset_reports (
 );
 """
 
-VIEWS = """
+# How each dialect says a completion was cut by the token limit: chat/completions 'length',
+# Messages 'max_tokens', Responses 'max_output_tokens'. SQL asks `cut_by_token_limit(finish_reason)`.
+TRUNCATED_REASONS = ("length", "max_tokens", "max_output_tokens")
+
+VIEWS = f"""
+CREATE OR REPLACE MACRO cut_by_token_limit(reason) AS
+    coalesce(reason IN ({", ".join(f"'{r}'" for r in TRUNCATED_REASONS)}), false);
+""" + """
 CREATE OR REPLACE VIEW latest_rewards AS
     SELECT episode_id, arg_max(value, created_at) AS reward,
            arg_max(details, created_at) AS details, arg_max(source, created_at) AS source
@@ -199,8 +206,7 @@ CREATE OR REPLACE VIEW turn_tokens AS
                rb.prompt_token_ids AS rb_prompt, rb.completion_token_ids AS rb_completion
         FROM t LEFT JOIN rb USING (turn_id))
     SELECT turn_id, episode_id, seq, deployment, finish_reason, rebuilt,
-           -- cut by the token limit: chat/completions 'length', Messages 'max_tokens', Responses 'max_output_tokens'
-           coalesce(finish_reason IN ('length', 'max_tokens', 'max_output_tokens'), false) AS truncated,
+           cut_by_token_limit(finish_reason) AS truncated,
            CASE WHEN rebuilt THEN rb_prompt ELSE cap_prompt END AS prompt_ids,
            CASE WHEN rebuilt THEN rb_completion ELSE cap_completion END AS completion_ids,
            CASE WHEN rebuilt OR cap_logprobs IS NULL

@@ -7,8 +7,9 @@ work attaches it, and an attach that finds the file locked retries until `timeou
 their rows so that a whole batch costs one attach.
 
 The file is attached to one in-memory DuckDB per file and process, kept for the process's life:
-starting a DuckDB instance costs ~35 ms of CPU here (it builds its catalog of built-in functions),
-attaching and detaching a file a few; a collect round does hundreds of units of work.
+starting a DuckDB instance per unit of work costs 41 ms of CPU here (it builds its catalog of
+built-in functions), attaching and detaching the file 7 ms (benchmarks/bench_store.py); a
+collect round does hundreds of units of work.
 """
 
 from __future__ import annotations
@@ -116,15 +117,20 @@ class Store:
         con.execute(VIEWS)
         self._schema_ready = True
 
-    def append(self, table: str, rows: Sequence[dict[str, Any]]) -> None:
-        """Insert many rows in one transaction, matching columns by name; missing ones are NULL."""
+    def append(self, table: str, rows: Sequence[dict[str, Any]], *, new_by: str | None = None) -> int:
+        """Insert many rows in one transaction, matching columns by name (missing ones are NULL); with
+        `new_by`, only rows whose value of that column is not in the table yet. Returns the rows inserted."""
         if not rows:
-            return
+            return 0
         batch = pa.Table.from_pylist(list(rows))
+        only_new = f" WHERE {new_by} NOT IN (SELECT {new_by} FROM {table})" if new_by else ""
         with self.connect() as con:
             con.register("_lcap_batch", batch)
-            con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM _lcap_batch")
-            con.unregister("_lcap_batch")
+            try:
+                (inserted,) = con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM _lcap_batch{only_new}").fetchone()
+            finally:
+                con.unregister("_lcap_batch")
+        return inserted
 
     def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> None:
         with self.connect() as con:
