@@ -14,10 +14,11 @@ fresh `prepare_round`, as `lcap train` does; one warm-up round and one warm-up b
 first. The set-up that `Trainer.train()` pays once per round before its loop (a full
 `gc.collect`, the optimiser, the dataloader) is printed apart.
 
-The GRPO step does work the bare one does not: once per round, a no-grad forward over the
-round's samples (TRL's old_per_token_logps: the importance-sampling ratio against the captured
-behaviour logprobs, and PPO's clip anchor); per step, gradient clipping, the entropy and clip
-metrics.
+The GRPO step does work the bare one does not: per step, the IS ratio against the captured
+behaviour logprobs, gradient clipping, the entropy and clip metrics; and when the steps make more
+than one pass over the samples (epochs > 1), once per round a no-grad forward over the round's
+samples for the old-policy log-probs (PPO's clip anchor). With one pass (--steps x 2 groups <=
+--groups) there is no such forward: the IS ratio comes from the loss forward.
 """
 
 from __future__ import annotations

@@ -88,19 +88,28 @@ def perturbed_samples(tiny_train_model, captured_samples, out: Path) -> tuple[Pa
     return path, train_logps, samples
 
 
-def captured_batches(monkeypatch) -> list[dict]:
+def loss_inputs(monkeypatch) -> tuple[list[dict], list[bool]]:
+    """Spies: the inputs of every loss TRL computes, as the loss left them (IS ratio included), and
+    whether each log-prob forward ran with grad (False: a forward made only to score)."""
     from lcap.train.trainer import CapturedGRPOTrainer
 
     seen: list[dict] = []
-    original = CapturedGRPOTrainer._generate_and_score_completions
+    forwards: list[bool] = []
+    compute_loss = CapturedGRPOTrainer._compute_loss
+    logps = CapturedGRPOTrainer._get_per_token_logps_and_entropies
 
-    def spy(self, inputs):
-        output = original(self, inputs)
-        seen.append(output)
-        return output
+    def loss_spy(self, model, inputs):
+        loss = compute_loss(self, model, inputs)
+        seen.append(inputs)
+        return loss
 
-    monkeypatch.setattr(CapturedGRPOTrainer, "_generate_and_score_completions", spy)
-    return seen
+    def logps_spy(self, *args, **kwargs):
+        forwards.append(torch.is_grad_enabled())
+        return logps(self, *args, **kwargs)
+
+    monkeypatch.setattr(CapturedGRPOTrainer, "_compute_loss", loss_spy)
+    monkeypatch.setattr(CapturedGRPOTrainer, "_get_per_token_logps_and_entropies", logps_spy)
+    return seen, forwards
 
 
 def match(row_ids: torch.Tensor, samples: list[Sample]) -> Sample:
@@ -108,13 +117,14 @@ def match(row_ids: torch.Tensor, samples: list[Sample]) -> Sample:
     return next(s for s in samples if ids[: len(s.completion_ids)] == s.completion_ids)
 
 
-def first_batch(model_dir: Path, data: Path, tmp_path: Path, monkeypatch, is_mode: str) -> dict:
-    """Train one round on `data` and return the first batch TRL scored, with its IS ratio."""
-    seen = captured_batches(monkeypatch)
+def first_batch(model_dir: Path, data: Path, tmp_path: Path, monkeypatch, is_mode: str, epochs: int = 1) -> tuple[dict, list[bool]]:
+    """Train one round on `data`: the first batch TRL computed a loss on, with its IS ratio, and
+    the grad flag of every log-prob forward."""
+    seen, forwards = loss_inputs(monkeypatch)
     prepared = prepare_round(Store(tmp_path / "db"), tmp_path / "run", 1,
-                             options(model_dir, is_mode=is_mode, is_max=2.0), data=data)
+                             options(model_dir, is_mode=is_mode, is_max=2.0, epochs=epochs), data=data)
     prepared.trainer.train()
-    return seen[0]
+    return seen[0], forwards
 
 
 def scored_rows(out: dict, samples: list[Sample]):
@@ -128,9 +138,13 @@ def truncated_ratio(train_logps: dict, s: Sample) -> torch.Tensor:
     return torch.exp(train_logps[s.sample_id] - torch.tensor(s.logprobs)).clamp(max=2.0)
 
 
-def test_is_ratio_is_truncated_exp_of_train_minus_captured(tiny_train_model, captured_samples, tmp_path, monkeypatch):
+@pytest.mark.parametrize("epochs, scoring_forwards", [(1, 0), (2, 1)])
+def test_is_ratio_is_truncated_exp_of_train_minus_captured(tiny_train_model, captured_samples, tmp_path, monkeypatch,
+                                                            epochs, scoring_forwards):
+    """One epoch: the ratio comes from the loss forward, no forward only to score; more: one, at round start."""
     path, train_logps, samples = perturbed_samples(tiny_train_model, captured_samples, tmp_path / "data")
-    out = first_batch(tiny_train_model, path, tmp_path, monkeypatch, "token_truncate")
+    out, forwards = first_batch(tiny_train_model, path, tmp_path, monkeypatch, "token_truncate", epochs)
+    assert forwards.count(False) == scoring_forwards and forwards.count(True) == epochs
     checked = 0
     for i, s, n, mask in scored_rows(out, samples):
         ratio = out["importance_sampling_ratio"][i, :n]
@@ -154,7 +168,7 @@ def test_samples_without_behaviour_logprobs_get_no_correction(tiny_train_model, 
     path = write_samples(tmp_path / "data2" / "samples.parquet", rows)
     samples = read_samples(path)
     assert [s.behaviour for s in samples] == [s.sample_id not in rebuilt for s in samples]
-    out = first_batch(tiny_train_model, path, tmp_path, monkeypatch, "token_truncate")
+    out, _ = first_batch(tiny_train_model, path, tmp_path, monkeypatch, "token_truncate")
     corrected = uncorrected = 0
     for i, s, n, mask in scored_rows(out, samples):
         ratio = out["importance_sampling_ratio"][i, :n]
@@ -169,7 +183,8 @@ def test_samples_without_behaviour_logprobs_get_no_correction(tiny_train_model, 
 
 def test_token_mask_mode_drops_rejected_tokens_from_the_denominator(tiny_train_model, captured_samples, tmp_path, monkeypatch):
     path, train_logps, samples = perturbed_samples(tiny_train_model, captured_samples, tmp_path / "data")
-    out = first_batch(tiny_train_model, path, tmp_path, monkeypatch, "token_mask")
+    out, forwards = first_batch(tiny_train_model, path, tmp_path, monkeypatch, "token_mask")
+    assert forwards.count(False) == 1  # the mask modes change the loss mask: scored before the loss
     rejected = 0
     for i, s, n, mask in scored_rows(out, samples):
         ratio = torch.exp(train_logps[s.sample_id] - torch.tensor(s.logprobs))
@@ -181,7 +196,7 @@ def test_token_mask_mode_drops_rejected_tokens_from_the_denominator(tiny_train_m
 
 
 def test_without_correction_no_ratio(tiny_train_model, captured_samples, tmp_path, monkeypatch):
-    seen = captured_batches(monkeypatch)
+    seen, _ = loss_inputs(monkeypatch)
     prepared = prepare_round(Store(tmp_path / "db"), tmp_path / "run", 1,
                              options(tiny_train_model, is_correction=False), data=captured_samples)
     prepared.trainer.train()

@@ -161,13 +161,21 @@ def prepare_round(store, run: Path, round: int, options: TrainOptions = TrainOpt
     batch = options.batch_size or 2 * size
     batch = max(size, math.ceil(batch / size) * size)
     batch = min(batch, len(groups.groups) * size)  # a round with few usable groups still makes one step
-    # The whole round is one TRL "generation": old logps are taken once, from the policy the round
-    # starts from, so PPO's clip bounds the drift over every step and pass of the round, and the IS
-    # ratio compares that policy with the captured behaviour logprobs. The group count is padded
-    # (zero-weight groups) to whole optimiser steps.
+    # The group count is padded (zero-weight groups) to whole optimiser steps.
     groups.pad_to_multiple(batch // size * options.grad_accum)
-    steps_per_generation = len(groups.groups) * size // batch
-    max_steps = steps_per_generation * options.epochs // options.grad_accum
+    micro_batches = len(groups.groups) * size // batch
+    if options.epochs > 1:
+        # PPO-style passes: the whole round is one TRL "generation". Old logps are taken once, from the
+        # policy the round starts from, so PPO's clip bounds the drift over every step and pass of the
+        # round, and the IS ratio compares that policy with the captured behaviour logprobs.
+        steps_per_generation = micro_batches
+    else:
+        # Each sample is trained on once: every optimiser step is its own TRL "generation" (TRL's
+        # default). PPO's ratio is 1, and the truncated IS ratio of the step's own policy against the
+        # behaviour logprobs corrects for the deployment that served the samples and for the round's
+        # earlier steps; it comes from the loss forward, no extra pass (trainer.py, departure 4).
+        steps_per_generation = options.grad_accum
+    max_steps = micro_batches * options.epochs // options.grad_accum
     if options.max_steps > 0:
         max_steps = min(max_steps, options.max_steps)
 
@@ -229,7 +237,7 @@ def train_round(store, run: Path, round: int, options: TrainOptions = TrainOptio
 
     tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in groups.samples)
     passes = trainer.state.global_step * p.batch * trainer.args.gradient_accumulation_steps / max(len(groups.samples), 1)
-    # (+1 forward per sample for the old/IS logps, not counted: tokens/s is training tokens)
+    # (with epochs > 1, +1 no-grad forward per sample for the old/IS logps, not counted: tokens/s is training tokens)
     metrics = _round_metrics(trainer.state.log_history)
     metrics.update(
         n_samples=len(groups.real_samples), n_groups=len(groups.groups), group_size=groups.size,

@@ -1,11 +1,12 @@
 """TRL's GRPOTrainer, fed with captured samples instead of generating its own.
 
-Three small, named departures from stock TRL, each tested:
+Four small, named departures from stock TRL, each tested:
 
 1. `captured_rollout`: a `rollout_func` that returns, for each dataset row (one row = one GRPO
    group), the samples the proxy captured for that group: prompt ids, completion ids, the
    behaviour logprobs vLLM reported when it served them, and the env mask (0 at tool/env tokens).
-   It never generates.
+   Samples served without them (rebuilt Messages turns, Responses) carry NaN, which TRL's ratio
+   turns into 1: no correction. It never generates.
 2. `CapturedGRPOTrainer.use_vllm`: TRL applies its importance-sampling correction
    (`vllm_importance_sampling_*`: truncated or masked IS, token or sequence level) only when it
    generated with vLLM itself. Captured samples were served by vLLM too, by a deployment that may
@@ -14,14 +15,21 @@ Three small, named departures from stock TRL, each tested:
    (so TRL never tries to sync weights into a vLLM it does not own). In the `*_mask` modes the
    tokens whose ratio is rejected also leave the loss denominator (their loss mask becomes 0),
    the same way env tokens do.
-3. `CapturedGRPOTrainer._get_per_token_logps_and_entropies`: on CPU, the completion log-probs
-   (and entropies) come from the model's own LM head over the completion positions only
-   (`logits_to_keep`) and one log-softmax, as in a plain PyTorch loop.
+3. `CapturedGRPOTrainer._get_per_token_logps_and_entropies` (`_lm_head_logps`): on CPU, the
+   completion log-probs (and entropies) come from the model's own LM head over the completion
+   positions only (`logits_to_keep`) and one log-softmax, as in a plain PyTorch loop.
    TRL 1.16's fused LM head is built for Triton devices; its torch fallback projects every
    position (prompt and padding too) and recomputes each logits tile in the backward, which made
    it the largest single cost of a step on CPU (`benchmarks/bench_train.py`). The fused head's
    gain, never holding a batch's logits, matters on a GPU, where it runs as TRL ships it; on CPU
    one micro-batch's completion logits (batch x completion length x vocab floats) are held.
+4. `CapturedGRPOTrainer._compute_loss`, when each sample is trained on once under the weights it
+   was scored with (TRL's aligned case: `gradient_accumulation_steps` a multiple of
+   `steps_per_generation x num_iterations`) and the IS mode truncates: the old-policy log-probs
+   would equal the loss forward's own, so TRL's extra no-grad forward to get them is skipped, and
+   the truncated IS ratio is taken from the loss forward (detached), with TRL's formula and
+   metrics. The `*_mask` modes keep TRL's forward: they change the loss mask, which `_compute_loss`
+   fixes before its forward.
 
 Advantages: the reward function hands TRL the advantage the episode builder computed (one
 definition of advantage for the whole product: the builder's group normalisation, its filters and
@@ -31,6 +39,7 @@ is a no-op on already-centred values (padding members carry 0 and no loss).
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -52,7 +61,6 @@ def captured_rollout(groups: Groups):
     def rollout(prompts: list[Any], trainer: GRPOTrainer) -> dict[str, list]:
         out: dict[str, list] = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask", "advantage", "captured_reward", "padding")}
         seen: dict[str, int] = {}
-        without_behaviour: list[int] = []
         for prompt in prompts:
             gid = _group_id(prompt)
             members = groups.groups[gid]
@@ -61,14 +69,11 @@ def captured_rollout(groups: Groups):
             s = members[k % len(members)]
             out["prompt_ids"].append(list(s.prompt_ids))
             out["completion_ids"].append(list(s.completion_ids))
-            out["logprobs"].append(list(s.logprobs))
+            out["logprobs"].append(list(s.logprobs) if s.behaviour else [math.nan] * len(s.completion_ids))
             out["env_mask"].append(list(s.env_mask))
             out["advantage"].append(s.advantage)
             out["captured_reward"].append(s.reward)
             out["padding"].append(s.padding)
-            if not s.behaviour:
-                without_behaviour.append(len(out["padding"]) - 1)
-        trainer._without_behaviour = without_behaviour
         return out
 
     return rollout
@@ -93,17 +98,25 @@ class CapturedGRPOTrainer(GRPOTrainer):
     def __init__(self, *args, off_policy_correction: bool = True, **kwargs) -> None:
         self._is_correction = False  # TRL's __init__ must see use_vllm=False (it would start its own vLLM)
         self._generating = False
+        self._scoring_fused = False
+        self._fused_inputs: dict[str, Any] | None = None
         super().__init__(*args, **kwargs)
         self._is_correction = off_policy_correction and self.vllm_importance_sampling_correction
 
     @property
     def use_vllm(self) -> bool:
-        return self._is_correction and not self._generating
+        return self._is_correction and not self._generating and not self._scoring_fused
 
     @use_vllm.setter
     def use_vllm(self, value: bool) -> None:
         if value:
             raise ValueError("CapturedGRPOTrainer trains on captured samples: it never generates with vLLM")
+
+    @property
+    def fuses_is_ratio(self) -> bool:
+        """Whether the IS ratio comes from the loss forward (departure 4) instead of an extra no-grad forward."""
+        aligned = self.args.gradient_accumulation_steps % (self.args.steps_per_generation * self.num_iterations) == 0
+        return self._is_correction and aligned and self.vllm_importance_sampling_mode.endswith("_truncate")
 
     def _generate(self, prompts: list):
         self._generating = True
@@ -112,11 +125,43 @@ class CapturedGRPOTrainer(GRPOTrainer):
         finally:
             self._generating = False
 
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        self._scoring_fused = self.model.training and self.fuses_is_ratio
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._scoring_fused = False
+        ratio = output.get("importance_sampling_ratio")
+        if ratio is not None and self.vllm_importance_sampling_mode.endswith("_mask"):
+            # Rejected tokens (ratio set to 0) leave the denominator too, not only the numerator.
+            keep = (ratio > 0).to(output["completion_mask"].dtype).expand_as(output["completion_mask"])
+            tool_mask = output.get("tool_mask", torch.ones_like(output["completion_mask"]))
+            output["tool_mask"] = tool_mask * keep
+            loss_mask = output["completion_mask"] * output["tool_mask"]
+            output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+        return output
+
+    def _compute_loss(self, model, inputs):
+        fused = self.use_vllm and "importance_sampling_ratio" not in inputs
+        self._fused_inputs = inputs if fused else None
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._fused_inputs = None
+
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
         if input_ids.device.type != "cpu" or compute_aux_loss or any(v is not None for v in multimodal.values()):
-            return super()._get_per_token_logps_and_entropies(
+            out = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **multimodal)
+        else:
+            out = self._lm_head_logps(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy)
+        if self._fused_inputs is not None:
+            self._fused_inputs["importance_sampling_ratio"] = self._truncated_is_ratio(out[0].detach(), self._fused_inputs)
+            self._fused_inputs = None
+        return out
+
+    def _lm_head_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy):
         batch_size = batch_size or input_ids.size(0)
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
@@ -131,18 +176,28 @@ class CapturedGRPOTrainer(GRPOTrainer):
                     entropies.append(-(logps_all.exp() * logps_all).sum(-1).masked_fill(padding, 0.0))
         return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
 
-    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        self._without_behaviour = []
-        output = super()._generate_and_score_completions(inputs)
-        ratio = output.get("importance_sampling_ratio")
-        if ratio is not None and self._without_behaviour:
-            # No behaviour logprobs were captured for these (their 0.0 is a placeholder): no correction.
-            ratio[self._without_behaviour] = 1.0
-        if ratio is not None and self.vllm_importance_sampling_mode.endswith("_mask"):
-            # Rejected tokens (ratio set to 0) leave the denominator too, not only the numerator.
-            keep = (ratio > 0).to(output["completion_mask"].dtype).expand_as(output["completion_mask"])
-            tool_mask = output.get("tool_mask", torch.ones_like(output["completion_mask"]))
-            output["tool_mask"] = tool_mask * keep
-            loss_mask = output["completion_mask"] * output["tool_mask"]
-            output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
-        return output
+    def _truncated_is_ratio(self, logps: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
+        """TRL's truncated IS ratio and its metrics, from the loss forward's log-probs instead of a second forward."""
+        mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
+        behaviour = inputs["sampling_per_token_logps"]
+        diff = torch.nan_to_num((logps - behaviour) * mask, nan=0.0)  # NaN behaviour logprob: ratio 1
+        sequence_level = self.vllm_importance_sampling_mode.startswith("sequence")
+        ratio = torch.exp(diff.sum(-1, keepdim=True) if sequence_level else diff)
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if low is not None or high is not None:
+            ratio = ratio.clamp(min=low, max=high)
+
+        metrics = self._metrics["train"]
+        mask = mask.bool()
+        delta = (logps - behaviour).abs()[mask]
+        delta = delta[~torch.isnan(delta)]
+        flat = ratio.flatten() if sequence_level else ratio[mask]
+        for name, values, local, across in (
+                ("sampling/sampling_logp_difference/mean", delta, torch.mean, torch.mean),
+                ("sampling/sampling_logp_difference/max", delta, torch.max, torch.max),
+                ("sampling/importance_sampling_ratio/min", flat, torch.min, torch.min),
+                ("sampling/importance_sampling_ratio/mean", flat, torch.mean, torch.mean),
+                ("sampling/importance_sampling_ratio/max", flat, torch.max, torch.max)):
+            value = local(values) if values.numel() else values.new_zeros(())
+            metrics[name].append(across(self.accelerator.gather(value)).item())
+        return ratio
