@@ -1,7 +1,8 @@
 // lcap's Node preload (NODE_OPTIONS=--require). Node 20 ignores HTTP(S)_PROXY everywhere, so:
 // - fetch (undici): undici's EnvHttpProxyAgent becomes the global dispatcher;
 // - the http/https modules (node-fetch, axios without its own proxy set-up, raw https.request):
-//   their global agents go through the proxy unless NO_PROXY names the host.
+//   their global agents go through the proxy unless NO_PROXY names the host, and so do requests
+//   that bring their own plain agent (openai Node SDK v4's keep-alive agent, agentkeepalive).
 // The CA comes from NODE_EXTRA_CA_CERTS, which lcap also sets. Never breaks the child.
 'use strict';
 
@@ -45,6 +46,25 @@ function routeHttpModules(modules, env) {
   const agent = new LcapAgent({ keepAlive: true });
   http.globalAgent = agent;
   https.globalAgent = agent;
+  for (const mod of [http, https]) {
+    for (const name of ['request', 'get']) {
+      mod[name] = withLcapAgent(mod[name], agent, Agent, http.Agent);
+    }
+  }
+}
+
+// A request's own plain agent (not a proxy agent: those are agent-base Agents) would connect
+// directly: the request takes lcap's agent instead, which keeps connections alive too. What the
+// own agent set beyond pooling (its TLS options) is not carried over.
+function withLcapAgent(request, agent, ProxyAgent, PlainAgent) {
+  return function (...args) {
+    const i = args.findIndex((a) => a && typeof a === 'object' && !(a instanceof URL));
+    const own = i >= 0 ? args[i].agent : undefined;
+    if (own instanceof PlainAgent && !(own instanceof ProxyAgent)) {
+      args[i] = { ...args[i], agent };
+    }
+    return request.apply(this, args);
+  };
 }
 
 try {

@@ -139,15 +139,15 @@ def test_node_openai_sdk(capture_env, llm, node_modules):
 
 
 def test_node_https_module_client_and_no_proxy(capture_env, llm, node_modules):
-    """Clients on Node's https module go through lcap too; a host in NO_PROXY is reached directly."""
+    """Clients on Node's https module go through lcap too, also with their own agent; a host in NO_PROXY is reached directly."""
     db = capture_env["LCAP_DB"]
     host = llm.url.split("://", 1)[1].split(":")[0]
     env = {**capture_env, "LOCAL_LLM_URL": llm.url, "NO_PROXY": host}
     result = run_lcap(["proxy", "--upstream", llm.url, "--", "node", str(agent("https_module_agent.cjs")[1])], env)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.splitlines() == [f"https module: {TEXT}", f"no_proxy: {TEXT}"]
-    (row,) = turns(db)  # the NO_PROXY call never reached the proxy
-    assert (row["host"], row["completion_text"]) == ("api.openai.com", TEXT)
+    assert result.stdout.splitlines() == [f"https module: {TEXT}", f"no_proxy: {TEXT}", f"own agent: {TEXT}"]
+    rows = turns(db)  # the NO_PROXY call never reached the proxy
+    assert [(r["host"], r["completion_text"]) for r in rows] == [("api.openai.com", TEXT)] * 2
     _assert_no_secret(db)
 
 
