@@ -21,7 +21,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from lcap.config import LcapError
@@ -43,8 +43,9 @@ class DemoSettings:
     lr: float = 3e-3   # 5e-3 learned faster (held-out 0.125 -> 0.391 in round 2) but collapsed in round 3
     epochs: int = 4   # PPO-style passes over a round's samples (8 steps); 2 gave +0.27-0.31 by round 5, still rising
     batch_size: int = 32
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
     seed: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 def demo_dir() -> Path:
@@ -103,7 +104,7 @@ def run_demo(out: Path, *, rounds: int = 5, fresh: bool = False, settings: DemoS
             raise LcapError(f"a policy server for {running.base_model} is running: stop it (`lcap serve --stop`) first")
         echo("[demo] starting vLLM on the tiny model (about 30 s on CPU)")
         # vLLM means to serve with one torch thread, but its CPU backend skips that and runs an OpenMP
-        # thread per core; next to the agents they spin and wait on each other: 4x the CPU per call here.
+        # thread per core; on two cores shared with the agents those threads spin and wait on each other.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         start_server(str(model), store=store, log_path=out / "vllm.log")
         started = True
@@ -116,7 +117,8 @@ def run_demo(out: Path, *, rounds: int = 5, fresh: bool = False, settings: DemoS
         verifier=f"{bundled / 'verify.py'}:verify", eval_tasks=eval_tasks, eval_group_size=settings.eval_group_size,
         concurrency=settings.concurrency, timeout=120.0,
         train=TrainOptions(base_model=str(model), learning_rate=settings.lr, epochs=settings.epochs,
-                           batch_size=settings.batch_size, report_to="tensorboard", seed=settings.seed),
+                           batch_size=settings.batch_size, epsilon=settings.epsilon, epsilon_high=settings.epsilon_high,
+                           report_to="tensorboard", seed=settings.seed),
     )
     try:
         run_loop(store, config, echo=echo)

@@ -127,15 +127,16 @@ def register_train(app: typer.Typer) -> None:
         out: Annotated[Path, typer.Option("--out", help="Where the demo writes its model, run, store and results.")] = Path("lcap-demo"),
         rounds: Annotated[int, typer.Option("--rounds", help="Training rounds.")] = 5,
         fresh: Annotated[bool, typer.Option("--fresh", help="Start over instead of resuming an earlier demo in --out.")] = False,
+        seed: Annotated[int, typer.Option("--seed", help="Seed of the model's init, the warm start, the task draw and training.")] = 0,
     ) -> None:
         """Make a tiny model, serve it with vLLM, and train it with GRPO on a bundled agent and task set.
 
         Prints each round's training and held-out reward, then where the reward curve (PNG) and the
         summary table are.
         """
-        from lcap.train.demo import run_demo
+        from lcap.train.demo import DemoSettings, run_demo
 
-        run_demo(out, rounds=rounds, fresh=fresh, echo=typer.echo)
+        run_demo(out, rounds=rounds, fresh=fresh, settings=DemoSettings(seed=seed), echo=typer.echo)
 
 
 def _without_option(argv: list[str], name: str) -> list[str]:

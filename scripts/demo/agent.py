@@ -7,8 +7,8 @@ capture proxy reroutes the call to the policy being trained and records its toke
 
 The demo runs this script ~100 times a round on two cores, so it asks the client for the one
 endpoint it uses (`client.post`, the SDK's documented way to call any path) instead of
-`client.chat.completions`, whose first use imports every resource module of the SDK: ~1 s of
-CPU per run here, a third of the script's cost. Same request, same typed `ChatCompletion` reply.
+`client.chat.completions`, whose first use imports every resource module of the SDK, a large
+share of a short script's CPU. Same request, same typed `ChatCompletion` reply.
 """
 
 import argparse
