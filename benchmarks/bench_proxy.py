@@ -12,7 +12,9 @@ them alike:
 - mitmproxy: stock mitmproxy embedded with the same three addons lcap loads and an addon that only
   reroutes and streams answers through (no capture): the floor under lcap's own work;
 - mitmdump: stock `mitmdump` (all default addons) with the same reroute script, as a user would run it;
-- litellm: LiteLLM's proxy (benchmarks/litellm_gateway.py; its own venv), when installed.
+- litellm: LiteLLM's proxy (benchmarks/litellm_gateway.py; its own venv), when installed;
+- relay: a bare asyncio TCP relay to the upstream (no HTTP parsing, no TLS, nothing stored): one
+  more hop through a Python event loop, the floor under any proxy written in Python on this machine.
 Cases: c=1 and c=16 (16 requests in flight), non-streaming (full response) and streaming (time to
 the first SSE chunk). At the end lcap is stopped and every call it proxied must be a turn in the store.
 """
@@ -94,6 +96,28 @@ class Reroute:
         flow.response.stream = True  # else mitmproxy holds SSE until the stream ends
 
 addons = [Reroute()]
+'''
+
+RELAY = r'''
+import asyncio, sys
+
+async def pump(reader, writer):
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+    finally:
+        writer.close()
+
+async def handle(client_reader, client_writer):
+    up_reader, up_writer = await asyncio.open_connection("127.0.0.1", int(sys.argv[1]))
+    await asyncio.gather(pump(client_reader, up_writer), pump(up_reader, client_writer), return_exceptions=True)
+
+async def main():
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, backlog=256)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await server.serve_forever()
+
+asyncio.run(main())
 '''
 
 BARE = r'''
@@ -270,6 +294,8 @@ def main() -> None:
                "--set", f"confdir={Path(home) / 'ca'}", "--set", "connection_strategy=lazy"], env=base_env)
         _wait_listening(dump_port, procs[-1], "mitmdump")
 
+        relay = spawn([sys.executable, "-c", RELAY, str(up_port)], stdout=subprocess.PIPE, text=True)
+        relay_port = int(relay.stdout.readline())
         litellm_url = None
         if not args.no_litellm:
             import litellm_gateway
@@ -297,6 +323,7 @@ def main() -> None:
             }
             if litellm_url:
                 clients["litellm"] = (client(headers=litellm_gateway.HEADERS), litellm_url)
+            clients["relay"] = (client(), f"http://127.0.0.1:{relay_port}/v1/chat/completions")
             rows = []
             try:
                 for label, conc, rounds, stream in (("non-streaming c=1", 1, args.n, False),
