@@ -37,7 +37,7 @@ class DemoSettings:
     group_size: int = 8         # ...x 8 samples: fewer all-wrong groups (no signal) than 16 x 4 for the same 64 runs
     eval_group_size: int = 1
     concurrency: int = 4
-    warm_steps: int = 400
+    warm_steps: int = 600         # copying a word of the question is learnt by then (~60% of answers)
     warm_p_correct: float = 0.3   # the warm start's answer is the right word this often...
     warm_p_format: float = 0.2    # ...and written in the format the verifier parses this often
     lr: float = 3e-3   # 5e-3 learned faster (held-out 0.125 -> 0.391 in round 2) but collapsed in round 3
@@ -126,7 +126,7 @@ def run_demo(out: Path, *, rounds: int = 5, fresh: bool = False, settings: DemoS
         if started:
             stop_server()
     timings["loop"] = time.perf_counter() - t0 - timings["model"] - timings["server"]
-    results = summarise(out, timings, time.perf_counter() - t0)
+    results = summarise(out, store, timings, time.perf_counter() - t0)
     echo("")
     echo(results["table"])
     echo(f"[demo] reward curve: {results['png']}")
@@ -137,16 +137,29 @@ def run_demo(out: Path, *, rounds: int = 5, fresh: bool = False, settings: DemoS
     return results
 
 
-def summarise(out: Path, timings: dict[str, float], seconds: float) -> dict:
-    """Reward curve PNG + Markdown table + results.json from the loop's state."""
+def answer_rates(store) -> dict[tuple[int, str], tuple[float, float]]:
+    """Per round and split (train, eval): the share of answers the verifier could parse, and of right ones."""
+    rows = store.fetchall("""
+        SELECT e.round, e.labels->>'split',
+               avg((r.details->>'well_formed')::BOOLEAN::INTEGER), avg((r.details->>'right')::BOOLEAN::INTEGER)
+        FROM episodes e JOIN rewards r USING (episode_id)
+        GROUP BY ALL""")
+    return {(n, split): (formed, right) for n, split, formed, right in rows}
+
+
+def summarise(out: Path, store, timings: dict[str, float], seconds: float) -> dict:
+    """Reward curve PNG + Markdown table + results.json from the loop's state and the store."""
     state = json.loads((out / "run" / "state.json").read_text())["steps"]
     rounds = sorted({int(k.split(":")[0]) for k in state})
+    rates = answer_rates(store)
     rows = []
     for n in rounds:
+        formed, right = rates.get((n, "eval"), (None, None))
         rows.append({
             "round": n,
             "train_reward": (state.get(f"{n}:collect") or {}).get("mean_reward"),
             "eval_reward": (state.get(f"{n}:eval") or {}).get("mean_reward"),
+            "eval_well_formed": formed, "eval_right": right,
             "loss": (state.get(f"{n}:train") or {}).get("loss"),
             "is_ratio": (state.get(f"{n}:train") or {}).get("is_ratio_mean"),
             "tokens_per_s": (state.get(f"{n}:train") or {}).get("tokens_per_s"),
@@ -154,9 +167,10 @@ def summarise(out: Path, timings: dict[str, float], seconds: float) -> dict:
         })
     fmt = lambda x, d=3: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
     table = "\n".join(
-        ["| round | train reward | held-out reward | loss | IS ratio | tokens/s | deployed |",
-         "|---|---|---|---|---|---|---|"]
-        + [f"| {r['round']} | {fmt(r['train_reward'])} | {fmt(r['eval_reward'])} | {fmt(r['loss'], 4)} | "
+        ["| round | train reward | held-out reward | held-out well-formed / right | loss | IS ratio | tokens/s | deployed |",
+         "|---|---|---|---|---|---|---|---|"]
+        + [f"| {r['round']} | {fmt(r['train_reward'])} | {fmt(r['eval_reward'])} | "
+           f"{fmt(r['eval_well_formed'], 2)} / {fmt(r['eval_right'], 2)} | {fmt(r['loss'], 4)} | "
            f"{fmt(r['is_ratio'])} | {fmt(r['tokens_per_s'], 0)} | {r['deployed'] or ('base' if r['round'] == 0 else '-')} |"
            for r in rows]
     )

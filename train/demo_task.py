@@ -1,11 +1,11 @@
-"""The demo's task and its warm start: "Reply with the middle word: A B C" -> "B".
+"""The demo's task and its warm start: "Which is a number: code seven tool" -> "Answer: seven".
 
 Why this task: GRPO can only sharpen what a policy already does sometimes. A real base model
 answers in the right format but is often wrong; the warm start reproduces that with a short
-supervised pass on a synthetic corpus where the answer is the middle word 30% of the time and the
-first or last word otherwise. The policy then picks one of the three words with learned
-positional weights shared by every question, so what GRPO learns on the training questions (put
-the weight on the middle position) carries over to held-out questions it never saw.
+supervised pass on a synthetic corpus where the answer is the number word 30% of the time and
+one of the two other words otherwise, written in the verifier's format 20% of the time. The policy
+learns to copy one of the question's words into its answer, so what GRPO sharpens (the format,
+and which of the three words to copy) carries over to held-out questions it never saw.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import random
 from pathlib import Path
 
 QUESTION = "Which is a number: {a} {b} {c}"
-# The verifier parses this format; the warm start uses it 30% of the time, the others otherwise.
-FORMATS = ("Answer: {w}", "{w}", "The answer is {w}.")
+# The verifier parses the first format; the warm start uses it `p_format` of the time, the others
+# otherwise. In each, the word follows a space, so it is the same token as in the question: the
+# answer is a copy. (A bare "{w}" is another token, and a tiny model then never learns to copy.)
+FORMATS = ("Answer: {w}", "The answer is {w}.", "I think {w}")
 NUMBERS = frozenset("zero one two three four five six seven eight nine ten hundred thousand".split())
 
 

@@ -12,9 +12,10 @@ from pathlib import Path
 out = Path(sys.argv[1] if len(sys.argv) > 1 else "lcap-demo")
 results = json.loads((out / "results.json").read_text())
 rows = results["rounds"]
+fmt = lambda x, d=3: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
 for r in rows:
-    ev, tr = r["eval_reward"], r["train_reward"]
-    print(f"round {r['round']}: held-out {'-' if ev is None else f'{ev:.3f}'}  train {'-' if tr is None else f'{tr:.3f}'}")
+    print(f"round {r['round']}: held-out {fmt(r['eval_reward'])} (well-formed {fmt(r.get('eval_well_formed'), 2)}, "
+          f"right {fmt(r.get('eval_right'), 2)})  train {fmt(r['train_reward'])}")
 evals = [(r["round"], r["eval_reward"]) for r in rows if r["eval_reward"] is not None]
 base = evals[0][1]
 within = [v for n, v in evals[1:] if n <= 5]
