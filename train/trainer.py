@@ -192,12 +192,11 @@ class CapturedGRPOTrainer(GRPOTrainer):
         delta = (logps - behaviour).abs()[mask]
         delta = delta[~torch.isnan(delta)]
         flat = ratio.flatten() if sequence_level else ratio[mask]
-        for name, values, local, across in (
-                ("sampling/sampling_logp_difference/mean", delta, torch.mean, torch.mean),
-                ("sampling/sampling_logp_difference/max", delta, torch.max, torch.max),
-                ("sampling/importance_sampling_ratio/min", flat, torch.min, torch.min),
-                ("sampling/importance_sampling_ratio/mean", flat, torch.mean, torch.mean),
-                ("sampling/importance_sampling_ratio/max", flat, torch.max, torch.max)):
-            value = local(values) if values.numel() else values.new_zeros(())
-            metrics[name].append(across(self.accelerator.gather(value)).item())
+        for name, values, reduce in (("sampling/sampling_logp_difference/mean", delta, torch.mean),
+                                     ("sampling/sampling_logp_difference/max", delta, torch.max),
+                                     ("sampling/importance_sampling_ratio/min", flat, torch.min),
+                                     ("sampling/importance_sampling_ratio/mean", flat, torch.mean),
+                                     ("sampling/importance_sampling_ratio/max", flat, torch.max)):
+            value = reduce(values) if values.numel() else values.new_zeros(())  # this process, then all of them
+            metrics[name].append(reduce(self.accelerator.gather(value)).item())
         return ratio
