@@ -2,7 +2,7 @@
 // - fetch (undici): undici's EnvHttpProxyAgent becomes the global dispatcher;
 // - the http/https modules (node-fetch, axios without its own proxy set-up, raw https.request):
 //   their global agents go through the proxy unless NO_PROXY names the host, and so do requests
-//   that bring their own plain agent (openai Node SDK v4's keep-alive agent, agentkeepalive).
+//   that bring their own plain agent (openai Node SDK v4's keep-alive agent).
 // The CA comes from NODE_EXTRA_CA_CERTS, which lcap also sets. Never breaks the child.
 'use strict';
 
