@@ -31,6 +31,7 @@ log = logging.getLogger("lcap.capture")
 EPISODE_HEADER = "x-lcap-episode"
 _KEY = "lcap"
 _WS_KEY = "lcap-ws"
+_CREDENTIAL_NAMES = frozenset(name.encode() for name in CREDENTIAL_HEADERS)
 
 
 def _guarded(hook: Callable) -> Callable:
@@ -119,6 +120,7 @@ class Router:
         self._policy_route = parse_upstream(record.url, self.model or record.current, record.current)
 
 
+@functools.lru_cache(maxsize=4096)
 def episode_from_proxy_auth(value: str | None) -> str | None:
     """The episode named as the user of `http://EPISODE@host:port` (Basic proxy credentials)."""
     if not value:
@@ -165,13 +167,19 @@ class CaptureAddon:
         self._conn_episode.pop(client.id, None)
 
     def _episode(self, flow: http.HTTPFlow) -> str | None:
-        headers = flow.request.headers
-        named = headers.get(EPISODE_HEADER)
-        auth = headers.get("proxy-authorization")
-        if named is not None:
-            del headers[EPISODE_HEADER]
-        if auth is not None:
-            del headers["proxy-authorization"]
+        """The episode a call belongs to; lcap's own headers are removed on the way (one pass over the fields)."""
+        named = auth = None
+        keep = []
+        for field in flow.request.headers.fields:
+            name = field[0].lower()
+            if name == b"x-lcap-episode":
+                named = field[1].decode("utf-8", "replace")
+            elif name == b"proxy-authorization":
+                auth = field[1].decode("latin-1")
+            else:
+                keep.append(field)
+        if named is not None or auth is not None:
+            flow.request.headers.fields = tuple(keep)
         return named or episode_from_proxy_auth(auth) or self._conn_episode.get(flow.client_conn.id)
 
     # --- requests ----------------------------------------------------------------------------
@@ -182,11 +190,11 @@ class CaptureAddon:
         episode = self._episode(flow)
         dialect = dialects.match(req.method, req.path)
         if dialect is not None:
-            flow.metadata[_KEY] = PendingTurn(episode_id=episode, seq=None, host=req.pretty_host, path=req.path,
+            flow.metadata[_KEY] = PendingTurn(episode_id=episode, seq=None, host=req.host, path=req.path,
                                               dialect=dialect)
         elif req.method == "GET" and req.path.split("?", 1)[0].rstrip("/").endswith("/responses") \
                 and req.headers.get("upgrade", "").lower() == "websocket":
-            flow.metadata[_WS_KEY] = {"episode": episode, "turn": None, "host": req.pretty_host, "path": req.path,
+            flow.metadata[_WS_KEY] = {"episode": episode, "turn": None, "host": req.host, "path": req.path,
                                       "route": None, "upstream": None}
         else:
             req.stream = True  # not an LLM call: passed through as it comes, never held in memory
@@ -230,13 +238,13 @@ class CaptureAddon:
 
     def _reroute(self, req: http.Request, route: Route) -> None:
         """Send the request to `route`, without the agent's credentials for its original host."""
-        for name in [k for k in req.headers if k.lower() in CREDENTIAL_HEADERS]:
-            del req.headers[name]
+        fields = tuple(f for f in req.headers.fields if f[0].lower() not in _CREDENTIAL_NAMES)
         if self.upstream_api_key:
-            req.headers["authorization"] = f"Bearer {self.upstream_api_key}"
-        path = route.path_for(req.path)
-        req.scheme, req.host, req.port = route.scheme, route.host, route.port
-        req.path = path
+            fields += ((b"authorization", f"Bearer {self.upstream_api_key}".encode()),)
+        req.headers.fields = fields
+        req.path = route.path_for(req.path)
+        req.data.scheme, req.data.port = route.scheme.encode(), route.port
+        req.host = route.host  # also rewrites the Host header
 
     # --- responses ---------------------------------------------------------------------------
 
@@ -307,6 +315,11 @@ class CaptureAddon:
         if pending.seq is not None:
             with self._seq_lock:
                 self.in_flight[pending.episode_id] -= 1
+
+    @staticmethod
+    def owns(flow: http.HTTPFlow) -> bool:
+        """Whether the call is a recognised LLM call that will become a turn."""
+        return _KEY in flow.metadata
 
     def busy(self, episode: str | None = None, *, any_episode: bool = False) -> bool:
         if any_episode:

@@ -24,6 +24,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from lcap.capture.addon import CaptureAddon, Router, parse_upstream
+from lcap.capture.front import Front, LeafCerts
 from lcap.capture.writer import TurnWriter
 from lcap.config import LcapError, lcap_home
 from lcap.store import Store
@@ -182,7 +183,8 @@ class CaptureProxy:
 
     def _serve(self, addon: CaptureAddon) -> None:
         try:
-            asyncio.run(self._main(addon))
+            with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+                runner.run(self._main(addon))
         except Exception as exc:  # start-up failures end here; later ones are logged by mitmproxy
             self._error = self._error or f"capture proxy failed: {exc}"
             self._ready.set()
@@ -202,29 +204,32 @@ class CaptureProxy:
                 """Upstream reloads the CA here again (a workaround lcap does not need): ~0.3 s saved."""
 
         master.addons.add(proxyserver.Proxyserver(), next_layer.NextLayer(), TlsConfig(), addon)
-        opts.update(
-            confdir=str(ca_dir()), listen_host=self.listen_host, listen_port=self.listen_port, mode=["regular"],
+        opts.update(  # mitmproxy listens on loopback only: agents reach it through the front (capture/front.py)
+            confdir=str(ca_dir()), listen_host="127.0.0.1", listen_port=0, mode=["regular"],
             connection_strategy="lazy", upstream_cert=False, stream_large_bodies=None,
         )
         self._master = master
         server = master.addons.get("proxyserver")
         asyncio.get_running_loop().set_exception_handler(_loop_exception)  # kept through asyncio.run's shutdown
         with asyncio_utils.set_eager_task_factory():
-            if not await server.setup_servers():
-                self._error = f"cannot listen on {self.listen_host}:{self.listen_port} (port in use?)"
+            if not await server.setup_servers() or not server.listen_addrs():
+                self._error = "mitmproxy cannot listen on a loopback port"
                 self._ready.set()
                 return
-            addrs = server.listen_addrs()
-            if not addrs:
-                self._error = f"cannot listen on {self.listen_host}:{self.listen_port}"
+            front = Front(addon, server.listen_addrs()[0][1], LeafCerts(ca_dir(), CA_BASENAME))
+            try:
+                self.port = await front.start(self.listen_host, self.listen_port)
+            except OSError as exc:
+                self._error = f"cannot listen on {self.listen_host}:{self.listen_port}: {exc.strerror or exc}"
                 self._ready.set()
+                await server.servers.update([])
                 return
-            self.port = addrs[0][1]
             await master.running()
             self._ready.set()
             try:
                 await master.should_exit.wait()
             finally:
+                await front.close()
                 await server.servers.update([])
                 await master.done()
 
@@ -287,6 +292,15 @@ class CaptureProxy:
         if episode_id:
             env["LCAP_EPISODE_ID"] = episode_id
         return env
+
+
+def _loop_factory():
+    """uvloop where it is installed: its event loop takes about half as long per call as asyncio's own."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 def skip_debug_checks() -> None:

@@ -237,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the proxy's end (stdin closing) is what stops the writer
+    os.nice(10)  # storing turns is background work: on a busy machine the agent's calls get the CPU first
     return run(args.spool, Store(args.db, timeout=args.timeout), args.interval)
 
 

@@ -1,0 +1,629 @@
+"""The listener agents talk to: plain HTTP/1.1 LLM calls take a short path, everything else goes to mitmproxy.
+
+mitmproxy's per-call machinery (protocol layers, event dispatch, hook plumbing) costs a few
+milliseconds per call on a small machine, more than a proxy in front of an LLM may add. The front
+serves the common case itself: an HTTP/1.1 POST to an LLM path with a Content-Length body, in the
+clear or inside a CONNECT tunnel whose TLS it terminates with lcap's CA. It drives the very same
+`CaptureAddon` hooks on mitmproxy flow objects, so capture has one implementation.
+
+Any connection it does not serve in full is handed to the embedded mitmproxy together with the bytes
+read so far, and spliced there for the rest of its life: an HTTP/2-only or non-TLS tunnel, an
+upgrade (Responses over WebSocket), `Expect`, a chunked request body, a request that is not an LLM
+call (telemetry, model lists), anything it cannot parse. Traffic never depends on the short path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import ssl
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httptools
+from mitmproxy import connection, flow, http
+from mitmproxy.proxy.layers.tls import parse_client_hello
+
+from lcap.capture import dialects
+from lcap.capture.addon import CaptureAddon
+
+log = logging.getLogger("lcap.capture")
+
+READ_SIZE = 65536
+MAX_HEAD = 65536
+
+
+class Plain:
+    """A TCP connection as the front uses it: recv / send / drain / close."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    async def recv(self) -> bytes:
+        return await self.reader.read(READ_SIZE)
+
+    def send(self, data: bytes) -> None:
+        self.writer.write(data)
+
+    async def drain(self) -> None:
+        await self.writer.drain()
+
+    def send_eof(self) -> None:
+        if self.writer.can_write_eof() and not self.writer.is_closing():
+            self.writer.write_eof()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class TlsServerSide(Plain):
+    """The agent's side of an intercepted tunnel, TLS done in memory so the ClientHello can be read first."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, context: ssl.SSLContext) -> None:
+        super().__init__(reader, writer)
+        self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.tls = context.wrap_bio(self.incoming, self.outgoing, server_side=True)
+
+    async def handshake(self, client_hello: bytes) -> None:
+        self.incoming.write(client_hello)
+        while True:
+            try:
+                self.tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                self._flush()
+                data = await self.reader.read(READ_SIZE)
+                if not data:
+                    raise ConnectionError("the agent closed the connection during the TLS handshake")
+                self.incoming.write(data)
+        self._flush()
+
+    async def recv(self) -> bytes:
+        while True:
+            try:
+                return self.tls.read(READ_SIZE)
+            except ssl.SSLWantReadError:
+                self._flush()
+                data = await self.reader.read(READ_SIZE)
+                if not data:
+                    return b""
+                self.incoming.write(data)
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                return b""
+
+    def send(self, data: bytes) -> None:
+        self.tls.write(data)
+        self._flush()
+
+    def send_eof(self) -> None:
+        self.close()
+
+    def _flush(self) -> None:
+        if out := self.outgoing.read():
+            self.writer.write(out)
+
+
+# --- certificates ---------------------------------------------------------------------------------
+
+class LeafCerts:
+    """TLS server contexts for intercepted hosts, signed by lcap's CA (one per host, made on first use)."""
+
+    def __init__(self, confdir: Path, basename: str) -> None:
+        from mitmproxy.certs import CertStore
+
+        self.store = CertStore.from_store(confdir, basename, 2048)
+        self.contexts: dict[str, ssl.SSLContext] = {}
+
+    def context(self, host: str) -> ssl.SSLContext:
+        ctx = self.contexts.get(host)
+        if ctx is None:
+            ctx = self.contexts[host] = self._make(host)
+        return ctx
+
+    def _make(self, host: str) -> ssl.SSLContext:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+
+        try:
+            name: x509.GeneralName = x509.IPAddress(ipaddress.ip_address(host))
+        except ValueError:
+            name = x509.DNSName(host.encode("idna").decode())
+        entry = self.store.get_cert(host, [name])
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.set_alpn_protocols(["http/1.1"])
+        key = entry.privatekey.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                             serialization.NoEncryption())
+        chain = entry.cert.to_pem() + b"".join(c.to_pem() for c in entry.chain_certs)
+        with tempfile.TemporaryDirectory(prefix="lcap-leaf-") as tmp:  # ssl loads key pairs from files only
+            cert_file, key_file = Path(tmp, "cert.pem"), Path(tmp, "key.pem")
+            cert_file.write_bytes(chain)
+            key_file.touch(0o600)
+            key_file.write_bytes(key)
+            ctx.load_cert_chain(cert_file, key_file)
+        return ctx
+
+
+# --- upstream connections -------------------------------------------------------------------------
+
+class UpstreamPool:
+    """Keep-alive connections to upstreams, reused call after call."""
+
+    def __init__(self) -> None:
+        self.idle: defaultdict[tuple[str, str, int], list[Plain]] = defaultdict(list)
+        self._tls: ssl.SSLContext | None = None
+
+    def take(self, key: tuple[str, str, int]) -> Plain | None:
+        idle = self.idle[key]
+        while idle:
+            conn = idle.pop()
+            if not conn.reader.at_eof() and not conn.writer.is_closing():
+                return conn
+            conn.close()
+        return None
+
+    async def open(self, key: tuple[str, str, int]) -> Plain:
+        scheme, host, port = key
+        tls = self._tls_context() if scheme == "https" else None
+        reader, writer = await asyncio.open_connection(host, port, ssl=tls, server_hostname=host if tls else None,
+                                                       limit=MAX_HEAD)
+        return Plain(reader, writer)
+
+    def give_back(self, key: tuple[str, str, int], conn: Plain) -> None:
+        self.idle[key].append(conn)
+
+    def _tls_context(self) -> ssl.SSLContext:
+        if self._tls is None:
+            try:
+                import certifi
+
+                self._tls = ssl.create_default_context(cafile=certifi.where())
+            except ImportError:
+                self._tls = ssl.create_default_context()
+            self._tls.set_alpn_protocols(["http/1.1"])
+        return self._tls
+
+    def close(self) -> None:
+        for conns in self.idle.values():
+            for conn in conns:
+                conn.close()
+        self.idle.clear()
+
+
+# --- requests -------------------------------------------------------------------------------------
+
+@dataclass
+class Tunnel:
+    """A CONNECT the front accepted: where the agent meant to go, and how to replay it to mitmproxy."""
+
+    host: str
+    port: int
+    connect_head: bytes
+    proxy_auth: bytes | None
+    tls: bool = True
+    sni: str | None = None
+
+
+class Unserved(Exception):
+    """The short path does not serve this request: mitmproxy gets the connection."""
+
+
+@dataclass
+class Head:
+    method: bytes
+    target: bytes
+    fields: list[tuple[bytes, bytes]]
+    length: int
+
+
+def parse_head(head: bytes) -> Head:
+    """An HTTP/1.1 request head the short path serves, or `Unserved`."""
+    lines = head.split(b"\r\n")
+    try:
+        method, target, version = lines[0].split(b" ")
+    except ValueError:
+        raise Unserved("request line") from None
+    if version != b"HTTP/1.1":
+        raise Unserved(version)
+    fields = []
+    length = None
+    for line in lines[1:]:
+        if not line:
+            continue
+        name, sep, value = line.partition(b":")
+        if not sep or not name or name[-1:] in b" \t" or line[:1] in b" \t":
+            raise Unserved("header line")
+        value = value.strip()
+        lower = name.lower()
+        if lower == b"content-length":
+            if length is not None or not value.isdigit():
+                raise Unserved("content-length")
+            length = int(value)
+        elif lower in (b"transfer-encoding", b"expect", b"upgrade"):
+            raise Unserved(lower)
+        fields.append((name, value))
+    if method == b"CONNECT":
+        return Head(method, target, fields, 0)
+    if length is None:
+        raise Unserved("no content-length")
+    return Head(method, target, fields, length)
+
+
+class _ResponseParts:
+    """httptools callbacks: the head and the body pieces of one upstream response."""
+
+    def __init__(self) -> None:
+        self.reason = b""
+        self.fields: list[tuple[bytes, bytes]] = []
+        self.head_done = False
+        self.keep_alive = False
+        self.complete = False
+        self.parser = httptools.HttpResponseParser(self)
+        self.body: list[bytes] = []
+
+    def on_status(self, reason: bytes) -> None:
+        self.reason += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.fields.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.head_done = True
+        self.keep_alive = self.parser.should_keep_alive()  # llhttp forgets it once the message is complete
+
+    def on_body(self, data: bytes) -> None:
+        self.body.append(data)
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+
+
+# --- the server -----------------------------------------------------------------------------------
+
+class Front:
+    """Accepts the agents' connections; serves LLM calls, hands the rest to mitmproxy on `mitm_port`."""
+
+    def __init__(self, addon: CaptureAddon, mitm_port: int, certs: LeafCerts) -> None:
+        self.addon = addon
+        self.mitm_port = mitm_port
+        self.certs = certs
+        self.pool = UpstreamPool()
+        self.server: asyncio.Server | None = None
+        self._peer_tls: ssl.SSLContext | None = None
+        self._server_conn = connection.Server(address=None)  # flows need one; the short path keeps its own pool
+
+    async def start(self, host: str, port: int) -> int:
+        self.server = await asyncio.start_server(self._connection, host, port, backlog=512, limit=MAX_HEAD)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        self.pool.close()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        client = Plain(reader, writer)
+        peer = writer.get_extra_info("peername") or ("", 0)
+        sock = writer.get_extra_info("sockname") or ("", 0)
+        conn = connection.Client(peername=peer[:2], sockname=sock[:2], timestamp_start=time.time())
+        try:
+            await self._serve(client, conn, None, b"")
+        except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError, asyncio.CancelledError):
+            pass
+        except Exception:
+            log.exception("lcap: front connection failed")
+        finally:
+            client.close()
+
+    async def _serve(self, client: Plain, conn: connection.Client, tunnel: Tunnel | None, buf: bytes) -> None:
+        """Serve one call after another on the agent's connection, until it closes or leaves for mitmproxy."""
+        while True:
+            while (end := buf.find(b"\r\n\r\n")) < 0:
+                if len(buf) > MAX_HEAD:
+                    return await self._hand_off(client, buf, tunnel)
+                data = await client.recv()
+                if not data:
+                    return
+                buf += data
+            raw_head, buf = buf[:end + 4], buf[end + 4:]
+            try:
+                head = parse_head(raw_head[:-4])
+                if head.method == b"CONNECT":
+                    if tunnel is not None:
+                        raise Unserved("CONNECT in a tunnel")
+                    return await self._tunnel(client, conn, head, raw_head, buf)
+                req = self._request(head, tunnel)
+            except Unserved:
+                return await self._hand_off(client, raw_head + buf, tunnel)
+            if len(buf) < head.length:
+                pieces, have = [buf], len(buf)
+                while have < head.length:
+                    data = await client.recv()
+                    if not data:
+                        return
+                    pieces.append(data)
+                    have += len(data)
+                buf = b"".join(pieces)
+            body, buf = buf[:head.length], buf[head.length:]
+            f = self._flow(conn, req, body)
+            if f is None:
+                return await self._hand_off(client, raw_head + body + buf, tunnel)
+            if not await self._call(client, f):
+                return
+
+    def _request(self, head: Head, tunnel: Tunnel | None) -> http.Request:
+        target = head.target
+        if tunnel is not None:
+            if not target.startswith(b"/"):
+                raise Unserved("target")
+            scheme, host, port, path = ("https" if tunnel.tls else "http"), tunnel.host, tunnel.port, target
+        else:
+            if not target.startswith(b"http://"):
+                raise Unserved("target")
+            url = urlsplit(target.decode("ascii", "surrogateescape"))
+            if not url.hostname:
+                raise Unserved("target")
+            scheme, host, port = "http", url.hostname, url.port or 80
+            path = (url.path or "/").encode() + (b"?" + url.query.encode() if url.query else b"")
+        if dialects.match(head.method.decode("ascii", "replace"), path.decode("ascii", "replace")) is None:
+            raise Unserved("not an LLM path")
+        fields = [(n, v) for n, v in head.fields if n.lower() != b"proxy-connection"]
+        if tunnel is not None and tunnel.proxy_auth is not None:
+            fields.append((b"proxy-authorization", tunnel.proxy_auth))  # the addon names the episode from it
+        return http.Request(host, port, head.method, scheme.encode(), b"", path, b"HTTP/1.1", tuple(fields),
+                            None, None, time.time(), None)
+
+    def _flow(self, conn: connection.Client, req: http.Request, body: bytes) -> http.HTTPFlow | None:
+        """The mitmproxy flow of a call after the addon's request hooks; None when it is not an LLM call."""
+        req.raw_content = body
+        req.timestamp_end = time.time()
+        f = http.HTTPFlow(conn, self._server_conn)
+        f.request = req
+        self.addon.requestheaders(f)
+        self.addon.request(f)
+        return f if self.addon.owns(f) else None
+
+    async def _call(self, client: Plain, f: http.HTTPFlow) -> bool:
+        """Forward one call and answer the agent; False when the agent's connection is done."""
+        req = f.request
+        key = (req.scheme, req.host, req.port)
+        message = b"%s %s HTTP/1.1\r\n%s\r\n" % (req.data.method, req.data.path, bytes(req.headers)) + req.raw_content
+        upstream = None
+        try:
+            upstream, parts, parser = await self._send(key, message)
+            reuse = await self._answer(client, f, upstream, parts, parser)
+        except (OSError, ssl.SSLError, EOFError, httptools.HttpParserError) as exc:
+            if upstream is not None:
+                upstream.close()
+            why = f"upstream {req.scheme}://{req.host}:{req.port}: {exc.__class__.__name__}: {exc}"
+            self._error(f, why)
+            if f.response is not None and f.response.stream:  # the agent has part of the answer: cut it off
+                return False
+            body = f"lcap: {why}".encode()
+            client.send(b"HTTP/1.1 502 Bad Gateway\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s"
+                        % (len(body), body))
+            return True
+        except BaseException:
+            if upstream is not None:
+                upstream.close()
+            self._error(f, "the call was interrupted")
+            raise
+        if reuse:
+            self.pool.give_back(key, upstream)
+        else:
+            upstream.close()
+        if reuse is None:
+            return False
+        return not any(n.lower() == b"connection" and v.lower() == b"close" for n, v in req.headers.fields)
+
+    async def _send(self, key: tuple[str, str, int], message: bytes):
+        """Send the call upstream and read its response head. A reused connection the upstream had closed is
+        replaced once: nothing of a response came back on it, so the upstream never saw the call."""
+        upstream = self.pool.take(key)
+        if upstream is not None:
+            try:
+                return (upstream, *await _response_head(upstream, message))
+            except _Stale:
+                upstream.close()
+        upstream = await self.pool.open(key)
+        try:
+            return (upstream, *await _response_head(upstream, message))
+        except _Stale:
+            upstream.close()
+            raise EOFError("the upstream closed the connection before answering") from None
+
+    async def _answer(self, client: Plain, f: http.HTTPFlow, upstream: Plain, parts: _ResponseParts,
+                      parser: httptools.HttpResponseParser) -> bool | None:
+        """Relay the response to the agent through the addon's response hooks. True: the upstream connection
+        can be reused; False: it cannot; None: neither can the agent's."""
+        status = parser.get_status_code()
+        f.response = resp = http.Response(b"HTTP/1.1", status, parts.reason, tuple(parts.fields), None, None,
+                                          time.time(), None)
+        self.addon.responseheaders(f)
+        has_length = "content-length" in resp.headers
+        framed = has_length or "chunked" in resp.headers.get("transfer-encoding", "").lower()
+        if resp.stream:
+            transform = resp.stream if callable(resp.stream) else None
+            chunked = framed and (not has_length or transform is not None)
+            if chunked and has_length:  # rewritten events change the length
+                del resp.headers["content-length"]
+                resp.headers["transfer-encoding"] = "chunked"
+            head = b"HTTP/1.1 %d %s\r\n%s\r\n" % (status, resp.data.reason, bytes(resp.headers))
+            if not await _stream(client, upstream, parts, parser, head, transform, chunked):
+                self._error(f, "the agent closed the connection during the stream")
+                return None
+            if framed and not parts.complete:
+                raise EOFError("the upstream closed the connection mid-stream")
+        else:
+            while not parts.complete:
+                data = await upstream.recv()
+                if not data:
+                    if framed:
+                        raise EOFError("the upstream closed the connection mid-response")
+                    break
+                parser.feed_data(data)
+            resp.raw_content = b"".join(parts.body)
+        resp.timestamp_end = time.time()
+        self.addon.response(f)
+        if not resp.stream:
+            resp.headers.pop("transfer-encoding", None)
+            resp.headers["content-length"] = str(len(resp.raw_content or b""))
+            client.send(b"HTTP/1.1 %d %s\r\n%s\r\n" % (status, resp.data.reason, bytes(resp.headers))
+                        + (resp.raw_content or b""))
+        try:
+            await client.drain()
+        except ConnectionError:
+            return None
+        if not framed:
+            return None
+        return parts.keep_alive
+
+    def _error(self, f: http.HTTPFlow, why: str) -> None:
+        f.error = flow.Error(why)
+        self.addon.error(f)
+
+    # --- tunnels and hand-off ---------------------------------------------------------------------
+
+    async def _tunnel(self, client: Plain, conn: connection.Client, head: Head, raw_head: bytes, buf: bytes) -> None:
+        """Accept a CONNECT; terminate TLS when the agent offers HTTP/1.1, else hand the tunnel on unopened."""
+        host, _, port = head.target.decode("ascii", "replace").rpartition(":")
+        if not host or not port.isdigit():
+            return await self._hand_off(client, raw_head + buf, None)
+        auth = next((v for n, v in head.fields if n.lower() == b"proxy-authorization"), None)
+        tunnel = Tunnel(host.strip("[]"), int(port), raw_head, auth)
+        client.send(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        data = buf
+        while True:
+            try:
+                hello = parse_client_hello(data) if data else None
+            except ValueError:
+                hello = None
+                break
+            if hello is not None:
+                break
+            if len(data) > MAX_HEAD:
+                break
+            chunk = await client.recv()
+            if not chunk:
+                return
+            data += chunk
+        if hello is None:
+            tunnel.tls = False
+            if data[:1].isalpha():  # plain HTTP inside the tunnel
+                return await self._serve(client, conn, tunnel, data)
+            return await self._hand_off(client, data, tunnel)
+        if hello.alpn_protocols and b"http/1.1" not in hello.alpn_protocols:
+            tunnel.tls = False  # spliced unopened: mitmproxy negotiates HTTP/2 itself
+            return await self._hand_off(client, data, tunnel)
+        tunnel.sni = hello.sni or tunnel.host
+        tls = TlsServerSide(client.reader, client.writer, self.certs.context(tunnel.sni))
+        await tls.handshake(data)
+        await self._serve(tls, conn, tunnel, b"")
+
+    async def _hand_off(self, client: Plain, data: bytes, tunnel: Tunnel | None) -> None:
+        """Give the connection to mitmproxy: replay the CONNECT (and TLS) it came through, then what was read."""
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.mitm_port, limit=MAX_HEAD)
+        mitm = Plain(reader, writer)
+        try:
+            if tunnel is not None:
+                writer.write(tunnel.connect_head)
+                answer = await reader.readuntil(b"\r\n\r\n")
+                if b" 200 " not in answer.split(b"\r\n", 1)[0] + b" ":
+                    raise ConnectionError(f"mitmproxy refused the tunnel: {answer[:80]!r}")
+                if tunnel.tls:
+                    await writer.start_tls(self._peer_context(), server_hostname=tunnel.sni)
+            if data:
+                mitm.send(data)
+            await _splice(client, mitm)
+        finally:
+            mitm.close()
+
+    def _peer_context(self) -> ssl.SSLContext:
+        """TLS from the front to mitmproxy over loopback: mitmproxy's certificate is lcap's own."""
+        if self._peer_tls is None:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+            ctx.set_alpn_protocols(["http/1.1"])
+            self._peer_tls = ctx
+        return self._peer_tls
+
+
+class _Stale(Exception):
+    """The upstream closed a kept-alive connection before any of the response came back."""
+
+
+async def _response_head(upstream: Plain, message: bytes) -> tuple[_ResponseParts, httptools.HttpResponseParser]:
+    parts = _ResponseParts()
+    parser = parts.parser
+    upstream.send(message)
+    got = False
+    while not parts.head_done:
+        try:
+            data = await upstream.recv()
+        except ConnectionResetError:
+            data = b""
+        if not data:
+            if got:
+                raise EOFError("the upstream closed the connection mid-head")
+            raise _Stale
+        got = True
+        parser.feed_data(data)
+    return parts, parser
+
+
+async def _stream(client: Plain, upstream: Plain, parts: _ResponseParts, parser: httptools.HttpResponseParser,
+                  head: bytes, transform, chunked: bool) -> bool:
+    """Pass the body on as it comes, never buffered (one write per upstream read, the head with the first);
+    False when the agent went away."""
+    out = [head]
+    while True:
+        pieces, parts.body = parts.body, []
+        for piece in pieces:
+            _frame(out, transform(piece) if transform is not None else piece, chunked)
+        if parts.complete:
+            break
+        if out:
+            client.send(b"".join(out))
+            out = []
+            try:
+                await client.drain()
+            except ConnectionError:
+                return False
+            if client.writer.is_closing():
+                return False
+        data = await upstream.recv()
+        if not data:
+            break
+        parser.feed_data(data)
+    if transform is not None:
+        _frame(out, transform(b""), chunked)
+    if chunked and parts.complete:
+        out.append(b"0\r\n\r\n")
+    client.send(b"".join(out))
+    return True
+
+
+def _frame(out: list[bytes], data: bytes | list[bytes], chunked: bool) -> None:
+    for piece in ([data] if isinstance(data, bytes) else data):
+        if piece:
+            out.append(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+
+
+async def _pipe(src: Plain, dst: Plain) -> None:
+    try:
+        while data := await src.recv():
+            dst.send(data)
+            await dst.drain()
+        dst.send_eof()
+    except (ConnectionError, ssl.SSLError, OSError):
+        dst.close()
+
+
+async def _splice(a: Plain, b: Plain) -> None:
+    """Relay both ways until both directions ended."""
+    await asyncio.gather(_pipe(a, b), _pipe(b, a))
