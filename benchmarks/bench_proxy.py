@@ -184,13 +184,11 @@ async def _measure(clients: dict[str, tuple[httpx.AsyncClient, str]], *, concurr
     return results
 
 
-def hook_path_cost(n: int = 2000) -> tuple[float, float, float]:
-    """lcap's own share: the addon's hooks on one rerouted 8 KB chat call, spool record included (p50, p99
-    in us), and the writer process's row building per turn (us), measured on synthetic mitmproxy flows."""
-    from mitmproxy import http
-    from mitmproxy.test import tflow, tutils
-
-    from lcap.capture.addon import CaptureAddon, Router
+def capture_cost(n: int = 2000) -> tuple[float, float, float]:
+    """lcap's own share of a call, whichever listener carries it: `Calls` opening one rerouted 8 KB chat call,
+    reading its answer and spooling the turn (p50, p99 in us), and the writer process's row building per
+    turn (us)."""
+    from lcap.capture.calls import Calls, Router, take_episode
     from lcap.capture.spool import SpoolAppender, SpoolReader
     from lcap.capture.turn import build_row
 
@@ -200,24 +198,20 @@ def hook_path_cost(n: int = 2000) -> tuple[float, float, float]:
     class Writer:
         put = spool.append
 
-    addon = CaptureAddon(Writer(), Router("http://127.0.0.1:9", None), token_ids=False)
+    calls = Calls(Writer(), Router("http://127.0.0.1:9", None), token_ids=False)
     body = json.dumps({**REQUEST, "messages": [{"role": "user", "content": "x" * 2000}] * 4}).encode()
     answer = json.dumps({"id": "c", "model": "m", "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok" * 100},
                                                                 "finish_reason": "stop"}]}).encode()
-    headers = http.Headers(((b"authorization", b"Bearer sk-x"), (b"content-type", b"application/json")))
-    response_headers = http.Headers(((b"content-type", b"application/json"),))
+    fields = ((b"Host", b"api.openai.com"), (b"Authorization", b"Bearer sk-x"), (b"Content-Type", b"application/json"),
+              (b"Proxy-Authorization", b"Basic YmVuY2g6eA=="))
 
     def one() -> float:
-        flow = tflow.tflow(req=tutils.treq(method=b"POST", path=b"/v1/chat/completions", content=body, host="api.openai.com",
-                                           port=443, scheme=b"https", headers=headers.copy()))
-        flow.response = None
-        response = tutils.tresp(content=answer, headers=response_headers.copy())
         t0 = time.perf_counter()
-        addon.requestheaders(flow)
-        addon.request(flow)
-        flow.response = response
-        addon.responseheaders(flow)
-        addon.response(flow)
+        episode, rest = take_episode(fields)
+        call = calls.open_call("chat", episode, scheme="https", host="api.openai.com", port=443,
+                               path="/v1/chat/completions", fields=rest, body=body)
+        calls.answer_head(call.pending, 200, "application/json", None)
+        calls.answer_body(call.pending, answer)
         return (time.perf_counter() - t0) * 1e6
 
     for _ in range(200):
@@ -363,8 +357,8 @@ def main() -> None:
     con.close()
     warm = sum(16 if "c=16" in label else 1 for label, _ in rows) * 2
     print(f"turns stored by lcap: {stored} of {lcap_sent + warm} calls it proxied (including warm-up)")
-    p50, p99, per_row = hook_path_cost()
-    print(f"lcap hooks per call (8 KB request, rerouted, spool record included): p50 {p50:.0f} us, p99 {p99:.0f} us; "
+    p50, p99, per_row = capture_cost()
+    print(f"lcap's capture work per call (8 KB request, rerouted, spool record included): p50 {p50:.0f} us, p99 {p99:.0f} us; "
           f"the writer process builds a row in {per_row:.0f} us")
     shutil.rmtree(tmp, ignore_errors=True)
 

@@ -19,18 +19,17 @@ import ipaddress
 import logging
 import ssl
 import tempfile
-import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import httptools
-from mitmproxy import connection, flow, http
 from mitmproxy.proxy.layers.tls import parse_client_hello
 
 from lcap.capture import dialects
-from lcap.capture.addon import CaptureAddon
+from lcap.capture.calls import Call, Calls, take_episode
 
 log = logging.getLogger("lcap.capture")
 
@@ -203,7 +202,7 @@ class Tunnel:
     host: str
     port: int
     connect_head: bytes
-    proxy_auth: bytes | None
+    episode: str | None
     tls: bool = True
     sni: str | None = None
 
@@ -216,41 +215,43 @@ class Unserved(Exception):
 class Head:
     method: bytes
     target: bytes
-    fields: list[tuple[bytes, bytes]]
+    fields: list[tuple[bytes, bytes]]  # without Content-Length, which the front writes itself
     length: int
 
 
 def parse_head(head: bytes) -> Head:
-    """An HTTP/1.1 request head the short path serves, or `Unserved`."""
+    """A request head the short path serves (HTTP/1.1, CONNECT or a POST with a plain Content-Length body),
+    or `Unserved`."""
     lines = head.split(b"\r\n")
     try:
         method, target, version = lines[0].split(b" ")
     except ValueError:
         raise Unserved("request line") from None
-    if version != b"HTTP/1.1":
-        raise Unserved(version)
+    if version != b"HTTP/1.1" or method not in (b"POST", b"CONNECT"):
+        raise Unserved("not an HTTP/1.1 POST")
     fields = []
     length = None
     for line in lines[1:]:
-        if not line:
-            continue
         name, sep, value = line.partition(b":")
         if not sep or not name or name[-1:] in b" \t" or line[:1] in b" \t":
             raise Unserved("header line")
-        value = value.strip()
         lower = name.lower()
         if lower == b"content-length":
-            if length is not None or not value.isdigit():
+            if length is not None or not value.strip().isdigit():
                 raise Unserved("content-length")
             length = int(value)
-        elif lower in (b"transfer-encoding", b"expect", b"upgrade"):
-            raise Unserved(lower)
-        fields.append((name, value))
+        elif lower in _UNSERVED_FIELDS:
+            raise Unserved(lower.decode())
+        elif lower != b"proxy-connection":
+            fields.append((name, value.strip()))
     if method == b"CONNECT":
         return Head(method, target, fields, 0)
     if length is None:
         raise Unserved("no content-length")
     return Head(method, target, fields, length)
+
+
+_UNSERVED_FIELDS = frozenset((b"transfer-encoding", b"expect", b"upgrade", b"content-encoding"))
 
 
 class _ResponseParts:
@@ -262,8 +263,8 @@ class _ResponseParts:
         self.head_done = False
         self.keep_alive = False
         self.complete = False
-        self.parser = httptools.HttpResponseParser(self)
         self.body: list[bytes] = []
+        self.parser = httptools.HttpResponseParser(self)
 
     def on_status(self, reason: bytes) -> None:
         self.reason += reason
@@ -287,14 +288,13 @@ class _ResponseParts:
 class Front:
     """Accepts the agents' connections; serves LLM calls, hands the rest to mitmproxy on `mitm_port`."""
 
-    def __init__(self, addon: CaptureAddon, mitm_port: int, certs: LeafCerts) -> None:
-        self.addon = addon
+    def __init__(self, calls: Calls, mitm_port: int, certs: LeafCerts) -> None:
+        self.calls = calls
         self.mitm_port = mitm_port
         self.certs = certs
         self.pool = UpstreamPool()
         self.server: asyncio.Server | None = None
         self._peer_tls: ssl.SSLContext | None = None
-        self._server_conn = connection.Server(address=None)  # flows need one; the short path keeps its own pool
 
     async def start(self, host: str, port: int) -> int:
         self.server = await asyncio.start_server(self._connection, host, port, backlog=512, limit=MAX_HEAD)
@@ -307,11 +307,8 @@ class Front:
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         client = Plain(reader, writer)
-        peer = writer.get_extra_info("peername") or ("", 0)
-        sock = writer.get_extra_info("sockname") or ("", 0)
-        conn = connection.Client(peername=peer[:2], sockname=sock[:2], timestamp_start=time.time())
         try:
-            await self._serve(client, conn, None, b"")
+            await self._serve(client, None, b"")
         except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError, asyncio.CancelledError):
             pass
         except Exception:
@@ -319,7 +316,7 @@ class Front:
         finally:
             client.close()
 
-    async def _serve(self, client: Plain, conn: connection.Client, tunnel: Tunnel | None, buf: bytes) -> None:
+    async def _serve(self, client: Plain, tunnel: Tunnel | None, buf: bytes) -> None:
         """Serve one call after another on the agent's connection, until it closes or leaves for mitmproxy."""
         while True:
             while (end := buf.find(b"\r\n\r\n")) < 0:
@@ -335,8 +332,8 @@ class Front:
                 if head.method == b"CONNECT":
                     if tunnel is not None:
                         raise Unserved("CONNECT in a tunnel")
-                    return await self._tunnel(client, conn, head, raw_head, buf)
-                req = self._request(head, tunnel)
+                    return await self._tunnel(client, head, raw_head, buf)
+                target = _target(head, tunnel)
             except Unserved:
                 return await self._hand_off(client, raw_head + buf, tunnel)
             if len(buf) < head.length:
@@ -349,59 +346,30 @@ class Front:
                     have += len(data)
                 buf = b"".join(pieces)
             body, buf = buf[:head.length], buf[head.length:]
-            f = self._flow(conn, req, body)
-            if f is None:
+            episode, fields = take_episode(head.fields)
+            dialect, scheme, host, port, path = target
+            call = self.calls.open_call(dialect, episode or (tunnel.episode if tunnel else None), scheme=scheme,
+                                        host=host, port=port, path=path, fields=fields, body=body)
+            if call is None:  # a side call on an LLM path
                 return await self._hand_off(client, raw_head + body + buf, tunnel)
-            if not await self._call(client, f):
+            if not await self._call(client, call):
                 return
 
-    def _request(self, head: Head, tunnel: Tunnel | None) -> http.Request:
-        target = head.target
-        if tunnel is not None:
-            if not target.startswith(b"/"):
-                raise Unserved("target")
-            scheme, host, port, path = ("https" if tunnel.tls else "http"), tunnel.host, tunnel.port, target
-        else:
-            if not target.startswith(b"http://"):
-                raise Unserved("target")
-            url = urlsplit(target.decode("ascii", "surrogateescape"))
-            if not url.hostname:
-                raise Unserved("target")
-            scheme, host, port = "http", url.hostname, url.port or 80
-            path = (url.path or "/").encode() + (b"?" + url.query.encode() if url.query else b"")
-        if dialects.match(head.method.decode("ascii", "replace"), path.decode("ascii", "replace")) is None:
-            raise Unserved("not an LLM path")
-        fields = [(n, v) for n, v in head.fields if n.lower() != b"proxy-connection"]
-        if tunnel is not None and tunnel.proxy_auth is not None:
-            fields.append((b"proxy-authorization", tunnel.proxy_auth))  # the addon names the episode from it
-        return http.Request(host, port, head.method, scheme.encode(), b"", path, b"HTTP/1.1", tuple(fields),
-                            None, None, time.time(), None)
-
-    def _flow(self, conn: connection.Client, req: http.Request, body: bytes) -> http.HTTPFlow | None:
-        """The mitmproxy flow of a call after the addon's request hooks; None when it is not an LLM call."""
-        req.raw_content = body
-        req.timestamp_end = time.time()
-        f = http.HTTPFlow(conn, self._server_conn)
-        f.request = req
-        self.addon.requestheaders(f)
-        self.addon.request(f)
-        return f if self.addon.owns(f) else None
-
-    async def _call(self, client: Plain, f: http.HTTPFlow) -> bool:
+    async def _call(self, client: Plain, call: Call) -> bool:
         """Forward one call and answer the agent; False when the agent's connection is done."""
-        req = f.request
-        key = (req.scheme, req.host, req.port)
-        message = b"%s %s HTTP/1.1\r\n%s\r\n" % (req.data.method, req.data.path, bytes(req.headers)) + req.raw_content
+        key = (call.scheme, call.host, call.port)
+        message = b"POST %s HTTP/1.1\r\n%scontent-length: %d\r\n\r\n%s" % (
+            call.path.encode("utf-8", "surrogateescape"), b"".join(b"%s: %s\r\n" % f for f in call.fields), len(call.body), call.body)
         upstream = None
         try:
-            upstream, parts, parser = await self._send(key, message)
-            reuse = await self._answer(client, f, upstream, parts, parser)
+            upstream, parts = await self._send(key, message)
+            reuse = await self._answer(client, call, upstream, parts)
         except (OSError, ssl.SSLError, EOFError, httptools.HttpParserError) as exc:
             if upstream is not None:
                 upstream.close()
-            why = f"upstream {req.scheme}://{req.host}:{req.port}: {exc.__class__.__name__}: {exc}"
-            self._error(f, why)
-            if f.response is not None and f.response.stream:  # the agent has part of the answer: cut it off
+            why = f"upstream {call.scheme}://{call.host}:{call.port}: {exc.__class__.__name__}: {exc}"
+            self.calls.close_call(call.pending, why)
+            if call.pending.chunks is not None:  # a stream: the agent may have part of it, cut it off
                 return False
             body = f"lcap: {why}".encode()
             client.send(b"HTTP/1.1 502 Bad Gateway\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s"
@@ -410,7 +378,7 @@ class Front:
         except BaseException:
             if upstream is not None:
                 upstream.close()
-            self._error(f, "the call was interrupted")
+            self.calls.close_call(call.pending, "the call was interrupted")
             raise
         if reuse:
             self.pool.give_back(key, upstream)
@@ -418,46 +386,60 @@ class Front:
             upstream.close()
         if reuse is None:
             return False
-        return not any(n.lower() == b"connection" and v.lower() == b"close" for n, v in req.headers.fields)
+        return not any(n.lower() == b"connection" and v.lower() == b"close" for n, v in call.fields)
 
-    async def _send(self, key: tuple[str, str, int], message: bytes):
+    async def _send(self, key: tuple[str, str, int], message: bytes) -> tuple[Plain, _ResponseParts]:
         """Send the call upstream and read its response head. A reused connection the upstream had closed is
         replaced once: nothing of a response came back on it, so the upstream never saw the call."""
         upstream = self.pool.take(key)
         if upstream is not None:
             try:
-                return (upstream, *await _response_head(upstream, message))
+                return upstream, await _response_head(upstream, message)
             except _Stale:
                 upstream.close()
         upstream = await self.pool.open(key)
         try:
-            return (upstream, *await _response_head(upstream, message))
+            return upstream, await _response_head(upstream, message)
         except _Stale:
             upstream.close()
             raise EOFError("the upstream closed the connection before answering") from None
 
-    async def _answer(self, client: Plain, f: http.HTTPFlow, upstream: Plain, parts: _ResponseParts,
-                      parser: httptools.HttpResponseParser) -> bool | None:
-        """Relay the response to the agent through the addon's response hooks. True: the upstream connection
-        can be reused; False: it cannot; None: neither can the agent's."""
+    async def _answer(self, client: Plain, call: Call, upstream: Plain,
+                      parts: _ResponseParts) -> bool | None:
+        """Relay the response to the agent, recording it. True: the upstream connection can serve another
+        call; False: it cannot; None: neither can the agent's."""
+        parser = parts.parser
         status = parser.get_status_code()
-        f.response = resp = http.Response(b"HTTP/1.1", status, parts.reason, tuple(parts.fields), None, None,
-                                          time.time(), None)
-        self.addon.responseheaders(f)
-        has_length = "content-length" in resp.headers
-        framed = has_length or "chunked" in resp.headers.get("transfer-encoding", "").lower()
-        if resp.stream:
-            transform = resp.stream if callable(resp.stream) else None
-            chunked = framed and (not has_length or transform is not None)
-            if chunked and has_length:  # rewritten events change the length
-                del resp.headers["content-length"]
-                resp.headers["transfer-encoding"] = "chunked"
-            head = b"HTTP/1.1 %d %s\r\n%s\r\n" % (status, resp.data.reason, bytes(resp.headers))
-            if not await _stream(client, upstream, parts, parser, head, transform, chunked):
-                self._error(f, "the agent closed the connection during the stream")
+        content_type = encoding = transfer = b""
+        length = None
+        keep = []
+        for field in parts.fields:
+            name = field[0].lower()
+            if name == b"content-length":
+                length = field[1]
+                continue
+            if name == b"transfer-encoding":
+                transfer = field[1].lower()
+                continue
+            if name == b"content-type":
+                content_type = field[1]
+            elif name == b"content-encoding":
+                encoding = field[1]
+            keep.append(field)
+        framed = length is not None or b"chunked" in transfer
+        fields = b"".join(b"%s: %s\r\n" % f for f in keep)
+        head = b"HTTP/1.1 %d %s\r\n%s" % (status, parts.reason, fields)
+        transform = self.calls.answer_head(call.pending, status, content_type.decode("latin-1"),
+                                           encoding.decode("latin-1") or None)
+        if transform is not None:
+            # framed answers go out chunked (the transform may change lengths); others end with the connection
+            head += b"transfer-encoding: chunked\r\n\r\n" if framed else b"\r\n"
+            if not await _stream(client, upstream, parts, head, transform, framed):
+                self.calls.close_call(call.pending, "the agent closed the connection during the stream")
                 return None
             if framed and not parts.complete:
                 raise EOFError("the upstream closed the connection mid-stream")
+            self.calls.close_call(call.pending)
         else:
             while not parts.complete:
                 data = await upstream.recv()
@@ -466,35 +448,25 @@ class Front:
                         raise EOFError("the upstream closed the connection mid-response")
                     break
                 parser.feed_data(data)
-            resp.raw_content = b"".join(parts.body)
-        resp.timestamp_end = time.time()
-        self.addon.response(f)
-        if not resp.stream:
-            resp.headers.pop("transfer-encoding", None)
-            resp.headers["content-length"] = str(len(resp.raw_content or b""))
-            client.send(b"HTTP/1.1 %d %s\r\n%s\r\n" % (status, resp.data.reason, bytes(resp.headers))
-                        + (resp.raw_content or b""))
+            body = b"".join(parts.body)
+            body = self.calls.answer_body(call.pending, body) or body
+            client.send(head + b"content-length: %d\r\n\r\n" % len(body) + body)
         try:
             await client.drain()
         except ConnectionError:
             return None
-        if not framed:
-            return None
-        return parts.keep_alive
+        return parts.keep_alive if framed else None
 
-    def _error(self, f: http.HTTPFlow, why: str) -> None:
-        f.error = flow.Error(why)
-        self.addon.error(f)
 
     # --- tunnels and hand-off ---------------------------------------------------------------------
 
-    async def _tunnel(self, client: Plain, conn: connection.Client, head: Head, raw_head: bytes, buf: bytes) -> None:
+    async def _tunnel(self, client: Plain, head: Head, raw_head: bytes, buf: bytes) -> None:
         """Accept a CONNECT; terminate TLS when the agent offers HTTP/1.1, else hand the tunnel on unopened."""
         host, _, port = head.target.decode("ascii", "replace").rpartition(":")
         if not host or not port.isdigit():
             return await self._hand_off(client, raw_head + buf, None)
-        auth = next((v for n, v in head.fields if n.lower() == b"proxy-authorization"), None)
-        tunnel = Tunnel(host.strip("[]"), int(port), raw_head, auth)
+        episode, _ = take_episode(head.fields)
+        tunnel = Tunnel(host.strip("[]"), int(port), raw_head, episode)
         client.send(b"HTTP/1.1 200 Connection established\r\n\r\n")
         data = buf
         while True:
@@ -514,7 +486,7 @@ class Front:
         if hello is None:
             tunnel.tls = False
             if data[:1].isalpha():  # plain HTTP inside the tunnel
-                return await self._serve(client, conn, tunnel, data)
+                return await self._serve(client, tunnel, data)
             return await self._hand_off(client, data, tunnel)
         if hello.alpn_protocols and b"http/1.1" not in hello.alpn_protocols:
             tunnel.tls = False  # spliced unopened: mitmproxy negotiates HTTP/2 itself
@@ -522,7 +494,7 @@ class Front:
         tunnel.sni = hello.sni or tunnel.host
         tls = TlsServerSide(client.reader, client.writer, self.certs.context(tunnel.sni))
         await tls.handshake(data)
-        await self._serve(tls, conn, tunnel, b"")
+        await self._serve(tls, tunnel, b"")
 
     async def _hand_off(self, client: Plain, data: bytes, tunnel: Tunnel | None) -> None:
         """Give the connection to mitmproxy: replay the CONNECT (and TLS) it came through, then what was read."""
@@ -553,11 +525,35 @@ class Front:
         return self._peer_tls
 
 
+def _target(head: Head, tunnel: Tunnel | None) -> tuple[str, str, str, int, str]:
+    """(dialect, scheme, host, port, path) of a POST on an LLM path; `Unserved` for any other."""
+    target = head.target.decode("utf-8", "surrogateescape")
+    if tunnel is not None:
+        if not target.startswith("/"):
+            raise Unserved("target")
+        scheme, host, port, path = ("https" if tunnel.tls else "http"), tunnel.host, tunnel.port, target
+    else:
+        if not target.startswith("http://"):
+            raise Unserved("target")
+        url = urlsplit(target)
+        try:
+            port = url.port or 80
+        except ValueError:
+            raise Unserved("target") from None
+        if not url.hostname:
+            raise Unserved("target")
+        scheme, host, path = "http", url.hostname, target[len("http://") + len(url.netloc):] or "/"
+    dialect = dialects.match("POST", path)
+    if dialect is None:
+        raise Unserved("not an LLM path")
+    return dialect, scheme, host, port, path
+
+
 class _Stale(Exception):
     """The upstream closed a kept-alive connection before any of the response came back."""
 
 
-async def _response_head(upstream: Plain, message: bytes) -> tuple[_ResponseParts, httptools.HttpResponseParser]:
+async def _response_head(upstream: Plain, message: bytes) -> _ResponseParts:
     parts = _ResponseParts()
     parser = parts.parser
     upstream.send(message)
@@ -573,18 +569,18 @@ async def _response_head(upstream: Plain, message: bytes) -> tuple[_ResponsePart
             raise _Stale
         got = True
         parser.feed_data(data)
-    return parts, parser
+    return parts
 
 
-async def _stream(client: Plain, upstream: Plain, parts: _ResponseParts, parser: httptools.HttpResponseParser,
-                  head: bytes, transform, chunked: bool) -> bool:
+async def _stream(client: Plain, upstream: Plain, parts: _ResponseParts, head: bytes,
+                  transform: Callable[[bytes], bytes | list[bytes]], chunked: bool) -> bool:
     """Pass the body on as it comes, never buffered (one write per upstream read, the head with the first);
     False when the agent went away."""
     out = [head]
     while True:
         pieces, parts.body = parts.body, []
         for piece in pieces:
-            _frame(out, transform(piece) if transform is not None else piece, chunked)
+            _frame(out, transform(piece), chunked)
         if parts.complete:
             break
         if out:
@@ -599,9 +595,8 @@ async def _stream(client: Plain, upstream: Plain, parts: _ResponseParts, parser:
         data = await upstream.recv()
         if not data:
             break
-        parser.feed_data(data)
-    if transform is not None:
-        _frame(out, transform(b""), chunked)
+        parts.parser.feed_data(data)
+    _frame(out, transform(b""), chunked)
     if chunked and parts.complete:
         out.append(b"0\r\n\r\n")
     client.send(b"".join(out))

@@ -1,8 +1,10 @@
-"""The capture proxy: an embedded mitmproxy in its own thread, and the environment a child runs in.
+"""The capture proxy, in its own thread, and the environment a child runs in.
 
 `CaptureProxy` is used by `lcap proxy` (one child, one episode) and by collect (one proxy, many
-concurrent episodes told apart by the proxy URL's credentials). Only the mitmproxy addons lcap
-needs are loaded (proxy server, layer selection, TLS), which keeps the per-call hook path short.
+concurrent episodes told apart by the proxy URL's credentials). Agents connect to the front
+(capture/front.py), which serves plain HTTP/1.1 LLM calls itself and hands everything else to an
+embedded mitmproxy on a loopback port. Only the mitmproxy addons lcap needs are loaded (proxy
+server, layer selection, TLS).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from urllib.parse import quote
 
-from lcap.capture.addon import CaptureAddon, Router, parse_upstream
+from lcap.capture.addon import CaptureAddon
+from lcap.capture.calls import Calls, Router, parse_upstream
 from lcap.capture.front import Front, LeafCerts
 from lcap.capture.writer import TurnWriter
 from lcap.config import LcapError, lcap_home
@@ -129,7 +132,7 @@ class CaptureProxy:
         self._ready = threading.Event()
         self._error: str | None = None
         self._master = None
-        self._addon: CaptureAddon | None = None
+        self._calls: Calls | None = None
         self._bundle: Path | None = None
 
     @property
@@ -149,11 +152,11 @@ class CaptureProxy:
         with self.store.connect():  # the schema exists from the start: `lcap sql` works before the first turn
             pass
         router = Router(self.upstream, self.model)
-        addon = CaptureAddon(self.writer, router, token_ids=bool(self.token_ids),
-                             upstream_api_key=os.environ.get("LCAP_UPSTREAM_API_KEY"))
-        self._addon = addon
+        calls = Calls(self.writer, router, token_ids=bool(self.token_ids),
+                      upstream_api_key=os.environ.get("LCAP_UPSTREAM_API_KEY"))
+        self._calls = calls
         self.writer.start()
-        self._thread = threading.Thread(target=self._serve, args=(addon,), name="lcap-proxy", daemon=True)
+        self._thread = threading.Thread(target=self._serve, args=(calls,), name="lcap-proxy", daemon=True)
         self._thread.start()
         if not self._ready.wait(60) or self._error:
             self.writer.stop()
@@ -181,15 +184,15 @@ class CaptureProxy:
             return any(m.get("owned_by") == "vllm" for m in models)
         return self.token_ids
 
-    def _serve(self, addon: CaptureAddon) -> None:
+    def _serve(self, calls: Calls) -> None:
         try:
             with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-                runner.run(self._main(addon))
+                runner.run(self._main(calls))
         except Exception as exc:  # start-up failures end here; later ones are logged by mitmproxy
             self._error = self._error or f"capture proxy failed: {exc}"
             self._ready.set()
 
-    async def _main(self, addon: CaptureAddon) -> None:
+    async def _main(self, calls: Calls) -> None:
         skip_debug_checks()
         from mitmproxy import options
         from mitmproxy.addons import next_layer, proxyserver, tlsconfig
@@ -203,7 +206,7 @@ class CaptureProxy:
             def running(self) -> None:
                 """Upstream reloads the CA here again (a workaround lcap does not need): ~0.3 s saved."""
 
-        master.addons.add(proxyserver.Proxyserver(), next_layer.NextLayer(), TlsConfig(), addon)
+        master.addons.add(proxyserver.Proxyserver(), next_layer.NextLayer(), TlsConfig(), CaptureAddon(calls))
         opts.update(  # mitmproxy listens on loopback only: agents reach it through the front (capture/front.py)
             confdir=str(ca_dir()), listen_host="127.0.0.1", listen_port=0, mode=["regular"],
             connection_strategy="lazy", upstream_cert=False, stream_large_bodies=None,
@@ -216,7 +219,7 @@ class CaptureProxy:
                 self._error = "mitmproxy cannot listen on a loopback port"
                 self._ready.set()
                 return
-            front = Front(addon, server.listen_addrs()[0][1], LeafCerts(ca_dir(), CA_BASENAME))
+            front = Front(calls, server.listen_addrs()[0][1], LeafCerts(ca_dir(), CA_BASENAME))
             try:
                 self.port = await front.start(self.listen_host, self.listen_port)
             except OSError as exc:
@@ -240,8 +243,8 @@ class CaptureProxy:
         return self._wait_idle(episode_id, deadline) and self.writer.flush(max(0.0, deadline - time.monotonic()))
 
     def _wait_idle(self, episode_id: str | None, deadline: float) -> bool:
-        addon = self._addon
-        while addon is not None and addon.busy(episode_id, any_episode=episode_id is None):
+        calls = self._calls
+        while calls is not None and calls.busy(episode_id, any_episode=episode_id is None):
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.005)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -89,4 +90,16 @@ def _register_stages() -> None:
     register_train(app)
 
 
+def _log_to_stderr() -> None:
+    """lcap's warnings go to stderr. Its own handler: the embedded mitmproxy routes the root logger into its
+    event log, which `lcap` does not display, and a capture failure must never go unseen."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log = logging.getLogger("lcap")
+    log.addHandler(handler)
+    log.setLevel(logging.WARNING)
+    log.propagate = False
+
+
+_log_to_stderr()
 _register_stages()
