@@ -7,8 +7,9 @@ measures from this process with httpx, all paths interleaved round by round so m
 them alike:
 - direct: straight to the upstream;
 - lcap http / lcap https: `lcap proxy --serve --upstream` (every call stored); plain HTTP through
-  the proxy (the hook path), and HTTPS to api.openai.com rerouted (CONNECT + TLS interception with
-  lcap's CA, keep-alive): what a real agent pays;
+  the proxy, and HTTPS to api.openai.com rerouted (CONNECT + TLS interception with lcap's CA,
+  keep-alive): what a real agent pays. Both take the front's short path (capture/front.py);
+  the mitmproxy row is what every call paid before it;
 - mitmproxy: stock mitmproxy embedded with the same three addons lcap loads and an addon that only
   reroutes and streams answers through (no capture): the floor under lcap's own work;
 - mitmdump: stock `mitmdump` (all default addons) with the same reroute script, as a user would run it;

@@ -7,8 +7,8 @@ instrumentation off until 20 warm-up calls are done, then on for N plain-HTTP ch
 through the proxy to bench_proxy.py's minimal upstream:
 - stock mitmproxy with the three addons lcap loads and a reroute-only addon;
 - the same with lcap's `skip_debug_checks()`;
-- `lcap proxy --serve` (hooks and spool included; its writer process is not counted: valgrind
-  does not follow children, and that work is off the proxy's process by design).
+- `lcap proxy --serve`, its front's short path (capture and spool included; its writer process is
+  not counted: valgrind does not follow children, and that work is off the proxy's process by design).
 """
 
 from __future__ import annotations

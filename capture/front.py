@@ -3,8 +3,9 @@
 mitmproxy's per-call machinery (protocol layers, event dispatch, hook plumbing) costs a few
 milliseconds per call on a small machine, more than a proxy in front of an LLM may add. The front
 serves the common case itself: an HTTP/1.1 POST to an LLM path with a Content-Length body, in the
-clear or inside a CONNECT tunnel whose TLS it terminates with lcap's CA. It drives the very same
-`CaptureAddon` hooks on mitmproxy flow objects, so capture has one implementation.
+clear or inside a CONNECT tunnel whose TLS it terminates with lcap's CA. What happens to the call
+itself (attribution, rerouting, recording) is `Calls` (capture/calls.py), which the mitmproxy addon
+drives too, so capture has one implementation.
 
 Any connection it does not serve in full is handed to the embedded mitmproxy together with the bytes
 read so far, and spliced there for the rest of its life: an HTTP/2-only or non-TLS tunnel, an
@@ -358,8 +359,9 @@ class Front:
     async def _call(self, client: Plain, call: Call) -> bool:
         """Forward one call and answer the agent; False when the agent's connection is done."""
         key = (call.scheme, call.host, call.port)
+        fields = b"".join(b"%s: %s\r\n" % f for f in call.fields)
         message = b"POST %s HTTP/1.1\r\n%scontent-length: %d\r\n\r\n%s" % (
-            call.path.encode("utf-8", "surrogateescape"), b"".join(b"%s: %s\r\n" % f for f in call.fields), len(call.body), call.body)
+            call.path.encode("utf-8", "surrogateescape"), fields, len(call.body), call.body)
         upstream = None
         try:
             upstream, parts = await self._send(key, message)
@@ -457,7 +459,6 @@ class Front:
             return None
         return parts.keep_alive if framed else None
 
-
     # --- tunnels and hand-off ---------------------------------------------------------------------
 
     async def _tunnel(self, client: Plain, head: Head, raw_head: bytes, buf: bytes) -> None:
@@ -492,7 +493,13 @@ class Front:
             tunnel.tls = False  # spliced unopened: mitmproxy negotiates HTTP/2 itself
             return await self._hand_off(client, data, tunnel)
         tunnel.sni = hello.sni or tunnel.host
-        tls = TlsServerSide(client.reader, client.writer, self.certs.context(tunnel.sni))
+        try:
+            context = self.certs.context(tunnel.sni)
+        except Exception as exc:  # a name lcap cannot make a certificate for: mitmproxy decides what to do
+            log.warning("lcap: no certificate for %r (%s); the tunnel goes to mitmproxy", tunnel.sni, exc)
+            tunnel.tls = False
+            return await self._hand_off(client, data, tunnel)
+        tls = TlsServerSide(client.reader, client.writer, context)
         await tls.handshake(data)
         await self._serve(tls, tunnel, b"")
 
@@ -590,7 +597,7 @@ async def _stream(client: Plain, upstream: Plain, parts: _ResponseParts, head: b
                 await client.drain()
             except ConnectionError:
                 return False
-            if client.writer.is_closing():
+            if client.writer.is_closing() or client.reader.at_eof():  # an agent waiting for its answer sends no EOF
                 return False
         data = await upstream.recv()
         if not data:

@@ -47,6 +47,7 @@ class FakeLLM(ThreadingHTTPServer):
         self.gzip = False
         self.gate: threading.Event | None = None  # streams pause after the first chunk until set
         self.chunk_delay = 0.0
+        self.drop_idle = False  # close each connection after its answer, without saying so (a keep-alive timeout)
         self.thread = threading.Thread(target=self.serve_forever, daemon=True)
 
     @property
@@ -58,8 +59,8 @@ class FakeLLM(ThreadingHTTPServer):
 
     def reset(self) -> None:
         self.requests.clear()
-        self.text, self.tool_call, self.fail, self.gzip, self.gate, self.chunk_delay = \
-            "Hello from the upstream.", None, None, False, None, 0.0
+        self.text, self.tool_call, self.fail, self.gzip, self.gate, self.chunk_delay, self.drop_idle = \
+            "Hello from the upstream.", None, None, False, None, 0.0, False
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -80,8 +81,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(404, {"error": {"message": "not found"}})
 
     def do_POST(self) -> None:
-        length = int(self.headers.get("content-length") or 0)
-        raw = self.rfile.read(length)
+        if "chunked" in self.headers.get("transfer-encoding", ""):
+            raw = self._read_chunked()
+        else:
+            raw = self.rfile.read(int(self.headers.get("content-length") or 0))
         if self.headers.get("content-encoding") == "gzip":
             raw = gzip.decompress(raw)
         try:
@@ -107,6 +110,15 @@ class _Handler(BaseHTTPRequestHandler):
         if path.endswith("/events"):  # not an LLM API: a plain event stream
             return self._sse(_chat_events(self.server, {**body, "model": "events"}))
         return self._json(200, {"ok": True})
+
+    def _read_chunked(self) -> bytes:
+        parts = []
+        while size := int(self.rfile.readline().split(b";")[0], 16):
+            parts.append(self.rfile.read(size))
+            self.rfile.readline()
+        while self.rfile.readline() not in (b"\r\n", b"\n", b""):  # trailers
+            pass
+        return b"".join(parts)
 
     def _websocket(self) -> None:
         """Responses API over WebSocket: `response.create` frames in, the SSE events as frames out."""
@@ -142,6 +154,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("content-length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+        if self.server.drop_idle:
+            self.close_connection = True
 
     def _sse(self, events: list[dict], named: bool = False) -> None:
         self.send_response(200)

@@ -1,0 +1,129 @@
+"""The front's short path and its hand-offs to mitmproxy (capture/front.py), in-process, real sockets.
+
+The front serves HTTP/1.1 LLM calls itself and gives any other connection to the embedded
+mitmproxy with the bytes read so far. These tests mix both on one connection, send what the
+short path does not serve (Expect, a chunked body, an HTTP/2-only TLS offer), and break things on
+either side of a call: the agent leaving mid-stream, the upstream dropping connections.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+import subprocess
+import threading
+
+import httpx
+import pytest
+
+from fixtures_capture import FakeLLM, turns
+from lcap.capture.server import CaptureProxy
+from lcap.store import Store
+
+CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+TEXT = "Hello from the upstream."
+
+
+@pytest.fixture
+def store(tmp_path, capture_home, monkeypatch) -> Store:
+    monkeypatch.setenv("LCAP_HOME", str(capture_home))
+    return Store(tmp_path / "lcap.duckdb")
+
+
+def _one_connection(proxy: CaptureProxy, episode: str) -> httpx.Client:
+    """A client on a single keep-alive connection through `proxy`, trusting lcap's CA."""
+    bundle = proxy.child_env(episode, base={})["SSL_CERT_FILE"]
+    return httpx.Client(proxy=proxy.proxy_url(episode), verify=ssl.create_default_context(cafile=bundle),
+                        limits=httpx.Limits(max_connections=1), timeout=30)
+
+
+def test_side_calls_hand_the_connection_over_and_later_calls_are_still_turns(store, llm):
+    """One keep-alive connection: an LLM call (short path), a model list and a side call on an LLM path (the
+    connection moves to mitmproxy), another LLM call (now through mitmproxy). Every answer is the upstream's."""
+    with CaptureProxy(store) as proxy, _one_connection(proxy, "ep-mixed") as client:
+        chat = f"{llm.url}/v1/chat/completions"
+        first = client.post(chat, json=CHAT)
+        models = client.get(f"{llm.url}/v1/models")
+        side = client.post(chat, json=[{"event": "telemetry"}])
+        second = client.post(chat, json={**CHAT, "stream": True})
+        assert proxy.flush(timeout=10)
+    assert first.json()["choices"][0]["message"]["content"] == TEXT
+    assert models.json()["data"][0]["id"] == "fake-model"
+    assert side.json() == {"ok": True}
+    assert "[DONE]" in second.text
+    rows = turns(store.path)
+    assert [(r["episode_id"], r["seq"], r["stream"], r["completion_text"]) for r in rows] == [
+        ("ep-mixed", 0, False, TEXT), ("ep-mixed", 1, True, TEXT)]
+    for call in llm.requests:
+        assert not {"proxy-authorization", "x-lcap-episode"} & {k.lower() for k in call["headers"]}
+
+
+def test_expect_and_chunked_request_bodies_are_captured_through_mitmproxy(store, llm, tmp_path):
+    body = tmp_path / "body.json"
+    body.write_text(json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * 5000}]}))
+    with CaptureProxy(store) as proxy:
+        for extra in (["-H", "Expect: 100-continue"], ["-H", "Transfer-Encoding: chunked"]):
+            out = subprocess.run(["curl", "-sS", "--fail", "--proxy", proxy.proxy_url("ep-curl"), *extra,
+                                  "-H", "content-type: application/json", "--data-binary", f"@{body}",
+                                  f"{llm.url}/v1/chat/completions"], capture_output=True, text=True, timeout=30)
+            assert out.returncode == 0, out.stderr
+            assert json.loads(out.stdout)["choices"][0]["message"]["content"] == TEXT
+        assert proxy.flush(timeout=10)
+    rows = turns(store.path)
+    assert [(r["seq"], r["completion_text"]) for r in rows] == [(0, TEXT), (1, TEXT)]
+    assert all(len(r["request"]["messages"][0]["content"]) == 5000 for r in rows)
+
+
+def test_an_http2_only_tunnel_goes_to_mitmproxy_unopened(store):
+    """A client that offers only h2 in its ClientHello (gRPC, say) must get h2: the front cannot speak it, so it
+    splices the tunnel to mitmproxy, which terminates TLS with lcap's CA and negotiates HTTP/2."""
+    with CaptureProxy(store) as proxy:
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
+            sock.sendall(b"CONNECT api.openai.com:443 HTTP/1.1\r\nHost: api.openai.com:443\r\n\r\n")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+            ctx = ssl.create_default_context(cafile=proxy.child_env(None, base={})["SSL_CERT_FILE"])
+            ctx.set_alpn_protocols(["h2"])
+            with ctx.wrap_socket(sock, server_hostname="api.openai.com") as tls:
+                assert tls.selected_alpn_protocol() == "h2"
+                issuer = dict(x[0] for x in tls.getpeercert()["issuer"])
+                assert issuer["organizationName"] == "mitmproxy"  # lcap's CA, made by mitmproxy's CertStore
+
+
+def test_an_agent_that_leaves_mid_stream_leaves_an_error_turn(store, llm):
+    llm.gate = threading.Event()
+    try:
+        with CaptureProxy(store) as proxy:
+            with _one_connection(proxy, "ep-gone") as client:
+                with client.stream("POST", f"{llm.url}/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
+                    assert b"data:" in next(resp.iter_raw())
+            llm.gate.set()  # the rest of the stream now finds the agent gone
+            assert proxy.flush(timeout=10)
+    finally:
+        llm.gate.set()
+    (row,) = turns(store.path)
+    assert row["episode_id"] == "ep-gone" and row["stream"]
+    assert "agent closed the connection" in row["error"]
+
+
+def test_upstream_dropping_connections(store):
+    """Kept-alive upstream connections the upstream closed are replaced without the agent noticing; an upstream
+    that is gone gets the agent a 502 and the turn an error."""
+    upstream = FakeLLM()
+    upstream.drop_idle = True
+    upstream.thread.start()
+    try:
+        with CaptureProxy(store, upstream=upstream.url) as proxy, _one_connection(proxy, "ep-drop") as client:
+            url = "https://api.openai.com/v1/chat/completions"
+            answers = [client.post(url, json=CHAT) for _ in range(5)]
+            assert [a.json()["choices"][0]["message"]["content"] for a in answers] == [TEXT] * 5
+            upstream.shutdown()
+            upstream.server_close()
+            failed = client.post(url, json=CHAT)
+            assert proxy.flush(timeout=10)
+    finally:
+        upstream.server_close()
+    assert failed.status_code == 502 and f"upstream {upstream.url}" in failed.text
+    rows = turns(store.path)
+    assert [r["error"] is None for r in rows] == [True] * 5 + [False]
+    assert "ConnectionRefusedError" in rows[-1]["error"] and rows[-1]["status_code"] is None
