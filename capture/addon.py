@@ -16,7 +16,7 @@ from collections.abc import Callable
 from mitmproxy import http
 
 from lcap.capture import dialects
-from lcap.capture.calls import Calls, Route, episode_from_proxy_auth, take_episode
+from lcap.capture.calls import Calls, Route, take_episode
 from lcap.capture.turn import PendingTurn
 
 log = logging.getLogger("lcap.capture")
@@ -46,7 +46,7 @@ class CaptureAddon:
 
     @_guarded
     def http_connect(self, flow: http.HTTPFlow) -> None:
-        episode = episode_from_proxy_auth(flow.request.headers.get("proxy-authorization"))
+        episode, _ = take_episode(flow.request.headers.fields)
         if episode:
             self._conn_episode[flow.client_conn.id] = episode
 

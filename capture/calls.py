@@ -106,13 +106,11 @@ class Router:
         self._mtime = mtime
         try:
             record = read_policy()
+            route = parse_upstream(record.url, self.model or record.current, record.current) if record else None
         except (ValueError, TypeError) as exc:  # a record being rewritten: keep the last good route
             log.warning("lcap: unreadable policy record (%s); keeping the previous route", exc)
             return
-        if record is None:
-            self._policy_route = None
-            return
-        self._policy_route = parse_upstream(record.url, self.model or record.current, record.current)
+        self._policy_route = route
 
 
 # --- which episode ------------------------------------------------------------------------------------
@@ -200,11 +198,11 @@ class Calls:
             return None
         if not dialects.looks_like_call(dialect, request):
             return None
+        route = self.router.route()
         pending = PendingTurn(episode_id=episode, seq=self.next_seq(episode), host=host, path=path, dialect=dialect)
         pending.request_body = body
         pending.model_requested = request.get("model")
         call = Call(pending, scheme, host, port, path, fields, body)
-        route = self.router.route()
         if route is None:
             pending.upstream = f"{scheme}://{host}:{port}"
             return call

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import re
 import ssl
 import tempfile
 from collections import defaultdict
@@ -56,6 +57,8 @@ class Plain:
     def send_eof(self) -> None:
         if self.writer.can_write_eof() and not self.writer.is_closing():
             self.writer.write_eof()
+        else:  # a TLS stream cannot half-close
+            self.close()
 
     def close(self) -> None:
         self.writer.close()
@@ -161,7 +164,7 @@ class UpstreamPool:
         idle = self.idle[key]
         while idle:
             conn = idle.pop()
-            if not conn.reader.at_eof() and not conn.writer.is_closing():
+            if not conn.reader.at_eof() and not conn.writer.is_closing() and not _buffered(conn.reader):
                 return conn
             conn.close()
         return None
@@ -192,6 +195,11 @@ class UpstreamPool:
             for conn in conns:
                 conn.close()
         self.idle.clear()
+
+
+def _buffered(reader: asyncio.StreamReader) -> int:
+    """Bytes an idle upstream connection has received and nobody read: it is out of step, never reused."""
+    return len(getattr(reader, "_buffer", b""))
 
 
 # --- requests -------------------------------------------------------------------------------------
@@ -234,7 +242,7 @@ def parse_head(head: bytes) -> Head:
     length = None
     for line in lines[1:]:
         name, sep, value = line.partition(b":")
-        if not sep or not name or name[-1:] in b" \t" or line[:1] in b" \t":
+        if not sep or not name or name[-1:] in b" \t" or line[:1] in b" \t" or _BARE.search(line):
             raise Unserved("header line")
         lower = name.lower()
         if lower == b"content-length":
@@ -252,6 +260,8 @@ def parse_head(head: bytes) -> Head:
     return Head(method, target, fields, length)
 
 
+_HOP_FIELDS = frozenset((b"connection", b"keep-alive", b"te", b"trailer", b"proxy-connection"))
+_BARE = re.compile(rb"[\r\n\0]")  # a bare CR or LF splits a request differently upstream: never served
 _UNSERVED_FIELDS = frozenset((b"transfer-encoding", b"expect", b"upgrade", b"content-encoding"))
 
 
@@ -264,8 +274,12 @@ class _ResponseParts:
         self.head_done = False
         self.keep_alive = False
         self.complete = False
+        self.trailing = False  # bytes came after the answer: the connection is not reused
         self.body: list[bytes] = []
         self.parser = httptools.HttpResponseParser(self)
+
+    def on_message_begin(self) -> None:
+        self.trailing = self.complete
 
     def on_status(self, reason: bytes) -> None:
         self.reason += reason
@@ -274,6 +288,8 @@ class _ResponseParts:
         self.fields.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if self._interim():
+            return
         self.head_done = True
         self.keep_alive = self.parser.should_keep_alive()  # llhttp forgets it once the message is complete
 
@@ -281,7 +297,13 @@ class _ResponseParts:
         self.body.append(data)
 
     def on_message_complete(self) -> None:
+        if self._interim():  # 100 Continue, 103 Early Hints: the answer is still to come
+            self.reason, self.fields = b"", []
+            return
         self.complete = True
+
+    def _interim(self) -> bool:
+        return 100 <= self.parser.get_status_code() < 200 and not self.complete
 
 
 # --- the server -----------------------------------------------------------------------------------
@@ -359,13 +381,21 @@ class Front:
     async def _call(self, client: Plain, call: Call) -> bool:
         """Forward one call and answer the agent; False when the agent's connection is done."""
         key = (call.scheme, call.host, call.port)
-        fields = b"".join(b"%s: %s\r\n" % f for f in call.fields)
+        client_close = False
+        forwarded = []
+        for field in call.fields:  # connection-level fields concern the agent's hop, not the upstream's
+            name = field[0].lower()
+            if name in _HOP_FIELDS:
+                client_close = client_close or (name == b"connection" and b"close" in field[1].lower())
+            else:
+                forwarded.append(field)
+        fields = b"".join(b"%s: %s\r\n" % f for f in forwarded)
         message = b"POST %s HTTP/1.1\r\n%scontent-length: %d\r\n\r\n%s" % (
             call.path.encode("utf-8", "surrogateescape"), fields, len(call.body), call.body)
         upstream = None
         try:
             upstream, parts = await self._send(key, message)
-            reuse = await self._answer(client, call, upstream, parts)
+            reuse = await self._answer(client, call, upstream, parts, client_close)
         except (OSError, ssl.SSLError, EOFError, httptools.HttpParserError) as exc:
             if upstream is not None:
                 upstream.close()
@@ -386,28 +416,32 @@ class Front:
             self.pool.give_back(key, upstream)
         else:
             upstream.close()
-        if reuse is None:
-            return False
-        return not any(n.lower() == b"connection" and v.lower() == b"close" for n, v in call.fields)
+        return reuse is not None and not client_close
 
     async def _send(self, key: tuple[str, str, int], message: bytes) -> tuple[Plain, _ResponseParts]:
-        """Send the call upstream and read its response head. A reused connection the upstream had closed is
-        replaced once: nothing of a response came back on it, so the upstream never saw the call."""
+        """Send the call upstream and read its response head. A reused connection the upstream closed without a
+        byte of answer is replaced once, as HTTP clients do with idle connections (the upstream closed it idle)."""
         upstream = self.pool.take(key)
         if upstream is not None:
             try:
                 return upstream, await _response_head(upstream, message)
             except _Stale:
                 upstream.close()
+            except BaseException:
+                upstream.close()
+                raise
         upstream = await self.pool.open(key)
         try:
             return upstream, await _response_head(upstream, message)
         except _Stale:
             upstream.close()
             raise EOFError("the upstream closed the connection before answering") from None
+        except BaseException:
+            upstream.close()
+            raise
 
-    async def _answer(self, client: Plain, call: Call, upstream: Plain,
-                      parts: _ResponseParts) -> bool | None:
+    async def _answer(self, client: Plain, call: Call, upstream: Plain, parts: _ResponseParts,
+                      client_close: bool) -> bool | None:
         """Relay the response to the agent, recording it. True: the upstream connection can serve another
         call; False: it cannot; None: neither can the agent's."""
         parser = parts.parser
@@ -419,16 +453,18 @@ class Front:
             name = field[0].lower()
             if name == b"content-length":
                 length = field[1]
-                continue
-            if name == b"transfer-encoding":
+            elif name == b"transfer-encoding":
                 transfer = field[1].lower()
-                continue
-            if name == b"content-type":
-                content_type = field[1]
-            elif name == b"content-encoding":
-                encoding = field[1]
-            keep.append(field)
-        framed = length is not None or b"chunked" in transfer
+            elif name not in _HOP_FIELDS:
+                if name == b"content-type":
+                    content_type = field[1]
+                elif name == b"content-encoding":
+                    encoding = field[1]
+                keep.append(field)
+        no_body = status in (204, 304)
+        framed = no_body or length is not None or b"chunked" in transfer
+        if client_close or not framed:
+            keep.append((b"connection", b"close"))
         fields = b"".join(b"%s: %s\r\n" % f for f in keep)
         head = b"HTTP/1.1 %d %s\r\n%s" % (status, parts.reason, fields)
         transform = self.calls.answer_head(call.pending, status, content_type.decode("latin-1"),
@@ -452,12 +488,12 @@ class Front:
                 parser.feed_data(data)
             body = b"".join(parts.body)
             body = self.calls.answer_body(call.pending, body) or body
-            client.send(head + b"content-length: %d\r\n\r\n" % len(body) + body)
+            client.send(head + (b"\r\n" if no_body else b"content-length: %d\r\n\r\n" % len(body)) + body)
         try:
             await client.drain()
         except ConnectionError:
             return None
-        return parts.keep_alive if framed else None
+        return parts.keep_alive and not parts.trailing if framed else None
 
     # --- tunnels and hand-off ---------------------------------------------------------------------
 
@@ -597,7 +633,7 @@ async def _stream(client: Plain, upstream: Plain, parts: _ResponseParts, head: b
                 await client.drain()
             except ConnectionError:
                 return False
-            if client.writer.is_closing() or client.reader.at_eof():  # an agent waiting for its answer sends no EOF
+            if client.writer.is_closing():
                 return False
         data = await upstream.recv()
         if not data:

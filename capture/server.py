@@ -298,7 +298,7 @@ class CaptureProxy:
 
 
 def _loop_factory():
-    """uvloop where it is installed: its event loop takes about half as long per call as asyncio's own."""
+    """uvloop where it is installed (a dependency except on Windows): a leaner event loop under every call."""
     try:
         import uvloop
     except ImportError:

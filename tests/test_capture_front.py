@@ -13,6 +13,7 @@ import socket
 import ssl
 import subprocess
 import threading
+import time
 
 import httpx
 import pytest
@@ -92,6 +93,7 @@ def test_an_http2_only_tunnel_goes_to_mitmproxy_unopened(store):
 
 def test_an_agent_that_leaves_mid_stream_leaves_an_error_turn(store, llm):
     llm.gate = threading.Event()
+    llm.chunk_delay = 0.05  # the rest comes in several writes: the first after the agent left meets its reset
     try:
         with CaptureProxy(store) as proxy:
             with _one_connection(proxy, "ep-gone") as client:
@@ -127,3 +129,54 @@ def test_upstream_dropping_connections(store):
     rows = turns(store.path)
     assert [r["error"] is None for r in rows] == [True] * 5 + [False]
     assert "ConnectionRefusedError" in rows[-1]["error"] and rows[-1]["status_code"] is None
+
+
+def test_interim_answers_are_not_the_answer_and_a_half_closed_agent_gets_all(store, llm):
+    """An upstream's 103 Early Hints before its 200 is not the agent's answer. An agent that half-closes its side
+    after sending the request (shutdown(SHUT_WR)) still gets the whole stream."""
+    answer = json.dumps({"id": "c", "object": "chat.completion", "model": "m", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": TEXT}, "finish_reason": "stop"}]}).encode()
+
+    def serve(sock: socket.socket) -> None:
+        conn, _ = sock.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 103 Early Hints\r\nlink: </style.css>; rel=preload\r\n\r\n")
+            time.sleep(0.2)  # the answer proper comes in a later read
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                         % (len(answer), answer))
+
+    with socket.socket() as early:
+        early.bind(("127.0.0.1", 0))
+        early.listen()
+        threading.Thread(target=serve, args=(early,), daemon=True).start()
+        port = early.getsockname()[1]
+        with CaptureProxy(store) as proxy, _one_connection(proxy, "ep-early") as client:
+            got = client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT)
+            assert got.status_code == 200 and got.json()["choices"][0]["message"]["content"] == TEXT
+            with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as agent:
+                body = json.dumps({**CHAT, "stream": True}).encode()
+                agent.sendall(b"POST %s/v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                              b"content-length: %d\r\n\r\n%s" % (llm.url.encode(), len(body), body))
+                agent.shutdown(socket.SHUT_WR)
+                received = b""
+                while data := agent.recv(65536):
+                    received += data
+            assert received.startswith(b"HTTP/1.1 200") and received.endswith(b"data: [DONE]\n\n")
+            assert proxy.flush(timeout=10)
+    rows = turns(store.path)
+    assert [(r["status_code"], r["completion_text"], r["error"]) for r in rows] == [(200, TEXT, None)] * 2
+
+
+def test_a_header_line_with_a_bare_lf_never_takes_the_short_path(store, llm):
+    """`X: a\\nContent-Length: 0` reads as two fields to some servers: forwarding it would split the request upstream
+    and hand the next caller on that upstream connection someone else's answer."""
+    body = json.dumps(CHAT).encode()
+    with CaptureProxy(store) as proxy:
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sneaky:
+            sneaky.sendall(b"POST %s/v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-foo: a\ncontent-length: 0\r\n"
+                           b"content-length: %d\r\n\r\n%s" % (llm.url.encode(), len(body), body))
+            sneaky.recv(65536)
+        with _one_connection(proxy, "ep-next") as client:
+            got = client.post(f"{llm.url}/v1/chat/completions", json=CHAT)
+    assert got.status_code == 200 and got.json()["choices"][0]["message"]["content"] == TEXT
