@@ -49,7 +49,7 @@ class Route:
     def url(self) -> str:
         return f"{self.scheme}://{self.host}:{self.port}{self.base_path}"
 
-    @property
+    @functools.cached_property
     def host_header(self) -> bytes:
         default = 443 if self.scheme == "https" else 80
         host = f"[{self.host}]" if ":" in self.host else self.host
