@@ -371,9 +371,13 @@ class Front:
             body, buf = buf[:head.length], buf[head.length:]
             episode, fields = take_episode(head.fields)
             dialect, scheme, host, port, path = target
-            call = self.calls.open_call(dialect, episode or (tunnel.episode if tunnel else None), scheme=scheme,
-                                        host=host, port=port, path=path, fields=fields, body=body)
-            if call is None:  # a side call on an LLM path
+            try:
+                call = self.calls.open_call(dialect, episode or (tunnel.episode if tunnel else None), scheme=scheme,
+                                            host=host, port=port, path=path, fields=fields, body=body)
+            except Exception:  # a capture bug: the call still goes through, by mitmproxy
+                log.exception("lcap: capture error on %s (the call goes through mitmproxy)", path)
+                call = None
+            if call is None:  # a side call on an LLM path (or a capture bug)
                 return await self._hand_off(client, raw_head + body + buf, tunnel)
             if not await self._call(client, call):
                 return
