@@ -9,8 +9,9 @@ drives too, so capture has one implementation.
 
 Any connection it does not serve in full is handed to the embedded mitmproxy together with the bytes
 read so far, and spliced there for the rest of its life: an HTTP/2-only or non-TLS tunnel, an
-upgrade (Responses over WebSocket), `Expect`, a chunked request body, a request that is not an LLM
-call (telemetry, model lists), anything it cannot parse. Traffic never depends on the short path.
+upgrade (Responses over WebSocket), `Expect`, a chunked or compressed request body, a request that
+is not an LLM call (telemetry, model lists), a head it does not parse exactly. Traffic never
+depends on the short path.
 """
 
 from __future__ import annotations
