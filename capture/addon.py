@@ -91,8 +91,7 @@ class CaptureAddon:
         if call.body is not body:
             req.content = call.body
         if (call.scheme, call.host, call.port, call.path) != (req.scheme, req.host, req.port, req.path):
-            req.scheme, req.port, req.path = call.scheme, call.port, call.path
-            req.host = call.host  # after scheme and port: it rewrites the Host header (or HTTP/2 authority) too
+            _retarget(req, call.scheme, call.host, call.port, call.path)
 
     # --- responses ---------------------------------------------------------------------------
 
@@ -140,8 +139,7 @@ class CaptureAddon:
         state["upstream"] = f"{req.scheme}://{req.host}:{req.port}"
         if route is not None:
             req.headers.fields = self.calls.rerouted_fields(req.headers.fields, route)
-            req.scheme, req.port, req.path = route.scheme, route.port, route.path_for(req.path)
-            req.host = route.host
+            _retarget(req, route.scheme, route.host, route.port, route.path_for(req.path))
             state["route"] = route
             state["upstream"] = route.url
 
@@ -206,3 +204,8 @@ class CaptureAddon:
         if turn is not None and not turn.done:
             state["turn"] = None
             self.calls.close_call(turn, why)
+
+
+def _retarget(req: http.Request, scheme: str, host: str, port: int, path: str) -> None:
+    req.scheme, req.port, req.path = scheme, port, path
+    req.host = host  # after scheme and port: it rewrites the Host header (or HTTP/2 authority) too

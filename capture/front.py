@@ -252,7 +252,7 @@ def parse_head(head: bytes) -> Head:
             length = int(value)
         elif lower in _UNSERVED_FIELDS:
             raise Unserved(lower.decode())
-        elif lower != b"proxy-connection":
+        else:
             fields.append((name, value.strip()))
     if method == b"CONNECT":
         return Head(method, target, fields, 0)
@@ -427,23 +427,19 @@ class Front:
         """Send the call upstream and read its response head. A reused connection the upstream closed without a
         byte of answer is replaced once, as HTTP clients do with idle connections (the upstream closed it idle)."""
         upstream = self.pool.take(key)
-        if upstream is not None:
+        may_retry = upstream is not None
+        while True:
+            upstream = upstream or await self.pool.open(key)
             try:
                 return upstream, await _response_head(upstream, message)
             except _Stale:
                 upstream.close()
+                if not may_retry:
+                    raise EOFError("the upstream closed the connection before answering") from None
+                upstream, may_retry = None, False
             except BaseException:
                 upstream.close()
                 raise
-        upstream = await self.pool.open(key)
-        try:
-            return upstream, await _response_head(upstream, message)
-        except _Stale:
-            upstream.close()
-            raise EOFError("the upstream closed the connection before answering") from None
-        except BaseException:
-            upstream.close()
-            raise
 
     async def _answer(self, client: Plain, call: Call, upstream: Plain, parts: _ResponseParts,
                       client_close: bool) -> bool | None:

@@ -235,6 +235,14 @@ def test_one_line_errors(capture_env, llm, tmp_path):
     assert unknown.returncode == 2 and "no-such-flag" in unknown.stderr
 
 
+def test_capture_warnings_reach_stderr(capture_env):
+    """mitmproxy routes the root logger into its own event log, which `lcap` does not show: lcap's warnings
+    must still reach the terminal. A host name too long for a certificate makes one (the tunnel goes on)."""
+    host = "a" * 64 + ".example"
+    result = run_lcap(["proxy", "--", "curl", "-sS", "-m", "10", f"https://{host}/v1/models"], capture_env)
+    assert f"lcap: no certificate for '{host}'" in result.stderr, result.stderr
+
+
 def test_responses_over_websocket(capture_env, llm):
     db = capture_env["LCAP_DB"]
     result = run_lcap(["proxy", "--upstream", llm.url, "--model", "policy-ws", "--", *agent("ws_agent.py")], capture_env)
