@@ -210,7 +210,8 @@ def capture_cost(n: int = 2000) -> tuple[float, float, float]:
         t0 = time.perf_counter()
         episode, rest = take_episode(fields)
         call = calls.open_call("chat", episode, scheme="https", host="api.openai.com", port=443,
-                               path="/v1/chat/completions", fields=rest, body=body)
+                               path="/v1/chat/completions", fields=rest)
+        calls.take_body(call, body)
         calls.answer_head(call.pending, 200, "application/json", None)
         calls.answer_body(call.pending, answer)
         return (time.perf_counter() - t0) * 1e6

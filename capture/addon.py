@@ -83,8 +83,8 @@ class CaptureAddon:
         req = flow.request
         body = req.get_content(strict=False) or b""
         call = self.calls.open_call(*opened, scheme=req.scheme, host=req.host, port=req.port, path=req.path,
-                                    fields=req.headers.fields, body=body)
-        if call is None:
+                                    fields=req.headers.fields)  # here, not at requestheaders: mitmproxy may change them
+        if not self.calls.take_body(call, body):
             return
         flow.metadata[_KEY] = call.pending
         req.headers.fields = call.fields

@@ -45,7 +45,7 @@ class Route:
     model: str | None       # the model to ask for, or None to keep the agent's
     deployment: str | None  # the policy deployment name stored on the turn
 
-    @property
+    @functools.cached_property
     def url(self) -> str:
         return f"{self.scheme}://{self.host}:{self.port}{self.base_path}"
 
@@ -151,20 +151,22 @@ def take_episode(fields: Fields) -> tuple[str | None, Fields]:
 
 @dataclass(slots=True)
 class Call:
-    """A recognised LLM call and how to forward it."""
+    """A request to an LLM path and how to forward it."""
 
     pending: PendingTurn
+    route: Route | None
     scheme: str
     host: str
     port: int
     path: str
     fields: Fields   # the request's header fields, minus lcap's own (and the agent's credentials when rerouted)
-    body: bytes      # the request body to send (rewritten when lcap changed it)
+    body: bytes = b""  # the request body to send (rewritten when lcap changed it)
 
 
 class Calls:
     """Attribution, rerouting and recording of LLM calls; the transports call these in order:
-    `open_call`, `answer_head`, then `answer_body` (a whole answer) or `close_call` (a stream, or a failure)."""
+    `open_call` (the head), `take_body`, `answer_head`, then `answer_body` (a whole answer) or `close_call`
+    (a stream, or a failure)."""
 
     def __init__(self, writer: TurnWriter, router: Router, *, token_ids: bool,
                  upstream_api_key: str | None = None) -> None:
@@ -189,39 +191,49 @@ class Calls:
         return self.in_flight.get(episode, 0) > 0
 
     def open_call(self, dialect: str, episode: str | None, *, scheme: str, host: str, port: int, path: str,
-                  fields: Fields, body: bytes) -> Call | None:
-        """Recognise an LLM call by its body and decide how it is forwarded; None when it is not one (a side
-        call on an LLM path): then nothing was recorded and the request goes on as it came."""
-        try:
-            request = json.loads(body)
-        except ValueError:
-            return None
-        if not dialects.looks_like_call(dialect, request):
-            return None
+                  fields: Fields) -> Call:
+        """A request to an LLM path, from its head alone: its route, its header fields for that route, and a
+        turn not recorded yet. Clients often write the body separately; this work then costs the call nothing."""
         route = self.router.route()
-        pending = PendingTurn(episode_id=episode, seq=self.next_seq(episode), host=host, path=path, dialect=dialect)
-        pending.request_body = body
-        pending.model_requested = request.get("model")
-        call = Call(pending, scheme, host, port, path, fields, body)
+        pending = PendingTurn(episode_id=episode, seq=None, host=host, path=path, dialect=dialect)
+        call = Call(pending, route, scheme, host, port, path, fields)
         if route is None:
             pending.upstream = f"{scheme}://{host}:{port}"
             return call
-        forward = dict(request)
-        if route.model:
-            forward["model"] = route.model
         drop = _CREDENTIALS
-        if self.token_ids:
-            pending.added = dialects.ask_token_ids(dialect, forward)
-            pending.token_ids = pending.added is not None
-            if pending.added is not None:
-                drop = _CREDENTIALS | {b"accept-encoding"}  # answers are rewritten: keep them plain
+        if self.token_ids and dialect in dialects.TOKEN_ID_DIALECTS:
+            drop = _CREDENTIALS | {b"accept-encoding"}  # answers are rewritten: keep them plain
         call.fields = self.rerouted_fields(fields, route, drop)
         call.scheme, call.host, call.port, call.path = route.scheme, route.host, route.port, route.path_for(path)
         pending.upstream = route.url
         pending.deployment = route.deployment
+        return call
+
+    def take_body(self, call: Call, body: bytes) -> bool:
+        """The request's body. True: an LLM call, now numbered in its episode and recorded from here on (its body
+        rewritten when the route says so). False: a side call that shares the path; nothing is recorded, and
+        the request goes on as it came, to its own host."""
+        try:
+            request = json.loads(body)
+        except ValueError:
+            return False
+        pending = call.pending
+        if not dialects.looks_like_call(pending.dialect, request):
+            return False
+        pending.seq = self.next_seq(pending.episode_id)
+        pending.request_body = call.body = body
+        pending.model_requested = request.get("model")
+        if call.route is None:
+            return True
+        forward = dict(request)
+        if call.route.model:
+            forward["model"] = call.route.model
+        if self.token_ids:
+            pending.added = dialects.ask_token_ids(pending.dialect, forward)
+            pending.token_ids = pending.added is not None
         if forward != request:
             call.body = json.dumps(forward, ensure_ascii=False).encode()
-        return call
+        return True
 
     def rerouted_fields(self, fields: Fields, route: Route, drop: frozenset[bytes] = _CREDENTIALS) -> Fields:
         """The agent's fields for `route`: its credentials for the original host go, the Host field follows."""

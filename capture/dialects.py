@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CHAT, COMPLETIONS, RESPONSES, MESSAGES = "chat", "completions", "responses", "messages"
+TOKEN_ID_DIALECTS = frozenset((CHAT, COMPLETIONS, RESPONSES))  # vLLM returns token ids for these
 
 
 def match(method: str, path: str) -> str | None:
@@ -52,24 +53,24 @@ class Added:
 
 def ask_token_ids(dialect: str, body: dict) -> Added | None:
     """Add vLLM's token-id fields to a request; None when the dialect cannot return ids."""
+    if dialect not in TOKEN_ID_DIALECTS:
+        return None
     added = Added()
-    if dialect in (CHAT, COMPLETIONS):
-        if not body.get("return_token_ids"):
-            body["return_token_ids"] = True
-            added.token_ids = True
-        if dialect == CHAT and not body.get("logprobs"):
-            body["logprobs"] = True
-            added.logprobs = True
-        if dialect == COMPLETIONS and body.get("logprobs") is None:
-            body["logprobs"] = 0
-            added.logprobs = True
-        return added
     if dialect == RESPONSES:
         if not body.get("enable_response_messages"):
             body["enable_response_messages"] = True
             added.response_messages = True
         return added
-    return None
+    if not body.get("return_token_ids"):
+        body["return_token_ids"] = True
+        added.token_ids = True
+    if dialect == CHAT and not body.get("logprobs"):
+        body["logprobs"] = True
+        added.logprobs = True
+    if dialect == COMPLETIONS and body.get("logprobs") is None:
+        body["logprobs"] = 0
+        added.logprobs = True
+    return added
 
 
 def strip_added(obj: Any, added: Added) -> Any:

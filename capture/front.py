@@ -360,6 +360,15 @@ class Front:
                 target = _target(head, tunnel)
             except Unserved:
                 return await self._hand_off(client, raw_head + buf, tunnel)
+            episode, fields = take_episode(head.fields)
+            dialect, scheme, host, port, path = target
+            try:  # before the body: clients often write it separately, and this work then costs the call nothing
+                call = self.calls.open_call(dialect, episode or (tunnel.episode if tunnel else None), scheme=scheme,
+                                            host=host, port=port, path=path, fields=fields)
+                upstream_head, client_close = _request_head(call)
+            except Exception:  # a capture bug: the call still goes through, by mitmproxy
+                log.exception("lcap: capture error on %s (the call goes through mitmproxy)", path)
+                return await self._hand_off(client, raw_head + buf, tunnel)
             if len(buf) < head.length:
                 pieces, have = [buf], len(buf)
                 while have < head.length:
@@ -370,36 +379,22 @@ class Front:
                     have += len(data)
                 buf = b"".join(pieces)
             body, buf = buf[:head.length], buf[head.length:]
-            episode, fields = take_episode(head.fields)
-            dialect, scheme, host, port, path = target
             try:
-                call = self.calls.open_call(dialect, episode or (tunnel.episode if tunnel else None), scheme=scheme,
-                                            host=host, port=port, path=path, fields=fields, body=body)
-            except Exception:  # a capture bug: the call still goes through, by mitmproxy
+                is_call = self.calls.take_body(call, body)
+            except Exception:
                 log.exception("lcap: capture error on %s (the call goes through mitmproxy)", path)
-                call = None
-            if call is None:  # a side call on an LLM path (or a capture bug)
+                is_call = False
+            if not is_call:  # a side call on an LLM path (or a capture bug)
                 return await self._hand_off(client, raw_head + body + buf, tunnel)
-            if not await self._call(client, call):
+            if not await self._call(client, call, upstream_head, client_close):
                 return
 
-    async def _call(self, client: Plain, call: Call) -> bool:
+    async def _call(self, client: Plain, call: Call, upstream_head: bytes, client_close: bool) -> bool:
         """Forward one call and answer the agent; False when the agent's connection is done."""
         key = (call.scheme, call.host, call.port)
-        client_close = False
-        forwarded = []
-        for field in call.fields:  # connection-level fields concern the agent's hop, not the upstream's
-            name = field[0].lower()
-            if name in _HOP_FIELDS:
-                client_close = client_close or (name == b"connection" and b"close" in field[1].lower())
-            else:
-                forwarded.append(field)
-        fields = b"".join(b"%s: %s\r\n" % f for f in forwarded)
-        message = b"POST %s HTTP/1.1\r\n%scontent-length: %d\r\n\r\n%s" % (
-            call.path.encode("utf-8", "surrogateescape"), fields, len(call.body), call.body)
         upstream = None
         try:
-            upstream, parts = await self._send(key, message)
+            upstream, parts = await self._send(key, b"%s%d\r\n\r\n%s" % (upstream_head, len(call.body), call.body))
             reuse = await self._answer(client, call, upstream, parts, client_close)
         except (OSError, ssl.SSLError, EOFError, httptools.HttpParserError) as exc:
             if upstream is not None:
@@ -569,6 +564,22 @@ class Front:
         return self._peer_tls
 
 
+def _request_head(call: Call) -> tuple[bytes, bool]:
+    """The call's head for the upstream, up to the value of its Content-Length, and whether the agent asked to
+    close its connection after it. Connection-level fields concern the agent's hop, not the upstream's."""
+    client_close = False
+    forwarded = []
+    for field in call.fields:
+        name = field[0].lower()
+        if name in _HOP_FIELDS:
+            client_close = client_close or (name == b"connection" and b"close" in field[1].lower())
+        else:
+            forwarded.append(field)
+    fields = b"".join(b"%s: %s\r\n" % f for f in forwarded)
+    path = call.path.encode("utf-8", "surrogateescape")
+    return b"POST %s HTTP/1.1\r\n%scontent-length: " % (path, fields), client_close
+
+
 def _target(head: Head, tunnel: Tunnel | None) -> tuple[str, str, str, int, str]:
     """(dialect, scheme, host, port, path) of a POST on an LLM path; `Unserved` for any other."""
     target = head.target.decode("utf-8", "surrogateescape")
@@ -598,9 +609,9 @@ class _Stale(Exception):
 
 
 async def _response_head(upstream: Plain, message: bytes) -> _ResponseParts:
+    upstream.send(message)
     parts = _ResponseParts()
     parser = parts.parser
-    upstream.send(message)
     got = False
     while not parts.head_done:
         try:

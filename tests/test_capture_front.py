@@ -180,3 +180,23 @@ def test_a_header_line_with_a_bare_lf_never_takes_the_short_path(store, llm):
         with _one_connection(proxy, "ep-next") as client:
             got = client.post(f"{llm.url}/v1/chat/completions", json=CHAT)
     assert got.status_code == 200 and got.json()["choices"][0]["message"]["content"] == TEXT
+
+
+
+def test_the_body_may_come_long_after_the_head(store, llm):
+    """The front opens a call on its head; the body arrives in a later write (as httpx sends it), or never (the
+    agent left): then nothing is recorded and nothing stays in flight."""
+    body = json.dumps(CHAT).encode()
+    head = b"POST %s/v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+    with CaptureProxy(store) as proxy:
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as gone:
+            gone.sendall(head % (llm.url.encode(), len(body)))
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as slow:
+            slow.sendall(head % (llm.url.encode(), len(body)))
+            time.sleep(0.3)
+            slow.sendall(body)
+            answer = slow.recv(65536)
+        assert proxy.flush(timeout=10)
+    assert answer.startswith(b"HTTP/1.1 200") and TEXT.encode() in answer
+    (row,) = turns(store.path)
+    assert (row["seq"], row["completion_text"]) == (0, TEXT)
