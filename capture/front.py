@@ -38,6 +38,7 @@ log = logging.getLogger("lcap.capture")
 
 READ_SIZE = 65536
 MAX_HEAD = 65536
+HEAD_HOLD = 0.001  # seconds a streamed answer's head may wait for its first piece of body (see `_stream`)
 
 
 class Plain:
@@ -629,33 +630,50 @@ async def _response_head(upstream: Plain, message: bytes) -> _ResponseParts:
 
 async def _stream(client: Plain, upstream: Plain, parts: _ResponseParts, head: bytes,
                   transform: Callable[[bytes], bytes | list[bytes]], chunked: bool) -> bool:
-    """Pass the body on as it comes, never buffered (one write per upstream read, the head with the first);
-    False when the agent went away."""
+    """Pass the body on as it comes, never buffered: one write per upstream read. The head waits up to
+    `HEAD_HOLD` seconds for the first piece of body and goes out with it: upstreams often write the two back
+    to back, and one write is one TLS record for the agent to open instead of two. False when the agent
+    went away."""
     out = [head]
-    while True:
-        pieces, parts.body = parts.body, []
-        for piece in pieces:
-            _frame(out, transform(piece), chunked)
-        if parts.complete:
-            break
-        if out:
-            client.send(b"".join(out))
-            out = []
-            try:
-                await client.drain()
-            except ConnectionError:
-                return False
-            if client.writer.is_closing():
-                return False
-        data = await upstream.recv()
-        if not data:
-            break
-        parts.parser.feed_data(data)
+    hold = None
+    if not parts.body and not parts.complete:
+        hold = asyncio.get_running_loop().call_later(HEAD_HOLD, _send_now, client, out)
+    try:
+        while True:
+            pieces, parts.body = parts.body, []
+            for piece in pieces:
+                _frame(out, transform(piece), chunked)
+            if parts.complete:
+                break
+            if hold is not None and pieces:
+                hold.cancel()
+                hold = None
+            if out and hold is None:
+                _send_now(client, out)
+                try:
+                    await client.drain()
+                except ConnectionError:
+                    return False
+                if client.writer.is_closing():
+                    return False
+            data = await upstream.recv()
+            if not data:
+                break
+            parts.parser.feed_data(data)
+    finally:
+        if hold is not None:
+            hold.cancel()
     _frame(out, transform(b""), chunked)
     if chunked and parts.complete:
         out.append(b"0\r\n\r\n")
     client.send(b"".join(out))
     return True
+
+
+def _send_now(client: Plain, out: list[bytes]) -> None:
+    if not client.writer.is_closing():  # the hold's timer may fire after the agent left
+        client.send(b"".join(out))
+    out.clear()
 
 
 def _frame(out: list[bytes], data: bytes | list[bytes], chunked: bool) -> None:

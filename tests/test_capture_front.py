@@ -182,6 +182,58 @@ def test_a_header_line_with_a_bare_lf_never_takes_the_short_path(store, llm):
     assert got.status_code == 200 and got.json()["choices"][0]["message"]["content"] == TEXT
 
 
+def _sse_upstream(gap: float) -> tuple[socket.socket, threading.Thread]:
+    """An upstream that writes a stream's head, waits `gap` seconds, then writes its events."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+
+    def serve() -> None:
+        conn, _ = sock.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            time.sleep(gap)
+            for event in (b'data: {"choices":[{"index":0,"delta":{"content":"ok"}}]}\n\n', b"data: [DONE]\n\n"):
+                conn.sendall(b"%x\r\n%s\r\n" % (len(event), event))
+            conn.sendall(b"0\r\n\r\n")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return sock, thread
+
+
+@pytest.mark.parametrize("gap, hold, together", [(0.05, 1.0, True), (2.0, 0.2, False)])
+def test_a_stream_head_waits_briefly_for_its_first_event(store, monkeypatch, gap, hold, together):
+    """The head of a streamed answer goes out in one write with the first event when that comes within
+    `HEAD_HOLD` (one TLS record for the agent instead of two), and alone once `HEAD_HOLD` has passed: the head
+    is never held until a slow first event."""
+    from lcap.capture import front
+
+    monkeypatch.setattr(front, "HEAD_HOLD", hold)
+    upstream, thread = _sse_upstream(gap)
+    body = json.dumps({**CHAT, "stream": True}).encode()
+    with upstream, CaptureProxy(store) as proxy:
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as agent:
+            t0 = time.monotonic()
+            agent.sendall(b"POST http://127.0.0.1:%d/v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                          b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                          % (upstream.getsockname()[1], len(body), body))
+            first = agent.recv(65536)
+            waited = time.monotonic() - t0
+            received = first
+            while not received.endswith(b"\r\n0\r\n\r\n") and (data := agent.recv(65536)):
+                received += data
+        thread.join(10)
+        assert proxy.flush(timeout=10)
+    assert first.startswith(b"HTTP/1.1 200")
+    assert (b"data:" in first) is together
+    if not together:
+        assert hold <= waited < gap  # the head came alone, when the hold ran out
+    assert b"data: [DONE]" in received
+    (row,) = turns(store.path)
+    assert row["stream"] and row["completion_text"] == "ok"
+
 
 def test_the_body_may_come_long_after_the_head(store, llm):
     """The front opens a call on its head; the body arrives in a later write (as httpx sends it), or never (the
