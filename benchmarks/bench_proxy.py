@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/bench_proxy.py [--n 300] [--rounds 25] [--no-litellm]
 
 Starts a minimal asyncio HTTP upstream (OpenAI chat completions, plain and SSE) in a subprocess and
-measures from this process with httpx, all paths interleaved round by round so machine noise hits
-them alike:
+measures from this process with httpx, all paths interleaved round by round, in a random order
+each round, so machine noise hits them alike:
 - direct: straight to the upstream;
 - lcap http / lcap https: `lcap proxy --serve --upstream` (every call stored); plain HTTP through
   the proxy, and HTTPS to api.openai.com rerouted (CONNECT + TLS interception with lcap's CA,
@@ -18,6 +18,8 @@ them alike:
   more hop through a Python event loop, the floor under any proxy written in Python on this machine.
 Cases: c=1 and c=16 (16 requests in flight), non-streaming (full response) and streaming (time to
 the first SSE chunk). At the end lcap is stopped and every call it proxied must be a turn in the store.
+"client CPU" is this process's CPU time per call on each path (at c=1, for the whole call): what the
+client itself spends, e.g. on TLS, which an agent pays calling the real API too.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -174,15 +177,25 @@ async def _one(client: httpx.AsyncClient, url: str, stream: bool) -> float:
     return first
 
 
-async def _measure(clients: dict[str, tuple[httpx.AsyncClient, str]], *, concurrency: int, rounds: int, stream: bool) -> dict[str, list[float]]:
-    """Alternate the paths round by round; each round sends `concurrency` requests at once on one path."""
+async def _measure(clients: dict[str, tuple[httpx.AsyncClient, str]], *, concurrency: int, rounds: int,
+                   stream: bool) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Alternate the paths round by round, in a new random order each round (a path's place in the round
+    biases it: the one after a slow path meets a busier machine); each round sends `concurrency` requests at
+    once on one path. Returns the latencies, and the client's own CPU time per call on each path (us)."""
     results: dict[str, list[float]] = {name: [] for name in clients}
+    cpu = dict.fromkeys(clients, 0.0)
     for name, (client, url) in clients.items():  # warm connections (and TLS sessions)
         await asyncio.gather(*(_one(client, url, stream) for _ in range(concurrency)))
+    order = list(clients)
+    shuffle = random.Random(0).shuffle
     for _ in range(rounds):
-        for name, (client, url) in clients.items():
+        shuffle(order)
+        for name in order:
+            client, url = clients[name]
+            t0 = time.process_time()
             results[name] += await asyncio.gather(*(_one(client, url, stream) for _ in range(concurrency)))
-    return results
+            cpu[name] += time.process_time() - t0
+    return results, {name: t / (rounds * concurrency) * 1e6 for name, t in cpu.items()}
 
 
 def capture_cost(n: int = 2000) -> tuple[float, float, float]:
@@ -326,7 +339,7 @@ def main() -> None:
                                                     ("non-streaming c=16", 16, args.rounds, False),
                                                     ("streaming TTFC c=1", 1, args.n, True),
                                                     ("streaming TTFC c=16", 16, args.rounds, True)):
-                    rows.append((label, await _measure(clients, concurrency=conc, rounds=rounds, stream=stream)))
+                    rows.append((label, *await _measure(clients, concurrency=conc, rounds=rounds, stream=stream)))
             finally:
                 for c, _ in clients.values():
                     await c.aclose()
@@ -343,13 +356,14 @@ def main() -> None:
                 proc.kill()
 
     lcap_sent = 0
-    print(f"{'case':<22}{'path':<13}{'n':>6}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'+p99 ms':>9}{'p50 x':>7}")
-    for label, res in rows:
+    print(f"{'case':<22}{'path':<13}{'n':>6}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'+p99 ms':>9}{'p50 x':>7}"
+          f"{'client CPU us':>15}")
+    for label, res, cpu in rows:
         d50, d99 = _pct(res["direct"], 0.5), _pct(res["direct"], 0.99)
         for name, values in res.items():
             p50, p99 = _pct(values, 0.5), _pct(values, 0.99)
-            extra = "" if name == "direct" else f"{p50 - d50:>9.2f}{p99 - d99:>9.2f}{p50 / d50:>7.2f}"
-            print(f"{label:<22}{name:<13}{len(values):>6}{p50:>9.2f}{p99:>9.2f}{extra}")
+            extra = f"{'':>25}" if name == "direct" else f"{p50 - d50:>9.2f}{p99 - d99:>9.2f}{p50 / d50:>7.2f}"
+            print(f"{label:<22}{name:<13}{len(values):>6}{p50:>9.2f}{p99:>9.2f}{extra}{cpu[name]:>15.0f}")
             if name.startswith("lcap"):
                 lcap_sent += len(values)
     import duckdb
@@ -357,7 +371,7 @@ def main() -> None:
     con = duckdb.connect(str(db), read_only=True)
     stored = con.execute("SELECT count(*) FROM turns").fetchone()[0]
     con.close()
-    warm = sum(16 if "c=16" in label else 1 for label, _ in rows) * 2
+    warm = sum(16 if "c=16" in label else 1 for label, _, _ in rows) * 2
     print(f"turns stored by lcap: {stored} of {lcap_sent + warm} calls it proxied (including warm-up)")
     p50, p99, per_row = capture_cost()
     print(f"lcap's capture work per call (8 KB request, rerouted, spool record included): p50 {p50:.0f} us, p99 {p99:.0f} us; "

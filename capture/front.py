@@ -90,16 +90,18 @@ class TlsServerSide(Plain):
 
     async def recv(self) -> bytes:
         while True:
-            try:
-                return self.tls.read(READ_SIZE)
-            except ssl.SSLWantReadError:
-                self._flush()
-                data = await self.reader.read(READ_SIZE)
-                if not data:
+            if self.incoming.pending or self.tls.pending():  # else reading would only raise SSLWantReadError
+                try:
+                    return self.tls.read(READ_SIZE)
+                except ssl.SSLWantReadError:
+                    pass
+                except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
                     return b""
-                self.incoming.write(data)
-            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+            self._flush()
+            data = await self.reader.read(READ_SIZE)
+            if not data:
                 return b""
+            self.incoming.write(data)
 
     def send(self, data: bytes) -> None:
         self.tls.write(data)
