@@ -152,6 +152,8 @@ async def main():
 asyncio.run(main())
 '''
 
+SETTLE = 0.01  # seconds of quiet after each path's turn in a round
+
 REQUEST = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Say ok."}]}
 
 
@@ -180,8 +182,9 @@ async def _one(client: httpx.AsyncClient, url: str, stream: bool) -> float:
 async def _measure(clients: dict[str, tuple[httpx.AsyncClient, str]], *, concurrency: int, rounds: int,
                    stream: bool) -> tuple[dict[str, list[float]], dict[str, float]]:
     """Alternate the paths round by round, in a new random order each round (a path's place in the round
-    biases it: the one after a slow path meets a busier machine); each round sends `concurrency` requests at
-    once on one path. Returns the latencies, and the client's own CPU time per call on each path (us)."""
+    biases it), with a pause after each path so that what a proxy still does after its answers (LiteLLM's
+    logging, say) settles before the next path is timed; each round sends `concurrency` requests at once on
+    one path. Returns the latencies, and the client's own CPU time per call on each path (us)."""
     results: dict[str, list[float]] = {name: [] for name in clients}
     cpu = dict.fromkeys(clients, 0.0)
     for name, (client, url) in clients.items():  # warm connections (and TLS sessions)
@@ -195,6 +198,7 @@ async def _measure(clients: dict[str, tuple[httpx.AsyncClient, str]], *, concurr
             t0 = time.process_time()
             results[name] += await asyncio.gather(*(_one(client, url, stream) for _ in range(concurrency)))
             cpu[name] += time.process_time() - t0
+            await asyncio.sleep(SETTLE)
     return results, {name: t / (rounds * concurrency) * 1e6 for name, t in cpu.items()}
 
 

@@ -176,7 +176,7 @@ class Calls:
         self.upstream_api_key = upstream_api_key
         self._seq: defaultdict[str | None, int] = defaultdict(int)
         self._seq_lock = threading.Lock()
-        self.in_flight: defaultdict[str | None, int] = defaultdict(int)  # calls opened and not closed yet
+        self.in_flight: defaultdict[str | None, int] = defaultdict(int)  # calls numbered and not closed yet
 
     def next_seq(self, episode: str | None) -> int:
         with self._seq_lock:
@@ -220,19 +220,19 @@ class Calls:
         pending = call.pending
         if not dialects.looks_like_call(pending.dialect, request):
             return False
-        pending.seq = self.next_seq(pending.episode_id)
         pending.request_body = call.body = body
         pending.model_requested = request.get("model")
-        if call.route is None:
-            return True
-        forward = dict(request)
-        if call.route.model:
-            forward["model"] = call.route.model
-        if self.token_ids:
-            pending.added = dialects.ask_token_ids(pending.dialect, forward)
-            pending.token_ids = pending.added is not None
-        if forward != request:
-            call.body = json.dumps(forward, ensure_ascii=False).encode()
+        if call.route is not None:
+            forward = dict(request)
+            if call.route.model:
+                forward["model"] = call.route.model
+            if self.token_ids:
+                pending.added = dialects.ask_token_ids(pending.dialect, forward)
+                pending.token_ids = pending.added is not None
+            if forward != request:
+                call.body = json.dumps(forward, ensure_ascii=False).encode()
+        pending.started_at, pending.t0 = time.time(), time.perf_counter()  # the call starts once it is whole
+        pending.seq = self.next_seq(pending.episode_id)
         return True
 
     def rerouted_fields(self, fields: Fields, route: Route, drop: frozenset[bytes] = _CREDENTIALS) -> Fields:

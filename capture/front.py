@@ -633,9 +633,9 @@ async def _response_head(upstream: Plain, message: bytes) -> _ResponseParts:
 async def _stream(client: Plain, upstream: Plain, parts: _ResponseParts, head: bytes,
                   transform: Callable[[bytes], bytes | list[bytes]], chunked: bool) -> bool:
     """Pass the body on as it comes, never buffered: one write per upstream read. The head waits up to
-    `HEAD_HOLD` seconds for the first piece of body and goes out with it: upstreams often write the two back
-    to back, and one write is one TLS record for the agent to open instead of two. False when the agent
-    went away."""
+    `HEAD_HOLD` seconds for the first piece of body to send (an event whole, on the vLLM path) and goes out
+    with it: upstreams often write the two back to back, and one write is one TLS record for the agent to
+    open instead of two. False when the agent went away."""
     out = [head]
     hold = None
     if not parts.body and not parts.complete:
@@ -647,7 +647,7 @@ async def _stream(client: Plain, upstream: Plain, parts: _ResponseParts, head: b
                 _frame(out, transform(piece), chunked)
             if parts.complete:
                 break
-            if hold is not None and pieces:
+            if hold is not None and not (len(out) == 1 and out[0] is head):  # body to send, or the timer fired
                 hold.cancel()
                 hold = None
             if out and hold is None:

@@ -183,42 +183,55 @@ def test_a_header_line_with_a_bare_lf_never_takes_the_short_path(store, llm):
 
 
 def _sse_upstream(gap: float) -> tuple[socket.socket, threading.Thread]:
-    """An upstream that writes a stream's head, waits `gap` seconds, then writes its events."""
+    """An upstream that writes a stream's head, waits `gap` seconds, then writes its events: the first one in
+    two halves, 10 ms apart. It answers a model list (vLLM's) first when asked."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen()
+    first = b'data: {"choices":[{"index":0,"delta":{"content":"ok"}}]}\n\n'
 
     def serve() -> None:
-        conn, _ = sock.accept()
-        with conn:
-            conn.recv(65536)
-            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-            time.sleep(gap)
-            for event in (b'data: {"choices":[{"index":0,"delta":{"content":"ok"}}]}\n\n', b"data: [DONE]\n\n"):
-                conn.sendall(b"%x\r\n%s\r\n" % (len(event), event))
-            conn.sendall(b"0\r\n\r\n")
+        while True:
+            conn, _ = sock.accept()
+            with conn:
+                if conn.recv(65536).startswith(b"GET"):
+                    models = b'{"object":"list","data":[{"id":"m","owned_by":"vllm"}]}'
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                                 b"connection: close\r\n\r\n%s" % (len(models), models))
+                    continue
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+                time.sleep(gap)
+                for piece in (first[:20], first[20:], b"data: [DONE]\n\n"):
+                    conn.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+                    time.sleep(0.01)
+                conn.sendall(b"0\r\n\r\n")
+                return
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     return sock, thread
 
 
-@pytest.mark.parametrize("gap, hold, together", [(0.05, 1.0, True), (2.0, 0.2, False)])
-def test_a_stream_head_waits_briefly_for_its_first_event(store, monkeypatch, gap, hold, together):
-    """The head of a streamed answer goes out in one write with the first event when that comes within
+@pytest.mark.parametrize("gap, hold, token_ids, first_write", [
+    (0.05, 1.0, False, b'data: {"choices":[{"'),  # the head goes out with the first piece of body
+    (0.05, 1.0, True, b'"content":"ok"}}]}\n\n'),  # vLLM path: with the first whole event, rewritten
+    (2.0, 0.2, False, None),  # the first event is slow: the head goes alone once the hold is over
+])
+def test_a_stream_head_waits_briefly_for_its_first_event(store, monkeypatch, gap, hold, token_ids, first_write):
+    """The head of a streamed answer goes out in one write with the first body to send when that comes within
     `HEAD_HOLD` (one TLS record for the agent instead of two), and alone once `HEAD_HOLD` has passed: the head
     is never held until a slow first event."""
     from lcap.capture import front
 
     monkeypatch.setattr(front, "HEAD_HOLD", hold)
     upstream, thread = _sse_upstream(gap)
+    url = f"http://127.0.0.1:{upstream.getsockname()[1]}"
     body = json.dumps({**CHAT, "stream": True}).encode()
-    with upstream, CaptureProxy(store) as proxy:
+    with upstream, CaptureProxy(store, upstream=url if token_ids else None) as proxy:
         with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as agent:
             t0 = time.monotonic()
-            agent.sendall(b"POST http://127.0.0.1:%d/v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
-                          b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                          % (upstream.getsockname()[1], len(body), body))
+            agent.sendall(b"POST %s/v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                          b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (url.encode(), len(body), body))
             first = agent.recv(65536)
             waited = time.monotonic() - t0
             received = first
@@ -227,9 +240,10 @@ def test_a_stream_head_waits_briefly_for_its_first_event(store, monkeypatch, gap
         thread.join(10)
         assert proxy.flush(timeout=10)
     assert first.startswith(b"HTTP/1.1 200")
-    assert (b"data:" in first) is together
-    if not together:
-        assert hold <= waited < gap  # the head came alone, when the hold ran out
+    if first_write is None:
+        assert b"data:" not in first and hold <= waited < gap  # the head came alone, when the hold ran out
+    else:
+        assert first.endswith(first_write + b"\r\n")
     assert b"data: [DONE]" in received
     (row,) = turns(store.path)
     assert row["stream"] and row["completion_text"] == "ok"
@@ -247,8 +261,21 @@ def test_the_body_may_come_long_after_the_head(store, llm):
             slow.sendall(head % (llm.url.encode(), len(body)))
             time.sleep(0.3)
             slow.sendall(body)
-            answer = slow.recv(65536)
+            answer = _read_answer(slow)
         assert proxy.flush(timeout=10)
     assert answer.startswith(b"HTTP/1.1 200") and TEXT.encode() in answer
     (row,) = turns(store.path)
     assert (row["seq"], row["completion_text"]) == (0, TEXT)
+    assert row["latency_ms"] < 250  # the call starts once it is whole: the agent's pause is not the upstream's
+
+
+def _read_answer(sock: socket.socket) -> bytes:
+    """One whole answer with a Content-Length body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head = data.split(b"\r\n\r\n", 1)[0].lower()
+    length = int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+    while len(data) < len(head) + 4 + length:
+        data += sock.recv(65536)
+    return data
