@@ -1,6 +1,6 @@
 """Added latency of `lcap proxy` against a local upstream, side by side with its baselines in one run.
 
-    .venv/bin/python benchmarks/bench_proxy.py [--n 300] [--rounds 25] [--no-litellm]
+    .venv/bin/python benchmarks/bench_proxy.py [--n 300] [--rounds 50] [--no-litellm]
 
 Starts a minimal asyncio HTTP upstream (OpenAI chat completions, plain and SSE) in a subprocess and
 measures from this process with httpx, all paths interleaved round by round, in a random order
@@ -152,8 +152,6 @@ async def main():
 asyncio.run(main())
 '''
 
-SETTLE = 0.01  # seconds of quiet after each path's turn in a round
-
 REQUEST = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Say ok."}]}
 
 
@@ -181,10 +179,9 @@ async def _one(client: httpx.AsyncClient, url: str, stream: bool) -> float:
 
 async def _measure(clients: dict[str, tuple[httpx.AsyncClient, str]], *, concurrency: int, rounds: int,
                    stream: bool) -> tuple[dict[str, list[float]], dict[str, float]]:
-    """Alternate the paths round by round, in a new random order each round (a path's place in the round
-    biases it), with a pause after each path so that what a proxy still does after its answers (LiteLLM's
-    logging, say) settles before the next path is timed; each round sends `concurrency` requests at once on
-    one path. Returns the latencies, and the client's own CPU time per call on each path (us)."""
+    """Alternate the paths round by round, back to back, in a new random order each round (a fixed order
+    biases a path by the one before it); each round sends `concurrency` requests at once on one path.
+    Returns the latencies, and the client's own CPU time per call on each path (us)."""
     results: dict[str, list[float]] = {name: [] for name in clients}
     cpu = dict.fromkeys(clients, 0.0)
     for name, (client, url) in clients.items():  # warm connections (and TLS sessions)
@@ -198,7 +195,6 @@ async def _measure(clients: dict[str, tuple[httpx.AsyncClient, str]], *, concurr
             t0 = time.process_time()
             results[name] += await asyncio.gather(*(_one(client, url, stream) for _ in range(concurrency)))
             cpu[name] += time.process_time() - t0
-            await asyncio.sleep(SETTLE)
     return results, {name: t / (rounds * concurrency) * 1e6 for name, t in cpu.items()}
 
 
@@ -268,7 +264,7 @@ def _wait_listening(port: int, proc: subprocess.Popen, what: str, timeout: float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=300, help="requests per path at concurrency 1")
-    parser.add_argument("--rounds", type=int, default=25, help="rounds of 16 concurrent requests per path")
+    parser.add_argument("--rounds", type=int, default=50, help="rounds of 16 concurrent requests per path")
     parser.add_argument("--no-litellm", action="store_true", help="leave out the LiteLLM row")
     args = parser.parse_args()
 
