@@ -1,0 +1,136 @@
+"""Two revisions of `lcap proxy` side by side: does a change to the capture path make calls faster?
+
+    .venv/bin/python benchmarks/ab_proxy.py --base REV [--n 2000] [--rounds 120]
+
+The working tree and REV (checked out in a temporary git worktree) each run `lcap proxy --serve --upstream`
+in front of bench_proxy's upstream; an httpx client calls https://api.openai.com through each (CONNECT +
+TLS interception) and the upstream directly, in a new random order each round, so the machine's noise hits
+all three alike. Cases: c=1 (n calls per path) and c=16 (rounds of 16 at once), streaming (time to the first
+SSE chunk) and not. The full comparison against every baseline is bench_proxy.py; this one answers a narrower
+question with more samples, since differences between revisions are often below the noise between runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import shutil
+import signal
+import ssl
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+
+from bench_proxy import LCAP, REPO, UPSTREAM, _one, _pct
+
+PACKAGES = ("capture", "dataset", "train")  # top-level folders that setuptools maps to lcap.<name>
+
+
+def _checkout(rev: str, into: Path) -> Path:
+    """REV's `lcap` package, laid out as installed (lcap/, lcap/capture/, ...), for PYTHONPATH."""
+    tree = into / "tree"
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(tree), rev], check=True)
+    pkg = into / "pkg"
+    shutil.copytree(tree / "lcap", pkg / "lcap")
+    for name in PACKAGES:
+        shutil.copytree(tree / name, pkg / "lcap" / name)
+    subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=True)
+    return pkg
+
+
+def _start_proxy(argv: list[str], env: dict[str, str], cwd: Path) -> tuple[subprocess.Popen, int, str]:
+    proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline()
+    if "listening on" not in line:
+        proc.kill()
+        raise SystemExit(f"proxy did not start: {argv}")
+    port = int(line.split("listening on ", 1)[1].split()[0].rsplit(":", 1)[1])
+    bundle = proc.stdout.readline().split("SSL_CERT_FILE=", 1)[1].strip()
+    return proc, port, bundle
+
+
+async def _compare(paths: dict[str, tuple[httpx.AsyncClient, str]], *, calls: int, concurrency: int,
+                   stream: bool) -> dict[str, list[float]]:
+    results: dict[str, list[float]] = {name: [] for name in paths}
+    for client, url in paths.values():
+        await asyncio.gather(*(_one(client, url, stream) for _ in range(concurrency)))
+    order = list(paths)
+    shuffle = random.Random(0).shuffle
+    for _ in range(calls):
+        shuffle(order)
+        for name in order:
+            client, url = paths[name]
+            results[name] += await asyncio.gather(*(_one(client, url, stream) for _ in range(concurrency)))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", required=True, help="the revision to compare the working tree with")
+    parser.add_argument("--n", type=int, default=2000, help="calls per path at concurrency 1")
+    parser.add_argument("--rounds", type=int, default=120, help="rounds of 16 concurrent calls per path")
+    args = parser.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="lcap-ab-"))
+    procs: list[subprocess.Popen] = []
+    try:
+        base_pkg = _checkout(args.base, tmp / "base")
+        upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                    text=True)
+        procs.append(upstream)
+        up_url = f"http://127.0.0.1:{int(upstream.stdout.readline())}"
+        serve = ["proxy", "--serve", "--upstream", up_url, "--db"]
+        base_env = {**os.environ, "PYTHONPATH": str(base_pkg)}
+        base, base_port, bundle = _start_proxy([sys.executable, "-c", "from lcap.cli import app; app()", *serve,
+                                                str(tmp / "base.duckdb")], base_env, base_pkg)
+        procs.append(base)
+        work, work_port, _ = _start_proxy([LCAP, *serve, str(tmp / "work.duckdb")], dict(os.environ), tmp)
+        procs.append(work)
+
+        async def run() -> list[tuple[str, dict[str, list[float]]]]:
+            ctx = ssl.create_default_context(cafile=bundle)
+            limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
+            https = "https://api.openai.com/v1/chat/completions"
+            paths = {
+                "direct": (httpx.AsyncClient(trust_env=False, limits=limits), f"{up_url}/v1/chat/completions"),
+                f"base {args.base}": (httpx.AsyncClient(trust_env=False, limits=limits, verify=ctx,
+                                                        proxy=f"http://ab:x@127.0.0.1:{base_port}"), https),
+                "working tree": (httpx.AsyncClient(trust_env=False, limits=limits, verify=ctx,
+                                                   proxy=f"http://ab:x@127.0.0.1:{work_port}"), https),
+            }
+            rows = []
+            for label, concurrency, calls, stream in (("non-streaming c=1", 1, args.n, False),
+                                                      ("first SSE chunk c=1", 1, args.n, True),
+                                                      ("non-streaming c=16", 16, args.rounds, False),
+                                                      ("first SSE chunk c=16", 16, args.rounds, True)):
+                rows.append((label, await _compare(paths, calls=calls, concurrency=concurrency, stream=stream)))
+            for client, _ in paths.values():
+                await client.aclose()
+            return rows
+
+        rows = asyncio.run(run())
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGINT)  # the proxies write their turns and exit
+        for proc in procs:
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    print(f"{'case':<22}{'path':<22}{'n':>6}{'p50 ms':>9}{'+p50':>8}{'+p90':>8}{'+p99':>8}")
+    for label, res in rows:
+        direct = res["direct"]
+        for name, values in res.items():
+            added = "" if name == "direct" else "".join(f"{_pct(values, q) - _pct(direct, q):>+8.2f}" for q in (0.5, 0.9, 0.99))
+            print(f"{label:<22}{name:<22}{len(values):>6}{_pct(values, 0.5):>9.2f}{added}")
+
+
+if __name__ == "__main__":
+    main()
