@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
 import shutil
 import signal
 import ssl
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from bench_proxy import LCAP, REPO, UPSTREAM, _one, _pct
+from bench_proxy import LCAP, REPO, UPSTREAM, _measure, _pct
 
 PACKAGES = ("capture", "dataset", "train")  # top-level folders that setuptools maps to lcap.<name>
 
@@ -52,21 +51,6 @@ def _start_proxy(argv: list[str], env: dict[str, str], cwd: Path) -> tuple[subpr
     port = int(line.split("listening on ", 1)[1].split()[0].rsplit(":", 1)[1])
     bundle = proc.stdout.readline().split("SSL_CERT_FILE=", 1)[1].strip()
     return proc, port, bundle
-
-
-async def _compare(paths: dict[str, tuple[httpx.AsyncClient, str]], *, calls: int, concurrency: int,
-                   stream: bool) -> dict[str, list[float]]:
-    results: dict[str, list[float]] = {name: [] for name in paths}
-    for client, url in paths.values():
-        await asyncio.gather(*(_one(client, url, stream) for _ in range(concurrency)))
-    order = list(paths)
-    shuffle = random.Random(0).shuffle
-    for _ in range(calls):
-        shuffle(order)
-        for name in order:
-            client, url = paths[name]
-            results[name] += await asyncio.gather(*(_one(client, url, stream) for _ in range(concurrency)))
-    return results
 
 
 def main() -> None:
@@ -108,7 +92,8 @@ def main() -> None:
                                                       ("first SSE chunk c=1", 1, args.n, True),
                                                       ("non-streaming c=16", 16, args.rounds, False),
                                                       ("first SSE chunk c=16", 16, args.rounds, True)):
-                rows.append((label, await _compare(paths, calls=calls, concurrency=concurrency, stream=stream)))
+                latencies, _ = await _measure(paths, concurrency=concurrency, rounds=calls, stream=stream)
+                rows.append((label, latencies))
             for client, _ in paths.values():
                 await client.aclose()
             return rows
