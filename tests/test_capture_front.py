@@ -243,7 +243,7 @@ def test_a_stream_head_waits_briefly_for_its_first_event(store, monkeypatch, gap
     if first_write is None:
         assert b"data:" not in first and hold <= waited < gap  # the head came alone, when the hold ran out
     else:
-        assert first.endswith(first_write + b"\r\n")
+        assert first_write in first  # not the head alone (a slow reader may find more behind it)
     assert b"data: [DONE]" in received
     (row,) = turns(store.path)
     assert row["stream"] and row["completion_text"] == "ok"
