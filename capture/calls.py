@@ -193,7 +193,7 @@ class Calls:
     def open_call(self, dialect: str, episode: str | None, *, scheme: str, host: str, port: int, path: str,
                   fields: Fields) -> Call:
         """A request to an LLM path, from its head alone: its route, its header fields for that route, and a
-        turn not recorded yet. Clients often write the body separately; this work then costs the call nothing."""
+        turn not recorded yet. Clients often write the body separately: this work is then done while it comes."""
         route = self.router.route()
         pending = PendingTurn(episode_id=episode, seq=None, host=host, path=path, dialect=dialect)
         call = Call(pending, route, scheme, host, port, path, fields)

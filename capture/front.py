@@ -184,13 +184,11 @@ class UpstreamPool:
         self.idle[key].append(conn)
 
     def _tls_context(self) -> ssl.SSLContext:
+        """Verified against certifi's roots, as mitmproxy verifies upstreams: one trust store for both paths."""
         if self._tls is None:
-            try:
-                import certifi
+            import certifi  # a dependency of mitmproxy
 
-                self._tls = ssl.create_default_context(cafile=certifi.where())
-            except ImportError:
-                self._tls = ssl.create_default_context()
+            self._tls = ssl.create_default_context(cafile=certifi.where())
             self._tls.set_alpn_protocols(["http/1.1"])
         return self._tls
 
@@ -365,7 +363,7 @@ class Front:
                 return await self._hand_off(client, raw_head + buf, tunnel)
             episode, fields = take_episode(head.fields)
             dialect, scheme, host, port, path = target
-            try:  # before the body: clients often write it separately, and this work then costs the call nothing
+            try:  # before the body: clients often write it separately, and this work is then done while it comes
                 call = self.calls.open_call(dialect, episode or (tunnel.episode if tunnel else None), scheme=scheme,
                                             host=host, port=port, path=path, fields=fields)
                 upstream_head, client_close = _request_head(call)
@@ -504,16 +502,13 @@ class Front:
         episode, _ = take_episode(head.fields)
         tunnel = Tunnel(host.strip("[]"), int(port), raw_head, episode)
         client.send(b"HTTP/1.1 200 Connection established\r\n\r\n")
-        data = buf
+        data, hello = buf, None
         while True:
             try:
                 hello = parse_client_hello(data) if data else None
-            except ValueError:
-                hello = None
+            except ValueError:  # not TLS
                 break
-            if hello is not None:
-                break
-            if len(data) > MAX_HEAD:
+            if hello is not None or len(data) > MAX_HEAD:
                 break
             chunk = await client.recv()
             if not chunk:

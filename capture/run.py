@@ -22,8 +22,8 @@ def _proxy(db: Path, upstream: str | None, model: str | None, token_ids: bool | 
 
 def _start(proxy: CaptureProxy) -> None:
     proxy.start()
-    # mitmproxy, cryptography and lcap leave ~120k long-lived objects; a full collection walking them stalls every
-    # call in flight for ~100 ms here. Frozen, they are out of the collector's sight: it walks only what calls made.
+    # mitmproxy, TLS and lcap leave ~107k long-lived objects; a full collection walking them stops every call in
+    # flight for 80-95 ms here. Frozen, they are out of the collector's sight (benchmarks/bench_gc_freeze.py).
     gc.freeze()
 
 

@@ -108,8 +108,8 @@ def _turns_if_free(db) -> list[dict]:
 
 
 def test_lcap_proxy_freezes_its_start_up_objects(capture_env, tmp_path):
-    """mitmproxy, cryptography and lcap leave ~120k long-lived objects: `lcap proxy` freezes them once it is up, so
-    that a full collection in a long run walks only what calls made (~1 ms instead of ~100 ms, all calls stalled)."""
+    """mitmproxy, TLS and lcap leave ~107k long-lived objects: `lcap proxy` freezes them once it is up, so that a
+    full collection in a long run walks only what calls made (benchmarks/bench_gc_freeze.py)."""
     import gc
     import sys
 
