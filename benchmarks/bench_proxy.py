@@ -1,11 +1,14 @@
 """Added latency of `lcap proxy` against a local upstream, side by side with its baselines in one run.
 
-    .venv/bin/python benchmarks/bench_proxy.py [--n 300] [--rounds 50] [--no-litellm]
+    .venv/bin/python benchmarks/bench_proxy.py [--n 300] [--rounds 150] [--no-litellm]
 
 Starts a minimal asyncio HTTP upstream (OpenAI chat completions, plain and SSE) in a subprocess and
 measures from this process with httpx, all paths interleaved round by round, in a random order
 each round, so machine noise hits them alike:
 - direct: straight to the upstream;
+- direct https: straight to the same upstream served over TLS (on uvloop, as vLLM's server runs, with a
+  certificate from lcap's CA like the one lcap shows): the baseline of `lcap https`, since an agent calling
+  the API over HTTPS pays its own TLS with or without lcap;
 - lcap http / lcap https: `lcap proxy --serve --upstream` (every call stored); plain HTTP through
   the proxy, and HTTPS to api.openai.com rerouted (CONNECT + TLS interception with lcap's CA,
   keep-alive): what a real agent pays. Both take the front's short path (capture/front.py);
@@ -17,7 +20,9 @@ each round, so machine noise hits them alike:
 - relay: a bare asyncio TCP relay to the upstream (no HTTP parsing, no TLS, nothing stored): one
   more hop through a Python event loop, the floor under any proxy written in Python on this machine.
 Cases: c=1 and c=16 (16 requests in flight), non-streaming (full response) and streaming (time to
-the first SSE chunk). At the end lcap is stopped and every call it proxied must be a turn in the store.
+the first SSE chunk). Added latency is against each path's baseline ("vs"): direct https for lcap https,
+direct for the rest; a last line gives lcap https against plain direct too. At the end lcap is stopped
+and every call it proxied must be a turn in the store.
 "client CPU" is this process's CPU time per call on each path (at c=1, for the whole call): what the
 client itself spends, e.g. on TLS, which an agent pays calling the real API too.
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import json
 import os
 import random
@@ -80,11 +86,21 @@ async def handle(reader, writer):
         writer.close()
 
 async def main():
-    server = await asyncio.start_server(handle, "127.0.0.1", 0, backlog=256)
+    tls = None
+    if len(sys.argv) > 2:  # CERT KEY: serve HTTPS
+        import ssl
+        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        tls.set_alpn_protocols(["http/1.1"])
+        tls.load_cert_chain(sys.argv[1], sys.argv[2])
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, backlog=256, ssl=tls)
     print(server.sockets[0].getsockname()[1], flush=True)
     await server.serve_forever()
 
-asyncio.run(main())
+try:  # the loop vLLM's server runs on, whose TLS is compiled: the direct https baseline is not a slow server's
+    import uvloop
+    uvloop.run(main())
+except ImportError:
+    asyncio.run(main())
 '''
 
 REROUTE = r'''
@@ -151,6 +167,8 @@ async def main():
 
 asyncio.run(main())
 '''
+
+BASELINE = {"lcap https": "direct https"}  # what an agent calling the API over HTTPS pays without lcap; others: direct
 
 REQUEST = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Say ok."}]}
 
@@ -242,6 +260,22 @@ def capture_cost(n: int = 2000) -> tuple[float, float, float]:
     return _pct(times, 0.5), _pct(times, 0.99), per_row
 
 
+def _leaf_files(ca_dir: Path, tmp: Path) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 from lcap's CA, as the one lcap shows an agent (RSA 2048), and its key."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    from mitmproxy.certs import CertStore
+
+    from lcap.capture.server import CA_BASENAME
+
+    entry = CertStore.from_store(ca_dir, CA_BASENAME, 2048).get_cert("127.0.0.1", [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    cert, key = tmp / "upstream-cert.pem", tmp / "upstream-key.pem"
+    cert.write_bytes(entry.cert.to_pem() + b"".join(c.to_pem() for c in entry.chain_certs))
+    key.write_bytes(entry.privatekey.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                   serialization.NoEncryption()))
+    return str(cert), str(key)
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -264,7 +298,7 @@ def _wait_listening(port: int, proc: subprocess.Popen, what: str, timeout: float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=300, help="requests per path at concurrency 1")
-    parser.add_argument("--rounds", type=int, default=50, help="rounds of 16 concurrent requests per path")
+    parser.add_argument("--rounds", type=int, default=150, help="rounds of 16 concurrent requests per path")
     parser.add_argument("--no-litellm", action="store_true", help="leave out the LiteLLM row")
     args = parser.parse_args()
 
@@ -291,6 +325,10 @@ def main() -> None:
             raise SystemExit(f"proxy did not start: {line} {proxy.stderr.read()}")
         lcap_port = int(line.split("listening on ", 1)[1].split()[0].rsplit(":", 1)[1])
         bundle = proxy.stdout.readline().split("SSL_CERT_FILE=", 1)[1].strip()
+
+        secure = spawn([sys.executable, "-c", UPSTREAM, *_leaf_files(Path(home) / "ca", tmp)],
+                       stdout=subprocess.PIPE, text=True)
+        secure_port = int(secure.stdout.readline())
 
         (tmp / "reroute.py").write_text(REROUTE)
         base_env = {**env, "BENCH_UPSTREAM_PORT": str(up_port)}
@@ -324,6 +362,7 @@ def main() -> None:
             chat = f"{up_url}/v1/chat/completions"
             clients = {
                 "direct": (client(), chat),
+                "direct https": (client(verify=ctx), f"https://127.0.0.1:{secure_port}/v1/chat/completions"),
                 "lcap http": (client(proxy=f"http://bench:x@127.0.0.1:{lcap_port}"), chat),
                 "lcap https": (client(proxy=f"http://bench:x@127.0.0.1:{lcap_port}", verify=ctx),
                                "https://api.openai.com/v1/chat/completions"),
@@ -356,16 +395,22 @@ def main() -> None:
                 proc.kill()
 
     lcap_sent = 0
-    print(f"{'case':<22}{'path':<13}{'n':>6}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'+p99 ms':>9}{'p50 x':>7}"
+    print(f"{'case':<22}{'path':<13}{'n':>6}{'p50 ms':>9}{'p99 ms':>9}{'vs':>14}{'+p50 ms':>9}{'+p99 ms':>9}{'p50 x':>7}"
           f"{'client CPU us':>15}")
     for label, res, cpu in rows:
-        d50, d99 = _pct(res["direct"], 0.5), _pct(res["direct"], 0.99)
         for name, values in res.items():
             p50, p99 = _pct(values, 0.5), _pct(values, 0.99)
-            extra = f"{'':>25}" if name == "direct" else f"{p50 - d50:>9.2f}{p99 - d99:>9.2f}{p50 / d50:>7.2f}"
+            extra = f"{'':>39}"
+            if not name.startswith("direct"):
+                base = BASELINE.get(name, "direct")
+                b50, b99 = _pct(res[base], 0.5), _pct(res[base], 0.99)
+                extra = f"{base:>14}{p50 - b50:>9.2f}{p99 - b99:>9.2f}{p50 / b50:>7.2f}"
             print(f"{label:<22}{name:<13}{len(values):>6}{p50:>9.2f}{p99:>9.2f}{extra}{cpu[name]:>15.0f}")
             if name.startswith("lcap"):
                 lcap_sent += len(values)
+    print("lcap https vs plain direct, +p50 / +p99 ms: " + "; ".join(
+        f"{label} {_pct(res['lcap https'], 0.5) - _pct(res['direct'], 0.5):+.2f} / "
+        f"{_pct(res['lcap https'], 0.99) - _pct(res['direct'], 0.99):+.2f}" for label, res, _ in rows))
     import duckdb
 
     con = duckdb.connect(str(db), read_only=True)
