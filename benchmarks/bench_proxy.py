@@ -6,6 +6,8 @@ Starts a minimal asyncio HTTP upstream (OpenAI chat completions, plain and SSE) 
 measures from this process with httpx, all paths interleaved round by round, in a random order
 each round, so machine noise hits them alike:
 - direct: straight to the upstream;
+- direct again: the same as direct, from a second client: how far two identical paths differ in this run,
+  the noise under every other row's figures;
 - direct https: straight to the same upstream served over TLS (on uvloop, as vLLM's server runs, with a
   certificate from lcap's CA like the one lcap shows): the baseline of `lcap https`, since an agent calling
   the API over HTTPS pays its own TLS with or without lcap;
@@ -362,6 +364,7 @@ def main() -> None:
             chat = f"{up_url}/v1/chat/completions"
             clients = {
                 "direct": (client(), chat),
+                "direct again": (client(), chat),
                 "direct https": (client(verify=ctx), f"https://127.0.0.1:{secure_port}/v1/chat/completions"),
                 "lcap http": (client(proxy=f"http://bench:x@127.0.0.1:{lcap_port}"), chat),
                 "lcap https": (client(proxy=f"http://bench:x@127.0.0.1:{lcap_port}", verify=ctx),
@@ -401,7 +404,7 @@ def main() -> None:
         for name, values in res.items():
             p50, p99 = _pct(values, 0.5), _pct(values, 0.99)
             extra = f"{'':>39}"
-            if not name.startswith("direct"):
+            if name not in ("direct", "direct https"):
                 base = BASELINE.get(name, "direct")
                 b50, b99 = _pct(res[base], 0.5), _pct(res[base], 0.99)
                 extra = f"{base:>14}{p50 - b50:>9.2f}{p99 - b99:>9.2f}{p50 / b50:>7.2f}"
