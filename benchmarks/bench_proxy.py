@@ -1,6 +1,6 @@
 """Added latency of `lcap proxy` against a local upstream, side by side with its baselines in one run.
 
-    .venv/bin/python benchmarks/bench_proxy.py [--n 300] [--rounds 150] [--no-litellm]
+    .venv/bin/python benchmarks/bench_proxy.py [--n 300] [--rounds 500] [--no-litellm]
 
 Starts a minimal asyncio HTTP upstream (OpenAI chat completions, plain and SSE) in a subprocess and
 measures from this process with httpx, all paths interleaved round by round, in a random order
@@ -198,24 +198,26 @@ async def _one(client: httpx.AsyncClient, url: str, stream: bool) -> float:
 
 
 async def _measure(clients: dict[str, tuple[httpx.AsyncClient, str]], *, concurrency: int, rounds: int,
-                   stream: bool) -> tuple[dict[str, list[float]], dict[str, float]]:
+                   stream: bool, every: dict[str, int] | None = None) -> tuple[dict[str, list[float]], dict[str, float]]:
     """Alternate the paths round by round, back to back, in a new random order each round (a fixed order
-    biases a path by the one before it); each round sends `concurrency` requests at once on one path.
+    biases a path by the one before it); each round sends `concurrency` requests at once on one path, except
+    that a path named in `every` takes part in one round in that many (a slow reference row).
     Returns the latencies, and the client's own CPU time per call on each path (us)."""
+    every = every or {}
     results: dict[str, list[float]] = {name: [] for name in clients}
     cpu = dict.fromkeys(clients, 0.0)
     for name, (client, url) in clients.items():  # warm connections (and TLS sessions)
         await asyncio.gather(*(_one(client, url, stream) for _ in range(concurrency)))
-    order = list(clients)
     shuffle = random.Random(0).shuffle
-    for _ in range(rounds):
+    for n in range(rounds):
+        order = [name for name in clients if n % every.get(name, 1) == 0]
         shuffle(order)
         for name in order:
             client, url = clients[name]
             t0 = time.process_time()
             results[name] += await asyncio.gather(*(_one(client, url, stream) for _ in range(concurrency)))
             cpu[name] += time.process_time() - t0
-    return results, {name: t / (rounds * concurrency) * 1e6 for name, t in cpu.items()}
+    return results, {name: t / len(results[name]) * 1e6 for name, t in cpu.items()}
 
 
 def capture_cost(n: int = 2000) -> tuple[float, float, float]:
@@ -300,7 +302,9 @@ def _wait_listening(port: int, proc: subprocess.Popen, what: str, timeout: float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=300, help="requests per path at concurrency 1")
-    parser.add_argument("--rounds", type=int, default=150, help="rounds of 16 concurrent requests per path")
+    parser.add_argument("--rounds", type=int, default=500, help="rounds of 16 concurrent requests per path (LiteLLM: "
+                        "one in 5); a p99 at c=16 needs thousands of samples here, since the machine's noise comes in bursts "
+                        "that slow whole rounds")
     parser.add_argument("--no-litellm", action="store_true", help="leave out the LiteLLM row")
     args = parser.parse_args()
 
@@ -381,7 +385,8 @@ def main() -> None:
                                                     ("non-streaming c=16", 16, args.rounds, False),
                                                     ("streaming TTFC c=1", 1, args.n, True),
                                                     ("streaming TTFC c=16", 16, args.rounds, True)):
-                    rows.append((label, *await _measure(clients, concurrency=conc, rounds=rounds, stream=stream)))
+                    rows.append((label, *await _measure(clients, concurrency=conc, rounds=rounds, stream=stream,
+                                                        every={"litellm": 5} if conc > 1 else None)))
             finally:
                 for c, _ in clients.values():
                     await c.aclose()
