@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_proxy.py [--n 300] [--rounds 500] [--no-litellm]
 
-Starts a minimal asyncio HTTP upstream (OpenAI chat completions, plain and SSE) in a subprocess and
+Starts a minimal asyncio HTTP upstream (OpenAI chat completions, plain and SSE; on uvloop) in a subprocess and
 measures from this process with httpx, all paths interleaved round by round, in a random order
 each round, so machine noise hits them alike:
 - direct: straight to the upstream;
@@ -99,10 +99,10 @@ async def main():
     await server.serve_forever()
 
 try:  # the loop vLLM's server runs on, whose TLS is compiled: the direct https baseline is not a slow server's
-    import uvloop
-    uvloop.run(main())
+    from uvloop import run
 except ImportError:
-    asyncio.run(main())
+    run = asyncio.run
+run(main())
 '''
 
 REROUTE = r'''
