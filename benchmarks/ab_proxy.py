@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from bench_proxy import LCAP, REPO, UPSTREAM, _measure, _pct
+from bench_proxy import LCAP, REPO, UPSTREAM, _measure, _pct, start_proxy
 
 PACKAGES = ("capture", "dataset", "train")  # top-level folders that setuptools maps to lcap.<name>
 
@@ -40,17 +40,6 @@ def _checkout(rev: str, into: Path) -> Path:
         shutil.copytree(tree / name, pkg / "lcap" / name)
     subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=True)
     return pkg
-
-
-def _start_proxy(argv: list[str], env: dict[str, str], cwd: Path) -> tuple[subprocess.Popen, int, str]:
-    proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    line = proc.stdout.readline()
-    if "listening on" not in line:
-        proc.kill()
-        raise SystemExit(f"proxy did not start: {argv}")
-    port = int(line.split("listening on ", 1)[1].split()[0].rsplit(":", 1)[1])
-    bundle = proc.stdout.readline().split("SSL_CERT_FILE=", 1)[1].strip()
-    return proc, port, bundle
 
 
 def main() -> None:
@@ -70,10 +59,10 @@ def main() -> None:
         up_url = f"http://127.0.0.1:{int(upstream.stdout.readline())}"
         serve = ["proxy", "--serve", "--upstream", up_url, "--db"]
         base_env = {**os.environ, "PYTHONPATH": str(base_pkg)}
-        base, base_port, bundle = _start_proxy([sys.executable, "-c", "from lcap.cli import app; app()", *serve,
+        base, base_port, bundle = start_proxy([sys.executable, "-c", "from lcap.cli import app; app()", *serve,
                                                 str(tmp / "base.duckdb")], base_env, base_pkg)
         procs.append(base)
-        work, work_port, _ = _start_proxy([LCAP, *serve, str(tmp / "work.duckdb")], dict(os.environ), tmp)
+        work, work_port, _ = start_proxy([LCAP, *serve, str(tmp / "work.duckdb")], dict(os.environ), tmp)
         procs.append(work)
 
         async def run() -> list[tuple[str, dict[str, list[float]]]]:

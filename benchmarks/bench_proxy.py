@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import json
 import os
 import random
@@ -265,19 +264,27 @@ def capture_cost(n: int = 2000) -> tuple[float, float, float]:
 
 
 def _leaf_files(ca_dir: Path, tmp: Path) -> tuple[str, str]:
-    """A certificate for 127.0.0.1 from lcap's CA, as the one lcap shows an agent (RSA 2048), and its key."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import serialization
-    from mitmproxy.certs import CertStore
-
+    """A certificate for 127.0.0.1 from lcap's CA, made as lcap makes the ones it shows agents, and its key."""
+    from lcap.capture.front import LeafCerts
     from lcap.capture.server import CA_BASENAME
 
-    entry = CertStore.from_store(ca_dir, CA_BASENAME, 2048).get_cert("127.0.0.1", [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
-    cert, key = tmp / "upstream-cert.pem", tmp / "upstream-key.pem"
-    cert.write_bytes(entry.cert.to_pem() + b"".join(c.to_pem() for c in entry.chain_certs))
-    key.write_bytes(entry.privatekey.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                   serialization.NoEncryption()))
-    return str(cert), str(key)
+    chain, key = LeafCerts(ca_dir, CA_BASENAME).pem("127.0.0.1")
+    cert_file, key_file = tmp / "upstream-cert.pem", tmp / "upstream-key.pem"
+    cert_file.write_bytes(chain)
+    key_file.write_bytes(key)
+    return str(cert_file), str(key_file)
+
+
+def start_proxy(argv: list[str], env: dict[str, str], cwd: Path | None = None) -> tuple[subprocess.Popen, int, str]:
+    """Start `lcap proxy --serve ...`; its process, port and the CA bundle it exports. Its stderr is this one's."""
+    proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if "listening on" not in line:
+        proc.kill()
+        raise SystemExit(f"proxy did not start: {argv}")
+    port = int(line.split("listening on ", 1)[1].split()[0].rsplit(":", 1)[1])
+    bundle = proc.stdout.readline().split("SSL_CERT_FILE=", 1)[1].strip()
+    return proc, port, bundle
 
 
 def _free_port() -> int:
@@ -324,13 +331,8 @@ def main() -> None:
     db = tmp / "bench.duckdb"
     litellm = None
     try:
-        proxy = spawn([LCAP, "proxy", "--serve", "--upstream", up_url, "--db", str(db)], env=env,
-                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        line = proxy.stdout.readline()
-        if "listening on" not in line:
-            raise SystemExit(f"proxy did not start: {line} {proxy.stderr.read()}")
-        lcap_port = int(line.split("listening on ", 1)[1].split()[0].rsplit(":", 1)[1])
-        bundle = proxy.stdout.readline().split("SSL_CERT_FILE=", 1)[1].strip()
+        proxy, lcap_port, bundle = start_proxy([LCAP, "proxy", "--serve", "--upstream", up_url, "--db", str(db)], env)
+        procs.append(proxy)
 
         secure = spawn([sys.executable, "-c", UPSTREAM, *_leaf_files(Path(home) / "ca", tmp)],
                        stdout=subprocess.PIPE, text=True)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from bench_proxy import LCAP, UPSTREAM, _leaf_files, _measure, _pct
+from bench_proxy import LCAP, UPSTREAM, _leaf_files, _measure, _pct, start_proxy
 
 CONCURRENCY = 16
 
@@ -45,16 +45,11 @@ def main() -> None:
         upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM], stdout=subprocess.PIPE, text=True)
         procs.append(upstream)
         up_url = f"http://127.0.0.1:{int(upstream.stdout.readline())}"
-        proxy = subprocess.Popen([LCAP, "proxy", "--serve", "--upstream", up_url, "--db", str(tmp / "tail.duckdb")],
-                                 env={**os.environ, "LCAP_HOME": home}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True)
+        proxy, lcap_port, bundle = start_proxy([LCAP, "proxy", "--serve", "--upstream", up_url, "--db",
+                                                str(tmp / "tail.duckdb")], {**os.environ, "LCAP_HOME": home})
         procs.append(proxy)
-        line = proxy.stdout.readline()
-        if "listening on " not in line:
-            raise SystemExit(f"proxy did not start: {line} {proxy.stderr.read()}")
-        lcap_proxy = f"http://tail:x@127.0.0.1:{line.split('listening on ', 1)[1].split()[0].rsplit(':', 1)[1]}"
-        bundle = proxy.stdout.readline().split("SSL_CERT_FILE=", 1)[1].strip()
-        direct_url, lcap_url = f"{up_url}/v1/chat/completions", f"{up_url}/v1/chat/completions"
+        lcap_proxy = f"http://tail:x@127.0.0.1:{lcap_port}"
+        direct_url = lcap_url = f"{up_url}/v1/chat/completions"
         if args.https:
             secure = subprocess.Popen([sys.executable, "-c", UPSTREAM, *_leaf_files(Path(home) / "ca", tmp)],
                                       stdout=subprocess.PIPE, text=True)

@@ -132,7 +132,8 @@ class LeafCerts:
             ctx = self.contexts[host] = self._make(host)
         return ctx
 
-    def _make(self, host: str) -> ssl.SSLContext:
+    def pem(self, host: str) -> tuple[bytes, bytes]:
+        """The certificate chain for `host` and its private key, PEM-encoded."""
         from cryptography import x509
         from cryptography.hazmat.primitives import serialization
 
@@ -141,11 +142,14 @@ class LeafCerts:
         except ValueError:
             name = x509.DNSName(host.encode("idna").decode())
         entry = self.store.get_cert(host, [name])
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.set_alpn_protocols(["http/1.1"])
         key = entry.privatekey.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                              serialization.NoEncryption())
-        chain = entry.cert.to_pem() + b"".join(c.to_pem() for c in entry.chain_certs)
+        return entry.cert.to_pem() + b"".join(c.to_pem() for c in entry.chain_certs), key
+
+    def _make(self, host: str) -> ssl.SSLContext:
+        chain, key = self.pem(host)
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.set_alpn_protocols(["http/1.1"])
         with tempfile.TemporaryDirectory(prefix="lcap-leaf-") as tmp:  # ssl loads key pairs from files only
             cert_file, key_file = Path(tmp, "cert.pem"), Path(tmp, "key.pem")
             cert_file.write_bytes(chain)
