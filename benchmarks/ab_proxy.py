@@ -24,7 +24,6 @@ import tempfile
 from pathlib import Path
 
 import httpx
-
 from bench_proxy import LCAP, REPO, UPSTREAM, _measure, _pct, start_proxy
 
 PACKAGES = ("capture", "dataset", "train")  # top-level folders that setuptools maps to lcap.<name>
@@ -53,14 +52,18 @@ def main() -> None:
     procs: list[subprocess.Popen] = []
     try:
         base_pkg = _checkout(args.base, tmp / "base")
-        upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                    text=True)
+        upstream = subprocess.Popen(
+            [sys.executable, "-c", UPSTREAM], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
         procs.append(upstream)
         up_url = f"http://127.0.0.1:{int(upstream.stdout.readline())}"
         serve = ["proxy", "--serve", "--upstream", up_url, "--db"]
         base_env = {**os.environ, "PYTHONPATH": str(base_pkg)}
-        base, base_port, bundle = start_proxy([sys.executable, "-c", "from lcap.cli import app; app()", *serve,
-                                                str(tmp / "base.duckdb")], base_env, base_pkg)
+        base, base_port, bundle = start_proxy(
+            [sys.executable, "-c", "from lcap.cli import app; app()", *serve, str(tmp / "base.duckdb")],
+            base_env,
+            base_pkg,
+        )
         procs.append(base)
         work, work_port, _ = start_proxy([LCAP, *serve, str(tmp / "work.duckdb")], dict(os.environ), tmp)
         procs.append(work)
@@ -71,16 +74,26 @@ def main() -> None:
             https = "https://api.openai.com/v1/chat/completions"
             paths = {
                 "direct": (httpx.AsyncClient(trust_env=False, limits=limits), f"{up_url}/v1/chat/completions"),
-                f"base {args.base}": (httpx.AsyncClient(trust_env=False, limits=limits, verify=ctx,
-                                                        proxy=f"http://ab:x@127.0.0.1:{base_port}"), https),
-                "working tree": (httpx.AsyncClient(trust_env=False, limits=limits, verify=ctx,
-                                                   proxy=f"http://ab:x@127.0.0.1:{work_port}"), https),
+                f"base {args.base}": (
+                    httpx.AsyncClient(
+                        trust_env=False, limits=limits, verify=ctx, proxy=f"http://ab:x@127.0.0.1:{base_port}"
+                    ),
+                    https,
+                ),
+                "working tree": (
+                    httpx.AsyncClient(
+                        trust_env=False, limits=limits, verify=ctx, proxy=f"http://ab:x@127.0.0.1:{work_port}"
+                    ),
+                    https,
+                ),
             }
             rows = []
-            for label, concurrency, calls, stream in (("non-streaming c=1", 1, args.n, False),
-                                                      ("first SSE chunk c=1", 1, args.n, True),
-                                                      ("non-streaming c=16", 16, args.rounds, False),
-                                                      ("first SSE chunk c=16", 16, args.rounds, True)):
+            for label, concurrency, calls, stream in (
+                ("non-streaming c=1", 1, args.n, False),
+                ("first SSE chunk c=1", 1, args.n, True),
+                ("non-streaming c=16", 16, args.rounds, False),
+                ("first SSE chunk c=16", 16, args.rounds, True),
+            ):
                 latencies, _ = await _measure(paths, concurrency=concurrency, rounds=calls, stream=stream)
                 rows.append((label, latencies))
             for client, _ in paths.values():
@@ -102,7 +115,11 @@ def main() -> None:
     for label, res in rows:
         direct = res["direct"]
         for name, values in res.items():
-            added = "" if name == "direct" else "".join(f"{_pct(values, q) - _pct(direct, q):>+8.2f}" for q in (0.5, 0.9, 0.99))
+            added = (
+                ""
+                if name == "direct"
+                else "".join(f"{_pct(values, q) - _pct(direct, q):>+8.2f}" for q in (0.5, 0.9, 0.99))
+            )
             print(f"{label:<22}{name:<22}{len(values):>6}{_pct(values, 0.5):>9.2f}{added}")
 
 

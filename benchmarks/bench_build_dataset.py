@@ -17,9 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from synthetic_store import make_store  # noqa: E402
+from synthetic_store import make_store
 
-from lcap.dataset.build import build_dataset  # noqa: E402
+from lcap.dataset.build import build_dataset
 
 
 def main() -> None:
@@ -33,14 +33,18 @@ def main() -> None:
         t0 = time.perf_counter()
         store = make_store(root / "bench.duckdb", turns=args.turns)
         gen = time.perf_counter() - t0
-        print(f"generated {args.turns:,} turns in {gen:.1f}s ({(root / 'bench.duckdb').stat().st_size / 2**20:.0f} MiB)")
+        print(
+            f"generated {args.turns:,} turns in {gen:.1f}s ({(root / 'bench.duckdb').stat().st_size / 2**20:.0f} MiB)"
+        )
         t0 = time.perf_counter()
         report = build_dataset(store, round=1, out=root / "data")
         took = time.perf_counter() - t0
         print("\n".join(report.lines()))
         size = (root / "data" / "samples.parquet").stat().st_size / 2**20
-        print(f"build-dataset: {args.turns:,} turns in {took:.1f}s = {args.turns / took:,.0f} turns/s "
-              f"(target <= 30 s for 1,000,000); samples.parquet {size:.0f} MiB")
+        print(
+            f"build-dataset: {args.turns:,} turns in {took:.1f}s = {args.turns / took:,.0f} turns/s "
+            f"(target <= 30 s for 1,000,000); samples.parquet {size:.0f} MiB"
+        )
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 import httpx
-
 from bench_proxy import UPSTREAM
+
 from lcap.capture.server import CaptureProxy
 from lcap.store import Store
 
@@ -36,24 +36,30 @@ def _full_collection_ms(repeats: int = 5) -> float:
 
 
 def main() -> None:
-    upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                text=True)
+    upstream = subprocess.Popen(
+        [sys.executable, "-c", UPSTREAM], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     try:
         up_url = f"http://127.0.0.1:{int(upstream.stdout.readline())}"
         proxy = CaptureProxy(Store(Path(tempfile.mkdtemp(prefix="lcap-gc-")) / "gc.duckdb"), upstream=up_url)
         proxy.start()
         try:
             with httpx.Client(proxy=proxy.proxy_url("gc"), trust_env=False) as client:
+
                 def calls(n: int) -> None:
                     for _ in range(n):
-                        client.post(f"{up_url}/v1/chat/completions", json={"model": "m", "messages": []}).raise_for_status()
+                        client.post(
+                            f"{up_url}/v1/chat/completions", json={"model": "m", "messages": []}
+                        ).raise_for_status()
 
                 calls(20)
                 tracked, before = len(gc.get_objects()), _full_collection_ms()
                 gc.freeze()
                 calls(200)  # what a running proxy has in sight after the freeze: what its calls made
                 after_tracked, after = len(gc.get_objects()), _full_collection_ms()
-            print(f"objects in the collector's sight: {tracked} before gc.freeze(), {after_tracked} after it and 200 calls")
+            print(
+                f"objects in the collector's sight: {tracked} before gc.freeze(), {after_tracked} after it and 200 calls"
+            )
             print(f"one full collection: {before:.1f} ms before, {after * 1000:.0f} us after")
         finally:
             gc.unfreeze()

@@ -51,7 +51,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 LCAP = str(REPO / ".venv" / "bin" / "lcap") if (REPO / ".venv" / "bin" / "lcap").exists() else shutil.which("lcap")
 
-UPSTREAM = r'''
+UPSTREAM = r"""
 import asyncio, json, sys
 BODY = json.dumps({"id": "c1", "object": "chat.completion", "model": "m", "choices": [{"index": 0,
     "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
@@ -102,9 +102,9 @@ try:  # the loop vLLM's server runs on, whose TLS is compiled: the direct https 
 except ImportError:
     run = asyncio.run
 run(main())
-'''
+"""
 
-REROUTE = r'''
+REROUTE = r"""
 import os
 UP = int(os.environ["BENCH_UPSTREAM_PORT"])
 
@@ -117,9 +117,9 @@ class Reroute:
         flow.response.stream = True  # else mitmproxy holds SSE until the stream ends
 
 addons = [Reroute()]
-'''
+"""
 
-RELAY = r'''
+RELAY = r"""
 import asyncio, sys
 
 async def pump(reader, writer):
@@ -139,9 +139,9 @@ async def main():
     await server.serve_forever()
 
 asyncio.run(main())
-'''
+"""
 
-BARE = r'''
+BARE = r"""
 import asyncio, os, sys
 from mitmproxy import options
 from mitmproxy.addons import next_layer, proxyserver, tlsconfig
@@ -167,7 +167,7 @@ async def main():
         await master.should_exit.wait()
 
 asyncio.run(main())
-'''
+"""
 
 BASELINE = {"lcap https": "direct https"}  # what an agent calling the API over HTTPS pays without lcap; others: direct
 
@@ -176,7 +176,7 @@ REQUEST = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Say
 
 def _pct(values: list[float], q: float) -> float:
     values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
 async def _one(client: httpx.AsyncClient, url: str, stream: bool) -> float:
@@ -196,8 +196,14 @@ async def _one(client: httpx.AsyncClient, url: str, stream: bool) -> float:
     return first
 
 
-async def _measure(clients: dict[str, tuple[httpx.AsyncClient, str]], *, concurrency: int, rounds: int,
-                   stream: bool, every: dict[str, int] | None = None) -> tuple[dict[str, list[float]], dict[str, float]]:
+async def _measure(
+    clients: dict[str, tuple[httpx.AsyncClient, str]],
+    *,
+    concurrency: int,
+    rounds: int,
+    stream: bool,
+    every: dict[str, int] | None = None,
+) -> tuple[dict[str, list[float]], dict[str, float]]:
     """Alternate the paths round by round, back to back, in a new random order each round (a fixed order
     biases a path by the one before it); each round sends `concurrency` requests at once on one path, except
     that a path named in `every` takes part in one round in that many (a slow reference row).
@@ -205,7 +211,7 @@ async def _measure(clients: dict[str, tuple[httpx.AsyncClient, str]], *, concurr
     every = every or {}
     results: dict[str, list[float]] = {name: [] for name in clients}
     cpu = dict.fromkeys(clients, 0.0)
-    for name, (client, url) in clients.items():  # warm connections (and TLS sessions)
+    for client, url in clients.values():  # warm connections (and TLS sessions)
         await asyncio.gather(*(_one(client, url, stream) for _ in range(concurrency)))
     shuffle = random.Random(0).shuffle
     for n in range(rounds):
@@ -235,16 +241,26 @@ def capture_cost(n: int = 2000) -> tuple[float, float, float]:
 
     calls = Calls(Writer(), Router("http://127.0.0.1:9", None), token_ids=False)
     body = json.dumps({**REQUEST, "messages": [{"role": "user", "content": "x" * 2000}] * 4}).encode()
-    answer = json.dumps({"id": "c", "model": "m", "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok" * 100},
-                                                                "finish_reason": "stop"}]}).encode()
-    fields = ((b"Host", b"api.openai.com"), (b"Authorization", b"Bearer sk-x"), (b"Content-Type", b"application/json"),
-              (b"Proxy-Authorization", b"Basic YmVuY2g6eA=="))
+    answer = json.dumps(
+        {
+            "id": "c",
+            "model": "m",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok" * 100}, "finish_reason": "stop"}],
+        }
+    ).encode()
+    fields = (
+        (b"Host", b"api.openai.com"),
+        (b"Authorization", b"Bearer sk-x"),
+        (b"Content-Type", b"application/json"),
+        (b"Proxy-Authorization", b"Basic YmVuY2g6eA=="),
+    )
 
     def one() -> float:
         t0 = time.perf_counter()
         episode, rest = take_episode(fields)
-        call = calls.open_call("chat", episode, scheme="https", host="api.openai.com", port=443,
-                               path="/v1/chat/completions", fields=rest)
+        call = calls.open_call(
+            "chat", episode, scheme="https", host="api.openai.com", port=443, path="/v1/chat/completions", fields=rest
+        )
         calls.take_body(call, body)
         calls.answer_head(call.pending, 200, "application/json", None)
         calls.answer_body(call.pending, answer)
@@ -309,9 +325,14 @@ def _wait_listening(port: int, proc: subprocess.Popen, what: str, timeout: float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=300, help="requests per path at concurrency 1")
-    parser.add_argument("--rounds", type=int, default=500, help="rounds of 16 concurrent requests per path (LiteLLM: "
-                        "one in 5); a p99 at c=16 needs thousands of samples here, since the machine's noise comes in bursts "
-                        "that slow whole rounds")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=500,
+        help="rounds of 16 concurrent requests per path (LiteLLM: "
+        "one in 5); a p99 at c=16 needs thousands of samples here, since the machine's noise comes in bursts "
+        "that slow whole rounds",
+    )
     parser.add_argument("--no-litellm", action="store_true", help="leave out the LiteLLM row")
     args = parser.parse_args()
 
@@ -334,19 +355,39 @@ def main() -> None:
         proxy, lcap_port, bundle = start_proxy([LCAP, "proxy", "--serve", "--upstream", up_url, "--db", str(db)], env)
         procs.append(proxy)
 
-        secure = spawn([sys.executable, "-c", UPSTREAM, *_leaf_files(Path(home) / "ca", tmp)],
-                       stdout=subprocess.PIPE, text=True)
+        secure = spawn(
+            [sys.executable, "-c", UPSTREAM, *_leaf_files(Path(home) / "ca", tmp)], stdout=subprocess.PIPE, text=True
+        )
         secure_port = int(secure.stdout.readline())
 
         (tmp / "reroute.py").write_text(REROUTE)
         base_env = {**env, "BENCH_UPSTREAM_PORT": str(up_port)}
-        bare = spawn([sys.executable, "-c", BARE, str(tmp / "reroute.py"), str(Path(home) / "ca")], env=base_env,
-                     stdout=subprocess.PIPE, text=True)
+        bare = spawn(
+            [sys.executable, "-c", BARE, str(tmp / "reroute.py"), str(Path(home) / "ca")],
+            env=base_env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         bare_port = int(bare.stdout.readline())
         dump_port = _free_port()
         mitmdump = str(Path(sys.executable).with_name("mitmdump"))
-        spawn([mitmdump, "-q", "--listen-host", "127.0.0.1", "--listen-port", str(dump_port), "-s", str(tmp / "reroute.py"),
-               "--set", f"confdir={Path(home) / 'ca'}", "--set", "connection_strategy=lazy"], env=base_env)
+        spawn(
+            [
+                mitmdump,
+                "-q",
+                "--listen-host",
+                "127.0.0.1",
+                "--listen-port",
+                str(dump_port),
+                "-s",
+                str(tmp / "reroute.py"),
+                "--set",
+                f"confdir={Path(home) / 'ca'}",
+                "--set",
+                "connection_strategy=lazy",
+            ],
+            env=base_env,
+        )
         _wait_listening(dump_port, procs[-1], "mitmdump")
 
         relay = spawn([sys.executable, "-c", RELAY, str(up_port)], stdout=subprocess.PIPE, text=True)
@@ -373,8 +414,10 @@ def main() -> None:
                 "direct again": (client(), chat),
                 "direct https": (client(verify=ctx), f"https://127.0.0.1:{secure_port}/v1/chat/completions"),
                 "lcap http": (client(proxy=f"http://bench:x@127.0.0.1:{lcap_port}"), chat),
-                "lcap https": (client(proxy=f"http://bench:x@127.0.0.1:{lcap_port}", verify=ctx),
-                               "https://api.openai.com/v1/chat/completions"),
+                "lcap https": (
+                    client(proxy=f"http://bench:x@127.0.0.1:{lcap_port}", verify=ctx),
+                    "https://api.openai.com/v1/chat/completions",
+                ),
                 "mitmproxy": (client(proxy=f"http://127.0.0.1:{bare_port}"), chat),
                 "mitmdump": (client(proxy=f"http://127.0.0.1:{dump_port}"), chat),
             }
@@ -383,12 +426,24 @@ def main() -> None:
             clients["relay"] = (client(), f"http://127.0.0.1:{relay_port}/v1/chat/completions")
             rows = []
             try:
-                for label, conc, rounds, stream in (("non-streaming c=1", 1, args.n, False),
-                                                    ("non-streaming c=16", 16, args.rounds, False),
-                                                    ("streaming TTFC c=1", 1, args.n, True),
-                                                    ("streaming TTFC c=16", 16, args.rounds, True)):
-                    rows.append((label, *await _measure(clients, concurrency=conc, rounds=rounds, stream=stream,
-                                                        every={"litellm": 5} if conc > 1 else None)))
+                for label, conc, rounds, stream in (
+                    ("non-streaming c=1", 1, args.n, False),
+                    ("non-streaming c=16", 16, args.rounds, False),
+                    ("streaming TTFC c=1", 1, args.n, True),
+                    ("streaming TTFC c=16", 16, args.rounds, True),
+                ):
+                    rows.append(
+                        (
+                            label,
+                            *await _measure(
+                                clients,
+                                concurrency=conc,
+                                rounds=rounds,
+                                stream=stream,
+                                every={"litellm": 5} if conc > 1 else None,
+                            ),
+                        )
+                    )
             finally:
                 for c, _ in clients.values():
                     await c.aclose()
@@ -405,8 +460,10 @@ def main() -> None:
                 proc.kill()
 
     lcap_sent = 0
-    print(f"{'case':<22}{'path':<13}{'n':>6}{'p50 ms':>9}{'p99 ms':>9}{'vs':>14}{'+p50 ms':>9}{'+p99 ms':>9}{'p50 x':>7}"
-          f"{'client CPU us':>15}")
+    print(
+        f"{'case':<22}{'path':<13}{'n':>6}{'p50 ms':>9}{'p99 ms':>9}{'vs':>14}{'+p50 ms':>9}{'+p99 ms':>9}{'p50 x':>7}"
+        f"{'client CPU us':>15}"
+    )
     for label, res, cpu in rows:
         for name, values in res.items():
             p50, p99 = _pct(values, 0.5), _pct(values, 0.99)
@@ -418,9 +475,14 @@ def main() -> None:
             print(f"{label:<22}{name:<13}{len(values):>6}{p50:>9.2f}{p99:>9.2f}{extra}{cpu[name]:>15.0f}")
             if name.startswith("lcap"):
                 lcap_sent += len(values)
-    print("lcap https vs plain direct, +p50 / +p99 ms: " + "; ".join(
-        f"{label} {_pct(res['lcap https'], 0.5) - _pct(res['direct'], 0.5):+.2f} / "
-        f"{_pct(res['lcap https'], 0.99) - _pct(res['direct'], 0.99):+.2f}" for label, res, _ in rows))
+    print(
+        "lcap https vs plain direct, +p50 / +p99 ms: "
+        + "; ".join(
+            f"{label} {_pct(res['lcap https'], 0.5) - _pct(res['direct'], 0.5):+.2f} / "
+            f"{_pct(res['lcap https'], 0.99) - _pct(res['direct'], 0.99):+.2f}"
+            for label, res, _ in rows
+        )
+    )
     import duckdb
 
     con = duckdb.connect(str(db), read_only=True)
@@ -429,8 +491,10 @@ def main() -> None:
     warm = sum(16 if "c=16" in label else 1 for label, _, _ in rows) * 2
     print(f"turns stored by lcap: {stored} of {lcap_sent + warm} calls it proxied (including warm-up)")
     p50, p99, per_row = capture_cost()
-    print(f"lcap's capture work per call (8 KB request, rerouted, spool record included): p50 {p50:.0f} us, p99 {p99:.0f} us; "
-          f"the writer process builds a row in {per_row:.0f} us")
+    print(
+        f"lcap's capture work per call (8 KB request, rerouted, spool record included): p50 {p50:.0f} us, p99 {p99:.0f} us; "
+        f"the writer process builds a row in {per_row:.0f} us"
+    )
     shutil.rmtree(tmp, ignore_errors=True)
 
 

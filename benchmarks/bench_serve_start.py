@@ -21,9 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 def main(rounds: int) -> None:
     from fixtures_vllm import make_lora
-    from lcap.train.deploy import deploy
-    from lcap.train.tiny_model import init_model
-    from lcap.train.vllm_server import resolve_python, start_server, stop_server
+
+    from lcap.serve.deploy import deploy
+    from lcap.serve.server import resolve_python, start_server, stop_server
+    from lcap.serve.tiny_model import init_model
 
     python = resolve_python()
     work = Path(tempfile.mkdtemp(prefix="lcap-bench-"))
@@ -35,7 +36,9 @@ def main(rounds: int) -> None:
         for mode in ("single", "multi"):
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if mode == "single" else "1"
             started = time.monotonic()
-            record = start_server(str(model), python=python, log_path=work / f"{mode}-{i}.log", timeout=900, progress=False)
+            record = start_server(
+                str(model), python=python, log_path=work / f"{mode}-{i}.log", timeout=900, progress=False
+            )
             times[mode].append(time.monotonic() - started)
             try:
                 body = {"model": record.current, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
@@ -45,7 +48,10 @@ def main(rounds: int) -> None:
                 t0 = time.monotonic()
                 deploy(lora, round=i)
                 load = time.monotonic() - t0
-                print(f"{mode:6s} start {times[mode][-1]:6.1f} s  first request {first * 1000:6.0f} ms  LoRA hot-load {load * 1000:6.0f} ms", flush=True)
+                print(
+                    f"{mode:6s} start {times[mode][-1]:6.1f} s  first request {first * 1000:6.0f} ms  LoRA hot-load {load * 1000:6.0f} ms",
+                    flush=True,
+                )
             finally:
                 stop_server()
     single, multi = statistics.median(times["single"]), statistics.median(times["multi"])

@@ -47,22 +47,29 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
+    from fixtures_train import make_captured_samples
     from transformers import PrinterCallback, TrainerCallback
 
-    from fixtures_train import make_captured_samples
+    from lcap.serve.tiny_model import init_model
     from lcap.store import Store
     from lcap.train.grpo import TrainOptions, prepare_round
-    from lcap.train.tiny_model import init_model
 
     tmp = Path(tempfile.mkdtemp(prefix="lcap-bench-train-"))
     model_dir = init_model(tmp / "model", hidden_size=args.hidden, num_layers=args.layers, num_heads=args.hidden // 64)
-    data = make_captured_samples(model_dir, tmp / "data", n_groups=args.groups, group_size=args.group_size,
-                                 max_new_tokens=args.max_new_tokens)
+    data = make_captured_samples(
+        model_dir, tmp / "data", n_groups=args.groups, group_size=args.group_size, max_new_tokens=args.max_new_tokens
+    )
     batch = 2 * args.group_size
     # epochs = steps: one TRL generation (one old/IS forward) per pass over the groups, as in `lcap train`.
-    options = TrainOptions(base_model=str(model_dir), learning_rate=1e-4, batch_size=batch,
-                           epochs=max(1, args.steps * batch // (args.groups * args.group_size)), max_steps=args.steps,
-                           report_to="none", logging_steps=10**6)  # no per-step log formatting in the timed loop
+    options = TrainOptions(
+        base_model=str(model_dir),
+        learning_rate=1e-4,
+        batch_size=batch,
+        epochs=max(1, args.steps * batch // (args.groups * args.group_size)),
+        max_steps=args.steps,
+        report_to="none",
+        logging_steps=10**6,
+    )  # no per-step log formatting in the timed loop
 
     samples = prepare_round(Store(tmp / "lcap.duckdb"), tmp / "run", 1, options, data=data).groups.samples
     tokens_per_step = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples) / len(samples) * batch
@@ -71,10 +78,12 @@ def main() -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    bare = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
-                          LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"))
+    bare = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model_dir),
+        LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"),
+    )
     opt = torch.optim.AdamW([p for p in bare.parameters() if p.requires_grad], lr=1e-4)
-    batches = [samples[(i * batch) % len(samples):][:batch] or samples[:batch] for i in range(args.steps)]
+    batches = [samples[(i * batch) % len(samples) :][:batch] or samples[:batch] for i in range(args.steps)]
 
     def bare_step(chunk) -> None:
         p_len = max(len(s.prompt_ids) for s in chunk)
@@ -84,10 +93,10 @@ def main() -> None:
         mask = torch.zeros(len(chunk), c_len)
         adv = torch.tensor([s.advantage for s in chunk])
         for i, s in enumerate(chunk):
-            ids[i, p_len - len(s.prompt_ids):p_len] = torch.tensor(s.prompt_ids)
-            ids[i, p_len:p_len + len(s.completion_ids)] = torch.tensor(s.completion_ids)
-            attn[i, p_len - len(s.prompt_ids):p_len + len(s.completion_ids)] = 1
-            mask[i, :len(s.completion_ids)] = torch.tensor(s.env_mask, dtype=torch.float)
+            ids[i, p_len - len(s.prompt_ids) : p_len] = torch.tensor(s.prompt_ids)
+            ids[i, p_len : p_len + len(s.completion_ids)] = torch.tensor(s.completion_ids)
+            attn[i, p_len - len(s.prompt_ids) : p_len + len(s.completion_ids)] = 1
+            mask[i, : len(s.completion_ids)] = torch.tensor(s.env_mask, dtype=torch.float)
         logits = bare(input_ids=ids, attention_mask=attn, logits_to_keep=c_len + 1).logits[:, :-1]
         logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, p_len:, None])[..., 0]
         loss = -((logp * adv[:, None]) * mask).sum() / mask.sum()
@@ -139,16 +148,25 @@ def main() -> None:
     tokens = tokens_per_step * np.array(steps)
     bare_tps = np.median(tokens / np.array(bare_s)[:, 0])
     grpo_tps = np.median(tokens / np.array(grpo_s)[:, 0])
-    print(f"model: hidden {args.hidden}, {args.layers} layers, LoRA r16; batch {batch} samples "
-          f"({tokens_per_step:.0f} tokens/step), {steps[0]} steps x {args.repeats} repeats, torch threads {torch.get_num_threads()}")
-    print(f"bare PyTorch fwd+bwd+AdamW : {bare_tps:8.0f} tokens/s  ({tokens_per_step / bare_tps * 1000:.0f} ms/step, median)")
-    print(f"lcap GRPO (TRL) step       : {grpo_tps:8.0f} tokens/s  ({tokens_per_step / grpo_tps * 1000:.0f} ms/step, median)")
+    print(
+        f"model: hidden {args.hidden}, {args.layers} layers, LoRA r16; batch {batch} samples "
+        f"({tokens_per_step:.0f} tokens/step), {steps[0]} steps x {args.repeats} repeats, torch threads {torch.get_num_threads()}"
+    )
+    print(
+        f"bare PyTorch fwd+bwd+AdamW : {bare_tps:8.0f} tokens/s  ({tokens_per_step / bare_tps * 1000:.0f} ms/step, median)"
+    )
+    print(
+        f"lcap GRPO (TRL) step       : {grpo_tps:8.0f} tokens/s  ({tokens_per_step / grpo_tps * 1000:.0f} ms/step, median)"
+    )
     print(f"Trainer.train() set-up, once per round: {statistics.median(setup_s):.2f} s")
     best = np.array(grpo_s).min(axis=0) / np.array(bare_s).min(axis=0)  # noise only adds time: best of each side
     for name, column in (("wall", 0), ("CPU ", 1)):
-        print(f"overhead ({name} time): {np.median(ratios[:, column]):.2f}x the bare time per token, median "
-              f"(best of each side: {best[column]:.2f}x; target <= 1.3x); "
-              f"repeats: {', '.join(f'{r:.2f}x' for r in ratios[:, column])}")
+        print(
+            f"overhead ({name} time): {np.median(ratios[:, column]):.2f}x the bare time per token, median "
+            f"(best of each side: {best[column]:.2f}x; target <= 1.3x); "
+            f"repeats: {', '.join(f'{r:.2f}x' for r in ratios[:, column])}"
+        )
+
 
 if __name__ == "__main__":
     main()

@@ -26,13 +26,18 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_proxy import BARE, LCAP, REQUEST, REROUTE, UPSTREAM  # noqa: E402
+from bench_proxy import BARE, LCAP, REQUEST, REROUTE, UPSTREAM
 
 
 def count(argv: list[str], env: dict[str, str], port_of, upstream: str, n: int, out: Path) -> int:
     """Run `argv` under callgrind; return the instructions of N calls through it (after 20 uncounted)."""
-    proc = subprocess.Popen(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}.%p", *argv],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}.%p", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         port = port_of(proc.stdout.readline())
         with httpx.Client(proxy=f"http://bench:x@127.0.0.1:{port}", trust_env=False, timeout=120) as client:
@@ -73,8 +78,12 @@ def main() -> None:
         rows = [
             ("stock mitmproxy, lcap's 3 addons", bare, env, int),
             ("  + skip_debug_checks()", bare, {**env, "BENCH_SKIP_DEBUG_CHECKS": "1"}, int),
-            ("lcap proxy --serve", [sys.executable, LCAP, "proxy", "--serve", "--upstream", up_url, "--db", str(tmp / "db.duckdb")],
-             env, lambda line: int(line.split("listening on ", 1)[1].split()[0].rsplit(":", 1)[1])),
+            (
+                "lcap proxy --serve",
+                [sys.executable, LCAP, "proxy", "--serve", "--upstream", up_url, "--db", str(tmp / "db.duckdb")],
+                env,
+                lambda line: int(line.split("listening on ", 1)[1].split()[0].rsplit(":", 1)[1]),
+            ),
         ]
         print(f"{'proxy':<36}{'instructions per call':>24}")
         for label, argv, row_env, port_of in rows:

@@ -47,8 +47,16 @@ def _free_port() -> int:
 def _write_config(upstream_url: str, workdir: Path) -> Path:
     """LiteLLM reads YAML; JSON is YAML, so the stdlib writes it."""
     config = {
-        "model_list": [{"model_name": MODEL, "litellm_params": {
-            "model": f"openai/{MODEL}", "api_base": upstream_url.rstrip("/") + "/v1", "api_key": "sk-upstream"}}],
+        "model_list": [
+            {
+                "model_name": MODEL,
+                "litellm_params": {
+                    "model": f"openai/{MODEL}",
+                    "api_base": upstream_url.rstrip("/") + "/v1",
+                    "api_key": "sk-upstream",
+                },
+            }
+        ],
         "litellm_settings": {"set_verbose": False, "callbacks": [], "num_retries": 0, "request_timeout": 60},
         "general_settings": {"master_key": MASTER_KEY, "disable_spend_logs": True, "disable_error_logs": True},
     }
@@ -58,11 +66,25 @@ def _write_config(upstream_url: str, workdir: Path) -> Path:
 
 
 def _environment() -> dict[str, str]:
-    drop = ("DATABASE_URL", "LITELLM_MASTER_KEY", "REDIS_HOST", "REDIS_URL", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY",
-            "http_proxy", "https_proxy", "all_proxy")
+    drop = (
+        "DATABASE_URL",
+        "LITELLM_MASTER_KEY",
+        "REDIS_HOST",
+        "REDIS_URL",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "ALL_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "all_proxy",
+    )
     env = {key: value for key, value in os.environ.items() if key not in drop}
-    env.update(LITELLM_LOG="ERROR", LITELLM_MODE="PRODUCTION", LITELLM_LOCAL_MODEL_COST_MAP="True",
-               NO_PROXY="127.0.0.1,localhost")
+    env.update(
+        LITELLM_LOG="ERROR",
+        LITELLM_MODE="PRODUCTION",
+        LITELLM_LOCAL_MODEL_COST_MAP="True",
+        NO_PROXY="127.0.0.1,localhost",
+    )
     return env
 
 
@@ -94,9 +116,22 @@ def start_litellm(upstream_url: str, workdir: Path, *, timeout: float = 120) -> 
     log = workdir / "litellm.log"
     with log.open("wb") as sink:
         proc = subprocess.Popen(
-            [str(LITELLM_VENV / "bin" / "litellm"), "--config", str(config), "--host", "127.0.0.1",
-             "--port", str(port), "--num_workers", "1"],
-            env=_environment(), stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT)
+            [
+                str(LITELLM_VENV / "bin" / "litellm"),
+                "--config",
+                str(config),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--num_workers",
+                "1",
+            ],
+            env=_environment(),
+            stdin=subprocess.DEVNULL,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
     base = f"http://127.0.0.1:{port}"
     _wait_ready(proc, base, log, timeout)
     return proc, f"{base}/v1/chat/completions"

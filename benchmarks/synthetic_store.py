@@ -16,14 +16,24 @@ from pathlib import Path
 from lcap.store import Store
 
 
-def make_store(path: Path, *, turns: int = 1_000_000, turns_per_episode: int = 4, group_size: int = 8,
-               system_len: int = 48, completion_len: int = 24, env_len: int = 12, split_every: int = 10,
-               round: int = 1) -> Store:
+def make_store(
+    path: Path,
+    *,
+    turns: int = 1_000_000,
+    turns_per_episode: int = 4,
+    group_size: int = 8,
+    system_len: int = 48,
+    completion_len: int = 24,
+    env_len: int = 12,
+    split_every: int = 10,
+    round: int = 1,
+) -> Store:
     episodes = turns // turns_per_episode
     path.unlink(missing_ok=True)
     store = Store(path)
-    p = dict(E=episodes, K=turns_per_episode, G=group_size, S=system_len, C=completion_len, V=env_len,
-             X=split_every, R=round)
+    p = dict(
+        E=episodes, K=turns_per_episode, G=group_size, S=system_len, C=completion_len, V=env_len, X=split_every, R=round
+    )
     # Every value formatted into the SQL below is an int from this function's signature.
     sql = [
         "INSERT INTO deployments VALUES ('policy-r1', '/models/tiny', '/models/tiny', 'base', {R}, now())",
@@ -31,7 +41,7 @@ def make_store(path: Path, *, turns: int = 1_000_000, turns_per_episode: int = 4
            SELECT 'ep' || e AS episode_id, 'python agent.py' AS command, '/tmp' AS cwd,
                   now() AS started_at, now() AS ended_at, 0 AS exit_code, 'ok' AS status,
                   json_object('task', 't' || (e // {G}), 'round', {R}, 'sample', e % {G}, 'split', 'train') AS labels,
-                  't' || (e // {G}) AS task_id, {R} AS round, (e % {G})::INTEGER AS group_index
+                  't' || (e // {G}) AS task_id, {R} AS round, (e % {G})::INTEGER AS sample, 'train' AS split
            FROM range({E}) r(e)""",
         """INSERT INTO rewards BY NAME
            SELECT 'ep' || e AS episode_id, ((e * 7919) % 5) / 4.0 AS value, '{{}}' AS details,

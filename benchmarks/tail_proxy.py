@@ -25,7 +25,6 @@ import tempfile
 from pathlib import Path
 
 import httpx
-
 from bench_proxy import LCAP, UPSTREAM, _leaf_files, _measure, _pct, start_proxy
 
 CONCURRENCY = 16
@@ -45,14 +44,19 @@ def main() -> None:
         upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM], stdout=subprocess.PIPE, text=True)
         procs.append(upstream)
         up_url = f"http://127.0.0.1:{int(upstream.stdout.readline())}"
-        proxy, lcap_port, bundle = start_proxy([LCAP, "proxy", "--serve", "--upstream", up_url, "--db",
-                                                str(tmp / "tail.duckdb")], {**os.environ, "LCAP_HOME": home})
+        proxy, lcap_port, bundle = start_proxy(
+            [LCAP, "proxy", "--serve", "--upstream", up_url, "--db", str(tmp / "tail.duckdb")],
+            {**os.environ, "LCAP_HOME": home},
+        )
         procs.append(proxy)
         lcap_proxy = f"http://tail:x@127.0.0.1:{lcap_port}"
         direct_url = lcap_url = f"{up_url}/v1/chat/completions"
         if args.https:
-            secure = subprocess.Popen([sys.executable, "-c", UPSTREAM, *_leaf_files(Path(home) / "ca", tmp)],
-                                      stdout=subprocess.PIPE, text=True)
+            secure = subprocess.Popen(
+                [sys.executable, "-c", UPSTREAM, *_leaf_files(Path(home) / "ca", tmp)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             procs.append(secure)
             direct_url = f"https://127.0.0.1:{int(secure.stdout.readline())}/v1/chat/completions"
             lcap_url = "https://api.openai.com/v1/chat/completions"
@@ -64,8 +68,11 @@ def main() -> None:
             def client(**kwargs) -> httpx.AsyncClient:
                 return httpx.AsyncClient(limits=limits, trust_env=False, timeout=60, verify=ctx, **kwargs)
 
-            clients = {"direct": (client(), direct_url), "direct again": (client(), direct_url),
-                       "lcap": (client(proxy=lcap_proxy), lcap_url)}
+            clients = {
+                "direct": (client(), direct_url),
+                "direct again": (client(), direct_url),
+                "lcap": (client(proxy=lcap_proxy), lcap_url),
+            }
             try:
                 results, _ = await _measure(clients, concurrency=CONCURRENCY, rounds=args.rounds, stream=args.stream)
             finally:
@@ -82,16 +89,23 @@ def main() -> None:
                 proc.kill()
         shutil.rmtree(tmp, ignore_errors=True)
 
-    what = f"{'https' if args.https else 'http'}, {'first SSE chunk' if args.stream else 'whole answer'}, c={CONCURRENCY}"
+    what = (
+        f"{'https' if args.https else 'http'}, {'first SSE chunk' if args.stream else 'whole answer'}, c={CONCURRENCY}"
+    )
     print(f"{what}, {args.rounds} rounds per path")
-    print(f"{'path':<14}{'n':>7}{'p50 ms':>9}{'p99 ms':>9}{'p99.9 ms':>10}{'+p50':>8}{'+p99':>8}{'+p99.9':>8}{'slow rounds':>13}")
+    print(
+        f"{'path':<14}{'n':>7}{'p50 ms':>9}{'p99 ms':>9}{'p99.9 ms':>10}{'+p50':>8}{'+p99':>8}{'+p99.9':>8}{'slow rounds':>13}"
+    )
     base = results["direct"]
     for name, values in results.items():
         p50, p99, p999 = _pct(values, 0.5), _pct(values, 0.99), _pct(values, 0.999)
-        rounds = [sorted(values[i:i + CONCURRENCY]) for i in range(0, len(values), CONCURRENCY)]
+        rounds = [sorted(values[i : i + CONCURRENCY]) for i in range(0, len(values), CONCURRENCY)]
         slow = sum(r[CONCURRENCY // 2] > 2 * p50 for r in rounds)
-        added = "" if name == "direct" else (f"{p50 - _pct(base, 0.5):>+8.2f}{p99 - _pct(base, 0.99):>+8.2f}"
-                                             f"{p999 - _pct(base, 0.999):>+8.2f}")
+        added = (
+            ""
+            if name == "direct"
+            else (f"{p50 - _pct(base, 0.5):>+8.2f}{p99 - _pct(base, 0.99):>+8.2f}{p999 - _pct(base, 0.999):>+8.2f}")
+        )
         print(f"{name:<14}{len(values):>7}{p50:>9.2f}{p99:>9.2f}{p999:>10.2f}{added:>24}{slow:>13}")
 
 

@@ -16,13 +16,13 @@ from collections.abc import Callable
 from mitmproxy import http
 
 from lcap.capture import dialects
-from lcap.capture.calls import Calls, Route, take_episode
+from lcap.capture.calls import Calls, Route, take_episode, with_route_model
 from lcap.capture.turn import PendingTurn
 
 log = logging.getLogger("lcap.capture")
 
 _OPEN = "lcap-open"  # (dialect, episode) of a request on an LLM path, until its body is read
-_KEY = "lcap"        # the PendingTurn of a recognised call
+_KEY = "lcap"  # the PendingTurn of a recognised call
 _WS_KEY = "lcap-ws"
 
 
@@ -66,10 +66,19 @@ class CaptureAddon:
         dialect = dialects.match(req.method, req.path)
         if dialect is not None:
             flow.metadata[_OPEN] = (dialect, episode)
-        elif req.method == "GET" and req.path.split("?", 1)[0].rstrip("/").endswith("/responses") \
-                and req.headers.get("upgrade", "").lower() == "websocket":
-            flow.metadata[_WS_KEY] = {"episode": episode, "turn": None, "host": req.host, "path": req.path,
-                                      "route": None, "upstream": None}
+        elif (
+            req.method == "GET"
+            and req.path.split("?", 1)[0].rstrip("/").endswith("/responses")
+            and req.headers.get("upgrade", "").lower() == "websocket"
+        ):
+            flow.metadata[_WS_KEY] = {
+                "episode": episode,
+                "turn": None,
+                "host": req.host,
+                "path": req.path,
+                "route": None,
+                "upstream": None,
+            }
         else:
             req.stream = True  # not an LLM call: passed through as it comes, never held in memory
 
@@ -82,8 +91,9 @@ class CaptureAddon:
             return
         req = flow.request
         body = req.get_content(strict=False) or b""
-        call = self.calls.open_call(*opened, scheme=req.scheme, host=req.host, port=req.port, path=req.path,
-                                    fields=req.headers.fields)  # here, not at requestheaders: mitmproxy may change them
+        call = self.calls.open_call(
+            *opened, scheme=req.scheme, host=req.host, port=req.port, path=req.path, fields=req.headers.fields
+        )  # here, not at requestheaders: mitmproxy may change them
         if not self.calls.take_body(call, body):
             return
         flow.metadata[_KEY] = call.pending
@@ -105,8 +115,9 @@ class CaptureAddon:
             if _WS_KEY not in flow.metadata:
                 resp.stream = True  # not an LLM call
             return
-        transform = self.calls.answer_head(pending, resp.status_code, resp.headers.get("content-type", ""),
-                                           resp.headers.get("content-encoding"))
+        transform = self.calls.answer_head(
+            pending, resp.status_code, resp.headers.get("content-type", ""), resp.headers.get("content-encoding")
+        )
         if transform is not None:
             resp.stream = transform
 
@@ -163,17 +174,24 @@ class CaptureAddon:
                 return
             request = frame.get("response") if isinstance(frame.get("response"), dict) else frame
             route: Route | None = state["route"]
-            if route is not None and route.model and request.get("model") != route.model:
-                forward = json.loads(message.content)
-                target = forward.get("response") if isinstance(forward.get("response"), dict) else forward
-                target["model"] = route.model
-                message.content = json.dumps(forward, ensure_ascii=False).encode()
+            if route is not None:
+                forward = with_route_model(request, route)
+                if forward != request:
+                    nested = request is not frame
+                    message.content = json.dumps(
+                        {**frame, "response": forward} if nested else forward, ensure_ascii=False
+                    ).encode()
             if frame.get("generate") is False:  # a warm-up frame: no model output, no turn
                 return
             self._ws_close_turn(state, "superseded by a new response.create")
-            turn = PendingTurn(episode_id=state["episode"], seq=self.calls.next_seq(state["episode"]),
-                               host=state["host"], path=state["path"], dialect=dialects.RESPONSES,
-                               transport="websocket")
+            turn = PendingTurn(
+                episode_id=state["episode"],
+                seq=self.calls.next_seq(state["episode"]),
+                host=state["host"],
+                path=state["path"],
+                dialect=dialects.RESPONSES,
+                transport="websocket",
+            )
             turn.request_json = frame
             turn.model_requested = request.get("model")
             turn.upstream = state["upstream"]

@@ -34,6 +34,7 @@ _CREDENTIALS = frozenset(name.encode() for name in CREDENTIAL_HEADERS)
 
 # --- where calls go ---------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Route:
     """Where a recognised call goes instead of its original host."""
@@ -41,8 +42,8 @@ class Route:
     scheme: str
     host: str
     port: int
-    base_path: str          # e.g. "" or "/v1"
-    model: str | None       # the model to ask for, or None to keep the agent's
+    base_path: str  # e.g. "" or "/v1"
+    model: str | None  # the model to ask for, or None to keep the agent's
     deployment: str | None  # the policy deployment name stored on the turn
 
     @functools.cached_property
@@ -61,7 +62,7 @@ class Route:
             return agent_path
         path, sep, query = agent_path.partition("?")
         idx = path.find("/v1/")
-        tail = path[idx + 3:] if idx >= 0 else path
+        tail = path[idx + 3 :] if idx >= 0 else path
         return f"{self.base_path}{tail}{sep}{query}"
 
 
@@ -115,6 +116,7 @@ class Router:
 
 # --- which episode ------------------------------------------------------------------------------------
 
+
 @functools.lru_cache(maxsize=4096)
 def episode_from_proxy_auth(value: str | None) -> str | None:
     """The episode named as the user of `http://EPISODE@host:port` (Basic proxy credentials)."""
@@ -149,6 +151,7 @@ def take_episode(fields: Fields) -> tuple[str | None, Fields]:
 
 # --- one call ---------------------------------------------------------------------------------------
 
+
 @dataclass(slots=True)
 class Call:
     """A request to an LLM path and how to forward it."""
@@ -159,7 +162,7 @@ class Call:
     host: str
     port: int
     path: str
-    fields: Fields   # the request's header fields, minus lcap's own (and the agent's credentials when rerouted)
+    fields: Fields  # the request's header fields, minus lcap's own (and the agent's credentials when rerouted)
     body: bytes = b""  # the request body to send (rewritten when lcap changed it)
 
 
@@ -168,8 +171,9 @@ class Calls:
     `open_call` (the head), `take_body`, `answer_head`, then `answer_body` (a whole answer) or `close_call`
     (a stream, or a failure)."""
 
-    def __init__(self, writer: TurnWriter, router: Router, *, token_ids: bool,
-                 upstream_api_key: str | None = None) -> None:
+    def __init__(
+        self, writer: TurnWriter, router: Router, *, token_ids: bool, upstream_api_key: str | None = None
+    ) -> None:
         self.writer = writer
         self.router = router
         self.token_ids = token_ids
@@ -190,8 +194,9 @@ class Calls:
             return any(n > 0 for n in self.in_flight.values())
         return self.in_flight.get(episode, 0) > 0
 
-    def open_call(self, dialect: str, episode: str | None, *, scheme: str, host: str, port: int, path: str,
-                  fields: Fields) -> Call:
+    def open_call(
+        self, dialect: str, episode: str | None, *, scheme: str, host: str, port: int, path: str, fields: Fields
+    ) -> Call:
         """A request to an LLM path, from its head alone: its route, its header fields for that route, and a
         turn not recorded yet. Clients often write the body separately: this work is then done while it comes."""
         route = self.router.route()
@@ -223,9 +228,7 @@ class Calls:
         pending.request_body = call.body = body
         pending.model_requested = request.get("model")
         if call.route is not None:
-            forward = dict(request)
-            if call.route.model:
-                forward["model"] = call.route.model
+            forward = with_route_model(request, call.route)
             if self.token_ids:
                 pending.added = dialects.ask_token_ids(pending.dialect, forward)
                 pending.token_ids = pending.added is not None
@@ -248,8 +251,9 @@ class Calls:
             out.append((b"authorization", f"Bearer {self.upstream_api_key}".encode()))
         return tuple(out)
 
-    def answer_head(self, pending: PendingTurn, status: int, content_type: str,
-                    encoding: str | None) -> Callable[[bytes], bytes | list[bytes]] | None:
+    def answer_head(
+        self, pending: PendingTurn, status: int, content_type: str, encoding: str | None
+    ) -> Callable[[bytes], bytes | list[bytes]] | None:
         """The answer's head arrived. A stream (SSE) gets a transform that forwards each chunk as it comes and
         keeps a copy; None: the transport holds the whole answer for `answer_body` (it is useless to the agent
         before it is complete)."""
@@ -290,6 +294,14 @@ class Calls:
             self.in_flight[pending.episode_id] -= 1
 
 
+def with_route_model(request: dict, route: Route) -> dict:
+    """A copy of `request` asking for the route's model (the deployment's), when the route names one."""
+    forward = dict(request)
+    if route.model:
+        forward["model"] = route.model
+    return forward
+
+
 def _collector(pending: PendingTurn) -> Callable[[bytes], bytes]:
     """Forward each chunk as it comes, keeping a copy: the stream is never buffered."""
     chunks = pending.chunks
@@ -328,7 +340,7 @@ class _SseRewriter:
             cut = self.buffer.find(b"\n\n")
             if cut < 0:
                 break
-            event, self.buffer = self.buffer[:cut + 2], self.buffer[cut + 2:]
+            event, self.buffer = self.buffer[: cut + 2], self.buffer[cut + 2 :]
             out.append(self._rewrite(event))
         return out
 
@@ -345,6 +357,10 @@ class _SseRewriter:
             except ValueError:
                 continue
             assert self.pending.added is not None
-            lines[i] = b"data: " + json.dumps(dialects.strip_added(obj, self.pending.added),
-                                              ensure_ascii=False, separators=(",", ":")).encode()
+            lines[i] = (
+                b"data: "
+                + json.dumps(
+                    dialects.strip_added(obj, self.pending.added), ensure_ascii=False, separators=(",", ":")
+                ).encode()
+            )
         return b"\n".join(lines)

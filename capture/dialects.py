@@ -9,7 +9,7 @@ so a streamed turn and a plain one look the same in the store.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 CHAT, COMPLETIONS, RESPONSES, MESSAGES = "chat", "completions", "responses", "messages"
@@ -41,6 +41,7 @@ def looks_like_call(dialect: str, body: Any) -> bool:
 
 
 # --- asking vLLM for token ids -------------------------------------------------------------------
+
 
 @dataclass
 class Added:
@@ -97,6 +98,7 @@ def strip_added(obj: Any, added: Added) -> Any:
 
 # --- reading answers ------------------------------------------------------------------------------
 
+
 @dataclass
 class Turn:
     """The dialect-independent fields of one exchange."""
@@ -113,7 +115,6 @@ class Turn:
     completion_token_ids: list[int] | None = None
     completion_logprobs: list[float] | None = None
     error: str | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def sse_events(raw: bytes) -> list[Any]:
@@ -152,8 +153,12 @@ def assemble_object(dialect: str, obj: Any) -> Turn:
 
 
 def assemble_events(dialect: str, events: list[Any]) -> Turn:
-    return {CHAT: _chat_stream, COMPLETIONS: _completions_stream, RESPONSES: _responses_stream,
-            MESSAGES: _messages_stream}[dialect](events)
+    return {
+        CHAT: _chat_stream,
+        COMPLETIONS: _completions_stream,
+        RESPONSES: _responses_stream,
+        MESSAGES: _messages_stream,
+    }[dialect](events)
 
 
 def _error_text(obj: dict) -> str:
@@ -178,17 +183,27 @@ def _chat(obj: dict) -> Turn:
     choice = _first_choice(obj)
     msg = choice.get("message") or {}
     calls = [
-        {"id": c.get("id"), "name": (c.get("function") or {}).get("name"), "arguments": (c.get("function") or {}).get("arguments")}
+        {
+            "id": c.get("id"),
+            "name": (c.get("function") or {}).get("name"),
+            "arguments": (c.get("function") or {}).get("arguments"),
+        }
         for c in msg.get("tool_calls") or ()
     ]
     usage = obj.get("usage") or {}
     logprobs = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
     return Turn(
-        response=obj, model_served=obj.get("model"), text=msg.get("content"), tool_calls=calls or None,
-        reasoning=msg.get("reasoning_content") or msg.get("reasoning"), finish_reason=choice.get("finish_reason"),
-        prompt_tokens=usage.get("prompt_tokens"), completion_tokens=usage.get("completion_tokens"),
+        response=obj,
+        model_served=obj.get("model"),
+        text=msg.get("content"),
+        tool_calls=calls or None,
+        reasoning=msg.get("reasoning_content") or msg.get("reasoning"),
+        finish_reason=choice.get("finish_reason"),
+        prompt_tokens=usage.get("prompt_tokens"),
+        completion_tokens=usage.get("completion_tokens"),
         prompt_token_ids=obj.get("prompt_token_ids") or choice.get("prompt_token_ids"),
-        completion_token_ids=choice.get("token_ids"), completion_logprobs=_floats(logprobs),
+        completion_token_ids=choice.get("token_ids"),
+        completion_logprobs=_floats(logprobs),
     )
 
 
@@ -217,8 +232,10 @@ def _chat_stream(events: list[Any]) -> Turn:
             if delta.get("reasoning_content") or delta.get("reasoning"):
                 reasoning.append(delta.get("reasoning_content") or delta.get("reasoning"))
             for tc in delta.get("tool_calls") or ():
-                slot = calls.setdefault(tc.get("index", len(calls)), {"id": None, "type": "function",
-                                                                     "function": {"name": None, "arguments": ""}})
+                slot = calls.setdefault(
+                    tc.get("index", len(calls)),
+                    {"id": None, "type": "function", "function": {"name": None, "arguments": ""}},
+                )
                 slot["id"] = tc.get("id") or slot["id"]
                 fn = tc.get("function") or {}
                 if fn.get("name"):
@@ -236,8 +253,12 @@ def _chat_stream(events: list[Any]) -> Turn:
         message["tool_calls"] = [calls[i] for i in sorted(calls)]
     if reasoning:
         message["reasoning_content"] = "".join(reasoning)
-    response = {**head, "object": "chat.completion",
-                "choices": [{"index": 0, "message": message, "finish_reason": finish}], "usage": usage}
+    response = {
+        **head,
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+        "usage": usage,
+    }
     turn = _chat(response)
     turn.prompt_token_ids = prompt_ids
     turn.completion_token_ids = token_ids or None
@@ -252,8 +273,12 @@ def _completions(obj: dict) -> Turn:
     usage = obj.get("usage") or {}
     lp = choice.get("logprobs")
     return Turn(
-        response=obj, model_served=obj.get("model"), text=choice.get("text"), finish_reason=choice.get("finish_reason"),
-        prompt_tokens=usage.get("prompt_tokens"), completion_tokens=usage.get("completion_tokens"),
+        response=obj,
+        model_served=obj.get("model"),
+        text=choice.get("text"),
+        finish_reason=choice.get("finish_reason"),
+        prompt_tokens=usage.get("prompt_tokens"),
+        completion_tokens=usage.get("completion_tokens"),
         prompt_token_ids=choice.get("prompt_token_ids") or obj.get("prompt_token_ids"),
         completion_token_ids=choice.get("token_ids"),
         completion_logprobs=_floats(lp.get("token_logprobs")) if isinstance(lp, dict) else None,
@@ -279,8 +304,12 @@ def _completions_stream(events: list[Any]) -> Turn:
             if isinstance(choice.get("logprobs"), dict):
                 logprobs.extend(choice["logprobs"].get("token_logprobs") or ())
             finish = choice.get("finish_reason") or finish
-    response = {**head, "object": "text_completion",
-                "choices": [{"index": 0, "text": "".join(text), "finish_reason": finish}], "usage": usage}
+    response = {
+        **head,
+        "object": "text_completion",
+        "choices": [{"index": 0, "text": "".join(text), "finish_reason": finish}],
+        "usage": usage,
+    }
     turn = _completions(response)
     turn.prompt_token_ids, turn.completion_token_ids = prompt_ids, token_ids or None
     turn.completion_logprobs = _floats(logprobs)
@@ -302,15 +331,21 @@ def _responses(obj: dict) -> Turn:
             reasoning.extend(p.get("text") or "" for p in parts)
     usage = obj.get("usage") or {}
     status = obj.get("status")
-    finish = ((obj.get("incomplete_details") or {}).get("reason") if status == "incomplete" else status)
+    finish = (obj.get("incomplete_details") or {}).get("reason") if status == "incomplete" else status
     ids_in = [t for m in obj.get("input_messages") or () for t in (m.get("tokens") or ())]
     ids_out = [t for m in obj.get("output_messages") or () for t in (m.get("tokens") or ())]
     err = obj.get("error")
     return Turn(
-        response=obj, model_served=obj.get("model"), text="".join(text) if text or not calls else None,
-        tool_calls=calls or None, reasoning="".join(reasoning) or None, finish_reason=finish,
-        prompt_tokens=usage.get("input_tokens"), completion_tokens=usage.get("output_tokens"),
-        prompt_token_ids=ids_in or None, completion_token_ids=ids_out or None,
+        response=obj,
+        model_served=obj.get("model"),
+        text="".join(text) if text or not calls else None,
+        tool_calls=calls or None,
+        reasoning="".join(reasoning) or None,
+        finish_reason=finish,
+        prompt_tokens=usage.get("input_tokens"),
+        completion_tokens=usage.get("output_tokens"),
+        prompt_token_ids=ids_in or None,
+        completion_token_ids=ids_out or None,
         error=_error_text(obj) if err else None,
     )
 
@@ -343,15 +378,25 @@ def _messages(obj: dict) -> Turn:
         if kind == "text":
             text.append(block.get("text") or "")
         elif kind == "tool_use":
-            calls.append({"id": block.get("id"), "name": block.get("name"),
-                          "arguments": json.dumps(block.get("input"), ensure_ascii=False)})
+            calls.append(
+                {
+                    "id": block.get("id"),
+                    "name": block.get("name"),
+                    "arguments": json.dumps(block.get("input"), ensure_ascii=False),
+                }
+            )
         elif kind == "thinking":
             thinking.append(block.get("thinking") or "")
     usage = obj.get("usage") or {}
     return Turn(
-        response=obj, model_served=obj.get("model"), text="".join(text) if text or not calls else None,
-        tool_calls=calls or None, reasoning="".join(thinking) or None, finish_reason=obj.get("stop_reason"),
-        prompt_tokens=usage.get("input_tokens"), completion_tokens=usage.get("output_tokens"),
+        response=obj,
+        model_served=obj.get("model"),
+        text="".join(text) if text or not calls else None,
+        tool_calls=calls or None,
+        reasoning="".join(thinking) or None,
+        finish_reason=obj.get("stop_reason"),
+        prompt_tokens=usage.get("input_tokens"),
+        completion_tokens=usage.get("output_tokens"),
     )
 
 

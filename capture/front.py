@@ -84,7 +84,7 @@ class TlsServerSide(Plain):
                 self._flush()
                 data = await self.reader.read(READ_SIZE)
                 if not data:
-                    raise ConnectionError("the agent closed the connection during the TLS handshake")
+                    raise ConnectionError("the agent closed the connection during the TLS handshake") from None
                 self.incoming.write(data)
         self._flush()
 
@@ -117,6 +117,7 @@ class TlsServerSide(Plain):
 
 # --- certificates ---------------------------------------------------------------------------------
 
+
 class LeafCerts:
     """TLS server contexts for intercepted hosts, signed by lcap's CA (one per host, made on first use)."""
 
@@ -142,8 +143,9 @@ class LeafCerts:
         except ValueError:
             name = x509.DNSName(host.encode("idna").decode())
         entry = self.store.get_cert(host, [name])
-        key = entry.privatekey.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                             serialization.NoEncryption())
+        key = entry.privatekey.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
         return entry.cert.to_pem() + b"".join(c.to_pem() for c in entry.chain_certs), key
 
     def _make(self, host: str) -> ssl.SSLContext:
@@ -160,6 +162,7 @@ class LeafCerts:
 
 
 # --- upstream connections -------------------------------------------------------------------------
+
 
 class UpstreamPool:
     """Keep-alive connections to upstreams, reused call after call."""
@@ -180,8 +183,9 @@ class UpstreamPool:
     async def open(self, key: tuple[str, str, int]) -> Plain:
         scheme, host, port = key
         tls = self._tls_context() if scheme == "https" else None
-        reader, writer = await asyncio.open_connection(host, port, ssl=tls, server_hostname=host if tls else None,
-                                                       limit=MAX_HEAD)
+        reader, writer = await asyncio.open_connection(
+            host, port, ssl=tls, server_hostname=host if tls else None, limit=MAX_HEAD
+        )
         return Plain(reader, writer)
 
     def give_back(self, key: tuple[str, str, int], conn: Plain) -> None:
@@ -209,6 +213,7 @@ def _buffered(reader: asyncio.StreamReader) -> int:
 
 
 # --- requests -------------------------------------------------------------------------------------
+
 
 @dataclass
 class Tunnel:
@@ -314,6 +319,7 @@ class _ResponseParts:
 
 # --- the server -----------------------------------------------------------------------------------
 
+
 class Front:
     """Accepts the agents' connections; serves LLM calls, hands the rest to mitmproxy on `mitm_port`."""
 
@@ -355,7 +361,7 @@ class Front:
                 if not data:
                     return
                 buf += data
-            raw_head, buf = buf[:end + 4], buf[end + 4:]
+            raw_head, buf = buf[: end + 4], buf[end + 4 :]
             try:
                 head = parse_head(raw_head[:-4])
                 if head.method == b"CONNECT":
@@ -368,8 +374,15 @@ class Front:
             episode, fields = take_episode(head.fields)
             dialect, scheme, host, port, path = target
             try:  # before the body: clients often write it separately, and this work is then done while it comes
-                call = self.calls.open_call(dialect, episode or (tunnel.episode if tunnel else None), scheme=scheme,
-                                            host=host, port=port, path=path, fields=fields)
+                call = self.calls.open_call(
+                    dialect,
+                    episode or (tunnel.episode if tunnel else None),
+                    scheme=scheme,
+                    host=host,
+                    port=port,
+                    path=path,
+                    fields=fields,
+                )
                 upstream_head, client_close = _request_head(call)
             except Exception:  # a capture bug: the call still goes through, by mitmproxy
                 log.exception("lcap: capture error on %s (the call goes through mitmproxy)", path)
@@ -383,7 +396,7 @@ class Front:
                     pieces.append(data)
                     have += len(data)
                 buf = b"".join(pieces)
-            body, buf = buf[:head.length], buf[head.length:]
+            body, buf = buf[: head.length], buf[head.length :]
             try:
                 is_call = self.calls.take_body(call, body)
             except Exception:
@@ -409,8 +422,10 @@ class Front:
             if call.pending.chunks is not None:  # a stream: the agent may have part of it, cut it off
                 return False
             body = f"lcap: {why}".encode()
-            client.send(b"HTTP/1.1 502 Bad Gateway\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s"
-                        % (len(body), body))
+            client.send(
+                b"HTTP/1.1 502 Bad Gateway\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s"
+                % (len(body), body)
+            )
             return True
         except BaseException:
             if upstream is not None:
@@ -441,8 +456,9 @@ class Front:
                 upstream.close()
                 raise
 
-    async def _answer(self, client: Plain, call: Call, upstream: Plain, parts: _ResponseParts,
-                      client_close: bool) -> bool | None:
+    async def _answer(
+        self, client: Plain, call: Call, upstream: Plain, parts: _ResponseParts, client_close: bool
+    ) -> bool | None:
         """Relay the response to the agent, recording it. True: the upstream connection can serve another
         call; False: it cannot; None: neither can the agent's."""
         parser = parts.parser
@@ -468,8 +484,9 @@ class Front:
             keep.append((b"connection", b"close"))
         fields = b"".join(b"%s: %s\r\n" % f for f in keep)
         head = b"HTTP/1.1 %d %s\r\n%s" % (status, parts.reason, fields)
-        transform = self.calls.answer_head(call.pending, status, content_type.decode("latin-1"),
-                                           encoding.decode("latin-1") or None)
+        transform = self.calls.answer_head(
+            call.pending, status, content_type.decode("latin-1"), encoding.decode("latin-1") or None
+        )
         if transform is not None:
             # framed answers go out chunked (the transform may change lengths); others end with the connection
             head += b"transfer-encoding: chunked\r\n\r\n" if framed else b"\r\n"
@@ -599,7 +616,7 @@ def _target(head: Head, tunnel: Tunnel | None) -> tuple[str, str, str, int, str]
             raise Unserved("target") from None
         if not url.hostname:
             raise Unserved("target")
-        scheme, host, path = "http", url.hostname, target[len("http://") + len(url.netloc):] or "/"
+        scheme, host, path = "http", url.hostname, target[len("http://") + len(url.netloc) :] or "/"
     dialect = dialects.match("POST", path)
     if dialect is None:
         raise Unserved("not an LLM path")
@@ -629,8 +646,14 @@ async def _response_head(upstream: Plain, message: bytes) -> _ResponseParts:
     return parts
 
 
-async def _stream(client: Plain, upstream: Plain, parts: _ResponseParts, head: bytes,
-                  transform: Callable[[bytes], bytes | list[bytes]], chunked: bool) -> bool:
+async def _stream(
+    client: Plain,
+    upstream: Plain,
+    parts: _ResponseParts,
+    head: bytes,
+    transform: Callable[[bytes], bytes | list[bytes]],
+    chunked: bool,
+) -> bool:
     """Pass the body on as it comes, never buffered: one write per upstream read. The head waits up to
     `HEAD_HOLD` seconds for the first piece of body to send (an event whole, on the vLLM path) and goes out
     with it: upstreams often write the two back to back, and one write is one TLS record for the agent to
@@ -678,7 +701,7 @@ def _send_now(client: Plain, out: list[bytes]) -> None:
 
 
 def _frame(out: list[bytes], data: bytes | list[bytes], chunked: bool) -> None:
-    for piece in ([data] if isinstance(data, bytes) else data):
+    for piece in [data] if isinstance(data, bytes) else data:
         if piece:
             out.append(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
 

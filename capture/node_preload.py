@@ -50,9 +50,18 @@ def install_node_preload() -> str:
     target = node_dir()
     target.mkdir(parents=True, exist_ok=True)
     result = subprocess.run(
-        [npm, "install", "--prefix", str(target), "--no-audit", "--no-fund", "--loglevel=error",
-         *(f"{name}@{version}" for name, version in PACKAGES.items())],
-        capture_output=True, text=True,
+        [
+            npm,
+            "install",
+            "--prefix",
+            str(target),
+            "--no-audit",
+            "--no-fund",
+            "--loglevel=error",
+            *(f"{name}@{version}" for name, version in PACKAGES.items()),
+        ],
+        capture_output=True,
+        text=True,
     )
     if result.returncode != 0 or not _all_installed():
         last = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]

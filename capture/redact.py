@@ -15,12 +15,38 @@ from urllib.parse import parse_qsl, urlencode
 REDACTED = "[REDACTED]"
 
 # Header names that carry credentials; stripped from requests lcap reroutes to another host.
-CREDENTIAL_HEADERS = frozenset(("authorization", "x-api-key", "api-key", "cookie", "proxy-authorization",
-                      "x-goog-api-key", "openai-organization", "openai-project"))
+CREDENTIAL_HEADERS = frozenset(
+    (
+        "authorization",
+        "x-api-key",
+        "api-key",
+        "cookie",
+        "proxy-authorization",
+        "x-goog-api-key",
+        "openai-organization",
+        "openai-project",
+    )
+)
 
-_SECRET_KEYS = {"apikey", "xapikey", "key", "authorization", "password", "passwd", "secret", "clientsecret",
-                "accesstoken", "refreshtoken", "idtoken", "sessiontoken", "token", "bearer", "cookie",
-                "credentials", "privatekey"}
+_SECRET_KEYS = {
+    "apikey",
+    "xapikey",
+    "key",
+    "authorization",
+    "password",
+    "passwd",
+    "secret",
+    "clientsecret",
+    "accesstoken",
+    "refreshtoken",
+    "idtoken",
+    "sessiontoken",
+    "token",
+    "bearer",
+    "cookie",
+    "credentials",
+    "privatekey",
+}
 _SECRET_QUERY_KEYS = _SECRET_KEYS | {"sig", "signature", "code", "auth"}
 _SECRET_VALUE = re.compile(
     r"(?:sk-(?:ant-|proj-)?[A-Za-z0-9_\-]{12,}|Bearer\s+[A-Za-z0-9._\-~+/]{8,}=*"
@@ -58,7 +84,8 @@ def redact_keys(text: str | None) -> str | None:
 
 
 _SECRET_ASSIGNMENT = re.compile(
-    r"""(?i)\b((?:x-)?api[_-]?key|access[_-]?token|secret|password|token)(["']?\s*[=:]\s*["']?)([^&\s'"]{6,})""")
+    r"""(?i)\b((?:x-)?api[_-]?key|access[_-]?token|secret|password|token)(["']?\s*[=:]\s*["']?)([^&\s'"]{6,})"""
+)
 
 
 def redact_text(text: str | None) -> str | None:
@@ -74,5 +101,8 @@ def redact_path(path: str) -> str:
     base, sep, query = path.partition("?")
     if not sep:
         return path
-    pairs = [(k, REDACTED if _is_secret_key(k) or re.sub(r"[^a-z]", "", k.lower()) in _SECRET_QUERY_KEYS else redact_text(v)) for k, v in parse_qsl(query, keep_blank_values=True)]
+    pairs = [
+        (k, REDACTED if _is_secret_key(k) or re.sub(r"[^a-z]", "", k.lower()) in _SECRET_QUERY_KEYS else redact_text(v))
+        for k, v in parse_qsl(query, keep_blank_values=True)
+    ]
     return f"{base}?{urlencode(pairs, safe='[]')}"

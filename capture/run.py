@@ -12,12 +12,17 @@ import uuid
 from pathlib import Path
 
 from lcap.capture.redact import redact_text
-from lcap.capture.server import CaptureProxy, run_child
+from lcap.capture.server import CaptureProxy
+from lcap.processes import run_child
 from lcap.store import Store
 
 
-def _proxy(db: Path, upstream: str | None, model: str | None, token_ids: bool | None, host: str, port: int) -> CaptureProxy:
-    return CaptureProxy(Store(db), upstream=upstream, model=model, token_ids=token_ids, listen_host=host, listen_port=port)
+def _proxy(
+    db: Path, upstream: str | None, model: str | None, token_ids: bool | None, host: str, port: int
+) -> CaptureProxy:
+    return CaptureProxy(
+        Store(db), upstream=upstream, model=model, token_ids=token_ids, listen_host=host, listen_port=port
+    )
 
 
 def _start(proxy: CaptureProxy) -> None:
@@ -27,18 +32,29 @@ def _start(proxy: CaptureProxy) -> None:
     gc.freeze()
 
 
-def run_proxy(command: list[str], *, labels: dict[str, str], episode: str | None, db: Path, upstream: str | None,
-              model: str | None, token_ids: bool | None, host: str, port: int) -> int:
+def run_proxy(
+    command: list[str],
+    *,
+    labels: dict[str, str],
+    episode: str | None,
+    db: Path,
+    upstream: str | None,
+    model: str | None,
+    token_ids: bool | None,
+    host: str,
+    port: int,
+) -> int:
     """Run `command` as one episode behind a fresh proxy; return its exit code."""
     proxy = _proxy(db, upstream, model, token_ids, host, port)
     _start(proxy)
     episode_id = episode or str(uuid.uuid4())
     store = proxy.store
-    status, code, error, seen = "failed", None, None, []
+    status, code, error = "failed", None, None
     try:
         store.start_episode(episode_id, command=redact_text(shlex.join(command)), cwd=os.getcwd(), labels=labels)
-        code = run_child(command, proxy.child_env(episode_id), signals_seen=seen)
-        status = "interrupted" if seen else ("ok" if code == 0 else "failed")
+        ended = run_child(command, proxy.child_env(episode_id))
+        code = ended.code
+        status = "interrupted" if ended.signals else ("ok" if code == 0 else "failed")
     except BaseException as exc:
         status, error = "error", str(exc) or exc.__class__.__name__
         raise
@@ -48,16 +64,22 @@ def run_proxy(command: list[str], *, labels: dict[str, str], episode: str | None
     return code
 
 
-def serve_proxy(*, db: Path, upstream: str | None, model: str | None, token_ids: bool | None, host: str, port: int) -> None:
+def serve_proxy(
+    *, db: Path, upstream: str | None, model: str | None, token_ids: bool | None, host: str, port: int
+) -> None:
     """Serve until SIGINT/SIGTERM, then write every finished turn and exit."""
     proxy = _proxy(db, upstream, model, token_ids, host, port)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     _start(proxy)
-    print(f"lcap proxy listening on {proxy.url} (store {db}; token ids {'on' if proxy.token_ids else 'off'})", flush=True)
-    print(f"  clients: HTTPS_PROXY=http://EPISODE:x@{host}:{proxy.port}  SSL_CERT_FILE={proxy.child_env(None)['SSL_CERT_FILE']}",
-          flush=True)
+    print(
+        f"lcap proxy listening on {proxy.url} (store {db}; token ids {'on' if proxy.token_ids else 'off'})", flush=True
+    )
+    print(
+        f"  clients: HTTPS_PROXY=http://EPISODE:x@{host}:{proxy.port}  SSL_CERT_FILE={proxy.child_env(None)['SSL_CERT_FILE']}",
+        flush=True,
+    )
     try:
         while not stop.wait(0.5):
             pass

@@ -13,15 +13,11 @@ import asyncio
 import copy
 import logging
 import os
-import shlex
-import signal
 import socket
 import ssl
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import quote
 
@@ -38,11 +34,21 @@ CA_BASENAME = "mitmproxy"
 PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
 CA_VARS = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS")
 # Hosts of hosted LLM APIs: a NO_PROXY entry covering them would let calls bypass capture.
-LLM_HOSTS = ("api.openai.com", "api.anthropic.com", "generativelanguage.googleapis.com", "openrouter.ai",
-             "api.mistral.ai", "api.groq.com", "api.together.xyz", "api.deepseek.com", "api.x.ai")
+LLM_HOSTS = (
+    "api.openai.com",
+    "api.anthropic.com",
+    "generativelanguage.googleapis.com",
+    "openrouter.ai",
+    "api.mistral.ai",
+    "api.groq.com",
+    "api.together.xyz",
+    "api.deepseek.com",
+    "api.x.ai",
+)
 
 
 # --- the certificate authority ------------------------------------------------------------------
+
 
 def ca_dir() -> Path:
     return lcap_home() / "ca"
@@ -71,7 +77,12 @@ def ensure_ca() -> Path:
 
 def _system_roots() -> str | None:
     paths = ssl.get_default_verify_paths()
-    candidates = [paths.cafile, paths.openssl_cafile, "/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt"]
+    candidates = [
+        paths.cafile,
+        paths.openssl_cafile,
+        "/etc/ssl/certs/ca-certificates.crt",
+        "/etc/pki/tls/certs/ca-bundle.crt",
+    ]
     try:
         import certifi
 
@@ -98,6 +109,7 @@ def ca_bundle() -> Path:
 
 # --- the proxy ----------------------------------------------------------------------------------
 
+
 def probe_models(base_url: str, timeout: float = 5.0) -> list[dict]:
     """GET {upstream}/v1/models; LcapError when the upstream cannot be reached."""
     import httpx
@@ -118,8 +130,16 @@ def probe_models(base_url: str, timeout: float = 5.0) -> list[dict]:
 class CaptureProxy:
     """An in-process mitmproxy that logs every LLM call passing through it as a turn in `store`."""
 
-    def __init__(self, store: Store, *, upstream: str | None = None, model: str | None = None,
-                 token_ids: bool | None = None, listen_host: str = "127.0.0.1", listen_port: int = 0) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        upstream: str | None = None,
+        model: str | None = None,
+        token_ids: bool | None = None,
+        listen_host: str = "127.0.0.1",
+        listen_port: int = 0,
+    ) -> None:
         self.store = store
         self.upstream = upstream
         self.model = model
@@ -152,8 +172,12 @@ class CaptureProxy:
         with self.store.connect():  # the schema exists from the start: `lcap sql` works before the first turn
             pass
         router = Router(self.upstream, self.model)
-        calls = Calls(self.writer, router, token_ids=bool(self.token_ids),
-                      upstream_api_key=os.environ.get("LCAP_UPSTREAM_API_KEY"))
+        calls = Calls(
+            self.writer,
+            router,
+            token_ids=bool(self.token_ids),
+            upstream_api_key=os.environ.get("LCAP_UPSTREAM_API_KEY"),
+        )
         self._calls = calls
         self.writer.start()
         self._thread = threading.Thread(target=self._serve, args=(calls,), name="lcap-proxy", daemon=True)
@@ -208,8 +232,13 @@ class CaptureProxy:
 
         master.addons.add(proxyserver.Proxyserver(), next_layer.NextLayer(), TlsConfig(), CaptureAddon(calls))
         opts.update(  # mitmproxy listens on loopback only: agents reach it through the front (capture/front.py)
-            confdir=str(ca_dir()), listen_host="127.0.0.1", listen_port=0, mode=["regular"],
-            connection_strategy="lazy", upstream_cert=False, stream_large_bodies=None,
+            confdir=str(ca_dir()),
+            listen_host="127.0.0.1",
+            listen_port=0,
+            mode=["regular"],
+            connection_strategy="lazy",
+            upstream_cert=False,
+            stream_large_bodies=None,
         )
         self._master = master
         server = master.addons.get("proxyserver")
@@ -356,60 +385,3 @@ def _check_port_free(host: str, port: int) -> None:
             sock.bind((host, port))
         except OSError as exc:
             raise LcapError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-
-
-# --- running a child ------------------------------------------------------------------------
-
-def run_child(argv: Sequence[str], env: Mapping[str, str], *, cwd: str | os.PathLike | None = None,
-              timeout: float | None = None, signals_seen: list[int] | None = None) -> int:
-    """Run `argv` with stdio passed through and return its exit code (128+N when killed by signal N).
-
-    SIGINT and SIGTERM sent to lcap reach the child (a Ctrl-C at a terminal already reaches the
-    whole foreground group, so it is not sent twice); lcap itself keeps running until the child
-    exits, so the caller can flush. `timeout` ends the child with SIGTERM (then SIGKILL) and
-    returns 124. Signal handlers are only installed from the main thread.
-    """
-    if not argv:
-        raise LcapError("no command to run (put it after --)")
-    try:
-        child = subprocess.Popen(list(argv), env=dict(env), cwd=cwd)
-    except OSError as exc:
-        raise LcapError(f"cannot run {shlex.join(argv)}: {exc.strerror or exc}") from None
-
-    def forward(signum, _frame):
-        if signals_seen is not None:
-            signals_seen.append(signum)
-        if signum == signal.SIGINT and _terminal_sent_it():
-            return
-        try:
-            child.send_signal(signum)
-        except ProcessLookupError:
-            pass
-
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            previous[signum] = signal.signal(signum, forward)
-    try:
-        try:
-            code = child.wait(timeout)
-        except subprocess.TimeoutExpired:
-            child.terminate()
-            try:
-                child.wait(5)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
-            return 124
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-    return 128 - code if code < 0 else code
-
-
-def _terminal_sent_it() -> bool:
-    """True when lcap is in the foreground of a terminal: its SIGINT went to the child too."""
-    try:
-        return sys.stdin.isatty() and os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
-    except OSError:
-        return False

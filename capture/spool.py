@@ -30,7 +30,7 @@ def segment_path(directory: Path, number: int) -> Path:
 
 
 def segments(directory: Path) -> list[int]:
-    return sorted(int(p.name[:-len(_SUFFIX)]) for p in directory.glob(f"*{_SUFFIX}"))
+    return sorted(int(p.name[: -len(_SUFFIX)]) for p in directory.glob(f"*{_SUFFIX}"))
 
 
 def spool_store(directory: Path) -> str | None:
@@ -67,7 +67,7 @@ class SpoolAppender:
                 self._fd = self._open(self._segment + 1)
             self._size += len(view)
             while view:
-                view = view[os.write(self._fd, view):]
+                view = view[os.write(self._fd, view) :]
 
     def position(self) -> tuple[int, int]:
         """(segment, bytes) written so far: a reader at or past it has seen every record appended."""
@@ -114,7 +114,7 @@ class SpoolReader:
             if end > len(data):
                 break  # being written, or cut by a crash: the rest comes with the next read
             try:
-                records.append(pickle.loads(data[pos + _LENGTH.size:end]))
+                records.append(pickle.loads(data[pos + _LENGTH.size : end]))
             except Exception as exc:  # one damaged record must not block the rest
                 log.error("lcap: skipped an unreadable record in %s: %s", self.directory, exc)
             pos = end

@@ -13,7 +13,7 @@ import logging
 import os
 import time
 import zlib
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from lcap.capture import dialects
@@ -40,13 +40,38 @@ os.register_at_fork(after_in_child=_new_id_space)
 class PendingTurn:
     """What the hooks record about one call; everything expensive happens later, in the writer process."""
 
-    __slots__ = ("turn_id", "episode_id", "seq", "started_at", "t0", "t_first", "t_end", "host", "path", "dialect",
-                 "transport", "upstream", "model_requested", "deployment", "request_body", "request_json",
-                 "chunks", "response_body", "streamed", "encoding", "status_code", "error", "token_ids", "added",
-                 "events", "done")
+    __slots__ = (
+        "added",
+        "chunks",
+        "deployment",
+        "dialect",
+        "done",
+        "encoding",
+        "episode_id",
+        "error",
+        "events",
+        "host",
+        "model_requested",
+        "path",
+        "request_body",
+        "request_json",
+        "response_body",
+        "seq",
+        "started_at",
+        "status_code",
+        "streamed",
+        "t0",
+        "t_end",
+        "t_first",
+        "token_ids",
+        "transport",
+        "turn_id",
+        "upstream",
+    )
 
-    def __init__(self, *, episode_id: str | None, seq: int | None, host: str, path: str, dialect: str,
-                 transport: str = "http") -> None:
+    def __init__(
+        self, *, episode_id: str | None, seq: int | None, host: str, path: str, dialect: str, transport: str = "http"
+    ) -> None:
         self.turn_id = new_turn_id()
         self.episode_id, self.seq = episode_id, seq
         self.started_at = time.time()
@@ -58,7 +83,7 @@ class PendingTurn:
         self.model_requested: str | None = None
         self.deployment: str | None = None
         self.request_body: bytes = b""
-        self.request_json: Any = None          # WebSocket: the response.create frame, already decoded
+        self.request_json: Any = None  # WebSocket: the response.create frame, already decoded
         self.chunks: list[bytes] | None = None  # SSE chunks as forwarded
         self.response_body: bytes = b""
         self.streamed = False
@@ -67,7 +92,7 @@ class PendingTurn:
         self.error: str | None = None
         self.token_ids = False
         self.added: dialects.Added | None = None
-        self.events: list[Any] | None = None    # WebSocket: decoded server events
+        self.events: list[Any] | None = None  # WebSocket: decoded server events
         self.done = False
 
 
@@ -97,7 +122,7 @@ def _decode(body: bytes, encoding: str | None) -> bytes:
 
 
 def _ts(t: float) -> datetime:
-    return datetime.fromtimestamp(t, timezone.utc)
+    return datetime.fromtimestamp(t, UTC)
 
 
 def _dumps(value: Any) -> str | None:

@@ -56,11 +56,24 @@ class TurnWriter:
         self._spool = SpoolAppender(directory, self.store.path)
         self._exited = False
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "lcap.capture.writer", str(directory), str(self.store.path),
-             "--interval", str(self.interval), "--timeout", str(self.store.timeout)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,  # a Ctrl-C must not cut a write
+            [
+                sys.executable,
+                "-m",
+                "lcap.capture.writer",
+                str(directory),
+                str(self.store.path),
+                "--interval",
+                str(self.interval),
+                "--timeout",
+                str(self.store.timeout),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,  # a Ctrl-C must not cut a write
         )
-        threading.Thread(target=self._follow, args=(self._proc.stdout,), name="lcap-writer-progress", daemon=True).start()
+        threading.Thread(
+            target=self._follow, args=(self._proc.stdout,), name="lcap-writer-progress", daemon=True
+        ).start()
 
     def put(self, turn: PendingTurn) -> None:
         assert self._spool is not None, "TurnWriter.put before start"
@@ -118,6 +131,7 @@ class TurnWriter:
 
 
 # --- the writer process ---------------------------------------------------------------------------
+
 
 def build_rows(records: list[Any]) -> tuple[list[dict[str, Any]], int]:
     rows, failed = [], 0
@@ -211,8 +225,12 @@ def run(directory: Path, store: Store, interval: float) -> int:
             try:
                 store.append("turns", unwritten)
             except Exception as exc:
-                log.error("lcap: could not write %d turns to %s yet (kept in the spool, retried): %s",
-                          len(unwritten), store.path, exc)
+                log.error(
+                    "lcap: could not write %d turns to %s yet (kept in the spool, retried): %s",
+                    len(unwritten),
+                    store.path,
+                    exc,
+                )
                 if stopping:
                     return 1  # the spool stays: the next proxy on this store writes it
                 continue

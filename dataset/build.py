@@ -14,33 +14,19 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-from lcap.config import LcapError
 from lcap.dataset.merge import merge_turns
+from lcap.dataset.options import BuildOptions
+from lcap.dataset.samples_file import SAMPLES_FILE, write_samples
+from lcap.display import rounded
 from lcap.store import Store, now
 
 ADVANTAGE = "(reward - group mean) / (group sample std, ddof=1, + 1e-4): TRL's GRPO scaling"
-
-# What the trainer reads (lcap.train reads exactly this file), in this order.
-SAMPLE_SCHEMA = pa.schema([
-    ("sample_id", pa.string()), ("episode_id", pa.string()), ("task_id", pa.string()), ("round", pa.int32()),
-    ("group_id", pa.string()), ("prompt_ids", pa.list_(pa.int32())), ("completion_ids", pa.list_(pa.int32())),
-    ("logprobs", pa.list_(pa.float32())), ("env_mask", pa.list_(pa.int8())), ("reward", pa.float64()),
-    ("advantage", pa.float64()), ("deployment", pa.string()), ("rebuilt", pa.bool_()), ("truncated", pa.bool_()),
-    ("n_turns", pa.int32()), ("merged", pa.bool_()),
-])
-
-# Dictionary pages and min/max statistics pay off for the scalar columns only; on token lists
-# they cost a third of the write time and buy nothing.
-_DICTIONARY = ["sample_id", "episode_id", "task_id", "group_id", "deployment"]
-_STATISTICS = ["sample_id", "episode_id", "task_id", "round", "group_id", "reward", "advantage", "deployment",
-               "rebuilt", "truncated", "n_turns", "merged"]
 
 # One row per successful call of the round's trainable episodes, with its episode's reward and
 # advantage; lcap.dataset.merge turns them into samples (the rule the `samples` view states).
@@ -53,18 +39,6 @@ SELECT tt.episode_id, tt.seq, tt.deployment, tt.rebuilt, tt.truncated,
 FROM turn_tokens tt JOIN episode_advantages a USING (episode_id)
 WHERE a.round = $round AND a.split = $split AND tt.prompt_ids IS NOT NULL AND tt.completion_ids IS NOT NULL
 """
-
-
-@dataclass(frozen=True)
-class BuildOptions:
-    """Cleaning choices of `build-dataset`; the defaults are what GRPO wants."""
-
-    split: str = "train"
-    truncated: Literal["drop", "mask"] = "drop"
-    keep_zero_variance: bool = False   # groups whose rewards are all equal carry no GRPO signal
-    drop_tampered: bool = False        # tampered episodes already have reward 0: keep them as negatives
-    rebuild: bool = True               # re-tokenise turns captured without token ids
-    tokenizer: str | None = None       # tokenizer for rebuilds (default: the deployment's base model)
 
 
 @dataclass
@@ -103,8 +77,6 @@ def build_dataset(store: Store, *, round: int, out: Path, options: BuildOptions 
     """Write `out/samples.parquet` and `out/report.json` for the `options.split` episodes of `round`."""
     started = time.perf_counter()
     round = int(round)
-    if options.truncated not in ("drop", "mask"):
-        raise LcapError(f"truncated must be 'drop' or 'mask', not {options.truncated!r}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     report = BuildReport(round=round, split=options.split, out=str(out), options=asdict(options))
@@ -113,7 +85,9 @@ def build_dataset(store: Store, *, round: int, out: Path, options: BuildOptions 
     if options.rebuild:
         from lcap.dataset.rebuild import rebuild_missing_tokens
 
-        rebuilt, unrebuildable = rebuild_missing_tokens(store, round=round, split=options.split, tokenizer=options.tokenizer)
+        rebuilt, unrebuildable = rebuild_missing_tokens(
+            store, round=round, split=options.split, tokenizer=options.tokenizer
+        )
     else:
         rebuilt = unrebuildable = 0
     clock("rebuild")
@@ -131,8 +105,10 @@ def build_dataset(store: Store, *, round: int, out: Path, options: BuildOptions 
     samples = merge_turns(turns, mask_truncated=options.truncated == "mask")
     clock("merge")
     keep = np.ones(len(samples), dtype=bool)
-    flags = {name: samples[name].to_numpy(zero_copy_only=False).astype(bool)
-             for name in ("zero_variance", "tampered", "truncated", "merged", "rebuilt")}
+    flags = {
+        name: samples[name].to_numpy(zero_copy_only=False).astype(bool)
+        for name in ("zero_variance", "tampered", "truncated", "merged", "rebuilt")
+    }
     if not options.keep_zero_variance:
         keep &= ~flags["zero_variance"]
     if options.drop_tampered:
@@ -141,24 +117,26 @@ def build_dataset(store: Store, *, round: int, out: Path, options: BuildOptions 
         keep &= ~flags["truncated"]
     split_episodes = samples["episode_id"].filter(pa.array(samples["part"].to_numpy() > 0))
     report.sample_counts = {
-        "built": len(samples), "written": int(keep.sum()), "merged": int(flags["merged"].sum()),
-        "single_call": int((~flags["merged"]).sum()), "zero_variance": int(flags["zero_variance"].sum()),
+        "built": len(samples),
+        "written": int(keep.sum()),
+        "merged": int(flags["merged"].sum()),
+        "single_call": int((~flags["merged"]).sum()),
+        "zero_variance": int(flags["zero_variance"].sum()),
         "truncated": int(flags["truncated"].sum()),
         "truncated_masked": int((flags["truncated"] & keep).sum()) if options.truncated == "mask" else 0,
-        "tampered": int(flags["tampered"].sum()), "rebuilt": int(flags["rebuilt"].sum()),
+        "tampered": int(flags["tampered"].sum()),
+        "rebuilt": int(flags["rebuilt"].sum()),
         "episodes_split": len(pc.unique(split_episodes)),
     }
     report.samples = report.sample_counts["written"]
 
-    parquet = out / "samples.parquet"
-    tmp = parquet.with_suffix(".parquet.tmp")
-    pq.write_table(samples.filter(pa.array(keep)).select(list(SAMPLE_SCHEMA.names)).cast(SAMPLE_SCHEMA), tmp,
-                   row_group_size=16384, use_dictionary=_DICTIONARY, write_statistics=_STATISTICS)
-    tmp.replace(parquet)
+    write_samples(samples.filter(pa.array(keep)), out / SAMPLES_FILE)
     clock("write")
-    report.seconds = round_(time.perf_counter() - started)
-    store.execute("INSERT INTO dataset_reports (round, split, out, report, created_at) VALUES (?, ?, ?, ?, ?)",
-                  [round, options.split, str(out), json.dumps(report.to_dict()), now()])
+    report.seconds = rounded(time.perf_counter() - started)
+    store.execute(
+        "INSERT INTO dataset_reports (round, split, out, report, created_at) VALUES (?, ?, ?, ?, ?)",
+        [round, options.split, str(out), json.dumps(report.to_dict()), now()],
+    )
     (out / "report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     return report
 
@@ -169,12 +147,8 @@ class _Clock:
 
     def __call__(self, phase: str) -> None:
         t = time.perf_counter()
-        self.timings[phase] = round_(t - self.last)
+        self.timings[phase] = rounded(t - self.last)
         self.last = t
-
-
-def round_(x: float) -> float:
-    return float(f"{x:.3f}")
 
 
 def _one(con, sql: str, params: dict[str, Any]) -> dict[str, int]:

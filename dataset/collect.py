@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -32,9 +29,17 @@ from pathlib import Path
 from typing import Any
 
 from lcap.config import LcapError
+from lcap.dataset.options import CollectOptions
 from lcap.dataset.verifiers import (
-    Verifier, VerifierContext, VerifierError, hash_protected, load_verifier, resolve_argv, tampered_files,
+    Verifier,
+    VerifierContext,
+    VerifierError,
+    hash_protected,
+    load_verifier,
+    resolve_argv,
+    tampered_files,
 )
+from lcap.processes import kill_group, run_child
 from lcap.store import Store, now
 
 FINISHED = ("ok", "failed", "timeout", "error")
@@ -44,10 +49,10 @@ _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 @dataclass
 class CollectResult:
-    episodes: int = 0                 # episodes this run asked for (tasks x group_size)
-    finished: int = 0                 # ran to the end with a reward, this run
-    failed: int = 0                   # agent failed, timed out, verifier error, interrupted (this run)
-    skipped: int = 0                  # already finished by an earlier run of the same collect
+    episodes: int = 0  # episodes this run asked for (tasks x group_size)
+    finished: int = 0  # ran to the end with a reward, this run
+    failed: int = 0  # agent failed, timed out, verifier error, interrupted (this run)
+    skipped: int = 0  # already finished by an earlier run of the same collect
     mean_reward: float | None = None  # over the rewards given in this run
     run_id: str = ""
     run_dir: str = ""
@@ -61,7 +66,7 @@ class EpisodeSpec:
     task: Mapping[str, Any]
     sample: int
     argv: list[str]
-    dir: Path           # run_dir/<episode_id>: stdout.txt, stderr.txt, work/
+    dir: Path  # run_dir/<episode_id>: stdout.txt, stderr.txt, work/
     labels: dict[str, str]
 
     @property
@@ -106,8 +111,9 @@ def render_command(template: Sequence[str], values: Mapping[str, Any]) -> list[s
         def sub(m: re.Match) -> str:
             name = m.group(1)
             if name not in values:
-                raise LcapError(f"placeholder {{{name}}} in the command is not a task field "
-                                f"(fields: {', '.join(sorted(values))})")
+                raise LcapError(
+                    f"placeholder {{{name}}} in the command is not a task field (fields: {', '.join(sorted(values))})"
+                )
             value = values[name]
             text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
             return shlex.quote(text) if quote else text
@@ -128,36 +134,59 @@ def episode_id(run_id: str, round: int, split: str, task_id: str, sample: int) -
     return f"c{run_id}-r{round}-{split}-{safe}-{sample}"
 
 
-def collect(store: Store, *, tasks: Path, command: list[str], group_size: int = 8, concurrency: int = 8,
-            round: int = 0, verifier: str | None = None, upstream: str | None = "policy", model: str | None = None,
-            timeout: float | None = None, split: str = "train", labels: Mapping[str, str] = {},
-            protected: Sequence[str] = (), run_dir: Path | None = None, progress: bool | None = None) -> CollectResult:
+def collect(
+    store: Store,
+    *,
+    tasks: Path,
+    command: list[str],
+    options: CollectOptions = CollectOptions(),
+    labels: Mapping[str, str] = {},
+    progress: bool | None = None,
+) -> CollectResult:
     """Run `command` group_size times per task through one capture proxy, verify, record every episode."""
     if not command:
         raise LcapError("no agent command (put it after --)")
-    if group_size < 1 or concurrency < 1:
-        raise LcapError("--group-size and --concurrency must be at least 1")
     tasks = Path(tasks)
     task_rows = load_tasks(tasks)
     base = Path.cwd()
     template = resolve_argv(command, base)
-    judge = load_verifier(verifier, base=base) if verifier else None
-    guard = tuple(protected) + (judge.protected if judge else ())
-    run_id = collect_run_id(command, tasks, verifier)
-    run_dir = Path(run_dir or base / "lcap-runs" / f"collect-{run_id}").resolve()
+    judge = load_verifier(options.verifier, base=base) if options.verifier else None
+    guard = tuple(options.protect) + (judge.protected if judge else ())
+    run_id = collect_run_id(command, tasks, options.verifier)
+    run_dir = Path(options.run_dir or base / "lcap-runs" / f"collect-{run_id}").resolve()
+    round, split = options.round, options.split
 
     specs = []
     for task in task_rows:
-        for sample in range(group_size):
+        for sample in range(options.group_size):
             eid = episode_id(run_id, round, split, task["id"], sample)
             edir = run_dir / f"round-{round}" / eid
-            values = {**task, "episode_id": eid, "sample": sample, "round": round, "split": split,
-                      "workdir": str(edir / "work"), "cwd": str(base)}
-            specs.append(EpisodeSpec(
-                episode_id=eid, task=task, sample=sample, argv=render_command(template, values), dir=edir,
-                labels={**labels, "task": task["id"], "round": str(round), "sample": str(sample), "split": split,
-                        "group": f"{round}/{split}/{task['id']}", "collect": run_id},
-            ))
+            values = {
+                **task,
+                "episode_id": eid,
+                "sample": sample,
+                "round": round,
+                "split": split,
+                "workdir": str(edir / "work"),
+                "cwd": str(base),
+            }
+            specs.append(
+                EpisodeSpec(
+                    episode_id=eid,
+                    task=task,
+                    sample=sample,
+                    argv=render_command(template, values),
+                    dir=edir,
+                    labels={
+                        **labels,
+                        "task": task["id"],
+                        "round": str(round),
+                        "sample": str(sample),
+                        "split": split,
+                        "collect": run_id,
+                    },
+                )
+            )
 
     result = CollectResult(episodes=len(specs), run_id=run_id, run_dir=str(run_dir))
     done = _finished(store, [s.episode_id for s in specs])
@@ -169,19 +198,22 @@ def collect(store: Store, *, tasks: Path, command: list[str], group_size: int = 
 
     from lcap.capture.server import CaptureProxy
 
-    proxy = CaptureProxy(store, upstream=upstream, model=model)
+    proxy = CaptureProxy(store, upstream=options.upstream, model=options.model)
     proxy.start()
-    runner = _Runner(store, proxy, judge, guard, timeout, tasks.parent.resolve(), result)
+    runner = _Runner(store, proxy, judge, guard, options.timeout, tasks.parent.resolve(), result)
     try:
-        runner.run_all(todo, concurrency, progress=sys.stderr.isatty() if progress is None else progress)
+        runner.run_all(todo, options.concurrency, progress=sys.stderr.isatty() if progress is None else progress)
     finally:
         proxy.stop()
     return result
 
 
 def _finished(store: Store, ids: list[str]) -> set[str]:
-    rows = store.fetchall("SELECT episode_id FROM episodes WHERE episode_id IN (SELECT unnest(?)) AND status IN "
-                          f"({', '.join(repr(s) for s in FINISHED)})", [ids])
+    rows = store.fetchall(
+        "SELECT episode_id FROM episodes WHERE episode_id IN (SELECT unnest(?)) AND status IN "
+        f"({', '.join(repr(s) for s in FINISHED)})",
+        [ids],
+    )
     return {r[0] for r in rows}
 
 
@@ -195,8 +227,16 @@ def _forget_partial(store: Store, ids: list[str]) -> None:
 class _Runner:
     """Runs episodes on a thread pool and keeps the tallies the progress bar shows."""
 
-    def __init__(self, store: Store, proxy, judge: Verifier | None, guard: tuple[str, ...], timeout: float | None,
-                 tasks_dir: Path, result: CollectResult) -> None:
+    def __init__(
+        self,
+        store: Store,
+        proxy,
+        judge: Verifier | None,
+        guard: tuple[str, ...],
+        timeout: float | None,
+        tasks_dir: Path,
+        result: CollectResult,
+    ) -> None:
         self.store, self.proxy, self.judge, self.guard, self.timeout = store, proxy, judge, guard, timeout
         self.tasks_dir = tasks_dir
         self.result = result
@@ -211,8 +251,16 @@ class _Runner:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         console = Console(stderr=True)
-        bar = Progress(TextColumn("collect"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-                       TimeElapsedColumn(), console=console, disable=not progress, transient=False)
+        bar = Progress(
+            TextColumn("collect"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.description}"),
+            TimeElapsedColumn(),
+            console=console,
+            disable=not progress,
+            transient=False,
+        )
         with bar, ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="lcap-episode") as pool:
             job = bar.add_task(self._describe(), total=len(specs))
             futures = {pool.submit(self.run_one, spec): spec for spec in specs}
@@ -240,7 +288,7 @@ class _Runner:
         with self.lock:
             children = list(self.running.values())
         for child in children:
-            _kill_group(child)
+            kill_group(child.pid)
 
     def run_one(self, spec: EpisodeSpec) -> tuple[str, str | None]:
         if self.stopping.is_set():
@@ -261,7 +309,9 @@ class _Runner:
 
     def _episode(self, spec: EpisodeSpec) -> tuple[str, int | None, str | None]:
         # Recorded first, so that even a task whose workdir cannot be set up leaves an episode row.
-        self.store.start_episode(spec.episode_id, command=shlex.join(spec.argv), cwd=str(spec.workdir), labels=spec.labels)
+        self.store.start_episode(
+            spec.episode_id, command=shlex.join(spec.argv), cwd=str(spec.workdir), labels=spec.labels
+        )
         if spec.dir.exists():
             shutil.rmtree(spec.dir)
         spec.workdir.mkdir(parents=True)
@@ -291,8 +341,17 @@ class _Runner:
             changed = tampered_files(before, hash_protected(spec.workdir, guard))
             if changed:
                 details = {"tampered": changed, "protected": list(guard)}
-                self.store.append("episode_flags", [{"episode_id": spec.episode_id, "flag": "tampered",
-                                                     "details": json.dumps(details), "created_at": now()}])
+                self.store.append(
+                    "episode_flags",
+                    [
+                        {
+                            "episode_id": spec.episode_id,
+                            "flag": "tampered",
+                            "details": json.dumps(details),
+                            "created_at": now(),
+                        }
+                    ],
+                )
                 self._reward_and_end(spec, exit_code, 0.0, details, "tamper-guard")
                 with self.lock:
                     self.result.tampered += 1
@@ -300,51 +359,80 @@ class _Runner:
         if self.judge is None:  # rewards may come later (`lcap reward`)
             self._end(spec, "ok", exit_code, None)
             return "ok", exit_code, None
-        ctx = VerifierContext(task=spec.task, episode_id=spec.episode_id, workdir=spec.workdir,
-                              stdout=(spec.dir / "stdout.txt").read_text(errors="replace"), exit_code=exit_code,
-                              status="ok")
+        ctx = VerifierContext(
+            task=spec.task,
+            episode_id=spec.episode_id,
+            workdir=spec.workdir,
+            stdout=(spec.dir / "stdout.txt").read_text(errors="replace"),
+            exit_code=exit_code,
+            status="ok",
+        )
         try:
             verdict = self.judge(ctx)
         except VerifierError as exc:
-            self.store.append("episode_flags", [{"episode_id": spec.episode_id, "flag": "verifier_error",
-                                                 "details": json.dumps({"error": str(exc)}), "created_at": now()}])
+            self.store.append(
+                "episode_flags",
+                [
+                    {
+                        "episode_id": spec.episode_id,
+                        "flag": "verifier_error",
+                        "details": json.dumps({"error": str(exc)}),
+                        "created_at": now(),
+                    }
+                ],
+            )
             self._end(spec, "error", exit_code, f"verifier: {exc}")
             return "error", exit_code, f"verifier: {exc}"
         self._reward_and_end(spec, exit_code, verdict.reward, verdict.details, self.judge.name)
         return "ok", exit_code, None
 
     def _run_agent(self, spec: EpisodeSpec, env: dict[str, str]) -> int:
-        with open(spec.dir / "stdout.txt", "wb") as out, open(spec.dir / "stderr.txt", "wb") as err:
-            try:
-                child = subprocess.Popen(spec.argv, cwd=spec.workdir, env=env, stdin=subprocess.DEVNULL,
-                                         stdout=out, stderr=err, start_new_session=True)
-            except OSError as exc:
-                err.write(f"cannot run {shlex.join(spec.argv)}: {exc.strerror or exc}\n".encode())
-                return 127
+        def started(child: subprocess.Popen) -> None:
             with self.lock:
                 self.running[spec.episode_id] = child
+
+        with open(spec.dir / "stdout.txt", "wb") as out, open(spec.dir / "stderr.txt", "wb") as err:
             try:
-                try:
-                    code = child.wait(self.timeout)
-                except subprocess.TimeoutExpired:
-                    self._timed_out.add(spec.episode_id)
-                    _kill_group(child)
-                    return 124
-                _kill_group(child, grace=0)  # leftovers the agent spawned in its group
-                return 128 - code if code < 0 else code
+                ended = run_child(
+                    spec.argv,
+                    env,
+                    cwd=spec.workdir,
+                    timeout=self.timeout,
+                    own_group=True,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err,
+                    on_start=started,
+                )
+            except LcapError as exc:
+                err.write(f"{exc}\n".encode())
+                return 127
             finally:
                 with self.lock:
                     self.running.pop(spec.episode_id, None)
+        if ended.timed_out:
+            self._timed_out.add(spec.episode_id)
+        return ended.code
 
     def _reward(self, spec: EpisodeSpec, value: float, details: Mapping[str, Any], source: str) -> None:
-        self.store.append("rewards", [{"episode_id": spec.episode_id, "value": float(value),
-                                       "details": json.dumps(dict(details), default=str), "source": source,
-                                       "created_at": now()}])
+        self.store.append(
+            "rewards",
+            [
+                {
+                    "episode_id": spec.episode_id,
+                    "value": float(value),
+                    "details": json.dumps(dict(details), default=str),
+                    "source": source,
+                    "created_at": now(),
+                }
+            ],
+        )
         with self.lock:
             self.rewards.append(float(value))
 
-    def _reward_and_end(self, spec: EpisodeSpec, exit_code: int, value: float, details: Mapping[str, Any],
-                        source: str) -> None:
+    def _reward_and_end(
+        self, spec: EpisodeSpec, exit_code: int, value: float, details: Mapping[str, Any], source: str
+    ) -> None:
         """Reward the episode and mark it `ok` in one attach of the store (the nested writes share it)."""
         with self.store.connect():
             self._reward(spec, value, details, source)
@@ -368,27 +456,6 @@ def _populate(workdir: Path, task: Mapping[str, Any], tasks_dir: Path) -> None:
             raise LcapError(f"task {task['id']}: file {rel!r} is outside the workdir")
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text if isinstance(text, str) else json.dumps(text))
-
-
-def _kill_group(child: subprocess.Popen, grace: float = 5.0) -> None:
-    """SIGTERM the child's whole process group, SIGKILL what is left after `grace` seconds."""
-    try:
-        pgid = os.getpgid(child.pid)
-    except ProcessLookupError:
-        pgid = child.pid
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            break
-        if sig == signal.SIGTERM and grace:
-            deadline = time.monotonic() + grace
-            while child.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-    try:
-        child.wait(5)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def _tail(path: Path, n: int = 300) -> str:

@@ -27,8 +27,10 @@ def merge_turns(turns: pa.Table, *, mask_truncated: bool = False) -> pa.Table:
     if len(turns) == 0:
         return _empty(turns)
     # Sort only the keys; the token buffers stay where DuckDB put them and are read by gathers.
-    order = pc.sort_indices(turns.select(["group_id", "episode_id", "seq"]),
-                            sort_keys=[("group_id", "ascending"), ("episode_id", "ascending"), ("seq", "ascending")])
+    order = pc.sort_indices(
+        turns.select(["group_id", "episode_id", "seq"]),
+        sort_keys=[("group_id", "ascending"), ("episode_id", "ascending"), ("seq", "ascending")],
+    )
     order_np = order.to_numpy()
     turns = turns.combine_chunks()
     n = len(turns)
@@ -100,21 +102,28 @@ def merge_turns(turns: pa.Table, *, mask_truncated: bool = False) -> pa.Table:
     part = (sample_index - sample_index[episode_start][np.cumsum(~same_episode) - 1])[starts]
     n_turns = (ends - starts).astype(np.int32)
     first = order.take(pa.array(starts))  # original row of each sample's first call
-    columns = {name: turns[name].take(first) for name in turns.column_names
-               if name not in ("seq", "prompt_ids", "completion_ids", "logprobs", "truncated", "rebuilt")}
+    columns = {
+        name: turns[name].take(first)
+        for name in turns.column_names
+        if name not in ("seq", "prompt_ids", "completion_ids", "logprobs", "truncated", "rebuilt")
+    }
     episode_ids = columns["episode_id"]
-    return pa.table({
-        "sample_id": pc.binary_join_element_wise(episode_ids, pa.array(part.astype(str)), "#"),
-        **columns,
-        "prompt_ids": turns["prompt_ids"].take(first),
-        "completion_ids": pa.ListArray.from_arrays(offsets, pa.array(ids)),
-        "logprobs": pa.ListArray.from_arrays(offsets, pa.array(logprobs)),
-        "env_mask": pa.ListArray.from_arrays(offsets, pa.array(mask)),
-        # a truncated call always ends its sample (nothing merges after it): the last call decides
-        "truncated": pa.array(truncated[ends - 1]),
-        "rebuilt": pa.array(np.logical_or.reduceat(_bools(turns["rebuilt"])[order_np], starts)),
-        "n_turns": pa.array(n_turns), "merged": pa.array(n_turns > 1), "part": pa.array(part),
-    })
+    return pa.table(
+        {
+            "sample_id": pc.binary_join_element_wise(episode_ids, pa.array(part.astype(str)), "#"),
+            **columns,
+            "prompt_ids": turns["prompt_ids"].take(first),
+            "completion_ids": pa.ListArray.from_arrays(offsets, pa.array(ids)),
+            "logprobs": pa.ListArray.from_arrays(offsets, pa.array(logprobs)),
+            "env_mask": pa.ListArray.from_arrays(offsets, pa.array(mask)),
+            # a truncated call always ends its sample (nothing merges after it): the last call decides
+            "truncated": pa.array(truncated[ends - 1]),
+            "rebuilt": pa.array(np.logical_or.reduceat(_bools(turns["rebuilt"])[order_np], starts)),
+            "n_turns": pa.array(n_turns),
+            "merged": pa.array(n_turns > 1),
+            "part": pa.array(part),
+        }
+    )
 
 
 def _buffers(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
@@ -153,12 +162,22 @@ def _blocks(lengths: np.ndarray):
 
 
 def _empty(turns: pa.Table) -> pa.Table:
-    schema = {name: turns.schema.field(name).type for name in turns.column_names
-              if name not in ("seq", "completion_ids", "logprobs", "truncated", "rebuilt")}
-    return pa.table({"sample_id": pa.array([], pa.string()),
-                     **{name: pa.array([], t) for name, t in schema.items()},
-                     "completion_ids": pa.array([], pa.list_(pa.int32())),
-                     "logprobs": pa.array([], pa.list_(pa.float32())), "env_mask": pa.array([], pa.list_(pa.int8())),
-                     "truncated": pa.array([], pa.bool_()), "rebuilt": pa.array([], pa.bool_()),
-                     "n_turns": pa.array([], pa.int32()), "merged": pa.array([], pa.bool_()),
-                     "part": pa.array([], pa.int64())})
+    schema = {
+        name: turns.schema.field(name).type
+        for name in turns.column_names
+        if name not in ("seq", "completion_ids", "logprobs", "truncated", "rebuilt")
+    }
+    return pa.table(
+        {
+            "sample_id": pa.array([], pa.string()),
+            **{name: pa.array([], t) for name, t in schema.items()},
+            "completion_ids": pa.array([], pa.list_(pa.int32())),
+            "logprobs": pa.array([], pa.list_(pa.float32())),
+            "env_mask": pa.array([], pa.list_(pa.int8())),
+            "truncated": pa.array([], pa.bool_()),
+            "rebuilt": pa.array([], pa.bool_()),
+            "n_turns": pa.array([], pa.int32()),
+            "merged": pa.array([], pa.bool_()),
+            "part": pa.array([], pa.int64()),
+        }
+    )

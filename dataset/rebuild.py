@@ -42,22 +42,35 @@ def rebuild_missing_tokens(store: Store, *, round: int, split: str, tokenizer: s
         name = tokenizer or base_model or _policy_base_model() or served
         try:
             tok = _load_tokenizer(name) if name else None
-            ids = rebuild_turn(tok, dialect, json.loads(request or "{}"), text, json.loads(tool_calls or "null"),
-                               finish_reason) if tok else None
+            ids = (
+                rebuild_turn(
+                    tok, dialect, json.loads(request or "{}"), text, json.loads(tool_calls or "null"), finish_reason
+                )
+                if tok
+                else None
+            )
         except Exception as exc:  # a bad template or request: count it, the other turns still build
             print(f"lcap: cannot re-tokenise turn {turn_id}: {exc}", file=sys.stderr)
             ids = None
         if ids is None:
             failed += 1
             continue
-        rows.append({"turn_id": turn_id, "prompt_token_ids": ids[0], "completion_token_ids": ids[1],
-                     "tokenizer": name, "created_at": now()})
+        rows.append(
+            {
+                "turn_id": turn_id,
+                "prompt_token_ids": ids[0],
+                "completion_token_ids": ids[1],
+                "tokenizer": name,
+                "created_at": now(),
+            }
+        )
     store.append("rebuilt_turns", rows)
     return len(rows), failed
 
 
-def rebuild_turn(tokenizer, dialect: str | None, request: dict, text: str | None, tool_calls: Any,
-                 finish_reason: str | None) -> tuple[list[int], list[int]] | None:
+def rebuild_turn(
+    tokenizer, dialect: str | None, request: dict, text: str | None, tool_calls: Any, finish_reason: str | None
+) -> tuple[list[int], list[int]] | None:
     """(prompt ids, completion ids) for one call, or None when its dialect cannot be re-rendered."""
     text = text or ""
     if dialect == "completions":
@@ -74,7 +87,7 @@ def rebuild_turn(tokenizer, dialect: str | None, request: dict, text: str | None
     prompt_text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     prompt_ids = _encode(tokenizer, prompt_text)
     if finish_reason in TRUNCATED_REASONS:
-        # No stop token was produced, so none is added (FIELD-NOTES pitfall 3).
+        # A completion cut by the token limit ends without a stop token: none is added.
         return prompt_ids, _encode(tokenizer, text)
     assistant: dict[str, Any] = {"role": "assistant", "content": text}
     if tool_calls:
@@ -83,7 +96,7 @@ def rebuild_turn(tokenizer, dialect: str | None, request: dict, text: str | None
     if full_ids[: len(prompt_ids)] != prompt_ids:
         completion = _encode(tokenizer, text) + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
         return prompt_ids, completion
-    completion = full_ids[len(prompt_ids):]
+    completion = full_ids[len(prompt_ids) :]
     # The template may add a newline after the end-of-turn token; the model stopped at the token.
     eos = tokenizer.eos_token_id
     if eos is not None and eos in completion:
@@ -117,10 +130,21 @@ def chat_from_anthropic(request: dict) -> tuple[list[dict], list[dict] | None]:
                     result = "".join(part.get("text", "") for part in result if part.get("type") == "text")
                 messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result or ""})
         if texts or calls:
-            messages.append({"role": message["role"], "content": "".join(texts), **({"tool_calls": calls} if calls else {})})
-    tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
-                                               "parameters": t.get("input_schema") or {}}}
-             for t in request.get("tools") or [] if t.get("name")]
+            messages.append(
+                {"role": message["role"], "content": "".join(texts), **({"tool_calls": calls} if calls else {})}
+            )
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": t.get("name"),
+                "description": t.get("description", ""),
+                "parameters": t.get("input_schema") or {},
+            },
+        }
+        for t in request.get("tools") or []
+        if t.get("name")
+    ]
     return messages, tools or None
 
 

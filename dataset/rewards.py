@@ -11,8 +11,9 @@ from lcap.config import LcapError
 from lcap.store import Store, now
 
 
-def add_reward(store: Store, episode_id: str, value: float, *, details: str | Mapping[str, Any] | None = None,
-               source: str = "cli") -> None:
+def add_reward(
+    store: Store, episode_id: str, value: float, *, details: str | Mapping[str, Any] | None = None, source: str = "cli"
+) -> None:
     """Record a reward for an existing episode; rewards may arrive long after the episode ended."""
     if not math.isfinite(value):
         raise LcapError(f"reward must be a finite number, not {value}")
@@ -26,5 +27,15 @@ def add_reward(store: Store, episode_id: str, value: float, *, details: str | Ma
         details = parsed
     if not store.fetchall("SELECT 1 FROM episodes WHERE episode_id = ?", [episode_id]):
         raise LcapError(f"no episode {episode_id!r} in {store.path}")
-    store.append("rewards", [{"episode_id": episode_id, "value": float(value), "details": json.dumps(details or {}),
-                              "source": source, "created_at": now()}])
+    store.append(
+        "rewards",
+        [
+            {
+                "episode_id": episode_id,
+                "value": float(value),
+                "details": json.dumps(details or {}),
+                "source": source,
+                "created_at": now(),
+            }
+        ],
+    )

@@ -70,12 +70,24 @@ class CommandVerifier:
     def __call__(self, ctx: VerifierContext) -> Verdict:
         stdout_file = ctx.workdir.parent / "stdout.txt"
         env = dict(os.environ)
-        env.update(LCAP_TASK=json.dumps(dict(ctx.task), ensure_ascii=False), LCAP_EPISODE_ID=ctx.episode_id,
-                   LCAP_WORKDIR=str(ctx.workdir), LCAP_AGENT_STDOUT=str(stdout_file),
-                   LCAP_AGENT_EXIT_CODE="" if ctx.exit_code is None else str(ctx.exit_code))
+        env.update(
+            LCAP_TASK=json.dumps(dict(ctx.task), ensure_ascii=False),
+            LCAP_EPISODE_ID=ctx.episode_id,
+            LCAP_WORKDIR=str(ctx.workdir),
+            LCAP_AGENT_STDOUT=str(stdout_file),
+            LCAP_AGENT_EXIT_CODE="" if ctx.exit_code is None else str(ctx.exit_code),
+        )
         try:
-            proc = subprocess.run(self.argv, input=ctx.stdout, capture_output=True, text=True, env=env,
-                                  cwd=ctx.workdir, timeout=self.timeout, start_new_session=True)
+            proc = subprocess.run(
+                self.argv,
+                input=ctx.stdout,
+                capture_output=True,
+                text=True,
+                env=env,
+                cwd=ctx.workdir,
+                timeout=self.timeout,
+                start_new_session=True,
+            )
         except subprocess.TimeoutExpired:
             raise VerifierError(f"verifier timed out after {self.timeout:.0f}s") from None
         except OSError as exc:
@@ -184,6 +196,7 @@ def resolve_argv(argv: Sequence[str], base: Path) -> list[str]:
 
 
 # --- tamper guard ---------------------------------------------------------------------------
+
 
 def hash_protected(workdir: Path, globs: Iterable[str]) -> dict[str, str]:
     """sha256 of every file matching `globs` under `workdir` (a matched directory: every file in it)."""

@@ -1,16 +1,21 @@
-"""The `lcap` command line. Each stage registers its own commands; heavy imports stay inside them."""
+"""The `lcap` command line: the top of the import graph. Each stage registers its own commands (its
+`commands.py`, which imports only the core and the stages before it); heavy imports stay inside them."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from lcap.config import LcapError, default_db
+from lcap.capture.commands import register as register_capture
+from lcap.cli_options import DbOption, one_line_errors
+from lcap.config import LcapError
+from lcap.dataset.commands import register as register_dataset
+from lcap.loop.commands import register as register_loop
+from lcap.serve.commands import register as register_serve
+from lcap.train.commands import register as register_train
 
 app = typer.Typer(
     name="lcap",
@@ -19,22 +24,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-
-DbOption = Annotated[Path, typer.Option("--db", help="DuckDB store (env LCAP_DB).", default_factory=default_db)]
-
-
-def one_line_errors(func):
-    """Turn an LcapError into one line on stderr and exit code 2: no traceback for user mistakes."""
-
-    @functools.wraps(func)
-    def wrapper(*args, **kwargs):
-        try:
-            return func(*args, **kwargs)
-        except LcapError as exc:
-            typer.echo(f"lcap: {exc}", err=True)
-            raise typer.Exit(2) from None
-
-    return wrapper
 
 
 @app.command()
@@ -71,7 +60,7 @@ def setup(
 ) -> None:
     """Install what lcap runs beside itself: the Node proxy preload and vLLM's own venv. Idempotent."""
     from lcap.capture.node_preload import install_node_preload
-    from lcap.train.vllm_env import ensure_vllm_env
+    from lcap.serve.vllm_env import ensure_vllm_env
 
     steps = {"node": install_node_preload, "vllm": ensure_vllm_env}
     for part in parts or list(steps):
@@ -81,13 +70,8 @@ def setup(
 
 
 def _register_stages() -> None:
-    from lcap.capture.commands import register as register_capture
-    from lcap.dataset.commands import register as register_dataset
-    from lcap.train.commands import register as register_train
-
-    register_capture(app)
-    register_dataset(app)
-    register_train(app)
+    for register in (register_capture, register_dataset, register_serve, register_train, register_loop):
+        register(app)
 
 
 def _log_to_stderr() -> None:

@@ -17,13 +17,13 @@ from lcap.config import lcap_home
 
 @dataclass
 class PolicyServer:
-    url: str                  # base URL of vLLM's OpenAI server, e.g. http://127.0.0.1:8000
+    url: str  # base URL of vLLM's OpenAI server, e.g. http://127.0.0.1:8000
     pid: int
-    base_model: str           # the model path or name vLLM was started on
-    served_model: str         # the name vLLM serves the base model under
-    current: str              # the deployment every routed call asks for (base or a LoRA name)
+    base_model: str  # the model path or name vLLM was started on
+    served_model: str  # the name vLLM serves the base model under
+    current: str  # the deployment every routed call asks for (base or a LoRA name)
     log_path: str
-    python: str               # interpreter that runs vLLM
+    python: str  # interpreter that runs vLLM
     started_at: str
     loras: dict[str, str] = field(default_factory=dict)  # served LoRA name -> adapter path
 

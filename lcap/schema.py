@@ -4,7 +4,28 @@ Tables are append-mostly. Rows are written in batches (see `Store.append`), neve
 request. Views carry the joins, so `lcap sql` and the stages read the same definitions.
 """
 
+# Episode labels that are also columns (for joins and filters): label -> (column, SQL type).
+PROMOTED_LABELS = {
+    "task": ("task_id", "VARCHAR"),
+    "round": ("round", "INTEGER"),
+    "sample": ("sample", "INTEGER"),
+    "split": ("split", "VARCHAR"),
+}
+
+# The store's shape. A new store gets TABLES at SCHEMA_VERSION; an older one is brought there by MIGRATIONS
+# (version reached -> statements), in order, inside the unit of work that first opens it for writing.
+SCHEMA_VERSION = 2
+MIGRATIONS: dict[int, tuple[str, ...]] = {
+    2: (
+        "ALTER TABLE episodes RENAME COLUMN group_index TO sample",
+        "ALTER TABLE episodes ADD COLUMN split VARCHAR",
+        "UPDATE episodes SET split = labels->>'split'",
+    ),
+}
+
 TABLES = """
+CREATE TABLE IF NOT EXISTS schema_version (version INTEGER);
+
 CREATE TABLE IF NOT EXISTS episodes (
     episode_id     VARCHAR PRIMARY KEY,
     command        VARCHAR,
@@ -15,9 +36,10 @@ CREATE TABLE IF NOT EXISTS episodes (
     status         VARCHAR,   -- running | ok | failed | timeout | interrupted | error
     error          VARCHAR,
     labels         JSON,      -- every --label key=value, e.g. {"task": "17", "round": "2"}
-    task_id        VARCHAR,   -- labels.task, promoted for joins
+    task_id        VARCHAR,   -- labels.task, promoted for joins (PROMOTED_LABELS)
     round          INTEGER,   -- labels.round
-    group_index    INTEGER    -- labels.sample: which member of its GRPO group
+    sample         INTEGER,   -- labels.sample: which member of its GRPO group
+    split          VARCHAR    -- labels.split: train | eval
 );
 
 CREATE TABLE IF NOT EXISTS turns (
@@ -140,10 +162,12 @@ CREATE TABLE IF NOT EXISTS dataset_reports (
 # Messages 'max_tokens', Responses 'max_output_tokens'. SQL asks `cut_by_token_limit(finish_reason)`.
 TRUNCATED_REASONS = ("length", "max_tokens", "max_output_tokens")
 
-VIEWS = f"""
+VIEWS = (
+    f"""
 CREATE OR REPLACE MACRO cut_by_token_limit(reason) AS
     coalesce(reason IN ({", ".join(f"'{r}'" for r in TRUNCATED_REASONS)}), false);
-""" + """
+"""
+    + """
 CREATE OR REPLACE VIEW latest_rewards AS
     SELECT episode_id, arg_max(value, created_at) AS reward,
            arg_max(details, created_at) AS details, arg_max(source, created_at) AS source
@@ -158,9 +182,8 @@ CREATE OR REPLACE VIEW episode_summary AS
                count(*) FILTER (WHERE error IS NOT NULL OR status_code >= 400) AS failed_calls
         FROM turns WHERE episode_id IS NOT NULL GROUP BY episode_id),
     f AS (SELECT episode_id, list(DISTINCT flag ORDER BY flag) AS flags FROM episode_flags GROUP BY episode_id)
-    SELECT e.episode_id, e.task_id, e.round, coalesce(e.labels->>'split', 'train') AS split,
-           e.group_index AS sample,
-           concat_ws('/', e.round, coalesce(e.labels->>'split', 'train'), e.task_id) AS group_id,
+    SELECT e.episode_id, e.task_id, e.round, coalesce(e.split, 'train') AS split, e.sample,
+           concat_ws('/', e.round, coalesce(e.split, 'train'), e.task_id) AS group_id,
            e.status, e.error, e.exit_code,
            coalesce(t.n_turns, 0) AS n_turns, coalesce(t.prompt_tokens, 0) AS prompt_tokens,
            coalesce(t.completion_tokens, 0) AS completion_tokens, coalesce(t.failed_calls, 0) AS failed_calls,
@@ -214,6 +237,7 @@ CREATE OR REPLACE VIEW turn_tokens AS
                 ELSE cap_logprobs END AS logprobs
     FROM j;
 """
+)
 
 # Training samples (dataset stage). Consecutive calls of an episode merge into one sequence when
 # the next prompt's token ids start with the previous prompt + completion (checked on ids, never

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +26,13 @@ import duckdb
 import pyarrow as pa
 
 from lcap.config import LcapError
-from lcap.schema import TABLES, VIEWS
+from lcap.schema import MIGRATIONS, PROMOTED_LABELS, SCHEMA_VERSION, TABLES, VIEWS
 
 _LOCKED = ("Could not set lock", "Conflicting lock", "database is locked")
 
 
 def now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 _ALIAS = "lcap_store"
@@ -44,7 +44,7 @@ class _Instance:
     def __init__(self) -> None:
         self.con = duckdb.connect(":memory:")
         self.lock = threading.RLock()
-        self.depth = 0          # nested units of work share one attach
+        self.depth = 0  # nested units of work share one attach
         self.read_only = False
 
 
@@ -106,12 +106,28 @@ class Store:
                 if not any(marker in str(exc) for marker in _LOCKED):
                     raise LcapError(f"cannot open store {self.path}: {exc}") from exc
                 if time.monotonic() > deadline:
-                    raise LcapError(f"store {self.path} stayed locked by another process for {self.timeout:.0f}s") from exc
+                    raise LcapError(
+                        f"store {self.path} stayed locked by another process for {self.timeout:.0f}s"
+                    ) from exc
                 time.sleep(delay)
                 delay = min(delay * 2, 0.1)
 
     def _create_schema(self, con: duckdb.DuckDBPyConnection) -> None:
+        (existing,) = con.execute(
+            f"SELECT count(*) FROM duckdb_tables() WHERE database_name = '{_ALIAS}' AND table_name = 'episodes'"
+        ).fetchone()
         con.execute(TABLES)
+        (version,) = con.execute("SELECT max(version) FROM schema_version").fetchone()
+        version = version or (1 if existing else SCHEMA_VERSION)  # a store from before versions is version 1
+        if version > SCHEMA_VERSION:
+            raise LcapError(
+                f"store {self.path} has schema version {version}; this lcap knows up to {SCHEMA_VERSION}: upgrade lcap"
+            )
+        for target in range(version + 1, SCHEMA_VERSION + 1):
+            for statement in MIGRATIONS[target]:
+                con.execute(statement)
+        con.execute("DELETE FROM schema_version")
+        con.execute("INSERT INTO schema_version VALUES (?)", [SCHEMA_VERSION])
         for ddl in self._extra_schema:
             con.execute(ddl)
         con.execute(VIEWS)
@@ -140,22 +156,21 @@ class Store:
         with self.connect() as con:
             return con.execute(sql, params).fetchall()
 
-    def fetch_arrow(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> pa.Table:
-        with self.connect() as con:
-            return con.sql(sql, params=params).to_arrow_table()
-
     # Episodes are shared by capture (one per `lcap proxy -- CMD`) and collect (one per task run).
 
     def start_episode(self, episode_id: str, *, command: str | None, cwd: str | None, labels: dict[str, str]) -> None:
-        """Record an episode as running; labels `task`, `round` and `sample` are also promoted to columns."""
+        """Record an episode as running; the labels of PROMOTED_LABELS are also stored in their columns."""
+        columns = ", ".join(column for column, _ in PROMOTED_LABELS.values())
+        casts = ", ".join(f"TRY_CAST(? AS {kind})" for _, kind in PROMOTED_LABELS.values())
         self.execute(
-            """INSERT OR REPLACE INTO episodes
-               (episode_id, command, cwd, started_at, status, labels, task_id, round, group_index)
-               VALUES (?, ?, ?, ?, 'running', ?, ?, TRY_CAST(? AS INTEGER), TRY_CAST(? AS INTEGER))""",
-            [episode_id, command, cwd, now(), _json(labels), labels.get("task"), labels.get("round"), labels.get("sample")],
+            f"""INSERT OR REPLACE INTO episodes (episode_id, command, cwd, started_at, status, labels, {columns})
+                VALUES (?, ?, ?, ?, 'running', ?, {casts})""",
+            [episode_id, command, cwd, now(), _json(labels), *(labels.get(label) for label in PROMOTED_LABELS)],
         )
 
-    def end_episode(self, episode_id: str, *, status: str, exit_code: int | None = None, error: str | None = None) -> None:
+    def end_episode(
+        self, episode_id: str, *, status: str, exit_code: int | None = None, error: str | None = None
+    ) -> None:
         self.execute(
             "UPDATE episodes SET ended_at = ?, status = ?, exit_code = ?, error = ? WHERE episode_id = ?",
             [now(), status, exit_code, error, episode_id],

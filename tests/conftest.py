@@ -2,10 +2,10 @@
 
 import signal
 
-from fixtures_vllm import *  # noqa: F401,F403  (policy server: tiny model + real vLLM CPU)
-from fixtures_capture import *  # noqa: F401,F403
-from fixtures_dataset import *  # noqa: F401,F403
-from fixtures_train import *  # noqa: F401,F403
+from fixtures_capture import *  # noqa: F403
+from fixtures_dataset import *  # noqa: F403
+from fixtures_train import *  # noqa: F403
+from fixtures_vllm import *  # noqa: F403  (policy server: tiny model + real vLLM CPU)
 
 # A suite started in the background (`cmd &` in a script, nohup) inherits SIGINT ignored, and so
 # would every lcap and agent it starts; several tests send SIGINT on purpose. A handler here makes

@@ -29,7 +29,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 AGENTS = Path(__file__).resolve().parent / "agents_capture"
 LCAP = os.environ.get("LCAP_TEST_CLI") or (
-    str(REPO / ".venv" / "bin" / "lcap") if (REPO / ".venv" / "bin" / "lcap").exists() else shutil.which("lcap"))
+    str(REPO / ".venv" / "bin" / "lcap") if (REPO / ".venv" / "bin" / "lcap").exists() else shutil.which("lcap")
+)
 SECRET = "sk-test-SECRET-do-not-store-0123456789abcdef"
 ANTHROPIC_SECRET = "sk-ant-api03-SECRET-do-not-store-abcdef0123456789"
 
@@ -42,7 +43,7 @@ class FakeLLM(ThreadingHTTPServer):
         self.vllm = vllm
         self.requests: list[dict] = []
         self.text = "Hello from the upstream."
-        self.tool_call: dict | None = None      # {"name": ..., "arguments": {...}} answers with a tool call
+        self.tool_call: dict | None = None  # {"name": ..., "arguments": {...}} answers with a tool call
         self.fail: tuple[int, dict] | None = None
         self.gzip = False
         self.gate: threading.Event | None = None  # streams pause after the first chunk until set
@@ -59,8 +60,15 @@ class FakeLLM(ThreadingHTTPServer):
 
     def reset(self) -> None:
         self.requests.clear()
-        self.text, self.tool_call, self.fail, self.gzip, self.gate, self.chunk_delay, self.drop_idle = \
-            "Hello from the upstream.", None, None, False, None, 0.0, False
+        self.text, self.tool_call, self.fail, self.gzip, self.gate, self.chunk_delay, self.drop_idle = (
+            "Hello from the upstream.",
+            None,
+            None,
+            False,
+            None,
+            0.0,
+            False,
+        )
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -102,11 +110,23 @@ class _Handler(BaseHTTPRequestHandler):
         if path.endswith("/chat/completions"):
             return self._sse(_chat_events(self.server, body)) if stream else self._json(200, _chat(self.server, body))
         if path.endswith("/completions"):
-            return self._sse(_completion_events(self.server, body)) if stream else self._json(200, _completion(self.server, body))
+            return (
+                self._sse(_completion_events(self.server, body))
+                if stream
+                else self._json(200, _completion(self.server, body))
+            )
         if path.endswith("/responses"):
-            return self._sse(_responses_events(self.server, body), named=True) if stream else self._json(200, _response(self.server, body))
+            return (
+                self._sse(_responses_events(self.server, body), named=True)
+                if stream
+                else self._json(200, _response(self.server, body))
+            )
         if path.endswith("/messages"):
-            return self._sse(_messages_events(self.server, body), named=True) if stream else self._json(200, _message(self.server, body))
+            return (
+                self._sse(_messages_events(self.server, body), named=True)
+                if stream
+                else self._json(200, _message(self.server, body))
+            )
         if path.endswith("/events"):  # not an LLM API: a plain event stream
             return self._sse(_chat_events(self.server, {**body, "model": "events"}))
         return self._json(200, {"ok": True})
@@ -122,7 +142,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _websocket(self) -> None:
         """Responses API over WebSocket: `response.create` frames in, the SSE events as frames out."""
-        accept = base64.b64encode(hashlib.sha1((self.headers["sec-websocket-key"] + _WS_GUID).encode()).digest()).decode()
+        accept = base64.b64encode(
+            hashlib.sha1((self.headers["sec-websocket-key"] + _WS_GUID).encode()).digest()
+        ).decode()
         self.send_response(101)
         self.send_header("upgrade", "websocket")
         self.send_header("connection", "Upgrade")
@@ -196,14 +218,20 @@ def _ws_read(rfile) -> tuple[int | None, bytes]:
 
 def _ws_write(wfile, data: bytes, opcode: int = 1) -> None:
     n = len(data)
-    head = bytes([0x80 | opcode]) + (bytes([n]) if n < 126 else bytes([126]) + struct.pack(">H", n) if n < 65536
-                                     else bytes([127]) + struct.pack(">Q", n))
+    head = bytes([0x80 | opcode]) + (
+        bytes([n])
+        if n < 126
+        else bytes([126]) + struct.pack(">H", n)
+        if n < 65536
+        else bytes([127]) + struct.pack(">Q", n)
+    )
     wfile.write(head + data)
     wfile.flush()
 
 
 # --- answers --------------------------------------------------------------------------------------
 # Token ids are deterministic functions of the text, so tests can check what was stored.
+
 
 def fake_ids(text: str) -> list[int]:
     return [ord(c) % 1000 for c in text]
@@ -226,18 +254,37 @@ def _chat(server: FakeLLM, body: dict) -> dict:
     message: dict = {"role": "assistant", "content": server.text}
     finish = "stop"
     if server.tool_call:
-        message = {"role": "assistant", "content": None, "tool_calls": [{
-            "id": "call_1", "type": "function",
-            "function": {"name": server.tool_call["name"], "arguments": json.dumps(server.tool_call["arguments"])}}]}
+        message = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {
+                        "name": server.tool_call["name"],
+                        "arguments": json.dumps(server.tool_call["arguments"]),
+                    },
+                }
+            ],
+        }
         finish = "tool_calls"
     choice: dict = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
-    out = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": body.get("model"),
-           "choices": [choice], "usage": {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}}
+    out = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": body.get("model"),
+        "choices": [choice],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12},
+    }
     if _wants_ids(server, body):
         out["prompt_token_ids"] = fake_ids(_prompt_text(body))
         choice["token_ids"] = fake_ids(server.text)
         if body.get("logprobs"):
-            choice["logprobs"] = {"content": [{"token": c, "logprob": -0.5, "bytes": None, "top_logprobs": []} for c in server.text]}
+            choice["logprobs"] = {
+                "content": [{"token": c, "logprob": -0.5, "bytes": None, "top_logprobs": []} for c in server.text]
+            }
     return out
 
 
@@ -250,10 +297,39 @@ def _chat_events(server: FakeLLM, body: dict) -> list[dict]:
     if server.tool_call:
         args = json.dumps(server.tool_call["arguments"])
         half = len(args) // 2
-        events.append({**base, "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
-                       "function": {"name": server.tool_call["name"], "arguments": args[:half]}}]}, "finish_reason": None}]})
-        events.append({**base, "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": args[half:]}}]},
-                       "finish_reason": None}]})
+        events.append(
+            {
+                **base,
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {
+                            "tool_calls": [
+                                {
+                                    "index": 0,
+                                    "id": "call_1",
+                                    "type": "function",
+                                    "function": {"name": server.tool_call["name"], "arguments": args[:half]},
+                                }
+                            ]
+                        },
+                        "finish_reason": None,
+                    }
+                ],
+            }
+        )
+        events.append(
+            {
+                **base,
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"tool_calls": [{"index": 0, "function": {"arguments": args[half:]}}]},
+                        "finish_reason": None,
+                    }
+                ],
+            }
+        )
         events.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
     else:
         for word in _words(server.text):
@@ -261,11 +337,15 @@ def _chat_events(server: FakeLLM, body: dict) -> list[dict]:
             if ids:
                 choice["token_ids"] = fake_ids(word)
                 if body.get("logprobs"):
-                    choice["logprobs"] = {"content": [{"token": c, "logprob": -0.5, "bytes": None, "top_logprobs": []} for c in word]}
+                    choice["logprobs"] = {
+                        "content": [{"token": c, "logprob": -0.5, "bytes": None, "top_logprobs": []} for c in word]
+                    }
             events.append({**base, "choices": [choice]})
         events.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
     if (body.get("stream_options") or {}).get("include_usage"):
-        events.append({**base, "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}})
+        events.append(
+            {**base, "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}}
+        )
     return events
 
 
@@ -275,26 +355,68 @@ def _completion(server: FakeLLM, body: dict) -> dict:
         choice["prompt_token_ids"] = fake_ids(_prompt_text(body))
         choice["token_ids"] = fake_ids(server.text)
         choice["logprobs"] = {"tokens": list(server.text), "token_logprobs": [-0.25] * len(server.text)}
-    return {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": body.get("model"), "choices": [choice],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}}
+    return {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 1,
+        "model": body.get("model"),
+        "choices": [choice],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8},
+    }
 
 
 def _completion_events(server: FakeLLM, body: dict) -> list[dict]:
-    return [{"id": "cmpl-1", "object": "text_completion", "created": 1, "model": body.get("model"),
-             "choices": [{"index": 0, "text": word, "finish_reason": None}]} for word in _words(server.text)] + [
-        {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": body.get("model"),
-         "choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}]
+    return [
+        {
+            "id": "cmpl-1",
+            "object": "text_completion",
+            "created": 1,
+            "model": body.get("model"),
+            "choices": [{"index": 0, "text": word, "finish_reason": None}],
+        }
+        for word in _words(server.text)
+    ] + [
+        {
+            "id": "cmpl-1",
+            "object": "text_completion",
+            "created": 1,
+            "model": body.get("model"),
+            "choices": [{"index": 0, "text": "", "finish_reason": "stop"}],
+        }
+    ]
 
 
 def _response(server: FakeLLM, body: dict) -> dict:
     if server.tool_call:
-        output = [{"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": server.tool_call["name"],
-                   "arguments": json.dumps(server.tool_call["arguments"]), "status": "completed"}]
+        output = [
+            {
+                "type": "function_call",
+                "id": "fc_1",
+                "call_id": "call_1",
+                "name": server.tool_call["name"],
+                "arguments": json.dumps(server.tool_call["arguments"]),
+                "status": "completed",
+            }
+        ]
     else:
-        output = [{"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
-                   "content": [{"type": "output_text", "text": server.text, "annotations": []}]}]
-    out = {"id": "resp_1", "object": "response", "created_at": 1, "model": body.get("model"), "status": "completed",
-           "output": output, "usage": {"input_tokens": 9, "output_tokens": 4, "total_tokens": 13}}
+        output = [
+            {
+                "type": "message",
+                "id": "msg_1",
+                "role": "assistant",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": server.text, "annotations": []}],
+            }
+        ]
+    out = {
+        "id": "resp_1",
+        "object": "response",
+        "created_at": 1,
+        "model": body.get("model"),
+        "status": "completed",
+        "output": output,
+        "usage": {"input_tokens": 9, "output_tokens": 4, "total_tokens": 13},
+    }
     if server.vllm and body.get("enable_response_messages"):
         out["input_messages"] = [{"message": "prompt", "tokens": fake_ids(_prompt_text(body))}]
         out["output_messages"] = [{"message": server.text, "tokens": fake_ids(server.text)}]
@@ -304,53 +426,117 @@ def _response(server: FakeLLM, body: dict) -> dict:
 def _responses_events(server: FakeLLM, body: dict) -> list[dict]:
     final = _response(server, body)
     created = {k: v for k, v in final.items() if k not in ("input_messages", "output_messages")}
-    events = [{"type": "response.created", "sequence_number": 0, "response": {**created, "status": "in_progress", "output": []}},
-              {"type": "response.output_item.added", "sequence_number": 1, "output_index": 0,
-               "item": {"type": "message", "id": "msg_1", "role": "assistant", "status": "in_progress", "content": []}},
-              {"type": "response.content_part.added", "sequence_number": 2, "item_id": "msg_1", "output_index": 0,
-               "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}}]
+    events = [
+        {
+            "type": "response.created",
+            "sequence_number": 0,
+            "response": {**created, "status": "in_progress", "output": []},
+        },
+        {
+            "type": "response.output_item.added",
+            "sequence_number": 1,
+            "output_index": 0,
+            "item": {"type": "message", "id": "msg_1", "role": "assistant", "status": "in_progress", "content": []},
+        },
+        {
+            "type": "response.content_part.added",
+            "sequence_number": 2,
+            "item_id": "msg_1",
+            "output_index": 0,
+            "content_index": 0,
+            "part": {"type": "output_text", "text": "", "annotations": []},
+        },
+    ]
     for word in _words(server.text):
-        events.append({"type": "response.output_text.delta", "sequence_number": len(events), "item_id": "msg_1",
-                       "output_index": 0, "content_index": 0, "delta": word})
+        events.append(
+            {
+                "type": "response.output_text.delta",
+                "sequence_number": len(events),
+                "item_id": "msg_1",
+                "output_index": 0,
+                "content_index": 0,
+                "delta": word,
+            }
+        )
     events.append({"type": "response.completed", "sequence_number": len(events), "response": final})
     return events
 
 
 def _message(server: FakeLLM, body: dict) -> dict:
     if server.tool_call:
-        content = [{"type": "tool_use", "id": "toolu_1", "name": server.tool_call["name"], "input": server.tool_call["arguments"]}]
+        content = [
+            {
+                "type": "tool_use",
+                "id": "toolu_1",
+                "name": server.tool_call["name"],
+                "input": server.tool_call["arguments"],
+            }
+        ]
         stop = "tool_use"
     else:
         content, stop = [{"type": "text", "text": server.text}], "end_turn"
-    return {"id": "msg_1", "type": "message", "role": "assistant", "model": body.get("model"), "content": content,
-            "stop_reason": stop, "stop_sequence": None, "usage": {"input_tokens": 11, "output_tokens": 6}}
+    return {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "model": body.get("model"),
+        "content": content,
+        "stop_reason": stop,
+        "stop_sequence": None,
+        "usage": {"input_tokens": 11, "output_tokens": 6},
+    }
 
 
 def _messages_events(server: FakeLLM, body: dict) -> list[dict]:
-    start = {"id": "msg_1", "type": "message", "role": "assistant", "model": body.get("model"), "content": [],
-             "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 11, "output_tokens": 1}}
+    start = {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "model": body.get("model"),
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": 11, "output_tokens": 1},
+    }
     events = [{"type": "message_start", "message": start}]
     if server.tool_call:
         args = json.dumps(server.tool_call["arguments"])
         events += [
-            {"type": "content_block_start", "index": 0, "content_block": {"type": "tool_use", "id": "toolu_1",
-                                                                           "name": server.tool_call["name"], "input": {}}},
-            {"type": "content_block_delta", "index": 0, "delta": {"type": "input_json_delta", "partial_json": args[:5]}},
-            {"type": "content_block_delta", "index": 0, "delta": {"type": "input_json_delta", "partial_json": args[5:]}},
+            {
+                "type": "content_block_start",
+                "index": 0,
+                "content_block": {"type": "tool_use", "id": "toolu_1", "name": server.tool_call["name"], "input": {}},
+            },
+            {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "input_json_delta", "partial_json": args[:5]},
+            },
+            {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "input_json_delta", "partial_json": args[5:]},
+            },
             {"type": "content_block_stop", "index": 0},
         ]
         stop = "tool_use"
     else:
         events.append({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
-        events += [{"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": w}} for w in _words(server.text)]
+        events += [
+            {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": w}}
+            for w in _words(server.text)
+        ]
         events.append({"type": "content_block_stop", "index": 0})
         stop = "end_turn"
-    events += [{"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None}, "usage": {"output_tokens": 6}},
-               {"type": "message_stop"}]
+    events += [
+        {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None}, "usage": {"output_tokens": 6}},
+        {"type": "message_stop"},
+    ]
     return events
 
 
 # --- fixtures -------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="session")
 def capture_home(tmp_path_factory) -> Path:
@@ -402,17 +588,25 @@ def node_modules() -> Path:
     target = node_cache_dir()
     env = {**os.environ, "LCAP_NODE_DIR": str(target)}
     setup = subprocess.run([LCAP, "setup", "node"], env=env, capture_output=True, text=True)
-    if not all((target / "node_modules" / name).exists() for name in ("undici", "https-proxy-agent", "http-proxy-agent")):
+    if not all(
+        (target / "node_modules" / name).exists() for name in ("undici", "https-proxy-agent", "http-proxy-agent")
+    ):
         pytest.skip(f"npm could not install the preload's packages: {setup.stdout} {setup.stderr}")
     if _npm_version(target, "openai") != "6.30.1":
-        result = subprocess.run(["npm", "install", "--prefix", str(target), "--no-audit", "--no-fund", "--loglevel=error",
-                                 "openai@6.30.1"], capture_output=True, text=True, timeout=300)
+        result = subprocess.run(
+            ["npm", "install", "--prefix", str(target), "--no-audit", "--no-fund", "--loglevel=error", "openai@6.30.1"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         if result.returncode != 0:
             pytest.skip(f"npm could not install the openai SDK: {result.stderr.strip()[-300:]}")
     return target / "node_modules"
 
 
-def run_lcap(args: list[str], env: dict[str, str], *, timeout: float = 180, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run_lcap(
+    args: list[str], env: dict[str, str], *, timeout: float = 180, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run([LCAP, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 

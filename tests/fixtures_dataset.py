@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -13,7 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 DATASET_AGENTS = REPO / "scripts" / "agents"
 DATASET_VERIFIERS = REPO / "scripts" / "verifiers"
-_T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+_T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 class StoreBuilder:
@@ -27,18 +27,51 @@ class StoreBuilder:
         self.clock += 1
         return _T0 + timedelta(seconds=self.clock)
 
-    def episode(self, episode_id: str, *, task: str = "t0", sample: int = 0, round: int = 1, split: str = "train",
-                status: str = "ok", reward: float | None = None, turns: list[dict] = (), flags: list[str] = ()) -> str:
+    def episode(
+        self,
+        episode_id: str,
+        *,
+        task: str = "t0",
+        sample: int = 0,
+        round: int = 1,
+        split: str = "train",
+        status: str = "ok",
+        reward: float | None = None,
+        turns: list[dict] = (),
+        flags: list[str] = (),
+    ) -> str:
         labels = {"task": task, "round": str(round), "sample": str(sample), "split": split}
-        self.store.append("episodes", [{
-            "episode_id": episode_id, "command": "python agent.py", "status": status, "labels": json.dumps(labels),
-            "task_id": task, "round": round, "group_index": sample, "started_at": self._tick(), "ended_at": self._tick(),
-        }])
+        self.store.append(
+            "episodes",
+            [
+                {
+                    "episode_id": episode_id,
+                    "command": "python agent.py",
+                    "status": status,
+                    "labels": json.dumps(labels),
+                    "task_id": task,
+                    "round": round,
+                    "sample": sample,
+                    "split": split,
+                    "started_at": self._tick(),
+                    "ended_at": self._tick(),
+                }
+            ],
+        )
         rows = []
         for seq, turn in enumerate(turns):
-            row = {"turn_id": f"{episode_id}/{seq}", "episode_id": episode_id, "seq": seq, "dialect": "chat",
-                   "status_code": 200, "deployment": "tiny", "finish_reason": "stop", "token_source": "vllm",
-                   "started_at": self._tick(), "ended_at": self._tick()}
+            row = {
+                "turn_id": f"{episode_id}/{seq}",
+                "episode_id": episode_id,
+                "seq": seq,
+                "dialect": "chat",
+                "status_code": 200,
+                "deployment": "tiny",
+                "finish_reason": "stop",
+                "token_source": "vllm",
+                "started_at": self._tick(),
+                "ended_at": self._tick(),
+            }
             row.update(turn)
             if row.get("completion_token_ids") is not None and "completion_logprobs" not in turn:
                 row["completion_logprobs"] = [-0.25] * len(row["completion_token_ids"])
@@ -47,13 +80,16 @@ class StoreBuilder:
         if reward is not None:
             self.reward(episode_id, reward)
         for flag in flags:
-            self.store.append("episode_flags", [{"episode_id": episode_id, "flag": flag, "details": "{}",
-                                                 "created_at": self._tick()}])
+            self.store.append(
+                "episode_flags", [{"episode_id": episode_id, "flag": flag, "details": "{}", "created_at": self._tick()}]
+            )
         return episode_id
 
     def reward(self, episode_id: str, value: float, source: str = "test") -> None:
-        self.store.append("rewards", [{"episode_id": episode_id, "value": value, "details": "{}", "source": source,
-                                       "created_at": self._tick()}])
+        self.store.append(
+            "rewards",
+            [{"episode_id": episode_id, "value": value, "details": "{}", "source": source, "created_at": self._tick()}],
+        )
 
 
 def chat_turns(*completions: list[int], system: list[int] = (1, 2, 3), env: list[int] = (90, 91)) -> list[dict]:

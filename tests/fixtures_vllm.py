@@ -24,12 +24,12 @@ from lcap.policy import PolicyServer
 
 @dataclass
 class VllmServer:
-    url: str              # http://127.0.0.1:PORT (OpenAI API under /v1)
-    served_model: str     # the name vLLM serves the base model under
-    model_dir: Path       # the tiny model (HF layout: config, safetensors, tokenizer, chat template)
+    url: str  # http://127.0.0.1:PORT (OpenAI API under /v1)
+    served_model: str  # the name vLLM serves the base model under
+    model_dir: Path  # the tiny model (HF layout: config, safetensors, tokenizer, chat template)
     record: PolicyServer  # the record as `lcap serve` wrote it
-    lcap_home: Path       # the isolated LCAP_HOME the session runs with (the record lives here)
-    python: str           # the vLLM venv's interpreter
+    lcap_home: Path  # the isolated LCAP_HOME the session runs with (the record lives here)
+    python: str  # the vLLM venv's interpreter
 
     def use_base(self) -> None:
         """Point the record's `current` back at the base model (undo a test's `lcap deploy`)."""
@@ -49,8 +49,13 @@ def make_lora(model_dir: Path, out: Path, *, seed: int = 1, rank: int = 8, scale
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, init_lora_weights=False,
-                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=2 * rank,
+        lora_dropout=0.0,
+        init_lora_weights=False,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
     peft_model = get_peft_model(model, config)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
@@ -69,7 +74,7 @@ def tiny_lora(tiny_model_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The tiny default model (`lcap init-model`), made once per session."""
-    from lcap.train.tiny_model import init_model
+    from lcap.serve.tiny_model import init_model
 
     return init_model(tmp_path_factory.mktemp("tiny-model") / "tiny", seed=0)
 
@@ -78,7 +83,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def vllm_server(tiny_model_dir, tmp_path_factory):
     from lcap.config import LcapError
     from lcap.policy import read_policy
-    from lcap.train.vllm_server import resolve_python, stop_server
+    from lcap.serve.server import resolve_python, stop_server
 
     try:
         python = resolve_python()  # finds lcap's vLLM venv, else installs it (as `lcap setup vllm`)
@@ -95,16 +100,36 @@ def vllm_server(tiny_model_dir, tmp_path_factory):
     try:
         # Started through the CLI, as a user would: this is also the test of `lcap serve`'s start path.
         started = subprocess.run(
-            [str(Path(sys.executable).parent / "lcap"), "serve", "--model", str(tiny_model_dir), "--name", "tiny",
-             "--python", python, "--timeout", "900", "--db", str(home / "serve.duckdb")],
-            capture_output=True, text=True, timeout=1000,
+            [
+                str(Path(sys.executable).parent / "lcap"),
+                "serve",
+                "--model",
+                str(tiny_model_dir),
+                "--name",
+                "tiny",
+                "--python",
+                python,
+                "--timeout",
+                "900",
+                "--db",
+                str(home / "serve.duckdb"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=1000,
         )
         record = read_policy()
-        assert started.returncode == 0 and record is not None, f"lcap serve failed:\n{started.stdout}\n{started.stderr[-4000:]}"
+        assert started.returncode == 0 and record is not None, (
+            f"lcap serve failed:\n{started.stdout}\n{started.stderr[-4000:]}"
+        )
         assert f"policy server ready at {record.url}" in started.stdout
         yield VllmServer(
-            url=record.url, served_model=record.served_model, model_dir=tiny_model_dir,
-            record=record, lcap_home=home, python=python,
+            url=record.url,
+            served_model=record.served_model,
+            model_dir=tiny_model_dir,
+            record=record,
+            lcap_home=home,
+            python=python,
         )
     finally:
         running = read_policy()

@@ -14,7 +14,6 @@ import threading
 import time
 
 import pytest
-
 from fixtures_capture import ANTHROPIC_SECRET, LCAP, SECRET, agent, run_lcap, store_text, turns
 
 TEXT = "Hello from the upstream."
@@ -29,15 +28,35 @@ def _assert_no_secret(db) -> None:
 def test_openai_sdk_chat_completions_responses(capture_env, llm):
     db = capture_env["LCAP_DB"]
     modes = ["chat", "chat_stream", "completions", "responses", "responses_stream", "models"]
-    result = run_lcap(["proxy", "--upstream", llm.url, "--episode", "ep-openai", "--label", "task=17", "--label", "round=2",
-                       "--", *agent("openai_agent.py"), *modes], capture_env)
+    result = run_lcap(
+        [
+            "proxy",
+            "--upstream",
+            llm.url,
+            "--episode",
+            "ep-openai",
+            "--label",
+            "task=17",
+            "--label",
+            "round=2",
+            "--",
+            *agent("openai_agent.py"),
+            *modes,
+        ],
+        capture_env,
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     for mode in ("chat", "chat_stream", "completions", "responses", "responses_stream"):
         assert f"{mode}: {TEXT}" in lines
     rows = turns(db)
     assert [(r["seq"], r["dialect"], r["stream"]) for r in rows] == [
-        (0, "chat", False), (1, "chat", True), (2, "completions", False), (3, "responses", False), (4, "responses", True)]
+        (0, "chat", False),
+        (1, "chat", True),
+        (2, "completions", False),
+        (3, "responses", False),
+        (4, "responses", True),
+    ]
     for row in rows:
         assert row["episode_id"] == "ep-openai"
         assert row["host"] == "api.openai.com" and row["upstream"] == llm.url
@@ -76,7 +95,9 @@ def _episodes(db) -> list[dict]:
 def test_tool_calls_openai_and_anthropic(capture_env, llm):
     db = capture_env["LCAP_DB"]
     llm.tool_call = {"name": "get_weather", "arguments": {"city": "Paris"}}
-    first = run_lcap(["proxy", "--upstream", llm.url, "--", *agent("openai_agent.py"), "tools", "tools_stream"], capture_env)
+    first = run_lcap(
+        ["proxy", "--upstream", llm.url, "--", *agent("openai_agent.py"), "tools", "tools_stream"], capture_env
+    )
     second = run_lcap(["proxy", "--upstream", llm.url, "--", *agent("anthropic_agent.py"), "tools"], capture_env)
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     assert first.stdout.splitlines() == ['tool: get_weather {"city": "Paris"}'] * 2
@@ -92,13 +113,17 @@ def test_tool_calls_openai_and_anthropic(capture_env, llm):
 
 def test_anthropic_sdk_streaming(capture_env, llm):
     db = capture_env["LCAP_DB"]
-    result = run_lcap(["proxy", "--upstream", llm.url, "--model", "policy-v1", "--", *agent("anthropic_agent.py"),
-                       "stream", "plain"], capture_env)
+    result = run_lcap(
+        ["proxy", "--upstream", llm.url, "--model", "policy-v1", "--", *agent("anthropic_agent.py"), "stream", "plain"],
+        capture_env,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [f"stream: {TEXT}", f"plain: {TEXT}"]
     rows = turns(db)
-    assert [(r["dialect"], r["stream"], r["finish_reason"]) for r in rows] == [("messages", True, "end_turn"),
-                                                                              ("messages", False, "end_turn")]
+    assert [(r["dialect"], r["stream"], r["finish_reason"]) for r in rows] == [
+        ("messages", True, "end_turn"),
+        ("messages", False, "end_turn"),
+    ]
     for row in rows:
         assert row["host"] == "api.anthropic.com"
         assert row["model_requested"] == "claude-sonnet-4-5" and row["model_served"] == "policy-v1"
@@ -113,10 +138,25 @@ def test_curl_gzip_and_query_key(capture_env, llm):
     db = capture_env["LCAP_DB"]
     llm.gzip = True
     body = json.dumps({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "api_key": SECRET})
-    result = run_lcap(["proxy", "--upstream", llm.url, "--", "curl", "-sS", "--compressed",
-                       f"https://api.openai.com/v1/chat/completions?api_key={SECRET}&x=1",
-                       "-H", f"Authorization: Bearer {SECRET}", "-H", "content-type: application/json", "-d", body],
-                      capture_env)
+    result = run_lcap(
+        [
+            "proxy",
+            "--upstream",
+            llm.url,
+            "--",
+            "curl",
+            "-sS",
+            "--compressed",
+            f"https://api.openai.com/v1/chat/completions?api_key={SECRET}&x=1",
+            "-H",
+            f"Authorization: Bearer {SECRET}",
+            "-H",
+            "content-type: application/json",
+            "-d",
+            body,
+        ],
+        capture_env,
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["choices"][0]["message"]["content"] == TEXT  # the agent got the gzip answer intact
     (row,) = turns(db)
@@ -133,8 +173,10 @@ def test_node_openai_sdk(capture_env, llm, node_modules):
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.splitlines() == [f"node chat: {TEXT}", f"node stream: {TEXT}"]
     rows = turns(db)
-    assert [(r["dialect"], r["stream"], r["host"]) for r in rows] == [("chat", False, "api.openai.com"),
-                                                                     ("chat", True, "api.openai.com")]
+    assert [(r["dialect"], r["stream"], r["host"]) for r in rows] == [
+        ("chat", False, "api.openai.com"),
+        ("chat", True, "api.openai.com"),
+    ]
     _assert_no_secret(db)
 
 
@@ -154,8 +196,13 @@ def test_node_https_module_client_and_no_proxy(capture_env, llm, node_modules):
 def test_sse_chunks_are_not_buffered(capture_env, llm):
     """The upstream holds the stream after chunk 1 until the agent has printed it: buffering would deadlock."""
     llm.gate = threading.Event()
-    proc = subprocess.Popen([LCAP, "proxy", "--upstream", llm.url, "--", *agent("openai_agent.py"), "chat_stream"],
-                            env=capture_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [LCAP, "proxy", "--upstream", llm.url, "--", *agent("openai_agent.py"), "chat_stream"],
+        env=capture_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         seen = []
         timer = threading.Timer(90, proc.kill)  # generous: this machine is shared and slow
@@ -181,8 +228,10 @@ def test_sse_chunks_are_not_buffered(capture_env, llm):
 
 def test_upstream_error_stored_and_child_crash_keeps_finished_turns(capture_env, llm):
     llm.fail = (429, {"error": {"message": "rate limited, slow down", "type": "rate_limit"}})
-    result = run_lcap(["proxy", "--upstream", llm.url, "--episode", "crashy", "--", *agent("openai_agent.py"),
-                       "error", "crash"], capture_env)
+    result = run_lcap(
+        ["proxy", "--upstream", llm.url, "--episode", "crashy", "--", *agent("openai_agent.py"), "error", "crash"],
+        capture_env,
+    )
     assert "error: 429" in result.stdout  # the agent got the upstream's error as-is
     assert result.returncode == 3  # the child's own exit code
     (row,) = turns(capture_env["LCAP_DB"])  # finished before the crash: kept
@@ -194,8 +243,13 @@ def test_upstream_error_stored_and_child_crash_keeps_finished_turns(capture_env,
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signal_reaches_child_and_turns_are_flushed(capture_env, llm, signum):
-    proc = subprocess.Popen([LCAP, "proxy", "--upstream", llm.url, "--episode", "sig", "--", *agent("openai_agent.py"),
-                             "chat", "wait"], env=capture_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [LCAP, "proxy", "--upstream", llm.url, "--episode", "sig", "--", *agent("openai_agent.py"), "chat", "wait"],
+        env=capture_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 90
         for line in proc.stdout:
@@ -227,8 +281,12 @@ def test_one_line_errors(capture_env, llm, tmp_path):
     bad_ca = run_lcap(["proxy", "--", "true"], {**capture_env, "LCAP_HOME": str(bad_home)})
     unknown = run_lcap(["proxy", "--no-such-flag", "--", "true"], capture_env)
     missing = run_lcap(["proxy", "--", "no-such-agent-xyz"], capture_env)
-    for result, needle in ((in_use, f"127.0.0.1:{port}"), (unreachable, "unreachable"), (bad_ca, "bad CA dir"),
-                           (missing, "cannot run no-such-agent-xyz")):
+    for result, needle in (
+        (in_use, f"127.0.0.1:{port}"),
+        (unreachable, "unreachable"),
+        (bad_ca, "bad CA dir"),
+        (missing, "cannot run no-such-agent-xyz"),
+    ):
         assert result.returncode == 2
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and needle in lines[0], result.stderr
@@ -245,12 +303,16 @@ def test_capture_warnings_reach_stderr(capture_env):
 
 def test_responses_over_websocket(capture_env, llm):
     db = capture_env["LCAP_DB"]
-    result = run_lcap(["proxy", "--upstream", llm.url, "--model", "policy-ws", "--", *agent("ws_agent.py")], capture_env)
+    result = run_lcap(
+        ["proxy", "--upstream", llm.url, "--model", "policy-ws", "--", *agent("ws_agent.py")], capture_env
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.splitlines() == [f"ws: {TEXT}"] * 2
     rows = turns(db)
     assert [(r["seq"], r["dialect"], r["transport"], r["stream"]) for r in rows] == [
-        (0, "responses", "websocket", True), (1, "responses", "websocket", True)]  # the generate:false frame is no turn
+        (0, "responses", "websocket", True),
+        (1, "responses", "websocket", True),
+    ]  # the generate:false frame is no turn
     for row in rows:
         assert row["completion_text"] == TEXT and row["finish_reason"] == "completed"
         assert row["model_requested"] == "gpt-5" and row["model_served"] == "policy-ws"

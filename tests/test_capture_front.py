@@ -17,8 +17,8 @@ import time
 
 import httpx
 import pytest
-
 from fixtures_capture import FakeLLM, turns
+
 from lcap.capture.server import CaptureProxy
 from lcap.store import Store
 
@@ -35,8 +35,12 @@ def store(tmp_path, capture_home, monkeypatch) -> Store:
 def _one_connection(proxy: CaptureProxy, episode: str) -> httpx.Client:
     """A client on a single keep-alive connection through `proxy`, trusting lcap's CA."""
     bundle = proxy.child_env(episode, base={})["SSL_CERT_FILE"]
-    return httpx.Client(proxy=proxy.proxy_url(episode), verify=ssl.create_default_context(cafile=bundle),
-                        limits=httpx.Limits(max_connections=1), timeout=30)
+    return httpx.Client(
+        proxy=proxy.proxy_url(episode),
+        verify=ssl.create_default_context(cafile=bundle),
+        limits=httpx.Limits(max_connections=1),
+        timeout=30,
+    )
 
 
 def test_side_calls_hand_the_connection_over_and_later_calls_are_still_turns(store, llm):
@@ -55,7 +59,9 @@ def test_side_calls_hand_the_connection_over_and_later_calls_are_still_turns(sto
     assert "[DONE]" in second.text
     rows = turns(store.path)
     assert [(r["episode_id"], r["seq"], r["stream"], r["completion_text"]) for r in rows] == [
-        ("ep-mixed", 0, False, TEXT), ("ep-mixed", 1, True, TEXT)]
+        ("ep-mixed", 0, False, TEXT),
+        ("ep-mixed", 1, True, TEXT),
+    ]
     for call in llm.requests:
         assert not {"proxy-authorization", "x-lcap-episode"} & {k.lower() for k in call["headers"]}
 
@@ -65,9 +71,24 @@ def test_expect_and_chunked_request_bodies_are_captured_through_mitmproxy(store,
     body.write_text(json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * 5000}]}))
     with CaptureProxy(store) as proxy:
         for extra in (["-H", "Expect: 100-continue"], ["-H", "Transfer-Encoding: chunked"]):
-            out = subprocess.run(["curl", "-sS", "--fail", "--proxy", proxy.proxy_url("ep-curl"), *extra,
-                                  "-H", "content-type: application/json", "--data-binary", f"@{body}",
-                                  f"{llm.url}/v1/chat/completions"], capture_output=True, text=True, timeout=30)
+            out = subprocess.run(
+                [
+                    "curl",
+                    "-sS",
+                    "--fail",
+                    "--proxy",
+                    proxy.proxy_url("ep-curl"),
+                    *extra,
+                    "-H",
+                    "content-type: application/json",
+                    "--data-binary",
+                    f"@{body}",
+                    f"{llm.url}/v1/chat/completions",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             assert out.returncode == 0, out.stderr
             assert json.loads(out.stdout)["choices"][0]["message"]["content"] == TEXT
         assert proxy.flush(timeout=10)
@@ -79,16 +100,15 @@ def test_expect_and_chunked_request_bodies_are_captured_through_mitmproxy(store,
 def test_an_http2_only_tunnel_goes_to_mitmproxy_unopened(store):
     """A client that offers only h2 in its ClientHello (gRPC, say) must get h2: the front cannot speak it, so it
     splices the tunnel to mitmproxy, which terminates TLS with lcap's CA and negotiates HTTP/2."""
-    with CaptureProxy(store) as proxy:
-        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
-            sock.sendall(b"CONNECT api.openai.com:443 HTTP/1.1\r\nHost: api.openai.com:443\r\n\r\n")
-            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
-            ctx = ssl.create_default_context(cafile=proxy.child_env(None, base={})["SSL_CERT_FILE"])
-            ctx.set_alpn_protocols(["h2"])
-            with ctx.wrap_socket(sock, server_hostname="api.openai.com") as tls:
-                assert tls.selected_alpn_protocol() == "h2"
-                issuer = dict(x[0] for x in tls.getpeercert()["issuer"])
-                assert issuer["organizationName"] == "mitmproxy"  # lcap's CA, made by mitmproxy's CertStore
+    with CaptureProxy(store) as proxy, socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
+        sock.sendall(b"CONNECT api.openai.com:443 HTTP/1.1\r\nHost: api.openai.com:443\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        ctx = ssl.create_default_context(cafile=proxy.child_env(None, base={})["SSL_CERT_FILE"])
+        ctx.set_alpn_protocols(["h2"])
+        with ctx.wrap_socket(sock, server_hostname="api.openai.com") as tls:
+            assert tls.selected_alpn_protocol() == "h2"
+            issuer = dict(x[0] for x in tls.getpeercert()["issuer"])
+            assert issuer["organizationName"] == "mitmproxy"  # lcap's CA, made by mitmproxy's CertStore
 
 
 def test_an_agent_that_leaves_mid_stream_leaves_an_error_turn(store, llm):
@@ -134,8 +154,14 @@ def test_upstream_dropping_connections(store):
 def test_interim_answers_are_not_the_answer_and_a_half_closed_agent_gets_all(store, llm):
     """An upstream's 103 Early Hints before its 200 is not the agent's answer. An agent that half-closes its side
     after sending the request (shutdown(SHUT_WR)) still gets the whole stream."""
-    answer = json.dumps({"id": "c", "object": "chat.completion", "model": "m", "choices": [
-        {"index": 0, "message": {"role": "assistant", "content": TEXT}, "finish_reason": "stop"}]}).encode()
+    answer = json.dumps(
+        {
+            "id": "c",
+            "object": "chat.completion",
+            "model": "m",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": TEXT}, "finish_reason": "stop"}],
+        }
+    ).encode()
 
     def serve(sock: socket.socket) -> None:
         conn, _ = sock.accept()
@@ -143,8 +169,10 @@ def test_interim_answers_are_not_the_answer_and_a_half_closed_agent_gets_all(sto
             conn.recv(65536)
             conn.sendall(b"HTTP/1.1 103 Early Hints\r\nlink: </style.css>; rel=preload\r\n\r\n")
             time.sleep(0.2)  # the answer proper comes in a later read
-            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                         % (len(answer), answer))
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                % (len(answer), answer)
+            )
 
     with socket.socket() as early:
         early.bind(("127.0.0.1", 0))
@@ -156,8 +184,10 @@ def test_interim_answers_are_not_the_answer_and_a_half_closed_agent_gets_all(sto
             assert got.status_code == 200 and got.json()["choices"][0]["message"]["content"] == TEXT
             with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as agent:
                 body = json.dumps({**CHAT, "stream": True}).encode()
-                agent.sendall(b"POST %s/v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                              b"content-length: %d\r\n\r\n%s" % (llm.url.encode(), len(body), body))
+                agent.sendall(
+                    b"POST %s/v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                    b"content-length: %d\r\n\r\n%s" % (llm.url.encode(), len(body), body)
+                )
                 agent.shutdown(socket.SHUT_WR)
                 received = b""
                 while data := agent.recv(65536):
@@ -174,8 +204,10 @@ def test_a_header_line_with_a_bare_lf_never_takes_the_short_path(store, llm):
     body = json.dumps(CHAT).encode()
     with CaptureProxy(store) as proxy:
         with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sneaky:
-            sneaky.sendall(b"POST %s/v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-foo: a\ncontent-length: 0\r\n"
-                           b"content-length: %d\r\n\r\n%s" % (llm.url.encode(), len(body), body))
+            sneaky.sendall(
+                b"POST %s/v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-foo: a\ncontent-length: 0\r\n"
+                b"content-length: %d\r\n\r\n%s" % (llm.url.encode(), len(body), body)
+            )
             sneaky.recv(65536)
         with _one_connection(proxy, "ep-next") as client:
             got = client.post(f"{llm.url}/v1/chat/completions", json=CHAT)
@@ -196,10 +228,14 @@ def _sse_upstream(gap: float) -> tuple[socket.socket, threading.Thread]:
             with conn:
                 if conn.recv(65536).startswith(b"GET"):
                     models = b'{"object":"list","data":[{"id":"m","owned_by":"vllm"}]}'
-                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                                 b"connection: close\r\n\r\n%s" % (len(models), models))
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                        b"connection: close\r\n\r\n%s" % (len(models), models)
+                    )
                     continue
-                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                )
                 time.sleep(gap)
                 for piece in (first[:20], first[20:], b"data: [DONE]\n\n"):
                     conn.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
@@ -212,11 +248,14 @@ def _sse_upstream(gap: float) -> tuple[socket.socket, threading.Thread]:
     return sock, thread
 
 
-@pytest.mark.parametrize("gap, hold, token_ids, first_write", [
-    (0.05, 1.0, False, b'data: {"choices":[{"'),  # the head goes out with the first piece of body
-    (0.05, 1.0, True, b'"content":"ok"}}]}\n\n'),  # vLLM path: with the first whole event, rewritten
-    (2.0, 0.2, False, None),  # the first event is slow: the head goes alone once the hold is over
-])
+@pytest.mark.parametrize(
+    "gap, hold, token_ids, first_write",
+    [
+        (0.05, 1.0, False, b'data: {"choices":[{"'),  # the head goes out with the first piece of body
+        (0.05, 1.0, True, b'"content":"ok"}}]}\n\n'),  # vLLM path: with the first whole event, rewritten
+        (2.0, 0.2, False, None),  # the first event is slow: the head goes alone once the hold is over
+    ],
+)
 def test_a_stream_head_waits_briefly_for_its_first_event(store, monkeypatch, gap, hold, token_ids, first_write):
     """The head of a streamed answer goes out in one write with the first body to send when that comes within
     `HEAD_HOLD` (one TLS record for the agent instead of two), and alone once `HEAD_HOLD` has passed: the head
@@ -230,8 +269,10 @@ def test_a_stream_head_waits_briefly_for_its_first_event(store, monkeypatch, gap
     with upstream, CaptureProxy(store, upstream=url if token_ids else None) as proxy:
         with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as agent:
             t0 = time.monotonic()
-            agent.sendall(b"POST %s/v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
-                          b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (url.encode(), len(body), body))
+            agent.sendall(
+                b"POST %s/v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (url.encode(), len(body), body)
+            )
             first = agent.recv(65536)
             waited = time.monotonic() - t0
             received = first

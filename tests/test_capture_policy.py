@@ -12,12 +12,12 @@ import json
 import os
 import ssl
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import httpx
 import pytest
-
 from fixtures_capture import FakeLLM, fake_ids, turns
+
 from lcap.capture.server import CaptureProxy
 from lcap.policy import PolicyServer, write_policy
 from lcap.store import Store
@@ -38,15 +38,25 @@ def vllm_like():
 def policy_record(tmp_path, monkeypatch, capture_home, vllm_like):
     monkeypatch.setenv("LCAP_HOME", str(capture_home))
     monkeypatch.setenv("LCAP_POLICY_RECORD", str(tmp_path / "policy.json"))
-    record = PolicyServer(url=vllm_like.url, pid=os.getpid(), base_model="tiny", served_model="tiny", current="lora-1",
-                          log_path="", python="", started_at=datetime.now(timezone.utc).isoformat())
+    record = PolicyServer(
+        url=vllm_like.url,
+        pid=os.getpid(),
+        base_model="tiny",
+        served_model="tiny",
+        current="lora-1",
+        log_path="",
+        python="",
+        started_at=datetime.now(UTC).isoformat(),
+    )
     write_policy(record)
     return record
 
 
 def _client(proxy: CaptureProxy, episode: str | None) -> httpx.Client:
     env = proxy.child_env(episode, base={})
-    return httpx.Client(proxy=env["HTTPS_PROXY"], verify=ssl.create_default_context(cafile=env["SSL_CERT_FILE"]), timeout=30)
+    return httpx.Client(
+        proxy=env["HTTPS_PROXY"], verify=ssl.create_default_context(cafile=env["SSL_CERT_FILE"]), timeout=30
+    )
 
 
 def _sse_data(text: str) -> list[dict]:
@@ -61,10 +71,14 @@ def test_policy_route_token_ids_and_clean_answers(tmp_path, policy_record, vllm_
             headers = {"authorization": "Bearer sk-agent-own-key-0123456789abcdef"}
             plain = client.post("https://api.openai.com/v1/chat/completions", json=CHAT, headers=headers).json()
             streamed = client.post("https://api.openai.com/v1/chat/completions", json={**CHAT, "stream": True}).text
-            completion = client.post("https://api.openai.com/v1/completions", json={"model": "x", "prompt": "hi"}).json()
+            completion = client.post(
+                "https://api.openai.com/v1/completions", json={"model": "x", "prompt": "hi"}
+            ).json()
             response = client.post("https://api.openai.com/v1/responses", json={"model": "x", "input": "hi"}).json()
-            message = client.post("https://api.anthropic.com/v1/messages?beta=true",
-                                  json={"model": "claude", "max_tokens": 9, "messages": [{"role": "user", "content": "hi"}]}).json()
+            message = client.post(
+                "https://api.anthropic.com/v1/messages?beta=true",
+                json={"model": "claude", "max_tokens": 9, "messages": [{"role": "user", "content": "hi"}]},
+            ).json()
             asked = client.post("https://api.openai.com/v1/chat/completions", json={**CHAT, "logprobs": True}).json()
     # what lcap asked vLLM for, under the deployment's name, without the agent's credentials
     sent = [c["body"] for c in vllm_like.calls()]
@@ -79,7 +93,7 @@ def test_policy_route_token_ids_and_clean_answers(tmp_path, policy_record, vllm_
     assert plain["choices"][0]["logprobs"] is None and plain["choices"][0]["message"]["content"] == TEXT
     chunks = _sse_data(streamed)
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == TEXT
-    assert not any("token_ids" in json.dumps(c) or c["choices"] and c["choices"][0].get("logprobs") for c in chunks)
+    assert not any("token_ids" in json.dumps(c) or (c["choices"] and c["choices"][0].get("logprobs")) for c in chunks)
     assert "token_ids" not in completion["choices"][0] and completion["choices"][0]["logprobs"] is None
     assert "input_messages" not in response and "output_messages" not in response
     assert message["content"][0]["text"] == TEXT
@@ -151,7 +165,9 @@ def test_attribution_by_url_credentials_header_or_none(tmp_path, capture_home, m
         env = proxy.child_env(None, base={})
         for episode, headers in (("via-url", {}), (None, {"x-lcap-episode": "via-header"}), (None, {})):
             proxy_url = proxy.proxy_url(episode)
-            with httpx.Client(proxy=proxy_url, verify=ssl.create_default_context(cafile=env["SSL_CERT_FILE"])) as client:
+            with httpx.Client(
+                proxy=proxy_url, verify=ssl.create_default_context(cafile=env["SSL_CERT_FILE"])
+            ) as client:
                 client.post("https://api.openai.com/v1/chat/completions", json=CHAT, headers=headers)
                 client.post("https://api.openai.com/v1/chat/completions", json=CHAT, headers=headers)
         # plain-HTTP absolute-form requests carry the credentials on every request
@@ -169,17 +185,25 @@ def test_attribution_by_url_credentials_header_or_none(tmp_path, capture_home, m
 def test_child_env(tmp_path, capture_home, monkeypatch):
     monkeypatch.setenv("LCAP_HOME", str(capture_home))
     with CaptureProxy(Store(tmp_path / "db.duckdb")) as proxy:
-        base = {"NO_PROXY": "localhost,.openai.com,internal.corp,*", "NODE_OPTIONS": "--max-old-space-size=512",
-                "SSL_CERT_FILE": "/etc/ssl/certs/ca-certificates.crt", "PATH": "/usr/bin"}
+        base = {
+            "NO_PROXY": "localhost,.openai.com,internal.corp,*",
+            "NODE_OPTIONS": "--max-old-space-size=512",
+            "SSL_CERT_FILE": "/etc/ssl/certs/ca-certificates.crt",
+            "PATH": "/usr/bin",
+        }
         env = proxy.child_env("ep 1/x", base=base)
-    assert env["HTTPS_PROXY"] == env["http_proxy"] == env["ALL_PROXY"] == f"http://ep%201%2Fx:lcap@127.0.0.1:{proxy.port}"
+    assert (
+        env["HTTPS_PROXY"] == env["http_proxy"] == env["ALL_PROXY"] == f"http://ep%201%2Fx:lcap@127.0.0.1:{proxy.port}"
+    )
     assert env["NO_PROXY"] == "localhost,internal.corp" and env["PATH"] == "/usr/bin"
     bundle = env["SSL_CERT_FILE"]
     assert env["REQUESTS_CA_BUNDLE"] == env["CURL_CA_BUNDLE"] == env["NODE_EXTRA_CA_CERTS"] == bundle
     text = open(bundle).read()
     assert open(capture_home / "ca" / "mitmproxy-ca-cert.pem").read().strip() in text
     assert text.count("BEGIN CERTIFICATE") > 10  # the system roots are in there too
-    assert env["NODE_OPTIONS"].startswith("--max-old-space-size=512 --require ") and env["NODE_OPTIONS"].endswith("preload.js")
+    assert env["NODE_OPTIONS"].startswith("--max-old-space-size=512 --require ") and env["NODE_OPTIONS"].endswith(
+        "preload.js"
+    )
     assert oct(os.stat(capture_home / "ca" / "mitmproxy-ca.pem").st_mode & 0o777) == "0o600"
 
 
@@ -188,7 +212,9 @@ def _finished_turn(episode: str, text: str = "hi"):
 
     pending = PendingTurn(episode_id=episode, seq=0, host="api.openai.com", path="/v1/chat/completions", dialect="chat")
     pending.request_body = json.dumps(CHAT).encode()
-    pending.response_body = json.dumps({"model": "m", "choices": [{"message": {"content": text}, "finish_reason": "stop"}]}).encode()
+    pending.response_body = json.dumps(
+        {"model": "m", "choices": [{"message": {"content": text}, "finish_reason": "stop"}]}
+    ).encode()
     pending.status_code = 200
     return pending
 
@@ -228,8 +254,16 @@ def test_turns_wait_while_another_process_holds_the_store(tmp_path, capture_home
 
     db = tmp_path / "db.duckdb"
     Store(db).execute("SELECT 1")  # schema
-    holder = subprocess.Popen([sys.executable, "-c", "import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); "
-                               "print('held', flush=True); time.sleep(3)", str(db)], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); print('held', flush=True); time.sleep(3)",
+            str(db),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline().strip() == "held"
     writer = TurnWriter(Store(db, timeout=0.3), interval=0.05, spool_root=tmp_path / "spool")
     writer.start()

@@ -9,7 +9,6 @@ import threading
 import time
 
 import httpx
-
 from fixtures_capture import LCAP, run_lcap, turns
 
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
@@ -17,8 +16,13 @@ CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
 
 def start_serve(env: dict[str, str], upstream: str) -> tuple[subprocess.Popen, int]:
     """`lcap proxy --serve --upstream UPSTREAM` as a child process, and the port it listens on."""
-    proc = subprocess.Popen([LCAP, "proxy", "--serve", "--upstream", upstream], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [LCAP, "proxy", "--serve", "--upstream", upstream],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stdout.readline()
     if "listening on http://127.0.0.1:" not in line:
         proc.kill()
@@ -59,7 +63,9 @@ def test_serve_attribution_side_traffic_and_sql_while_writing(capture_env, llm):
                 thread.join()
         assert counts == sorted(counts) and counts[-1] > 0  # read while the proxy kept writing
         with httpx.Client(proxy=f"http://127.0.0.1:{port}", verify=verify) as client:
-            client.post("https://api.openai.com/v1/chat/completions", json=CHAT, headers={"X-Lcap-Episode": "by-header"})
+            client.post(
+                "https://api.openai.com/v1/chat/completions", json=CHAT, headers={"X-Lcap-Episode": "by-header"}
+            )
             client.post("https://api.openai.com/v1/chat/completions", json=CHAT)
         proc.send_signal(signal.SIGINT)
         proc.wait(90)
@@ -117,8 +123,17 @@ def test_lcap_proxy_freezes_its_start_up_objects(capture_env, tmp_path):
 
     gc.unfreeze()
     try:
-        code = run_proxy([sys.executable, "-c", "pass"], labels={}, episode=None, db=tmp_path / "freeze.duckdb",
-                         upstream=None, model=None, token_ids=None, host="127.0.0.1", port=0)
+        code = run_proxy(
+            [sys.executable, "-c", "pass"],
+            labels={},
+            episode=None,
+            db=tmp_path / "freeze.duckdb",
+            upstream=None,
+            model=None,
+            token_ids=None,
+            host="127.0.0.1",
+            port=0,
+        )
         assert code == 0 and gc.get_freeze_count() > 10_000
     finally:
         gc.unfreeze()

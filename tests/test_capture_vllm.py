@@ -13,8 +13,8 @@ import ssl
 
 import httpx
 import pytest
-
 from fixtures_capture import turns
+
 from lcap.capture.server import CaptureProxy
 from lcap.store import Store
 
@@ -34,33 +34,51 @@ def test_token_ids_match_vllm(vllm_policy, tmp_path, capture_home, monkeypatch):
     with CaptureProxy(Store(db), upstream="policy") as proxy:
         assert proxy.token_ids
         env = proxy.child_env("vllm-ep", base={})
-        with httpx.Client(proxy=env["HTTPS_PROXY"], verify=ssl.create_default_context(cafile=env["SSL_CERT_FILE"]),
-                          timeout=120) as client:
+        with httpx.Client(
+            proxy=env["HTTPS_PROXY"], verify=ssl.create_default_context(cafile=env["SSL_CERT_FILE"]), timeout=120
+        ) as client:
             chat = "https://api.openai.com/v1/chat/completions"
             plain = client.post(chat, json={"model": "gpt-4o", "messages": MESSAGES, **opts}).json()
-            streamed = _sse(client.post(chat, json={"model": "gpt-4o", "messages": MESSAGES, "stream": True, **opts}).text)
-            legacy = client.post("https://api.openai.com/v1/completions",
-                                 json={"model": "gpt-3.5-turbo-instruct", "prompt": "Once upon", **opts}).json()
-            legacy_stream = _sse(client.post("https://api.openai.com/v1/completions",
-                                             json={"model": "x", "prompt": "Once upon", "stream": True, **opts}).text)
-            response = client.post("https://api.openai.com/v1/responses",
-                                   json={"model": "gpt-4.1", "input": MESSAGES[0]["content"], "max_output_tokens": 8,
-                                         "temperature": 0}).json()
+            streamed = _sse(
+                client.post(chat, json={"model": "gpt-4o", "messages": MESSAGES, "stream": True, **opts}).text
+            )
+            legacy = client.post(
+                "https://api.openai.com/v1/completions",
+                json={"model": "gpt-3.5-turbo-instruct", "prompt": "Once upon", **opts},
+            ).json()
+            legacy_stream = _sse(
+                client.post(
+                    "https://api.openai.com/v1/completions",
+                    json={"model": "x", "prompt": "Once upon", "stream": True, **opts},
+                ).text
+            )
+            response = client.post(
+                "https://api.openai.com/v1/responses",
+                json={"model": "gpt-4.1", "input": MESSAGES[0]["content"], "max_output_tokens": 8, "temperature": 0},
+            ).json()
     # the agent saw plain OpenAI answers
     assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
     assert plain["choices"][0].get("logprobs") is None
-    assert all("token_ids" not in json.dumps(c) and not (c.get("choices") and c["choices"][0].get("logprobs"))
-               for c in streamed)
+    assert all(
+        "token_ids" not in json.dumps(c) and not (c.get("choices") and c["choices"][0].get("logprobs"))
+        for c in streamed
+    )
     assert "token_ids" not in legacy["choices"][0] and legacy["choices"][0].get("logprobs") is None
     assert all("token_ids" not in json.dumps(c) for c in legacy_stream)
     assert "input_messages" not in response and "output_messages" not in response
 
     rows = turns(db)
-    assert [(r["dialect"], r["stream"]) for r in rows] == [("chat", False), ("chat", True), ("completions", False),
-                                                           ("completions", True), ("responses", False)]
+    assert [(r["dialect"], r["stream"]) for r in rows] == [
+        ("chat", False),
+        ("chat", True),
+        ("completions", False),
+        ("completions", True),
+        ("responses", False),
+    ]
     vllm = httpx.Client(base_url=server.url, timeout=60)
-    chat_prompt = vllm.post("/tokenize", json={"model": server.served_model, "messages": MESSAGES,
-                                               "add_generation_prompt": True}).json()["tokens"]
+    chat_prompt = vllm.post(
+        "/tokenize", json={"model": server.served_model, "messages": MESSAGES, "add_generation_prompt": True}
+    ).json()["tokens"]
     text_prompt = vllm.post("/tokenize", json={"model": server.served_model, "prompt": "Once upon"}).json()["tokens"]
     for row, prompt in zip(rows, (chat_prompt, chat_prompt, text_prompt, text_prompt, chat_prompt)):
         assert row["token_source"] == "vllm", row["dialect"]

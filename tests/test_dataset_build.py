@@ -7,7 +7,6 @@ import math
 
 import pyarrow.parquet as pq
 import pytest
-
 from fixtures_dataset import chat_turns
 
 from lcap.dataset.build import BuildOptions, build_dataset
@@ -23,16 +22,20 @@ def _build(store, tmp_path, **options):
 def _group(builder, task, rewards, *, prefix=None, **kw):
     """A healthy group: one single-call episode per reward."""
     prefix = prefix or task
-    return [builder.episode(f"{prefix}-{i}", task=task, sample=i, reward=r, turns=chat_turns([10 + i, 11, 2]), **kw)
-            for i, r in enumerate(rewards)]
+    return [
+        builder.episode(f"{prefix}-{i}", task=task, sample=i, reward=r, turns=chat_turns([10 + i, 11, 2]), **kw)
+        for i, r in enumerate(rewards)
+    ]
 
 
 def test_multi_turn_merge_env_mask_and_split(builder, dstore, tmp_path):
     # calls 0 and 1 extend each other (merged); call 2's prompt rewrites history (split); call 3 extends call 2
     turns = chat_turns([40, 41, 2], [50, 2], env=[90, 91, 92])
     rewritten = [1, 2, 3, 77, 78]
-    turns += [{"prompt_token_ids": rewritten, "completion_token_ids": [60, 2], "completion_logprobs": [-1.0, -2.0]},
-              {"prompt_token_ids": rewritten + [60, 2, 93], "completion_token_ids": [70, 71, 2]}]
+    turns += [
+        {"prompt_token_ids": rewritten, "completion_token_ids": [60, 2], "completion_logprobs": [-1.0, -2.0]},
+        {"prompt_token_ids": rewritten + [60, 2, 93], "completion_token_ids": [70, 71, 2]},
+    ]
     builder.episode("ep-a", sample=0, reward=1.0, turns=turns)
     builder.episode("ep-b", sample=1, reward=0.0, turns=chat_turns([5, 2]))
     report, samples, out = _build(dstore, tmp_path)
@@ -71,9 +74,15 @@ def test_multi_turn_merge_env_mask_and_split(builder, dstore, tmp_path):
 
 def test_merge_requires_exact_token_prefix(builder, dstore, tmp_path):
     # same shape, but the next prompt re-encoded the completion differently: no merge (pitfall 1-2)
-    builder.episode("ep-a", sample=0, reward=1.0, turns=[
-        {"prompt_token_ids": [1, 2], "completion_token_ids": [40, 41]},
-        {"prompt_token_ids": [1, 2, 40, 42, 90], "completion_token_ids": [50]}])
+    builder.episode(
+        "ep-a",
+        sample=0,
+        reward=1.0,
+        turns=[
+            {"prompt_token_ids": [1, 2], "completion_token_ids": [40, 41]},
+            {"prompt_token_ids": [1, 2, 40, 42, 90], "completion_token_ids": [50]},
+        ],
+    )
     builder.episode("ep-b", sample=1, reward=0.0, turns=chat_turns([5]))
     _, samples, _ = _build(dstore, tmp_path)
     assert sorted(samples) == ["ep-a#0", "ep-a#1", "ep-b#0"]
@@ -113,8 +122,15 @@ def test_cleaning_failed_timeout_unfinished_and_unrewarded_episodes(builder, dst
     report, samples, _ = _build(dstore, tmp_path)
     assert sorted(samples) == ["t0-0#0", "t0-1#0"]
     e = report.episodes
-    assert (e["total"], e["failed"], e["timeout"], e["error"], e["unfinished"], e["no_reward"], e["rewarded"]) == \
-        (7, 1, 1, 1, 1, 1, 2)
+    assert (e["total"], e["failed"], e["timeout"], e["error"], e["unfinished"], e["no_reward"], e["rewarded"]) == (
+        7,
+        1,
+        1,
+        1,
+        1,
+        1,
+        2,
+    )
     # the failed episode's reward did not enter the group statistics
     assert samples["t0-1#0"]["advantage"] == pytest.approx(0.5 / (math.sqrt(0.5) + 1e-4))
 
@@ -170,8 +186,16 @@ def test_a_call_after_a_truncated_one_starts_a_new_sample(builder, dstore, tmp_p
 
 def test_cleaning_failed_calls_are_not_trained_on(builder, dstore, tmp_path):
     turns = chat_turns([30, 2], [40, 2])
-    turns.insert(1, {"prompt_token_ids": None, "completion_token_ids": None, "status_code": 500, "error": "upstream 500",
-                     "token_source": None})
+    turns.insert(
+        1,
+        {
+            "prompt_token_ids": None,
+            "completion_token_ids": None,
+            "status_code": 500,
+            "error": "upstream 500",
+            "token_source": None,
+        },
+    )
     builder.episode("ep", sample=0, reward=1.0, turns=turns)
     builder.episode("ep2", sample=1, reward=0.0, turns=chat_turns([5, 2]))
     builder.episode("ep3", sample=2, reward=0.5, turns=[dict(turns[1])])  # its only call failed
@@ -197,15 +221,24 @@ def test_rebuild_turns_without_token_ids(builder, dstore, tmp_path, tiny_model_d
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2+2?"}]
     request = json.dumps({"model": "gpt-4o-mini", "messages": messages})
-    dstore.append("deployments", [{"name": "tiny", "path": str(tiny_model_dir), "base_model": str(tiny_model_dir),
-                                   "kind": "base", "round": 0}])
-    plain = {"prompt_token_ids": None, "completion_token_ids": None, "completion_logprobs": None, "token_source": None,
-             "request": request, "completion_text": "four"}
+    dstore.append(
+        "deployments",
+        [{"name": "tiny", "path": str(tiny_model_dir), "base_model": str(tiny_model_dir), "kind": "base", "round": 0}],
+    )
+    plain = {
+        "prompt_token_ids": None,
+        "completion_token_ids": None,
+        "completion_logprobs": None,
+        "token_source": None,
+        "request": request,
+        "completion_text": "four",
+    }
     builder.episode("ep", sample=0, reward=1.0, turns=[plain])
     builder.episode("ep2", sample=1, reward=0.0, turns=[dict(plain, completion_text="4", finish_reason="length")])
     report, samples, _ = _build(dstore, tmp_path, truncated="mask")
-    expected_prompt = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
-                          add_special_tokens=False)["input_ids"]
+    expected_prompt = tok(
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )["input_ids"]
     ep = samples["ep#0"]
     assert ep["rebuilt"] is True and ep["prompt_ids"] == expected_prompt
     assert tok.decode(ep["completion_ids"]) == "four<|im_end|>"  # the template's end of turn, nothing after
@@ -236,21 +269,52 @@ def test_reward_command(builder, dstore, tmp_path):
 
     lcap = Path(sys.executable).parent / "lcap"
     builder.episode("ep", reward=None, turns=chat_turns([5]))
-    ok = subprocess.run([str(lcap), "reward", "ep", "0.7", "--details", '{"judge": "human"}', "--db", str(dstore.path)],
-                        capture_output=True, text=True)
+    ok = subprocess.run(
+        [str(lcap), "reward", "ep", "0.7", "--details", '{"judge": "human"}', "--db", str(dstore.path)],
+        capture_output=True,
+        text=True,
+    )
     assert ok.returncode == 0, ok.stderr
     bad = subprocess.run([str(lcap), "reward", "nope", "1", "--db", str(dstore.path)], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip() == f"lcap: no episode 'nope' in {dstore.path}"
     assert dstore.fetchall("SELECT reward, details->>'judge', source FROM latest_rewards") == [(0.7, "human", "cli")]
-    built = subprocess.run([str(lcap), "build-dataset", "--round", "1", "--out", str(tmp_path / "data"),
-                            "--keep-zero-variance", "--truncated", "mask", "--db", str(dstore.path)],
-                           capture_output=True, text=True)
+    built = subprocess.run(
+        [
+            str(lcap),
+            "build-dataset",
+            "--round",
+            "1",
+            "--out",
+            str(tmp_path / "data"),
+            "--keep-zero-variance",
+            "--truncated",
+            "mask",
+            "--db",
+            str(dstore.path),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert built.returncode == 0, built.stderr
     assert built.stdout.startswith(f"round 1 (train): 1 samples -> {tmp_path / 'data'}")
     assert "groups: total 1, zero_variance 1, singleton 1" in built.stdout
-    bad = subprocess.run([str(lcap), "build-dataset", "--round", "1", "--out", str(tmp_path / "d2"), "--truncated", "cut",
-                          "--db", str(dstore.path)], capture_output=True, text=True)
-    assert bad.returncode == 2 and bad.stderr.strip() == "lcap: truncated must be 'drop' or 'mask', not 'cut'"
+    bad = subprocess.run(
+        [
+            str(lcap),
+            "build-dataset",
+            "--round",
+            "1",
+            "--out",
+            str(tmp_path / "d2"),
+            "--truncated",
+            "cut",
+            "--db",
+            str(dstore.path),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and bad.stderr.strip() == "lcap: --truncated must be drop or mask, not 'cut'"
 
 
 def test_vectorised_merge_agrees_with_the_samples_view(builder, dstore, tmp_path, monkeypatch):
@@ -264,12 +328,15 @@ def test_vectorised_merge_agrees_with_the_samples_view(builder, dstore, tmp_path
     rng = random.Random(7)
     for e in range(24):
         prompt, turns = [1, 2, rng.randrange(3, 9)], []
-        for k in range(rng.randrange(1, 5)):
+        for _ in range(rng.randrange(1, 5)):
             completion = [rng.randrange(10, 99) for _ in range(rng.randrange(1, 4))]
-            turn = {"prompt_token_ids": list(prompt), "completion_token_ids": completion,
-                    "completion_logprobs": [-rng.random() for _ in completion],
-                    "finish_reason": "length" if rng.random() < 0.15 else "stop",
-                    "deployment": "tiny" if rng.random() < 0.9 else "tiny-r1"}
+            turn = {
+                "prompt_token_ids": list(prompt),
+                "completion_token_ids": completion,
+                "completion_logprobs": [-rng.random() for _ in completion],
+                "finish_reason": "length" if rng.random() < 0.15 else "stop",
+                "deployment": "tiny" if rng.random() < 0.9 else "tiny-r1",
+            }
             turns.append(turn)
             roll = rng.random()
             if roll < 0.2:
@@ -280,14 +347,22 @@ def test_vectorised_merge_agrees_with_the_samples_view(builder, dstore, tmp_path
                 prompt = prompt + completion + [rng.randrange(100, 110) for _ in range(rng.randrange(0, 3))]
         builder.episode(f"ep{e:02d}", task=f"t{e % 4}", sample=e // 4, reward=rng.random(), turns=turns)
     _, built, _ = _build(dstore, tmp_path, keep_zero_variance=True, truncated="mask")
-    cols = "sample_id, prompt_ids, completion_ids, logprobs, env_mask, n_turns, merged, truncated, deployment, advantage"
+    cols = (
+        "sample_id, prompt_ids, completion_ids, logprobs, env_mask, n_turns, merged, truncated, deployment, advantage"
+    )
     view = {r[0]: r for r in dstore.fetchall(f"SELECT {cols} FROM samples")}
     assert sorted(view) == sorted(built) and len(view) > 24
     assert sum(r[6] for r in view.values()) > 3 and sum(not r[6] for r in view.values()) > 3
     for sid, (_, prompt, completion, logprobs, env_mask, n_turns, merged, truncated, deployment, adv) in view.items():
         row = built[sid]
-        assert (row["prompt_ids"], row["completion_ids"], row["n_turns"], row["merged"], row["truncated"],
-                row["deployment"]) == (prompt, completion, n_turns, merged, truncated, deployment), sid
+        assert (
+            row["prompt_ids"],
+            row["completion_ids"],
+            row["n_turns"],
+            row["merged"],
+            row["truncated"],
+            row["deployment"],
+        ) == (prompt, completion, n_turns, merged, truncated, deployment), sid
         assert row["logprobs"] == pytest.approx(logprobs, abs=1e-6) and row["advantage"] == pytest.approx(adv)
         if not truncated:
             assert row["env_mask"] == env_mask
@@ -301,23 +376,40 @@ def test_rebuild_anthropic_messages_turn(tiny_model_dir):
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     request = {
-        "model": "claude-x", "max_tokens": 64, "system": [{"type": "text", "text": "Use tools."}],
+        "model": "claude-x",
+        "max_tokens": 64,
+        "system": [{"type": "text", "text": "Use tools."}],
         "tools": [{"name": "lookup", "description": "Find a fact.", "input_schema": {"type": "object"}}],
         "messages": [
             {"role": "user", "content": "Capital of France?"},
-            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "lookup", "input": {"q": "France"}}]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
-                                          "content": [{"type": "text", "text": "Paris"}]}]},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "t1", "name": "lookup", "input": {"q": "France"}}],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "Paris"}]}
+                ],
+            },
         ],
     }
     chat = [
         {"role": "system", "content": "Use tools."},
         {"role": "user", "content": "Capital of France?"},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "t1", "name": "lookup", "arguments": {"q": "France"}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "t1", "name": "lookup", "arguments": {"q": "France"}}],
+        },
         {"role": "tool", "tool_call_id": "t1", "content": "Paris"},
     ]
-    tools = [{"type": "function", "function": {"name": "lookup", "description": "Find a fact.",
-                                               "parameters": {"type": "object"}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "lookup", "description": "Find a fact.", "parameters": {"type": "object"}},
+        }
+    ]
     prompt, completion = rebuild_turn(tok, "messages", request, "Paris.", None, "end_turn")
     rendered = tok.apply_chat_template(chat, tools=tools, add_generation_prompt=True, tokenize=False)
     assert prompt == tok(rendered, add_special_tokens=False)["input_ids"]

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from lcap.dataset.collect import collect
+from lcap.dataset.options import CollectOptions
 from lcap.store import Store
 
-AGENT = '''
+AGENT = """
 import json, os, subprocess, sys, time
 task = json.loads(os.environ["LCAP_TASK"])
 print("agent", os.environ["LCAP_EPISODE_ID"], os.getcwd(), "proxy" if os.environ.get("HTTPS_PROXY") else "no-proxy")
@@ -34,9 +35,9 @@ if mode == "cheat":
 if mode == "gate" and os.path.exists(os.environ["GATE"]) and task["id"] == "t2":
     time.sleep(120)
 open("answer.txt", "w").write(task.get("answer", mode))
-'''
+"""
 
-VERIFIER = '''
+VERIFIER = """
 def judge(ctx):
     text = (ctx.workdir / "answer.txt").read_text()
     if text == "crash":
@@ -44,7 +45,7 @@ def judge(ctx):
     return {"reward": float(len(text) % 3), "text": text}
 
 judge.protected = ["tests/**"]
-'''
+"""
 
 
 @pytest.fixture
@@ -77,25 +78,32 @@ def _dead(pid: int) -> bool:
 
 
 def _summary(store: Store) -> dict[str, tuple]:
-    rows = store.fetchall("SELECT episode_id, task_id, sample, status, error, reward, reward_source, flags "
-                          "FROM episode_summary ORDER BY episode_id")
+    rows = store.fetchall(
+        "SELECT episode_id, task_id, sample, status, error, reward, reward_source, flags "
+        "FROM episode_summary ORDER BY episode_id"
+    )
     return {(r[1], r[2]): r for r in rows}
 
 
 def test_collect_records_every_outcome(collect_env):
     tmp = collect_env
-    tasks = _tasks(tmp / "tasks.jsonl", [
-        {"id": "ok", "mode": "ok", "answer": "abcd"},
-        {"id": "fail", "mode": "fail"},
-        {"id": "hang", "mode": "hang"},
-        {"id": "crash", "mode": "ok", "answer": "crash"},
-        {"id": "cheat", "mode": "cheat", "files": {"tests/test_task.py": "def test_ok(): assert False\n"}},
-        {"id": "setup", "mode": "ok", "template": "no-such-dir"},
-    ])
+    tasks = _tasks(
+        tmp / "tasks.jsonl",
+        [
+            {"id": "ok", "mode": "ok", "answer": "abcd"},
+            {"id": "fail", "mode": "fail"},
+            {"id": "hang", "mode": "hang"},
+            {"id": "crash", "mode": "ok", "answer": "crash"},
+            {"id": "cheat", "mode": "cheat", "files": {"tests/test_task.py": "def test_ok(): assert False\n"}},
+            {"id": "setup", "mode": "ok", "template": "no-such-dir"},
+        ],
+    )
     store = Store(tmp / "lcap.duckdb")
     started = time.monotonic()
-    result = collect(store, tasks=tasks, command=[sys.executable, "agent.py", "{mode}"], group_size=2, concurrency=4,
-                     round=3, verifier="judge.py:judge", upstream=None, timeout=4, labels={"exp": "unit"})
+    options = CollectOptions(group_size=2, concurrency=4, round=3, verifier="judge.py:judge", upstream=None, timeout=4)
+    result = collect(
+        store, tasks=tasks, command=[sys.executable, "agent.py", "{mode}"], options=options, labels={"exp": "unit"}
+    )
     assert time.monotonic() - started < 60
     assert (result.episodes, result.finished, result.failed, result.skipped) == (12, 4, 8, 0)
     assert result.statuses == {"ok": 4, "failed": 2, "timeout": 2, "error": 4} and result.tampered == 2
@@ -115,7 +123,9 @@ def test_collect_records_every_outcome(collect_env):
     assert crash[3] == "error" and "ValueError: cannot judge crash" in crash[4] and crash[7] == ["verifier_error"]
     cheat = rows[("cheat", 1)]
     assert cheat[3:8] == ("ok", None, 0.0, "tamper-guard", ["tampered"])
-    (details,) = store.fetchall("SELECT details FROM episode_flags WHERE episode_id = ? AND flag = 'tampered'", [cheat[0]])
+    (details,) = store.fetchall(
+        "SELECT details FROM episode_flags WHERE episode_id = ? AND flag = 'tampered'", [cheat[0]]
+    )
     assert json.loads(details[0])["tampered"] == ["tests/test_task.py"]
 
     # the grandchild of the timed-out agent was killed with its process group
@@ -123,9 +133,11 @@ def test_collect_records_every_outcome(collect_env):
     assert _dead(pid)
 
     # labels, group, command and the per-episode working directory
-    (labels, command, cwd) = store.fetchall("SELECT labels, command, cwd FROM episodes WHERE episode_id = ?", [ok[0]])[0]
+    (labels, command, cwd) = store.fetchall("SELECT labels, command, cwd FROM episodes WHERE episode_id = ?", [ok[0]])[
+        0
+    ]
     labels = json.loads(labels)
-    assert labels["exp"] == "unit" and labels["group"] == "3/train/ok" and labels["collect"] == result.run_id
+    assert labels["exp"] == "unit" and labels["collect"] == result.run_id
     assert command.endswith("agent.py ok") and cwd.endswith(f"{ok[0]}/work")
     out = (Path(cwd).parent / "stdout.txt").read_text()
     assert out.startswith(f"agent {ok[0]} {cwd} proxy")
@@ -137,16 +149,36 @@ def test_resume_after_interrupted_run(collect_env):
     gate = tmp / "gate"
     gate.write_text("")
     lcap = str(Path(sys.executable).parent / "lcap")
-    argv = [lcap, "collect", "--tasks", str(tasks), "--db", str(tmp / "lcap.duckdb"), "-g", "2", "-j", "6",
-            "--round", "1", "--upstream", "none", "--verifier", "judge.py:judge", "--",
-            sys.executable, "agent.py", "{mode}"]
+    argv = [
+        lcap,
+        "collect",
+        "--tasks",
+        str(tasks),
+        "--db",
+        str(tmp / "lcap.duckdb"),
+        "-g",
+        "2",
+        "-j",
+        "6",
+        "--round",
+        "1",
+        "--upstream",
+        "none",
+        "--verifier",
+        "judge.py:judge",
+        "--",
+        sys.executable,
+        "agent.py",
+        "{mode}",
+    ]
     env = {**os.environ, "GATE": str(gate)}
     first = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     store = Store(tmp / "lcap.duckdb")
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:  # the four quick episodes finish (the store is shared per transaction)
-        if (tmp / "lcap.duckdb").exists() and \
-                store.fetchall("SELECT count(*) FROM episodes WHERE status = 'ok'")[0][0] == 4:
+        if (tmp / "lcap.duckdb").exists() and store.fetchall("SELECT count(*) FROM episodes WHERE status = 'ok'")[0][
+            0
+        ] == 4:
             break
         time.sleep(0.3)
     first.send_signal(signal.SIGINT)
@@ -176,8 +208,26 @@ def test_resume_after_interrupted_run(collect_env):
 def test_collect_bad_input_is_one_line(collect_env):
     lcap = str(Path(sys.executable).parent / "lcap")
     bad = _tasks(collect_env / "bad.jsonl", [{"id": "a"}])
-    run = subprocess.run([lcap, "collect", "--tasks", str(bad), "--db", str(collect_env / "x.duckdb"), "--upstream",
-                          "none", "--", "echo", "{question}"], capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        [
+            lcap,
+            "collect",
+            "--tasks",
+            str(bad),
+            "--db",
+            str(collect_env / "x.duckdb"),
+            "--upstream",
+            "none",
+            "--",
+            "echo",
+            "{question}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 2
-    assert run.stderr.strip() == "lcap: placeholder {question} in the command is not a task field (fields: cwd, " \
-                                 "episode_id, id, round, sample, split, workdir)"
+    assert (
+        run.stderr.strip() == "lcap: placeholder {question} in the command is not a task field (fields: cwd, "
+        "episode_id, id, round, sample, split, workdir)"
+    )

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-
 from fixtures_dataset import DATASET_VERIFIERS, py_agent
 
 from lcap.dataset.build import BuildOptions, build_dataset
 from lcap.dataset.collect import collect
+from lcap.dataset.options import CollectOptions
 from lcap.store import Store
 
 pytestmark = pytest.mark.vllm
@@ -26,9 +26,12 @@ def _tasks(path: Path, rows: list[dict]) -> Path:
 
 
 def _turns(store: Store, episode_id: str) -> list[dict]:
-    cur = store.fetchall("""SELECT seq, prompt_token_ids, completion_token_ids, completion_logprobs, token_source,
+    cur = store.fetchall(
+        """SELECT seq, prompt_token_ids, completion_token_ids, completion_logprobs, token_source,
                                    model_served, deployment, finish_reason
-                            FROM turns WHERE episode_id = ? ORDER BY seq""", [episode_id])
+                            FROM turns WHERE episode_id = ? ORDER BY seq""",
+        [episode_id],
+    )
     keys = ["seq", "prompt", "completion", "logprobs", "token_source", "model_served", "deployment", "finish_reason"]
     return [dict(zip(keys, row)) for row in cur]
 
@@ -36,16 +39,33 @@ def _turns(store: Store, episode_id: str) -> list[dict]:
 def test_single_turn_agent_command_verifier_and_tamper_guard(vllm_server, openai_env, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     store = Store(tmp_path / "lcap.duckdb")
-    tasks = _tasks(tmp_path / "tasks.jsonl", [
-        {"id": "capital", "question": "What is the capital of France?", "write": "notes.txt=ok"},
-        {"id": "planet", "question": "Name the largest planet.", "write": "notes.txt=ok"},
-        {"id": "cheat", "question": "Make the tests pass.", "write": "tests/test_task.py=def test(): pass",
-         "files": {"tests/test_task.py": "def test(): assert False\n"}},
-    ])
-    result = collect(store, tasks=tasks, command=[*py_agent("openai_single.py"), "--question", "{question}",
-                                                   "--write", "{write}", "--max-tokens", "12"],
-                     group_size=3, concurrency=3, round=1, upstream="policy", timeout=180,
-                     verifier=f"{sys.executable} {DATASET_VERIFIERS / 'brevity.py'}", protected=["tests/**"])
+    tasks = _tasks(
+        tmp_path / "tasks.jsonl",
+        [
+            {"id": "capital", "question": "What is the capital of France?", "write": "notes.txt=ok"},
+            {"id": "planet", "question": "Name the largest planet.", "write": "notes.txt=ok"},
+            {
+                "id": "cheat",
+                "question": "Make the tests pass.",
+                "write": "tests/test_task.py=def test(): pass",
+                "files": {"tests/test_task.py": "def test(): assert False\n"},
+            },
+        ],
+    )
+    result = collect(
+        store,
+        tasks=tasks,
+        command=[*py_agent("openai_single.py"), "--question", "{question}", "--write", "{write}", "--max-tokens", "12"],
+        options=CollectOptions(
+            group_size=3,
+            concurrency=3,
+            round=1,
+            upstream="policy",
+            timeout=180,
+            verifier=f"{sys.executable} {DATASET_VERIFIERS / 'brevity.py'}",
+            protect=("tests/**",),
+        ),
+    )
     assert (result.episodes, result.finished, result.failed) == (9, 9, 0), result.statuses
     assert result.tampered == 3
 
@@ -58,15 +78,17 @@ def test_single_turn_agent_command_verifier_and_tamper_guard(vllm_server, openai
             assert (reward, source, flags) == (0.0, "tamper-guard", ["tampered"])
         else:
             assert source.endswith("brevity.py") and 0 < reward <= 1 and flags == []
-            answer = (Path(store.fetchall("SELECT cwd FROM episodes WHERE episode_id = ?", [eid])[0][0]) /
-                      "answer.txt").read_text()
+            answer = (
+                Path(store.fetchall("SELECT cwd FROM episodes WHERE episode_id = ?", [eid])[0][0]) / "answer.txt"
+            ).read_text()
             assert reward == pytest.approx(1 / (1 + len(answer.split())))
         (turn,) = _turns(store, eid)
         assert turn["token_source"] == "vllm" and turn["model_served"] == vllm_server.served_model
         assert len(turn["completion"]) == len(turn["logprobs"]) > 0
 
-    report = build_dataset(store, round=1, out=tmp_path / "data", options=BuildOptions(keep_zero_variance=True,
-                                                                                          truncated="mask"))
+    report = build_dataset(
+        store, round=1, out=tmp_path / "data", options=BuildOptions(keep_zero_variance=True, truncated="mask")
+    )
     samples = pq.read_table(tmp_path / "data" / "samples.parquet").to_pylist()
     assert len(samples) == 9 and report.episodes["tampered"] == 3 and report.groups["total"] == 3
     from transformers import AutoTokenizer
@@ -94,14 +116,33 @@ def test_multi_turn_tool_agent_env_masks_merged_and_split(vllm_server, openai_en
     store = Store(tmp_path / "lcap.duckdb")
     tasks = _tasks(tmp_path / "tasks.jsonl", [{"id": "france", "question": "What is the capital of France?"}])
     # the bias makes the model end its turn at once: its completion re-renders to the same tokens
-    result = collect(store, tasks=tasks, command=[*py_agent("openai_tools.py"), "--question", "{question}",
-                                                   "--turns", "4", "--compact-at", "2",
-                                                   "--logit-bias", json.dumps({str(end): 100})],
-                     group_size=2, concurrency=2, round=2, upstream="policy", timeout=180,
-                     verifier=f"{DATASET_VERIFIERS / 'python_verifiers.py'}:answer_length")
+    result = collect(
+        store,
+        tasks=tasks,
+        command=[
+            *py_agent("openai_tools.py"),
+            "--question",
+            "{question}",
+            "--turns",
+            "4",
+            "--compact-at",
+            "2",
+            "--logit-bias",
+            json.dumps({str(end): 100}),
+        ],
+        options=CollectOptions(
+            group_size=2,
+            concurrency=2,
+            round=2,
+            upstream="policy",
+            timeout=180,
+            verifier=f"{DATASET_VERIFIERS / 'python_verifiers.py'}:answer_length",
+        ),
+    )
     assert result.finished == 2, result.statuses
     assert store.fetchall("SELECT DISTINCT reward_source FROM episode_summary") == [
-        (f"{DATASET_VERIFIERS / 'python_verifiers.py'}:answer_length",)]
+        (f"{DATASET_VERIFIERS / 'python_verifiers.py'}:answer_length",)
+    ]
 
     report = build_dataset(store, round=2, out=tmp_path / "data", options=BuildOptions(keep_zero_variance=True))
     samples = pq.read_table(tmp_path / "data" / "samples.parquet").to_pylist()

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
-
 from fixtures_dataset import DATASET_VERIFIERS
 
 from lcap.config import LcapError
 from lcap.dataset.collect import episode_id, load_tasks, render_command
 from lcap.dataset.verifiers import (
-    VerifierContext, VerifierError, hash_protected, load_verifier, tampered_files, to_verdict,
+    VerifierContext,
+    VerifierError,
+    hash_protected,
+    load_verifier,
+    tampered_files,
+    to_verdict,
 )
 
 
@@ -21,15 +24,25 @@ def _ctx(tmp_path: Path, stdout: str = "", task: dict | None = None) -> Verifier
     work = tmp_path / "ep" / "work"
     work.mkdir(parents=True, exist_ok=True)
     (work.parent / "stdout.txt").write_text(stdout)
-    return VerifierContext(task=task or {"id": "t1", "answer": "Paris"}, episode_id="ep-1", workdir=work,
-                           stdout=stdout, exit_code=0, status="ok")
+    return VerifierContext(
+        task=task or {"id": "t1", "answer": "Paris"},
+        episode_id="ep-1",
+        workdir=work,
+        stdout=stdout,
+        exit_code=0,
+        status="ok",
+    )
 
 
 def test_command_verifier_reads_task_stdout_and_workdir(tmp_path):
     verdict = load_verifier(f"{sys.executable} {DATASET_VERIFIERS / 'contains_answer.py'}")(
-        _ctx(tmp_path, "It is paris, I think."))
+        _ctx(tmp_path, "It is paris, I think.")
+    )
     assert verdict.reward == 1.0 and verdict.details == {"expected": "Paris", "output_chars": 21}
-    assert load_verifier(f"{sys.executable} {DATASET_VERIFIERS / 'contains_answer.py'}")(_ctx(tmp_path, "Rome")).reward == 0.0
+    assert (
+        load_verifier(f"{sys.executable} {DATASET_VERIFIERS / 'contains_answer.py'}")(_ctx(tmp_path, "Rome")).reward
+        == 0.0
+    )
     ctx = _ctx(tmp_path)
     (ctx.workdir / "answer.txt").write_text("one two three")
     assert load_verifier(f"{sys.executable} {DATASET_VERIFIERS / 'brevity.py'}")(ctx).reward == 0.25
@@ -37,37 +50,49 @@ def test_command_verifier_reads_task_stdout_and_workdir(tmp_path):
 
 def test_command_verifier_sees_its_environment(tmp_path):
     script = tmp_path / "v.py"
-    script.write_text("import os, json, sys\n"
-                      "print('noise')\n"
-                      "print(json.dumps({'reward': 0.5, 'ep': os.environ['LCAP_EPISODE_ID'], 'cwd': os.getcwd(),"
-                      " 'task': json.loads(os.environ['LCAP_TASK'])['id'], 'stdin': sys.stdin.read(),"
-                      " 'file': open(os.environ['LCAP_AGENT_STDOUT']).read()}))\n")
+    script.write_text(
+        "import os, json, sys\n"
+        "print('noise')\n"
+        "print(json.dumps({'reward': 0.5, 'ep': os.environ['LCAP_EPISODE_ID'], 'cwd': os.getcwd(),"
+        " 'task': json.loads(os.environ['LCAP_TASK'])['id'], 'stdin': sys.stdin.read(),"
+        " 'file': open(os.environ['LCAP_AGENT_STDOUT']).read()}))\n"
+    )
     ctx = _ctx(tmp_path, "agent says hi")
     verdict = load_verifier(f"{sys.executable} v.py", base=tmp_path)(ctx)  # relative script path resolved
     assert verdict.reward == 0.5
-    assert verdict.details == {"ep": "ep-1", "cwd": str(ctx.workdir), "task": "t1", "stdin": "agent says hi",
-                               "file": "agent says hi"}
+    assert verdict.details == {
+        "ep": "ep-1",
+        "cwd": str(ctx.workdir),
+        "task": "t1",
+        "stdin": "agent says hi",
+        "file": "agent says hi",
+    }
 
 
-@pytest.mark.parametrize("code, message", [
-    ("import sys; sys.exit(3)", "verifier exited 3"),
-    ("print('not a number')", "not a float or JSON"),
-    ("pass", "printed nothing"),
-    ("import json; print(json.dumps(dict(score=1)))", "without 'reward'"),
-    ("print('NaN')", "non-finite"),
-])
+@pytest.mark.parametrize(
+    "code, message",
+    [
+        ("import sys; sys.exit(3)", "verifier exited 3"),
+        ("print('not a number')", "not a float or JSON"),
+        ("pass", "printed nothing"),
+        ("import json; print(json.dumps(dict(score=1)))", "without 'reward'"),
+        ("print('NaN')", "non-finite"),
+    ],
+)
 def test_command_verifier_errors(tmp_path, code, message):
     with pytest.raises(VerifierError, match=message):
-        load_verifier(f"{sys.executable} -c \"{code}\"")(_ctx(tmp_path))
+        load_verifier(f'{sys.executable} -c "{code}"')(_ctx(tmp_path))
 
 
 def test_python_verifier_return_shapes_and_errors(tmp_path):
     module = tmp_path / "judge.py"
-    module.write_text("def pair(ctx): return 0.25, {'why': ctx.task_id}\n"
-                      "def mapping(ctx): return {'reward': True, 'n': len(ctx.stdout)}\n"
-                      "def boom(ctx): raise RuntimeError('bad judge')\n"
-                      "def text(ctx): return 'yes'\n"
-                      "boom.protected = ['tests/*.py']\n")
+    module.write_text(
+        "def pair(ctx): return 0.25, {'why': ctx.task_id}\n"
+        "def mapping(ctx): return {'reward': True, 'n': len(ctx.stdout)}\n"
+        "def boom(ctx): raise RuntimeError('bad judge')\n"
+        "def text(ctx): return 'yes'\n"
+        "boom.protected = ['tests/*.py']\n"
+    )
     ctx = _ctx(tmp_path, "abc")
     assert load_verifier("judge.py:pair", base=tmp_path)(ctx).details == {"why": "t1"}
     assert load_verifier("judge.py:mapping", base=tmp_path)(ctx).reward == 1.0
@@ -96,11 +121,14 @@ def test_tamper_hashes_detect_edit_add_delete(tmp_path):
     (tmp_path / "tests" / "sub" / "test_b.py").unlink()
     (tmp_path / "tests" / "conftest.py").write_text("")
     assert tampered_files(before, hash_protected(tmp_path, ["tests/**"])) == [
-        "tests/conftest.py", "tests/sub/test_b.py", "tests/test_a.py"]
+        "tests/conftest.py",
+        "tests/sub/test_b.py",
+        "tests/test_a.py",
+    ]
 
 
 def test_command_templates_and_episode_ids():
-    task = {"id": "t/1", "question": "it's \"quoted\"; rm -rf /", "n": 3, "meta": {"a": 1}}
+    task = {"id": "t/1", "question": 'it\'s "quoted"; rm -rf /', "n": 3, "meta": {"a": 1}}
     argv = render_command(["python", "agent.py", "--question", "{question}", "--n={n}", "{meta}"], task)
     assert argv == ["python", "agent.py", "--question", task["question"], "--n=3", '{"a": 1}']
     shell = render_command(["sh", "-c", "echo {question} > out.txt"], task)
@@ -116,8 +144,12 @@ def test_load_tasks_errors(tmp_path):
     path = tmp_path / "tasks.jsonl"
     path.write_text('{"id": 1, "q": "a"}\n\n{"id": "2"}\n')
     assert [t["id"] for t in load_tasks(path)] == ["1", "2"]
-    for text, message in [('{"q": 1}\n', "with an 'id'"), ('{"id": 1}\n{"id": "1"}\n', "duplicate task id"),
-                          ("{oops\n", "tasks.jsonl:1: not JSON"), ("\n", "no tasks")]:
+    for text, message in [
+        ('{"q": 1}\n', "with an 'id'"),
+        ('{"id": 1}\n{"id": "1"}\n', "duplicate task id"),
+        ("{oops\n", "tasks.jsonl:1: not JSON"),
+        ("\n", "no tasks"),
+    ]:
         path.write_text(text)
         with pytest.raises(LcapError, match=message):
             load_tasks(path)

@@ -30,7 +30,7 @@ def completion_ids(url: str, model: str) -> list[int]:
 
 
 def test_deploy_lora_hot_loads_it_as_the_current_policy(vllm_policy, tiny_lora, tmp_path):
-    from lcap.train.deploy import deploy
+    from lcap.serve.deploy import deploy
 
     store = Store(tmp_path / "lcap.duckdb")
     base = completion_ids(vllm_policy.url, vllm_policy.served_model)
@@ -43,7 +43,9 @@ def test_deploy_lora_hot_loads_it_as_the_current_policy(vllm_policy, tiny_lora, 
     assert completion_ids(vllm_policy.url, vllm_policy.served_model) == base  # the base is still served as-is
 
     # The CLI path, under a chosen name: the record moves on, both adapters stay servable.
-    result = CliRunner().invoke(app, ["deploy", str(tiny_lora), "--name", "policy-cli", "--round", "2", "--db", str(tmp_path / "lcap.duckdb")])
+    result = CliRunner().invoke(
+        app, ["deploy", str(tiny_lora), "--name", "policy-cli", "--round", "2", "--db", str(tmp_path / "lcap.duckdb")]
+    )
     assert result.exit_code == 0, result.output
     assert result.output.strip() == "policy-cli" and read_policy().current == "policy-cli"
     assert completion_ids(vllm_policy.url, "policy-cli") == completion_ids(vllm_policy.url, name)
@@ -60,7 +62,9 @@ def test_deploy_lora_hot_loads_it_as_the_current_policy(vllm_policy, tiny_lora, 
 
 def test_lcap_serve_status_reports_the_running_server(vllm_server):
     """The session's server was started by `lcap serve` (see fixtures_vllm): its record, health and base row."""
-    status = subprocess.run([str(Path(sys.executable).parent / "lcap"), "serve", "--status"], capture_output=True, text=True, timeout=60)
+    status = subprocess.run(
+        [str(Path(sys.executable).parent / "lcap"), "serve", "--status"], capture_output=True, text=True, timeout=60
+    )
     assert status.returncode == 0, status.stderr
     state = json.loads(status.stdout)
     assert state["running"] and state["healthy"] and state["alive"]
@@ -78,13 +82,27 @@ def test_deploy_full_checkpoint_restarts_vllm_on_the_same_url(vllm_policy, tmp_p
     checkpoint = tmp_path / "round-3" / "checkpoint"
     shutil.copytree(vllm_policy.model_dir, checkpoint)
 
-    result = CliRunner().invoke(app, ["deploy", str(checkpoint), "--name", vllm_policy.served_model, "--round", "3",
-                                      "--db", str(tmp_path / "lcap.duckdb")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "deploy",
+            str(checkpoint),
+            "--name",
+            vllm_policy.served_model,
+            "--round",
+            "3",
+            "--db",
+            str(tmp_path / "lcap.duckdb"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     after = read_policy()
     vllm_policy.record = after
     assert after.pid != before.pid and after.url == before.url
-    assert after.base_model == str(checkpoint.resolve()) and after.current == after.served_model == vllm_policy.served_model
+    assert (
+        after.base_model == str(checkpoint.resolve())
+        and after.current == after.served_model == vllm_policy.served_model
+    )
     with pytest.raises(ProcessLookupError):
         os.killpg(before.pid, 0)
     models = httpx.get(f"{after.url}/v1/models", timeout=30).json()["data"]

@@ -26,13 +26,15 @@ def test_init_model_is_deterministic_given_the_seed(tmp_path):
         assert result.exit_code == 0, result.output
     assert tree_hash(tmp_path / "a") == tree_hash(tmp_path / "b")
     assert tree_hash(tmp_path / "a") != tree_hash(tmp_path / "c")
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in (tmp_path / "a").iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in (tmp_path / "a").iterdir()
+    }
 
 
 def test_tiny_model_is_what_vllm_cpu_needs(tmp_path):
     from transformers import AutoConfig, AutoTokenizer
 
-    from lcap.train.tiny_model import init_model
+    from lcap.serve.tiny_model import init_model
 
     out = init_model(tmp_path / "m", hidden_size=128, num_heads=2)
     config = AutoConfig.from_pretrained(out)
@@ -46,8 +48,9 @@ def test_tiny_model_is_what_vllm_cpu_needs(tmp_path):
     assert tokenizer.tokenize("<tool_call>") == ["<tool_call>"]
     text = 'What is 12 * 7? {"name": "calculator", "arguments": {"expression": "12 * 7"}} héllo'
     assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-                                             add_generation_prompt=True, tokenize=False)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], add_generation_prompt=True, tokenize=False
+    )
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -62,7 +65,7 @@ def test_serve_reports_the_log_when_vllm_dies_on_start(tmp_path, monkeypatch):
 
     from lcap.config import LcapError
     from lcap.policy import read_policy
-    from lcap.train.vllm_server import start_server
+    from lcap.serve.server import start_server
 
     monkeypatch.setenv("LCAP_POLICY_RECORD", str(tmp_path / "policy.json"))
     with pytest.raises(LcapError) as caught:
@@ -78,10 +81,21 @@ def test_serve_status_and_deploy_without_a_server(tmp_path, monkeypatch):
     assert status.exit_code == 1 and json.loads(status.output) == {"running": False}
     deployed = runner.invoke(app, ["deploy", str(tmp_path), "--db", str(tmp_path / "s.duckdb")])
     assert deployed.exit_code == 2 and "no policy server is running" in deployed.output
-    (tmp_path / "policy.json").write_text(json.dumps({
-        "url": "http://127.0.0.1:9", "pid": 2**22 + 1, "base_model": "m", "served_model": "m", "current": "m",
-        "log_path": "", "python": "", "started_at": "", "loras": {},
-    }))
+    (tmp_path / "policy.json").write_text(
+        json.dumps(
+            {
+                "url": "http://127.0.0.1:9",
+                "pid": 2**22 + 1,
+                "base_model": "m",
+                "served_model": "m",
+                "current": "m",
+                "log_path": "",
+                "python": "",
+                "started_at": "",
+                "loras": {},
+            }
+        )
+    )
     deployed = runner.invoke(app, ["deploy", str(tmp_path / "nothing-here"), "--db", str(tmp_path / "s.duckdb")])
     assert deployed.exit_code == 2 and "neither a LoRA adapter" in deployed.output
 
@@ -116,10 +130,21 @@ def test_serve_stop_ends_the_whole_process_group(tmp_path, monkeypatch):
     monkeypatch.setenv("LCAP_POLICY_RECORD", str(tmp_path / "policy.json"))
     leader = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300; wait"], start_new_session=True)
     time.sleep(0.2)
-    (tmp_path / "policy.json").write_text(json.dumps({
-        "url": "http://127.0.0.1:9", "pid": leader.pid, "base_model": "m", "served_model": "m", "current": "m",
-        "log_path": "", "python": "", "started_at": "", "loras": {},
-    }))
+    (tmp_path / "policy.json").write_text(
+        json.dumps(
+            {
+                "url": "http://127.0.0.1:9",
+                "pid": leader.pid,
+                "base_model": "m",
+                "served_model": "m",
+                "current": "m",
+                "log_path": "",
+                "python": "",
+                "started_at": "",
+                "loras": {},
+            }
+        )
+    )
     result = CliRunner().invoke(app, ["serve", "--stop"])
     assert result.exit_code == 0 and f"stopped policy server http://127.0.0.1:9 (pid {leader.pid})" in result.output
     assert leader.poll() is not None and not (tmp_path / "policy.json").exists()

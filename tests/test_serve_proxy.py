@@ -35,8 +35,20 @@ AGENT = textwrap.dedent('''
     second = client.chat.completions.create(model="gpt-4o-mini", messages=messages, tools=tools, max_tokens=6, temperature=0)
     print(json.dumps({"answers": [first.choices[0].message.content, second.choices[0].message.content], "messages": messages}))
 ''')
-TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
-          "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate arithmetic.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 
 
 def stored_turns(db: Path, episode: str) -> list[dict]:
@@ -53,8 +65,8 @@ def test_agent_through_lcap_proxy_to_the_policy_then_a_new_deployment(vllm_polic
         pytest.skip("`lcap proxy` (capture stage) is not there yet")
     from transformers import AutoTokenizer
 
+    from lcap.serve.deploy import deploy
     from lcap.store import Store
-    from lcap.train.deploy import deploy
 
     agent = tmp_path / "agent.py"
     agent.write_text(AGENT % json.dumps(TOOLS))
@@ -64,8 +76,25 @@ def test_agent_through_lcap_proxy_to_the_policy_then_a_new_deployment(vllm_polic
     lcap = str(Path(sys.executable).parent / "lcap")
 
     def run_agent(episode: str) -> dict:
-        done = subprocess.run([lcap, "proxy", "--upstream", "policy", "--db", str(db), "--episode", episode, "--",
-                               sys.executable, str(agent)], env=env, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [
+                lcap,
+                "proxy",
+                "--upstream",
+                "policy",
+                "--db",
+                str(db),
+                "--episode",
+                episode,
+                "--",
+                sys.executable,
+                str(agent),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -77,12 +106,23 @@ def test_agent_through_lcap_proxy_to_the_policy_then_a_new_deployment(vllm_polic
     for turn, n_messages in zip(base_turns, (2, 4)):
         assert turn["deployment"] == vllm_policy.served_model and turn["model_requested"] == "gpt-4o-mini"
         assert turn["token_source"] == "vllm" and len(turn["completion_token_ids"]) == turn["completion_tokens"] > 0
-        tokenized = httpx.post(f"{vllm_policy.url}/tokenize", json={
-            "model": vllm_policy.served_model, "messages": messages[:n_messages], "tools": TOOLS, "add_generation_prompt": True,
-        }, timeout=60).json()["tokens"]
+        tokenized = httpx.post(
+            f"{vllm_policy.url}/tokenize",
+            json={
+                "model": vllm_policy.served_model,
+                "messages": messages[:n_messages],
+                "tools": TOOLS,
+                "add_generation_prompt": True,
+            },
+            timeout=60,
+        ).json()["tokens"]
         assert turn["prompt_token_ids"] == tokenized
-        assert turn["prompt_token_ids"] == tokenizer.apply_chat_template(
-            messages[:n_messages], tools=TOOLS, add_generation_prompt=True, tokenize=True)["input_ids"]
+        assert (
+            turn["prompt_token_ids"]
+            == tokenizer.apply_chat_template(
+                messages[:n_messages], tools=TOOLS, add_generation_prompt=True, tokenize=True
+            )["input_ids"]
+        )
     assert [t["completion_text"] for t in base_turns] == base_run["answers"]
 
     name = deploy(tiny_lora, round=1, store=Store(db))
@@ -90,7 +130,9 @@ def test_agent_through_lcap_proxy_to_the_policy_then_a_new_deployment(vllm_polic
     lora_turns = stored_turns(db, "on-lora")
     assert [t["deployment"] for t in lora_turns] == [name, name]
     assert lora_turns[0]["prompt_token_ids"] == base_turns[0]["prompt_token_ids"]
-    assert lora_turns[0]["completion_token_ids"] != base_turns[0]["completion_token_ids"]  # temperature 0: the LoRA answers
+    assert (
+        lora_turns[0]["completion_token_ids"] != base_turns[0]["completion_token_ids"]
+    )  # temperature 0: the LoRA answers
     assert lora_run["answers"][0] == lora_turns[0]["completion_text"]
     deployments = duckdb.connect(str(db), read_only=True).execute("SELECT name, kind FROM deployments").fetchall()
     assert deployments == [(name, "lora")]

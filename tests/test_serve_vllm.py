@@ -12,31 +12,63 @@ pytestmark = pytest.mark.vllm
 MESSAGES = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "What is 12 * 7?"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "12 * 7"}'}},
-    ]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "calculator", "arguments": '{"expression": "12 * 7"}'},
+            },
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": "84"},
 ]
-TOOLS = [{"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
-}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 
 
 def test_chat_token_ids_match_vllm_tokenize_and_the_template(vllm_policy):
     from transformers import AutoTokenizer
 
-    body = {"model": vllm_policy.served_model, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 6,
-            "temperature": 0, "return_token_ids": True, "logprobs": True}
+    body = {
+        "model": vllm_policy.served_model,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "max_tokens": 6,
+        "temperature": 0,
+        "return_token_ids": True,
+        "logprobs": True,
+    }
     answer = httpx.post(f"{vllm_policy.url}/v1/chat/completions", json=body, timeout=120).json()
     choice = answer["choices"][0]
     assert answer["model"] == vllm_policy.served_model
     assert len(choice["token_ids"]) == answer["usage"]["completion_tokens"] > 0
     assert len(choice["logprobs"]["content"]) == len(choice["token_ids"])
 
-    tokenized = httpx.post(f"{vllm_policy.url}/tokenize", json={
-        "model": vllm_policy.served_model, "messages": MESSAGES, "tools": TOOLS, "add_generation_prompt": True,
-    }, timeout=60).json()
+    tokenized = httpx.post(
+        f"{vllm_policy.url}/tokenize",
+        json={
+            "model": vllm_policy.served_model,
+            "messages": MESSAGES,
+            "tools": TOOLS,
+            "add_generation_prompt": True,
+        },
+        timeout=60,
+    ).json()
     assert answer["prompt_token_ids"] == tokenized["tokens"]
 
     tokenizer = AutoTokenizer.from_pretrained(vllm_policy.model_dir)
@@ -57,8 +89,15 @@ def test_template_tool_calls_parse_back_through_vllms_hermes_parser(vllm_policy)
     rendered = tokenizer.apply_chat_template(MESSAGES[:3], tools=TOOLS, tokenize=False)
     completion = rendered.rsplit("<|im_start|>assistant\n", 1)[1].removesuffix("<|im_end|>\n")
     assert completion.startswith("<tool_call>\n")
-    body = {"model": vllm_policy.served_model, "messages": MESSAGES[:2], "tools": TOOLS, "tool_choice": "auto",
-            "max_tokens": 80, "temperature": 0, "structured_outputs": {"regex": re.escape(completion)}}
+    body = {
+        "model": vllm_policy.served_model,
+        "messages": MESSAGES[:2],
+        "tools": TOOLS,
+        "tool_choice": "auto",
+        "max_tokens": 80,
+        "temperature": 0,
+        "structured_outputs": {"regex": re.escape(completion)},
+    }
     answer = httpx.post(f"{vllm_policy.url}/v1/chat/completions", json=body, timeout=120).json()
     choice = answer["choices"][0]
     assert choice["finish_reason"] == "tool_calls", answer

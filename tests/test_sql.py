@@ -21,7 +21,9 @@ def test_sql_formats_read_only_and_bad_sql(tmp_path):
     Store(db).append("rewards", [{"episode_id": "ep", "value": 0.5, "source": "cli"}])
 
     rows = lcap_sql(db, "--format", "json", "SELECT episode_id, value FROM rewards")
-    assert rows.returncode == 0 and [json.loads(line) for line in rows.stdout.splitlines()] == [{"episode_id": "ep", "value": 0.5}]
+    assert rows.returncode == 0 and [json.loads(line) for line in rows.stdout.splitlines()] == [
+        {"episode_id": "ep", "value": 0.5}
+    ]
     assert lcap_sql(db, "-f", "csv", "SELECT value FROM rewards").stdout.splitlines() == ["value", "0.5"]
 
     refused = lcap_sql(db, "DELETE FROM rewards")

@@ -8,8 +8,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-
 from fixtures_train import write_samples
+
 from lcap.store import Store
 from lcap.train.grpo import TrainOptions, prepare_round, train_round
 from lcap.train.samples import Sample, make_groups, read_samples
@@ -34,7 +34,9 @@ def options(model_dir: Path, **kw) -> TrainOptions:
 
 def test_step_raises_positive_and_lowers_negative_advantage(tiny_train_model, captured_samples, tmp_path):
     store = Store(tmp_path / "lcap.duckdb")
-    prepared = prepare_round(store, tmp_path / "run", 1, options(tiny_train_model, learning_rate=3e-3), data=captured_samples)
+    prepared = prepare_round(
+        store, tmp_path / "run", 1, options(tiny_train_model, learning_rate=3e-3), data=captured_samples
+    )
     samples = prepared.groups.real_samples
     model = prepared.trainer.model
     before = [model_token_logp(model, s) for s in samples]
@@ -53,7 +55,9 @@ def test_round_saves_changed_lora_and_metrics(tiny_train_model, captured_samples
     from transformers import AutoModelForCausalLM
 
     store = Store(tmp_path / "lcap.duckdb")
-    result = train_round(store, tmp_path / "run", 1, options(tiny_train_model, learning_rate=1e-3), data=captured_samples)
+    result = train_round(
+        store, tmp_path / "run", 1, options(tiny_train_model, learning_rate=1e-3), data=captured_samples
+    )
     assert result.output == tmp_path / "run" / "round-1" / "adapter"
     base = AutoModelForCausalLM.from_pretrained(tiny_train_model)
     base_state = {k: v.clone() for k, v in base.state_dict().items()}
@@ -66,7 +70,9 @@ def test_round_saves_changed_lora_and_metrics(tiny_train_model, captured_samples
     merged = tuned.merge_and_unload().state_dict()
     assert any(not torch.equal(merged[k], base_state[k]) for k in base_state if "proj" in k)
 
-    row = store.fetchall("SELECT round, kind, n_samples, n_groups, mean_reward, is_ratio_mean, tokens_per_s, steps FROM train_runs")
+    row = store.fetchall(
+        "SELECT round, kind, n_samples, n_groups, mean_reward, is_ratio_mean, tokens_per_s, steps FROM train_runs"
+    )
     assert row == [(1, "lora", 8, 2, 0.5, pytest.approx(row[0][5]), pytest.approx(row[0][6]), 1)]
     assert 0.5 < row[0][5] < 2.0 and row[0][6] > 0
     assert (tmp_path / "run" / "round-1" / "config.json").exists()
@@ -117,12 +123,19 @@ def match(row_ids: torch.Tensor, samples: list[Sample]) -> Sample:
     return next(s for s in samples if ids[: len(s.completion_ids)] == s.completion_ids)
 
 
-def first_batch(model_dir: Path, data: Path, tmp_path: Path, monkeypatch, is_mode: str, epochs: int = 1) -> tuple[dict, list[bool]]:
+def first_batch(
+    model_dir: Path, data: Path, tmp_path: Path, monkeypatch, is_mode: str, epochs: int = 1
+) -> tuple[dict, list[bool]]:
     """Train one round on `data`: the first batch TRL computed a loss on, with its IS ratio, and
     the grad flag of every log-prob forward."""
     seen, forwards = loss_inputs(monkeypatch)
-    prepared = prepare_round(Store(tmp_path / "db"), tmp_path / "run", 1,
-                             options(model_dir, is_mode=is_mode, is_max=2.0, epochs=epochs), data=data)
+    prepared = prepare_round(
+        Store(tmp_path / "db"),
+        tmp_path / "run",
+        1,
+        options(model_dir, is_mode=is_mode, is_max=2.0, epochs=epochs),
+        data=data,
+    )
     prepared.trainer.train()
     return seen[0], forwards
 
@@ -139,8 +152,9 @@ def truncated_ratio(train_logps: dict, s: Sample) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("epochs, scoring_forwards", [(1, 0), (2, 1)])
-def test_is_ratio_is_truncated_exp_of_train_minus_captured(tiny_train_model, captured_samples, tmp_path, monkeypatch,
-                                                            epochs, scoring_forwards):
+def test_is_ratio_is_truncated_exp_of_train_minus_captured(
+    tiny_train_model, captured_samples, tmp_path, monkeypatch, epochs, scoring_forwards
+):
     """One epoch: the ratio comes from the loss forward, no forward only to score; more: one, at round start."""
     path, train_logps, samples = perturbed_samples(tiny_train_model, captured_samples, tmp_path / "data")
     out, forwards = first_batch(tiny_train_model, path, tmp_path, monkeypatch, "token_truncate", epochs)
@@ -156,7 +170,9 @@ def test_is_ratio_is_truncated_exp_of_train_minus_captured(tiny_train_model, cap
     assert (ratio == 2.0).any()  # the -1.0 shift was truncated at the cap
 
 
-def test_samples_without_behaviour_logprobs_get_no_correction(tiny_train_model, captured_samples, tmp_path, monkeypatch):
+def test_samples_without_behaviour_logprobs_get_no_correction(
+    tiny_train_model, captured_samples, tmp_path, monkeypatch
+):
     """Rebuilt samples (and Responses turns) carry 0.0 placeholders, not the server's logprobs: ratio 1."""
     path, train_logps, samples = perturbed_samples(tiny_train_model, captured_samples, tmp_path / "data")
     rows = pq.read_table(path).to_pylist()
@@ -181,7 +197,9 @@ def test_samples_without_behaviour_logprobs_get_no_correction(tiny_train_model, 
     assert corrected and uncorrected
 
 
-def test_token_mask_mode_drops_rejected_tokens_from_the_denominator(tiny_train_model, captured_samples, tmp_path, monkeypatch):
+def test_token_mask_mode_drops_rejected_tokens_from_the_denominator(
+    tiny_train_model, captured_samples, tmp_path, monkeypatch
+):
     path, train_logps, samples = perturbed_samples(tiny_train_model, captured_samples, tmp_path / "data")
     out, forwards = first_batch(tiny_train_model, path, tmp_path, monkeypatch, "token_mask")
     assert forwards.count(False) == 1  # the mask modes change the loss mask: scored before the loss
@@ -197,8 +215,13 @@ def test_token_mask_mode_drops_rejected_tokens_from_the_denominator(tiny_train_m
 
 def test_without_correction_no_ratio(tiny_train_model, captured_samples, tmp_path, monkeypatch):
     seen, _ = loss_inputs(monkeypatch)
-    prepared = prepare_round(Store(tmp_path / "db"), tmp_path / "run", 1,
-                             options(tiny_train_model, is_correction=False), data=captured_samples)
+    prepared = prepare_round(
+        Store(tmp_path / "db"),
+        tmp_path / "run",
+        1,
+        options(tiny_train_model, is_correction=False),
+        data=captured_samples,
+    )
     prepared.trainer.train()
     assert "importance_sampling_ratio" not in seen[0]
 
@@ -210,17 +233,23 @@ def padded_batch(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, int
     ids = torch.zeros(len(samples), p_len + c_len, dtype=torch.long)
     attn = torch.zeros_like(ids)
     for i, s in enumerate(samples):
-        ids[i, p_len - len(s.prompt_ids):p_len + len(s.completion_ids)] = torch.tensor(s.prompt_ids + s.completion_ids)
-        attn[i, p_len - len(s.prompt_ids):p_len + len(s.completion_ids)] = 1
+        ids[i, p_len - len(s.prompt_ids) : p_len + len(s.completion_ids)] = torch.tensor(
+            s.prompt_ids + s.completion_ids
+        )
+        attn[i, p_len - len(s.prompt_ids) : p_len + len(s.completion_ids)] = 1
     return ids, attn, c_len
 
 
-def test_cpu_logps_from_the_plain_lm_head_equal_trls_fused_head(tiny_train_model, captured_samples, tmp_path, monkeypatch):
+def test_cpu_logps_from_the_plain_lm_head_equal_trls_fused_head(
+    tiny_train_model, captured_samples, tmp_path, monkeypatch
+):
     """On CPU the trainer scores completions with the model's LM head, not TRL's fused head: same numbers."""
     import trl.trainer.utils as trl_utils
     from trl import GRPOTrainer
 
-    prepared = prepare_round(Store(tmp_path / "db"), tmp_path / "run", 1, options(tiny_train_model), data=captured_samples)
+    prepared = prepare_round(
+        Store(tmp_path / "db"), tmp_path / "run", 1, options(tiny_train_model), data=captured_samples
+    )
     trainer, samples = prepared.trainer, prepared.groups.real_samples
     ids, attn, c_len = padded_batch(samples)
     fused_calls: list[int] = []
@@ -232,7 +261,11 @@ def test_cpu_logps_from_the_plain_lm_head_equal_trls_fused_head(tiny_train_model
         trainer.model.zero_grad()
         logps, entropies, _ = get_logps(trainer, trainer.model, ids, attn, c_len, batch_size=3, compute_entropy=True)
         (logps * attn[:, -c_len:]).sum().backward()
-        return logps.detach(), entropies.detach(), [p.grad.clone() for p in trainer.model.parameters() if p.requires_grad]
+        return (
+            logps.detach(),
+            entropies.detach(),
+            [p.grad.clone() for p in trainer.model.parameters() if p.requires_grad],
+        )
 
     ours = scored(type(trainer)._get_per_token_logps_and_entropies)
     assert not fused_calls
@@ -244,25 +277,46 @@ def test_cpu_logps_from_the_plain_lm_head_equal_trls_fused_head(tiny_train_model
     torch.testing.assert_close(ours[2], trl_own[2])  # gradients
     model = trainer.model.eval()
     for i, s in enumerate(samples):
-        torch.testing.assert_close(ours[0][i, :len(s.completion_ids)], token_logps(model, s), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours[0][i, : len(s.completion_ids)], token_logps(model, s), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("setting, expected", [(None, False), (True, True)])
-def test_activation_checkpointing_off_on_cpu_unless_asked(tiny_train_model, captured_samples, tmp_path, setting, expected):
+def test_activation_checkpointing_off_on_cpu_unless_asked(
+    tiny_train_model, captured_samples, tmp_path, setting, expected
+):
     """Checkpointing trades a second forward for memory: worth it on a GPU, not on CPU (the default there)."""
-    prepared = prepare_round(Store(tmp_path / "db"), tmp_path / "run", 1,
-                             options(tiny_train_model, activation_checkpointing=setting, max_steps=1), data=captured_samples)
+    prepared = prepare_round(
+        Store(tmp_path / "db"),
+        tmp_path / "run",
+        1,
+        options(tiny_train_model, activation_checkpointing=setting, max_steps=1),
+        data=captured_samples,
+    )
     prepared.trainer.train()
     assert prepared.trainer.model.get_base_model().is_activation_checkpointing is expected
 
 
 def sample(gid: str, k: int, deployment: str = "r1", reward: float = 0.0) -> Sample:
-    return Sample(sample_id=f"{gid}-{k}", group_id=gid, prompt_ids=[1, 2], completion_ids=[3, 4], logprobs=[-1.0, -1.0],
-                  env_mask=[1, 1], reward=reward, advantage=reward - 0.5, deployment=deployment)
+    return Sample(
+        sample_id=f"{gid}-{k}",
+        group_id=gid,
+        prompt_ids=[1, 2],
+        completion_ids=[3, 4],
+        logprobs=[-1.0, -1.0],
+        env_mask=[1, 1],
+        reward=reward,
+        advantage=reward - 0.5,
+        deployment=deployment,
+    )
 
 
 def test_groups_pad_short_groups_and_drop_or_keep_stale():
-    samples = [sample("a", k, reward=k % 2) for k in range(4)] + [sample("b", 0, "r0"), sample("b", 1), sample("b", 2, "r0"), sample("c", 0)]
+    samples = [sample("a", k, reward=k % 2) for k in range(4)] + [
+        sample("b", 0, "r0"),
+        sample("b", 1),
+        sample("b", 2, "r0"),
+        sample("c", 0),
+    ]
     groups = make_groups(samples, stale="correct", current="r1")
     assert groups.size == 4 and set(groups.groups) == {"a", "b"} and groups.dropped_small == 1
     padded = [s for s in groups.groups["b"] if s.padding]

@@ -13,42 +13,69 @@ from pathlib import Path
 import pytest
 
 from lcap.config import LcapError
+from lcap.dataset.options import CollectOptions
+from lcap.loop.rounds import LoopConfig, LoopState
 from lcap.store import Store
-from lcap.train.loop import LoopConfig, LoopState
 
 REPO = Path(__file__).resolve().parent.parent
 
 # An unmodified OpenAI-SDK agent; a space ends its answer, so the tiny random model's completions
 # finish with "stop" (not "length") and are trainable.
-AGENT = '''
+AGENT = """
 import sys
 from openai import OpenAI
 reply = OpenAI().chat.completions.create(model="gpt-4o-mini", max_tokens=12, temperature=1.0, stop=[" "],
                                          messages=[{"role": "user", "content": sys.argv[1]}])
 print(reply.choices[0].message.content or "")
-'''
+"""
 
 # Reward with variance on random text: the share of lowercase letters in the answer.
-VERIFIER = '''
+VERIFIER = """
 def verify(ctx):
     said = ctx.stdout.strip()
     return sum(c.islower() for c in said) / max(len(said), 1)
-'''
+"""
 
 
 def loop_command(tmp_path: Path, db: Path) -> list[str]:
     (tmp_path / "agent.py").write_text(AGENT)
     (tmp_path / "verify.py").write_text(VERIFIER)
-    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps({"id": f"t{i}", "q": f"Which is a number: code {w} tool"}) + "\n"
-                                                  for i, w in enumerate(["one", "two", "three"])))
+    (tmp_path / "tasks.jsonl").write_text(
+        "".join(
+            json.dumps({"id": f"t{i}", "q": f"Which is a number: code {w} tool"}) + "\n"
+            for i, w in enumerate(["one", "two", "three"])
+        )
+    )
     (tmp_path / "eval.jsonl").write_text(json.dumps({"id": "e0", "q": "Which is a number: list five text"}) + "\n")
     return [
         str(REPO / ".venv" / "bin" / "lcap") if (REPO / ".venv" / "bin" / "lcap").exists() else "lcap",
-        "loop", "--db", str(db), "--run", str(tmp_path / "run"), "--rounds", "2",
-        "--tasks", str(tmp_path / "tasks.jsonl"), "--group-size", "3", "--verifier", f"{tmp_path / 'verify.py'}:verify",
-        "--eval-tasks", str(tmp_path / "eval.jsonl"), "--eval-group-size", "2", "--concurrency", "3",
-        "--lr", "1e-3", "--report-to", "none", "--",
-        sys.executable, str(tmp_path / "agent.py"), "{q}",
+        "loop",
+        "--db",
+        str(db),
+        "--run",
+        str(tmp_path / "run"),
+        "--rounds",
+        "2",
+        "--tasks",
+        str(tmp_path / "tasks.jsonl"),
+        "--group-size",
+        "3",
+        "--verifier",
+        f"{tmp_path / 'verify.py'}:verify",
+        "--eval-tasks",
+        str(tmp_path / "eval.jsonl"),
+        "--eval-group-size",
+        "2",
+        "--concurrency",
+        "3",
+        "--lr",
+        "1e-3",
+        "--report-to",
+        "none",
+        "--",
+        sys.executable,
+        str(tmp_path / "agent.py"),
+        "{q}",
     ]
 
 
@@ -60,8 +87,9 @@ def test_loop_two_rounds_killed_and_resumed(vllm_policy, tmp_path):
     state = tmp_path / "run" / "state.json"
 
     # Kill the loop (SIGKILL: no clean-up) as soon as round 1's collect is recorded.
-    first = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             start_new_session=True)
+    first = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and first.poll() is None:
         if state.exists() and "1:collect" in json.loads(state.read_text())["steps"]:
@@ -87,7 +115,7 @@ def test_loop_two_rounds_killed_and_resumed(vllm_policy, tmp_path):
     counts = dict(store.fetchall("SELECT round || ':' || step, count(*) FROM loop_steps GROUP BY ALL"))
     assert counts["0:eval"] == 1 and counts["1:collect"] == 1  # finished before the kill: not run again
     assert counts["2:collect"] == 1 and counts["2:eval"] == 1
-    assert store.fetchall("SELECT count(*) FROM episodes WHERE round = 1 AND labels->>'split' = 'train'") == [(9,)]
+    assert store.fetchall("SELECT count(*) FROM episodes WHERE round = 1 AND split = 'train'") == [(9,)]
 
     runs = store.fetchall("SELECT round, init_from, output, n_samples FROM train_runs ORDER BY round")
     assert [r[0] for r in runs] == [1, 2]
@@ -103,18 +131,26 @@ def test_loop_two_rounds_killed_and_resumed(vllm_policy, tmp_path):
     deployed = store.fetchall("SELECT name, round FROM deployments WHERE kind = 'lora' ORDER BY created_at")
     assert deployed[-1] == (steps["2:deploy"]["name"], 2)
     # Round 2 was collected with round 1's deployment.
-    served = store.fetchall("SELECT DISTINCT t.deployment FROM turns t JOIN episodes e USING (episode_id) "
-                            "WHERE e.round = 2 AND e.labels->>'split' = 'train'")
+    served = store.fetchall(
+        "SELECT DISTINCT t.deployment FROM turns t JOIN episodes e USING (episode_id) "
+        "WHERE e.round = 2 AND e.split = 'train'"
+    )
     assert served == [(steps["1:deploy"]["name"],)]
 
 
 def test_loop_state_refuses_another_loop(tmp_path):
-    config = LoopConfig(run=tmp_path, rounds=2, tasks=tmp_path / "t.jsonl", command=["agent"], group_size=4)
+    config = LoopConfig(
+        run=tmp_path, rounds=2, tasks=tmp_path / "t.jsonl", command=["agent"], collect=CollectOptions(group_size=4)
+    )
     state = LoopState(tmp_path, config.key())
     state.finish(1, "collect", {"mean_reward": 0.5})
     assert LoopState(tmp_path, config.key()).done(1, "collect")["mean_reward"] == 0.5
-    other = LoopConfig(run=tmp_path, rounds=3, tasks=tmp_path / "t.jsonl", command=["agent"], group_size=8)
+    other = LoopConfig(
+        run=tmp_path, rounds=3, tasks=tmp_path / "t.jsonl", command=["agent"], collect=CollectOptions(group_size=8)
+    )
     with pytest.raises(LcapError, match="another agent command"):
         LoopState(tmp_path, other.key())
-    more_rounds = LoopConfig(run=tmp_path, rounds=5, tasks=tmp_path / "t.jsonl", command=["agent"], group_size=4)
+    more_rounds = LoopConfig(
+        run=tmp_path, rounds=5, tasks=tmp_path / "t.jsonl", command=["agent"], collect=CollectOptions(group_size=4)
+    )
     assert more_rounds.key() == config.key()  # extending a loop with more rounds is a resume

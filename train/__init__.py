@@ -1,1 +1,1 @@
-"""Train: the policy server (vLLM), TRL GRPO on captured samples, rounds and redeploys."""
+"""Train: TRL GRPO on captured samples, with the off-policy correction against the serving policy."""

@@ -1,13 +1,76 @@
-"""CLI commands of the train stage: the policy server (serve_commands) and GRPO rounds (train_commands)."""
+"""`lcap train`: one GRPO round on captured samples (flags from `TrainOptions`)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated
+
 import typer
+
+from lcap.cli_options import DbOption, one_line_errors, with_options
+from lcap.train.options import TrainOptions
 
 
 def register(app: typer.Typer) -> None:
-    from lcap.train.serve_commands import register_serve
-    from lcap.train.train_commands import register_train
+    app.command()(train)
 
-    register_serve(app)
-    register_train(app)
+
+@one_line_errors
+@with_options(TrainOptions, "options")
+def train(
+    round: Annotated[int, typer.Option("--round", help="The round to train (its collected episodes).")],
+    run: Annotated[Path, typer.Option("--run", help="Run folder: RUN/round-N/{data,adapter,config.json}.")],
+    db: DbOption,
+    options: TrainOptions,
+    data: Annotated[
+        Path | None,
+        typer.Option(
+            "--data", help="A samples.parquet (or its folder) instead of RUN/round-N/data (from `lcap build-dataset`)."
+        ),
+    ] = None,
+    accelerate_config: Annotated[
+        Path | None,
+        typer.Option("--accelerate-config", help="Run under `accelerate launch --config_file` (multi-GPU)."),
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the accelerate command instead of running it.")
+    ] = False,
+) -> None:
+    """Train one GRPO round (TRL GRPOTrainer) on the round's captured samples; LoRA unless --full."""
+    if accelerate_config is not None:
+        _accelerate(accelerate_config, dry_run)
+        return
+    from lcap.store import Store
+    from lcap.train.grpo import train_round
+    from lcap.train.progress import round_line
+
+    result = train_round(Store(db), run, round, options, data=data, progress=True)
+    typer.echo(round_line(round, result.metrics, result.output))
+
+
+def _accelerate(config: Path, dry_run: bool) -> None:
+    """Rerun this same `lcap train` command line on every process of an accelerate config."""
+    import os
+    import subprocess
+    import sys
+
+    from lcap.train.grpo import accelerate_command
+
+    argv = _without_option(sys.argv[1:], "--accelerate-config")
+    command = accelerate_command(str(config), [a for a in argv if a != "--dry-run"])
+    if dry_run:
+        typer.echo(" ".join(command))
+        return
+    raise typer.Exit(subprocess.call(command, env=os.environ))
+
+
+def _without_option(argv: list[str], name: str) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == name:
+            skip = True
+        elif not arg.startswith(name + "="):
+            out.append(arg)
+    return out

@@ -23,44 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lcap.config import LcapError
-
-TRAIN_RUNS_COLUMNS = (
-    "run", "round", "started_at", "ended_at", "base_model", "init_from", "output", "kind", "n_samples", "n_groups",
-    "group_size", "dropped_stale", "padded", "mean_reward", "loss", "kl", "is_ratio_mean", "is_ratio_min",
-    "is_ratio_max", "clip_fraction", "entropy", "tokens", "train_seconds", "tokens_per_s", "steps", "config",
-)
-
-
-@dataclass
-class TrainOptions:
-    """Every knob of a round; the CLI maps its flags one to one onto these fields."""
-
-    base_model: str | None = None          # HF path or name; default: RUN/run.json, else the policy server's base
-    full: bool = False                     # full fine-tuning instead of LoRA
-    loss_type: str = "dapo"                # TRL loss: grpo | dapo | dr_grpo | bnpo | cispo | sapo | luspo
-    learning_rate: float = 1e-5
-    beta: float = 0.0                      # KL coefficient against the base (0: no reference forward)
-    epochs: int = 1                        # passes over the round's samples (TRL num_iterations)
-    batch_size: int = 0                    # samples per micro-batch; 0: two groups; rounded up to whole groups
-    grad_accum: int = 1
-    max_steps: int = -1                    # cap on optimiser steps
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    group_size: int | None = None          # default: the largest captured group
-    stale: str = "correct"                 # samples from an older deployment: correct (IS) | drop
-    current: str | None = None             # the deployment being trained (default: the policy record's current)
-    is_correction: bool = True
-    is_mode: str = "token_truncate"        # TRL vllm_importance_sampling_mode
-    is_max: float | None = 2.0
-    is_min: float | None = None
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_target: str = "all-linear"
-    activation_checkpointing: bool | None = None  # None: on a GPU (memory is the limit); off on CPU (compute is)
-    seed: int = 0
-    report_to: str = "tensorboard"
-    logging_steps: int = 1
-    accelerate_config: str | None = None
+from lcap.train.options import TrainOptions
 
 
 @dataclass
@@ -105,22 +68,23 @@ def resolve_base_model(run: Path, base_model: str | None) -> str:
     return base_model
 
 
-def ensure_dataset(store, run: Path, round: int, data: Path | None) -> Path:
-    """The samples file this round trains on: --data, else RUN/round-N/data, built from the store if missing."""
+def round_samples(run: Path, round: int, data: Path | None) -> Path:
+    """The samples file this round trains on: --data, else RUN/round-N/data/samples.parquet (from build-dataset)."""
     if data is not None:
         path = Path(data)
         return path if path.suffix == ".parquet" else path / "samples.parquet"
     out = round_dir(run, round) / "data"
     if not (out / "samples.parquet").exists():
-        from lcap.dataset.build import build_dataset
-
-        build_dataset(store, round=round, out=out)
+        raise LcapError(
+            f"round {round} has no dataset in {out}: run `lcap build-dataset --round {round} --out {out}` "
+            "first (or pass --data)"
+        )
     return out / "samples.parquet"
 
 
 def accelerate_command(config: str, argv: list[str]) -> list[str]:
     """The `accelerate launch` command that reruns `lcap train ARGV` on every process of CONFIG."""
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "-m", "lcap.train.grpo", *argv]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "-m", "lcap", *argv]
 
 
 @dataclass
@@ -135,26 +99,38 @@ class PreparedRound:
     batch: int
 
 
-def prepare_round(store, run: Path, round: int, options: TrainOptions = TrainOptions(), *, data: Path | None = None) -> PreparedRound:
+def prepare_round(
+    store,
+    run: Path,
+    round: int,
+    options: TrainOptions = TrainOptions(),
+    *,
+    data: Path | None = None,
+    progress: bool = False,
+) -> PreparedRound:
     """Everything up to `trainer.train()`: the samples as groups, the policy, the TRL trainer."""
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer
+    from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig
 
+    from lcap.train.progress import step_progress
     from lcap.train.samples import make_groups, read_samples
     from lcap.train.trainer import CapturedGRPOTrainer, captured_advantage, captured_rollout
 
     run = Path(run)
     base_model = resolve_base_model(run, options.base_model)
-    samples_path = ensure_dataset(store, run, round, data)
+    samples_path = round_samples(run, round, data)
     current = options.current
     if current is None:
         from lcap.policy import read_policy
 
         policy = read_policy()
         current = policy.current if policy else None
-    groups = make_groups(read_samples(samples_path), group_size=options.group_size, stale=options.stale, current=current)
+    groups = make_groups(
+        read_samples(samples_path), group_size=options.group_size, stale=options.stale, current=current
+    )
     if not groups.groups:
         raise LcapError(f"round {round}: no group with two or more usable samples in {samples_path}")
     size = groups.size
@@ -191,32 +167,72 @@ def prepare_round(store, run: Path, round: int, options: TrainOptions = TrainOpt
 
     args = GRPOConfig(
         output_dir=str(out_dir / "trainer"),
-        use_cpu=not on_gpu, bf16=on_gpu,
-        activation_checkpointing=on_gpu if options.activation_checkpointing is None else options.activation_checkpointing,
-        learning_rate=options.learning_rate, beta=options.beta, loss_type=options.loss_type,
-        max_steps=max_steps, steps_per_generation=steps_per_generation,
-        per_device_train_batch_size=batch, gradient_accumulation_steps=options.grad_accum,
-        num_generations=size, num_iterations=options.epochs,
-        epsilon=options.epsilon, epsilon_high=options.epsilon_high,
+        use_cpu=not on_gpu,
+        bf16=on_gpu,
+        activation_checkpointing=on_gpu
+        if options.activation_checkpointing is None
+        else options.activation_checkpointing,
+        learning_rate=options.learning_rate,
+        beta=options.beta,
+        loss_type=options.loss_type,
+        max_steps=max_steps,
+        steps_per_generation=steps_per_generation,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=options.grad_accum,
+        num_generations=size,
+        num_iterations=options.epochs,
+        epsilon=options.epsilon,
+        epsilon_high=options.epsilon_high,
         scale_rewards="none",
         vllm_importance_sampling_correction=options.is_correction,
         vllm_importance_sampling_mode=options.is_mode,
-        vllm_importance_sampling_clip_max=options.is_max, vllm_importance_sampling_clip_min=options.is_min,
+        vllm_importance_sampling_clip_max=options.is_max,
+        vllm_importance_sampling_clip_min=options.is_min,
         max_completion_length=max(len(s.completion_ids) for s in groups.samples),
-        report_to=options.report_to, logging_steps=options.logging_steps, save_strategy="no",
-        seed=options.seed, shuffle_dataset=True, log_completions=False, remove_unused_columns=False,
-        dataloader_num_workers=0, disable_tqdm=True,
+        report_to=options.report_to,
+        logging_steps=options.logging_steps,
+        save_strategy="no",
+        seed=options.seed,
+        shuffle_dataset=True,
+        log_completions=False,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
     )
     trainer = CapturedGRPOTrainer(
-        model=model, reward_funcs=[captured_advantage], args=args,
-        train_dataset=Dataset.from_dict({"prompt": list(groups.groups)}), processing_class=tokenizer,
-        peft_config=peft_config, rollout_func=captured_rollout(groups), off_policy_correction=options.is_correction,
+        model=model,
+        reward_funcs=[captured_advantage],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": list(groups.groups)}),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        rollout_func=captured_rollout(groups),
+        off_policy_correction=options.is_correction,
     )
-    return PreparedRound(trainer=trainer, groups=groups, base_model=base_model, init_from=init_from, kind=kind,
-                         samples_path=samples_path, current=current, batch=batch)
+    trainer.remove_callback(PrinterCallback)  # its per-step dicts go to TensorBoard and train_runs, not the terminal
+    if progress:
+        trainer.add_callback(step_progress(f"train round {round}"))
+    return PreparedRound(
+        trainer=trainer,
+        groups=groups,
+        base_model=base_model,
+        init_from=init_from,
+        kind=kind,
+        samples_path=samples_path,
+        current=current,
+        batch=batch,
+    )
 
 
-def train_round(store, run: Path, round: int, options: TrainOptions = TrainOptions(), *, data: Path | None = None) -> TrainResult:
+def train_round(
+    store,
+    run: Path,
+    round: int,
+    options: TrainOptions = TrainOptions(),
+    *,
+    data: Path | None = None,
+    progress: bool = False,
+) -> TrainResult:
     """Train round `round` on its captured samples; write the adapter/checkpoint, config and metrics."""
     import torch
 
@@ -224,7 +240,7 @@ def train_round(store, run: Path, round: int, options: TrainOptions = TrainOptio
 
     run = Path(run)
     started_at = now()
-    p = prepare_round(store, run, round, options, data=data)
+    p = prepare_round(store, run, round, options, data=data, progress=progress)
     trainer, groups, kind = p.trainer, p.groups, p.kind
     out_dir = round_dir(run, round)
     t0 = time.perf_counter()
@@ -236,27 +252,52 @@ def train_round(store, run: Path, round: int, options: TrainOptions = TrainOptio
         trainer.processing_class.save_pretrained(str(output))
 
     tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in groups.samples)
-    passes = trainer.state.global_step * p.batch * trainer.args.gradient_accumulation_steps / max(len(groups.samples), 1)
+    passes = (
+        trainer.state.global_step * p.batch * trainer.args.gradient_accumulation_steps / max(len(groups.samples), 1)
+    )
     # (with epochs > 1, +1 no-grad forward per sample for the old/IS logps, not counted: tokens/s is training tokens)
     metrics = _round_metrics(trainer.state.log_history)
     metrics.update(
-        n_samples=len(groups.real_samples), n_groups=len(groups.groups), group_size=groups.size,
-        dropped_stale=groups.dropped_stale, padded=groups.padded, mean_reward=groups.mean_reward(),
-        tokens=int(tokens * passes), train_seconds=seconds, tokens_per_s=tokens * passes / seconds if seconds else None,
+        n_samples=len(groups.real_samples),
+        n_groups=len(groups.groups),
+        group_size=groups.size,
+        dropped_stale=groups.dropped_stale,
+        padded=groups.padded,
+        mean_reward=groups.mean_reward(),
+        tokens=int(tokens * passes),
+        train_seconds=seconds,
+        tokens_per_s=tokens * passes / seconds if seconds else None,
         steps=trainer.state.global_step,
     )
     config = {
-        "round": round, "base_model": p.base_model, "init_from": str(p.init_from) if p.init_from else None,
-        "output": str(output), "kind": kind, "samples": str(p.samples_path), "current": p.current,
-        "options": asdict(options), "trl": _version("trl"), "transformers": _version("transformers"),
-        "peft": _version("peft"), "torch": torch.__version__, "device": str(trainer.accelerator.device),
+        "round": round,
+        "base_model": p.base_model,
+        "init_from": str(p.init_from) if p.init_from else None,
+        "output": str(output),
+        "kind": kind,
+        "samples": str(p.samples_path),
+        "current": p.current,
+        "options": asdict(options),
+        "trl": _version("trl"),
+        "transformers": _version("transformers"),
+        "peft": _version("peft"),
+        "torch": torch.__version__,
+        "device": str(trainer.accelerator.device),
     }
     if trainer.accelerator.is_main_process:
         (out_dir / "config.json").write_text(json.dumps({**config, "metrics": metrics}, indent=2, default=str))
-        row = {"run": str(run.resolve()), "round": round, "started_at": started_at, "ended_at": now(),
-               "base_model": p.base_model, "init_from": config["init_from"], "output": str(output), "kind": kind,
-               "config": json.dumps(config, default=str)}
-        row.update({k: metrics.get(k) for k in TRAIN_RUNS_COLUMNS if k in metrics})
+        row = {
+            "run": str(run.resolve()),
+            "round": round,
+            "started_at": started_at,
+            "ended_at": now(),
+            "base_model": p.base_model,
+            "init_from": config["init_from"],
+            "output": str(output),
+            "kind": kind,
+            "config": json.dumps(config, default=str),
+        }
+        row.update(metrics)  # each metric is a column of train_runs (lcap.schema): a new one needs its column
         store.append("train_runs", [row])
     return TrainResult(round=round, output=output, kind=kind, metrics=metrics)
 
@@ -273,17 +314,26 @@ def _load_policy(base_model: str, init_from: Path | None, options: TrainOptions,
     base = AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype)
     if init_from is not None and init_from.name == "adapter":
         return PeftModel.from_pretrained(base, str(init_from), is_trainable=True), None, "lora"
-    config = LoraConfig(r=options.lora_r, lora_alpha=options.lora_alpha, lora_dropout=0.0,
-                        target_modules=options.lora_target, task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=options.lora_r,
+        lora_alpha=options.lora_alpha,
+        lora_dropout=0.0,
+        target_modules=options.lora_target,
+        task_type="CAUSAL_LM",
+    )
     return base, config, "lora"
 
 
 def _round_metrics(history: list[dict[str, Any]]) -> dict[str, float | None]:
     """Average TRL's per-step logs into one row: loss, KL, IS ratio, clip fraction, entropy."""
     keys = {
-        "loss": "loss", "kl": "kl", "entropy": "entropy", "clip_fraction": "clip_ratio/region_mean",
+        "loss": "loss",
+        "kl": "kl",
+        "entropy": "entropy",
+        "clip_fraction": "clip_ratio/region_mean",
         "is_ratio_mean": "sampling/importance_sampling_ratio/mean",
-        "is_ratio_min": "sampling/importance_sampling_ratio/min", "is_ratio_max": "sampling/importance_sampling_ratio/max",
+        "is_ratio_min": "sampling/importance_sampling_ratio/min",
+        "is_ratio_max": "sampling/importance_sampling_ratio/max",
     }
     out: dict[str, float | None] = {}
     for name, key in keys.items():
@@ -306,9 +356,3 @@ def _version(package: str) -> str | None:
         return version(package)
     except PackageNotFoundError:
         return None
-
-
-if __name__ == "__main__":  # `accelerate launch -m lcap.train.grpo train ...` (see accelerate_command)
-    from lcap.cli import app
-
-    app()

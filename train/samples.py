@@ -9,16 +9,8 @@ the batch but move nothing.
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-
-import pyarrow.parquet as pq
-
-SAMPLE_COLUMNS = (
-    "sample_id", "episode_id", "task_id", "round", "group_id", "prompt_ids", "completion_ids",
-    "logprobs", "env_mask", "reward", "advantage", "deployment", "rebuilt", "truncated",
-)
 
 
 @dataclass
@@ -38,11 +30,19 @@ class Sample:
     # writes 0.0 there, which is no logprob of the serving policy, so the IS correction skips it.
     behaviour: bool = True
 
-    def pad_copy(self) -> "Sample":
+    def pad_copy(self) -> Sample:
         return Sample(
-            sample_id=f"{self.sample_id}#pad", group_id=self.group_id, prompt_ids=self.prompt_ids,
-            completion_ids=self.completion_ids, logprobs=self.logprobs, env_mask=[0] * len(self.env_mask),
-            reward=self.reward, advantage=0.0, deployment=self.deployment, truncated=self.truncated, padding=True,
+            sample_id=f"{self.sample_id}#pad",
+            group_id=self.group_id,
+            prompt_ids=self.prompt_ids,
+            completion_ids=self.completion_ids,
+            logprobs=self.logprobs,
+            env_mask=[0] * len(self.env_mask),
+            reward=self.reward,
+            advantage=0.0,
+            deployment=self.deployment,
+            truncated=self.truncated,
+            padding=True,
             behaviour=self.behaviour,
         )
 
@@ -56,7 +56,6 @@ class Groups:
     dropped_stale: int = 0
     dropped_small: int = 0
     padded: int = 0
-    deployments: Counter = field(default_factory=Counter)
 
     @property
     def samples(self) -> list[Sample]:
@@ -84,30 +83,32 @@ class Groups:
 
 def read_samples(path: str | Path) -> list[Sample]:
     """Read the episode builder's `samples.parquet` (a file, or the folder that holds it)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "samples.parquet"
-    table = pq.read_table(path)
-    missing = {"group_id", "prompt_ids", "completion_ids", "logprobs", "env_mask", "reward", "advantage"} - set(table.column_names)
-    if missing:
-        from lcap.config import LcapError
+    from lcap.dataset.samples_file import read_samples_table
 
-        raise LcapError(f"{path} is not a samples file: missing columns {', '.join(sorted(missing))}")
-    rows = table.to_pylist()
     return [
         Sample(
-            sample_id=str(r.get("sample_id") or i), group_id=str(r["group_id"]), prompt_ids=list(r["prompt_ids"]),
-            completion_ids=list(r["completion_ids"]), logprobs=[float(x) for x in r["logprobs"]],
-            env_mask=[int(x) for x in r["env_mask"]], reward=float(r["reward"]), advantage=float(r["advantage"]),
-            deployment=r.get("deployment"), truncated=bool(r.get("truncated") or False),
+            sample_id=r["sample_id"],
+            group_id=r["group_id"],
+            prompt_ids=r["prompt_ids"],
+            completion_ids=r["completion_ids"],
+            logprobs=r["logprobs"],
+            env_mask=r["env_mask"],
+            reward=r["reward"],
+            advantage=r["advantage"],
+            deployment=r["deployment"],
+            truncated=bool(r["truncated"]),
             behaviour=_has_behaviour_logprobs(r),
         )
-        for i, r in enumerate(rows)
+        for r in read_samples_table(path).to_pylist()
     ]
 
 
 def make_groups(
-    samples: list[Sample], *, group_size: int | None = None, stale: str = "correct", current: str | None = None,
+    samples: list[Sample],
+    *,
+    group_size: int | None = None,
+    stale: str = "correct",
+    current: str | None = None,
     min_group: int = 2,
 ) -> Groups:
     """Group samples by `group_id`; with `stale="drop"` keep only those served by `current`.
@@ -115,10 +116,6 @@ def make_groups(
     `group_size` defaults to the largest group. Groups with fewer than `min_group` real samples
     carry no GRPO signal and are dropped; a longer group is cut to `group_size`.
     """
-    if stale not in ("correct", "drop"):
-        from lcap.config import LcapError
-
-        raise LcapError(f"unknown --stale {stale!r}: use correct or drop")
     dropped_stale = 0
     if stale == "drop" and current is not None:
         kept = [s for s in samples if s.deployment == current]
@@ -140,8 +137,11 @@ def make_groups(
             padded += 1
         groups[gid] = members
     return Groups(
-        size=size, groups=groups, dropped_stale=dropped_stale, dropped_small=dropped_small, padded=padded,
-        deployments=Counter(s.deployment for s in samples),
+        size=size,
+        groups=groups,
+        dropped_stale=dropped_stale,
+        dropped_small=dropped_small,
+        padded=padded,
     )
 
 

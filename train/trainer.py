@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is the documented way in; no warning per round
-from trl import GRPOTrainer  # noqa: E402
+from trl import GRPOTrainer
 
 from lcap.train.samples import Groups
 
@@ -59,7 +59,10 @@ def captured_rollout(groups: Groups):
     """
 
     def rollout(prompts: list[Any], trainer: GRPOTrainer) -> dict[str, list]:
-        out: dict[str, list] = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask", "advantage", "captured_reward", "padding")}
+        out: dict[str, list] = {
+            k: []
+            for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask", "advantage", "captured_reward", "padding")
+        }
         seen: dict[str, int] = {}
         for prompt in prompts:
             gid = _group_id(prompt)
@@ -149,15 +152,34 @@ class CapturedGRPOTrainer(GRPOTrainer):
         finally:
             self._fused_inputs = None
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
         if input_ids.device.type != "cpu" or compute_aux_loss or any(v is not None for v in multimodal.values()):
             out = super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **multimodal)
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size,
+                compute_entropy,
+                compute_aux_loss,
+                **multimodal,
+            )
         else:
             out = self._lm_head_logps(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy)
         if self._fused_inputs is not None:
-            self._fused_inputs["importance_sampling_ratio"] = self._truncated_is_ratio(out[0].detach(), self._fused_inputs)
+            self._fused_inputs["importance_sampling_ratio"] = self._truncated_is_ratio(
+                out[0].detach(), self._fused_inputs
+            )
             self._fused_inputs = None
         return out
 
@@ -165,9 +187,11 @@ class CapturedGRPOTrainer(GRPOTrainer):
         batch_size = batch_size or input_ids.size(0)
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
-            ids, attn = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
+            ids, attn = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
             with self.accelerator.autocast():
-                logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=logits_to_keep + 1, use_cache=False).logits
+                logits = model(
+                    input_ids=ids, attention_mask=attn, logits_to_keep=logits_to_keep + 1, use_cache=False
+                ).logits
             logps_all = torch.log_softmax(logits[:, :-1].float() / self.temperature, dim=-1)
             padding = attn[:, -logits_to_keep:] == 0
             logps.append(logps_all.gather(-1, ids[:, -logits_to_keep:, None])[..., 0].masked_fill(padding, 0.0))
@@ -192,11 +216,13 @@ class CapturedGRPOTrainer(GRPOTrainer):
         delta = (logps - behaviour).abs()[mask]
         delta = delta[~torch.isnan(delta)]
         flat = ratio.flatten() if sequence_level else ratio[mask]
-        for name, values, reduce in (("sampling/sampling_logp_difference/mean", delta, torch.mean),
-                                     ("sampling/sampling_logp_difference/max", delta, torch.max),
-                                     ("sampling/importance_sampling_ratio/min", flat, torch.min),
-                                     ("sampling/importance_sampling_ratio/mean", flat, torch.mean),
-                                     ("sampling/importance_sampling_ratio/max", flat, torch.max)):
+        for name, values, reduce in (
+            ("sampling/sampling_logp_difference/mean", delta, torch.mean),
+            ("sampling/sampling_logp_difference/max", delta, torch.max),
+            ("sampling/importance_sampling_ratio/min", flat, torch.min),
+            ("sampling/importance_sampling_ratio/mean", flat, torch.mean),
+            ("sampling/importance_sampling_ratio/max", flat, torch.max),
+        ):
             value = reduce(values) if values.numel() else values.new_zeros(())  # this process, then all of them
             metrics[name].append(reduce(self.accelerator.gather(value)).item())
         return ratio

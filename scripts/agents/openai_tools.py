@@ -14,14 +14,16 @@ import os
 from openai import OpenAI
 
 FACTS = {"capital of france": "Paris", "boiling point of water": "100 C", "largest planet": "Jupiter"}
-TOOLS = [{
-    "type": "function",
-    "function": {
-        "name": "lookup",
-        "description": "Look a fact up in the encyclopedia.",
-        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
-    },
-}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "Look a fact up in the encyclopedia.",
+            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+        },
+    }
+]
 
 
 def lookup(query: str) -> str:
@@ -41,14 +43,19 @@ def main() -> None:
 
     client = OpenAI()
     extra = {"logit_bias": json.loads(args.logit_bias)} if args.logit_bias else {}
-    messages = [{"role": "system", "content": "Use the lookup tool, then answer."},
-                {"role": "user", "content": args.question}]
+    messages = [
+        {"role": "system", "content": "Use the lookup tool, then answer."},
+        {"role": "user", "content": args.question},
+    ]
     answer = ""
     for call in range(args.turns):
         if args.compact_at is not None and call == args.compact_at:
-            messages = messages[:2] + [{"role": "user", "content": f"Summary of {call} earlier steps: looked up facts."}]
-        response = client.chat.completions.create(model=args.model, messages=messages, tools=TOOLS,
-                                                  max_tokens=args.max_tokens, **extra)
+            messages = messages[:2] + [
+                {"role": "user", "content": f"Summary of {call} earlier steps: looked up facts."}
+            ]
+        response = client.chat.completions.create(
+            model=args.model, messages=messages, tools=TOOLS, max_tokens=args.max_tokens, **extra
+        )
         message = response.choices[0].message
         answer = message.content or ""
         assistant = {"role": "assistant", "content": answer}

@@ -21,8 +21,13 @@ def score(expected: str, stdout: str) -> dict:
     said = lines[-1] if lines else ""
     m = ANSWER.match(said)
     right = bool(m) and m.group(1) == expected
-    return {"reward": 1.0 if right else 0.5 if m else 0.0, "well_formed": bool(m), "right": right,
-            "said": said, "expected": expected}
+    return {
+        "reward": 1.0 if right else 0.5 if m else 0.0,
+        "well_formed": bool(m),
+        "right": right,
+        "said": said,
+        "expected": expected,
+    }
 
 
 def verify(ctx) -> dict:

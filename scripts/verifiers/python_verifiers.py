@@ -17,8 +17,9 @@ def answer_length(ctx):
 
 def run_tests(ctx):
     """Reward 1 when the task's tests (tests/ in the workdir) pass; the agent must not edit them."""
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests"], cwd=ctx.workdir, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "tests"], cwd=ctx.workdir, capture_output=True, text=True, timeout=300
+    )
     return {"reward": 1.0 if proc.returncode == 0 else 0.0, "pytest_exit": proc.returncode}
 
 

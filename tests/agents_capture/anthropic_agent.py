@@ -16,7 +16,13 @@ for mode in sys.argv[1:]:
         r = client.messages.create(model="claude-sonnet-4-5", max_tokens=64, messages=MESSAGES)
         print("plain:", r.content[0].text, flush=True)
     elif mode == "tools":
-        tools = [{"name": "get_weather", "description": "Weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+        tools = [
+            {
+                "name": "get_weather",
+                "description": "Weather",
+                "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+            }
+        ]
         with client.messages.stream(model="claude-sonnet-4-5", max_tokens=64, messages=MESSAGES, tools=tools) as stream:
             final = stream.get_final_message()
         block = final.content[0]

@@ -3,7 +3,6 @@
 Usage: openai_agent.py MODE [MODE...]; prints what the model said, one line per call.
 """
 
-import json
 import os
 import sys
 import time
@@ -12,8 +11,16 @@ from openai import OpenAI
 
 client = OpenAI(max_retries=0, timeout=30)
 MESSAGES = [{"role": "user", "content": "Say hello. My key is sk-user-pasted-secret-abcdef0123456789"}]
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 
 
 def run(mode: str) -> None:
@@ -21,8 +28,9 @@ def run(mode: str) -> None:
         r = client.chat.completions.create(model="gpt-4o-mini", messages=MESSAGES)
         print("chat:", r.choices[0].message.content, flush=True)
     elif mode == "chat_stream":
-        stream = client.chat.completions.create(model="gpt-4o-mini", messages=MESSAGES, stream=True,
-                                                stream_options={"include_usage": True})
+        stream = client.chat.completions.create(
+            model="gpt-4o-mini", messages=MESSAGES, stream=True, stream_options={"include_usage": True}
+        )
         parts = []
         for chunk in stream:
             for choice in chunk.choices:

@@ -8,8 +8,9 @@ import os
 
 from websockets.sync.client import connect
 
-with connect("wss://api.openai.com/v1/responses",
-             additional_headers={"Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"}) as ws:
+with connect(
+    "wss://api.openai.com/v1/responses", additional_headers={"Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"}
+) as ws:
     ws.send(json.dumps({"type": "response.create", "generate": False, "model": "gpt-5", "input": "warm up"}))
     for prompt in ("Say hello", "Say it again"):
         ws.send(json.dumps({"type": "response.create", "model": "gpt-5", "input": prompt}))

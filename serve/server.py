@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -22,16 +21,17 @@ import httpx
 
 from lcap.config import LcapError, lcap_home
 from lcap.policy import PolicyServer, clear_policy, read_policy, write_policy
+from lcap.processes import alive, kill_group
 from lcap.store import Store, now
 
 MAX_LORA_RANK = 64  # vLLM's default is 16; adapters of rank 32/64 are common. Allowed: 8, 16, 32, 64, 128...
-MAX_LORAS = 2       # adapters resident per batch: the new deployment and the one still finishing calls
+MAX_LORAS = 2  # adapters resident per batch: the new deployment and the one still finishing calls
 TOOL_PARSER = "hermes"  # <tool_call>{json}</tool_call>: the tiny model's template and Qwen2.5/3's
 
 
 def resolve_python(python: str | None = None) -> str:
     """The interpreter that runs vLLM: `--python`, else lcap's vLLM venv, else a `vllm` on PATH, else install."""
-    from lcap.train.vllm_env import ensure_vllm_env, working_vllm_python
+    from lcap.serve.vllm_env import ensure_vllm_env, working_vllm_python
 
     if python:
         found = shutil.which(python) or (python if Path(python).exists() else None)
@@ -53,19 +53,35 @@ def served_name_for(model: str) -> str:
 
 
 def server_command(
-    python: str, model: str, *, port: int, served_name: str, gpu: bool, tool_parser: str | None = TOOL_PARSER, extra_args: Sequence[str] = ()
+    python: str,
+    model: str,
+    *,
+    port: int,
+    served_name: str,
+    gpu: bool,
+    tool_parser: str | None = TOOL_PARSER,
+    extra_args: Sequence[str] = (),
 ) -> list[str]:
     cmd = [
-        python, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", model,
-        "--served-model-name", served_name,
-        "--host", "127.0.0.1",
-        "--port", str(port),
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--served-model-name",
+        served_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
         # GPU: the checkpoint's dtype (bf16 for fp32 weights); CPU: fp32, the path vLLM's CPU backend tests.
-        "--dtype", "auto" if gpu else "float32",
+        "--dtype",
+        "auto" if gpu else "float32",
         "--enable-lora",
-        "--max-lora-rank", str(MAX_LORA_RANK),
-        "--max-loras", str(MAX_LORAS),
+        "--max-lora-rank",
+        str(MAX_LORA_RANK),
+        "--max-loras",
+        str(MAX_LORAS),
     ]
     if tool_parser:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", tool_parser]
@@ -86,11 +102,13 @@ def start_server(
     progress: bool | None = None,
 ) -> PolicyServer:
     """Start vLLM on `model`, wait until it is healthy, record it (and, with `store`, its 'base' deployment)."""
-    from lcap.train.vllm_env import has_gpu
+    from lcap.serve.vllm_env import has_gpu
 
     running = read_policy()
-    if running and _alive(running.pid):
-        raise LcapError(f"a policy server is already running at {running.url} (pid {running.pid}): `lcap serve --stop` first")
+    if running and alive(running.pid):
+        raise LcapError(
+            f"a policy server is already running at {running.url} (pid {running.pid}): `lcap serve --stop` first"
+        )
     if Path(model).expanduser().exists():
         model = str(Path(model).expanduser().resolve())
     python = resolve_python(python)
@@ -108,24 +126,47 @@ def start_server(
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and "--distributed-executor-backend" not in extra_args:
             extra_args = [*extra_args, "--distributed-executor-backend", "uni"]
-    cmd = server_command(python, model, port=port, served_name=served_name, gpu=gpu, tool_parser=tool_parser, extra_args=extra_args)
+    cmd = server_command(
+        python, model, port=port, served_name=served_name, gpu=gpu, tool_parser=tool_parser, extra_args=extra_args
+    )
     with open(log_path, "ab") as log:
         log.write(f"\n$ {' '.join(cmd)}\n".encode())
         log.flush()
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(proc, url, log_path, timeout, progress)
     except BaseException:
-        _kill_group(proc.pid)
+        kill_group(proc.pid, grace=30)
         raise
     record = PolicyServer(
-        url=url, pid=proc.pid, base_model=model, served_model=served_name, current=served_name,
-        log_path=str(log_path), python=python, started_at=now().isoformat(), loras={},
+        url=url,
+        pid=proc.pid,
+        base_model=model,
+        served_model=served_name,
+        current=served_name,
+        log_path=str(log_path),
+        python=python,
+        started_at=now().isoformat(),
+        loras={},
     )
     write_policy(record)
     if store is not None:
-        store.append("deployments", [{"name": served_name, "path": model, "base_model": model, "kind": "base", "round": None, "created_at": now()}])
+        store.append(
+            "deployments",
+            [
+                {
+                    "name": served_name,
+                    "path": model,
+                    "base_model": model,
+                    "kind": "base",
+                    "round": None,
+                    "created_at": now(),
+                }
+            ],
+        )
     return record
 
 
@@ -134,7 +175,7 @@ def stop_server(timeout: float = 30) -> PolicyServer | None:
     record = read_policy()
     if record is None:
         return None
-    _kill_group(record.pid, timeout)
+    kill_group(record.pid, grace=timeout)
     clear_policy()
     return record
 
@@ -144,7 +185,7 @@ def server_status() -> dict | None:
     record = read_policy()
     if record is None:
         return None
-    return {**asdict(record), "alive": _alive(record.pid), "healthy": _healthy(record.url)}
+    return {**asdict(record), "alive": alive(record.pid), "healthy": _healthy(record.url)}
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout: float, progress: bool | None) -> None:
@@ -161,12 +202,16 @@ def _wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout: flo
     try:
         while True:
             if proc.poll() is not None:
-                raise LcapError(f"vLLM exited with code {proc.returncode} while starting; last lines of {log_path}:\n{_tail(log_path)}")
+                raise LcapError(
+                    f"vLLM exited with code {proc.returncode} while starting; last lines of {log_path}:\n{_tail(log_path)}"
+                )
             if _healthy(url):
                 return
             elapsed = time.monotonic() - started
             if elapsed > timeout:
-                raise LcapError(f"vLLM was not healthy after {timeout:.0f}s; last lines of {log_path}:\n{_tail(log_path)}")
+                raise LcapError(
+                    f"vLLM was not healthy after {timeout:.0f}s; last lines of {log_path}:\n{_tail(log_path)}"
+                )
             if status is not None:
                 last = _tail(log_path, 1)[-100:]
                 status.update(f"starting vLLM: {elapsed:.0f}s  {last}")
@@ -180,41 +225,6 @@ def _healthy(url: str) -> bool:
     try:
         return httpx.get(f"{url}/health", timeout=2).status_code == 200
     except httpx.HTTPError:
-        return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie child of this process counts as dead
-        return os.waitpid(pid, os.WNOHANG) == (0, 0)
-    except ChildProcessError:
-        return True
-
-
-def _kill_group(pid: int, timeout: float = 30) -> None:
-    """SIGTERM the process group vLLM leads, then SIGKILL what is left after `timeout`."""
-    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            if not _alive(pid) and not _group_alive(pid):
-                return
-            time.sleep(0.2)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
         return False
 
 

@@ -16,16 +16,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from lcap.config import LcapError
-from lcap.train.grpo import TrainOptions, round_dir
-
-STEPS = ("collect", "build", "train", "deploy", "eval")
+from lcap.dataset.options import BuildOptions, CollectOptions
+from lcap.display import num, rounded
+from lcap.store import now
+from lcap.train.grpo import round_dir
+from lcap.train.options import TrainOptions
+from lcap.train.progress import training_text
 
 
 @dataclass
@@ -34,18 +38,22 @@ class LoopConfig:
     rounds: int
     tasks: Path
     command: list[str]
-    group_size: int = 8
-    verifier: str | None = None
     eval_tasks: Path | None = None
     eval_group_size: int = 1
-    concurrency: int = 4
-    timeout: float | None = 300.0
+    collect: CollectOptions = field(default_factory=CollectOptions)
+    build: BuildOptions = field(default_factory=BuildOptions)
     train: TrainOptions = field(default_factory=TrainOptions)
 
     def key(self) -> str:
         """What must not change between a run and its resume (more rounds may be added)."""
-        ident = [list(self.command), str(Path(self.tasks).resolve()), self.group_size, self.verifier,
-                 str(Path(self.eval_tasks).resolve()) if self.eval_tasks else None, self.eval_group_size]
+        ident = [
+            list(self.command),
+            str(Path(self.tasks).resolve()),
+            self.collect.group_size,
+            self.collect.verifier,
+            str(Path(self.eval_tasks).resolve()) if self.eval_tasks else None,
+            self.eval_group_size,
+        ]
         return hashlib.sha1(json.dumps(ident).encode()).hexdigest()[:12]
 
 
@@ -56,8 +64,10 @@ class LoopState:
         self.path = Path(run) / "state.json"
         data = json.loads(self.path.read_text()) if self.path.exists() else {}
         if data and data.get("key") != key:
-            raise LcapError(f"{self.path} belongs to a loop with another agent command, tasks, group size or "
-                            "verifier: use a new --run folder")
+            raise LcapError(
+                f"{self.path} belongs to a loop with another agent command, tasks, group size or "
+                "verifier: use a new --run folder"
+            )
         self.data = data or {"key": key, "steps": {}}
 
     def done(self, round: int, step: str) -> dict | None:
@@ -93,14 +103,15 @@ def split_reward(store, run_id: str, round: int, split: str) -> tuple[float | No
     return (rows[0][0], rows[0][1]) if rows else (None, 0)
 
 
-def run_loop(store, config: LoopConfig, *, echo: Callable[[str], None] = print,
-             stop_after: tuple[int, str] | None = None) -> list[RoundSummary]:
+def run_loop(
+    store, config: LoopConfig, *, echo: Callable[[str], None] = print, stop_after: tuple[int, str] | None = None
+) -> list[RoundSummary]:
     """Run (or resume) the loop; `stop_after=(round, step)` ends it there (tests use it to stage a kill)."""
-    from lcap.dataset.build import BuildOptions, build_dataset
+    from lcap.dataset.build import build_dataset
     from lcap.dataset.collect import collect
     from lcap.policy import read_policy
-    from lcap.train.deploy import deploy
-    from lcap.train.grpo import resolve_base_model, train_round
+    from lcap.serve.deploy import deploy
+    from lcap.train.grpo import resolve_base_model
 
     run = Path(config.run)
     state = LoopState(run, config.key())
@@ -115,53 +126,81 @@ def run_loop(store, config: LoopConfig, *, echo: Callable[[str], None] = print,
         info = state.done(round, name)
         if info is None:
             t0 = time.perf_counter()
-            info = {**body(), "seconds": round_(time.perf_counter() - t0)}
+            info = {**body(), "seconds": rounded(time.perf_counter() - t0)}
             # The store's record first: a kill between the two reruns the step (and records it twice),
             # rather than resuming past a step the store never heard of.
-            store.append("loop_steps", [{"run": str(run.resolve()), "round": round, "step": name,
-                                         "mean_reward": info.get("mean_reward"), "details": json.dumps(info, default=str),
-                                         "created_at": _now()}])
+            store.append(
+                "loop_steps",
+                [
+                    {
+                        "run": str(run.resolve()),
+                        "round": round,
+                        "step": name,
+                        "mean_reward": info.get("mean_reward"),
+                        "details": json.dumps(info, default=str),
+                        "created_at": now(),
+                    }
+                ],
+            )
             state.finish(round, name, info)
         if stop_after == (round, name):
             raise _Stop()
         return info
 
     def collect_step(round: int, split: str, tasks: Path, group_size: int) -> dict:
-        result = collect(store, tasks=tasks, command=config.command, group_size=group_size,
-                         concurrency=config.concurrency, round=round, verifier=config.verifier, upstream="policy",
-                         timeout=config.timeout, split=split, run_dir=run / "episodes")
+        options = replace(
+            config.collect, group_size=group_size, round=round, split=split, upstream="policy", run_dir=run / "episodes"
+        )
+        result = collect(store, tasks=tasks, command=config.command, options=options)
         mean, n = split_reward(store, result.run_id, round, split)
-        return {"mean_reward": mean, "rewarded": n, "episodes": result.episodes, "failed": result.failed,
-                "skipped": result.skipped, "collect_run": result.run_id}
+        return {
+            "mean_reward": mean,
+            "rewarded": n,
+            "episodes": result.episodes,
+            "failed": result.failed,
+            "skipped": result.skipped,
+            "collect_run": result.run_id,
+        }
 
     summaries: list[RoundSummary] = []
     try:
         if config.eval_tasks:
             info = step(0, "eval", lambda: collect_step(0, "eval", config.eval_tasks, config.eval_group_size))
-            echo(f"round 0 (base policy): held-out reward {_fmt(info['mean_reward'])} ({info['rewarded']} episodes)")
+            echo(f"round 0 (base policy): held-out reward {num(info['mean_reward'])} ({info['rewarded']} episodes)")
             summaries.append(RoundSummary(round=0, eval_reward=info["mean_reward"]))
         for n in range(1, config.rounds + 1):
             t0 = time.perf_counter()
             s = RoundSummary(round=n)
-            got = step(n, "collect", lambda: collect_step(n, "train", config.tasks, config.group_size))
+            got = step(n, "collect", lambda: collect_step(n, "train", config.tasks, config.collect.group_size))
             s.train_reward = got["mean_reward"]
             data = round_dir(run, n) / "data"
-            step(n, "build", lambda: {"samples": build_dataset(store, round=n, out=data,
-                                                               options=BuildOptions(split="train")).samples})
+            step(
+                n,
+                "build",
+                lambda: {
+                    "samples": build_dataset(
+                        store, round=n, out=data, options=replace(config.build, split="train")
+                    ).samples
+                },
+            )
             trained = step(n, "train", lambda: _train(store, run, n, config.train, data))
             s.train = trained
-            deployed = step(n, "deploy", lambda: {"name": deploy(Path(trained["output"]), round=n, store=store),
-                                                  "path": trained["output"]})
+            deployed = step(
+                n,
+                "deploy",
+                lambda: {"name": deploy(Path(trained["output"]), round=n, store=store), "path": trained["output"]},
+            )
             s.deployed = deployed["name"]
             if config.eval_tasks:
                 ev = step(n, "eval", lambda: collect_step(n, "eval", config.eval_tasks, config.eval_group_size))
                 s.eval_reward = ev["mean_reward"]
             summaries.append(s)
-            echo(f"round {n}: train reward {_fmt(s.train_reward)} ({got['rewarded']} episodes)"
-                 + (f" | held-out {_fmt(s.eval_reward)}" if config.eval_tasks else "")
-                 + f" | loss {_fmt(trained.get('loss'))} | IS ratio {_fmt(trained.get('is_ratio_mean'))}"
-                 + f" | clip {_fmt(trained.get('clip_fraction'))} | {_fmt(trained.get('tokens_per_s'), 0)} tok/s"
-                 + f" | deployed {s.deployed} | {time.perf_counter() - t0:.0f}s")
+            echo(
+                f"round {n}: train reward {num(s.train_reward)} ({got['rewarded']} episodes)"
+                + (f" | held-out {num(s.eval_reward)}" if config.eval_tasks else "")
+                + f" | {training_text(trained)}"
+                + f" | deployed {s.deployed} | {time.perf_counter() - t0:.0f}s"
+            )
     except _Stop:
         pass
     return summaries
@@ -172,15 +211,20 @@ def _train(store, run: Path, n: int, options: TrainOptions, data: Path) -> dict:
 
     samples = data / "samples.parquet"
     if not samples.exists() or _parquet_rows(samples) == 0:
-        raise LcapError(f"round {n}: the dataset is empty (every group had equal rewards, or no episode finished): "
-                        "more tasks or a larger --group-size give GRPO something to compare")
-    result = train_round(store, run, n, options, data=data)
-    return {"output": str(result.output), **{k: v for k, v in result.metrics.items() if isinstance(v, (int, float)) or v is None}}
+        raise LcapError(
+            f"round {n}: the dataset is empty (every group had equal rewards, or no episode finished): "
+            "more tasks or a larger --group-size give GRPO something to compare"
+        )
+    result = train_round(store, run, n, options, data=data, progress=sys.stderr.isatty())
+    return {
+        "output": str(result.output),
+        **{k: v for k, v in result.metrics.items() if isinstance(v, (int, float)) or v is None},
+    }
 
 
 def _redeploy_if_lost(state: LoopState, store, echo) -> None:
     from lcap.policy import read_policy
-    from lcap.train.deploy import deploy
+    from lcap.serve.deploy import deploy
 
     last = state.last_deployed()
     policy = read_policy()
@@ -197,17 +241,3 @@ def _parquet_rows(path: Path) -> int:
 
 class _Stop(Exception):
     pass
-
-
-def _fmt(x, digits: int = 3) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
-def round_(x: float) -> float:
-    return float(f"{x:.3f}")
-
-
-def _now():
-    from lcap.store import now
-
-    return now()

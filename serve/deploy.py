@@ -37,25 +37,39 @@ def deploy(path: Path, *, name: str | None = None, round: int | None = None, sto
     else:
         raise LcapError(f"{path} is neither a LoRA adapter (adapter_config.json) nor a checkpoint (config.json)")
     if store is not None:
-        store.append("deployments", [{
-            "name": name, "path": str(path), "base_model": record.base_model, "kind": kind, "round": round, "created_at": now(),
-        }])
+        store.append(
+            "deployments",
+            [
+                {
+                    "name": name,
+                    "path": str(path),
+                    "base_model": record.base_model,
+                    "kind": kind,
+                    "round": round,
+                    "created_at": now(),
+                }
+            ],
+        )
     return name
 
 
 def _load_lora(record: PolicyServer, path: Path, name: str) -> PolicyServer:
-    from lcap.train.vllm_server import MAX_LORA_RANK
+    from lcap.serve.server import MAX_LORA_RANK
 
     config = json.loads((path / "adapter_config.json").read_text())
     rank = max([config.get("r") or 0, *(config.get("rank_pattern") or {}).values()])
     if rank > MAX_LORA_RANK:
-        raise LcapError(f"adapter {path} has rank {rank}; the server allows at most {MAX_LORA_RANK} (restart `lcap serve` with a larger --max-lora-rank)")
+        raise LcapError(
+            f"adapter {path} has rank {rank}; the server allows at most {MAX_LORA_RANK} (restart `lcap serve` with a larger --max-lora-rank)"
+        )
     # In place: deploying a name again (a resumed loop, or a retrained adapter under a fixed name) replaces it.
     body = {"lora_name": name, "lora_path": str(path), "load_inplace": True}
     try:
         response = httpx.post(f"{record.url}/v1/load_lora_adapter", json=body, timeout=600)
     except httpx.HTTPError as exc:
-        raise LcapError(f"policy server at {record.url} did not answer ({exc}): is it running? `lcap serve --status`") from None
+        raise LcapError(
+            f"policy server at {record.url} did not answer ({exc}): is it running? `lcap serve --status`"
+        ) from None
     if response.status_code != 200:
         raise LcapError(f"vLLM refused adapter {path} ({response.status_code}): {_error_text(response)}")
     record = read_policy() or record  # another deploy may have touched the record meanwhile
@@ -67,7 +81,7 @@ def _load_lora(record: PolicyServer, path: Path, name: str) -> PolicyServer:
 
 def _restart_on(record: PolicyServer, path: Path, name: str) -> PolicyServer:
     """Replace the running vLLM by one on the checkpoint, on the same port, so the URL stays valid."""
-    from lcap.train.vllm_server import start_server, stop_server
+    from lcap.serve.server import start_server, stop_server
 
     port = int(record.url.rsplit(":", 1)[1])
     extra: list[str] = []
@@ -75,11 +89,23 @@ def _restart_on(record: PolicyServer, path: Path, name: str) -> PolicyServer:
         extra = ["--tokenizer", record.base_model]  # trainers often save weights only
     stop_server()
     try:
-        return start_server(str(path), port=port, python=record.python, served_name=name, log_path=Path(record.log_path), extra_args=extra)
+        return start_server(
+            str(path),
+            port=port,
+            python=record.python,
+            served_name=name,
+            log_path=Path(record.log_path),
+            extra_args=extra,
+        )
     except LcapError as exc:
         # Leave the agents a policy: bring the previous one back (base and adapters), then report.
-        previous = start_server(record.base_model, port=port, python=record.python, served_name=record.served_model,
-                                log_path=Path(record.log_path))
+        previous = start_server(
+            record.base_model,
+            port=port,
+            python=record.python,
+            served_name=record.served_model,
+            log_path=Path(record.log_path),
+        )
         for lora, lora_path in record.loras.items():
             previous = _load_lora(previous, Path(lora_path), lora)
         previous.current = record.current

@@ -74,7 +74,9 @@ def ensure_vllm_env() -> str:
     _run([str(python), "-m", "pip", "uninstall", "-y", *BREAKS_IMPORT], "remove torchvision/torchaudio/torchcodec")
     _stamp_path().unlink(missing_ok=True)
     if not working_vllm_python():
-        raise LcapError(f"vLLM was installed in {venv} but `import vllm` still fails: run {python} -c 'import vllm' to see why")
+        raise LcapError(
+            f"vLLM was installed in {venv} but `import vllm` still fails: run {python} -c 'import vllm' to see why"
+        )
     return str(python)
 
 

@@ -19,7 +19,9 @@ QUESTION = "Which is a number: {a} {b} {c}"
 # otherwise. In each, the word follows a space, so it is the same token as in the question: the
 # answer is a copy. (A bare "{w}" is another token, and a tiny model then never learns to copy.)
 FORMATS = ("Answer: {w}", "The answer is {w}.", "I think {w}")
-NUMBERS = frozenset("zero one two three four five six seven eight nine ten hundred thousand".split())
+NUMBERS = frozenset(
+    ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "hundred", "thousand"]
+)
 
 
 def make_triple(rng: random.Random, words: list[str]) -> tuple[list[str], str]:
@@ -58,8 +60,19 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return Path(path)
 
 
-def warm_start(model_dir: Path, words: list[str], *, p_correct: float = 0.3, p_format: float = 0.3, examples: int = 4000, steps: int = 300,
-               batch_size: int = 64, lr: float = 3e-3, seed: int = 0, log=print) -> dict:
+def warm_start(
+    model_dir: Path,
+    words: list[str],
+    *,
+    p_correct: float = 0.3,
+    p_format: float = 0.3,
+    examples: int = 4000,
+    steps: int = 300,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    seed: int = 0,
+    log=print,
+) -> dict:
     """Supervised pass that teaches the answer format with a wrong-most-of-the-time answer; saves in place."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -72,8 +85,9 @@ def warm_start(model_dir: Path, words: list[str], *, p_correct: float = 0.3, p_f
     for _ in range(examples):
         (a, b, c), right = make_triple(rng, words)
         answer = right if rng.random() < p_correct else rng.choice([w for w in (a, b, c) if w != right])
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION.format(a=a, b=b, c=c)}],
-                                               add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": QUESTION.format(a=a, b=b, c=c)}], add_generation_prompt=True, tokenize=False
+        )
         p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         form = FORMATS[0] if rng.random() < p_format else rng.choice(FORMATS[1:])
         c_ids = tokenizer(form.format(w=answer) + "<|im_end|>", add_special_tokens=False)["input_ids"]
@@ -95,7 +109,9 @@ def warm_start(model_dir: Path, words: list[str], *, p_correct: float = 0.3, p_f
     for step in range(steps):
         pick = torch.randint(0, len(rows), (batch_size,))
         logits = model(input_ids=ids[pick, :-1], logits_to_keep=n_answer).logits
-        out = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[pick].reshape(-1), ignore_index=-100)
+        out = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), labels[pick].reshape(-1), ignore_index=-100
+        )
         out.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

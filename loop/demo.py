@@ -32,16 +32,16 @@ MODEL_SIZES = dict(hidden_size=128, num_layers=2, num_heads=2)
 
 @dataclass
 class DemoSettings:
-    n_train: int = 8            # training tasks...
-    n_eval: int = 32            # held-out tasks (distinct word triples)
-    group_size: int = 8         # ...x 8 samples: fewer all-wrong groups (no signal) than 16 x 4 for the same 64 runs
+    n_train: int = 8  # training tasks...
+    n_eval: int = 32  # held-out tasks (distinct word triples)
+    group_size: int = 8  # ...x 8 samples: fewer all-wrong groups (no signal) than 16 x 4 for the same 64 runs
     eval_group_size: int = 1
     concurrency: int = 4
-    warm_steps: int = 600         # long enough to learn to copy a word of the question, not only the format
-    warm_p_correct: float = 0.3   # the warm start's answer is the right word this often...
-    warm_p_format: float = 0.2    # ...and written in the format the verifier parses this often
-    lr: float = 3e-3              # 5e-3 learned faster, then collapsed
-    epochs: int = 4               # PPO-style passes over a round's samples (8 steps)
+    warm_steps: int = 600  # long enough to learn to copy a word of the question, not only the format
+    warm_p_correct: float = 0.3  # the warm start's answer is the right word this often...
+    warm_p_format: float = 0.2  # ...and written in the format the verifier parses this often
+    lr: float = 3e-3  # 5e-3 learned faster, then collapsed
+    epochs: int = 4  # PPO-style passes over a round's samples (8 steps)
     batch_size: int = 32
     seed: int = 0
 
@@ -54,18 +54,26 @@ def demo_dir() -> Path:
     return here
 
 
-def run_demo(out: Path, *, rounds: int = 5, fresh: bool = False, settings: DemoSettings = DemoSettings(),
-             echo: Callable[[str], None] = print) -> dict:
-    from lcap.policy import read_policy
-    from lcap.store import Store
-    from lcap.train.demo_task import make_tasks, read_words, warm_start, write_jsonl
-    from lcap.train.grpo import TrainOptions
-    from lcap.train.loop import LoopConfig, run_loop
-    from lcap.train.tiny_model import init_model
-    from lcap.train.vllm_server import start_server, stop_server
-
+def run_demo(
+    out: Path,
+    *,
+    rounds: int = 5,
+    fresh: bool = False,
+    settings: DemoSettings | None = None,
+    echo: Callable[[str], None] = print,
+) -> dict:
     import torch
 
+    from lcap.dataset.options import CollectOptions
+    from lcap.loop.demo_task import make_tasks, read_words, warm_start, write_jsonl
+    from lcap.loop.rounds import LoopConfig, run_loop
+    from lcap.policy import read_policy
+    from lcap.serve.server import start_server, stop_server
+    from lcap.serve.tiny_model import init_model
+    from lcap.store import Store
+    from lcap.train.options import TrainOptions
+
+    settings = settings or DemoSettings()
     if (os.cpu_count() or 1) <= 2:
         torch.set_num_threads(1)  # two busy threads on two cores thrash (vLLM, the proxy and agents share them)
     t0 = time.perf_counter()
@@ -82,13 +90,21 @@ def run_demo(out: Path, *, rounds: int = 5, fresh: bool = False, settings: DemoS
         echo(f"[demo] making the tiny model in {model} and warm-starting it ({settings.warm_steps} supervised steps)")
         shutil.rmtree(model, ignore_errors=True)
         init_model(model, seed=settings.seed, **MODEL_SIZES)
-        report = warm_start(model, read_words(bundled / "words.txt"), p_correct=settings.warm_p_correct, p_format=settings.warm_p_format,
-                            steps=settings.warm_steps, seed=settings.seed, log=echo)
+        report = warm_start(
+            model,
+            read_words(bundled / "words.txt"),
+            p_correct=settings.warm_p_correct,
+            p_format=settings.warm_p_format,
+            steps=settings.warm_steps,
+            seed=settings.seed,
+            log=echo,
+        )
         (model / "warm_start.json").write_text(json.dumps(report, indent=2))
     timings["model"] = time.perf_counter() - t0
 
-    train_tasks, held_out = make_tasks(read_words(bundled / "words.txt"), n_train=settings.n_train,
-                                       n_eval=settings.n_eval, seed=settings.seed)
+    train_tasks, held_out = make_tasks(
+        read_words(bundled / "words.txt"), n_train=settings.n_train, n_eval=settings.n_eval, seed=settings.seed
+    )
     tasks = write_jsonl(out / "tasks.jsonl", train_tasks)
     eval_tasks = write_jsonl(out / "heldout.jsonl", held_out)
 
@@ -110,12 +126,26 @@ def run_demo(out: Path, *, rounds: int = 5, fresh: bool = False, settings: DemoS
 
     os.environ.setdefault("OPENAI_API_KEY", "sk-demo-not-a-real-key")  # the agent wants one; the proxy drops it
     config = LoopConfig(
-        run=out / "run", rounds=rounds, tasks=tasks, group_size=settings.group_size,
+        run=out / "run",
+        rounds=rounds,
+        tasks=tasks,
         command=[sys.executable, str(bundled / "agent.py"), "--question", "{question}"],
-        verifier=f"{bundled / 'verify.py'}:verify", eval_tasks=eval_tasks, eval_group_size=settings.eval_group_size,
-        concurrency=settings.concurrency, timeout=120.0,
-        train=TrainOptions(base_model=str(model), learning_rate=settings.lr, epochs=settings.epochs,
-                           batch_size=settings.batch_size, report_to="tensorboard", seed=settings.seed),
+        eval_tasks=eval_tasks,
+        eval_group_size=settings.eval_group_size,
+        collect=CollectOptions(
+            group_size=settings.group_size,
+            concurrency=settings.concurrency,
+            timeout=120.0,
+            verifier=f"{bundled / 'verify.py'}:verify",
+        ),
+        train=TrainOptions(
+            base_model=str(model),
+            learning_rate=settings.lr,
+            epochs=settings.epochs,
+            batch_size=settings.batch_size,
+            report_to="tensorboard",
+            seed=settings.seed,
+        ),
     )
     try:
         run_loop(store, config, echo=echo)
@@ -128,9 +158,11 @@ def run_demo(out: Path, *, rounds: int = 5, fresh: bool = False, settings: DemoS
     echo(results["table"])
     echo(f"[demo] reward curve: {results['png']}")
     echo(f"[demo] summary:      {results['summary']}")
-    echo(f"[demo] held-out reward {results['eval_first']:.3f} -> {results['eval_best']:.3f} "
-         f"(+{results['eval_gain']:.3f}) in {results['seconds']:.0f} s; "
-         f"check: python scripts/demo/check_learning.py {out}")
+    echo(
+        f"[demo] held-out reward {results['eval_first']:.3f} -> {results['eval_best']:.3f} "
+        f"(+{results['eval_gain']:.3f}) in {results['seconds']:.0f} s; "
+        f"check: python scripts/demo/check_learning.py {out}"
+    )
     return results
 
 
@@ -139,7 +171,7 @@ def held_out_answer_rates(store) -> dict[int, tuple[float, float]]:
     rows = store.fetchall("""
         SELECT e.round, avg((r.details->>'well_formed')::BOOLEAN::INTEGER), avg((r.details->>'right')::BOOLEAN::INTEGER)
         FROM episodes e JOIN rewards r USING (episode_id)
-        WHERE e.labels->>'split' = 'eval'
+        WHERE e.split = 'eval'
         GROUP BY ALL""")
     return {n: (formed, right) for n, formed, right in rows}
 
@@ -152,37 +184,52 @@ def summarise(out: Path, store, timings: dict[str, float], seconds: float) -> di
     rows = []
     for n in rounds:
         formed, right = rates.get(n, (None, None))
-        rows.append({
-            "round": n,
-            "train_reward": (state.get(f"{n}:collect") or {}).get("mean_reward"),
-            "eval_reward": (state.get(f"{n}:eval") or {}).get("mean_reward"),
-            "eval_well_formed": formed, "eval_right": right,
-            "loss": (state.get(f"{n}:train") or {}).get("loss"),
-            "is_ratio": (state.get(f"{n}:train") or {}).get("is_ratio_mean"),
-            "tokens_per_s": (state.get(f"{n}:train") or {}).get("tokens_per_s"),
-            "deployed": (state.get(f"{n}:deploy") or {}).get("name"),
-        })
+        rows.append(
+            {
+                "round": n,
+                "train_reward": (state.get(f"{n}:collect") or {}).get("mean_reward"),
+                "eval_reward": (state.get(f"{n}:eval") or {}).get("mean_reward"),
+                "eval_well_formed": formed,
+                "eval_right": right,
+                "loss": (state.get(f"{n}:train") or {}).get("loss"),
+                "is_ratio": (state.get(f"{n}:train") or {}).get("is_ratio_mean"),
+                "tokens_per_s": (state.get(f"{n}:train") or {}).get("tokens_per_s"),
+                "deployed": (state.get(f"{n}:deploy") or {}).get("name"),
+            }
+        )
     fmt = lambda x, d=3: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
     table = "\n".join(
-        ["| round | train reward | held-out reward | held-out well-formed / right | loss | IS ratio | tokens/s | deployed |",
-         "|---|---|---|---|---|---|---|---|"]
-        + [f"| {r['round']} | {fmt(r['train_reward'])} | {fmt(r['eval_reward'])} | "
-           f"{fmt(r['eval_well_formed'], 2)} / {fmt(r['eval_right'], 2)} | {fmt(r['loss'], 4)} | "
-           f"{fmt(r['is_ratio'])} | {fmt(r['tokens_per_s'], 0)} | {r['deployed'] or ('base' if r['round'] == 0 else '-')} |"
-           for r in rows]
+        [
+            "| round | train reward | held-out reward | held-out well-formed / right | loss | IS ratio | tokens/s | deployed |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        + [
+            f"| {r['round']} | {fmt(r['train_reward'])} | {fmt(r['eval_reward'])} | "
+            f"{fmt(r['eval_well_formed'], 2)} / {fmt(r['eval_right'], 2)} | {fmt(r['loss'], 4)} | "
+            f"{fmt(r['is_ratio'])} | {fmt(r['tokens_per_s'], 0)} | {r['deployed'] or ('base' if r['round'] == 0 else '-')} |"
+            for r in rows
+        ]
     )
     evals = [r["eval_reward"] for r in rows if r["eval_reward"] is not None]
     png = out / "reward_curve.png"
     _plot(rows, png)
     results = {
-        "rounds": rows, "seconds": seconds, "timings": timings, "png": str(png), "summary": str(out / "summary.md"),
-        "eval_first": evals[0] if evals else float("nan"), "eval_last": evals[-1] if evals else float("nan"),
+        "rounds": rows,
+        "seconds": seconds,
+        "timings": timings,
+        "png": str(png),
+        "summary": str(out / "summary.md"),
+        "eval_first": evals[0] if evals else float("nan"),
+        "eval_last": evals[-1] if evals else float("nan"),
         "eval_best": max(evals) if evals else float("nan"),
-        "eval_gain": (max(evals[1:]) - evals[0]) if len(evals) > 1 else 0.0, "table": table,
+        "eval_gain": (max(evals[1:]) - evals[0]) if len(evals) > 1 else 0.0,
+        "table": table,
     }
-    (out / "summary.md").write_text(f"# lcap demo\n\n{table}\n\ntotal {seconds:.0f} s "
-                                    f"(model {timings.get('model', 0):.0f} s, vLLM start {timings.get('server', 0):.0f} s, "
-                                    f"loop {timings.get('loop', 0):.0f} s)\n")
+    (out / "summary.md").write_text(
+        f"# lcap demo\n\n{table}\n\ntotal {seconds:.0f} s "
+        f"(model {timings.get('model', 0):.0f} s, vLLM start {timings.get('server', 0):.0f} s, "
+        f"loop {timings.get('loop', 0):.0f} s)\n"
+    )
     (out / "results.json").write_text(json.dumps({k: v for k, v in results.items() if k != "table"}, indent=2))
     return results
 

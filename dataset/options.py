@@ -1,0 +1,60 @@
+"""The options of the dataset stage's commands: each flag's default and help, written once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from lcap.cli_options import option
+from lcap.config import LcapError
+
+UPSTREAM_HELP = "'policy' (the deployed vLLM), a URL, or 'none' (the agent's own host)."
+
+
+@dataclass(frozen=True)
+class CollectOptions:
+    """How `lcap collect` (and the loop's collect step) runs the agent; flags, defaults and help come from here."""
+
+    group_size: int = option(8, flag="--group-size,-g", help="Samples per task (the GRPO group).")
+    concurrency: int = option(8, flag="--concurrency,-j", help="Episodes running at once.")
+    verifier: str | None = option(None, help="Command, module:function or file.py:function.")
+    timeout: float | None = option(600.0, help="Seconds per episode; its whole process group is killed.")
+    protect: tuple[str, ...] = option((), help="Glob (in the workdir) the agent must not change; repeatable.")
+    round: int = option(0, help="Training round these episodes belong to.")
+    split: str = option("train", help="train | eval (a label; build-dataset reads train).")
+    upstream: str | None = option("policy", help=UPSTREAM_HELP)
+    model: str | None = option(None, help="Model name to ask the upstream for.")
+    run_dir: Path | None = option(None, help="Where episode workdirs go (default ./lcap-runs/collect-ID).")
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1 or self.concurrency < 1:
+            raise LcapError("--group-size and --concurrency must be at least 1")
+        if self.upstream == "none":
+            object.__setattr__(self, "upstream", None)
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Cleaning choices of `build-dataset` (and of the loop's build step); the defaults are what GRPO wants."""
+
+    split: str = option("train", help="Episode split to read (train | eval).")
+    truncated: Literal["drop", "mask"] = option(
+        "drop", help="Completions cut by the token limit: drop them, or mask their tokens out of the loss."
+    )
+    keep_zero_variance: bool = option(
+        False,
+        flag="--keep-zero-variance",
+        help="Keep groups whose rewards are all equal (advantage 0: no GRPO signal).",
+    )
+    drop_tampered: bool = option(
+        False,
+        flag="--drop-tampered",
+        help="Leave tampered episodes out (default: keep them as negatives with reward 0).",
+    )
+    rebuild: bool = option(True, help="Re-tokenise turns captured without token ids.")
+    tokenizer: str | None = option(None, help="Tokenizer for rebuilds (default: the deployment's base model).")
+
+    def __post_init__(self) -> None:
+        if self.truncated not in ("drop", "mask"):
+            raise LcapError(f"--truncated must be drop or mask, not {self.truncated!r}")

@@ -1,0 +1,74 @@
+"""`samples.parquet`, the file `lcap build-dataset` writes and `lcap train` reads: its one definition.
+
+One row per training sample (a merged run of an episode's calls). The trainer imports `read_samples_table`
+and so reads exactly the columns written here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from lcap.config import LcapError
+
+SAMPLES_FILE = "samples.parquet"
+
+SAMPLE_SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("episode_id", pa.string()),
+        ("task_id", pa.string()),
+        ("round", pa.int32()),
+        ("group_id", pa.string()),
+        ("prompt_ids", pa.list_(pa.int32())),
+        ("completion_ids", pa.list_(pa.int32())),
+        ("logprobs", pa.list_(pa.float32())),
+        ("env_mask", pa.list_(pa.int8())),
+        ("reward", pa.float64()),
+        ("advantage", pa.float64()),
+        ("deployment", pa.string()),
+        ("rebuilt", pa.bool_()),
+        ("truncated", pa.bool_()),
+        ("n_turns", pa.int32()),
+        ("merged", pa.bool_()),
+    ]
+)
+
+# Dictionary pages and min/max statistics pay off for the scalar columns only; on token lists they cost
+# write time and buy nothing.
+_DICTIONARY = ["sample_id", "episode_id", "task_id", "group_id", "deployment"]
+_STATISTICS = [f.name for f in SAMPLE_SCHEMA if not pa.types.is_list(f.type)]
+
+
+def samples_path(path: str | Path) -> Path:
+    """A samples file, or the folder holding one."""
+    path = Path(path)
+    return path if path.suffix == ".parquet" else path / SAMPLES_FILE
+
+
+def write_samples(table: pa.Table, path: Path) -> None:
+    """Write `table`'s sample columns atomically (a reader never sees half a file)."""
+    tmp = path.with_suffix(".parquet.tmp")
+    pq.write_table(
+        table.select(SAMPLE_SCHEMA.names).cast(SAMPLE_SCHEMA),
+        tmp,
+        row_group_size=16384,
+        use_dictionary=_DICTIONARY,
+        write_statistics=_STATISTICS,
+    )
+    tmp.replace(path)
+
+
+def read_samples_table(path: str | Path) -> pa.Table:
+    """Read a samples file; anything that is not one is a one-line error naming the missing columns."""
+    path = samples_path(path)
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise LcapError(f"cannot read samples {path}: {exc}") from None
+    missing = set(SAMPLE_SCHEMA.names) - set(table.column_names)
+    if missing:
+        raise LcapError(f"{path} is not a samples file: missing columns {', '.join(sorted(missing))}")
+    return table.select(SAMPLE_SCHEMA.names).cast(SAMPLE_SCHEMA)

@@ -1,0 +1,5 @@
+"""`python -m lcap ...` is `lcap ...` (what `accelerate launch -m lcap train ...` runs on every process)."""
+
+from lcap.cli import app
+
+app()

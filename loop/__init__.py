@@ -1,0 +1,1 @@
+"""Orchestration: `lcap loop` (collect -> build-dataset -> train -> deploy, resumable) and `lcap demo`."""

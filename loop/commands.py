@@ -1,0 +1,80 @@
+"""`lcap loop` and `lcap demo`: rounds of collect -> build-dataset -> train -> deploy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from lcap.cli_options import DbOption, one_line_errors, with_options
+from lcap.dataset.options import BuildOptions, CollectOptions
+from lcap.train.options import TrainOptions
+
+
+def register(app: typer.Typer) -> None:
+    app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(loop)
+    app.command()(demo)
+
+
+@one_line_errors
+@with_options(TrainOptions, "train", exclude=("current",))
+@with_options(BuildOptions, "build", exclude=("split",))
+@with_options(CollectOptions, "collect", exclude=("round", "split", "upstream", "model", "run_dir"))
+def loop(
+    ctx: typer.Context,
+    run: Annotated[Path, typer.Option("--run", help="Run folder (state.json, round-N/...).")],
+    rounds: Annotated[int, typer.Option("--rounds", help="Rounds of collect -> build -> train -> deploy.")],
+    tasks: Annotated[Path, typer.Option("--tasks", help="Training tasks (JSONL with 'id').")],
+    db: DbOption,
+    collect: CollectOptions,
+    build: BuildOptions,
+    train: TrainOptions,
+    eval_tasks: Annotated[
+        Path | None, typer.Option("--eval-tasks", help="Held-out tasks, run before round 1 and after each deploy.")
+    ] = None,
+    eval_group_size: Annotated[int, typer.Option("--eval-group-size", help="Samples per held-out task.")] = 1,
+) -> None:
+    """Alternate collect -> build-dataset -> train -> deploy for --rounds rounds against the served policy.
+
+    Resumable: killed anywhere, the same command continues at the first unfinished step.
+    The agent command follows `--`, a template as in `lcap collect`.
+    """
+    from lcap.loop.rounds import LoopConfig, run_loop
+    from lcap.store import Store
+
+    config = LoopConfig(
+        run=run,
+        rounds=rounds,
+        tasks=tasks,
+        command=list(ctx.args),
+        eval_tasks=eval_tasks,
+        eval_group_size=eval_group_size,
+        collect=collect,
+        build=build,
+        train=train,
+    )
+    run_loop(Store(db), config, echo=typer.echo)
+
+
+@one_line_errors
+def demo(
+    out: Annotated[Path, typer.Option("--out", help="Where the demo writes its model, run, store and results.")] = Path(
+        "lcap-demo"
+    ),
+    rounds: Annotated[int, typer.Option("--rounds", help="Training rounds.")] = 5,
+    fresh: Annotated[
+        bool, typer.Option("--fresh", help="Start over instead of resuming an earlier demo in --out.")
+    ] = False,
+    seed: Annotated[
+        int, typer.Option("--seed", help="Seed of the model's init, the warm start, the task draw and training.")
+    ] = 0,
+) -> None:
+    """Make a tiny model, serve it with vLLM, and train it with GRPO on a bundled agent and task set.
+
+    Prints each round's training and held-out reward, then where the reward curve (PNG) and the
+    summary table are.
+    """
+    from lcap.loop.demo import DemoSettings, run_demo
+
+    run_demo(out, rounds=rounds, fresh=fresh, settings=DemoSettings(seed=seed), echo=typer.echo)

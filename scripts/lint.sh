@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Lint and types, run by scripts/test.sh before the tests: ruff (lint + format check) over the tree, and mypy
+# over lcap's packages. mypy finds a package in a folder of its name, while lcap maps `lcap.capture` to
+# `capture/` and so on (pyproject's package-dir), so it checks a tree of links laid out as lcap imports.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bin=${LCAP_VENV:-.venv}/bin
+"$bin/ruff" check --quiet .
+"$bin/ruff" format --check --quiet .
+tree=build/typecheck
+rm -rf "$tree"
+"$bin/python" - "$tree" <<'PY'
+import sys, tomllib
+from pathlib import Path
+
+tree = Path(sys.argv[1])
+dirs = tomllib.loads(Path("pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+for package, folder in dirs.items():
+    target = tree.joinpath(*package.split("."))
+    target.mkdir(parents=True, exist_ok=True)
+    for source in Path(folder).glob("*.py"):
+        (target / source.name).symlink_to(source.resolve())
+PY
+"$bin/mypy" "$tree/lcap"

@@ -1,0 +1,62 @@
+"""The options of a GRPO round (`lcap train`, `lcap loop`): each flag's default and help, written once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lcap.cli_options import option
+from lcap.config import LcapError
+
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo")
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """Every knob of a GRPO round: `lcap train` and `lcap loop` read their flags, defaults and help from here."""
+
+    base_model: str | None = option(
+        None, flag="--model", help="Base model (HF path or name); default: the run's, else the policy server's."
+    )
+    full: bool = option(False, flag="--full", help="Full fine-tuning instead of a LoRA adapter.")
+    loss_type: str = option("dapo", help=f"TRL loss: {', '.join(LOSS_TYPES)}.")
+    learning_rate: float = option(1e-5, flag="--lr", help="Learning rate.")
+    beta: float = option(0.0, help="KL coefficient against the base model (0: no reference pass).")
+    epochs: int = option(
+        1, help="Passes over the round's samples, all clipped against the round's starting policy (TRL num_iterations)."
+    )
+    batch_size: int = option(0, help="Samples per optimiser step, whole groups (0: two groups).")
+    grad_accum: int = option(1, help="Gradient accumulation steps.")
+    max_steps: int = option(-1, help="Stop after this many optimiser steps (-1: epochs decide).")
+    epsilon: float = option(0.2, help="PPO clip range below 1 (and above, unless --epsilon-high).")
+    epsilon_high: float | None = option(None, help="PPO clip range above 1 (default: --epsilon).")
+    group_size: int | None = option(
+        None, cli=False, help="Samples per GRPO group (default: the largest captured group)."
+    )
+    stale: str = option("correct", help="Samples from an older deployment: correct (importance sampling) or drop.")
+    current: str | None = option(None, help="The deployment being trained (default: the policy server's current).")
+    is_correction: bool = option(
+        True, flag="--is/--no-is", help="Correct for the policy that served the samples (importance sampling)."
+    )
+    is_mode: str = option("token_truncate", help=f"Importance-sampling mode: {', '.join(IS_MODES)} (TRL).")
+    is_max: float | None = option(2.0, help="Importance-ratio cap (truncate) or upper bound (mask).")
+    is_min: float | None = option(None, help="Importance-ratio lower bound (mask modes).")
+    lora_r: int = option(16, help="LoRA rank.")
+    lora_alpha: int = option(32, help="LoRA alpha.")
+    lora_target: str = option("all-linear", help="LoRA target modules (PEFT target_modules).")
+    activation_checkpointing: bool | None = option(
+        None,
+        flag="--activation-checkpointing/--no-activation-checkpointing",
+        help="Recompute activations in the backward pass (default: on a GPU, where memory is the limit; off on CPU).",
+    )
+    seed: int = option(0, help="Seed of the sample order and of LoRA's initialisation.")
+    report_to: str = option("tensorboard", help="TRL report_to: tensorboard (offline), none, wandb...")
+    logging_steps: int = option(1, cli=False, help="Optimiser steps between TRL's log records.")
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise LcapError(f"unknown --loss-type {self.loss_type!r}: use {', '.join(LOSS_TYPES)}")
+        if self.is_mode not in IS_MODES:
+            raise LcapError(f"unknown --is-mode {self.is_mode!r}: use {', '.join(IS_MODES)}")
+        if self.stale not in ("correct", "drop"):
+            raise LcapError(f"unknown --stale {self.stale!r}: use correct or drop")
