@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 from bench_proxy import UPSTREAM
 
+from lcap.capture.options import ProxyOptions
 from lcap.capture.server import CaptureProxy
 from lcap.store import Store
 
@@ -41,7 +42,9 @@ def main() -> None:
     )
     try:
         up_url = f"http://127.0.0.1:{int(upstream.stdout.readline())}"
-        proxy = CaptureProxy(Store(Path(tempfile.mkdtemp(prefix="lcap-gc-")) / "gc.duckdb"), upstream=up_url)
+        proxy = CaptureProxy(
+            Store(Path(tempfile.mkdtemp(prefix="lcap-gc-")) / "gc.duckdb"), ProxyOptions(upstream=up_url)
+        )
         proxy.start()
         try:
             with httpx.Client(proxy=proxy.proxy_url("gc"), trust_env=False) as client:

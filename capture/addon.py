@@ -61,7 +61,7 @@ class CaptureAddon:
         req = flow.request
         episode, fields = take_episode(req.headers.fields)
         if fields is not req.headers.fields:
-            req.headers.fields = fields
+            req.headers.fields = tuple(fields)
         episode = episode or self._conn_episode.get(flow.client_conn.id)
         dialect = dialects.match(req.method, req.path)
         if dialect is not None:
@@ -97,7 +97,7 @@ class CaptureAddon:
         if not self.calls.take_body(call, body):
             return
         flow.metadata[_KEY] = call.pending
-        req.headers.fields = call.fields
+        req.headers.fields = tuple(call.fields)
         if call.body is not body:
             req.content = call.body
         if (call.scheme, call.host, call.port, call.path) != (req.scheme, req.host, req.port, req.path):
@@ -149,7 +149,7 @@ class CaptureAddon:
         req = flow.request
         state["upstream"] = f"{req.scheme}://{req.host}:{req.port}"
         if route is not None:
-            req.headers.fields = self.calls.rerouted_fields(req.headers.fields, route)
+            req.headers.fields = tuple(self.calls.rerouted_fields(req.headers.fields, route))
             _retarget(req, route.scheme, route.host, route.port, route.path_for(req.path))
             state["route"] = route
             state["upstream"] = route.url
@@ -172,19 +172,19 @@ class CaptureAddon:
         if message.from_client:
             if kind != "response.create":
                 return
-            request = frame.get("response") if isinstance(frame.get("response"), dict) else frame
+            nested = frame.get("response")
+            request: dict = nested if isinstance(nested, dict) else frame
             route: Route | None = state["route"]
             if route is not None:
                 forward = with_route_model(request, route)
                 if forward != request:
-                    nested = request is not frame
                     message.content = json.dumps(
-                        {**frame, "response": forward} if nested else forward, ensure_ascii=False
+                        {**frame, "response": forward} if request is not frame else forward, ensure_ascii=False
                     ).encode()
             if frame.get("generate") is False:  # a warm-up frame: no model output, no turn
                 return
             self._ws_close_turn(state, "superseded by a new response.create")
-            turn = PendingTurn(
+            started = PendingTurn(
                 episode_id=state["episode"],
                 seq=self.calls.next_seq(state["episode"]),
                 host=state["host"],
@@ -192,20 +192,21 @@ class CaptureAddon:
                 dialect=dialects.RESPONSES,
                 transport="websocket",
             )
-            turn.request_json = frame
-            turn.model_requested = request.get("model")
-            turn.upstream = state["upstream"]
-            turn.deployment = route.deployment if route is not None else None
-            turn.streamed = True
-            turn.events = []
-            state["turn"] = turn
+            started.request_json = frame
+            started.model_requested = request.get("model")
+            started.upstream = state["upstream"]
+            started.deployment = route.deployment if route is not None else None
+            started.streamed = True
+            started.events = []
+            state["turn"] = started
             return
         turn: PendingTurn | None = state["turn"]
         if turn is None:
             return
         if turn.t_first is None:
             turn.t_first = time.perf_counter()
-        turn.events.append(frame)
+        if turn.events is not None:
+            turn.events.append(frame)
         if kind in ("response.completed", "response.incomplete", "response.failed", "error"):
             turn.status_code = 200 if kind != "error" else None
             state["turn"] = None

@@ -27,7 +27,7 @@ from lcap.capture.writer import TurnWriter
 
 log = logging.getLogger("lcap.capture")
 
-Fields = Sequence[tuple[bytes, bytes]]
+Fields = Sequence[tuple[bytes, bytes]]  # header fields: (name, value) pairs
 EPISODE_HEADER = b"x-lcap-episode"
 _CREDENTIALS = frozenset(name.encode() for name in CREDENTIAL_HEADERS)
 

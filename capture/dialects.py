@@ -209,7 +209,11 @@ def _chat(obj: dict) -> Turn:
 
 def _chat_stream(events: list[Any]) -> Turn:
     head: dict = {}
-    text, reasoning, token_ids, logprobs, prompt_ids = [], [], [], [], None
+    text: list[str] = []
+    reasoning: list[str] = []
+    token_ids: list[int] = []
+    logprobs: list[Any] = []
+    prompt_ids = None
     calls: dict[int, dict] = {}
     finish = usage = None
     role = "assistant"
@@ -229,8 +233,8 @@ def _chat_stream(events: list[Any]) -> Turn:
             role = delta.get("role") or role
             if delta.get("content"):
                 text.append(delta["content"])
-            if delta.get("reasoning_content") or delta.get("reasoning"):
-                reasoning.append(delta.get("reasoning_content") or delta.get("reasoning"))
+            if thought := delta.get("reasoning_content") or delta.get("reasoning"):
+                reasoning.append(thought)
             for tc in delta.get("tool_calls") or ():
                 slot = calls.setdefault(
                     tc.get("index", len(calls)),
@@ -287,7 +291,10 @@ def _completions(obj: dict) -> Turn:
 
 def _completions_stream(events: list[Any]) -> Turn:
     head: dict = {}
-    text, token_ids, logprobs, prompt_ids = [], [], [], None
+    text: list[str] = []
+    token_ids: list[int] = []
+    logprobs: list[Any] = []
+    prompt_ids = None
     finish = usage = None
     for ev in events:
         if not isinstance(ev, dict):
@@ -319,7 +326,9 @@ def _completions_stream(events: list[Any]) -> Turn:
 
 
 def _responses(obj: dict) -> Turn:
-    text, calls, reasoning = [], [], []
+    text: list[str] = []
+    calls: list[dict] = []
+    reasoning: list[str] = []
     for item in obj.get("output") or ():
         kind = item.get("type")
         if kind == "message":

@@ -11,25 +11,20 @@ import threading
 import uuid
 from pathlib import Path
 
+from lcap.capture.options import ProxyOptions
 from lcap.capture.redact import redact_text
 from lcap.capture.server import CaptureProxy
 from lcap.processes import run_child
 from lcap.store import Store
 
 
-def _proxy(
-    db: Path, upstream: str | None, model: str | None, token_ids: bool | None, host: str, port: int
-) -> CaptureProxy:
-    return CaptureProxy(
-        Store(db), upstream=upstream, model=model, token_ids=token_ids, listen_host=host, listen_port=port
-    )
-
-
-def _start(proxy: CaptureProxy) -> None:
+def _start(db: Path, options: ProxyOptions) -> CaptureProxy:
+    proxy = CaptureProxy(Store(db), options)
     proxy.start()
-    # mitmproxy, TLS and lcap leave ~107k long-lived objects; a full collection walking them stops every call in
-    # flight for 80-95 ms here. Frozen, they are out of the collector's sight (benchmarks/bench_gc_freeze.py).
+    # mitmproxy, TLS and lcap leave many long-lived objects; a full collection walking them would stop every call
+    # in flight. Frozen, they are out of the collector's sight (benchmarks/bench_gc_freeze.py measures it).
     gc.freeze()
+    return proxy
 
 
 def run_proxy(
@@ -38,15 +33,10 @@ def run_proxy(
     labels: dict[str, str],
     episode: str | None,
     db: Path,
-    upstream: str | None,
-    model: str | None,
-    token_ids: bool | None,
-    host: str,
-    port: int,
+    options: ProxyOptions,
 ) -> int:
     """Run `command` as one episode behind a fresh proxy; return its exit code."""
-    proxy = _proxy(db, upstream, model, token_ids, host, port)
-    _start(proxy)
+    proxy = _start(db, options)
     episode_id = episode or str(uuid.uuid4())
     store = proxy.store
     status, code, error = "failed", None, None
@@ -64,20 +54,17 @@ def run_proxy(
     return code
 
 
-def serve_proxy(
-    *, db: Path, upstream: str | None, model: str | None, token_ids: bool | None, host: str, port: int
-) -> None:
+def serve_proxy(*, db: Path, options: ProxyOptions) -> None:
     """Serve until SIGINT/SIGTERM, then write every finished turn and exit."""
-    proxy = _proxy(db, upstream, model, token_ids, host, port)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    _start(proxy)
+    proxy = _start(db, options)
     print(
         f"lcap proxy listening on {proxy.url} (store {db}; token ids {'on' if proxy.token_ids else 'off'})", flush=True
     )
     print(
-        f"  clients: HTTPS_PROXY=http://EPISODE:x@{host}:{proxy.port}  SSL_CERT_FILE={proxy.child_env(None)['SSL_CERT_FILE']}",
+        f"  clients: HTTPS_PROXY=http://EPISODE:x@{options.host}:{proxy.port}  SSL_CERT_FILE={proxy.child_env(None)['SSL_CERT_FILE']}",
         flush=True,
     )
     try:

@@ -19,11 +19,13 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 from lcap.capture.addon import CaptureAddon
 from lcap.capture.calls import Calls, Router, parse_upstream
 from lcap.capture.front import Front, LeafCerts
+from lcap.capture.options import ProxyOptions
 from lcap.capture.writer import TurnWriter
 from lcap.config import LcapError, lcap_home
 from lcap.store import Store
@@ -130,28 +132,16 @@ def probe_models(base_url: str, timeout: float = 5.0) -> list[dict]:
 class CaptureProxy:
     """An in-process mitmproxy that logs every LLM call passing through it as a turn in `store`."""
 
-    def __init__(
-        self,
-        store: Store,
-        *,
-        upstream: str | None = None,
-        model: str | None = None,
-        token_ids: bool | None = None,
-        listen_host: str = "127.0.0.1",
-        listen_port: int = 0,
-    ) -> None:
+    def __init__(self, store: Store, options: ProxyOptions = ProxyOptions()) -> None:
         self.store = store
-        self.upstream = upstream
-        self.model = model
-        self.token_ids = token_ids
-        self.listen_host = listen_host
-        self.listen_port = listen_port
+        self.options = options
+        self.token_ids = options.token_ids  # resolved at start(): on when the upstream is vLLM
         self.port: int | None = None
         self.writer = TurnWriter(store)
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._error: str | None = None
-        self._master = None
+        self._master: Any = None
         self._calls: Calls | None = None
         self._bundle: Path | None = None
 
@@ -159,7 +149,7 @@ class CaptureProxy:
     def url(self) -> str:
         if self.port is None:
             raise LcapError("the capture proxy is not started")
-        return f"http://{self.listen_host}:{self.port}"
+        return f"http://{self.options.host}:{self.port}"
 
     # --- start / stop ------------------------------------------------------------------------
 
@@ -167,11 +157,11 @@ class CaptureProxy:
         """Check the CA, the upstream and the port, then listen. Returns once the proxy accepts connections."""
         self._bundle = ca_bundle()
         self.token_ids = self._resolve_token_ids()
-        if self.listen_port:
-            _check_port_free(self.listen_host, self.listen_port)
+        if self.options.port:
+            _check_port_free(self.options.host, self.options.port)
         with self.store.connect():  # the schema exists from the start: `lcap sql` works before the first turn
             pass
-        router = Router(self.upstream, self.model)
+        router = Router(self.options.upstream, self.options.model)
         calls = Calls(
             self.writer,
             router,
@@ -187,11 +177,12 @@ class CaptureProxy:
             raise LcapError(self._error or "the capture proxy did not start within 60 s")
 
     def _resolve_token_ids(self) -> bool:
-        if self.upstream is None:
+        upstream = self.options.upstream
+        if upstream is None:
             if self.token_ids:
                 raise LcapError("--token-ids needs --upstream (a vLLM server, or 'policy')")
             return False
-        if self.upstream == "policy":
+        if upstream == "policy":
             from lcap.policy import read_policy, record_path
 
             record = read_policy()
@@ -200,10 +191,10 @@ class CaptureProxy:
             probe_models(record.url)
             return True if self.token_ids is None else self.token_ids
         try:
-            parse_upstream(self.upstream, None)
+            parse_upstream(upstream, None)
         except ValueError as exc:
             raise LcapError(f"bad --upstream: {exc}") from None
-        models = probe_models(self.upstream)
+        models = probe_models(upstream)
         if self.token_ids is None:
             return any(m.get("owned_by") == "vllm" for m in models)
         return self.token_ids
@@ -228,7 +219,7 @@ class CaptureProxy:
 
         class TlsConfig(tlsconfig.TlsConfig):
             def running(self) -> None:
-                """Upstream reloads the CA here again (a workaround lcap does not need): ~0.3 s saved."""
+                """Upstream reloads the CA here again, a workaround lcap does not need: it slows every start."""
 
         master.addons.add(proxyserver.Proxyserver(), next_layer.NextLayer(), TlsConfig(), CaptureAddon(calls))
         opts.update(  # mitmproxy listens on loopback only: agents reach it through the front (capture/front.py)
@@ -250,9 +241,9 @@ class CaptureProxy:
                 return
             front = Front(calls, server.listen_addrs()[0][1], LeafCerts(ca_dir(), CA_BASENAME))
             try:
-                self.port = await front.start(self.listen_host, self.listen_port)
+                self.port = await front.start(self.options.host, self.options.port)
             except OSError as exc:
-                self._error = f"cannot listen on {self.listen_host}:{self.listen_port}: {exc.strerror or exc}"
+                self._error = f"cannot listen on {self.options.host}:{self.options.port}: {exc.strerror or exc}"
                 self._ready.set()
                 await server.servers.update([])
                 return
@@ -302,7 +293,7 @@ class CaptureProxy:
         if not episode_id:
             return self.url
         # A password too: some clients (python websockets) reject a proxy user without one.
-        return f"http://{quote(episode_id, safe='')}:lcap@{self.listen_host}:{self.port}"
+        return f"http://{quote(episode_id, safe='')}:lcap@{self.options.host}:{self.port}"
 
     def child_env(self, episode_id: str | None, base: Mapping[str, str] | None = None) -> dict[str, str]:
         """The full environment of a child whose LLM calls go through this proxy as `episode_id`."""
@@ -336,22 +327,24 @@ def _loop_factory():
 
 
 def skip_debug_checks() -> None:
-    """Skip two pieces of per-call work mitmproxy does for its own debugging (14% of its instructions per
-    proxied call, benchmarks/count_proxy_instructions.py): a runtime type check of every field of every Request and
+    """Skip two pieces of per-call work mitmproxy does for its own debugging (benchmarks/count_proxy_instructions.py
+    counts their share of each proxied call): a runtime type check of every field of every Request and
     Response it builds, which Python's -O already removes (`if __debug__`), and a deep copy of an option's
     value on every read, which lcap keeps only for mutable values."""
     from mitmproxy import http, optmanager
 
-    if getattr(optmanager._Option.current, "lcap", False):
+    if optmanager._Option.current is _current_option:
         return
-    http.MessageData.__post_init__ = lambda self: None
+    http.MessageData.__post_init__ = lambda self: None  # type: ignore[method-assign]  # a deliberate patch
+    optmanager._Option.current = _current_option  # type: ignore[method-assign,assignment]  # a deliberate patch
 
-    def current(option: optmanager._Option):
-        value = option._default if option.value is optmanager.unset else option.value
-        return value if isinstance(value, _IMMUTABLE) else copy.deepcopy(value)
 
-    current.lcap = True
-    optmanager._Option.current = current
+def _current_option(option: Any) -> Any:
+    """mitmproxy's `_Option.current` without the deep copy of immutable values."""
+    from mitmproxy import optmanager
+
+    value = option._default if option.value is optmanager.unset else option.value
+    return value if isinstance(value, _IMMUTABLE) else copy.deepcopy(value)
 
 
 _IMMUTABLE = (str, bytes, int, float, bool, type(None))

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 import zlib
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -20,6 +21,10 @@ from lcap.capture import dialects
 from lcap.capture.redact import redact_json, redact_keys, redact_path, redact_text
 
 log = logging.getLogger("lcap.capture")
+
+
+_id_prefix: str
+_id_counter: Iterator[int]
 
 
 def new_turn_id() -> str:

@@ -96,7 +96,8 @@ class TurnWriter:
         self._spool.close()
         self._send(b"stop\n")
         try:
-            self._proc.stdin.close()
+            if self._proc.stdin is not None:
+                self._proc.stdin.close()
         except OSError:
             pass
         try:
@@ -110,9 +111,11 @@ class TurnWriter:
         return code == 0
 
     def _send(self, command: bytes) -> None:
+        stdin = self._proc.stdin if self._proc is not None else None
         try:
-            self._proc.stdin.write(command)
-            self._proc.stdin.flush()
+            if stdin is not None:
+                stdin.write(command)
+                stdin.flush()
         except (OSError, ValueError):  # the writer is gone: `flush` reports it by timing out
             pass
 

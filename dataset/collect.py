@@ -196,9 +196,10 @@ def collect(
         return result
     _forget_partial(store, [s.episode_id for s in todo])
 
+    from lcap.capture.options import ProxyOptions
     from lcap.capture.server import CaptureProxy
 
-    proxy = CaptureProxy(store, upstream=options.upstream, model=options.model)
+    proxy = CaptureProxy(store, ProxyOptions(upstream=options.upstream, model=options.model))
     proxy.start()
     runner = _Runner(store, proxy, judge, guard, options.timeout, tasks.parent.resolve(), result)
     try:

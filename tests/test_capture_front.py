@@ -19,6 +19,7 @@ import httpx
 import pytest
 from fixtures_capture import FakeLLM, turns
 
+from lcap.capture.options import ProxyOptions
 from lcap.capture.server import CaptureProxy
 from lcap.store import Store
 
@@ -135,7 +136,10 @@ def test_upstream_dropping_connections(store):
     upstream.drop_idle = True
     upstream.thread.start()
     try:
-        with CaptureProxy(store, upstream=upstream.url) as proxy, _one_connection(proxy, "ep-drop") as client:
+        with (
+            CaptureProxy(store, ProxyOptions(upstream=upstream.url)) as proxy,
+            _one_connection(proxy, "ep-drop") as client,
+        ):
             url = "https://api.openai.com/v1/chat/completions"
             answers = [client.post(url, json=CHAT) for _ in range(5)]
             assert [a.json()["choices"][0]["message"]["content"] for a in answers] == [TEXT] * 5
@@ -266,7 +270,7 @@ def test_a_stream_head_waits_briefly_for_its_first_event(store, monkeypatch, gap
     upstream, thread = _sse_upstream(gap)
     url = f"http://127.0.0.1:{upstream.getsockname()[1]}"
     body = json.dumps({**CHAT, "stream": True}).encode()
-    with upstream, CaptureProxy(store, upstream=url if token_ids else None) as proxy:
+    with upstream, CaptureProxy(store, ProxyOptions(upstream=url if token_ids else None)) as proxy:
         with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as agent:
             t0 = time.monotonic()
             agent.sendall(

@@ -18,6 +18,7 @@ import httpx
 import pytest
 from fixtures_capture import FakeLLM, fake_ids, turns
 
+from lcap.capture.options import ProxyOptions
 from lcap.capture.server import CaptureProxy
 from lcap.policy import PolicyServer, write_policy
 from lcap.store import Store
@@ -65,7 +66,7 @@ def _sse_data(text: str) -> list[dict]:
 
 def test_policy_route_token_ids_and_clean_answers(tmp_path, policy_record, vllm_like):
     store = Store(tmp_path / "lcap.duckdb")
-    with CaptureProxy(store, upstream="policy") as proxy:
+    with CaptureProxy(store, ProxyOptions(upstream="policy")) as proxy:
         assert proxy.token_ids  # auto: on for the policy
         with _client(proxy, "ep-1") as client:
             headers = {"authorization": "Bearer sk-agent-own-key-0123456789abcdef"}
@@ -143,7 +144,7 @@ def test_traffic_that_is_not_an_llm_call_streams_through_unstored(tmp_path, capt
 
 def test_deploy_switches_new_calls_without_restart(tmp_path, policy_record, vllm_like):
     store = Store(tmp_path / "lcap.duckdb")
-    with CaptureProxy(store, upstream="policy", token_ids=False) as proxy, _client(proxy, None) as client:
+    with CaptureProxy(store, ProxyOptions(upstream="policy", token_ids=False)) as proxy, _client(proxy, None) as client:
         first = client.post("https://api.openai.com/v1/chat/completions", json=CHAT)
         assert first.status_code == 200, first.text
         assert proxy.flush(timeout=10)
@@ -161,7 +162,7 @@ def test_deploy_switches_new_calls_without_restart(tmp_path, policy_record, vllm
 def test_attribution_by_url_credentials_header_or_none(tmp_path, capture_home, monkeypatch, vllm_like):
     monkeypatch.setenv("LCAP_HOME", str(capture_home))
     store = Store(tmp_path / "lcap.duckdb")
-    with CaptureProxy(store, upstream=vllm_like.url, token_ids=False) as proxy:
+    with CaptureProxy(store, ProxyOptions(upstream=vllm_like.url, token_ids=False)) as proxy:
         env = proxy.child_env(None, base={})
         for episode, headers in (("via-url", {}), (None, {"x-lcap-episode": "via-header"}), (None, {})):
             proxy_url = proxy.proxy_url(episode)

@@ -114,11 +114,12 @@ def _turns_if_free(db) -> list[dict]:
 
 
 def test_lcap_proxy_freezes_its_start_up_objects(capture_env, tmp_path):
-    """mitmproxy, TLS and lcap leave ~107k long-lived objects: `lcap proxy` freezes them once it is up, so that a
+    """mitmproxy, TLS and lcap leave many long-lived objects: `lcap proxy` freezes them once it is up, so that a
     full collection in a long run walks only what calls made (benchmarks/bench_gc_freeze.py)."""
     import gc
     import sys
 
+    from lcap.capture.options import ProxyOptions
     from lcap.capture.run import run_proxy
 
     gc.unfreeze()
@@ -128,11 +129,7 @@ def test_lcap_proxy_freezes_its_start_up_objects(capture_env, tmp_path):
             labels={},
             episode=None,
             db=tmp_path / "freeze.duckdb",
-            upstream=None,
-            model=None,
-            token_ids=None,
-            host="127.0.0.1",
-            port=0,
+            options=ProxyOptions(),
         )
         assert code == 0 and gc.get_freeze_count() > 10_000
     finally:

@@ -15,6 +15,7 @@ import httpx
 import pytest
 from fixtures_capture import turns
 
+from lcap.capture.options import ProxyOptions
 from lcap.capture.server import CaptureProxy
 from lcap.store import Store
 
@@ -31,7 +32,7 @@ def test_token_ids_match_vllm(vllm_policy, tmp_path, capture_home, monkeypatch):
     server = vllm_policy
     db = tmp_path / "lcap.duckdb"
     opts = {"max_tokens": 8, "temperature": 0}
-    with CaptureProxy(Store(db), upstream="policy") as proxy:
+    with CaptureProxy(Store(db), ProxyOptions(upstream="policy")) as proxy:
         assert proxy.token_ids
         env = proxy.child_env("vllm-ep", base={})
         with httpx.Client(
