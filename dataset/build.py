@@ -4,8 +4,9 @@ The joins, the multi-turn merge, the advantages and the cleaning are SQL views o
 (`episode_advantages`, `turn_tokens`, `samples` in lcap.schema), so what `lcap sql` shows is what
 the trainer gets. DuckDB joins turns x episodes x latest rewards x deployments; the multi-turn
 merge itself runs vectorised on the Arrow buffers of that result (lcap.dataset.merge: the same
-rule as the `samples` view, 10-20x faster than list comparisons in SQL); Python otherwise only
-re-tokenises turns captured without token ids (cached in `rebuilt_turns`).
+rule as the `samples` view, without its per-call list comparisons in SQL;
+benchmarks/bench_build_dataset.py times the build); Python otherwise only re-tokenises turns
+captured without token ids (cached in `rebuilt_turns`).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 The rule is the one the `samples` view states in SQL (lcap.schema): call i merges into the
 sequence of call i-1 of the same episode when its prompt ids start with prompt(i-1) +
 completion(i-1), the same deployment served both and call i-1 was not truncated. The tokens in
-between are environment tokens (env_mask 0, logprob 0). DuckDB's list comparisons cost about
-15 us per call; here they are two element-wise comparisons over the flattened token buffers
+between are environment tokens (env_mask 0, logprob 0). DuckDB compares the lists call by call;
+here they are two element-wise comparisons over the flattened token buffers
 (only the keys are sorted; the token buffers are read where DuckDB put them, through index
 arithmetic on their offsets), and each sample's tokens are gathered the same way. Nothing loops
 over calls or tokens in Python.

@@ -141,6 +141,8 @@ def _import_function(target: str, func: str, base: Path) -> Callable:
         if not path.is_file():
             raise LcapError(f"verifier file {path} does not exist")
         module_spec = importlib.util.spec_from_file_location(f"lcap_verifier_{path.stem}", path)
+        if module_spec is None or module_spec.loader is None:
+            raise LcapError(f"cannot load verifier {path}: not a Python module")
         module = importlib.util.module_from_spec(module_spec)
         try:
             module_spec.loader.exec_module(module)

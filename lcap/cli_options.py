@@ -148,5 +148,5 @@ def _cli_type(hint: Any) -> Any:
         inner = _cli_type(args[0]) if len(args) == 1 else hint
         return inner | None if type(None) in typing.get_args(hint) else inner
     if origin is tuple:
-        return list[typing.get_args(hint)[0]]
+        return types.GenericAlias(list, typing.get_args(hint)[0])  # list[T], built at run time
     return hint

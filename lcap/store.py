@@ -7,8 +7,8 @@ work attaches it, and an attach that finds the file locked retries until `timeou
 their rows so that a whole batch costs one attach.
 
 The file is attached to one in-memory DuckDB per file and process, kept for the process's life:
-starting a DuckDB instance per unit of work costs 41 ms of CPU here (it builds its catalog of
-built-in functions), attaching and detaching the file 7 ms (benchmarks/bench_store.py); a
+starting a DuckDB instance per unit of work costs far more CPU (it builds its catalog of built-in
+functions) than attaching and detaching the file (benchmarks/bench_store.py measures both); a
 collect round does hundreds of units of work.
 """
 
@@ -113,11 +113,13 @@ class Store:
                 delay = min(delay * 2, 0.1)
 
     def _create_schema(self, con: duckdb.DuckDBPyConnection) -> None:
-        (existing,) = con.execute(
-            f"SELECT count(*) FROM duckdb_tables() WHERE database_name = '{_ALIAS}' AND table_name = 'episodes'"
-        ).fetchone()
+        (existing,) = _one_row(
+            con.execute(
+                f"SELECT count(*) FROM duckdb_tables() WHERE database_name = '{_ALIAS}' AND table_name = 'episodes'"
+            )
+        )
         con.execute(TABLES)
-        (version,) = con.execute("SELECT max(version) FROM schema_version").fetchone()
+        (version,) = _one_row(con.execute("SELECT max(version) FROM schema_version"))
         version = version or (1 if existing else SCHEMA_VERSION)  # a store from before versions is version 1
         if version > SCHEMA_VERSION:
             raise LcapError(
@@ -143,7 +145,7 @@ class Store:
         with self.connect() as con:
             con.register("_lcap_batch", batch)
             try:
-                (inserted,) = con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM _lcap_batch{only_new}").fetchone()
+                (inserted,) = _one_row(con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM _lcap_batch{only_new}"))
             finally:
                 con.unregister("_lcap_batch")
         return inserted
@@ -175,6 +177,14 @@ class Store:
             "UPDATE episodes SET ended_at = ?, status = ?, exit_code = ?, error = ? WHERE episode_id = ?",
             [now(), status, exit_code, error, episode_id],
         )
+
+
+def _one_row(con: duckdb.DuckDBPyConnection) -> tuple[Any, ...]:
+    """The row of a statement that always returns exactly one (an aggregate, or INSERT's row count)."""
+    row = con.fetchone()
+    if row is None:
+        raise LcapError("the store returned no row where one is always expected")
+    return row
 
 
 def _sql_string(value: str) -> str:

@@ -42,7 +42,7 @@ def make_tasks(words: list[str], *, n_train: int, n_eval: int, seed: int = 0) ->
     """Train and held-out tasks: distinct word triples, no triple in both."""
     rng = random.Random(seed)
     seen: set[tuple[str, ...]] = set()
-    tasks = []
+    tasks: list[dict[str, str]] = []
     while len(tasks) < n_train + n_eval:
         triple, answer = make_triple(rng, words)
         if tuple(triple) in seen:

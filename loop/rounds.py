@@ -162,10 +162,11 @@ def run_loop(
             "collect_run": result.run_id,
         }
 
+    eval_tasks = config.eval_tasks
     summaries: list[RoundSummary] = []
     try:
-        if config.eval_tasks:
-            info = step(0, "eval", lambda: collect_step(0, "eval", config.eval_tasks, config.eval_group_size))
+        if eval_tasks:
+            info = step(0, "eval", lambda: collect_step(0, "eval", eval_tasks, config.eval_group_size))
             echo(f"round 0 (base policy): held-out reward {num(info['mean_reward'])} ({info['rewarded']} episodes)")
             summaries.append(RoundSummary(round=0, eval_reward=info["mean_reward"]))
         for n in range(1, config.rounds + 1):
@@ -191,8 +192,8 @@ def run_loop(
                 lambda: {"name": deploy(Path(trained["output"]), round=n, store=store), "path": trained["output"]},
             )
             s.deployed = deployed["name"]
-            if config.eval_tasks:
-                ev = step(n, "eval", lambda: collect_step(n, "eval", config.eval_tasks, config.eval_group_size))
+            if eval_tasks:
+                ev = step(n, "eval", lambda: collect_step(n, "eval", eval_tasks, config.eval_group_size))
                 s.eval_reward = ev["mean_reward"]
             summaries.append(s)
             echo(

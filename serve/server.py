@@ -121,8 +121,8 @@ def start_server(
     if not gpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default would reserve a large share of RAM
         # The model worker runs inside the engine-core process (`uni` executor) instead of a third process
-        # that pays vLLM's and torch's ~20 s import again: 1.3x faster start-up here (median of 2 runs,
-        # benchmarks/bench_serve_start.py). CPU serving is for small models: one worker is all it uses.
+        # that pays vLLM's and torch's import again: a faster start-up (benchmarks/bench_serve_start.py
+        # measures it). CPU serving is for small models: one worker is all it uses.
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and "--distributed-executor-backend" not in extra_args:
             extra_args = [*extra_args, "--distributed-executor-backend", "uni"]

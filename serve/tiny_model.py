@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from lcap.config import LcapError
 
@@ -353,7 +354,7 @@ _WORDS = [
     "should",
 ]
 
-_TOOLS = [
+_TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",
         "function": {
@@ -488,11 +489,11 @@ def init_model(
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
-        pad_token_id=tokenizer.convert_tokens_to_ids(END_OF_TEXT),
-        torch_dtype="float32",
+        pad_token_id=tokenizer.convert_tokens_to_ids(END_OF_TEXT),  # type: ignore[arg-type]  # an int for one token
+        dtype="float32",
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32).eval()
+    model = Qwen2ForCausalLM(config).to(torch.float32).eval()  # type: ignore[arg-type]  # transformers' wrapped .to
     model.generation_config = GenerationConfig(
         eos_token_id=[config.eos_token_id, config.pad_token_id], pad_token_id=config.pad_token_id
     )

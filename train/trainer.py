@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is the documented way in; no warning per round
-from trl import GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer
 
 from lcap.train.samples import Groups
 
@@ -98,6 +98,8 @@ def _group_id(prompt: Any) -> str:
 class CapturedGRPOTrainer(GRPOTrainer):
     """GRPOTrainer whose importance-sampling correction runs against the captured behaviour logprobs."""
 
+    args: GRPOConfig  # GRPOTrainer sets a GRPOConfig; transformers' Trainer declares TrainingArguments
+
     def __init__(self, *args, off_policy_correction: bool = True, **kwargs) -> None:
         self._is_correction = False  # TRL's __init__ must see use_vllm=False (it would start its own vLLM)
         self._generating = False
@@ -118,7 +120,9 @@ class CapturedGRPOTrainer(GRPOTrainer):
     @property
     def fuses_is_ratio(self) -> bool:
         """Whether the IS ratio comes from the loss forward (departure 4) instead of an extra no-grad forward."""
-        aligned = self.args.gradient_accumulation_steps % (self.args.steps_per_generation * self.num_iterations) == 0
+        steps_per_generation = self.args.steps_per_generation
+        assert steps_per_generation is not None  # GRPOConfig.__post_init__ derives it when not given
+        aligned = self.args.gradient_accumulation_steps % (steps_per_generation * self.num_iterations) == 0
         return self._is_correction and aligned and self.vllm_importance_sampling_mode.endswith("_truncate")
 
     def _generate(self, prompts: list):
@@ -129,6 +133,7 @@ class CapturedGRPOTrainer(GRPOTrainer):
             self._generating = False
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        assert self.model is not None  # set before training starts (by __init__ or model_init)
         self._scoring_fused = self.model.training and self.fuses_is_ratio
         try:
             output = super()._generate_and_score_completions(inputs)
