@@ -50,12 +50,14 @@ def main() -> None:
     from fixtures_train import make_captured_samples
     from transformers import PrinterCallback, TrainerCallback
 
+    from lcap.serve.options import TinyModelOptions
     from lcap.serve.tiny_model import init_model
-    from lcap.store import Store
     from lcap.train.grpo import TrainOptions, prepare_round
 
     tmp = Path(tempfile.mkdtemp(prefix="lcap-bench-train-"))
-    model_dir = init_model(tmp / "model", hidden_size=args.hidden, num_layers=args.layers, num_heads=args.hidden // 64)
+    model_dir = init_model(
+        tmp / "model", TinyModelOptions(hidden_size=args.hidden, num_layers=args.layers, num_heads=args.hidden // 64)
+    )
     data = make_captured_samples(
         model_dir, tmp / "data", n_groups=args.groups, group_size=args.group_size, max_new_tokens=args.max_new_tokens
     )
@@ -71,7 +73,7 @@ def main() -> None:
         logging_steps=10**6,
     )  # no per-step log formatting in the timed loop
 
-    samples = prepare_round(Store(tmp / "lcap.duckdb"), tmp / "run", 1, options, data=data).groups.samples
+    samples = prepare_round(tmp / "run", 1, options, data=data).groups.samples
     tokens_per_step = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples) / len(samples) * batch
 
     # Bare PyTorch: the same model object class (fresh LoRA), the same batches, padded like TRL does.
@@ -129,7 +131,7 @@ def main() -> None:
 
     def repeat(n: int) -> tuple[np.ndarray, np.ndarray, float, int]:
         """A fresh round interleaved with bare steps: bare and GRPO seconds (wall, CPU), set-up seconds, steps."""
-        prepared = prepare_round(Store(tmp / f"lcap-{n}.duckdb"), tmp / f"run-{n}", 1, options, data=data)
+        prepared = prepare_round(tmp / f"run-{n}", 1, options, data=data)
         clock = Interleave()
         prepared.trainer.add_callback(clock)
         prepared.trainer.remove_callback(PrinterCallback)  # its end-of-train metrics dump

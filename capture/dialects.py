@@ -9,7 +9,7 @@ so a streamed turn and a plain one look the same in the store.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 CHAT, COMPLETIONS, RESPONSES, MESSAGES = "chat", "completions", "responses", "messages"
@@ -326,37 +326,51 @@ def _completions_stream(events: list[Any]) -> Turn:
 
 
 def _responses(obj: dict) -> Turn:
-    text: list[str] = []
-    calls: list[dict] = []
-    reasoning: list[str] = []
+    content = _Content()
     for item in obj.get("output") or ():
         kind = item.get("type")
         if kind == "message":
-            text.extend(p.get("text") or "" for p in item.get("content") or () if p.get("type") == "output_text")
+            parts = item.get("content") or ()
+            content.text.extend(p.get("text") or "" for p in parts if p.get("type") == "output_text")
         elif kind == "function_call":
-            calls.append({"id": item.get("call_id"), "name": item.get("name"), "arguments": item.get("arguments")})
+            call = {"id": item.get("call_id"), "name": item.get("name"), "arguments": item.get("arguments")}
+            content.calls.append(call)
         elif kind == "reasoning":
             parts = (item.get("content") or []) + (item.get("summary") or [])
-            reasoning.extend(p.get("text") or "" for p in parts)
-    usage = obj.get("usage") or {}
+            content.reasoning.extend(p.get("text") or "" for p in parts)
     status = obj.get("status")
     finish = (obj.get("incomplete_details") or {}).get("reason") if status == "incomplete" else status
     ids_in = [t for m in obj.get("input_messages") or () for t in (m.get("tokens") or ())]
     ids_out = [t for m in obj.get("output_messages") or () for t in (m.get("tokens") or ())]
-    err = obj.get("error")
-    return Turn(
-        response=obj,
-        model_served=obj.get("model"),
-        text="".join(text) if text or not calls else None,
-        tool_calls=calls or None,
-        reasoning="".join(reasoning) or None,
+    return content.turn(
+        obj,
         finish_reason=finish,
-        prompt_tokens=usage.get("input_tokens"),
-        completion_tokens=usage.get("output_tokens"),
         prompt_token_ids=ids_in or None,
         completion_token_ids=ids_out or None,
-        error=_error_text(obj) if err else None,
+        error=_error_text(obj) if obj.get("error") else None,
     )
+
+
+@dataclass
+class _Content:
+    """A Responses or Messages answer's content, gathered from its items or blocks."""
+
+    text: list[str] = field(default_factory=list)
+    calls: list[dict] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+
+    def turn(self, obj: dict, **fields: Any) -> Turn:
+        usage = obj.get("usage") or {}
+        return Turn(
+            response=obj,
+            model_served=obj.get("model"),
+            text="".join(self.text) if self.text or not self.calls else None,
+            tool_calls=self.calls or None,
+            reasoning="".join(self.reasoning) or None,
+            prompt_tokens=usage.get("input_tokens"),
+            completion_tokens=usage.get("output_tokens"),
+            **fields,
+        )
 
 
 _RESPONSE_DONE = ("response.completed", "response.incomplete", "response.failed")
@@ -381,32 +395,17 @@ def _responses_stream(events: list[Any]) -> Turn:
 
 
 def _messages(obj: dict) -> Turn:
-    text, calls, thinking = [], [], []
+    content = _Content()
     for block in obj.get("content") or ():
         kind = block.get("type")
         if kind == "text":
-            text.append(block.get("text") or "")
+            content.text.append(block.get("text") or "")
         elif kind == "tool_use":
-            calls.append(
-                {
-                    "id": block.get("id"),
-                    "name": block.get("name"),
-                    "arguments": json.dumps(block.get("input"), ensure_ascii=False),
-                }
-            )
+            arguments = json.dumps(block.get("input"), ensure_ascii=False)
+            content.calls.append({"id": block.get("id"), "name": block.get("name"), "arguments": arguments})
         elif kind == "thinking":
-            thinking.append(block.get("thinking") or "")
-    usage = obj.get("usage") or {}
-    return Turn(
-        response=obj,
-        model_served=obj.get("model"),
-        text="".join(text) if text or not calls else None,
-        tool_calls=calls or None,
-        reasoning="".join(thinking) or None,
-        finish_reason=obj.get("stop_reason"),
-        prompt_tokens=usage.get("input_tokens"),
-        completion_tokens=usage.get("output_tokens"),
-    )
+            content.reasoning.append(block.get("thinking") or "")
+    return content.turn(obj, finish_reason=obj.get("stop_reason"))
 
 
 def _messages_stream(events: list[Any]) -> Turn:

@@ -28,12 +28,7 @@ def _start(db: Path, options: ProxyOptions) -> CaptureProxy:
 
 
 def run_proxy(
-    command: list[str],
-    *,
-    labels: dict[str, str],
-    episode: str | None,
-    db: Path,
-    options: ProxyOptions,
+    command: list[str], *, labels: dict[str, str], episode: str | None, db: Path, options: ProxyOptions
 ) -> int:
     """Run `command` as one episode behind a fresh proxy; return its exit code."""
     proxy = _start(db, options)

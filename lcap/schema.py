@@ -20,7 +20,7 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE episodes RENAME COLUMN group_index TO sample",
         "ALTER TABLE episodes ADD COLUMN split VARCHAR",
         "UPDATE episodes SET split = labels->>'split'",
-    ),
+    )
 }
 
 TABLES = """

@@ -21,13 +21,14 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lcap.config import LcapError
+from lcap.serve.options import TinyModelOptions
 
 # Sizes and knobs tuned so that the held-out reward rises by >= 0.3 within 5 rounds on a 2-core CPU.
-MODEL_SIZES = dict(hidden_size=128, num_layers=2, num_heads=2)
+MODEL = TinyModelOptions(hidden_size=128, num_layers=2, num_heads=2)
 
 
 @dataclass
@@ -89,7 +90,7 @@ def run_demo(
     if not (model / "warm_start.json").exists():
         echo(f"[demo] making the tiny model in {model} and warm-starting it ({settings.warm_steps} supervised steps)")
         shutil.rmtree(model, ignore_errors=True)
-        init_model(model, seed=settings.seed, **MODEL_SIZES)
+        init_model(model, replace(MODEL, seed=settings.seed))
         report = warm_start(
             model,
             read_words(bundled / "words.txt"),

@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-from lcap.cli_options import DbOption, one_line_errors
+from lcap.cli_options import DbOption, one_line_errors, with_options
+from lcap.serve.options import TinyModelOptions
 
 
 def register(app: typer.Typer) -> None:
@@ -15,21 +16,15 @@ def register(app: typer.Typer) -> None:
 
     @app.command("init-model")
     @one_line_errors
+    @with_options(TinyModelOptions, "options")
     def init_model_command(
         out: Annotated[Path, typer.Argument(help="Directory to write the model to (must be empty or new).")],
-        seed: Annotated[int, typer.Option(help="Random seed: same seed and sizes, same bytes.")] = 0,
-        hidden_size: Annotated[int, typer.Option(help="Hidden size (head_dim = hidden / heads must be >= 32).")] = 128,
-        layers: Annotated[int, typer.Option(help="Transformer layers.")] = 2,
-        heads: Annotated[int, typer.Option(help="Attention heads.")] = 2,
-        vocab_size: Annotated[int, typer.Option(help="Largest tokenizer vocabulary to train.")] = 2048,
+        options: TinyModelOptions,
     ) -> None:
         """Make the tiny default policy: random-init Qwen2-style LM, local BPE tokenizer, tool-call chat template."""
         from lcap.serve.tiny_model import init_model
 
-        path = init_model(
-            out, seed=seed, hidden_size=hidden_size, num_layers=layers, num_heads=heads, vocab_size=vocab_size
-        )
-        typer.echo(str(path))
+        typer.echo(str(init_model(out, options)))
 
     @app.command()
     @one_line_errors

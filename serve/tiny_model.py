@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lcap.config import LcapError
+from lcap.serve.options import TinyModelOptions
 
 IM_START, IM_END, END_OF_TEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 SPECIAL_TOKENS = [END_OF_TEXT, IM_START, IM_END]
@@ -354,7 +355,7 @@ _WORDS = [
     "should",
 ]
 
-_TOOLS: list[dict[str, Any]] = [
+CORPUS_TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",
         "function": {
@@ -394,7 +395,7 @@ def _corpus() -> list[str]:
             texts.append(f"What is {a} + {b}? The answer is {a + b}.")
             texts.append(f"Compute {a} * {b} - {a}. Answer: {a * b - a}")
             texts.append(f"{a} / {b} = {a / b:.2f}; {a} - {b} = {a - b}")
-    for tool in _TOOLS:
+    for tool in CORPUS_TOOLS:
         texts.append(json.dumps(tool))
         texts.append(json.dumps(tool, indent=2))
         name = tool["function"]["name"]
@@ -439,30 +440,12 @@ def _train_tokenizer(vocab_size: int):
     return tokenizer
 
 
-def init_model(
-    out: Path,
-    *,
-    seed: int = 0,
-    hidden_size: int = 128,
-    num_layers: int = 2,
-    num_heads: int = 2,
-    num_kv_heads: int | None = None,
-    intermediate_size: int | None = None,
-    vocab_size: int = 2048,
-    max_position_embeddings: int = 8192,
-) -> Path:
+def init_model(out: Path, options: TinyModelOptions = TinyModelOptions()) -> Path:
     """Write a random-init Qwen2ForCausalLM with its tokenizer and chat template to `out`.
 
-    Deterministic: the same arguments give the same bytes. Defaults make a ~0.6M-parameter model
-    that vLLM starts on CPU in seconds; pass larger sizes for a demo that should learn more.
+    Deterministic: the same options give the same bytes. The defaults make a model small enough that vLLM
+    starts on CPU in seconds; pass larger sizes for a demo that should learn more.
     """
-    if hidden_size % num_heads or hidden_size // num_heads < 32:
-        raise LcapError(
-            f"hidden size {hidden_size} / {num_heads} heads must be a whole head_dim >= 32 (vLLM's CPU attention)"
-        )
-    num_kv_heads = num_kv_heads or num_heads
-    if num_heads % num_kv_heads:
-        raise LcapError(f"{num_heads} heads are not a multiple of {num_kv_heads} kv heads")
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise LcapError(f"{out} exists and is not empty")
@@ -471,28 +454,28 @@ def init_model(
     from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=_train_tokenizer(vocab_size),
+        tokenizer_object=_train_tokenizer(options.vocab_size),
         eos_token=IM_END,
         pad_token=END_OF_TEXT,
         chat_template=CHAT_TEMPLATE,
-        model_max_length=max_position_embeddings,
+        model_max_length=options.max_position_embeddings,
         clean_up_tokenization_spaces=False,
     )
     config = Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
+        hidden_size=options.hidden_size,
+        intermediate_size=options.intermediate_size or 2 * options.hidden_size,
+        num_hidden_layers=options.num_layers,
+        num_attention_heads=options.num_heads,
+        num_key_value_heads=options.num_kv_heads or options.num_heads,
+        max_position_embeddings=options.max_position_embeddings,
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
         pad_token_id=tokenizer.convert_tokens_to_ids(END_OF_TEXT),  # type: ignore[arg-type]  # an int for one token
         dtype="float32",
     )
-    torch.manual_seed(seed)
+    torch.manual_seed(options.seed)
     model = Qwen2ForCausalLM(config).to(torch.float32).eval()  # type: ignore[arg-type]  # transformers' wrapped .to
     model.generation_config = GenerationConfig(
         eos_token_id=[config.eos_token_id, config.pad_token_id], pad_token_id=config.pad_token_id

@@ -1,11 +1,8 @@
-"""Shared fixtures. Each stage keeps its fixtures in its own module, imported here."""
+"""Shared test set-up: each stage keeps its fixtures in its own module (loaded below as pytest plugins)."""
 
 import signal
 
-from fixtures_capture import *  # noqa: F403
-from fixtures_dataset import *  # noqa: F403
-from fixtures_train import *  # noqa: F403
-from fixtures_vllm import *  # noqa: F403  (policy server: tiny model + real vLLM CPU)
+pytest_plugins = ["fixtures_vllm", "fixtures_capture", "fixtures_dataset", "fixtures_train"]
 
 # A suite started in the background (`cmd &` in a script, nohup) inherits SIGINT ignored, and so
 # would every lcap and agent it starts; several tests send SIGINT on purpose. A handler here makes

@@ -19,9 +19,10 @@ from lcap.dataset.samples_file import SAMPLE_SCHEMA  # the trainer reads what th
 
 def make_tiny_model(out: Path, seed: int = 0) -> Path:
     """The serve stage's tiny Qwen2 (head_dim 64, byte-level BPE, ChatML template)."""
+    from lcap.serve.options import TinyModelOptions
     from lcap.serve.tiny_model import init_model
 
-    return init_model(out, seed=seed)
+    return init_model(out, TinyModelOptions(seed=seed))
 
 
 def sample_from_model(

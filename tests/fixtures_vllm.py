@@ -74,9 +74,10 @@ def tiny_lora(tiny_model_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The tiny default model (`lcap init-model`), made once per session."""
+    from lcap.serve.options import TinyModelOptions
     from lcap.serve.tiny_model import init_model
 
-    return init_model(tmp_path_factory.mktemp("tiny-model") / "tiny", seed=0)
+    return init_model(tmp_path_factory.mktemp("tiny-model") / "tiny", TinyModelOptions(seed=0))
 
 
 @pytest.fixture(scope="session")

@@ -25,6 +25,29 @@ def _tasks(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def _collect(
+    store: Store,
+    tasks: Path,
+    command: list[str],
+    *,
+    group_size: int,
+    round: int,
+    verifier: str,
+    protect: tuple[str, ...] = (),
+):
+    """Collect on the served policy, a whole group at once."""
+    options = CollectOptions(
+        group_size=group_size,
+        concurrency=group_size,
+        round=round,
+        upstream="policy",
+        timeout=180,
+        verifier=verifier,
+        protect=protect,
+    )
+    return collect(store, tasks=tasks, command=command, options=options)
+
+
 def _turns(store: Store, episode_id: str) -> list[dict]:
     cur = store.fetchall(
         """SELECT seq, prompt_token_ids, completion_token_ids, completion_logprobs, token_source,
@@ -52,20 +75,9 @@ def test_single_turn_agent_command_verifier_and_tamper_guard(vllm_server, openai
             },
         ],
     )
-    result = collect(
-        store,
-        tasks=tasks,
-        command=[*py_agent("openai_single.py"), "--question", "{question}", "--write", "{write}", "--max-tokens", "12"],
-        options=CollectOptions(
-            group_size=3,
-            concurrency=3,
-            round=1,
-            upstream="policy",
-            timeout=180,
-            verifier=f"{sys.executable} {DATASET_VERIFIERS / 'brevity.py'}",
-            protect=("tests/**",),
-        ),
-    )
+    command = [*py_agent("openai_single.py"), "--question", "{question}", "--write", "{write}", "--max-tokens", "12"]
+    verifier = f"{sys.executable} {DATASET_VERIFIERS / 'brevity.py'}"
+    result = _collect(store, tasks, command, group_size=3, round=1, verifier=verifier, protect=("tests/**",))
     assert (result.episodes, result.finished, result.failed) == (9, 9, 0), result.statuses
     assert result.tampered == 3
 
@@ -116,29 +128,10 @@ def test_multi_turn_tool_agent_env_masks_merged_and_split(vllm_server, openai_en
     store = Store(tmp_path / "lcap.duckdb")
     tasks = _tasks(tmp_path / "tasks.jsonl", [{"id": "france", "question": "What is the capital of France?"}])
     # the bias makes the model end its turn at once: its completion re-renders to the same tokens
-    result = collect(
-        store,
-        tasks=tasks,
-        command=[
-            *py_agent("openai_tools.py"),
-            "--question",
-            "{question}",
-            "--turns",
-            "4",
-            "--compact-at",
-            "2",
-            "--logit-bias",
-            json.dumps({str(end): 100}),
-        ],
-        options=CollectOptions(
-            group_size=2,
-            concurrency=2,
-            round=2,
-            upstream="policy",
-            timeout=180,
-            verifier=f"{DATASET_VERIFIERS / 'python_verifiers.py'}:answer_length",
-        ),
-    )
+    command = [*py_agent("openai_tools.py"), "--question", "{question}", "--turns", "4", "--compact-at", "2"]
+    command += ["--logit-bias", json.dumps({str(end): 100})]
+    verifier = f"{DATASET_VERIFIERS / 'python_verifiers.py'}:answer_length"
+    result = _collect(store, tasks, command, group_size=2, round=2, verifier=verifier)
     assert result.finished == 2, result.statuses
     assert store.fetchall("SELECT DISTINCT reward_source FROM episode_summary") == [
         (f"{DATASET_VERIFIERS / 'python_verifiers.py'}:answer_length",)

@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from lcap.cli import app
+from lcap.policy import PolicyServer, write_policy
 
 
 def tree_hash(path: Path) -> str:
@@ -34,9 +35,10 @@ def test_init_model_is_deterministic_given_the_seed(tmp_path):
 def test_tiny_model_is_what_vllm_cpu_needs(tmp_path):
     from transformers import AutoConfig, AutoTokenizer
 
+    from lcap.serve.options import TinyModelOptions
     from lcap.serve.tiny_model import init_model
 
-    out = init_model(tmp_path / "m", hidden_size=128, num_heads=2)
+    out = init_model(tmp_path / "m", TinyModelOptions(hidden_size=128, num_heads=2))
     config = AutoConfig.from_pretrained(out)
     assert config.architectures == ["Qwen2ForCausalLM"]
     assert config.hidden_size // config.num_attention_heads >= 32
@@ -74,6 +76,22 @@ def test_serve_reports_the_log_when_vllm_dies_on_start(tmp_path, monkeypatch):
     assert read_policy() is None
 
 
+def _record(pid: int) -> None:
+    """A policy record (at LCAP_POLICY_RECORD) for a server on a closed port led by `pid`."""
+    write_policy(
+        PolicyServer(
+            url="http://127.0.0.1:9",
+            pid=pid,
+            base_model="m",
+            served_model="m",
+            current="m",
+            log_path="",
+            python="",
+            started_at="",
+        )
+    )
+
+
 def test_serve_status_and_deploy_without_a_server(tmp_path, monkeypatch):
     monkeypatch.setenv("LCAP_POLICY_RECORD", str(tmp_path / "policy.json"))
     runner = CliRunner()
@@ -81,21 +99,7 @@ def test_serve_status_and_deploy_without_a_server(tmp_path, monkeypatch):
     assert status.exit_code == 1 and json.loads(status.output) == {"running": False}
     deployed = runner.invoke(app, ["deploy", str(tmp_path), "--db", str(tmp_path / "s.duckdb")])
     assert deployed.exit_code == 2 and "no policy server is running" in deployed.output
-    (tmp_path / "policy.json").write_text(
-        json.dumps(
-            {
-                "url": "http://127.0.0.1:9",
-                "pid": 2**22 + 1,
-                "base_model": "m",
-                "served_model": "m",
-                "current": "m",
-                "log_path": "",
-                "python": "",
-                "started_at": "",
-                "loras": {},
-            }
-        )
-    )
+    _record(pid=2**22 + 1)  # no such process
     deployed = runner.invoke(app, ["deploy", str(tmp_path / "nothing-here"), "--db", str(tmp_path / "s.duckdb")])
     assert deployed.exit_code == 2 and "neither a LoRA adapter" in deployed.output
 
@@ -103,7 +107,7 @@ def test_serve_status_and_deploy_without_a_server(tmp_path, monkeypatch):
 def test_vllm_env_rejects_a_venv_without_vllm_and_reuses_a_stamped_one(tmp_path, monkeypatch):
     import sys
 
-    from lcap.train import vllm_env
+    from lcap.serve import vllm_env
 
     monkeypatch.setenv("LCAP_HOME", str(tmp_path))
     (tmp_path / "vllm-venv" / "bin").mkdir(parents=True)
@@ -130,21 +134,7 @@ def test_serve_stop_ends_the_whole_process_group(tmp_path, monkeypatch):
     monkeypatch.setenv("LCAP_POLICY_RECORD", str(tmp_path / "policy.json"))
     leader = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300; wait"], start_new_session=True)
     time.sleep(0.2)
-    (tmp_path / "policy.json").write_text(
-        json.dumps(
-            {
-                "url": "http://127.0.0.1:9",
-                "pid": leader.pid,
-                "base_model": "m",
-                "served_model": "m",
-                "current": "m",
-                "log_path": "",
-                "python": "",
-                "started_at": "",
-                "loras": {},
-            }
-        )
-    )
+    _record(pid=leader.pid)
     result = CliRunner().invoke(app, ["serve", "--stop"])
     assert result.exit_code == 0 and f"stopped policy server http://127.0.0.1:9 (pid {leader.pid})" in result.output
     assert leader.poll() is not None and not (tmp_path / "policy.json").exists()

@@ -7,6 +7,8 @@ import json
 import httpx
 import pytest
 
+from lcap.serve.tiny_model import CORPUS_TOOLS
+
 pytestmark = pytest.mark.vllm
 
 MESSAGES = [
@@ -20,25 +22,12 @@ MESSAGES = [
                 "id": "call_1",
                 "type": "function",
                 "function": {"name": "calculator", "arguments": '{"expression": "12 * 7"}'},
-            },
+            }
         ],
     },
     {"role": "tool", "tool_call_id": "call_1", "content": "84"},
 ]
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calculator",
-            "description": "Evaluate an arithmetic expression.",
-            "parameters": {
-                "type": "object",
-                "properties": {"expression": {"type": "string"}},
-                "required": ["expression"],
-            },
-        },
-    }
-]
+TOOLS = CORPUS_TOOLS  # the tool the tiny tokenizer was trained on
 
 
 def test_chat_token_ids_match_vllm_tokenize_and_the_template(vllm_policy):
@@ -61,12 +50,7 @@ def test_chat_token_ids_match_vllm_tokenize_and_the_template(vllm_policy):
 
     tokenized = httpx.post(
         f"{vllm_policy.url}/tokenize",
-        json={
-            "model": vllm_policy.served_model,
-            "messages": MESSAGES,
-            "tools": TOOLS,
-            "add_generation_prompt": True,
-        },
+        json={"model": vllm_policy.served_model, "messages": MESSAGES, "tools": TOOLS, "add_generation_prompt": True},
         timeout=60,
     ).json()
     assert answer["prompt_token_ids"] == tokenized["tokens"]

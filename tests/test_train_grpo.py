@@ -33,10 +33,7 @@ def options(model_dir: Path, **kw) -> TrainOptions:
 
 
 def test_step_raises_positive_and_lowers_negative_advantage(tiny_train_model, captured_samples, tmp_path):
-    store = Store(tmp_path / "lcap.duckdb")
-    prepared = prepare_round(
-        store, tmp_path / "run", 1, options(tiny_train_model, learning_rate=3e-3), data=captured_samples
-    )
+    prepared = prepare_round(tmp_path / "run", 1, options(tiny_train_model, learning_rate=3e-3), data=captured_samples)
     samples = prepared.groups.real_samples
     model = prepared.trainer.model
     before = [model_token_logp(model, s) for s in samples]
@@ -130,11 +127,7 @@ def first_batch(
     the grad flag of every log-prob forward."""
     seen, forwards = loss_inputs(monkeypatch)
     prepared = prepare_round(
-        Store(tmp_path / "db"),
-        tmp_path / "run",
-        1,
-        options(model_dir, is_mode=is_mode, is_max=2.0, epochs=epochs),
-        data=data,
+        tmp_path / "run", 1, options(model_dir, is_mode=is_mode, is_max=2.0, epochs=epochs), data=data
     )
     prepared.trainer.train()
     return seen[0], forwards
@@ -215,13 +208,7 @@ def test_token_mask_mode_drops_rejected_tokens_from_the_denominator(
 
 def test_without_correction_no_ratio(tiny_train_model, captured_samples, tmp_path, monkeypatch):
     seen, _ = loss_inputs(monkeypatch)
-    prepared = prepare_round(
-        Store(tmp_path / "db"),
-        tmp_path / "run",
-        1,
-        options(tiny_train_model, is_correction=False),
-        data=captured_samples,
-    )
+    prepared = prepare_round(tmp_path / "run", 1, options(tiny_train_model, is_correction=False), data=captured_samples)
     prepared.trainer.train()
     assert "importance_sampling_ratio" not in seen[0]
 
@@ -247,9 +234,7 @@ def test_cpu_logps_from_the_plain_lm_head_equal_trls_fused_head(
     import trl.trainer.utils as trl_utils
     from trl import GRPOTrainer
 
-    prepared = prepare_round(
-        Store(tmp_path / "db"), tmp_path / "run", 1, options(tiny_train_model), data=captured_samples
-    )
+    prepared = prepare_round(tmp_path / "run", 1, options(tiny_train_model), data=captured_samples)
     trainer, samples = prepared.trainer, prepared.groups.real_samples
     ids, attn, c_len = padded_batch(samples)
     fused_calls: list[int] = []
@@ -286,7 +271,6 @@ def test_activation_checkpointing_off_on_cpu_unless_asked(
 ):
     """Checkpointing trades a second forward for memory: worth it on a GPU, not on CPU (the default there)."""
     prepared = prepare_round(
-        Store(tmp_path / "db"),
         tmp_path / "run",
         1,
         options(tiny_train_model, activation_checkpointing=setting, max_steps=1),

@@ -19,8 +19,8 @@ def register(app: typer.Typer) -> None:
 @with_options(TrainOptions, "options")
 def train(
     round: Annotated[int, typer.Option("--round", help="The round to train (its collected episodes).")],
-    run: Annotated[Path, typer.Option("--run", help="Run folder: RUN/round-N/{data,adapter,config.json}.")],
     db: DbOption,
+    run: Annotated[Path, typer.Option("--run", help="Run folder: RUN/round-N/{data,adapter,config.json}.")],
     options: TrainOptions,
     data: Annotated[
         Path | None,

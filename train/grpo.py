@@ -99,15 +99,7 @@ class PreparedRound:
     batch: int
 
 
-def prepare_round(
-    store,
-    run: Path,
-    round: int,
-    options: TrainOptions = TrainOptions(),
-    *,
-    data: Path | None = None,
-    progress: bool = False,
-) -> PreparedRound:
+def prepare_round(run: Path, round: int, options: TrainOptions, data: Path | None = None) -> PreparedRound:
     """Everything up to `trainer.train()`: the samples as groups, the policy, the TRL trainer."""
     import torch
     from datasets import Dataset
@@ -115,7 +107,6 @@ def prepare_round(
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig
 
-    from lcap.train.progress import step_progress
     from lcap.train.samples import make_groups, read_samples
     from lcap.train.trainer import CapturedGRPOTrainer, captured_advantage, captured_rollout
 
@@ -210,18 +201,7 @@ def prepare_round(
         off_policy_correction=options.is_correction,
     )
     trainer.remove_callback(PrinterCallback)  # its per-step dicts go to TensorBoard and train_runs, not the terminal
-    if progress:
-        trainer.add_callback(step_progress(f"train round {round}"))
-    return PreparedRound(
-        trainer=trainer,
-        groups=groups,
-        base_model=base_model,
-        init_from=init_from,
-        kind=kind,
-        samples_path=samples_path,
-        current=current,
-        batch=batch,
-    )
+    return PreparedRound(trainer, groups, base_model, init_from, kind, samples_path, current, batch)
 
 
 def train_round(
@@ -240,7 +220,11 @@ def train_round(
 
     run = Path(run)
     started_at = now()
-    p = prepare_round(store, run, round, options, data=data, progress=progress)
+    p = prepare_round(run, round, options, data)
+    if progress:
+        from lcap.train.progress import step_progress
+
+        p.trainer.add_callback(step_progress(f"train round {round}"))
     trainer, groups, kind = p.trainer, p.groups, p.kind
     out_dir = round_dir(run, round)
     t0 = time.perf_counter()

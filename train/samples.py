@@ -136,13 +136,7 @@ def make_groups(
             members.append(members[len(members) % len(members)].pad_copy())
             padded += 1
         groups[gid] = members
-    return Groups(
-        size=size,
-        groups=groups,
-        dropped_stale=dropped_stale,
-        dropped_small=dropped_small,
-        padded=padded,
-    )
+    return Groups(size=size, groups=groups, dropped_stale=dropped_stale, dropped_small=dropped_small, padded=padded)
 
 
 def _has_behaviour_logprobs(row: dict) -> bool:

@@ -11,14 +11,11 @@ from openai import OpenAI
 
 client = OpenAI(max_retries=0, timeout=30)
 MESSAGES = [{"role": "user", "content": "Say hello. My key is sk-user-pasted-secret-abcdef0123456789"}]
+WEATHER = {"name": "get_weather", "description": "Weather in a city"}
 TOOLS = [
     {
         "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather in a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-        },
+        "function": {**WEATHER, "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
     }
 ]
 
