@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lcap.capture.redact import redact_text
 from lcap.config import LcapError
 from lcap.dataset.options import CollectOptions
 from lcap.dataset.verifiers import (
@@ -311,7 +312,7 @@ class _Runner:
     def _episode(self, spec: EpisodeSpec) -> tuple[str, int | None, str | None]:
         # Recorded first, so that even a task whose workdir cannot be set up leaves an episode row.
         self.store.start_episode(
-            spec.episode_id, command=shlex.join(spec.argv), cwd=str(spec.workdir), labels=spec.labels
+            spec.episode_id, command=redact_text(shlex.join(spec.argv)), cwd=str(spec.workdir), labels=spec.labels
         )
         if spec.dir.exists():
             shutil.rmtree(spec.dir)

@@ -31,7 +31,7 @@ def collect(
     """Run the agent command (after --) on every task, --group-size times, through the capture proxy.
 
     The command is a template: {field} is replaced by the task's field (shell-quoted inside
-    `sh -c` scripts), plus {episode_id}, {sample}, {round}, {workdir}, {cwd}. The agent also gets
+    `sh -c` scripts), plus {episode_id}, {sample}, {round}, {split}, {workdir}, {cwd}. The agent also gets
     LCAP_TASK (the task as JSON) and LCAP_EPISODE_ID, and runs in its own working directory.
     Re-running the same collect skips the episodes it already finished.
     """

@@ -2,7 +2,7 @@
 
 Layout of a run folder, one sub-folder per round:
 
-    RUN/run.json                  base model and the options the run was started with
+    RUN/run.json                  the base model the run was started on
     RUN/round-N/data/             the dataset this round trained on (samples.parquet, from build_dataset)
     RUN/round-N/adapter/          the LoRA adapter (default) or RUN/round-N/checkpoint/ (--full)
     RUN/round-N/config.json       every option, resolved paths, library versions
