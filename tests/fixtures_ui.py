@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -309,13 +310,14 @@ class UiServer:
         raise RuntimeError("lcap ui did not start listening in 30 s")
 
     def stop(self) -> str:
-        self.proc.terminate()
+        """Stop it as Ctrl-C would; everything it printed after its first line."""
+        self.proc.send_signal(signal.SIGINT)
         try:
-            _, err = self.proc.communicate(timeout=10)
+            out, err = self.proc.communicate(timeout=10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            _, err = self.proc.communicate()
-        return err
+            out, err = self.proc.communicate()
+        return out + err
 
 
 @pytest.fixture(scope="session")

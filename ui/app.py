@@ -50,13 +50,13 @@ CSP = (
 )
 
 
-def create_app(db: Path, options: UiOptions, *, token: str | None) -> Starlette:
+def create_app(db: Path, options: UiOptions, *, token: str | None, max_listeners: int = MAX_LISTENERS) -> Starlette:
     """The UI over the store at `db`. With a `token`, every request must carry it (cookie, ?token= or Bearer)."""
     reader = Reader(Path(db), timeout=options.store_timeout)
     watch = Watch(reader, options.poll)
     tokenizers = Tokenizers(options.tokenizer)
     templates = Jinja2Templates(env=_environment())
-    listeners = _Listeners(MAX_LISTENERS)
+    listeners = _Listeners(max_listeners)
 
     def page(request: Request, name: str, context: dict[str, Any], status: int = 200) -> Response:
         context = {"db": str(db), "poll_ms": int(options.poll * 1000), **context}
@@ -83,6 +83,7 @@ def create_app(db: Path, options: UiOptions, *, token: str | None) -> Starlette:
                 choices = queries.filter_choices(con)
         except LcapError as exc:
             return failed(request, exc)
+        queried = time.perf_counter()
         pages = max(1, math.ceil(total / f.per_page))
         optional = [n for n, c in queries.OPTIONAL_TURN_FLAGS.items() if c in cols.get("turns", set())]
         response = page(
@@ -103,7 +104,10 @@ def create_app(db: Path, options: UiOptions, *, token: str | None) -> Starlette:
             },
             400 if f.errors else 200,
         )
-        response.headers["Server-Timing"] = f"db;dur={(time.perf_counter() - started) * 1000:.1f}"
+        done = time.perf_counter()  # the template is rendered by now
+        response.headers["Server-Timing"] = (
+            f"db;dur={(queried - started) * 1000:.1f}, total;dur={(done - started) * 1000:.1f}"
+        )
         return response
 
     def episode(request: Request) -> Response:

@@ -406,7 +406,9 @@ def base_models(con: duckdb.DuckDBPyConnection, names: list[str]) -> dict[str, s
 
 def group(con: duckdb.DuckDBPyConnection, round: int | None, split: str, task_id: str) -> list[dict[str, Any]]:
     """Every episode of one GRPO group (a task in a round and split), best reward first, with the advantage
-    build-dataset gives it (`episode_advantages`; NULL for an episode that does not train)."""
+    build-dataset gives it. The `episode_advantages` view computes that for the whole store at once; this is
+    its statement narrowed to one group (the same eligibility, latest per key, and formula; a test holds the
+    two equal), so a group costs a look-up, not an aggregation of every turn."""
     return _dicts(
         con.execute(
             """WITH g AS (
@@ -419,8 +421,14 @@ def group(con: duckdb.DuckDBPyConnection, round: int | None, split: str, task_id
                      WHERE episode_id IN (SELECT episode_id FROM g) GROUP BY episode_id),
                fl AS (SELECT episode_id, list(DISTINCT flag ORDER BY flag) AS flags FROM episode_flags
                       WHERE episode_id IN (SELECT episode_id FROM g) GROUP BY episode_id),
-               a AS (SELECT episode_id, advantage, zero_variance FROM episode_advantages
-                     WHERE round IS NOT DISTINCT FROM $round AND split = $split AND task_id = $task)
+               kept AS (SELECT episode_id, reward FROM g
+                        WHERE $round IS NOT NULL AND status = 'ok' AND reward IS NOT NULL
+                        QUALIFY row_number() OVER (PARTITION BY sample ORDER BY started_at DESC) = 1),
+               a AS (SELECT episode_id,
+                            (reward - avg(reward) OVER ()) / (coalesce(stddev_samp(reward) OVER (), 0) + 1e-4)
+                                AS advantage,
+                            max(reward) OVER () = min(reward) OVER () AS zero_variance
+                     FROM kept)
                SELECT g.*, coalesce(t.n_turns, 0) AS n_turns, coalesce(fl.flags, []::VARCHAR[]) AS flags,
                       a.advantage, a.zero_variance
                FROM g LEFT JOIN t USING (episode_id) LEFT JOIN fl USING (episode_id) LEFT JOIN a USING (episode_id)
