@@ -84,7 +84,9 @@ def main() -> None:
                     total = [r[0]["total"] for r in runs]
                     db_ms = statistics.median(r[0]["db"] for r in runs)
                     wall_ms = statistics.median(r[1] for r in runs)
-                    print(f"{name:70s} {statistics.median(total):>14.0f} ({max(total):>5.0f}) {db_ms:>7.0f} {wall_ms:>8.0f}")
+                    print(
+                        f"{name:70s} {statistics.median(total):>14.0f} ({max(total):>5.0f}) {db_ms:>7.0f} {wall_ms:>8.0f}"
+                    )
                 for name, path in OTHERS.items():
                     walls = []
                     for _ in range(3):

@@ -83,7 +83,11 @@ class UiStore:
         command: str = "python agent.py",
     ) -> None:
         started = self.tick()
-        labels = {k: str(v) for k, v in (("task", task), ("round", round), ("sample", sample), ("split", split)) if v is not None}
+        labels = {
+            k: str(v)
+            for k, v in (("task", task), ("round", round), ("sample", sample), ("split", split))
+            if v is not None
+        }
         rows = []
         for seq, turn in enumerate(turns):
             begin = self.tick(0.5)
@@ -150,7 +154,14 @@ class UiStore:
         for flag in flags:
             self.store.append(
                 "episode_flags",
-                [{"episode_id": episode_id, "flag": flag, "details": json.dumps({"why": flag}), "created_at": self.tick()}],
+                [
+                    {
+                        "episode_id": episode_id,
+                        "flag": flag,
+                        "details": json.dumps({"why": flag}),
+                        "created_at": self.tick(),
+                    }
+                ],
             )
 
     def calc_turns(self, answer: str = ANSWER, *, logprob: float = -0.05) -> list[dict]:
@@ -161,8 +172,13 @@ class UiStore:
         c1 = self.ids('calc {"expression": "12 * 7"}')
         env = self.ids(" tool 84 assistant ")
         c2 = self.ids(answer)
-        sent = {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "calc", "arguments": call["arguments"]}}]}
+        sent = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "calc", "arguments": call["arguments"]}}
+            ],
+        }
         return [
             {
                 "request": {"model": "gpt-4o-mini", "messages": messages, "tools": [CALC]},
@@ -181,7 +197,9 @@ class UiStore:
                     "messages": messages + [sent, {"role": "tool", "tool_call_id": "call_1", "content": "84"}],
                     "tools": [CALC],
                 },
-                "response": {"choices": [{"message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}]},
+                "response": {
+                    "choices": [{"message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}]
+                },
                 "completion_text": answer,
                 "reasoning": "12 times 7 is 84, the tool agrees.",
                 "prompt_token_ids": p1 + c1 + env,
@@ -201,13 +219,26 @@ def fill_store(store, tokenizer_dir: Path, *, xss: bool = True) -> UiStore:
     evil = XSS if xss else "plain"
     store.append(
         "deployments",
-        [{"name": "policy-r1", "path": str(tokenizer_dir), "base_model": str(tokenizer_dir), "kind": "lora", "round": 1,
-          "created_at": b.tick()}],
+        [
+            {
+                "name": "policy-r1",
+                "path": str(tokenizer_dir),
+                "base_model": str(tokenizer_dir),
+                "kind": "lora",
+                "round": 1,
+                "created_at": b.tick(),
+            }
+        ],
     )
     for n, reward in enumerate((1.0, 1.0, 0.0, 0.5)):
         answer = ANSWER if reward == 1.0 else ("The answer is 96." if reward == 0 else "It is about 80.")
-        b.episode(f"ep-calc-{n}", b.calc_turns(answer), sample=n, reward=reward,
-                  details={"expected": "84", "got": answer, "note": evil})
+        b.episode(
+            f"ep-calc-{n}",
+            b.calc_turns(answer),
+            sample=n,
+            reward=reward,
+            details={"expected": "84", "got": answer, "note": evil},
+        )
     for n in range(2):
         b.episode(f"ep-eval-{n}", b.calc_turns(), split="eval", task="calc-eval", sample=n, reward=0.5 + 0.5 * n)
     for n in range(3):
@@ -215,62 +246,168 @@ def fill_store(store, tokenizer_dir: Path, *, xss: bool = True) -> UiStore:
     # Untrusted text in every captured field the UI shows.
     b.episode(
         "ep-xss",
-        [{"request": {"model": evil, "messages": [{"role": "user", "content": evil}], "tools": [
-            {"type": "function", "function": {"name": evil}}]},
-          "model_requested": evil, "model_served": evil, "completion_text": evil, "reasoning": evil,
-          "tool_calls": [{"id": evil, "name": evil, "arguments": json.dumps({"html": evil})}],
-          "error": evil, "status_code": 500, "finish_reason": evil, "token_source": None}],
-        task=evil, sample=0, round=1, split="train", reward=0.25, details={"x": evil}, flags=("verifier_error",),
+        [
+            {
+                "request": {
+                    "model": evil,
+                    "messages": [{"role": "user", "content": evil}],
+                    "tools": [{"type": "function", "function": {"name": evil}}],
+                },
+                "model_requested": evil,
+                "model_served": evil,
+                "completion_text": evil,
+                "reasoning": evil,
+                "tool_calls": [{"id": evil, "name": evil, "arguments": json.dumps({"html": evil})}],
+                "error": evil,
+                "status_code": 500,
+                "finish_reason": evil,
+                "token_source": None,
+            }
+        ],
+        task=evil,
+        sample=0,
+        round=1,
+        split="train",
+        reward=0.25,
+        details={"x": evil},
+        flags=("verifier_error",),
         command=f"python agent.py --note '{evil}'",
     )
     b.episode(
         "ep-anthropic",
-        [{"dialect": "messages", "path": "/v1/messages", "host": "api.anthropic.com", "token_source": None,
-          "model_requested": "claude-sonnet-4-5",
-          "request": {"model": "claude-sonnet-4-5", "system": [{"type": "text", "text": "You help with files."}],
-                      "messages": [
-                          {"role": "user", "content": "List the files."},
-                          {"role": "assistant", "content": [
-                              {"type": "thinking", "thinking": "I should call ls."},
-                              {"type": "tool_use", "id": "tu_1", "name": "ls", "input": {"path": "/srv"}}]},
-                          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu_1",
-                                                        "content": "notes.txt\nplan.md"}]}]},
-          "completion_text": "There are two files: notes.txt and plan.md.", "finish_reason": "end_turn"}],
-        task="files", sample=0, reward=1.0,
+        [
+            {
+                "dialect": "messages",
+                "path": "/v1/messages",
+                "host": "api.anthropic.com",
+                "token_source": None,
+                "model_requested": "claude-sonnet-4-5",
+                "request": {
+                    "model": "claude-sonnet-4-5",
+                    "system": [{"type": "text", "text": "You help with files."}],
+                    "messages": [
+                        {"role": "user", "content": "List the files."},
+                        {
+                            "role": "assistant",
+                            "content": [
+                                {"type": "thinking", "thinking": "I should call ls."},
+                                {"type": "tool_use", "id": "tu_1", "name": "ls", "input": {"path": "/srv"}},
+                            ],
+                        },
+                        {
+                            "role": "user",
+                            "content": [
+                                {"type": "tool_result", "tool_use_id": "tu_1", "content": "notes.txt\nplan.md"}
+                            ],
+                        },
+                    ],
+                },
+                "completion_text": "There are two files: notes.txt and plan.md.",
+                "finish_reason": "end_turn",
+            }
+        ],
+        task="files",
+        sample=0,
+        reward=1.0,
     )
     b.episode(
         "ep-responses",
-        [{"dialect": "responses", "path": "/v1/responses", "token_source": None,
-          "request": {"model": "gpt-4.1-mini", "instructions": "Answer briefly.", "input": [
-              {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
-              {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Need the weather tool."}]},
-              {"type": "function_call", "name": "get_weather", "call_id": "fc_1", "arguments": '{"city": "Paris"}'},
-              {"type": "function_call_output", "call_id": "fc_1", "output": "18 C, sunny"}]},
-          "completion_text": "Paris: 18 C and sunny.", "finish_reason": "completed"}],
-        task="weather", sample=0, reward=1.0,
+        [
+            {
+                "dialect": "responses",
+                "path": "/v1/responses",
+                "token_source": None,
+                "request": {
+                    "model": "gpt-4.1-mini",
+                    "instructions": "Answer briefly.",
+                    "input": [
+                        {
+                            "type": "message",
+                            "role": "user",
+                            "content": [{"type": "input_text", "text": "Weather in Paris?"}],
+                        },
+                        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Need the weather tool."}]},
+                        {
+                            "type": "function_call",
+                            "name": "get_weather",
+                            "call_id": "fc_1",
+                            "arguments": '{"city": "Paris"}',
+                        },
+                        {"type": "function_call_output", "call_id": "fc_1", "output": "18 C, sunny"},
+                    ],
+                },
+                "completion_text": "Paris: 18 C and sunny.",
+                "finish_reason": "completed",
+            }
+        ],
+        task="weather",
+        sample=0,
+        reward=1.0,
     )
     b.episode(
         "ep-completions",
-        [{"dialect": "completions", "path": "/v1/completions", "request": {"model": "m", "prompt": "Once upon a time"},
-          "completion_text": " there was a proxy.", "finish_reason": "length",
-          "prompt_token_ids": b.ids("Once upon a time"), "completion_token_ids": b.ids(" there was a proxy."),
-          "completion_logprobs": [-0.2] * len(b.ids(" there was a proxy."))}],
-        task="story", sample=0, reward=0.0, flags=("tampered",),
+        [
+            {
+                "dialect": "completions",
+                "path": "/v1/completions",
+                "request": {"model": "m", "prompt": "Once upon a time"},
+                "completion_text": " there was a proxy.",
+                "finish_reason": "length",
+                "prompt_token_ids": b.ids("Once upon a time"),
+                "completion_token_ids": b.ids(" there was a proxy."),
+                "completion_logprobs": [-0.2] * len(b.ids(" there was a proxy.")),
+            }
+        ],
+        task="story",
+        sample=0,
+        reward=0.0,
+        flags=("tampered",),
     )
     b.episode("ep-running", [b.calc_turns()[0]], task="calc-1", sample=7, status="running")
     store.append(
         "train_runs",
-        [{"run": "/runs/demo", "round": n, "started_at": b.tick(), "ended_at": b.tick(), "base_model": str(tokenizer_dir),
-          "kind": "lora", "n_samples": 8, "n_groups": 2, "group_size": 4, "mean_reward": 0.6 + 0.1 * n, "loss": 0.1,
-          "kl": 0.01 * n, "is_ratio_mean": 1.0, "is_ratio_min": 0.9, "is_ratio_max": 1.1, "clip_fraction": 0.02 * n,
-          "tokens": 400, "train_seconds": 1.5, "tokens_per_s": 260.0, "steps": 2, "output": f"/runs/demo/round-{n}/adapter",
-          "config": "{}"} for n in (1, 2)],
+        [
+            {
+                "run": "/runs/demo",
+                "round": n,
+                "started_at": b.tick(),
+                "ended_at": b.tick(),
+                "base_model": str(tokenizer_dir),
+                "kind": "lora",
+                "n_samples": 8,
+                "n_groups": 2,
+                "group_size": 4,
+                "mean_reward": 0.6 + 0.1 * n,
+                "loss": 0.1,
+                "kl": 0.01 * n,
+                "is_ratio_mean": 1.0,
+                "is_ratio_min": 0.9,
+                "is_ratio_max": 1.1,
+                "clip_fraction": 0.02 * n,
+                "tokens": 400,
+                "train_seconds": 1.5,
+                "tokens_per_s": 260.0,
+                "steps": 2,
+                "output": f"/runs/demo/round-{n}/adapter",
+                "config": "{}",
+            }
+            for n in (1, 2)
+        ],
     )
     store.append(
         "loop_steps",
-        [{"run": "/runs/demo", "round": n, "step": step, "mean_reward": None,
-          "details": json.dumps({"seconds": seconds}), "created_at": b.tick()}
-         for n in (1, 2) for step, seconds in (("collect", 30.0), ("build", 0.2), ("train", 1.1), ("deploy", 0.1), ("eval", 15.0))],
+        [
+            {
+                "run": "/runs/demo",
+                "round": n,
+                "step": step,
+                "mean_reward": None,
+                "details": json.dumps({"seconds": seconds}),
+                "created_at": b.tick(),
+            }
+            for n in (1, 2)
+            for step, seconds in (("collect", 30.0), ("build", 0.2), ("train", 1.1), ("deploy", 0.1), ("eval", 15.0))
+        ],
     )
     return b
 
@@ -305,7 +442,9 @@ class UiServer:
                     return
             except OSError:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"lcap ui exited: {self.proc.stderr.read() if self.proc.stderr else ''}")
+                    raise RuntimeError(
+                        f"lcap ui exited: {self.proc.stderr.read() if self.proc.stderr else ''}"
+                    ) from None
                 time.sleep(0.1)
         raise RuntimeError("lcap ui did not start listening in 30 s")
 

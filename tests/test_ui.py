@@ -104,7 +104,12 @@ def test_prompts_are_read_in_each_dialects_terms():
             "messages": [
                 {"role": "user", "content": "list"},
                 {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "ls", "input": {"p": 1}}]},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text", "text": "a.txt"}]}]},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text", "text": "a.txt"}]}
+                    ],
+                },
             ],
         },
     )
@@ -124,11 +129,20 @@ def test_each_call_shows_what_it_adds_and_a_rewritten_history_in_full():
     first = {"dialect": "chat", "request": {"messages": [{"role": "user", "content": "q"}]}, "completion_text": "a1"}
     second = {
         "dialect": "chat",
-        "request": {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a1"},
-                                 {"role": "user", "content": "more"}]},
+        "request": {
+            "messages": [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "a1"},
+                {"role": "user", "content": "more"},
+            ]
+        },
         "completion_text": "a2",
     }
-    rewritten = {"dialect": "chat", "request": {"messages": [{"role": "user", "content": "summary"}]}, "completion_text": "a3"}
+    rewritten = {
+        "dialect": "chat",
+        "request": {"messages": [{"role": "user", "content": "summary"}]},
+        "completion_text": "a3",
+    }
     views = conversation([first, second, rewritten])
     assert [[m.parts[0].text for m in v.new] for v in views] == [["q"], ["more"], ["summary"]]
     assert [(v.echoed, v.rewritten) for v in views] == [(0, False), (2, False), (0, True)]
@@ -147,8 +161,15 @@ def test_every_page_renders_what_the_store_holds(ui_db):
         assert "/runs/demo/round-2/adapter" in overview.text
         episode = c.get("/episode", params={"id": "ep-calc-2"})
         assert episode.status_code == 200
-        for text in ("What is 12 * 7?", "The answer is 96.", "12 times 7 is 84, the tool agrees.", "gpt-4o-mini",
-                     "verify.py:verify", "1/train/calc-1", "&#34;expected&#34;: &#34;84&#34;"):
+        for text in (
+            "What is 12 * 7?",
+            "The answer is 96.",
+            "12 times 7 is 84, the tool agrees.",
+            "gpt-4o-mini",
+            "verify.py:verify",
+            "1/train/calc-1",
+            "&#34;expected&#34;: &#34;84&#34;",
+        ):
             assert text in episode.text, text
         anthropic = c.get("/episode", params={"id": "ep-anthropic"}).text
         assert "I should call ls." in anthropic and "notes.txt\nplan.md" in anthropic
@@ -194,7 +215,7 @@ def test_the_token_view_shows_the_samples_build_dataset_trains_on(ui_db, tmp_pat
     copy = tmp_path / "copy.duckdb"
     copy.write_bytes(ui_db.read_bytes())
     build_dataset(Store(copy), round=1, out=tmp_path / "data")
-    sample = [s for s in read_samples_table(tmp_path / "data").to_pylist() if s["episode_id"] == "ep-calc-2"][0]
+    sample = next(s for s in read_samples_table(tmp_path / "data").to_pylist() if s["episode_id"] == "ep-calc-2")
     assert [int(i) for _, i in completion] == sample["completion_ids"]
     assert [0 if kind == "env" else 1 for kind, _ in completion] == sample["env_mask"]
     assert tokens.count('class="boundary"') == 2  # two calls merged into one sample
@@ -230,8 +251,11 @@ def test_episode_list_filters(ui_db):
         assert ids(task="calc-1", round=1) == ["ep-calc-0", "ep-calc-1", "ep-calc-2", "ep-calc-3", "ep-running"]
         assert ids(q="EVAL") == ["ep-eval-0", "ep-eval-1"]
         assert ids(reward_min=0.4, reward_max=0.6, round=1) == ["ep-calc-3", "ep-eval-0"]
-        by_reward = rows_of(c.get("/episodes", params={"sort": "reward", "order": "asc", "round": 1, "split": "train",
-                                                        "task": "calc-1"}).text)
+        by_reward = rows_of(
+            c.get(
+                "/episodes", params={"sort": "reward", "order": "asc", "round": 1, "split": "train", "task": "calc-1"}
+            ).text
+        )
         assert by_reward == ["ep-calc-2", "ep-calc-3", "ep-calc-0", "ep-calc-1", "ep-running"]  # NULLs last
 
 
@@ -253,11 +277,24 @@ def test_episode_list_pages_and_sorts_server_side(many_db):
 
 def test_bad_query_values_are_named_and_ignored(ui_db):
     with client(ui_db) as c:
-        answer = c.get("/episodes", params={"round": "two", "sort": "reward; DROP TABLE turns", "per_page": 7,
-                                             "reward_min": "nan", "flag": "made_up"})
+        answer = c.get(
+            "/episodes",
+            params={
+                "round": "two",
+                "sort": "reward; DROP TABLE turns",
+                "per_page": 7,
+                "reward_min": "nan",
+                "flag": "made_up",
+            },
+        )
     assert answer.status_code == 400
-    for said in ("round: &#39;two&#39; is not a number", "sort: unknown value", "per_page: use one of",
-                 "reward_min: &#39;nan&#39; is not a finite number", "flag: unknown value"):
+    for said in (
+        "round: &#39;two&#39; is not a number",
+        "sort: unknown value",
+        "per_page: use one of",
+        "reward_min: &#39;nan&#39; is not a finite number",
+        "flag: unknown value",
+    ):
         assert said in answer.text, said
     assert len(rows_of(answer.text)) == 14  # the page still lists, unfiltered
 
@@ -302,7 +339,9 @@ def test_a_store_from_an_older_lcap_gets_an_error_page_not_a_crash(tmp_path):
 
 
 def test_no_store_is_one_line_and_exit_2(tmp_path):
-    done = subprocess.run([LCAP, "ui", "--db", str(tmp_path / "none.duckdb")], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [LCAP, "ui", "--db", str(tmp_path / "none.duckdb")], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "no store at" in done.stderr
     bad = subprocess.run([LCAP, "ui", "--db", str(tmp_path / "x"), "--poll", "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--poll 0.0: use 0.2 to 60 seconds" in bad.stderr
@@ -337,8 +376,13 @@ def test_the_ui_never_writes_and_serves_while_a_writer_writes(ui_db, tmp_path):
     server = UiServer(db)
     try:
         with httpx.Client(base_url=server.url, timeout=30) as c:
-            for path in ("/", "/episodes", "/episode?id=ep-calc-0", "/group?round=1&split=train&task=calc-1",
-                         "/raw?turn=ep-calc-0/t0&part=response"):
+            for path in (
+                "/",
+                "/episodes",
+                "/episode?id=ep-calc-0",
+                "/group?round=1&split=train&task=calc-1",
+                "/raw?turn=ep-calc-0/t0&part=response",
+            ):
                 assert c.get(path).status_code == 200
             assert hashlib.sha256(db.read_bytes()).hexdigest() == digest
             writer = subprocess.Popen(

@@ -35,7 +35,10 @@ def page(browser):
     context = browser.new_context(viewport={"width": 1280, "height": 900})
     tab = context.new_page()
     tab.problems = []
-    tab.on("console", lambda m: tab.problems.append(f"console.{m.type}: {m.text}") if m.type in ("error", "warning") else None)
+    tab.on(
+        "console",
+        lambda m: tab.problems.append(f"console.{m.type}: {m.text}") if m.type in ("error", "warning") else None,
+    )
     tab.on("pageerror", lambda e: tab.problems.append(f"pageerror: {e}"))
     tab.on("dialog", lambda d: (tab.problems.append(f"dialog: {d.message}"), d.dismiss()))
     yield tab
@@ -57,9 +60,17 @@ def wait_until(condition, timeout: float = 10.0) -> None:
 
 
 def test_every_page_loads_without_console_errors(ui, page):
-    for path in ("/", "/episodes", "/episodes?flag=tampered", "/episode?id=ep-calc-0", "/episode?id=ep-anthropic",
-                 "/episode?id=ep-responses", "/episode?id=ep-completions", "/episode?id=ep-running",
-                 "/group?round=1&split=train&task=calc-1"):
+    for path in (
+        "/",
+        "/episodes",
+        "/episodes?flag=tampered",
+        "/episode?id=ep-calc-0",
+        "/episode?id=ep-anthropic",
+        "/episode?id=ep-responses",
+        "/episode?id=ep-completions",
+        "/episode?id=ep-running",
+        "/group?round=1&split=train&task=calc-1",
+    ):
         visit(page, ui.url + path)
         assert page.problems == [], path
     visit(page, ui.url + "/")
@@ -139,12 +150,30 @@ def test_agent_output_captured_by_the_proxy_is_shown_as_text(capture_env, llm, p
     markup; the UI shows them as the agent received them, and none of it runs."""
     llm.text = "Sure: " + XSS
     task = '<img src=x onerror="window.__xss = 3">'
-    done = run_lcap(["proxy", "--upstream", llm.url, "--episode", "ep-sdk", "--label", f"task={task}", "--label",
-                     "round=1", "--", *agent("openai_agent.py"), "chat", "responses"], capture_env)
+    done = run_lcap(
+        [
+            "proxy",
+            "--upstream",
+            llm.url,
+            "--episode",
+            "ep-sdk",
+            "--label",
+            f"task={task}",
+            "--label",
+            "round=1",
+            "--",
+            *agent("openai_agent.py"),
+            "chat",
+            "responses",
+        ],
+        capture_env,
+    )
     assert done.returncode == 0, done.stderr
     llm.tool_call = {"name": "get_weather", "arguments": {"city": XSS}}
-    done = run_lcap(["proxy", "--upstream", llm.url, "--episode", "ep-sdk-tools", "--", *agent("openai_agent.py"),
-                     "tools"], capture_env)
+    done = run_lcap(
+        ["proxy", "--upstream", llm.url, "--episode", "ep-sdk-tools", "--", *agent("openai_agent.py"), "tools"],
+        capture_env,
+    )
     assert done.returncode == 0, done.stderr
     server = UiServer(Path(capture_env["LCAP_DB"]))
     try:
@@ -153,7 +182,9 @@ def test_agent_output_captured_by_the_proxy_is_shown_as_text(capture_env, llm, p
         assert "Say hello. My key is" in text and f"Sure: {XSS}" in text and task in text
         assert "chat" in text and "responses" in text
         visit(page, server.url + "/episode?id=ep-sdk-tools")
-        assert "get_weather" in page.inner_text(".tool-call") and XSS.replace('"', '\\"') in page.inner_text(".tool-call")
+        assert "get_weather" in page.inner_text(".tool-call") and XSS.replace('"', '\\"') in page.inner_text(
+            ".tool-call"
+        )
         visit(page, server.url + "/episodes")
         assert page.evaluate("window.__xss") is None and page.locator("img[src=x]").count() == 0
         assert page.problems == []
@@ -173,8 +204,19 @@ def test_live_updates_arrive_without_a_reload(page, tmp_path):
         page.wait_for_selector("#rows >> text=ep-arrives", timeout=15_000)
         visit(page, server.url + "/episode?id=ep-running")
         page.evaluate("window.__same_page = true")
-        store.append("turns", [{"turn_id": "ep-running/t9", "episode_id": "ep-running", "seq": 1, "dialect": "chat",
-                                "completion_text": "a second call, live", "request": json.dumps({"messages": []})}])
+        store.append(
+            "turns",
+            [
+                {
+                    "turn_id": "ep-running/t9",
+                    "episode_id": "ep-running",
+                    "seq": 1,
+                    "dialect": "chat",
+                    "completion_text": "a second call, live",
+                    "request": json.dumps({"messages": []}),
+                }
+            ],
+        )
         page.wait_for_selector("text=a second call, live", timeout=15_000)
         assert page.evaluate("window.__same_page") is True  # swapped in place, not reloaded
         visit(page, server.url + "/")

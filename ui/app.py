@@ -402,7 +402,7 @@ def _short(value: Any, n: int = 80) -> str:
 
 def _overview_charts(o: dict[str, Any]) -> list[dict[str, Any]]:
     """Chart specs (labels and series) for the overview; the browser draws them with Chart.js."""
-    charts = []
+    charts: list[dict[str, Any]] = []
     rounds = sorted({r["round"] for r in o["rewards"]})
     if rounds:
         splits = sorted({r["split"] for r in o["rewards"]})
@@ -470,4 +470,3 @@ def _overview_charts(o: dict[str, Any]) -> list[dict[str, Any]]:
             }
         )
     return charts
-

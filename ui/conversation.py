@@ -81,7 +81,9 @@ def _content_parts(content: Any) -> list[Part]:
         elif kind in ("thinking", "redacted_thinking", "reasoning_text", "summary_text"):
             parts.append(_part("reasoning", block.get("thinking") or block.get("text") or ""))
         elif kind == "tool_use":
-            parts.append(_part("tool_call", _arguments(block.get("input")), name=block.get("name"), call_id=block.get("id")))
+            parts.append(
+                _part("tool_call", _arguments(block.get("input")), name=block.get("name"), call_id=block.get("id"))
+            )
         elif kind == "tool_result":
             inner = block.get("content")
             text = inner if isinstance(inner, str) else "\n".join(p.text for p in _content_parts(inner))
@@ -103,15 +105,19 @@ def _chat(request: dict) -> list[Message]:
         if thought := m.get("reasoning_content") or m.get("reasoning"):
             parts.append(_part("reasoning", thought))
         if role == "tool":
-            text = m.get("content") if isinstance(m.get("content"), str) else "\n".join(
-                p.text for p in _content_parts(m.get("content"))
+            text = (
+                m.get("content")
+                if isinstance(m.get("content"), str)
+                else "\n".join(p.text for p in _content_parts(m.get("content")))
             )
             parts.append(_part("tool_result", text, name=m.get("name"), call_id=m.get("tool_call_id")))
         else:
             parts.extend(_content_parts(m.get("content")))
         for call in m.get("tool_calls") or ():
             fn = (call or {}).get("function") or {}
-            parts.append(_part("tool_call", _arguments(fn.get("arguments")), name=fn.get("name"), call_id=call.get("id")))
+            parts.append(
+                _part("tool_call", _arguments(fn.get("arguments")), name=fn.get("name"), call_id=call.get("id"))
+            )
         messages.append(Message(role, parts))
     return messages
 
@@ -215,7 +221,9 @@ def answer_message(turn: dict[str, Any]) -> Message:
             calls = [{"name": "?", "arguments": calls}]
     for call in calls or ():
         if isinstance(call, dict):
-            parts.append(_part("tool_call", _arguments(call.get("arguments")), name=call.get("name"), call_id=call.get("id")))
+            parts.append(
+                _part("tool_call", _arguments(call.get("arguments")), name=call.get("name"), call_id=call.get("id"))
+            )
     return Message("assistant", parts)
 
 

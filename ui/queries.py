@@ -170,7 +170,8 @@ def episode_page(
     con: duckdb.DuckDBPyConnection, f: EpisodeFilter, cols: dict[str, set[str]]
 ) -> tuple[list[dict[str, Any]], int]:
     """One page of the filtered, sorted episode list and the number of episodes that match."""
-    where, params = ["true"], {}
+    where: list[str] = ["true"]
+    params: dict[str, Any] = {}
     if f.round is not None:
         where.append("e.round = $round")
         params["round"] = f.round
@@ -181,7 +182,9 @@ def episode_page(
         where.append("e.task_id = $task")
         params["task"] = f.task
     if f.q:
-        where.append("(contains(lower(e.episode_id), lower($q)) OR contains(lower(coalesce(e.task_id, '')), lower($q)))")
+        where.append(
+            "(contains(lower(e.episode_id), lower($q)) OR contains(lower(coalesce(e.task_id, '')), lower($q)))"
+        )
         params["q"] = f.q
     if f.status:
         where.append("e.status = $status")
@@ -243,7 +246,9 @@ def episode_page(
 
 def filter_choices(con: duckdb.DuckDBPyConnection) -> dict[str, list[Any]]:
     """The values the list's select boxes offer: rounds and splits present in the store."""
-    rounds = [r[0] for r in con.execute("SELECT DISTINCT round FROM episodes WHERE round IS NOT NULL ORDER BY 1").fetchall()]
+    rounds = [
+        r[0] for r in con.execute("SELECT DISTINCT round FROM episodes WHERE round IS NOT NULL ORDER BY 1").fetchall()
+    ]
     splits = [r[0] for r in con.execute("SELECT DISTINCT coalesce(split, 'train') FROM episodes ORDER BY 1").fetchall()]
     return {"rounds": rounds, "splits": splits}
 
@@ -300,7 +305,9 @@ def overview(con: duckdb.DuckDBPyConnection, cols: dict[str, set[str]]) -> dict[
     )
     run = con.execute("SELECT arg_max(run, created_at) FROM loop_steps").fetchone()
     deployments = _dicts(
-        con.execute("SELECT name, base_model, kind, round, created_at FROM deployments ORDER BY created_at DESC LIMIT 20")
+        con.execute(
+            "SELECT name, base_model, kind, round, created_at FROM deployments ORDER BY created_at DESC LIMIT 20"
+        )
     )
     return {
         "totals": totals or {},

@@ -14,12 +14,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-
 import anyio.to_thread
 import duckdb
 
 from lcap.store import Store
 from lcap.ui import queries
+
 
 class Reader:
     """Read-only access to one store, shared by the app's threads."""
@@ -63,4 +63,3 @@ class Watch:
                     self._error = str(exc).splitlines()[0][:300]
                 self._at = self.clock()
             return self._value, self._error
-

@@ -139,7 +139,11 @@ def token_view(turns: pa.Table, tokenizers: Tokenizers, base_models: dict[str, s
         at = 0
         for k, call in enumerate(mine):
             c_len = len(call["completion_ids"])
-            env_len = 0 if k == 0 else len(call["prompt_ids"]) - len(mine[k - 1]["prompt_ids"]) - len(mine[k - 1]["completion_ids"])
+            env_len = (
+                0
+                if k == 0
+                else len(call["prompt_ids"]) - len(mine[k - 1]["prompt_ids"]) - len(mine[k - 1]["completion_ids"])
+            )
             end = at + env_len + c_len
             take = max(0, min(end - at, budget))
             seg_ids = ids[at : at + take]
@@ -149,7 +153,9 @@ def token_view(turns: pa.Table, tokenizers: Tokenizers, base_models: dict[str, s
                 for i, t, lp, m in zip(seg_ids, texts, logprobs[at : at + take], mask[at : at + take])
             ]
             sample.segments.append(
-                Segment(call["seq"], tokens[: min(env_len, take)], tokens[min(env_len, take) :], bool(call["truncated"]))
+                Segment(
+                    call["seq"], tokens[: min(env_len, take)], tokens[min(env_len, take) :], bool(call["truncated"])
+                )
             )
             budget -= take
             sample.hidden += (end - at) - take
