@@ -213,7 +213,7 @@ def episode_page(
                count(*) OVER () AS matching
         FROM episodes e LEFT JOIN latest_rewards r USING (episode_id)
         WHERE {" AND ".join(where)}),
-    page AS (SELECT * FROM f ORDER BY {SORTS[f.sort]} {direction} NULLS LAST, f.episode_id LIMIT $limit OFFSET $offset),
+    page AS MATERIALIZED (SELECT * FROM f ORDER BY {SORTS[f.sort]} {direction} NULLS LAST, f.episode_id LIMIT $limit OFFSET $offset),
     t AS (  -- turns of the page's episodes only
         SELECT episode_id, count(*) AS n_turns,
                sum(coalesce(prompt_tokens, len(prompt_token_ids))) AS prompt_tokens,
