@@ -16,6 +16,7 @@ from lcap.dataset.commands import register as register_dataset
 from lcap.loop.commands import register as register_loop
 from lcap.serve.commands import register as register_serve
 from lcap.train.commands import register as register_train
+from lcap.ui.commands import register as register_ui
 
 app = typer.Typer(
     name="lcap",
@@ -70,7 +71,7 @@ def setup(
 
 
 def _register_stages() -> None:
-    for register in (register_capture, register_dataset, register_serve, register_train, register_loop):
+    for register in (register_capture, register_dataset, register_serve, register_train, register_loop, register_ui):
         register(app)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -164,6 +165,7 @@ def run_demo(
         f"(+{results['eval_gain']:.3f}) in {results['seconds']:.0f} s; "
         f"check: python scripts/demo/check_learning.py {out}"
     )
+    echo(f"[demo] look at every episode, call and round in a browser: lcap ui --db {shlex.quote(str(store.path))}")
     return results
 
 

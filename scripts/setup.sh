@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh machine: the project's venv (.venv, or $LCAP_VENV) with lcap
-# installed editable, the Node preload's npm packages, and vLLM in a venv of its own (its pins
-# clash with mitmproxy's). Re-running it only checks what is already there.
+# installed editable, the Node preload's npm packages, vLLM in a venv of its own (its pins
+# clash with mitmproxy's), and Debian's Chromium for the UI's browser tests. Re-running it only
+# checks what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${LCAP_VENV:-.venv}
@@ -19,7 +20,12 @@ fi
 stamp=$venv/.lcap-installed
 want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  "$py" -m pip install -q -e ".[train,test]"
+  "$py" -m pip install -q -e ".[train,test,ui]"
   echo "$want" > "$stamp"
+fi
+# The UI's browser tests drive the system Chromium (Playwright's own browser downloads are not reachable).
+if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
+  sudo=$([ "$(id -u)" = 0 ] || echo sudo)
+  $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends chromium
 fi
 "$venv/bin/lcap" setup "$@"

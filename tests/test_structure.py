@@ -12,9 +12,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # A stage may import the core, itself and the stages of lower layers; train and serve are peers and
-# import neither each other nor anything above them.
-LAYERS = {"core": 0, "capture": 1, "dataset": 2, "train": 3, "serve": 3, "loop": 4, "cli": 5}
-STAGES = ("capture", "dataset", "train", "serve", "loop")
+# import neither each other nor anything above them, and so are loop and ui.
+LAYERS = {"core": 0, "capture": 1, "dataset": 2, "train": 3, "serve": 3, "loop": 4, "ui": 4, "cli": 5}
+STAGES = ("capture", "dataset", "train", "serve", "loop", "ui")
 
 
 def _package_dirs() -> dict[str, Path]:
