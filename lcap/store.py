@@ -140,7 +140,8 @@ class Store:
         `new_by`, only rows whose value of that column is not in the table yet. Returns the rows inserted."""
         if not rows:
             return 0
-        batch = pa.Table.from_pylist(list(rows))
+        columns = dict.fromkeys(key for row in rows for key in row)  # every row's keys, not the first row's only
+        batch = pa.Table.from_pydict({column: [row.get(column) for row in rows] for column in columns})
         only_new = f" WHERE {new_by} NOT IN (SELECT {new_by} FROM {table})" if new_by else ""
         with self.connect() as con:
             con.register("_lcap_batch", batch)
