@@ -105,4 +105,7 @@ def redact_path(path: str) -> str:
         (k, REDACTED if _is_secret_key(k) or re.sub(r"[^a-z]", "", k.lower()) in _SECRET_QUERY_KEYS else redact_text(v))
         for k, v in parse_qsl(query, keep_blank_values=True)
     ]
-    return f"{base}?{urlencode(pairs, safe='[]')}"
+    try:
+        return f"{base}?{urlencode(pairs, safe='[]', errors='surrogateescape')}"  # a raw byte stays that byte
+    except UnicodeEncodeError:  # a lone surrogate that no byte decoded to
+        return f"{base}?{urlencode(pairs, safe='[]', errors='surrogatepass')}"

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from lcap.config import LcapError
+from lcap.private_files import USER_UMASK
 
 TIMEOUT_EXIT = 124  # the exit code of a child ended by its timeout, as timeout(1) reports it
 
@@ -51,7 +52,14 @@ def run_child(
         raise LcapError("no command to run (put it after --)")
     try:
         child = subprocess.Popen(
-            list(argv), env=dict(env), cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, start_new_session=own_group
+            list(argv),
+            env=dict(env),
+            cwd=cwd,
+            stdin=stdin,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=own_group,
+            umask=USER_UMASK,  # not the 077 a thread's store write may hold at this moment (lcap.private_files)
         )
     except OSError as exc:
         raise LcapError(f"cannot run {shlex.join(argv)}: {exc.strerror or exc}") from None

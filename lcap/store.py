@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ import duckdb
 import pyarrow as pa
 
 from lcap.config import LcapError
+from lcap.private_files import private_files
 from lcap.schema import MIGRATIONS, PROMOTED_LABELS, SCHEMA_VERSION, TABLES, VIEWS
 
 _LOCKED = ("Could not set lock", "Conflicting lock", "database is locked")
@@ -46,6 +47,7 @@ class _Instance:
         self.lock = threading.RLock()
         self.depth = 0  # nested units of work share one attach
         self.read_only = False
+        self.private = ExitStack()  # a write unit of work creates the file and its WAL 0600
 
 
 _instances: dict[Path, _Instance] = {}
@@ -75,7 +77,13 @@ class Store:
         inst = _instance(self.path)
         with inst.lock:
             if inst.depth == 0:
-                self._attach(inst.con, read_only)
+                if not read_only:
+                    inst.private.enter_context(private_files())
+                try:
+                    self._attach(inst.con, read_only)
+                except BaseException:
+                    inst.private.close()
+                    raise
                 inst.read_only = read_only
             elif inst.read_only and not read_only:
                 raise LcapError(f"store {self.path}: a write inside a read-only unit of work")
@@ -87,7 +95,10 @@ class Store:
             finally:
                 inst.depth -= 1
                 if inst.depth == 0:
-                    _detach(inst.con)
+                    try:
+                        _detach(inst.con)
+                    finally:
+                        inst.private.close()
 
     def _attach(self, con: duckdb.DuckDBPyConnection, read_only: bool) -> None:
         if read_only and not self.path.exists():
@@ -169,6 +180,12 @@ class Store:
             f"""INSERT OR REPLACE INTO episodes (episode_id, command, cwd, started_at, status, labels, {columns})
                 VALUES (?, ?, ?, ?, 'running', ?, {casts})""",
             [episode_id, command, cwd, now(), _json(labels), *(labels.get(label) for label in PROMOTED_LABELS)],
+        )
+
+    def flag_episode(self, episode_id: str, flag: str, details: dict[str, Any]) -> None:
+        """Raise a flag on an episode (tampered, verifier_error, turns_unstored, ...) with its details."""
+        self.append(
+            "episode_flags", [{"episode_id": episode_id, "flag": flag, "details": _json(details), "created_at": now()}]
         )
 
     def end_episode(
