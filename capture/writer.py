@@ -274,9 +274,9 @@ class Drain:
             if not self.batch:
                 return False
         progress = self.progress
-        prior = progress.attempts if progress.attempt_at == self.batch_at else 0
-        # Two writers died storing this record on its own (the first died on its batch): keep it unread.
-        poisoned = prior >= 2 and len(self.batch) == 1
+        same = (progress.attempt_at, progress.attempt_end) == (self.batch_at, self.batch_end)
+        prior = progress.attempts if same else 0
+        poisoned = prior >= 2 and len(self.batch) == 1  # two writers died storing this record alone: keep it unread
         progress.attempt_at, progress.attempt_end, progress.attempts = self.batch_at, self.batch_end, prior + 1
         progress.save(self.directory)  # noted before the attempt: a writer that dies in it tells its successor
         try:
