@@ -36,6 +36,7 @@ from lcap.capture.batch import Outcome, StoreUnavailable, store_entries
 from lcap.capture.spool import Entry, Progress, SpoolAppender, SpoolReader, private_dir, spool_key, spool_store
 from lcap.capture.turn import PendingTurn
 from lcap.config import lcap_home
+from lcap.processes import python_helper
 from lcap.store import Store
 
 log = logging.getLogger("lcap.capture")
@@ -47,12 +48,6 @@ _RESTART_DELAY = (0.1, 5.0)  # the supervisor's backoff between restarts of a wr
 _RESTARTS_AT_STOP = 3  # restarts allowed once the proxy stops (each drains what is left, or dies trying)
 _UNREACHABLE = 3  # the writer's exit code when it stops with turns left in the spool: the store is unreachable
 _LOCKED = 4  # another writer works on this spool
-
-
-def python_helper(module: str, *args: str) -> list[str]:
-    """argv of a Python helper lcap runs: isolated (`-I`: no current directory, PYTHONPATH or user site on
-    sys.path), so nothing the agent wrote where it works is imported by lcap."""
-    return [sys.executable, "-I", "-m", module, *args]
 
 
 @dataclass
@@ -118,6 +113,8 @@ class TurnWriter:
     def _spawn(self) -> subprocess.Popen:
         assert self._spool is not None
         argv = python_helper(
+            sys.executable,
+            "-m",
             "lcap.capture.writer",
             str(self._spool.directory),
             str(self.store.path),

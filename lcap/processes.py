@@ -27,6 +27,21 @@ class ChildExit:
     signals: list[int] = field(default_factory=list)  # SIGINT/SIGTERM/SIGHUP lcap received and passed on
 
 
+def python_helper(python: str, *args: str) -> list[str]:
+    """argv of a Python helper lcap starts (its turn writer, vLLM, accelerate, pip): isolated (`-I`: neither
+    the current directory, nor PYTHONPATH, nor the user site is on sys.path), so that nothing an agent wrote
+    where it works (a `secrets.py`, an `lcap/`) is imported by lcap's own processes."""
+    return [python, "-I", *args]
+
+
+def helper_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a helper whose own children are Pythons started without `-I` (accelerate's workers,
+    torchrun's): the same isolation through variables they read (`PYTHONSAFEPATH`, Python 3.11+)."""
+    out = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    out.update(PYTHONSAFEPATH="1", PYTHONNOUSERSITE="1")
+    return out
+
+
 def run_child(
     argv: Sequence[str],
     env: Mapping[str, str],
