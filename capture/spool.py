@@ -106,7 +106,11 @@ class SpoolAppender:
     def __init__(self, directory: Path, store_path: Path) -> None:
         self.cipher = spool_key(directory.parent)
         private_dir(directory)
-        (directory / "store").write_text(str(store_path.resolve()), encoding="utf-8")
+        fd = os.open(directory / "store", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, str(store_path.resolve()).encode())
+        finally:
+            os.close(fd)
         self.directory = directory
         self.appended = 0
         self._lock = threading.Lock()

@@ -31,7 +31,9 @@ def test_the_writer_imports_nothing_from_the_agents_directory(capture_env, llm, 
     workdir, marker = tmp_path / "work", tmp_path / "marker"
     workdir.mkdir()
     _plant(workdir, marker)
-    result = run_lcap(["proxy", "--upstream", llm.url, "--", *agent("openai_agent.py"), "chat"], capture_env, cwd=workdir)
+    result = run_lcap(
+        ["proxy", "--upstream", llm.url, "--", *agent("openai_agent.py"), "chat"], capture_env, cwd=workdir
+    )
     assert result.returncode == 0, result.stderr
     assert len(turns(capture_env["LCAP_DB"])) == 1  # the writer ran, and stored the turn
     assert not marker.exists(), marker.read_text()

@@ -4,7 +4,9 @@ Usage: raw_agent.py [MODE...]; each MODE is one call to https://api.openai.com (
   surrogate  a chat body with a lone surrogate escape ("\\ud83d", half an emoji)
   ff_path    a raw 0xFF byte in the path's query
   normal     an ordinary chat call
-  kill_writers SECONDS  (last) start a process that SIGKILLs this proxy's turn writers for SECONDS
+  secrets    a chat call whose prompt holds every secret in $LCAP_TEST_SECRETS (JSON), and a query that holds two
+  hold_store  start a process that holds the store ($LCAP_DB) until the file $LCAP_TEST_RELEASE exists
+  kill_writers SECONDS  start a process that SIGKILLs this proxy's turn writers for SECONDS
 """
 
 import base64
@@ -40,6 +42,13 @@ while time.monotonic() < until and alive(proxy):
                 pass
     time.sleep(0.005)
 """
+HOLDER = """
+import duckdb, os, sys, time
+con, until = duckdb.connect(sys.argv[1]), time.monotonic() + 120
+print("held", flush=True)
+while not os.path.exists(sys.argv[2]) and time.monotonic() < until:
+    time.sleep(0.02)
+"""
 
 
 def call(body: bytes, path: bytes = b"/v1/chat/completions") -> None:
@@ -72,6 +81,23 @@ while args:
         call(NORMAL, b"/v1/chat/completions?x=\xff")
     elif mode == "normal":
         call(NORMAL)
+    elif mode == "secrets":
+        import json
+
+        secrets = json.loads(os.environ["LCAP_TEST_SECRETS"])
+        prompt = "Here is my environment:\n" + "\n".join(f"{kind}: {text}" for kind, text in secrets.items())
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": prompt}]}).encode()
+        query = f"?key={secrets['google']}&trace={secrets['huggingface']}".encode()
+        call(body, b"/v1/chat/completions" + query)
+    elif mode == "hold_store":
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, os.environ["LCAP_DB"], os.environ["LCAP_TEST_RELEASE"]],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        assert holder.stdout is not None and holder.stdout.readline().strip() == b"held"
     elif mode == "kill_writers":
         killer = [sys.executable, "-c", KILLER, str(os.getppid()), args.pop(0)]
         quiet = subprocess.DEVNULL  # not lcap's pipes: the caller waits for them to close
