@@ -149,7 +149,8 @@ def redact_keys(text: str | None) -> str | None:
     spans = _secret_spans(data)
     if not spans:
         return text
-    parts, last = [], 0
+    parts: list[bytes] = []
+    last = 0
     for start, end in spans:
         parts += (data[last:start], _REDACTED)
         last = end
