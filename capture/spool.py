@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import pickle
+import stat
 import struct
 import threading
 from dataclasses import dataclass
@@ -55,9 +56,11 @@ def spool_store(directory: Path) -> str | None:
 
 
 def private_dir(path: Path) -> Path:
-    """Create `path` (and its parents) if needed; `path` itself ends up 0700."""
+    """Create `path` (and its parents) if needed; `path` itself ends up 0700 (one of lcap's own: a shared
+    directory, sticky like /tmp or another user's, is left as it is)."""
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    if path.stat().st_mode & 0o077:
+    st = path.stat()
+    if st.st_mode & 0o077 and not st.st_mode & stat.S_ISVTX and st.st_uid == os.getuid():
         path.chmod(0o700)
     return path
 
