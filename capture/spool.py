@@ -29,6 +29,8 @@ from typing import Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from lcap.config import LcapError
+
 log = logging.getLogger("lcap.capture")
 
 SEGMENT_BYTES = 32 << 20
@@ -87,7 +89,7 @@ def spool_key(root: Path) -> AESGCM:
             tmp.unlink()
         key = path.read_bytes()
     if len(key) != 32:
-        raise ValueError(f"spool key {path} is damaged ({len(key)} bytes): remove it and the spools it encrypted")
+        raise LcapError(f"spool key {path} is damaged ({len(key)} bytes): remove it and the spools it sealed")
     return AESGCM(key)
 
 

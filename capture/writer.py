@@ -151,12 +151,13 @@ class TurnWriter:
 
     def finish(self, timeout: float | None = None) -> WriterReport | None:
         """`stop`, returning what became of the turns put (None if the writer was not started)."""
-        spool, proc = self._spool, self._proc
-        if spool is None or proc is None:
+        spool = self._spool
+        if spool is None or self._proc is None:
             return None
         spool.close()
-        with self._progress:
+        with self._progress:  # the supervisor restarts writers under this lock: `proc` is the current one
             self._stopping = True
+            proc = self._proc
         self._end_input(proc)
         wait = timeout if timeout is not None else self.store.timeout + 30
         with self._progress:
@@ -257,7 +258,9 @@ class Drain:
         self.reader = SpoolReader(directory, self.progress.position)
         self.batch: list[Entry] = []
         self.batch_at = self.batch_end = self.reader.position()
-        self.only_new = True  # a writer before this one may have stored the first batch and died before noting it
+        self.first = True
+        # A writer before this one died storing the records up to here (it may have stored some): take them one
+        # at a time, skipping turns already stored.
         self.careful_until = self.progress.attempt_end if self.progress.attempts else None
 
     def step(self) -> bool:
@@ -276,9 +279,11 @@ class Drain:
         poisoned = prior >= 2 and len(self.batch) == 1  # two writers died storing this record alone: keep it unread
         progress.attempt_at, progress.attempt_end, progress.attempts = self.batch_at, self.batch_end, prior + 1
         progress.save(self.directory)  # noted before the attempt: a writer that dies in it tells its successor
+        # The first batch too: a writer killed after storing a batch but before noting anything leaves no trace.
+        only_new = self.first or (self.careful_until is not None and self.batch_at < self.careful_until)
         try:
             outcome = store_entries(
-                self.store, self.directory, self.batch, self.cipher, only_new=self.only_new, poisoned=poisoned
+                self.store, self.directory, self.batch, self.cipher, only_new=only_new, poisoned=poisoned
             )
         except StoreUnavailable:
             progress.attempts = prior
@@ -296,7 +301,7 @@ class Drain:
         progress.attempt_at, progress.attempt_end, progress.attempts = None, None, 0
         progress.save(self.directory)
         self.reader.delete_finished()
-        self.batch, self.only_new = [], False
+        self.batch, self.first = [], False
         if self.careful_until is not None and self.batch_end >= self.careful_until:
             self.careful_until = None
 
@@ -342,6 +347,11 @@ def replay_dead_spools(store: Store, root: Path, *, skip: Path | None = None) ->
             before = drain.progress.handled
             drain.drain()
             recovered += drain.progress.handled - before
+        except StoreUnavailable:
+            raise
+        except Exception as exc:  # this spool stays for a later try; the others and this writer's own go on
+            log.error("lcap: could not replay the spool %s: %s", directory, exc)
+            continue
         finally:
             os.close(fd)
         shutil.rmtree(directory, ignore_errors=True)

@@ -107,7 +107,7 @@ def test_refused_rows_are_split_out_of_their_batch(tmp_path, capture_home):
 
 def test_a_killed_writer_is_restarted_and_stores_each_turn_once(tmp_path, capture_home):
     """kill -9 of the writer: the proxy starts another on the same spool. Even when the dead writer had stored
-    turns without noting it (its progress file rolled back here), each turn is stored once."""
+    turns without noting it (its progress file set back here), each turn is stored once."""
     db, root = tmp_path / "db.duckdb", tmp_path / "spool"
     writer = TurnWriter(Store(db), interval=0.05, spool_root=root)
     writer.start()
@@ -115,9 +115,10 @@ def test_a_killed_writer_is_restarted_and_stores_each_turn_once(tmp_path, captur
     for i in range(5):
         writer.put(_turn(f"before-{i}"))
     assert writer.flush(timeout=30)
-    progress = writer._spool.directory / "progress"
+    progress, end = writer._spool.directory / "progress", list(writer._spool.position())
     os.kill(writer._proc.pid, signal.SIGKILL)
-    progress.write_text(json.dumps({"position": None}))  # as if it died between storing and noting it
+    # As if it died after storing its batch but before noting it: only the attempt is noted.
+    progress.write_text(json.dumps({"position": None, "attempt_at": [1, 0], "attempt_end": end, "attempts": 1}))
     for i in range(5):
         writer.put(_turn(f"after-{i}"))
     assert writer.flush(timeout=60)
