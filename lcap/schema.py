@@ -21,7 +21,7 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE episodes ADD COLUMN split VARCHAR",
         "UPDATE episodes SET split = labels->>'split'",
     ),
-    3: ("ALTER TABLE turns ADD COLUMN degraded VARCHAR",),
+    3: ("ALTER TABLE turns ADD COLUMN IF NOT EXISTS degraded VARCHAR",),  # a version 1 store may have no turns
 }
 
 TABLES = """
