@@ -52,12 +52,6 @@ class Outcome:
     degraded: int = 0  # rows stored degraded or as skeletons (each with a dead letter)
     dead: int = 0  # records stored only as dead letters
 
-    def __iadd__(self, other: Outcome) -> Outcome:
-        self.stored += other.stored
-        self.degraded += other.degraded
-        self.dead += other.dead
-        return self
-
 
 @dataclass
 class _Item:
@@ -101,8 +95,8 @@ def store_entries(
         try:
             items.append(_Item(entry, pending, build_row(pending)))
         except Exception as exc:
-            log.exception("lcap: a turn could not be built into a row; it is stored as a skeleton")
             reason = f"could not build the row: {exc!r}"
+            log.warning("lcap: turn %s is stored as a skeleton: %s", pending.turn_id, reason)
             items.append(_Item(entry, pending, skeleton_row(pending, reason), reason))
     try:
         with store.connect():  # one attach for the batch and any split of it

@@ -259,6 +259,7 @@ class Drain:
         self.batch: list[Entry] = []
         self.batch_at = self.batch_end = self.reader.position()
         self.first = True
+        self.retried = False  # the batch failed part way (the store went away): some of its rows may be in
         # A writer before this one died storing the records up to here (it may have stored some): take them one
         # at a time, skipping turns already stored.
         self.careful_until = self.progress.attempt_end if self.progress.attempts else None
@@ -280,7 +281,7 @@ class Drain:
         progress.attempt_at, progress.attempt_end, progress.attempts = self.batch_at, self.batch_end, prior + 1
         progress.save(self.directory)  # noted before the attempt: a writer that dies in it tells its successor
         # The first batch too: a writer killed after storing a batch but before noting anything leaves no trace.
-        only_new = self.first or (self.careful_until is not None and self.batch_at < self.careful_until)
+        only_new = self.first or self.retried or (self.careful_until is not None and self.batch_at < self.careful_until)
         try:
             outcome = store_entries(
                 self.store, self.directory, self.batch, self.cipher, only_new=only_new, poisoned=poisoned
@@ -288,6 +289,7 @@ class Drain:
         except StoreUnavailable:
             progress.attempts = prior
             progress.save(self.directory)
+            self.retried = True
             raise
         self._done(outcome)
         return True
@@ -301,7 +303,7 @@ class Drain:
         progress.attempt_at, progress.attempt_end, progress.attempts = None, None, 0
         progress.save(self.directory)
         self.reader.delete_finished()
-        self.batch, self.first = [], False
+        self.batch, self.first, self.retried = [], False, False
         if self.careful_until is not None and self.batch_end >= self.careful_until:
             self.careful_until = None
 
