@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 from bench_proxy import LCAP, REPO, UPSTREAM, _measure, _pct, start_proxy
 
-PACKAGES = ("capture", "dataset", "train")  # top-level folders that setuptools maps to lcap.<name>
+PACKAGES = ("capture", "dataset", "train", "serve", "loop")  # top-level folders that setuptools maps to lcap.<name>
 
 
 def _checkout(rev: str, into: Path) -> Path:

@@ -230,11 +230,12 @@ def capture_cost(n: int = 2000) -> tuple[float, float, float]:
     reading its answer and spooling the turn (p50, p99 in us), and the writer process's row building per
     turn (us)."""
     from lcap.capture.calls import Calls, Router, take_episode
-    from lcap.capture.spool import SpoolAppender, SpoolReader
+    from lcap.capture.spool import SpoolAppender, SpoolReader, unseal
     from lcap.capture.turn import build_row
 
-    spool_dir = Path(tempfile.mkdtemp(prefix="lcap-bench-spool-"))
-    spool = SpoolAppender(spool_dir, spool_dir / "unused.duckdb")
+    spool_root = Path(tempfile.mkdtemp(prefix="lcap-bench-spool-"))
+    spool_dir = spool_root / "bench"
+    spool = SpoolAppender(spool_dir, spool_root / "unused.duckdb")
 
     class Writer:
         put = spool.append
@@ -270,12 +271,12 @@ def capture_cost(n: int = 2000) -> tuple[float, float, float]:
         one()
     times = [one() for _ in range(n)]
     spool.close()
-    records = SpoolReader(spool_dir).read()[-n:]
+    records = [unseal(spool.cipher, entry.payload) for entry in SpoolReader(spool_dir).read()[-n:]]
     t0 = time.perf_counter()
     for pending in records:
         build_row(pending)
     per_row = (time.perf_counter() - t0) / n * 1e6
-    shutil.rmtree(spool_dir, ignore_errors=True)
+    shutil.rmtree(spool_root, ignore_errors=True)
     return _pct(times, 0.5), _pct(times, 0.99), per_row
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from lcap.capture.options import ProxyOptions
 from lcap.capture.redact import redact_text
 from lcap.capture.server import CaptureProxy
+from lcap.capture.writer import WriterReport
 from lcap.processes import run_child
 from lcap.store import Store
 
@@ -30,11 +31,13 @@ def _start(db: Path, options: ProxyOptions) -> CaptureProxy:
 def run_proxy(
     command: list[str], *, labels: dict[str, str], episode: str | None, db: Path, options: ProxyOptions
 ) -> int:
-    """Run `command` as one episode behind a fresh proxy; return its exit code."""
+    """Run `command` as one episode behind a fresh proxy; return its exit code. At the end, say on stderr how
+    many of its turns were stored (a warning, and a `turns_unstored` flag on the episode, if some were not)."""
     proxy = _start(db, options)
     episode_id = episode or str(uuid.uuid4())
     store = proxy.store
     status, code, error = "failed", None, None
+    report = None
     try:
         store.start_episode(episode_id, command=redact_text(shlex.join(command)), cwd=os.getcwd(), labels=labels)
         ended = run_child(command, proxy.child_env(episode_id))
@@ -44,9 +47,19 @@ def run_proxy(
         status, error = "error", str(exc) or exc.__class__.__name__
         raise
     finally:
-        proxy.stop()
+        report = proxy.stop()
         store.end_episode(episode_id, status=status, exit_code=code, error=error)
+        if report is not None and report.unstored:
+            store.flag_episode(episode_id, "turns_unstored", _unstored_details(report))
+            if error is not None:  # the summary below is not printed: the warning still is
+                print(report.summary(db), file=sys.stderr, flush=True)
+    if report is not None:
+        print(report.summary(db), file=sys.stderr, flush=True)
     return code
+
+
+def _unstored_details(report: WriterReport) -> dict[str, object]:
+    return {"unstored": report.unstored, "spooled": report.spooled, "spool": str(report.spool)}
 
 
 def serve_proxy(*, db: Path, options: ProxyOptions) -> None:
@@ -66,5 +79,6 @@ def serve_proxy(*, db: Path, options: ProxyOptions) -> None:
         while not stop.wait(0.5):
             pass
     finally:
-        proxy.stop()
-        print(f"lcap proxy stopped: {proxy.writer.written} turns written", file=sys.stderr, flush=True)
+        report = proxy.stop()
+        if report is not None:
+            print(report.summary(db), file=sys.stderr, flush=True)

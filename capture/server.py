@@ -26,7 +26,7 @@ from lcap.capture.addon import CaptureAddon
 from lcap.capture.calls import Calls, Router, parse_upstream
 from lcap.capture.front import Front, LeafCerts
 from lcap.capture.options import ProxyOptions
-from lcap.capture.writer import TurnWriter
+from lcap.capture.writer import TurnWriter, WriterReport
 from lcap.config import LcapError, lcap_home
 from lcap.store import Store
 
@@ -270,15 +270,15 @@ class CaptureProxy:
             time.sleep(0.005)
         return True
 
-    def stop(self, *, drain: float = 10.0) -> None:
+    def stop(self, *, drain: float = 10.0) -> WriterReport | None:
         """Let the calls in flight finish (for up to `drain` seconds), stop accepting calls and write every
-        finished turn to the store."""
+        finished turn to the store; returns what became of the turns (None if the proxy never started)."""
         if self._master is not None and self._thread is not None:
             self._wait_idle(None, time.monotonic() + drain)
             self._master.shutdown()
             self._thread.join(10)
         self._thread = None
-        self.writer.stop()
+        return self.writer.finish()
 
     def __enter__(self) -> CaptureProxy:
         self.start()

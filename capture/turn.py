@@ -11,6 +11,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import time
 import zlib
 from collections.abc import Iterator
@@ -196,3 +197,52 @@ def build_row(p: PendingTurn) -> dict[str, Any]:
         "completion_logprobs": turn.completion_logprobs if has_ids else None,
         "token_source": "vllm" if has_ids else None,
     }
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def repair_text(value: Any, *, json_text: bool = False) -> Any:
+    """A string that UTF-8 can carry: lone surrogates (a cut emoji's `\\ud83d`, a raw 0xFF byte decoded with
+    surrogateescape) become the text `\\uXXXX`; inside JSON text, an escaped backslash and `uXXXX`, so the
+    JSON value reads the same. Anything else is returned as it is."""
+    if not isinstance(value, str) or value.isascii():
+        return value
+    slash = "\\\\" if json_text else "\\"
+    return _SURROGATE.sub(lambda m: f"{slash}u{ord(m.group()):04x}", value)
+
+
+def skeleton_row(p: PendingTurn, reason: str) -> dict[str, Any]:
+    """A turn's identity, timing and status without its content: what is stored when its full row cannot be
+    (its record is kept whole in dead_letters). Every value is checked, since the record is suspect."""
+
+    def text(value: Any) -> str | None:
+        return repair_text(value)[:10_000] if isinstance(value, str) else None
+
+    def int32(value: Any) -> int | None:
+        return value if isinstance(value, int) and not isinstance(value, bool) and -(2**31) <= value < 2**31 else None
+
+    def number(value: Any) -> float | None:
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    row: dict[str, Any] = {
+        "turn_id": text(getattr(p, "turn_id", None)),
+        "degraded": f"stored without content: {reason}",
+    }
+    try:
+        started, t0 = number(p.started_at), number(p.t0)
+        ended = number(p.t_end) if p.t_end is not None else t0
+        if started is not None and t0 is not None and ended is not None:
+            row.update(started_at=_ts(started), ended_at=_ts(started + (ended - t0)), latency_ms=(ended - t0) * 1000.0)
+    except Exception:  # a record this odd keeps no timing
+        pass
+    for name in ("episode_id", "host", "dialect", "transport", "upstream", "model_requested", "deployment"):
+        row[name] = text(getattr(p, name, None))
+    try:
+        row["path"] = text(redact_path(p.path))
+    except Exception:
+        row["path"] = None
+    row["seq"], row["status_code"] = int32(getattr(p, "seq", None)), int32(getattr(p, "status_code", None))
+    row["stream"] = getattr(p, "streamed", False) is True
+    row["error"] = text(f"capture: this turn could not be stored whole (see dead_letters): {reason}")
+    return row

@@ -1,13 +1,17 @@
 """The writer process: finished turns leave the proxy's process at once.
 
 The proxy's hooks append each finished call to a spool (capture/spool.py) and go on. A separate
-process, `python -m lcap.capture.writer`, reads the spool, builds the rows (JSON, SSE reassembly,
-redaction) and appends them to DuckDB in batches, one open per batch. None of that work competes
-with the proxy's event loop for the GIL, so the agent does not wait for capture.
+process, `python -I -m lcap.capture.writer`, reads the spool, builds the rows (JSON, SSE reassembly,
+redaction) and appends them to DuckDB in batches, one open per batch (capture/batch.py: a record the
+store refuses is stored degraded or as a dead letter, never holding up the rest). None of that work
+competes with the proxy's event loop for the GIL, so the agent does not wait for capture.
 
-The writer outlives its proxy on purpose: when lcap dies (kill -9 included) the writer's stdin
-closes, and it writes what is left before exiting. A spool whose proxy and writer both died is
-replayed by the next proxy on the same store, skipping turns that are there already.
+The proxy supervises its writer: one that dies is started again on the same spool, which is the
+source of truth (the writer keeps its position in the spool's `progress` file; a turn it may have
+stored just before dying is skipped by turn_id). The writer runs isolated (`-I`): nothing is imported
+from the agent's working directory or PYTHONPATH. It outlives its proxy on purpose: when lcap dies
+(kill -9 included) the writer's stdin closes, and it writes what is left before exiting. A spool whose
+proxy and writer both died is replayed by the next proxy on the same store.
 """
 
 from __future__ import annotations
@@ -22,22 +26,62 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
-from lcap.capture.spool import SpoolAppender, SpoolReader, spool_store
-from lcap.capture.turn import PendingTurn, build_row
+from lcap.capture.batch import Outcome, StoreUnavailable, store_entries
+from lcap.capture.spool import Entry, Progress, SpoolAppender, SpoolReader, private_dir, spool_key, spool_store
+from lcap.capture.turn import PendingTurn
 from lcap.config import lcap_home
+from lcap.processes import python_helper
 from lcap.store import Store
 
 log = logging.getLogger("lcap.capture")
 
 _LOCK_NAME = "writer.lock"
+BATCH_RECORDS = 2000  # a batch's bound: the writer holds at most this many records in memory
+BATCH_BYTES = 64 << 20
+_RESTART_DELAY = (0.1, 5.0)  # the supervisor's backoff between restarts of a writer that keeps dying
+_RESTARTS_AT_STOP = 3  # restarts allowed once the proxy stops (each drains what is left, or dies trying)
+_UNREACHABLE = 3  # the writer's exit code when it stops with turns left in the spool: the store is unreachable
+_LOCKED = 4  # another writer works on this spool
+
+
+@dataclass
+class WriterReport:
+    """What became of the turns a proxy spooled, at its end."""
+
+    spooled: int
+    stored: int
+    degraded: int
+    dead: int
+    restarts: int
+    spool: Path
+
+    @property
+    def unstored(self) -> int:
+        """Turns still only in the spool (the next proxy on the store writes them)."""
+        return max(0, self.spooled - self.stored - self.degraded - self.dead)
+
+    def summary(self, db: Path) -> str:
+        flagged = f" ({self.degraded} degraded, {self.dead} dead letters)" if self.degraded or self.dead else ""
+        line = f"lcap: {self.stored + self.degraded} of {self.spooled} turns stored in {db}{flagged}"
+        if self.restarts:
+            line += f"; the writer process was restarted {self.restarts} time(s)"
+        if self.unstored:
+            line += (
+                f"; warning: {self.unstored} not stored yet, left in {self.spool}"
+                " (the next lcap proxy on this store writes them)"
+            )
+        return line
 
 
 class TurnWriter:
-    """The proxy's handle on its writer process: `put` finished turns, `flush`, `stop`."""
+    """The proxy's handle on its writer process: `put` finished turns, `flush`, `stop`. Restarts a writer
+    that dies."""
 
     def __init__(self, store: Store, *, interval: float = 0.25, spool_root: Path | None = None) -> None:
         self.store = store
@@ -47,33 +91,44 @@ class TurnWriter:
         self._proc: subprocess.Popen | None = None
         self._progress = threading.Condition()
         self._committed = (0, 0)
+        self._stopping = False
         self._exited = False
-        self.written = 0
-        self.failed = 0
+        self._supervisor: threading.Thread | None = None
+        self.stored = self.degraded = self.dead = 0
+        self.restarts = 0
+
+    @property
+    def written(self) -> int:
+        """Turns in the store (degraded ones included)."""
+        return self.stored + self.degraded
 
     def start(self) -> None:
         directory = self.spool_root / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._spool = SpoolAppender(directory, self.store.path)
-        self._exited = False
-        self._proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "lcap.capture.writer",
-                str(directory),
-                str(self.store.path),
-                "--interval",
-                str(self.interval),
-                "--timeout",
-                str(self.store.timeout),
-            ],
+        self._stopping = self._exited = False
+        self._proc = self._spawn()
+        self._supervisor = threading.Thread(target=self._supervise, name="lcap-writer-supervisor", daemon=True)
+        self._supervisor.start()
+
+    def _spawn(self) -> subprocess.Popen:
+        assert self._spool is not None
+        argv = python_helper(
+            sys.executable,
+            "-m",
+            "lcap.capture.writer",
+            str(self._spool.directory),
+            str(self.store.path),
+            "--interval",
+            str(self.interval),
+            "--timeout",
+            str(self.store.timeout),
+        )
+        return subprocess.Popen(
+            argv,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             start_new_session=True,  # a Ctrl-C must not cut a write
         )
-        threading.Thread(
-            target=self._follow, args=(self._proc.stdout,), name="lcap-writer-progress", daemon=True
-        ).start()
 
     def put(self, turn: PendingTurn) -> None:
         assert self._spool is not None, "TurnWriter.put before start"
@@ -91,27 +146,44 @@ class TurnWriter:
 
     def stop(self, timeout: float | None = None) -> bool:
         """Write everything put so far and end the writer; False if some turns stay in the spool."""
-        if self._spool is None or self._proc is None:
-            return True
-        self._spool.close()
-        self._send(b"stop\n")
+        report = self.finish(timeout)
+        return report is None or report.unstored == 0
+
+    def finish(self, timeout: float | None = None) -> WriterReport | None:
+        """`stop`, returning what became of the turns put (None if the writer was not started)."""
+        spool = self._spool
+        if spool is None or self._proc is None:
+            return None
+        spool.close()
+        with self._progress:  # the supervisor restarts writers under this lock: `proc` is the current one
+            self._stopping = True
+            proc = self._proc
+        self._end_input(proc)
+        wait = timeout if timeout is not None else self.store.timeout + 30
+        with self._progress:
+            if not self._progress.wait_for(lambda: self._exited, wait):
+                log.error("lcap: the turn writer is still busy; it finishes on its own (spool %s)", spool.directory)
+        self._spool = None
+        return WriterReport(spool.appended, self.stored, self.degraded, self.dead, self.restarts, spool.directory)
+
+    def _end_input(self, proc: subprocess.Popen) -> None:
+        """Tell a writer to store what is left and exit (also what closing its stdin says)."""
         try:
-            if self._proc.stdin is not None:
-                self._proc.stdin.close()
-        except OSError:
+            if proc.stdin is not None:
+                proc.stdin.write(b"stop\n")
+                proc.stdin.flush()
+        except (OSError, ValueError):
             pass
         try:
-            code = self._proc.wait(timeout if timeout is not None else self.store.timeout + 30)
-        except subprocess.TimeoutExpired:
-            log.error("lcap: the turn writer is still busy; it finishes on its own (spool %s)", self._spool.directory)
-            code = None
-        with self._progress:
-            self._progress.wait_for(lambda: self._exited, 5)
-        self._spool = None
-        return code == 0
+            if proc.stdin is not None:
+                proc.stdin.close()
+        except OSError:
+            pass
 
     def _send(self, command: bytes) -> None:
-        stdin = self._proc.stdin if self._proc is not None else None
+        with self._progress:
+            proc = self._proc
+        stdin = proc.stdin if proc is not None else None
         try:
             if stdin is not None:
                 stdin.write(command)
@@ -119,32 +191,126 @@ class TurnWriter:
         except (OSError, ValueError):  # the writer is gone: `flush` reports it by timing out
             pass
 
-    def _follow(self, stdout: IO[bytes]) -> None:
-        """Track the writer's progress lines: `committed SEGMENT OFFSET WRITTEN FAILED`."""
-        for line in stdout:
-            parts = line.split()
-            if len(parts) == 5 and parts[0] == b"committed":
-                with self._progress:
-                    self._committed = (int(parts[1]), int(parts[2]))
-                    self.written, self.failed = int(parts[3]), int(parts[4])
-                    self._progress.notify_all()
+    def _supervise(self) -> None:
+        """Follow the writer's progress; start a new writer on the same spool when one dies."""
+        delay, restarts_at_stop = _RESTART_DELAY[0], 0
+        while True:
+            with self._progress:
+                proc = self._proc
+            assert proc is not None and proc.stdout is not None
+            started = time.monotonic()
+            self._follow(proc.stdout)
+            code = proc.wait()
+            with self._progress:
+                stopping = self._stopping
+            if code in (0, _UNREACHABLE, _LOCKED) or (stopping and restarts_at_stop >= _RESTARTS_AT_STOP):
+                break  # done; or the store is unreachable at the end (the spool stays); or it keeps dying
+            log.warning("lcap: the turn writer %s; starting it again", _death(code))
+            if time.monotonic() - started > 10:
+                delay = _RESTART_DELAY[0]
+            time.sleep(delay)
+            delay = min(delay * 2, _RESTART_DELAY[1])
+            with self._progress:
+                restarts_at_stop += self._stopping
+                self.restarts += 1
+                try:
+                    self._proc = self._spawn()
+                except OSError as exc:
+                    log.error("lcap: cannot start the turn writer: %s", exc)
+                    break
+                new, stopping = self._proc, self._stopping
+            if stopping:
+                self._end_input(new)
         with self._progress:
             self._exited = True
             self._progress.notify_all()
+
+    def _follow(self, stdout: IO[bytes]) -> None:
+        """Track the writer's progress lines: `committed SEGMENT OFFSET STORED DEGRADED DEAD`."""
+        for line in stdout:
+            parts = line.split()
+            if len(parts) == 6 and parts[0] == b"committed":
+                with self._progress:
+                    self._committed = (int(parts[1]), int(parts[2]))
+                    self.stored, self.degraded, self.dead = int(parts[3]), int(parts[4]), int(parts[5])
+                    self._progress.notify_all()
+
+
+def _death(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 # --- the writer process ---------------------------------------------------------------------------
 
 
-def build_rows(records: list[Any]) -> tuple[list[dict[str, Any]], int]:
-    rows, failed = [], 0
-    for pending in records:
+class Drain:
+    """Stores one spool's records in bounded batches, resuming where the last writer on it stopped."""
+
+    def __init__(self, directory: Path, store: Store) -> None:
+        self.directory, self.store = directory, store
+        self.cipher = spool_key(directory.parent)
+        self.progress = Progress.load(directory)
+        self.reader = SpoolReader(directory, self.progress.position)
+        self.batch: list[Entry] = []
+        self.batch_at = self.batch_end = self.reader.position()
+        self.first = True
+        self.retried = False  # the batch failed part way (the store went away): some of its rows may be in
+        # A writer before this one died storing the records up to here (it may have stored some): take them one
+        # at a time, skipping turns already stored.
+        self.careful_until = self.progress.attempt_end if self.progress.attempts else None
+
+    def step(self) -> bool:
+        """Store the next batch (or retry the last); False when the spool had nothing new. Raises
+        StoreUnavailable, keeping the batch for the next step."""
+        if not self.batch:
+            self.batch_at = self.reader.position()
+            careful = self.careful_until is not None and self.batch_at < self.careful_until
+            self.batch = self.reader.read(limit=1 if careful else BATCH_RECORDS, max_bytes=BATCH_BYTES)
+            self.batch_end = self.reader.position()
+            if not self.batch:
+                return False
+        progress = self.progress
+        same = (progress.attempt_at, progress.attempt_end) == (self.batch_at, self.batch_end)
+        prior = progress.attempts if same else 0
+        poisoned = prior >= 2 and len(self.batch) == 1  # two writers died storing this record alone: keep it unread
+        progress.attempt_at, progress.attempt_end, progress.attempts = self.batch_at, self.batch_end, prior + 1
+        progress.save(self.directory)  # noted before the attempt: a writer that dies in it tells its successor
+        # The first batch too: a writer killed after storing a batch but before noting anything leaves no trace.
+        only_new = self.first or self.retried or (self.careful_until is not None and self.batch_at < self.careful_until)
         try:
-            rows.append(build_row(pending))
-        except Exception:
-            log.exception("lcap: dropped a turn that could not be read")
-            failed += 1
-    return rows, failed
+            outcome = store_entries(
+                self.store, self.directory, self.batch, self.cipher, only_new=only_new, poisoned=poisoned
+            )
+        except StoreUnavailable:
+            progress.attempts = prior
+            progress.save(self.directory)
+            self.retried = True
+            raise
+        self._done(outcome)
+        return True
+
+    def _done(self, outcome: Outcome) -> None:
+        progress = self.progress
+        progress.position = self.batch_end
+        progress.stored += outcome.stored
+        progress.degraded += outcome.degraded
+        progress.dead += outcome.dead
+        progress.attempt_at, progress.attempt_end, progress.attempts = None, None, 0
+        progress.save(self.directory)
+        self.reader.delete_finished()
+        self.batch, self.first, self.retried = [], False, False
+        if self.careful_until is not None and self.batch_end >= self.careful_until:
+            self.careful_until = None
+
+    def drain(self) -> None:
+        """Store everything the spool holds now."""
+        while self.step():
+            pass
 
 
 def _pid_alive(pid: str) -> bool:
@@ -169,7 +335,7 @@ def _lock(directory: Path) -> int | None:
 
 
 def replay_dead_spools(store: Store, root: Path, *, skip: Path | None = None) -> int:
-    """Store the turns of spools on this store whose proxy and writer both died; return how many were new."""
+    """Store the turns of spools on this store whose proxy and writer both died; return how many were handled."""
     mine = str(store.path.resolve())
     recovered = 0
     for directory in sorted(p for p in root.glob("*-*") if p.is_dir() and p != skip):
@@ -179,8 +345,15 @@ def replay_dead_spools(store: Store, root: Path, *, skip: Path | None = None) ->
         if fd is None:
             continue  # its writer is still at work
         try:
-            rows, _ = build_rows(SpoolReader(directory).read())
-            recovered += store.append("turns", rows, new_by="turn_id")  # its writer may have stored some
+            drain = Drain(directory, store)
+            before = drain.progress.handled
+            drain.drain()
+            recovered += drain.progress.handled - before
+        except StoreUnavailable:
+            raise
+        except Exception as exc:  # this spool stays for a later try; the others and this writer's own go on
+            log.error("lcap: could not replay the spool %s: %s", directory, exc)
+            continue
         finally:
             os.close(fd)
         shutil.rmtree(directory, ignore_errors=True)
@@ -208,42 +381,39 @@ def _report(line: str) -> None:
 def run(directory: Path, store: Store, interval: float) -> int:
     if _lock(directory) is None:
         log.error("lcap: another writer holds %s", directory)
-        return 2
+        return _LOCKED
     try:
         replay_dead_spools(store, directory.parent, skip=directory)
-    except Exception as exc:
+    except StoreUnavailable as exc:
         log.error("lcap: could not replay spools left by dead proxies yet: %s", exc)
-    reader = SpoolReader(directory)
-    unwritten: list[dict[str, Any]] = []
-    written = failed = 0
+    drain = Drain(directory, store)
     reported = None
-    stopping = False
+    stopping = busy = False
+    logged = 0.0  # when a store failure was last logged: once a minute while it lasts
     while True:
-        command = _commands(0 if stopping else interval)
+        command = _commands(0 if stopping or busy else interval)
         stopping = stopping or command is None or b"stop" in command
-        rows, bad = build_rows(reader.read())
-        failed += bad
-        unwritten += rows
-        if unwritten:
-            try:
-                store.append("turns", unwritten)
-            except Exception as exc:
+        try:
+            busy = drain.step()  # one bounded batch, then the proxy hears of it
+            logged = 0.0
+        except StoreUnavailable as exc:
+            busy = False
+            if stopping or time.monotonic() - logged > 60:
+                logged = time.monotonic()
                 log.error(
-                    "lcap: could not write %d turns to %s yet (kept in the spool, retried): %s",
-                    len(unwritten),
+                    "lcap: could not write turns to %s yet (they stay in the spool and are retried): %s",
                     store.path,
                     exc,
                 )
-                if stopping:
-                    return 1  # the spool stays: the next proxy on this store writes it
-                continue
-            written += len(unwritten)
-            unwritten = []
-        reader.delete_finished()
-        if reader.position() != reported or command:
-            reported = reader.position()
-            _report(f"committed {reported[0]} {reported[1]} {written} {failed}")
-        if stopping:
+            if stopping:
+                return _UNREACHABLE  # the spool stays: the next proxy on this store writes it
+            continue
+        progress = drain.progress
+        state = (*drain.reader.position(), progress.stored, progress.degraded, progress.dead)
+        if state != reported or command:
+            reported = state
+            _report("committed " + " ".join(map(str, state)))
+        if stopping and not busy:
             shutil.rmtree(directory, ignore_errors=True)
             return 0
 
@@ -259,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the proxy's end (stdin closing) is what stops the writer
     os.nice(10)  # storing turns is background work: on a busy machine the agent's calls get the CPU first
+    private_dir(args.spool)
     return run(args.spool, Store(args.db, timeout=args.timeout), args.interval)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import shlex
 import shutil
@@ -42,6 +43,8 @@ from lcap.dataset.verifiers import (
 )
 from lcap.processes import kill_group, run_child
 from lcap.store import Store, now
+
+log = logging.getLogger("lcap.dataset")
 
 FINISHED = ("ok", "failed", "timeout", "error")
 _SHELLS = {"sh", "bash", "zsh", "dash", "ksh"}
@@ -326,7 +329,9 @@ class _Runner:
         env["LCAP_WORKDIR"] = str(spec.workdir)
         exit_code = self._run_agent(spec, env)
         # The episode's turns are in the store before it is verified and marked finished.
-        self.proxy.flush(spec.episode_id)
+        if not self.proxy.flush(spec.episode_id):
+            log.warning("lcap: episode %s: some of its turns are not in the store yet", spec.episode_id)
+            self.store.flag_episode(spec.episode_id, "turns_unstored", {"reason": "not stored when the agent ended"})
         if self.stopping.is_set():
             self._end(spec, "interrupted", exit_code, "collect was interrupted")
             return "interrupted", exit_code, "interrupted"
@@ -343,17 +348,7 @@ class _Runner:
             changed = tampered_files(before, hash_protected(spec.workdir, guard))
             if changed:
                 details = {"tampered": changed, "protected": list(guard)}
-                self.store.append(
-                    "episode_flags",
-                    [
-                        {
-                            "episode_id": spec.episode_id,
-                            "flag": "tampered",
-                            "details": json.dumps(details),
-                            "created_at": now(),
-                        }
-                    ],
-                )
+                self.store.flag_episode(spec.episode_id, "tampered", details)
                 self._reward_and_end(spec, exit_code, 0.0, details, "tamper-guard")
                 with self.lock:
                     self.result.tampered += 1
@@ -372,17 +367,7 @@ class _Runner:
         try:
             verdict = self.judge(ctx)
         except VerifierError as exc:
-            self.store.append(
-                "episode_flags",
-                [
-                    {
-                        "episode_id": spec.episode_id,
-                        "flag": "verifier_error",
-                        "details": json.dumps({"error": str(exc)}),
-                        "created_at": now(),
-                    }
-                ],
-            )
+            self.store.flag_episode(spec.episode_id, "verifier_error", {"error": str(exc)})
             self._end(spec, "error", exit_code, f"verifier: {exc}")
             return "error", exit_code, f"verifier: {exc}"
         self._reward_and_end(spec, exit_code, verdict.reward, verdict.details, self.judge.name)

@@ -33,9 +33,12 @@ def sql(
     query: Annotated[str, typer.Argument(help="SQL to run against the store.")],
     db: DbOption,
     format: Annotated[str, typer.Option("--format", "-f", help="table | csv | json")] = "table",
-    write: Annotated[bool, typer.Option("--write", help="Allow statements that modify the store.")] = False,
+    write: Annotated[
+        bool, typer.Option("--write", help="Allow statements that modify the store (still no file system access).")
+    ] = False,
 ) -> None:
-    """Run SQL on the store, even while a proxy is writing to it (read-only unless --write)."""
+    """Run SQL on the store, even while a proxy is writing to it: read-only unless --write, and never the file
+    system (no COPY TO, no reading other files, no ATTACH, no extensions)."""
     import duckdb
 
     from lcap.sql_output import render
@@ -45,7 +48,7 @@ def sql(
         raise LcapError(f"unknown format {format!r}: use table, csv or json")
     store = Store(db)
     try:
-        with store.connect(read_only=not write) as con:
+        with store.user_sql(write=write) as con:
             cursor = con.execute(query)
             columns = [d[0] for d in cursor.description] if cursor.description else []
             rows = cursor.fetchall() if columns else []

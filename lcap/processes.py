@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from lcap.config import LcapError
+from lcap.private_files import USER_UMASK
 
 TIMEOUT_EXIT = 124  # the exit code of a child ended by its timeout, as timeout(1) reports it
 
@@ -24,6 +25,21 @@ class ChildExit:
     code: int  # the child's exit code; 128+N when signal N killed it; TIMEOUT_EXIT on timeout
     timed_out: bool = False
     signals: list[int] = field(default_factory=list)  # SIGINT/SIGTERM/SIGHUP lcap received and passed on
+
+
+def python_helper(python: str, *args: str) -> list[str]:
+    """argv of a Python helper lcap starts (its turn writer, vLLM, accelerate, pip): isolated (`-I`: neither
+    the current directory, nor PYTHONPATH, nor the user site is on sys.path), so that nothing an agent wrote
+    where it works (a `secrets.py`, an `lcap/`) is imported by lcap's own processes."""
+    return [python, "-I", *args]
+
+
+def helper_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a helper whose own children are Pythons started without `-I` (accelerate's workers,
+    torchrun's): the same isolation through variables they read (`PYTHONSAFEPATH`, Python 3.11+)."""
+    out = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    out.update(PYTHONSAFEPATH="1", PYTHONNOUSERSITE="1")
+    return out
 
 
 def run_child(
@@ -51,7 +67,14 @@ def run_child(
         raise LcapError("no command to run (put it after --)")
     try:
         child = subprocess.Popen(
-            list(argv), env=dict(env), cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, start_new_session=own_group
+            list(argv),
+            env=dict(env),
+            cwd=cwd,
+            stdin=stdin,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=own_group,
+            umask=USER_UMASK,  # not the 077 a thread's store write may hold at this moment (lcap.private_files)
         )
     except OSError as exc:
         raise LcapError(f"cannot run {shlex.join(argv)}: {exc.strerror or exc}") from None

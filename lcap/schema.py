@@ -14,13 +14,14 @@ PROMOTED_LABELS = {
 
 # The store's shape. A new store gets TABLES at SCHEMA_VERSION; an older one is brought there by MIGRATIONS
 # (version reached -> statements), in order, inside the unit of work that first opens it for writing.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     2: (
         "ALTER TABLE episodes RENAME COLUMN group_index TO sample",
         "ALTER TABLE episodes ADD COLUMN split VARCHAR",
         "UPDATE episodes SET split = labels->>'split'",
-    )
+    ),
+    3: ("ALTER TABLE turns ADD COLUMN IF NOT EXISTS degraded VARCHAR",),  # a version 1 store may have no turns
 }
 
 TABLES = """
@@ -72,7 +73,19 @@ CREATE TABLE IF NOT EXISTS turns (
     prompt_token_ids     INTEGER[],
     completion_token_ids INTEGER[],
     completion_logprobs  DOUBLE[],
-    token_source         VARCHAR    -- 'vllm' when ids/logprobs came from the server, else NULL
+    token_source         VARCHAR,   -- 'vllm' when ids/logprobs came from the server, else NULL
+    degraded             VARCHAR    -- NULL, or why this row is not the turn exactly as captured (see dead_letters)
+);
+
+-- capture: spooled records the writer could not store as they were, kept whole (one row per record)
+CREATE TABLE IF NOT EXISTS dead_letters (
+    record_id   VARCHAR,      -- SPOOL/SEGMENT/OFFSET: where the record was spooled
+    turn_id     VARCHAR,      -- NULL when the record could not even be read
+    episode_id  VARCHAR,
+    stored_as   VARCHAR,      -- degraded (in turns, text repaired) | skeleton (in turns, without content) | none
+    reason      VARCHAR,
+    record      BLOB,         -- the record exactly as spooled, sealed with LCAP_HOME/spool/key
+    created_at  TIMESTAMPTZ
 );
 
 CREATE TABLE IF NOT EXISTS rewards (

@@ -16,19 +16,21 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import duckdb
 import pyarrow as pa
 
 from lcap.config import LcapError
+from lcap.private_files import private_files
 from lcap.schema import MIGRATIONS, PROMOTED_LABELS, SCHEMA_VERSION, TABLES, VIEWS
 
 _LOCKED = ("Could not set lock", "Conflicting lock", "database is locked")
+T = TypeVar("T")
 
 
 def now() -> datetime:
@@ -46,6 +48,7 @@ class _Instance:
         self.lock = threading.RLock()
         self.depth = 0  # nested units of work share one attach
         self.read_only = False
+        self.private = ExitStack()  # a write unit of work creates the file and its WAL 0600
 
 
 _instances: dict[Path, _Instance] = {}
@@ -75,7 +78,13 @@ class Store:
         inst = _instance(self.path)
         with inst.lock:
             if inst.depth == 0:
-                self._attach(inst.con, read_only)
+                if not read_only:
+                    inst.private.enter_context(private_files())
+                try:
+                    self._attach(inst.con, read_only)
+                except BaseException:
+                    inst.private.close()
+                    raise
                 inst.read_only = read_only
             elif inst.read_only and not read_only:
                 raise LcapError(f"store {self.path}: a write inside a read-only unit of work")
@@ -87,21 +96,31 @@ class Store:
             finally:
                 inst.depth -= 1
                 if inst.depth == 0:
-                    _detach(inst.con)
+                    try:
+                        _detach(inst.con)
+                    finally:
+                        inst.private.close()
 
     def _attach(self, con: duckdb.DuckDBPyConnection, read_only: bool) -> None:
         if read_only and not self.path.exists():
             raise LcapError(f"no store at {self.path} (run `lcap proxy` first, or pass --db)")
         if not read_only:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+        mode = " (READ_ONLY)" if read_only else ""
+
+        def attach() -> None:
+            con.execute(f"ATTACH {_sql_string(str(self.path))} AS {_ALIAS}{mode}")
+            con.execute(f"USE {_ALIAS}")
+
+        self._while_locked(attach)
+
+    def _while_locked(self, open_it: Callable[[], T]) -> T:
+        """`open_it()`, retried while another process holds the file (up to `timeout`)."""
         deadline = time.monotonic() + self.timeout
         delay = 0.005
-        mode = " (READ_ONLY)" if read_only else ""
         while True:
             try:
-                con.execute(f"ATTACH {_sql_string(str(self.path))} AS {_ALIAS}{mode}")
-                con.execute(f"USE {_ALIAS}")
-                return
+                return open_it()
             except duckdb.Error as exc:
                 if not any(marker in str(exc) for marker in _LOCKED):
                     raise LcapError(f"cannot open store {self.path}: {exc}") from exc
@@ -111,6 +130,28 @@ class Store:
                     ) from exc
                 time.sleep(delay)
                 delay = min(delay * 2, 0.1)
+
+    @contextmanager
+    def user_sql(self, *, write: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A connection of its own for SQL a person types (`lcap sql`), which no statement sequence can turn
+        against the machine: a DuckDB instance on the store alone, read-only unless `write` (a read-only
+        instance attaches every database read-only and cannot create one in memory, so detaching and
+        re-attaching the store changes nothing); no file system (`enable_external_access` off: no COPY TO,
+        read_text, ATTACH of another file, INSTALL or LOAD); and the configuration locked, so that no SET
+        gives any of it back. `write` allows changes to the store's tables, nothing more."""
+        if write:
+            with self.connect():  # the schema, created private like every store
+                pass
+        elif not self.path.exists():
+            raise LcapError(f"no store at {self.path} (run `lcap proxy` first, or pass --db)")
+        with ExitStack() as stack:
+            if write:
+                stack.enter_context(private_files())  # its WAL
+            con = self._while_locked(lambda: duckdb.connect(str(self.path), read_only=not write))
+            stack.callback(con.close)
+            for setting in _USER_SQL_SETTINGS:
+                con.execute(setting)
+            yield con
 
     def _create_schema(self, con: duckdb.DuckDBPyConnection) -> None:
         (existing,) = _one_row(
@@ -171,6 +212,12 @@ class Store:
             [episode_id, command, cwd, now(), _json(labels), *(labels.get(label) for label in PROMOTED_LABELS)],
         )
 
+    def flag_episode(self, episode_id: str, flag: str, details: dict[str, Any]) -> None:
+        """Raise a flag on an episode (tampered, verifier_error, turns_unstored, ...) with its details."""
+        self.append(
+            "episode_flags", [{"episode_id": episode_id, "flag": flag, "details": _json(details), "created_at": now()}]
+        )
+
     def end_episode(
         self, episode_id: str, *, status: str, exit_code: int | None = None, error: str | None = None
     ) -> None:
@@ -178,6 +225,14 @@ class Store:
             "UPDATE episodes SET ended_at = ?, status = ?, exit_code = ?, error = ? WHERE episode_id = ?",
             [now(), status, exit_code, error, episode_id],
         )
+
+
+_USER_SQL_SETTINGS = (
+    "SET enable_external_access = false",
+    "SET autoinstall_known_extensions = false",
+    "SET autoload_known_extensions = false",
+    "SET lock_configuration = true",  # last: it freezes the settings above
+)
 
 
 def _one_row(con: duckdb.DuckDBPyConnection) -> tuple[Any, ...]:

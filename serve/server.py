@@ -21,7 +21,7 @@ import httpx
 
 from lcap.config import LcapError, lcap_home
 from lcap.policy import PolicyServer, clear_policy, read_policy, write_policy
-from lcap.processes import alive, kill_group
+from lcap.processes import alive, kill_group, python_helper
 from lcap.store import Store, now
 
 MAX_LORA_RANK = 64  # vLLM's default is 16; adapters of rank 32/64 are common. Allowed: 8, 16, 32, 64, 128...
@@ -63,9 +63,7 @@ def server_command(
     extra_args: Sequence[str] = (),
 ) -> list[str]:
     cmd = [
-        python,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
+        *python_helper(python, "-m", "vllm.entrypoints.openai.api_server"),
         "--model",
         model,
         "--served-model-name",

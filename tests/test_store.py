@@ -42,3 +42,15 @@ def test_a_store_from_before_schema_versions_is_migrated(tmp_path):
     from lcap.schema import SCHEMA_VERSION
 
     assert version == SCHEMA_VERSION
+
+
+def test_a_version_2_store_gets_turns_degraded(tmp_path):
+    """Version 3 added turns.degraded (capture: why a row is not the call exactly as captured)."""
+    path = tmp_path / "v2.duckdb"
+    Store(path).append("turns", [{"turn_id": "t1"}])
+    con = duckdb.connect(str(path))  # back to version 2's shape
+    con.execute("ALTER TABLE turns DROP COLUMN degraded; UPDATE schema_version SET version = 2")
+    con.close()
+    store = Store(path)
+    store.append("turns", [{"turn_id": "t2", "degraded": "why"}])
+    assert store.fetchall("SELECT turn_id, degraded FROM turns ORDER BY turn_id") == [("t1", None), ("t2", "why")]

@@ -54,6 +54,7 @@ def _accelerate(config: Path, dry_run: bool) -> None:
     import subprocess
     import sys
 
+    from lcap.processes import helper_env
     from lcap.train.grpo import accelerate_command
 
     argv = _without_option(sys.argv[1:], "--accelerate-config")
@@ -61,7 +62,7 @@ def _accelerate(config: Path, dry_run: bool) -> None:
     if dry_run:
         typer.echo(" ".join(command))
         return
-    raise typer.Exit(subprocess.call(command, env=os.environ))
+    raise typer.Exit(subprocess.call(command, env=helper_env(os.environ)))  # its workers start without -I
 
 
 def _without_option(argv: list[str], name: str) -> list[str]:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lcap.config import LcapError
+from lcap.processes import python_helper
 from lcap.train.options import TrainOptions
 
 
@@ -84,7 +85,8 @@ def round_samples(run: Path, round: int, data: Path | None) -> Path:
 
 def accelerate_command(config: str, argv: list[str]) -> list[str]:
     """The `accelerate launch` command that reruns `lcap train ARGV` on every process of CONFIG."""
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "-m", "lcap", *argv]
+    launch = python_helper(sys.executable, "-m", "accelerate.commands.launch")
+    return [*launch, "--config_file", str(config), "-m", "lcap", *argv]
 
 
 @dataclass
