@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import os
 import random
@@ -229,7 +230,7 @@ def capture_cost(n: int = 2000) -> tuple[float, float, float]:
     """lcap's own share of a call, whichever listener carries it: `Calls` opening one rerouted 8 KB chat call,
     reading its answer and spooling the turn (p50, p99 in us), and the writer process's row building per
     turn (us)."""
-    from lcap.capture.calls import Calls, Router, take_episode
+    from lcap.capture.calls import Calls, Router
     from lcap.capture.spool import SpoolAppender, SpoolReader, unseal
     from lcap.capture.turn import build_row
 
@@ -240,7 +241,7 @@ def capture_cost(n: int = 2000) -> tuple[float, float, float]:
     class Writer:
         put = spool.append
 
-    calls = Calls(Writer(), Router("http://127.0.0.1:9", None), token_ids=False)
+    calls = Calls(Writer(), Router("http://127.0.0.1:9", None), token_ids=False, require_credentials=True)
     body = json.dumps({**REQUEST, "messages": [{"role": "user", "content": "x" * 2000}] * 4}).encode()
     answer = json.dumps(
         {
@@ -253,12 +254,12 @@ def capture_cost(n: int = 2000) -> tuple[float, float, float]:
         (b"Host", b"api.openai.com"),
         (b"Authorization", b"Bearer sk-x"),
         (b"Content-Type", b"application/json"),
-        (b"Proxy-Authorization", b"Basic YmVuY2g6eA=="),
+        (b"Proxy-Authorization", b"Basic " + base64.b64encode(calls.keys.pair("bench").encode())),
     )
 
     def one() -> float:
         t0 = time.perf_counter()
-        episode, rest = take_episode(fields)
+        episode, rest = calls.attribute(fields)
         call = calls.open_call(
             "chat", episode, scheme="https", host="api.openai.com", port=443, path="/v1/chat/completions", fields=rest
         )
