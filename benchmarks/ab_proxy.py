@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 import httpx
-from bench_proxy import LCAP, REPO, UPSTREAM, _measure, _pct, start_proxy
+from bench_proxy import LCAP, REPO, UPSTREAM, _measure, _pct, episode_proxy, start_proxy
 
 PACKAGES = ("capture", "dataset", "train", "serve", "loop")  # top-level folders that setuptools maps to lcap.<name>
 
@@ -75,15 +75,11 @@ def main() -> None:
             paths = {
                 "direct": (httpx.AsyncClient(trust_env=False, limits=limits), f"{up_url}/v1/chat/completions"),
                 f"base {args.base}": (
-                    httpx.AsyncClient(
-                        trust_env=False, limits=limits, verify=ctx, proxy=f"http://ab:x@127.0.0.1:{base_port}"
-                    ),
+                    httpx.AsyncClient(trust_env=False, limits=limits, verify=ctx, proxy=episode_proxy(base_port, "ab")),
                     https,
                 ),
                 "working tree": (
-                    httpx.AsyncClient(
-                        trust_env=False, limits=limits, verify=ctx, proxy=f"http://ab:x@127.0.0.1:{work_port}"
-                    ),
+                    httpx.AsyncClient(trust_env=False, limits=limits, verify=ctx, proxy=episode_proxy(work_port, "ab")),
                     https,
                 ),
             }

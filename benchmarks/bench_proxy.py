@@ -283,7 +283,7 @@ def capture_cost(n: int = 2000) -> tuple[float, float, float]:
 
 def _leaf_files(ca_dir: Path, tmp: Path) -> tuple[str, str]:
     """A certificate for 127.0.0.1 from lcap's CA, made as lcap makes the ones it shows agents, and its key."""
-    from lcap.capture.front import LeafCerts
+    from lcap.capture.certs import LeafCerts
     from lcap.capture.server import CA_BASENAME
 
     chain, key = LeafCerts(ca_dir, CA_BASENAME).pem("127.0.0.1")
@@ -303,6 +303,15 @@ def start_proxy(argv: list[str], env: dict[str, str], cwd: Path | None = None) -
     port = int(line.split("listening on ", 1)[1].split()[0].rsplit(":", 1)[1])
     bundle = proc.stdout.readline().split("SSL_CERT_FILE=", 1)[1].strip()
     return proc, port, bundle
+
+
+def episode_proxy(port: int, name: str = "bench", env: dict[str, str] | None = None) -> str:
+    """The proxy URL of episode `name` on the proxy listening on `port`, minted by `lcap episode new` as an agent's
+    would be; a revision of lcap without episode secrets (ab_proxy's base, say) takes any password."""
+    minted = subprocess.run(
+        [LCAP, "episode", "new", "--port", str(port), "--id", name], env=env, capture_output=True, text=True
+    )
+    return minted.stdout.strip() if minted.returncode == 0 else f"http://{name}:x@127.0.0.1:{port}"
 
 
 def _free_port() -> int:
@@ -411,15 +420,13 @@ def main() -> None:
                 return httpx.AsyncClient(limits=limits, trust_env=False, timeout=60, **kwargs)
 
             chat = f"{up_url}/v1/chat/completions"
+            lcap_proxy = episode_proxy(lcap_port)
             clients = {
                 "direct": (client(), chat),
                 "direct again": (client(), chat),
                 "direct https": (client(verify=ctx), f"https://127.0.0.1:{secure_port}/v1/chat/completions"),
-                "lcap http": (client(proxy=f"http://bench:x@127.0.0.1:{lcap_port}"), chat),
-                "lcap https": (
-                    client(proxy=f"http://bench:x@127.0.0.1:{lcap_port}", verify=ctx),
-                    "https://api.openai.com/v1/chat/completions",
-                ),
+                "lcap http": (client(proxy=lcap_proxy), chat),
+                "lcap https": (client(proxy=lcap_proxy, verify=ctx), "https://api.openai.com/v1/chat/completions"),
                 "mitmproxy": (client(proxy=f"http://127.0.0.1:{bare_port}"), chat),
                 "mitmdump": (client(proxy=f"http://127.0.0.1:{dump_port}"), chat),
             }

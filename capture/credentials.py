@@ -35,11 +35,11 @@ CACHE_SIZE = 4096
 
 
 class EpisodeKeys:
-    """Mints and checks episode secrets under one proxy's key. Checks are cached (bounded, valid ones only)."""
+    """Mints and checks episode secrets under one proxy's key. Checks are cached: the last `CACHE_SIZE` values."""
 
     def __init__(self, key: bytes) -> None:
         self.key = key
-        self._valid: OrderedDict[bytes, str] = OrderedDict()
+        self._checked: OrderedDict[bytes, str | None] = OrderedDict()  # credential value -> its episode, or None
         self.refused = 0  # credentials presented and rejected, for the proxy's exit report
 
     @classmethod
@@ -81,18 +81,19 @@ class EpisodeKeys:
         return episode, True, tuple(keep)
 
     def _verified(self, value: bytes, parse) -> str | None:
-        cached = self._valid.get(value)
-        if cached is not None:
-            self._valid.move_to_end(value)
-            return cached
-        pair = parse(value) if len(value) <= MAX_CREDENTIAL else None
-        if pair is None or not self.check(*pair):
+        if value in self._checked:
+            self._checked.move_to_end(value)
+            episode = self._checked[value]
+        else:
+            pair = parse(value) if len(value) <= MAX_CREDENTIAL else None
+            episode = pair[0] if pair is not None and self.check(*pair) else None
+            if len(value) <= MAX_CREDENTIAL:
+                self._checked[value] = episode
+                if len(self._checked) > CACHE_SIZE:
+                    self._checked.popitem(last=False)
+        if episode is None:
             self.refused += 1
-            return None
-        self._valid[value] = pair[0]
-        if len(self._valid) > CACHE_SIZE:
-            self._valid.popitem(last=False)
-        return pair[0]
+        return episode
 
 
 def _from_basic(value: bytes) -> tuple[str, str] | None:

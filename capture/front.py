@@ -19,16 +19,12 @@ never depends on the short path.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import socket
 import ssl
-import tempfile
-import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import httptools
@@ -37,243 +33,17 @@ from mitmproxy.tls import ClientHello
 
 from lcap.capture import dialects
 from lcap.capture.calls import Call, Calls, Fields, NoRoute, Unauthorized
+from lcap.capture.certs import LeafCerts
+from lcap.capture.connections import READ_SIZE, AgentReader, Expired, Plain, TlsServerSide, UpstreamPool, Watches
 from lcap.capture.destinations import Destinations, Forbidden
 from lcap.capture.http1 import HEAD_END, PROXY_AUTHENTICATE, BadRequest, RequestHead, parse_request_head, refusal
 from lcap.capture.options import ProxyOptions
 
 log = logging.getLogger("lcap.capture")
 
-READ_SIZE = 65536
 HEAD_HOLD = 0.001  # seconds a streamed answer's head may wait for its first piece of body (see `_stream`)
 LINGER = 1.0  # seconds a refused connection is read (and discarded) before it closes, so the agent reads the answer
 MAX_LINGERING = 64
-POOL_IDLE = 256  # idle upstream connections kept, over all upstreams
-POOL_AGE = 60.0  # seconds an idle upstream connection is kept
-
-
-class AgentReader(asyncio.StreamReader):
-    """The agent's side of a connection. It says at once when the agent closes or resets it, so that a call
-    whose agent left is cancelled then, not when its upstream answers (`on_close`)."""
-
-    closed = False
-    on_close: Callable[[], None] | None = None
-
-    def feed_eof(self) -> None:
-        super().feed_eof()
-        self._gone()
-
-    def set_exception(self, exc: Exception) -> None:
-        super().set_exception(exc)
-        self._gone()
-
-    def _gone(self) -> None:
-        self.closed = True
-        callback, self.on_close = self.on_close, None
-        if callback is not None:
-            callback()
-
-
-class Plain:
-    """A TCP connection as the front uses it: recv / send / drain / close."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-        self.idle_since = 0.0
-
-    async def recv(self) -> bytes:
-        return await self.reader.read(READ_SIZE)
-
-    def send(self, data: bytes) -> None:
-        self.writer.write(data)
-
-    async def drain(self) -> None:
-        await self.writer.drain()
-
-    def send_eof(self) -> None:
-        if self.writer.can_write_eof() and not self.writer.is_closing():
-            self.writer.write_eof()
-        else:  # a TLS stream cannot half-close
-            self.close()
-
-    def close(self) -> None:
-        self.writer.close()
-
-    def abort(self) -> None:
-        """Close at once, dropping what is unsent: a pending read returns b"" (the fd is freed now)."""
-        self.writer.transport.abort()
-
-
-class TlsServerSide(Plain):
-    """The agent's side of an intercepted tunnel, TLS done in memory so the ClientHello can be read first."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, context: ssl.SSLContext) -> None:
-        super().__init__(reader, writer)
-        self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-        self.tls = context.wrap_bio(self.incoming, self.outgoing, server_side=True)
-
-    async def handshake(self, client_hello: bytes) -> None:
-        self.incoming.write(client_hello)
-        while True:
-            try:
-                self.tls.do_handshake()
-                break
-            except ssl.SSLWantReadError:
-                self._flush()
-                data = await self.reader.read(READ_SIZE)
-                if not data:
-                    raise ConnectionError("the agent closed the connection during the TLS handshake") from None
-                self.incoming.write(data)
-        self._flush()
-
-    async def recv(self) -> bytes:
-        while True:
-            if self.incoming.pending or self.tls.pending():  # else reading would only raise SSLWantReadError
-                try:
-                    return self.tls.read(READ_SIZE)
-                except ssl.SSLWantReadError:
-                    pass
-                except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                    return b""
-            self._flush()
-            data = await self.reader.read(READ_SIZE)
-            if not data:
-                return b""
-            self.incoming.write(data)
-
-    def send(self, data: bytes) -> None:
-        self.tls.write(data)
-        self._flush()
-
-    def send_eof(self) -> None:
-        self.close()
-
-    def _flush(self) -> None:
-        if out := self.outgoing.read():
-            self.writer.write(out)
-
-
-# --- certificates ---------------------------------------------------------------------------------
-
-
-class LeafCerts:
-    """TLS server contexts for intercepted hosts, signed by lcap's CA: made on first use, the `max_certs` most
-    recently used kept (a context holds its certificate and key; a client names as many hosts as it likes)."""
-
-    def __init__(self, confdir: Path, basename: str, max_certs: int = 1000) -> None:
-        from mitmproxy.certs import CertStore
-
-        self.store = CertStore.from_store(confdir, basename, 2048)
-        self.store.STORE_CAP = max_certs  # mitmproxy's own bound on the certificates it keeps (FIFO)
-        self.max_certs = max_certs
-        self.contexts: OrderedDict[str, ssl.SSLContext] = OrderedDict()
-
-    def context(self, host: str) -> ssl.SSLContext:
-        ctx = self.contexts.get(host)
-        if ctx is None:
-            ctx = self.contexts[host] = self._make(host)
-            if len(self.contexts) > self.max_certs:
-                self.contexts.popitem(last=False)
-        else:
-            self.contexts.move_to_end(host)
-        return ctx
-
-    def pem(self, host: str) -> tuple[bytes, bytes]:
-        """The certificate chain for `host` and its private key, PEM-encoded."""
-        from cryptography import x509
-        from cryptography.hazmat.primitives import serialization
-
-        try:
-            name: x509.GeneralName = x509.IPAddress(ipaddress.ip_address(host))
-        except ValueError:
-            name = x509.DNSName(host.encode("idna").decode())
-        entry = self.store.get_cert(host, [name])
-        key = entry.privatekey.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-        return entry.cert.to_pem() + b"".join(c.to_pem() for c in entry.chain_certs), key
-
-    def _make(self, host: str) -> ssl.SSLContext:
-        chain, key = self.pem(host)
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.set_alpn_protocols(["http/1.1"])
-        with tempfile.TemporaryDirectory(prefix="lcap-leaf-") as tmp:  # ssl loads key pairs from files only
-            cert_file, key_file = Path(tmp, "cert.pem"), Path(tmp, "key.pem")
-            cert_file.write_bytes(chain)
-            key_file.touch(0o600)
-            key_file.write_bytes(key)
-            ctx.load_cert_chain(cert_file, key_file)
-        return ctx
-
-
-# --- upstream connections -------------------------------------------------------------------------
-
-
-class UpstreamPool:
-    """Keep-alive connections to upstreams, reused call after call: at most `POOL_IDLE` idle ones in all, none
-    idle for longer than `POOL_AGE` seconds."""
-
-    def __init__(self) -> None:
-        self.idle: OrderedDict[tuple[str, str, int], list[Plain]] = OrderedDict()
-        self.count = 0
-        self._tls: ssl.SSLContext | None = None
-
-    def take(self, key: tuple[str, str, int]) -> Plain | None:
-        idle = self.idle.get(key)
-        oldest = time.monotonic() - POOL_AGE
-        while idle:
-            conn = idle.pop()
-            self.count -= 1
-            if (
-                conn.idle_since > oldest
-                and not conn.reader.at_eof()
-                and not conn.writer.is_closing()
-                and not _buffered(conn.reader)
-            ):
-                return conn
-            conn.close()
-        return None
-
-    async def open(self, key: tuple[str, str, int], address: str) -> Plain:
-        scheme, host, port = key
-        tls = self._tls_context() if scheme == "https" else None
-        reader, writer = await asyncio.open_connection(
-            address, port, ssl=tls, server_hostname=host if tls else None, limit=READ_SIZE
-        )
-        return Plain(reader, writer)
-
-    def give_back(self, key: tuple[str, str, int], conn: Plain) -> None:
-        conn.idle_since = time.monotonic()
-        self.idle.setdefault(key, []).append(conn)
-        self.idle.move_to_end(key)
-        self.count += 1
-        while self.count > POOL_IDLE:  # the least recently used upstream gives up its oldest connection
-            first_key, conns = next(iter(self.idle.items()))
-            if conns:
-                conns.pop(0).close()
-                self.count -= 1
-            if not conns:
-                del self.idle[first_key]
-
-    def _tls_context(self) -> ssl.SSLContext:
-        """Verified against certifi's roots, as mitmproxy verifies upstreams: one trust store for both paths."""
-        if self._tls is None:
-            import certifi  # a dependency of mitmproxy
-
-            self._tls = ssl.create_default_context(cafile=certifi.where())
-            self._tls.set_alpn_protocols(["http/1.1"])
-        return self._tls
-
-    def close(self) -> None:
-        for conns in self.idle.values():
-            for conn in conns:
-                conn.close()
-        self.idle.clear()
-        self.count = 0
-
-
-def _buffered(reader: asyncio.StreamReader) -> int:
-    """Bytes an idle upstream connection has received and nobody read: it is out of step, never reused."""
-    return len(getattr(reader, "_buffer", b""))
 
 
 # --- requests -------------------------------------------------------------------------------------
@@ -437,6 +207,7 @@ class Front:
         # local ports of the front's own connections to mitmproxy, the only ones it serves (`FrontOnly`)
         self.handoff_ports: set[int] = set() if handoff_ports is None else handoff_ports
         self.answered: Counter[int] = Counter()  # lcap's own answers, by status
+        self.watches = Watches()  # the deadlines of every agent connection's waits
         self._lingering = 0
         self._peer_tls: ssl.SSLContext | None = None
 
@@ -447,32 +218,40 @@ class Front:
             return asyncio.StreamReaderProtocol(AgentReader(limit=READ_SIZE, loop=loop), self._connection, loop=loop)
 
         self.server = await loop.create_server(protocol, host, port, backlog=512)
+        self.watches.start(loop)
         return self.server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
         if self.server is not None:
             self.server.close()
+        self.watches.stop()
         self.pool.close()
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        client = Plain(reader, writer)
+        task = asyncio.current_task()
+        assert task is not None
+        watch = self.watches.add(task)
+        client = Plain(reader, writer, watch)
         peer = writer.get_extra_info("peername")
         address = peer[0] if isinstance(peer, tuple) else ""
-        if not self.admission.enter(address):
-            try:
-                await self._refuse(client, Refused(503, "too many connections open: try again later"))
-            finally:
-                client.close()
-            return
         try:
-            await self._serve(client, None, b"")
-        except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError, asyncio.CancelledError):
-            pass
-        except Exception:
-            log.exception("lcap: front connection failed")
+            if not self.admission.enter(address):
+                try:
+                    await self._refuse(client, Refused(503, "too many connections open: try again later"))
+                finally:
+                    client.close()
+                return
+            try:
+                await self._serve(client, None, b"")
+            except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError, asyncio.CancelledError):
+                pass
+            except Exception:
+                log.exception("lcap: front connection failed")
+            finally:
+                self.admission.leave(address)
+                client.close()
         finally:
-            self.admission.leave(address)
-            client.close()
+            self.watches.active.discard(watch)
 
     async def _refuse(self, client: Plain, refused: Refused) -> None:
         """Answer with lcap's own refusal and end the connection. The agent may still be writing (a body past the
@@ -485,10 +264,10 @@ class Front:
         self._lingering += 1
         try:
             client.send_eof()
-            async with asyncio.timeout(LINGER):
+            with client.deadline(LINGER, "linger"):
                 while await client.recv():
                     pass
-        except (TimeoutError, OSError, ssl.SSLError):
+        except (Expired, OSError, ssl.SSLError):
             pass
         finally:
             self._lingering -= 1
@@ -584,9 +363,9 @@ class Front:
         options = self.options
         if not buf:
             try:
-                async with asyncio.timeout(options.idle_timeout):
+                with client.deadline(options.idle_timeout, "idle"):
                     buf = await client.recv()
-            except TimeoutError:
+            except Expired:
                 return None
             if not buf:
                 return None
@@ -594,7 +373,7 @@ class Front:
         if end is None:
             pieces = bytearray(buf)
             try:
-                async with asyncio.timeout(options.head_timeout):
+                with client.deadline(options.head_timeout, "head"):
                     while end is None:
                         if len(pieces) > options.max_head_bytes:
                             break
@@ -604,7 +383,7 @@ class Front:
                         start = max(0, len(pieces) - 2)
                         pieces += data
                         end = HEAD_END.search(pieces, start)
-            except TimeoutError:
+            except Expired:
                 raise Refused(408, f"the request head took over {options.head_timeout:g} s (--head-timeout)") from None
             buf = bytes(pieces)
         if end is None or end.end() > options.max_head_bytes:
@@ -615,14 +394,14 @@ class Front:
         """The body (and what follows it) once `length` bytes came; None when the agent left first."""
         pieces, have = [buf], len(buf)
         try:
-            async with asyncio.timeout(self.options.body_timeout):
+            with client.deadline(self.options.body_timeout, "body"):
                 while have < length:
                     data = await client.recv()
                     if not data:
                         return None
                     pieces.append(data)
                     have += len(data)
-        except TimeoutError:
+        except Expired:
             raise Refused(408, f"the request body took over {self.options.body_timeout:g} s (--body-timeout)") from None
         return b"".join(pieces)
 
@@ -631,12 +410,9 @@ class Front:
         exchange = _Exchange()
         reader = client.reader
         assert isinstance(reader, AgentReader)
-        if reader.closed:  # the agent sent its call and closed (or half-closed) its side: nobody waits for it
-            self.calls.close_call(call.pending, "the agent closed the connection before the answer")
-            return False
-        reader.on_close = exchange.agent_left
+        reader.notify(exchange.agent_left)  # at once if the agent already closed (or half-closed) its side
         try:
-            upstream, parts = await self._send(call, upstream_head, exchange)
+            upstream, parts = await self._send(client, call, upstream_head, exchange)
             reuse = await self._answer(client, call, upstream, parts, client_close, exchange)
         except BaseException as exc:
             if exchange.upstream is not None:
@@ -669,14 +445,16 @@ class Front:
             client.send(refusal(status, why, close=False))
             return True
         finally:
-            reader.on_close = None
+            reader.notify(None)
         if reuse:
             self.pool.give_back((call.scheme, call.host, call.port), upstream)
         else:
             upstream.close()
         return reuse is not None and not client_close
 
-    async def _send(self, call: Call, upstream_head: bytes, exchange: _Exchange) -> tuple[Plain, _ResponseParts]:
+    async def _send(
+        self, client: Plain, call: Call, upstream_head: bytes, exchange: _Exchange
+    ) -> tuple[Plain, _ResponseParts]:
         """Send the call upstream and read its response head. A reused connection the upstream closed without a
         byte of answer is replaced once, as HTTP clients do with idle connections (the upstream closed it idle)."""
         message = b"%s%d\r\n\r\n%s" % (upstream_head, len(call.body), call.body)
@@ -685,12 +463,12 @@ class Front:
         may_retry = upstream is not None
         while True:
             if upstream is None:
-                upstream = await self._open(call, key)
+                upstream = await self._open(client, call, key)
             exchange.upstream = upstream
             if exchange.gone:
                 raise _AgentGone
             try:
-                return upstream, await _response_head(upstream, message, self.options.first_byte_timeout)
+                return upstream, await _response_head(upstream, message, client, self.options.first_byte_timeout)
             except _Stale:
                 upstream.close()
                 if exchange.gone:
@@ -699,14 +477,14 @@ class Front:
                     raise EOFError("the upstream closed the connection before answering") from None
                 upstream, may_retry = None, False
 
-    async def _open(self, call: Call, key: tuple[str, str, int]) -> Plain:
+    async def _open(self, client: Plain, call: Call, key: tuple[str, str, int]) -> Plain:
         """A new upstream connection; the configured upstream is trusted, any other destination is checked."""
-        address = key[1] if call.route is not None else await self.destinations.address(key[1], key[2])
         timeout = self.options.connect_timeout
         try:
-            async with asyncio.timeout(timeout):
+            with client.deadline(timeout, "connect"):
+                address = key[1] if call.route is not None else await self.destinations.address(key[1], key[2])
                 return await self.pool.open(key, address)
-        except TimeoutError:
+        except Expired:
             raise _UpstreamTimeout(f"no connection within {timeout:g} s (--connect-timeout)") from None
 
     async def _answer(
@@ -750,7 +528,7 @@ class Front:
         else:
             idle, limit = self.options.stream_idle_timeout, self.options.max_body_bytes
             while parts.size <= limit and not parts.complete:
-                data = await _recv(upstream, idle)
+                data = await _recv(upstream, client, idle)
                 if not data:
                     if exchange.gone:
                         raise _AgentGone
@@ -764,8 +542,9 @@ class Front:
             body = self.calls.answer_body(call.pending, body) or body
             client.send(head + (b"\r\n" if no_body else b"content-length: %d\r\n\r\n" % len(body)) + body)
         try:
-            await client.drain()
-        except ConnectionError:
+            with client.deadline(self.options.stream_idle_timeout, "drain"):
+                await client.drain()
+        except (ConnectionError, Expired):  # gone, or not reading: its connection is done (the turn is recorded)
             return None
         return parts.keep_alive and not parts.trailing if framed else None
 
@@ -802,13 +581,13 @@ class Front:
                 if out and hold is None:
                     _send_now(client, out)
                     try:
-                        async with asyncio.timeout(idle):
+                        with client.deadline(idle, "drain"):
                             await client.drain()
-                    except (ConnectionError, TimeoutError):
+                    except (ConnectionError, Expired):
                         raise _AgentGone(f"the agent stopped reading the answer for {idle:g} s") from None
                     if client.writer.is_closing():
                         raise _AgentGone
-                data = await _recv(upstream, idle)
+                data = await _recv(upstream, client, idle)
                 if not data:
                     if exchange.gone:
                         raise _AgentGone
@@ -836,10 +615,10 @@ class Front:
             raise Refused(403, str(exc)) from None
         client.send(b"HTTP/1.1 200 Connection established\r\n\r\n")
         try:
-            async with asyncio.timeout(self.options.head_timeout):
+            with client.deadline(self.options.head_timeout, "tunnel"):
                 data, hello = await self._client_hello(client, buf)
                 tls = await self._terminate(client, tunnel, data, hello) if hello is not None else None
-        except TimeoutError:
+        except Expired:
             return  # a tunnel that does not say what it carries in time
         except EOFError:
             return
@@ -875,7 +654,7 @@ class Front:
         except Exception as exc:  # a name lcap cannot make a certificate for: mitmproxy decides what to do
             log.warning("lcap: no certificate for %r (%s); the tunnel goes to mitmproxy", tunnel.sni, exc)
             return None
-        tls = TlsServerSide(client.reader, client.writer, context)
+        tls = TlsServerSide(client.reader, client.writer, context, client.watch)
         await tls.handshake(data)
         return tls
 
@@ -896,7 +675,7 @@ class Front:
             mitm = Plain(reader, writer)
             if tunnel is not None:
                 writer.write(tunnel.connect_head)
-                async with asyncio.timeout(self.options.head_timeout):
+                with client.deadline(self.options.head_timeout, "hand-off"):
                     answer = await reader.readuntil(b"\r\n\r\n")
                 if b" 200 " not in answer.split(b"\r\n", 1)[0] + b" ":
                     raise ConnectionError(f"mitmproxy refused the tunnel: {answer[:80]!r}")
@@ -968,23 +747,23 @@ class _Stale(Exception):
     """The upstream closed a kept-alive connection before any of the response came back."""
 
 
-async def _recv(upstream: Plain, timeout: float) -> bytes:
+async def _recv(upstream: Plain, client: Plain, timeout: float) -> bytes:
     """The upstream's next bytes; `_UpstreamTimeout` when it is silent for `timeout` seconds."""
     try:
-        async with asyncio.timeout(timeout):
+        with client.deadline(timeout, "upstream"):
             return await upstream.recv()
-    except TimeoutError:
+    except Expired:
         raise _UpstreamTimeout(
             f"silent for {timeout:g} s in the middle of its answer (--stream-idle-timeout)"
         ) from None
 
 
-async def _response_head(upstream: Plain, message: bytes, timeout: float) -> _ResponseParts:
+async def _response_head(upstream: Plain, message: bytes, client: Plain, timeout: float) -> _ResponseParts:
     upstream.send(message)
     parts = _ResponseParts()
     got = False
     try:
-        async with asyncio.timeout(timeout):
+        with client.deadline(timeout, "first byte"):
             while not parts.head_done:
                 try:
                     data = await upstream.recv()
@@ -996,7 +775,7 @@ async def _response_head(upstream: Plain, message: bytes, timeout: float) -> _Re
                     raise _Stale
                 got = True
                 parts.feed(data)
-    except TimeoutError:
+    except Expired:
         raise _UpstreamTimeout(f"no answer within {timeout:g} s (--first-byte-timeout)") from None
     return parts
 

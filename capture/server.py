@@ -24,9 +24,10 @@ from typing import Any
 
 from lcap.capture.addon import CaptureAddon
 from lcap.capture.calls import Calls, Router, parse_upstream
+from lcap.capture.certs import LeafCerts
 from lcap.capture.credentials import EpisodeKeys, ProxyRecord, remove_record, write_record
 from lcap.capture.destinations import Destinations, is_loopback_host
-from lcap.capture.front import Front, LeafCerts
+from lcap.capture.front import Front
 from lcap.capture.memory import MemoryTrimmer
 from lcap.capture.mitm_guards import FrontOnly, PrivateDestinations, install_body_limits
 from lcap.capture.options import ProxyOptions

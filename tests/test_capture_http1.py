@@ -121,8 +121,8 @@ def test_limits_on_a_head(proxy, llm):
     assert got.startswith(b"HTTP/1.1 431 Request Header Fields Too Large")
     got, took = exchange(proxy, b"POST %s/v1/chat/completions HTTP/1.1\r\nhost: x\r\n" % llm.url.encode())
     assert got.startswith(b"HTTP/1.1 408 Request Timeout") and 0.9 < took < 3
-    got, took = exchange(proxy, b"")
-    assert got == b"" and 2.9 < took < 6
+    got, took = exchange(proxy, b"", wait=10)
+    assert got == b"" and 2.9 < took < 5
     assert llm.requests == []
 
 
@@ -181,8 +181,8 @@ def test_a_get_with_a_body_on_an_llm_path_stays_a_get(proxy, llm):
 
 
 def test_an_upgrade_goes_to_mitmproxy_which_switches_protocols(proxy):
-    """A request asking to switch protocols (here a POST on an LLM path) can get a 101 and then bytes of another
-    protocol: the front, which takes any 1xx for an interim answer, would wait for a final answer forever."""
+    """A call asking to switch protocols can get a 101 and then bytes of another protocol: the front, which takes
+    any 1xx for an interim answer, would wait for a final answer that never comes."""
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
@@ -190,27 +190,31 @@ def test_an_upgrade_goes_to_mitmproxy_which_switches_protocols(proxy):
         def serve() -> None:
             conn, _ = server.accept()
             with conn:
-                conn.recv(65536)
+                data = b""
+                while not data.endswith(BODY):
+                    data += conn.recv(65536)
                 conn.sendall(b"HTTP/1.1 101 Switching Protocols\r\nupgrade: lcap-test\r\nconnection: upgrade\r\n\r\n")
                 conn.sendall(b"echo:" + conn.recv(100))
 
         threading.Thread(target=serve, daemon=True).start()
         url = f"http://127.0.0.1:{server.getsockname()[1]}"
-        head = request(url, b"content-length: 0\r\nconnection: upgrade\r\nupgrade: lcap-test\r\n", b"")
+        head = request(url, b"content-length: %s\r\nconnection: upgrade\r\nupgrade: lcap-test\r\n" % N)
         got, _ = exchange(proxy, head, wait=3, then=b"ping")
     assert got.startswith(b"HTTP/1.1 101 Switching Protocols") and got.endswith(b"echo:ping")
 
 
-@pytest.mark.parametrize("later", [False, True], ids=["in the same write", "while idle in the pool"])
-def test_an_upstream_connection_out_of_step_is_never_reused(proxy, later):
-    """An upstream that sends bytes after its answer (a second answer nobody asked for) has a connection out of
-    step: reusing it would give the next call, maybe another agent's, that answer."""
+@pytest.mark.parametrize("how", ["after, in the same write", "the start of one, in the same write", "later, idle"])
+def test_an_upstream_connection_out_of_step_is_never_reused(proxy, how):
+    """An upstream that sends bytes after its answer (another answer nobody asked for, or the start of one) has a
+    connection out of step: reusing it would give the next call, maybe another agent's, those bytes, or what
+    follows them, for an answer."""
     answer = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": "genuine"}}]}).encode()
     genuine = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
         len(answer),
         answer,
     )
     poison = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 8\r\n\r\npoisoned"
+    started = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n"  # its body comes with the next request
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
@@ -225,13 +229,17 @@ def test_an_upstream_connection_out_of_step_is_never_reused(proxy, later):
 
         def answer_each(conn: socket.socket) -> None:
             with conn:
+                first = True
                 while conn.recv(65536):
-                    if later:
+                    if how.startswith("later"):
                         conn.sendall(genuine)
                         time.sleep(0.1)
                         conn.sendall(poison)
-                    else:
+                    elif how.startswith("after"):
                         conn.sendall(genuine + poison)
+                    else:
+                        conn.sendall(genuine + started if first else b"xxxxx" + poison)
+                    first = False
 
         threading.Thread(target=serve, daemon=True).start()
         url = f"http://127.0.0.1:{server.getsockname()[1]}"
@@ -239,4 +247,5 @@ def test_an_upstream_connection_out_of_step_is_never_reused(proxy, later):
         first, _ = exchange(proxy, call)
         time.sleep(0.3)
         second, _ = exchange(proxy, call)
-    assert b"genuine" in first and b"genuine" in second and b"poisoned" not in second
+    assert b"genuine" in first and b"poisoned" not in first
+    assert second.startswith(b"HTTP/1.1 200 OK") and b"genuine" in second and b"poisoned" not in second

@@ -23,7 +23,7 @@ import pytest
 from fixtures_capture import LCAP, turns
 
 from lcap.capture.calls import Calls, Router
-from lcap.capture.front import LeafCerts
+from lcap.capture.certs import LeafCerts
 from lcap.capture.options import ProxyOptions
 from lcap.capture.server import CA_BASENAME, CaptureProxy, ca_dir
 from lcap.capture.turn import PendingTurn

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import pytest
 from fixtures_capture import turns
 
+from lcap.capture.connections import AgentReader
 from lcap.capture.options import ProxyOptions
 from lcap.capture.server import CaptureProxy
 from lcap.store import Store
@@ -139,6 +140,37 @@ def test_an_agent_that_leaves_cancels_its_call_at_once(store, chunked):
     (row,) = turns(store.path)
     assert row["error"] == "the agent closed the connection before the answer"
     assert 450 < row["latency_ms"] < 1500
+
+
+def test_an_agent_that_closed_before_its_call_started_gets_no_call(store):
+    """The agent writes its call and closes its side at once, and the proxy reads both together (its event loop is
+    held meanwhile): the call is never sent upstream."""
+    hung = Hung()
+    with CaptureProxy(store, ProxyOptions(require_credentials=False)) as proxy:
+        assert proxy.loop is not None
+        proxy.loop.call_soon_threadsafe(time.sleep, 0.5)
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as agent:
+            agent.sendall(call_bytes(hung.url))
+            agent.shutdown(socket.SHUT_WR)
+            assert read_all(agent) == b""
+        assert proxy.flush(timeout=10)
+    (row,) = turns(store.path)
+    assert row["error"] == "the agent closed the connection before the answer" and hung.requests == 0
+
+
+def test_the_agent_reader_says_when_the_agent_left():
+    """What cancels a call: the agent's side ending while it runs, or before it started."""
+
+    async def main() -> list[str]:
+        reader = AgentReader(loop=asyncio.get_running_loop())
+        seen: list[str] = []
+        reader.notify(lambda: seen.append("while waiting"))
+        reader.feed_eof()
+        reader.notify(lambda: seen.append("already gone"))
+        reader.notify(None)
+        return seen
+
+    assert asyncio.run(main()) == ["while waiting", "already gone"]
 
 
 def test_an_upstream_that_never_answers_gets_a_504(store):
