@@ -675,8 +675,11 @@ class Front:
             mitm = Plain(reader, writer)
             if tunnel is not None:
                 writer.write(tunnel.connect_head)
-                with client.deadline(self.options.head_timeout, "hand-off"):
-                    answer = await reader.readuntil(b"\r\n\r\n")
+                try:
+                    with client.deadline(self.options.head_timeout, "hand-off"):
+                        answer = await reader.readuntil(b"\r\n\r\n")
+                except Expired:
+                    raise ConnectionError("mitmproxy did not answer the replayed CONNECT") from None
                 if b" 200 " not in answer.split(b"\r\n", 1)[0] + b" ":
                     raise ConnectionError(f"mitmproxy refused the tunnel: {answer[:80]!r}")
                 if tunnel.tls:

@@ -300,6 +300,11 @@ def test_certificate_caches_are_bounded(store):
                     assert tls.selected_alpn_protocol() == "h2"
         store_certs = proxy._master.addons.get("tlsconfig").certstore.certs
         assert 0 < len(store_certs) <= 3
+        tunnels = proxy._master.addons.get("captureaddon")._conn_episode  # per open tunnel, dropped with it
+        deadline = time.monotonic() + 5
+        while tunnels and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tunnels == {}
 
 
 def test_idle_episodes_are_forgotten_and_still_sort(tmp_path):
