@@ -337,8 +337,8 @@ def with_route_model(request: dict, route: Route) -> dict:
 
 
 class _Copy:
-    """The turn's copy of a stream, up to `limit` bytes: past it the stream still flows to the agent whole, and the
-    turn keeps its start and says it was cut."""
+    """The turn's copy of a stream, its first `limit` bytes: past them the stream still flows to the agent whole, and
+    the turn keeps its start and says it was cut."""
 
     __slots__ = ("kept", "limit", "pending")
 
@@ -351,10 +351,13 @@ class _Copy:
         assert chunks is not None
         if not chunks and not self.kept:
             pending.t_first = time.perf_counter()
-        if self.kept + len(data) > self.limit:
+        room = self.limit - self.kept
+        if len(data) > room:
+            if room > 0:
+                chunks.append(data[:room])
             if pending.error is None:
                 pending.error = f"capture: a stream over {self.limit} bytes (--max-body-bytes); the turn has its start"
-            self.kept = self.limit + 1
+            self.kept = self.limit
             return
         self.kept += len(data)
         chunks.append(data)

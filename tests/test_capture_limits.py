@@ -242,7 +242,7 @@ def test_answers_past_the_limit(store):
     whole_row, stream_row = turns(store.path)
     assert "--max-body-bytes" in whole_row["error"]
     assert "the turn has its start" in stream_row["error"]
-    assert 50_000 < len(stream_row["completion_text"]) <= 100_000
+    assert 90_000 < len(stream_row["completion_text"]) <= 100_000  # its first 100,000 bytes, the last event cut
 
 
 def test_memory_returns_to_baseline_after_a_big_body(capture_env, llm):
