@@ -329,3 +329,15 @@ def test_idle_episodes_are_forgotten_and_still_sort(tmp_path):
     assert first == [0, 1, 2] and calls.tracked_episodes() == 3
     assert one_call("a") > 2  # forgotten, and still after its earlier calls
     assert calls.tracked_episodes() == 3 and not calls.busy(any_episode=True)
+
+
+def test_the_redaction_cache_keeps_only_short_names():
+    """Field names are checked against credential names through a cache: an agent's long keys do not enter it."""
+    from lcap.capture import redact
+
+    before = redact._secret_name.cache_info().currsize
+    assert redact.redact_json({"k" * 100_000: "v", "x_unique_api_key": "v"}) == {
+        "k" * 100_000: "v",
+        "x_unique_api_key": redact.REDACTED,
+    }
+    assert redact._secret_name.cache_info().currsize == before + 1
