@@ -67,13 +67,24 @@ class _Callbacks:
         self.complete = True
 
 
+_HIGH = bytes(range(0x80, 0x100))
+_HIGH_AS_X = bytes.maketrans(_HIGH, b"x" * len(_HIGH))
+
+
 def parse_request_head(raw: bytes) -> RequestHead:
-    """The head `raw` (up to and including its empty line), or `BadRequest`."""
+    """The head `raw` (up to and including its empty line), or `BadRequest`.
+
+    A byte past ASCII in the request target (a raw 0xFF, unencoded UTF-8) cannot change where anything ends,
+    but llhttp refuses it: llhttp reads the line with such bytes as `x`, and the target keeps its own bytes
+    (the agent's call goes on as it was sent, and is stored)."""
+    line_end = raw.find(b"\n")
+    line = raw[:line_end]
+    high = not line.isascii()
     cb = _Callbacks()
     parser = httptools.HttpRequestParser(cb)
     switched = False
     try:
-        parser.feed_data(raw)
+        parser.feed_data(line.translate(_HIGH_AS_X) + raw[line_end:] if high else raw)
     except httptools.HttpParserUpgrade:  # CONNECT, or `Connection: upgrade`: llhttp stops at the head
         switched = True
     except httptools.HttpParserError as exc:
@@ -96,7 +107,9 @@ def parse_request_head(raw: bytes) -> RequestHead:
         elif name == b"expect":
             expect = True
         fields.append(field)
-    return RequestHead(parser.get_method(), cb.url, version, fields, length, upgrade, expect)
+    method = parser.get_method()
+    target = line[len(method) + 1 : len(method) + 1 + len(cb.url)] if high else cb.url
+    return RequestHead(method, target, version, fields, length, upgrade, expect)
 
 
 def refusal(status: int, message: str, fields: bytes = b"", *, close: bool = True) -> bytes:

@@ -113,6 +113,14 @@ def test_a_head_that_is_not_http_1_is_answered_never_waited_for(proxy, llm, raw)
     assert llm.requests == []
 
 
+def test_a_target_with_bytes_past_ascii_goes_through_as_sent(proxy, llm):
+    """A raw 0xFF in a query cannot change where anything ends: the call goes on as the agent wrote it."""
+    line = b"POST %s/v1/chat/completions?x=\xff HTTP/1.1"
+    got, _ = exchange(proxy, request(llm.url, b"content-length: %s\r\nconnection: close\r\n" % N, line=line))
+    assert got.startswith(b"HTTP/1.1 200 OK") and TEXT in got
+    assert [r["path"] for r in llm.requests] == ["/v1/chat/completions?x=\xff"]  # the byte, read as latin-1
+
+
 def test_limits_on_a_head(proxy, llm):
     """Over `max_head_bytes`: 431. Begun and not finished within `head_timeout`: 408. Nothing said at all on a
     kept-alive connection for `idle_timeout`: closed without a word."""
