@@ -89,7 +89,10 @@ AGENT = textwrap.dedent(
     import os, sys, time, pathlib, httpx
     out = pathlib.Path(sys.argv[1])
     out.with_suffix(".port").write_text(os.environ["LCAP_PROXY_URL"].rsplit(":", 1)[1])
+    deadline = time.monotonic() + 60
     while not out.with_suffix(".go").exists():
+        if time.monotonic() > deadline:
+            sys.exit("never told to go")
         time.sleep(0.05)
     with httpx.Client(timeout=30) as client:  # the proxy and CA from the environment lcap gave
         for _ in range(2):
@@ -138,6 +141,7 @@ def test_an_outside_process_cannot_write_into_another_episode(capture_env, llm, 
         marker.with_suffix(".go").write_text("go")
         assert proc.wait(60) == 0, proc.stderr.read()
     finally:
+        marker.with_suffix(".go").write_text("go")  # the agent ends either way
         if proc.poll() is None:
             proc.kill()
     assert marker.read_text() == "done"
