@@ -21,12 +21,11 @@ import ssl
 import subprocess
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 
 import httpx
-from bench_proxy import LCAP, REPO, UPSTREAM, _measure, _pct, start_proxy
-
-PACKAGES = ("capture", "dataset", "train", "serve", "loop")  # top-level folders that setuptools maps to lcap.<name>
+from bench_proxy import LCAP, REPO, UPSTREAM, _measure, _pct, episode_proxy, start_proxy
 
 
 def _checkout(rev: str, into: Path) -> Path:
@@ -34,9 +33,9 @@ def _checkout(rev: str, into: Path) -> Path:
     tree = into / "tree"
     subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(tree), rev], check=True)
     pkg = into / "pkg"
-    shutil.copytree(tree / "lcap", pkg / "lcap")
-    for name in PACKAGES:
-        shutil.copytree(tree / name, pkg / "lcap" / name)
+    folders = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for package, folder in sorted(folders.items()):  # lcap first, then lcap.capture, ... in their folders
+        shutil.copytree(tree / folder, pkg.joinpath(*package.split(".")))
     subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=True)
     return pkg
 
@@ -75,15 +74,11 @@ def main() -> None:
             paths = {
                 "direct": (httpx.AsyncClient(trust_env=False, limits=limits), f"{up_url}/v1/chat/completions"),
                 f"base {args.base}": (
-                    httpx.AsyncClient(
-                        trust_env=False, limits=limits, verify=ctx, proxy=f"http://ab:x@127.0.0.1:{base_port}"
-                    ),
+                    httpx.AsyncClient(trust_env=False, limits=limits, verify=ctx, proxy=episode_proxy(base_port, "ab")),
                     https,
                 ),
                 "working tree": (
-                    httpx.AsyncClient(
-                        trust_env=False, limits=limits, verify=ctx, proxy=f"http://ab:x@127.0.0.1:{work_port}"
-                    ),
+                    httpx.AsyncClient(trust_env=False, limits=limits, verify=ctx, proxy=episode_proxy(work_port, "ab")),
                     https,
                 ),
             }

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import os
 import random
@@ -229,7 +230,7 @@ def capture_cost(n: int = 2000) -> tuple[float, float, float]:
     """lcap's own share of a call, whichever listener carries it: `Calls` opening one rerouted 8 KB chat call,
     reading its answer and spooling the turn (p50, p99 in us), and the writer process's row building per
     turn (us)."""
-    from lcap.capture.calls import Calls, Router, take_episode
+    from lcap.capture.calls import Calls, Router
     from lcap.capture.spool import SpoolAppender, SpoolReader, unseal
     from lcap.capture.turn import build_row
 
@@ -240,7 +241,7 @@ def capture_cost(n: int = 2000) -> tuple[float, float, float]:
     class Writer:
         put = spool.append
 
-    calls = Calls(Writer(), Router("http://127.0.0.1:9", None), token_ids=False)
+    calls = Calls(Writer(), Router("http://127.0.0.1:9", None), token_ids=False, require_credentials=True)
     body = json.dumps({**REQUEST, "messages": [{"role": "user", "content": "x" * 2000}] * 4}).encode()
     answer = json.dumps(
         {
@@ -253,12 +254,12 @@ def capture_cost(n: int = 2000) -> tuple[float, float, float]:
         (b"Host", b"api.openai.com"),
         (b"Authorization", b"Bearer sk-x"),
         (b"Content-Type", b"application/json"),
-        (b"Proxy-Authorization", b"Basic YmVuY2g6eA=="),
+        (b"Proxy-Authorization", b"Basic " + base64.b64encode(calls.keys.pair("bench").encode())),
     )
 
     def one() -> float:
         t0 = time.perf_counter()
-        episode, rest = take_episode(fields)
+        episode, rest = calls.attribute(fields)
         call = calls.open_call(
             "chat", episode, scheme="https", host="api.openai.com", port=443, path="/v1/chat/completions", fields=rest
         )
@@ -282,7 +283,7 @@ def capture_cost(n: int = 2000) -> tuple[float, float, float]:
 
 def _leaf_files(ca_dir: Path, tmp: Path) -> tuple[str, str]:
     """A certificate for 127.0.0.1 from lcap's CA, made as lcap makes the ones it shows agents, and its key."""
-    from lcap.capture.front import LeafCerts
+    from lcap.capture.certs import LeafCerts
     from lcap.capture.server import CA_BASENAME
 
     chain, key = LeafCerts(ca_dir, CA_BASENAME).pem("127.0.0.1")
@@ -302,6 +303,15 @@ def start_proxy(argv: list[str], env: dict[str, str], cwd: Path | None = None) -
     port = int(line.split("listening on ", 1)[1].split()[0].rsplit(":", 1)[1])
     bundle = proc.stdout.readline().split("SSL_CERT_FILE=", 1)[1].strip()
     return proc, port, bundle
+
+
+def episode_proxy(port: int, name: str = "bench", env: dict[str, str] | None = None) -> str:
+    """The proxy URL of episode `name` on the proxy listening on `port`, minted by `lcap episode new` as an agent's
+    would be; a revision of lcap without episode secrets (ab_proxy's base, say) takes any password."""
+    minted = subprocess.run(
+        [LCAP, "episode", "new", "--port", str(port), "--id", name], env=env, capture_output=True, text=True
+    )
+    return minted.stdout.strip() if minted.returncode == 0 else f"http://{name}:x@127.0.0.1:{port}"
 
 
 def _free_port() -> int:
@@ -410,15 +420,13 @@ def main() -> None:
                 return httpx.AsyncClient(limits=limits, trust_env=False, timeout=60, **kwargs)
 
             chat = f"{up_url}/v1/chat/completions"
+            lcap_proxy = episode_proxy(lcap_port)
             clients = {
                 "direct": (client(), chat),
                 "direct again": (client(), chat),
                 "direct https": (client(verify=ctx), f"https://127.0.0.1:{secure_port}/v1/chat/completions"),
-                "lcap http": (client(proxy=f"http://bench:x@127.0.0.1:{lcap_port}"), chat),
-                "lcap https": (
-                    client(proxy=f"http://bench:x@127.0.0.1:{lcap_port}", verify=ctx),
-                    "https://api.openai.com/v1/chat/completions",
-                ),
+                "lcap http": (client(proxy=lcap_proxy), chat),
+                "lcap https": (client(proxy=lcap_proxy, verify=ctx), "https://api.openai.com/v1/chat/completions"),
                 "mitmproxy": (client(proxy=f"http://127.0.0.1:{bare_port}"), chat),
                 "mitmdump": (client(proxy=f"http://127.0.0.1:{dump_port}"), chat),
             }

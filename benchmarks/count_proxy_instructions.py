@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_proxy import BARE, LCAP, REQUEST, REROUTE, UPSTREAM
+from bench_proxy import BARE, LCAP, REQUEST, REROUTE, UPSTREAM, episode_proxy
 
 
 def count(argv: list[str], env: dict[str, str], port_of, upstream: str, n: int, out: Path) -> int:
@@ -40,7 +40,7 @@ def count(argv: list[str], env: dict[str, str], port_of, upstream: str, n: int, 
     )
     try:
         port = port_of(proc.stdout.readline())
-        with httpx.Client(proxy=f"http://bench:x@127.0.0.1:{port}", trust_env=False, timeout=120) as client:
+        with httpx.Client(proxy=episode_proxy(port, env=env), trust_env=False, timeout=120) as client:
             url = f"{upstream}/v1/chat/completions"
             for _ in range(20):
                 client.post(url, json=REQUEST).raise_for_status()

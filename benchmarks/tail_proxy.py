@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 import httpx
-from bench_proxy import LCAP, UPSTREAM, _leaf_files, _measure, _pct, start_proxy
+from bench_proxy import LCAP, UPSTREAM, _leaf_files, _measure, _pct, episode_proxy, start_proxy
 
 CONCURRENCY = 16
 
@@ -49,7 +49,7 @@ def main() -> None:
             {**os.environ, "LCAP_HOME": home},
         )
         procs.append(proxy)
-        lcap_proxy = f"http://tail:x@127.0.0.1:{lcap_port}"
+        lcap_proxy = episode_proxy(lcap_port, "tail", {**os.environ, "LCAP_HOME": home})
         direct_url = lcap_url = f"{up_url}/v1/chat/completions"
         if args.https:
             secure = subprocess.Popen(

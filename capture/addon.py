@@ -7,16 +7,19 @@ wrapped: a capture bug is logged and the agent's traffic flows on untouched.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from mitmproxy import http
 
 from lcap.capture import dialects
-from lcap.capture.calls import Calls, Route, take_episode, with_route_model
+from lcap.capture.calls import Calls, NoRoute, Route, Unauthorized, with_route_model
+from lcap.capture.options import ProxyOptions
 from lcap.capture.turn import PendingTurn
 
 log = logging.getLogger("lcap.capture")
@@ -24,6 +27,8 @@ log = logging.getLogger("lcap.capture")
 _OPEN = "lcap-open"  # (dialect, episode) of a request on an LLM path, until its body is read
 _KEY = "lcap"  # the PendingTurn of a recognised call
 _WS_KEY = "lcap-ws"
+_TIMER = "lcap-timer"  # the call's upstream deadline (a loop timer)
+_TIMED_OUT = "lcap-timed-out"  # why the deadline cut the call
 
 
 def _guarded(hook: Callable) -> Callable:
@@ -38,17 +43,22 @@ def _guarded(hook: Callable) -> Callable:
 
 
 class CaptureAddon:
-    def __init__(self, calls: Calls) -> None:
+    def __init__(self, calls: Calls, options: ProxyOptions = ProxyOptions(), proxyserver: Any = None) -> None:
         self.calls = calls
-        self._conn_episode: dict[str, str] = {}
+        self.options = options
+        self.proxyserver = proxyserver  # mitmproxy's, to cut the server connection of a call past its deadline
+        self._conn_episode: dict[str, str | None] = {}  # per open tunnel, dropped when its client disconnects
 
     # --- attribution -------------------------------------------------------------------------
 
     @_guarded
     def http_connect(self, flow: http.HTTPFlow) -> None:
-        episode, _ = take_episode(flow.request.headers.fields)
-        if episode:
-            self._conn_episode[flow.client_conn.id] = episode
+        try:
+            episode, _ = self.calls.attribute(flow.request.headers.fields)
+        except Unauthorized:  # the front answers these itself: only a connection that bypassed it gets here
+            flow.response = http.Response.make(407, b"lcap: episode credentials required\n", _AUTHENTICATE)
+            return
+        self._conn_episode[flow.client_conn.id] = episode
 
     @_guarded
     def client_disconnected(self, client) -> None:
@@ -59,10 +69,14 @@ class CaptureAddon:
     @_guarded
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         req = flow.request
-        episode, fields = take_episode(req.headers.fields)
+        try:
+            episode, fields = self.calls.attribute(req.headers.fields, self._conn_episode.get(flow.client_conn.id))
+        except Unauthorized:
+            log.warning("lcap: a request without episode credentials on a handed-off connection was cut off")
+            flow.kill()
+            return
         if fields is not req.headers.fields:
             req.headers.fields = tuple(fields)
-        episode = episode or self._conn_episode.get(flow.client_conn.id)
         dialect = dialects.match(req.method, req.path)
         if dialect is not None:
             flow.metadata[_OPEN] = (dialect, episode)
@@ -82,8 +96,19 @@ class CaptureAddon:
         else:
             req.stream = True  # not an LLM call: passed through as it comes, never held in memory
 
-    @_guarded
     def request(self, flow: http.HTTPFlow) -> None:
+        """An LLM path's request is whole. Not guarded like the other hooks: when lcap reroutes, a failure here
+        answers the agent (502, 503) instead of letting the call go to its original host with its key."""
+        try:
+            self._request(flow)
+        except NoRoute as exc:
+            flow.response = http.Response.make(503, f"lcap: {exc}\n".encode())
+        except Exception:
+            log.exception("lcap: capture error in request")
+            if self.calls.router.upstream is not None and dialects.match(flow.request.method, flow.request.path):
+                flow.response = http.Response.make(502, b"lcap: capture error (see lcap's log)\n")
+
+    def _request(self, flow: http.HTTPFlow) -> None:
         opened = flow.metadata.pop(_OPEN, None)
         if opened is None:
             if _WS_KEY in flow.metadata:
@@ -94,12 +119,15 @@ class CaptureAddon:
         call = self.calls.open_call(
             *opened, scheme=req.scheme, host=req.host, port=req.port, path=req.path, fields=req.headers.fields
         )  # here, not at requestheaders: mitmproxy may change them
-        if not self.calls.take_body(call, body):
+        is_call = self.calls.take_body(call, body)
+        if is_call:
+            flow.metadata[_KEY] = call.pending
+            if call.body is not body:
+                req.content = call.body
+            self._arm(flow, self.options.first_byte_timeout, "no answer within {:g} s (--first-byte-timeout)")
+        if call.route is None:
             return
-        flow.metadata[_KEY] = call.pending
-        req.headers.fields = tuple(call.fields)
-        if call.body is not body:
-            req.content = call.body
+        req.headers.fields = tuple(call.fields)  # a side call too goes to the route, never to the original host
         if (call.scheme, call.host, call.port, call.path) != (req.scheme, req.host, req.port, req.path):
             _retarget(req, call.scheme, call.host, call.port, call.path)
 
@@ -118,11 +146,21 @@ class CaptureAddon:
         transform = self.calls.answer_head(
             pending, resp.status_code, resp.headers.get("content-type", ""), resp.headers.get("content-encoding")
         )
+        idle = self.options.stream_idle_timeout
+        self._arm(flow, idle, "silent for {:g} s in the middle of its answer (--stream-idle-timeout)")
         if transform is not None:
-            resp.stream = transform
+            resp.stream = self._watched(flow, transform, idle)
+
+    def _watched(self, flow: http.HTTPFlow, transform: Callable, idle: float) -> Callable:
+        def stream(data: bytes) -> Any:
+            self._arm(flow, idle, "silent for {:g} s in the middle of its answer (--stream-idle-timeout)")
+            return transform(data)
+
+        return stream
 
     @_guarded
     def response(self, flow: http.HTTPFlow) -> None:
+        self._disarm(flow)
         pending: PendingTurn | None = flow.metadata.get(_KEY)
         if pending is None or pending.done or flow.response is None:
             return
@@ -135,17 +173,67 @@ class CaptureAddon:
 
     @_guarded
     def error(self, flow: http.HTTPFlow) -> None:
+        self._disarm(flow)
+        opened = flow.metadata.pop(_OPEN, None)
+        message = str(flow.error.msg if flow.error else "connection error")
+        if opened is not None and message.startswith("lcap: request body over"):  # install_body_limits' 413
+            req = flow.request
+            call = self.calls.open_call(
+                *opened, scheme=req.scheme, host=req.host, port=req.port, path=req.path, fields=req.headers.fields
+            )
+            self.calls.refuse_call(call, 413, message.removeprefix("lcap: "))
+            return
         pending: PendingTurn | None = flow.metadata.get(_KEY)
         if pending is not None and not pending.done:
             if flow.response is not None:
                 pending.status_code = flow.response.status_code
-            self.calls.close_call(pending, str(flow.error.msg if flow.error else "connection error"))
+            if message == "Client disconnected.":  # in the front's words, so both transports read alike
+                message = f"the agent closed the connection {'during' if flow.response else 'before'} the answer"
+            self.calls.close_call(pending, flow.metadata.pop(_TIMED_OUT, None) or message)
+
+    def body_limit(self, flow: http.HTTPFlow, request: bool) -> int | None:
+        """The largest body mitmproxy may hold for `flow` (`install_body_limits`): LLM requests, and the answers
+        of recorded calls unless streamed; None for the rest, which streams."""
+        if request:
+            return self.options.max_body_bytes if dialects.match(flow.request.method, flow.request.path) else None
+        if _KEY not in flow.metadata or flow.response is None:
+            return None
+        streamed = "text/event-stream" in flow.response.headers.get("content-type", "")
+        return None if streamed else self.options.max_body_bytes
+
+    # --- upstream deadlines ----------------------------------------------------------------------
+
+    def _arm(self, flow: http.HTTPFlow, seconds: float, why: str) -> None:
+        """(Re)start the call's deadline: past it, its server connection is cut and the turn says `why`."""
+        timer = flow.metadata.get(_TIMER)
+        if timer is not None:
+            timer.cancel()
+        flow.metadata[_TIMER] = asyncio.get_running_loop().call_later(seconds, self._expire, flow, why.format(seconds))
+
+    def _disarm(self, flow: http.HTTPFlow) -> None:
+        timer = flow.metadata.pop(_TIMER, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _expire(self, flow: http.HTTPFlow, why: str) -> None:
+        flow.metadata.pop(_TIMER, None)
+        pending: PendingTurn | None = flow.metadata.get(_KEY)
+        handler = self.proxyserver.connections.get(flow.client_conn.id) if self.proxyserver is not None else None
+        if pending is None or pending.done or handler is None:
+            return
+        flow.metadata[_TIMED_OUT] = f"upstream {pending.upstream}: {why}"
+        if flow.server_conn in handler.transports:
+            handler.close_connection(flow.server_conn)  # mitmproxy answers 502 and calls `error`
+        else:  # still connecting: only the agent's connection can be cut
+            handler.close_connection(flow.client_conn)
 
     # --- Responses API over WebSocket ---------------------------------------------------------
 
     def _route_websocket(self, flow: http.HTTPFlow) -> None:
         state = flow.metadata[_WS_KEY]
         route = self.calls.router.route()
+        if route is None and self.calls.router.upstream is not None:
+            raise NoRoute(f"--upstream {self.calls.router.upstream}: no server to send the call to")
         req = flow.request
         state["upstream"] = f"{req.scheme}://{req.host}:{req.port}"
         if route is not None:
@@ -223,6 +311,9 @@ class CaptureAddon:
         if turn is not None and not turn.done:
             state["turn"] = None
             self.calls.close_call(turn, why)
+
+
+_AUTHENTICATE = {"proxy-authenticate": 'Basic realm="lcap"'}
 
 
 def _retarget(req: http.Request, scheme: str, host: str, port: int, path: str) -> None:

@@ -8,19 +8,19 @@ cheap: raw bytes and timings go on a `PendingTurn`, and the writer process does 
 
 from __future__ import annotations
 
-import base64
 import functools
 import json
 import logging
 import os
 import threading
 import time
-from collections import defaultdict
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 from lcap.capture import dialects
+from lcap.capture.credentials import EpisodeKeys
 from lcap.capture.redact import CREDENTIAL_HEADERS
 from lcap.capture.turn import PendingTurn
 from lcap.capture.writer import TurnWriter
@@ -28,7 +28,6 @@ from lcap.capture.writer import TurnWriter
 log = logging.getLogger("lcap.capture")
 
 Fields = Sequence[tuple[bytes, bytes]]  # header fields: (name, value) pairs
-EPISODE_HEADER = b"x-lcap-episode"
 _CREDENTIALS = frozenset(name.encode() for name in CREDENTIAL_HEADERS)
 
 
@@ -117,36 +116,13 @@ class Router:
 # --- which episode ------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=4096)
-def episode_from_proxy_auth(value: str | None) -> str | None:
-    """The episode named as the user of `http://EPISODE@host:port` (Basic proxy credentials)."""
-    if not value:
-        return None
-    scheme, _, token = value.partition(" ")
-    if scheme.lower() != "basic":
-        return None
-    try:
-        user, _, password = base64.b64decode(token.strip()).decode("utf-8").partition(":")
-    except Exception:
-        return None
-    return unquote(user or password) or None
+class Unauthorized(Exception):
+    """Credentials are required and the request proves no episode: the agent gets a 407."""
 
 
-def take_episode(fields: Fields) -> tuple[str | None, Fields]:
-    """The episode a request names (lcap's header, else the proxy credentials), and its fields without them."""
-    named = auth = None
-    keep = []
-    for field in fields:
-        name = field[0].lower()
-        if name == EPISODE_HEADER:
-            named = field[1].decode("utf-8", "replace")
-        elif name == b"proxy-authorization":
-            auth = field[1].decode("latin-1")
-        else:
-            keep.append(field)
-    if named is None and auth is None:
-        return None, fields
-    return named or episode_from_proxy_auth(auth), tuple(keep)
+class NoRoute(Exception):
+    """`--upstream` is set but has no server to send to right now (no policy record): the agent gets a 503,
+    never the original host."""
 
 
 # --- one call ---------------------------------------------------------------------------------------
@@ -172,26 +148,72 @@ class Calls:
     (a stream, or a failure)."""
 
     def __init__(
-        self, writer: TurnWriter, router: Router, *, token_ids: bool, upstream_api_key: str | None = None
+        self,
+        writer: TurnWriter,
+        router: Router,
+        *,
+        token_ids: bool,
+        upstream_api_key: str | None = None,
+        keys: EpisodeKeys | None = None,
+        require_credentials: bool = False,
+        max_episodes: int = 100_000,
+        max_body_bytes: int = 64 << 20,
     ) -> None:
         self.writer = writer
         self.router = router
         self.token_ids = token_ids
         self.upstream_api_key = upstream_api_key
-        self._seq: defaultdict[str | None, int] = defaultdict(int)
+        self.keys = keys or EpisodeKeys.new()
+        self.require_credentials = require_credentials
+        self.max_episodes = max_episodes
+        self.max_body_bytes = max_body_bytes  # of a stream, the part kept for the turn
+        # Per episode: the next seq, and calls numbered and not closed yet. An episode with nothing in flight
+        # is idle; past `max_episodes` idle ones, the least recently used is forgotten. One that comes back
+        # after that is numbered from `_floor`, above any seq a forgotten episode reached: its turns still sort.
+        self._next: dict[str | None, int] = {}
+        self.in_flight: dict[str | None, int] = {}
+        self._idle: OrderedDict[str | None, None] = OrderedDict()
+        self._floor = 0
         self._seq_lock = threading.Lock()
-        self.in_flight: defaultdict[str | None, int] = defaultdict(int)  # calls numbered and not closed yet
+
+    def attribute(self, fields: Fields, fallback: str | None = None) -> tuple[str | None, Fields]:
+        """The episode a request is written into (the one its credentials prove, else `fallback`: its tunnel's)
+        and its fields without lcap's. `Unauthorized` when credentials are required and none proved one."""
+        episode, _, fields = self.keys.take(fields)
+        episode = episode or fallback
+        if episode is None and self.require_credentials:
+            raise Unauthorized
+        return episode, fields
 
     def next_seq(self, episode: str | None) -> int:
         with self._seq_lock:
-            seq = self._seq[episode]
-            self._seq[episode] = seq + 1
-            self.in_flight[episode] += 1
+            seq = self._next.get(episode, self._floor)
+            self._next[episode] = seq + 1
+            running = self.in_flight.get(episode, 0)
+            if not running:
+                self._idle.pop(episode, None)
+            self.in_flight[episode] = running + 1
         return seq
+
+    def _closed(self, episode: str | None) -> None:
+        with self._seq_lock:
+            running = self.in_flight[episode] - 1
+            if running:
+                self.in_flight[episode] = running
+                return
+            del self.in_flight[episode]
+            self._idle[episode] = None
+            if len(self._idle) > self.max_episodes:
+                forgotten, _ = self._idle.popitem(last=False)
+                self._floor = max(self._floor, self._next.pop(forgotten))
+
+    def tracked_episodes(self) -> int:
+        """Episodes whose numbering is kept (in flight or idle): bounded by `max_episodes` plus those in flight."""
+        return len(self._next)
 
     def busy(self, episode: str | None = None, *, any_episode: bool = False) -> bool:
         if any_episode:
-            return any(n > 0 for n in self.in_flight.values())
+            return bool(self.in_flight)
         return self.in_flight.get(episode, 0) > 0
 
     def open_call(
@@ -200,6 +222,8 @@ class Calls:
         """A request to an LLM path, from its head alone: its route, its header fields for that route, and a
         turn not recorded yet. Clients often write the body separately: this work is then done while it comes."""
         route = self.router.route()
+        if route is None and self.router.upstream is not None:
+            raise NoRoute(f"--upstream {self.router.upstream}: no server to send the call to")
         pending = PendingTurn(episode_id=episode, seq=None, host=host, path=path, dialect=dialect)
         call = Call(pending, route, scheme, host, port, path, fields)
         if route is None:
@@ -238,6 +262,14 @@ class Calls:
         pending.seq = self.next_seq(pending.episode_id)
         return True
 
+    def refuse_call(self, call: Call, status: int, error: str) -> None:
+        """A call refused before it was whole (a body past the limit): an error turn, numbered in its episode."""
+        pending = call.pending
+        pending.status_code = status
+        pending.started_at, pending.t0 = time.time(), time.perf_counter()
+        pending.seq = self.next_seq(pending.episode_id)
+        self.close_call(pending, error)
+
     def rerouted_fields(self, fields: Fields, route: Route, drop: frozenset[bytes] = _CREDENTIALS) -> Fields:
         """The agent's fields for `route`: its credentials for the original host go, the Host field follows."""
         out = []
@@ -264,7 +296,9 @@ class Calls:
         if not pending.streamed:
             return None
         pending.chunks = []
-        return _SseRewriter(pending) if pending.added is not None and status < 400 else _collector(pending)
+        if pending.added is not None and status < 400:
+            return _SseRewriter(pending, self.max_body_bytes)
+        return _collector(pending, self.max_body_bytes)
 
     def answer_body(self, pending: PendingTurn, body: bytes) -> bytes | None:
         """The whole answer: the turn is recorded before the agent has it. Returns the body the agent gets when
@@ -290,8 +324,8 @@ class Calls:
         if error is not None:
             pending.error = error
         self.writer.put(pending)
-        with self._seq_lock:
-            self.in_flight[pending.episode_id] -= 1
+        if pending.seq is not None:
+            self._closed(pending.episode_id)
 
 
 def with_route_model(request: dict, route: Route) -> dict:
@@ -302,16 +336,40 @@ def with_route_model(request: dict, route: Route) -> dict:
     return forward
 
 
-def _collector(pending: PendingTurn) -> Callable[[bytes], bytes]:
+class _Copy:
+    """The turn's copy of a stream, its first `limit` bytes: past them the stream still flows to the agent whole, and
+    the turn keeps its start and says it was cut."""
+
+    __slots__ = ("kept", "limit", "pending")
+
+    def __init__(self, pending: PendingTurn, limit: int) -> None:
+        self.pending, self.limit, self.kept = pending, limit, 0
+
+    def add(self, data: bytes) -> None:
+        pending = self.pending
+        chunks = pending.chunks
+        assert chunks is not None
+        if not chunks and not self.kept:
+            pending.t_first = time.perf_counter()
+        room = self.limit - self.kept
+        if len(data) > room:
+            if room > 0:
+                chunks.append(data[:room])
+            if pending.error is None:
+                pending.error = f"capture: a stream over {self.limit} bytes (--max-body-bytes); the turn has its start"
+            self.kept = self.limit
+            return
+        self.kept += len(data)
+        chunks.append(data)
+
+
+def _collector(pending: PendingTurn, limit: int) -> Callable[[bytes], bytes]:
     """Forward each chunk as it comes, keeping a copy: the stream is never buffered."""
-    chunks = pending.chunks
-    assert chunks is not None
+    copy = _Copy(pending, limit)
 
     def stream(data: bytes) -> bytes:
         if data:
-            if not chunks:
-                pending.t_first = time.perf_counter()
-            chunks.append(data)
+            copy.add(data)
         return data
 
     return stream
@@ -320,19 +378,17 @@ def _collector(pending: PendingTurn) -> Callable[[bytes], bytes]:
 class _SseRewriter:
     """vLLM path: forward each complete SSE event without the fields lcap asked for, keeping the original."""
 
-    def __init__(self, pending: PendingTurn) -> None:
+    def __init__(self, pending: PendingTurn, limit: int) -> None:
         self.pending = pending
+        self.limit = limit
+        self.copy = _Copy(pending, limit)
         self.buffer = b""
 
     def __call__(self, data: bytes) -> list[bytes]:
-        pending = self.pending
-        assert pending.chunks is not None
-        if data and not pending.chunks:
-            pending.t_first = time.perf_counter()
         if data:
-            pending.chunks.append(data)
+            self.copy.add(data)
         self.buffer += data
-        if not data:  # end of stream: whatever is left goes out as it is
+        if not data or len(self.buffer) > self.limit:  # the end, or no event end in sight: out as it is
             rest, self.buffer = self.buffer, b""
             return [rest] if rest else []
         out = []

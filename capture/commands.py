@@ -1,4 +1,4 @@
-"""CLI commands of this stage (registered on lcap's typer app): `lcap proxy` and `lcap ca`."""
+"""CLI commands of this stage (registered on lcap's typer app): `lcap proxy`, `lcap episode new` and `lcap ca`."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run an unmodified agent behind the capture proxy; every LLM call becomes a turn in the store.
 
-        `lcap proxy -- python agent.py` makes one episode. `--serve` runs for many agents: each names
-        its episode as the proxy URL's user (http://EPISODE@127.0.0.1:PORT) or an X-Lcap-Episode header.
+        `lcap proxy -- python agent.py` makes one episode. `--serve` runs for many agents: each gets its
+        episode's proxy URL from `lcap episode new` (http://EPISODE:SECRET@127.0.0.1:PORT).
         """
         from lcap.capture.run import run_proxy, serve_proxy
         from lcap.config import LcapError
@@ -42,6 +42,42 @@ def register(app: typer.Typer) -> None:
         if not command:
             raise LcapError("no command: use `lcap proxy [OPTIONS] -- CMD ...`, or --serve")
         raise typer.Exit(run_proxy(command, labels=parse_labels(label), episode=episode, db=db, options=options))
+
+    episode_app = typer.Typer(help="Episodes of a running `lcap proxy --serve`.", no_args_is_help=True)
+    app.add_typer(episode_app, name="episode")
+
+    @episode_app.command("new")
+    @one_line_errors
+    def episode_new(
+        label: Annotated[
+            list[str] | None, typer.Option(help="Episode label key=value (repeatable), e.g. task=17.")
+        ] = None,
+        port: Annotated[
+            int | None, typer.Option(help="The proxy's port (default: the only proxy of this LCAP_HOME running).")
+        ] = None,
+        episode: Annotated[str | None, typer.Option("--id", help="Episode id (default: a new uuid).")] = None,
+        json_out: Annotated[
+            bool, typer.Option("--json", help="Print the id, proxy URL and X-Lcap-Episode value as JSON.")
+        ] = False,
+    ) -> None:
+        """Start an episode on a running proxy and print its proxy URL: HTTPS_PROXY=$(lcap episode new ...).
+
+        The URL carries the episode's secret; only calls that present it are written into the episode."""
+        import json
+        import uuid
+
+        from lcap.capture.credentials import find_proxy
+        from lcap.store import Store
+
+        record = find_proxy(port)
+        episode_id = episode or str(uuid.uuid4())
+        Store(record.db).start_episode(episode_id, command=None, cwd=None, labels=parse_labels(label))
+        keys = record.keys()
+        url = keys.proxy_url(episode_id, record.host, record.port)
+        if json_out:
+            typer.echo(json.dumps({"episode_id": episode_id, "proxy_url": url, "header": keys.pair(episode_id)}))
+        else:
+            typer.echo(url)
 
     @app.command()
     @one_line_errors

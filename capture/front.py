@@ -7,209 +7,43 @@ clear or inside a CONNECT tunnel whose TLS it terminates with lcap's CA. What ha
 itself (attribution, rerouting, recording) is `Calls` (capture/calls.py), which the mitmproxy addon
 drives too, so capture has one implementation.
 
-Any connection it does not serve in full is handed to the embedded mitmproxy together with the bytes
-read so far, and spliced there for the rest of its life: an HTTP/2-only or non-TLS tunnel, an
-upgrade (Responses over WebSocket), `Expect`, a chunked or compressed request body, a request that
-is not an LLM call (telemetry, model lists), a head it does not parse exactly. Traffic never
-depends on the short path.
+Every request head is read here first, parsed by llhttp (capture/http1.py), checked against the
+limits (`ProxyOptions`) and the episode credentials; what fails gets lcap's answer (400, 407, 408,
+413, 431, 503) and nothing else. Any connection the front does not serve in full is then handed to
+the embedded mitmproxy together with the bytes read so far, and spliced there for the rest of its
+life: an HTTP/2-only or non-TLS tunnel, an upgrade (Responses over WebSocket), `Expect`, a chunked
+or compressed request body, a request that is not an LLM call (telemetry, model lists). Traffic
+never depends on the short path.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
-import re
+import socket
 import ssl
-import tempfile
-from collections import defaultdict
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import httptools
 from mitmproxy.proxy.layers.tls import parse_client_hello
+from mitmproxy.tls import ClientHello
 
 from lcap.capture import dialects
-from lcap.capture.calls import Call, Calls, take_episode
+from lcap.capture.calls import Call, Calls, Fields, NoRoute, Unauthorized
+from lcap.capture.certs import LeafCerts
+from lcap.capture.connections import READ_SIZE, AgentReader, Expired, Plain, TlsServerSide, UpstreamPool, Watches
+from lcap.capture.destinations import Destinations, Forbidden
+from lcap.capture.http1 import HEAD_END, PROXY_AUTHENTICATE, BadRequest, RequestHead, parse_request_head, refusal
+from lcap.capture.options import ProxyOptions
 
 log = logging.getLogger("lcap.capture")
 
-READ_SIZE = 65536
-MAX_HEAD = 65536
 HEAD_HOLD = 0.001  # seconds a streamed answer's head may wait for its first piece of body (see `_stream`)
-
-
-class Plain:
-    """A TCP connection as the front uses it: recv / send / drain / close."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-
-    async def recv(self) -> bytes:
-        return await self.reader.read(READ_SIZE)
-
-    def send(self, data: bytes) -> None:
-        self.writer.write(data)
-
-    async def drain(self) -> None:
-        await self.writer.drain()
-
-    def send_eof(self) -> None:
-        if self.writer.can_write_eof() and not self.writer.is_closing():
-            self.writer.write_eof()
-        else:  # a TLS stream cannot half-close
-            self.close()
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-class TlsServerSide(Plain):
-    """The agent's side of an intercepted tunnel, TLS done in memory so the ClientHello can be read first."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, context: ssl.SSLContext) -> None:
-        super().__init__(reader, writer)
-        self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-        self.tls = context.wrap_bio(self.incoming, self.outgoing, server_side=True)
-
-    async def handshake(self, client_hello: bytes) -> None:
-        self.incoming.write(client_hello)
-        while True:
-            try:
-                self.tls.do_handshake()
-                break
-            except ssl.SSLWantReadError:
-                self._flush()
-                data = await self.reader.read(READ_SIZE)
-                if not data:
-                    raise ConnectionError("the agent closed the connection during the TLS handshake") from None
-                self.incoming.write(data)
-        self._flush()
-
-    async def recv(self) -> bytes:
-        while True:
-            if self.incoming.pending or self.tls.pending():  # else reading would only raise SSLWantReadError
-                try:
-                    return self.tls.read(READ_SIZE)
-                except ssl.SSLWantReadError:
-                    pass
-                except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                    return b""
-            self._flush()
-            data = await self.reader.read(READ_SIZE)
-            if not data:
-                return b""
-            self.incoming.write(data)
-
-    def send(self, data: bytes) -> None:
-        self.tls.write(data)
-        self._flush()
-
-    def send_eof(self) -> None:
-        self.close()
-
-    def _flush(self) -> None:
-        if out := self.outgoing.read():
-            self.writer.write(out)
-
-
-# --- certificates ---------------------------------------------------------------------------------
-
-
-class LeafCerts:
-    """TLS server contexts for intercepted hosts, signed by lcap's CA (one per host, made on first use)."""
-
-    def __init__(self, confdir: Path, basename: str) -> None:
-        from mitmproxy.certs import CertStore
-
-        self.store = CertStore.from_store(confdir, basename, 2048)
-        self.contexts: dict[str, ssl.SSLContext] = {}
-
-    def context(self, host: str) -> ssl.SSLContext:
-        ctx = self.contexts.get(host)
-        if ctx is None:
-            ctx = self.contexts[host] = self._make(host)
-        return ctx
-
-    def pem(self, host: str) -> tuple[bytes, bytes]:
-        """The certificate chain for `host` and its private key, PEM-encoded."""
-        from cryptography import x509
-        from cryptography.hazmat.primitives import serialization
-
-        try:
-            name: x509.GeneralName = x509.IPAddress(ipaddress.ip_address(host))
-        except ValueError:
-            name = x509.DNSName(host.encode("idna").decode())
-        entry = self.store.get_cert(host, [name])
-        key = entry.privatekey.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-        return entry.cert.to_pem() + b"".join(c.to_pem() for c in entry.chain_certs), key
-
-    def _make(self, host: str) -> ssl.SSLContext:
-        chain, key = self.pem(host)
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.set_alpn_protocols(["http/1.1"])
-        with tempfile.TemporaryDirectory(prefix="lcap-leaf-") as tmp:  # ssl loads key pairs from files only
-            cert_file, key_file = Path(tmp, "cert.pem"), Path(tmp, "key.pem")
-            cert_file.write_bytes(chain)
-            key_file.touch(0o600)
-            key_file.write_bytes(key)
-            ctx.load_cert_chain(cert_file, key_file)
-        return ctx
-
-
-# --- upstream connections -------------------------------------------------------------------------
-
-
-class UpstreamPool:
-    """Keep-alive connections to upstreams, reused call after call."""
-
-    def __init__(self) -> None:
-        self.idle: defaultdict[tuple[str, str, int], list[Plain]] = defaultdict(list)
-        self._tls: ssl.SSLContext | None = None
-
-    def take(self, key: tuple[str, str, int]) -> Plain | None:
-        idle = self.idle[key]
-        while idle:
-            conn = idle.pop()
-            if not conn.reader.at_eof() and not conn.writer.is_closing() and not _buffered(conn.reader):
-                return conn
-            conn.close()
-        return None
-
-    async def open(self, key: tuple[str, str, int]) -> Plain:
-        scheme, host, port = key
-        tls = self._tls_context() if scheme == "https" else None
-        reader, writer = await asyncio.open_connection(
-            host, port, ssl=tls, server_hostname=host if tls else None, limit=MAX_HEAD
-        )
-        return Plain(reader, writer)
-
-    def give_back(self, key: tuple[str, str, int], conn: Plain) -> None:
-        self.idle[key].append(conn)
-
-    def _tls_context(self) -> ssl.SSLContext:
-        """Verified against certifi's roots, as mitmproxy verifies upstreams: one trust store for both paths."""
-        if self._tls is None:
-            import certifi  # a dependency of mitmproxy
-
-            self._tls = ssl.create_default_context(cafile=certifi.where())
-            self._tls.set_alpn_protocols(["http/1.1"])
-        return self._tls
-
-    def close(self) -> None:
-        for conns in self.idle.values():
-            for conn in conns:
-                conn.close()
-        self.idle.clear()
-
-
-def _buffered(reader: asyncio.StreamReader) -> int:
-    """Bytes an idle upstream connection has received and nobody read: it is out of step, never reused."""
-    return len(getattr(reader, "_buffer", b""))
+LINGER = 1.0  # seconds a refused connection is read (and discarded) before it closes, so the agent reads the answer
+MAX_LINGERING = 64
 
 
 # --- requests -------------------------------------------------------------------------------------
@@ -231,49 +65,39 @@ class Unserved(Exception):
     """The short path does not serve this request: mitmproxy gets the connection."""
 
 
-@dataclass
-class Head:
-    method: bytes
-    target: bytes
-    fields: list[tuple[bytes, bytes]]  # without Content-Length, which the front writes itself
-    length: int
+class Refused(Exception):
+    """The front answers the agent itself with `status` and closes the connection."""
+
+    def __init__(self, status: int, message: str, fields: bytes = b"") -> None:
+        super().__init__(message)
+        self.status, self.message, self.fields = status, message, fields
 
 
-def parse_head(head: bytes) -> Head:
-    """A request head the short path serves (HTTP/1.1, CONNECT or a POST with a plain Content-Length body),
-    or `Unserved`."""
-    lines = head.split(b"\r\n")
-    try:
-        method, target, version = lines[0].split(b" ")
-    except ValueError:
-        raise Unserved("request line") from None
-    if version != b"HTTP/1.1" or method not in (b"POST", b"CONNECT"):
-        raise Unserved("not an HTTP/1.1 POST")
-    fields = []
-    length = None
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if not sep or not name or name[-1:] in b" \t" or line[:1] in b" \t" or _BARE.search(line):
-            raise Unserved("header line")
-        lower = name.lower()
-        if lower == b"content-length":
-            if length is not None or not value.strip().isdigit():
-                raise Unserved("content-length")
-            length = int(value)
-        elif lower in _UNSERVED_FIELDS:
-            raise Unserved(lower.decode())
-        else:
-            fields.append((name, value.strip()))
-    if method == b"CONNECT":
-        return Head(method, target, fields, 0)
-    if length is None:
-        raise Unserved("no content-length")
-    return Head(method, target, fields, length)
+class _UpstreamTimeout(Exception):
+    """An upstream took longer than a `ProxyOptions` timeout allows: 504."""
+
+
+class _AgentGone(Exception):
+    """The agent closed its connection, or stopped reading, while its call ran."""
+
+
+class _Exchange:
+    """One call's upstream connection, and whether the agent left while it ran: then the upstream connection is
+    aborted at once, which wakes whatever waits on it."""
+
+    __slots__ = ("gone", "upstream")
+
+    def __init__(self) -> None:
+        self.upstream: Plain | None = None
+        self.gone = False
+
+    def agent_left(self) -> None:
+        self.gone = True
+        if self.upstream is not None:
+            self.upstream.abort()
 
 
 _HOP_FIELDS = frozenset((b"connection", b"keep-alive", b"te", b"trailer", b"proxy-connection"))
-_BARE = re.compile(rb"[\r\n\0]")  # a bare CR or LF splits a request differently upstream: never served
-_UNSERVED_FIELDS = frozenset((b"transfer-encoding", b"expect", b"upgrade", b"content-encoding"))
 
 
 class _ResponseParts:
@@ -287,34 +111,74 @@ class _ResponseParts:
         self.complete = False
         self.trailing = False  # bytes came after the answer: the connection is not reused
         self.body: list[bytes] = []
+        self.size = 0
         self.parser = httptools.HttpResponseParser(self)
 
     def on_message_begin(self) -> None:
-        self.trailing = self.complete
+        self.trailing = self.complete  # what follows the answer is nobody's: dropped, and the connection with it
 
     def on_status(self, reason: bytes) -> None:
-        self.reason += reason
+        if not self.trailing:
+            self.reason += reason
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.fields.append((name, value))
+        if not self.trailing:
+            self.fields.append((name, value))
 
     def on_headers_complete(self) -> None:
-        if self._interim():
+        if self.trailing or self._interim():
             return
         self.head_done = True
         self.keep_alive = self.parser.should_keep_alive()  # llhttp forgets it once the message is complete
 
     def on_body(self, data: bytes) -> None:
-        self.body.append(data)
+        if not self.trailing:
+            self.body.append(data)
+            self.size += len(data)
 
     def on_message_complete(self) -> None:
+        if self.trailing:
+            return
         if self._interim():  # 100 Continue, 103 Early Hints: the answer is still to come
             self.reason, self.fields = b"", []
             return
         self.complete = True
 
+    def feed(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if not self.complete:
+                raise
+            self.trailing = True  # garbage after a whole answer: the answer stands, the connection goes
+
     def _interim(self) -> bool:
         return 100 <= self.parser.get_status_code() < 200 and not self.complete
+
+
+class Admission:
+    """Agent connections open at once, in total and per client address: past either limit, load is shed (503)."""
+
+    def __init__(self, total: int, per_client: int) -> None:
+        self.total, self.per_client = total, per_client
+        self.open = 0
+        self.by_client: dict[str, int] = {}
+
+    def enter(self, client: str) -> bool:
+        mine = self.by_client.get(client, 0)
+        if self.open >= self.total or mine >= self.per_client:
+            return False
+        self.open += 1
+        self.by_client[client] = mine + 1
+        return True
+
+    def leave(self, client: str) -> None:
+        self.open -= 1
+        mine = self.by_client[client] - 1
+        if mine:
+            self.by_client[client] = mine
+        else:
+            del self.by_client[client]
 
 
 # --- the server -----------------------------------------------------------------------------------
@@ -323,141 +187,308 @@ class _ResponseParts:
 class Front:
     """Accepts the agents' connections; serves LLM calls, hands the rest to mitmproxy on `mitm_port`."""
 
-    def __init__(self, calls: Calls, mitm_port: int, certs: LeafCerts) -> None:
+    def __init__(
+        self,
+        calls: Calls,
+        mitm_port: int,
+        certs: LeafCerts,
+        options: ProxyOptions = ProxyOptions(),
+        destinations: Destinations | None = None,
+        handoff_ports: set[int] | None = None,
+    ) -> None:
         self.calls = calls
         self.mitm_port = mitm_port
         self.certs = certs
+        self.options = options
+        self.destinations = destinations or Destinations(restricted=False)
+        self.admission = Admission(options.max_connections, options.max_client_connections)
         self.pool = UpstreamPool()
         self.server: asyncio.Server | None = None
+        # local ports of the front's own connections to mitmproxy, the only ones it serves (`FrontOnly`)
+        self.handoff_ports: set[int] = set() if handoff_ports is None else handoff_ports
+        self.answered: Counter[int] = Counter()  # lcap's own answers, by status
+        self.watches = Watches()  # the deadlines of every agent connection's waits
+        self._lingering = 0
         self._peer_tls: ssl.SSLContext | None = None
 
     async def start(self, host: str, port: int) -> int:
-        self.server = await asyncio.start_server(self._connection, host, port, backlog=512, limit=MAX_HEAD)
+        loop = asyncio.get_running_loop()
+
+        def protocol() -> asyncio.StreamReaderProtocol:
+            return asyncio.StreamReaderProtocol(AgentReader(limit=READ_SIZE, loop=loop), self._connection, loop=loop)
+
+        self.server = await loop.create_server(protocol, host, port, backlog=512)
+        self.watches.start(loop)
         return self.server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
         if self.server is not None:
             self.server.close()
+        self.watches.stop()
         self.pool.close()
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        client = Plain(reader, writer)
+        task = asyncio.current_task()
+        assert task is not None
+        watch = self.watches.add(task)
+        client = Plain(reader, writer, watch)
+        peer = writer.get_extra_info("peername")
+        address = peer[0] if isinstance(peer, tuple) else ""
         try:
-            await self._serve(client, None, b"")
-        except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError, asyncio.CancelledError):
-            pass
-        except Exception:
-            log.exception("lcap: front connection failed")
+            if not self.admission.enter(address):
+                try:
+                    await self._refuse(client, Refused(503, "too many connections open: try again later"))
+                finally:
+                    client.close()
+                return
+            try:
+                await self._serve(client, None, b"")
+            except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError, asyncio.CancelledError):
+                pass
+            except Exception:
+                log.exception("lcap: front connection failed")
+            finally:
+                self.admission.leave(address)
+                client.close()
         finally:
-            client.close()
+            self.watches.active.discard(watch)
+
+    async def _refuse(self, client: Plain, refused: Refused) -> None:
+        """Answer with lcap's own refusal and end the connection. The agent may still be writing (a body past the
+        limit): its side is read and dropped for up to `LINGER` seconds, so its kernel does not reset the
+        connection before it has read the answer."""
+        self.answered[refused.status] += 1
+        client.send(refusal(refused.status, refused.message, refused.fields))
+        if self._lingering >= MAX_LINGERING:
+            return
+        self._lingering += 1
+        try:
+            client.send_eof()
+            with client.deadline(LINGER, "linger"):
+                while await client.recv():
+                    pass
+        except (Expired, OSError, ssl.SSLError):
+            pass
+        finally:
+            self._lingering -= 1
 
     async def _serve(self, client: Plain, tunnel: Tunnel | None, buf: bytes) -> None:
         """Serve one call after another on the agent's connection, until it closes or leaves for mitmproxy."""
-        while True:
-            while (end := buf.find(b"\r\n\r\n")) < 0:
-                if len(buf) > MAX_HEAD:
-                    return await self._hand_off(client, buf, tunnel)
-                data = await client.recv()
-                if not data:
+        try:
+            while True:
+                got = await self._next_head(client, buf)
+                if got is None:
                     return
-                buf += data
-            raw_head, buf = buf[: end + 4], buf[end + 4 :]
-            try:
-                head = parse_head(raw_head[:-4])
+                raw_head, buf = got
+                try:
+                    head = parse_request_head(raw_head)
+                except BadRequest as exc:
+                    raise Refused(400, f"bad request head: {exc}") from None
+                try:
+                    episode, fields = self.calls.attribute(head.fields, tunnel.episode if tunnel else None)
+                except Unauthorized:
+                    raise Refused(
+                        407,
+                        "this proxy needs episode credentials: use the proxy URL lcap gave "
+                        "(http://EPISODE:SECRET@host:port, see `lcap episode new`)",
+                        PROXY_AUTHENTICATE,
+                    ) from None
                 if head.method == b"CONNECT":
                     if tunnel is not None:
-                        raise Unserved("CONNECT in a tunnel")
-                    return await self._tunnel(client, head, raw_head, buf)
-                target = _target(head, tunnel)
-            except Unserved:
-                return await self._hand_off(client, raw_head + buf, tunnel)
-            episode, fields = take_episode(head.fields)
-            dialect, scheme, host, port, path = target
-            try:  # before the body: clients often write it separately, and this work is then done while it comes
-                call = self.calls.open_call(
-                    dialect,
-                    episode or (tunnel.episode if tunnel else None),
-                    scheme=scheme,
-                    host=host,
-                    port=port,
-                    path=path,
-                    fields=fields,
-                )
-                upstream_head, client_close = _request_head(call)
-            except Exception:  # a capture bug: the call still goes through, by mitmproxy
-                log.exception("lcap: capture error on %s (the call goes through mitmproxy)", path)
-                return await self._hand_off(client, raw_head + buf, tunnel)
-            if len(buf) < head.length:
-                pieces, have = [buf], len(buf)
-                while have < head.length:
+                        return await self._hand_off(client, raw_head + buf, tunnel)
+                    return await self._tunnel(client, head, episode, raw_head, buf)
+                try:
+                    if why := head.unserved():
+                        raise Unserved(why)
+                    target = _target(head, tunnel)
+                except Unserved:
+                    return await self._hand_off(client, raw_head + buf, tunnel)
+                rest = await self._take_call(client, tunnel, head, target, episode, fields, raw_head, buf)
+                if rest is None:
+                    return
+                buf = rest
+        except Refused as refused:
+            await self._refuse(client, refused)
+
+    async def _take_call(
+        self,
+        client: Plain,
+        tunnel: Tunnel | None,
+        head: RequestHead,
+        target: tuple[str, str, str, int, str],
+        episode: str | None,
+        fields: Fields,
+        raw_head: bytes,
+        buf: bytes,
+    ) -> bytes | None:
+        """Read the call's body and forward it; the bytes after it (a pipelined request), or None when the
+        agent's connection is done."""
+        dialect, scheme, host, port, path = target
+        try:  # before the body: clients often write it separately, and this work is then done while it comes
+            call = self.calls.open_call(dialect, episode, scheme=scheme, host=host, port=port, path=path, fields=fields)
+            upstream_head, client_close = _request_head(call)
+        except NoRoute as exc:
+            raise Refused(503, str(exc)) from None
+        except Exception:  # a capture bug: mitmproxy takes the call (and refuses it rather than leak it when rerouted)
+            log.exception("lcap: capture error on %s (the call goes through mitmproxy)", path)
+            await self._hand_off(client, raw_head + buf, tunnel)
+            return None
+        length = head.length
+        assert length is not None  # `unserved` said so
+        if length > self.options.max_body_bytes:
+            why = f"request body of {length} bytes over the limit of {self.options.max_body_bytes} bytes (--max-body-bytes)"
+            self.calls.refuse_call(call, 413, why)
+            raise Refused(413, why)
+        if len(buf) < length:
+            got = await self._body(client, buf, length)
+            if got is None:
+                return None
+            buf = got
+        body, buf = buf[:length], buf[length:]
+        try:
+            is_call = self.calls.take_body(call, body)
+        except Exception:
+            log.exception("lcap: capture error on %s (the call goes through mitmproxy)", path)
+            is_call = False
+        if not is_call:  # a side call on an LLM path (or a capture bug): mitmproxy sends it on, to the route if any
+            await self._hand_off(client, raw_head + body + buf, tunnel)
+            return None
+        if not await self._call(client, call, upstream_head, client_close):
+            return None
+        return buf
+
+    async def _next_head(self, client: Plain, buf: bytes) -> tuple[bytes, bytes] | None:
+        """(the next request head, the bytes after it); None when the agent closed its connection or left it idle
+        for `idle_timeout`. A head over `max_head_bytes` is a 431, one that takes over `head_timeout` a 408."""
+        options = self.options
+        if not buf:
+            try:
+                with client.deadline(options.idle_timeout, "idle"):
+                    buf = await client.recv()
+            except Expired:
+                return None
+            if not buf:
+                return None
+        end = HEAD_END.search(buf)
+        if end is None:
+            pieces = bytearray(buf)
+            try:
+                with client.deadline(options.head_timeout, "head"):
+                    while end is None:
+                        if len(pieces) > options.max_head_bytes:
+                            break
+                        data = await client.recv()
+                        if not data:
+                            return None
+                        start = max(0, len(pieces) - 2)
+                        pieces += data
+                        end = HEAD_END.search(pieces, start)
+            except Expired:
+                raise Refused(408, f"the request head took over {options.head_timeout:g} s (--head-timeout)") from None
+            buf = bytes(pieces)
+        if end is None or end.end() > options.max_head_bytes:
+            raise Refused(431, f"request head over {options.max_head_bytes} bytes (--max-head-bytes)")
+        return buf[: end.end()], buf[end.end() :]
+
+    async def _body(self, client: Plain, buf: bytes, length: int) -> bytes | None:
+        """The body (and what follows it) once `length` bytes came; None when the agent left first."""
+        pieces, have = [buf], len(buf)
+        try:
+            with client.deadline(self.options.body_timeout, "body"):
+                while have < length:
                     data = await client.recv()
                     if not data:
-                        return
+                        return None
                     pieces.append(data)
                     have += len(data)
-                buf = b"".join(pieces)
-            body, buf = buf[: head.length], buf[head.length :]
-            try:
-                is_call = self.calls.take_body(call, body)
-            except Exception:
-                log.exception("lcap: capture error on %s (the call goes through mitmproxy)", path)
-                is_call = False
-            if not is_call:  # a side call on an LLM path (or a capture bug)
-                return await self._hand_off(client, raw_head + body + buf, tunnel)
-            if not await self._call(client, call, upstream_head, client_close):
-                return
+        except Expired:
+            raise Refused(408, f"the request body took over {self.options.body_timeout:g} s (--body-timeout)") from None
+        return b"".join(pieces)
 
     async def _call(self, client: Plain, call: Call, upstream_head: bytes, client_close: bool) -> bool:
         """Forward one call and answer the agent; False when the agent's connection is done."""
-        key = (call.scheme, call.host, call.port)
-        upstream = None
+        exchange = _Exchange()
+        reader = client.reader
+        assert isinstance(reader, AgentReader)
+        reader.notify(exchange.agent_left)  # at once if the agent already closed (or half-closed) its side
         try:
-            upstream, parts = await self._send(key, b"%s%d\r\n\r\n%s" % (upstream_head, len(call.body), call.body))
-            reuse = await self._answer(client, call, upstream, parts, client_close)
-        except (OSError, ssl.SSLError, EOFError, httptools.HttpParserError) as exc:
-            if upstream is not None:
-                upstream.close()
-            why = f"upstream {call.scheme}://{call.host}:{call.port}: {exc.__class__.__name__}: {exc}"
+            upstream, parts = await self._send(client, call, upstream_head, exchange)
+            reuse = await self._answer(client, call, upstream, parts, client_close, exchange)
+        except BaseException as exc:
+            if exchange.upstream is not None:
+                exchange.upstream.close()
+            if exchange.gone or isinstance(exc, _AgentGone):
+                started = call.pending.status_code is not None
+                self.calls.close_call(
+                    call.pending,
+                    str(exc)
+                    if isinstance(exc, _AgentGone) and str(exc)
+                    else f"the agent closed the connection {'during' if started else 'before'} the answer",
+                )
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                return False
+            if not isinstance(exc, (OSError, EOFError, httptools.HttpParserError, _UpstreamTimeout, Forbidden)):
+                self.calls.close_call(call.pending, "the call was interrupted")
+                raise
+            if isinstance(exc, Forbidden):
+                status, why = 403, str(exc)
+            else:
+                status = 504 if isinstance(exc, _UpstreamTimeout) else 502
+                why = f"upstream {call.scheme}://{call.host}:{call.port}: {exc.__class__.__name__}: {exc}"
+                if isinstance(exc, _UpstreamTimeout):
+                    why = f"upstream {call.scheme}://{call.host}:{call.port}: {exc}"
             self.calls.close_call(call.pending, why)
             if call.pending.chunks is not None:  # a stream: the agent may have part of it, cut it off
                 return False
-            body = f"lcap: {why}".encode()
-            client.send(
-                b"HTTP/1.1 502 Bad Gateway\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s"
-                % (len(body), body)
-            )
+            self.answered[status] += 1
+            client.send(refusal(status, why, close=False))
             return True
-        except BaseException:
-            if upstream is not None:
-                upstream.close()
-            self.calls.close_call(call.pending, "the call was interrupted")
-            raise
+        finally:
+            reader.notify(None)
         if reuse:
-            self.pool.give_back(key, upstream)
+            self.pool.give_back((call.scheme, call.host, call.port), upstream)
         else:
             upstream.close()
         return reuse is not None and not client_close
 
-    async def _send(self, key: tuple[str, str, int], message: bytes) -> tuple[Plain, _ResponseParts]:
+    async def _send(
+        self, client: Plain, call: Call, upstream_head: bytes, exchange: _Exchange
+    ) -> tuple[Plain, _ResponseParts]:
         """Send the call upstream and read its response head. A reused connection the upstream closed without a
         byte of answer is replaced once, as HTTP clients do with idle connections (the upstream closed it idle)."""
+        message = b"%s%d\r\n\r\n%s" % (upstream_head, len(call.body), call.body)
+        key = (call.scheme, call.host, call.port)
         upstream = self.pool.take(key)
         may_retry = upstream is not None
         while True:
-            upstream = upstream or await self.pool.open(key)
+            if upstream is None:
+                upstream = await self._open(client, call, key)
+            exchange.upstream = upstream
+            if exchange.gone:
+                raise _AgentGone
             try:
-                return upstream, await _response_head(upstream, message)
+                return upstream, await _response_head(upstream, message, client, self.options.first_byte_timeout)
             except _Stale:
                 upstream.close()
+                if exchange.gone:
+                    raise _AgentGone from None
                 if not may_retry:
                     raise EOFError("the upstream closed the connection before answering") from None
                 upstream, may_retry = None, False
-            except BaseException:
-                upstream.close()
-                raise
+
+    async def _open(self, client: Plain, call: Call, key: tuple[str, str, int]) -> Plain:
+        """A new upstream connection; the configured upstream is trusted, any other destination is checked."""
+        timeout = self.options.connect_timeout
+        try:
+            with client.deadline(timeout, "connect"):
+                address = key[1] if call.route is not None else await self.destinations.address(key[1], key[2])
+                return await self.pool.open(key, address)
+        except Expired:
+            raise _UpstreamTimeout(f"no connection within {timeout:g} s (--connect-timeout)") from None
 
     async def _answer(
-        self, client: Plain, call: Call, upstream: Plain, parts: _ResponseParts, client_close: bool
+        self, client: Plain, call: Call, upstream: Plain, parts: _ResponseParts, client_close: bool, exchange: _Exchange
     ) -> bool | None:
         """Relay the response to the agent, recording it. True: the upstream connection can serve another
         call; False: it cannot; None: neither can the agent's."""
@@ -490,78 +521,165 @@ class Front:
         if transform is not None:
             # framed answers go out chunked (the transform may change lengths); others end with the connection
             head += b"transfer-encoding: chunked\r\n\r\n" if framed else b"\r\n"
-            if not await _stream(client, upstream, parts, head, transform, framed):
-                self.calls.close_call(call.pending, "the agent closed the connection during the stream")
-                return None
+            await self._stream(client, upstream, parts, head, transform, framed, exchange)
             if framed and not parts.complete:
                 raise EOFError("the upstream closed the connection mid-stream")
             self.calls.close_call(call.pending)
         else:
-            while not parts.complete:
-                data = await upstream.recv()
+            idle, limit = self.options.stream_idle_timeout, self.options.max_body_bytes
+            while parts.size <= limit and not parts.complete:
+                data = await _recv(upstream, client, idle)
                 if not data:
+                    if exchange.gone:
+                        raise _AgentGone
                     if framed:
                         raise EOFError("the upstream closed the connection mid-response")
                     break
-                parser.feed_data(data)
+                parts.feed(data)
+            if parts.size > limit:
+                raise EOFError(f"the answer is over {limit} bytes (--max-body-bytes)")
             body = b"".join(parts.body)
             body = self.calls.answer_body(call.pending, body) or body
             client.send(head + (b"\r\n" if no_body else b"content-length: %d\r\n\r\n" % len(body)) + body)
         try:
-            await client.drain()
-        except ConnectionError:
+            with client.deadline(self.options.stream_idle_timeout, "drain"):
+                await client.drain()
+        except (ConnectionError, Expired):  # gone, or not reading: its connection is done (the turn is recorded)
             return None
         return parts.keep_alive and not parts.trailing if framed else None
 
+    async def _stream(
+        self,
+        client: Plain,
+        upstream: Plain,
+        parts: _ResponseParts,
+        head: bytes,
+        transform: Callable[[bytes], bytes | list[bytes]],
+        chunked: bool,
+        exchange: _Exchange,
+    ) -> None:
+        """Pass the body on as it comes, never buffered: one write per upstream read. The head waits up to
+        `HEAD_HOLD` seconds for the first piece of body to send (an event whole, on the vLLM path) and goes out
+        with it: upstreams often write the two back to back, and one write is one TLS record for the agent
+        to open instead of two. `_AgentGone` when the agent went away or stopped reading for as long as
+        an upstream may pause."""
+        idle = self.options.stream_idle_timeout
+        out = [head]
+        hold = None
+        if not parts.body and not parts.complete:
+            hold = asyncio.get_running_loop().call_later(HEAD_HOLD, _send_now, client, out)
+        try:
+            while True:
+                pieces, parts.body = parts.body, []
+                for piece in pieces:
+                    _frame(out, transform(piece), chunked)
+                if parts.complete:
+                    break
+                if hold is not None and not (len(out) == 1 and out[0] is head):  # body to send, or the timer fired
+                    hold.cancel()
+                    hold = None
+                if out and hold is None:
+                    _send_now(client, out)
+                    try:
+                        with client.deadline(idle, "drain"):
+                            await client.drain()
+                    except (ConnectionError, Expired):
+                        raise _AgentGone(f"the agent stopped reading the answer for {idle:g} s") from None
+                    if client.writer.is_closing():
+                        raise _AgentGone
+                data = await _recv(upstream, client, idle)
+                if not data:
+                    if exchange.gone:
+                        raise _AgentGone
+                    break
+                parts.feed(data)
+        finally:
+            if hold is not None:
+                hold.cancel()
+        _frame(out, transform(b""), chunked)
+        if chunked and parts.complete:
+            out.append(b"0\r\n\r\n")
+        client.send(b"".join(out))
+
     # --- tunnels and hand-off ---------------------------------------------------------------------
 
-    async def _tunnel(self, client: Plain, head: Head, raw_head: bytes, buf: bytes) -> None:
+    async def _tunnel(self, client: Plain, head: RequestHead, episode: str | None, raw_head: bytes, buf: bytes) -> None:
         """Accept a CONNECT; terminate TLS when the agent offers HTTP/1.1, else hand the tunnel on unopened."""
         host, _, port = head.target.decode("ascii", "replace").rpartition(":")
         if not host or not port.isdigit():
             return await self._hand_off(client, raw_head + buf, None)
-        episode, _ = take_episode(head.fields)
         tunnel = Tunnel(host.strip("[]"), int(port), raw_head, episode)
+        try:
+            await self.destinations.check_tunnel(tunnel.host, tunnel.port)
+        except Forbidden as exc:
+            raise Refused(403, str(exc)) from None
         client.send(b"HTTP/1.1 200 Connection established\r\n\r\n")
-        data, hello = buf, None
+        try:
+            with client.deadline(self.options.head_timeout, "tunnel"):
+                data, hello = await self._client_hello(client, buf)
+                tls = await self._terminate(client, tunnel, data, hello) if hello is not None else None
+        except Expired:
+            return  # a tunnel that does not say what it carries in time
+        except EOFError:
+            return
+        if tls is not None:
+            return await self._serve(tls, tunnel, b"")
+        tunnel.tls = False
+        if hello is None and data[:1].isalpha():  # plain HTTP inside the tunnel
+            return await self._serve(client, tunnel, data)
+        return await self._hand_off(client, data, tunnel)  # spliced unopened: mitmproxy takes it from there
+
+    async def _client_hello(self, client: Plain, data: bytes) -> tuple[bytes, ClientHello | None]:
+        """What the agent first sends in a tunnel, and its TLS ClientHello if it is TLS. EOFError: it left."""
         while True:
             try:
                 hello = parse_client_hello(data) if data else None
             except ValueError:  # not TLS
-                break
-            if hello is not None or len(data) > MAX_HEAD:
-                break
+                return data, None
+            if hello is not None or len(data) > self.options.max_head_bytes:
+                return data, hello
             chunk = await client.recv()
             if not chunk:
-                return
+                raise EOFError
             data += chunk
-        if hello is None:
-            tunnel.tls = False
-            if data[:1].isalpha():  # plain HTTP inside the tunnel
-                return await self._serve(client, tunnel, data)
-            return await self._hand_off(client, data, tunnel)
+
+    async def _terminate(self, client: Plain, tunnel: Tunnel, data: bytes, hello: ClientHello) -> TlsServerSide | None:
+        """TLS with lcap's certificate for the agent's server name, when the agent offers HTTP/1.1; None
+        otherwise (an HTTP/2-only offer: mitmproxy negotiates HTTP/2 itself)."""
         if hello.alpn_protocols and b"http/1.1" not in hello.alpn_protocols:
-            tunnel.tls = False  # spliced unopened: mitmproxy negotiates HTTP/2 itself
-            return await self._hand_off(client, data, tunnel)
+            return None
         tunnel.sni = hello.sni or tunnel.host
         try:
             context = self.certs.context(tunnel.sni)
         except Exception as exc:  # a name lcap cannot make a certificate for: mitmproxy decides what to do
             log.warning("lcap: no certificate for %r (%s); the tunnel goes to mitmproxy", tunnel.sni, exc)
-            tunnel.tls = False
-            return await self._hand_off(client, data, tunnel)
-        tls = TlsServerSide(client.reader, client.writer, context)
+            return None
+        tls = TlsServerSide(client.reader, client.writer, context, client.watch)
         await tls.handshake(data)
-        await self._serve(tls, tunnel, b"")
+        return tls
 
     async def _hand_off(self, client: Plain, data: bytes, tunnel: Tunnel | None) -> None:
-        """Give the connection to mitmproxy: replay the CONNECT (and TLS) it came through, then what was read."""
-        reader, writer = await asyncio.open_connection("127.0.0.1", self.mitm_port, limit=MAX_HEAD)
-        mitm = Plain(reader, writer)
+        """Give the connection to mitmproxy: replay the CONNECT (and TLS) it came through, then what was read.
+        mitmproxy accepts only connections from the ports the front registers here (`FrontOnly`)."""
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        port = None
+        mitm = None
         try:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+            self.handoff_ports.add(port)
+            await loop.sock_connect(sock, ("127.0.0.1", self.mitm_port))
+            reader, writer = await asyncio.open_connection(sock=sock, limit=READ_SIZE)
+            mitm = Plain(reader, writer)
             if tunnel is not None:
                 writer.write(tunnel.connect_head)
-                answer = await reader.readuntil(b"\r\n\r\n")
+                try:
+                    with client.deadline(self.options.head_timeout, "hand-off"):
+                        answer = await reader.readuntil(b"\r\n\r\n")
+                except Expired:
+                    raise ConnectionError("mitmproxy did not answer the replayed CONNECT") from None
                 if b" 200 " not in answer.split(b"\r\n", 1)[0] + b" ":
                     raise ConnectionError(f"mitmproxy refused the tunnel: {answer[:80]!r}")
                 if tunnel.tls:
@@ -570,7 +688,12 @@ class Front:
                 mitm.send(data)
             await _splice(client, mitm)
         finally:
-            mitm.close()
+            if port is not None:
+                self.handoff_ports.discard(port)
+            if mitm is not None:
+                mitm.close()
+            else:
+                sock.close()
 
     def _peer_context(self) -> ssl.SSLContext:
         """TLS from the front to mitmproxy over loopback: mitmproxy's certificate is lcap's own."""
@@ -599,7 +722,7 @@ def _request_head(call: Call) -> tuple[bytes, bool]:
     return b"POST %s HTTP/1.1\r\n%scontent-length: " % (path, fields), client_close
 
 
-def _target(head: Head, tunnel: Tunnel | None) -> tuple[str, str, str, int, str]:
+def _target(head: RequestHead, tunnel: Tunnel | None) -> tuple[str, str, str, int, str]:
     """(dialect, scheme, host, port, path) of a POST on an LLM path; `Unserved` for any other."""
     target = head.target.decode("utf-8", "surrogateescape")
     if tunnel is not None:
@@ -627,71 +750,37 @@ class _Stale(Exception):
     """The upstream closed a kept-alive connection before any of the response came back."""
 
 
-async def _response_head(upstream: Plain, message: bytes) -> _ResponseParts:
+async def _recv(upstream: Plain, client: Plain, timeout: float) -> bytes:
+    """The upstream's next bytes; `_UpstreamTimeout` when it is silent for `timeout` seconds."""
+    try:
+        with client.deadline(timeout, "upstream"):
+            return await upstream.recv()
+    except Expired:
+        raise _UpstreamTimeout(
+            f"silent for {timeout:g} s in the middle of its answer (--stream-idle-timeout)"
+        ) from None
+
+
+async def _response_head(upstream: Plain, message: bytes, client: Plain, timeout: float) -> _ResponseParts:
     upstream.send(message)
     parts = _ResponseParts()
-    parser = parts.parser
     got = False
-    while not parts.head_done:
-        try:
-            data = await upstream.recv()
-        except ConnectionResetError:
-            data = b""
-        if not data:
-            if got:
-                raise EOFError("the upstream closed the connection mid-head")
-            raise _Stale
-        got = True
-        parser.feed_data(data)
-    return parts
-
-
-async def _stream(
-    client: Plain,
-    upstream: Plain,
-    parts: _ResponseParts,
-    head: bytes,
-    transform: Callable[[bytes], bytes | list[bytes]],
-    chunked: bool,
-) -> bool:
-    """Pass the body on as it comes, never buffered: one write per upstream read. The head waits up to
-    `HEAD_HOLD` seconds for the first piece of body to send (an event whole, on the vLLM path) and goes out
-    with it: upstreams often write the two back to back, and one write is one TLS record for the agent to
-    open instead of two. False when the agent went away."""
-    out = [head]
-    hold = None
-    if not parts.body and not parts.complete:
-        hold = asyncio.get_running_loop().call_later(HEAD_HOLD, _send_now, client, out)
     try:
-        while True:
-            pieces, parts.body = parts.body, []
-            for piece in pieces:
-                _frame(out, transform(piece), chunked)
-            if parts.complete:
-                break
-            if hold is not None and not (len(out) == 1 and out[0] is head):  # body to send, or the timer fired
-                hold.cancel()
-                hold = None
-            if out and hold is None:
-                _send_now(client, out)
+        with client.deadline(timeout, "first byte"):
+            while not parts.head_done:
                 try:
-                    await client.drain()
-                except ConnectionError:
-                    return False
-                if client.writer.is_closing():
-                    return False
-            data = await upstream.recv()
-            if not data:
-                break
-            parts.parser.feed_data(data)
-    finally:
-        if hold is not None:
-            hold.cancel()
-    _frame(out, transform(b""), chunked)
-    if chunked and parts.complete:
-        out.append(b"0\r\n\r\n")
-    client.send(b"".join(out))
-    return True
+                    data = await upstream.recv()
+                except ConnectionResetError:
+                    data = b""
+                if not data:
+                    if got:
+                        raise EOFError("the upstream closed the connection mid-head")
+                    raise _Stale
+                got = True
+                parts.feed(data)
+    except Expired:
+        raise _UpstreamTimeout(f"no answer within {timeout:g} s (--first-byte-timeout)") from None
+    return parts
 
 
 def _send_now(client: Plain, out: list[bytes]) -> None:

@@ -1,4 +1,7 @@
-"""The capture proxy's options (`lcap proxy`, collect's proxy, `CaptureProxy`): each default and help, written once."""
+"""The capture proxy's options (`lcap proxy`, collect's proxy, `CaptureProxy`): each default and help, written once.
+
+Every limit has a default sized for real agents (long prompts, long streams, many connections) and an
+answer the agent can read: the status code of each is in its help, and README's "Limits and security"."""
 
 from __future__ import annotations
 
@@ -6,10 +9,12 @@ from dataclasses import dataclass
 
 from lcap.cli_options import option
 
+MiB = 1 << 20
+
 
 @dataclass(frozen=True)
 class ProxyOptions:
-    """Where the proxy listens and where it sends the LLM calls it captures."""
+    """Where the proxy listens, where it sends the LLM calls it captures, and what it accepts."""
 
     upstream: str | None = option(None, help="Send LLM calls to this server instead (URL, or 'policy').")
     model: str | None = option(None, help="Ask the upstream for this model instead of the agent's.")
@@ -18,5 +23,42 @@ class ProxyOptions:
         flag="--token-ids/--no-token-ids",
         help="Ask vLLM for token ids and logprobs (default: when the upstream is vLLM).",
     )
-    host: str = option("127.0.0.1", help="Listen address.")
+    host: str = option("127.0.0.1", help="Listen address. A non-loopback one requires episode credentials.")
     port: int = option(0, help="Listen port (0: a free one).")
+    require_credentials: bool | None = option(
+        None,
+        flag="--require-credentials/--anonymous",
+        help="Refuse calls without valid episode credentials (407); --anonymous stores them unattributed instead "
+        "(default: required, except for --serve on a loopback address).",
+    )
+    allow_private: bool = option(
+        False,
+        flag="--allow-private",
+        help="On a non-loopback --host, still connect to loopback, link-local and private addresses "
+        "(refused with 403 otherwise).",
+    )
+    # --- what the proxy accepts from agents ---
+    max_head_bytes: int = option(64 * 1024, help="Largest request head (431 past it).")
+    max_body_bytes: int = option(
+        64 * MiB, help="Largest LLM request body, and largest answer lcap holds whole (413, or 502 for an answer)."
+    )
+    head_timeout: float = option(30.0, help="Seconds to receive a request head once it has begun (408).")
+    body_timeout: float = option(120.0, help="Seconds to receive a request body after its head (408).")
+    idle_timeout: float = option(120.0, help="Seconds an agent's kept-alive connection may wait for its next request.")
+    max_connections: int = option(
+        1024, help="Agent connections open at once, in total (503 past it; lowered to fit the open-file limit)."
+    )
+    max_client_connections: int = option(256, help="Agent connections open at once from one address (503 past it).")
+    # --- upstreams ---
+    connect_timeout: float = option(30.0, help="Seconds to connect to an upstream (504).")
+    first_byte_timeout: float = option(
+        600.0, help="Seconds from sending a call to the first byte of its answer (504): long prompts take long."
+    )
+    stream_idle_timeout: float = option(
+        300.0, help="Seconds an answer may pause between two reads before the call is cut (504 if nothing was sent)."
+    )
+    # --- state kept between calls ---
+    max_certs: int = option(1000, help="TLS certificates kept for intercepted hosts (least recently used go).")
+    max_episodes: int = option(
+        100_000, help="Idle episodes whose call numbering is kept (least recently used go; see README)."
+    )

@@ -122,8 +122,14 @@ def _secret_spans(text: bytes) -> list[tuple[int, int]]:
     return merged
 
 
-@functools.lru_cache(maxsize=4096)
 def _is_secret_key(key: str) -> bool:
+    """Whether a field's name says its value is a credential. Names of a usual length are cached: the cache then
+    holds at most 4096 short strings, whatever keys an agent's bodies hold."""
+    return _secret_name(key) if len(key) <= 64 else _secret_name.__wrapped__(key)
+
+
+@functools.lru_cache(maxsize=4096)
+def _secret_name(key: str) -> bool:
     norm = re.sub(r"[^a-z]", "", key.lower())
     return norm in _SECRET_KEYS or norm.endswith("apikey") or norm.endswith("secret")
 

@@ -9,8 +9,10 @@ import signal
 import sys
 import threading
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
+from lcap.capture.destinations import is_loopback_host
 from lcap.capture.options import ProxyOptions
 from lcap.capture.redact import redact_text
 from lcap.capture.server import CaptureProxy
@@ -63,16 +65,23 @@ def _unstored_details(report: WriterReport) -> dict[str, object]:
 
 
 def serve_proxy(*, db: Path, options: ProxyOptions) -> None:
-    """Serve until SIGINT/SIGTERM, then write every finished turn and exit."""
+    """Serve until SIGINT/SIGTERM, then write every finished turn and exit. On a loopback address, calls without
+    episode credentials are stored unattributed unless `--require-credentials`."""
+    if options.require_credentials is None and is_loopback_host(options.host):
+        options = replace(options, require_credentials=False)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     proxy = _start(db, options)
+    anonymous = "refused (407)" if proxy.require_credentials else "stored unattributed"
     print(
-        f"lcap proxy listening on {proxy.url} (store {db}; token ids {'on' if proxy.token_ids else 'off'})", flush=True
+        f"lcap proxy listening on {proxy.url} (store {db}; token ids {'on' if proxy.token_ids else 'off'}; "
+        f"calls without episode credentials {anonymous})",
+        flush=True,
     )
     print(
-        f"  clients: HTTPS_PROXY=http://EPISODE:x@{options.host}:{proxy.port}  SSL_CERT_FILE={proxy.child_env(None)['SSL_CERT_FILE']}",
+        f"  clients: HTTPS_PROXY=$(lcap episode new --port {proxy.port})  "
+        f"SSL_CERT_FILE={proxy.child_env(None)['SSL_CERT_FILE']}",
         flush=True,
     )
     try:

@@ -18,13 +18,18 @@ import ssl
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 from lcap.capture.addon import CaptureAddon
 from lcap.capture.calls import Calls, Router, parse_upstream
-from lcap.capture.front import Front, LeafCerts
+from lcap.capture.certs import LeafCerts
+from lcap.capture.credentials import EpisodeKeys, ProxyRecord, remove_record, write_record
+from lcap.capture.destinations import Destinations, is_loopback_host
+from lcap.capture.front import Front
+from lcap.capture.memory import MemoryTrimmer
+from lcap.capture.mitm_guards import FrontOnly, PrivateDestinations, install_body_limits
 from lcap.capture.options import ProxyOptions
 from lcap.capture.writer import TurnWriter, WriterReport
 from lcap.config import LcapError, lcap_home
@@ -136,7 +141,14 @@ class CaptureProxy:
         self.store = store
         self.options = options
         self.token_ids = options.token_ids  # resolved at start(): on when the upstream is vLLM
+        self.keys = EpisodeKeys.new()  # this run's key: episode secrets are worthless to any other proxy
+        self.exposed = not is_loopback_host(options.host)
+        self.require_credentials = options.require_credentials is not False
+        self.max_connections = options.max_connections  # lowered at start() to fit the open-file limit
         self.port: int | None = None
+        self.front: Front | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the proxy thread's event loop, once started
+        self._record: ProxyRecord | None = None
         self.writer = TurnWriter(store)
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -155,10 +167,13 @@ class CaptureProxy:
 
     def start(self) -> None:
         """Check the CA, the upstream and the port, then listen. Returns once the proxy accepts connections."""
+        if self.exposed and not self.require_credentials:
+            raise LcapError(f"--host {self.options.host} is reachable from the network: --anonymous is refused there")
         self._bundle = ca_bundle()
         self.token_ids = self._resolve_token_ids()
         if self.options.port:
             _check_port_free(self.options.host, self.options.port)
+        self.max_connections = _fit_open_files(self.options.max_connections)
         with self.store.connect():  # the schema exists from the start: `lcap sql` works before the first turn
             pass
         router = Router(self.options.upstream, self.options.model)
@@ -167,6 +182,10 @@ class CaptureProxy:
             router,
             token_ids=bool(self.token_ids),
             upstream_api_key=os.environ.get("LCAP_UPSTREAM_API_KEY"),
+            keys=self.keys,
+            require_credentials=self.require_credentials,
+            max_episodes=self.options.max_episodes,
+            max_body_bytes=self.options.max_body_bytes,
         )
         self._calls = calls
         self.writer.start()
@@ -175,6 +194,19 @@ class CaptureProxy:
         if not self._ready.wait(60) or self._error:
             self.writer.stop()
             raise LcapError(self._error or "the capture proxy did not start within 60 s")
+        assert self.port is not None
+        self._record = ProxyRecord(os.getpid(), self.options.host, self.port, self.keys.key.hex(), str(self.store.path))
+        write_record(self._record)
+        if self.exposed:
+            log.warning(
+                "lcap: warning: the proxy listens on %s:%d, reachable from the network: every call needs episode "
+                "credentials, and %s",
+                self.options.host,
+                self.port,
+                "loopback, link-local and private destinations are allowed (--allow-private)"
+                if self.options.allow_private
+                else "loopback, link-local and private destinations are refused",
+            )
 
     def _resolve_token_ids(self) -> bool:
         upstream = self.options.upstream
@@ -216,12 +248,26 @@ class CaptureProxy:
 
         opts = options.Options()
         master = Master(opts)
+        front_only = FrontOnly(set())
+        destinations = Destinations(
+            restricted=self.exposed and not self.options.allow_private, timeout=self.options.connect_timeout
+        )
 
         class TlsConfig(tlsconfig.TlsConfig):
             def running(self) -> None:
                 """Upstream reloads the CA here again, a workaround lcap does not need: it slows every start."""
 
-        master.addons.add(proxyserver.Proxyserver(), next_layer.NextLayer(), TlsConfig(), CaptureAddon(calls))
+        server = proxyserver.Proxyserver()
+        addon = CaptureAddon(calls, self.options, server)
+        master.addons.add(
+            front_only,
+            server,
+            next_layer.NextLayer(),
+            TlsConfig(),
+            PrivateDestinations(destinations, calls.router),
+            addon,
+        )
+        install_body_limits(addon.body_limit)
         opts.update(  # mitmproxy listens on loopback only: agents reach it through the front (capture/front.py)
             confdir=str(ca_dir()),
             listen_host="127.0.0.1",
@@ -231,15 +277,24 @@ class CaptureProxy:
             upstream_cert=False,
             stream_large_bodies=None,
         )
+        master.addons.get("tlsconfig").certstore.STORE_CAP = self.options.max_certs
         self._master = master
-        server = master.addons.get("proxyserver")
-        asyncio.get_running_loop().set_exception_handler(_loop_exception)  # kept through asyncio.run's shutdown
+        self.loop = asyncio.get_running_loop()
+        self.loop.set_exception_handler(_loop_exception)  # kept through asyncio.run's shutdown
         with asyncio_utils.set_eager_task_factory():
             if not await server.setup_servers() or not server.listen_addrs():
                 self._error = "mitmproxy cannot listen on a loopback port"
                 self._ready.set()
                 return
-            front = Front(calls, server.listen_addrs()[0][1], LeafCerts(ca_dir(), CA_BASENAME))
+            front = Front(
+                calls,
+                server.listen_addrs()[0][1],
+                LeafCerts(ca_dir(), CA_BASENAME, self.options.max_certs),
+                replace(self.options, max_connections=self.max_connections),
+                destinations,
+                handoff_ports=front_only.ports,
+            )
+            self.front = front
             try:
                 self.port = await front.start(self.options.host, self.options.port)
             except OSError as exc:
@@ -248,10 +303,13 @@ class CaptureProxy:
                 await server.servers.update([])
                 return
             await master.running()
+            trimmer = MemoryTrimmer()
+            trimmer.start(self.loop)
             self._ready.set()
             try:
                 await master.should_exit.wait()
             finally:
+                trimmer.stop()
                 await front.close()
                 await server.servers.update([])
                 await master.done()
@@ -278,6 +336,9 @@ class CaptureProxy:
             self._master.shutdown()
             self._thread.join(10)
         self._thread = None
+        if self._record is not None:
+            remove_record(self._record)
+            self._record = None
         return self.writer.finish()
 
     def __enter__(self) -> CaptureProxy:
@@ -290,10 +351,16 @@ class CaptureProxy:
     # --- the child's environment -------------------------------------------------------------
 
     def proxy_url(self, episode_id: str | None) -> str:
+        """The proxy URL whose credentials write calls into `episode_id` (`http://EPISODE:SECRET@host:port`)."""
         if not episode_id:
             return self.url
-        # A password too: some clients (python websockets) reject a proxy user without one.
-        return f"http://{quote(episode_id, safe='')}:lcap@{self.options.host}:{self.port}"
+        if self.port is None:
+            raise LcapError("the capture proxy is not started")
+        return self.keys.proxy_url(episode_id, self.options.host, self.port)
+
+    def episode_header(self, episode_id: str) -> str:
+        """The value of an `X-Lcap-Episode` header that writes a request into `episode_id`."""
+        return self.keys.pair(episode_id)
 
     def child_env(self, episode_id: str | None, base: Mapping[str, str] | None = None) -> dict[str, str]:
         """The full environment of a child whose LLM calls go through this proxy as `episode_id`."""
@@ -369,6 +436,33 @@ def _no_proxy_without_llm_hosts(value: str) -> str:
             continue
         keep.append(entry)
     return ",".join(keep)
+
+
+def _fit_open_files(wanted: int) -> int:
+    """The connection limit the open-file limit allows: the soft limit is raised to the hard one, and each agent
+    connection may hold up to `FDS_PER_CONNECTION` files (agent, upstream, and both ends of a hand-off)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or hard > soft:
+            soft = min(hard, 1 << 20) if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    except (ImportError, ValueError, OSError):
+        return wanted
+    fitting = max(1, (soft - FDS_RESERVED) // FDS_PER_CONNECTION)
+    if fitting < wanted:
+        log.warning(
+            "lcap: at most %d agent connections fit the open-file limit (%d); --max-connections %d is lowered",
+            fitting,
+            soft,
+            wanted,
+        )
+    return min(wanted, fitting)
+
+
+FDS_PER_CONNECTION = 4
+FDS_RESERVED = 64  # the writer's pipe, the spool, DuckDB, mitmproxy's listener, logs
 
 
 def _check_port_free(host: str, port: int) -> None:

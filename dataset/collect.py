@@ -25,10 +25,11 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from lcap.capture.options import ProxyOptions
 from lcap.capture.redact import redact_text
 from lcap.config import LcapError
 from lcap.dataset.options import CollectOptions
@@ -146,8 +147,10 @@ def collect(
     options: CollectOptions = CollectOptions(),
     labels: Mapping[str, str] = {},
     progress: bool | None = None,
+    proxy_options: ProxyOptions | None = None,
 ) -> CollectResult:
-    """Run `command` group_size times per task through one capture proxy, verify, record every episode."""
+    """Run `command` group_size times per task through one capture proxy, verify, record every episode.
+    `proxy_options` sets the proxy's limits and timeouts; its upstream and model are `options`'."""
     if not command:
         raise LcapError("no agent command (put it after --)")
     tasks = Path(tasks)
@@ -200,10 +203,10 @@ def collect(
         return result
     _forget_partial(store, [s.episode_id for s in todo])
 
-    from lcap.capture.options import ProxyOptions
     from lcap.capture.server import CaptureProxy
 
-    proxy = CaptureProxy(store, ProxyOptions(upstream=options.upstream, model=options.model))
+    proxy_options = replace(proxy_options or ProxyOptions(), upstream=options.upstream, model=options.model)
+    proxy = CaptureProxy(store, proxy_options)
     proxy.start()
     runner = _Runner(store, proxy, judge, guard, options.timeout, tasks.parent.resolve(), result)
     try:

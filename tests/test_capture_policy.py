@@ -144,7 +144,8 @@ def test_traffic_that_is_not_an_llm_call_streams_through_unstored(tmp_path, capt
 
 def test_deploy_switches_new_calls_without_restart(tmp_path, policy_record, vllm_like):
     store = Store(tmp_path / "lcap.duckdb")
-    with CaptureProxy(store, ProxyOptions(upstream="policy", token_ids=False)) as proxy, _client(proxy, None) as client:
+    anonymous = ProxyOptions(upstream="policy", token_ids=False, require_credentials=False)
+    with CaptureProxy(store, anonymous) as proxy, _client(proxy, None) as client:
         first = client.post("https://api.openai.com/v1/chat/completions", json=CHAT)
         assert first.status_code == 200, first.text
         assert proxy.flush(timeout=10)
@@ -160,17 +161,28 @@ def test_deploy_switches_new_calls_without_restart(tmp_path, policy_record, vllm
 
 
 def test_attribution_by_url_credentials_header_or_none(tmp_path, capture_home, monkeypatch, vllm_like):
+    """An episode is named with its secret, in the proxy URL or an X-Lcap-Episode header; a name with a wrong
+    secret or none names nothing (here, with credentials optional, the call is stored unattributed)."""
     monkeypatch.setenv("LCAP_HOME", str(capture_home))
     store = Store(tmp_path / "lcap.duckdb")
-    with CaptureProxy(store, ProxyOptions(upstream=vllm_like.url, token_ids=False)) as proxy:
+    options = ProxyOptions(upstream=vllm_like.url, token_ids=False, require_credentials=False)
+    with CaptureProxy(store, options) as proxy:
         env = proxy.child_env(None, base={})
-        for episode, headers in (("via-url", {}), (None, {"x-lcap-episode": "via-header"}), (None, {})):
+        for episode, headers in (
+            ("via-url", {}),
+            (None, {"x-lcap-episode": proxy.episode_header("via-header")}),
+            (None, {}),
+            (None, {"x-lcap-episode": "spoofed"}),
+            (None, {"x-lcap-episode": "spoofed:" + "0" * 32}),
+        ):
             proxy_url = proxy.proxy_url(episode)
             with httpx.Client(
                 proxy=proxy_url, verify=ssl.create_default_context(cafile=env["SSL_CERT_FILE"])
             ) as client:
                 client.post("https://api.openai.com/v1/chat/completions", json=CHAT, headers=headers)
                 client.post("https://api.openai.com/v1/chat/completions", json=CHAT, headers=headers)
+        with httpx.Client(proxy=f"http://spoofed:{'0' * 32}@127.0.0.1:{proxy.port}") as client:
+            client.post(f"{vllm_like.url}/v1/chat/completions", json=CHAT)
         # plain-HTTP absolute-form requests carry the credentials on every request
         with httpx.Client(proxy=proxy.proxy_url("plain-http")) as client:
             client.post(f"{vllm_like.url}/v1/chat/completions", json=CHAT)
@@ -178,7 +190,7 @@ def test_attribution_by_url_credentials_header_or_none(tmp_path, capture_home, m
     by_episode = {}
     for row in rows:
         by_episode.setdefault(row["episode_id"], []).append(row["seq"])
-    assert by_episode == {"via-url": [0, 1], "via-header": [0, 1], None: [0, 1], "plain-http": [0]}
+    assert by_episode == {"via-url": [0, 1], "via-header": [0, 1], None: [0, 1, 2, 3, 4, 5, 6], "plain-http": [0]}
     for call in vllm_like.calls():  # lcap's attribution never leaks upstream
         assert not {"x-lcap-episode", "proxy-authorization"} & {k.lower() for k in call["headers"]}
 
@@ -193,8 +205,13 @@ def test_child_env(tmp_path, capture_home, monkeypatch):
             "PATH": "/usr/bin",
         }
         env = proxy.child_env("ep 1/x", base=base)
+    secret = proxy.keys.secret("ep 1/x")
+    assert len(secret) == 32 and secret != proxy.keys.secret("ep 1/y")
     assert (
-        env["HTTPS_PROXY"] == env["http_proxy"] == env["ALL_PROXY"] == f"http://ep%201%2Fx:lcap@127.0.0.1:{proxy.port}"
+        env["HTTPS_PROXY"]
+        == env["http_proxy"]
+        == env["ALL_PROXY"]
+        == f"http://ep%201%2Fx:{secret}@127.0.0.1:{proxy.port}"
     )
     assert env["NO_PROXY"] == "localhost,internal.corp" and env["PATH"] == "/usr/bin"
     bundle = env["SSL_CERT_FILE"]

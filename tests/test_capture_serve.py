@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import ssl
 import subprocess
@@ -30,6 +31,13 @@ def start_serve(env: dict[str, str], upstream: str) -> tuple[subprocess.Popen, i
     return proc, int(line.split("listening on http://127.0.0.1:", 1)[1].split()[0])
 
 
+def new_episode(env: dict[str, str], port: int, *args: str) -> dict:
+    """`lcap episode new --json` for the proxy on `port`."""
+    result = run_lcap(["episode", "new", "--port", str(port), "--json", *args], env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
 def test_serve_attribution_side_traffic_and_sql_while_writing(capture_env, llm):
     db = capture_env["LCAP_DB"]
     proc, port = start_serve(capture_env, llm.url)
@@ -37,10 +45,11 @@ def test_serve_attribution_side_traffic_and_sql_while_writing(capture_env, llm):
         bundle = proc.stdout.readline().split("SSL_CERT_FILE=", 1)[1].strip()
         verify = ssl.create_default_context(cafile=bundle)
         sent = {"agent-a": 0, "agent-b": 0}
+        urls = {name: new_episode(capture_env, port, "--id", name, "--label", "task=7")["proxy_url"] for name in sent}
         stop = threading.Event()
 
         def agent(name: str) -> None:
-            with httpx.Client(proxy=f"http://{name}@127.0.0.1:{port}", verify=verify, timeout=30) as client:
+            with httpx.Client(proxy=urls[name], verify=verify, timeout=30) as client:
                 while not stop.is_set():
                     client.post("https://api.openai.com/v1/chat/completions", json=CHAT).raise_for_status()
                     side = client.post("https://api.openai.com/v1/telemetry", json={"event": "x"})
@@ -62,11 +71,10 @@ def test_serve_attribution_side_traffic_and_sql_while_writing(capture_env, llm):
             for thread in threads:
                 thread.join()
         assert counts == sorted(counts) and counts[-1] > 0  # read while the proxy kept writing
+        header = new_episode(capture_env, port, "--id", "by-header")["header"]
         with httpx.Client(proxy=f"http://127.0.0.1:{port}", verify=verify) as client:
-            client.post(
-                "https://api.openai.com/v1/chat/completions", json=CHAT, headers={"X-Lcap-Episode": "by-header"}
-            )
-            client.post("https://api.openai.com/v1/chat/completions", json=CHAT)
+            client.post("https://api.openai.com/v1/chat/completions", json=CHAT, headers={"X-Lcap-Episode": header})
+            client.post("https://api.openai.com/v1/chat/completions", json=CHAT)  # no credentials: unattributed
         proc.send_signal(signal.SIGINT)
         proc.wait(90)
     finally:
@@ -81,6 +89,8 @@ def test_serve_attribution_side_traffic_and_sql_while_writing(capture_env, llm):
     for seqs in by_episode.values():
         assert sorted(seqs) == list(range(len(seqs)))
     assert all(r["path"] == "/v1/chat/completions" for r in rows)  # telemetry passed through, not stored
+    labels = run_lcap(["sql", "-f", "csv", "SELECT episode_id, task_id FROM episodes ORDER BY 1"], capture_env)
+    assert labels.stdout.splitlines()[1:] == ["agent-a,7", "agent-b,7", "by-header,"]
     assert llm.calls("/telemetry") == []  # side traffic went on to its own host (unreachable here), not rerouted
 
 
@@ -89,7 +99,8 @@ def test_kill_9_of_the_proxy_loses_no_finished_turn(capture_env, llm):
     db = capture_env["LCAP_DB"]
     proc, port = start_serve(capture_env, llm.url)
     try:
-        with httpx.Client(proxy=f"http://killed@127.0.0.1:{port}", timeout=30) as client:
+        url = new_episode(capture_env, port, "--id", "killed")["proxy_url"]
+        with httpx.Client(proxy=url, timeout=30) as client:
             for _ in range(5):
                 client.post(f"{llm.url}/v1/chat/completions", json=CHAT).raise_for_status()
         proc.kill()  # no flush, no clean stop: the last turns were finished a moment ago

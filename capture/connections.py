@@ -1,0 +1,268 @@
+"""Connections as the front uses them: the agent's side (which says at once when the agent leaves), TLS done
+in memory, kept-alive upstream connections, and the deadline of whatever a connection waits for.
+
+Deadlines. Every wait of the front has one (a head, a body, an upstream connecting, answering, pausing
+mid-stream, an agent not reading). `asyncio.timeout` would schedule and cancel a loop timer for each of
+them, several per call and two per chunk of a stream; here each agent connection has one `Watch` whose
+deadline is two attribute writes to move, and `Watches` looks at all of them every `TICK` seconds,
+cancelling the task of one that ran out, which `Watch.within` turns into `Expired` where it waited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+READ_SIZE = 65536
+POOL_IDLE = 256  # idle upstream connections kept, over all upstreams
+POOL_AGE = 60.0  # seconds an idle upstream connection is kept
+TICK = 0.25  # seconds between two looks at the deadlines
+
+
+class Expired(Exception):
+    """A wait ran past its deadline; the message says which."""
+
+
+class Watch:
+    """The deadline of what one task (an agent connection's) waits for now: `with watch.within(30, "head"):`."""
+
+    __slots__ = ("at", "fired", "task", "what")
+
+    def __init__(self, task: asyncio.Task) -> None:
+        self.task = task
+        self.at: float | None = None
+        self.what = ""
+        self.fired = False
+
+    def within(self, seconds: float, what: str) -> Watch:
+        self.at, self.what = time.monotonic() + seconds, what
+        return self
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        self.at = None
+        if self.fired:
+            self.fired = False
+            if kind is not None and issubclass(kind, asyncio.CancelledError):
+                self.task.uncancel()
+                raise Expired(self.what) from None
+
+
+class Watches:
+    """Every `Watch` of a server, looked at every `TICK` seconds while it runs."""
+
+    def __init__(self) -> None:
+        self.active: set[Watch] = set()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = loop.call_later(TICK, self._tick, loop)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def add(self, task: asyncio.Task) -> Watch:
+        watch = Watch(task)
+        self.active.add(watch)
+        return watch
+
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        now = time.monotonic()
+        for watch in self.active:
+            if watch.at is not None and watch.at <= now and not watch.fired:
+                watch.fired = True
+                watch.task.cancel()
+        self._timer = loop.call_later(TICK, self._tick, loop)
+
+
+class AgentReader(asyncio.StreamReader):
+    """The agent's side of a connection. It says at once when the agent closes or resets it, so that a call
+    whose agent left is cancelled then, not when its upstream answers (`on_close`)."""
+
+    closed = False
+    on_close: Callable[[], None] | None = None
+
+    def feed_eof(self) -> None:
+        super().feed_eof()
+        self._gone()
+
+    def set_exception(self, exc: Exception) -> None:
+        super().set_exception(exc)
+        self._gone()
+
+    def notify(self, callback: Callable[[], None] | None) -> None:
+        """Call `callback` once the agent's side ends, now if it has already; None stops."""
+        self.on_close = callback
+        if callback is not None and self.closed:
+            self._gone()
+
+    def _gone(self) -> None:
+        self.closed = True
+        callback, self.on_close = self.on_close, None
+        if callback is not None:
+            callback()
+
+
+class Plain:
+    """A TCP connection as the front uses it: recv / send / drain / close. An agent's has the `Watch` of its waits."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, watch: Watch | None = None) -> None:
+        self.reader, self.writer = reader, writer
+        self.watch = watch
+        self.idle_since = 0.0
+
+    def deadline(self, seconds: float, what: str) -> Watch:
+        """`with conn.deadline(30, "head"): await ...`: `Expired` past it (an agent's connection only)."""
+        assert self.watch is not None, "only an agent's connection has deadlines"
+        return self.watch.within(seconds, what)
+
+    async def recv(self) -> bytes:
+        return await self.reader.read(READ_SIZE)
+
+    def send(self, data: bytes) -> None:
+        self.writer.write(data)
+
+    async def drain(self) -> None:
+        await self.writer.drain()
+
+    def send_eof(self) -> None:
+        if self.writer.can_write_eof() and not self.writer.is_closing():
+            self.writer.write_eof()
+        else:  # a TLS stream cannot half-close
+            self.close()
+
+    def close(self) -> None:
+        self.writer.close()
+
+    def abort(self) -> None:
+        """Close at once, dropping what is unsent: a pending read returns b"" (the fd is freed now)."""
+        self.writer.transport.abort()
+
+
+class TlsServerSide(Plain):
+    """The agent's side of an intercepted tunnel, TLS done in memory so the ClientHello can be read first."""
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        context: ssl.SSLContext,
+        watch: Watch | None = None,
+    ) -> None:
+        super().__init__(reader, writer, watch)
+        self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.tls = context.wrap_bio(self.incoming, self.outgoing, server_side=True)
+
+    async def handshake(self, client_hello: bytes) -> None:
+        self.incoming.write(client_hello)
+        while True:
+            try:
+                self.tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                self._flush()
+                data = await self.reader.read(READ_SIZE)
+                if not data:
+                    raise ConnectionError("the agent closed the connection during the TLS handshake") from None
+                self.incoming.write(data)
+        self._flush()
+
+    async def recv(self) -> bytes:
+        while True:
+            if self.incoming.pending or self.tls.pending():  # else reading would only raise SSLWantReadError
+                try:
+                    return self.tls.read(READ_SIZE)
+                except ssl.SSLWantReadError:
+                    pass
+                except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                    return b""
+            self._flush()
+            data = await self.reader.read(READ_SIZE)
+            if not data:
+                return b""
+            self.incoming.write(data)
+
+    def send(self, data: bytes) -> None:
+        self.tls.write(data)
+        self._flush()
+
+    def send_eof(self) -> None:
+        self.close()
+
+    def _flush(self) -> None:
+        if out := self.outgoing.read():
+            self.writer.write(out)
+
+
+class UpstreamPool:
+    """Keep-alive connections to upstreams, reused call after call: at most `POOL_IDLE` idle ones in all, none
+    idle for longer than `POOL_AGE` seconds."""
+
+    def __init__(self) -> None:
+        self.idle: OrderedDict[tuple[str, str, int], list[Plain]] = OrderedDict()
+        self.count = 0
+        self._tls: ssl.SSLContext | None = None
+
+    def take(self, key: tuple[str, str, int]) -> Plain | None:
+        idle = self.idle.get(key)
+        oldest = time.monotonic() - POOL_AGE
+        while idle:
+            conn = idle.pop()
+            self.count -= 1
+            if (
+                conn.idle_since > oldest
+                and not conn.reader.at_eof()
+                and not conn.writer.is_closing()
+                and not _buffered(conn.reader)
+            ):
+                return conn
+            conn.close()
+        return None
+
+    async def open(self, key: tuple[str, str, int], address: str) -> Plain:
+        scheme, host, port = key
+        tls = self._tls_context() if scheme == "https" else None
+        reader, writer = await asyncio.open_connection(
+            address, port, ssl=tls, server_hostname=host if tls else None, limit=READ_SIZE
+        )
+        return Plain(reader, writer)
+
+    def give_back(self, key: tuple[str, str, int], conn: Plain) -> None:
+        conn.idle_since = time.monotonic()
+        self.idle.setdefault(key, []).append(conn)
+        self.idle.move_to_end(key)
+        self.count += 1
+        while self.count > POOL_IDLE:  # the least recently used upstream gives up its oldest connection
+            first_key, conns = next(iter(self.idle.items()))
+            if conns:
+                conns.pop(0).close()
+                self.count -= 1
+            if not conns:
+                del self.idle[first_key]
+
+    def _tls_context(self) -> ssl.SSLContext:
+        """Verified against certifi's roots, as mitmproxy verifies upstreams: one trust store for both paths."""
+        if self._tls is None:
+            import certifi  # a dependency of mitmproxy
+
+            self._tls = ssl.create_default_context(cafile=certifi.where())
+            self._tls.set_alpn_protocols(["http/1.1"])
+        return self._tls
+
+    def close(self) -> None:
+        for conns in self.idle.values():
+            for conn in conns:
+                conn.close()
+        self.idle.clear()
+        self.count = 0
+
+
+def _buffered(reader: asyncio.StreamReader) -> int:
+    """Bytes an idle upstream connection has received and nobody read: it is out of step, never reused."""
+    return len(getattr(reader, "_buffer", b""))

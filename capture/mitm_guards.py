@@ -1,0 +1,123 @@
+"""lcap's rules where the embedded mitmproxy carries the traffic the front handed it.
+
+- `FrontOnly`: mitmproxy listens on a loopback port, but serves only the connections the front opened
+  to it (told apart by their local port, registered before they connect); anything else that
+  connects there is cut off before a byte is read, so the port is no way around the front's checks.
+- `PrivateDestinations`: while the proxy is exposed, server connections go only to checked public
+  addresses (`capture/destinations.py`), pinned so that the address checked is the one connected to.
+- `install_body_limits`: mitmproxy holds LLM requests, and the answers lcap records whole, in memory;
+  these are bounded by `--max-body-bytes` like on the front (413 for a request, 502 for an answer),
+  early by their Content-Length or as soon as a chunked body passes the limit. mitmproxy's own
+  `body_size_limit` applies to every flow, downloads and uploads the agent makes included, so lcap
+  replaces its check with one that asks `limit_for(flow, request)`; everything else streams, unbounded
+  and unbuffered, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from lcap.capture.calls import Router
+from lcap.capture.destinations import Destinations, Forbidden
+
+log = logging.getLogger("lcap.capture")
+
+
+class FrontOnly:
+    """mitmproxy's `client_connected`: only the front's own connections (their local ports are in `ports`)."""
+
+    def __init__(self, ports: set[int]) -> None:
+        self.ports = ports
+        self.refused = 0
+
+    def client_connected(self, client: Any) -> None:
+        peer = client.peername
+        if not (isinstance(peer, tuple) and peer[0] == "127.0.0.1" and peer[1] in self.ports):
+            self.refused += 1
+            client.error = "lcap: mitmproxy only serves lcap's front"
+
+
+class PrivateDestinations:
+    """mitmproxy's `server_connect`: an exposed proxy connects to checked public addresses only; the configured
+    upstream is trusted."""
+
+    def __init__(self, destinations: Destinations, router: Router) -> None:
+        self.destinations = destinations
+        self.router = router
+
+    async def server_connect(self, data: Any) -> None:
+        if not self.destinations.restricted or data.server.address is None:
+            return
+        host, port = data.server.address[:2]
+        route = self.router.route()
+        if route is not None and (host, port) == (route.host, route.port):
+            return
+        try:
+            address = await self.destinations.address(host, port)
+        except Forbidden as exc:
+            data.server.error = str(exc)
+            return
+        except OSError:
+            return  # a name that does not resolve: mitmproxy's own connection fails the same way
+        if address != host:
+            if data.server.sni is None:
+                data.server.sni = host
+            data.server.address = (address, port)
+
+
+def install_body_limits(limit_for: Callable[[Any, bool], int | None]) -> None:
+    """Make mitmproxy's body-size check per flow: `limit_for(flow, request)` is the largest body mitmproxy may
+    hold for it (None: no limit). Installed once per process; the last `limit_for` is used."""
+    from mitmproxy import flow as mflow
+    from mitmproxy.net.http.http1 import expected_http_body_size
+    from mitmproxy.proxy.layers import http as mhttp
+
+    global _limit_for
+    _limit_for = limit_for
+    if getattr(mhttp.HttpStream.check_body_size, "lcap", False):
+        return
+
+    def check_body_size(self: Any, request: bool):  # mitmproxy's HttpStream.check_body_size, with lcap's limit
+        """True when the body is over the flow's limit: the flow ends with 413 (request) or 502 (answer)."""
+        limit = _limit_for(self.flow, request)
+        if limit is None:
+            return False
+        buffered = self.request_body_buf if request else self.response_body_buf
+        size: int | None
+        if buffered:
+            size = len(buffered)
+        else:
+            try:
+                size = expected_http_body_size(self.flow.request, None if request else self.flow.response)
+            except ValueError:
+                size = None
+        if size is None or size <= limit:
+            return False
+        if request and not buffered:
+            yield mhttp.HttpRequestHeadersHook(self.flow)
+        if not request and not buffered:
+            yield mhttp.HttpResponseHeadersHook(self.flow)
+        what = "request body" if request else "answer"
+        message = f"lcap: {what} over the limit of {limit} bytes (--max-body-bytes)"
+        status = 413 if request else 502
+        self.flow.error = mflow.Error(message)
+        yield mhttp.HttpErrorHook(self.flow)
+        yield mhttp.SendHttp(mhttp.ResponseProtocolError(self.stream_id, message, status), self.context.client)
+        self.client_state = self.state_errored
+        if not request:
+            yield mhttp.SendHttp(mhttp.RequestProtocolError(self.stream_id, message, status), self.context.server)
+            self.server_state = self.state_errored
+        self.flow.live = False
+        return True
+
+    check_body_size.lcap = True  # type: ignore[attr-defined]
+    mhttp.HttpStream.check_body_size = check_body_size  # type: ignore[method-assign]  # a deliberate patch
+
+
+def _no_limit(flow: Any, request: bool) -> int | None:
+    return None
+
+
+_limit_for: Callable[[Any, bool], int | None] = _no_limit
