@@ -103,7 +103,9 @@ def test_a_workers_bad_input_is_one_line(ray_cluster, tiny_train_model, captured
     lonely = write_samples(tmp_path / "data" / "samples.parquet", [r for r in rows if r["sample_id"].endswith("-0")])
     result = train_cli(tiny_train_model, lonely, tmp_path, "--ray", ray_cluster, "--num-workers", "2")
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1].startswith("lcap: round-1: no group with two or more usable samples")
+    ours = [line for line in result.stderr.splitlines() if line.startswith("lcap: ")]  # the rest: Ray's worker logs
+    assert ours == ["lcap: round-1: no group with two or more usable samples (2 alone in their group, 0 stale dropped)"]
+    assert not (tmp_path / "lcap.duckdb").exists()
 
 
 def test_a_cluster_too_small_is_one_line(ray_cluster, tiny_train_model, captured_samples, tmp_path):

@@ -151,7 +151,10 @@ def prepare(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Prepar
         read_samples(inputs.samples), group_size=options.group_size, stale=options.stale, current=inputs.current
     )
     if not groups.groups:
-        raise LcapError(f"{out_dir.name}: no group with two or more usable samples in {inputs.samples}")
+        raise LcapError(
+            f"{out_dir.name}: no group with two or more usable samples ({groups.dropped_small} alone in their "
+            f"group, {groups.dropped_stale} stale dropped)"
+        )
     size = groups.size
     processes = world_size()
     # A batch is whole groups (an advantage is a group's), split evenly over the processes: DDP's average of
