@@ -17,7 +17,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from lcap.config import LcapError
 from lcap.train.grpo import FittedRound, RoundInputs, fit_round
@@ -30,8 +30,11 @@ MAX_RETURN_BYTES = 4 << 30
 def fit_on_ray(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> FittedRound:
     """Train the round on `options.num_workers` Ray Train workers; write what rank 0 made into OUT_DIR."""
     import ray
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+
+    # Ray Train v2 by name (the default in Ray 2.60; RAY_TRAIN_V2_ENABLED=0 would swap in v1, which has no return_value)
+    from ray.train.v2.api.config import RunConfig, ScalingConfig
+    from ray.train.v2.api.result import Result
+    from ray.train.v2.torch.torch_trainer import TorchTrainer
 
     from lcap.ray_cluster import connect, describe
 
@@ -64,7 +67,7 @@ def fit_on_ray(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Fit
             run_config=RunConfig(name=f"lcap-{out_dir.name}", storage_path=str(storage)),
         )
         try:
-            result = trainer.fit()
+            result = cast(Result, trainer.fit())  # ray.train's Result, as mypy reads it, is v1's
         except Exception as exc:
             error = _user_error(exc)
             if error is None:
