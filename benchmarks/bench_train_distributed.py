@@ -12,9 +12,9 @@ The same round (the same captured samples of a tiny model, the same global batch
 
 The Ray cluster (one node, 2 CPUs, `ray start`) is started once, before the first repeat. Each
 line prints the command's wall time (start-up, model load, workers, training, saving) and the
-training loop's own time (train_runs.train_seconds), medians over the repeats, and the round's
-loss, which must agree across the ways (tests/test_train_distributed.py holds them equal).
-On a machine with few cores two processes share them: the point of this benchmark here is the
+training loop's own time (train_runs.train_seconds), median and minimum over the repeats (the
+minimum is the least disturbed by a busy machine), and the round's loss, which must agree across the
+ways (tests/test_train_distributed.py holds them equal). On a machine with few cores two processes share them: the point of this benchmark here is the
 overhead each launcher adds to a round, not a speed-up (that needs GPUs, one per worker).
 """
 
@@ -94,11 +94,14 @@ def main() -> None:
         f"{steps} steps; model hidden {args.hidden}, {args.layers} layers, LoRA r16; {os.cpu_count()} CPUs; "
         f"medians of {args.repeats} repeats"
     )
-    print(f"{'':26} {'command s':>10} {'training s':>11} {'loss':>12}")
+    print(f"{'':26} {'command s':>18} {'training s':>18} {'loss':>10}")
+    print(f"{'':26} {'median':>9}{'min':>9} {'median':>9}{'min':>9}")
     for name, values in runs.items():
-        wall = statistics.median(v[0] for v in values)
-        train = statistics.median(v[1] for v in values)
-        print(f"{name:26} {wall:10.1f} {train:11.2f} {values[0][2]:12.6f}")
+        wall, train = [v[0] for v in values], [v[1] for v in values]
+        print(
+            f"{name:26} {statistics.median(wall):9.1f}{min(wall):9.1f} {statistics.median(train):9.2f}{min(train):9.2f}"
+            f" {values[0][2]:10.6f}"
+        )
 
 
 if __name__ == "__main__":
