@@ -119,6 +119,12 @@ def run_loop(
     if policy is None:
         raise LcapError("no policy server is running: start one with `lcap serve --model M` (or run `lcap demo`)")
     resolve_base_model(run, config.train.base_model or policy.base_model)
+    if config.train.ray is not None:  # an unreachable cluster fails now, not after the first collect
+        from lcap.ray_cluster import connect
+
+        connect(config.train.ray)
+    elif config.train.num_workers > 1:
+        raise LcapError(f"--num-workers {config.train.num_workers} trains on a Ray cluster: add --ray ADDRESS")
     (run / "loop.json").write_text(json.dumps({**asdict(config), "key": config.key()}, indent=2, default=str))
     _redeploy_if_lost(state, store, echo)
 

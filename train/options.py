@@ -49,6 +49,18 @@ class TrainOptions:
         flag="--activation-checkpointing/--no-activation-checkpointing",
         help="Recompute activations in the backward pass (default: on a GPU, where memory is the limit; off on CPU).",
     )
+    ray: str | None = option(
+        None,
+        help="Train on a Ray cluster with Ray Train: its address, `auto` (the cluster this machine belongs to, "
+        "or RAY_ADDRESS), or `local` (start one for this command).",
+    )
+    num_workers: int = option(
+        1,
+        help="Training processes, each on its share of every batch (the batch stays --batch-size): Ray Train "
+        "workers with --ray, or accelerate processes with --accelerate-config (default there: the config's).",
+    )
+    use_gpu: bool = option(False, flag="--use-gpu", help="One GPU per Ray Train worker (NCCL); else CPU (gloo).")
+    cpus_per_worker: int = option(1, help="CPUs per Ray Train worker (its torch threads).")
     seed: int = option(0, help="Seed of the sample order and of LoRA's initialisation.")
     report_to: str = option("tensorboard", help="TRL report_to: tensorboard (offline), none, wandb...")
     logging_steps: int = option(1, cli=False, help="Optimiser steps between TRL's log records.")
@@ -60,3 +72,14 @@ class TrainOptions:
             raise LcapError(f"unknown --is-mode {self.is_mode!r}: use {', '.join(IS_MODES)}")
         if self.stale not in ("correct", "drop"):
             raise LcapError(f"unknown --stale {self.stale!r}: use correct or drop")
+        if self.num_workers < 1 or self.cpus_per_worker < 1:
+            raise LcapError("--num-workers and --cpus-per-worker must be 1 or more")
+        if self.use_gpu and self.ray is None:
+            raise LcapError(
+                "--use-gpu places Ray Train workers on GPUs: add --ray ADDRESS (accelerate's config picks its own)"
+            )
+        if self.full and self.ray is not None:
+            raise LcapError(
+                "--full with --ray: Ray ships the round's output back to this machine, which suits LoRA adapters, "
+                "not full checkpoints; train those with --accelerate-config on a shared file system"
+            )
