@@ -8,6 +8,8 @@ written only once /health answers, so a reader that finds one can send requests.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
 import socket
@@ -27,6 +29,35 @@ from lcap.store import Store, now
 MAX_LORA_RANK = 64  # vLLM's default is 16; adapters of rank 32/64 are common. Allowed: 8, 16, 32, 64, 128...
 MAX_LORAS = 2  # adapters resident per batch: the new deployment and the one still finishing calls
 TOOL_PARSER = "hermes"  # <tool_call>{json}</tool_call>: the tiny model's template and Qwen2.5/3's
+
+
+def cpu_kv_cache_gib(model: str, extra_args: Sequence[str] = ()) -> int:
+    """GiB of KV cache for vLLM's CPU backend: 1, or more when one sequence at the served length needs more.
+
+    vLLM serves a model at its config's length unless `--max-model-len` says otherwise, and refuses to start
+    when the KV cache cannot hold one sequence that long; on CPU the cache is float32. A model named on a hub
+    (no local config) gets 1 GiB: set VLLM_CPU_KVCACHE_SPACE or pass `--max-model-len` for a larger one.
+    """
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+        config = config.get("text_config", config)
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        per_token = 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim * 4
+        length = int(_flag_value(extra_args, "--max-model-len") or config["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return 1
+    return max(1, math.ceil(per_token * length * 1.25 / (1 << 30)))
+
+
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of `--flag V` or `--flag=V` in a vLLM argument list."""
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 def resolve_python(python: str | None = None) -> str:
@@ -117,7 +148,8 @@ def start_server(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
     if not gpu:
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default would reserve a large share of RAM
+        # GiB; vLLM's default would reserve a large share of RAM, too little would refuse the model's own length.
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib(model, extra_args)))
         # The model worker runs inside the engine-core process (`uni` executor) instead of a third process
         # that pays vLLM's and torch's import again: a faster start-up (benchmarks/bench_serve_start.py
         # measures it). CPU serving is for small models: one worker is all it uses.
