@@ -41,7 +41,10 @@ class Announcer:
         self._warned = False
 
     def start(self) -> None:
-        self._write()
+        """Write the record (an error here is the caller's: without it `lcap episode new` finds no proxy), then keep
+        it current."""
+        self._last = self.counters()
+        write_record(replace(self.record, counters=self._last, updated_at=time.time()))
         self._thread = threading.Thread(target=self._run, name="lcap-announce", daemon=True)
         self._thread.start()
 

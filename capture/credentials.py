@@ -141,9 +141,8 @@ class ProxyRecord:
     command: str = ""  # the lcap command line it runs in (redacted)
     upstream: str | None = None
     spool: str | None = None  # its turn spool's directory
-    counters: dict[str, Any] = dataclasses.field(
-        default_factory=dict
-    )  # calls, episodes, turns, writer... (CaptureProxy.counters)
+    # calls, episodes, connections, turns, the writer (CaptureProxy.counters)
+    counters: dict[str, Any] = dataclasses.field(default_factory=dict)
     updated_at: float = 0.0  # when the counters were taken
 
     def keys(self) -> EpisodeKeys:

@@ -122,8 +122,8 @@ def ca_bundle(cert: Path | None = None) -> Path:
 
 
 def trust_env(bundle: Path) -> dict[str, str]:
-    """The variables through which a child trusts `bundle` (lcap's CA and the system roots): every client lcap
-    makes trust lcap's CA is named here, and `lcap doctor` checks each against a server with one of its certificates."""
+    """The variables through which a child trusts `bundle` (lcap's CA and the system roots). A client lcap learns
+    to point at its CA goes here: `lcap doctor` runs each against a server with a certificate from that CA."""
     return {name: str(bundle) for name in CA_VARS}
 
 

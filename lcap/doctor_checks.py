@@ -108,7 +108,7 @@ def ray_installed(ctx: Context) -> Result:
     if importlib.util.find_spec("ray") is None:
         return Result.fail(
             "Ray is not installed in lcap's environment (needed only to spread collect, serve or train over a cluster)",
-            'pip install "ray[default]" into lcap\'s venv',
+            'pip install -e ".[ray]" in lcap\'s checkout (scripts/setup.sh does it)',
         )
     try:
         version = importlib.metadata.version("ray")
