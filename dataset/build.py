@@ -130,6 +130,8 @@ def build_dataset(store: Store, *, round: int, out: Path, options: BuildOptions 
         "episodes_split": len(pc.unique(split_episodes)),
     }
     report.samples = report.sample_counts["written"]
+    sizes = pc.value_counts(samples["group_id"].filter(pa.array(keep))).field("counts")
+    report.groups["trainable"] = int(pc.sum(pc.greater_equal(sizes, 2)).as_py() or 0)  # GRPO needs two per group
 
     write_samples(samples.filter(pa.array(keep)), out / SAMPLES_FILE)
     clock("write")

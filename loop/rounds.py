@@ -218,10 +218,14 @@ def _train(store, run: Path, n: int, options: TrainOptions, data: Path) -> dict:
 
     samples = data / "samples.parquet"
     if not samples.exists() or _parquet_rows(samples) == 0:
-        raise LcapError(
-            f"round {n}: the dataset is empty (every group had equal rewards, or no episode finished): "
-            "more tasks or a larger --group-size give GRPO something to compare"
-        )
+        from lcap.dataset.explain import explain
+
+        try:
+            report = json.loads((data / "report.json").read_text())
+        except (OSError, ValueError):
+            report = None
+        why = explain(report) if report else f"no report.json in {data}"
+        raise LcapError(f"round {n}: nothing to train on in {data}: {why}")
     result = train_round(store, run, n, options, data=data, progress=sys.stderr.isatty())
     return {
         "output": str(result.output),

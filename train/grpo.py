@@ -82,6 +82,45 @@ def round_samples(run: Path, round: int, data: Path | None) -> Path:
     return out / "samples.parquet"
 
 
+def nothing_to_train(where: str, samples_path: Path, samples: list, groups: Any, current: str | None) -> str:
+    """Why a round has no group GRPO can train on: build-dataset's losses (from the report.json beside the samples)
+    and the trainer's own (stale samples dropped, samples alone in their group), with what changes each."""
+    from lcap.dataset.explain import Cause, explain, plural
+
+    report_path = Path(samples_path).parent / "report.json"
+    try:
+        report = json.loads(report_path.read_text())
+    except (OSError, ValueError):
+        report = None
+    n_samples = len(samples)
+    extra = []
+    if groups.dropped_stale:
+        extra.append(
+            Cause(
+                f"{groups.dropped_stale} of {n_samples} samples were served by another deployment than {current} and "
+                "dropped (--stale drop)",
+                "train with --stale correct (importance-corrected, the default)",
+            )
+        )
+    if groups.dropped_small:
+        extra.append(
+            Cause(
+                f"{plural(groups.dropped_small, 'sample')} "
+                f"{'is alone in its group' if groups.dropped_small == 1 else 'are alone in their groups'} "
+                "(GRPO compares two or more samples of a task)",
+                "undo what left them alone, or collect with a larger --group-size",
+            )
+        )
+    n_groups = len({s.group_id for s in samples})
+    head = (
+        f"{where}: no group with two or more usable samples in {samples_path} "
+        f"({plural(n_samples, 'sample')} in {plural(n_groups, 'group')})"
+    )
+    if report is None and not extra:
+        return f"{head}: no report.json beside it says why (build it with `lcap build-dataset`)"
+    return f"{head}: {explain(report, extra=extra)}"
+
+
 def world_size() -> int:
     """The training processes this one belongs to, as its launcher (torchrun, accelerate, DeepSpeed, Ray Train) said."""
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -147,13 +186,11 @@ def prepare(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Prepar
     from lcap.train.samples import make_groups, read_samples
     from lcap.train.trainer import CapturedGRPOTrainer, captured_advantage, captured_rollout
 
-    groups = make_groups(
-        read_samples(inputs.samples), group_size=options.group_size, stale=options.stale, current=inputs.current
-    )
+    samples = read_samples(inputs.samples)
+    groups = make_groups(samples, group_size=options.group_size, stale=options.stale, current=inputs.current)
     if not groups.groups:
         raise LcapError(
-            f"{out_dir.name}: no group with two or more usable samples ({groups.dropped_small} alone in their "
-            f"group, {groups.dropped_stale} stale dropped)"
+            nothing_to_train(out_dir.name.replace("-", " "), inputs.samples, samples, groups, inputs.current)
         )
     size = groups.size
     processes = world_size()
