@@ -227,6 +227,7 @@ def train_round(
         p.trainer.add_callback(step_progress(f"train round {round}"))
     trainer, groups, kind = p.trainer, p.groups, p.kind
     out_dir = round_dir(run, round)
+    mismatch = guard_round(p, run, round, options)
     t0 = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - t0
@@ -241,6 +242,7 @@ def train_round(
     )
     # (with epochs > 1, +1 no-grad forward per sample for the old/IS logps, not counted: tokens/s is training tokens)
     metrics = _round_metrics(trainer.state.log_history)
+    metrics.update(mismatch.metrics())
     metrics.update(
         n_samples=len(groups.real_samples),
         n_groups=len(groups.groups),
@@ -267,6 +269,7 @@ def train_round(
         "peft": _version("peft"),
         "torch": torch.__version__,
         "device": str(trainer.accelerator.device),
+        "mismatch": mismatch.details(),
     }
     if trainer.accelerator.is_main_process:
         (out_dir / "config.json").write_text(json.dumps({**config, "metrics": metrics}, indent=2, default=str))
@@ -280,10 +283,27 @@ def train_round(
             "output": str(output),
             "kind": kind,
             "config": json.dumps(config, default=str),
+            "mismatch": json.dumps(mismatch.details()),
         }
         row.update(metrics)  # each metric is a column of train_runs (lcap.schema): a new one needs its column
         store.append("train_runs", [row])
     return TrainResult(round=round, output=output, kind=kind, metrics=metrics)
+
+
+def guard_round(p: PreparedRound, run: Path, round: int, options: TrainOptions):
+    """The mismatch guard (lcap.train.mismatch): measure the round's starting policy against the captured
+    logprobs, write RUN/round-N/mismatch.json, and stop the round with a one-line error past the limit."""
+    from lcap.train.mismatch import check_mismatch, measure_mismatch
+
+    mismatch = measure_mismatch(
+        p.trainer, p.groups.real_samples, per_deployment=options.mismatch_samples, seed=options.seed
+    )
+    path = round_dir(run, round) / "mismatch.json"
+    if p.trainer.accelerator.is_main_process:
+        path.write_text(json.dumps({"limit": options.mismatch_max, "deployments": mismatch.details()}, indent=2))
+    policy = str(p.init_from) if p.init_from else f"the base model {p.base_model}"
+    check_mismatch(mismatch, options.mismatch_max, round=round, policy=policy, details=str(path))
+    return mismatch
 
 
 def _load_policy(base_model: str, init_from: Path | None, options: TrainOptions, dtype):
