@@ -154,3 +154,17 @@ def test_skipped_deploy_stops_the_round(vllm_policy, round_one, tmp_path):
         train_round(store, round_one, 2, options(vllm_policy.model_dir), data=data)
     assert "\n" not in str(stopped.value)
     assert store.fetchall("SELECT count(*) FROM train_runs") == [(0,)]
+
+
+def test_a_store_of_schema_version_2_gets_the_guard_columns(tmp_path):
+    store = Store(tmp_path / "lcap.duckdb")
+    store.append("train_runs", [{"run": "r", "round": 1}])
+    columns = ("mismatch_kl", "mismatch_logp_diff", "mismatch_seconds", "mismatch")
+    for column in columns:
+        store.execute(f"ALTER TABLE train_runs DROP COLUMN {column}")
+    store.execute("UPDATE schema_version SET version = 2")
+
+    reopened = Store(tmp_path / "lcap.duckdb")
+    reopened.append("train_runs", [{"run": "r", "round": 2, "mismatch_kl": 0.5}])
+    assert reopened.fetchall("SELECT version FROM schema_version") == [(3,)]
+    assert reopened.fetchall("SELECT round, mismatch_kl FROM train_runs ORDER BY round") == [(1, None), (2, 0.5)]

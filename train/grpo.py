@@ -215,9 +215,11 @@ def train_round(
 ) -> TrainResult:
     """Train round `round` on its captured samples; write the adapter/checkpoint, config and metrics."""
     import torch
+    from transformers.utils.logging import disable_progress_bar
 
     from lcap.store import now
 
+    disable_progress_bar()  # transformers' bars over loading and saving weights; the round has its own bar
     run = Path(run)
     started_at = now()
     p = prepare_round(run, round, options, data)

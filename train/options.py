@@ -52,7 +52,7 @@ class TrainOptions:
         "model is not the one being trained. 0: never stop (still measured).",
     )
     mismatch_samples: int = option(
-        64, help="Samples per deployment the mismatch check scores with one no-grad forward (0: all)."
+        32, help="Samples per deployment the mismatch check scores with one no-grad forward (0: all)."
     )
     lora_r: int = option(16, help="LoRA rank.")
     lora_alpha: int = option(32, help="LoRA alpha.")
