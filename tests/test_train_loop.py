@@ -176,3 +176,18 @@ def test_loop_state_refuses_another_loop(tmp_path):
         run=tmp_path, rounds=5, tasks=tmp_path / "t.jsonl", command=["agent"], collect=CollectOptions(group_size=4)
     )
     assert more_rounds.key() == config.key()  # extending a loop with more rounds is a resume
+
+
+def test_tasks_per_round_takes_the_next_tasks_each_round(tmp_path):
+    from lcap.loop.rounds import round_tasks
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"id": f"t{i}", "q": f"question {i}"}) + "\n" for i in range(5)))
+    config = LoopConfig(run=tmp_path / "run", rounds=3, tasks=tasks, command=["agent"], tasks_per_round=2)
+    ids = {n: [json.loads(line)["id"] for line in round_tasks(config, n).read_text().splitlines()] for n in (1, 2, 3)}
+    assert ids == {1: ["t0", "t1"], 2: ["t2", "t3"], 3: ["t4", "t0"]}  # wraps around at the file's end
+    assert round_tasks(config, 3) == tmp_path / "run" / "round-3" / "tasks.jsonl"
+    every = LoopConfig(run=tmp_path / "run", rounds=3, tasks=tasks, command=["agent"])
+    assert round_tasks(every, 2) == tasks and every.key() != config.key()
+    with pytest.raises(LcapError, match="more than the 5 tasks"):
+        round_tasks(LoopConfig(run=tmp_path, rounds=1, tasks=tasks, command=["a"], tasks_per_round=6), 1)
