@@ -20,10 +20,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lcap.config import LcapError
 from lcap.train.options import TrainOptions
+
+if TYPE_CHECKING:
+    from lcap.train.mismatch import Mismatch
 
 
 @dataclass
@@ -292,7 +295,7 @@ def train_round(
     return TrainResult(round=round, output=output, kind=kind, metrics=metrics)
 
 
-def guard_round(p: PreparedRound, run: Path, round: int, options: TrainOptions):
+def guard_round(p: PreparedRound, run: Path, round: int, options: TrainOptions) -> Mismatch:
     """The mismatch guard (lcap.train.mismatch): measure the round's starting policy against the captured
     logprobs, write RUN/round-N/mismatch.json, and stop the round with a one-line error past the limit."""
     from lcap.train.mismatch import check_mismatch, measure_mismatch

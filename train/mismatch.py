@@ -24,7 +24,6 @@ is held to the same limit: its KL includes the drift of the rounds since it serv
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -99,13 +98,15 @@ def measure_mismatch(trainer, samples: list[Sample], *, per_deployment: int, see
     for name, members in picked.items():
         r = torch.cat(diffs[start : start + len(members)])
         start += len(members)
+        if not r.numel():
+            continue
         out.append(
             DeploymentMismatch(
                 deployment=name,
                 samples=len(members),
                 tokens=int(r.numel()),
-                logp_diff=float(r.abs().mean()) if r.numel() else math.nan,
-                kl=float((torch.expm1(r.clamp(max=50.0)) - r).mean()) if r.numel() else math.nan,
+                logp_diff=float(r.abs().mean()),
+                kl=float((torch.expm1(r.clamp(max=50.0)) - r).mean()),
             )
         )
     return Mismatch(out, time.perf_counter() - t0)
