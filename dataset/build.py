@@ -125,6 +125,7 @@ def build_dataset(store: Store, *, round: int, out: Path, options: BuildOptions 
         "zero_variance": int(flags["zero_variance"].sum()),
         "truncated": int(flags["truncated"].sum()),
         "truncated_masked": int((flags["truncated"] & keep).sum()) if options.truncated == "mask" else 0,
+        "truncated_kept": int((flags["truncated"] & keep).sum()) if options.truncated == "keep" else 0,
         "tampered": int(flags["tampered"].sum()),
         "rebuilt": int(flags["rebuilt"].sum()),
         "episodes_split": len(pc.unique(split_episodes)),

@@ -40,3 +40,8 @@ def printable(text: str) -> str:
 def _escape(match: re.Match) -> str:
     char = match.group()
     return _NAMED.get(char) or (f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}")
+
+
+def small(x: float | None) -> str:
+    """A figure that spans orders of magnitude (a KL near 0, or far from it) in two significant digits."""
+    return "-" if x is None else f"{x:.2g}"
