@@ -76,7 +76,9 @@ def outer(ports: list[int], command: list[str]) -> int:
         listener.listen(64)
 
         def connect(port: int = port) -> socket.socket:
-            return socket.create_connection(("127.0.0.1", port), timeout=30)
+            upstream = socket.create_connection(("127.0.0.1", port), timeout=30)
+            upstream.settimeout(None)  # a policy server may think for minutes before its first byte
+            return upstream
 
         threading.Thread(target=serve, args=(listener, connect), daemon=True).start()
     inner = [sys.executable, os.path.abspath(__file__), "--inner", sockets]
