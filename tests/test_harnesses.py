@@ -181,8 +181,8 @@ def test_pipeline_completes(harness_run: Run, request):
     episodes = store.fetchall("SELECT episode_id, status FROM episodes WHERE round = 1 AND split = 'train'")
     assert len(episodes) == 2, episodes
     turns = store.fetchall(
-        "SELECT episode_id, dialect, status_code, error FROM turns JOIN episodes USING (episode_id) "
-        "WHERE round = 1 ORDER BY episode_id, seq"
+        "SELECT t.episode_id, t.dialect, t.status_code, t.error FROM turns t JOIN episodes e USING (episode_id) "
+        "WHERE e.round = 1 ORDER BY t.episode_id, t.seq"
     )
     assert {e for e, *_ in turns} == {e for e, _ in episodes}, turns  # every episode made LLM calls, captured
     # The policy answered every call: lcap adapted what the harness sends, or routed it as it is.
