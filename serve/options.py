@@ -25,6 +25,11 @@ class TinyModelOptions:
         help="Context length in tokens (positions); `lcap serve` serves the model at it. Harnesses such as Codex "
         "send prompts past 16k tokens.",
     )
+    max_new_tokens: int = option(
+        256,
+        help="Longest answer to a request that names no limit (generation_config.json, which vLLM follows): "
+        "the random model rarely stops by itself, and some harnesses (Codex CLI) never set a limit.",
+    )
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads or self.hidden_size // self.num_heads < 32:

@@ -64,6 +64,8 @@ def test_init_model_makes_a_context_harnesses_fit_in(tmp_path):
     assert result.exit_code == 0, result.output
     assert AutoConfig.from_pretrained(tmp_path / "m").max_position_embeddings == 65536
     assert AutoTokenizer.from_pretrained(tmp_path / "m").model_max_length == 65536
+    generation = json.loads((tmp_path / "m" / "generation_config.json").read_text())
+    assert generation["max_new_tokens"] == 256  # an answer that names no limit ends (Codex never names one)
 
 
 def test_cpu_kv_cache_holds_one_sequence_at_the_served_length(tmp_path):

@@ -97,3 +97,11 @@ def test_served_at_the_models_own_length(vllm_server):
     models = httpx.get(f"{vllm_server.url}/v1/models", timeout=30).json()["data"]
     base = next(m for m in models if m["id"] == vllm_server.served_model)
     assert base["max_model_len"] == AutoConfig.from_pretrained(vllm_server.model_dir).max_position_embeddings == 65536
+
+    # A request that names no limit stops at the model's generation config, not at 64k tokens.
+    answer = httpx.post(
+        f"{vllm_server.url}/v1/completions",
+        json={"model": vllm_server.served_model, "prompt": "Name a file.", "ignore_eos": True},
+        timeout=300,
+    ).json()
+    assert answer["usage"]["completion_tokens"] == 256, answer
