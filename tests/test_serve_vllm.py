@@ -100,8 +100,8 @@ def test_served_at_the_models_own_length(vllm_server):
 
     # A request that names no limit stops at the model's generation config, not at 64k tokens.
     answer = httpx.post(
-        f"{vllm_server.url}/v1/completions",
-        json={"model": vllm_server.served_model, "prompt": "Name a file.", "ignore_eos": True},
+        f"{vllm_server.url}/v1/chat/completions",  # legacy /v1/completions has its own default: 16
+        json={"model": vllm_server.served_model, "messages": [{"role": "user", "content": "Hi"}], "ignore_eos": True},
         timeout=300,
     ).json()
     assert answer["usage"]["completion_tokens"] == 256, answer
