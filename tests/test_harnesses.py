@@ -38,6 +38,7 @@ MAX_OUTPUT_TOKENS = 24  # per answer, where the harness has a setting: the tiny 
 EPISODE_TIMEOUT = 420  # seconds; Codex has neither a turn nor an output limit
 
 TOKENS_BRANCH = "exact tokens for Messages turns on the policy route (issue #21 requirement 3, branch tokens)"
+LOGPROBS = "behaviour logprobs for Responses turns: vLLM's Responses API gives ids only (#21 req. 3, branch tokens)"
 ADAPTATION = "request adaptation on the policy route: Claude Code's thinking budget (issue #21 requirement 2)"
 WEBSOCKET = "vLLM has no Responses WebSocket: the upgrade gets 403 and Codex falls back to SSE (branch tokens)"
 
@@ -67,6 +68,8 @@ ALL = {
 # Where today's main falls short of the end state, by harness and by check; each entry is an xfail(strict).
 PENDING: dict[tuple[str, str], str] = {
     ("codex-websocket", "transport"): WEBSOCKET,
+    ("codex-websocket", "exact_ids"): LOGPROBS,
+    ("codex-sse", "exact_ids"): LOGPROBS,
     ("claude-code", "pipeline"): ADAPTATION,
     ("claude-code", "served"): ADAPTATION,
     ("claude-code", "exact_ids"): TOKENS_BRANCH,
