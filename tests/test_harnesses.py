@@ -39,7 +39,7 @@ EPISODE_TIMEOUT = 420  # seconds; Codex has neither a turn nor an output limit
 
 TOKENS_BRANCH = "exact tokens for Messages turns on the policy route (issue #21 requirement 3, branch tokens)"
 LOGPROBS = "behaviour logprobs for Responses turns: vLLM's Responses API gives ids only (#21 req. 3, branch tokens)"
-ADAPTATION = "request adaptation on the policy route: Claude Code's thinking budget (issue #21 requirement 2)"
+ADAPTATION = "request adaptation: Claude Code's thinking budget, refused by vLLM (400) (#21 requirement 2, tokens)"
 WEBSOCKET = "vLLM has no Responses WebSocket: the upgrade gets 403 and Codex falls back to SSE (branch tokens)"
 
 
@@ -71,6 +71,7 @@ PENDING: dict[tuple[str, str], str] = {
     ("codex-websocket", "exact_ids"): LOGPROBS,
     ("codex-sse", "exact_ids"): LOGPROBS,
     ("claude-code", "pipeline"): ADAPTATION,
+    ("claude-code", "transport"): ADAPTATION,  # no call answered 200 yet
     ("claude-code", "served"): ADAPTATION,
     ("claude-code", "exact_ids"): TOKENS_BRANCH,
     ("opencode-messages", "exact_ids"): TOKENS_BRANCH,
