@@ -56,6 +56,7 @@ def collect(
         f"collect {result.run_id} round {options.round} ({options.split}): {result.episodes} episodes, "
         f"{result.finished} ok, {result.failed} failed, {result.skipped} skipped (already done), "
         f"{result.tampered} tampered, mean reward {mean}; workdirs in {result.run_dir}"
+        + (" on the nodes" if options.ray is not None else "")
     )
     if result.statuses:
         typer.echo("statuses: " + ", ".join(f"{k} {v}" for k, v in sorted(result.statuses.items())))
