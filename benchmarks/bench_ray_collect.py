@@ -99,11 +99,8 @@ def collect_once(db: Path, tasks: Path, agent: Path, round: int, args, upstream:
 
 def ingest_rate(n: int, node: str, db: Path) -> float:
     import ray
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from lcap.capture.outbox import Outbox
-    from lcap.capture.turn import PendingTurn
     from lcap.capture.writer import TurnWriter
     from lcap.dataset.ray_collect import _Ingest
     from lcap.store import Store
@@ -113,7 +110,12 @@ def ingest_rate(n: int, node: str, db: Path) -> float:
     class Filler:
         """An Outbox on the worker node holding N finished turns, as a node proxy's would."""
 
-        def __init__(self, n: int, directory: str) -> None:
+        def __init__(self, n: int, directory: str, key: bytes) -> None:
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+            from lcap.capture.outbox import Outbox
+            from lcap.capture.turn import PendingTurn
+
             self.outbox = Outbox(Path(directory), AESGCM(key))
             self.outbox.start()
             request = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi " * 50}]}).encode()
@@ -143,7 +145,7 @@ def ingest_rate(n: int, node: str, db: Path) -> float:
     filler = (
         ray.remote(Filler)
         .options(num_cpus=0, max_concurrency=4, scheduling_strategy=pinned)
-        .remote(n, str(spool / "outbox"))
+        .remote(n, str(spool / "outbox"), key)
     )
     ray.get(filler.ready.remote())  # filled
     registry = ray.remote(Registry).options(num_cpus=0).remote([filler])

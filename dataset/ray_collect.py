@@ -252,11 +252,16 @@ def _episode_task(proxies: Any, spec: EpisodeSpec, rules: EpisodeRules, archive:
     context = ray.get_runtime_context()
     node = context.get_node_id()
     where = f"{ray.util.get_node_ip_address()} ({node[:8]})"
+    cached = (proxies._actor_id.hex(), node)  # this run's registry, this node
     try:
-        proxy = ray.get(proxies.get.remote(node), timeout=CALL_S)
-        error = ray.get(proxy.ready.remote(), timeout=PROXY_START_S)
-        if error is not None:
-            return _Report(proxy_error=error, node=where)
+        proxy = _node_proxy.get(cached)
+        if proxy is None:
+            proxy = ray.get(proxies.get.remote(node), timeout=CALL_S)
+            error = ray.get(proxy.ready.remote(), timeout=PROXY_START_S)
+            if error is not None:
+                return _Report(proxy_error=error, node=where)
+            _node_proxy.clear()  # a worker serves one run at a time: older runs' proxies are gone
+            _node_proxy[cached] = proxy
         eid = spec.episode_id
         env = ray.get(proxy.child_env.remote(eid, dict(os.environ)), timeout=CALL_S)
 
@@ -275,8 +280,12 @@ def _episode_task(proxies: Any, spec: EpisodeSpec, rules: EpisodeRules, archive:
         finally:
             proxy.release.remote(eid)
     except ray.exceptions.RayError as exc:
+        _node_proxy.pop(cached, None)  # the next episode here asks the registry again (it may start another)
         return _Report(lost=f"its node's capture proxy was lost: {_first_line(exc)}", node=where)
     return _Report(outcome=outcome, node=where)
+
+
+_node_proxy: dict[tuple[str, str], Any] = {}  # in a Ray worker: its node's proxy, asked for once per run
 
 
 _episode_remote = ray.remote(_episode_task)

@@ -35,6 +35,11 @@ victim = os.environ.get("LCAP_TEST_VICTIM")
 with open(task["log"], "a") as f:
     f.write(json.dumps({"episode": os.environ["LCAP_EPISODE_ID"], "victim": bool(victim), "pid": os.getpid(),
                         "proxy": os.environ["HTTPS_PROXY"].rsplit(":", 1)[1]}) + "\\n")
+if task.get("hang"):  # a grandchild too: the whole process group must end on the node
+    child = __import__("subprocess").Popen(["sleep", "120"])
+    with open(task["hang"], "a") as f:
+        f.write(f"{os.getpid()} {child.pid}\\n")
+    time.sleep(120)
 client = OpenAI()
 for i in range(task["calls"]):
     client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"{task['q']} {i}"}], max_tokens=4)
@@ -202,6 +207,60 @@ def test_a_node_lost_mid_run_loses_nothing(cluster, upstream, project):
     assert set(lost) <= victims
     assert all(runs[e] == 2 for e in victims) and all(runs[e] == 1 for e in runs if e not in victims)
     assert sorted(runs) == sorted(r[0] for r in rows)
+
+
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie waiting for its reaper."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _hanging(project: Path, n: int) -> Path:
+    hang = project / "hang.txt"
+    rows = [
+        {"id": f"h{i}", "q": "q", "calls": 1, "log": str(project / "starts.jsonl"), "hang": str(hang)} for i in range(n)
+    ]
+    (project / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return hang
+
+
+def test_timeouts_and_ctrl_c_end_the_agents_on_their_nodes(cluster, upstream, project):
+    address, _, _ = cluster
+    hang = _hanging(project, 2)
+    result = subprocess.run(
+        _argv(project, address, upstream, "-g", "1", "--timeout", "3"), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert "2 episodes, 0 ok, 2 failed" in result.stdout and "timeout 2" in result.stdout
+    pids = [int(p) for line in hang.read_text().splitlines() for p in line.split()]
+    assert len(pids) == 4 and all(_dead(p) for p in pids)  # agents and their grandchildren
+
+    hang.unlink()
+    run = subprocess.Popen(
+        _argv(project, address, upstream, "-g", "1", "--round", "1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not hang.exists() or len(hang.read_text().splitlines()) < 2:
+        assert time.monotonic() < deadline and run.poll() is None, run.stderr.read() if run.stderr else ""
+        time.sleep(0.3)
+    run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 130, err
+    pids = [int(p) for line in hang.read_text().splitlines() for p in line.split()]
+    assert all(_dead(p) for p in pids)
+    rows = Store(project / "lcap.duckdb").fetchall("SELECT status FROM episodes WHERE round = 1")
+    assert [r[0] for r in rows] == ["interrupted", "interrupted"]
 
 
 def test_bad_cluster_and_options_are_one_line(project):
