@@ -93,6 +93,14 @@ class Outbox:
         report = self.finish(timeout)
         return report is None or report.unstored == 0
 
+    @property
+    def spool_directory(self) -> Path | None:
+        return self.directory if self._spool is not None else None
+
+    def counters(self) -> dict[str, int | None]:
+        """Turns put and turns the driver has taken (it stores them)."""
+        return {"turns_spooled": self._spool.appended if self._spool else 0, "turns_stored": self._acked_records}
+
     def remove(self) -> None:
         """Delete the spool (once the proxy stopped: what the driver has not taken is lost with it)."""
         shutil.rmtree(self.directory, ignore_errors=True)

@@ -95,6 +95,11 @@ class TurnSink(Protocol):
 
     def stop(self, timeout: float | None = None) -> bool: ...
 
+    @property
+    def spool_directory(self) -> Path | None: ...
+
+    def counters(self) -> dict[str, int | None]: ...
+
 
 class TurnWriter:
     """The proxy's handle on its writer process: `put` finished turns, `flush`, `stop`. Restarts a writer
@@ -118,6 +123,22 @@ class TurnWriter:
     def written(self) -> int:
         """Turns in the store (degraded ones included)."""
         return self.stored + self.degraded
+
+    @property
+    def spool_directory(self) -> Path | None:
+        return self._spool.directory if self._spool is not None else None
+
+    def counters(self) -> dict[str, int | None]:
+        """Where the turns put so far are, and which process stores them (for `lcap status`)."""
+        spool, proc = self._spool, self._proc
+        return {
+            "turns_spooled": spool.appended if spool is not None else 0,
+            "turns_stored": self.stored,
+            "turns_degraded": self.degraded,
+            "dead_letters": self.dead,
+            "writer_pid": proc.pid if proc is not None and not self._exited else None,
+            "writer_restarts": self.restarts,
+        }
 
     def start(self) -> None:
         directory = self.spool_root / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"

@@ -31,12 +31,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from rich.markup import escape
-
 from lcap.capture.options import ProxyOptions
 from lcap.capture.redact import redact_text
 from lcap.config import LcapError
 from lcap.dataset.options import CollectOptions
+from lcap.dataset.summary import CollectSummary, summarize
 from lcap.dataset.verifiers import (
     Verifier,
     VerifierContext,
@@ -46,6 +45,7 @@ from lcap.dataset.verifiers import (
     resolve_argv,
     tampered_files,
 )
+from lcap.display import printable
 from lcap.processes import kill_group, run_child
 from lcap.store import Store, now
 
@@ -67,6 +67,7 @@ class CollectResult:
     run_dir: str = ""
     statuses: dict[str, int] = field(default_factory=dict)
     tampered: int = 0
+    summary: CollectSummary | None = None  # every episode of this collect, this run's and earlier ones'
 
 
 @dataclass(frozen=True)
@@ -209,30 +210,42 @@ def collect(
     done = _finished(store, [s.episode_id for s in specs])
     todo = [s for s in specs if s.episode_id not in done]
     result.skipped = len(specs) - len(todo)
-    if not todo:
-        return result
-    _forget_partial(store, [s.episode_id for s in todo])
+    if todo:
+        _forget_partial(store, [s.episode_id for s in todo])
 
-    proxy_options = replace(proxy_options or ProxyOptions(), upstream=options.upstream, model=options.model)
-    rules = EpisodeRules(judge, guard, options.timeout)
-    tally = Tally(result)
-    show = sys.stderr.isatty() if progress is None else progress
-    if options.ray is not None:
-        from lcap.dataset.ray_collect import RayPool
+        proxy_options = replace(proxy_options or ProxyOptions(), upstream=options.upstream, model=options.model)
+        rules = EpisodeRules(judge, guard, options.timeout)
+        tally = Tally(result)
+        show = sys.stderr.isatty() if progress is None else progress
+        if options.ray is not None:
+            from lcap.dataset.ray_collect import RayPool
 
-        RayPool(store, rules, tasks.parent.resolve(), options, proxy_options, tally).run_all(todo, progress=show)
-        return result
+            RayPool(store, rules, tasks.parent.resolve(), options, proxy_options, tally).run_all(todo, progress=show)
+        else:
+            _run_local(store, todo, rules, TaskFiles(tasks.parent.resolve()), tally, proxy_options, options, show)
+    result.summary = summarize(store, [s.episode_id for s in specs], run_dir, round)
+    return result
 
+
+def _run_local(
+    store: Store,
+    todo: list[EpisodeSpec],
+    rules: EpisodeRules,
+    files: TaskFiles,
+    tally: Tally,
+    proxy_options: ProxyOptions,
+    options: CollectOptions,
+    show: bool,
+) -> None:
+    """The local pool: one capture proxy in this process, `--concurrency` episodes at a time on threads."""
     from lcap.capture.server import CaptureProxy
 
     proxy = CaptureProxy(store, proxy_options)
     proxy.start()
-    runner = _Runner(store, proxy, rules, TaskFiles(tasks.parent.resolve()), tally)
     try:
-        runner.run_all(todo, options.concurrency, progress=show)
+        _Runner(store, proxy, rules, files, tally).run_all(todo, options.concurrency, progress=show)
     finally:
         proxy.stop()
-    return result
 
 
 def _finished(store: Store, ids: list[str]) -> set[str]:
@@ -464,9 +477,11 @@ def progress_bar(show: bool):
 
 
 def report_end(console, spec: EpisodeSpec, outcome: EpisodeOutcome) -> None:
-    if outcome.status != "ok":
+    if outcome.status != "ok":  # the reason quotes the agent: text, not markup
+        from rich.text import Text
+
         console.print(
-            f"[yellow]{escape(spec.episode_id)}: {outcome.status}[/] {escape(outcome.reason or '')}", highlight=False
+            Text.assemble((f"{spec.episode_id}: {outcome.status} ", "yellow"), printable(outcome.reason or ""))
         )
 
 

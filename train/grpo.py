@@ -20,10 +20,13 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lcap.config import LcapError
 from lcap.train.options import TrainOptions
+
+if TYPE_CHECKING:
+    from lcap.train.mismatch import Mismatch
 
 
 @dataclass
@@ -80,6 +83,45 @@ def round_samples(run: Path, round: int, data: Path | None) -> Path:
             "first (or pass --data)"
         )
     return out / "samples.parquet"
+
+
+def nothing_to_train(where: str, samples_path: Path, samples: list, groups: Any, current: str | None) -> str:
+    """Why a round has no group GRPO can train on: build-dataset's losses (from the report.json beside the samples)
+    and the trainer's own (stale samples dropped, samples alone in their group), with what changes each."""
+    from lcap.dataset.explain import Cause, explain, plural
+
+    report_path = Path(samples_path).parent / "report.json"
+    try:
+        report = json.loads(report_path.read_text())
+    except (OSError, ValueError):
+        report = None
+    n_samples = len(samples)
+    extra = []
+    if groups.dropped_stale:
+        extra.append(
+            Cause(
+                f"{groups.dropped_stale} of {n_samples} samples were served by another deployment than {current} and "
+                "dropped (--stale drop)",
+                "train with --stale correct (importance-corrected, the default)",
+            )
+        )
+    if groups.dropped_small:
+        extra.append(
+            Cause(
+                f"{plural(groups.dropped_small, 'sample')} "
+                f"{'is alone in its group' if groups.dropped_small == 1 else 'are alone in their groups'} "
+                "(GRPO compares two or more samples of a task)",
+                "undo what left them alone, or collect with a larger --group-size",
+            )
+        )
+    n_groups = len({s.group_id for s in samples})
+    head = (
+        f"{where}: no group with two or more usable samples in {samples_path} "
+        f"({plural(n_samples, 'sample')} in {plural(n_groups, 'group')})"
+    )
+    if report is None and not extra:
+        return f"{head}: no report.json beside it says why (build it with `lcap build-dataset`)"
+    return f"{head}: {explain(report, extra=extra)}"
 
 
 def world_size() -> int:
@@ -147,13 +189,11 @@ def prepare(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Prepar
     from lcap.train.samples import make_groups, read_samples
     from lcap.train.trainer import CapturedGRPOTrainer, captured_advantage, captured_rollout
 
-    groups = make_groups(
-        read_samples(inputs.samples), group_size=options.group_size, stale=options.stale, current=inputs.current
-    )
+    samples = read_samples(inputs.samples)
+    groups = make_groups(samples, group_size=options.group_size, stale=options.stale, current=inputs.current)
     if not groups.groups:
         raise LcapError(
-            f"{out_dir.name}: no group with two or more usable samples ({groups.dropped_small} alone in their "
-            f"group, {groups.dropped_stale} stale dropped)"
+            nothing_to_train(out_dir.name.replace("-", " "), inputs.samples, samples, groups, inputs.current)
         )
     size = groups.size
     processes = world_size()
@@ -251,11 +291,16 @@ class FittedRound:
     metrics: dict[str, Any]
     device: str
     processes: int
+    mismatch: list[dict[str, Any]]  # the guard's figures per deployment (lcap.train.mismatch)
 
 
 def fit_round(inputs: RoundInputs, out_dir: Path, options: TrainOptions, *, progress: bool = False) -> FittedRound:
     """Train the round in this process (one of `world_size()`); rank 0 saves the adapter or checkpoint in OUT_DIR."""
+    from transformers.utils.logging import disable_progress_bar
+
+    disable_progress_bar()  # transformers' bars over loading and saving weights; the round has its own bar
     p = prepare(inputs, out_dir, options)
+    mismatch = guard_round(p, options)
     if progress:
         from lcap.train.progress import step_progress
 
@@ -287,12 +332,14 @@ def fit_round(inputs: RoundInputs, out_dir: Path, options: TrainOptions, *, prog
         tokens_per_s=tokens * passes / seconds if seconds else None,
         steps=trainer.state.global_step,
     )
+    metrics.update(mismatch.metrics())
     return FittedRound(
         output=output,
         kind=kind,
         metrics=metrics,
         device=str(trainer.accelerator.device),
         processes=trainer.accelerator.num_processes,
+        mismatch=mismatch.details(),
     )
 
 
@@ -354,6 +401,7 @@ def record_round(
         "torch": torch.__version__,
         "device": fitted.device,
         "processes": fitted.processes,
+        "mismatch": fitted.mismatch,
     }
     config_json = json.dumps({**config, "metrics": fitted.metrics}, indent=2, default=str)
     (round_dir(run, round) / "config.json").write_text(config_json)
@@ -367,9 +415,28 @@ def record_round(
         "output": str(fitted.output),
         "kind": fitted.kind,
         "config": json.dumps(config, default=str),
+        "mismatch": json.dumps(fitted.mismatch),
     }
     row.update(fitted.metrics)  # each metric is a column of train_runs (lcap.schema): a new one needs its column
     store.append("train_runs", [row])
+
+
+def guard_round(p: PreparedRound, options: TrainOptions) -> Mismatch:
+    """The mismatch guard (lcap.train.mismatch): measure the round's starting policy against the captured
+    logprobs, write OUT_DIR/mismatch.json, and stop the round with a one-line error past the limit."""
+    from lcap.train.mismatch import check_mismatch, measure_mismatch
+
+    mismatch = measure_mismatch(
+        p.trainer, p.groups.real_samples, per_deployment=options.mismatch_samples, seed=options.seed
+    )
+    path = p.out_dir / "mismatch.json"
+    if p.trainer.accelerator.is_main_process:
+        path.write_text(json.dumps({"limit": options.mismatch_max, "deployments": mismatch.details()}, indent=2))
+    init_from, base_model = p.inputs.init_from, p.inputs.base_model
+    policy = str(init_from) if init_from else f"the base model {base_model}"
+    where = p.out_dir.name.replace("-", " ")
+    check_mismatch(mismatch, options.mismatch_max, where=where, policy=policy, details=str(path))
+    return mismatch
 
 
 def _load_policy(base_model: str, init_from: Path | None, options: TrainOptions, dtype):

@@ -9,6 +9,10 @@ from lcap.config import LcapError
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# The mismatch guard's default limit, KL per token. benchmarks/bench_mismatch.py measures the right deployment
+# (float32 on both sides here) and the failures the guard must catch on the tiny model; the limit leaves room for
+# the bf16 kernels of a GPU, where vLLM and the trainer differ more (docs/design.md, the mismatch guard).
+MISMATCH_MAX = 0.02
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,15 @@ class TrainOptions:
     is_mode: str = option("token_truncate", help=f"Importance-sampling mode: {', '.join(IS_MODES)} (TRL).")
     is_max: float | None = option(2.0, help="Importance-ratio cap (truncate) or upper bound (mask).")
     is_min: float | None = option(None, help="Importance-ratio lower bound (mask modes).")
+    mismatch_max: float = option(
+        MISMATCH_MAX,
+        help="Stop a round before its first step when, for a deployment that served its samples, the trainer's "
+        "log-probs of the captured tokens are further from vLLM's than this KL per token (k3 estimate): the served "
+        "model is not the one being trained. 0: never stop (still measured).",
+    )
+    mismatch_samples: int = option(
+        32, help="Samples per deployment the mismatch check scores with one no-grad forward (0: all)."
+    )
     lora_r: int = option(16, help="LoRA rank.")
     lora_alpha: int = option(32, help="LoRA alpha.")
     lora_target: str = option("all-linear", help="LoRA target modules (PEFT target_modules).")
@@ -83,3 +96,5 @@ class TrainOptions:
                 "--full with --ray: Ray ships the round's output back to this machine, which suits LoRA adapters, "
                 "not full checkpoints; train those with --accelerate-config on a shared file system"
             )
+        if self.mismatch_max < 0 or self.mismatch_samples < 0:
+            raise LcapError("--mismatch-max and --mismatch-samples must be 0 or more")

@@ -86,6 +86,7 @@ def fit_on_ray(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Fit
         metrics=fitted["metrics"],
         device=fitted["device"],
         processes=fitted["processes"],
+        mismatch=fitted["mismatch"],
     )
 
 
@@ -123,6 +124,7 @@ def _train_worker(config: dict[str, Any]) -> dict[str, Any] | None:
                 "metrics": fitted.metrics,
                 "device": fitted.device,
                 "processes": fitted.processes,
+                "mismatch": fitted.mismatch,
             },
         }
     finally:
