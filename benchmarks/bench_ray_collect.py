@@ -9,11 +9,13 @@ machine (node IP 127.0.0.1, CONCURRENCY/2 CPUs each), then runs the same episode
 completions through its capture proxy with httpx, then one line to a file) alternately through the local pool (one
 proxy, a thread pool) and with `--ray` (an episode per Ray task, a proxy per node, turns handed to the driver's
 writer), ROUNDS times each after one warm-up run of each; episodes/s is episodes over the run's wall time, median
-over the rounds. Every run must store episodes x CALLS turns.
+over the rounds. Every run must store episodes x CALLS turns. "one-episode collect" is a collect of one task, one
+sample, after each run: what a collect costs before and after its episodes (its proxies' start and stop).
 
 Ingest: an Outbox (capture/outbox.py) in an actor on the worker node is filled with INGEST turns, then the driver's
 real ingest (dataset/ray_collect.py: takes, reseals, the one TurnWriter) moves them into a fresh store: turns/s from
-the first take to the last turn in the store.
+the first take to the last turn in the store; beside it, the same turns put straight into a local TurnWriter (what
+a local proxy does), the writer's own rate on this machine.
 """
 
 from __future__ import annotations
@@ -76,25 +78,61 @@ def stop(proc: subprocess.Popen) -> None:
             pass
 
 
-def collect_once(db: Path, tasks: Path, agent: Path, round: int, args, upstream: str, address: str | None) -> float:
-    from lcap.dataset.collect import collect
+def collect_once(
+    db: Path, tasks: Path, agent: Path, round: int, args, upstream: str, address: str | None, group: int
+) -> float:
+    """Seconds of one collect of TASKS x GROUP episodes, checked: every episode ok, every call a turn."""
+    from lcap.dataset.collect import collect, load_tasks
     from lcap.dataset.options import CollectOptions
     from lcap.store import Store
 
     store = Store(db)
     options = CollectOptions(
-        group_size=args.group, concurrency=args.concurrency, round=round, upstream=upstream, model="m", ray=address
+        group_size=group, concurrency=args.concurrency, round=round, upstream=upstream, model="m", ray=address
     )
     t0 = time.perf_counter()
     result = collect(store, tasks=tasks, command=[sys.executable, str(agent)], options=options, progress=False)
     wall = time.perf_counter() - t0
-    episodes = args.tasks * args.group
+    episodes = len(load_tasks(tasks)) * group
     assert result.finished == episodes, result
     (stored,) = store.fetchall(
         "SELECT count(*) FROM turns WHERE episode_id IN (SELECT episode_id FROM episodes WHERE round = ?)", [round]
     )[0]
     assert stored == episodes * args.calls, (stored, episodes * args.calls)
-    return episodes / wall
+    return wall
+
+
+def make_turn(i: int):
+    """A finished chat call of a few hundred bytes each way."""
+    from lcap.capture.turn import PendingTurn
+
+    request = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi " * 50}]}).encode()
+    answer = {"model": "m", "choices": [{"message": {"content": "ok " * 50}, "finish_reason": "stop"}]}
+    turn = PendingTurn(
+        episode_id=f"e{i % 64}", seq=i, host="api.openai.com", path="/v1/chat/completions", dialect="chat"
+    )
+    turn.request_body, turn.response_body, turn.status_code = request, json.dumps(answer).encode(), 200
+    return turn
+
+
+def writer_rate(n: int, db: Path) -> float:
+    """The baseline: the same turns put straight into a local proxy's writer (no node, no hand-off)."""
+    from lcap.capture.writer import TurnWriter
+    from lcap.store import Store
+
+    store = Store(db)
+    writer = TurnWriter(store)
+    writer.start()
+    turns = [make_turn(i) for i in range(n)]
+    t0 = time.perf_counter()
+    for turn in turns:
+        writer.put(turn)
+    assert writer.flush(timeout=600)
+    wall = time.perf_counter() - t0
+    writer.finish()
+    (stored,) = store.fetchall("SELECT count(*) FROM turns")[0]
+    assert stored == n, (stored, n)
+    return n / wall
 
 
 def ingest_rate(n: int, node: str, db: Path) -> float:
@@ -114,18 +152,11 @@ def ingest_rate(n: int, node: str, db: Path) -> float:
             from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
             from lcap.capture.outbox import Outbox
-            from lcap.capture.turn import PendingTurn
 
             self.outbox = Outbox(Path(directory), AESGCM(key))
             self.outbox.start()
-            request = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi " * 50}]}).encode()
-            answer = {"model": "m", "choices": [{"message": {"content": "ok " * 50}, "finish_reason": "stop"}]}
             for i in range(n):
-                turn = PendingTurn(
-                    episode_id=f"e{i % 64}", seq=i, host="api.openai.com", path="/v1/chat/completions", dialect="chat"
-                )
-                turn.request_body, turn.response_body, turn.status_code = request, json.dumps(answer).encode(), 200
-                self.outbox.put(turn)
+                self.outbox.put(make_turn(i))
 
         def ready(self) -> bool:
             return True
@@ -190,6 +221,8 @@ def main() -> None:
     tasks.write_text(
         "".join(json.dumps({"id": f"t{i}", "q": f"q{i}", "calls": args.calls}) + "\n" for i in range(args.tasks))
     )
+    one_task = tmp / "one-task.jsonl"
+    one_task.write_text(json.dumps({"id": "one", "q": "q", "calls": args.calls}) + "\n")
     upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM], stdout=subprocess.PIPE, text=True)
     assert upstream.stdout is not None
     url = f"http://127.0.0.1:{upstream.stdout.readline().strip()}"
@@ -207,25 +240,36 @@ def main() -> None:
         )
         print(f"two-node cluster up in {time.perf_counter() - t0:.1f} s ({per_node} CPUs each)", flush=True)
 
-        rates: dict[str, list[float]] = {"local pool": [], "ray (2 nodes)": []}
-        for round in range(args.rounds + 1):  # round 0 warms both paths up (Ray's workers, the node proxies)
-            for name, where in (("local pool", None), ("ray (2 nodes)", address)):
-                rate = collect_once(tmp / f"{name[:5]}.duckdb", tasks, agent, round, args, url, where)
-                if round:
-                    rates[name].append(rate)
+        paths = (("local pool", None), ("ray (2 nodes)", address))
+        rates: dict[str, list[float]] = {name: [] for name, _ in paths}
+        single: dict[str, list[float]] = {name: [] for name, _ in paths}
         episodes = args.tasks * args.group
+        for round in range(args.rounds + 1):  # round 0 warms both paths up (Ray's workers, the node proxies)
+            for name, where in paths:
+                db = tmp / f"{name[:5]}.duckdb"
+                wall = collect_once(db, tasks, agent, round, args, url, where, args.group)
+                one = collect_once(db, one_task, agent, 1000 + round, args, url, where, 1)
+                if round:
+                    rates[name].append(episodes / wall)
+                    single[name].append(one)
         print(f"\n{episodes} episodes x {args.calls} calls, concurrency {args.concurrency}, {args.rounds} rounds")
-        print(f"{'path':<16} {'episodes/s (median)':>20} {'min':>8} {'max':>8}")
+        print(f"{'path':<16} {'episodes/s median':>18} {'min':>6} {'max':>6} {'one-episode collect s':>22}")
         for name, values in rates.items():
-            print(f"{name:<16} {statistics.median(values):>20.2f} {min(values):>8.2f} {max(values):>8.2f}")
+            print(
+                f"{name:<16} {statistics.median(values):>18.2f} {min(values):>6.2f} {max(values):>6.2f} "
+                f"{statistics.median(single[name]):>22.1f}"
+            )
         ratio = statistics.median(rates["ray (2 nodes)"]) / statistics.median(rates["local pool"])
         print(f"ray / local: {ratio:.2f}x (target >= 0.8x)")
 
         import ray
 
         worker = [n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" not in n["Resources"]]
-        rate = ingest_rate(args.ingest, worker[0], tmp / "ingest.duckdb")
-        print(f"ingest from a remote node: {args.ingest} turns, {rate:,.0f} turns/s (target >= 3,000)")
+        remote = ingest_rate(args.ingest, worker[0], tmp / "ingest.duckdb")
+        local = writer_rate(args.ingest, tmp / "writer.duckdb")
+        print(f"\nstore ingest, {args.ingest} turns     turns/s")
+        print(f"{'from a remote node':<28} {remote:>9,.0f}  (target >= 3,000)")
+        print(f"{'local, the same writer':<28} {local:>9,.0f}  (the same writer, no hand-off)")
         ray.shutdown()
     finally:
         for node in reversed(nodes):

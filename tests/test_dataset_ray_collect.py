@@ -29,7 +29,6 @@ LCAP = str(Path(sys.executable).parent / "lcap")
 
 AGENT = """
 import json, os, sys, time
-from openai import OpenAI
 task = json.loads(os.environ["LCAP_TASK"])
 victim = os.environ.get("LCAP_TEST_VICTIM")
 with open(task["log"], "a") as f:
@@ -40,6 +39,7 @@ if task.get("hang"):  # a grandchild too: the whole process group must end on th
     with open(task["hang"], "a") as f:
         f.write(f"{os.getpid()} {child.pid}\\n")
     time.sleep(120)
+from openai import OpenAI
 client = OpenAI()
 for i in range(task["calls"]):
     client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"{task['q']} {i}"}], max_tokens=4)
@@ -236,7 +236,7 @@ def test_timeouts_and_ctrl_c_end_the_agents_on_their_nodes(cluster, upstream, pr
     address, _, _ = cluster
     hang = _hanging(project, 2)
     result = subprocess.run(
-        _argv(project, address, upstream, "-g", "1", "--timeout", "3"), capture_output=True, text=True, timeout=300
+        _argv(project, address, upstream, "-g", "1", "--timeout", "8"), capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr
     assert "2 episodes, 0 ok, 2 failed" in result.stdout and "timeout 2" in result.stdout
