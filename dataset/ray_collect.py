@@ -431,9 +431,11 @@ class RayPool:
         )
         writer = TurnWriter(self.store)
         writer.start()
+        # The registry owns the node proxies, which end with it: on this process's own node (never a worker node
+        # that may be lost mid-run, which would take every node's proxy with it), so it fails only with the driver.
         here = ray.get_runtime_context().get_node_id()
         proxies: Any = _ProxiesActor.options(
-            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True) if here else None
+            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False) if here else None
         ).remote(config)
         ingest = _Ingest(proxies, writer, key)
         ingest.start()
