@@ -241,7 +241,7 @@ def test_a_killed_replica_moves_its_episodes_and_no_call_fails(tmp_path, record_
 def test_a_5xx_takes_a_replica_out_until_its_probe_answers(tmp_path, record_env, fake_replicas):
     """A replica answering 500 leaves the rotation (the agent gets that one 500: the replica did answer); its
     episodes' next calls go elsewhere; once its probe lists the deployment again (after a back-off) it is back."""
-    r0, r1 = fake_replicas
+    _, r1 = fake_replicas
     r1.fail = (500, {"error": {"message": "engine dead"}})
     db = tmp_path / "lcap.duckdb"
     with CaptureProxy(Store(db), ProxyOptions(upstream="policy")) as proxy:
