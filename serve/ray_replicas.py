@@ -133,6 +133,8 @@ class ReplicaActor:
             "log_path": str(self.log),
             "restarts": self.restarts,
             "alive": self.alive(),
+            "pid": self.proc.pid if self.proc is not None else None,  # on the node
+            "loras": sorted(self.loras),
         }
 
     def log_tail(self) -> str:

@@ -422,9 +422,9 @@ def start_server(
     if ray is not None:
         from lcap.serve.ray_replicas import RayReplicas, new_key
 
+        ray_backend = RayReplicas(ray, python)  # joins the cluster: an unreachable one is an error before anything
         key_file = new_key()
         spec = VllmSpec(model, served_name, python, tool_parser, tuple(extra_args), timeout)
-        ray_backend = RayReplicas(ray, python)
         started = ray_backend.start(names, spec, key_file.read_text().strip(), gpus_per_replica)
         python_recorded = python or ""
     else:
