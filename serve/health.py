@@ -88,7 +88,8 @@ def probe(record: PolicyServer, *, timeout: float = 3.0, lora: bool = False) -> 
 
 def _probe(record: PolicyServer, replica: Replica, headers: dict, timeout: float, lora: bool) -> ReplicaHealth:
     local = replica.pid is not None
-    health = ReplicaHealth(replica, replica.serving(record), alive=local and alive(replica.pid), healthy=False)
+    running = replica.pid is not None and alive(replica.pid)
+    health = ReplicaHealth(replica, replica.serving(record), alive=running, healthy=False)
     try:
         with httpx.Client(base_url=replica.url, timeout=timeout, trust_env=False, headers=headers) as client:
             health.healthy = client.get("/health").status_code == 200
