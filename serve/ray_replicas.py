@@ -69,7 +69,7 @@ class ReplicaActor:
         import ray
 
         self.name = name
-        self.host = ray.util.get_node_ip_address()
+        self.host = _node_address(ray)
         self.dir = Path(tempfile.mkdtemp(prefix=f"lcap-replica-{name}-"))
         self.log = self.dir / "vllm.log"
         self.port = 0
@@ -315,6 +315,16 @@ class RayReplicas:
             except ray.exceptions.RayActorError as exc:
                 raise LcapError(f"replica {name}: its actor died ({exc.__class__.__name__})") from None
         return out
+
+
+def _node_address(ray: Any) -> str:
+    """The address the cluster knows this node by (`ray start --node-ip-address`); in a worker process,
+    `ray.util.get_node_ip_address()` guesses one from the route to a public address instead."""
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == node_id and node.get("NodeManagerAddress"):
+            return str(node["NodeManagerAddress"])
+    return str(ray.util.get_node_ip_address())
 
 
 def _kill(actor: Any) -> None:

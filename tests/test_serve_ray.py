@@ -4,7 +4,7 @@ What runs here: the actor's whole logic (placement with `--gpus-per-replica 0`, 
 address behind its key, the key file, adapters shipped through the object store and hot-loaded, a
 vLLM that dies started again with its adapters, `--status`, `--stop`), the proxy routing to it with
 the key. What cannot run here: GPU placement (`num_gpus` from the tensor-parallel size) and a
-multi-node cluster; the cluster is one node on 127.0.0.1.
+multi-node cluster; the cluster is one node of this machine.
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ def test_a_ray_replica_serves_behind_its_key_with_shipped_adapters_and_comes_bac
         assert started.returncode == 0, f"{started.stdout}\n{started.stderr[-4000:]}"
         record = read_policy()
         (replica,) = record.replicas
-        assert record.ray_address == ray_cluster and replica.actor and replica.node == "127.0.0.1"
-        assert replica.pid is None and replica.url.startswith("http://127.0.0.1:")
+        assert record.ray_address == ray_cluster and replica.actor and replica.node
+        assert replica.pid is None and replica.url.startswith(f"http://{replica.node}:")
         key_file = Path(record.api_key_file)
         assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
         key = key_file.read_text().strip()
@@ -103,6 +103,9 @@ def test_a_ray_replica_serves_behind_its_key_with_shipped_adapters_and_comes_bac
         models = httpx.get(f"{replica.url}/v1/models", headers=auth, timeout=30).json()["data"]
         (lora,) = [m for m in models if m["id"] == name]
         assert lora["root"] != str(tiny_lora) and f"loras/{name}" in lora["root"]  # the actor's own copy
+
+        # The node's address as the cluster knows it (`lcap deploy` joined it in this process).
+        assert replica.node in {node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]}
 
         # vLLM dies on its node: the actor starts it again, with the adapter, on the same address.
         state = _actor_state(record)
