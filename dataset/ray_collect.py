@@ -116,7 +116,9 @@ class NodeProxy:
         directory = root / f"{os.getpid()}-{config.run}"
         if config.policy is not None:
             record = directory.with_name(directory.name + ".policy.json")
-            record.write_text(config.policy)
+            fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it may hold the replicas' key
+            with os.fdopen(fd, "w") as f:
+                f.write(config.policy)
             os.environ["LCAP_POLICY_RECORD"] = str(record)  # this actor's process: what its Router reads
         self.outbox = Outbox(directory, AESGCM(config.key))
         self.proxy = CaptureProxy(None, config.options, writer=self.outbox)
