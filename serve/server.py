@@ -190,7 +190,7 @@ def launch(
     extra_args = list(spec.extra_args)
     if not gpu:
         # GiB; vLLM's default would reserve a large share of RAM, too little would refuse the model's own length.
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib(model, extra_args)))
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib(spec.model, extra_args)))
         # The model worker runs inside the engine-core process (`uni` executor) instead of a third process
         # that pays vLLM's and torch's import again: a faster start-up (benchmarks/bench_serve_start.py
         # measures it). CPU serving is for small models: one worker is all it uses.
