@@ -4,12 +4,14 @@
 concurrent episodes told apart by the proxy URL's credentials). Agents connect to the front
 (capture/front.py), which serves plain HTTP/1.1 LLM calls itself and hands everything else to an
 embedded mitmproxy on a loopback port. Only the mitmproxy addons lcap needs are loaded (proxy
-server, layer selection, TLS).
+server, layer selection, TLS). With `--transparent`, each child runs in namespaces of its own whose
+every connection is redirected to the front (capture/netns.py), and its DNS answered by lcap.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import os
@@ -17,8 +19,8 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +29,12 @@ from lcap.capture.calls import Calls, Router, parse_upstream
 from lcap.capture.certs import LeafCerts
 from lcap.capture.credentials import EpisodeKeys, ProxyRecord, remove_record, write_record
 from lcap.capture.destinations import Destinations, is_loopback_host
+from lcap.capture.dns import Names, Resolver
 from lcap.capture.front import Front
+from lcap.capture.jvm import java_tool_options, non_proxy_hosts, trust_store
 from lcap.capture.memory import MemoryTrimmer
 from lcap.capture.mitm_guards import FrontOnly, PrivateDestinations, install_body_limits
+from lcap.capture.netns import Namespaces, certs_mirror, missing
 from lcap.capture.options import ProxyOptions
 from lcap.capture.writer import TurnWriter, WriterReport
 from lcap.config import LcapError, lcap_home
@@ -134,6 +139,15 @@ def probe_models(base_url: str, timeout: float = 5.0) -> list[dict]:
     return [m for m in data if isinstance(m, dict)]
 
 
+@dataclass(frozen=True)
+class Child:
+    """How to start one episode's agent: its command line, environment, and the files it inherits."""
+
+    argv: list[str]
+    env: dict[str, str]
+    pass_fds: tuple[int, ...] = ()
+
+
 class CaptureProxy:
     """An in-process mitmproxy that logs every LLM call passing through it as a turn in `store`."""
 
@@ -156,6 +170,9 @@ class CaptureProxy:
         self._master: Any = None
         self._calls: Calls | None = None
         self._bundle: Path | None = None
+        self._java_store: Path | None = None
+        self.names = Names()  # names lcap's DNS answered for namespaces (`--transparent`)
+        self.namespaces: Namespaces | None = None
 
     @property
     def url(self) -> str:
@@ -169,7 +186,10 @@ class CaptureProxy:
         """Check the CA, the upstream and the port, then listen. Returns once the proxy accepts connections."""
         if self.exposed and not self.require_credentials:
             raise LcapError(f"--host {self.options.host} is reachable from the network: --anonymous is refused there")
+        if self.options.transparent and (lacking := missing()):
+            raise LcapError(f"--transparent needs {lacking}; the default mode (without --transparent) still works")
         self._bundle = ca_bundle()
+        self._java_store = trust_store(self._bundle, ca_dir())
         self.token_ids = self._resolve_token_ids()
         if self.options.port:
             _check_port_free(self.options.host, self.options.port)
@@ -195,6 +215,12 @@ class CaptureProxy:
             self.writer.stop()
             raise LcapError(self._error or "the capture proxy did not start within 60 s")
         assert self.port is not None
+        if self.options.transparent:
+            try:
+                self._start_namespaces()
+            except BaseException:
+                self.stop()
+                raise
         self._record = ProxyRecord(os.getpid(), self.options.host, self.port, self.keys.key.hex(), str(self.store.path))
         write_record(self._record)
         if self.exposed:
@@ -207,6 +233,15 @@ class CaptureProxy:
                 if self.options.allow_private
                 else "loopback, link-local and private destinations are refused",
             )
+
+    def _start_namespaces(self) -> None:
+        assert self.front is not None and self.loop is not None and self._bundle and self._java_store
+        resolver = Resolver(self.names, stand_ins=lambda: self.options.upstream is not None)
+        mirror = certs_mirror(ca_dir() / "trust", self._bundle, self._java_store, ensure_ca())
+        self.namespaces = Namespaces(
+            self.front, resolver, self.loop, bundle=self._bundle, store=self._java_store, mirror=mirror
+        )
+        self.namespaces.check()
 
     def _resolve_token_ids(self) -> bool:
         upstream = self.options.upstream
@@ -248,7 +283,7 @@ class CaptureProxy:
 
         opts = options.Options()
         master = Master(opts)
-        front_only = FrontOnly(set())
+        front_only = FrontOnly({})
         destinations = Destinations(
             restricted=self.exposed and not self.options.allow_private, timeout=self.options.connect_timeout
         )
@@ -258,7 +293,7 @@ class CaptureProxy:
                 """Upstream reloads the CA here again, a workaround lcap does not need: it slows every start."""
 
         server = proxyserver.Proxyserver()
-        addon = CaptureAddon(calls, self.options, server)
+        addon = CaptureAddon(calls, self.options, server, front_only.episode)
         master.addons.add(
             front_only,
             server,
@@ -293,6 +328,7 @@ class CaptureProxy:
                 replace(self.options, max_connections=self.max_connections),
                 destinations,
                 handoff_ports=front_only.ports,
+                names=self.names,
             )
             self.front = front
             try:
@@ -362,26 +398,67 @@ class CaptureProxy:
         """The value of an `X-Lcap-Episode` header that writes a request into `episode_id`."""
         return self.keys.pair(episode_id)
 
-    def child_env(self, episode_id: str | None, base: Mapping[str, str] | None = None) -> dict[str, str]:
-        """The full environment of a child whose LLM calls go through this proxy as `episode_id`."""
+    def child_env(
+        self, episode_id: str | None, base: Mapping[str, str] | None = None, *, jvm_port: int | None = None
+    ) -> dict[str, str]:
+        """The full environment of a child whose LLM calls go through this proxy as `episode_id`. JVMs are pointed
+        at `jvm_port` (an episode's own port: they cannot present credentials), else at the proxy's port. With
+        `--transparent` no proxy is set: the child's namespace sends everything to lcap."""
         from lcap.capture.node_preload import node_options, preload_env
 
         env = dict(os.environ if base is None else base)
-        proxy = self.proxy_url(episode_id)
-        for name in PROXY_VARS:
-            env[name] = proxy
+        if self.options.transparent:
+            for name in PROXY_VARS:
+                env.pop(name, None)
+        else:
+            proxy = self.proxy_url(episode_id)
+            for name in PROXY_VARS:
+                env[name] = proxy
         for name in ("NO_PROXY", "no_proxy"):
             if name in env:
                 env[name] = _no_proxy_without_llm_hosts(env[name])
         bundle = str(self._bundle or ca_bundle())
         for name in CA_VARS:
             env[name] = bundle
+        env["JAVA_TOOL_OPTIONS"] = java_tool_options(
+            env.get("JAVA_TOOL_OPTIONS"),
+            store=self._java_store or trust_store(Path(bundle), ca_dir()),
+            proxy=None if self.options.transparent else ("127.0.0.1", jvm_port or self._port()),
+            non_proxy=non_proxy_hosts(env.get("NO_PROXY", env.get("no_proxy"))),
+        )
         env["NODE_OPTIONS"] = node_options(env.get("NODE_OPTIONS"))
         env.update(preload_env())
         env["LCAP_PROXY_URL"] = self.url
         if episode_id:
             env["LCAP_EPISODE_ID"] = episode_id
         return env
+
+    def _port(self) -> int:
+        if self.port is None:
+            raise LcapError("the capture proxy is not started")
+        return self.port
+
+    @contextlib.contextmanager
+    def episode_child(
+        self, episode_id: str, argv: Sequence[str], base: Mapping[str, str] | None = None
+    ) -> Iterator[Child]:
+        """How to run `argv` as `episode_id`'s agent, for as long as it runs: in its own namespaces with
+        `--transparent`, else with the proxy's environment and a loopback port of the episode's own for JVMs.
+        What the episode holds (its listeners) is released at the end of the block, once the agent exited."""
+        if self.loop is None or self.front is None:
+            raise LcapError("the capture proxy is not started")
+        front, loop = self.front, self.loop
+        if self.namespaces is not None:
+            env = self.child_env(episode_id, base)
+            with self.namespaces.launch(episode_id, env.get("PATH")) as launch:
+                yield Child(launch.argv(argv), env, launch.pass_fds)
+            return
+        server = asyncio.run_coroutine_threadsafe(front.listen_episode(episode_id), loop).result(30)
+        try:
+            port = server.sockets[0].getsockname()[1]
+            yield Child(list(argv), self.child_env(episode_id, base, jvm_port=port))
+        finally:
+            loop.call_soon_threadsafe(server.close)
 
 
 def _loop_factory():

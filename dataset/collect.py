@@ -205,7 +205,9 @@ def collect(
 
     from lcap.capture.server import CaptureProxy
 
-    proxy_options = replace(proxy_options or ProxyOptions(), upstream=options.upstream, model=options.model)
+    proxy_options = replace(
+        proxy_options or ProxyOptions(), upstream=options.upstream, model=options.model, transparent=options.transparent
+    )
     proxy = CaptureProxy(store, proxy_options)
     proxy.start()
     runner = _Runner(store, proxy, judge, guard, options.timeout, tasks.parent.resolve(), result)
@@ -327,10 +329,10 @@ class _Runner:
         guard = tuple(self.guard) + tuple(spec.task.get("protected") or ())
         before = hash_protected(spec.workdir, guard) if guard else {}
 
-        env = self.proxy.child_env(spec.episode_id)
-        env["LCAP_TASK"] = json.dumps(dict(spec.task), ensure_ascii=False)
-        env["LCAP_WORKDIR"] = str(spec.workdir)
-        exit_code = self._run_agent(spec, env)
+        with self.proxy.episode_child(spec.episode_id, spec.argv) as child:
+            env = {**child.env, "LCAP_TASK": json.dumps(dict(spec.task), ensure_ascii=False)}
+            env["LCAP_WORKDIR"] = str(spec.workdir)
+            exit_code = self._run_agent(spec, child.argv, env, child.pass_fds)
         # The episode's turns are in the store before it is verified and marked finished.
         if not self.proxy.flush(spec.episode_id):
             log.warning("lcap: episode %s: some of its turns are not in the store yet", spec.episode_id)
@@ -376,7 +378,7 @@ class _Runner:
         self._reward_and_end(spec, exit_code, verdict.reward, verdict.details, self.judge.name)
         return "ok", exit_code, None
 
-    def _run_agent(self, spec: EpisodeSpec, env: dict[str, str]) -> int:
+    def _run_agent(self, spec: EpisodeSpec, argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...]) -> int:
         def started(child: subprocess.Popen) -> None:
             with self.lock:
                 self.running[spec.episode_id] = child
@@ -384,7 +386,7 @@ class _Runner:
         with open(spec.dir / "stdout.txt", "wb") as out, open(spec.dir / "stderr.txt", "wb") as err:
             try:
                 ended = run_child(
-                    spec.argv,
+                    argv,
                     env,
                     cwd=spec.workdir,
                     timeout=self.timeout,
@@ -393,6 +395,7 @@ class _Runner:
                     stdout=out,
                     stderr=err,
                     on_start=started,
+                    pass_fds=pass_fds,
                 )
             except LcapError as exc:
                 err.write(f"{exc}\n".encode())

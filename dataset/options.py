@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from lcap.capture.options import transparent_option
 from lcap.cli_options import option
 from lcap.config import LcapError
 
@@ -26,6 +27,7 @@ class CollectOptions:
     upstream: str | None = option("policy", help=UPSTREAM_HELP)
     model: str | None = option(None, help="Model name to ask the upstream for.")
     run_dir: Path | None = option(None, help="Where episode workdirs go (default ./lcap-runs/collect-ID).")
+    transparent: bool = transparent_option()
 
     def __post_init__(self) -> None:
         if self.group_size < 1 or self.concurrency < 1:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh machine: the project's venv (.venv, or $LCAP_VENV) with lcap
 # installed editable, the Node preload's npm packages, vLLM in a venv of its own (its pins
-# clash with mitmproxy's), and Debian's Chromium for the UI's browser tests. Re-running it only
+# clash with mitmproxy's), Debian's Chromium for the UI's browser tests and iptables for `--transparent`. Re-running it only
 # checks what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,5 +27,10 @@ fi
 if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
   sudo=$([ "$(id -u)" = 0 ] || echo sudo)
   $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends chromium
+fi
+# `--transparent` rewrites the agent's connections with iptables inside its own network namespace.
+if ! command -v iptables-restore >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  sudo=$([ "$(id -u)" = 0 ] || echo sudo)
+  $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends iptables
 fi
 "$venv/bin/lcap" setup "$@"
