@@ -150,7 +150,10 @@ def test_proxyless_clients_are_captured(capture_env, llm, transparent_ok, banner
         ("ep-t", "api.openai.com", False, 200),
     ]
     assert all(r["completion_text"] == TEXT and r["upstream"] == llm.url for r in rows)
-    assert len([c for c in llm.requests if c["method"] == "GET"]) == 1  # the loopback call reached the host, unstored
+    # the agent's loopback call reached the host's service (lcap's own probe of the upstream is the other GET)
+    assert [c["headers"].get("User-Agent", "")[:13] for c in llm.requests if c["method"] == "GET"].count(
+        "Python-urllib"
+    ) == 1
     for call in llm.calls():
         assert SECRET not in json.dumps(call["headers"])
 
@@ -227,20 +230,20 @@ def test_sdk_agents_in_a_namespace(capture_env, llm, transparent_ok, node_module
         f"stream: {TEXT}",
         f"node chat: {TEXT}",
         f"node stream: {TEXT}",
-        "ws: Hello",
-        "ws: Hello",
+        f"ws: {TEXT}",
+        f"ws: {TEXT}",
         "no-proxy-variables",
     ]
     rows = sorted(turns(capture_env["LCAP_DB"]), key=lambda r: r["seq"])
-    assert [(r["dialect"], r["stream"], r["host"]) for r in rows] == [
-        ("chat", False, "api.openai.com"),
-        ("chat", True, "api.openai.com"),
-        ("responses", True, "api.openai.com"),
-        ("messages", True, "api.anthropic.com"),
-        ("chat", False, "api.openai.com"),
-        ("chat", True, "api.openai.com"),
-        ("responses", False, "api.openai.com"),
-        ("responses", False, "api.openai.com"),
+    assert [(r["dialect"], r["transport"], r["stream"], r["host"]) for r in rows] == [
+        ("chat", "http", False, "api.openai.com"),
+        ("chat", "http", True, "api.openai.com"),
+        ("responses", "http", True, "api.openai.com"),
+        ("messages", "http", True, "api.anthropic.com"),
+        ("chat", "http", False, "api.openai.com"),
+        ("chat", "http", True, "api.openai.com"),
+        ("responses", "websocket", True, "api.openai.com"),
+        ("responses", "websocket", True, "api.openai.com"),
     ]
     assert rows[0]["prompt_token_ids"] and rows[0]["token_source"] == "vllm"
     assert len({r["episode_id"] for r in rows}) == 1
@@ -289,13 +292,19 @@ def test_collect_one_namespace_per_episode(tmp_path, monkeypatch, capture_env, l
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps({"id": f"t{i}"}) + "\n" for i in range(2)))
     script = tmp_path / "agent.sh"
+    # the four agents wait for each other (up to 30 s) so that their namespaces are alive at once: a namespace's
+    # inode number is reused once it is gone
+    started = tmp_path / "started"
+    started.mkdir()
     script.write_text(
         f'#!/bin/sh\nset -e\necho "$LCAP_EPISODE_ID $(stat -L -c %i /proc/self/ns/net)"\n'
+        f"touch {started}/$LCAP_EPISODE_ID\n"
+        f'for i in $(seq 300); do [ "$(ls {started} | wc -l)" -ge 4 ] && break; sleep 0.1; done\n'
         f"{sys.executable} {AGENTS / 'proxyless_agent.py'} aiohttp raw\n"
     )
     script.chmod(0o755)
     store = Store(tmp_path / "c.duckdb")
-    options = CollectOptions(group_size=2, concurrency=2, upstream=llm.url, transparent=True, timeout=120)
+    options = CollectOptions(group_size=2, concurrency=4, upstream=llm.url, transparent=True, timeout=120)
     result = collect(store, tasks=tasks, command=[str(script)], options=options, labels={}, progress=False)
     assert (result.episodes, result.finished) == (4, 4), result.statuses
     rows = turns(tmp_path / "c.duckdb")
