@@ -124,19 +124,28 @@ def non_proxy_hosts(no_proxy: str | None) -> list[str]:
     return hosts
 
 
-def java_tool_options(
-    existing: str | None, *, store: Path, proxy: tuple[str, int] | None, non_proxy: Sequence[str] = DEFAULT_NON_PROXY
-) -> str:
-    """`JAVA_TOOL_OPTIONS` with lcap's settings after the user's own (a later -D wins, so lcap's do)."""
-    options = [f"-Djavax.net.ssl.trustStore={store}", "-Djavax.net.ssl.trustStoreType=PKCS12"]
-    if proxy is not None:
-        host, port = proxy
-        options += [
-            f"-Dhttp.proxyHost={host}",
-            f"-Dhttp.proxyPort={port}",
-            f"-Dhttps.proxyHost={host}",
-            f"-Dhttps.proxyPort={port}",
-            f"-Dhttp.nonProxyHosts={'|'.join(non_proxy)}",
-        ]
-    quoted = [f'"{o}"' if any(c.isspace() for c in o) else o for o in options]  # the JVM splits on white space
-    return " ".join(([existing.strip()] if existing and existing.strip() else []) + quoted)
+def java_tool_options(existing: str | None, store: Path) -> str:
+    """`JAVA_TOOL_OPTIONS` with lcap's trust store after the user's own options (a later -D wins, so lcap's does)."""
+    options = _quoted([f"-Djavax.net.ssl.trustStore={store}", "-Djavax.net.ssl.trustStoreType=PKCS12"])
+    return " ".join(([existing.strip()] if existing and existing.strip() else []) + options)
+
+
+def java_proxy_options(proxy: tuple[str, int], non_proxy: Sequence[str] = DEFAULT_NON_PROXY) -> str:
+    """The properties that send a JVM's HTTP and HTTPS connections through `proxy` (host, port), to add to
+    `JAVA_TOOL_OPTIONS`."""
+    host, port = proxy
+    return " ".join(
+        _quoted(
+            [
+                f"-Dhttp.proxyHost={host}",
+                f"-Dhttp.proxyPort={port}",
+                f"-Dhttps.proxyHost={host}",
+                f"-Dhttps.proxyPort={port}",
+                f"-Dhttp.nonProxyHosts={'|'.join(non_proxy)}",
+            ]
+        )
+    )
+
+
+def _quoted(options: list[str]) -> list[str]:
+    return [f'"{o}"' if any(c.isspace() for c in o) else o for o in options]  # the JVM splits on white space

@@ -25,13 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from lcap.capture.addon import CaptureAddon
+from lcap.capture.announce import Announcer, command_line
 from lcap.capture.calls import Calls, Router, parse_upstream
 from lcap.capture.certs import LeafCerts
-from lcap.capture.credentials import EpisodeKeys, ProxyRecord, remove_record, write_record
+from lcap.capture.credentials import EpisodeKeys, ProxyRecord, remove_record
 from lcap.capture.destinations import Destinations, is_loopback_host
 from lcap.capture.dns import Names, Resolver
 from lcap.capture.front import Front
-from lcap.capture.jvm import java_tool_options, non_proxy_hosts, trust_store
+from lcap.capture.jvm import java_proxy_options, java_tool_options, non_proxy_hosts, trust_store
 from lcap.capture.memory import MemoryTrimmer
 from lcap.capture.mitm_guards import FrontOnly, PrivateDestinations, install_body_limits
 from lcap.capture.netns import Namespaces, certs_mirror, missing
@@ -66,13 +67,18 @@ def ca_dir() -> Path:
     return lcap_home() / "ca"
 
 
+def ca_files() -> tuple[Path, Path]:
+    """lcap's CA certificate and its private key (which may not exist yet)."""
+    directory = ca_dir()
+    return directory / f"{CA_BASENAME}-ca-cert.pem", directory / f"{CA_BASENAME}-ca.pem"
+
+
 def ensure_ca() -> Path:
     """Create lcap's CA on first use (key 0600) and return the path of its certificate."""
     from mitmproxy.certs import CertStore
 
     directory = ca_dir()
-    cert = directory / f"{CA_BASENAME}-ca-cert.pem"
-    key = directory / f"{CA_BASENAME}-ca.pem"
+    cert, key = ca_files()
     try:
         directory.mkdir(parents=True, exist_ok=True)
         if not (key.exists() and cert.exists()):
@@ -104,9 +110,10 @@ def _system_roots() -> str | None:
     return next((c for c in candidates if c and os.path.isfile(c)), None)
 
 
-def ca_bundle() -> Path:
-    """System roots plus lcap's CA in one file: children trust both the real internet and the proxy."""
-    cert = ensure_ca()
+def ca_bundle(cert: Path | None = None) -> Path:
+    """System roots plus lcap's CA (`cert`, else made on first use) in one file: children trust both the real
+    internet and the proxy. Written again when the CA or the system roots are newer."""
+    cert = cert or ensure_ca()
     bundle = ca_dir() / "bundle.pem"
     roots = _system_roots()
     newest = max(cert.stat().st_mtime, os.path.getmtime(roots) if roots else 0)
@@ -117,6 +124,14 @@ def ca_bundle() -> Path:
         tmp.write_bytes(b"".join(parts))
         tmp.replace(bundle)
     return bundle
+
+
+def trust_env(bundle: Path, java_options: str | None = None) -> dict[str, str]:
+    """The variables through which a child trusts `bundle` (lcap's CA and the system roots); the JVM's trust store
+    goes after the user's own `java_options`. A client lcap learns to point at its CA goes here: `lcap doctor` runs
+    each against a server with a certificate from that CA."""
+    store = trust_store(bundle, ca_dir())
+    return {**{name: str(bundle) for name in CA_VARS}, "JAVA_TOOL_OPTIONS": java_tool_options(java_options, store)}
 
 
 # --- the proxy ----------------------------------------------------------------------------------
@@ -163,6 +178,7 @@ class CaptureProxy:
         self.front: Front | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the proxy thread's event loop, once started
         self._record: ProxyRecord | None = None
+        self._announcer: Announcer | None = None
         self.writer = TurnWriter(store)
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -221,8 +237,19 @@ class CaptureProxy:
             except BaseException:
                 self.stop()
                 raise
-        self._record = ProxyRecord(os.getpid(), self.options.host, self.port, self.keys.key.hex(), str(self.store.path))
-        write_record(self._record)
+        self._record = ProxyRecord(
+            os.getpid(),
+            self.options.host,
+            self.port,
+            self.keys.key.hex(),
+            str(self.store.path),
+            started_at=time.time(),
+            command=command_line(),
+            upstream=self.options.upstream,
+            spool=str(self.writer.spool_directory) if self.writer.spool_directory else None,
+        )
+        self._announcer = Announcer(self._record, self.counters)
+        self._announcer.start()
         if self.exposed:
             log.warning(
                 "lcap: warning: the proxy listens on %s:%d, reachable from the network: every call needs episode "
@@ -350,6 +377,15 @@ class CaptureProxy:
                 await server.servers.update([])
                 await master.done()
 
+    def counters(self) -> dict[str, Any]:
+        """What this proxy is doing now, as its record tells `lcap status`: calls and episodes (in flight), agent
+        connections, credentials refused, and where its turns are (spooled, stored, the writer process)."""
+        out: dict[str, Any] = dict(self._calls.counts()) if self._calls is not None else {}
+        out["connections"] = self.front.admission.open if self.front is not None else 0
+        out["refused_credentials"] = self.keys.refused
+        out.update(self.writer.counters())
+        return out
+
     def flush(self, episode_id: str | None = None, *, timeout: float = 30.0) -> bool:
         """Block until the calls in flight (of `episode_id`, or all) are finished and every finished turn is
         in the store. Collect calls it when an episode's child exits, before reading that episode's turns."""
@@ -372,6 +408,9 @@ class CaptureProxy:
             self._master.shutdown()
             self._thread.join(10)
         self._thread = None
+        if self._announcer is not None:
+            self._announcer.stop()
+            self._announcer = None
         if self._record is not None:
             remove_record(self._record)
             self._record = None
@@ -417,15 +456,11 @@ class CaptureProxy:
         for name in ("NO_PROXY", "no_proxy"):
             if name in env:
                 env[name] = _no_proxy_without_llm_hosts(env[name])
-        bundle = str(self._bundle or ca_bundle())
-        for name in CA_VARS:
-            env[name] = bundle
-        env["JAVA_TOOL_OPTIONS"] = java_tool_options(
-            env.get("JAVA_TOOL_OPTIONS"),
-            store=self._java_store or trust_store(Path(bundle), ca_dir()),
-            proxy=None if self.options.transparent else ("127.0.0.1", jvm_port or self._port()),
-            non_proxy=non_proxy_hosts(env.get("NO_PROXY", env.get("no_proxy"))),
-        )
+        env.update(trust_env(self._bundle or ca_bundle(), env.get("JAVA_TOOL_OPTIONS")))
+        if not self.options.transparent:  # the JVM ignores HTTPS_PROXY: it reads properties
+            env["JAVA_TOOL_OPTIONS"] += " " + java_proxy_options(
+                ("127.0.0.1", jvm_port or self._port()), non_proxy_hosts(env.get("NO_PROXY", env.get("no_proxy")))
+            )
         env["NODE_OPTIONS"] = node_options(env.get("NODE_OPTIONS"))
         env.update(preload_env())
         env["LCAP_PROXY_URL"] = self.url

@@ -26,7 +26,7 @@ from fixtures_capture import AGENTS, LCAP, SECRET, agent, run_lcap, turns
 
 from lcap.capture import netns
 from lcap.capture.dns import STAND_IN, Names, NamespaceDns, Resolver
-from lcap.capture.jvm import java_tool_options, non_proxy_hosts, pkcs12_trust_store
+from lcap.capture.jvm import java_proxy_options, java_tool_options, non_proxy_hosts, pkcs12_trust_store
 
 TEXT = "Hello from the upstream."
 INIT = str(Path(netns.__file__).with_name("netns_init.py"))
@@ -630,10 +630,11 @@ def test_jvm_trust_store_and_options(tmp_path):
     store = pkcs12.load_pkcs12(pkcs12_trust_store([("lcap", ca.public_bytes(Encoding.DER))]), None)
     (entry,) = store.additional_certs
     assert entry.certificate == ca and entry.friendly_name == b"lcap"
-    options = java_tool_options("-Xmx1g", store=Path("/a b/s.p12"), proxy=("127.0.0.1", 8080))
+    options = java_tool_options("-Xmx1g", Path("/a b/s.p12"))
     assert options.startswith("-Xmx1g ") and '"-Djavax.net.ssl.trustStore=/a b/s.p12"' in options
-    assert "-Dhttps.proxyPort=8080" in options and "-Dhttp.nonProxyHosts=localhost|127.*" in options
-    assert "proxyHost" not in java_tool_options(None, store=Path("/s.p12"), proxy=None)
+    assert "proxyHost" not in options
+    proxy = java_proxy_options(("127.0.0.1", 8080))
+    assert "-Dhttps.proxyPort=8080" in proxy and "-Dhttp.nonProxyHosts=localhost|127.*" in proxy
     assert non_proxy_hosts(".corp.example,db:5432,10.0.0.0/8,internal")[-3:] == ["*.corp.example", "db", "internal"]
 
 
