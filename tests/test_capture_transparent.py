@@ -31,6 +31,11 @@ from lcap.capture.jvm import java_proxy_options, java_tool_options, non_proxy_ho
 TEXT = "Hello from the upstream."
 INIT = str(Path(netns.__file__).with_name("netns_init.py"))
 CHAT = '{"model":"m","messages":[{"role":"user","content":"hi"}]}'
+NODE_FETCH = (
+    'fetch("https://api.openai.com/v1/chat/completions", {method: "POST", headers: {"content-type": '
+    '"application/json"}, body: JSON.stringify({model: "m", messages: [{role: "user", content: "hi"}]})})'
+    '.then(r => r.json()).then(j => console.log("node fetch:", j.choices[0].message.content))'
+)
 
 
 def _probe() -> str | None:
@@ -183,7 +188,8 @@ def test_unbuffered_stream_in_a_namespace(capture_env, llm, transparent_ok):
 
 def test_trust_without_variables(capture_env, llm, transparent_ok):
     """With every CA variable removed (as a sandbox or sudo would), curl, Python's default context and Java still
-    trust lcap inside the namespace: its CA is in the system paths as seen there, and only there."""
+    trust lcap inside the namespace: its CA is in the system paths as seen there, and only there. Node's fetch
+    (without lcap's preload, which does nothing there anyway) trusts it through NODE_EXTRA_CA_CERTS."""
     java = shutil.which("java")
     unset = "-u SSL_CERT_FILE -u CURL_CA_BUNDLE -u REQUESTS_CA_BUNDLE -u NODE_EXTRA_CA_CERTS -u JAVA_TOOL_OPTIONS"
     script = [
@@ -192,13 +198,16 @@ def test_trust_without_variables(capture_env, llm, transparent_ok):
         "\"import json,sys; print('curl:', json.load(sys.stdin)['choices'][0]['message']['content'])\"",
         f"env {unset} {sys.executable} {AGENTS / 'proxyless_agent.py'} urllib",
     ]
+    if shutil.which("node"):  # Node's fetch without lcap's preload; Node reads its own roots, and NODE_EXTRA_CA_CERTS
+        script.append(f"env -u NODE_OPTIONS node -e '{NODE_FETCH}'")
     if java:
         script.append(f"env {unset} java {AGENTS / 'JavaAgent.java'} httpclient")
     result = run_lcap(
         ["proxy", "--transparent", "--upstream", llm.url, "--", "sh", "-ec", " && ".join(script)], capture_env
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    expected = [f"curl: {TEXT}", f"urllib: {TEXT}"] + ([f"httpclient: {TEXT}"] if java else [])
+    expected = [f"curl: {TEXT}", f"urllib: {TEXT}"]
+    expected += ([f"node fetch: {TEXT}"] if shutil.which("node") else []) + ([f"httpclient: {TEXT}"] if java else [])
     assert result.stdout.splitlines() == expected
     assert len(turns(capture_env["LCAP_DB"])) == len(expected)
     ca = (Path(capture_env["LCAP_HOME"]) / "ca" / "mitmproxy-ca-cert.pem").read_text().strip()
