@@ -234,13 +234,20 @@ class Front:
         return self.server.sockets[0].getsockname()[1]
 
     async def listen_episode(
-        self, episode: str, sock: socket.socket | None = None, *, redirected: bool = False
+        self,
+        episode: str,
+        sock: socket.socket | None = None,
+        *,
+        redirected: bool = False,
+        admit: Callable[[tuple[str, int], tuple[str, int]], bool] | None = None,
     ) -> asyncio.Server:
         """A listener whose every connection is `episode`'s, no credentials needed: a new loopback port for clients
-        that cannot present them (the JVM), or `sock`, the listener of an agent's namespace (`redirected`: every
-        connection made there was redirected to it, and says where it was going by SO_ORIGINAL_DST)."""
+        that cannot present them (the JVM), which serves only the connections `admit(listener, peer)` accepts (the
+        agent's own processes: the port is reachable by any); or `sock`, the listener of an agent's namespace
+        (`redirected`: every connection made there was redirected to it, and says where it was going by
+        SO_ORIGINAL_DST)."""
         loop = asyncio.get_running_loop()
-        handle = functools.partial(self._connection, episode=episode, redirected=redirected)
+        handle = functools.partial(self._connection, episode=episode, redirected=redirected, admit=admit)
 
         def protocol() -> asyncio.StreamReaderProtocol:
             return asyncio.StreamReaderProtocol(AgentReader(limit=READ_SIZE, loop=loop), handle, loop=loop)
@@ -261,6 +268,7 @@ class Front:
         writer: asyncio.StreamWriter,
         episode: str | None = None,
         redirected: bool = False,
+        admit: Callable[[tuple[str, int], tuple[str, int]], bool] | None = None,
     ) -> None:
         task = asyncio.current_task()
         assert task is not None
@@ -278,6 +286,8 @@ class Front:
                     client.close()
                 return
             try:
+                if admit is not None and not await _admitted(admit, writer):
+                    return await self._refuse(client, Refused(403, f"this port serves episode {episode}'s agent only"))
                 if redirected:
                     await self._redirected(client)
                 else:
@@ -787,6 +797,14 @@ class Front:
             ctx.set_alpn_protocols(["http/1.1"])
             self._peer_tls = ctx
         return self._peer_tls
+
+
+async def _admitted(admit: Callable[[tuple[str, int], tuple[str, int]], bool], writer: asyncio.StreamWriter) -> bool:
+    """`admit(listener, peer)`, off the event loop (it reads /proc)."""
+    own, peer = writer.get_extra_info("sockname"), writer.get_extra_info("peername")
+    if not isinstance(own, tuple) or not isinstance(peer, tuple):
+        return False
+    return await asyncio.get_running_loop().run_in_executor(None, admit, own[:2], peer[:2])
 
 
 def _connect_head(host: str, port: int) -> bytes:

@@ -47,7 +47,7 @@ def run_proxy(
         if options.transparent and not shutil.which(command[0]):  # else the namespace's start says it, exit 127
             raise LcapError(f"cannot run {shlex.join(command)}: command not found")
         with proxy.episode_child(episode_id, command) as child:
-            ended = run_child(child.argv, child.env, pass_fds=child.pass_fds)
+            ended = run_child(child.argv, child.env, pass_fds=child.pass_fds, on_start=child.on_start)
         code = ended.code
         status = "interrupted" if ended.signals else ("ok" if code == 0 else "failed")
     except BaseException as exc:

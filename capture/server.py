@@ -17,9 +17,10 @@ import logging
 import os
 import socket
 import ssl
+import subprocess
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from lcap.capture.memory import MemoryTrimmer
 from lcap.capture.mitm_guards import FrontOnly, PrivateDestinations, install_body_limits
 from lcap.capture.netns import Namespaces, certs_mirror, missing
 from lcap.capture.options import ProxyOptions
+from lcap.capture.peers import from_tree
 from lcap.capture.writer import TurnWriter, WriterReport
 from lcap.config import LcapError, lcap_home
 from lcap.store import Store
@@ -161,6 +163,7 @@ class Child:
     argv: list[str]
     env: dict[str, str]
     pass_fds: tuple[int, ...] = ()
+    on_start: Callable[[subprocess.Popen], None] = lambda child: None  # told the agent's process once it started
 
 
 class CaptureProxy:
@@ -488,10 +491,16 @@ class CaptureProxy:
             with self.namespaces.launch(episode_id, env.get("PATH")) as launch:
                 yield Child(launch.argv(argv), env, launch.pass_fds)
             return
-        server = asyncio.run_coroutine_threadsafe(front.listen_episode(episode_id), loop).result(30)
+        started: list[int] = []  # the agent's pid: its processes alone may use the episode's port
+
+        def admit(listener: tuple[str, int], peer: tuple[str, int]) -> bool:
+            return bool(started) and from_tree(started[0], listener, peer)
+
+        server = asyncio.run_coroutine_threadsafe(front.listen_episode(episode_id, admit=admit), loop).result(30)
         try:
             port = server.sockets[0].getsockname()[1]
-            yield Child(list(argv), self.child_env(episode_id, base, jvm_port=port))
+            env = self.child_env(episode_id, base, jvm_port=port)
+            yield Child(list(argv), env, on_start=lambda child: started.append(child.pid))
         finally:
             loop.call_soon_threadsafe(server.close)
 

@@ -27,13 +27,17 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lcap.capture.options import ProxyOptions
 from lcap.capture.redact import redact_text
 from lcap.config import LcapError
 from lcap.dataset.options import CollectOptions
 from lcap.dataset.summary import CollectSummary, summarize
+
+if TYPE_CHECKING:
+    from lcap.capture.server import Child
+
 from lcap.dataset.verifiers import (
     Verifier,
     VerifierContext,
@@ -341,7 +345,7 @@ class _Runner:
         with self.proxy.episode_child(spec.episode_id, spec.argv) as child:
             env = {**child.env, "LCAP_TASK": json.dumps(dict(spec.task), ensure_ascii=False)}
             env["LCAP_WORKDIR"] = str(spec.workdir)
-            exit_code = self._run_agent(spec, child.argv, env, child.pass_fds)
+            exit_code = self._run_agent(spec, replace(child, env=env))
         # The episode's turns are in the store before it is verified and marked finished.
         if not self.proxy.flush(spec.episode_id):
             log.warning("lcap: episode %s: some of its turns are not in the store yet", spec.episode_id)
@@ -387,16 +391,17 @@ class _Runner:
         self._reward_and_end(spec, exit_code, verdict.reward, verdict.details, self.judge.name)
         return "ok", exit_code, None
 
-    def _run_agent(self, spec: EpisodeSpec, argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...]) -> int:
+    def _run_agent(self, spec: EpisodeSpec, agent: Child) -> int:
         def started(child: subprocess.Popen) -> None:
+            agent.on_start(child)
             with self.lock:
                 self.running[spec.episode_id] = child
 
         with open(spec.dir / "stdout.txt", "wb") as out, open(spec.dir / "stderr.txt", "wb") as err:
             try:
                 ended = run_child(
-                    argv,
-                    env,
+                    agent.argv,
+                    agent.env,
                     cwd=spec.workdir,
                     timeout=self.timeout,
                     own_group=True,
@@ -404,7 +409,7 @@ class _Runner:
                     stdout=out,
                     stderr=err,
                     on_start=started,
-                    pass_fds=pass_fds,
+                    pass_fds=agent.pass_fds,
                 )
             except LcapError as exc:
                 err.write(f"{exc}\n".encode())

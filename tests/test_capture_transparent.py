@@ -258,32 +258,49 @@ def test_sdk_agents_in_a_namespace(capture_env, llm, transparent_ok, node_module
     assert len({r["episode_id"] for r in rows}) == 1
 
 
-def test_java_default_mode(capture_env, llm):
+def test_java_default_mode(capture_env, llm, tmp_path):
     """Without --transparent, the JVM (which ignores HTTPS_PROXY) is pointed at its episode's own port and trust
-    store by JAVA_TOOL_OPTIONS: HttpClient and HttpURLConnection are captured, into the right episode."""
+    store by JAVA_TOOL_OPTIONS: HttpClient and HttpURLConnection are captured, into the right episode. That port
+    needs no credentials, so it serves the agent's processes only: another process that finds it gets a 403."""
     if shutil.which("java") is None:
         pytest.skip("no JDK")
-    result = run_lcap(
-        [
-            "proxy",
-            "--upstream",
-            llm.url,
-            "--episode",
-            "ep-java",
-            "--",
-            "java",
-            str(AGENTS / "JavaAgent.java"),
-            "httpclient",
-            "urlconnection",
-        ],
-        capture_env,
-        timeout=300,
+    options, go = tmp_path / "options", tmp_path / "go"
+    script = (
+        f'echo "$JAVA_TOOL_OPTIONS" > {options}; while [ ! -e {go} ]; do sleep 0.05; done; '
+        f"exec java {AGENTS / 'JavaAgent.java'} httpclient urlconnection"
     )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.splitlines() == [f"httpclient: {TEXT}", f"urlconnection: {TEXT}"]
-    assert "Picked up JAVA_TOOL_OPTIONS" in result.stderr
+    proc = subprocess.Popen(
+        [LCAP, "proxy", "--upstream", llm.url, "--episode", "ep-java", "--", "sh", "-c", script],
+        env=capture_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (options.exists() and options.read_text().endswith("\n")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        port = int(options.read_text().split("-Dhttps.proxyPort=")[1].split()[0])
+        for head in (
+            b"CONNECT api.openai.com:443 HTTP/1.1\r\nHost: api.openai.com:443\r\n\r\n",
+            f"POST {llm.url}/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(CHAT)}\r\n\r\n{CHAT}".encode(),
+        ):
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as outsider:
+                outsider.sendall(head)
+                answer = outsider.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 403") and b"ep-java's agent only" in answer, answer
+        go.write_text("go")
+        out, err = proc.communicate(timeout=300)
+    finally:
+        go.write_text("go")
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out + err
+    assert out.splitlines() == [f"httpclient: {TEXT}", f"urlconnection: {TEXT}"]
+    assert "Picked up JAVA_TOOL_OPTIONS" in err
     rows = turns(capture_env["LCAP_DB"])
     assert [(r["episode_id"], r["host"], r["status_code"]) for r in rows] == [("ep-java", "api.openai.com", 200)] * 2
+    assert len(llm.calls()) == 2
 
 
 # --- episodes: collect, leaks, exits, kill -9 ---------------------------------------------------------------
@@ -662,3 +679,33 @@ def test_namespace_rules_and_host_ports(tmp_path, monkeypatch):
     assert netns._loopback_reachable("0100007F") and not netns._loopback_reachable("0202000A")
     assert netns._loopback_reachable("00000000000000000000000001000000")  # ::1
     assert not netns._loopback_reachable("0000000000000000FFFF00000202000A")  # ::ffff:10.0.2.2
+
+
+def test_peers_tell_the_agents_connections_from_others():
+    """The connection a process (or one under it) made is found in its tree, over IPv4 and IPv4-mapped IPv6 (the
+    JVM's dual-stack sockets); another process's tree does not hold it."""
+    from lcap.capture.peers import from_tree
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        server.settimeout(30)
+        code = f"import socket, sys; s = socket.create_connection((sys.argv[1], {port})); sys.stdin.read()"
+        other = subprocess.Popen(["sleep", "30"])
+        try:
+            for address in ("127.0.0.1", "::ffff:127.0.0.1"):
+                wrapper = subprocess.Popen(
+                    ["sh", "-c", f'{sys.executable} -c "{code}" {address}; true'], stdin=subprocess.PIPE
+                )
+                try:
+                    conn, peer = server.accept()
+                    with conn:
+                        listener = ("127.0.0.1", port)
+                        assert from_tree(wrapper.pid, listener, peer[:2]), address
+                        assert not from_tree(other.pid, listener, peer[:2])
+                finally:
+                    assert wrapper.stdin is not None
+                    wrapper.stdin.close()  # the client reads its stdin to the end, then exits, and the shell too
+                    wrapper.wait(30)
+        finally:
+            other.kill()
+            other.wait()
