@@ -92,7 +92,11 @@ def trust_store(bundle: Path, directory: Path) -> Path:
         return store
     certificates: list[tuple[str, bytes]] = []
     seen: set[bytes] = set()
-    for cert in x509.load_pem_x509_certificates(bundle.read_bytes()):
+    for block in _pem_blocks(bundle.read_bytes()):
+        try:
+            cert = x509.load_pem_x509_certificate(block)
+        except ValueError:  # an unreadable one is left out (`lcap doctor ca.bundle` says what is wrong)
+            continue
         der = cert.public_bytes(Encoding.DER)
         if der in seen:
             continue
@@ -102,6 +106,11 @@ def trust_store(bundle: Path, directory: Path) -> Path:
     tmp.write_bytes(pkcs12_trust_store(certificates))
     tmp.replace(store)
     return store
+
+
+def _pem_blocks(data: bytes) -> list[bytes]:
+    begin, end = b"-----BEGIN CERTIFICATE-----", b"-----END CERTIFICATE-----"
+    return [begin + part.split(end, 1)[0] + end + b"\n" for part in data.split(begin)[1:] if end in part]
 
 
 # --- JAVA_TOOL_OPTIONS -----------------------------------------------------------------------------------

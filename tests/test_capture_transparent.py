@@ -26,7 +26,7 @@ from fixtures_capture import AGENTS, LCAP, SECRET, agent, run_lcap, turns
 
 from lcap.capture import netns
 from lcap.capture.dns import STAND_IN, Names, NamespaceDns, Resolver
-from lcap.capture.jvm import java_proxy_options, java_tool_options, non_proxy_hosts, pkcs12_trust_store
+from lcap.capture.jvm import java_proxy_options, java_tool_options, non_proxy_hosts, pkcs12_trust_store, trust_store
 
 TEXT = "Hello from the upstream."
 INIT = str(Path(netns.__file__).with_name("netns_init.py"))
@@ -656,6 +656,10 @@ def test_jvm_trust_store_and_options(tmp_path):
     store = pkcs12.load_pkcs12(pkcs12_trust_store([("lcap", ca.public_bytes(Encoding.DER))]), None)
     (entry,) = store.additional_certs
     assert entry.certificate == ca and entry.friendly_name == b"lcap"
+    bundle = tmp_path / "bundle.pem"
+    bundle.write_bytes(b"-----BEGIN CERTIFICATE-----\ngarbage\n-----END CERTIFICATE-----\n" + ensure_ca().read_bytes())
+    written = pkcs12.load_pkcs12(trust_store(bundle, tmp_path).read_bytes(), None)  # the unreadable one left out
+    assert [c.certificate for c in written.additional_certs] == [ca]
     options = java_tool_options("-Xmx1g", Path("/a b/s.p12"))
     assert options.startswith("-Xmx1g ") and '"-Djavax.net.ssl.trustStore=/a b/s.p12"' in options
     assert "proxyHost" not in options
