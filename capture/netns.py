@@ -189,6 +189,10 @@ def certs_mirror(directory: Path, bundle: Path, store: Path, ca: Path) -> Path |
     for old in directory.glob("certs-*"):  # earlier contents (the system's certificates changed)
         if old != mirror:
             shutil.rmtree(old, ignore_errors=True)
+    for left in directory.glob(".certs-*.tmp"):  # a copy whose lcap was killed while it made it
+        pid = left.name.split("-", 1)[1].removesuffix(".tmp")
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(left, ignore_errors=True)
     return mirror
 
 
