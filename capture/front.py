@@ -49,9 +49,9 @@ HEAD_HOLD = 0.001  # seconds a streamed answer's head may wait for its first pie
 LINGER = 1.0  # seconds a refused connection is read (and discarded) before it closes, so the agent reads the answer
 MAX_LINGERING = 64
 # A redirected connection (`--transparent`) whose agent says nothing for this long is a protocol where the server
-# speaks first (SSH, SMTP, MySQL, ...): it is passed through. On these ports it is at once.
+# speaks first (SSH, SMTP, MySQL, ...): it is passed through. On these ports it is at once (and DNS over TCP).
 FIRST_BYTES_WAIT = 1.0
-SERVER_FIRST_PORTS = frozenset((21, 22, 25, 110, 143, 587, 3306, 5900))
+PASS_THROUGH_PORTS = frozenset((21, 22, 25, 53, 110, 143, 587, 3306, 5900))
 
 
 # --- requests -------------------------------------------------------------------------------------
@@ -692,18 +692,16 @@ class Front:
         if destination is None:
             return
         address, port = destination
-        if ipaddress.ip_address(address).is_loopback:
+        if ipaddress.ip_address(address).is_loopback or port in PASS_THROUGH_PORTS:
             return await self._pass_through(client, address, port)
-        host = self.names.name_of(address) or address
-        tunnel = Tunnel(host, port, _connect_head(host, port), client.episode, redirected=True)
-        if port in SERVER_FIRST_PORTS:
-            return await self._pass_through(client, host, port)
         try:
             with client.deadline(FIRST_BYTES_WAIT, "first bytes"):
                 data = await client.recv()
         except Expired:
-            return await self._pass_through(client, host, port)
+            return await self._pass_through(client, address, port)
         if data:
+            host = self.names.name_of(address) or address
+            tunnel = Tunnel(host, port, _connect_head(host, port), client.episode, redirected=True)
             await self._open_tunnel(client, tunnel, data)
 
     async def _pass_through(self, client: Plain, host: str, port: int) -> None:
