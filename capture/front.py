@@ -49,9 +49,12 @@ HEAD_HOLD = 0.001  # seconds a streamed answer's head may wait for its first pie
 LINGER = 1.0  # seconds a refused connection is read (and discarded) before it closes, so the agent reads the answer
 MAX_LINGERING = 64
 # A redirected connection (`--transparent`) whose agent says nothing for this long is a protocol where the server
-# speaks first (SSH, SMTP, MySQL, ...): it is passed through. On these ports it is at once (and DNS over TCP).
-FIRST_BYTES_WAIT = 1.0
+# speaks first (SSH, SMTP, MySQL, ...): it is passed through. On these ports it is at once (and DNS over TCP); on
+# HTTP's ports, and to an address only lcap's DNS gave out, the agent speaks first however slowly it starts (a JVM
+# under load may take seconds to its TLS hello).
+FIRST_BYTES_WAIT = 3.0
 PASS_THROUGH_PORTS = frozenset((21, 22, 25, 53, 110, 143, 587, 3306, 5900))
+CLIENT_FIRST_PORTS = frozenset((80, 443, 8000, 8080, 8443))
 
 
 # --- requests -------------------------------------------------------------------------------------
@@ -694,10 +697,13 @@ class Front:
         address, port = destination
         if ipaddress.ip_address(address).is_loopback or port in PASS_THROUGH_PORTS:
             return await self._pass_through(client, address, port)
+        speaks_first = port in CLIENT_FIRST_PORTS or self.names.is_stand_in(address)
         try:
-            with client.deadline(FIRST_BYTES_WAIT, "first bytes"):
+            with client.deadline(self.options.head_timeout if speaks_first else FIRST_BYTES_WAIT, "first bytes"):
                 data = await client.recv()
         except Expired:
+            if speaks_first:
+                return
             return await self._pass_through(client, address, port)
         if data:
             host = self.names.name_of(address) or address
