@@ -224,7 +224,7 @@ def collect(
             runner.run_all(todo, options.concurrency, progress=sys.stderr.isatty() if progress is None else progress)
         finally:
             proxy.stop()
-    result.summary = summarize(store, [s.episode_id for s in specs], run_dir, round)
+    result.summary = summarize(store, [s.episode_id for s in specs], run_dir, round, options.transparent)
     return result
 
 

@@ -713,3 +713,14 @@ def test_peers_tell_the_agents_connections_from_others():
         finally:
             other.kill()
             other.wait()
+
+
+def test_collect_summary_hint_under_transparent():
+    """Episodes without a turn: the summary suggests --transparent, except to a collect that used it."""
+    from lcap.dataset.explain import NO_CALLS_FIX, NO_CALLS_FIX_TRANSPARENT
+    from lcap.dataset.summary import CollectSummary
+
+    default = "\n".join(CollectSummary(episodes=1, no_turns=1).lines())
+    transparent = "\n".join(CollectSummary(episodes=1, no_turns=1, transparent=True).lines())
+    assert NO_CALLS_FIX in default and "--transparent" in NO_CALLS_FIX
+    assert NO_CALLS_FIX_TRANSPARENT in transparent and "try --transparent" not in transparent
