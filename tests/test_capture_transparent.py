@@ -724,3 +724,14 @@ def test_collect_summary_hint_under_transparent():
     transparent = "\n".join(CollectSummary(episodes=1, no_turns=1, transparent=True).lines())
     assert NO_CALLS_FIX in default and "--transparent" in NO_CALLS_FIX
     assert NO_CALLS_FIX_TRANSPARENT in transparent and "try --transparent" not in transparent
+
+
+def test_what_is_missing_is_said(monkeypatch):
+    """Not root and no user namespaces, or no iptables: `missing` names it (lcap's one-line error carries it)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("Linux only")
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(netns, "user_namespaces_allowed", lambda: False)
+    assert netns.missing() == "root, or unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1)"
+    monkeypatch.setattr(netns, "restore_program", lambda: None)
+    assert netns.missing().startswith("iptables (iptables-restore")
