@@ -735,3 +735,33 @@ def test_what_is_missing_is_said(monkeypatch):
     assert netns.missing() == "root, or unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1)"
     monkeypatch.setattr(netns, "restore_program", lambda: None)
     assert netns.missing().startswith("iptables (iptables-restore")
+
+
+M2 = Path.home() / ".m2" / "repository"
+OKHTTP_JARS = (
+    "com/squareup/okhttp3/okhttp/4.12.0/okhttp-4.12.0.jar",
+    "com/squareup/okio/okio-jvm/3.6.0/okio-jvm-3.6.0.jar",
+    "org/jetbrains/kotlin/kotlin-stdlib/1.8.21/kotlin-stdlib-1.8.21.jar",
+)
+
+
+@pytest.mark.parametrize("transparent", [False, True], ids=["default", "transparent"])
+def test_okhttp_agent(capture_env, llm, transparent, request):
+    """OkHttp (the JVM client under many LLM SDKs), from the local Maven cache where it is there: captured in the
+    default mode through JAVA_TOOL_OPTIONS, and with --transparent."""
+    jars = [M2 / jar for jar in OKHTTP_JARS]
+    if shutil.which("java") is None or not all(jar.exists() for jar in jars):
+        pytest.skip("no JDK, or no OkHttp 4.12 in ~/.m2")
+    if transparent:
+        request.getfixturevalue("transparent_ok")
+    flag = ["--transparent"] if transparent else []
+    classpath = ":".join(map(str, jars))
+    result = run_lcap(
+        ["proxy", *flag, "--upstream", llm.url, "--", "java", "-cp", classpath, str(AGENTS / "OkHttpAgent.java")],
+        capture_env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines() == [f"okhttp: {TEXT}"]
+    rows = turns(capture_env["LCAP_DB"])
+    assert [(r["host"], r["status_code"], r["completion_text"]) for r in rows] == [("api.openai.com", 200, TEXT)]
