@@ -765,3 +765,12 @@ def test_okhttp_agent(capture_env, llm, transparent, request):
     assert result.stdout.splitlines() == [f"okhttp: {TEXT}"]
     rows = turns(capture_env["LCAP_DB"])
     assert [(r["host"], r["status_code"], r["completion_text"]) for r in rows] == [("api.openai.com", 200, TEXT)]
+
+
+def test_transparent_does_not_go_with_ray():
+    """Namespaces are made on this machine: collect --transparent --ray is a one-line error before anything runs."""
+    from lcap.config import LcapError
+    from lcap.dataset.options import CollectOptions
+
+    with pytest.raises(LcapError, match="--transparent runs episodes on this machine"):
+        CollectOptions(transparent=True, ray="auto")
