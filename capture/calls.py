@@ -19,9 +19,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from lcap.capture import dialects
+from lcap.capture import dialects, policy_wire
 from lcap.capture.credentials import EpisodeKeys
 from lcap.capture.redact import CREDENTIAL_HEADERS
+from lcap.capture.stitching import Head, Heads
 from lcap.capture.turn import PendingTurn
 from lcap.capture.writer import TurnWriter
 
@@ -44,6 +45,7 @@ class Route:
     base_path: str  # e.g. "" or "/v1"
     model: str | None  # the model to ask for, or None to keep the agent's
     deployment: str | None  # the policy deployment name stored on the turn
+    lcap: bool = False  # the server has lcap's policy endpoints (capture/policy_wire.py)
 
     @functools.cached_property
     def url(self) -> str:
@@ -65,20 +67,22 @@ class Route:
         return f"{self.base_path}{tail}{sep}{query}"
 
 
-def parse_upstream(url: str, model: str | None, deployment: str | None = None) -> Route:
+def parse_upstream(url: str, model: str | None, deployment: str | None = None, *, lcap: bool = False) -> Route:
     parts = urlsplit(url if "://" in url else f"http://{url}")
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"not an http(s) URL: {url!r}")
     port = parts.port or (443 if parts.scheme == "https" else 80)
-    return Route(parts.scheme, parts.hostname, port, parts.path.rstrip("/"), model, deployment)
+    return Route(parts.scheme, parts.hostname, port, parts.path.rstrip("/"), model, deployment, lcap)
 
 
 class Router:
-    """Resolves the route of each call: fixed URL, the policy record (re-read when it changes), or none."""
+    """Resolves the route of each call: fixed URL, the policy record (re-read when it changes), or none.
+    `lcap_endpoints`: the fixed URL's server has lcap's policy endpoints (the policy record says it itself)."""
 
-    def __init__(self, upstream: str | None, model: str | None) -> None:
+    def __init__(self, upstream: str | None, model: str | None, *, lcap_endpoints: bool = False) -> None:
         self.upstream, self.model = upstream, model
-        self._fixed = parse_upstream(upstream, model) if upstream not in (None, "policy") else None
+        fixed = upstream if upstream not in (None, "policy") else None
+        self._fixed = parse_upstream(fixed, model, lcap=lcap_endpoints) if fixed is not None else None
         self._checked = 0.0
         self._mtime: int | None = -1
         self._policy_route: Route | None = None
@@ -106,7 +110,11 @@ class Router:
         self._mtime = mtime
         try:
             record = read_policy()
-            route = parse_upstream(record.url, self.model or record.current, record.current) if record else None
+            route = (
+                parse_upstream(record.url, self.model or record.current, record.current, lcap=record.lcap_endpoints)
+                if record
+                else None
+            )
         except (ValueError, TypeError) as exc:  # a record being rewritten: keep the last good route
             log.warning("lcap: unreadable policy record (%s); keeping the previous route", exc)
             return
@@ -158,10 +166,15 @@ class Calls:
         require_credentials: bool = False,
         max_episodes: int = 100_000,
         max_body_bytes: int = 64 << 20,
+        stitch: bool = True,
+        adapt: bool = True,
+        heads: Heads | None = None,
     ) -> None:
         self.writer = writer
         self.router = router
         self.token_ids = token_ids
+        self.stitch, self.adapt = stitch, adapt
+        self.heads = heads if heads is not None else Heads(256 << 20)
         self.upstream_api_key = upstream_api_key
         self.keys = keys or EpisodeKeys.new()
         self.require_credentials = require_credentials
@@ -230,10 +243,12 @@ class Calls:
             pending.upstream = f"{scheme}://{host}:{port}"
             return call
         drop = _CREDENTIALS
-        if self.token_ids and dialect in dialects.TOKEN_ID_DIALECTS:
+        pending.policy = route.lcap and dialect in policy_wire.PATHS
+        if pending.policy or (self.token_ids and dialect in dialects.TOKEN_ID_DIALECTS):
             drop = _CREDENTIALS | {b"accept-encoding"}  # answers are rewritten: keep them plain
         call.fields = self.rerouted_fields(fields, route, drop)
-        call.scheme, call.host, call.port, call.path = route.scheme, route.host, route.port, route.path_for(path)
+        call.scheme, call.host, call.port = route.scheme, route.host, route.port
+        call.path = policy_wire.PATHS[dialect] if pending.policy else route.path_for(path)
         pending.upstream = route.url
         pending.deployment = route.deployment
         return call
@@ -253,14 +268,59 @@ class Calls:
         pending.model_requested = request.get("model")
         if call.route is not None:
             forward = with_route_model(request, call.route)
-            if self.token_ids:
-                pending.added = dialects.ask_token_ids(pending.dialect, forward)
-                pending.token_ids = pending.added is not None
-            if forward != request:
-                call.body = json.dumps(forward, ensure_ascii=False).encode()
+            if forward.get("model") != request.get("model"):
+                why = "--upstream serves the deployment under its own name"
+                pending.adapted = [
+                    {
+                        "field": "model",
+                        "action": "mapped",
+                        "from": request.get("model"),
+                        "to": forward["model"],
+                        "why": why,
+                    }
+                ]
+            if pending.policy:
+                body = json.dumps(forward, ensure_ascii=False, separators=(",", ":")).encode()
+                call.body = self.policy_request(pending, request, body)
+            else:
+                if self.token_ids:
+                    pending.added = dialects.ask_token_ids(pending.dialect, forward)
+                    pending.token_ids = pending.added is not None
+                if forward != request:
+                    call.body = json.dumps(forward, ensure_ascii=False).encode()
         pending.started_at, pending.t0 = time.time(), time.perf_counter()  # the call starts once it is whole
         pending.seq = self.next_seq(pending.episode_id)
         return True
+
+    def policy_request(self, pending: PendingTurn, request: dict, forward: bytes, *, stitch: bool = True) -> bytes:
+        """The request for lcap's endpoints: `forward` (the agent's request, the deployment's model) with lcap's
+        options and the head of the conversation it may extend."""
+        pending.token_ids = True
+        head = None
+        if self.stitch and stitch:
+            pending.thread = dialects.thread_key(pending.dialect, request)
+            head = self.heads.pick(pending.episode_id, *pending.thread)
+            if head is not None:
+                pending.offered_turn, pending.offered_thread = head.turn_id, head.thread_seq
+        blob = head.blob if head is not None else None
+        return policy_wire.request_body(forward, adapt=self.adapt, stitch=self.stitch, head=blob)
+
+    def policy_parts(self, pending: PendingTurn, record: bytes | None, head: bytes | None) -> None:
+        """lcap's parts of an answer from its endpoints, as they arrive: the record, then the head, which becomes
+        its conversation's head here before the agent has the end of the answer (and can send its next call)."""
+        if record is not None:
+            pending.lcap_record = record
+        if head is None:
+            return
+        pending.lcap_head = head
+        if pending.thread is None or pending.seq is None or head == b"null":
+            return
+        try:
+            stitched = json.loads(pending.lcap_record or b"{}").get("stitched") is True
+        except (ValueError, AttributeError):
+            stitched = False
+        thread = pending.offered_thread if stitched and pending.offered_thread is not None else pending.seq
+        self.heads.put(pending.episode_id, Head(head, *pending.thread, pending.turn_id, thread))
 
     def refuse_call(self, call: Call, status: int, error: str) -> None:
         """A call refused before it was whole (a body past the limit): an error turn, numbered in its episode."""
@@ -296,6 +356,8 @@ class Calls:
         if not pending.streamed:
             return None
         pending.chunks = []
+        if pending.policy and status < 400:
+            return _PolicyStream(self, pending, self.max_body_bytes)
         if pending.added is not None and status < 400:
             return _SseRewriter(pending, self.max_body_bytes)
         return _collector(pending, self.max_body_bytes)
@@ -305,7 +367,16 @@ class Calls:
         lcap changed it (the vLLM path, without the fields lcap asked for), else None."""
         pending.response_body = body
         out = None
-        if pending.added is not None and (pending.status_code or 500) < 400 and pending.encoding in (None, "identity"):
+        if pending.policy and (pending.status_code or 500) < 400 and pending.encoding in (None, "identity"):
+            parts = policy_wire.split_whole(body)
+            if parts is not None:
+                out, record, head = parts
+                pending.response_body = out
+                self.policy_parts(pending, record, None)
+                self.policy_parts(pending, None, head)
+        elif (
+            pending.added is not None and (pending.status_code or 500) < 400 and pending.encoding in (None, "identity")
+        ):
             try:
                 answer = json.loads(body)
             except ValueError:
@@ -373,6 +444,21 @@ def _collector(pending: PendingTurn, limit: int) -> Callable[[bytes], bytes]:
         return data
 
     return stream
+
+
+class _PolicyStream:
+    """A stream from lcap's endpoints: forwarded without lcap's parts (which go to `Calls.policy_parts`); the turn
+    keeps a copy of what the agent got."""
+
+    def __init__(self, calls: Calls, pending: PendingTurn, limit: int) -> None:
+        self.copy = _Copy(pending, limit)
+        self.events = policy_wire.SseParts(functools.partial(calls.policy_parts, pending), limit)
+
+    def __call__(self, data: bytes) -> list[bytes]:
+        out = self.events(data)
+        for piece in out:
+            self.copy.add(piece)
+        return out
 
 
 class _SseRewriter:

@@ -26,6 +26,7 @@ class PolicyServer:
     python: str  # interpreter that runs vLLM
     started_at: str
     loras: dict[str, str] = field(default_factory=dict)  # served LoRA name -> adapter path
+    lcap_endpoints: bool = False  # vLLM runs with lcap's policy endpoints (exact tokens, stitching, adaptation)
 
 
 def record_path() -> Path:

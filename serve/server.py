@@ -2,8 +2,10 @@
 
 vLLM runs in its own process group (so stopping it also stops its engine workers), from the
 interpreter of its own venv, with LoRA enabled and runtime adapter loading allowed: `lcap deploy`
-hot-loads each new round's adapter without restarting anything. The record (`lcap.policy`) is
-written only once /health answers, so a reader that finds one can send requests.
+hot-loads each new round's adapter without restarting anything. It starts through
+vllm_plugin/launch.py, which adds lcap's policy endpoints (exact tokens in every dialect, stitched
+prompts, request adaptation: vllm_plugin/lcap_policy). The record (`lcap.policy`) is written only
+once /health answers, so a reader that finds one can send requests.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from lcap.policy import PolicyServer, clear_policy, read_policy, write_policy
 from lcap.processes import alive, kill_group, python_helper
 from lcap.store import Store, now
 
+LAUNCHER = Path(__file__).resolve().parent / "vllm_plugin" / "launch.py"  # vLLM with lcap's policy endpoints
 MAX_LORA_RANK = 64  # vLLM's default is 16; adapters of rank 32/64 are common. Allowed: 8, 16, 32, 64, 128...
 MAX_LORAS = 2  # adapters resident per batch: the new deployment and the one still finishing calls
 TOOL_PARSER = "hermes"  # <tool_call>{json}</tool_call>: the tiny model's template and Qwen2.5/3's
@@ -63,7 +66,7 @@ def server_command(
     extra_args: Sequence[str] = (),
 ) -> list[str]:
     cmd = [
-        *python_helper(python, "-m", "vllm.entrypoints.openai.api_server"),
+        *python_helper(python, str(LAUNCHER)),
         "--model",
         model,
         "--served-model-name",
@@ -149,6 +152,7 @@ def start_server(
         python=python,
         started_at=now().isoformat(),
         loras={},
+        lcap_endpoints=_has_lcap_endpoints(url),
     )
     write_policy(record)
     if store is not None:
@@ -217,6 +221,15 @@ def _wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout: flo
     finally:
         if status is not None:
             status.stop()
+
+
+def _has_lcap_endpoints(url: str) -> bool:
+    """The launcher loads lcap's endpoints; this checks that vLLM did (a `--python` vLLM of another version may
+    not load them: the policy route then works as on any vLLM)."""
+    try:
+        return httpx.get(f"{url}/lcap/v1/info", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _healthy(url: str) -> bool:
