@@ -353,6 +353,8 @@ class Policy:
             request, merge_inline_system=handler._merge_inline_system, disabled_thinking_effort=effort
         )
         chat.return_token_ids, chat.logprobs = True, True
+        if isinstance(body.get("logit_bias"), dict):  # vLLM's sampling extension, which its Messages model drops
+            chat.logit_bias = body["logit_bias"]
         await self.prepare(
             turn, chat, chat.messages, self._tool_dicts(chat), self.renderer.default_chat_template_kwargs, options
         )
