@@ -160,9 +160,10 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from lcap.serve.server import start_server, stop_server
+    from lcap.serve.server import resolve_python, start_server, stop_server
     from lcap.serve.tiny_model import init_model
 
+    python = resolve_python()  # lcap's vLLM venv, found before LCAP_HOME points at the benchmark's own home
     work = Path(tempfile.mkdtemp(prefix="bench-stitching-"))
     os.environ["LCAP_HOME"] = str(work / "home")
     os.environ["LCAP_POLICY_RECORD"] = str(work / "home" / "policy.json")
@@ -174,7 +175,7 @@ def main() -> None:
             (model / "chat_template.jinja").write_text(qwen3_template())
         stop = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids("<|im_end|>")
         bias = {str(stop): 6}
-        record = start_server(str(model), served_name="tiny", timeout=900)
+        record = start_server(str(model), python=python, served_name="tiny", timeout=900)
         try:
             assert record.lcap_endpoints, "vLLM did not load lcap's endpoints"
             for turns in args.turns:

@@ -7,6 +7,7 @@ token within a few tokens, as a trained model's do: only such a turn can be exte
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import ssl
@@ -80,7 +81,7 @@ def episode_samples(db: Path) -> dict[str, int]:
 def _extends(rows: list[dict]) -> list[bool]:
     """Per call after the first: its prompt ids start with the previous call's prompt + completion ids."""
     out = []
-    for before, after in zip(rows, rows[1:]):
+    for before, after in itertools.pairwise(rows):
         seen = before["prompt_token_ids"] + before["completion_token_ids"]
         out.append(after["prompt_token_ids"][: len(seen)] == seen)
     return out
@@ -214,7 +215,10 @@ def test_adaptation_off_gets_vllms_answer(vllm_policy, tmp_path, capture_home):
         _, an = _clients(proxy, "no-adapt")
         with pytest.raises(anthropic.BadRequestError):
             an.messages.create(
-                model="claude", max_tokens=64000, messages=[{"role": "user", "content": "hi"}], metadata={"user_id": "u"}
+                model="claude",
+                max_tokens=64000,
+                messages=[{"role": "user", "content": "hi"}],
+                metadata={"user_id": "u"},
             )
     (row,) = turns(db)
     assert row["status_code"] == 400 and row["adaptations"] is not None  # only the model's name was mapped

@@ -61,13 +61,19 @@ def test_match_allows_reserialisation_only(plugin):
     assert stitch.match(head, [*EARLIER, resent, tool], "ctx") == (3, "")
     # content null vs "" when there is no text
     quiet = _head(stitch, {"role": "assistant", "content": None, "tool_calls": [TOOLS_CALL]})
-    assert stitch.match(quiet, [*EARLIER, {"role": "assistant", "content": "", "tool_calls": [TOOLS_CALL]}, tool], "ctx")[
-        0
-    ] == 3
+    assert (
+        stitch.match(quiet, [*EARLIER, {"role": "assistant", "content": "", "tool_calls": [TOOLS_CALL]}, tool], "ctx")[
+            0
+        ]
+        == 3
+    )
     # what does not extend it
     changed = {**resent, "content": "Let me see."}
     assert stitch.match(head, [*EARLIER, changed, tool], "ctx")[0] is None
-    other_args = {**resent, "tool_calls": [{**TOOLS_CALL, "function": {"name": "lookup", "arguments": '{"query":"y"}'}}]}
+    other_args = {
+        **resent,
+        "tool_calls": [{**TOOLS_CALL, "function": {"name": "lookup", "arguments": '{"query":"y"}'}}],
+    }
     assert stitch.match(head, [*EARLIER, other_args, tool], "ctx")[0] is None
     assert stitch.match(head, [EARLIER[0], {"role": "user", "content": "What is y?"}, resent, tool], "ctx")[0] is None
     assert stitch.match(head, [*EARLIER, resent, tool], "other tools")[0] is None

@@ -196,7 +196,10 @@ class Policy:
             ids.update(source if isinstance(source, list) else [source] if isinstance(source, int) else [])
         generation = self.renderer.model_config.get_diff_sampling_param().get("stop_token_ids") or ()
         ids.update(generation)
-        gen_eos = getattr(getattr(self.renderer.model_config, "hf_generation_config", None), "eos_token_id", None)
+        try:  # the generation config's eos ids, which vLLM stops on too (e.g. <|endoftext|> beside <|im_end|>)
+            gen_eos = self.renderer.model_config.try_get_generation_config().get("eos_token_id")
+        except Exception:  # a config that cannot be read: only the tokenizer's and the model's eos then
+            gen_eos = None
         ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if isinstance(gen_eos, int) else [])
         return frozenset(i for i in ids if i in special)
 
@@ -264,7 +267,6 @@ class Policy:
         assert head.stop is not None
         if head.stop not in self.stop_ids:
             return f"token {head.stop} is not a stop token of this model"
-        stop_text = self.tokenizer.decode([head.stop])
         prefix_params = replace(
             params,
             chat_template_kwargs={
@@ -275,8 +277,14 @@ class Policy:
         )
         prefix_text = await self._render(messages[:end], prefix_params)
         full_text = await self._render(messages, params)
-        prompt_stops = head.ids[: head.prompt_len].count(head.stop)
-        rest, why = stitch.suffix_text(prefix_text, full_text, stop_text, prompt_stops)
+        # The token the template ends a message with: the model's own stop token, or (when the model stopped on
+        # another of its stop tokens, e.g. <|endoftext|>) the stop token the template writes in its place.
+        end_id = next(
+            (i for i in [head.stop, *sorted(self.stop_ids - {head.stop})] if self.tokenizer.decode([i]) in prefix_text),
+            head.stop,
+        )
+        prompt_stops = head.ids[: head.prompt_len].count(end_id)
+        rest, why = stitch.suffix_text(prefix_text, full_text, self.tokenizer.decode([end_id]), prompt_stops)
         if rest is None:
             return why
         ids, why = stitch.stitched_ids(head, self.tokenizer.encode(rest, add_special_tokens=False), self.max_model_len)
