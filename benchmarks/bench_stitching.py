@@ -82,19 +82,30 @@ def episode_stats(db: Path) -> list[dict]:
         ).to_arrow_table()
         calls = dict(
             con.sql(
-                "SELECT episode_id, [count(*), count(*) FILTER (WHERE stitched), count(*) FILTER (WHERE status_code"
-                " <> 200), avg(latency_ms)] FROM turns GROUP BY episode_id"
+                "SELECT episode_id, (count(*), count(*) FILTER (WHERE stitched), count(*) FILTER (WHERE status_code"
+                " <> 200), count(*) FILTER (WHERE cut_by_token_limit(finish_reason))"
+                " - CASE WHEN arg_max(cut_by_token_limit(finish_reason), seq) THEN 1 ELSE 0 END, avg(latency_ms))"
+                " FROM turns GROUP BY episode_id"
             ).fetchall()
         )
     finally:
         con.close()
     samples = merge_turns(table).to_pylist()
     out = []
-    for episode, (n, stitched, failed, latency) in calls.items():
+    for episode, value in calls.items():
+        n, stitched, failed, cut, latency = value.values() if isinstance(value, dict) else value
         mine = [s for s in samples if s["episode_id"] == episode]
         tokens = sum(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in mine)
         out.append(
-            {"calls": n, "stitched": stitched, "failed": failed, "samples": len(mine), "tokens": tokens, "ms": latency}
+            {
+                "calls": n,
+                "stitched": stitched,
+                "failed": failed,
+                "cut": cut,  # calls before the last cut by the token limit: each ends its sample, stitched or not
+                "samples": len(mine),
+                "tokens": tokens,
+                "ms": latency,
+            }
         )
     return out
 
@@ -184,6 +195,7 @@ def main() -> None:
                     run_agents(db, stitch, turns, args.episodes, json.dumps(bias))
                     stats = episode_stats(db)
                     multi = [s for s in stats if s["calls"] > 1 and not s["failed"]]
+                    whole = [s for s in multi if not s["cut"]]
                     after_first = sum(s["calls"] - 1 for s in multi)
                     merged = sum(s["calls"] - s["samples"] for s in multi)
                     rows.append(
@@ -195,6 +207,7 @@ def main() -> None:
                             "stitched": f"{sum(s['stitched'] for s in multi)}/{after_first}",
                             "merge rate": f"{merged / max(after_first, 1):.0%}",
                             "one sample": f"{sum(s['samples'] == 1 for s in multi)}/{len(multi)}",
+                            "one sample, no call cut": f"{sum(s['samples'] == 1 for s in whole)}/{len(whole)}",
                             "samples/ep": statistics.mean(s["samples"] for s in multi),
                             "trained tokens/ep": statistics.mean(s["tokens"] for s in multi),
                             "ms/call": statistics.mean(s["ms"] for s in multi),

@@ -227,7 +227,7 @@ def _has_lcap_endpoints(url: str) -> bool:
     """The launcher loads lcap's endpoints; this checks that vLLM did (a `--python` vLLM of another version may
     not load them: the policy route then works as on any vLLM)."""
     try:
-        return httpx.get(f"{url}/lcap/v1/info", timeout=5).status_code == 200
+        return httpx.get(f"{url}/lcap/v1/info", timeout=5, trust_env=False).status_code == 200
     except httpx.HTTPError:
         return False
 

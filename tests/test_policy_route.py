@@ -252,3 +252,26 @@ def test_tool_agent_one_sample_per_episode(vllm_policy, tmp_path, capture_home):
             assert [r["stitched"] for r in rows] == [False, True, True, True] * 2
     assert list(counts["--stitch"].values()) == [1, 1]
     assert sum(counts["--no-stitch"].values()) > 2  # the re-rendered prompts drift: the episodes split
+
+
+def test_responses_websocket_exact_ids_and_stitched(vllm_policy, tmp_path, capture_env):
+    """Codex's transport: Responses over a WebSocket through `lcap proxy`, a warm-up frame then two calls."""
+    db = capture_env["LCAP_DB"]
+    env = {**capture_env, "OPENAI_API_KEY": "sk-test", "LOGIT_BIAS": json.dumps({str(_stop_id(vllm_policy)): 6})}
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "lcap"), "proxy", "--upstream", "policy", "--"]
+        + [sys.executable, str(ROOT / "tests/agents_capture/ws_policy_agent.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    events = [line.split(": ", 1)[1] for line in done.stdout.splitlines() if line.startswith("event: ")]
+    assert events.count("response.completed") == 3 and not any("lcap" in e for e in events)  # warm-up + 2
+    rows = turns(db)
+    assert [(r["transport"], r["status_code"]) for r in rows] == [("websocket", 200)] * 2
+    for row in rows:
+        assert row["token_source"] == "vllm" and len(row["completion_logprobs"]) == len(row["completion_token_ids"])
+    assert [r["stitched"] for r in rows] == [False, True], [r["stitch_note"] for r in rows]
+    assert _extends(rows) == [True]

@@ -328,10 +328,10 @@ class Policy:
 
         def shown(obj: dict) -> dict:
             turn.take_chat(obj)
-            if not asked_ids:
-                obj["prompt_token_ids"] = None
+            if not asked_ids:  # the fields lcap asked for go, as lcap's proxy strips them on any vLLM
+                obj.pop("prompt_token_ids", None)
                 for choice in obj.get("choices") or ():
-                    choice["token_ids"] = None
+                    choice.pop("token_ids", None)
             if not asked_logprobs:
                 for choice in obj.get("choices") or ():
                     choice["logprobs"] = None

@@ -8,10 +8,11 @@ re-dumped, reasoning dropped, call ids). A new request extends the head when its
 have the head's digests, the assistant message(s) after them match what the model produced, and
 more messages follow. Its prompt is then the head's ids, followed by the template's rendering of
 what came after the assistant message, cut at the end of that message in the rendered text: the
-model's stop token (`stop`) is the last id of the head, the template writes the same token at the
-end of every message, so the assistant message ends at the k-th stop token of the rendered text,
-k being one more than the stop tokens of the head's prompt. The rendered suffix is tokenized alone:
-the stop token is an added token, where tokenizers start afresh.
+head ends on one of the model's stop tokens (`stop`) and the template ends every message with a stop
+token (the same one, or e.g. <|im_end|> where the model stopped on <|endoftext|>), so the assistant
+message ends at the k-th such token of the rendered text, k being one more than those in the head's
+prompt. The rendered suffix is tokenized alone: the stop token is an added token, where tokenizers
+start afresh.
 
 Nothing here imports vLLM: tests run it on a Hugging Face tokenizer and the templates themselves.
 """
