@@ -227,31 +227,31 @@ def test_adaptation_off_gets_vllms_answer(vllm_policy, tmp_path, capture_home):
 
 @pytest.mark.slow
 def test_tool_agent_one_sample_per_episode(vllm_policy, tmp_path, capture_home):
-    """The bundled tool agent, through `lcap proxy`: every call after the first is stitched and the episode
-    merges into one sample; with --no-stitch the same agent's re-rendered prompts split it."""
+    """The bundled tool agent through `lcap proxy`: every call after one that ended on a stop token is stitched
+    onto it, and an episode is one sample but where a call was cut by the token limit (which ends a sample).
+    Before and after (--no-stitch) on the same agent: benchmarks/bench_stitching.py."""
     bias = json.dumps({str(_stop_id(vllm_policy)): 6})
-    counts = {}
-    for flag in ("--stitch", "--no-stitch"):
-        db = tmp_path / f"{flag}.duckdb"
-        for question in ("capital of france", "largest planet"):
-            agent = [sys.executable, str(ROOT / "scripts/agents/openai_tools.py"), "--question", question]
-            agent += ["--model", "gpt-4o", "--turns", "4", "--max-tokens", "16", "--logit-bias", bias]
-            done = subprocess.run(
-                [str(Path(sys.executable).parent / "lcap"), "proxy", "--db", str(db), "--upstream", "policy", flag]
-                + ["--", *agent],
-                capture_output=True,
-                text=True,
-                timeout=600,
-                env={**os.environ, "OPENAI_API_KEY": "sk-test"},
-            )
-            assert done.returncode == 0, done.stderr[-2000:]
-        rows = turns(db)
-        assert len(rows) == 8 and all(r["finish_reason"] == "stop" for r in rows)
-        counts[flag] = episode_samples(db)
-        if flag == "--stitch":
-            assert [r["stitched"] for r in rows] == [False, True, True, True] * 2
-    assert list(counts["--stitch"].values()) == [1, 1]
-    assert sum(counts["--no-stitch"].values()) > 2  # the re-rendered prompts drift: the episodes split
+    db = tmp_path / "lcap.duckdb"
+    for question in ("capital of france", "largest planet"):
+        agent = [sys.executable, str(ROOT / "scripts/agents/openai_tools.py"), "--question", question]
+        agent += ["--model", "gpt-4o", "--turns", "4", "--max-tokens", "24", "--logit-bias", bias]
+        done = subprocess.run(
+            [str(Path(sys.executable).parent / "lcap"), "proxy", "--db", str(db), "--upstream", "policy", "--", *agent],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "OPENAI_API_KEY": "sk-test"},
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+    rows = turns(db)
+    assert len(rows) == 8 and all(r["status_code"] == 200 and r["token_source"] == "vllm" for r in rows)
+    samples = episode_samples(db)
+    for episode in samples:
+        mine = [r for r in rows if r["episode_id"] == episode]
+        ended = [r["finish_reason"] in ("stop", "tool_calls") for r in mine]
+        assert [r["stitched"] for r in mine] == [False, *ended[:-1]], [r["stitch_note"] for r in mine]
+        assert all(_extends([a, b]) == [True] for a, b in itertools.pairwise(mine) if b["stitched"])
+        assert samples[episode] == 1 + ended[:-1].count(False)
 
 
 def test_responses_websocket_exact_ids_and_stitched(vllm_policy, tmp_path, capture_env):
