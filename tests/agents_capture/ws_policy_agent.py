@@ -16,7 +16,7 @@ with connect(
 ) as ws:
     ws.send(json.dumps({"type": "response.create", "generate": False, "model": "gpt-5", "input": []}))
     for _ in range(2):
-        request = {"model": "gpt-5", "instructions": "Be brief.", "input": items, "max_output_tokens": 16}
+        request = {"model": "gpt-5", "instructions": "Be brief.", "input": items, "max_output_tokens": 32}
         ws.send(json.dumps({"type": "response.create", **request, "store": False, "logit_bias": bias}))
         while True:
             event = json.loads(ws.recv(timeout=300))

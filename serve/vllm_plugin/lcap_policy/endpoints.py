@@ -431,6 +431,8 @@ class Policy:
             async for event in started.result:
                 kind = getattr(event, "type", "unknown")
                 data = event.model_dump_json(indent=None, by_alias=True)
+                if getattr(event, "response", None) is not None:
+                    data = _dumps({**json.loads(data), "response": _public(json.loads(data)["response"])})
                 if kind in _RESPONSE_END:
                     self.produced(turn, getattr(event, "response", None))
                     record, head = turn.trailer()
@@ -452,6 +454,15 @@ def _validate(model: type, body: dict) -> Any:
         return model.model_validate(body)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors()) from None
+
+
+def _public(response: dict) -> dict:
+    """A Responses object without vLLM's own unset extensions (`input_messages`, `output_messages`): the
+    OpenAI shape a harness expects, as lcap's proxy leaves it on any vLLM."""
+    for name in ("input_messages", "output_messages"):
+        if response.get(name) is None:
+            response.pop(name, None)
+    return response
 
 
 def _whole(answer: str, turn: Turn) -> Response:
@@ -508,7 +519,7 @@ async def responses(body: dict = Body(...), *, raw_request: Request):  # noqa: B
         return JSONResponse(result.model_dump(mode="json", by_alias=True), status_code=result.error.code)
     if isinstance(result, ResponsesResponse):
         policy.produced(turn, result)
-        return _whole(_dumps(result.model_dump(mode="json", by_alias=True)), turn)
+        return _whole(_dumps(_public(result.model_dump(mode="json", by_alias=True))), turn)
 
     async def events() -> AsyncIterator[str]:
         async for kind, data in policy.response_events(turn, started):
