@@ -130,7 +130,7 @@ def added_latency(url: str, model: str, db: Path, repeats: int, bias: dict) -> d
 
     con = duckdb.connect(str(db), read_only=True)
     try:
-        (request,) = con.sql("SELECT request FROM turns WHERE stitched ORDER BY started_at DESC LIMIT 1").fetchone()
+        ((request,),) = con.sql("SELECT request FROM turns WHERE stitched ORDER BY started_at DESC LIMIT 1").fetchall()
     finally:
         con.close()
     body = {**json.loads(request), "model": model, "max_tokens": 1, "logit_bias": bias}
@@ -138,8 +138,11 @@ def added_latency(url: str, model: str, db: Path, repeats: int, bias: dict) -> d
     client = httpx.Client(base_url=url, timeout=300)
     # the head of the conversation up to its last assistant message: the previous call of the same conversation
     cut = max(i for i, m in enumerate(body["messages"]) if m["role"] == "assistant")
-    earlier = {**body, "messages": body["messages"][:cut], "max_tokens": 16}
-    answer, _, head = client.post("/lcap/v1/chat/completions", json=earlier).content.split(b"\n", 2)
+    for seed in range(20):  # an answer that ends on its stop token (one cut by max_tokens leaves no head)
+        earlier = {**body, "messages": body["messages"][:cut], "max_tokens": 64, "seed": seed}
+        answer, _, head = client.post("/lcap/v1/chat/completions", json=earlier).content.split(b"\n", 2)
+        if head != b"null":
+            break
     said = json.loads(answer)["choices"][0]["message"]
     messages = [*body["messages"][:cut], {"role": "assistant", "content": said.get("content") or ""}]
     body["messages"] = messages + body["messages"][cut + 1 :]
