@@ -15,6 +15,9 @@ with connect(
     "wss://api.openai.com/v1/responses", additional_headers={"Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"}
 ) as ws:
     ws.send(json.dumps({"type": "response.create", "generate": False, "model": "gpt-5", "input": []}))
+    while (event := json.loads(ws.recv(timeout=300)))["type"] not in ("response.completed", "error"):
+        pass  # the warm-up's answer comes before the first call is sent, as Codex does
+    print("event:", event["type"], flush=True)
     for _ in range(2):
         request = {"model": "gpt-5", "instructions": "Be brief.", "input": items, "max_output_tokens": 32}
         ws.send(json.dumps({"type": "response.create", **request, "store": False, "logit_bias": bias}))
