@@ -227,7 +227,7 @@ def main() -> None:
     print("| " + " | ".join(names) + " |")
     print("|" + "---|" * len(names))
     for row in rows:
-        cells = [f"{v:.1f}" if isinstance(v, float) else str(v) for v in row.values()]
+        cells = [f"{v:.2f}" if isinstance(v, float) else str(v) for v in row.values()]
         print("| " + " | ".join(cells) + " |")
     print(f"\nadded latency: one call, max_tokens 1, median of {args.repeats} (ms)\n")
     ways = list(next(iter(latencies.values())))
