@@ -19,8 +19,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from lcap.capture.calls import Router
 from lcap.capture.destinations import Destinations, Forbidden
+from lcap.capture.routes import Router
 
 log = logging.getLogger("lcap.capture")
 
@@ -51,8 +51,7 @@ class PrivateDestinations:
         if not self.destinations.restricted or data.server.address is None:
             return
         host, port = data.server.address[:2]
-        route = self.router.route()
-        if route is not None and (host, port) == (route.host, route.port):
+        if self.router.trusted(host, port):
             return
         try:
             address = await self.destinations.address(host, port)

@@ -28,7 +28,7 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE train_runs ADD COLUMN IF NOT EXISTS mismatch_seconds DOUBLE",
         "ALTER TABLE train_runs ADD COLUMN IF NOT EXISTS mismatch JSON",
     ),
-    5: (),  # reserved: the ray-serve branch's turns.replica (the lead renumbers at merge)
+    5: ("ALTER TABLE turns ADD COLUMN IF NOT EXISTS replica VARCHAR",),
     6: tuple(
         f"ALTER TABLE turns ADD COLUMN IF NOT EXISTS {column}"
         for column in (
@@ -92,6 +92,7 @@ CREATE TABLE IF NOT EXISTS turns (
     completion_logprobs  DOUBLE[],
     token_source         VARCHAR,   -- 'vllm' when ids/logprobs came from the server, else NULL
     degraded             VARCHAR,   -- NULL, or why this row is not the turn exactly as captured (see dead_letters)
+    replica              VARCHAR,   -- the policy replica lcap routed the call to (r0, r1, ...); NULL when not the policy
     stitched             BOOLEAN,   -- lcap's policy endpoints served it: its prompt is stitched_from's exact ids +
                                     -- completion + the rendered suffix (true), or rendered (false); NULL elsewhere
     stitched_from        VARCHAR,   -- the turn_id whose prompt and completion this prompt starts with

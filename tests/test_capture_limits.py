@@ -22,9 +22,10 @@ import httpx
 import pytest
 from fixtures_capture import LCAP, turns
 
-from lcap.capture.calls import Calls, Router
+from lcap.capture.calls import Calls
 from lcap.capture.certs import LeafCerts
 from lcap.capture.options import ProxyOptions
+from lcap.capture.routes import Router
 from lcap.capture.server import CA_BASENAME, CaptureProxy, ca_dir
 from lcap.capture.turn import PendingTurn
 from lcap.store import Store
