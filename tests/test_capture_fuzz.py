@@ -1022,29 +1022,17 @@ KINDS: dict[str, Kind] = {
     "upstream-hangs": Kind(upstream_hangs, timeout=AGENT_PATIENCE, agent_leaves=True, gc_off=True),
 }
 
-# (invariant, kind) -> what breaks it on main as of this suite (2ac0fb6) and the requirement of issue #14 that makes
-# it hold. Strict: when the fix lands, the entry must go.
-_POISON = "#14 req 1 (a bad row never blocks later rows): "
+# (invariant, kind) -> what breaks it on main as of this suite (8c3dbf5, issue #14 part A merged) and the requirement
+# of issue #14 that makes it hold. Strict: when the fix lands, the entry must go.
 _LEAK = "#14 req 6 (rerouting never leaks): "
 KNOWN: dict[tuple[str, str], str] = {
-    ("nothing lost", "bad-utf8"): _POISON + "UTF-8-encoded surrogates (b'\\xed\\xa0\\xbd') read as a lone surrogate; "
-    "the writer's batch fails for good and every later turn is lost",
     ("no leak", "bad-utf8"): _LEAK + "a body that is not UTF-8 is a side call, sent to the named host",
-    ("nothing lost", "lone-surrogates"): _POISON + "a lone surrogate escape fails the writer's batch for good",
-    ("nothing lost", "json-types"): _POISON + "a model that is not a string makes pyarrow refuse the batch for good",
-    ("nothing lost", "deep-json"): _POISON + "JSON nested 800-950 deep passes the proxy but not the writer's "
-    "recursive redaction: the turn is dropped",
     ("no leak", "deep-json"): _LEAK + "JSON nested past the recursion limit is a side call, sent to the named host",
     ("no leak", "huge-numbers"): _LEAK + "an integer over 4300 digits fails json.loads: a side call to the named host",
     ("no leak", "invalid-json"): _LEAK + "a body that is not a JSON object is a side call, sent to the named host",
     ("no leak", "truncated-bodies"): _LEAK + "a body cut by its Content-Length is a side call, sent to the named host",
-    ("nothing lost", "raw-byte-paths"): _POISON
-    + "a path byte past ASCII (kept as a surrogate) fails the batch for good",
     ("sensible answer", "raw-byte-paths"): "#14 req 5 (refuse on a parser error): a request line with bytes past ASCII "
     "is invalid (RFC 9112 3.2: answer 400); the proxy forwards it as it came and the upstream's parser refuses it",
-    ("nothing lost", "sse-lone-surrogates"): _POISON + "a lone surrogate in a streamed answer fails the batch for good",
-    ("nothing lost", "poisoned-answers"): _POISON + "answers with a lone surrogate, a non-string model, usage that is "
-    "not an int32, a non-string content or deep nesting: dropped turns and a batch that fails for good",
     ("sensible answer", "hanging-framing"): "#14 req 3 and 5 (limits, a real parser, never a hang): Content-Length "
     "2^64 and a chunk size past 2^64 wait for ever; request trailers hang mitmproxy (NotImplementedError); a bad chunk "
     "size gets a close, not a 400; TLS bytes on the plain port wait for a CRLFCRLF",
@@ -1197,8 +1185,9 @@ def _expand(spec: Kind, made: list[Case]) -> list[Case]:
 
 
 def _read_store(path: Path) -> tuple[list[tuple], int]:
-    """The turns (episode, status, error, text) and the number of rows in any dead-letter table: the issue leaves
-    its name to the implementation, so any table named like one counts."""
+    """The turns (episode, status, error, text) and the number of dead letters that are not also turns. The issue
+    leaves the table's name to the implementation: any table named like one counts, its rows whose turn_id (when it
+    has one) is not in turns."""
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -1212,15 +1201,26 @@ def _read_store(path: Path) -> tuple[list[tuple], int]:
         turns = con.execute("SELECT episode_id, status_code, error, completion_text FROM turns").fetchall()
         dead = 0
         for (table,) in con.execute("SELECT table_name FROM duckdb_tables()").fetchall():
-            if _DEAD_LETTER_TABLE.search(table.lower()):
-                dead += len(con.execute(f'SELECT 1 FROM "{table}"').fetchall())
+            if not _DEAD_LETTER_TABLE.search(table.lower()):
+                continue
+            columns = {
+                c
+                for (c,) in con.execute(
+                    f"SELECT column_name FROM duckdb_columns() WHERE table_name = '{table}'"
+                ).fetchall()
+            }
+            alone = (
+                " WHERE turn_id IS NULL OR turn_id NOT IN (SELECT turn_id FROM turns)" if "turn_id" in columns else ""
+            )
+            dead += len(con.execute(f'SELECT 1 FROM "{table}"{alone}').fetchall())
     finally:
         con.close()
     return turns, dead
 
 
 def _spool_left(home: Path, db: Path) -> list[str]:
-    """Spool directories of this store still holding bytes after the proxy stopped: turns that never got stored."""
+    """Spool directories of this store whose segments (numbered files) still hold bytes after the proxy stopped:
+    turns that never got stored."""
     left = []
     for store_file in (home / "spool").glob("*/store"):
         try:
@@ -1228,7 +1228,7 @@ def _spool_left(home: Path, db: Path) -> list[str]:
                 continue
         except OSError:
             continue
-        size = sum(p.stat().st_size for p in store_file.parent.iterdir() if p.name != "store" and p.is_file())
+        size = sum(p.stat().st_size for p in store_file.parent.iterdir() if p.name[:1].isdigit() and p.is_file())
         if size:
             left.append(f"{store_file.parent.name} ({size} bytes)")
     return left
