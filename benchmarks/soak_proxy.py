@@ -139,7 +139,20 @@ except ImportError:
 run(main())
 """
 
-LOCK = "import duckdb, sys, time; con = duckdb.connect(sys.argv[1]); print('locked', flush=True); time.sleep(float(sys.argv[2]))"
+LOCK = r"""
+import duckdb, sys, time
+deadline = time.monotonic() + 60
+while True:  # the writer holds the file while it stores a batch: wait for a moment it does not
+    try:
+        con = duckdb.connect(sys.argv[1])
+        break
+    except duckdb.IOException:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.05)
+print("locked", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
 
 ROLES = ("stream", "whole", "hang", "reset", "oversize")
 
