@@ -14,6 +14,10 @@ fresh `prepare_round`, as `lcap train` does; one warm-up round and one warm-up b
 first. The set-up that `Trainer.train()` pays once per round before its loop (a full
 `gc.collect`, the optimiser, the dataloader) is printed apart.
 
+Before a round's first step, `lcap train` runs the mismatch guard (lcap.train.mismatch): one no-grad
+forward over up to `--mismatch-samples` samples per deployment. It is timed apart, on the same round, and
+printed as a share of the round's GRPO time.
+
 The GRPO step does work the bare one does not: per step, the IS ratio against the captured
 behaviour logprobs, gradient clipping, the entropy and clip metrics; and when the steps make more
 than one pass over the samples (epochs > 1), once per round a no-grad forward over the round's
@@ -53,6 +57,7 @@ def main() -> None:
     from lcap.serve.options import TinyModelOptions
     from lcap.serve.tiny_model import init_model
     from lcap.train.grpo import TrainOptions, prepare_round
+    from lcap.train.mismatch import measure_mismatch
 
     tmp = Path(tempfile.mkdtemp(prefix="lcap-bench-train-"))
     model_dir = init_model(
@@ -129,9 +134,13 @@ def main() -> None:
         def on_train_end(self, *_, **__) -> None:
             self.loop = clocks() - self.begin
 
-    def repeat(n: int) -> tuple[np.ndarray, np.ndarray, float, int]:
-        """A fresh round interleaved with bare steps: bare and GRPO seconds (wall, CPU), set-up seconds, steps."""
-        prepared = prepare_round(tmp / f"run-{n}", 1, options, data=data)
+    def repeat(n: int) -> tuple[np.ndarray, np.ndarray, float, int, float]:
+        """A fresh round interleaved with bare steps: bare and GRPO seconds (wall, CPU), set-up seconds, steps,
+        and the seconds of the mismatch guard's forward, which `lcap train` runs before the round's first step."""
+        prepared = prepare_round(tmp / f"run-{n}", 1, options, data)
+        guard = measure_mismatch(
+            prepared.trainer, prepared.groups.real_samples, per_deployment=options.mismatch_samples
+        ).seconds
         clock = Interleave()
         prepared.trainer.add_callback(clock)
         prepared.trainer.remove_callback(PrinterCallback)  # its end-of-train metrics dump
@@ -140,11 +149,11 @@ def main() -> None:
         train_s = time.perf_counter() - t0
         steps = prepared.trainer.state.global_step
         assert clock.bare_steps == steps
-        return clock.bare, clock.loop - clock.bare, train_s - clock.loop[0], steps
+        return clock.bare, clock.loop - clock.bare, train_s - clock.loop[0], steps, guard
 
     bare_step(batches[0])  # warm-up
     repeat(0)  # warm-up
-    bare_s, grpo_s, setup_s, steps = zip(*(repeat(n) for n in range(1, args.repeats + 1)))
+    bare_s, grpo_s, setup_s, steps, guard_s = zip(*(repeat(n) for n in range(1, args.repeats + 1)))
     ratios = np.array(grpo_s) / np.array(bare_s)  # [repeat, (wall, CPU)]
 
     tokens = tokens_per_step * np.array(steps)
@@ -161,6 +170,12 @@ def main() -> None:
         f"lcap GRPO (TRL) step       : {grpo_tps:8.0f} tokens/s  ({tokens_per_step / grpo_tps * 1000:.0f} ms/step, median)"
     )
     print(f"Trainer.train() set-up, once per round: {statistics.median(setup_s):.2f} s")
+    guard_share = np.array(guard_s) / np.array(grpo_s)[:, 0]
+    print(
+        f"mismatch guard, once per round before its first step (a no-grad forward over up to "
+        f"{options.mismatch_samples} samples per deployment): {statistics.median(guard_s):.2f} s, "
+        f"{np.median(guard_share):.0%} of the round's GRPO steps (median)"
+    )
     best = np.array(grpo_s).min(axis=0) / np.array(bare_s).min(axis=0)  # noise only adds time: best of each side
     for name, column in (("wall", 0), ("CPU ", 1)):
         print(

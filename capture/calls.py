@@ -175,6 +175,7 @@ class Calls:
         self._idle: OrderedDict[str | None, None] = OrderedDict()
         self._floor = 0
         self._seq_lock = threading.Lock()
+        self.numbered = 0  # calls numbered since the start
 
     def attribute(self, fields: Fields, fallback: str | None = None) -> tuple[str | None, Fields]:
         """The episode a request is written into (the one its credentials prove, else `fallback`: its tunnel's)
@@ -189,6 +190,7 @@ class Calls:
         with self._seq_lock:
             seq = self._next.get(episode, self._floor)
             self._next[episode] = seq + 1
+            self.numbered += 1
             running = self.in_flight.get(episode, 0)
             if not running:
                 self._idle.pop(episode, None)
@@ -206,6 +208,16 @@ class Calls:
             if len(self._idle) > self.max_episodes:
                 forgotten, _ = self._idle.popitem(last=False)
                 self._floor = max(self._floor, self._next.pop(forgotten))
+
+    def counts(self) -> dict[str, int]:
+        """Calls numbered so far and in flight, episodes tracked and with a call in flight (for `lcap status`)."""
+        with self._seq_lock:
+            return {
+                "calls": self.numbered,
+                "calls_in_flight": sum(self.in_flight.values()),
+                "episodes": len(self._next),
+                "episodes_in_flight": len(self.in_flight),
+            }
 
     def tracked_episodes(self) -> int:
         """Episodes whose numbering is kept (in flight or idle): bounded by `max_episodes` plus those in flight."""

@@ -6,22 +6,26 @@ secret is worthless to any other proxy or to the next run of this one. A client 
 password of its proxy URL (`http://EPISODE:SECRET@host:port`, Basic proxy credentials) or, per request,
 as `X-Lcap-Episode: EPISODE:SECRET`. A name without its secret attributes nothing.
 
-The key is also written, mode 0600, to a record of the running proxy (`LCAP_HOME/proxies/`), so that
-`lcap episode new` can mint credentials for a proxy it does not run in.
+The key is also written, mode 0600, to a record of the running proxy (`LCAP_HOME/proxies/PORT.json`), so that
+`lcap episode new` can mint credentials for a proxy it does not run in. The record is also how a proxy announces
+itself to `lcap status`: what it runs for, and counters it rewrites at most once a second while they change.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import hmac
 import json
 import os
 import secrets
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote, unquote
 
 from lcap.config import LcapError, lcap_home
@@ -126,16 +130,29 @@ def _url_host(host: str) -> str:
 
 @dataclass(frozen=True)
 class ProxyRecord:
-    """What `lcap episode new` needs to know about a running proxy."""
+    """A running proxy: what `lcap episode new` needs (address, key, store) and what `lcap status` shows."""
 
     pid: int
     host: str
     port: int
     key: str  # hex
     db: str
+    started_at: float = 0.0  # time.time()
+    command: str = ""  # the lcap command line it runs in (redacted)
+    upstream: str | None = None
+    spool: str | None = None  # its turn spool's directory
+    # calls, episodes, connections, turns, the writer (CaptureProxy.counters)
+    counters: dict[str, Any] = dataclasses.field(default_factory=dict)
+    updated_at: float = 0.0  # when the counters were taken
 
     def keys(self) -> EpisodeKeys:
         return EpisodeKeys(bytes.fromhex(self.key))
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ProxyRecord:
+        """A record as written by this lcap or another version (unknown fields are left out)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 def records_dir() -> Path:
@@ -147,7 +164,7 @@ def records_dir() -> Path:
 def write_record(record: ProxyRecord) -> Path:
     """Write the record, 0600 from its first byte (it holds the key)."""
     path = records_dir() / f"{record.port}.json"
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
         json.dump(record.__dict__, fh)
@@ -169,8 +186,8 @@ def running_proxies() -> list[ProxyRecord]:
     found = []
     for path in sorted(records_dir().glob("*.json")):
         try:
-            record = ProxyRecord(**json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
+            record = ProxyRecord.from_json(json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError, AttributeError):
             continue
         if _alive(record.pid):
             found.append(record)

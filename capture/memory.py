@@ -4,9 +4,11 @@ A body of tens of megabytes, buffered and then freed, leaves the proxy's residen
 frees it, but glibc keeps freed heap pages (per thread arena, and below a threshold that grows with use)
 for reuse, and a flow that ended inside a reference cycle waits for the next full collection (lcap freezes
 the objects made at start-up, so those are rare). Every `TRIM_EVERY` seconds the proxy looks at its
-resident memory; when it is `TRIM_GROWTH` above its floor (the lowest seen since the last trim, or what
-that trim left), a collection and `malloc_trim` hand the freed memory back, and what is left becomes the
-floor: memory in real use is not trimmed again and again. Elsewhere than glibc this does nothing.
+resident memory; when it is `TRIM_GROWTH` above its floor (the lowest seen since start: the idle proxy), a
+collection and `malloc_trim` hand the freed memory back. Memory in real use cannot be handed back: a trim
+that frees little doubles the wait before the next one (up to `TRIM_BACKOFF_MAX`), so a busy proxy is not
+trimmed again and again, while memory freed later (a big body whose call ended after the last trim) is
+still given back. Elsewhere than glibc this does nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Callable
 
 TRIM_EVERY = 5.0  # seconds
 TRIM_GROWTH = 32 << 20  # bytes
+TRIM_BACKOFF_MAX = 300.0  # seconds
 
 
 def resident_bytes() -> int | None:
@@ -41,6 +44,8 @@ class MemoryTrimmer:
             self._trim = None
         self.floor = resident_bytes()
         self.trims = 0
+        self._wait = TRIM_EVERY  # before the next trim
+        self._next_trim = 0.0
         self._timer: asyncio.TimerHandle | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -54,11 +59,12 @@ class MemoryTrimmer:
     def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
         resident = resident_bytes()
         if resident is not None and self.floor is not None and self._trim is not None:
-            if resident > self.floor + TRIM_GROWTH:
+            self.floor = min(self.floor, resident)
+            if resident > self.floor + TRIM_GROWTH and loop.time() >= self._next_trim:
                 gc.collect()
                 self._trim(0)
                 self.trims += 1
-                self.floor = resident_bytes() or resident
-            else:
-                self.floor = min(self.floor, resident)
+                freed = resident - (resident_bytes() or resident)
+                self._wait = TRIM_EVERY if freed >= TRIM_GROWTH // 4 else min(2 * self._wait, TRIM_BACKOFF_MAX)
+                self._next_trim = loop.time() + self._wait
         self._timer = loop.call_later(TRIM_EVERY, self._tick, loop)

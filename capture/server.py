@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from lcap.capture.addon import CaptureAddon
+from lcap.capture.announce import Announcer, command_line
 from lcap.capture.calls import Calls, Router, parse_upstream
 from lcap.capture.certs import LeafCerts
-from lcap.capture.credentials import EpisodeKeys, ProxyRecord, remove_record, write_record
+from lcap.capture.credentials import EpisodeKeys, ProxyRecord, remove_record
 from lcap.capture.destinations import Destinations, is_loopback_host
 from lcap.capture.front import Front
 from lcap.capture.memory import MemoryTrimmer
@@ -61,13 +62,18 @@ def ca_dir() -> Path:
     return lcap_home() / "ca"
 
 
+def ca_files() -> tuple[Path, Path]:
+    """lcap's CA certificate and its private key (which may not exist yet)."""
+    directory = ca_dir()
+    return directory / f"{CA_BASENAME}-ca-cert.pem", directory / f"{CA_BASENAME}-ca.pem"
+
+
 def ensure_ca() -> Path:
     """Create lcap's CA on first use (key 0600) and return the path of its certificate."""
     from mitmproxy.certs import CertStore
 
     directory = ca_dir()
-    cert = directory / f"{CA_BASENAME}-ca-cert.pem"
-    key = directory / f"{CA_BASENAME}-ca.pem"
+    cert, key = ca_files()
     try:
         directory.mkdir(parents=True, exist_ok=True)
         if not (key.exists() and cert.exists()):
@@ -99,9 +105,10 @@ def _system_roots() -> str | None:
     return next((c for c in candidates if c and os.path.isfile(c)), None)
 
 
-def ca_bundle() -> Path:
-    """System roots plus lcap's CA in one file: children trust both the real internet and the proxy."""
-    cert = ensure_ca()
+def ca_bundle(cert: Path | None = None) -> Path:
+    """System roots plus lcap's CA (`cert`, else made on first use) in one file: children trust both the real
+    internet and the proxy. Written again when the CA or the system roots are newer."""
+    cert = cert or ensure_ca()
     bundle = ca_dir() / "bundle.pem"
     roots = _system_roots()
     newest = max(cert.stat().st_mtime, os.path.getmtime(roots) if roots else 0)
@@ -112,6 +119,12 @@ def ca_bundle() -> Path:
         tmp.write_bytes(b"".join(parts))
         tmp.replace(bundle)
     return bundle
+
+
+def trust_env(bundle: Path) -> dict[str, str]:
+    """The variables through which a child trusts `bundle` (lcap's CA and the system roots). A client lcap learns
+    to point at its CA goes here: `lcap doctor` runs each against a server with a certificate from that CA."""
+    return {name: str(bundle) for name in CA_VARS}
 
 
 # --- the proxy ----------------------------------------------------------------------------------
@@ -149,6 +162,7 @@ class CaptureProxy:
         self.front: Front | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the proxy thread's event loop, once started
         self._record: ProxyRecord | None = None
+        self._announcer: Announcer | None = None
         self.writer = TurnWriter(store)
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -195,8 +209,19 @@ class CaptureProxy:
             self.writer.stop()
             raise LcapError(self._error or "the capture proxy did not start within 60 s")
         assert self.port is not None
-        self._record = ProxyRecord(os.getpid(), self.options.host, self.port, self.keys.key.hex(), str(self.store.path))
-        write_record(self._record)
+        self._record = ProxyRecord(
+            os.getpid(),
+            self.options.host,
+            self.port,
+            self.keys.key.hex(),
+            str(self.store.path),
+            started_at=time.time(),
+            command=command_line(),
+            upstream=self.options.upstream,
+            spool=str(self.writer.spool_directory) if self.writer.spool_directory else None,
+        )
+        self._announcer = Announcer(self._record, self.counters)
+        self._announcer.start()
         if self.exposed:
             log.warning(
                 "lcap: warning: the proxy listens on %s:%d, reachable from the network: every call needs episode "
@@ -314,6 +339,15 @@ class CaptureProxy:
                 await server.servers.update([])
                 await master.done()
 
+    def counters(self) -> dict[str, Any]:
+        """What this proxy is doing now, as its record tells `lcap status`: calls and episodes (in flight), agent
+        connections, credentials refused, and where its turns are (spooled, stored, the writer process)."""
+        out: dict[str, Any] = dict(self._calls.counts()) if self._calls is not None else {}
+        out["connections"] = self.front.admission.open if self.front is not None else 0
+        out["refused_credentials"] = self.keys.refused
+        out.update(self.writer.counters())
+        return out
+
     def flush(self, episode_id: str | None = None, *, timeout: float = 30.0) -> bool:
         """Block until the calls in flight (of `episode_id`, or all) are finished and every finished turn is
         in the store. Collect calls it when an episode's child exits, before reading that episode's turns."""
@@ -336,6 +370,9 @@ class CaptureProxy:
             self._master.shutdown()
             self._thread.join(10)
         self._thread = None
+        if self._announcer is not None:
+            self._announcer.stop()
+            self._announcer = None
         if self._record is not None:
             remove_record(self._record)
             self._record = None
@@ -373,9 +410,7 @@ class CaptureProxy:
         for name in ("NO_PROXY", "no_proxy"):
             if name in env:
                 env[name] = _no_proxy_without_llm_hosts(env[name])
-        bundle = str(self._bundle or ca_bundle())
-        for name in CA_VARS:
-            env[name] = bundle
+        env.update(trust_env(self._bundle or ca_bundle()))
         env["NODE_OPTIONS"] = node_options(env.get("NODE_OPTIONS"))
         env.update(preload_env())
         env["LCAP_PROXY_URL"] = self.url

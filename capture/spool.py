@@ -278,3 +278,83 @@ class Progress:
     @property
     def handled(self) -> int:
         return self.stored + self.degraded + self.dead
+
+
+# --- what a spool still holds (`lcap status`, `lcap doctor`) --------------------------------------------
+
+
+@dataclass
+class Backlog:
+    """A spool as seen from outside its proxy and writer: whose it is and what is still waiting for the store."""
+
+    directory: Path
+    owner: int | None  # the pid of the proxy that made it (its directory's name)
+    store: str | None  # the store its turns belong to
+    waiting: int  # records not yet stored
+    waiting_bytes: int
+    oldest: float | None  # modification time of the oldest segment holding waiting records
+    stored: int
+    degraded: int
+    dead: int
+
+
+def backlog(directory: Path) -> Backlog:
+    """What `directory` still holds past its writer's progress, counted from the records' length prefixes (the
+    records themselves are never read: they are sealed)."""
+    progress = Progress.load(directory)
+    existing = segments(directory)
+    start = progress.position if progress.position and progress.position[0] in existing else None
+    waiting = waiting_bytes = 0
+    oldest = None
+    for number in existing:
+        if start is not None and number < start[0]:
+            continue
+        offset = start[1] if start is not None and number == start[0] else 0
+        count, size = _records_from(segment_path(directory, number), offset)
+        if count:
+            waiting += count
+            waiting_bytes += size
+            if oldest is None:
+                try:
+                    oldest = segment_path(directory, number).stat().st_mtime
+                except FileNotFoundError:
+                    pass
+    owner = directory.name.split("-", 1)[0]
+    return Backlog(
+        directory,
+        int(owner) if owner.isdigit() else None,
+        spool_store(directory),
+        waiting,
+        waiting_bytes,
+        oldest,
+        progress.stored,
+        progress.degraded,
+        progress.dead,
+    )
+
+
+def _records_from(path: Path, offset: int) -> tuple[int, int]:
+    """(complete records, their bytes) in a segment from `offset`, hopping from one length prefix to the next."""
+    count = size = 0
+    try:
+        with open(path, "rb") as fh:
+            end = os.fstat(fh.fileno()).st_size
+            pos = offset
+            while pos + _LENGTH.size <= end:
+                fh.seek(pos)
+                (length,) = _LENGTH.unpack(fh.read(_LENGTH.size))
+                if pos + _LENGTH.size + length > end:
+                    break  # being written
+                count += 1
+                size += _LENGTH.size + length
+                pos += _LENGTH.size + length
+    except FileNotFoundError:  # stored and deleted meanwhile
+        pass
+    return count, size
+
+
+def backlogs(root: Path) -> list[Backlog]:
+    """Every spool under `root` (`LCAP_HOME/spool`)."""
+    if not root.is_dir():
+        return []
+    return [backlog(p) for p in sorted(root.glob("*-*")) if p.is_dir()]

@@ -102,6 +102,22 @@ class TurnWriter:
         """Turns in the store (degraded ones included)."""
         return self.stored + self.degraded
 
+    @property
+    def spool_directory(self) -> Path | None:
+        return self._spool.directory if self._spool is not None else None
+
+    def counters(self) -> dict[str, int | None]:
+        """Where the turns put so far are, and which process stores them (for `lcap status`)."""
+        spool, proc = self._spool, self._proc
+        return {
+            "turns_spooled": spool.appended if spool is not None else 0,
+            "turns_stored": self.stored,
+            "turns_degraded": self.degraded,
+            "dead_letters": self.dead,
+            "writer_pid": proc.pid if proc is not None and not self._exited else None,
+            "writer_restarts": self.restarts,
+        }
+
     def start(self) -> None:
         directory = self.spool_root / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._spool = SpoolAppender(directory, self.store.path)

@@ -125,11 +125,14 @@ def build_dataset(store: Store, *, round: int, out: Path, options: BuildOptions 
         "zero_variance": int(flags["zero_variance"].sum()),
         "truncated": int(flags["truncated"].sum()),
         "truncated_masked": int((flags["truncated"] & keep).sum()) if options.truncated == "mask" else 0,
+        "truncated_kept": int((flags["truncated"] & keep).sum()) if options.truncated == "keep" else 0,
         "tampered": int(flags["tampered"].sum()),
         "rebuilt": int(flags["rebuilt"].sum()),
         "episodes_split": len(pc.unique(split_episodes)),
     }
     report.samples = report.sample_counts["written"]
+    sizes = pc.value_counts(samples["group_id"].filter(pa.array(keep))).field("counts")
+    report.groups["trainable"] = int(pc.sum(pc.greater_equal(sizes, 2)).as_py() or 0)  # GRPO needs two per group
 
     write_samples(samples.filter(pa.array(keep)), out / SAMPLES_FILE)
     clock("write")

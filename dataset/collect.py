@@ -33,6 +33,7 @@ from lcap.capture.options import ProxyOptions
 from lcap.capture.redact import redact_text
 from lcap.config import LcapError
 from lcap.dataset.options import CollectOptions
+from lcap.dataset.summary import CollectSummary, summarize
 from lcap.dataset.verifiers import (
     Verifier,
     VerifierContext,
@@ -42,6 +43,7 @@ from lcap.dataset.verifiers import (
     resolve_argv,
     tampered_files,
 )
+from lcap.display import printable
 from lcap.processes import kill_group, run_child
 from lcap.store import Store, now
 
@@ -63,6 +65,7 @@ class CollectResult:
     run_dir: str = ""
     statuses: dict[str, int] = field(default_factory=dict)
     tampered: int = 0
+    summary: CollectSummary | None = None  # every episode of this collect, this run's and earlier ones'
 
 
 @dataclass(frozen=True)
@@ -199,20 +202,20 @@ def collect(
     done = _finished(store, [s.episode_id for s in specs])
     todo = [s for s in specs if s.episode_id not in done]
     result.skipped = len(specs) - len(todo)
-    if not todo:
-        return result
-    _forget_partial(store, [s.episode_id for s in todo])
+    if todo:
+        _forget_partial(store, [s.episode_id for s in todo])
 
-    from lcap.capture.server import CaptureProxy
+        from lcap.capture.server import CaptureProxy
 
-    proxy_options = replace(proxy_options or ProxyOptions(), upstream=options.upstream, model=options.model)
-    proxy = CaptureProxy(store, proxy_options)
-    proxy.start()
-    runner = _Runner(store, proxy, judge, guard, options.timeout, tasks.parent.resolve(), result)
-    try:
-        runner.run_all(todo, options.concurrency, progress=sys.stderr.isatty() if progress is None else progress)
-    finally:
-        proxy.stop()
+        proxy_options = replace(proxy_options or ProxyOptions(), upstream=options.upstream, model=options.model)
+        proxy = CaptureProxy(store, proxy_options)
+        proxy.start()
+        runner = _Runner(store, proxy, judge, guard, options.timeout, tasks.parent.resolve(), result)
+        try:
+            runner.run_all(todo, options.concurrency, progress=sys.stderr.isatty() if progress is None else progress)
+        finally:
+            proxy.stop()
+    result.summary = summarize(store, [s.episode_id for s in specs], run_dir, round)
     return result
 
 
@@ -257,6 +260,7 @@ class _Runner:
     def run_all(self, specs: list[EpisodeSpec], concurrency: int, *, progress: bool) -> None:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.text import Text
 
         console = Console(stderr=True)
         bar = Progress(
@@ -276,8 +280,10 @@ class _Runner:
                 for future in as_completed(futures):
                     spec = futures[future]
                     status, reason = future.result()
-                    if status != "ok" and status != "skipped":
-                        console.print(f"[yellow]{spec.episode_id}: {status}[/] {reason or ''}", highlight=False)
+                    if status != "ok" and status != "skipped":  # the reason quotes the agent: text, not markup
+                        console.print(
+                            Text.assemble((f"{spec.episode_id}: {status} ", "yellow"), printable(reason or ""))
+                        )
                     bar.update(job, advance=1, description=self._describe())
             except KeyboardInterrupt:
                 self.stopping.set()

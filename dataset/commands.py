@@ -38,6 +38,7 @@ def collect(
     import signal
 
     from lcap.dataset.collect import collect as run_collect
+    from lcap.display import printable
     from lcap.store import Store
 
     labels = parse_labels(label)
@@ -57,8 +58,8 @@ def collect(
         f"{result.finished} ok, {result.failed} failed, {result.skipped} skipped (already done), "
         f"{result.tampered} tampered, mean reward {mean}; workdirs in {result.run_dir}"
     )
-    if result.statuses:
-        typer.echo("statuses: " + ", ".join(f"{k} {v}" for k, v in sorted(result.statuses.items())))
+    if result.summary is not None:
+        typer.echo("\n".join(printable(line) for line in result.summary.lines()))
 
 
 @one_line_errors
@@ -86,8 +87,20 @@ def build_dataset(
     options: BuildOptions,
 ) -> None:
     """Join captured turns with rewards into GRPO samples (SQL views), clean them, write Parquet."""
+    from lcap.config import LcapError
     from lcap.dataset.build import build_dataset as build
+    from lcap.dataset.explain import causes, explain
     from lcap.store import Store
 
     report = build(Store(db), round=round, out=out, options=options)
     typer.echo("\n".join(report.lines()))
+    if report.samples == 0:
+        raise LcapError(f"round {round}: nothing to train on: {explain(report)}")
+    if not report.groups.get("trainable"):
+        typer.echo(
+            f"lcap: warning: round {round} has no group of two or more samples, which GRPO needs: {explain(report)}",
+            err=True,
+        )
+    else:
+        for cause in causes(report):
+            typer.echo(f"lost: {cause}")

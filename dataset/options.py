@@ -39,8 +39,10 @@ class BuildOptions:
     """Cleaning choices of `build-dataset` (and of the loop's build step); the defaults are what GRPO wants."""
 
     split: str = option("train", help="Episode split to read (train | eval).")
-    truncated: Literal["drop", "mask"] = option(
-        "drop", help="Completions cut by the token limit: drop them, or mask their tokens out of the loss."
+    truncated: Literal["drop", "mask", "keep"] = option(
+        "drop",
+        help="Completions cut by the token limit: drop them, mask their tokens out of the loss, or keep them "
+        "as produced (no stop token added), so their reward weighs against running on.",
     )
     keep_zero_variance: bool = option(
         False,
@@ -56,5 +58,5 @@ class BuildOptions:
     tokenizer: str | None = option(None, help="Tokenizer for rebuilds (default: the deployment's base model).")
 
     def __post_init__(self) -> None:
-        if self.truncated not in ("drop", "mask"):
-            raise LcapError(f"--truncated must be drop or mask, not {self.truncated!r}")
+        if self.truncated not in ("drop", "mask", "keep"):
+            raise LcapError(f"--truncated must be drop, mask or keep, not {self.truncated!r}")

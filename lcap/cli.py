@@ -15,6 +15,7 @@ from lcap.config import LcapError
 from lcap.dataset.commands import register as register_dataset
 from lcap.loop.commands import register as register_loop
 from lcap.serve.commands import register as register_serve
+from lcap.sql_output import DEFAULT_MAX_WIDTH
 from lcap.train.commands import register as register_train
 from lcap.ui.commands import register as register_ui
 
@@ -36,9 +37,17 @@ def sql(
     write: Annotated[
         bool, typer.Option("--write", help="Allow statements that modify the store (still no file system access).")
     ] = False,
+    max_width: Annotated[
+        int,
+        typer.Option(
+            "--max-width",
+            help="Table format: longest cell, in characters (cut with …; 0: no limit). CSV and JSON are whole.",
+        ),
+    ] = DEFAULT_MAX_WIDTH,
 ) -> None:
     """Run SQL on the store, even while a proxy is writing to it: read-only unless --write, and never the file
-    system (no COPY TO, no reading other files, no ATTACH, no extensions)."""
+    system (no COPY TO, no reading other files, no ATTACH, no extensions). The table format rounds floats and cuts
+    long values for reading; csv and json print every value exactly."""
     import duckdb
 
     from lcap.sql_output import render
@@ -54,7 +63,7 @@ def sql(
             rows = cursor.fetchall() if columns else []
     except duckdb.Error as exc:
         raise LcapError(str(exc).splitlines()[0]) from None
-    sys.stdout.write(render(columns, rows, format))
+    sys.stdout.write(render(columns, rows, format, max_width=max_width))
 
 
 @app.command()
@@ -71,6 +80,116 @@ def setup(
         if part not in steps:
             raise LcapError(f"unknown set-up part {part!r}: use {', '.join(steps)}")
         typer.echo(f"lcap setup {part}: {steps[part]()}")
+
+
+# Modules whose import registers `lcap doctor` checks (lcap.doctor's registry), listed in the order shown.
+DOCTOR_CHECKS = ("lcap.capture.doctor", "lcap.serve.doctor", "lcap.doctor_checks", "lcap.ui.doctor")
+DOCTOR_SECTIONS = ("capture", "serve", "store", "optional")
+
+
+@app.command()
+@one_line_errors
+def doctor(
+    db: DbOption,
+    checks: Annotated[
+        list[str] | None,
+        typer.Argument(help="Only these checks: a name or its group (ca, trust, node, spool, policy, store, ...)."),
+    ] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="One JSON object: every check, its status and fix.")] = False,
+) -> None:
+    """Check what lcap needs on this machine, each with a fix: its CA and whether Python, curl, Node and Java trust
+    it, the Node preload, vLLM and the policy server, the store and the spool, optional parts, and a live call
+    through a throwaway proxy. Exit code 0 only when every required check passes."""
+    import importlib
+    import json
+
+    from rich.console import Console
+
+    from lcap import doctor as registry
+    from lcap.config import lcap_home
+
+    for module in DOCTOR_CHECKS:
+        importlib.import_module(module)
+    chosen = sorted(registry.selected(checks or ()), key=lambda c: DOCTOR_SECTIONS.index(c.section))
+    if not chosen:
+        names = ", ".join(c.name for c in registry.CHECKS)
+        raise LcapError(f"no check named {' or '.join(checks or ())}: the checks are {names}")
+    console = Console(highlight=False, soft_wrap=True)
+    shown: list[str] = []
+
+    def show(item: registry.Check, result: registry.Result) -> None:
+        if item.section not in shown:
+            shown.append(item.section)
+            console.print(item.section, style="bold underline")
+        console.print(registry.line(item, result))
+
+    if not json_out:
+        console.print(f"lcap doctor: LCAP_HOME {lcap_home()}, store {db}", style="dim")
+    with registry.context(db) as ctx:
+        results = registry.run_checks(ctx, chosen, on_result=None if json_out else show)
+    if json_out:
+        typer.echo(json.dumps(registry.as_json(results), indent=2))
+    else:
+        console.print(registry.verdict(results), style="bold red" if registry.exit_code(results) else "bold green")
+    raise typer.Exit(registry.exit_code(results))
+
+
+# Modules whose import registers `lcap status` sections (lcap.status's registry), and the order they are shown in.
+STATUS_SECTIONS = ("lcap.capture.status", "lcap.serve.status", "lcap.loop.status")
+STATUS_ORDER = ("proxies", "writers", "policy", "store", "loop")
+
+
+@app.command()
+@one_line_errors
+def status(
+    db: DbOption,
+    json_out: Annotated[bool, typer.Option("--json", help="One JSON object (one per refresh with --watch).")] = False,
+    watch: Annotated[
+        bool, typer.Option("--watch", help="Refresh in place until Ctrl-C (or --count refreshes).")
+    ] = False,
+    interval: Annotated[float, typer.Option("--interval", help="Seconds between refreshes with --watch.")] = 2.0,
+    count: Annotated[int, typer.Option("--count", help="With --watch: stop after this many refreshes (0: never).")] = 0,
+) -> None:
+    """What runs on this machine for this LCAP_HOME: proxies (episodes, calls in flight, turns), turn writers and
+    what waits in their spools, the policy server and its current deployment, the store, the last loop step."""
+    import importlib
+    import json
+    import time
+
+    from rich.console import Console
+    from rich.live import Live
+
+    from lcap import status as registry
+
+    if interval < 0.2:
+        raise LcapError("--interval must be at least 0.2 seconds")
+    for module in STATUS_SECTIONS:
+        importlib.import_module(module)
+
+    def take() -> list[tuple[str, registry.Section]]:
+        return registry.snapshot(db, STATUS_ORDER)
+
+    limit = (count or None) if watch else 1  # refreshes; None: until Ctrl-C
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    shown = 0
+    try:
+        if json_out:
+            while limit is None or shown < limit:
+                if shown:
+                    time.sleep(interval)
+                typer.echo(json.dumps(registry.as_json(take()), default=str))
+                shown += 1
+        elif not watch:
+            console.print(registry.render(take()))
+        else:
+            with Live(registry.render(take()), console=console, auto_refresh=False) as live:
+                shown = 1
+                while limit is None or shown < limit:
+                    time.sleep(interval)
+                    live.update(registry.render(take()), refresh=True)
+                    shown += 1
+    except KeyboardInterrupt:
+        pass
 
 
 def _register_stages() -> None:

@@ -14,7 +14,7 @@ PROMOTED_LABELS = {
 
 # The store's shape. A new store gets TABLES at SCHEMA_VERSION; an older one is brought there by MIGRATIONS
 # (version reached -> statements), in order, inside the unit of work that first opens it for writing.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     2: (
         "ALTER TABLE episodes RENAME COLUMN group_index TO sample",
@@ -22,6 +22,12 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "UPDATE episodes SET split = labels->>'split'",
     ),
     3: ("ALTER TABLE turns ADD COLUMN IF NOT EXISTS degraded VARCHAR",),  # a version 1 store may have no turns
+    4: (
+        "ALTER TABLE train_runs ADD COLUMN IF NOT EXISTS mismatch_kl DOUBLE",
+        "ALTER TABLE train_runs ADD COLUMN IF NOT EXISTS mismatch_logp_diff DOUBLE",
+        "ALTER TABLE train_runs ADD COLUMN IF NOT EXISTS mismatch_seconds DOUBLE",
+        "ALTER TABLE train_runs ADD COLUMN IF NOT EXISTS mismatch JSON",
+    ),
 }
 
 TABLES = """
@@ -148,7 +154,13 @@ CREATE TABLE IF NOT EXISTS train_runs (
     train_seconds  DOUBLE,
     tokens_per_s   DOUBLE,
     steps          INTEGER,
-    config         JSON
+    config         JSON,
+    -- the mismatch guard (lcap.train.mismatch), before the first step: the trainer's log-probs of the captured
+    -- tokens against vLLM's, for the deployment that differs most (every deployment's figures in `mismatch`)
+    mismatch_kl         DOUBLE,   -- k3 estimate of KL(served || trained) per model token
+    mismatch_logp_diff  DOUBLE,   -- mean |train logp - served logp|
+    mismatch_seconds    DOUBLE,   -- the guard's no-grad forward
+    mismatch            JSON      -- [{deployment, samples, tokens, logp_diff, kl}]
 );
 
 -- train stage: `lcap loop` progress, one row per finished step of a round (collect, build, train, deploy, eval)

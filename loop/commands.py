@@ -34,6 +34,13 @@ def loop(
         Path | None, typer.Option("--eval-tasks", help="Held-out tasks, run before round 1 and after each deploy.")
     ] = None,
     eval_group_size: Annotated[int, typer.Option("--eval-group-size", help="Samples per held-out task.")] = 1,
+    tasks_per_round: Annotated[
+        int,
+        typer.Option(
+            "--tasks-per-round",
+            help="Tasks per round, the file's next ones each round (wrapping around); 0: every task every round.",
+        ),
+    ] = 0,
 ) -> None:
     """Alternate collect -> build-dataset -> train -> deploy for --rounds rounds against the served policy.
 
@@ -50,6 +57,7 @@ def loop(
         command=list(ctx.args),
         eval_tasks=eval_tasks,
         eval_group_size=eval_group_size,
+        tasks_per_round=tasks_per_round,
         collect=collect,
         build=build,
         train=train,

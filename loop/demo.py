@@ -1,13 +1,15 @@
 """`lcap demo`: the whole loop on a bundled agent, task set and verifier, on this machine.
 
-1. Make the tiny model (`init_model`) and warm-start it (`demo_task.warm_start`): it answers in
-   the right format but is usually wrong, like a base model before RL.
+1. Make the tiny model (`init_model`) and warm-start it (`demo_task.warm_start`): it answers with a
+   word of the question, half the time in the verifier's format and often the wrong word, like a
+   base model that knows the task only in part.
 2. Start vLLM (CPU here, GPU where there is one) on it: the policy server.
 3. `run_loop`: the bundled agent (scripts/demo/agent.py, a plain OpenAI-SDK script that calls
    api.openai.com) runs through the capture proxy, rerouted to the policy; the bundled verifier
-   rewards it; build-dataset -> GRPO -> deploy the LoRA; held-out tasks are evaluated before
-   round 1 and after every round.
-4. Write the reward curve (PNG), a summary table (Markdown) and results.json; print where.
+   rewards it; build-dataset -> GRPO -> deploy the LoRA; each round trains on new tasks, and
+   held-out tasks are evaluated before round 1 and after every round.
+4. Write the reward curve (PNG), a summary table (Markdown) and results.json, check the learning
+   targets on the store (`check_targets`); print where everything is.
 
 Everything lives under --out, so a second `lcap demo` resumes (the loop's state.json), and
 `lcap sql --db OUT/lcap.duckdb` inspects every captured call.
@@ -26,24 +28,30 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lcap.config import LcapError
+from lcap.display import num, small
 from lcap.serve.options import TinyModelOptions
 
-# Sizes and knobs tuned so that the held-out reward rises by >= 0.3 within 5 rounds on a 2-core CPU.
+# The policy's size: small enough to warm-start and train on two CPU cores in seconds, large enough to learn the task.
 MODEL = TinyModelOptions(hidden_size=128, num_layers=2, num_heads=2)
 
 
 @dataclass
 class DemoSettings:
-    n_train: int = 8  # training tasks...
-    n_eval: int = 32  # held-out tasks (distinct word triples)
-    group_size: int = 8  # ...x 8 samples: fewer all-wrong groups (no signal) than 16 x 4 for the same 64 runs
+    """The demo's task sizes and training knobs (loop/demo_task.py explains the task and the warm start)."""
+
+    n_train: int = 65  # distinct training tasks...
+    tasks_per_round: int = 13  # ...the next 13 each round: five rounds meet each once, none is learnt by heart
+    group_size: int = 8  # ...x 8 samples: 104 episodes a round
+    n_eval: int = 64  # held-out tasks, in no training round: one episode moves the mean by 1/64
     eval_group_size: int = 1
     concurrency: int = 4
-    warm_steps: int = 600  # long enough to learn to copy a word of the question, not only the format
-    warm_p_correct: float = 0.3  # the warm start's answer is the right word this often...
-    warm_p_format: float = 0.2  # ...and written in the format the verifier parses this often
-    lr: float = 3e-3  # 5e-3 learned faster, then collapsed
-    epochs: int = 4  # PPO-style passes over a round's samples (8 steps)
+    warm_steps: int = 600
+    warm_p_correct: float = 0.5  # the warm start answers the number word this often (chance: 1/3)...
+    warm_p_format: float = 0.5  # ...and in the verifier's format this often
+    warm_answer_weight: float = 5.0  # the answer word's weight in the warm start's loss: copying is learnt fast
+    lr: float = 3e-3
+    epochs: int = 4  # PPO-style passes over a round's samples, clipped against the round's starting policy
+    epsilon_high: float = 0.5  # PPO's clip above 1 (DAPO's clip-higher): right answers gain faster
     batch_size: int = 32
     seed: int = 0
 
@@ -65,8 +73,9 @@ def run_demo(
     echo: Callable[[str], None] = print,
 ) -> dict:
     import torch
+    from transformers.utils.logging import disable_progress_bar
 
-    from lcap.dataset.options import CollectOptions
+    from lcap.dataset.options import BuildOptions, CollectOptions
     from lcap.loop.demo_task import make_tasks, read_words, warm_start, write_jsonl
     from lcap.loop.rounds import LoopConfig, run_loop
     from lcap.policy import read_policy
@@ -76,6 +85,7 @@ def run_demo(
     from lcap.train.options import TrainOptions
 
     settings = settings or DemoSettings()
+    disable_progress_bar()  # transformers' bars over loading and saving weights: the demo prints a line a round
     if (os.cpu_count() or 1) <= 2:
         torch.set_num_threads(1)  # two busy threads on two cores thrash (vLLM, the proxy and agents share them)
     t0 = time.perf_counter()
@@ -90,6 +100,7 @@ def run_demo(
     model = out / "model"
     if not (model / "warm_start.json").exists():
         echo(f"[demo] making the tiny model in {model} and warm-starting it ({settings.warm_steps} supervised steps)")
+        warm_t0 = time.perf_counter()
         shutil.rmtree(model, ignore_errors=True)
         init_model(model, replace(MODEL, seed=settings.seed))
         report = warm_start(
@@ -97,11 +108,12 @@ def run_demo(
             read_words(bundled / "words.txt"),
             p_correct=settings.warm_p_correct,
             p_format=settings.warm_p_format,
+            answer_weight=settings.warm_answer_weight,
             steps=settings.warm_steps,
             seed=settings.seed,
-            log=echo,
         )
         (model / "warm_start.json").write_text(json.dumps(report, indent=2))
+        echo(f"[demo] warm start done in {time.perf_counter() - warm_t0:.0f} s (final loss {report['loss']:.3f})")
     timings["model"] = time.perf_counter() - t0
 
     train_tasks, held_out = make_tasks(
@@ -134,16 +146,21 @@ def run_demo(
         command=[sys.executable, str(bundled / "agent.py"), "--question", "{question}"],
         eval_tasks=eval_tasks,
         eval_group_size=settings.eval_group_size,
+        tasks_per_round=settings.tasks_per_round,
         collect=CollectOptions(
             group_size=settings.group_size,
             concurrency=settings.concurrency,
             timeout=120.0,
             verifier=f"{bundled / 'verify.py'}:verify",
         ),
+        # An answer cut by the token limit is trained on with its reward (0: unparsed) instead of dropped:
+        # dropped, nothing weighs against a policy drifting away from ending its answer.
+        build=BuildOptions(truncated="keep"),
         train=TrainOptions(
             base_model=str(model),
             learning_rate=settings.lr,
             epochs=settings.epochs,
+            epsilon_high=settings.epsilon_high,
             batch_size=settings.batch_size,
             report_to="tensorboard",
             seed=settings.seed,
@@ -156,64 +173,100 @@ def run_demo(
             stop_server()
     timings["loop"] = time.perf_counter() - t0 - timings["model"] - timings["server"]
     results = summarise(out, store, timings, time.perf_counter() - t0)
-    echo("")
-    echo(results["table"])
-    echo(f"[demo] reward curve: {results['png']}")
-    echo(f"[demo] summary:      {results['summary']}")
+    first, last = results["rounds"][0], results["rounds"][-1]
     echo(
-        f"[demo] held-out reward {results['eval_first']:.3f} -> {results['eval_best']:.3f} "
-        f"(+{results['eval_gain']:.3f}) in {results['seconds']:.0f} s; "
-        f"check: python scripts/demo/check_learning.py {out}"
+        f"[demo] held-out: reward {num(first['eval_reward'])} -> {num(last['eval_reward'])}, right answers "
+        f"{num(first['eval_right'], 2)} -> {num(last['eval_right'], 2)} (round {first['round']} -> {last['round']}), "
+        f"{results['seconds'] / 60:.1f} min; targets {'PASS' if results['targets']['passed'] else 'FAIL'} "
+        f"(python scripts/demo/check_learning.py {out})"
     )
     echo(f"[demo] look at every episode, call and round in a browser: lcap ui --db {shlex.quote(str(store.path))}")
+    echo(f"[demo] table: {results['summary']}, curve: {results['png']}, figures: {out / 'results.json'}")
+    echo(f'[demo] every captured call: lcap sql --db {out / "lcap.duckdb"} "select * from episode_summary"')
     return results
 
 
-def held_out_answer_rates(store) -> dict[int, tuple[float, float]]:
-    """Per round, the share of held-out answers the verifier could parse, and of right ones."""
-    rows = store.fetchall("""
-        SELECT e.round, avg((r.details->>'well_formed')::BOOLEAN::INTEGER), avg((r.details->>'right')::BOOLEAN::INTEGER)
-        FROM episodes e JOIN rewards r USING (episode_id)
-        WHERE e.split = 'eval'
-        GROUP BY ALL""")
-    return {n: (formed, right) for n, formed, right in rows}
+# What the demo must show, read from the store (scripts/demo/check_learning.py checks a finished run).
+TARGET_REWARD = 0.8  # held-out mean reward at the last round
+TARGET_RIGHT = 0.6  # share of held-out answers that are right at the last round
+TARGET_FALLBACK = 0.1  # neither may fall by more than this between the last two rounds
+
+
+def held_out_by_round(store) -> list[dict]:
+    """Per round, from the store: held-out episodes, their mean reward, and the shares of well-formed and right
+    answers (the verifier's details)."""
+    with store.connect(read_only=True) as con:
+        rows = con.execute("""
+            SELECT round, count(*), avg(reward),
+                   avg((reward_details->>'well_formed')::BOOLEAN::INTEGER),
+                   avg((reward_details->>'right')::BOOLEAN::INTEGER)
+            FROM episode_summary WHERE split = 'eval' AND reward IS NOT NULL
+            GROUP BY round ORDER BY round""").fetchall()
+    return [dict(round=n, episodes=k, reward=r, well_formed=f, right=g) for n, k, r, f, g in rows]
+
+
+def check_targets(held_out: list[dict]) -> tuple[bool, list[str]]:
+    """The demo's learning targets on the held-out rounds: each one's verdict as a line, and whether all pass."""
+    if len(held_out) < 2:
+        return False, ["fewer than two held-out rounds in the store"]
+    last, before = held_out[-1], held_out[-2]
+    checks = [
+        (
+            last["reward"] >= TARGET_REWARD,
+            f"held-out mean reward at round {last['round']}: {last['reward']:.3f} (>= {TARGET_REWARD})",
+        ),
+        (
+            last["right"] >= TARGET_RIGHT,
+            f"held-out right answers at round {last['round']}: {last['right']:.3f} (>= {TARGET_RIGHT})",
+        ),
+    ]
+    for name in ("reward", "right"):
+        change = last[name] - before[name]
+        checks.append(
+            (
+                change >= -TARGET_FALLBACK,
+                f"held-out {name} from round {before['round']} to {last['round']}: {change:+.3f} (>= -{TARGET_FALLBACK})",
+            )
+        )
+    return all(ok for ok, _ in checks), [f"{'ok  ' if ok else 'MISS'} {text}" for ok, text in checks]
 
 
 def summarise(out: Path, store, timings: dict[str, float], seconds: float) -> dict:
-    """Reward curve PNG + Markdown table + results.json from the loop's state and the store."""
+    """Reward curve PNG + Markdown table + results.json from the store (held-out) and the loop's state (training)."""
     state = json.loads((out / "run" / "state.json").read_text())["steps"]
-    rounds = sorted({int(k.split(":")[0]) for k in state})
-    rates = held_out_answer_rates(store)
+    held_out = {h["round"]: h for h in held_out_by_round(store)}
+    rounds = sorted({int(k.split(":")[0]) for k in state} | set(held_out))
     rows = []
     for n in rounds:
-        formed, right = rates.get(n, (None, None))
+        h = held_out.get(n, {})
+        trained = state.get(f"{n}:train") or {}
         rows.append(
             {
                 "round": n,
                 "train_reward": (state.get(f"{n}:collect") or {}).get("mean_reward"),
-                "eval_reward": (state.get(f"{n}:eval") or {}).get("mean_reward"),
-                "eval_well_formed": formed,
-                "eval_right": right,
-                "loss": (state.get(f"{n}:train") or {}).get("loss"),
-                "is_ratio": (state.get(f"{n}:train") or {}).get("is_ratio_mean"),
-                "tokens_per_s": (state.get(f"{n}:train") or {}).get("tokens_per_s"),
+                "eval_reward": h.get("reward"),
+                "eval_well_formed": h.get("well_formed"),
+                "eval_right": h.get("right"),
+                "loss": trained.get("loss"),
+                "is_ratio": trained.get("is_ratio_mean"),
+                "mismatch_kl": trained.get("mismatch_kl"),
                 "deployed": (state.get(f"{n}:deploy") or {}).get("name"),
             }
         )
     fmt = lambda x, d=3: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
     table = "\n".join(
         [
-            "| round | train reward | held-out reward | held-out well-formed / right | loss | IS ratio | tokens/s | deployed |",
+            "| round | train reward | held-out reward | held-out well-formed / right | loss | IS ratio | train/serve KL | deployed |",
             "|---|---|---|---|---|---|---|---|",
         ]
         + [
             f"| {r['round']} | {fmt(r['train_reward'])} | {fmt(r['eval_reward'])} | "
             f"{fmt(r['eval_well_formed'], 2)} / {fmt(r['eval_right'], 2)} | {fmt(r['loss'], 4)} | "
-            f"{fmt(r['is_ratio'])} | {fmt(r['tokens_per_s'], 0)} | {r['deployed'] or ('base' if r['round'] == 0 else '-')} |"
+            f"{fmt(r['is_ratio'])} | {small(r['mismatch_kl'])} | {r['deployed'] or ('base' if r['round'] == 0 else '-')} |"
             for r in rows
         ]
     )
-    evals = [r["eval_reward"] for r in rows if r["eval_reward"] is not None]
+    passed, verdicts = check_targets(list(held_out.values()))
     png = out / "reward_curve.png"
     _plot(rows, png)
     results = {
@@ -222,16 +275,14 @@ def summarise(out: Path, store, timings: dict[str, float], seconds: float) -> di
         "timings": timings,
         "png": str(png),
         "summary": str(out / "summary.md"),
-        "eval_first": evals[0] if evals else float("nan"),
-        "eval_last": evals[-1] if evals else float("nan"),
-        "eval_best": max(evals) if evals else float("nan"),
-        "eval_gain": (max(evals[1:]) - evals[0]) if len(evals) > 1 else 0.0,
+        "targets": {"passed": passed, "checks": verdicts},
         "table": table,
     }
     (out / "summary.md").write_text(
         f"# lcap demo\n\n{table}\n\ntotal {seconds:.0f} s "
         f"(model {timings.get('model', 0):.0f} s, vLLM start {timings.get('server', 0):.0f} s, "
-        f"loop {timings.get('loop', 0):.0f} s)\n"
+        f"loop {timings.get('loop', 0):.0f} s)\n\ntargets: {'PASS' if passed else 'FAIL'}\n"
+        + "".join(f"- {v}\n" for v in verdicts)
     )
     (out / "results.json").write_text(json.dumps({k: v for k, v in results.items() if k != "table"}, indent=2))
     return results

@@ -1,11 +1,16 @@
 """The demo's task and its warm start: "Which is a number: code seven tool" -> "Answer: seven".
 
-Why this task: GRPO can only sharpen what a policy already does sometimes. A real base model
-answers in the right format but is often wrong; the warm start reproduces that with a short
-supervised pass on a synthetic corpus where the answer is the number word 30% of the time and
-one of the two other words otherwise, written in the verifier's format 20% of the time. The policy
-learns to copy one of the question's words into its answer, so what GRPO sharpens (the format,
-and which of the three words to copy) carries over to held-out questions it never saw.
+The rule: of three words, answer the one that is a number word (13 of them, against 90 others). GRPO can
+only sharpen what a policy already does sometimes, so a short supervised warm start makes the tiny
+random-init model a base model that knows the rule only in part, as a real one would: in its corpus the
+answer is always one of the question's words, the number word half the time (chance is one in three),
+and written in the verifier's format half the time. The answer word weighs more than the format's words
+in its loss (`answer_weight`): copying a word of the question is what the tiny model is slowest to learn,
+and without it RL can only teach the format.
+
+What RL must then learn is the rule itself: which of the three words to answer, on questions it never
+saw. The training tasks are many distinct triples, each met once (the loop takes the next ones each
+round), that cycle through the number words; the held-out triples are drawn apart from them.
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ NUMBERS = frozenset(
 )
 
 
-def make_triple(rng: random.Random, words: list[str]) -> tuple[list[str], str]:
-    """Three words in random order, exactly one of them a number word; returns (words, answer)."""
-    numbers = [w for w in words if w in NUMBERS]
+def make_triple(rng: random.Random, words: list[str], number: str | None = None) -> tuple[list[str], str]:
+    """Three words in random order, exactly one of them a number word (`number`, else a random one); returns
+    (words, answer)."""
+    numbers = sorted(w for w in words if w in NUMBERS)
     others = [w for w in words if w not in NUMBERS]
-    answer = rng.choice(numbers)
+    answer = number or rng.choice(numbers)
     triple = [answer, *rng.sample(others, 2)]
     rng.shuffle(triple)
     return triple, answer
@@ -39,12 +45,16 @@ def read_words(path: Path) -> list[str]:
 
 
 def make_tasks(words: list[str], *, n_train: int, n_eval: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """Train and held-out tasks: distinct word triples, no triple in both."""
+    """Train and held-out tasks: distinct word triples, none in both. The training tasks cycle through the
+    number words, so each is the answer of about as many of them; held-out triples are drawn at random."""
     rng = random.Random(seed)
+    numbers = sorted(w for w in words if w in NUMBERS)
+    rng.shuffle(numbers)
     seen: set[tuple[str, ...]] = set()
     tasks: list[dict[str, str]] = []
     while len(tasks) < n_train + n_eval:
-        triple, answer = make_triple(rng, words)
+        number = numbers[len(tasks) % len(numbers)] if len(tasks) < n_train else None
+        triple, answer = make_triple(rng, words, number)
         if tuple(triple) in seen:
             continue
         seen.add(tuple(triple))
@@ -64,14 +74,14 @@ def warm_start(
     model_dir: Path,
     words: list[str],
     *,
-    p_correct: float = 0.3,
-    p_format: float = 0.3,
+    p_correct: float = 1 / 3,
+    p_format: float = 0.5,
+    answer_weight: float = 5.0,
     examples: int = 4000,
     steps: int = 300,
     batch_size: int = 64,
     lr: float = 3e-3,
     seed: int = 0,
-    log=print,
 ) -> dict:
     """Supervised pass that teaches the answer format with a wrong-most-of-the-time answer; saves in place."""
     import torch
@@ -91,35 +101,45 @@ def warm_start(
         p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         form = FORMATS[0] if rng.random() < p_format else rng.choice(FORMATS[1:])
         c_ids = tokenizer(form.format(w=answer) + "<|im_end|>", add_special_tokens=False)["input_ids"]
-        rows.append((p_ids, c_ids))
+        (word,) = tokenizer(" " + answer, add_special_tokens=False)["input_ids"]  # the question's own token
+        rows.append((p_ids, c_ids, c_ids.index(word)))
     # Every word is one token, so every prompt has the same length: answers are padded on the right
     # and only the answer positions go through the LM head.
-    if len({len(p) for p, _ in rows}) != 1:
+    if len({len(p) for p, _, _ in rows}) != 1:
         raise ValueError("warm start needs single-token words (every prompt the same length)")
-    n_answer = max(len(c) for _, c in rows)
+    n_answer = max(len(c) for _, c, _ in rows)
     ids = torch.full((len(rows), len(rows[0][0]) + n_answer), tokenizer.pad_token_id)
     labels = torch.full((len(rows), n_answer), -100)
-    for i, (p, c) in enumerate(rows):
+    weights = torch.zeros(len(rows), n_answer)
+    for i, (p, c, word) in enumerate(rows):
         ids[i, : len(p) + len(c)] = torch.tensor(p + c)
         labels[i, : len(c)] = torch.tensor(c)
+        weights[i, : len(c)] = 1.0
+        weights[i, word] = answer_weight
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     model.train()
     loss = None
-    for step in range(steps):
+    for _ in range(steps):
         pick = torch.randint(0, len(rows), (batch_size,))
         logits = model(input_ids=ids[pick, :-1], logits_to_keep=n_answer).logits
-        out = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1)), labels[pick].reshape(-1), ignore_index=-100
+        per_token = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), labels[pick].reshape(-1), ignore_index=-100, reduction="none"
         )
+        out = (per_token * weights[pick].reshape(-1)).sum() / weights[pick].sum()
         out.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         opt.zero_grad()
         loss = out.item()
-        if log and (step + 1) % 50 == 0:
-            log(f"warm start step {step + 1}/{steps}: loss {loss:.3f}")
     model.eval()
     model.save_pretrained(model_dir, safe_serialization=True)
-    return {"steps": steps, "loss": loss, "examples": examples, "p_correct": p_correct, "p_format": p_format}
+    return {
+        "steps": steps,
+        "loss": loss,
+        "examples": examples,
+        "p_correct": p_correct,
+        "p_format": p_format,
+        "answer_weight": answer_weight,
+    }

@@ -40,9 +40,14 @@ class LoopConfig:
     command: list[str]
     eval_tasks: Path | None = None
     eval_group_size: int = 1
+    tasks_per_round: int = 0  # 0: every task every round; else the next this many of the file each round
     collect: CollectOptions = field(default_factory=CollectOptions)
     build: BuildOptions = field(default_factory=BuildOptions)
     train: TrainOptions = field(default_factory=TrainOptions)
+
+    def __post_init__(self) -> None:
+        if self.tasks_per_round < 0:
+            raise LcapError("--tasks-per-round must be 0 (every task) or more")
 
     def key(self) -> str:
         """What must not change between a run and its resume (more rounds may be added)."""
@@ -54,6 +59,8 @@ class LoopConfig:
             str(Path(self.eval_tasks).resolve()) if self.eval_tasks else None,
             self.eval_group_size,
         ]
+        if self.tasks_per_round:
+            ident.append(self.tasks_per_round)
         return hashlib.sha1(json.dumps(ident).encode()).hexdigest()[:12]
 
 
@@ -65,7 +72,7 @@ class LoopState:
         data = json.loads(self.path.read_text()) if self.path.exists() else {}
         if data and data.get("key") != key:
             raise LcapError(
-                f"{self.path} belongs to a loop with another agent command, tasks, group size or "
+                f"{self.path} belongs to a loop with another agent command, tasks, tasks per round, group size or "
                 "verifier: use a new --run folder"
             )
         self.data = data or {"key": key, "steps": {}}
@@ -119,6 +126,12 @@ def run_loop(
     if policy is None:
         raise LcapError("no policy server is running: start one with `lcap serve --model M` (or run `lcap demo`)")
     resolve_base_model(run, config.train.base_model or policy.base_model)
+    if config.train.ray is not None:  # an unreachable cluster fails now, not after the first collect
+        from lcap.ray_cluster import connect
+
+        connect(config.train.ray)
+    elif config.train.num_workers > 1:
+        raise LcapError(f"--num-workers {config.train.num_workers} trains on a Ray cluster: add --ray ADDRESS")
     (run / "loop.json").write_text(json.dumps({**asdict(config), "key": config.key()}, indent=2, default=str))
     _redeploy_if_lost(state, store, echo)
 
@@ -172,7 +185,8 @@ def run_loop(
         for n in range(1, config.rounds + 1):
             t0 = time.perf_counter()
             s = RoundSummary(round=n)
-            got = step(n, "collect", lambda: collect_step(n, "train", config.tasks, config.collect.group_size))
+            tasks = round_tasks(config, n)
+            got = step(n, "collect", lambda: collect_step(n, "train", tasks, config.collect.group_size))
             s.train_reward = got["mean_reward"]
             data = round_dir(run, n) / "data"
             step(
@@ -207,15 +221,37 @@ def run_loop(
     return summaries
 
 
+def round_tasks(config: LoopConfig, n: int) -> Path:
+    """Round n's training tasks: the whole file, or with `tasks_per_round` k the file's tasks (n-1)k .. nk-1,
+    wrapping around at its end, written to RUN/round-n/tasks.jsonl (the same bytes when a round is resumed)."""
+    if not config.tasks_per_round:
+        return config.tasks
+    from lcap.dataset.collect import load_tasks
+
+    tasks = load_tasks(config.tasks)
+    k = config.tasks_per_round
+    if k > len(tasks):
+        raise LcapError(f"--tasks-per-round {k} is more than the {len(tasks)} tasks in {config.tasks}")
+    chosen = [tasks[i % len(tasks)] for i in range((n - 1) * k, n * k)]
+    path = round_dir(config.run, n) / "tasks.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(t) + "\n" for t in chosen))
+    return path
+
+
 def _train(store, run: Path, n: int, options: TrainOptions, data: Path) -> dict:
     from lcap.train.grpo import train_round
 
     samples = data / "samples.parquet"
     if not samples.exists() or _parquet_rows(samples) == 0:
-        raise LcapError(
-            f"round {n}: the dataset is empty (every group had equal rewards, or no episode finished): "
-            "more tasks or a larger --group-size give GRPO something to compare"
-        )
+        from lcap.dataset.explain import explain
+
+        try:
+            report = json.loads((data / "report.json").read_text())
+        except (OSError, ValueError):
+            report = None
+        why = explain(report) if report else f"no report.json in {data}"
+        raise LcapError(f"round {n}: nothing to train on in {data}: {why}")
     result = train_round(store, run, n, options, data=data, progress=sys.stderr.isatty())
     return {
         "output": str(result.output),

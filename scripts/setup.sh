@@ -20,7 +20,7 @@ fi
 stamp=$venv/.lcap-installed
 want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  "$py" -m pip install -q -e ".[train,test,ui]"
+  "$py" -m pip install -q -e ".[train,test,ui,ray]"
   echo "$want" > "$stamp"
 fi
 # The UI's browser tests drive the system Chromium (Playwright's own browser downloads are not reachable).

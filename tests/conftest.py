@@ -2,7 +2,14 @@
 
 import signal
 
-pytest_plugins = ["fixtures_vllm", "fixtures_capture", "fixtures_dataset", "fixtures_train", "fixtures_ui"]
+pytest_plugins = [
+    "fixtures_vllm",
+    "fixtures_capture",
+    "fixtures_dataset",
+    "fixtures_train",
+    "fixtures_ui",
+    "fixtures_ray",
+]
 
 # A suite started in the background (`cmd &` in a script, nohup) inherits SIGINT ignored, and so
 # would every lcap and agent it starts; several tests send SIGINT on purpose. A handler here makes

@@ -14,9 +14,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 from lcap.policy import PolicyServer
@@ -63,6 +65,58 @@ def make_lora(model_dir: Path, out: Path, *, seed: int = 1, rank: int = 8, scale
                 param.normal_(0.0, scale)
     peft_model.save_pretrained(out)
     return out
+
+
+QUESTIONS = ("Which is a number: code seven tool", "What is 2 + 2?", "Name a file.", "Sort the list.")
+
+
+def served_samples(
+    url: str, model: str, out: Path, *, questions: Sequence[str] = QUESTIONS, group_size: int = 4, max_tokens: int = 12
+) -> Path:
+    """samples.parquet of completions vLLM served as `model`, with what the proxy stores of each: the prompt
+    and completion ids and the sampled tokens' logprobs; one group per question, rewards 1, 0, 1, 0."""
+    rows = []
+    for g, question in enumerate(questions):
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": question}],
+            "max_tokens": max_tokens,
+            "temperature": 1.0,
+            "n": group_size,
+            "seed": g,
+            "logprobs": True,
+            "return_token_ids": True,
+        }
+        answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+        assert answer.get("model") == model, answer
+        for k, choice in enumerate(answer["choices"]):
+            ids = choice["token_ids"]
+            logprobs = [t["logprob"] for t in choice["logprobs"]["content"]]
+            assert len(logprobs) == len(ids)
+            reward = float(k % 2 == 0)
+            rows.append(
+                dict(
+                    sample_id=f"s{g}-{k}",
+                    episode_id=f"e{g}-{k}",
+                    task_id=f"t{g}",
+                    round=2,
+                    group_id=f"2/train/t{g}",
+                    prompt_ids=answer.get("prompt_token_ids") or choice["prompt_token_ids"],
+                    completion_ids=ids,
+                    logprobs=logprobs,
+                    env_mask=[1] * len(ids),
+                    reward=reward,
+                    advantage=reward - 0.5,
+                    deployment=model,
+                    rebuilt=False,
+                    truncated=choice["finish_reason"] == "length",
+                    n_turns=1,
+                    merged=False,
+                )
+            )
+    from fixtures_train import write_samples
+
+    return write_samples(out / "samples.parquet", rows)
 
 
 @pytest.fixture(scope="session")

@@ -159,7 +159,7 @@ def test_cleaning_duplicates(builder, dstore, tmp_path):
     assert report.episodes["duplicate"] == 1 and report.turns["duplicate"] == 1
 
 
-def test_cleaning_truncated_drop_and_mask(builder, dstore, tmp_path):
+def test_cleaning_truncated_drop_mask_and_keep(builder, dstore, tmp_path):
     _group(builder, "t0", [0.0, 1.0])
     turns = chat_turns([30, 31, 2], [40, 41, 42])
     turns[1]["finish_reason"] = "length"
@@ -173,6 +173,12 @@ def test_cleaning_truncated_drop_and_mask(builder, dstore, tmp_path):
     assert cut["completion_ids"] == [30, 31, 2, 90, 91, 40, 41, 42]
     assert cut["env_mask"] == [1, 1, 1, 0, 0, 0, 0, 0]
     assert cut["truncated"] is True and report.sample_counts["truncated_masked"] == 1
+
+    report, samples, _ = _build(dstore, tmp_path, truncated="keep")
+    kept = samples["cut#0"]
+    # trained on as produced: its tokens carry the loss (and its reward), still with no stop token added
+    assert kept["completion_ids"] == cut["completion_ids"] and kept["env_mask"] == [1, 1, 1, 0, 0, 1, 1, 1]
+    assert report.sample_counts["truncated_kept"] == 1 and report.sample_counts["truncated_masked"] == 0
 
 
 def test_a_call_after_a_truncated_one_starts_a_new_sample(builder, dstore, tmp_path):
@@ -314,7 +320,7 @@ def test_reward_command(builder, dstore, tmp_path):
         capture_output=True,
         text=True,
     )
-    assert bad.returncode == 2 and bad.stderr.strip() == "lcap: --truncated must be drop or mask, not 'cut'"
+    assert bad.returncode == 2 and bad.stderr.strip() == "lcap: --truncated must be drop, mask or keep, not 'cut'"
 
 
 def test_vectorised_merge_agrees_with_the_samples_view(builder, dstore, tmp_path, monkeypatch):

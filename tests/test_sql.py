@@ -92,3 +92,31 @@ _ATTACKS = [
     ("SET allowed_paths = ['{secret}']; SELECT content FROM read_text('{secret}')", "a path allowed", True),
     ("SET autoinstall_known_extensions = true; SELECT 1", "extensions allowed again", True),
 ]
+
+
+def test_table_rounds_floats_cuts_long_text_and_shows_text_as_it_is(tmp_path):
+    """The table is for reading (floats rounded, long values cut at --max-width with an ellipsis, control characters
+    and rich markup shown as text); csv and json keep every value whole."""
+    db = tmp_path / "lcap.duckdb"
+    Store(db).append("rewards", [{"episode_id": "ep", "value": 0.123456789, "source": "cli"}])
+    query = (
+        "SELECT value, 1e-9 AS tiny, [0.333333333, 2.5] AS l, repeat('x', 300) AS long, "
+        "'[/bold] ' || chr(27) || '[31mred' || chr(10) || 'next' AS agent FROM rewards"
+    )
+    table = lcap_sql(db, query)
+    assert table.returncode == 0, table.stderr
+    (row,) = [line for line in table.stdout.splitlines() if "0.1235" in line]
+    cells = [c.strip() for c in row.strip("│ ").split("│")]
+    assert cells[:3] == ["0.1235", "1.000e-09", "[0.3333, 2.5]"]
+    assert cells[3] == "x" * 79 + "…"
+    assert cells[4] == "[/bold] \\x1b[31mred\\nnext"
+    assert "\x1b" not in table.stdout
+
+    narrow = lcap_sql(db, "--max-width", "10", query).stdout
+    assert "xxxxxxxxx…" in narrow and "x" * 10 not in narrow
+    whole = lcap_sql(db, "--max-width", "0", "SELECT repeat('y', 150) AS long").stdout
+    assert "y" * 150 in whole
+
+    exact = json.loads(lcap_sql(db, "-f", "json", query).stdout)
+    assert exact["value"] == 0.123456789 and exact["l"] == [0.333333333, 2.5] and exact["long"] == "x" * 300
+    assert lcap_sql(db, "-f", "csv", "SELECT value FROM rewards").stdout.splitlines()[1] == "0.123456789"

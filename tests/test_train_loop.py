@@ -16,6 +16,7 @@ from lcap.config import LcapError
 from lcap.dataset.options import CollectOptions
 from lcap.loop.rounds import LoopConfig, LoopState
 from lcap.store import Store
+from lcap.train.options import MISMATCH_MAX
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -117,10 +118,12 @@ def test_loop_two_rounds_killed_and_resumed(vllm_policy, tmp_path):
     assert counts["2:collect"] == 1 and counts["2:eval"] == 1
     assert store.fetchall("SELECT count(*) FROM episodes WHERE round = 1 AND split = 'train'") == [(9,)]
 
-    runs = store.fetchall("SELECT round, init_from, output, n_samples FROM train_runs ORDER BY round")
+    runs = store.fetchall("SELECT round, init_from, output, n_samples, mismatch_kl FROM train_runs ORDER BY round")
     assert [r[0] for r in runs] == [1, 2]
     assert runs[0][1] is None and runs[1][1] == runs[0][2]  # round 2 continued round 1's adapter
     assert all(r[3] > 0 for r in runs)
+    # The guard compared each round's starting policy with the deployment that served it, through the proxy.
+    assert all(r[4] is not None and 0 <= r[4] < MISMATCH_MAX / 100 for r in runs), runs
     assert (tmp_path / "run" / "round-2" / "adapter" / "adapter_config.json").exists()
     assert (tmp_path / "run" / "round-2" / "data" / "samples.parquet").exists()
     assert json.loads((tmp_path / "run" / "round-2" / "config.json").read_text())["kind"] == "lora"
@@ -136,6 +139,25 @@ def test_loop_two_rounds_killed_and_resumed(vllm_policy, tmp_path):
         "WHERE e.round = 2 AND e.split = 'train'"
     )
     assert served == [(steps["1:deploy"]["name"],)]
+
+    # Another adapter loaded under round 2's deployed name: round 3 is served by it, and its training stops.
+    from fixtures_vllm import make_lora
+
+    from lcap.serve.deploy import deploy
+
+    deploy(make_lora(vllm_policy.model_dir, tmp_path / "wrong" / "adapter"), name=steps["2:deploy"]["name"])
+    command[command.index("--rounds") + 1] = "3"
+    third = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert third.returncode == 2, third.stdout[-3000:] + third.stderr[-3000:]
+    assert (
+        third.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            f"lcap: round 3: the policy being trained ({tmp_path / 'run' / 'round-2' / 'adapter'}) does not score"
+        )
+    )
+    steps = json.loads(state.read_text())["steps"]
+    assert "3:build" in steps and "3:train" not in steps
 
 
 def test_loop_state_refuses_another_loop(tmp_path):
@@ -154,3 +176,18 @@ def test_loop_state_refuses_another_loop(tmp_path):
         run=tmp_path, rounds=5, tasks=tmp_path / "t.jsonl", command=["agent"], collect=CollectOptions(group_size=4)
     )
     assert more_rounds.key() == config.key()  # extending a loop with more rounds is a resume
+
+
+def test_tasks_per_round_takes_the_next_tasks_each_round(tmp_path):
+    from lcap.loop.rounds import round_tasks
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"id": f"t{i}", "q": f"question {i}"}) + "\n" for i in range(5)))
+    config = LoopConfig(run=tmp_path / "run", rounds=3, tasks=tasks, command=["agent"], tasks_per_round=2)
+    ids = {n: [json.loads(line)["id"] for line in round_tasks(config, n).read_text().splitlines()] for n in (1, 2, 3)}
+    assert ids == {1: ["t0", "t1"], 2: ["t2", "t3"], 3: ["t4", "t0"]}  # wraps around at the file's end
+    assert round_tasks(config, 3) == tmp_path / "run" / "round-3" / "tasks.jsonl"
+    every = LoopConfig(run=tmp_path / "run", rounds=3, tasks=tasks, command=["agent"])
+    assert round_tasks(every, 2) == tasks and every.key() != config.key()
+    with pytest.raises(LcapError, match="more than the 5 tasks"):
+        round_tasks(LoopConfig(run=tmp_path, rounds=1, tasks=tasks, command=["a"], tasks_per_round=6), 1)

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from lcap.cli_options import DbOption, one_line_errors, with_options
+from lcap.config import LcapError
 from lcap.train.options import TrainOptions
 
 
@@ -30,7 +31,11 @@ def train(
     ] = None,
     accelerate_config: Annotated[
         Path | None,
-        typer.Option("--accelerate-config", help="Run under `accelerate launch --config_file` (multi-GPU)."),
+        typer.Option(
+            "--accelerate-config",
+            help="Rerun this command on every process of `accelerate launch --config_file` (DDP, FSDP, DeepSpeed; "
+            "configs in scripts/accelerate/).",
+        ),
     ] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the accelerate command instead of running it.")
@@ -38,40 +43,31 @@ def train(
 ) -> None:
     """Train one GRPO round (TRL GRPOTrainer) on the round's captured samples; LoRA unless --full."""
     if accelerate_config is not None:
-        _accelerate(accelerate_config, dry_run)
+        _accelerate(accelerate_config, options, dry_run)
         return
     from lcap.store import Store
-    from lcap.train.grpo import train_round
+    from lcap.train.grpo import is_main_process, train_round
     from lcap.train.progress import round_line
 
     result = train_round(Store(db), run, round, options, data=data, progress=True)
-    typer.echo(round_line(round, result.metrics, result.output))
+    if is_main_process():
+        typer.echo(round_line(round, result.metrics, result.output))
 
 
-def _accelerate(config: Path, dry_run: bool) -> None:
+def _accelerate(config: Path, options: TrainOptions, dry_run: bool) -> None:
     """Rerun this same `lcap train` command line on every process of an accelerate config."""
     import os
     import subprocess
     import sys
 
     from lcap.processes import helper_env
-    from lcap.train.grpo import accelerate_command
+    from lcap.train.accelerate_launch import accelerate_command
 
-    argv = _without_option(sys.argv[1:], "--accelerate-config")
-    command = accelerate_command(str(config), [a for a in argv if a != "--dry-run"])
+    if options.ray is not None:
+        raise LcapError("--accelerate-config and --ray are two launchers: pick one")
+    processes = options.num_workers if options.num_workers > 1 else None  # 1, the default: the config's count
+    command = accelerate_command(config, sys.argv[1:], processes)
     if dry_run:
         typer.echo(" ".join(command))
         return
     raise typer.Exit(subprocess.call(command, env=helper_env(os.environ)))  # its workers start without -I
-
-
-def _without_option(argv: list[str], name: str) -> list[str]:
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == name:
-            skip = True
-        elif not arg.startswith(name + "="):
-            out.append(arg)
-    return out

@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import json
 import math
-import sys
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lcap.config import LcapError
-from lcap.processes import python_helper
 from lcap.train.options import TrainOptions
+
+if TYPE_CHECKING:
+    from lcap.train.mismatch import Mismatch
 
 
 @dataclass
@@ -63,7 +65,7 @@ def resolve_base_model(run: Path, base_model: str | None) -> str:
         raise LcapError("no base model: pass --model, or start the policy server (`lcap serve`) first")
     if recorded.get("base_model") not in (None, base_model):
         raise LcapError(f"run {run} was started on {recorded['base_model']}, not {base_model}")
-    if not recorded:
+    if not recorded and is_main_process():
         run_json.parent.mkdir(parents=True, exist_ok=True)
         run_json.write_text(json.dumps({"base_model": base_model}, indent=2))
     return base_model
@@ -83,26 +85,101 @@ def round_samples(run: Path, round: int, data: Path | None) -> Path:
     return out / "samples.parquet"
 
 
-def accelerate_command(config: str, argv: list[str]) -> list[str]:
-    """The `accelerate launch` command that reruns `lcap train ARGV` on every process of CONFIG."""
-    launch = python_helper(sys.executable, "-m", "accelerate.commands.launch")
-    return [*launch, "--config_file", str(config), "-m", "lcap", *argv]
+def nothing_to_train(where: str, samples_path: Path, samples: list, groups: Any, current: str | None) -> str:
+    """Why a round has no group GRPO can train on: build-dataset's losses (from the report.json beside the samples)
+    and the trainer's own (stale samples dropped, samples alone in their group), with what changes each."""
+    from lcap.dataset.explain import Cause, explain, plural
+
+    report_path = Path(samples_path).parent / "report.json"
+    try:
+        report = json.loads(report_path.read_text())
+    except (OSError, ValueError):
+        report = None
+    n_samples = len(samples)
+    extra = []
+    if groups.dropped_stale:
+        extra.append(
+            Cause(
+                f"{groups.dropped_stale} of {n_samples} samples were served by another deployment than {current} and "
+                "dropped (--stale drop)",
+                "train with --stale correct (importance-corrected, the default)",
+            )
+        )
+    if groups.dropped_small:
+        extra.append(
+            Cause(
+                f"{plural(groups.dropped_small, 'sample')} "
+                f"{'is alone in its group' if groups.dropped_small == 1 else 'are alone in their groups'} "
+                "(GRPO compares two or more samples of a task)",
+                "undo what left them alone, or collect with a larger --group-size",
+            )
+        )
+    n_groups = len({s.group_id for s in samples})
+    head = (
+        f"{where}: no group with two or more usable samples in {samples_path} "
+        f"({plural(n_samples, 'sample')} in {plural(n_groups, 'group')})"
+    )
+    if report is None and not extra:
+        return f"{head}: no report.json beside it says why (build it with `lcap build-dataset`)"
+    return f"{head}: {explain(report, extra=extra)}"
+
+
+def world_size() -> int:
+    """The training processes this one belongs to, as its launcher (torchrun, accelerate, DeepSpeed, Ray Train) said."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_main_process() -> bool:
+    """Rank 0 of a launch, or a process launched alone: the one that writes the run folder and the store."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+@dataclass(frozen=True)
+class RoundInputs:
+    """What a round trains from, resolved once where the command runs; a Ray worker gets these, not the run folder."""
+
+    base_model: str
+    samples: Path
+    init_from: Path | None  # the previous round's adapter or checkpoint
+    current: str | None  # the deployment being trained (samples another one served are stale)
+
+
+def round_inputs(run: Path, round: int, options: TrainOptions, data: Path | None = None) -> RoundInputs:
+    run = Path(run)
+    base_model = resolve_base_model(run, options.base_model)
+    samples = round_samples(run, round, data)
+    current = options.current
+    if current is None:
+        from lcap.policy import read_policy
+
+        policy = read_policy()
+        current = policy.current if policy else None
+    init_from = round_output(run, round - 1) if round > 1 else None
+    return RoundInputs(base_model=base_model, samples=samples, init_from=init_from, current=current)
 
 
 @dataclass
 class PreparedRound:
     trainer: Any
     groups: Any
-    base_model: str
-    init_from: Path | None
+    inputs: RoundInputs
     kind: str
-    samples_path: Path
-    current: str | None
-    batch: int
+    batch: int  # samples per optimiser step, all processes together
+    out_dir: Path
 
 
 def prepare_round(run: Path, round: int, options: TrainOptions, data: Path | None = None) -> PreparedRound:
     """Everything up to `trainer.train()`: the samples as groups, the policy, the TRL trainer."""
+    return prepare(round_inputs(run, round, options, data), round_dir(run, round), options)
+
+
+def prepare(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> PreparedRound:
+    """The round's trainer in this process; with several processes, each trains on its share of every batch.
+
+    The batch (`--batch-size` samples, whole groups) is the same for any number of processes: each one
+    takes `batch / processes` consecutive samples of it, and DDP averages their gradients, so one process
+    and N take the same optimiser steps on the same samples (tests/test_train_distributed.py).
+    """
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer
@@ -112,24 +189,20 @@ def prepare_round(run: Path, round: int, options: TrainOptions, data: Path | Non
     from lcap.train.samples import make_groups, read_samples
     from lcap.train.trainer import CapturedGRPOTrainer, captured_advantage, captured_rollout
 
-    run = Path(run)
-    base_model = resolve_base_model(run, options.base_model)
-    samples_path = round_samples(run, round, data)
-    current = options.current
-    if current is None:
-        from lcap.policy import read_policy
-
-        policy = read_policy()
-        current = policy.current if policy else None
-    groups = make_groups(
-        read_samples(samples_path), group_size=options.group_size, stale=options.stale, current=current
-    )
+    samples = read_samples(inputs.samples)
+    groups = make_groups(samples, group_size=options.group_size, stale=options.stale, current=inputs.current)
     if not groups.groups:
-        raise LcapError(f"round {round}: no group with two or more usable samples in {samples_path}")
+        raise LcapError(
+            nothing_to_train(out_dir.name.replace("-", " "), inputs.samples, samples, groups, inputs.current)
+        )
     size = groups.size
+    processes = world_size()
+    # A batch is whole groups (an advantage is a group's), split evenly over the processes: DDP's average of
+    # their gradients is the batch's gradient only when every process holds as many samples.
+    unit = math.lcm(size, processes)
     batch = options.batch_size or 2 * size
-    batch = max(size, math.ceil(batch / size) * size)
-    batch = min(batch, len(groups.groups) * size)  # a round with few usable groups still makes one step
+    batch = max(unit, math.ceil(batch / unit) * unit)
+    batch = min(batch, math.ceil(len(groups.groups) * size / unit) * unit)  # few usable groups still make a step
     # The group count is padded (zero-weight groups) to whole optimiser steps.
     groups.pad_to_multiple(batch // size * options.grad_accum)
     micro_batches = len(groups.groups) * size // batch
@@ -150,13 +223,11 @@ def prepare_round(run: Path, round: int, options: TrainOptions, data: Path | Non
 
     on_gpu = torch.cuda.is_available()
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    init_from = round_output(run, round - 1) if round > 1 else None
-    out_dir = round_dir(run, round)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(base_model)
+    tokenizer = AutoTokenizer.from_pretrained(inputs.base_model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model, peft_config, kind = _load_policy(base_model, init_from, options, dtype)
+    model, peft_config, kind = _load_policy(inputs.base_model, inputs.init_from, options, dtype)
 
     args = GRPOConfig(
         output_dir=str(out_dir / "trainer"),
@@ -170,7 +241,7 @@ def prepare_round(run: Path, round: int, options: TrainOptions, data: Path | Non
         loss_type=options.loss_type,
         max_steps=max_steps,
         steps_per_generation=steps_per_generation,
-        per_device_train_batch_size=batch,
+        per_device_train_batch_size=batch // processes,
         gradient_accumulation_steps=options.grad_accum,
         num_generations=size,
         num_iterations=options.epochs,
@@ -190,6 +261,7 @@ def prepare_round(run: Path, round: int, options: TrainOptions, data: Path | Non
         log_completions=False,
         remove_unused_columns=False,
         dataloader_num_workers=0,
+        ddp_find_unused_parameters=False,  # every trainable parameter takes part in every forward
         disable_tqdm=True,
     )
     trainer = CapturedGRPOTrainer(
@@ -202,39 +274,44 @@ def prepare_round(run: Path, round: int, options: TrainOptions, data: Path | Non
         rollout_func=captured_rollout(groups),
         off_policy_correction=options.is_correction,
     )
+    if trainer.accelerator.num_processes != processes:
+        raise RuntimeError(
+            f"accelerate sees {trainer.accelerator.num_processes} processes, the launcher WORLD_SIZE={processes}"
+        )
     trainer.remove_callback(PrinterCallback)  # its per-step dicts go to TensorBoard and train_runs, not the terminal
-    return PreparedRound(trainer, groups, base_model, init_from, kind, samples_path, current, batch)
+    return PreparedRound(trainer, groups, inputs, kind, batch, out_dir)
 
 
-def train_round(
-    store,
-    run: Path,
-    round: int,
-    options: TrainOptions = TrainOptions(),
-    *,
-    data: Path | None = None,
-    progress: bool = False,
-) -> TrainResult:
-    """Train round `round` on its captured samples; write the adapter/checkpoint, config and metrics."""
-    import torch
+@dataclass
+class FittedRound:
+    """What training a round left on rank 0: its adapter or checkpoint and its figures."""
 
-    from lcap.store import now
+    output: Path
+    kind: str
+    metrics: dict[str, Any]
+    device: str
+    processes: int
+    mismatch: list[dict[str, Any]]  # the guard's figures per deployment (lcap.train.mismatch)
 
-    run = Path(run)
-    started_at = now()
-    p = prepare_round(run, round, options, data)
+
+def fit_round(inputs: RoundInputs, out_dir: Path, options: TrainOptions, *, progress: bool = False) -> FittedRound:
+    """Train the round in this process (one of `world_size()`); rank 0 saves the adapter or checkpoint in OUT_DIR."""
+    from transformers.utils.logging import disable_progress_bar
+
+    disable_progress_bar()  # transformers' bars over loading and saving weights; the round has its own bar
+    p = prepare(inputs, out_dir, options)
+    mismatch = guard_round(p, options)
     if progress:
         from lcap.train.progress import step_progress
 
-        p.trainer.add_callback(step_progress(f"train round {round}"))
+        p.trainer.add_callback(step_progress(f"train {out_dir.name.replace('-', ' ')}"))
     trainer, groups, kind = p.trainer, p.groups, p.kind
-    out_dir = round_dir(run, round)
     t0 = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - t0
     output = out_dir / ("checkpoint" if kind == "full" else "adapter")
-    trainer.save_model(str(output))
-    if kind == "full":
+    trainer.save_model(str(output))  # every process calls it (a collective under FSDP and ZeRO-3); rank 0 writes
+    if kind == "full" and trainer.accelerator.is_main_process:
         trainer.processing_class.save_pretrained(str(output))
 
     tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in groups.samples)
@@ -255,37 +332,111 @@ def train_round(
         tokens_per_s=tokens * passes / seconds if seconds else None,
         steps=trainer.state.global_step,
     )
+    metrics.update(mismatch.metrics())
+    return FittedRound(
+        output=output,
+        kind=kind,
+        metrics=metrics,
+        device=str(trainer.accelerator.device),
+        processes=trainer.accelerator.num_processes,
+        mismatch=mismatch.details(),
+    )
+
+
+def train_round(
+    store,
+    run: Path,
+    round: int,
+    options: TrainOptions = TrainOptions(),
+    *,
+    data: Path | None = None,
+    progress: bool = False,
+) -> TrainResult:
+    """Train round `round` on its captured samples; write the adapter/checkpoint, config and metrics.
+
+    Here (alone, or as one process of an `accelerate launch`), or on a Ray cluster with `options.ray`.
+    """
+    from lcap.store import now
+
+    run = Path(run)
+    started_at = now()
+    inputs = round_inputs(run, round, options, data)
+    out_dir = round_dir(run, round)
+    if options.ray is not None:
+        from lcap.train.ray_train import fit_on_ray
+
+        fitted = fit_on_ray(inputs, out_dir, options)
+    else:
+        if options.num_workers > 1 and world_size() == 1:
+            raise LcapError(
+                f"--num-workers {options.num_workers} needs a cluster: --ray ADDRESS (Ray Train), "
+                "or --accelerate-config (accelerate launch)"
+            )
+        fitted = fit_round(inputs, out_dir, options, progress=progress)
+    if is_main_process():
+        record_round(store, run, round, inputs, fitted, options, started_at)
+    return TrainResult(round=round, output=fitted.output, kind=fitted.kind, metrics=fitted.metrics)
+
+
+def record_round(
+    store, run: Path, round: int, inputs: RoundInputs, fitted: FittedRound, options: TrainOptions, started_at: Any
+) -> None:
+    """RUN/round-N/config.json and the round's train_runs row, written once: by rank 0, or by the Ray driver."""
+    import torch
+
+    from lcap.store import now
+
     config = {
         "round": round,
-        "base_model": p.base_model,
-        "init_from": str(p.init_from) if p.init_from else None,
-        "output": str(output),
-        "kind": kind,
-        "samples": str(p.samples_path),
-        "current": p.current,
+        "base_model": inputs.base_model,
+        "init_from": str(inputs.init_from) if inputs.init_from else None,
+        "output": str(fitted.output),
+        "kind": fitted.kind,
+        "samples": str(inputs.samples),
+        "current": inputs.current,
         "options": asdict(options),
         "trl": _version("trl"),
         "transformers": _version("transformers"),
         "peft": _version("peft"),
         "torch": torch.__version__,
-        "device": str(trainer.accelerator.device),
+        "device": fitted.device,
+        "processes": fitted.processes,
+        "mismatch": fitted.mismatch,
     }
-    if trainer.accelerator.is_main_process:
-        (out_dir / "config.json").write_text(json.dumps({**config, "metrics": metrics}, indent=2, default=str))
-        row = {
-            "run": str(run.resolve()),
-            "round": round,
-            "started_at": started_at,
-            "ended_at": now(),
-            "base_model": p.base_model,
-            "init_from": config["init_from"],
-            "output": str(output),
-            "kind": kind,
-            "config": json.dumps(config, default=str),
-        }
-        row.update(metrics)  # each metric is a column of train_runs (lcap.schema): a new one needs its column
-        store.append("train_runs", [row])
-    return TrainResult(round=round, output=output, kind=kind, metrics=metrics)
+    config_json = json.dumps({**config, "metrics": fitted.metrics}, indent=2, default=str)
+    (round_dir(run, round) / "config.json").write_text(config_json)
+    row = {
+        "run": str(Path(run).resolve()),
+        "round": round,
+        "started_at": started_at,
+        "ended_at": now(),
+        "base_model": inputs.base_model,
+        "init_from": config["init_from"],
+        "output": str(fitted.output),
+        "kind": fitted.kind,
+        "config": json.dumps(config, default=str),
+        "mismatch": json.dumps(fitted.mismatch),
+    }
+    row.update(fitted.metrics)  # each metric is a column of train_runs (lcap.schema): a new one needs its column
+    store.append("train_runs", [row])
+
+
+def guard_round(p: PreparedRound, options: TrainOptions) -> Mismatch:
+    """The mismatch guard (lcap.train.mismatch): measure the round's starting policy against the captured
+    logprobs, write OUT_DIR/mismatch.json, and stop the round with a one-line error past the limit."""
+    from lcap.train.mismatch import check_mismatch, measure_mismatch
+
+    mismatch = measure_mismatch(
+        p.trainer, p.groups.real_samples, per_deployment=options.mismatch_samples, seed=options.seed
+    )
+    path = p.out_dir / "mismatch.json"
+    if p.trainer.accelerator.is_main_process:
+        path.write_text(json.dumps({"limit": options.mismatch_max, "deployments": mismatch.details()}, indent=2))
+    init_from, base_model = p.inputs.init_from, p.inputs.base_model
+    policy = str(init_from) if init_from else f"the base model {base_model}"
+    where = p.out_dir.name.replace("-", " ")
+    check_mismatch(mismatch, options.mismatch_max, where=where, policy=policy, details=str(path))
+    return mismatch
 
 
 def _load_policy(base_model: str, init_from: Path | None, options: TrainOptions, dtype):

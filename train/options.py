@@ -9,6 +9,10 @@ from lcap.config import LcapError
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# The mismatch guard's default limit, KL per token. benchmarks/bench_mismatch.py measures the right deployment
+# (float32 on both sides here) and the failures the guard must catch on the tiny model; the limit leaves room for
+# the bf16 kernels of a GPU, where vLLM and the trainer differ more (docs/design.md, the mismatch guard).
+MISMATCH_MAX = 0.02
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,15 @@ class TrainOptions:
     is_mode: str = option("token_truncate", help=f"Importance-sampling mode: {', '.join(IS_MODES)} (TRL).")
     is_max: float | None = option(2.0, help="Importance-ratio cap (truncate) or upper bound (mask).")
     is_min: float | None = option(None, help="Importance-ratio lower bound (mask modes).")
+    mismatch_max: float = option(
+        MISMATCH_MAX,
+        help="Stop a round before its first step when, for a deployment that served its samples, the trainer's "
+        "log-probs of the captured tokens are further from vLLM's than this KL per token (k3 estimate): the served "
+        "model is not the one being trained. 0: never stop (still measured).",
+    )
+    mismatch_samples: int = option(
+        32, help="Samples per deployment the mismatch check scores with one no-grad forward (0: all)."
+    )
     lora_r: int = option(16, help="LoRA rank.")
     lora_alpha: int = option(32, help="LoRA alpha.")
     lora_target: str = option("all-linear", help="LoRA target modules (PEFT target_modules).")
@@ -49,6 +62,18 @@ class TrainOptions:
         flag="--activation-checkpointing/--no-activation-checkpointing",
         help="Recompute activations in the backward pass (default: on a GPU, where memory is the limit; off on CPU).",
     )
+    ray: str | None = option(
+        None,
+        help="Train on a Ray cluster with Ray Train: its address, `auto` (the cluster this machine belongs to, "
+        "or RAY_ADDRESS), or `local` (start one for this command).",
+    )
+    num_workers: int = option(
+        1,
+        help="Training processes, each on its share of every batch (the batch stays --batch-size): Ray Train "
+        "workers with --ray, or accelerate processes with --accelerate-config (default there: the config's).",
+    )
+    use_gpu: bool = option(False, flag="--use-gpu", help="One GPU per Ray Train worker (NCCL); else CPU (gloo).")
+    cpus_per_worker: int = option(1, help="CPUs per Ray Train worker (its torch threads).")
     seed: int = option(0, help="Seed of the sample order and of LoRA's initialisation.")
     report_to: str = option("tensorboard", help="TRL report_to: tensorboard (offline), none, wandb...")
     logging_steps: int = option(1, cli=False, help="Optimiser steps between TRL's log records.")
@@ -60,3 +85,16 @@ class TrainOptions:
             raise LcapError(f"unknown --is-mode {self.is_mode!r}: use {', '.join(IS_MODES)}")
         if self.stale not in ("correct", "drop"):
             raise LcapError(f"unknown --stale {self.stale!r}: use correct or drop")
+        if self.num_workers < 1 or self.cpus_per_worker < 1:
+            raise LcapError("--num-workers and --cpus-per-worker must be 1 or more")
+        if self.use_gpu and self.ray is None:
+            raise LcapError(
+                "--use-gpu places Ray Train workers on GPUs: add --ray ADDRESS (accelerate's config picks its own)"
+            )
+        if self.full and self.ray is not None:
+            raise LcapError(
+                "--full with --ray: Ray ships the round's output back to this machine, which suits LoRA adapters, "
+                "not full checkpoints; train those with --accelerate-config on a shared file system"
+            )
+        if self.mismatch_max < 0 or self.mismatch_samples < 0:
+            raise LcapError("--mismatch-max and --mismatch-samples must be 0 or more")

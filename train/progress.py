@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lcap.display import num
+from lcap.display import num, small
 
 
 def training_text(metrics: dict[str, Any]) -> str:
@@ -17,6 +17,7 @@ def training_text(metrics: dict[str, Any]) -> str:
     return (
         f"loss {num(metrics.get('loss'), 4)} | KL {num(metrics.get('kl'))} | IS ratio {num(metrics.get('is_ratio_mean'))}"
         f" | clip {num(metrics.get('clip_fraction'))} | {num(metrics.get('tokens_per_s'), 0)} tok/s"
+        f" | train/serve KL {small(metrics.get('mismatch_kl'))}"
     )
 
 

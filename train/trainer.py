@@ -54,8 +54,10 @@ from lcap.train.samples import Groups
 def captured_rollout(groups: Groups):
     """Build the `rollout_func` that serves `groups` to TRL; dataset prompts are group ids.
 
-    TRL passes the per-process prompt list with each row repeated `num_generations` times in a
-    row; the k-th repeat of a group id gets the group's k-th sample.
+    TRL lays a generation batch out as each group id repeated `num_generations` times in a row, and
+    hands process p the p-th equal slice of it (the slice it takes back after gathering rewards), so
+    a group can straddle two processes. The sample at global position j of the batch is member
+    `j % size` of its group; this process's share starts at `process_index * len(prompts)`.
     """
 
     def rollout(prompts: list[Any], trainer: GRPOTrainer) -> dict[str, list]:
@@ -63,13 +65,13 @@ def captured_rollout(groups: Groups):
             k: []
             for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask", "advantage", "captured_reward", "padding")
         }
-        seen: dict[str, int] = {}
-        for prompt in prompts:
+        first = trainer.accelerator.process_index * len(prompts)
+        for i, prompt in enumerate(prompts):
             gid = _group_id(prompt)
-            members = groups.groups[gid]
-            k = seen.get(gid, 0)
-            seen[gid] = k + 1
-            s = members[k % len(members)]
+            k = (first + i) % groups.size
+            if k and i and _group_id(prompts[i - 1]) != gid:
+                raise ValueError(f"group {gid} starts at member {k}: TRL's batch layout changed")
+            s = groups.groups[gid][k]
             out["prompt_ids"].append(list(s.prompt_ids))
             out["completion_ids"].append(list(s.completion_ids))
             out["logprobs"].append(list(s.logprobs) if s.behaviour else [math.nan] * len(s.completion_ids))

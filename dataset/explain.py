@@ -1,0 +1,171 @@
+"""Why a round has little or nothing to train on, read from build-dataset's report: each loss on the way from
+episodes to samples, counted, with the option or command that changes it.
+
+`causes(report)` lists them in the order the pipeline loses things (episodes that did not finish, no reward,
+no usable call, groups without signal, samples dropped by a cleaning rule); `explain` joins them into the one
+line that build-dataset, train and loop print when a round has nothing to train on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Cause:
+    """One reason samples were lost: what happened (with its counts) and what to do about it."""
+
+    what: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.what}; {self.fix}"
+
+
+def _transparent_flag() -> bool:
+    """Whether collect has `--transparent` (capture for agents that ignore proxy settings) to suggest."""
+    from lcap.dataset.options import CollectOptions
+
+    return any(f.name == "transparent" for f in dataclasses.fields(CollectOptions))
+
+
+NO_CALLS_FIX = (
+    "does it ignore proxy settings? try --transparent"
+    if _transparent_flag()
+    else "does it ignore proxy settings (aiohttp's default session, a JVM, its own HTTP client)? "
+    "`lcap doctor trust` checks the usual clients"
+)
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def causes(report: Any) -> list[Cause]:
+    """Every loss the report counts, in pipeline order. `report` is a BuildReport or its dict (report.json)."""
+    r = report if isinstance(report, Mapping) else dataclasses.asdict(report)
+    episodes: Mapping[str, int] = r.get("episodes") or {}
+    groups: Mapping[str, int] = r.get("groups") or {}
+    turns: Mapping[str, int] = r.get("turns") or {}
+    samples: Mapping[str, int] = r.get("sample_counts") or {}
+    options: Mapping[str, Any] = r.get("options") or {}
+    rnd, split = r.get("round"), r.get("split", "train")
+    out: list[Cause] = []
+
+    total = episodes.get("total", 0)
+    if not total:
+        out.append(
+            Cause(
+                f"the store has no {split} episode of round {rnd}",
+                f"collect them with `lcap collect --round {rnd}` (build-dataset reads --round and --split)",
+            )
+        )
+        return out
+
+    failed, timeout, error, unfinished = (episodes.get(k, 0) for k in ("failed", "timeout", "error", "unfinished"))
+    if failed + timeout + error + unfinished:
+        parts = [
+            f"{n} {what}"
+            for n, what in (
+                (failed, "failed (agent exit code not 0)"),
+                (timeout, "timed out"),
+                (error, "error (verifier or set-up)"),
+                (unfinished, "unfinished (running or interrupted)"),
+            )
+            if n
+        ]
+        fixes = [
+            "see each one's reason in its stderr.txt or `lcap sql \"select episode_id, status, error from episodes where status <> 'ok'\"`"
+        ]
+        if timeout:
+            fixes.append("raise --timeout")
+        if unfinished:
+            fixes.append("rerun the same `lcap collect` to finish them")
+        out.append(
+            Cause(
+                f"{failed + timeout + error + unfinished} of {total} episodes did not finish ok: {', '.join(parts)}",
+                "; ".join(fixes),
+            )
+        )
+
+    finished = total - failed - timeout - error - unfinished
+    no_reward = episodes.get("no_reward", 0)
+    if no_reward:
+        out.append(
+            Cause(
+                f"{no_reward} of {finished} finished episodes have no reward",
+                "collect with --verifier, or reward them with `lcap reward EPISODE VALUE`",
+            )
+        )
+
+    rewarded = episodes.get("rewarded", 0)
+    unusable = episodes.get("no_usable_turns", 0)
+    if unusable:
+        why, fix = [], []
+        if not turns.get("total", 0):
+            why.append("no LLM call of theirs was captured: the agent made no LLM call through lcap")
+            fix.append(NO_CALLS_FIX)
+        if turns.get("failed_calls", 0):
+            why.append(f"{turns['failed_calls']} of {turns.get('total', 0)} calls failed (HTTP error or no answer)")
+            fix.append("see turns.error and turns.status_code with `lcap sql`")
+        if turns.get("unrebuildable", 0):
+            why.append(f"{turns['unrebuildable']} calls have no token ids and could not be re-tokenised")
+            fix.append("pass --tokenizer (the policy's tokenizer)")
+        detail = f" ({'; '.join(why)})" if why else ""
+        out.append(
+            Cause(
+                f"{unusable} of {rewarded} rewarded episodes have no usable LLM call{detail}",
+                "; ".join(fix) or "see their turns with `lcap sql`",
+            )
+        )
+
+    singleton = groups.get("singleton", 0)
+    group_total = groups.get("total", 0)
+    if singleton:
+        out.append(
+            Cause(
+                f"{singleton} of {group_total} groups have a single rewarded episode (GRPO compares samples of one task)",
+                "collect with --group-size 2 or more",
+            )
+        )
+    equal = groups.get("zero_variance", 0) - singleton
+    if equal > 0 and not options.get("keep_zero_variance"):
+        out.append(
+            Cause(
+                f"{equal} of {group_total} groups got the same reward for every sample and were dropped "
+                f"({samples.get('zero_variance', 0)} samples; GRPO learns nothing from them)",
+                "a larger --group-size, tasks of mixed difficulty or a graded verifier "
+                "(--keep-zero-variance keeps them, with advantage 0)",
+            )
+        )
+
+    truncated = samples.get("truncated", 0)
+    if truncated and options.get("truncated", "drop") == "drop":
+        calls = turns.get("truncated", 0)
+        out.append(
+            Cause(
+                f"{calls} of {turns.get('total', 0)} calls hit the token limit and their {plural(truncated, 'sample')} "
+                "were dropped (--truncated drop)",
+                "build with --truncated mask, or raise the agent's max_tokens",
+            )
+        )
+
+    tampered = samples.get("tampered", 0)
+    if tampered and options.get("drop_tampered"):
+        out.append(
+            Cause(
+                f"{plural(tampered, 'tampered sample')} dropped (--drop-tampered)",
+                "build without --drop-tampered to keep them as negatives (reward 0)",
+            )
+        )
+    return out
+
+
+def explain(report: Any, *, extra: list[Cause] | tuple[Cause, ...] = ()) -> str:
+    """The causes as one line (`extra`: losses of a later stage, e.g. train's stale samples, appended)."""
+    found = (causes(report) if report is not None else []) + list(extra)
+    if not found:
+        return "no loss counted in the report"
+    return "; ".join(str(c) for c in found)

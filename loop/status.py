@@ -1,0 +1,50 @@
+"""`lcap status`'s section of the loop: the last step `lcap loop` finished in the store (`loop_steps`), per run."""
+
+from __future__ import annotations
+
+import json
+
+from lcap.config import LcapError
+from lcap.display import num
+from lcap.status import STORE_TIMEOUT, Section, View, age, section
+
+RUNS = 3  # runs shown, the most recent first
+
+_LAST_STEPS = f"""
+SELECT run, arg_max(round, created_at), arg_max(step, created_at), arg_max(mean_reward, created_at),
+       epoch(max(created_at)), arg_max(details, created_at)
+FROM loop_steps GROUP BY run ORDER BY max(created_at) DESC LIMIT {RUNS}
+"""
+
+
+@section("loop")
+def loop(view: View) -> Section:
+    from lcap.store import Store
+
+    s = Section(
+        "loop runs", ["run", "last step", "round", "mean reward", "finished"], empty="no `lcap loop` step in this store"
+    )
+    if not view.db.exists():
+        return s
+    try:
+        with Store(view.db, timeout=STORE_TIMEOUT).connect(read_only=True) as con:
+            has = con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'loop_steps'").fetchone()
+            rows = con.execute(_LAST_STEPS).fetchall() if has and has[0] else []
+    except LcapError as exc:
+        s.empty = f"store not readable now ({exc})"
+        return s
+    data = []
+    for run, round_, step, reward, finished, details in rows:
+        s.rows.append([run, step, str(round_), num(reward), f"{age(view.now - finished)} ago"])
+        data.append(
+            {
+                "run": run,
+                "round": round_,
+                "step": step,
+                "mean_reward": reward,
+                "finished_at": finished,
+                "details": json.loads(details) if details else None,
+            }
+        )
+    s.data = data
+    return s

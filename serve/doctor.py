@@ -1,0 +1,98 @@
+"""`lcap doctor`'s checks of the policy server: vLLM's venv, and the recorded server (running, healthy, serving
+the model and deployment the record names, able to hot-load LoRA adapters)."""
+
+from __future__ import annotations
+
+import shutil
+
+from lcap.doctor import Context, Result, check
+from lcap.policy import read_policy, record_path
+from lcap.serve.health import PolicyHealth, probe
+from lcap.serve.vllm_env import vllm_venv, working_vllm_python
+
+
+@check("vllm", section="serve", required=True, timeout=330)
+def vllm_installed(ctx: Context) -> Result:
+    """vLLM in lcap's venv for it (known to import), else a `vllm` on PATH."""
+    python = working_vllm_python()
+    if python is not None:
+        dists = sorted(p.name for p in vllm_venv().glob("lib/python3*/site-packages/vllm*.dist-info"))
+        version = dists[0].removesuffix(".dist-info").replace("_", "-") if dists else "vllm"
+        return Result.ok(f"{version} in {vllm_venv()}", python=python)
+    on_path = shutil.which("vllm")
+    if on_path is not None:
+        return Result.ok(f"no venv of lcap's, but {on_path} (lcap serve runs its interpreter)", vllm=on_path)
+    if (vllm_venv() / "bin" / "python").exists():
+        return Result.fail(
+            f"{vllm_venv()} exists but `import vllm` fails there",
+            f"run {vllm_venv()}/bin/python -c 'import vllm' to see why; or rm -r {vllm_venv()} && lcap setup vllm",
+        )
+    return Result.fail(f"vLLM is not installed ({vllm_venv()} does not exist)", "lcap setup vllm")
+
+
+def _health(ctx: Context) -> PolicyHealth | None:
+    record = read_policy()
+    return None if record is None else ctx.once("policy", lambda: probe(record, lora=True))
+
+
+@check("policy.server", section="serve", required=True)
+def policy_server(ctx: Context) -> Result:
+    health = _health(ctx)
+    if health is None:
+        return Result.skip(f"no policy server recorded ({record_path()}): `lcap serve --model M` starts one")
+    record = health.record
+    restart = f"lcap serve --stop && lcap serve --model {record.base_model}"
+    if not health.alive:
+        return Result.fail(
+            f"the recorded policy server (pid {record.pid}, {record.url}) is not running",
+            f"{restart} (its log: {record.log_path})",
+        )
+    if not health.healthy:
+        return Result.fail(
+            f"{record.url}/health does not answer 200 ({health.error or 'unhealthy'})",
+            f"read the end of {record.log_path}; then {restart}",
+        )
+    return Result.ok(f"{record.url} (pid {record.pid}) is healthy", url=record.url, pid=record.pid)
+
+
+@check("policy.model", section="serve", required=True, needs=("policy.server",))
+def policy_model(ctx: Context) -> Result:
+    health = _health(ctx)
+    assert health is not None
+    record = health.record
+    if record.served_model not in health.models:
+        return Result.fail(
+            f"the server lists {health.models or 'no model'}, not {record.served_model!r} as recorded",
+            f"another server took its port? lcap serve --stop && lcap serve --model {record.base_model}",
+        )
+    if not health.serves_current:
+        return Result.fail(
+            f"the current deployment {record.current!r} is not loaded (vLLM restarted without it?)",
+            f"lcap deploy {record.loras.get(record.current, 'ADAPTER')} --name {record.current} "
+            "(`lcap loop` does it on its own when resumed)",
+        )
+    kind = "the base model" if record.current == record.served_model else "a LoRA"
+    return Result.ok(
+        f"serves {record.served_model!r} ({record.base_model}); current deployment {record.current!r} ({kind})",
+        models=health.models,
+        current=record.current,
+    )
+
+
+@check("policy.lora", section="serve", required=True, needs=("policy.server",))
+def policy_lora(ctx: Context) -> Result:
+    """LoRA enabled and runtime loading allowed: what `lcap deploy` needs to switch adapters without a restart."""
+    health = _health(ctx)
+    assert health is not None
+    missing = []
+    if health.lora_flag is False:
+        missing.append("vLLM was started without --enable-lora")
+    if health.lora_route is False:
+        missing.append("runtime adapter loading is off (VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
+    if missing:
+        return Result.fail(
+            "; ".join(missing) + ": `lcap deploy` cannot hot-load adapters",
+            f"restart it with lcap serve, which turns both on: lcap serve --stop && lcap serve --model {health.record.base_model}",
+        )
+    loaded = ", ".join(health.record.loras) or "none yet"
+    return Result.ok(f"LoRA hot-loading on (adapters loaded: {loaded})")

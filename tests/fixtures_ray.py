@@ -1,0 +1,74 @@
+"""A real Ray cluster for the tests: `ray start --head --block` in its own process group, on free ports.
+
+Other runs on this machine may hold Ray's fixed default ports (client server 10001, dashboard 8265,
+dashboard agent 52365), so every port this head listens on is picked free. The cluster is stopped
+by signalling its process group: `ray stop` would stop every Ray cluster on the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+START_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 15.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def ray_head(log: Path, num_cpus: int = 2) -> Iterator[str]:
+    """A one-node Ray cluster with NUM_CPUS CPUs; yields its address (host:port)."""
+    port = free_port()
+    ray = Path(sys.executable).parent / "ray"
+    command = [str(ray), "start", "--head", "--block", "--port", str(port), "--num-cpus", str(num_cpus)]
+    command += ["--node-ip-address", "127.0.0.1", "--include-dashboard", "false", "--disable-usage-stats"]
+    command += ["--ray-client-server-port", str(free_port()), "--dashboard-port", str(free_port())]
+    command += ["--dashboard-agent-listen-port", str(free_port())]
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while b"--block" not in log.read_bytes():  # `ray start` logs it once the node is up
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ray start failed: {log.read_text()[-2000:]}")
+            time.sleep(0.5)
+        yield f"127.0.0.1:{port}"
+    finally:
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pass
+    except ProcessLookupError:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the raylet's workers linger after the head exits
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=STOP_TIMEOUT_S)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory) -> Iterator[str]:
+    """A 2-CPU Ray cluster shared by the session's tests; its address."""
+    with ray_head(tmp_path_factory.mktemp("ray") / "head.log", num_cpus=2) as address:
+        yield address

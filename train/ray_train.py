@@ -1,0 +1,176 @@
+"""`lcap train --ray ADDRESS --num-workers N [--use-gpu]`: one round on a Ray cluster, with Ray Train.
+
+Ray Train's `TorchTrainer` starts N workers (one GPU each with --use-gpu, NCCL; else CPU workers,
+gloo), joins them in one torch.distributed group and sets the variables accelerate reads (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR). Each worker then runs `fit_round`: the same TRL trainer and
+the same code as a single process or one process of an `accelerate launch`.
+
+No shared file system is assumed. The driver (the machine `lcap train` runs on) puts the round's
+samples and the previous round's adapter in Ray's object store; each worker trains in a scratch
+folder on its node; rank 0 returns the adapter's files, TRL's logs and the round's figures, and
+the driver writes them into RUN/round-N, config.json and the store, once. The base model is
+loaded by name on each node, or from a folder that must exist on every node.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, cast
+
+from lcap.config import LcapError
+from lcap.train.grpo import FittedRound, RoundInputs, fit_round
+from lcap.train.options import TrainOptions
+
+# What rank 0 may send back (the adapter and TRL's logs): a LoRA adapter is a small part of its model.
+MAX_RETURN_BYTES = 4 << 30
+
+
+def fit_on_ray(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> FittedRound:
+    """Train the round on `options.num_workers` Ray Train workers; write what rank 0 made into OUT_DIR."""
+    import ray
+
+    # Ray Train v2 by name (the default in Ray 2.60; RAY_TRAIN_V2_ENABLED=0 would swap in v1, which has no return_value)
+    from ray.train.v2.api.config import RunConfig, ScalingConfig
+    from ray.train.v2.api.result import Result
+    from ray.train.v2.torch.torch_trainer import TorchTrainer
+
+    from lcap.ray_cluster import connect, describe
+
+    connect(options.ray or "auto")
+    _check_resources(options, describe(options.ray or "auto"))
+    base_model = inputs.base_model
+    local_model = Path(base_model).exists()
+    if local_model:
+        base_model = str(Path(base_model).resolve())  # a worker's working directory is not this one
+    config = {
+        "samples": ray.put(Path(inputs.samples).read_bytes()),
+        "init_from": ray.put(_pack(inputs.init_from)) if inputs.init_from else None,
+        "init_name": inputs.init_from.name if inputs.init_from else None,
+        "base_model": base_model,
+        "local_model": local_model,
+        "current": inputs.current,
+        "options": options,
+        "round_name": out_dir.name,
+    }
+    storage = Path(tempfile.mkdtemp(prefix="lcap-ray-train-"))  # Ray Train's own run state; nothing of ours
+    try:
+        trainer = TorchTrainer(
+            _train_worker,
+            train_loop_config=config,
+            scaling_config=ScalingConfig(
+                num_workers=options.num_workers,
+                use_gpu=options.use_gpu,
+                resources_per_worker={"CPU": options.cpus_per_worker, **({"GPU": 1} if options.use_gpu else {})},
+            ),
+            run_config=RunConfig(name=f"lcap-{out_dir.name}", storage_path=str(storage)),
+        )
+        try:
+            result = cast(Result, trainer.fit())  # ray.train's Result, as mypy reads it, is v1's
+        except Exception as exc:
+            error = _user_error(exc)
+            if error is None:
+                raise
+            raise error from None
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+    returned = result.return_value
+    if not returned:
+        raise RuntimeError(f"Ray Train finished without rank 0's output: {result.error!r}")
+    _unpack(returned["files"], out_dir)
+    fitted = returned["fitted"]
+    return FittedRound(
+        output=out_dir / fitted["output"],
+        kind=fitted["kind"],
+        metrics=fitted["metrics"],
+        device=fitted["device"],
+        processes=fitted["processes"],
+        mismatch=fitted["mismatch"],
+    )
+
+
+def _train_worker(config: dict[str, Any]) -> dict[str, Any] | None:
+    """One Ray Train worker: materialise the round's inputs on this node, train, and (rank 0) return the output."""
+    import ray
+    import ray.train
+
+    options: TrainOptions = config["options"]
+    base_model = config["base_model"]
+    if config["local_model"] and not Path(base_model).exists():
+        raise LcapError(
+            f"base model {base_model} is a folder on the driver's machine, not on node "
+            f"{ray.util.get_node_ip_address()}: put it on every node at that path, or use a model name"
+        )
+    scratch = Path(tempfile.mkdtemp(prefix="lcap-train-worker-"))
+    try:
+        samples = scratch / "data" / "samples.parquet"
+        samples.parent.mkdir()
+        samples.write_bytes(ray.get(config["samples"]))
+        init_from = None
+        if config["init_from"] is not None:
+            init_from = scratch / "init" / config["init_name"]
+            _unpack(ray.get(config["init_from"]), init_from)
+        inputs = RoundInputs(base_model=base_model, samples=samples, init_from=init_from, current=config["current"])
+        out_dir = scratch / config["round_name"]
+        fitted = fit_round(inputs, out_dir, options)
+        if ray.train.get_context().get_world_rank() != 0:
+            return None
+        return {
+            "files": _pack(out_dir),
+            "fitted": {
+                "output": fitted.output.name,
+                "kind": fitted.kind,
+                "metrics": fitted.metrics,
+                "device": fitted.device,
+                "processes": fitted.processes,
+                "mismatch": fitted.mismatch,
+            },
+        }
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _pack(folder: Path) -> dict[str, bytes]:
+    """Every file under FOLDER by its relative path, within MAX_RETURN_BYTES."""
+    files = sorted(p for p in Path(folder).rglob("*") if p.is_file())
+    total = sum(p.stat().st_size for p in files)
+    if total > MAX_RETURN_BYTES:
+        raise LcapError(
+            f"{folder} holds {total / 2**30:.1f} GiB, more than Ray ships back ({MAX_RETURN_BYTES / 2**30:.0f} GiB): "
+            "lower --lora-r, or train with --accelerate-config on a shared file system"
+        )
+    return {str(p.relative_to(folder)): p.read_bytes() for p in files}
+
+
+def _unpack(files: dict[str, bytes], folder: Path) -> None:
+    root = Path(folder).resolve()
+    for name, data in files.items():
+        path = (root / name).resolve()
+        if not path.is_relative_to(root):
+            raise ValueError(f"refusing to write {name!r} outside {root}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+
+def _check_resources(options: TrainOptions, address: str) -> None:
+    """Fail at once, not after Ray's wait for resources, when the cluster can never hold the workers."""
+    import ray
+
+    total = ray.cluster_resources()
+    cpus, gpus = options.num_workers * options.cpus_per_worker, options.num_workers if options.use_gpu else 0
+    if total.get("CPU", 0) < cpus or total.get("GPU", 0) < gpus:
+        raise LcapError(
+            f"the Ray cluster at {address} has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs; "
+            f"{options.num_workers} workers need {cpus} CPUs" + (f" and {gpus} GPUs" if gpus else "")
+        )
+
+
+def _user_error(exc: Exception) -> LcapError | None:
+    """A worker's LcapError (bad input) as the one-line error it is, instead of Ray's report of a failed run."""
+    failures = getattr(exc, "worker_failures", None) or {}
+    for failure in failures.values():
+        cause = getattr(failure, "cause", failure)
+        if isinstance(cause, LcapError):
+            return LcapError(str(cause))
+    return None
