@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -29,6 +30,9 @@ log = logging.getLogger("lcap.capture")
 
 Fields = Sequence[tuple[bytes, bytes]]  # header fields: (name, value) pairs
 _CREDENTIALS = frozenset(name.encode() for name in CREDENTIAL_HEADERS)
+# A rerouted call has nothing to switch protocols to, and an upgrade asked on a POST makes readers disagree on its
+# body (llhttp, in uvicorn and Node, takes it for the next protocol's bytes): the request goes without it.
+_UPGRADE = frozenset((b"upgrade", b"http2-settings"))
 
 
 # --- where calls go ---------------------------------------------------------------------------------
@@ -56,13 +60,24 @@ class Route:
         return (host if self.port == default else f"{host}:{self.port}").encode("idna")
 
     def path_for(self, agent_path: str) -> str:
-        """Map the agent's path onto the upstream: keep it whole, or graft what follows `/v1`."""
+        """Map the agent's path onto the upstream: keep it whole, or graft what follows `/v1`. Bytes past ASCII
+        (a raw 0xFF, unencoded UTF-8), which an HTTP/1 server may refuse (RFC 9112 3.2), are percent-encoded as
+        browsers and curl send them; the turn keeps the path the agent wrote."""
+        if not agent_path.isascii():
+            agent_path = _PAST_ASCII.sub(_percent, agent_path.encode("utf-8", "surrogateescape")).decode()
         if not self.base_path:
             return agent_path
         path, sep, query = agent_path.partition("?")
         idx = path.find("/v1/")
         tail = path[idx + 3 :] if idx >= 0 else path
         return f"{self.base_path}{tail}{sep}{query}"
+
+
+_PAST_ASCII = re.compile(rb"[\x80-\xff]")
+
+
+def _percent(match: re.Match[bytes]) -> bytes:
+    return b"%%%02X" % match[0][0]
 
 
 def parse_upstream(url: str, model: str | None, deployment: str | None = None) -> Route:
@@ -241,9 +256,9 @@ class Calls:
         if route is None:
             pending.upstream = f"{scheme}://{host}:{port}"
             return call
-        drop = _CREDENTIALS
+        drop = _CREDENTIALS | _UPGRADE
         if self.token_ids and dialect in dialects.TOKEN_ID_DIALECTS:
-            drop = _CREDENTIALS | {b"accept-encoding"}  # answers are rewritten: keep them plain
+            drop = drop | {b"accept-encoding"}  # answers are rewritten: keep them plain
         call.fields = self.rerouted_fields(fields, route, drop)
         call.scheme, call.host, call.port, call.path = route.scheme, route.host, route.port, route.path_for(path)
         pending.upstream = route.url
@@ -255,15 +270,15 @@ class Calls:
         rewritten when the route says so). False: a side call that shares the path; nothing is recorded, and
         the request goes on as it came, to its own host."""
         try:
-            request = json.loads(body)
+            request, exact = json.loads(body), True
         except ValueError:
-            return False
+            request, exact = _read_leniently(body), False
         pending = call.pending
         if not dialects.looks_like_call(pending.dialect, request):
             return False
         pending.request_body = call.body = body
         pending.model_requested = request.get("model")
-        if call.route is not None:
+        if call.route is not None and exact:  # a body read leniently goes on as it came: the upstream judges it
             forward = with_route_model(request, call.route)
             if self.token_ids:
                 pending.added = dialects.ask_token_ids(pending.dialect, forward)
@@ -338,6 +353,19 @@ class Calls:
         self.writer.put(pending)
         if pending.seq is not None:
             self._closed(pending.episode_id)
+
+
+def _read_leniently(body: bytes) -> object:
+    """A body Python's parser refuses but an upstream may take (bytes that are not UTF-8 in a string, a raw
+    control character, an integer past `int`'s digit limit), read with those repaired; None if it is not JSON."""
+    try:
+        return json.loads(body.decode("utf-8", "replace"), strict=False, parse_int=_lenient_int)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _lenient_int(digits: str) -> int | float:
+    return int(digits) if len(digits) < 4000 else float(digits)
 
 
 def with_route_model(request: dict, route: Route) -> dict:

@@ -30,7 +30,7 @@ from lcap.capture.credentials import EpisodeKeys, ProxyRecord, remove_record
 from lcap.capture.destinations import Destinations, is_loopback_host
 from lcap.capture.front import Front
 from lcap.capture.memory import MemoryTrimmer
-from lcap.capture.mitm_guards import FrontOnly, PrivateDestinations, install_body_limits
+from lcap.capture.mitm_guards import FrontOnly, PrivateDestinations, install_body_limits, install_http1_guards
 from lcap.capture.options import ProxyOptions
 from lcap.capture.writer import TurnWriter, WriterReport
 from lcap.config import LcapError, lcap_home
@@ -293,6 +293,7 @@ class CaptureProxy:
             addon,
         )
         install_body_limits(addon.body_limit)
+        install_http1_guards()
         opts.update(  # mitmproxy listens on loopback only: agents reach it through the front (capture/front.py)
             confdir=str(ca_dir()),
             listen_host="127.0.0.1",

@@ -455,7 +455,7 @@ def _raw(head: bytes, body: bytes = b"") -> Callable[[bytes, bytes], bytes]:
     return build
 
 
-_HANGING_FRAMES = (  # heads and bodies that hang the agent today (tests/test_capture_fuzz.py KNOWN)
+_HANGING_FRAMES = (  # heads and bodies that hung the agent before capture/mitm_guards.py's HTTP/1 guards
     "Content-Length: 2^64",
     "a chunk size that is not hex",
     "a chunk size past 2^64",
@@ -464,7 +464,7 @@ _HANGING_FRAMES = (  # heads and bodies that hang the agent today (tests/test_ca
 )
 
 
-_FORWARDED_AS_IS = (  # heads the proxy forwarded to the upstream as they came before #14 part B (KNOWN: the last two)
+_FORWARDED_AS_IS = (  # heads the proxy forwarded to the upstream as they came before #14 part B (and a rerouted upgrade)
     "HTTP/1.2",
     "HTTP/9.9",
     "an obs-fold line",
@@ -1022,28 +1022,9 @@ KINDS: dict[str, Kind] = {
     "upstream-hangs": Kind(upstream_hangs, timeout=AGENT_PATIENCE, agent_leaves=True),
 }
 
-# (invariant, kind) -> what breaks it on main (b42ba13: issue #14 parts A and B merged) and the requirement that makes
-# it hold. Strict: when the fix lands, the entry must go.
-_UNCAPTURED = (
-    "#14 req 1 with req 6 (nothing lost; rerouting never leaks): the call reaches the upstream and is answered, "
-    "but its body is not JSON to Python's parser ({}), so it is not captured: no turn, no dead letter, no word"
-)
-KNOWN: dict[tuple[str, str], str] = {
-    ("nothing lost", "bad-utf8"): _UNCAPTURED.format("bytes that are not UTF-8 inside a string"),
-    ("nothing lost", "huge-numbers"): _UNCAPTURED.format("an integer of over 4300 digits"),
-    ("nothing lost", "invalid-json"): _UNCAPTURED.format("a raw NUL inside a string"),
-    ("sensible answer", "raw-byte-paths"): "#14 req 5 (refuse on a parser error): a request target with bytes past "
-    "ASCII is invalid (RFC 9112 3.2: answer 400); the front sends it on as it came (by design, docs/design.md) and "
-    "an upstream as strict as llhttp (Node's parser) refuses it",
-    ("sensible answer", "hanging-framing"): "#14 req 5 (a real parser, never a hang): on the mitmproxy hand-off a "
-    "chunk size past 2^64 waits for the body, request trailers hang it (NotImplementedError in mitmproxy's HTTP/1 "
-    "layer), a chunk size that is not hex gets a close without a 400; TLS bytes on the plain port wait for a head",
-    ("sensible answer", "malformed-heads"): "#14 req 5 (refuse on any parser error): a POST that asks for an upgrade "
-    "(websocket, h2c) and has a body goes to mitmproxy, which forwards it as it came; llhttp (Node's parser) reads "
-    "such a body as the next request",
-    ("sensible answer", "interim-answers"): "not in #14's list, found here (req 11: never a hang): on the mitmproxy "
-    "hand-off an upstream's 103 or 100 is relayed as the answer and the answer proper is dropped; the agent waits",
-}
+# (invariant, kind) -> what breaks it on main and the requirement that makes it hold. Strict: when the fix lands,
+# the entry must go. Empty since the fixes of this suite's findings (capture/calls.py, front.py, mitm_guards.py).
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _params(invariant: str) -> list:
