@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import os
 import re
 import resource
@@ -185,6 +186,29 @@ def proc_stats(pid: int) -> tuple[float, int]:
         return rss, len(os.listdir(f"/proc/{pid}/fd"))
     except (OSError, StopIteration):
         return 0.0, 0
+
+
+def fd_kinds(pid: int, listen_port: int) -> Counter[str]:
+    """What a process's open fds are: files by path, pipes, TCP sockets by the port at the other end (an agent's
+    connection when the local end is the proxy's port), so that fds not back to idle can be told apart."""
+    sockets: dict[str, str] = {}
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                fields = line.split()
+                local, remote = (int(a.rsplit(":", 1)[1], 16) for a in fields[1:3])
+                state = "listening" if fields[3] == "0A" else f"to :{remote}"
+                sockets[fields[9]] = "agent connection" if local == listen_port and remote else f"socket {state}"
+    kinds: Counter[str] = Counter()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                target = sockets.get(target[8:-1], "socket (not TCP)")
+            elif target.startswith("pipe:"):
+                target = "pipe"
+            kinds[target] += 1
+    return kinds
 
 
 def writer_pids(proxy_pid: int) -> list[int]:
@@ -442,6 +466,7 @@ def main() -> int:
         asyncio.run(warm())
         time.sleep(3)
         idle_before = proc_stats(proxy.pid)
+        fds_before = fd_kinds(proxy.pid, port)
         writers_at_start = writer_pids(proxy.pid)
         print(
             f"  idle after warm-up: RSS {idle_before[0]:.0f} MB, {idle_before[1]} fds; writer pids {writers_at_start}"
@@ -515,6 +540,7 @@ def main() -> int:
         asyncio.run(run())
         time.sleep(args.settle)
         idle_after = proc_stats(proxy.pid)
+        fds_added = fd_kinds(proxy.pid, port) - fds_before
         writers_at_end = writer_pids(proxy.pid)
         with httpx.Client(trust_env=False, timeout=30) as client:
             received = {role: set(calls) for role, calls in client.get(f"{up_url}/soak-stats").json().items()}
@@ -548,6 +574,7 @@ def main() -> int:
             slow=slow,
             idle_before=idle_before,
             idle_after=idle_after,
+            fds_added=fds_added,
             peak=(peak[0], int(peak[1])),
             events=events,
             writers=(writers_at_start, writers_at_end),
@@ -626,6 +653,7 @@ class Soak:
     slow: Slow
     idle_before: tuple[float, int]  # the proxy's RSS (MB) and open fds
     idle_after: tuple[float, int]
+    fds_added: Counter[str]  # open fds idle after and not before, by kind (`fd_kinds`)
     peak: tuple[float, int]
     events: list[str]
     writers: tuple[list[int], list[int]]  # writer pids at the start and at the end
@@ -688,6 +716,8 @@ def _report(args: argparse.Namespace, soak: Soak) -> int:
         f"\nproxy: idle before RSS {soak.idle_before[0]:.0f} MB, {soak.idle_before[1]} fds; peak RSS {soak.peak[0]:.0f} MB, "
         f"{soak.peak[1]} fds; idle after RSS {soak.idle_after[0]:.0f} MB, {soak.idle_after[1]} fds"
     )
+    if soak.fds_added:
+        print("  fds idle after, not before: " + ", ".join(f"{n} {kind}" for kind, n in soak.fds_added.most_common()))
     checks.append(
         (f"open fds back to idle (+{args.fd_slack})", soak.idle_after[1] <= soak.idle_before[1] + args.fd_slack)
     )
