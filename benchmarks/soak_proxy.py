@@ -27,7 +27,9 @@ idle before the load and `--settle` seconds after it (and the peak); what the pr
 slowloris connections; its own exit report. Checks (any failure exits 1): every call the upstream
 received is stored (per role); every call the proxy refused with a 408 or 413 is stored; no stream
 or whole call failed other than shed with a 503; a writer runs at the end and nothing is left in
-the spool; the slowloris connections were closed or answered; fds and RSS back near idle; no "Task
+the spool; no slowloris connection outlived the proxy's timeout for it by 10 s (those opened too
+late in the window to meet it are counted apart, and must be under half); fds and RSS back near
+idle (the fds over idle are listed by kind); no "Task
 was destroyed but it is pending!"; the proxy exits 0. The capture-overhead targets are checked by
 benchmarks/bench_proxy.py, not here.
 """
@@ -346,13 +348,18 @@ class Slow:
     closed_by_proxy: int = 0
     answered: Counter = field(default_factory=Counter)  # status codes the proxy answered them with
     seconds_to_close: list[float] = field(default_factory=list)
+    overdue: int = 0  # still open at the end, older than the proxy's timeout for them (+10 s)
+    young: int = 0  # still open at the end, younger than that (opened late on a loaded machine): not judged
 
 
-async def slowloris(port: int, up_port: int, count: int, start: float, stop: float, slow: Slow) -> None:
+async def slowloris(
+    port: int, up_port: int, count: int, start: float, stop: float, slow: Slow, timeouts: tuple[float, float]
+) -> None:
     """`count` connections from 127.0.0.2 (another client than the agents, for per-client limits), half sending a
-    head and half a body, one line or byte every 5 s, from `start` to `stop`."""
+    head and half a body, one line or byte every 5 s, from `start` to `stop`. `timeouts`: the proxy's head and
+    body timeouts, past which (+10 s) one still open at `stop` is overdue."""
     await asyncio.sleep(max(0.0, start - time.monotonic()))
-    conns: list[tuple[asyncio.StreamWriter, asyncio.Task]] = []
+    conns: list[tuple[asyncio.StreamWriter, asyncio.Task, float]] = []
 
     async def watch(reader: asyncio.StreamReader, opened: float) -> None:
         try:
@@ -380,17 +387,23 @@ async def slowloris(port: int, up_port: int, count: int, start: float, stop: flo
         if i % 2:
             head += b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n{"
         writer.write(head)
-        conns.append((writer, asyncio.create_task(watch(reader, time.monotonic()))))
+        opened = time.monotonic()
+        conns.append((writer, asyncio.create_task(watch(reader, opened)), opened))
         if i % 100 == 99:
             await asyncio.sleep(0.1)
     n = 0
     while time.monotonic() < stop:
         await asyncio.sleep(min(5.0, max(0.0, stop - time.monotonic())))
         n += 1
-        for i, (writer, watcher) in enumerate(conns):
+        for i, (writer, watcher, _) in enumerate(conns):
             if not watcher.done():
                 writer.write(b"x-slow-%d: 1\r\n" % n if i % 2 == 0 else b" ")
-    for writer, watcher in conns:
+    for i, (writer, watcher, opened) in enumerate(conns):
+        if not watcher.done():
+            if time.monotonic() - opened > timeouts[i % 2] + 10:
+                slow.overdue += 1
+            else:
+                slow.young += 1
         watcher.cancel()
         writer.close()
 
@@ -534,7 +547,11 @@ def main() -> int:
                     )
                 )
             if args.slowloris:
-                jobs.append(slowloris(port, up_port, args.slowloris, at(0.20), at(0.60), slow))
+                jobs.append(
+                    slowloris(
+                        port, up_port, args.slowloris, at(0.20), at(0.60), slow, (args.head_timeout, args.body_timeout)
+                    )
+                )
             await asyncio.gather(timeline(), sample(), *jobs)
 
         asyncio.run(run())
@@ -705,11 +722,12 @@ def _report(args: argparse.Namespace, soak: Soak) -> int:
         print(
             f"  slowloris: {soak.slow.opened} opened ({soak.slow.connect_failed} could not connect); the proxy closed "
             f"{soak.slow.closed_by_proxy} ({soon} within 1 s, {later} within 1 to 60 s, {len(closes) - soon - later} "
-            f"later), answering {dict(soak.slow.answered)}"
+            f"later), answering {dict(soak.slow.answered)}; still open at the end: {soak.slow.overdue} past the "
+            f"proxy's timeout, {soak.slow.young} opened too late to meet it"
         )
         if 0.4 * args.duration > max(args.head_timeout, args.body_timeout) + 10:
-            closed = soak.slow.closed_by_proxy == soak.slow.opened
-            checks.append(("slowloris connections were closed or answered by the proxy", closed))
+            closed = soak.slow.overdue == 0 and soak.slow.young < soak.slow.opened / 2
+            checks.append(("slowloris connections were closed or answered by the proxy in time", closed))
         else:
             print("  (not checked: the slowloris window, 40% of --duration, is not longer than the proxy's timeouts)")
     print(
