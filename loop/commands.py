@@ -80,8 +80,7 @@ def demo(
 ) -> None:
     """Make a tiny model, serve it with vLLM, and train it with GRPO on a bundled agent and task set.
 
-    Prints each round's training and held-out reward, then where the reward curve (PNG) and the
-    summary table are.
+    Prints one line per round (training and held-out reward), then where the results are.
     """
     from lcap.loop.demo import DemoSettings, run_demo
 

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -299,6 +300,8 @@ def fit_round(inputs: RoundInputs, out_dir: Path, options: TrainOptions, *, prog
     from transformers.utils.logging import disable_progress_bar
 
     disable_progress_bar()  # transformers' bars over loading and saving weights; the round has its own bar
+    # TRL reads a property transformers deprecated: a warning the user can do nothing about, amid the round's line
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     p = prepare(inputs, out_dir, options)
     mismatch = guard_round(p, options)
     if progress:
