@@ -11,13 +11,13 @@
   `body_size_limit` applies to every flow, downloads and uploads the agent makes included, so lcap
   replaces its check with one that asks `limit_for(flow, request)`; everything else streams, unbounded
   and unbuffered, as before.
-- `install_http1_guards`: mitmproxy's HTTP/1 layer hangs on three things an agent or an upstream may
-  send; each gets an answer instead. A chunk size past 2^64 (which the front's parser, llhttp, refuses
-  too) is a protocol error, and a request body mitmproxy cannot read gets its 400 before the connection
-  closes (mitmproxy closed it first, so its 400 was never written); trailers after a chunked body are dropped (RFC 9112 7.1.2 lets a
-  recipient that removes the chunked coding discard them; mitmproxy raises on them); an upstream's
-  interim answer (100 Continue, 103 Early Hints) is skipped, so the answer proper that follows is
-  the one relayed (the front does the same), where mitmproxy took the 1xx for the answer.
+- `install_http1_guards`: where mitmproxy's HTTP/1 layer would hang or close without a word, an answer.
+  A chunk size past 2^64 (which the front's parser, llhttp, refuses too) is a protocol error, and a
+  request body mitmproxy cannot read gets its 400 before the connection closes (mitmproxy closed it
+  first, so its 400 was never written). Trailers after a chunked body are dropped (RFC 9112 7.1.2 lets
+  a recipient that removes the chunked coding discard them; mitmproxy raised NotImplementedError). An
+  upstream's interim answer (100 Continue, 103 Early Hints) is skipped, so the answer proper that
+  follows is the one relayed (the front does the same), where mitmproxy took the 1xx for the answer.
 """
 
 from __future__ import annotations
