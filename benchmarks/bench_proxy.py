@@ -231,7 +231,8 @@ def capture_cost(n: int = 2000) -> tuple[float, float, float]:
     """lcap's own share of a call, whichever listener carries it: `Calls` opening one rerouted 8 KB chat call,
     reading its answer and spooling the turn (p50, p99 in us), and the writer process's row building per
     turn (us)."""
-    from lcap.capture.calls import Calls, Router
+    from lcap.capture.calls import Calls
+    from lcap.capture.routes import Router
     from lcap.capture.spool import SpoolAppender, SpoolReader, unseal
     from lcap.capture.turn import build_row
 

@@ -18,8 +18,9 @@ from typing import Any
 from mitmproxy import http
 
 from lcap.capture import dialects
-from lcap.capture.calls import Calls, NoRoute, Route, Unauthorized, with_route_model
+from lcap.capture.calls import Calls, NoRoute, Unauthorized, with_route_model
 from lcap.capture.options import ProxyOptions
+from lcap.capture.routes import Route
 from lcap.capture.turn import PendingTurn
 
 log = logging.getLogger("lcap.capture")
@@ -92,6 +93,7 @@ class CaptureAddon:
                 "path": req.path,
                 "route": None,
                 "upstream": None,
+                "replica": None,
             }
         else:
             req.stream = True  # not an LLM call: passed through as it comes, never held in memory
@@ -189,6 +191,8 @@ class CaptureAddon:
                 pending.status_code = flow.response.status_code
             if message == "Client disconnected.":  # in the front's words, so both transports read alike
                 message = f"the agent closed the connection {'during' if flow.response else 'before'} the answer"
+            else:
+                self.calls.upstream_failed(pending, message)
             self.calls.close_call(pending, flow.metadata.pop(_TIMED_OUT, None) or message)
 
     def body_limit(self, flow: http.HTTPFlow, request: bool) -> int | None:
@@ -231,7 +235,7 @@ class CaptureAddon:
 
     def _route_websocket(self, flow: http.HTTPFlow) -> None:
         state = flow.metadata[_WS_KEY]
-        route = self.calls.router.route()
+        route = self.calls.router.route(state["episode"])
         if route is None and self.calls.router.upstream is not None:
             raise NoRoute(f"--upstream {self.calls.router.upstream}: no server to send the call to")
         req = flow.request
@@ -241,6 +245,7 @@ class CaptureAddon:
             _retarget(req, route.scheme, route.host, route.port, route.path_for(req.path))
             state["route"] = route
             state["upstream"] = route.url
+            state["replica"] = route.replica
 
     @_guarded
     def websocket_message(self, flow: http.HTTPFlow) -> None:
@@ -284,6 +289,7 @@ class CaptureAddon:
             started.model_requested = request.get("model")
             started.upstream = state["upstream"]
             started.deployment = route.deployment if route is not None else None
+            started.replica = state["replica"]
             started.streamed = True
             started.events = []
             state["turn"] = started

@@ -8,21 +8,19 @@ cheap: raw bytes and timings go on a `PendingTurn`, and the writer process does 
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
-import os
-import re
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from typing import Any
 
 from lcap.capture import dialects
 from lcap.capture.credentials import EpisodeKeys
 from lcap.capture.redact import CREDENTIAL_HEADERS
+from lcap.capture.routes import Route, Router
 from lcap.capture.turn import PendingTurn
 from lcap.capture.writer import TurnWriter
 
@@ -33,99 +31,6 @@ _CREDENTIALS = frozenset(name.encode() for name in CREDENTIAL_HEADERS)
 # A rerouted call has nothing to switch protocols to, and an upgrade asked on a POST makes readers disagree on its
 # body (llhttp, in uvicorn and Node, takes it for the next protocol's bytes): the request goes without it.
 _UPGRADE = frozenset((b"upgrade", b"http2-settings"))
-
-
-# --- where calls go ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Route:
-    """Where a recognised call goes instead of its original host."""
-
-    scheme: str
-    host: str
-    port: int
-    base_path: str  # e.g. "" or "/v1"
-    model: str | None  # the model to ask for, or None to keep the agent's
-    deployment: str | None  # the policy deployment name stored on the turn
-
-    @functools.cached_property
-    def url(self) -> str:
-        return f"{self.scheme}://{self.host}:{self.port}{self.base_path}"
-
-    @functools.cached_property
-    def host_header(self) -> bytes:
-        default = 443 if self.scheme == "https" else 80
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return (host if self.port == default else f"{host}:{self.port}").encode("idna")
-
-    def path_for(self, agent_path: str) -> str:
-        """Map the agent's path onto the upstream: keep it whole, or graft what follows `/v1`. Bytes past ASCII
-        (a raw 0xFF, unencoded UTF-8), which an HTTP/1 server may refuse (RFC 9112 3.2), are percent-encoded as
-        browsers and curl send them; the turn keeps the path the agent wrote."""
-        if not agent_path.isascii():
-            agent_path = _PAST_ASCII.sub(_percent, agent_path.encode("utf-8", "surrogateescape")).decode()
-        if not self.base_path:
-            return agent_path
-        path, sep, query = agent_path.partition("?")
-        idx = path.find("/v1/")
-        tail = path[idx + 3 :] if idx >= 0 else path
-        return f"{self.base_path}{tail}{sep}{query}"
-
-
-_PAST_ASCII = re.compile(rb"[\x80-\xff]")
-
-
-def _percent(match: re.Match[bytes]) -> bytes:
-    return b"%%%02X" % match[0][0]
-
-
-def parse_upstream(url: str, model: str | None, deployment: str | None = None) -> Route:
-    parts = urlsplit(url if "://" in url else f"http://{url}")
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"not an http(s) URL: {url!r}")
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    return Route(parts.scheme, parts.hostname, port, parts.path.rstrip("/"), model, deployment)
-
-
-class Router:
-    """Resolves the route of each call: fixed URL, the policy record (re-read when it changes), or none."""
-
-    def __init__(self, upstream: str | None, model: str | None) -> None:
-        self.upstream, self.model = upstream, model
-        self._fixed = parse_upstream(upstream, model) if upstream not in (None, "policy") else None
-        self._checked = 0.0
-        self._mtime: int | None = -1
-        self._policy_route: Route | None = None
-        self._lock = threading.Lock()
-
-    def route(self) -> Route | None:
-        if self.upstream != "policy":
-            return self._fixed
-        now = time.monotonic()
-        if now - self._checked >= 0.5:
-            with self._lock:
-                self._refresh(now)
-        return self._policy_route
-
-    def _refresh(self, now: float) -> None:
-        from lcap.policy import read_policy, record_path
-
-        self._checked = now
-        try:
-            mtime = os.stat(record_path()).st_mtime_ns
-        except FileNotFoundError:
-            mtime = None
-        if mtime == self._mtime:
-            return
-        self._mtime = mtime
-        try:
-            record = read_policy()
-            route = parse_upstream(record.url, self.model or record.current, record.current) if record else None
-        except (ValueError, TypeError) as exc:  # a record being rewritten: keep the last good route
-            log.warning("lcap: unreadable policy record (%s); keeping the previous route", exc)
-            return
-        self._policy_route = route
 
 
 # --- which episode ------------------------------------------------------------------------------------
@@ -154,7 +59,10 @@ class Call:
     port: int
     path: str
     fields: Fields  # the request's header fields, minus lcap's own (and the agent's credentials when rerouted)
+    agent_fields: Fields = ()  # the fields as the agent sent them (minus lcap's): a failover reroutes from these
     body: bytes = b""  # the request body to send (rewritten when lcap changed it)
+    request: Any = None  # the request body, decoded (an LLM call's)
+    tried: frozenset[str] = frozenset()  # replicas this call failed to reach
 
 
 class Calls:
@@ -248,22 +156,48 @@ class Calls:
     ) -> Call:
         """A request to an LLM path, from its head alone: its route, its header fields for that route, and a
         turn not recorded yet. Clients often write the body separately: this work is then done while it comes."""
-        route = self.router.route()
+        route = self.router.route(episode)
         if route is None and self.router.upstream is not None:
             raise NoRoute(f"--upstream {self.router.upstream}: no server to send the call to")
         pending = PendingTurn(episode_id=episode, seq=None, host=host, path=path, dialect=dialect)
-        call = Call(pending, route, scheme, host, port, path, fields)
+        call = Call(pending, route, scheme, host, port, path, fields, fields)
         if route is None:
             pending.upstream = f"{scheme}://{host}:{port}"
             return call
-        drop = _CREDENTIALS | _UPGRADE
-        if self.token_ids and dialect in dialects.TOKEN_ID_DIALECTS:
-            drop = drop | {b"accept-encoding"}  # answers are rewritten: keep them plain
-        call.fields = self.rerouted_fields(fields, route, drop)
-        call.scheme, call.host, call.port, call.path = route.scheme, route.host, route.port, route.path_for(path)
-        pending.upstream = route.url
-        pending.deployment = route.deployment
+        self._point(call, route)
         return call
+
+    def _point(self, call: Call, route: Route) -> None:
+        """Send `call` along `route`: its upstream, its fields for that upstream, and what its turn says of it."""
+        drop = _CREDENTIALS | _UPGRADE
+        if self.token_ids and call.pending.dialect in dialects.TOKEN_ID_DIALECTS:
+            drop = drop | {b"accept-encoding"}  # answers are rewritten: keep them plain
+        call.route = route
+        call.fields = self.rerouted_fields(call.agent_fields, route, drop)
+        call.scheme, call.host, call.port, call.path = route.scheme, route.host, route.port, route.path_for(call.path)
+        pending = call.pending
+        pending.upstream, pending.deployment, pending.replica = route.url, route.deployment, route.replica
+
+    def failover(self, call: Call, why: str) -> bool:
+        """The call could not reach its replica (no connection, or closed before any answer): that replica leaves
+        the rotation and the call goes to the episode's next one. False when there is no other to try."""
+        route = call.route
+        if route is None or route.replica is None:
+            return False
+        self.router.failed(route.replica, why)
+        call.tried = call.tried | {route.replica}
+        other = self.router.route(call.pending.episode_id, call.tried)
+        if other is None:
+            return False
+        call.path = call.pending.path
+        self._point(call, other)
+        if call.request is not None and other.model != route.model:  # a replica that serves another deployment
+            call.body = self._forward(call)
+        return True
+
+    def upstream_failed(self, pending: PendingTurn, why: str) -> None:
+        """A call to a replica failed after it was sent: the replica leaves the rotation until it serves again."""
+        self.router.failed(pending.replica, why)
 
     def take_body(self, call: Call, body: bytes) -> bool:
         """The request's body. True: an LLM call, now numbered in its episode and recorded from here on (its body
@@ -279,15 +213,21 @@ class Calls:
         pending.request_body = call.body = body
         pending.model_requested = request.get("model")
         if call.route is not None and exact:  # a body read leniently goes on as it came: the upstream judges it
-            forward = with_route_model(request, call.route)
-            if self.token_ids:
-                pending.added = dialects.ask_token_ids(pending.dialect, forward)
-                pending.token_ids = pending.added is not None
-            if forward != request:
-                call.body = json.dumps(forward, ensure_ascii=False).encode()
+            call.request = request
+            call.body = self._forward(call)
         pending.started_at, pending.t0 = time.time(), time.perf_counter()  # the call starts once it is whole
         pending.seq = self.next_seq(pending.episode_id)
         return True
+
+    def _forward(self, call: Call) -> bytes:
+        """The body to send along the call's route: asking for the route's model, and for token ids on that path."""
+        assert call.route is not None
+        request, pending = call.request, call.pending
+        forward = with_route_model(request, call.route)
+        if self.token_ids:
+            pending.added = dialects.ask_token_ids(pending.dialect, forward)
+            pending.token_ids = pending.added is not None
+        return json.dumps(forward, ensure_ascii=False).encode() if forward != request else pending.request_body
 
     def refuse_call(self, call: Call, status: int, error: str) -> None:
         """A call refused before it was whole (a body past the limit): an error turn, numbered in its episode."""
@@ -306,7 +246,9 @@ class Calls:
                 out.append((field[0], route.host_header))
             elif name not in drop:
                 out.append(field)
-        if self.upstream_api_key:
+        if route.authorization:
+            out.append((b"authorization", route.authorization))
+        elif self.upstream_api_key:
             out.append((b"authorization", f"Bearer {self.upstream_api_key}".encode()))
         return tuple(out)
 
@@ -318,6 +260,8 @@ class Calls:
         before it is complete)."""
         pending.status_code = status
         pending.t_first = time.perf_counter()
+        if status >= 500 and pending.replica is not None:
+            self.router.failed(pending.replica, f"it answered HTTP {status}")
         pending.encoding = encoding
         pending.streamed = "text/event-stream" in content_type
         if not pending.streamed:

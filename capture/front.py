@@ -85,6 +85,14 @@ class _UpstreamTimeout(Exception):
     """An upstream took longer than a `ProxyOptions` timeout allows: 504."""
 
 
+class _Unreached(Exception):
+    """The call never reached an upstream that answered it: no connection, or one closed before any answer."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class _AgentGone(Exception):
     """The agent closed its connection, or stopped reading, while its call ran."""
 
@@ -444,6 +452,7 @@ class Front:
             if isinstance(exc, Forbidden):
                 status, why = 403, str(exc)
             else:
+                self.calls.upstream_failed(call.pending, f"{exc.__class__.__name__}: {exc}")
                 status = 504 if isinstance(exc, _UpstreamTimeout) else 502
                 why = f"upstream {call.scheme}://{call.host}:{call.port}: {exc.__class__.__name__}: {exc}"
                 if isinstance(exc, _UpstreamTimeout):
@@ -465,15 +474,35 @@ class Front:
     async def _send(
         self, client: Plain, call: Call, upstream_head: bytes, exchange: _Exchange
     ) -> tuple[Plain, _ResponseParts]:
-        """Send the call upstream and read its response head. A reused connection the upstream closed without a
-        byte of answer is replaced once, as HTTP clients do with idle connections (the upstream closed it idle)."""
+        """Send the call upstream and read its response head. A call that cannot reach a policy replica (no
+        connection, or the connection closed before any answer: the replica never answered it) goes to the
+        episode's next replica, the failed one leaving the rotation; at most once per replica."""
+        while True:
+            try:
+                return await self._attempt(client, call, upstream_head, exchange)
+            except _Unreached as unreached:
+                if exchange.gone:
+                    raise _AgentGone from None
+                if not self.calls.failover(call, str(unreached.error)):
+                    raise unreached.error from None
+                upstream_head, _ = _request_head(call)
+
+    async def _attempt(
+        self, client: Plain, call: Call, upstream_head: bytes, exchange: _Exchange
+    ) -> tuple[Plain, _ResponseParts]:
+        """One upstream: a reused connection the upstream closed without a byte of answer is replaced once, as HTTP
+        clients do with idle connections (the upstream closed it idle). `_Unreached` when the upstream never saw
+        or never answered the call."""
         message = b"%s%d\r\n\r\n%s" % (upstream_head, len(call.body), call.body)
         key = (call.scheme, call.host, call.port)
         upstream = self.pool.take(key)
         may_retry = upstream is not None
         while True:
             if upstream is None:
-                upstream = await self._open(client, call, key)
+                try:
+                    upstream = await self._open(client, call, key)
+                except (OSError, _UpstreamTimeout) as exc:
+                    raise _Unreached(exc) from None
             exchange.upstream = upstream
             if exchange.gone:
                 raise _AgentGone
@@ -484,7 +513,7 @@ class Front:
                 if exchange.gone:
                     raise _AgentGone from None
                 if not may_retry:
-                    raise EOFError("the upstream closed the connection before answering") from None
+                    raise _Unreached(EOFError("the upstream closed the connection before answering")) from None
                 upstream, may_retry = None, False
 
     async def _open(self, client: Plain, call: Call, key: tuple[str, str, int]) -> Plain:

@@ -27,8 +27,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from lcap.capture.calls import Router
 from lcap.capture.destinations import Destinations, Forbidden
+from lcap.capture.routes import Router
 
 log = logging.getLogger("lcap.capture")
 
@@ -59,8 +59,7 @@ class PrivateDestinations:
         if not self.destinations.restricted or data.server.address is None:
             return
         host, port = data.server.address[:2]
-        route = self.router.route()
-        if route is not None and (host, port) == (route.host, route.port):
+        if self.router.trusted(host, port):
             return
         try:
             address = await self.destinations.address(host, port)

@@ -24,7 +24,7 @@ from typing import Any
 
 from lcap.capture.addon import CaptureAddon
 from lcap.capture.announce import Announcer, command_line
-from lcap.capture.calls import Calls, Router, parse_upstream
+from lcap.capture.calls import Calls
 from lcap.capture.certs import LeafCerts
 from lcap.capture.credentials import EpisodeKeys, ProxyRecord, remove_record
 from lcap.capture.destinations import Destinations, is_loopback_host
@@ -32,6 +32,7 @@ from lcap.capture.front import Front
 from lcap.capture.memory import MemoryTrimmer
 from lcap.capture.mitm_guards import FrontOnly, PrivateDestinations, install_body_limits, install_http1_guards
 from lcap.capture.options import ProxyOptions
+from lcap.capture.routes import Router, parse_upstream
 from lcap.capture.writer import TurnWriter, WriterReport
 from lcap.config import LcapError, lcap_home
 from lcap.store import Store
@@ -130,14 +131,15 @@ def trust_env(bundle: Path) -> dict[str, str]:
 # --- the proxy ----------------------------------------------------------------------------------
 
 
-def probe_models(base_url: str, timeout: float = 5.0) -> list[dict]:
+def probe_models(base_url: str, timeout: float = 5.0, *, key: str | None = None) -> list[dict]:
     """GET {upstream}/v1/models; LcapError when the upstream cannot be reached."""
     import httpx
 
     route = parse_upstream(base_url, None)
     url = f"{route.scheme}://{route.host}:{route.port}{route.base_path or '/v1'}/models"
+    headers = {"authorization": f"Bearer {key}"} if key else {}
     try:
-        resp = httpx.get(url, timeout=timeout, trust_env=False)
+        resp = httpx.get(url, timeout=timeout, trust_env=False, headers=headers)
     except httpx.HTTPError as exc:
         raise LcapError(f"upstream {base_url} is unreachable: {exc.__class__.__name__}: {exc}") from None
     try:
@@ -245,7 +247,15 @@ class CaptureProxy:
             record = read_policy()
             if record is None:
                 raise LcapError(f"--upstream policy: no policy server record at {record_path()} (run `lcap serve`)")
-            probe_models(record.url)
+            errors = []
+            for replica in record.replicas:  # one replica that answers is enough: the router skips the others
+                try:
+                    probe_models(replica.url, key=record.api_key())
+                    break
+                except LcapError as exc:
+                    errors.append(str(exc))
+            else:
+                raise LcapError("; ".join(errors))
             return True if self.token_ids is None else self.token_ids
         try:
             parse_upstream(upstream, None)
@@ -371,6 +381,8 @@ class CaptureProxy:
             self._master.shutdown()
             self._thread.join(10)
         self._thread = None
+        if self._calls is not None:
+            self._calls.router.close()
         if self._announcer is not None:
             self._announcer.stop()
             self._announcer = None

@@ -59,6 +59,7 @@ class PendingTurn:
         "host",
         "model_requested",
         "path",
+        "replica",
         "request_body",
         "request_json",
         "response_body",
@@ -88,6 +89,7 @@ class PendingTurn:
         self.upstream: str | None = None
         self.model_requested: str | None = None
         self.deployment: str | None = None
+        self.replica: str | None = None  # the policy replica lcap routed the call to: lcap's choice, never the agent's
         self.request_body: bytes = b""
         self.request_json: Any = None  # WebSocket: the response.create frame, already decoded
         self.chunks: list[bytes] | None = None  # SSE chunks as forwarded
@@ -182,6 +184,7 @@ def build_row(p: PendingTurn) -> dict[str, Any]:
         "model_requested": p.model_requested,
         "model_served": turn.model_served,
         "deployment": p.deployment,
+        "replica": getattr(p, "replica", None),  # a spool of an older lcap has no replica
         "request": _dumps(request),
         "response": _dumps(turn.response),
         "status_code": p.status_code,
@@ -236,7 +239,7 @@ def skeleton_row(p: PendingTurn, reason: str) -> dict[str, Any]:
             row.update(started_at=_ts(started), ended_at=_ts(started + (ended - t0)), latency_ms=(ended - t0) * 1000.0)
     except Exception:  # a record this odd keeps no timing
         pass
-    for name in ("episode_id", "host", "dialect", "transport", "upstream", "model_requested", "deployment"):
+    for name in ("episode_id", "host", "dialect", "transport", "upstream", "model_requested", "deployment", "replica"):
         row[name] = text(getattr(p, name, None))
     try:
         row["path"] = text(redact_path(p.path))

@@ -1,24 +1,50 @@
 """The record of the running policy server, shared by every stage.
 
-`lcap serve` writes it when vLLM is healthy and `lcap deploy` updates `current`; the proxy's
+`lcap serve` writes it when every replica is healthy and `lcap deploy` updates `current`; the proxy's
 `--upstream policy` reads it (again whenever the file changes) so that a new deployment reroutes
-new calls without restarting the proxy or the agents.
+new calls without restarting the proxy or the agents. The policy is served by one or more replicas
+(`lcap serve --replicas N`), each a vLLM server of its own; the proxy sends each episode to one of
+them (capture/calls.py `Router`). A record written before replicas existed describes one server:
+it reads as one replica, `r0`.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from lcap.config import lcap_home
+from lcap.config import LcapError, lcap_home
+
+
+@dataclass
+class Replica:
+    """One vLLM server of the policy."""
+
+    name: str  # r0, r1, ...: stable across restarts; each turn stores the replica that served it
+    url: str  # base URL of its OpenAI server
+    pid: int | None = None  # the process group lcap started it in; None when a Ray actor runs it
+    log_path: str = ""  # on the node that runs it
+    current: str | None = None  # what calls routed here ask for while a full checkpoint rolls out; None: the record's
+    draining: bool = False  # out of the rotation: no new call is routed here (a full checkpoint replaces it)
+    devices: str | None = None  # local: the CUDA_VISIBLE_DEVICES it runs with (None: lcap's own)
+    actor: str | None = None  # Ray: the named actor that runs and supervises it
+    node: str | None = None  # Ray: the address of its node
+
+    def serving(self, record: PolicyServer) -> str:
+        """The deployment a call routed to this replica asks for."""
+        return self.current or record.current
 
 
 @dataclass
 class PolicyServer:
-    url: str  # base URL of vLLM's OpenAI server, e.g. http://127.0.0.1:8000
-    pid: int
+    url: str  # base URL of the first replica's OpenAI server, e.g. http://127.0.0.1:8000
+    pid: int | None  # the first replica's process group (None under Ray)
     base_model: str  # the model path or name vLLM was started on
     served_model: str  # the name vLLM serves the base model under
     current: str  # the deployment every routed call asks for (base or a LoRA name)
@@ -26,6 +52,25 @@ class PolicyServer:
     python: str  # interpreter that runs vLLM
     started_at: str
     loras: dict[str, str] = field(default_factory=dict)  # served LoRA name -> adapter path
+    replicas: list[Replica] = field(default_factory=list)
+    vllm_args: list[str] = field(default_factory=list)  # the extra vLLM arguments every replica runs with
+    tool_parser: str | None = "hermes"  # records from before this field were all started with hermes
+    ray_address: str | None = None  # the Ray cluster the replicas run on; None: local processes
+    api_key_file: str | None = None  # replicas reachable from the network require the key in this file
+
+    def __post_init__(self) -> None:
+        self.replicas = [r if isinstance(r, Replica) else Replica(**r) for r in self.replicas]
+        if not self.replicas:  # a record of one server, from before replicas
+            self.replicas = [Replica(name="r0", url=self.url, pid=self.pid, log_path=self.log_path)]
+
+    def replica(self, name: str) -> Replica:
+        for replica in self.replicas:
+            if replica.name == name:
+                return replica
+        raise KeyError(name)
+
+    def api_key(self) -> str | None:
+        return Path(self.api_key_file).read_text().strip() if self.api_key_file else None
 
 
 def record_path() -> Path:
@@ -44,9 +89,39 @@ def write_policy(server: PolicyServer) -> None:
     """Replace the record atomically, so a reader never sees half a file."""
     path = record_path()
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    first = server.replicas[0]
+    server.url, server.pid, server.log_path = first.url, first.pid, first.log_path
     tmp.write_text(json.dumps(asdict(server), indent=2))
     tmp.replace(path)
 
 
 def clear_policy() -> None:
     record_path().unlink(missing_ok=True)
+
+
+@contextmanager
+def policy_lock(wait: float = 10.0) -> Iterator[None]:
+    """Held by whatever changes the running policy (`lcap deploy`, `lcap serve`): one at a time, so two deploys
+    never interleave their steps on the replicas or their writes of the record. Waits up to `wait` seconds for
+    another holder (a rolling deploy can take minutes), then says who holds it."""
+    path = record_path().with_suffix(".lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                    raise LcapError(
+                        f"another lcap (pid {holder}) is changing the policy server (a deploy?): try again when it is done"
+                    ) from None
+                time.sleep(0.1)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)

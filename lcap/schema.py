@@ -14,7 +14,7 @@ PROMOTED_LABELS = {
 
 # The store's shape. A new store gets TABLES at SCHEMA_VERSION; an older one is brought there by MIGRATIONS
 # (version reached -> statements), in order, inside the unit of work that first opens it for writing.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     2: (
         "ALTER TABLE episodes RENAME COLUMN group_index TO sample",
@@ -28,6 +28,7 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE train_runs ADD COLUMN IF NOT EXISTS mismatch_seconds DOUBLE",
         "ALTER TABLE train_runs ADD COLUMN IF NOT EXISTS mismatch JSON",
     ),
+    5: ("ALTER TABLE turns ADD COLUMN IF NOT EXISTS replica VARCHAR",),
 }
 
 TABLES = """
@@ -80,7 +81,8 @@ CREATE TABLE IF NOT EXISTS turns (
     completion_token_ids INTEGER[],
     completion_logprobs  DOUBLE[],
     token_source         VARCHAR,   -- 'vllm' when ids/logprobs came from the server, else NULL
-    degraded             VARCHAR    -- NULL, or why this row is not the turn exactly as captured (see dead_letters)
+    degraded             VARCHAR,   -- NULL, or why this row is not the turn exactly as captured (see dead_letters)
+    replica              VARCHAR    -- the policy replica lcap routed the call to (r0, r1, ...); NULL when not the policy
 );
 
 -- capture: spooled records the writer could not store as they were, kept whole (one row per record)

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from lcap.cli_options import DbOption, one_line_errors, with_options
-from lcap.serve.options import TinyModelOptions
+from lcap.serve.options import DeployOptions, ServeOptions, TinyModelOptions
 
 
 def register(app: typer.Typer) -> None:
@@ -28,26 +28,20 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     @one_line_errors
+    @with_options(ServeOptions, "options")
     def serve(
         db: DbOption,
-        model: Annotated[str | None, typer.Option("--model", "-m", help="HF model name or path to serve.")] = None,
-        port: Annotated[int | None, typer.Option(help="Port on 127.0.0.1 (default: a free one).")] = None,
-        python: Annotated[
-            str | None,
-            typer.Option("--python", help="Interpreter with vllm (default: lcap's vLLM venv, else `vllm` on PATH)."),
-        ] = None,
-        name: Annotated[
-            str | None, typer.Option("--name", help="Name to serve the base model under (default: its directory name).")
-        ] = None,
-        tool_parser: Annotated[str, typer.Option(help="vLLM tool-call parser, or 'none'.")] = "hermes",
-        timeout: Annotated[float, typer.Option(help="Seconds to wait for /health.")] = 600,
-        stop: Annotated[bool, typer.Option("--stop", help="Stop the running policy server.")] = False,
+        options: ServeOptions,
+        stop: Annotated[bool, typer.Option("--stop", help="Stop every replica of the running policy server.")] = False,
         status: Annotated[
-            bool, typer.Option("--status", help="Print the policy server's record and health as JSON.")
+            bool, typer.Option("--status", help="Print the policy server's record and each replica's health as JSON.")
         ] = False,
-        vllm_args: Annotated[list[str] | None, typer.Argument(help="Extra vLLM arguments, after `--`.")] = None,
+        vllm_args: Annotated[
+            list[str] | None, typer.Argument(help="vLLM arguments, after `--` (e.g. --tensor-parallel-size 2).")
+        ] = None,
     ) -> None:
-        """Start vLLM's OpenAI server on the policy (LoRA hot-loading on), wait until healthy, record it."""
+        """Start vLLM's OpenAI server on the policy (LoRA hot-loading on), as N replicas, wait until all are healthy,
+        record them."""
         import json
 
         from lcap.config import LcapError
@@ -56,11 +50,12 @@ def register(app: typer.Typer) -> None:
 
         if stop:
             stopped = stop_server()
-            typer.echo(
-                f"stopped policy server {stopped.url} (pid {stopped.pid})"
-                if stopped
-                else "no policy server was running"
-            )
+            if stopped is None:
+                typer.echo("no policy server was running")
+            elif len(stopped.replicas) == 1:
+                typer.echo(f"stopped policy server {stopped.url} (pid {stopped.pid})")
+            else:
+                typer.echo(f"stopped policy server: {', '.join(f'{r.name} {r.url}' for r in stopped.replicas)}")
             return
         if status:
             state = server_status()
@@ -69,40 +64,54 @@ def register(app: typer.Typer) -> None:
                 raise typer.Exit(1)
             typer.echo(json.dumps({"running": state["alive"] and state["healthy"], **state}, indent=2))
             raise typer.Exit(0 if state["healthy"] else 1)
-        if not model:
+        if not options.model:
             raise LcapError(
                 "give --model (an HF model name or path; `lcap init-model DIR` makes a tiny one), or --stop / --status"
             )
         record = start_server(
-            model,
-            port=port,
-            python=python,
-            served_name=name,
-            timeout=timeout,
-            tool_parser=None if tool_parser == "none" else tool_parser,
+            options.model,
+            replicas=options.replicas,
+            port=options.port,
+            python=options.python,
+            served_name=options.name,
+            timeout=options.timeout,
+            tool_parser=None if options.tool_parser == "none" else options.tool_parser,
             extra_args=vllm_args or (),
+            ray=options.ray,
+            gpus_per_replica=options.gpus_per_replica,
             store=Store(db),
             progress=True,
         )
-        typer.echo(
-            f"policy server ready at {record.url}: serving {record.served_model!r} (pid {record.pid}, log {record.log_path})"
-        )
+        if len(record.replicas) == 1:
+            typer.echo(
+                f"policy server ready at {record.url}: serving {record.served_model!r} "
+                f"(pid {record.pid}, log {record.log_path})"
+            )
+        else:
+            where = ", ".join(f"{r.name} {r.url}" for r in record.replicas)
+            typer.echo(
+                f"policy server ready: {len(record.replicas)} replicas serving {record.served_model!r} ({where})"
+            )
 
     @app.command()
     @one_line_errors
+    @with_options(DeployOptions, "options")
     def deploy(
         path: Annotated[
-            Path, typer.Argument(help="A PEFT LoRA adapter dir (hot-loaded) or a full checkpoint dir (vLLM restarts).")
+            Path,
+            typer.Argument(
+                help="A PEFT LoRA adapter dir (hot-loaded into every replica) or a full checkpoint dir (replicas "
+                "restart on it one at a time)."
+            ),
         ],
         db: DbOption,
-        name: Annotated[
-            str | None, typer.Option("--name", help="Served name (default: policy-r{round}-{hash}).")
-        ] = None,
-        round: Annotated[int | None, typer.Option("--round", help="Training round that produced it.")] = None,
+        options: DeployOptions,
     ) -> None:
         """Make a new checkpoint the current policy: every routed call is served by it from now on."""
         from lcap.serve.deploy import deploy as deploy_policy
         from lcap.store import Store
 
-        served = deploy_policy(path, name=name, round=round, store=Store(db))
+        served = deploy_policy(
+            path, name=options.name, round=options.round, store=Store(db), drain_timeout=options.drain_timeout
+        )
         typer.echo(served)

@@ -1,41 +1,68 @@
-"""`lcap deploy`: make a new checkpoint the policy every routed call is served by.
+"""`lcap deploy`: make a new checkpoint the policy every routed call is served by, on every replica.
 
-A PEFT LoRA adapter (a directory with adapter_config.json) is hot-loaded into the running vLLM
-under a new, unique name: nothing restarts, calls in flight finish on the old deployment, and new
-calls (the proxy rereads the record) ask for the new name. A full checkpoint (config.json +
-weights) needs a restart of vLLM on it, on the same port. Every deployment is a row in the
-store's `deployments` table, so each captured turn's `deployment` says which policy produced it.
+A PEFT LoRA adapter (a directory with adapter_config.json) is hot-loaded into every replica under a
+new, unique name, and only then does the record's `current` name it: the proxy asks for the name it
+reads there, so no call can reach a replica that lacks the adapter. Nothing restarts; calls in
+flight finish on the old deployment. If one replica refuses the adapter, `current` stays as it was.
+
+A full checkpoint (config.json + weights) needs each vLLM restarted on it. With several replicas
+they roll one at a time: the replica is marked draining in the record (the proxy routes its
+episodes to their next replica), its calls in flight finish (vLLM's own request gauges reach zero,
+or `drain_timeout` passes), it restarts on the checkpoint on the same address, and once healthy it
+rejoins the rotation serving the new deployment (its entry in the record says so until all have
+rolled). One replica alone restarts at once: there is nowhere else for its calls to go. A replica
+that fails to start puts every replica back on the previous policy, adapters included.
+
+Every deployment is a row in the store's `deployments` table, so each captured turn's `deployment`
+says which policy produced it, and its `replica` which server.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
-
 from lcap.config import LcapError
-from lcap.policy import PolicyServer, read_policy, write_policy
+from lcap.policy import PolicyServer, policy_lock, read_policy, write_policy
+from lcap.serve.server import MAX_LORA_RANK, VllmSpec, in_flight, replicas_of
 from lcap.store import Store, now
 
+log = logging.getLogger("lcap.serve")
 
-def deploy(path: Path, *, name: str | None = None, round: int | None = None, store: Store | None = None) -> str:
-    """Deploy a LoRA adapter (hot-load) or a full checkpoint (restart); return the served name now `current`."""
+DRAIN_GRACE_S = 2.0  # after marking a replica draining: proxies re-read the record (capture/routes.py REFRESH_S)
+DRAIN_POLL_S = 0.5
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def deploy(
+    path: Path,
+    *,
+    name: str | None = None,
+    round: int | None = None,
+    store: Store | None = None,
+    drain_timeout: float = 600.0,
+) -> str:
+    """Deploy a LoRA adapter (hot-load) or a full checkpoint (restart) on every replica; return the served name now
+    `current`."""
     path = Path(path).expanduser().resolve()
-    record = read_policy()
-    if record is None:
-        raise LcapError("no policy server is running: start one with `lcap serve --model M`")
-    if (path / "adapter_config.json").is_file():
-        kind = "lora"
-        name = name or _unique_name(path, round)
-        record = _load_lora(record, path, name)
-    elif (path / "config.json").is_file():
-        kind = "full"
-        name = name or _unique_name(path, round)
-        record = _restart_on(record, path, name)
-    else:
-        raise LcapError(f"{path} is neither a LoRA adapter (adapter_config.json) nor a checkpoint (config.json)")
+    with policy_lock():
+        record = read_policy()
+        if record is None:
+            raise LcapError("no policy server is running: start one with `lcap serve --model M`")
+        if (path / "adapter_config.json").is_file():
+            kind = "lora"
+            name = name or _unique_name(path, round)
+            record = _load_lora(record, path, name)
+        elif (path / "config.json").is_file():
+            kind = "full"
+            name = name or _unique_name(path, round)
+            record = _roll(record, path, name, drain_timeout)
+        else:
+            raise LcapError(f"{path} is neither a LoRA adapter (adapter_config.json) nor a checkpoint (config.json)")
     if store is not None:
         store.append(
             "deployments",
@@ -54,63 +81,128 @@ def deploy(path: Path, *, name: str | None = None, round: int | None = None, sto
 
 
 def _load_lora(record: PolicyServer, path: Path, name: str) -> PolicyServer:
-    from lcap.serve.server import MAX_LORA_RANK
-
     config = json.loads((path / "adapter_config.json").read_text())
     rank = max([config.get("r") or 0, *(config.get("rank_pattern") or {}).values()])
     if rank > MAX_LORA_RANK:
         raise LcapError(
             f"adapter {path} has rank {rank}; the server allows at most {MAX_LORA_RANK} (restart `lcap serve` with a larger --max-lora-rank)"
         )
-    # In place: deploying a name again (a resumed loop, or a retrained adapter under a fixed name) replaces it.
-    body = {"lora_name": name, "lora_path": str(path), "load_inplace": True}
-    try:
-        response = httpx.post(f"{record.url}/v1/load_lora_adapter", json=body, timeout=600)
-    except httpx.HTTPError as exc:
-        raise LcapError(
-            f"policy server at {record.url} did not answer ({exc}): is it running? `lcap serve --status`"
-        ) from None
-    if response.status_code != 200:
-        raise LcapError(f"vLLM refused adapter {path} ({response.status_code}): {_error_text(response)}")
-    record = read_policy() or record  # another deploy may have touched the record meanwhile
+    _load_everywhere(record, {name: str(path)})
     record.loras[name] = str(path)
     record.current = name
     write_policy(record)
     return record
 
 
-def _restart_on(record: PolicyServer, path: Path, name: str) -> PolicyServer:
-    """Replace the running vLLM by one on the checkpoint, on the same port, so the URL stays valid."""
-    from lcap.serve.server import start_server, stop_server
+def _load_everywhere(record: PolicyServer, loras: dict[str, str], only: str | None = None) -> None:
+    """Hot-load `loras` (name -> path) into every replica (or the one named `only`), in parallel; LcapError naming
+    each replica that failed."""
+    if not loras:
+        return
+    backend = replicas_of(record)
+    key = record.api_key()
+    targets = [r for r in record.replicas if only is None or r.name == only]
+    with ThreadPoolExecutor(len(targets)) as pool:
+        futures = {
+            replica.name: [pool.submit(backend.load_lora, replica, lora, Path(p), key) for lora, p in loras.items()]
+            for replica in targets
+        }
+    errors = [f"{n}: {f.exception()}" for n, fs in futures.items() for f in fs if f.exception() is not None]
+    if errors:
+        raise LcapError(
+            f"not every replica loaded {', '.join(loras.values())}, so {record.current!r} stays current: "
+            + "; ".join(errors)
+        )
 
-    port = int(record.url.rsplit(":", 1)[1])
-    extra: list[str] = []
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        extra = ["--tokenizer", record.base_model]  # trainers often save weights only
-    stop_server()
+
+def _roll(record: PolicyServer, path: Path, name: str, drain_timeout: float) -> PolicyServer:
+    """Restart the replicas on the checkpoint one at a time; on a failure, put every replica back as it was."""
+    previous = VllmSpec.of(record)
+    args = _with_tokenizer(record, path)
+    target = VllmSpec(str(path), name, record.python, record.tool_parser, tuple(args), previous.timeout)
+    drain = len(record.replicas) > 1
+    touched: list[str] = []
     try:
-        return start_server(
-            str(path),
-            port=port,
-            python=record.python,
-            served_name=name,
-            log_path=Path(record.log_path),
-            extra_args=extra,
-        )
+        for replica in record.replicas:
+            touched.append(replica.name)
+            _replace(replica.name, target, drain=drain, drain_timeout=drain_timeout)
     except LcapError as exc:
-        # Leave the agents a policy: bring the previous one back (base and adapters), then report.
-        previous = start_server(
-            record.base_model,
-            port=port,
-            python=record.python,
-            served_name=record.served_model,
-            log_path=Path(record.log_path),
-        )
-        for lora, lora_path in record.loras.items():
-            previous = _load_lora(previous, Path(lora_path), lora)
-        previous.current = record.current
-        write_policy(previous)
+        for replica_name in touched:  # the failed one too: it may be down, or half started
+            try:
+                _replace(replica_name, previous, drain=drain, drain_timeout=drain_timeout, loras=record.loras)
+            except LcapError as again:
+                raise LcapError(
+                    f"checkpoint {path} did not start ({exc}), and replica {replica_name} did not start again on "
+                    f"{record.current!r} either: {again}"
+                ) from None
         raise LcapError(f"checkpoint {path} did not start, so {record.current!r} is serving again: {exc}") from None
+    rolled = read_policy() or record
+    rolled.base_model, rolled.served_model, rolled.current = str(path), name, name
+    rolled.loras, rolled.vllm_args = {}, args
+    for replica in rolled.replicas:
+        replica.current = None
+    write_policy(rolled)
+    return rolled
+
+
+def _replace(
+    name: str, spec: VllmSpec, *, drain: bool, drain_timeout: float, loras: dict[str, str] | None = None
+) -> None:
+    """Take replica `name` out of the rotation, let its calls finish, restart it on `spec` (with `loras`) and put
+    it back in the rotation serving `spec`."""
+    record = read_policy()
+    if record is None:
+        raise LcapError("the policy record disappeared during the deploy (`lcap serve --stop`?)")
+    replica = record.replica(name)
+    if drain:
+        replica.draining = True
+        write_policy(record)
+        _drain(replica.url, record.api_key(), name, drain_timeout)
+    restarted = replicas_of(record).restart(replica, spec)
+    record = read_policy() or record
+    for i, entry in enumerate(record.replicas):
+        if entry.name == name:
+            record.replicas[i] = restarted
+    if loras:
+        _load_everywhere(record, loras, only=name)
+    restarted.draining = False
+    restarted.current = None if spec.served_name == record.current else spec.served_name
+    if loras and record.current in loras:
+        restarted.current = None
+    write_policy(record)
+
+
+def _drain(url: str, key: str | None, name: str, timeout: float) -> None:
+    """Wait until the replica has no request running or waiting (twice in a row), or `timeout` passes."""
+    time.sleep(DRAIN_GRACE_S)
+    deadline = time.monotonic() + timeout
+    quiet = 0
+    while quiet < 2:
+        count = in_flight(url, key)
+        if count is None:  # down, or no metrics: nothing to wait for
+            return
+        quiet = quiet + 1 if count == 0 else 0
+        if time.monotonic() > deadline:
+            log.warning(
+                "lcap: replica %s still had %d calls in flight after %.0fs (--drain-timeout): restarting it anyway",
+                name,
+                count,
+                timeout,
+            )
+            return
+        time.sleep(DRAIN_POLL_S)
+
+
+def _with_tokenizer(record: PolicyServer, path: Path) -> list[str]:
+    """The record's vLLM arguments for a checkpoint: trainers often save weights only, and then the tokenizer comes
+    from where the running policy's came from."""
+    args = list(record.vllm_args)
+    own = [i for i, arg in enumerate(args) if arg == "--tokenizer" or arg.startswith("--tokenizer=")]
+    if any((path / f).is_file() for f in TOKENIZER_FILES):
+        for i in reversed(own):
+            del args[i : i + (1 if "=" in args[i] else 2)]
+        return args
+    return args if own else [*args, "--tokenizer", record.base_model]
 
 
 def _unique_name(path: Path, round: int | None) -> str:
@@ -121,11 +213,3 @@ def _unique_name(path: Path, round: int | None) -> str:
         digest.update(f"{file.relative_to(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     prefix = f"policy-r{round}" if round is not None else "policy"
     return f"{prefix}-{digest.hexdigest()[:8]}"
-
-
-def _error_text(response: httpx.Response) -> str:
-    try:
-        body = response.json()
-        return str((body.get("error") or {}).get("message") or body)
-    except ValueError:
-        return response.text[:500]

@@ -42,17 +42,23 @@ def policy_server(ctx: Context) -> Result:
         return Result.skip(f"no policy server recorded ({record_path()}): `lcap serve --model M` starts one")
     record = health.record
     restart = f"lcap serve --stop && lcap serve --model {record.base_model}"
-    if not health.alive:
+    down = [r for r in health.replicas if not r.alive]
+    if down:
+        where = "; ".join(f"{r.replica.name} ({r.label})" for r in down)
+        what = f"({down[0].label})" if len(health.replicas) == 1 else f"replica {where}"
         return Result.fail(
-            f"the recorded policy server (pid {record.pid}, {record.url}) is not running",
-            f"{restart} (its log: {record.log_path})",
+            f"the recorded policy server {what} is not running", f"{restart} (its log: {down[0].replica.log_path})"
         )
-    if not health.healthy:
+    sick = [r for r in health.replicas if not r.healthy]
+    if sick:
         return Result.fail(
-            f"{record.url}/health does not answer 200 ({health.error or 'unhealthy'})",
-            f"read the end of {record.log_path}; then {restart}",
+            "; ".join(f"{r.replica.url}/health does not answer 200 ({r.error or 'unhealthy'})" for r in sick),
+            f"read the end of {sick[0].replica.log_path}; then {restart}",
         )
-    return Result.ok(f"{record.url} (pid {record.pid}) is healthy", url=record.url, pid=record.pid)
+    if len(health.replicas) == 1:
+        return Result.ok(f"{record.url} (pid {record.pid}) is healthy", url=record.url, pid=record.pid)
+    urls = [r.url for r in record.replicas]
+    return Result.ok(f"{len(urls)} replicas are healthy ({', '.join(urls)})", urls=urls)
 
 
 @check("policy.model", section="serve", required=True, needs=("policy.server",))
@@ -65,9 +71,11 @@ def policy_model(ctx: Context) -> Result:
             f"the server lists {health.models or 'no model'}, not {record.served_model!r} as recorded",
             f"another server took its port? lcap serve --stop && lcap serve --model {record.base_model}",
         )
-    if not health.serves_current:
+    lacking = [r for r in health.replicas if not r.serves_current]
+    if lacking:
+        where = "" if len(health.replicas) == 1 else f" on replica {', '.join(r.replica.name for r in lacking)}"
         return Result.fail(
-            f"the current deployment {record.current!r} is not loaded (vLLM restarted without it?)",
+            f"the current deployment {lacking[0].serving!r} is not loaded{where} (vLLM restarted without it?)",
             f"lcap deploy {record.loras.get(record.current, 'ADAPTER')} --name {record.current} "
             "(`lcap loop` does it on its own when resumed)",
         )

@@ -1,4 +1,5 @@
-"""The serve stage's options: the tiny model `lcap init-model` makes (each default and help, written once)."""
+"""The serve stage's options: `lcap serve`, `lcap deploy`, and the tiny model `lcap init-model` makes (each default
+and help, written once)."""
 
 from __future__ import annotations
 
@@ -29,3 +30,53 @@ class TinyModelOptions:
             )
         if self.num_heads % (self.num_kv_heads or self.num_heads):
             raise LcapError(f"{self.num_heads} heads are not a multiple of {self.num_kv_heads} kv heads")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """The policy server: vLLM on the model, as one replica or several (local processes, or Ray actors)."""
+
+    model: str | None = option(None, flag="--model,-m", help="HF model name or path to serve.")
+    name: str | None = option(None, help="Name to serve the base model under (default: its directory name).")
+    replicas: int = option(
+        1, help="vLLM servers of the policy: the proxy sends each episode to one of them (sticky by episode)."
+    )
+    port: int | None = option(
+        None, help="Port on 127.0.0.1 of the first local replica; replica i listens on PORT+i (default: free ones)."
+    )
+    python: str | None = option(
+        None, help="Interpreter with vllm (default: lcap's vLLM venv, else `vllm` on PATH); on each node under --ray."
+    )
+    tool_parser: str = option("hermes", help="vLLM tool-call parser, or 'none'.")
+    timeout: float = option(600.0, help="Seconds to wait for each replica's /health.")
+    ray: str | None = option(
+        None,
+        help="Run the replicas on this Ray cluster (host:port, ray://host:port, or 'auto' for RAY_ADDRESS), "
+        "one actor per replica on a node with the GPUs it needs.",
+    )
+    gpus_per_replica: float | None = option(
+        None,
+        help="GPUs each replica holds (default: the tensor x pipeline x data parallel size in the vLLM arguments); "
+        "0 runs vLLM on CPU.",
+    )
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise LcapError(f"--replicas {self.replicas}: at least 1")
+        if self.gpus_per_replica is not None and self.gpus_per_replica < 0:
+            raise LcapError(f"--gpus-per-replica {self.gpus_per_replica}: not negative")
+        if self.ray is not None and self.port is not None:
+            raise LcapError("--port is for local replicas: under --ray each replica takes a free port on its node")
+
+
+@dataclass(frozen=True)
+class DeployOptions:
+    """How `lcap deploy` makes a checkpoint the policy on every replica."""
+
+    name: str | None = option(None, help="Served name (default: policy-r{round}-{hash}).")
+    round: int | None = option(None, help="Training round that produced it.")
+    drain_timeout: float = option(
+        600.0,
+        help="A full checkpoint restarts the replicas one at a time: seconds to wait for one's calls in flight to "
+        "finish (new calls already go to the others) before it restarts anyway.",
+    )

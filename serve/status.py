@@ -1,4 +1,5 @@
-"""`lcap status`'s section of the policy server: the recorded vLLM, whether it answers, and what it serves now."""
+"""`lcap status`'s section of the policy server: each recorded vLLM replica, whether it answers, and what it serves
+now."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from dataclasses import asdict
 from datetime import datetime
 
 from lcap.policy import read_policy
-from lcap.serve.health import probe
+from lcap.serve.health import PolicyHealth, probe
 from lcap.status import Section, View, age, section
 
 
@@ -14,7 +15,7 @@ from lcap.status import Section, View, age, section
 def policy(view: View) -> Section:
     s = Section(
         "policy server",
-        ["url", "pid", "state", "up", "base model", "current deployment", "LoRAs loaded"],
+        ["replica", "url", "pid", "state", "up", "base model", "current deployment", "LoRAs loaded"],
         empty="none recorded (`lcap serve --model M` starts one)",
     )
     record = read_policy()
@@ -22,19 +23,37 @@ def policy(view: View) -> Section:
         s.data = None
         return s
     health = probe(record, timeout=1.0)
-    if not health.alive:
-        state = "not running (stale record)"
-        s.notes.append(f"its process {record.pid} is gone: `lcap serve --stop` clears the record")
-    elif not health.healthy:
-        state = f"not answering ({health.error or 'unhealthy'})"
-        s.notes.append(f"see {record.log_path}")
-    else:
-        state = "healthy"
     try:
         up = age(view.now - datetime.fromisoformat(record.started_at).timestamp())
     except ValueError:
         up = "-"
-    current = record.current + ("" if health.serves_current or not health.healthy else " (NOT loaded)")
-    s.rows = [[record.url, str(record.pid), state, up, record.base_model, current, ", ".join(record.loras) or "-"]]
-    s.data = {**asdict(record), "alive": health.alive, "healthy": health.healthy, "models": health.models}
+    loras = ", ".join(record.loras) or "-"
+    for replica in health.replicas:
+        r = replica.replica
+        if not replica.alive:
+            state = "not running (stale record)"
+            s.notes.append(
+                f"{_named(health, r.name)}its process {r.pid} is gone: `lcap serve --stop` clears the record"
+            )
+        elif not replica.healthy or replica.error:
+            state = f"not answering ({replica.error or 'unhealthy'})"
+            s.notes.append(f"{_named(health, r.name)}see {r.log_path}")
+        elif r.draining:
+            state = "draining (a full checkpoint rolls out)"
+        else:
+            state = "healthy"
+        current = replica.serving + ("" if replica.serves_current or not replica.healthy else " (NOT loaded)")
+        who = str(r.pid) if r.pid is not None else f"Ray {r.node or '?'}"
+        s.rows.append([r.name, r.url, who, state, up, record.base_model, current, loras])
+    s.data = {
+        **asdict(record),
+        "alive": health.alive,
+        "healthy": health.healthy,
+        "models": health.models,
+        "replicas_healthy": sum(r.healthy for r in health.replicas),
+    }
     return s
+
+
+def _named(health: PolicyHealth, name: str) -> str:
+    return "" if len(health.replicas) == 1 else f"{name}: "

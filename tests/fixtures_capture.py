@@ -49,6 +49,7 @@ class FakeLLM(ThreadingHTTPServer):
         self.gate: threading.Event | None = None  # streams pause after the first chunk until set
         self.chunk_delay = 0.0
         self.drop_idle = False  # close each connection after its answer, without saying so (a keep-alive timeout)
+        self.models = ["fake-model"]  # what GET /v1/models lists
         self.thread = threading.Thread(target=self.serve_forever, daemon=True)
 
     @property
@@ -60,6 +61,7 @@ class FakeLLM(ThreadingHTTPServer):
 
     def reset(self) -> None:
         self.requests.clear()
+        self.models = ["fake-model"]
         self.text, self.tool_call, self.fail, self.gzip, self.gate, self.chunk_delay, self.drop_idle = (
             "Hello from the upstream.",
             None,
@@ -84,7 +86,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._websocket()
         if self.path.rstrip("/").endswith("/models"):
             owner = "vllm" if self.server.vllm else "openai"
-            self._json(200, {"object": "list", "data": [{"id": "fake-model", "object": "model", "owned_by": owner}]})
+            data = [{"id": model, "object": "model", "owned_by": owner} for model in self.server.models]
+            self._json(200, {"object": "list", "data": data})
         else:
             self._json(404, {"error": {"message": "not found"}})
 

@@ -24,9 +24,10 @@ import pytest
 from fixtures_capture import LCAP, turns
 
 from lcap.capture import connections
-from lcap.capture.calls import Calls, Router
+from lcap.capture.calls import Calls
 from lcap.capture.certs import LeafCerts
 from lcap.capture.options import ProxyOptions
+from lcap.capture.routes import Router
 from lcap.capture.server import CA_BASENAME, CaptureProxy, ca_dir
 from lcap.capture.turn import PendingTurn
 from lcap.store import Store

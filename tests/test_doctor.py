@@ -335,6 +335,75 @@ def test_policy_without_lora_or_its_deployment_fails(home):
     assert "runtime adapter loading is off" in lora.summary and "lcap serve --stop && lcap serve" in lora.fix
 
 
+def _models_server(models: list[str], key: str | None = None) -> ThreadingHTTPServer:
+    """A stand-in replica: healthy, lists `models`, has the LoRA load route; with `key`, answers 401 without it."""
+
+    class Handler(_NoLora):
+        def do_GET(self) -> None:
+            if key and self.path != "/health" and self.headers.get("authorization") != f"Bearer {key}":
+                self.send_response(401)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            body = json.dumps({"data": [{"id": m} for m in models]}).encode() if self.path == "/v1/models" else b""
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self) -> None:
+            self.send_response(400)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_policy_checks_and_status_cover_every_replica(home):
+    """Two stand-in replicas: the deployment missing on one is named; a dead one is named; a Ray replica (no local
+    process, behind a key) is asked with the record's key."""
+    from lcap.policy import PolicyServer, Replica, write_policy
+    from lcap.serve.status import policy
+    from lcap.status import View
+
+    key_file = home / "policy.key"
+    key_file.write_text("k-1\n")
+    both, base_only = _models_server(["tiny", "lora-1"], key="k-1"), _models_server(["tiny"])
+    url = [f"http://127.0.0.1:{s.server_address[1]}" for s in (both, base_only)]
+
+    def record(r1_pid: int | None) -> None:
+        replicas = [Replica("r0", url[0], None, actor="lcap-r0", node="10.0.0.2"), Replica("r1", url[1], r1_pid)]
+        write_policy(PolicyServer(url[0], None, "/m", "tiny", "lora-1", "", "python", "2026-01-01T00:00:00",
+                                  replicas=replicas, api_key_file=str(key_file)))  # fmt: skip
+
+    try:
+        record(os.getpid())
+        found = run("policy.model")
+        assert found["policy.server"].status == "ok" and "2 replicas are healthy" in found["policy.server"].summary
+        assert found["policy.model"].status == "fail"
+        assert "'lora-1' is not loaded on replica r1" in found["policy.model"].summary
+        section = policy(View(home / "none.duckdb", time.time()))
+        assert [(row[0], row[2], row[3], row[6]) for row in section.rows] == [
+            ("r0", "Ray 10.0.0.2", "healthy", "lora-1"),
+            ("r1", str(os.getpid()), "healthy", "lora-1 (NOT loaded)"),
+        ]
+        assert section.data["replicas_healthy"] == 2
+
+        dead = _dead_pid()
+        record(dead)
+        found = run("policy.server")["policy.server"]
+        assert found.status == "fail" and f"replica r1 (pid {dead}, {url[1]}) is not running" in found.summary
+        key_file.write_text("wrong\n")
+        section = policy(View(home / "none.duckdb", time.time()))
+        assert section.rows[0][3].startswith("not answering (HTTPStatusError") and "401" in section.rows[0][3]
+        assert section.notes[0].startswith("r0: see")
+    finally:
+        both.shutdown()
+        base_only.shutdown()
+
+
 @pytest.mark.vllm
 def test_policy_checks_pass_on_the_real_server(vllm_policy, monkeypatch, tmp_path):
     monkeypatch.setenv("LCAP_HOME", str(vllm_policy.lcap_home))

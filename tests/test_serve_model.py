@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -141,3 +145,116 @@ def test_serve_stop_ends_the_whole_process_group(tmp_path, monkeypatch):
     with pytest.raises(ProcessLookupError):
         os.killpg(leader.pid, 0)
     assert CliRunner().invoke(app, ["serve", "--stop"]).output.strip() == "no policy server was running"
+
+
+def test_vllm_parallel_flags_set_the_gpus_of_a_replica():
+    from lcap.config import LcapError
+    from lcap.serve.server import gpus_per_server
+
+    assert gpus_per_server([]) == 1
+    assert gpus_per_server(["--tensor-parallel-size", "2", "--max-model-len", "4096"]) == 2
+    assert gpus_per_server(["-tp", "2", "--pipeline-parallel-size=2", "-dp", "2"]) == 8
+    with pytest.raises(LcapError, match="positive whole number"):
+        gpus_per_server(["--tensor-parallel-size", "two"])
+
+
+def test_local_replicas_each_get_their_own_gpus(tmp_path, monkeypatch):
+    """Fake `nvidia-smi` (no GPU here): replica i gets GPUs [i*per, (i+1)*per); too few GPUs is an error."""
+    from lcap.config import LcapError
+    from lcap.serve import vllm_env
+    from lcap.serve.server import _device_slices
+
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text('#!/bin/sh\nfor i in 0 1 2 3; do echo "GPU $i: NVIDIA H100 (UUID: GPU-$i)"; done\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}:{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    vllm_env.has_gpu.cache_clear()
+    try:
+        assert _device_slices(1, None, []) is None  # one replica: vLLM's own choice, as before
+        assert _device_slices(4, None, []) == ["0", "1", "2", "3"]
+        assert _device_slices(2, None, ["-tp", "2"]) == ["0,1", "2,3"]
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+        assert _device_slices(2, 1, []) == ["5", "7"]
+        with pytest.raises(LcapError, match="need 4 GPUs; this machine has 2"):
+            _device_slices(2, None, ["--tensor-parallel-size", "2"])
+        with pytest.raises(LcapError, match="whole GPUs"):
+            _device_slices(2, 0.5, [])
+    finally:
+        vllm_env.has_gpu.cache_clear()
+
+
+def test_serve_refuses_bad_replica_options_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("LCAP_POLICY_RECORD", str(tmp_path / "policy.json"))
+    monkeypatch.setenv("LCAP_HOME", str(tmp_path))
+    runner = CliRunner()
+    for args, message in (
+        (["--replicas", "0"], "--replicas 0: at least 1"),
+        (["--ray", "auto", "--port", "8000"], "--port is for local replicas"),
+        (["--ray", "127.0.0.1:1"], "no Ray cluster at 127.0.0.1:1"),
+    ):
+        result = runner.invoke(app, ["serve", "-m", str(tmp_path), *args, "--db", str(tmp_path / "s.duckdb")])
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "policy.key").exists() and not (tmp_path / "policy.json").exists()
+
+
+def test_the_replica_guard_requires_the_key_on_every_path_but_health(monkeypatch):
+    """serve/vllm_guard.py's middleware, around a small ASGI app with the kinds of paths vLLM has."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route, WebSocketRoute
+    from starlette.testclient import TestClient
+    from starlette.websockets import WebSocketDisconnect
+
+    from lcap.serve.vllm_guard import RequireKey
+
+    async def ok(request):
+        return PlainTextResponse("ok")
+
+    async def socket(websocket):
+        await websocket.accept()
+        await websocket.send_text("ok")
+        await websocket.close()
+
+    paths = ["/health", "/v1/models", "/invocations", "/tokenize", "/pause", "/metrics"]
+    app_ = Starlette(routes=[*(Route(p, ok, methods=["GET", "POST"]) for p in paths), WebSocketRoute("/ws", socket)])
+    monkeypatch.setenv("LCAP_REPLICA_KEY", "k-123")
+    client = TestClient(RequireKey(app_))
+    assert client.get("/health").status_code == 200
+    for path in paths[1:]:
+        assert client.post(path).status_code == 401
+        assert client.post(path, headers={"authorization": "Bearer k-12"}).status_code == 401
+        assert client.post(path, headers={"authorization": "Bearer k-123"}).text == "ok"
+    with pytest.raises(WebSocketDisconnect), client.websocket_connect("/ws") as ws:
+        ws.receive_text()
+    with client.websocket_connect("/ws", headers={"authorization": "Bearer k-123"}) as ws:
+        assert ws.receive_text() == "ok"
+
+
+def test_a_second_policy_change_waits_then_names_the_holder(tmp_path, monkeypatch):
+    from lcap.config import LcapError
+    from lcap.policy import policy_lock
+
+    monkeypatch.setenv("LCAP_POLICY_RECORD", str(tmp_path / "policy.json"))
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; from lcap.policy import policy_lock\nwith policy_lock():\n print('held', flush=True); time.sleep(30)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        started = time.monotonic()
+        with pytest.raises(LcapError, match=f"another lcap \\(pid {holder.pid}\\)"), policy_lock(wait=0.5):
+            pass
+        assert 0.5 <= time.monotonic() - started < 5
+    finally:
+        holder.kill()
+        holder.wait()
+    with policy_lock(wait=5):  # free again once its holder is gone
+        pass

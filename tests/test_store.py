@@ -54,3 +54,15 @@ def test_a_version_2_store_gets_turns_degraded(tmp_path):
     store = Store(path)
     store.append("turns", [{"turn_id": "t2", "degraded": "why"}])
     assert store.fetchall("SELECT turn_id, degraded FROM turns ORDER BY turn_id") == [("t1", None), ("t2", "why")]
+
+
+def test_a_version_4_store_gets_turns_replica(tmp_path):
+    """Version 5 added turns.replica (the policy replica lcap routed the call to)."""
+    path = tmp_path / "v4.duckdb"
+    Store(path).append("turns", [{"turn_id": "t1"}])
+    con = duckdb.connect(str(path))  # back to version 4's shape
+    con.execute("ALTER TABLE turns DROP COLUMN replica; UPDATE schema_version SET version = 4")
+    con.close()
+    store = Store(path)
+    store.append("turns", [{"turn_id": "t2", "replica": "r1"}])
+    assert store.fetchall("SELECT turn_id, replica FROM turns ORDER BY turn_id") == [("t1", None), ("t2", "r1")]

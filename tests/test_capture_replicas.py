@@ -1,0 +1,332 @@
+"""Routing to policy replicas (capture/routes.py): sticky and consistent by episode, failover, health, the key.
+
+The replicas here are FakeLLM servers answering like vLLM, each in a process of its own so that a test
+can kill one the way a replica dies (every connection reset at once). The same routing against two
+real vLLM servers is in test_serve_replicas.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import ssl
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+import pytest
+from fixtures_capture import FakeLLM, turns
+
+from lcap.capture.options import ProxyOptions
+from lcap.capture.routes import Router
+from lcap.capture.server import CaptureProxy
+from lcap.policy import PolicyServer, Replica, read_policy, write_policy
+from lcap.store import Store
+
+TESTS = Path(__file__).resolve().parent
+CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+SERVER = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, %r)
+    from fixtures_capture import FakeLLM
+    server = FakeLLM(vllm=True)
+    server.models = json.loads(sys.argv[1])
+    if sys.argv[2] != "-":
+        server.fail = (int(sys.argv[2]), {"error": {"message": "engine dead"}})
+    print(server.server_address[1], flush=True)
+    server.serve_forever()
+""") % str(TESTS)
+
+
+class Replicas:
+    """FakeLLM replicas as processes; `log` reads the requests each got (by the key it was started with)."""
+
+    def __init__(self) -> None:
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.urls: dict[str, str] = {}
+
+    def start(self, name: str, models: list[str], fail: int | None = None) -> str:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SERVER, json.dumps(models), str(fail) if fail else "-"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        port = int(proc.stdout.readline())
+        self.procs[name], self.urls[name] = proc, f"http://127.0.0.1:{port}"
+        return self.urls[name]
+
+    def kill(self, name: str) -> None:
+        self.procs[name].send_signal(signal.SIGKILL)
+        self.procs[name].wait(10)
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+@pytest.fixture
+def replicas():
+    made = Replicas()
+    yield made
+    made.close()
+
+
+@pytest.fixture
+def record_env(tmp_path, monkeypatch, capture_home):
+    monkeypatch.setenv("LCAP_HOME", str(capture_home))
+    monkeypatch.setenv("LCAP_POLICY_RECORD", str(tmp_path / "policy.json"))
+
+
+@pytest.fixture
+def fake_replicas(record_env):
+    """Two FakeLLM replicas in this process (r0, r1), serving 'tiny', recorded as the policy."""
+    servers = [FakeLLM(vllm=True), FakeLLM(vllm=True)]
+    for server in servers:
+        server.models = ["tiny"]
+        server.thread.start()
+    _record({"r0": servers[0].url, "r1": servers[1].url})
+    yield servers
+    for server in servers:
+        server.shutdown()
+
+
+def _record(urls: dict[str, str], current: str = "tiny", **extra) -> PolicyServer:
+    record = PolicyServer(
+        url="",
+        pid=None,
+        base_model="tiny",
+        served_model="tiny",
+        current=current,
+        log_path="",
+        python="",
+        started_at=datetime.now(UTC).isoformat(),
+        replicas=[Replica(name=name, url=url) for name, url in urls.items()],
+        **extra,
+    )
+    write_policy(record)
+    return record
+
+
+def _client(proxy: CaptureProxy, episode: str | None) -> httpx.Client:
+    env = proxy.child_env(episode, base={})
+    return httpx.Client(
+        proxy=env["HTTPS_PROXY"], verify=ssl.create_default_context(cafile=env["SSL_CERT_FILE"]), timeout=30
+    )
+
+
+def _chat(proxy: CaptureProxy, episode: str, **extra) -> httpx.Response:
+    with _client(proxy, episode) as client:
+        return client.post("https://api.openai.com/v1/chat/completions", json={**CHAT, **extra})
+
+
+# --- the router alone ---------------------------------------------------------------------------------
+
+
+def test_episodes_stick_to_one_replica_spread_and_move_only_when_theirs_leaves(record_env):
+    urls = {f"r{i}": f"http://127.0.0.1:{9 + i}" for i in range(4)}  # nothing listens: no call is made here
+    record = _record(urls)
+    router = Router("policy", None, health_interval=3600)
+    try:
+        episodes = [f"episode-{i}" for i in range(400)]
+        first = {e: router.route(e).replica for e in episodes}
+        assert all(router.route(e).replica == first[e] for e in episodes[:50])  # sticky
+        counts = Counter(first.values())
+        assert set(counts) == set(urls) and min(counts.values()) > 60, counts  # spread (100 each on average)
+        assert {router.route(None).replica for _ in range(8)} == set(urls)  # no episode: round robin
+
+        # A replica that fails leaves: only its episodes move, each to its second choice; the others stay.
+        router.failed("r1", "test")
+        moved = {e: router.route(e).replica for e in episodes}
+        assert all(moved[e] == first[e] for e in episodes if first[e] != "r1")
+        assert {moved[e] for e in episodes if first[e] == "r1"} == {"r0", "r2", "r3"}
+        assert router.route("x", frozenset({"r0", "r2", "r3"})).replica == "r1"  # last resort: a replica that is out
+        assert router.route("x", frozenset(urls)) is None
+
+        # Draining (a full checkpoint replaces it) is read from the record; the same consistency holds.
+        record.replicas[2].draining = True
+        write_policy(record)
+        time.sleep(0.6)
+        drained = {e: router.route(e).replica for e in episodes}
+        assert all(drained[e] == moved[e] for e in episodes if moved[e] != "r2")
+        assert "r2" not in drained.values()
+        assert router.out_of_rotation() == {"r1"}
+    finally:
+        router.close()
+
+    # The hash is stable across processes (not Python's salted hash): another process routes the same way.
+    code = (
+        "import json,sys; from lcap.capture.routes import Router; r = Router('policy', None, health_interval=3600); "
+        "print(json.dumps({e: r.route(e).replica for e in json.loads(sys.argv[1])})); r.close()"
+    )
+    record.replicas[2].draining = False
+    write_policy(record)
+    other = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(episodes)], capture_output=True, text=True, env=os.environ, timeout=60
+    )
+    assert json.loads(other.stdout) == first, other.stderr
+
+
+def test_an_old_single_server_record_is_one_replica(record_env, tmp_path):
+    """A record written before replicas (no `replicas` key) reads as replica r0 and routes as before."""
+    old = {
+        "url": "http://127.0.0.1:8123",
+        "pid": 4242,
+        "base_model": "/m",
+        "served_model": "m",
+        "current": "policy-r1-abc",
+        "log_path": "/logs/vllm-8123.log",
+        "python": "/py",
+        "started_at": "",
+        "loras": {"policy-r1-abc": "/a"},
+    }
+    Path(os.environ["LCAP_POLICY_RECORD"]).write_text(json.dumps(old))
+    record = read_policy()
+    assert [(r.name, r.url, r.pid, r.log_path) for r in record.replicas] == [
+        ("r0", "http://127.0.0.1:8123", 4242, "/logs/vllm-8123.log")
+    ]
+    assert record.tool_parser == "hermes" and record.ray_address is None and record.api_key() is None
+    router = Router("policy", None)
+    route = router.route("any")
+    assert (route.host, route.port, route.model, route.deployment, route.replica) == (
+        "127.0.0.1",
+        8123,
+        "policy-r1-abc",
+        "policy-r1-abc",
+        "r0",
+    )
+    router.close()
+    write_policy(record)  # written back: the replicas are listed, the old fields still name the first
+    again = json.loads(Path(os.environ["LCAP_POLICY_RECORD"]).read_text())
+    assert again["url"] == old["url"] and again["pid"] == 4242 and again["replicas"][0]["name"] == "r0"
+
+
+# --- through the proxy --------------------------------------------------------------------------------
+
+
+def test_a_killed_replica_moves_its_episodes_and_no_call_fails(tmp_path, record_env, replicas):
+    """Each episode's calls go to one replica; a killed replica's episodes go on with the other, every call
+    answered (the failed connection is retried there); each turn stores the replica that served it."""
+    _record({"r0": replicas.start("r0", ["tiny"]), "r1": replicas.start("r1", ["tiny"])})
+    db = tmp_path / "lcap.duckdb"
+    episodes = [f"ep-{i}" for i in range(12)]
+    with CaptureProxy(Store(db), ProxyOptions(upstream="policy")) as proxy:
+        for episode in episodes:
+            for stream in (False, True):
+                assert _chat(proxy, episode, stream=stream).status_code == 200
+        assert proxy.flush(timeout=10)
+        before = {r["episode_id"]: r["replica"] for r in turns(db)}
+        assert set(before.values()) == {"r0", "r1"}  # spread
+        replicas.kill("r0")
+        for episode in episodes:
+            for stream in (False, True):
+                answer = _chat(proxy, episode, stream=stream)
+                assert answer.status_code == 200, answer.text  # the kill costs no call
+    rows = turns(db)
+    assert len(rows) == 4 * len(episodes) and all(r["error"] is None and r["status_code"] == 200 for r in rows)
+    for episode in episodes:
+        served = [r["replica"] for r in rows if r["episode_id"] == episode]
+        assert served[:2] == [before[episode]] * 2  # sticky
+        assert served[2:] == ["r1", "r1"]  # after the kill: the other one
+        assert all(r["upstream"] == replicas.urls[r["replica"]] for r in rows if r["episode_id"] == episode)
+
+
+def test_a_5xx_takes_a_replica_out_until_its_probe_answers(tmp_path, record_env, fake_replicas):
+    """A replica answering 500 leaves the rotation (the agent gets that one 500: the replica did answer); its
+    episodes' next calls go elsewhere; once its probe lists the deployment again (after a back-off) it is back."""
+    _, r1 = fake_replicas
+    r1.fail = (500, {"error": {"message": "engine dead"}})
+    db = tmp_path / "lcap.duckdb"
+    with CaptureProxy(Store(db), ProxyOptions(upstream="policy")) as proxy:
+        router = proxy._calls.router
+        episode = next(e for e in (f"e{i}" for i in range(100)) if router.route(e).replica == "r1")
+        assert _chat(proxy, episode).status_code == 500
+        assert router.out_of_rotation() == {"r1"}
+        assert _chat(proxy, episode).status_code == 200  # the next call: the other replica
+        r1.models = []  # serving, but not the deployment: still out after its probes
+        time.sleep(2.0)
+        assert router.out_of_rotation() == {"r1"}
+        r1.fail, r1.models = None, ["tiny"]
+        deadline = time.monotonic() + 15
+        while router.out_of_rotation() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not router.out_of_rotation()
+        assert _chat(proxy, episode).status_code == 200  # back on its own replica
+    assert [(r["replica"], r["status_code"]) for r in turns(db)] == [("r1", 500), ("r0", 200), ("r1", 200)]
+    probes = [c for c in r1.requests if c["method"] == "GET" and c["path"] == "/v1/models"]
+    assert 2 <= len(probes) <= 12  # probed again and again, with a back-off (0.5 s doubling), not in a loop
+
+
+def test_a_replica_that_does_not_list_the_deployment_gets_no_calls(tmp_path, record_env, replicas):
+    """The health probe asks /v1/models: a replica serving, but without the deployment the calls ask for (a
+    restarted server whose adapters are not back yet), is out of the rotation."""
+    _record({"r0": replicas.start("r0", ["tiny", "lora-1"]), "r1": replicas.start("r1", ["tiny"])}, current="lora-1")
+    db = tmp_path / "lcap.duckdb"
+    with CaptureProxy(Store(db), ProxyOptions(upstream="policy")) as proxy:
+        router = proxy._calls.router
+        router.health_interval = 0.1
+        deadline = time.monotonic() + 10
+        while router.out_of_rotation() != {"r1"} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert router.out_of_rotation() == {"r1"}
+        for i in range(10):
+            assert _chat(proxy, f"e{i}").status_code == 200
+    assert {r["replica"] for r in turns(db)} == {"r0"}
+
+
+def test_the_replica_key_goes_upstream_and_the_stored_replica_is_lcaps_own(tmp_path, record_env):
+    """Replicas on the network require the record's key: lcap sends it in place of the agent's credentials. The
+    stored replica is where lcap sent the call, whatever the agent writes in its headers or body."""
+    servers = {name: FakeLLM(vllm=True) for name in ("r0", "r1")}
+    for server in servers.values():
+        server.models = ["tiny"]
+        server.thread.start()
+    key_file = tmp_path / "policy.key"
+    key_file.write_text("replica-key-123")
+    _record({name: server.url for name, server in servers.items()}, api_key_file=str(key_file))
+    db = tmp_path / "lcap.duckdb"
+    try:
+        with CaptureProxy(Store(db), ProxyOptions(upstream="policy")) as proxy, _client(proxy, "spoof") as client:
+            for _ in range(3):
+                answer = client.post(
+                    "https://api.openai.com/v1/chat/completions",
+                    json={**CHAT, "replica": "r9"},
+                    headers={"authorization": "Bearer sk-agent", "x-lcap-replica": "r9"},
+                )
+                assert answer.status_code == 200
+    finally:
+        for server in servers.values():
+            server.shutdown()
+    rows = turns(db)
+    (replica,) = {r["replica"] for r in rows}  # sticky
+    assert [len(s.calls("/chat/completions")) for s in servers.values()] == [3 if n == replica else 0 for n in servers]
+    assert all(r["upstream"] == servers[replica].url and r["request"]["replica"] == "r9" for r in rows)
+    for call in servers[replica].calls("/chat/completions"):
+        assert call["headers"]["authorization"] == "Bearer replica-key-123"
+        assert [k for k in call["headers"] if k.lower() == "authorization"] == ["authorization"]
+
+
+def test_a_call_mitmproxy_carries_reports_a_dead_replica(tmp_path, record_env, replicas):
+    """Calls the front hands to mitmproxy (here: a chunked body) are not retried elsewhere: the first one to meet a
+    killed replica gets a 502, and the replica leaves the rotation so the episode's next call goes to the other."""
+    _record({"r0": replicas.start("r0", ["tiny"]), "r1": replicas.start("r1", ["tiny"])})
+    db = tmp_path / "lcap.duckdb"
+    body = json.dumps(CHAT).encode()
+    with CaptureProxy(Store(db), ProxyOptions(upstream="policy")) as proxy:
+        router = proxy._calls.router
+        episode = next(e for e in (f"e{i}" for i in range(100)) if router.route(e).replica == "r0")
+        replicas.kill("r0")
+        with _client(proxy, episode) as client:
+            url = "https://api.openai.com/v1/chat/completions"
+            first = client.post(url, content=iter([body]), headers={"content-type": "application/json"})
+            assert first.status_code == 502 and router.out_of_rotation() == {"r0"}
+            second = client.post(url, content=iter([body]), headers={"content-type": "application/json"})
+            assert second.status_code == 200
+    assert [r["replica"] for r in turns(db)] == ["r0", "r1"]

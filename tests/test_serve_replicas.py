@@ -1,0 +1,267 @@
+"""Two real vLLM CPU replicas of the tiny model (`lcap serve --replicas 2`) behind the capture proxy.
+
+One module-scoped pair of servers (each ~1-2 GB, ~30 s to start) serves every test here, in file order:
+status, stickiness and spread, a LoRA deploy while agents run, a rolling full-checkpoint deploy while
+agents run, and last the kill of one replica mid-run (it is not brought back).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+from fixtures_capture import turns
+from openai import APIError, OpenAI
+
+from lcap.capture.options import ProxyOptions
+from lcap.capture.server import CaptureProxy
+from lcap.policy import PolicyServer, read_policy
+from lcap.store import Store
+
+pytestmark = pytest.mark.vllm
+
+LCAP = str(Path(sys.executable).parent / "lcap")
+MESSAGES = [{"role": "user", "content": "Count from one to ten, please."}]
+
+
+@dataclass
+class Pair:
+    home: Path
+    model_dir: Path
+    db: Path  # the store `lcap serve` recorded the base deployment in
+
+    @property
+    def record(self) -> PolicyServer:
+        record = read_policy()
+        assert record is not None
+        return record
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model_dir, tmp_path_factory):
+    from lcap.config import LcapError
+    from lcap.serve.server import resolve_python, stop_server
+
+    try:
+        python = resolve_python()
+    except LcapError as exc:
+        pytest.skip(f"vLLM cannot be installed or imported here: {exc}")
+    home = tmp_path_factory.mktemp("replicas-home")
+    venv = Path(python).parent.parent
+    if venv.name == "vllm-venv":
+        (home / "vllm-venv").symlink_to(venv, target_is_directory=True)
+    saved = {key: os.environ.get(key) for key in ("LCAP_HOME", "LCAP_POLICY_RECORD")}
+    os.environ["LCAP_HOME"] = str(home)
+    os.environ["LCAP_POLICY_RECORD"] = str(home / "policy.json")
+    try:
+        db = home / "serve.duckdb"
+        started = subprocess.run(
+            [LCAP, "serve", "-m", str(tiny_model_dir), "--name", "tiny", "--replicas", "2", "--timeout", "900"]
+            + ["--db", str(db)],
+            capture_output=True,
+            text=True,
+            timeout=1000,
+        )
+        assert started.returncode == 0, f"lcap serve failed:\n{started.stdout}\n{started.stderr[-4000:]}"
+        assert "policy server ready: 2 replicas serving 'tiny'" in started.stdout
+        yield Pair(home, tiny_model_dir, db)
+    finally:
+        if read_policy() is not None:
+            stop_server()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@dataclass
+class Agents:
+    """Agents that keep running episodes (two calls each) through the proxy until stopped; every call is kept."""
+
+    proxy: CaptureProxy
+    threads: int = 4
+    stream_every: int = 0  # every Nth episode streams (0: none)
+    max_tokens: int = 8
+    calls: list[dict] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+    _workers: list[threading.Thread] = field(default_factory=list)
+
+    def __enter__(self) -> Agents:
+        for worker in range(self.threads):
+            thread = threading.Thread(target=self._run, args=(worker,), daemon=True)
+            thread.start()
+            self._workers.append(thread)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for thread in self._workers:
+            thread.join(300)
+
+    def wait_for(self, n: int, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        start = len(self.calls)
+        while len(self.calls) < start + n:
+            assert time.monotonic() < deadline, f"only {len(self.calls) - start} calls in {timeout}s"
+            time.sleep(0.1)
+
+    def _run(self, worker: int) -> None:
+        episode_number = 0
+        while not self.stop.is_set():
+            episode = f"w{worker}-e{episode_number}"
+            stream = bool(self.stream_every) and episode_number % self.stream_every == 0
+            env = self.proxy.child_env(episode, base={})
+            verify = ssl.create_default_context(cafile=env["SSL_CERT_FILE"])
+            with httpx.Client(proxy=env["HTTPS_PROXY"], verify=verify, timeout=300) as http:
+                client = OpenAI(api_key="sk-test", http_client=http, max_retries=0)
+                for seq in range(2):
+                    started = time.monotonic()
+                    outcome: dict = {"episode": episode, "seq": seq, "stream": stream, "started": started}
+                    try:
+                        kwargs = {"model": "gpt-4o-mini", "messages": MESSAGES, "max_tokens": self.max_tokens}
+                        if stream:
+                            chunks = list(client.chat.completions.create(stream=True, **kwargs))
+                            outcome["model"] = chunks[0].model
+                        else:
+                            outcome["model"] = client.chat.completions.create(**kwargs).model
+                        outcome["ok"] = True
+                    except APIError as exc:
+                        outcome.update(ok=False, error=f"{exc.__class__.__name__}: {exc}")
+                    outcome["ended"] = time.monotonic()
+                    self.calls.append(outcome)
+            episode_number += 1
+
+
+def _proxy(tmp_path: Path) -> CaptureProxy:
+    return CaptureProxy(Store(tmp_path / "lcap.duckdb"), ProxyOptions(upstream="policy"))
+
+
+def test_serve_status_lists_both_replicas(pair):
+    status = subprocess.run([LCAP, "serve", "--status"], capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    state = json.loads(status.stdout)
+    assert state["running"] and state["replicas_healthy"] == 2
+    replicas = state["replicas"]
+    assert [r["name"] for r in replicas] == ["r0", "r1"] and len({r["url"] for r in replicas}) == 2
+    assert all(r["alive"] and r["healthy"] and r["in_flight"] == 0 for r in replicas)
+    assert all("--enable-lora" in Path(r["log_path"]).read_text() for r in replicas)
+    rows = Store(pair.db).fetchall("SELECT name, kind FROM deployments")
+    assert rows == [("tiny", "base")]
+
+
+def test_episodes_stick_to_a_replica_and_spread_over_both(pair, tmp_path):
+    with _proxy(tmp_path) as proxy, Agents(proxy, threads=2) as agents:
+        agents.wait_for(32)
+        agents.stop.set()
+    assert all(c["ok"] for c in agents.calls), [c for c in agents.calls if not c["ok"]][:3]
+    rows = turns(tmp_path / "lcap.duckdb")
+    by_episode: dict[str, set[str]] = {}
+    for row in rows:
+        by_episode.setdefault(row["episode_id"], set()).add(row["replica"])
+        assert row["token_source"] == "vllm" and row["deployment"] == "tiny"
+        assert row["upstream"] == pair.record.replica(row["replica"]).url
+    assert all(len(served) == 1 for served in by_episode.values())  # sticky
+    assert set().union(*by_episode.values()) == {"r0", "r1"}  # spread
+
+
+def test_a_lora_deploy_reaches_both_replicas_before_any_call_asks_for_it(pair, tiny_lora, tmp_path):
+    """Agents keep calling while the adapter is deployed: every call is answered (vLLM answers 404 for a model
+    it does not serve), and from the switch on both replicas serve the adapter."""
+    from lcap.serve.deploy import deploy
+
+    with _proxy(tmp_path) as proxy, Agents(proxy, threads=4) as agents:
+        agents.wait_for(8)
+        name = deploy(tiny_lora, round=1, store=Store(pair.db))
+        switched = time.monotonic()
+        agents.wait_for(24)
+    assert read_policy().current == name
+    failed = [c for c in agents.calls if not c["ok"]]
+    assert not failed, failed[:3]
+    assert {c["model"] for c in agents.calls} == {"tiny", name}
+    rows = turns(tmp_path / "lcap.duckdb")
+    on_lora = {r["replica"] for r in rows if r["deployment"] == name}
+    assert on_lora == {"r0", "r1"}, on_lora
+    assert all(r["model_served"] == r["deployment"] and r["status_code"] == 200 for r in rows)
+    assert any(c["started"] > switched + 1 and c["model"] == name for c in agents.calls)
+
+
+@pytest.mark.slow
+def test_a_full_checkpoint_rolls_one_replica_at_a_time(pair, tmp_path):
+    """A full checkpoint while agents run: one replica at a time drains (its episodes go to the other), restarts on
+    the checkpoint and comes back; no call fails, calls in flight at the drain finish, and once done every call
+    asks for the new deployment."""
+    from lcap.serve.deploy import deploy
+
+    before = pair.record
+    checkpoint = tmp_path / "round-2" / "checkpoint"
+    shutil.copytree(pair.model_dir, checkpoint)
+    for tokenizer_file in ("tokenizer.json", "tokenizer_config.json"):  # weights only: the tokenizer is the base's
+        (checkpoint / tokenizer_file).unlink(missing_ok=True)
+    states: list[tuple[float, tuple]] = []
+
+    def watch(stop: threading.Event) -> None:
+        while not stop.is_set():
+            record = read_policy()
+            if record is not None:
+                states.append((time.monotonic(), tuple((r.name, r.draining, r.current) for r in record.replicas)))
+            time.sleep(0.05)
+
+    with _proxy(tmp_path) as proxy, Agents(proxy, threads=4, max_tokens=24) as agents:
+        agents.wait_for(8)
+        stop = threading.Event()
+        watcher = threading.Thread(target=watch, args=(stop,), daemon=True)
+        watcher.start()
+        name = deploy(checkpoint, name="tiny-v2", round=2, store=Store(pair.db), drain_timeout=120)
+        done = time.monotonic()
+        stop.set()
+        watcher.join(10)
+        agents.wait_for(16)
+    after = pair.record
+    assert name == "tiny-v2" and after.current == after.served_model == "tiny-v2"
+    assert after.base_model == str(checkpoint.resolve()) and "--tokenizer" in after.vllm_args
+    assert [r.url for r in after.replicas] == [r.url for r in before.replicas]
+    assert all(a.pid != b.pid for a, b in zip(after.replicas, before.replicas, strict=True))
+    assert not any(r.draining or r.current for r in after.replicas)
+    failed = [c for c in agents.calls if not c["ok"]]
+    assert not failed, failed[:3]
+    # One at a time: never were both replicas draining; each was, in turn; in between r0 served the new one.
+    seen = [s for _, s in states]
+    assert not any(all(draining for _, draining, _ in s) for s in seen)
+    assert any(s[0][1] for s in seen) and any(s[1][1] for s in seen)
+    assert (("r0", False, "tiny-v2"), ("r1", True, None)) in seen
+    assert {c["model"] for c in agents.calls if c["started"] > done + 1} == {"tiny-v2"}
+    rows = turns(tmp_path / "lcap.duckdb")
+    assert {r["deployment"] for r in rows} == {before.current, "tiny-v2"} and all(r["status_code"] == 200 for r in rows)
+
+
+@pytest.mark.slow
+def test_a_killed_replica_moves_its_episodes_to_the_other(pair, tmp_path):
+    """SIGKILL one replica's process group while agents run. A call that had no answer yet is sent again to the
+    other replica (the agent does not see the kill); a stream already under way is cut, and that call fails.
+    Every call that starts after the kill is answered, by the survivor."""
+    victim = pair.record.replica("r0")
+    with _proxy(tmp_path) as proxy, Agents(proxy, threads=4, stream_every=3, max_tokens=24) as agents:
+        agents.wait_for(12)
+        killed, killed_at = time.monotonic(), time.time()
+        os.killpg(victim.pid, signal.SIGKILL)
+        agents.wait_for(24)
+    failed = [c for c in agents.calls if not c["ok"]]
+    assert all(c["stream"] and c["started"] < killed for c in failed), failed  # only streams under way at the kill
+    late = [c for c in agents.calls if c["started"] > killed]
+    assert late and all(c["ok"] for c in late)
+    rows = turns(tmp_path / "lcap.duckdb")
+    after = [r for r in rows if r["started_at"].timestamp() > killed_at + 0.5]
+    assert after and {r["replica"] for r in after} == {"r1"}
+    assert {r["replica"] for r in rows} == {"r0", "r1"}
