@@ -22,7 +22,7 @@ from lcap.capture.credentials import EpisodeKeys
 from lcap.capture.redact import CREDENTIAL_HEADERS
 from lcap.capture.routes import Route, Router
 from lcap.capture.turn import PendingTurn
-from lcap.capture.writer import TurnWriter
+from lcap.capture.writer import TurnSink
 
 log = logging.getLogger("lcap.capture")
 
@@ -72,7 +72,7 @@ class Calls:
 
     def __init__(
         self,
-        writer: TurnWriter,
+        writer: TurnSink,
         router: Router,
         *,
         token_ids: bool,

@@ -21,8 +21,8 @@ from lcap.processes import run_child
 from lcap.store import Store
 
 
-def _start(db: Path, options: ProxyOptions) -> CaptureProxy:
-    proxy = CaptureProxy(Store(db), options)
+def _start(store: Store, options: ProxyOptions) -> CaptureProxy:
+    proxy = CaptureProxy(store, options)
     proxy.start()
     # mitmproxy, TLS and lcap leave many long-lived objects; a full collection walking them would stop every call
     # in flight. Frozen, they are out of the collector's sight (benchmarks/bench_gc_freeze.py measures it).
@@ -35,9 +35,9 @@ def run_proxy(
 ) -> int:
     """Run `command` as one episode behind a fresh proxy; return its exit code. At the end, say on stderr how
     many of its turns were stored (a warning, and a `turns_unstored` flag on the episode, if some were not)."""
-    proxy = _start(db, options)
+    store = Store(db)
+    proxy = _start(store, options)
     episode_id = episode or str(uuid.uuid4())
-    store = proxy.store
     status, code, error = "failed", None, None
     report = None
     try:
@@ -72,7 +72,7 @@ def serve_proxy(*, db: Path, options: ProxyOptions) -> None:
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    proxy = _start(db, options)
+    proxy = _start(Store(db), options)
     anonymous = "refused (407)" if proxy.require_credentials else "stored unattributed"
     print(
         f"lcap proxy listening on {proxy.url} (store {db}; token ids {'on' if proxy.token_ids else 'off'}; "

@@ -10,14 +10,16 @@ server, layer selection, TLS).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import fcntl
 import logging
 import os
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,7 @@ from lcap.capture.memory import MemoryTrimmer
 from lcap.capture.mitm_guards import FrontOnly, PrivateDestinations, install_body_limits, install_http1_guards
 from lcap.capture.options import ProxyOptions
 from lcap.capture.routes import Router, parse_upstream
-from lcap.capture.writer import TurnWriter, WriterReport
+from lcap.capture.writer import TurnSink, TurnWriter, WriterReport
 from lcap.config import LcapError, lcap_home
 from lcap.store import Store
 
@@ -78,7 +80,9 @@ def ensure_ca() -> Path:
     try:
         directory.mkdir(parents=True, exist_ok=True)
         if not (key.exists() and cert.exists()):
-            CertStore.create_store(directory, CA_BASENAME, 2048)
+            with _locked(directory / ".create.lock"):  # two proxies starting on a new home make one CA, not two
+                if not (key.exists() and cert.exists()):
+                    CertStore.create_store(directory, CA_BASENAME, 2048)
         elif not os.access(key, os.R_OK):
             raise PermissionError(f"cannot read {key}")
         for secret in (key, directory / f"{CA_BASENAME}-ca.p12"):
@@ -87,6 +91,17 @@ def ensure_ca() -> Path:
     except Exception as exc:
         raise LcapError(f"bad CA dir {directory}: {exc}") from None
     return cert
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path` (created 0600) between processes, held for the block."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _system_roots() -> str | None:
@@ -152,7 +167,15 @@ def probe_models(base_url: str, timeout: float = 5.0, *, key: str | None = None)
 class CaptureProxy:
     """An in-process mitmproxy that logs every LLM call passing through it as a turn in `store`."""
 
-    def __init__(self, store: Store, options: ProxyOptions = ProxyOptions()) -> None:
+    def __init__(
+        self, store: Store | None, options: ProxyOptions = ProxyOptions(), *, writer: TurnSink | None = None
+    ) -> None:
+        """`store` receives the turns through a writer process; a proxy on a Ray node has no store, and hands its
+        turns to `writer` instead (an Outbox the collect driver empties)."""
+        if writer is None:
+            if store is None:
+                raise ValueError("CaptureProxy needs a store or a writer")
+            writer = TurnWriter(store)
         self.store = store
         self.options = options
         self.token_ids = options.token_ids  # resolved at start(): on when the upstream is vLLM
@@ -165,7 +188,7 @@ class CaptureProxy:
         self.loop: asyncio.AbstractEventLoop | None = None  # the proxy thread's event loop, once started
         self._record: ProxyRecord | None = None
         self._announcer: Announcer | None = None
-        self.writer = TurnWriter(store)
+        self.writer: TurnSink = writer
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._error: str | None = None
@@ -190,8 +213,9 @@ class CaptureProxy:
         if self.options.port:
             _check_port_free(self.options.host, self.options.port)
         self.max_connections = _fit_open_files(self.options.max_connections)
-        with self.store.connect():  # the schema exists from the start: `lcap sql` works before the first turn
-            pass
+        if self.store is not None:
+            with self.store.connect():  # the schema exists from the start: `lcap sql` works before the first turn
+                pass
         router = Router(self.options.upstream, self.options.model)
         calls = Calls(
             self.writer,
@@ -211,19 +235,20 @@ class CaptureProxy:
             self.writer.stop()
             raise LcapError(self._error or "the capture proxy did not start within 60 s")
         assert self.port is not None
-        self._record = ProxyRecord(
-            os.getpid(),
-            self.options.host,
-            self.port,
-            self.keys.key.hex(),
-            str(self.store.path),
-            started_at=time.time(),
-            command=command_line(),
-            upstream=self.options.upstream,
-            spool=str(self.writer.spool_directory) if self.writer.spool_directory else None,
-        )
-        self._announcer = Announcer(self._record, self.counters)
-        self._announcer.start()
+        if self.store is not None:  # for `lcap episode new`, `lcap status`; a node's proxy is its collect driver's
+            self._record = ProxyRecord(
+                os.getpid(),
+                self.options.host,
+                self.port,
+                self.keys.key.hex(),
+                str(self.store.path),
+                started_at=time.time(),
+                command=command_line(),
+                upstream=self.options.upstream,
+                spool=str(self.writer.spool_directory) if self.writer.spool_directory else None,
+            )
+            self._announcer = Announcer(self._record, self.counters)
+            self._announcer.start()
         if self.exposed:
             log.warning(
                 "lcap: warning: the proxy listens on %s:%d, reachable from the network: every call needs episode "

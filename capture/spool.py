@@ -105,17 +105,34 @@ def unseal(cipher: AESGCM, payload: bytes) -> Any:
     return pickle.loads(payload)
 
 
-class SpoolAppender:
-    """The proxy's side: append records, starting a new segment past `SEGMENT_BYTES`. Thread-safe."""
+def reseal(source: AESGCM, target: AESGCM, payload: bytes) -> bytes:
+    """A sealed record sealed again under another key (a Ray node's records, into the driver's spool). A record
+    `source` cannot open is returned as it is: the writer keeps it as a dead letter, unreadable, but kept."""
+    if payload[:1] != _ENCRYPTED:
+        return payload
+    try:
+        plain = source.decrypt(payload[1 : 1 + _NONCE], payload[1 + _NONCE :], None)
+    except Exception:
+        return payload
+    nonce = os.urandom(_NONCE)
+    return _ENCRYPTED + nonce + target.encrypt(nonce, plain, None)
 
-    def __init__(self, directory: Path, store_path: Path) -> None:
-        self.cipher = spool_key(directory.parent)
+
+class SpoolAppender:
+    """The proxy's side: append records, starting a new segment past `SEGMENT_BYTES`. Thread-safe.
+
+    `store_path` names the store its writer fills (None: a Ray node's spool, which the driver empties);
+    `cipher` seals the records (default: the key beside the spools)."""
+
+    def __init__(self, directory: Path, store_path: Path | None, cipher: AESGCM | None = None) -> None:
+        self.cipher = cipher or spool_key(directory.parent)
         private_dir(directory)
-        fd = os.open(directory / "store", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, str(store_path.resolve()).encode())
-        finally:
-            os.close(fd)
+        if store_path is not None:
+            fd = os.open(directory / "store", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, str(store_path.resolve()).encode())
+            finally:
+                os.close(fd)
         self.directory = directory
         self.appended = 0
         self._lock = threading.Lock()

@@ -30,7 +30,9 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
+
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from lcap.capture.batch import Outcome, StoreUnavailable, store_entries
 from lcap.capture.spool import Entry, Progress, SpoolAppender, SpoolReader, private_dir, spool_key, spool_store
@@ -77,6 +79,26 @@ class WriterReport:
                 " (the next lcap proxy on this store writes them)"
             )
         return line
+
+
+class TurnSink(Protocol):
+    """Where a capture proxy hands its finished turns: a `TurnWriter` (the store, through a writer process) or,
+    on a Ray node, an `Outbox` (capture/outbox.py) that the driver empties into its own writer."""
+
+    def start(self) -> None: ...
+
+    def put(self, turn: PendingTurn) -> None: ...
+
+    def flush(self, timeout: float | None = 30.0) -> bool: ...
+
+    def finish(self, timeout: float | None = None) -> WriterReport | None: ...
+
+    def stop(self, timeout: float | None = None) -> bool: ...
+
+    @property
+    def spool_directory(self) -> Path | None: ...
+
+    def counters(self) -> dict[str, int | None]: ...
 
 
 class TurnWriter:
@@ -149,6 +171,17 @@ class TurnWriter:
     def put(self, turn: PendingTurn) -> None:
         assert self._spool is not None, "TurnWriter.put before start"
         self._spool.append(turn)
+
+    def put_sealed(self, payload: bytes) -> None:
+        """A record already sealed with this home's spool key (a Ray node's turn, resealed by the driver)."""
+        assert self._spool is not None, "TurnWriter.put_sealed before start"
+        self._spool.append_payload(payload)
+
+    @property
+    def cipher(self) -> AESGCM:
+        """The key this writer's spool is sealed with."""
+        assert self._spool is not None, "TurnWriter.cipher before start"
+        return self._spool.cipher
 
     def flush(self, timeout: float | None = 30.0) -> bool:
         """Block until every turn put before this call is in the store (False after `timeout`)."""

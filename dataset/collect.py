@@ -15,6 +15,7 @@ partial turns deleted first.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import re
@@ -22,8 +23,9 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tarfile
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -156,6 +158,12 @@ def collect(
     `proxy_options` sets the proxy's limits and timeouts; its upstream and model are `options`'."""
     if not command:
         raise LcapError("no agent command (put it after --)")
+    if options.ray is not None:  # an unreachable cluster is a one-line error before anything runs
+        from lcap.ray_cluster import connect
+
+        connect(options.ray)
+    elif options.episode_resources or options.episode_cpus != 1.0:
+        raise LcapError("--episode-cpus and --episode-resources place episodes on a Ray cluster: add --ray ADDRESS")
     tasks = Path(tasks)
     task_rows = load_tasks(tasks)
     base = Path.cwd()
@@ -205,18 +213,39 @@ def collect(
     if todo:
         _forget_partial(store, [s.episode_id for s in todo])
 
-        from lcap.capture.server import CaptureProxy
-
         proxy_options = replace(proxy_options or ProxyOptions(), upstream=options.upstream, model=options.model)
-        proxy = CaptureProxy(store, proxy_options)
-        proxy.start()
-        runner = _Runner(store, proxy, judge, guard, options.timeout, tasks.parent.resolve(), result)
-        try:
-            runner.run_all(todo, options.concurrency, progress=sys.stderr.isatty() if progress is None else progress)
-        finally:
-            proxy.stop()
+        rules = EpisodeRules(judge, guard, options.timeout)
+        tally = Tally(result)
+        show = sys.stderr.isatty() if progress is None else progress
+        if options.ray is not None:
+            from lcap.dataset.ray_collect import RayPool
+
+            RayPool(store, rules, tasks.parent.resolve(), options, proxy_options, tally).run_all(todo, progress=show)
+        else:
+            _run_local(store, todo, rules, TaskFiles(tasks.parent.resolve()), tally, proxy_options, options, show)
     result.summary = summarize(store, [s.episode_id for s in specs], run_dir, round)
     return result
+
+
+def _run_local(
+    store: Store,
+    todo: list[EpisodeSpec],
+    rules: EpisodeRules,
+    files: TaskFiles,
+    tally: Tally,
+    proxy_options: ProxyOptions,
+    options: CollectOptions,
+    show: bool,
+) -> None:
+    """The local pool: one capture proxy in this process, `--concurrency` episodes at a time on threads."""
+    from lcap.capture.server import CaptureProxy
+
+    proxy = CaptureProxy(store, proxy_options)
+    proxy.start()
+    try:
+        _Runner(store, proxy, rules, files, tally).run_all(todo, options.concurrency, progress=show)
+    finally:
+        proxy.stop()
 
 
 def _finished(store: Store, ids: list[str]) -> set[str]:
@@ -235,56 +264,246 @@ def _forget_partial(store: Store, ids: list[str]) -> None:
             con.execute(f"DELETE FROM {table} WHERE episode_id IN (SELECT unnest(?))", [ids])
 
 
-class _Runner:
-    """Runs episodes on a thread pool and keeps the tallies the progress bar shows."""
+@dataclass(frozen=True)
+class EpisodeRules:
+    """What every episode of a collect run shares: the verifier, the tamper guard's globs, the agent's timeout."""
 
-    def __init__(
-        self,
-        store: Store,
-        proxy,
-        judge: Verifier | None,
-        guard: tuple[str, ...],
-        timeout: float | None,
-        tasks_dir: Path,
-        result: CollectResult,
-    ) -> None:
-        self.store, self.proxy, self.judge, self.guard, self.timeout = store, proxy, judge, guard, timeout
-        self.tasks_dir = tasks_dir
+    judge: Verifier | None
+    guard: tuple[str, ...]
+    timeout: float | None
+
+
+@dataclass(frozen=True)
+class TaskFiles:
+    """Where a task's `template` directory comes from: the tasks file's directory, or (on a Ray node, which may not
+    see this machine's files) the directory's contents as a tar archive shipped with the episode."""
+
+    tasks_dir: Path
+    archive: bytes | None = None
+
+
+@dataclass
+class EpisodeOutcome:
+    """How one episode ended: what the store gets (`record_outcome`), wherever the episode ran."""
+
+    status: str  # ok | failed | timeout | error | interrupted
+    exit_code: int | None = None
+    reason: str | None = None
+    reward: float | None = None  # with `source` and `details`: the reward to store, if any
+    source: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+    flags: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # (flag, details) to raise
+    tampered: bool = False
+
+
+def run_episode(
+    spec: EpisodeSpec,
+    env: Mapping[str, str],
+    rules: EpisodeRules,
+    files: TaskFiles,
+    *,
+    flush: Callable[[], bool],
+    on_start: Callable[[subprocess.Popen], None] | None = None,
+    stopping: Callable[[], bool] = lambda: False,
+) -> EpisodeOutcome:
+    """Run one episode here: set up its working directory, run the agent with `env` (the capture proxy's
+    environment for this episode), check the tamper guard and run the verifier. Writes nothing to the store:
+    `flush()` must return once the episode's turns are stored (False if they may not be), and the caller
+    records the outcome. The local pool and a Ray node run episodes through this one function."""
+    if spec.dir.exists():
+        shutil.rmtree(spec.dir)
+    spec.workdir.mkdir(parents=True)
+    _populate(spec.workdir, spec.task, files)
+    guard = tuple(rules.guard) + tuple(spec.task.get("protected") or ())
+    before = hash_protected(spec.workdir, guard) if guard else {}
+
+    child_env = dict(env)
+    child_env["LCAP_TASK"] = json.dumps(dict(spec.task), ensure_ascii=False)
+    child_env["LCAP_WORKDIR"] = str(spec.workdir)
+    exit_code, timed_out = _run_agent(spec, child_env, rules.timeout, on_start)
+    outcome = EpisodeOutcome("ok", exit_code)
+    # The episode's turns are in the store before it is verified and marked finished.
+    if not flush():
+        log.warning("lcap: episode %s: some of its turns are not in the store yet", spec.episode_id)
+        outcome.flags.append(("turns_unstored", {"reason": "not stored when the agent ended"}))
+    if stopping():
+        outcome.status, outcome.reason = "interrupted", "collect was interrupted"
+        return outcome
+    if timed_out:
+        outcome.status, outcome.exit_code = "timeout", None
+        outcome.reason = f"timed out after {rules.timeout:g}s"
+        return outcome
+    if exit_code != 0:
+        outcome.status, outcome.reason = "failed", f"agent exited {exit_code}: {_tail(spec.dir / 'stderr.txt')}"
+        return outcome
+
+    if guard:
+        changed = tampered_files(before, hash_protected(spec.workdir, guard))
+        if changed:
+            details = {"tampered": changed, "protected": list(guard)}
+            outcome.flags.append(("tampered", details))
+            outcome.reward, outcome.details, outcome.source, outcome.tampered = 0.0, details, "tamper-guard", True
+            return outcome
+    if rules.judge is None:  # rewards may come later (`lcap reward`)
+        return outcome
+    ctx = VerifierContext(
+        task=spec.task,
+        episode_id=spec.episode_id,
+        workdir=spec.workdir,
+        stdout=(spec.dir / "stdout.txt").read_text(errors="replace"),
+        exit_code=exit_code,
+        status="ok",
+    )
+    try:
+        verdict = rules.judge(ctx)
+    except VerifierError as exc:
+        outcome.flags.append(("verifier_error", {"error": str(exc)}))
+        outcome.status, outcome.reason = "error", f"verifier: {exc}"
+        return outcome
+    outcome.reward, outcome.details, outcome.source = verdict.reward, dict(verdict.details), rules.judge.name
+    return outcome
+
+
+def _run_agent(
+    spec: EpisodeSpec, env: dict[str, str], timeout: float | None, on_start: Callable[[subprocess.Popen], None] | None
+) -> tuple[int, bool]:
+    """(exit code, timed out). The agent leads a process group of its own, which ends with it; an exception
+    here (a cancelled Ray task's KeyboardInterrupt) ends the group too."""
+    child: subprocess.Popen | None = None
+
+    def started(proc: subprocess.Popen) -> None:
+        nonlocal child
+        child = proc
+        if on_start is not None:
+            on_start(proc)
+
+    with open(spec.dir / "stdout.txt", "wb") as out, open(spec.dir / "stderr.txt", "wb") as err:
+        try:
+            ended = run_child(
+                spec.argv,
+                env,
+                cwd=spec.workdir,
+                timeout=timeout,
+                own_group=True,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                on_start=started,
+            )
+        except LcapError as exc:
+            err.write(f"{exc}\n".encode())
+            return 127, False
+        except BaseException:
+            if child is not None:
+                kill_group(child.pid, grace=1.0)
+            raise
+    return ended.code, ended.timed_out
+
+
+def record_outcome(store: Store, spec: EpisodeSpec, outcome: EpisodeOutcome) -> None:
+    """Store an episode's flags, reward and end in one attach of the store."""
+    with store.connect():
+        for flag, details in outcome.flags:
+            store.flag_episode(spec.episode_id, flag, details)
+        if outcome.reward is not None:
+            store.append(
+                "rewards",
+                [
+                    {
+                        "episode_id": spec.episode_id,
+                        "value": float(outcome.reward),
+                        "details": json.dumps(outcome.details, default=str),
+                        "source": outcome.source,
+                        "created_at": now(),
+                    }
+                ],
+            )
+        store.end_episode(spec.episode_id, status=outcome.status, exit_code=outcome.exit_code, error=outcome.reason)
+
+
+def start_episode(store: Store, spec: EpisodeSpec) -> None:
+    """The episode's row, marked running: even a task whose workdir cannot be set up leaves one."""
+    store.start_episode(
+        spec.episode_id, command=redact_text(shlex.join(spec.argv)), cwd=str(spec.workdir), labels=spec.labels
+    )
+
+
+class Tally:
+    """The run's counts and rewards as episodes end, and the progress bar's line; shared by both pools."""
+
+    def __init__(self, result: CollectResult) -> None:
         self.result = result
         self.rewards: list[float] = []
+        self.running = 0
         self.lock = threading.Lock()
-        self.running: dict[str, subprocess.Popen] = {}
-        self.stopping = threading.Event()
-        self._timed_out: set[str] = set()
 
-    def run_all(self, specs: list[EpisodeSpec], concurrency: int, *, progress: bool) -> None:
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    def add(self, outcome: EpisodeOutcome) -> None:
+        with self.lock:
+            r = self.result
+            r.statuses[outcome.status] = r.statuses.get(outcome.status, 0) + 1
+            if outcome.status == "ok":
+                r.finished += 1
+            else:
+                r.failed += 1
+            if outcome.tampered:
+                r.tampered += 1
+            if outcome.reward is not None:
+                self.rewards.append(float(outcome.reward))
+            r.mean_reward = sum(self.rewards) / len(self.rewards) if self.rewards else None
+
+    def describe(self) -> str:
+        r = self.result
+        mean = f"{sum(self.rewards) / len(self.rewards):.3f}" if self.rewards else "-"
+        return f"ok {r.finished} failed {r.failed} running {self.running} reward {mean}"
+
+
+def progress_bar(show: bool):
+    """The console and progress bar both pools draw on stderr."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    bar = Progress(
+        TextColumn("collect"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not show,
+        transient=False,
+    )
+    return console, bar
+
+
+def report_end(console, spec: EpisodeSpec, outcome: EpisodeOutcome) -> None:
+    if outcome.status != "ok":  # the reason quotes the agent: text, not markup
         from rich.text import Text
 
-        console = Console(stderr=True)
-        bar = Progress(
-            TextColumn("collect"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.description}"),
-            TimeElapsedColumn(),
-            console=console,
-            disable=not progress,
-            transient=False,
+        console.print(
+            Text.assemble((f"{spec.episode_id}: {outcome.status} ", "yellow"), printable(outcome.reason or ""))
         )
+
+
+class _Runner:
+    """Runs episodes on a thread pool against one local capture proxy."""
+
+    def __init__(self, store: Store, proxy, rules: EpisodeRules, files: TaskFiles, tally: Tally) -> None:
+        self.store, self.proxy, self.rules, self.files, self.tally = store, proxy, rules, files, tally
+        self.running: dict[str, subprocess.Popen] = {}
+        self.stopping = threading.Event()
+
+    def run_all(self, specs: list[EpisodeSpec], concurrency: int, *, progress: bool) -> None:
+        console, bar = progress_bar(progress)
         with bar, ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="lcap-episode") as pool:
-            job = bar.add_task(self._describe(), total=len(specs))
+            job = bar.add_task(self.tally.describe(), total=len(specs))
             futures = {pool.submit(self.run_one, spec): spec for spec in specs}
             try:
                 for future in as_completed(futures):
-                    spec = futures[future]
-                    status, reason = future.result()
-                    if status != "ok" and status != "skipped":  # the reason quotes the agent: text, not markup
-                        console.print(
-                            Text.assemble((f"{spec.episode_id}: {status} ", "yellow"), printable(reason or ""))
-                        )
-                    bar.update(job, advance=1, description=self._describe())
+                    outcome = future.result()
+                    if outcome is not None:
+                        report_end(console, futures[future], outcome)
+                    bar.update(job, advance=1, description=self.tally.describe())
             except KeyboardInterrupt:
                 self.stopping.set()
                 for f in futures:
@@ -293,159 +512,64 @@ class _Runner:
                 pool.shutdown(wait=True, cancel_futures=True)
                 raise
 
-    def _describe(self) -> str:
-        r = self.result
-        mean = f"{sum(self.rewards) / len(self.rewards):.3f}" if self.rewards else "-"
-        return f"ok {r.finished} failed {r.failed} running {len(self.running)} reward {mean}"
-
     def kill_all(self) -> None:
-        with self.lock:
+        with self.tally.lock:
             children = list(self.running.values())
         for child in children:
             kill_group(child.pid)
 
-    def run_one(self, spec: EpisodeSpec) -> tuple[str, str | None]:
+    def run_one(self, spec: EpisodeSpec) -> EpisodeOutcome | None:
         if self.stopping.is_set():
-            return "skipped", None
-        try:
-            status, exit_code, reason = self._episode(spec)
-        except Exception as exc:  # lcap's own failure on one episode: recorded, the run goes on
-            status, exit_code, reason = "error", None, f"{exc.__class__.__name__}: {exc}"
-            self._end(spec, status, exit_code, reason)
-        with self.lock:
-            self.result.statuses[status] = self.result.statuses.get(status, 0) + 1
-            if status == "ok":
-                self.result.finished += 1
-            else:
-                self.result.failed += 1
-            self.result.mean_reward = sum(self.rewards) / len(self.rewards) if self.rewards else None
-        return status, reason
+            return None
+        eid = spec.episode_id
 
-    def _episode(self, spec: EpisodeSpec) -> tuple[str, int | None, str | None]:
-        # Recorded first, so that even a task whose workdir cannot be set up leaves an episode row.
-        self.store.start_episode(
-            spec.episode_id, command=redact_text(shlex.join(spec.argv)), cwd=str(spec.workdir), labels=spec.labels
-        )
-        if spec.dir.exists():
-            shutil.rmtree(spec.dir)
-        spec.workdir.mkdir(parents=True)
-        _populate(spec.workdir, spec.task, self.tasks_dir)
-        guard = tuple(self.guard) + tuple(spec.task.get("protected") or ())
-        before = hash_protected(spec.workdir, guard) if guard else {}
-
-        env = self.proxy.child_env(spec.episode_id)
-        env["LCAP_TASK"] = json.dumps(dict(spec.task), ensure_ascii=False)
-        env["LCAP_WORKDIR"] = str(spec.workdir)
-        exit_code = self._run_agent(spec, env)
-        # The episode's turns are in the store before it is verified and marked finished.
-        if not self.proxy.flush(spec.episode_id):
-            log.warning("lcap: episode %s: some of its turns are not in the store yet", spec.episode_id)
-            self.store.flag_episode(spec.episode_id, "turns_unstored", {"reason": "not stored when the agent ended"})
-        if self.stopping.is_set():
-            self._end(spec, "interrupted", exit_code, "collect was interrupted")
-            return "interrupted", exit_code, "interrupted"
-        if spec.episode_id in self._timed_out:
-            reason = f"timed out after {self.timeout:g}s"
-            self._end(spec, "timeout", None, reason)
-            return "timeout", None, reason
-        if exit_code != 0:
-            reason = f"agent exited {exit_code}: {_tail(spec.dir / 'stderr.txt')}"
-            self._end(spec, "failed", exit_code, reason)
-            return "failed", exit_code, reason
-
-        if guard:
-            changed = tampered_files(before, hash_protected(spec.workdir, guard))
-            if changed:
-                details = {"tampered": changed, "protected": list(guard)}
-                self.store.flag_episode(spec.episode_id, "tampered", details)
-                self._reward_and_end(spec, exit_code, 0.0, details, "tamper-guard")
-                with self.lock:
-                    self.result.tampered += 1
-                return "ok", exit_code, None
-        if self.judge is None:  # rewards may come later (`lcap reward`)
-            self._end(spec, "ok", exit_code, None)
-            return "ok", exit_code, None
-        ctx = VerifierContext(
-            task=spec.task,
-            episode_id=spec.episode_id,
-            workdir=spec.workdir,
-            stdout=(spec.dir / "stdout.txt").read_text(errors="replace"),
-            exit_code=exit_code,
-            status="ok",
-        )
-        try:
-            verdict = self.judge(ctx)
-        except VerifierError as exc:
-            self.store.flag_episode(spec.episode_id, "verifier_error", {"error": str(exc)})
-            self._end(spec, "error", exit_code, f"verifier: {exc}")
-            return "error", exit_code, f"verifier: {exc}"
-        self._reward_and_end(spec, exit_code, verdict.reward, verdict.details, self.judge.name)
-        return "ok", exit_code, None
-
-    def _run_agent(self, spec: EpisodeSpec, env: dict[str, str]) -> int:
         def started(child: subprocess.Popen) -> None:
-            with self.lock:
-                self.running[spec.episode_id] = child
+            with self.tally.lock:
+                self.running[eid] = child
+                self.tally.running = len(self.running)
 
-        with open(spec.dir / "stdout.txt", "wb") as out, open(spec.dir / "stderr.txt", "wb") as err:
-            try:
-                ended = run_child(
-                    spec.argv,
-                    env,
-                    cwd=spec.workdir,
-                    timeout=self.timeout,
-                    own_group=True,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=err,
-                    on_start=started,
-                )
-            except LcapError as exc:
-                err.write(f"{exc}\n".encode())
-                return 127
-            finally:
-                with self.lock:
-                    self.running.pop(spec.episode_id, None)
-        if ended.timed_out:
-            self._timed_out.add(spec.episode_id)
-        return ended.code
-
-    def _reward(self, spec: EpisodeSpec, value: float, details: Mapping[str, Any], source: str) -> None:
-        self.store.append(
-            "rewards",
-            [
-                {
-                    "episode_id": spec.episode_id,
-                    "value": float(value),
-                    "details": json.dumps(dict(details), default=str),
-                    "source": source,
-                    "created_at": now(),
-                }
-            ],
-        )
-        with self.lock:
-            self.rewards.append(float(value))
-
-    def _reward_and_end(
-        self, spec: EpisodeSpec, exit_code: int, value: float, details: Mapping[str, Any], source: str
-    ) -> None:
-        """Reward the episode and mark it `ok` in one attach of the store (the nested writes share it)."""
-        with self.store.connect():
-            self._reward(spec, value, details, source)
-            self._end(spec, "ok", exit_code, None)
-
-    def _end(self, spec: EpisodeSpec, status: str, exit_code: int | None, error: str | None) -> None:
-        self.store.end_episode(spec.episode_id, status=status, exit_code=exit_code, error=error)
+        try:
+            start_episode(self.store, spec)
+            outcome = run_episode(
+                spec,
+                self.proxy.child_env(eid),
+                self.rules,
+                self.files,
+                flush=lambda: self.proxy.flush(eid),
+                on_start=started,
+                stopping=self.stopping.is_set,
+            )
+        except Exception as exc:  # lcap's own failure on one episode: recorded, the run goes on
+            outcome = EpisodeOutcome("error", None, f"{exc.__class__.__name__}: {exc}")
+        finally:
+            with self.tally.lock:
+                self.running.pop(eid, None)
+                self.tally.running = len(self.running)
+        record_outcome(self.store, spec, outcome)
+        self.tally.add(outcome)
+        return outcome
 
 
-def _populate(workdir: Path, task: Mapping[str, Any], tasks_dir: Path) -> None:
-    """A task may bring a `template` directory (copied) and `files` ({relative path: text}) into its workdir."""
+def template_dir(task: Mapping[str, Any], tasks_dir: Path) -> Path | None:
+    """The task's `template` directory (relative to the tasks file), or None if it has none."""
     template = task.get("template")
-    if template:
-        src = (tasks_dir / template).resolve()
-        if not src.is_dir():
-            raise LcapError(f"task {task['id']}: template {src} is not a directory")
-        shutil.copytree(src, workdir, dirs_exist_ok=True, symlinks=True)
+    if not template:
+        return None
+    src = (tasks_dir / template).resolve()
+    if not src.is_dir():
+        raise LcapError(f"task {task['id']}: template {src} is not a directory")
+    return src
+
+
+def _populate(workdir: Path, task: Mapping[str, Any], files: TaskFiles) -> None:
+    """A task may bring a `template` directory (copied) and `files` ({relative path: text}) into its workdir."""
+    if files.archive is not None:
+        with tarfile.open(fileobj=io.BytesIO(files.archive)) as tar:
+            tar.extractall(workdir, filter="tar")  # symlinks kept as they are, as copytree(symlinks=True) does
+    else:
+        src = template_dir(task, files.tasks_dir)
+        if src is not None:
+            shutil.copytree(src, workdir, dirs_exist_ok=True, symlinks=True)
     for rel, text in (task.get("files") or {}).items():
         target = (workdir / rel).resolve()
         if workdir.resolve() not in target.parents:

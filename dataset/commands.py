@@ -57,6 +57,7 @@ def collect(
         f"collect {result.run_id} round {options.round} ({options.split}): {result.episodes} episodes, "
         f"{result.finished} ok, {result.failed} failed, {result.skipped} skipped (already done), "
         f"{result.tampered} tampered, mean reward {mean}; workdirs in {result.run_dir}"
+        + (" on the nodes" if options.ray is not None else "")
     )
     if result.summary is not None:
         typer.echo("\n".join(printable(line) for line in result.summary.lines()))

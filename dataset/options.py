@@ -25,13 +25,44 @@ class CollectOptions:
     split: str = option("train", help="train | eval (a label; build-dataset reads train).")
     upstream: str | None = option("policy", help=UPSTREAM_HELP)
     model: str | None = option(None, help="Model name to ask the upstream for.")
-    run_dir: Path | None = option(None, help="Where episode workdirs go (default ./lcap-runs/collect-ID).")
+    run_dir: Path | None = option(
+        None, help="Where episode workdirs go (default ./lcap-runs/collect-ID; with --ray, this path on each node)."
+    )
+    ray: str | None = option(
+        None,
+        help="Run each episode as a Ray task on the cluster at this address (host:port, ray://host:port, or `auto`: "
+        "the cluster this machine belongs to, or RAY_ADDRESS), with a capture proxy on every node that runs agents.",
+    )
+    episode_cpus: float = option(1.0, help="With --ray: CPUs one episode holds on its node (its agent and verifier).")
+    episode_resources: tuple[str, ...] = option(
+        (), help="With --ray: a custom Ray resource one episode holds, NAME=AMOUNT (e.g. sandbox=1); repeatable."
+    )
 
     def __post_init__(self) -> None:
         if self.group_size < 1 or self.concurrency < 1:
             raise LcapError("--group-size and --concurrency must be at least 1")
         if self.upstream == "none":
             object.__setattr__(self, "upstream", None)
+        if self.episode_cpus < 0:
+            raise LcapError(f"--episode-cpus must be 0 or more, not {self.episode_cpus:g}")
+        self.resources()  # a malformed --episode-resources is an error before anything runs
+
+    def resources(self) -> dict[str, float]:
+        """--episode-resources as Ray's `resources` mapping."""
+        out: dict[str, float] = {}
+        for item in self.episode_resources:
+            name, sep, amount = item.partition("=")
+            try:
+                value = float(amount)
+            except ValueError:
+                value = -1.0
+            if not sep or not name.strip() or value <= 0 or name.strip() in ("CPU", "GPU", "memory"):
+                raise LcapError(
+                    f"bad --episode-resources {item!r}: use NAME=AMOUNT with a custom resource and an amount above 0 "
+                    "(CPUs: --episode-cpus)"
+                )
+            out[name.strip()] = value
+        return out
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ def register(app: typer.Typer) -> None:
 @one_line_errors
 @with_options(TrainOptions, "train", exclude=("current",))
 @with_options(BuildOptions, "build", exclude=("split",))
-@with_options(CollectOptions, "collect", exclude=("round", "split", "upstream", "model", "run_dir"))
+@with_options(CollectOptions, "collect", exclude=("round", "split", "upstream", "model", "run_dir", "ray"))
 def loop(
     ctx: typer.Context,
     run: Annotated[Path, typer.Option("--run", help="Run folder (state.json, round-N/...).")],

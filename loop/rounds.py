@@ -162,7 +162,13 @@ def run_loop(
 
     def collect_step(round: int, split: str, tasks: Path, group_size: int) -> dict:
         options = replace(
-            config.collect, group_size=group_size, round=round, split=split, upstream="policy", run_dir=run / "episodes"
+            config.collect,
+            group_size=group_size,
+            round=round,
+            split=split,
+            upstream="policy",
+            run_dir=run / "episodes",
+            ray=config.train.ray,  # one --ray: the loop collects and trains on the same cluster
         )
         result = collect(store, tasks=tasks, command=config.command, options=options)
         mean, n = split_reward(store, result.run_id, round, split)

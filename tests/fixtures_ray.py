@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -30,29 +30,50 @@ def free_port() -> int:
 
 
 @contextmanager
-def ray_head(log: Path, num_cpus: int = 2) -> Iterator[str]:
-    """A one-node Ray cluster with NUM_CPUS CPUs; yields its address (host:port)."""
+def ray_head(log: Path, num_cpus: int = 2, env: Mapping[str, str] = {}) -> Iterator[str]:
+    """A one-node Ray cluster with NUM_CPUS CPUs; yields its address (host:port). `env` adds to the environment of
+    its processes (Ray's RAY_* settings, what its workers inherit)."""
     port = free_port()
-    ray = Path(sys.executable).parent / "ray"
-    command = [str(ray), "start", "--head", "--block", "--port", str(port), "--num-cpus", str(num_cpus)]
-    command += ["--node-ip-address", "127.0.0.1", "--include-dashboard", "false", "--disable-usage-stats"]
+    command = ["--head", "--port", str(port), "--num-cpus", str(num_cpus), "--include-dashboard", "false"]
     command += ["--ray-client-server-port", str(free_port()), "--dashboard-port", str(free_port())]
+    with ray_node(command, log, env) as _:
+        yield f"127.0.0.1:{port}"
+
+
+@contextmanager
+def ray_worker(address: str, log: Path, num_cpus: int = 1, env: Mapping[str, str] = {}) -> Iterator[subprocess.Popen]:
+    """One more node of the cluster at ADDRESS; yields its `ray start --block` process, the leader of the node's
+    process group (killing the group is losing the node)."""
+    with ray_node(["--address", address, "--num-cpus", str(num_cpus)], log, env) as proc:
+        yield proc
+
+
+@contextmanager
+def ray_node(args: list[str], log: Path, env: Mapping[str, str]) -> Iterator[subprocess.Popen]:
+    ray = Path(sys.executable).parent / "ray"
+    command = [str(ray), "start", "--block", *args, "--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
     command += ["--dashboard-agent-listen-port", str(free_port())]
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    environ = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **env}
     with open(log, "wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=environ, start_new_session=True)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while b"--block" not in log.read_bytes():  # `ray start` logs it once the node is up
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"ray start failed: {log.read_text()[-2000:]}")
             time.sleep(0.5)
-        yield f"127.0.0.1:{port}"
+        yield proc
     finally:
         _stop(proc)
 
 
 def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # what is left of a node already lost
+        except ProcessLookupError:
+            pass
+        return
     try:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=STOP_TIMEOUT_S)

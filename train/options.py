@@ -64,8 +64,8 @@ class TrainOptions:
     )
     ray: str | None = option(
         None,
-        help="Train on a Ray cluster with Ray Train: its address, `auto` (the cluster this machine belongs to, "
-        "or RAY_ADDRESS), or `local` (start one for this command).",
+        help="Train on a Ray cluster with Ray Train (`lcap loop`: also collect on it): its address, `auto` (the "
+        "cluster this machine belongs to, or RAY_ADDRESS), or `local` (start one for this command).",
     )
     num_workers: int = option(
         1,

@@ -1,0 +1,282 @@
+"""`lcap collect` through the local pool and through a two-node local Ray cluster, side by side in one run, and the
+store's ingest rate from a remote node.
+
+    .venv/bin/python benchmarks/bench_ray_collect.py [--tasks 16] [--group 2] [--calls 4] [--concurrency 4]
+        [--rounds 3] [--ingest 20000]
+
+Starts a minimal asyncio upstream (benchmarks/bench_proxy.py's) and a Ray cluster of two `ray start` nodes on this
+machine (node IP 127.0.0.1, CONCURRENCY/2 CPUs each), then runs the same episodes (a trivial agent: CALLS chat
+completions through its capture proxy with httpx, then one line to a file) alternately through the local pool (one
+proxy, a thread pool) and with `--ray` (an episode per Ray task, a proxy per node, turns handed to the driver's
+writer), ROUNDS times each after one warm-up run of each; episodes/s is episodes over the run's wall time, median
+over the rounds. Every run must store episodes x CALLS turns. "one-episode collect" is a collect of one task, one
+sample, after each run: what a collect costs before and after its episodes (its proxies' start and stop).
+
+Ingest: an Outbox (capture/outbox.py) in an actor on the worker node is filled with INGEST turns, then the driver's
+real ingest (dataset/ray_collect.py: takes, reseals, the one TurnWriter) moves them into a fresh store: turns/s from
+the first take to the last turn in the store; beside it, the same turns put straight into a local TurnWriter (what
+a local proxy does), the writer's own rate on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_proxy import UPSTREAM
+
+AGENT = r"""
+import json, os, httpx
+task = json.loads(os.environ["LCAP_TASK"])
+with httpx.Client(timeout=30) as client:  # HTTPS_PROXY and lcap's CA from the environment lcap gives
+    for i in range(task["calls"]):
+        r = client.post("https://api.openai.com/v1/chat/completions",
+                        json={"model": "m", "messages": [{"role": "user", "content": f"{task['q']} {i}"}]},
+                        headers={"authorization": "Bearer sk-bench"})
+        r.raise_for_status()
+open("answer.txt", "w").write(task["q"])
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ray_node(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    ray = Path(sys.executable).parent / "ray"
+    command = [str(ray), "start", "--block", *args, "--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
+    command += ["--dashboard-agent-listen-port", str(free_port())]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while b"--block" not in log.read_bytes():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"ray start failed: {log.read_text()[-2000:]}")
+        time.sleep(0.5)
+    return proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=15)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+
+
+def collect_once(
+    db: Path, tasks: Path, agent: Path, round: int, args, upstream: str, address: str | None, group: int
+) -> float:
+    """Seconds of one collect of TASKS x GROUP episodes, checked: every episode ok, every call a turn."""
+    from lcap.dataset.collect import collect, load_tasks
+    from lcap.dataset.options import CollectOptions
+    from lcap.store import Store
+
+    store = Store(db)
+    options = CollectOptions(
+        group_size=group, concurrency=args.concurrency, round=round, upstream=upstream, model="m", ray=address
+    )
+    t0 = time.perf_counter()
+    result = collect(store, tasks=tasks, command=[sys.executable, str(agent)], options=options, progress=False)
+    wall = time.perf_counter() - t0
+    episodes = len(load_tasks(tasks)) * group
+    assert result.finished == episodes, result
+    (stored,) = store.fetchall(
+        "SELECT count(*) FROM turns WHERE episode_id IN (SELECT episode_id FROM episodes WHERE round = ?)", [round]
+    )[0]
+    assert stored == episodes * args.calls, (stored, episodes * args.calls)
+    return wall
+
+
+def make_turn(i: int):
+    """A finished chat call of a few hundred bytes each way."""
+    from lcap.capture.turn import PendingTurn
+
+    request = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi " * 50}]}).encode()
+    answer = {"model": "m", "choices": [{"message": {"content": "ok " * 50}, "finish_reason": "stop"}]}
+    turn = PendingTurn(
+        episode_id=f"e{i % 64}", seq=i, host="api.openai.com", path="/v1/chat/completions", dialect="chat"
+    )
+    turn.request_body, turn.response_body, turn.status_code = request, json.dumps(answer).encode(), 200
+    return turn
+
+
+def writer_rate(n: int, db: Path) -> float:
+    """The baseline: the same turns put straight into a local proxy's writer (no node, no hand-off)."""
+    from lcap.capture.writer import TurnWriter
+    from lcap.store import Store
+
+    store = Store(db)
+    writer = TurnWriter(store)
+    writer.start()
+    turns = [make_turn(i) for i in range(n)]
+    t0 = time.perf_counter()
+    for turn in turns:
+        writer.put(turn)
+    assert writer.flush(timeout=600)
+    wall = time.perf_counter() - t0
+    writer.finish()
+    (stored,) = store.fetchall("SELECT count(*) FROM turns")[0]
+    assert stored == n, (stored, n)
+    return n / wall
+
+
+def ingest_rate(n: int, node: str, db: Path) -> float:
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from lcap.capture.writer import TurnWriter
+    from lcap.dataset.ray_collect import _Ingest
+    from lcap.store import Store
+
+    key = os.urandom(32)
+
+    class Filler:
+        """An Outbox on the worker node holding N finished turns, as a node proxy's would."""
+
+        def __init__(self, n: int, directory: str, key: bytes) -> None:
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+            from lcap.capture.outbox import Outbox
+
+            self.outbox = Outbox(Path(directory), AESGCM(key))
+            self.outbox.start()
+            for i in range(n):
+                self.outbox.put(make_turn(i))
+
+        def ready(self) -> bool:
+            return True
+
+        def take(self, after, limit, max_bytes, wait):
+            return self.outbox.take(after, limit=limit, max_bytes=max_bytes, wait=wait)
+
+    class Registry:
+        def __init__(self, proxy) -> None:
+            self.proxy = proxy[0]
+
+        def known(self):
+            return {"bench#1": self.proxy}
+
+    pinned = NodeAffinitySchedulingStrategy(node, soft=False)
+    spool = Path(tempfile.mkdtemp(prefix="lcap-bench-outbox-"))
+    filler = (
+        ray.remote(Filler)
+        .options(num_cpus=0, max_concurrency=4, scheduling_strategy=pinned)
+        .remote(n, str(spool / "outbox"), key)
+    )
+    ray.get(filler.ready.remote())  # filled
+    registry = ray.remote(Registry).options(num_cpus=0).remote([filler])
+    store = Store(db)
+    writer = TurnWriter(store)
+    writer.start()
+    ingest = _Ingest(registry, writer, key)
+    t0 = time.perf_counter()
+    ingest.start()
+    while ingest.records < n:
+        if ingest.error is not None:
+            raise SystemExit(f"ingest failed: {ingest.error}")
+        time.sleep(0.01)
+    assert ingest.settle(timeout=300)
+    wall = time.perf_counter() - t0
+    ingest.stop()
+    writer.finish()
+    (stored,) = store.fetchall("SELECT count(*) FROM turns")[0]
+    assert stored == n, (stored, n)
+    ray.kill(filler)
+    shutil.rmtree(spool, ignore_errors=True)
+    return n / wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", type=int, default=16)
+    parser.add_argument("--group", type=int, default=2)
+    parser.add_argument("--calls", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ingest", type=int, default=20000)
+    args = parser.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="lcap-bench-ray-"))
+    os.environ["LCAP_HOME"] = str(tmp / "home")
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    os.chdir(tmp)
+    agent = tmp / "agent.py"
+    agent.write_text(AGENT)
+    tasks = tmp / "tasks.jsonl"
+    tasks.write_text(
+        "".join(json.dumps({"id": f"t{i}", "q": f"q{i}", "calls": args.calls}) + "\n" for i in range(args.tasks))
+    )
+    one_task = tmp / "one-task.jsonl"
+    one_task.write_text(json.dumps({"id": "one", "q": "q", "calls": args.calls}) + "\n")
+    upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM], stdout=subprocess.PIPE, text=True)
+    assert upstream.stdout is not None
+    url = f"http://127.0.0.1:{upstream.stdout.readline().strip()}"
+    per_node = max(1, args.concurrency // 2)
+    port = free_port()
+    nodes: list[subprocess.Popen] = []
+    try:
+        t0 = time.perf_counter()
+        head = ["--head", "--port", str(port), "--num-cpus", str(per_node), "--include-dashboard", "false"]
+        head += ["--ray-client-server-port", str(free_port()), "--dashboard-port", str(free_port())]
+        nodes.append(ray_node(head, tmp / "head.log", dict(os.environ)))
+        address = f"127.0.0.1:{port}"
+        nodes.append(
+            ray_node(["--address", address, "--num-cpus", str(per_node)], tmp / "worker.log", dict(os.environ))
+        )
+        print(f"two-node cluster up in {time.perf_counter() - t0:.1f} s ({per_node} CPUs each)", flush=True)
+
+        paths = (("local pool", None), ("ray (2 nodes)", address))
+        rates: dict[str, list[float]] = {name: [] for name, _ in paths}
+        single: dict[str, list[float]] = {name: [] for name, _ in paths}
+        episodes = args.tasks * args.group
+        for round in range(args.rounds + 1):  # round 0 warms both paths up (Ray's workers, the node proxies)
+            for name, where in paths:
+                db = tmp / f"{name[:5]}.duckdb"
+                wall = collect_once(db, tasks, agent, round, args, url, where, args.group)
+                one = collect_once(db, one_task, agent, 1000 + round, args, url, where, 1)
+                if round:
+                    rates[name].append(episodes / wall)
+                    single[name].append(one)
+        print(f"\n{episodes} episodes x {args.calls} calls, concurrency {args.concurrency}, {args.rounds} rounds")
+        print(f"{'path':<16} {'episodes/s median':>18} {'min':>6} {'max':>6} {'one-episode collect s':>22}")
+        for name, values in rates.items():
+            print(
+                f"{name:<16} {statistics.median(values):>18.2f} {min(values):>6.2f} {max(values):>6.2f} "
+                f"{statistics.median(single[name]):>22.1f}"
+            )
+        ratio = statistics.median(rates["ray (2 nodes)"]) / statistics.median(rates["local pool"])
+        print(f"ray / local: {ratio:.2f}x (target >= 0.8x)")
+
+        import ray
+
+        worker = [n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" not in n["Resources"]]
+        remote = ingest_rate(args.ingest, worker[0], tmp / "ingest.duckdb")
+        local = writer_rate(args.ingest, tmp / "writer.duckdb")
+        print(f"\nstore ingest, {args.ingest} turns     turns/s")
+        print(f"{'from a remote node':<28} {remote:>9,.0f}  (target >= 3,000)")
+        print(f"{'local, the same writer':<28} {local:>9,.0f}  (the same writer, no hand-off)")
+        ray.shutdown()
+    finally:
+        for node in reversed(nodes):
+            stop(node)
+        upstream.terminate()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,729 @@
+"""`lcap collect --ray`: each episode is a Ray task on any node, captured by a proxy on that node.
+
+The driver (this process) keeps what the local pool keeps: the store, the episodes' rows, the progress
+bar, resume. What runs where:
+
+* An episode is a Ray task (`--episode-cpus`, `--episode-resources`; at most `--concurrency` in flight).
+  It runs `collect.run_episode` on its node, the function the local pool runs: the workdir (at the run
+  directory's path, on the node), the agent, the tamper guard and the verifier are all there, and only
+  the outcome (status, reward, details, flags) comes back. A task's `template` directory travels with
+  it as an archive in Ray's object store (once per node), its `files` inside the task's spec.
+* Each node that runs an episode has one capture proxy: a `NodeProxy` actor pinned to the node
+  (NodeAffinitySchedulingStrategy), started by the first episode that lands there. Agents reach it on
+  the node's loopback, so their traffic never crosses nodes to be captured and TLS ends where the
+  agent runs. The proxies are owned by one `_Proxies` actor that the driver owns: they end with it.
+* The proxy's turns go to an `Outbox` (capture/outbox.py), a spool on the node sealed with this run's
+  hand-off key, and the driver's ingest thread takes them in bounded batches, reseals them with this
+  home's spool key and appends them to its own `TurnWriter`: the one store writer, with its row
+  builder, degraded rows and dead letters. The hand-off is exactly-once by spool position: each take
+  names the position it has appended up to, which acknowledges everything before it.
+* An episode's task calls its node proxy's flush before returning, and that returns once the driver
+  has appended every turn of the episode; the driver flushes its writer before it records the outcome.
+  So an episode marked finished has all its turns in the store.
+
+A node lost mid-run (its tasks end with a system error: NodeDiedError, WorkerCrashedError, its proxy
+actor dead) costs only its unfinished episodes: the driver fences them on every live proxy (any agent
+left is killed, its calls finished, its turns taken), flushes its writer, deletes their partial turns
+and runs them again, on any node, up to `MAX_ATTEMPTS` times. Ctrl-C cancels the tasks (a cancelled
+runner ends its agent's process group), and the node proxies kill any group left.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import shutil
+import signal
+import tarfile
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from lcap.capture.options import ProxyOptions
+from lcap.capture.outbox import Outbox, Position, Taken
+from lcap.capture.spool import private_dir, reseal
+from lcap.capture.writer import TurnWriter
+from lcap.config import LcapError, lcap_home
+from lcap.dataset.collect import (
+    EpisodeOutcome,
+    EpisodeRules,
+    EpisodeSpec,
+    Tally,
+    TaskFiles,
+    _forget_partial,
+    progress_bar,
+    record_outcome,
+    report_end,
+    run_episode,
+    start_episode,
+    template_dir,
+)
+from lcap.dataset.options import CollectOptions
+from lcap.processes import kill_group
+from lcap.ray_cluster import describe
+from lcap.store import Store
+
+log = logging.getLogger("lcap.dataset")
+
+MAX_ATTEMPTS = 3  # runs of one episode whose node was lost, before it is recorded as an error
+PROXY_START_S = 120.0  # a node proxy's start: its CA, the upstream's probe, its port
+CALL_S = 60.0  # any other call to a node proxy or the registry
+FLUSH_S = 30.0  # an episode's turns reaching the driver after its agent ended
+TAKE_RECORDS = 2000  # a take's bound, the writer's batch
+TAKE_BYTES = 32 << 20
+TAKE_WAIT_S = 0.5  # a take waits this long on the node for a record (long poll)
+STOP_S = 20.0  # node proxies' drain at the end of the run
+MAX_TEMPLATE_BYTES = 1 << 30  # a template directory shipped through the object store
+SPOOL_DIR = "ray-spool"  # under the node's LCAP_HOME
+
+
+# --- on each node: the capture proxy --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """What every node proxy of a run is started with."""
+
+    options: ProxyOptions
+    policy: str | None  # the policy record's text (`--upstream policy`), written on the node for its Router
+    key: bytes  # the run's hand-off key: the outbox is sealed with it
+    run: str  # names the node's spool directory
+    max_concurrency: int
+
+
+class NodeProxy:
+    """A capture proxy on one node with an Outbox for a writer, and the reaper of the node's agents.
+
+    Runs as a threaded Ray actor: episodes' flushes wait while the driver takes turns."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        from lcap.capture.server import CaptureProxy
+
+        self.error: str | None = None
+        self.groups: dict[str, int] = {}  # episode -> its agent's process group
+        self.lock = threading.Lock()
+        root = private_dir(lcap_home() / SPOOL_DIR)
+        _remove_dead_spools(root)
+        directory = root / f"{os.getpid()}-{config.run}"
+        if config.policy is not None:
+            record = directory.with_name(directory.name + ".policy.json")
+            fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it may hold the replicas' key
+            with os.fdopen(fd, "w") as f:
+                f.write(config.policy)
+            os.environ["LCAP_POLICY_RECORD"] = str(record)  # this actor's process: what its Router reads
+        self.outbox = Outbox(directory, AESGCM(config.key))
+        self.proxy = CaptureProxy(None, config.options, writer=self.outbox)
+        try:
+            self.proxy.start()
+        except LcapError as exc:
+            self.error = str(exc)
+
+    def ready(self) -> str | None:
+        """None once the proxy listens; else why it could not start."""
+        return self.error
+
+    def child_env(self, episode_id: str, base: Mapping[str, str]) -> dict[str, str]:
+        return self.proxy.child_env(episode_id, base)
+
+    def adopt(self, episode_id: str, pgid: int) -> None:
+        """The agent of `episode_id` leads process group `pgid`: `fence` and `kill_all` end it even when its runner
+        (a Ray worker) is gone."""
+        with self.lock:
+            self.groups[episode_id] = pgid
+
+    def release(self, episode_id: str) -> None:
+        with self.lock:
+            self.groups.pop(episode_id, None)
+
+    def flush(self, episode_id: str, timeout: float) -> bool:
+        return self.proxy.flush(episode_id, timeout=timeout)
+
+    def take(self, after: Position | None, limit: int, max_bytes: int, wait: float) -> Taken:
+        return self.outbox.take(after, limit=limit, max_bytes=max_bytes, wait=wait)
+
+    def fence(self, episode_ids: list[str], timeout: float) -> bool:
+        """End these episodes here: kill their agents, let their calls finish and wait for the driver to take their
+        turns; False if that took longer than `timeout`."""
+        for eid in episode_ids:
+            with self.lock:
+                group = self.groups.pop(eid, None)
+            if group is not None:
+                kill_group(group, grace=1.0)
+        if self.error is not None:
+            return True
+        deadline = time.monotonic() + timeout
+        return all(self.proxy.flush(eid, timeout=max(0.0, deadline - time.monotonic())) for eid in episode_ids)
+
+    def kill_all(self) -> int:
+        with self.lock:
+            groups, self.groups = list(self.groups.values()), {}
+        for pgid in groups:
+            kill_group(pgid, grace=1.0)
+        return len(groups)
+
+    def stop(self, timeout: float) -> int:
+        """Kill what agents are left, stop the proxy (the driver takes its last turns, for up to `timeout`
+        seconds), delete its spool; returns the turns it never handed off."""
+        self.kill_all()
+        report = self.proxy.stop(drain=min(timeout, 10.0)) if self.error is None else None
+        self.outbox.remove()
+        self.outbox.directory.with_name(self.outbox.directory.name + ".policy.json").unlink(missing_ok=True)
+        return report.unstored if report is not None else 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_dead_spools(root: Path) -> None:
+    """Spools of node proxies that died: what they hold belongs to episodes that are run again (a finished
+    episode's turns were all taken before it finished), so they are deleted, not replayed."""
+    for path in root.glob("*-*"):
+        pid = path.name.split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+class _Proxies:
+    """The registry of a run's node proxies: starts one on a node when its first episode there asks for it, and owns
+    them, so that they end with it (and it ends with the driver that owns it)."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.proxies: dict[str, tuple[str, Any]] = {}  # node id -> (this proxy's key, its handle)
+        self.started = 0
+
+    def get(self, node_id: str) -> Any:
+        if node_id not in self.proxies:
+            self.started += 1
+            handle = _NodeProxyActor.options(
+                num_cpus=0,
+                max_concurrency=self.config.max_concurrency,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            ).remote(self.config)
+            self.proxies[node_id] = (f"{node_id}#{self.started}", handle)
+        return self.proxies[node_id][1]
+
+    def known(self) -> dict[str, Any]:
+        """Every proxy started and not forgotten, by key (a node's proxy started again has a new key)."""
+        return {key: handle for key, handle in self.proxies.values()}
+
+    def forget(self, key: str) -> None:
+        """A proxy that died: the next episode on its node (if the node lives) starts another."""
+        node_id = key.split("#", 1)[0]
+        if node_id in self.proxies and self.proxies[node_id][0] == key:
+            del self.proxies[node_id]
+
+
+_NodeProxyActor = ray.remote(NodeProxy)
+_ProxiesActor = ray.remote(_Proxies)
+
+
+# --- on each node: one episode ------------------------------------------------------------------------
+
+
+@dataclass
+class _Report:
+    """What an episode's task returns: its outcome, or why the driver must run it again or stop."""
+
+    outcome: EpisodeOutcome | None = None
+    lost: str | None = None  # its node proxy went away mid-episode: run it again
+    proxy_error: str | None = None  # the node's capture proxy could not start
+    node: str = ""
+
+
+def _episode_task(proxies: Any, spec: EpisodeSpec, rules: EpisodeRules, archive: bytes | None) -> _Report:
+    context = ray.get_runtime_context()
+    node = context.get_node_id()
+    where = f"{ray.util.get_node_ip_address()} ({node[:8]})"
+    cached = (proxies._actor_id.hex(), node)  # this run's registry, this node
+    try:
+        proxy = _node_proxy.get(cached)
+        if proxy is None:
+            proxy = ray.get(proxies.get.remote(node), timeout=CALL_S)
+            error = ray.get(proxy.ready.remote(), timeout=PROXY_START_S)
+            if error is not None:
+                return _Report(proxy_error=error, node=where)
+            _node_proxy.clear()  # a worker serves one run at a time: older runs' proxies are gone
+            _node_proxy[cached] = proxy
+        eid = spec.episode_id
+        env = ray.get(proxy.child_env.remote(eid, dict(os.environ)), timeout=CALL_S)
+
+        def adopt(child) -> None:
+            ray.get(proxy.adopt.remote(eid, child.pid), timeout=CALL_S)
+
+        def flush() -> bool:
+            return ray.get(proxy.flush.remote(eid, FLUSH_S), timeout=FLUSH_S + CALL_S)
+
+        try:
+            outcome = run_episode(spec, env, rules, TaskFiles(Path.cwd(), archive), flush=flush, on_start=adopt)
+        except ray.exceptions.RayError:
+            raise
+        except Exception as exc:  # lcap's own failure on one episode: recorded, the run goes on
+            outcome = EpisodeOutcome("error", None, f"{exc.__class__.__name__}: {exc}")
+        finally:
+            proxy.release.remote(eid)
+    except ray.exceptions.RayError as exc:
+        _node_proxy.pop(cached, None)  # the next episode here asks the registry again (it may start another)
+        return _Report(lost=f"its node's capture proxy was lost: {_first_line(exc)}", node=where)
+    return _Report(outcome=outcome, node=where)
+
+
+_node_proxy: dict[tuple[str, str], Any] = {}  # in a Ray worker: its node's proxy, asked for once per run
+
+
+_episode_remote = ray.remote(_episode_task)
+
+
+# --- on the driver: turns from the nodes into the store --------------------------------------------
+
+
+@dataclass
+class _Source:
+    proxy: Any
+    after: Position | None = None  # appended up to here (what the next take acknowledges)
+    taking: Any = None  # the take in flight
+    records: int = 0
+    dead: bool = False
+
+
+class _Ingest:
+    """The driver's thread that takes the node proxies' turns and appends them to the one writer's spool."""
+
+    def __init__(self, proxies: Any, writer: TurnWriter, key: bytes) -> None:
+        self.proxies, self.writer = proxies, writer
+        self.source_cipher = AESGCM(key)
+        self.sources: dict[str, _Source] = {}
+        self.appending = threading.Lock()  # held while a batch is appended: `settle` waits for it
+        self.moved = threading.Condition()
+        self.records = 0
+        self.lost: list[str] = []  # node proxies found dead
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lcap-ray-ingest", daemon=True)
+        self._refreshed = 0.0
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(CALL_S)
+
+    def live(self) -> dict[str, Any]:
+        with self.moved:
+            return {node: s.proxy for node, s in self.sources.items() if not s.dead}
+
+    def settle(self, timeout: float = FLUSH_S + 30) -> bool:
+        """Every turn appended so far is in the store (False after `timeout`)."""
+        with self.appending:
+            pass
+        return self.writer.flush(timeout)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._refresh()
+                taking = {}
+                for node, source in list(self.sources.items()):
+                    if source.dead:
+                        continue
+                    if source.taking is None:
+                        source.taking = source.proxy.take.remote(source.after, TAKE_RECORDS, TAKE_BYTES, TAKE_WAIT_S)
+                    taking[source.taking] = node
+                if not taking:
+                    self._stop.wait(0.1)
+                    continue
+                ready, _ = ray.wait(list(taking), num_returns=1, timeout=TAKE_WAIT_S * 2)
+                if ready:
+                    ready, _ = ray.wait(list(taking), num_returns=len(taking), timeout=0)
+                for ref in ready:
+                    self._append(taking[ref], ref)
+        except BaseException as exc:  # the run cannot go on without its turns: the driver stops on it
+            self.error = exc
+            log.error("lcap: the driver stopped taking turns from the nodes: %s", _first_line(exc))
+
+    def _refresh(self) -> None:
+        if time.monotonic() - self._refreshed < 0.5:
+            return
+        self._refreshed = time.monotonic()
+        known = ray.get(self.proxies.known.remote(), timeout=CALL_S)
+        with self.moved:
+            for key, proxy in known.items():
+                self.sources.setdefault(key, _Source(proxy))
+
+    def _append(self, node: str, ref: Any) -> None:
+        source = self.sources[node]
+        source.taking = None
+        try:
+            taken: Taken = ray.get(ref, timeout=CALL_S)
+        except ray.exceptions.RayError as exc:
+            log.warning("lcap: lost the capture proxy of node %s: %s", node[:8], _first_line(exc))
+            with self.moved:
+                source.dead = True
+                self.lost.append(node)
+                self.moved.notify_all()
+            self.proxies.forget.remote(node)
+            return
+        with self.appending:
+            for payload in taken.records:
+                self.writer.put_sealed(reseal(self.source_cipher, self.writer.cipher, payload))
+            with self.moved:
+                source.after = taken.end
+                source.records += len(taken.records)
+                self.records += len(taken.records)
+                self.moved.notify_all()
+
+
+# --- on the driver: the pool ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Attempt:
+    spec: EpisodeSpec
+    number: int = 1
+    errors: list[str] = field(default_factory=list)
+
+
+class RayPool:
+    """Runs a collect's episodes as Ray tasks; records their outcomes as the local pool does."""
+
+    def __init__(
+        self,
+        store: Store,
+        rules: EpisodeRules,
+        tasks_dir: Path,
+        options: CollectOptions,
+        proxy_options: ProxyOptions,
+        tally: Tally,
+    ) -> None:
+        self.store, self.rules, self.tasks_dir, self.options, self.tally = store, rules, tasks_dir, options, tally
+        self.proxy_options = proxy_options
+        self.need = {"CPU": options.episode_cpus, **options.resources()}
+        if not options.episode_cpus:
+            del self.need["CPU"]
+
+    def run_all(self, specs: list[EpisodeSpec], *, progress: bool) -> None:
+        self._check_fits()
+        key = os.urandom(32)
+        config = NodeConfig(
+            self.proxy_options,
+            self._policy_record(),
+            key,
+            self.tally.result.run_id + "-" + os.urandom(4).hex(),
+            max_concurrency=min(self.options.concurrency, 4096) + 16,
+        )
+        writer = TurnWriter(self.store)
+        writer.start()
+        # The registry owns the node proxies, which end with it: on this process's own node (never a worker node
+        # that may be lost mid-run, which would take every node's proxy with it), so it fails only with the driver.
+        here = ray.get_runtime_context().get_node_id()
+        proxies: Any = _ProxiesActor.options(
+            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False) if here else None
+        ).remote(config)
+        ingest = _Ingest(proxies, writer, key)
+        ingest.start()
+        run = _Run(self, proxies, ingest, ray.put(self.rules), _Templates(self.tasks_dir, specs))
+        try:
+            run.schedule(specs, progress)
+        finally:
+            try:
+                run.end()
+            finally:
+                ingest.stop()
+                ray.kill(proxies)  # its node proxies end with it
+                report = writer.finish()
+                if report is not None and report.unstored:
+                    log.warning("%s", report.summary(self.store.path))
+
+    def _check_fits(self) -> None:
+        """A cluster where no node can ever run an episode would queue them forever: say so now."""
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        if any(_fits(n.get("Resources", {}), self.need) for n in nodes):
+            return
+        have = "; ".join(_resources_text(n.get("Resources", {})) for n in nodes) or "no live node"
+        raise LcapError(
+            f"no node of the Ray cluster at {describe(self.options.ray or '')} can run an episode, which needs "
+            f"{_resources_text(self.need)} (nodes: {have}): lower --episode-cpus, or add nodes with these resources"
+        )
+
+    def _policy_record(self) -> str | None:
+        """The policy record, for the nodes' proxies (`--upstream policy`); its server must be reachable from them."""
+        if self.proxy_options.upstream != "policy":
+            return None
+        from lcap.policy import read_policy, record_path
+
+        if read_policy() is None:
+            raise LcapError(f"--upstream policy: no policy server record at {record_path()} (run `lcap serve`)")
+        return record_path().read_text()
+
+
+class _Run:
+    """One run of the pool: the episodes in flight, their retries, Ctrl-C."""
+
+    def __init__(self, pool: RayPool, proxies: Any, ingest: _Ingest, rules_ref: Any, templates: _Templates) -> None:
+        self.pool, self.proxies, self.ingest = pool, proxies, ingest
+        self.rules_ref, self.templates = rules_ref, templates
+        self.store, self.tally = pool.store, pool.tally
+        self.inflight: dict[Any, _Attempt] = {}
+        self.waiting_since: float | None = None
+
+    def schedule(self, specs: list[EpisodeSpec], progress: bool) -> None:
+        console, bar = progress_bar(progress)
+        queue = deque(_Attempt(spec) for spec in specs)
+        with bar:
+            job = bar.add_task(self.tally.describe(), total=len(specs))
+
+            def ended(spec: EpisodeSpec, outcome: EpisodeOutcome) -> None:
+                report_end(console, spec, outcome)
+                bar.update(job, advance=1, description=self.tally.describe())
+
+            try:
+                while queue or self.inflight:
+                    while queue and len(self.inflight) < self.pool.options.concurrency:
+                        self._submit(queue.popleft(), ended)
+                    self.tally.running = len(self.inflight)
+                    bar.update(job, description=self.tally.describe())
+                    if self.ingest.error is not None:
+                        raise LcapError(f"the turns of the nodes cannot reach the store: {self.ingest.error}")
+                    finished, lost = self._collect()
+                    self._record(finished, ended)
+                    for attempt, why in lost:
+                        self._retry(attempt, why, queue, ended)
+                    self._warn_if_stuck()
+            except BaseException:
+                self._interrupt(ended)
+                raise
+
+    def _submit(self, attempt: _Attempt, ended) -> None:
+        spec = attempt.spec
+        try:
+            archive = self.templates.ref(spec, again=attempt.number > 1)
+        except LcapError as exc:  # as the local pool: an episode whose workdir cannot be set up is an error
+            start_episode(self.store, spec)
+            self._finish(spec, EpisodeOutcome("error", None, f"{exc.__class__.__name__}: {exc}"), ended)
+            return
+        start_episode(self.store, spec)
+        ref = _episode_remote.options(
+            num_cpus=self.pool.options.episode_cpus,
+            resources=self.pool.options.resources(),
+            max_retries=0,  # a lost episode is run again by the driver, after its partial turns are removed
+            retry_exceptions=False,
+        ).remote(self.proxies, spec, self.rules_ref, archive)
+        self.inflight[ref] = attempt
+
+    def _collect(self) -> tuple[list[tuple[_Attempt, _Report]], list[tuple[_Attempt, str]]]:
+        refs = list(self.inflight)
+        if not refs:
+            return [], []
+        ready, _ = ray.wait(refs, num_returns=1, timeout=0.5)
+        if ready:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        finished, lost = [], []
+        for ref in ready:
+            attempt = self.inflight.pop(ref)
+            try:
+                report: _Report = ray.get(ref)
+            except ray.exceptions.RayTaskError as exc:  # the task's own code failed: an error, as locally
+                report = _Report(EpisodeOutcome("error", None, f"lcap on the node: {_first_line(exc)}"))
+            except ray.exceptions.TaskCancelledError:
+                report = _Report(EpisodeOutcome("interrupted", None, "collect was interrupted"))
+            except ray.exceptions.RayError as exc:  # its node or worker died
+                lost.append((attempt, f"{type(exc).__name__}: {_first_line(exc)}"))
+                continue
+            if report.proxy_error is not None:
+                raise LcapError(
+                    f"the capture proxy on node {report.node} did not start: {report.proxy_error} (the upstream must "
+                    "be reachable from every node that runs agents)"
+                )
+            if report.lost is not None:
+                lost.append((attempt, report.lost))
+                continue
+            finished.append((attempt, report))
+        return finished, lost
+
+    def _record(self, finished: list[tuple[_Attempt, _Report]], ended) -> None:
+        if not finished:
+            return
+        # Each task's node flushed its turns to this process before it returned: once the writer has them all,
+        # its episode is complete in the store and can be marked finished.
+        stored = self.ingest.settle()
+        for attempt, report in finished:
+            outcome = report.outcome
+            assert outcome is not None
+            if not stored:
+                outcome.flags.append(("turns_unstored", {"reason": "the store writer did not keep up"}))
+            self._finish(attempt.spec, outcome, ended)
+
+    def _finish(self, spec: EpisodeSpec, outcome: EpisodeOutcome, ended) -> None:
+        record_outcome(self.store, spec, outcome)
+        self.tally.add(outcome)
+        ended(spec, outcome)
+
+    def _retry(self, attempt: _Attempt, why: str, queue: deque[_Attempt], ended) -> None:
+        """An episode whose node (or runner) was lost: its partial turns removed, run again or given up."""
+        spec = attempt.spec
+        attempt.errors.append(why)
+        log.warning("lcap: episode %s lost (%s); %s", spec.episode_id, why, "running it again")
+        self._fence([spec.episode_id])
+        if attempt.number >= MAX_ATTEMPTS:
+            reason = f"lost {attempt.number} times with its node: {'; '.join(attempt.errors)}"
+            self._finish(spec, EpisodeOutcome("error", None, reason), ended)
+            return
+        _forget_partial(self.store, [spec.episode_id])
+        queue.appendleft(_Attempt(spec, attempt.number + 1, attempt.errors))
+
+    def _fence(self, episode_ids: list[str]) -> None:
+        """Make sure nothing more of these episodes' attempts reaches the store: their agents killed on every live
+        node proxy and their last turns taken (a proxy that is gone sends nothing more), then stored."""
+        calls = [proxy.fence.remote(episode_ids, FLUSH_S) for proxy in self.ingest.live().values()]
+        for ref in calls:
+            try:
+                handed = ray.get(ref, timeout=FLUSH_S + CALL_S)
+            except ray.exceptions.RayError:
+                continue
+            if not handed:
+                log.warning("lcap: a node proxy did not hand over the turns of %s in time", ", ".join(episode_ids))
+        self.ingest.settle()
+
+    def _warn_if_stuck(self) -> None:
+        """Episodes that no live node can run wait for one to join (an autoscaler may add it): said once a minute."""
+        if not self.inflight:
+            self.waiting_since = None
+            return
+        now = time.monotonic()
+        if self.waiting_since is not None and now - self.waiting_since < 60:
+            return
+        self.waiting_since = now
+        if not any(_fits(n.get("Resources", {}), self.pool.need) for n in ray.nodes() if n.get("Alive")):
+            log.warning(
+                "lcap: no live node of the Ray cluster can run an episode now (each needs %s): waiting for one",
+                _resources_text(self.pool.need),
+            )
+
+    def _interrupt(self, ended) -> None:
+        """Ctrl-C (or a failure of the run): the node proxies end the agents' process groups, the tasks are cancelled
+        (their workers killed), and the episodes in flight are recorded as interrupted."""
+        refs = list(self.inflight)
+        with _ignoring_sigint():
+            kills = [proxy.kill_all.remote() for proxy in self.ingest.live().values()]
+            if kills:
+                ray.wait(kills, num_returns=len(kills), timeout=CALL_S)
+            for ref in refs:
+                ray.cancel(ref, force=True, recursive=True)
+            self.ingest.settle(timeout=10)
+            for attempt in self.inflight.values():
+                self._finish(attempt.spec, EpisodeOutcome("interrupted", None, "collect was interrupted"), ended)
+            self.inflight.clear()
+
+    def end(self) -> None:
+        """Stop the node proxies: the ingest takes their last turns meanwhile."""
+        with _ignoring_sigint():
+            proxies = self.ingest.live()
+            stops = [proxy.stop.remote(STOP_S) for proxy in proxies.values()]
+            if stops:
+                ready, _ = ray.wait(stops, num_returns=len(stops), timeout=STOP_S + CALL_S)
+                for ref in ready:
+                    try:
+                        unsent = ray.get(ref)
+                    except ray.exceptions.RayError:
+                        continue
+                    if unsent:
+                        log.warning("lcap: %d turns were left on a node proxy at its end", unsent)
+            self.ingest.settle(timeout=30)
+
+
+class _ignoring_sigint:
+    """The clean-up after Ctrl-C runs to its end; a second Ctrl-C during it would leave agents running."""
+
+    def __enter__(self) -> None:
+        try:
+            self.previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except ValueError:  # not the main thread
+            self.previous = None
+
+    def __exit__(self, *exc: object) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+
+class _Templates:
+    """Each task's template directory as a tar archive in Ray's object store: packed when its first episode is
+    submitted, released after its last, so that a run holds few at a time."""
+
+    def __init__(self, tasks_dir: Path, specs: Iterable[EpisodeSpec]) -> None:
+        self.tasks_dir = tasks_dir
+        self.left: dict[str, int] = {}
+        for spec in specs:
+            tid = spec.task["id"]
+            self.left[tid] = self.left.get(tid, 0) + 1
+        self.refs: dict[str, Any] = {}
+
+    def ref(self, spec: EpisodeSpec, *, again: bool = False) -> Any:
+        src = template_dir(spec.task, self.tasks_dir)
+        if src is None:
+            return None
+        tid = spec.task["id"]
+        ref = self.refs.get(tid)
+        if ref is None:
+            ref = ray.put(pack_template(src, spec.task))
+            self.refs[tid] = ref
+        if not again:
+            self.left[tid] -= 1
+            if self.left[tid] <= 0:
+                self.refs.pop(tid, None)  # the tasks submitted hold it while they need it
+        return ref
+
+
+def pack_template(src: Path, task: Mapping[str, Any]) -> bytes:
+    """`src`'s contents as an uncompressed tar (symlinks kept as links); bounded by MAX_TEMPLATE_BYTES."""
+    total = 0
+
+    def count(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        nonlocal total
+        total += info.size
+        if total > MAX_TEMPLATE_BYTES:
+            raise LcapError(
+                f"task {task['id']}: template {src} is over {MAX_TEMPLATE_BYTES >> 20} MiB, too large to ship with "
+                "each episode: put it in the nodes' image and copy it from the agent command"
+            )
+        return info
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for child in sorted(src.iterdir()):
+            tar.add(child, arcname=child.name, filter=count)
+    return buffer.getvalue()
+
+
+def _fits(have: Mapping[str, float], need: Mapping[str, float]) -> bool:
+    return all(have.get(name, 0) >= amount for name, amount in need.items())
+
+
+def _resources_text(resources: Mapping[str, float]) -> str:
+    shown = {k: v for k, v in resources.items() if not k.startswith(("node:", "accelerator_type:")) and k != "memory"}
+    shown = {k: v for k, v in shown.items() if k != "object_store_memory"}
+    return ", ".join(f"{k}={v:g}" for k, v in sorted(shown.items())) or "nothing"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:500] if text else type(exc).__name__

@@ -1,0 +1,292 @@
+"""`lcap collect --ray`: episodes as Ray tasks on a real local cluster (`ray start` nodes on this machine, node IP
+127.0.0.1), captured by a proxy on each node, their turns stored once by the driver's writer; a node lost mid-run.
+
+The agents are real subprocesses calling a local fake upstream with the openai SDK through the node's capture
+proxy. What an agent sees (its proxy, the node it ran on) goes to a log named by its task, which the tests read.
+Ray's health checks are lowered on the head so that a killed node is seen as dead in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from fixtures_capture import SECRET, FakeLLM
+from fixtures_ray import free_port, ray_head, ray_worker
+
+from lcap.store import Store
+
+pytestmark = pytest.mark.slow
+
+LCAP = str(Path(sys.executable).parent / "lcap")
+
+AGENT = """
+import json, os, sys, time
+task = json.loads(os.environ["LCAP_TASK"])
+victim = os.environ.get("LCAP_TEST_VICTIM")
+with open(task["log"], "a") as f:
+    f.write(json.dumps({"episode": os.environ["LCAP_EPISODE_ID"], "victim": bool(victim), "pid": os.getpid(),
+                        "proxy": os.environ["HTTPS_PROXY"].rsplit(":", 1)[1]}) + "\\n")
+if task.get("hang"):  # a grandchild too: the whole process group must end on the node
+    child = __import__("subprocess").Popen(["sleep", "120"])
+    with open(task["hang"], "a") as f:
+        f.write(f"{os.getpid()} {child.pid}\\n")
+    time.sleep(120)
+from openai import OpenAI
+client = OpenAI()
+for i in range(task["calls"]):
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"{task['q']} {i}"}], max_tokens=4)
+    if victim and i == 0:
+        time.sleep(90)  # its node is lost meanwhile
+open("answer.txt", "w").write(open("hint.txt").read() + task["q"])
+"""
+
+VERIFIER = """
+def judge(ctx):
+    return {"reward": float(len((ctx.workdir / "answer.txt").read_text()) % 5), "pid": __import__("os").getpid()}
+"""
+
+HEALTH = {  # a lost node is declared dead after about 2 s instead of Ray's default of tens of seconds
+    "RAY_health_check_initial_delay_ms": "1000",
+    "RAY_health_check_period_ms": "500",
+    "RAY_health_check_timeout_ms": "500",
+    "RAY_health_check_failure_threshold": "3",
+}
+
+
+class _Url:
+    url = "http://127.0.0.1:9"  # an upstream never called: the run stops before
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A head and one worker node, 1 CPU each; the nodes' lcap home (CA, spools) is their own."""
+    tmp = tmp_path_factory.mktemp("ray-collect")
+    env = {**HEALTH, "LCAP_HOME": str(tmp / "node-home"), "OPENAI_API_KEY": SECRET}
+    with ray_head(tmp / "head.log", num_cpus=1, env=env) as address:
+        with ray_worker(address, tmp / "worker.log", num_cpus=1, env=env):
+            yield address, env, tmp
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    server = FakeLLM()
+    server.thread.start()
+    yield server
+    server.shutdown()
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """The driver's side: its own lcap home, the agent, the verifier and a template directory."""
+    monkeypatch.setenv("LCAP_HOME", str(tmp_path / "driver-home"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "agent.py").write_text(AGENT)
+    (tmp_path / "judge.py").write_text(VERIFIER)
+    (tmp_path / "tpl").mkdir()
+    (tmp_path / "tpl" / "hint.txt").write_text("hint:")
+    return tmp_path
+
+
+def _tasks(project: Path, n: int, calls: int) -> Path:
+    log = str(project / "starts.jsonl")
+    rows = [{"id": f"t{i}", "q": f"q{i}", "calls": calls, "template": "tpl", "log": log} for i in range(n)]
+    path = project / "tasks.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _argv(project: Path, address: str, upstream: FakeLLM | _Url, *extra: str) -> list[str]:
+    return [
+        LCAP,
+        "collect",
+        "--tasks",
+        str(project / "tasks.jsonl"),
+        "--db",
+        str(project / "lcap.duckdb"),
+        "--upstream",
+        upstream.url,
+        "--model",
+        "m",
+        "--verifier",
+        "judge.py:judge",
+        "--ray",
+        address,
+        *extra,
+        "--",
+        sys.executable,
+        str(project / "agent.py"),
+    ]
+
+
+def _starts(project: Path) -> list[dict]:
+    path = project / "starts.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_episodes_run_on_every_node_each_captured_there(cluster, upstream, project):
+    address, _, _ = cluster
+    _tasks(project, n=4, calls=3)
+    result = subprocess.run(
+        _argv(project, address, upstream, "-g", "2", "-j", "2"), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert "8 episodes, 8 ok, 0 failed" in result.stdout
+
+    store = Store(project / "lcap.duckdb")
+    rows = store.fetchall("SELECT episode_id, status, reward, reward_source FROM episode_summary")
+    assert len(rows) == 8 and {r[1] for r in rows} == {"ok"} and {r[3] for r in rows} == {"judge.py:judge"}
+    assert {r[2] for r in rows} == {float(len("hint:q0") % 5)}  # the template reached the node, the verdict came back
+    # every call is one turn, stored once, attributed to its episode
+    turns = store.fetchall("SELECT episode_id, count(*), count(DISTINCT turn_id) FROM turns GROUP BY episode_id")
+    assert sorted(t[1:] for t in turns) == [(3, 3)] * 8 and {t[0] for t in turns} == {r[0] for r in rows}
+    assert len(upstream.calls("/chat/completions")) >= 24
+    # two nodes, two capture proxies: the agents used the proxy of their own node
+    starts = _starts(project)
+    assert len(starts) == 8 and len({s["proxy"] for s in starts}) == 2
+    # the verifier ran on the nodes, not in the driver
+    pids = {json.loads(d[0])["pid"] for d in store.fetchall("SELECT details FROM rewards")}
+    assert os.getpid() not in pids
+
+    again = subprocess.run(_argv(project, address, upstream, "-g", "2"), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "8 episodes, 0 ok, 0 failed, 8 skipped (already done)" in again.stdout
+
+
+def test_a_node_lost_mid_run_loses_nothing(cluster, upstream, project):
+    """A third node (1 CPU) runs agents that stop after their first call; the test kills the node once a partial
+    turn of one of them is in the store. Its episodes run again elsewhere, without their partial turns; the others
+    run once; the store holds exactly tasks x group episodes, each with all its turns once."""
+    address, env, tmp = cluster
+    _tasks(project, n=4, calls=2)
+    victim_env = {**env, "LCAP_TEST_VICTIM": "1"}
+    with ray_worker(address, tmp / f"victim-{free_port()}.log", num_cpus=1, env=victim_env) as victim:
+        run = subprocess.Popen(
+            _argv(project, address, upstream, "-g", "2", "-j", "3"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        store = Store(project / "lcap.duckdb")
+        deadline = time.monotonic() + 240
+        lost: list[str] = []
+        while not lost:
+            assert time.monotonic() < deadline and run.poll() is None, "no episode reached the victim node"
+            on_victim = [s["episode"] for s in _starts(project) if s["victim"]]
+            if on_victim and (project / "lcap.duckdb").exists():
+                stored = store.fetchall(
+                    "SELECT DISTINCT episode_id FROM turns WHERE episode_id IN (SELECT unnest(?))", [on_victim]
+                )
+                lost = [r[0] for r in stored]
+            time.sleep(0.3)
+        os.killpg(victim.pid, signal.SIGKILL)  # the node and everything Ray ran on it
+        for s in _starts(project):  # an agent leads its own process group: on a real node it dies with the machine
+            if s["victim"]:
+                try:
+                    os.killpg(s["pid"], signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        out, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err
+    assert "8 episodes, 8 ok, 0 failed" in out
+    assert "lost" in err and lost[0] in err
+
+    rows = store.fetchall("SELECT episode_id, status FROM episodes")
+    assert len(rows) == 8 and {r[1] for r in rows} == {"ok"}
+    turns = store.fetchall("SELECT episode_id, count(*), count(DISTINCT turn_id) FROM turns GROUP BY episode_id")
+    assert sorted(t[1:] for t in turns) == [(2, 2)] * 8  # the lost attempt's partial turn is gone
+    runs = Counter(s["episode"] for s in _starts(project))
+    victims = {s["episode"] for s in _starts(project) if s["victim"]}
+    assert set(lost) <= victims
+    assert all(runs[e] == 2 for e in victims) and all(runs[e] == 1 for e in runs if e not in victims)
+    assert sorted(runs) == sorted(r[0] for r in rows)
+
+
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie waiting for its reaper."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _hanging(project: Path, n: int) -> Path:
+    hang = project / "hang.txt"
+    rows = [
+        {"id": f"h{i}", "q": "q", "calls": 1, "log": str(project / "starts.jsonl"), "hang": str(hang)} for i in range(n)
+    ]
+    (project / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return hang
+
+
+def test_timeouts_and_ctrl_c_end_the_agents_on_their_nodes(cluster, upstream, project):
+    address, _, _ = cluster
+    hang = _hanging(project, 2)
+    result = subprocess.run(
+        _argv(project, address, upstream, "-g", "1", "--timeout", "8"), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert "2 episodes, 0 ok, 2 failed" in result.stdout and "timeout 2" in result.stdout
+    pids = [int(p) for line in hang.read_text().splitlines() for p in line.split()]
+    assert len(pids) == 4 and all(_dead(p) for p in pids)  # agents and their grandchildren
+
+    hang.unlink()
+    run = subprocess.Popen(
+        _argv(project, address, upstream, "-g", "1", "--round", "1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not hang.exists() or len(hang.read_text().splitlines()) < 2:
+        assert time.monotonic() < deadline and run.poll() is None, run.stderr.read() if run.stderr else ""
+        time.sleep(0.3)
+    run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 130, err
+    pids = [int(p) for line in hang.read_text().splitlines() for p in line.split()]
+    assert all(_dead(p) for p in pids)
+    rows = Store(project / "lcap.duckdb").fetchall("SELECT status FROM episodes WHERE round = 1")
+    assert [r[0] for r in rows] == ["interrupted", "interrupted"]
+
+
+def test_bad_cluster_and_options_are_one_line(project):
+    _tasks(project, n=1, calls=1)
+    port = free_port()
+    result = subprocess.run(_argv(project, f"127.0.0.1:{port}", _Url()), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.startswith(f"lcap: no Ray cluster at 127.0.0.1:{port}")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+    bad = subprocess.run(
+        _argv(project, "auto", _Url(), "--episode-resources", "sandbox"), capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 2 and "bad --episode-resources 'sandbox': use NAME=AMOUNT" in bad.stderr
+    local = [a for a in _argv(project, "x", _Url(), "--episode-cpus", "2") if a not in ("--ray", "x")]
+    alone = subprocess.run(local, capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 2 and "add --ray ADDRESS" in alone.stderr
+
+
+def test_a_cluster_no_node_fits_is_one_line(cluster, upstream, project):
+    address, _, _ = cluster
+    _tasks(project, n=1, calls=1)
+    result = subprocess.run(
+        _argv(project, address, upstream, "--episode-resources", "sandbox=1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"no node of the Ray cluster at {address} can run an episode, which needs CPU=1, sandbox=1" in result.stderr
