@@ -1,6 +1,6 @@
 """Added latency of `lcap proxy` against a local upstream, side by side with its baselines in one run.
 
-    .venv/bin/python benchmarks/bench_proxy.py [--n 300] [--rounds 500] [--no-litellm]
+    .venv/bin/python benchmarks/bench_proxy.py [--n 300] [--rounds 500] [--no-litellm] [--paths a,b,...]
 
 Starts a minimal asyncio HTTP upstream (OpenAI chat completions, plain and SSE; on uvloop) in a subprocess and
 measures from this process with httpx, all paths interleaved round by round, in a random order
@@ -15,6 +15,11 @@ each round, so machine noise hits them alike:
   the proxy, and HTTPS to api.openai.com rerouted (CONNECT + TLS interception with lcap's CA,
   keep-alive): what a real agent pays. Both take the front's short path (capture/front.py);
   the mitmproxy row is what every call paid before it;
+- lcap transparent: `lcap proxy --transparent --upstream` (a second lcap, its own store) around an agent that
+  only holds its namespace open; this process makes the connections of that row inside the agent's network
+  namespace (a thread that entered it creates each socket), to an address lcap's rules redirect, with
+  SNI api.openai.com: what an agent that ignores proxy settings pays (no CONNECT; SO_ORIGINAL_DST, then
+  the same TLS interception). Needs root (or user namespaces) and iptables, else the row is left out;
 - mitmproxy: stock mitmproxy embedded with the same three addons lcap loads and an addon that only
   reroutes and streams answers through (no capture): the floor under lcap's own work;
 - mitmdump: stock `mitmdump` (all default addons) with the same reroute script, as a user would run it;
@@ -48,6 +53,7 @@ import time
 from pathlib import Path
 from typing import IO
 
+import httpcore
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
@@ -171,7 +177,10 @@ async def main():
 asyncio.run(main())
 """
 
-BASELINE = {"lcap https": "direct https"}  # what an agent calling the API over HTTPS pays without lcap; others: direct
+BASELINE = {
+    "lcap https": "direct https",
+    "lcap transparent": "direct https",
+}  # what an agent calling the API over HTTPS pays without lcap; others: direct
 
 REQUEST = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Say ok."}]}
 
@@ -338,6 +347,67 @@ def _wait_listening(port: int, proc: subprocess.Popen, what: str, timeout: float
     raise SystemExit(f"{what} did not listen on {port} within {timeout:.0f} s")
 
 
+class NamespaceBackend:
+    """httpcore's network backend for the `lcap transparent` row: each connection's socket is made by a thread
+    that entered the agent's network namespace (`setns`), so lcap's rules there redirect it; it connects to a
+    documentation address (203.0.113.1) on the port asked for, as if the agent's own DNS answer had been that,
+    and the host name travels in the TLS SNI."""
+
+    ADDRESS = "203.0.113.1"
+
+    def __init__(self, netns: str) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(1, initializer=self._enter, initargs=(netns,))
+
+    @staticmethod
+    def _enter(netns: str) -> None:
+        import ctypes
+
+        fd = os.open(netns, os.O_RDONLY)
+        if ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) != 0:  # CLONE_NEWNET, this thread only
+            raise OSError(ctypes.get_errno(), "setns")
+        os.close(fd)
+
+    async def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
+        import anyio.abc
+        from httpcore._backends.anyio import AnyIOStream
+
+        loop = asyncio.get_running_loop()
+        sock = await loop.run_in_executor(self.pool, socket.socket)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        await loop.sock_connect(sock, (self.ADDRESS, port))
+        return AnyIOStream(await anyio.abc.SocketStream.from_socket(sock))
+
+    async def connect_unix_socket(self, *args, **kwargs):
+        raise NotImplementedError
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+HOLDER = "import os, sys; print('holder', os.getpid(), flush=True); sys.stdin.read()"
+
+
+def start_transparent(up_url: str, db: Path, env: dict[str, str]) -> tuple[subprocess.Popen | None, str]:
+    """`lcap proxy --transparent` around an agent that holds its namespace until its stdin closes; the process and
+    the agent's network namespace, or None and why not."""
+    proc = subprocess.Popen(
+        [LCAP, "proxy", "--transparent", "--upstream", up_url, "--db", str(db), "--", sys.executable, "-c", HOLDER],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    line = proc.stdout.readline().split()
+    if line[:1] != ["holder"]:
+        proc.kill()
+        return None, (proc.communicate()[1].strip().splitlines() or ["lcap exited"])[-1]
+    return proc, f"/proc/{line[1]}/ns/net"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=300, help="requests per path at concurrency 1")
@@ -350,7 +420,9 @@ def main() -> None:
         "that slow whole rounds",
     )
     parser.add_argument("--no-litellm", action="store_true", help="leave out the LiteLLM row")
+    parser.add_argument("--paths", default="", help="run only these paths (comma-separated names, as printed)")
     args = parser.parse_args()
+    only = {p.strip() for p in args.paths.split(",") if p.strip()}
 
     tmp = Path(tempfile.mkdtemp(prefix="lcap-bench-"))
     home = os.environ.get("LCAP_HOME", str(Path.home() / ".lcap"))
@@ -406,6 +478,14 @@ def main() -> None:
         )
         _wait_listening(dump_port, procs[-1], "mitmdump")
 
+        transparent, netns = (None, "not asked for") if only and "lcap transparent" not in only else (None, "")
+        if not netns:
+            transparent, netns = start_transparent(up_url, tmp / "transparent.duckdb", env)
+            if transparent is None:
+                print(f"(no lcap transparent row: {netns})")
+            else:
+                procs.append(transparent)
+
         relay = spawn([sys.executable, "-c", RELAY, str(up_port)], stdout=subprocess.PIPE, text=True)
         relay_port = int(relay.stdout.readline())
         litellm_url = None
@@ -435,9 +515,18 @@ def main() -> None:
                 "mitmproxy": (client(proxy=f"http://127.0.0.1:{bare_port}"), chat),
                 "mitmdump": (client(proxy=f"http://127.0.0.1:{dump_port}"), chat),
             }
+            if transparent is not None:
+                inside = httpx.AsyncHTTPTransport(verify=ctx, limits=limits)
+                inside._pool = httpcore.AsyncConnectionPool(  # the same pool, its sockets made in the namespace
+                    ssl_context=ctx, max_connections=32, network_backend=NamespaceBackend(netns)
+                )
+                clients["lcap transparent"] = (client(transport=inside), "https://api.openai.com/v1/chat/completions")
             if litellm_url:
                 clients["litellm"] = (client(headers=litellm_gateway.HEADERS), litellm_url)
             clients["relay"] = (client(), f"http://127.0.0.1:{relay_port}/v1/chat/completions")
+            if only:
+                for name in [n for n in clients if n not in only and n not in ("direct", "direct https")]:
+                    await clients.pop(name)[0].aclose()
             rows = []
             try:
                 for label, conc, rounds, stream in (
@@ -466,6 +555,8 @@ def main() -> None:
         rows = asyncio.run(run())
         proxy.send_signal(signal.SIGINT)
         proxy.wait(120)
+        if transparent is not None:
+            transparent.communicate("", timeout=120)  # the agent's stdin closes: it ends, and lcap with it
     finally:
         if litellm is not None:
             litellm_gateway.stop_litellm(litellm)
@@ -475,7 +566,7 @@ def main() -> None:
 
     lcap_sent = 0
     print(
-        f"{'case':<22}{'path':<13}{'n':>6}{'p50 ms':>9}{'p99 ms':>9}{'vs':>14}{'+p50 ms':>9}{'+p99 ms':>9}{'p50 x':>7}"
+        f"{'case':<22}{'path':<18}{'n':>6}{'p50 ms':>9}{'p99 ms':>9}{'vs':>14}{'+p50 ms':>9}{'+p99 ms':>9}{'p50 x':>7}"
         f"{'client CPU us':>15}"
     )
     for label, res, cpu in rows:
@@ -486,23 +577,37 @@ def main() -> None:
                 base = BASELINE.get(name, "direct")
                 b50, b99 = _pct(res[base], 0.5), _pct(res[base], 0.99)
                 extra = f"{base:>14}{p50 - b50:>9.2f}{p99 - b99:>9.2f}{p50 / b50:>7.2f}"
-            print(f"{label:<22}{name:<13}{len(values):>6}{p50:>9.2f}{p99:>9.2f}{extra}{cpu[name]:>15.0f}")
+            print(f"{label:<22}{name:<18}{len(values):>6}{p50:>9.2f}{p99:>9.2f}{extra}{cpu[name]:>15.0f}")
             if name.startswith("lcap"):
                 lcap_sent += len(values)
-    print(
-        "lcap https vs plain direct, +p50 / +p99 ms: "
-        + "; ".join(
-            f"{label} {_pct(res['lcap https'], 0.5) - _pct(res['direct'], 0.5):+.2f} / "
-            f"{_pct(res['lcap https'], 0.99) - _pct(res['direct'], 0.99):+.2f}"
-            for label, res, _ in rows
+    if "lcap https" in rows[0][1]:
+        print(
+            "lcap https vs plain direct, +p50 / +p99 ms: "
+            + "; ".join(
+                f"{label} {_pct(res['lcap https'], 0.5) - _pct(res['direct'], 0.5):+.2f} / "
+                f"{_pct(res['lcap https'], 0.99) - _pct(res['direct'], 0.99):+.2f}"
+                for label, res, _ in rows
+            )
         )
-    )
+    if "lcap transparent" in rows[0][1] and "lcap https" in rows[0][1]:
+        print(
+            "lcap transparent vs lcap https, +p50 / +p99 ms: "
+            + "; ".join(
+                f"{label} {_pct(res['lcap transparent'], 0.5) - _pct(res['lcap https'], 0.5):+.2f} / "
+                f"{_pct(res['lcap transparent'], 0.99) - _pct(res['lcap https'], 0.99):+.2f}"
+                for label, res, _ in rows
+            )
+        )
     import duckdb
 
-    con = duckdb.connect(str(db), read_only=True)
-    stored = con.execute("SELECT count(*) FROM turns").fetchone()[0]
-    con.close()
-    warm = sum(16 if "c=16" in label else 1 for label, _, _ in rows) * 2
+    stored = 0
+    for store in (db, tmp / "transparent.duckdb"):
+        if store.exists():
+            con = duckdb.connect(str(store), read_only=True)
+            stored += con.execute("SELECT count(*) FROM turns").fetchone()[0]
+            con.close()
+    lcap_paths = sum(name.startswith("lcap") for name in rows[0][1])
+    warm = sum(16 if "c=16" in label else 1 for label, _, _ in rows) * lcap_paths
     print(f"turns stored by lcap: {stored} of {lcap_sent + warm} calls it proxied (including warm-up)")
     p50, p99, per_row = capture_cost()
     print(

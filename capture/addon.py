@@ -44,10 +44,17 @@ def _guarded(hook: Callable) -> Callable:
 
 
 class CaptureAddon:
-    def __init__(self, calls: Calls, options: ProxyOptions = ProxyOptions(), proxyserver: Any = None) -> None:
+    def __init__(
+        self,
+        calls: Calls,
+        options: ProxyOptions = ProxyOptions(),
+        proxyserver: Any = None,
+        front_episode: Callable[[Any], str | None] = lambda client: None,
+    ) -> None:
         self.calls = calls
         self.options = options
         self.proxyserver = proxyserver  # mitmproxy's, to cut the server connection of a call past its deadline
+        self.front_episode = front_episode  # the episode the front knows a connection it handed over belongs to
         self._conn_episode: dict[str, str | None] = {}  # per open tunnel, dropped when its client disconnects
 
     # --- attribution -------------------------------------------------------------------------
@@ -55,7 +62,7 @@ class CaptureAddon:
     @_guarded
     def http_connect(self, flow: http.HTTPFlow) -> None:
         try:
-            episode, _ = self.calls.attribute(flow.request.headers.fields)
+            episode, _ = self.calls.attribute(flow.request.headers.fields, self.front_episode(flow.client_conn))
         except Unauthorized:  # the front answers these itself: only a connection that bypassed it gets here
             flow.response = http.Response.make(407, b"lcap: episode credentials required\n", _AUTHENTICATE)
             return
@@ -71,7 +78,9 @@ class CaptureAddon:
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         req = flow.request
         try:
-            episode, fields = self.calls.attribute(req.headers.fields, self._conn_episode.get(flow.client_conn.id))
+            conn = flow.client_conn
+            fallback = self._conn_episode[conn.id] if conn.id in self._conn_episode else self.front_episode(conn)
+            episode, fields = self.calls.attribute(req.headers.fields, fallback)
         except Unauthorized:
             log.warning("lcap: a request without episode credentials on a handed-off connection was cut off")
             flow.kill()

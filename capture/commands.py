@@ -37,6 +37,10 @@ def register(app: typer.Typer) -> None:
         if serve:
             if command:
                 raise LcapError("--serve takes no command")
+            if options.transparent:
+                raise LcapError(
+                    "--transparent runs one command in namespaces of its own: it takes a command, not --serve"
+                )
             serve_proxy(db=db, options=options)
             return
         if not command:

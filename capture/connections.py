@@ -116,6 +116,7 @@ class Plain:
         self.reader, self.writer = reader, writer
         self.watch = watch
         self.idle_since = 0.0
+        self.episode: str | None = None  # an agent's connection to an episode's own listener: that episode
 
     def deadline(self, seconds: float, what: str) -> Watch:
         """`with conn.deadline(30, "head"): await ...`: `Expired` past it (an agent's connection only)."""

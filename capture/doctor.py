@@ -24,6 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from lcap.capture.jvm import TRUST_STORE
 from lcap.capture.server import CA_BASENAME, PROXY_VARS, ca_bundle, ca_dir, ca_files, ensure_ca, trust_env
 from lcap.config import LcapError, lcap_home
 from lcap.doctor import Context, Result, check
@@ -326,15 +327,12 @@ def trust_java(ctx: Context) -> Result:
     code, out, err = _run_client([java, str(source), url], env, cwd=ctx.scratch)
     if code == 0 and out.strip().endswith("200"):
         return Result.ok("Java HttpClient trusts lcap's CA (JAVA_TOOL_OPTIONS)")
-    cert, _ = ca_files()
-    store = ca_dir() / "java-cacerts"
-    cacerts = Path(os.path.realpath(java)).parent.parent / "lib" / "security" / "cacerts"
+    store = ca_dir() / TRUST_STORE
     unset = "trustStore" not in env.get("JAVA_TOOL_OPTIONS", "")
     return Result.fail(
-        f"Java: {_exception_line(err or out)}" + (" (lcap gives the JVM no trust store yet)" if unset else ""),
-        f"for a JVM agent, a copy of the JDK's cacerts with lcap's CA: cp {cacerts} {store}; "
-        f"keytool -importcert -noprompt -alias lcap -file {cert} -keystore {store} -storepass changeit; then "
-        f"JAVA_TOOL_OPTIONS='-Djavax.net.ssl.trustStore={store} -Djavax.net.ssl.trustStorePassword=changeit'",
+        f"Java: {_exception_line(err or out)}" + (" (lcap gives the JVM no trust store)" if unset else ""),
+        f"lcap gives a JVM child its trust store {store} (system roots and lcap's CA, PKCS#12 without a password, "
+        "read by JDK 11.0.12 and later): remove it and lcap writes it again; an older JDK needs a newer one",
     )
 
 

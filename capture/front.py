@@ -19,6 +19,8 @@ never depends on the short path.
 from __future__ import annotations
 
 import asyncio
+import functools
+import ipaddress
 import logging
 import socket
 import ssl
@@ -36,6 +38,7 @@ from lcap.capture.calls import Call, Calls, Fields, NoRoute, Unauthorized
 from lcap.capture.certs import LeafCerts
 from lcap.capture.connections import READ_SIZE, AgentReader, Expired, Plain, TlsServerSide, UpstreamPool, Watches
 from lcap.capture.destinations import Destinations, Forbidden
+from lcap.capture.dns import Names
 from lcap.capture.http1 import (
     HEAD_END,
     PROXY_AUTHENTICATE,
@@ -45,6 +48,7 @@ from lcap.capture.http1 import (
     parse_request_head,
     refusal,
 )
+from lcap.capture.netns import original_destination
 from lcap.capture.options import ProxyOptions
 
 log = logging.getLogger("lcap.capture")
@@ -52,6 +56,13 @@ log = logging.getLogger("lcap.capture")
 HEAD_HOLD = 0.001  # seconds a streamed answer's head may wait for its first piece of body (see `_stream`)
 LINGER = 1.0  # seconds a refused connection is read (and discarded) before it closes, so the agent reads the answer
 MAX_LINGERING = 64
+# A redirected connection (`--transparent`) whose agent says nothing for this long is a protocol where the server
+# speaks first (SSH, SMTP, MySQL, ...): it is passed through. On these ports it is at once (and DNS over TCP); on
+# HTTP's ports, and to an address only lcap's DNS gave out, the agent speaks first however slowly it starts (a JVM
+# under load may take seconds to its TLS hello).
+FIRST_BYTES_WAIT = 3.0
+PASS_THROUGH_PORTS = frozenset((21, 22, 25, 53, 110, 143, 587, 3306, 5900))
+CLIENT_FIRST_PORTS = frozenset((80, 443, 8000, 8080, 8443))
 
 
 # --- requests -------------------------------------------------------------------------------------
@@ -67,6 +78,7 @@ class Tunnel:
     episode: str | None
     tls: bool = True
     sni: str | None = None
+    redirected: bool = False  # reached lcap by a namespace's redirect, not by a CONNECT (`--transparent`)
 
 
 class Unserved(Exception):
@@ -210,7 +222,8 @@ class Front:
         certs: LeafCerts,
         options: ProxyOptions = ProxyOptions(),
         destinations: Destinations | None = None,
-        handoff_ports: set[int] | None = None,
+        handoff_ports: dict[int, str | None] | None = None,
+        names: Names | None = None,
     ) -> None:
         self.calls = calls
         self.mitm_port = mitm_port
@@ -220,8 +233,10 @@ class Front:
         self.admission = Admission(options.max_connections, options.max_client_connections)
         self.pool = UpstreamPool()
         self.server: asyncio.Server | None = None
-        # local ports of the front's own connections to mitmproxy, the only ones it serves (`FrontOnly`)
-        self.handoff_ports: set[int] = set() if handoff_ports is None else handoff_ports
+        # local ports of the front's own connections to mitmproxy, the only ones it serves (`FrontOnly`), and the
+        # episode each connection is known to belong to (its listener's, or its tunnel's) if any
+        self.handoff_ports: dict[int, str | None] = {} if handoff_ports is None else handoff_ports
+        self.names = names or Names()  # the names lcap's DNS answered, for redirected connections
         self.answered: Counter[int] = Counter()  # lcap's own answers, by status
         self.watches = Watches()  # the deadlines of every agent connection's waits
         self._lingering = 0
@@ -237,19 +252,51 @@ class Front:
         self.watches.start(loop)
         return self.server.sockets[0].getsockname()[1]
 
+    async def listen_episode(
+        self,
+        episode: str,
+        sock: socket.socket | None = None,
+        *,
+        redirected: bool = False,
+        admit: Callable[[tuple[str, int], tuple[str, int]], bool] | None = None,
+    ) -> asyncio.Server:
+        """A listener whose every connection is `episode`'s, no credentials needed: a new loopback port for clients
+        that cannot present them (the JVM), which serves only the connections `admit(listener, peer)` accepts (the
+        agent's own processes: the port is reachable by any); or `sock`, the listener of an agent's namespace
+        (`redirected`: every connection made there was redirected to it, and says where it was going by
+        SO_ORIGINAL_DST)."""
+        loop = asyncio.get_running_loop()
+        handle = functools.partial(self._connection, episode=episode, redirected=redirected, admit=admit)
+
+        def protocol() -> asyncio.StreamReaderProtocol:
+            return asyncio.StreamReaderProtocol(AgentReader(limit=READ_SIZE, loop=loop), handle, loop=loop)
+
+        if sock is None:
+            return await loop.create_server(protocol, "127.0.0.1", 0, backlog=512)
+        return await loop.create_server(protocol, sock=sock, backlog=512)
+
     async def close(self) -> None:
         if self.server is not None:
             self.server.close()
         self.watches.stop()
         self.pool.close()
 
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _connection(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        episode: str | None = None,
+        redirected: bool = False,
+        admit: Callable[[tuple[str, int], tuple[str, int]], bool] | None = None,
+    ) -> None:
         task = asyncio.current_task()
         assert task is not None
         watch = self.watches.add(task)
         client = Plain(reader, writer, watch)
+        client.episode = episode
         peer = writer.get_extra_info("peername")
-        address = peer[0] if isinstance(peer, tuple) else ""
+        # an episode's own listener is its own client (a namespace's connections all come from its 127.0.0.1)
+        address = f"episode {episode}" if episode is not None else peer[0] if isinstance(peer, tuple) else ""
         try:
             if not self.admission.enter(address):
                 try:
@@ -258,7 +305,12 @@ class Front:
                     client.close()
                 return
             try:
-                await self._serve(client, None, b"")
+                if admit is not None and not await _admitted(admit, writer):
+                    return await self._refuse(client, Refused(403, f"this port serves episode {episode}'s agent only"))
+                if redirected:
+                    await self._redirected(client)
+                else:
+                    await self._serve(client, None, b"")
             except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError, asyncio.CancelledError):
                 pass
             except Exception:
@@ -301,7 +353,7 @@ class Front:
                 except BadRequest as exc:
                     raise Refused(400, f"bad request head: {exc}") from None
                 try:
-                    episode, fields = self.calls.attribute(head.fields, tunnel.episode if tunnel else None)
+                    episode, fields = self.calls.attribute(head.fields, tunnel.episode if tunnel else client.episode)
                 except Unauthorized:
                     raise Refused(
                         407,
@@ -653,6 +705,11 @@ class Front:
         except Forbidden as exc:
             raise Refused(403, str(exc)) from None
         client.send(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        return await self._open_tunnel(client, tunnel, buf)
+
+    async def _open_tunnel(self, client: Plain, tunnel: Tunnel, buf: bytes) -> None:
+        """What the agent sends in an open tunnel: TLS is terminated and plain HTTP served (LLM calls take the short
+        path), anything else is handed to mitmproxy unopened."""
         try:
             with client.deadline(self.options.head_timeout, "tunnel"):
                 data, hello = await self._client_hello(client, buf)
@@ -667,6 +724,43 @@ class Front:
         if hello is None and data[:1].isalpha():  # plain HTTP inside the tunnel
             return await self._serve(client, tunnel, data)
         return await self._hand_off(client, data, tunnel)  # spliced unopened: mitmproxy takes it from there
+
+    async def _redirected(self, client: Plain) -> None:
+        """A connection an agent's namespace redirected here (`--transparent`): served as if the agent had asked for
+        a tunnel to where it was going. A destination on the host's loopback (a local model server, a database)
+        is passed through as it is, unstored; so is a protocol where the server speaks first."""
+        sock = client.writer.get_extra_info("socket")
+        destination = original_destination(sock) if sock is not None else None
+        if destination is None:
+            return
+        address, port = destination
+        if ipaddress.ip_address(address).is_loopback or port in PASS_THROUGH_PORTS:
+            return await self._pass_through(client, address, port)
+        speaks_first = port in CLIENT_FIRST_PORTS or self.names.is_stand_in(address)
+        try:
+            with client.deadline(self.options.head_timeout if speaks_first else FIRST_BYTES_WAIT, "first bytes"):
+                data = await client.recv()
+        except Expired:
+            if speaks_first:
+                return
+            return await self._pass_through(client, address, port)
+        if data:
+            host = self.names.name_of(address) or address
+            tunnel = Tunnel(host, port, _connect_head(host, port), client.episode, redirected=True)
+            await self._open_tunnel(client, tunnel, data)
+
+    async def _pass_through(self, client: Plain, host: str, port: int) -> None:
+        """Relay the agent's connection to `host:port` byte for byte, nothing looked at or stored."""
+        try:
+            with client.deadline(self.options.connect_timeout, "connect"):
+                reader, writer = await asyncio.open_connection(host, port, limit=READ_SIZE)
+        except (Expired, OSError):
+            return
+        server = Plain(reader, writer)
+        try:
+            await _splice(client, server)
+        finally:
+            server.close()
 
     async def _client_hello(self, client: Plain, data: bytes) -> tuple[bytes, ClientHello | None]:
         """What the agent first sends in a tunnel, and its TLS ClientHello if it is TLS. EOFError: it left."""
@@ -687,6 +781,9 @@ class Front:
         otherwise (an HTTP/2-only offer: mitmproxy negotiates HTTP/2 itself)."""
         if hello.alpn_protocols and b"http/1.1" not in hello.alpn_protocols:
             return None
+        if tunnel.redirected and hello.sni and _is_address(tunnel.host):
+            tunnel.host = hello.sni  # the name the agent connected to, for the turn and for mitmproxy's CONNECT
+            tunnel.connect_head = _connect_head(hello.sni, tunnel.port)
         tunnel.sni = hello.sni or tunnel.host
         try:
             context = self.certs.context(tunnel.sni)
@@ -708,7 +805,7 @@ class Front:
         try:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-            self.handoff_ports.add(port)
+            self.handoff_ports[port] = tunnel.episode if tunnel is not None else client.episode
             await loop.sock_connect(sock, ("127.0.0.1", self.mitm_port))
             reader, writer = await asyncio.open_connection(sock=sock, limit=READ_SIZE)
             mitm = Plain(reader, writer)
@@ -728,7 +825,7 @@ class Front:
             await _splice(client, mitm)
         finally:
             if port is not None:
-                self.handoff_ports.discard(port)
+                self.handoff_ports.pop(port, None)
             if mitm is not None:
                 mitm.close()
             else:
@@ -743,6 +840,28 @@ class Front:
             ctx.set_alpn_protocols(["http/1.1"])
             self._peer_tls = ctx
         return self._peer_tls
+
+
+async def _admitted(admit: Callable[[tuple[str, int], tuple[str, int]], bool], writer: asyncio.StreamWriter) -> bool:
+    """`admit(listener, peer)`, off the event loop (it reads /proc)."""
+    own, peer = writer.get_extra_info("sockname"), writer.get_extra_info("peername")
+    if not isinstance(own, tuple) or not isinstance(peer, tuple):
+        return False
+    return await asyncio.get_running_loop().run_in_executor(None, admit, own[:2], peer[:2])
+
+
+def _connect_head(host: str, port: int) -> bytes:
+    """The CONNECT a redirected connection is handed to mitmproxy with (the front told it the episode)."""
+    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode("ascii", "replace")
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _request_head(call: Call) -> tuple[bytes, bool]:

@@ -34,9 +34,11 @@ log = logging.getLogger("lcap.capture")
 
 
 class FrontOnly:
-    """mitmproxy's `client_connected`: only the front's own connections (their local ports are in `ports`)."""
+    """mitmproxy's `client_connected`: only the front's own connections (their local ports are keys of `ports`).
+    The front also says which episode each one belongs to, when it knows (an episode's own listener, a tunnel it
+    attributed): `episode` gives it to the capture addon, so a handed-off connection needs no credentials."""
 
-    def __init__(self, ports: set[int]) -> None:
+    def __init__(self, ports: dict[int, str | None]) -> None:
         self.ports = ports
         self.refused = 0
 
@@ -45,6 +47,10 @@ class FrontOnly:
         if not (isinstance(peer, tuple) and peer[0] == "127.0.0.1" and peer[1] in self.ports):
             self.refused += 1
             client.error = "lcap: mitmproxy only serves lcap's front"
+
+    def episode(self, client: Any) -> str | None:
+        peer = client.peername
+        return self.ports.get(peer[1]) if isinstance(peer, tuple) else None
 
 
 class PrivateDestinations:

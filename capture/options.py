@@ -12,6 +12,16 @@ from lcap.cli_options import option
 MiB = 1 << 20
 
 
+def transparent_option() -> bool:
+    """`--transparent`, one definition for `lcap proxy` and `lcap collect`."""
+    return option(
+        False,
+        flag="--transparent",
+        help="Run the agent in network and mount namespaces of its own where every TCP connection it makes goes "
+        "to lcap, proxy settings or not (Linux; root or user namespaces, and iptables).",
+    )
+
+
 @dataclass(frozen=True)
 class ProxyOptions:
     """Where the proxy listens, where it sends the LLM calls it captures, and what it accepts."""
@@ -25,6 +35,7 @@ class ProxyOptions:
     )
     host: str = option("127.0.0.1", help="Listen address. A non-loopback one requires episode credentials.")
     port: int = option(0, help="Listen port (0: a free one).")
+    transparent: bool = transparent_option()
     require_credentials: bool | None = option(
         None,
         flag="--require-credentials/--anonymous",

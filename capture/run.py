@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import shlex
+import shutil
 import signal
 import sys
 import threading
@@ -17,6 +18,7 @@ from lcap.capture.options import ProxyOptions
 from lcap.capture.redact import redact_text
 from lcap.capture.server import CaptureProxy
 from lcap.capture.writer import WriterReport
+from lcap.config import LcapError
 from lcap.processes import run_child
 from lcap.store import Store
 
@@ -42,7 +44,10 @@ def run_proxy(
     report = None
     try:
         store.start_episode(episode_id, command=redact_text(shlex.join(command)), cwd=os.getcwd(), labels=labels)
-        ended = run_child(command, proxy.child_env(episode_id))
+        if options.transparent and not shutil.which(command[0]):  # else the namespace's start says it, exit 127
+            raise LcapError(f"cannot run {shlex.join(command)}: command not found")
+        with proxy.episode_child(episode_id, command) as child:
+            ended = run_child(child.argv, child.env, pass_fds=child.pass_fds, on_start=child.on_start)
         code = ended.code
         status = "interrupted" if ended.signals else ("ok" if code == 0 else "failed")
     except BaseException as exc:

@@ -4,7 +4,8 @@
 concurrent episodes told apart by the proxy URL's credentials). Agents connect to the front
 (capture/front.py), which serves plain HTTP/1.1 LLM calls itself and hands everything else to an
 embedded mitmproxy on a loopback port. Only the mitmproxy addons lcap needs are loaded (proxy
-server, layer selection, TLS).
+server, layer selection, TLS). With `--transparent`, each child runs in namespaces of its own whose
+every connection is redirected to the front (capture/netns.py), and its DNS answered by lcap.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import logging
 import os
 import socket
 import ssl
+import subprocess
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import replace
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +32,14 @@ from lcap.capture.calls import Calls
 from lcap.capture.certs import LeafCerts
 from lcap.capture.credentials import EpisodeKeys, ProxyRecord, remove_record
 from lcap.capture.destinations import Destinations, is_loopback_host
+from lcap.capture.dns import Names, Resolver
 from lcap.capture.front import Front
+from lcap.capture.jvm import java_proxy_options, java_tool_options, non_proxy_hosts, trust_store
 from lcap.capture.memory import MemoryTrimmer
 from lcap.capture.mitm_guards import FrontOnly, PrivateDestinations, install_body_limits, install_http1_guards
+from lcap.capture.netns import Namespaces, certs_mirror, missing
 from lcap.capture.options import ProxyOptions
+from lcap.capture.peers import from_tree
 from lcap.capture.routes import Router, parse_upstream
 from lcap.capture.writer import TurnSink, TurnWriter, WriterReport
 from lcap.config import LcapError, lcap_home
@@ -137,10 +143,12 @@ def ca_bundle(cert: Path | None = None) -> Path:
     return bundle
 
 
-def trust_env(bundle: Path) -> dict[str, str]:
-    """The variables through which a child trusts `bundle` (lcap's CA and the system roots). A client lcap learns
-    to point at its CA goes here: `lcap doctor` runs each against a server with a certificate from that CA."""
-    return {name: str(bundle) for name in CA_VARS}
+def trust_env(bundle: Path, java_options: str | None = None) -> dict[str, str]:
+    """The variables through which a child trusts `bundle` (lcap's CA and the system roots); the JVM's trust store
+    goes after the user's own `java_options`. A client lcap learns to point at its CA goes here: `lcap doctor` runs
+    each against a server with a certificate from that CA."""
+    store = trust_store(bundle, ca_dir())
+    return {**{name: str(bundle) for name in CA_VARS}, "JAVA_TOOL_OPTIONS": java_tool_options(java_options, store)}
 
 
 # --- the proxy ----------------------------------------------------------------------------------
@@ -162,6 +170,16 @@ def probe_models(base_url: str, timeout: float = 5.0, *, key: str | None = None)
     except ValueError:
         data = []
     return [m for m in data if isinstance(m, dict)]
+
+
+@dataclass(frozen=True)
+class Child:
+    """How to start one episode's agent: its command line, environment, and the files it inherits."""
+
+    argv: list[str]
+    env: dict[str, str]
+    pass_fds: tuple[int, ...] = ()
+    on_start: Callable[[subprocess.Popen], None] = lambda child: None  # told the agent's process once it started
 
 
 class CaptureProxy:
@@ -195,6 +213,9 @@ class CaptureProxy:
         self._master: Any = None
         self._calls: Calls | None = None
         self._bundle: Path | None = None
+        self._java_store: Path | None = None
+        self.names = Names()  # names lcap's DNS answered for namespaces (`--transparent`)
+        self.namespaces: Namespaces | None = None
 
     @property
     def url(self) -> str:
@@ -208,7 +229,10 @@ class CaptureProxy:
         """Check the CA, the upstream and the port, then listen. Returns once the proxy accepts connections."""
         if self.exposed and not self.require_credentials:
             raise LcapError(f"--host {self.options.host} is reachable from the network: --anonymous is refused there")
+        if self.options.transparent and (lacking := missing()):
+            raise LcapError(f"--transparent needs {lacking}; the default mode (without --transparent) still works")
         self._bundle = ca_bundle()
+        self._java_store = trust_store(self._bundle, ca_dir())
         self.token_ids = self._resolve_token_ids()
         if self.options.port:
             _check_port_free(self.options.host, self.options.port)
@@ -235,6 +259,12 @@ class CaptureProxy:
             self.writer.stop()
             raise LcapError(self._error or "the capture proxy did not start within 60 s")
         assert self.port is not None
+        if self.options.transparent:
+            try:
+                self._start_namespaces()
+            except BaseException:
+                self.stop()
+                raise
         if self.store is not None:  # for `lcap episode new`, `lcap status`; a node's proxy is its collect driver's
             self._record = ProxyRecord(
                 os.getpid(),
@@ -259,6 +289,15 @@ class CaptureProxy:
                 if self.options.allow_private
                 else "loopback, link-local and private destinations are refused",
             )
+
+    def _start_namespaces(self) -> None:
+        assert self.front is not None and self.loop is not None and self._bundle and self._java_store
+        resolver = Resolver(self.names, stand_ins=lambda: self.options.upstream is not None)
+        mirror = certs_mirror(ca_dir() / "trust", self._bundle, self._java_store, ensure_ca())
+        self.namespaces = Namespaces(
+            self.front, resolver, self.loop, bundle=self._bundle, store=self._java_store, mirror=mirror
+        )
+        self.namespaces.check()
 
     def _resolve_token_ids(self) -> bool:
         upstream = self.options.upstream
@@ -308,7 +347,7 @@ class CaptureProxy:
 
         opts = options.Options()
         master = Master(opts)
-        front_only = FrontOnly(set())
+        front_only = FrontOnly({})
         destinations = Destinations(
             restricted=self.exposed and not self.options.allow_private, timeout=self.options.connect_timeout
         )
@@ -318,7 +357,7 @@ class CaptureProxy:
                 """Upstream reloads the CA here again, a workaround lcap does not need: it slows every start."""
 
         server = proxyserver.Proxyserver()
-        addon = CaptureAddon(calls, self.options, server)
+        addon = CaptureAddon(calls, self.options, server, front_only.episode)
         master.addons.add(
             front_only,
             server,
@@ -354,6 +393,7 @@ class CaptureProxy:
                 replace(self.options, max_connections=self.max_connections),
                 destinations,
                 handoff_ports=front_only.ports,
+                names=self.names,
             )
             self.front = front
             try:
@@ -437,24 +477,69 @@ class CaptureProxy:
         """The value of an `X-Lcap-Episode` header that writes a request into `episode_id`."""
         return self.keys.pair(episode_id)
 
-    def child_env(self, episode_id: str | None, base: Mapping[str, str] | None = None) -> dict[str, str]:
-        """The full environment of a child whose LLM calls go through this proxy as `episode_id`."""
+    def child_env(
+        self, episode_id: str | None, base: Mapping[str, str] | None = None, *, jvm_port: int | None = None
+    ) -> dict[str, str]:
+        """The full environment of a child whose LLM calls go through this proxy as `episode_id`. JVMs are pointed
+        at `jvm_port` (an episode's own port: they cannot present credentials), else at the proxy's port. With
+        `--transparent` no proxy is set: the child's namespace sends everything to lcap."""
         from lcap.capture.node_preload import node_options, preload_env
 
         env = dict(os.environ if base is None else base)
-        proxy = self.proxy_url(episode_id)
-        for name in PROXY_VARS:
-            env[name] = proxy
+        if self.options.transparent:
+            for name in PROXY_VARS:
+                env.pop(name, None)
+        else:
+            proxy = self.proxy_url(episode_id)
+            for name in PROXY_VARS:
+                env[name] = proxy
         for name in ("NO_PROXY", "no_proxy"):
             if name in env:
                 env[name] = _no_proxy_without_llm_hosts(env[name])
-        env.update(trust_env(self._bundle or ca_bundle()))
+        env.update(trust_env(self._bundle or ca_bundle(), env.get("JAVA_TOOL_OPTIONS")))
+        if not self.options.transparent:  # the JVM ignores HTTPS_PROXY: it reads properties
+            env["JAVA_TOOL_OPTIONS"] += " " + java_proxy_options(
+                ("127.0.0.1", jvm_port or self._port()), non_proxy_hosts(env.get("NO_PROXY", env.get("no_proxy")))
+            )
         env["NODE_OPTIONS"] = node_options(env.get("NODE_OPTIONS"))
         env.update(preload_env())
         env["LCAP_PROXY_URL"] = self.url
         if episode_id:
             env["LCAP_EPISODE_ID"] = episode_id
         return env
+
+    def _port(self) -> int:
+        if self.port is None:
+            raise LcapError("the capture proxy is not started")
+        return self.port
+
+    @contextlib.contextmanager
+    def episode_child(
+        self, episode_id: str, argv: Sequence[str], base: Mapping[str, str] | None = None
+    ) -> Iterator[Child]:
+        """How to run `argv` as `episode_id`'s agent, for as long as it runs: in its own namespaces with
+        `--transparent`, else with the proxy's environment and a loopback port of the episode's own for JVMs.
+        What the episode holds (its listeners) is released at the end of the block, once the agent exited."""
+        if self.loop is None or self.front is None:
+            raise LcapError("the capture proxy is not started")
+        front, loop = self.front, self.loop
+        if self.namespaces is not None:
+            env = self.child_env(episode_id, base)
+            with self.namespaces.launch(episode_id, env.get("PATH")) as launch:
+                yield Child(launch.argv(argv), env, launch.pass_fds)
+            return
+        started: list[int] = []  # the agent's pid: its processes alone may use the episode's port
+
+        def admit(listener: tuple[str, int], peer: tuple[str, int]) -> bool:
+            return bool(started) and from_tree(started[0], listener, peer)
+
+        server = asyncio.run_coroutine_threadsafe(front.listen_episode(episode_id, admit=admit), loop).result(30)
+        try:
+            port = server.sockets[0].getsockname()[1]
+            env = self.child_env(episode_id, base, jvm_port=port)
+            yield Child(list(argv), env, on_start=lambda child: started.append(child.pid))
+        finally:
+            loop.call_soon_threadsafe(server.close)
 
 
 def _loop_factory():

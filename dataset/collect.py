@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lcap.capture.options import ProxyOptions
 from lcap.capture.redact import redact_text
@@ -48,6 +48,9 @@ from lcap.dataset.verifiers import (
 from lcap.display import printable
 from lcap.processes import kill_group, run_child
 from lcap.store import Store, now
+
+if TYPE_CHECKING:
+    from lcap.capture.server import Child
 
 log = logging.getLogger("lcap.dataset")
 
@@ -213,7 +216,12 @@ def collect(
     if todo:
         _forget_partial(store, [s.episode_id for s in todo])
 
-        proxy_options = replace(proxy_options or ProxyOptions(), upstream=options.upstream, model=options.model)
+        proxy_options = replace(
+            proxy_options or ProxyOptions(),
+            upstream=options.upstream,
+            model=options.model,
+            transparent=options.transparent,
+        )
         rules = EpisodeRules(judge, guard, options.timeout)
         tally = Tally(result)
         show = sys.stderr.isatty() if progress is None else progress
@@ -223,7 +231,7 @@ def collect(
             RayPool(store, rules, tasks.parent.resolve(), options, proxy_options, tally).run_all(todo, progress=show)
         else:
             _run_local(store, todo, rules, TaskFiles(tasks.parent.resolve()), tally, proxy_options, options, show)
-    result.summary = summarize(store, [s.episode_id for s in specs], run_dir, round)
+    result.summary = summarize(store, [s.episode_id for s in specs], run_dir, round, options.transparent)
     return result
 
 
@@ -305,11 +313,13 @@ def run_episode(
     flush: Callable[[], bool],
     on_start: Callable[[subprocess.Popen], None] | None = None,
     stopping: Callable[[], bool] = lambda: False,
+    agent: Child | None = None,
 ) -> EpisodeOutcome:
     """Run one episode here: set up its working directory, run the agent with `env` (the capture proxy's
     environment for this episode), check the tamper guard and run the verifier. Writes nothing to the store:
     `flush()` must return once the episode's turns are stored (False if they may not be), and the caller
-    records the outcome. The local pool and a Ray node run episodes through this one function."""
+    records the outcome. The local pool and a Ray node run episodes through this one function. `agent`, from
+    `CaptureProxy.episode_child`, says how to start the agent (in namespaces of its own with `--transparent`)."""
     if spec.dir.exists():
         shutil.rmtree(spec.dir)
     spec.workdir.mkdir(parents=True)
@@ -320,7 +330,7 @@ def run_episode(
     child_env = dict(env)
     child_env["LCAP_TASK"] = json.dumps(dict(spec.task), ensure_ascii=False)
     child_env["LCAP_WORKDIR"] = str(spec.workdir)
-    exit_code, timed_out = _run_agent(spec, child_env, rules.timeout, on_start)
+    exit_code, timed_out = _run_agent(spec, child_env, rules.timeout, on_start, agent)
     outcome = EpisodeOutcome("ok", exit_code)
     # The episode's turns are in the store before it is verified and marked finished.
     if not flush():
@@ -365,7 +375,11 @@ def run_episode(
 
 
 def _run_agent(
-    spec: EpisodeSpec, env: dict[str, str], timeout: float | None, on_start: Callable[[subprocess.Popen], None] | None
+    spec: EpisodeSpec,
+    env: dict[str, str],
+    timeout: float | None,
+    on_start: Callable[[subprocess.Popen], None] | None,
+    agent: Child | None = None,
 ) -> tuple[int, bool]:
     """(exit code, timed out). The agent leads a process group of its own, which ends with it; an exception
     here (a cancelled Ray task's KeyboardInterrupt) ends the group too."""
@@ -374,13 +388,15 @@ def _run_agent(
     def started(proc: subprocess.Popen) -> None:
         nonlocal child
         child = proc
+        if agent is not None:
+            agent.on_start(proc)
         if on_start is not None:
             on_start(proc)
 
     with open(spec.dir / "stdout.txt", "wb") as out, open(spec.dir / "stderr.txt", "wb") as err:
         try:
             ended = run_child(
-                spec.argv,
+                agent.argv if agent is not None else spec.argv,
                 env,
                 cwd=spec.workdir,
                 timeout=timeout,
@@ -389,6 +405,7 @@ def _run_agent(
                 stdout=out,
                 stderr=err,
                 on_start=started,
+                pass_fds=agent.pass_fds if agent is not None else (),
             )
         except LcapError as exc:
             err.write(f"{exc}\n".encode())
@@ -530,15 +547,17 @@ class _Runner:
 
         try:
             start_episode(self.store, spec)
-            outcome = run_episode(
-                spec,
-                self.proxy.child_env(eid),
-                self.rules,
-                self.files,
-                flush=lambda: self.proxy.flush(eid),
-                on_start=started,
-                stopping=self.stopping.is_set,
-            )
+            with self.proxy.episode_child(eid, spec.argv) as agent:
+                outcome = run_episode(
+                    spec,
+                    agent.env,
+                    self.rules,
+                    self.files,
+                    flush=lambda: self.proxy.flush(eid),
+                    on_start=started,
+                    stopping=self.stopping.is_set,
+                    agent=agent,
+                )
         except Exception as exc:  # lcap's own failure on one episode: recorded, the run goes on
             outcome = EpisodeOutcome("error", None, f"{exc.__class__.__name__}: {exc}")
         finally:

@@ -24,18 +24,11 @@ class Cause:
         return f"{self.what}; {self.fix}"
 
 
-def _transparent_flag() -> bool:
-    """Whether collect has `--transparent` (capture for agents that ignore proxy settings) to suggest."""
-    from lcap.dataset.options import CollectOptions
-
-    return any(f.name == "transparent" for f in dataclasses.fields(CollectOptions))
-
-
-NO_CALLS_FIX = (
-    "does it ignore proxy settings? try --transparent"
-    if _transparent_flag()
-    else "does it ignore proxy settings (aiohttp's default session, a JVM, its own HTTP client)? "
-    "`lcap doctor trust` checks the usual clients"
+NO_CALLS_FIX = "does it ignore proxy settings? try --transparent"
+# with --transparent every TCP connection reaches lcap: an episode without a turn made no call lcap knows as one
+NO_CALLS_FIX_TRANSPARENT = (
+    "with --transparent its every connection reached lcap: does it call an API lcap knows (chat completions, "
+    "completions, Responses, Anthropic Messages)? its stderr.txt may say"
 )
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from lcap.capture.options import transparent_option
 from lcap.cli_options import option
 from lcap.config import LcapError
 
@@ -37,6 +38,7 @@ class CollectOptions:
     episode_resources: tuple[str, ...] = option(
         (), help="With --ray: a custom Ray resource one episode holds, NAME=AMOUNT (e.g. sandbox=1); repeatable."
     )
+    transparent: bool = transparent_option()
 
     def __post_init__(self) -> None:
         if self.group_size < 1 or self.concurrency < 1:
@@ -46,6 +48,8 @@ class CollectOptions:
         if self.episode_cpus < 0:
             raise LcapError(f"--episode-cpus must be 0 or more, not {self.episode_cpus:g}")
         self.resources()  # a malformed --episode-resources is an error before anything runs
+        if self.transparent and self.ray is not None:
+            raise LcapError("--transparent runs episodes on this machine: it does not go with --ray")
 
     def resources(self) -> dict[str, float]:
         """--episode-resources as Ray's `resources` mapping."""

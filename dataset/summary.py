@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lcap.dataset.explain import NO_CALLS_FIX
+from lcap.dataset.explain import NO_CALLS_FIX, NO_CALLS_FIX_TRANSPARENT
 from lcap.display import num
 from lcap.store import Store
 
@@ -59,6 +59,7 @@ class CollectSummary:
     rewarded: int = 0
     tampered: int = 0
     unstored: int = 0
+    transparent: bool = False  # collected with --transparent: the hint for episodes without turns differs
 
     def lines(self) -> list[str]:
         out = ["  episodes: " + (", ".join(f"{s} {n}" for s, n in self.statuses.items()) or "none")]
@@ -74,7 +75,8 @@ class CollectSummary:
             some = f" ({self.no_turns_ok} of them finished ok)" if self.no_turns_ok else ""
             out.append(
                 f"  {self.no_turns} episode{'s' if self.no_turns != 1 else ''} with 0 turns{some}: "
-                f"the agent made no LLM call through lcap: {NO_CALLS_FIX}"
+                f"the agent made no LLM call through lcap: "
+                f"{NO_CALLS_FIX_TRANSPARENT if self.transparent else NO_CALLS_FIX}"
             )
         if self.unstored:
             out.append(
@@ -90,9 +92,11 @@ class CollectSummary:
         return out
 
 
-def summarize(store: Store, episode_ids: list[str], run_dir: Path, round: int) -> CollectSummary:
+def summarize(
+    store: Store, episode_ids: list[str], run_dir: Path, round: int, transparent: bool = False
+) -> CollectSummary:
     """The summary of these episodes (a collect's), their stderr.txt under `run_dir/round-N/EPISODE/`."""
-    summary = CollectSummary()
+    summary = CollectSummary(transparent=transparent)
     with store.connect(read_only=True) as con:
         params = {"ids": episode_ids}
         totals = con.execute(_TOTALS, params).fetchone()

@@ -53,6 +53,7 @@ def run_child(
     stdout: int | IO | None = None,
     stderr: int | IO | None = None,
     on_start: Callable[[subprocess.Popen], None] | None = None,
+    pass_fds: Sequence[int] = (),
 ) -> ChildExit:
     """Run `argv` until it exits; stdio is passed through unless given.
 
@@ -62,6 +63,7 @@ def run_child(
     `own_group=True` (collect's episodes) it leads a process group of its own, and its timeout, or the end
     of it, ends every process it left in that group. A timeout ends the child with SIGTERM, then SIGKILL.
     Signal handlers are installed from the main thread only. An argv that cannot start is an LcapError.
+    `pass_fds` are the open files the child inherits (capture's namespace set-up talks to lcap over one).
     """
     if not argv:
         raise LcapError("no command to run (put it after --)")
@@ -75,6 +77,7 @@ def run_child(
             stderr=stderr,
             start_new_session=own_group,
             umask=USER_UMASK,  # not the 077 a thread's store write may hold at this moment (lcap.private_files)
+            pass_fds=tuple(pass_fds),
         )
     except OSError as exc:
         raise LcapError(f"cannot run {shlex.join(argv)}: {exc.strerror or exc}") from None

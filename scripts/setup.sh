@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh machine: the project's venv (.venv, or $LCAP_VENV) with lcap
 # installed editable, the Node preload's npm packages, vLLM in a venv of its own (its pins
-# clash with mitmproxy's), and Debian's Chromium for the UI's browser tests. Re-running it only
-# checks what is already there.
+# clash with mitmproxy's), Debian's Chromium for the UI's browser tests, iptables for
+# `--transparent` and a JDK for the JVM tests. Re-running it only checks what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${LCAP_VENV:-.venv}
@@ -27,5 +27,14 @@ fi
 if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
   sudo=$([ "$(id -u)" = 0 ] || echo sudo)
   $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends chromium
+fi
+# `--transparent` rewrites the agent's connections with iptables inside its own network namespace; the JVM agents
+# of the capture tests run from one source file (`java File.java` needs a JDK, not only a JRE).
+missing=()
+PATH=$PATH:/usr/sbin:/sbin command -v iptables-restore >/dev/null 2>&1 || missing+=(iptables)
+command -v javac >/dev/null 2>&1 || missing+=(default-jdk-headless)
+if [ ${#missing[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
+  sudo=$([ "$(id -u)" = 0 ] || echo sudo)
+  $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 "$venv/bin/lcap" setup "$@"

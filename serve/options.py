@@ -20,7 +20,17 @@ class TinyModelOptions:
     num_kv_heads: int | None = option(None, flag="--kv-heads", help="Key/value heads (default: --heads).")
     intermediate_size: int | None = option(None, help="MLP width (default: twice the hidden size).")
     vocab_size: int = option(2048, help="Largest tokenizer vocabulary to train.")
-    max_position_embeddings: int = option(8192, flag="--context", help="Context length in tokens (positions).")
+    max_position_embeddings: int = option(
+        65536,
+        flag="--context",
+        help="Context length in tokens (positions); `lcap serve` serves the model at it. Harnesses such as Codex "
+        "send prompts past 16k tokens.",
+    )
+    max_new_tokens: int = option(
+        256,
+        help="Longest answer to a request that names no limit (generation_config.json, which vLLM follows): "
+        "the random model rarely stops by itself, and some harnesses (Codex CLI) never set a limit.",
+    )
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads or self.hidden_size // self.num_heads < 32:

@@ -11,6 +11,8 @@ can send requests.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import shutil
@@ -60,6 +62,35 @@ class VllmSpec:
         return cls(
             record.base_model, record.served_model, record.python, record.tool_parser, tuple(record.vllm_args), timeout
         )
+
+
+def cpu_kv_cache_gib(model: str, extra_args: Sequence[str] = ()) -> int:
+    """GiB of KV cache for vLLM's CPU backend: 1, or more when one sequence at the served length needs more.
+
+    vLLM serves a model at its config's length unless `--max-model-len` says otherwise, and refuses to start
+    when the KV cache cannot hold one sequence that long; on CPU the cache is float32. A model named on a hub
+    (no local config) gets 1 GiB: set VLLM_CPU_KVCACHE_SPACE or pass `--max-model-len` for a larger one.
+    """
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+        config = config.get("text_config", config)
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        per_token = 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim * 4
+        length = int(_flag_value(extra_args, "--max-model-len") or config["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return 1
+    return max(1, math.ceil(per_token * length * 1.25 / (1 << 30)))
+
+
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of `--flag V` or `--flag=V` in a vLLM argument list."""
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 def resolve_python(python: str | None = None) -> str:
@@ -158,7 +189,8 @@ def launch(
     env = dict(env or os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
     extra_args = list(spec.extra_args)
     if not gpu:
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default would reserve a large share of RAM
+        # GiB; vLLM's default would reserve a large share of RAM, too little would refuse the model's own length.
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib(spec.model, extra_args)))
         # The model worker runs inside the engine-core process (`uni` executor) instead of a third process
         # that pays vLLM's and torch's import again: a faster start-up (benchmarks/bench_serve_start.py
         # measures it). CPU serving is for small models: one worker is all it uses.

@@ -478,7 +478,9 @@ def init_model(out: Path, options: TinyModelOptions = TinyModelOptions()) -> Pat
     torch.manual_seed(options.seed)
     model = Qwen2ForCausalLM(config).to(torch.float32).eval()  # type: ignore[arg-type]  # transformers' wrapped .to
     model.generation_config = GenerationConfig(
-        eos_token_id=[config.eos_token_id, config.pad_token_id], pad_token_id=config.pad_token_id
+        eos_token_id=[config.eos_token_id, config.pad_token_id],
+        pad_token_id=config.pad_token_id,
+        max_new_tokens=options.max_new_tokens,
     )
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

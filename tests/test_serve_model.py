@@ -60,6 +60,45 @@ def test_tiny_model_is_what_vllm_cpu_needs(tmp_path):
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_init_model_makes_a_context_harnesses_fit_in(tmp_path):
+    """Codex CLI's first request is ~17k tokens of the tiny tokenizer: the default model has 64k positions."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    result = CliRunner().invoke(app, ["init-model", str(tmp_path / "m")])
+    assert result.exit_code == 0, result.output
+    assert AutoConfig.from_pretrained(tmp_path / "m").max_position_embeddings == 65536
+    assert AutoTokenizer.from_pretrained(tmp_path / "m").model_max_length == 65536
+    generation = json.loads((tmp_path / "m" / "generation_config.json").read_text())
+    assert generation["max_new_tokens"] == 256  # an answer that names no limit ends (Codex never names one)
+
+
+def test_cpu_kv_cache_holds_one_sequence_at_the_served_length(tmp_path):
+    """vLLM refuses to start when its KV cache cannot hold one sequence at the served length: lcap sizes
+    VLLM_CPU_KVCACHE_SPACE from the model's config (float32 K and V per layer) and `--max-model-len`."""
+    from lcap.serve.server import cpu_kv_cache_gib
+
+    def model(layers: int, kv_heads: int, head_dim: int, positions: int) -> str:
+        folder = tmp_path / f"m{layers}-{kv_heads}-{head_dim}-{positions}"
+        folder.mkdir()
+        config = {
+            "num_hidden_layers": layers,
+            "num_attention_heads": 32,
+            "num_key_value_heads": kv_heads,
+            "hidden_size": 32 * head_dim,
+            "max_position_embeddings": positions,
+        }
+        (folder / "config.json").write_text(json.dumps(config))
+        return str(folder)
+
+    assert cpu_kv_cache_gib(model(2, 2, 64, 65536)) == 1  # the tiny model: 2 KiB per token
+    big = model(36, 8, 128, 40960)  # Qwen3-8B's shape: 288 KiB per token in float32
+    per_token = 2 * 36 * 8 * 128 * 4
+    assert cpu_kv_cache_gib(big) * 2**30 >= per_token * 40960 > 2**30
+    assert cpu_kv_cache_gib(big, ["--max-model-len", "4096"]) == 2
+    assert cpu_kv_cache_gib(big, ["--max-model-len=4096"]) == 2
+    assert cpu_kv_cache_gib("Qwen/Qwen3-8B") == 1  # a hub name: no local config to size from
+
+
 def test_init_model_rejects_a_head_dim_vllm_cpu_cannot_run(tmp_path):
     result = CliRunner().invoke(app, ["init-model", str(tmp_path / "m"), "--hidden-size", "64", "--heads", "4"])
     assert result.exit_code == 2 and "head_dim >= 32" in result.output

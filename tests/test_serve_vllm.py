@@ -88,3 +88,20 @@ def test_template_tool_calls_parse_back_through_vllms_hermes_parser(vllm_policy)
     (call,) = choice["message"]["tool_calls"]
     assert call["function"]["name"] == "calculator"
     assert json.loads(call["function"]["arguments"]) == {"expression": "12 * 7"}
+
+
+def test_served_at_the_models_own_length(vllm_server):
+    """`lcap serve` leaves vLLM's max_model_len to the model's config: the tiny model's 64k positions."""
+    from transformers import AutoConfig
+
+    models = httpx.get(f"{vllm_server.url}/v1/models", timeout=30).json()["data"]
+    base = next(m for m in models if m["id"] == vllm_server.served_model)
+    assert base["max_model_len"] == AutoConfig.from_pretrained(vllm_server.model_dir).max_position_embeddings == 65536
+
+    # A request that names no limit stops at the model's generation config, not at 64k tokens.
+    answer = httpx.post(
+        f"{vllm_server.url}/v1/chat/completions",  # legacy /v1/completions has its own default: 16
+        json={"model": vllm_server.served_model, "messages": [{"role": "user", "content": "Hi"}], "ignore_eos": True},
+        timeout=300,
+    ).json()
+    assert answer["usage"]["completion_tokens"] == 256, answer
