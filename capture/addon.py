@@ -17,7 +17,7 @@ from typing import Any
 
 from mitmproxy import http
 
-from lcap.capture import dialects
+from lcap.capture import dialects, policy_wire
 from lcap.capture.calls import Calls, NoRoute, Unauthorized, with_route_model
 from lcap.capture.options import ProxyOptions
 from lcap.capture.routes import Route
@@ -251,7 +251,8 @@ class CaptureAddon:
         state["upstream"] = f"{req.scheme}://{req.host}:{req.port}"
         if route is not None:
             req.headers.fields = tuple(self.calls.rerouted_fields(req.headers.fields, route))
-            _retarget(req, route.scheme, route.host, route.port, route.path_for(req.path))
+            path = policy_wire.PATHS[dialects.RESPONSES] if route.lcap else route.path_for(req.path)
+            _retarget(req, route.scheme, route.host, route.port, path)
             state["route"] = route
             state["upstream"] = route.url
             state["replica"] = route.replica
@@ -264,6 +265,13 @@ class CaptureAddon:
         message = flow.websocket.messages[-1]
         if not message.is_text:
             return
+        turn: PendingTurn | None = state["turn"]
+        if not message.from_client and turn is not None and turn.policy:
+            part = policy_wire.frame_part(message.content)
+            if part is not None:  # lcap's record or head: the agent never sees them
+                self.calls.policy_parts(turn, *part)
+                message.drop()
+                return
         try:
             frame = json.loads(message.content)
         except ValueError:
@@ -272,38 +280,9 @@ class CaptureAddon:
             return
         kind = frame.get("type")
         if message.from_client:
-            if kind != "response.create":
-                return
-            nested = frame.get("response")
-            request: dict = nested if isinstance(nested, dict) else frame
-            route: Route | None = state["route"]
-            if route is not None:
-                forward = with_route_model(request, route)
-                if forward != request:
-                    message.content = json.dumps(
-                        {**frame, "response": forward} if request is not frame else forward, ensure_ascii=False
-                    ).encode()
-            if frame.get("generate") is False:  # a warm-up frame: no model output, no turn
-                return
-            self._ws_close_turn(state, "superseded by a new response.create")
-            started = PendingTurn(
-                episode_id=state["episode"],
-                seq=self.calls.next_seq(state["episode"]),
-                host=state["host"],
-                path=state["path"],
-                dialect=dialects.RESPONSES,
-                transport="websocket",
-            )
-            started.request_json = frame
-            started.model_requested = request.get("model")
-            started.upstream = state["upstream"]
-            started.deployment = route.deployment if route is not None else None
-            started.replica = state["replica"]
-            started.streamed = True
-            started.events = []
-            state["turn"] = started
+            if kind == "response.create":
+                self._ws_request(state, message, frame)
             return
-        turn: PendingTurn | None = state["turn"]
         if turn is None:
             return
         if turn.t_first is None:
@@ -314,6 +293,43 @@ class CaptureAddon:
             turn.status_code = 200 if kind != "error" else None
             state["turn"] = None
             self.calls.close_call(turn)
+
+    def _ws_request(self, state: dict, message: Any, frame: dict) -> None:
+        """A `response.create` frame: a new turn (unless it only warms the connection up), and the frame as the
+        route wants it (the deployment's model; on lcap's endpoints, lcap's options and the conversation's head)."""
+        nested = frame.get("response")
+        request: dict = nested if isinstance(nested, dict) else frame
+        route: Route | None = state["route"]
+        warm_up = frame.get("generate") is False  # no model output, no turn
+        if not warm_up:
+            self._ws_close_turn(state, "superseded by a new response.create")
+        started = PendingTurn(
+            episode_id=state["episode"],
+            seq=None if warm_up else self.calls.next_seq(state["episode"]),
+            host=state["host"],
+            path=state["path"],
+            dialect=dialects.RESPONSES,
+            transport="websocket",
+        )
+        started.policy = route is not None and route.lcap
+        if route is not None:
+            forward = with_route_model(request, route)
+            outer = {**frame, "response": forward} if request is not frame else forward
+            if started.policy:
+                body = json.dumps(outer, ensure_ascii=False, separators=(",", ":")).encode()
+                message.content = self.calls.policy_request(started, request, body, stitch=not warm_up)
+            elif forward != request:
+                message.content = json.dumps(outer, ensure_ascii=False).encode()
+        if warm_up:
+            return
+        started.request_json = frame
+        started.model_requested = request.get("model")
+        started.upstream = state["upstream"]
+        started.deployment = route.deployment if route is not None else None
+        started.replica = state["replica"]
+        started.streamed = True
+        started.events = []
+        state["turn"] = started
 
     @_guarded
     def websocket_end(self, flow: http.HTTPFlow) -> None:

@@ -8,6 +8,7 @@ cheap: raw bytes and timings go on a `PendingTurn`, and the writer process does 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -17,10 +18,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lcap.capture import dialects
+from lcap.capture import dialects, policy_wire
 from lcap.capture.credentials import EpisodeKeys
 from lcap.capture.redact import CREDENTIAL_HEADERS
 from lcap.capture.routes import Route, Router
+from lcap.capture.stitching import Head, Heads
 from lcap.capture.turn import PendingTurn
 from lcap.capture.writer import TurnSink
 
@@ -81,10 +83,15 @@ class Calls:
         require_credentials: bool = False,
         max_episodes: int = 100_000,
         max_body_bytes: int = 64 << 20,
+        stitch: bool = True,
+        adapt: bool = True,
+        heads: Heads | None = None,
     ) -> None:
         self.writer = writer
         self.router = router
         self.token_ids = token_ids
+        self.stitch, self.adapt = stitch, adapt
+        self.heads = heads if heads is not None else Heads(256 << 20)
         self.upstream_api_key = upstream_api_key
         self.keys = keys or EpisodeKeys.new()
         self.require_credentials = require_credentials
@@ -169,13 +176,15 @@ class Calls:
 
     def _point(self, call: Call, route: Route) -> None:
         """Send `call` along `route`: its upstream, its fields for that upstream, and what its turn says of it."""
+        pending = call.pending
+        pending.policy = route.lcap and pending.dialect in policy_wire.PATHS
         drop = _CREDENTIALS | _UPGRADE
-        if self.token_ids and call.pending.dialect in dialects.TOKEN_ID_DIALECTS:
+        if pending.policy or (self.token_ids and pending.dialect in dialects.TOKEN_ID_DIALECTS):
             drop = drop | {b"accept-encoding"}  # answers are rewritten: keep them plain
         call.route = route
         call.fields = self.rerouted_fields(call.agent_fields, route, drop)
-        call.scheme, call.host, call.port, call.path = route.scheme, route.host, route.port, route.path_for(call.path)
-        pending = call.pending
+        call.scheme, call.host, call.port = route.scheme, route.host, route.port
+        call.path = policy_wire.PATHS[pending.dialect] if pending.policy else route.path_for(call.path)
         pending.upstream, pending.deployment, pending.replica = route.url, route.deployment, route.replica
 
     def failover(self, call: Call, why: str) -> bool:
@@ -219,11 +228,50 @@ class Calls:
         pending.seq = self.next_seq(pending.episode_id)
         return True
 
+    def policy_request(self, pending: PendingTurn, request: dict, forward: bytes, *, stitch: bool = True) -> bytes:
+        """The request for lcap's endpoints: `forward` (the agent's request, the deployment's model) with lcap's
+        options and the head of the conversation it may extend."""
+        pending.token_ids = True
+        head = None
+        if self.stitch and stitch:
+            pending.thread = dialects.thread_key(pending.dialect, request)
+            head = self.heads.pick(pending.episode_id, *pending.thread)
+            if head is not None:
+                pending.offered_turn, pending.offered_thread = head.turn_id, head.thread_seq
+        blob = head.blob if head is not None else None
+        return policy_wire.request_body(forward, adapt=self.adapt, stitch=self.stitch, head=blob)
+
+    def policy_parts(self, pending: PendingTurn, record: bytes | None, head: bytes | None) -> None:
+        """lcap's parts of an answer from its endpoints, as they arrive: the record, then the head, which becomes
+        its conversation's head here before the agent has the end of the answer (and can send its next call)."""
+        if record is not None:
+            pending.lcap_record = record
+        if head is None:
+            return
+        pending.lcap_head = head
+        if pending.thread is None or pending.seq is None or head == b"null":
+            return
+        try:
+            stitched = json.loads(pending.lcap_record or b"{}").get("stitched") is True
+        except (ValueError, AttributeError):
+            stitched = False
+        thread = pending.offered_thread if stitched and pending.offered_thread is not None else pending.seq
+        self.heads.put(pending.episode_id, Head(head, *pending.thread, pending.turn_id, thread))
+
     def _forward(self, call: Call) -> bytes:
         """The body to send along the call's route: asking for the route's model, and for token ids on that path."""
         assert call.route is not None
         request, pending = call.request, call.pending
         forward = with_route_model(request, call.route)
+        if forward.get("model") != request.get("model"):
+            why = "--upstream serves the deployment under its own name"
+            pending.adapted = [
+                {"field": "model", "action": "mapped", "from": request.get("model"), "to": forward["model"], "why": why}
+            ]
+        if pending.policy:
+            body = json.dumps(forward, ensure_ascii=False, separators=(",", ":")).encode()
+            return self.policy_request(pending, request, body)
+        pending.added = None
         if self.token_ids:
             pending.added = dialects.ask_token_ids(pending.dialect, forward)
             pending.token_ids = pending.added is not None
@@ -267,6 +315,8 @@ class Calls:
         if not pending.streamed:
             return None
         pending.chunks = []
+        if pending.policy and status < 400:
+            return _PolicyStream(self, pending, self.max_body_bytes)
         if pending.added is not None and status < 400:
             return _SseRewriter(pending, self.max_body_bytes)
         return _collector(pending, self.max_body_bytes)
@@ -276,7 +326,16 @@ class Calls:
         lcap changed it (the vLLM path, without the fields lcap asked for), else None."""
         pending.response_body = body
         out = None
-        if pending.added is not None and (pending.status_code or 500) < 400 and pending.encoding in (None, "identity"):
+        if pending.policy and (pending.status_code or 500) < 400 and pending.encoding in (None, "identity"):
+            parts = policy_wire.split_whole(body)
+            if parts is not None:
+                out, record, head = parts
+                pending.response_body = out
+                self.policy_parts(pending, record, None)
+                self.policy_parts(pending, None, head)
+        elif (
+            pending.added is not None and (pending.status_code or 500) < 400 and pending.encoding in (None, "identity")
+        ):
             try:
                 answer = json.loads(body)
             except ValueError:
@@ -357,6 +416,21 @@ def _collector(pending: PendingTurn, limit: int) -> Callable[[bytes], bytes]:
         return data
 
     return stream
+
+
+class _PolicyStream:
+    """A stream from lcap's endpoints: forwarded without lcap's parts (which go to `Calls.policy_parts`); the turn
+    keeps a copy of what the agent got."""
+
+    def __init__(self, calls: Calls, pending: PendingTurn, limit: int) -> None:
+        self.copy = _Copy(pending, limit)
+        self.events = policy_wire.SseParts(functools.partial(calls.policy_parts, pending), limit)
+
+    def __call__(self, data: bytes) -> list[bytes]:
+        out = self.events(data)
+        for piece in out:
+            self.copy.add(piece)
+        return out
 
 
 class _SseRewriter:

@@ -40,6 +40,31 @@ def looks_like_call(dialect: str, body: Any) -> bool:
     return key in body or (dialect == RESPONSES and "previous_response_id" in body)
 
 
+def thread_key(dialect: str, body: dict) -> tuple[int, int]:
+    """(key, messages) of a call: which conversation it belongs to within its episode (a digest of what starts
+    it: system prompt and first message, prompt-cache marks left out), and how many messages it carries.
+    Stitching offers a call the head its conversation left (capture/stitching.py)."""
+    items: list[Any]
+    if dialect == RESPONSES:
+        given = body.get("input")
+        items = given if isinstance(given, list) else [given]
+        start: Any = [body.get("instructions"), items[:1]]
+    else:
+        given = body.get("messages")
+        items = given if isinstance(given, list) else []
+        start = _uncached([body.get("system"), items[:1]]) if dialect == MESSAGES else items[:1]
+    return hash(json.dumps(start, sort_keys=True, ensure_ascii=False, default=str)), len(items)
+
+
+def _uncached(value: Any) -> Any:
+    """`value` without Anthropic's `cache_control` marks, which harnesses move from message to message."""
+    if isinstance(value, dict):
+        return {k: _uncached(v) for k, v in value.items() if k != "cache_control"}
+    if isinstance(value, list):
+        return [_uncached(v) for v in value]
+    return value
+
+
 # --- asking vLLM for token ids -------------------------------------------------------------------
 
 

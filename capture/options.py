@@ -68,8 +68,27 @@ class ProxyOptions:
     stream_idle_timeout: float = option(
         300.0, help="Seconds an answer may pause between two reads before the call is cut (504 if nothing was sent)."
     )
+    # --- the policy route (lcap's endpoints on the policy server: `lcap serve`) ---
+    stitch: bool = option(
+        True,
+        help="Give the policy the exact ids of a conversation's earlier turns (stitched prompts) when a call "
+        "extends one; --no-stitch renders every prompt from the messages.",
+    )
+    adapt: bool = option(
+        True,
+        help="Adapt what the policy server would refuse (token limits past its context, provider-only fields), "
+        "recorded per turn; --no-adapt sends requests as the agent wrote them.",
+    )
+    stitch_memory: int = option(
+        256 * MiB, help="Bytes of earlier turns' ids kept for stitching, all conversations together (oldest go)."
+    )
     # --- state kept between calls ---
     max_certs: int = option(1000, help="TLS certificates kept for intercepted hosts (least recently used go).")
     max_episodes: int = option(
         100_000, help="Idle episodes whose call numbering is kept (least recently used go; see README)."
     )
+
+
+# The flags `lcap collect` and `lcap loop` take from ProxyOptions (their proxy's other settings are the defaults).
+POLICY_ROUTE_FLAGS = ("stitch", "adapt", "stitch_memory")
+NOT_POLICY_ROUTE_FLAGS = tuple(f for f in ProxyOptions.__dataclass_fields__ if f not in POLICY_ROUTE_FLAGS)

@@ -50,6 +50,7 @@ class Route:
     deployment: str | None  # the policy deployment name stored on the turn
     replica: str | None = None  # the policy replica (r0, r1, ...) stored on the turn
     authorization: bytes | None = None  # the Authorization value the replica requires, if any
+    lcap: bool = False  # the server has lcap's policy endpoints (capture/policy_wire.py)
 
     @functools.cached_property
     def url(self) -> str:
@@ -83,14 +84,21 @@ def _percent(match: re.Match[bytes]) -> bytes:
 
 
 def parse_upstream(
-    url: str, model: str | None, deployment: str | None = None, *, replica: str | None = None, key: str | None = None
+    url: str,
+    model: str | None,
+    deployment: str | None = None,
+    *,
+    replica: str | None = None,
+    key: str | None = None,
+    lcap: bool = False,
 ) -> Route:
     parts = urlsplit(url if "://" in url else f"http://{url}")
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"not an http(s) URL: {url!r}")
     port = parts.port or (443 if parts.scheme == "https" else 80)
     authorization = f"Bearer {key}".encode() if key else None
-    return Route(parts.scheme, parts.hostname, port, parts.path.rstrip("/"), model, deployment, replica, authorization)
+    path = parts.path.rstrip("/")
+    return Route(parts.scheme, parts.hostname, port, path, model, deployment, replica, authorization, lcap)
 
 
 def rank(episode: str, replica: str) -> int:
@@ -114,10 +122,19 @@ class _Health:
 class Router:
     """Resolves the route of each call: a fixed URL, the policy's replicas (from its record), or none."""
 
-    def __init__(self, upstream: str | None, model: str | None, *, health_interval: float = HEALTH_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        upstream: str | None,
+        model: str | None,
+        *,
+        health_interval: float = HEALTH_INTERVAL_S,
+        lcap_endpoints: bool = False,
+    ) -> None:
+        """`lcap_endpoints`: the fixed URL's server has lcap's policy endpoints (the policy record says it itself)."""
         self.upstream, self.model = upstream, model
         self.health_interval = health_interval
-        self._fixed = parse_upstream(upstream, model) if upstream not in (None, "policy") else None
+        fixed = upstream if upstream not in (None, "policy") else None
+        self._fixed = parse_upstream(fixed, model, lcap=lcap_endpoints) if fixed is not None else None
         self._checked = 0.0
         self._mtime: int | None = -1
         self._routes: tuple[Route, ...] = ()  # every replica's route
@@ -269,7 +286,12 @@ class Router:
                 pairs = [
                     (
                         parse_upstream(
-                            r.url, self.model or r.serving(record), r.serving(record), replica=r.name, key=key
+                            r.url,
+                            self.model or r.serving(record),
+                            r.serving(record),
+                            replica=r.name,
+                            key=key,
+                            lcap=record.lcap_endpoints,
                         ),
                         r.draining,
                     )

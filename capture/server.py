@@ -40,7 +40,10 @@ from lcap.capture.mitm_guards import FrontOnly, PrivateDestinations, install_bod
 from lcap.capture.netns import Namespaces, certs_mirror, missing
 from lcap.capture.options import ProxyOptions
 from lcap.capture.peers import from_tree
+from lcap.capture.policy_wire import INFO_PATH
+from lcap.capture.policy_wire import VERSION as WIRE_VERSION
 from lcap.capture.routes import Router, parse_upstream
+from lcap.capture.stitching import Heads
 from lcap.capture.writer import TurnSink, TurnWriter, WriterReport
 from lcap.config import LcapError, lcap_home
 from lcap.store import Store
@@ -154,6 +157,18 @@ def trust_env(bundle: Path, java_options: str | None = None) -> dict[str, str]:
 # --- the proxy ----------------------------------------------------------------------------------
 
 
+def probe_lcap_endpoints(base_url: str, timeout: float = 5.0) -> bool:
+    """Whether the server at `base_url` has lcap's policy endpoints (a vLLM that `lcap serve` started)."""
+    import httpx
+
+    route = parse_upstream(base_url, None)
+    try:
+        resp = httpx.get(f"{route.scheme}://{route.host}:{route.port}{INFO_PATH}", timeout=timeout, trust_env=False)
+        return resp.status_code == 200 and resp.json().get("version") == WIRE_VERSION
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return False
+
+
 def probe_models(base_url: str, timeout: float = 5.0, *, key: str | None = None) -> list[dict]:
     """GET {upstream}/v1/models; LcapError when the upstream cannot be reached."""
     import httpx
@@ -197,6 +212,7 @@ class CaptureProxy:
         self.store = store
         self.options = options
         self.token_ids = options.token_ids  # resolved at start(): on when the upstream is vLLM
+        self.lcap_endpoints = False  # resolved at start() for a fixed --upstream URL (the policy record says it)
         self.keys = EpisodeKeys.new()  # this run's key: episode secrets are worthless to any other proxy
         self.exposed = not is_loopback_host(options.host)
         self.require_credentials = options.require_credentials is not False
@@ -240,7 +256,7 @@ class CaptureProxy:
         if self.store is not None:
             with self.store.connect():  # the schema exists from the start: `lcap sql` works before the first turn
                 pass
-        router = Router(self.options.upstream, self.options.model)
+        router = Router(self.options.upstream, self.options.model, lcap_endpoints=self.lcap_endpoints)
         calls = Calls(
             self.writer,
             router,
@@ -250,6 +266,9 @@ class CaptureProxy:
             require_credentials=self.require_credentials,
             max_episodes=self.options.max_episodes,
             max_body_bytes=self.options.max_body_bytes,
+            stitch=self.options.stitch,
+            adapt=self.options.adapt,
+            heads=Heads(self.options.stitch_memory),
         )
         self._calls = calls
         self.writer.start()
@@ -326,8 +345,10 @@ class CaptureProxy:
         except ValueError as exc:
             raise LcapError(f"bad --upstream: {exc}") from None
         models = probe_models(upstream)
+        vllm = any(m.get("owned_by") == "vllm" for m in models)
+        self.lcap_endpoints = vllm and probe_lcap_endpoints(upstream)
         if self.token_ids is None:
-            return any(m.get("owned_by") == "vllm" for m in models)
+            return vllm
         return self.token_ids
 
     def _serve(self, calls: Calls) -> None:

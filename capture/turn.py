@@ -47,6 +47,7 @@ class PendingTurn:
     """What the hooks record about one call; everything expensive happens later, in the writer process."""
 
     __slots__ = (
+        "adapted",
         "added",
         "chunks",
         "deployment",
@@ -57,8 +58,13 @@ class PendingTurn:
         "error",
         "events",
         "host",
+        "lcap_head",
+        "lcap_record",
         "model_requested",
+        "offered_thread",
+        "offered_turn",
         "path",
+        "policy",
         "replica",
         "request_body",
         "request_json",
@@ -70,6 +76,7 @@ class PendingTurn:
         "t0",
         "t_end",
         "t_first",
+        "thread",
         "token_ids",
         "transport",
         "turn_id",
@@ -102,6 +109,15 @@ class PendingTurn:
         self.added: dialects.Added | None = None
         self.events: list[Any] | None = None  # WebSocket: decoded server events
         self.done = False
+        # lcap's policy endpoints (capture/policy_wire.py): served there, the parts they answered with, the head
+        # the call was offered (its turn and thread) and the conversation it belongs to (key, messages)
+        self.policy = False
+        self.lcap_record: bytes | None = None
+        self.lcap_head: bytes | None = None
+        self.offered_turn: str | None = None
+        self.offered_thread: int | None = None
+        self.thread: tuple[int, int] | None = None
+        self.adapted: list[dict] | None = None  # what the proxy changed itself (the model's name)
 
 
 def _decode(body: bytes, encoding: str | None) -> bytes:
@@ -163,6 +179,7 @@ def build_row(p: PendingTurn) -> dict[str, Any]:
     if p.status_code is not None and p.status_code >= 400 and not error:
         error = turn.error or f"HTTP {p.status_code}"
     error = error or turn.error
+    policy = _policy_fields(p, turn)
     has_ids = bool(turn.completion_token_ids) and p.token_ids
     if isinstance(request, dict) and p.model_requested is None:
         p.model_requested = request.get("model")
@@ -199,7 +216,40 @@ def build_row(p: PendingTurn) -> dict[str, Any]:
         "completion_token_ids": turn.completion_token_ids if has_ids else None,
         "completion_logprobs": turn.completion_logprobs if has_ids else None,
         "token_source": "vllm" if has_ids else None,
+        **policy,
     }
+
+
+def _policy_fields(p: PendingTurn, turn: dialects.Turn) -> dict[str, Any]:
+    """The columns lcap's policy endpoints fill (stitched, adaptations); their exact ids and logprobs go to `turn`."""
+    record = _parse(p.lcap_record)
+    stitched = bool(record.get("stitched")) if p.policy else None
+    adaptations = list(p.adapted or ()) + list(record.get("adapted") or ())
+    head = _parse(p.lcap_head) if record.get("exact") else {}
+    ids, prompt_len = head.get("ids"), head.get("prompt_len")
+    if isinstance(ids, list) and isinstance(prompt_len, int) and 0 < prompt_len < len(ids):
+        turn.prompt_token_ids, turn.completion_token_ids = ids[:prompt_len], ids[prompt_len:]
+        logprobs = record.get("logprobs")
+        turn.completion_logprobs = logprobs if isinstance(logprobs, list) else None
+    elif p.policy:  # the endpoints could not vouch for one prompt and one completion: no ids, rebuilt later
+        turn.prompt_token_ids = turn.completion_token_ids = turn.completion_logprobs = None
+    return {
+        "stitched": stitched,
+        "stitched_from": p.offered_turn if stitched else None,
+        "thread_seq": p.offered_thread if stitched and p.offered_thread is not None else p.seq,
+        "stitch_note": redact_text(record.get("note")) if p.policy else None,
+        "adaptations": _dumps(adaptations) if adaptations else None,
+    }
+
+
+def _parse(raw: bytes | None) -> dict:
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

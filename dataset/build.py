@@ -32,7 +32,7 @@ ADVANTAGE = "(reward - group mean) / (group sample std, ddof=1, + 1e-4): TRL's G
 # One row per successful call of the round's trainable episodes, with its episode's reward and
 # advantage; lcap.dataset.merge turns them into samples (the rule the `samples` view states).
 _TURNS = """
-SELECT tt.episode_id, tt.seq, tt.deployment, tt.rebuilt, tt.truncated,
+SELECT tt.episode_id, tt.seq, tt.thread, tt.deployment, tt.rebuilt, tt.truncated,
        tt.prompt_ids::INTEGER[] AS prompt_ids, tt.completion_ids::INTEGER[] AS completion_ids,
        (CASE WHEN len(tt.logprobs) = len(tt.completion_ids) THEN tt.logprobs
              ELSE list_transform(tt.completion_ids, lambda x: 0.0) END)::FLOAT[] AS logprobs,

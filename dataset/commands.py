@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from lcap.capture.options import NOT_POLICY_ROUTE_FLAGS, ProxyOptions
 from lcap.cli_options import DbOption, one_line_errors, parse_labels, with_options
 from lcap.dataset.options import BuildOptions, CollectOptions
 
@@ -19,11 +20,13 @@ def register(app: typer.Typer) -> None:
 
 @one_line_errors
 @with_options(CollectOptions, "options")
+@with_options(ProxyOptions, "proxy", exclude=NOT_POLICY_ROUTE_FLAGS)
 def collect(
     ctx: typer.Context,
     tasks: Annotated[Path, typer.Option("--tasks", help="JSONL, one task per line, each with an 'id'.")],
     db: DbOption,
     options: CollectOptions,
+    proxy: ProxyOptions,
     label: Annotated[
         list[str] | None, typer.Option("--label", help="key=value stored on every episode; repeatable.")
     ] = None,
@@ -48,7 +51,9 @@ def collect(
 
     signal.signal(signal.SIGTERM, stop)
     try:
-        result = run_collect(Store(db), tasks=tasks, command=list(ctx.args), options=options, labels=labels)
+        result = run_collect(
+            Store(db), tasks=tasks, command=list(ctx.args), options=options, labels=labels, proxy_options=proxy
+        )
     except KeyboardInterrupt:
         typer.echo("lcap collect: interrupted; finished episodes are kept, re-run the same command to resume", err=True)
         raise typer.Exit(130) from None

@@ -1,8 +1,9 @@
 """The multi-turn merge on Arrow buffers: captured calls -> training sequences, vectorised with numpy.
 
 The rule is the one the `samples` view states in SQL (lcap.schema): call i merges into the
-sequence of call i-1 of the same episode when its prompt ids start with prompt(i-1) +
-completion(i-1), the same deployment served both and call i-1 was not truncated. The tokens in
+sequence of call i-1 of the same episode (in (thread, seq) order: a stitched call follows the
+call it was stitched onto) when its prompt ids start with prompt(i-1) + completion(i-1), the
+same deployment served both and call i-1 was not truncated. The tokens in
 between are environment tokens (env_mask 0, logprob 0). DuckDB compares the lists call by call;
 here they are two element-wise comparisons over the flattened token buffers
 (only the keys are sorted; the token buffers are read where DuckDB put them, through index
@@ -20,17 +21,17 @@ _BLOCK = 1 << 24  # compare at most this many tokens at once (bounds the index a
 
 
 def merge_turns(turns: pa.Table, *, mask_truncated: bool = False) -> pa.Table:
-    """One row per call (episode_id, group_id, seq, deployment, truncated, rebuilt, prompt_ids,
-    completion_ids, logprobs + per-episode columns) -> one row per sample, ordered by group,
+    """One row per call (episode_id, group_id, seq, thread (optional: seq), deployment, truncated, rebuilt,
+    prompt_ids, completion_ids, logprobs + per-episode columns) -> one row per sample, ordered by group,
     episode and position, with prompt_ids, completion_ids, logprobs, env_mask, n_turns, merged,
     truncated, rebuilt, part (the sample's index in its episode) and the per-episode columns."""
     if len(turns) == 0:
         return _empty(turns)
+    if "thread" not in turns.column_names:
+        turns = turns.append_column("thread", turns["seq"])
     # Sort only the keys; the token buffers stay where DuckDB put them and are read by gathers.
-    order = pc.sort_indices(
-        turns.select(["group_id", "episode_id", "seq"]),
-        sort_keys=[("group_id", "ascending"), ("episode_id", "ascending"), ("seq", "ascending")],
-    )
+    keys = ["group_id", "episode_id", "thread", "seq"]
+    order = pc.sort_indices(turns.select(keys), sort_keys=[(key, "ascending") for key in keys])
     order_np = order.to_numpy()
     turns = turns.combine_chunks()
     n = len(turns)
@@ -105,7 +106,7 @@ def merge_turns(turns: pa.Table, *, mask_truncated: bool = False) -> pa.Table:
     columns = {
         name: turns[name].take(first)
         for name in turns.column_names
-        if name not in ("seq", "prompt_ids", "completion_ids", "logprobs", "truncated", "rebuilt")
+        if name not in ("seq", "thread", "prompt_ids", "completion_ids", "logprobs", "truncated", "rebuilt")
     }
     episode_ids = columns["episode_id"]
     return pa.table(
@@ -165,7 +166,7 @@ def _empty(turns: pa.Table) -> pa.Table:
     schema = {
         name: turns.schema.field(name).type
         for name in turns.column_names
-        if name not in ("seq", "completion_ids", "logprobs", "truncated", "rebuilt")
+        if name not in ("seq", "thread", "completion_ids", "logprobs", "truncated", "rebuilt")
     }
     return pa.table(
         {

@@ -52,6 +52,7 @@ class PolicyServer:
     python: str  # interpreter that runs vLLM
     started_at: str
     loras: dict[str, str] = field(default_factory=dict)  # served LoRA name -> adapter path
+    lcap_endpoints: bool = False  # vLLM runs with lcap's policy endpoints (exact tokens, stitching, adaptation)
     replicas: list[Replica] = field(default_factory=list)
     vllm_args: list[str] = field(default_factory=list)  # the extra vLLM arguments every replica runs with
     tool_parser: str | None = "hermes"  # records from before this field were all started with hermes

@@ -14,7 +14,7 @@ PROMOTED_LABELS = {
 
 # The store's shape. A new store gets TABLES at SCHEMA_VERSION; an older one is brought there by MIGRATIONS
 # (version reached -> statements), in order, inside the unit of work that first opens it for writing.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     2: (
         "ALTER TABLE episodes RENAME COLUMN group_index TO sample",
@@ -29,6 +29,16 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE train_runs ADD COLUMN IF NOT EXISTS mismatch JSON",
     ),
     5: ("ALTER TABLE turns ADD COLUMN IF NOT EXISTS replica VARCHAR",),
+    6: tuple(
+        f"ALTER TABLE turns ADD COLUMN IF NOT EXISTS {column}"
+        for column in (
+            "stitched BOOLEAN",
+            "stitched_from VARCHAR",
+            "thread_seq INTEGER",
+            "stitch_note VARCHAR",
+            "adaptations JSON",
+        )
+    ),
 }
 
 TABLES = """
@@ -82,7 +92,13 @@ CREATE TABLE IF NOT EXISTS turns (
     completion_logprobs  DOUBLE[],
     token_source         VARCHAR,   -- 'vllm' when ids/logprobs came from the server, else NULL
     degraded             VARCHAR,   -- NULL, or why this row is not the turn exactly as captured (see dead_letters)
-    replica              VARCHAR    -- the policy replica lcap routed the call to (r0, r1, ...); NULL when not the policy
+    replica              VARCHAR,   -- the policy replica lcap routed the call to (r0, r1, ...); NULL when not the policy
+    stitched             BOOLEAN,   -- lcap's policy endpoints served it: its prompt is stitched_from's exact ids +
+                                    -- completion + the rendered suffix (true), or rendered (false); NULL elsewhere
+    stitched_from        VARCHAR,   -- the turn_id whose prompt and completion this prompt starts with
+    thread_seq           INTEGER,   -- seq of the first turn of its chain of stitched turns (its own seq if none)
+    stitch_note          VARCHAR,   -- why a turn offered a previous one was not stitched onto it
+    adaptations          JSON       -- what was changed in the request and why: [{field, action, from, to, why}]
 );
 
 -- capture: spooled records the writer could not store as they were, kept whole (one row per record)
@@ -249,13 +265,13 @@ CREATE OR REPLACE VIEW turn_tokens AS
           AND rowid NOT IN (SELECT rid FROM dup)),
     rb AS (SELECT * FROM rebuilt_turns QUALIFY row_number() OVER (PARTITION BY turn_id ORDER BY created_at DESC) = 1),
     j AS (
-        SELECT t.turn_id, t.episode_id, t.seq, t.deployment, t.finish_reason,
+        SELECT t.turn_id, t.episode_id, t.seq, coalesce(t.thread_seq, t.seq) AS thread, t.deployment, t.finish_reason,
                t.token_source IS NULL OR t.prompt_token_ids IS NULL OR t.completion_token_ids IS NULL AS rebuilt,
                t.prompt_token_ids AS cap_prompt, t.completion_token_ids AS cap_completion,
                t.completion_logprobs AS cap_logprobs,
                rb.prompt_token_ids AS rb_prompt, rb.completion_token_ids AS rb_completion
         FROM t LEFT JOIN rb USING (turn_id))
-    SELECT turn_id, episode_id, seq, deployment, finish_reason, rebuilt,
+    SELECT turn_id, episode_id, seq, thread, deployment, finish_reason, rebuilt,
            cut_by_token_limit(finish_reason) AS truncated,
            CASE WHEN rebuilt THEN rb_prompt ELSE cap_prompt END AS prompt_ids,
            CASE WHEN rebuilt THEN rb_completion ELSE cap_completion END AS completion_ids,
@@ -271,6 +287,8 @@ CREATE OR REPLACE VIEW turn_tokens AS
 # assumed: templates may rewrite history), the same deployment served both and the previous
 # completion was not truncated; the tokens in between are environment tokens (env_mask 0,
 # logprob 0). Otherwise a call starts a new sample, so a truncated call always ends its sample.
+# "Consecutive" is in (thread, seq) order: a stitched call follows the call it was stitched onto
+# even when other calls of the episode (a sub-agent, a title request) came in between.
 # `turn_segments(round, split)` (NULL: all) gives, per call, the sample it belongs to and its
 # segment: env tokens + completion; the view `samples` concatenates them in seq order. This is
 # the rule's SQL statement, for inspection; build-dataset applies the same rule vectorised on the
@@ -278,7 +296,7 @@ CREATE OR REPLACE VIEW turn_tokens AS
 # test checks that both agree.
 _SEGMENTS = """
     WITH tt AS (
-        SELECT tt.episode_id, tt.seq, tt.prompt_ids, tt.completion_ids, tt.logprobs, tt.truncated,
+        SELECT tt.episode_id, tt.seq, tt.thread, tt.prompt_ids, tt.completion_ids, tt.logprobs, tt.truncated,
                tt.deployment, tt.rebuilt,
                lag(tt.prompt_ids) OVER w AS prev_prompt, lag(tt.completion_ids) OVER w AS prev_completion,
                lag(tt.truncated) OVER w AS prev_truncated, lag(tt.deployment) OVER w AS prev_deployment
@@ -286,9 +304,9 @@ _SEGMENTS = """
         SEMI JOIN (SELECT episode_id FROM episode_advantages
                    WHERE (round_ IS NULL OR round = round_) AND (split_ IS NULL OR split = split_)) a USING (episode_id)
         WHERE tt.prompt_ids IS NOT NULL AND tt.completion_ids IS NOT NULL
-        WINDOW w AS (PARTITION BY tt.episode_id ORDER BY tt.seq)),
+        WINDOW w AS (PARTITION BY tt.episode_id ORDER BY tt.thread, tt.seq)),
     m AS (
-        SELECT episode_id, seq, truncated, deployment, rebuilt, completion_ids, logprobs,
+        SELECT episode_id, seq, thread, truncated, deployment, rebuilt, completion_ids, logprobs,
                coalesce(prev_prompt IS NOT NULL AND NOT prev_truncated
                         AND deployment IS NOT DISTINCT FROM prev_deployment
                         AND len(prompt_ids) >= len(prev_prompt) + len(prev_completion)
@@ -299,7 +317,7 @@ _SEGMENTS = """
                CASE WHEN extends THEN NULL ELSE prompt_ids END AS prompt_ids
         FROM tt),
     p AS (
-        SELECT *, sum(CASE WHEN extends THEN 0 ELSE 1 END) OVER (PARTITION BY episode_id ORDER BY seq
+        SELECT *, sum(CASE WHEN extends THEN 0 ELSE 1 END) OVER (PARTITION BY episode_id ORDER BY thread, seq
                       ROWS UNBOUNDED PRECEDING) - 1 AS part
         FROM m)
     SELECT p.episode_id || '#' || p.part AS sample_id, p.episode_id, p.seq, p.part, p.extends,

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from lcap.capture.options import NOT_POLICY_ROUTE_FLAGS, ProxyOptions
 from lcap.cli_options import DbOption, one_line_errors, with_options
 from lcap.dataset.options import BuildOptions, CollectOptions
 from lcap.train.options import TrainOptions
@@ -21,6 +22,7 @@ def register(app: typer.Typer) -> None:
 @with_options(TrainOptions, "train", exclude=("current",))
 @with_options(BuildOptions, "build", exclude=("split",))
 @with_options(CollectOptions, "collect", exclude=("round", "split", "upstream", "model", "run_dir", "ray"))
+@with_options(ProxyOptions, "proxy", exclude=NOT_POLICY_ROUTE_FLAGS)
 def loop(
     ctx: typer.Context,
     run: Annotated[Path, typer.Option("--run", help="Run folder (state.json, round-N/...).")],
@@ -30,6 +32,7 @@ def loop(
     collect: CollectOptions,
     build: BuildOptions,
     train: TrainOptions,
+    proxy: ProxyOptions,
     eval_tasks: Annotated[
         Path | None, typer.Option("--eval-tasks", help="Held-out tasks, run before round 1 and after each deploy.")
     ] = None,
@@ -61,6 +64,7 @@ def loop(
         collect=collect,
         build=build,
         train=train,
+        proxy=proxy,
     )
     run_loop(Store(db), config, echo=typer.echo)
 

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from lcap.capture.options import ProxyOptions
 from lcap.config import LcapError
 from lcap.dataset.options import BuildOptions, CollectOptions
 from lcap.display import num, rounded
@@ -44,6 +45,7 @@ class LoopConfig:
     collect: CollectOptions = field(default_factory=CollectOptions)
     build: BuildOptions = field(default_factory=BuildOptions)
     train: TrainOptions = field(default_factory=TrainOptions)
+    proxy: ProxyOptions = field(default_factory=ProxyOptions)  # its policy-route flags (stitch, adapt)
 
     def __post_init__(self) -> None:
         if self.tasks_per_round < 0:
@@ -170,7 +172,7 @@ def run_loop(
             run_dir=run / "episodes",
             ray=config.train.ray,  # one --ray: the loop collects and trains on the same cluster
         )
-        result = collect(store, tasks=tasks, command=config.command, options=options)
+        result = collect(store, tasks=tasks, command=config.command, options=options, proxy_options=config.proxy)
         mean, n = split_reward(store, result.run_id, round, split)
         return {
             "mean_reward": mean,

@@ -4,7 +4,9 @@ Each replica is one vLLM server with LoRA enabled and runtime adapter loading al
 hot-loads each new round's adapter without restarting anything. Local replicas are processes of
 their own process group (so stopping one also stops its engine workers) on 127.0.0.1, from the
 interpreter of lcap's vLLM venv; on a GPU machine each gets its own GPUs. Under `--ray` each
-replica is a Ray actor that runs vLLM on its node (serve/ray_replicas.py). The record
+replica is a Ray actor that runs vLLM on its node (serve/ray_replicas.py). A local
+replica starts through vllm_plugin/launch.py, which adds lcap's policy endpoints (exact tokens in
+every dialect, stitched prompts, request adaptation: vllm_plugin/lcap_policy). The record
 (`lcap.policy`) is written only once every replica's /health answers, so a reader that finds one
 can send requests.
 """
@@ -143,8 +145,9 @@ def server_command(
     extra_args: Sequence[str] = (),
     launcher: Path | None = None,
 ) -> list[str]:
-    """vLLM's OpenAI server on `model`; `launcher`: a script that starts it instead of `-m` (serve/vllm_guard.py)."""
-    start = python_helper(python, str(launcher)) if launcher else python_helper(python, "-m", VLLM_MODULE)
+    """vLLM's OpenAI server on `model`, started by `launcher` (default: LAUNCHER, vLLM with lcap's endpoints;
+    serve/vllm_guard.py for a replica reachable from the network)."""
+    start = python_helper(python, str(launcher or LAUNCHER))
     cmd = [
         *start,
         "--model",
@@ -169,7 +172,7 @@ def server_command(
     return cmd + list(extra_args)
 
 
-VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+LAUNCHER = Path(__file__).resolve().parent / "vllm_plugin" / "launch.py"  # vLLM with lcap's policy endpoints
 
 
 def launch(
@@ -480,6 +483,7 @@ def start_server(
         tool_parser=tool_parser,
         ray_address=ray,
         api_key_file=str(key_file) if key_file else None,
+        lcap_endpoints=_has_lcap_endpoints(started[0].url),
     )
     write_policy(record)
     if store is not None:
@@ -553,3 +557,12 @@ def _any_alive(record: PolicyServer) -> bool:
     if record.ray_address is not None:
         return any(healthy(r.url) for r in record.replicas)
     return any(r.pid is not None and alive(r.pid) for r in record.replicas)
+
+
+def _has_lcap_endpoints(url: str) -> bool:
+    """The launcher loads lcap's endpoints; this checks that vLLM did (a `--python` vLLM of another version may
+    not load them, a Ray replica runs behind its key without them: the policy route then works as on any vLLM)."""
+    try:
+        return httpx.get(f"{url}/lcap/v1/info", timeout=5, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False

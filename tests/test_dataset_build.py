@@ -100,7 +100,7 @@ def test_advantages_are_group_normalised_with_sample_std(builder, dstore, tmp_pa
         assert samples[f"t0-{i}#0"]["advantage"] == pytest.approx((r - mean) / (std + 1e-4))
         assert samples[f"t0-{i}#0"]["reward"] == r
     assert samples["t1-0#0"]["advantage"] == pytest.approx(-0.3 / (math.sqrt(0.18) + 1e-4))
-    assert report.groups == {"total": 2, "zero_variance": 0, "singleton": 0, "max_size": 4}
+    assert report.groups == {"total": 2, "zero_variance": 0, "singleton": 0, "max_size": 4, "trainable": 2}
 
 
 def test_latest_reward_wins(builder, dstore, tmp_path):

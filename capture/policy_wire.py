@@ -1,0 +1,113 @@
+"""The proxy's side of lcap's policy endpoints (serve/vllm_plugin/lcap_policy): paths, and taking lcap's parts out.
+
+On the policy route, chat completions, Messages and Responses calls go to the policy server's
+`/lcap/v1/...` endpoints (`lcap serve` starts vLLM with them). Their answers are the dialect's own,
+plus two parts that the agent never sees: the turn's record (stitched or why not, what was adapted,
+the behaviour logprobs) and the head (the turn's exact ids, sent back unread with the conversation's
+next call). Where each part travels is written in lcap_policy/wire.py; these constants say the same
+(a test compares them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+PREFIX = "/lcap"
+REQUEST_KEY = "lcap"
+RECORD_EVENT = "lcap"
+HEAD_EVENT = "lcap-head"
+INFO_PATH = "/lcap/v1/info"
+VERSION = 1
+
+PATHS = {"chat": "/lcap/v1/chat/completions", "messages": "/lcap/v1/messages", "responses": "/lcap/v1/responses"}
+
+_RECORD_SSE = b"event: lcap\n"
+_HEAD_SSE = b"event: lcap-head\n"
+_RECORD_FRAME = b'{"type":"lcap",'
+_HEAD_FRAME = b'{"type":"lcap-head","head":'
+
+Parts = Callable[[bytes | None, bytes | None], None]  # (record, head) as they arrive: one of them per call
+
+
+def request_body(forward: bytes, *, adapt: bool, stitch: bool, head: bytes | None) -> bytes:
+    """The request as the agent wrote it (`forward`: a JSON object, model already the deployment's) with lcap's
+    member added; the head goes in as the bytes the endpoints sent, never decoded here."""
+    options = b'{"adapt":%s,"stitch":%s,"head":%s}' % (
+        b"true" if adapt else b"false",
+        b"true" if stitch else b"false",
+        head if head is not None else b"null",
+    )
+    body = forward.rstrip()
+    if not body.endswith(b"}"):
+        raise ValueError("the request body is not a JSON object")
+    inner = body[:-1].rstrip()
+    return inner + (b"," if not inner.endswith(b"{") else b"") + b'"lcap":' + options + b"}"
+
+
+def split_whole(body: bytes) -> tuple[bytes, bytes, bytes] | None:
+    """(answer, record, head) of a whole answer; None when it does not carry lcap's parts (an error answer)."""
+    answer, sep, rest = body.partition(b"\n")
+    record, sep2, head = rest.partition(b"\n")
+    if not sep or not sep2 or not record.startswith(b"{"):
+        return None
+    return answer, record, head
+
+
+def sse_part(event: bytes) -> tuple[bytes | None, bytes | None] | None:
+    """(record, None) or (None, head) when one SSE event (ending in a blank line) is one of lcap's, else None."""
+    if event.startswith(_RECORD_SSE):
+        return _sse_data(event), None
+    if event.startswith(_HEAD_SSE):
+        return None, _sse_data(event)
+    return None
+
+
+def _sse_data(event: bytes) -> bytes:
+    start = event.find(b"\ndata: ") + 7
+    return event[start:].rstrip(b"\n")
+
+
+def frame_part(content: bytes) -> tuple[bytes | None, bytes | None] | None:
+    """The same for a WebSocket frame: (record, None), (None, head), or None for the dialect's own frames."""
+    if content.startswith(_HEAD_FRAME):
+        return None, content[len(_HEAD_FRAME) : -1]
+    if content.startswith(_RECORD_FRAME):
+        return b"{" + content[len(_RECORD_FRAME) :], None
+    return None
+
+
+class SseParts:
+    """A stream from lcap's endpoints, forwarded event by event without lcap's two events, which go to `parts`.
+
+    Events are cut at their blank line; what has no end within `limit` bytes goes out as it is (the agent's
+    stream never waits on lcap)."""
+
+    def __init__(self, parts: Parts, limit: int) -> None:
+        self.parts = parts
+        self.limit = limit
+        self.buffer = b""
+
+    def __call__(self, data: bytes) -> list[bytes]:
+        if not data:  # the end: whatever is left goes out
+            rest, self.buffer = self.buffer, b""
+            return [rest] if rest else []
+        self.buffer += data
+        out = []
+        start = 0
+        buffer = self.buffer
+        while True:
+            cut = buffer.find(b"\n\n", start)
+            if cut < 0:
+                break
+            event = buffer[start : cut + 2]
+            start = cut + 2
+            part = sse_part(event) if event.startswith(b"event: lcap") else None
+            if part is None:
+                out.append(event)
+            else:
+                self.parts(*part)
+        self.buffer = buffer[start:]
+        if len(self.buffer) > self.limit:
+            out.append(self.buffer)
+            self.buffer = b""
+        return out

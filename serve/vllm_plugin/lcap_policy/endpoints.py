@@ -1,0 +1,596 @@
+"""lcap's policy endpoints: each dialect served by vLLM's own handlers, with exact tokens and stitched prompts.
+
+`/lcap/v1/chat/completions`, `/lcap/v1/messages` and `/lcap/v1/responses` (HTTP, and WebSocket for
+Responses) take the agent's request as vLLM's own endpoints do and answer the same bytes, through
+the same handler objects vLLM built (its chat handler, its Anthropic handler, its Responses
+handler: same template, same tool and reasoning parsers, same streaming events). What lcap adds:
+
+- adaptation (lcap_policy.adapt): what vLLM would refuse is made servable, and said so;
+- exact tokens: the turn's prompt ids, sampled ids and their logprobs, for every dialect. Chat and
+  Messages ask vLLM's chat path for them (`return_token_ids`, `logprobs`) and take them out of what
+  the agent gets unless it asked; Responses reads them from the engine's outputs, which vLLM's
+  Responses handler does not pass on;
+- stitching (lcap_policy.stitch): when the request extends the conversation's previous turn, its
+  prompt is that turn's exact ids plus the rendered suffix, handed to vLLM as prompt ids
+  (`kv_transfer_params.prompt_token_ids`, vLLM's own way to skip templating and tokenization).
+
+The wire format towards lcap's proxy is lcap_policy.wire.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from fastapi import APIRouter, Body, Request, WebSocket, WebSocketDisconnect
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatCompletionResponse
+from vllm.entrypoints.openai.responses.protocol import ResponsesRequest, ResponsesResponse
+from vllm.entrypoints.openai.responses.utils import (
+    construct_chat_messages_with_tool_call,
+    construct_input_messages,
+    construct_tool_dicts,
+)
+from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+from vllm.entrypoints.serve.utils.api_utils import load_aware_call, with_cancellation
+from vllm.renderers.params import merge_kwargs
+from vllm.sampling_params import RequestOutputKind
+
+from lcap_policy import adapt, stitch, wire
+
+log = logging.getLogger("lcap_policy")
+router = APIRouter()
+_DONE = "data: [DONE]"
+_RESPONSE_END = ("response.completed", "response.incomplete", "response.failed")
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+@dataclass
+class Turn:
+    """What lcap learns about one call while vLLM serves it: the record and the head it answers with."""
+
+    dialect: str
+    adapted: list[dict] = field(default_factory=list)
+    requested: dict[str, int] = field(default_factory=dict)  # token limits over max_model_len, as asked
+    limits: dict[str, Any] = field(default_factory=dict)  # token limits as vLLM got them
+    stitched: bool = False
+    note: str | None = None  # why the turn was not stitched onto a previous one (when one was offered)
+    exact: bool = True  # False when the ids are not one prompt and one completion (n > 1, built-in tool loops)
+    prompt_ids: list[int] | None = None
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: str | None = None
+    stop_reason: Any = None
+    text: list[str] = field(default_factory=list)
+    calls: dict[int, dict] = field(default_factory=dict)
+    produced: list[dict] | None = None  # the assistant message(s) the agent got, as chat messages
+    n: int = 0
+    digests: list[str] = field(default_factory=list)
+    context: str = ""
+    stop_ids: frozenset[int] = frozenset()
+    max_model_len: int = 0
+
+    # --- reading what vLLM produced ---
+
+    def take_chat(self, obj: dict) -> None:
+        """One chat answer or stream chunk (as JSON), from the chat path asked for ids and logprobs."""
+        if obj.get("prompt_token_ids"):
+            self.prompt_ids = obj["prompt_token_ids"]
+        choices = obj.get("choices") or ()
+        if len(choices) > 1 or any((c.get("index") or 0) > 0 for c in choices):
+            self.exact = False
+        for choice in choices:
+            if (choice.get("index") or 0) != 0:
+                continue
+            self.completion_ids.extend(choice.get("token_ids") or ())
+            content = (choice.get("logprobs") or {}).get("content") or ()
+            self.logprobs.extend(float(item["logprob"]) for item in content)
+            self.finish = choice.get("finish_reason") or self.finish
+            if "stop_reason" in choice and choice.get("finish_reason"):
+                self.stop_reason = choice["stop_reason"]
+            message = choice.get("message") or choice.get("delta") or {}
+            if message.get("content"):
+                self.text.append(message["content"])
+            for call in message.get("tool_calls") or ():
+                slot = self.calls.setdefault(call.get("index", len(self.calls)), {"name": None, "arguments": ""})
+                function = call.get("function") or {}
+                slot["name"] = function.get("name") or slot["name"]
+                slot["arguments"] += function.get("arguments") or ""
+
+    def take_engine_output(self, output: Any, delta: bool) -> None:
+        """One engine output (Responses): ids and the sampled tokens' logprobs."""
+        if self.prompt_ids is None:
+            self.prompt_ids = list(output.prompt_token_ids or ())
+        elif list(output.prompt_token_ids or ()) != self.prompt_ids:
+            self.exact = False  # a second generation (a built-in tool's loop): not one prompt, one completion
+            return
+        completion = output.outputs[0]
+        ids = list(completion.token_ids or ())
+        logprobs = [step[token].logprob for token, step in zip(ids, completion.logprobs or ())]
+        if delta:
+            self.completion_ids.extend(ids)
+            self.logprobs.extend(logprobs)
+        else:
+            self.completion_ids, self.logprobs = ids, logprobs
+        if completion.finish_reason is not None:
+            self.finish, self.stop_reason = completion.finish_reason, completion.stop_reason
+
+    # --- what it answers with ---
+
+    def chat_message(self) -> dict:
+        calls = [
+            {"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for _, c in sorted(self.calls.items())
+        ]
+        return {"role": "assistant", "content": "".join(self.text), "tool_calls": calls}
+
+    def record(self) -> dict:
+        prompt_tokens = len(self.prompt_ids or ())
+        clamped = adapt.clamps(self.dialect, self.limits, self.requested, self.max_model_len, prompt_tokens)
+        exact = self.exact and self.prompt_ids is not None and bool(self.completion_ids)
+        return {
+            "stitched": self.stitched,
+            "note": self.note,
+            "adapted": self.adapted + clamped,
+            "exact": exact,
+            "logprobs": self.logprobs if exact and len(self.logprobs) == len(self.completion_ids) else None,
+        }
+
+    def head(self) -> stitch.Head | None:
+        if not (self.exact and self.prompt_ids and self.completion_ids and self.digests):
+            return None
+        last = self.completion_ids[-1]
+        ended = self.finish in ("stop", "tool_calls") and not isinstance(self.stop_reason, str)
+        produced = self.produced if self.produced is not None else [self.chat_message()]
+        return stitch.Head(
+            ids=self.prompt_ids + self.completion_ids,
+            prompt_len=len(self.prompt_ids),
+            n=self.n,
+            digests=self.digests,
+            context=self.context,
+            out=stitch.assistant_digest(produced),
+            stop=last if ended and last in self.stop_ids else None,
+        )
+
+    def trailer(self) -> tuple[str, str]:
+        head = self.head()
+        return _dumps(self.record()), head.dumps() if head is not None else "null"
+
+
+class Policy:
+    """The handlers vLLM built, and what lcap does around them."""
+
+    def __init__(self, state: Any) -> None:
+        self.chat = state.openai_serving_chat
+        self.messages = state.anthropic_serving_messages
+        self.renderer = state.online_renderer
+        self.max_model_len = int(self.renderer.model_config.max_model_len)
+        self.tokenizer = self.renderer.renderer.get_tokenizer()
+        self.stop_ids = self._stop_ids()
+        reasoning = getattr(state.vllm_config, "reasoning_config", None)
+        self.thinking_budgets = bool(reasoning is not None and getattr(reasoning, "enabled", False))
+        self.taps: dict[str, Turn] = {}  # Responses request id -> its turn, while it runs
+        # A copy of vLLM's Responses handler (sharing its stores) whose engine loop also feeds lcap's turn.
+        self.responses = copy.copy(state.openai_serving_responses)
+        if self.responses is not None:
+            generate = self.responses._generate_with_builtin_tools
+            self.responses._generate_with_builtin_tools = self._tapped(generate)
+
+    def _stop_ids(self) -> frozenset[int]:
+        """Added tokens that end a turn: the ones the template writes after every message (stitching needs them)."""
+        tok = self.tokenizer
+        special = set(getattr(tok, "all_special_ids", ()) or ()) | set((tok.get_added_vocab() or {}).values())
+        eos = self.renderer.model_config.hf_config
+        ids = set()
+        for source in (getattr(tok, "eos_token_id", None), getattr(eos, "eos_token_id", None)):
+            ids.update(source if isinstance(source, list) else [source] if isinstance(source, int) else [])
+        generation = self.renderer.model_config.get_diff_sampling_param().get("stop_token_ids") or ()
+        ids.update(generation)
+        try:  # the generation config's eos ids, which vLLM stops on too (e.g. <|endoftext|> beside <|im_end|>)
+            gen_eos = self.renderer.model_config.try_get_generation_config().get("eos_token_id")
+        except Exception:  # a config that cannot be read: only the tokenizer's and the model's eos then
+            gen_eos = None
+        ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if isinstance(gen_eos, int) else [])
+        return frozenset(i for i in ids if i in special)
+
+    def new_turn(self, dialect: str) -> Turn:
+        return Turn(dialect, stop_ids=self.stop_ids, max_model_len=self.max_model_len)
+
+    def _tapped(self, generate):
+        policy = self
+
+        async def tapped(*args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
+            turn = policy.taps.get(kwargs.get("request_id", args[0] if args else None))
+            params = kwargs.get("sampling_params") if "sampling_params" in kwargs else args[2]
+            if turn is not None and params.logprobs is None:
+                params.logprobs = 0  # the sampled token's logprob only; the answer shows none unless asked
+            delta = params.output_kind == RequestOutputKind.DELTA
+            async for context in generate(*args, **kwargs):
+                if turn is not None and getattr(context, "last_output", None) is not None:
+                    turn.take_engine_output(context.last_output, delta)
+                yield context
+
+        return tapped
+
+    # --- adaptation and stitching ---
+
+    def begin(self, dialect: str, body: dict) -> tuple[Turn, dict]:
+        options = body.pop(wire.REQUEST_KEY, None)
+        options = options if isinstance(options, dict) else {}
+        turn = self.new_turn(dialect)
+        if options.get("adapt", True):
+            turn.requested, turn.adapted = adapt.adapt(
+                dialect, body, self.max_model_len, thinking_budgets=self.thinking_budgets
+            )
+        turn.limits = {name: body.get(name) for name in adapt.LIMIT_FIELDS[dialect]}
+        return turn, options
+
+    async def prepare(
+        self, turn: Turn, request: Any, messages: list, tool_dicts: list | None, template_kwargs: dict, options: dict
+    ) -> None:
+        """Digest the request for the next turn's match; stitch it onto the head it was sent with, if it extends it."""
+        params = request.build_chat_params(self.renderer.chat_template, self.renderer.chat_template_content_format)
+        params = params.with_defaults(merge_kwargs(template_kwargs, dict(tools=tool_dicts, tokenize=False)))
+        shaping = {k: v for k, v in params.chat_template_kwargs.items() if k not in ("add_generation_prompt",)}
+        turn.context = stitch.digest([params.chat_template, shaping])
+        turn.n, turn.digests = len(messages), stitch.message_digests(messages)
+        offered = options.get("head")
+        if offered is None or not options.get("stitch", True):
+            return
+        try:
+            why = await self._stitch(turn, request, messages, params, offered)
+        except Exception as exc:  # stitching is an optimisation of the prompt: never the reason a call fails
+            log.exception("lcap: stitching failed")
+            why = f"stitching failed: {exc.__class__.__name__}: {exc}"
+        turn.stitched, turn.note = why is None, why
+
+    async def _stitch(self, turn: Turn, request: Any, messages: list, params: Any, offered: Any) -> str | None:
+        if self.renderer.use_harmony:
+            return "gpt-oss (harmony) prompts are not stitched"
+        try:
+            head = stitch.Head.parse(offered)
+        except ValueError as exc:
+            return str(exc)
+        end, why = stitch.match(head, messages, turn.context)
+        if end is None:
+            return why
+        assert head.stop is not None
+        if head.stop not in self.stop_ids:
+            return f"token {head.stop} is not a stop token of this model"
+        prefix_params = replace(
+            params,
+            chat_template_kwargs={
+                **params.chat_template_kwargs,
+                "add_generation_prompt": False,
+                "continue_final_message": False,
+            },
+        )
+        prefix_text = await self._render(messages[:end], prefix_params)
+        full_text = await self._render(messages, params)
+        # The token the template ends a message with: the model's own stop token, or (when the model stopped on
+        # another of its stop tokens, e.g. <|endoftext|>) the stop token the template writes in its place.
+        end_id = next(
+            (i for i in [head.stop, *sorted(self.stop_ids - {head.stop})] if self.tokenizer.decode([i]) in prefix_text),
+            head.stop,
+        )
+        prompt_stops = head.ids[: head.prompt_len].count(end_id)
+        rest, why = stitch.suffix_text(prefix_text, full_text, self.tokenizer.decode([end_id]), prompt_stops)
+        if rest is None:
+            return why
+        ids, why = stitch.stitched_ids(head, self.tokenizer.encode(rest, add_special_tokens=False), self.max_model_len)
+        if ids is None:
+            return why
+        request.kv_transfer_params = {**(request.kv_transfer_params or {}), "prompt_token_ids": ids}
+        return None
+
+    async def _render(self, messages: list, params: Any) -> str:
+        _, prompt = await self.renderer.renderer.render_messages_async(messages, params)
+        text = prompt.get("prompt") if isinstance(prompt, dict) else None
+        if not isinstance(text, str):
+            raise ValueError("the template did not render to text")
+        return text
+
+    def _tool_dicts(self, request: ChatCompletionRequest) -> list | None:
+        if request.tools is None or (
+            request.tool_choice == "none" and self.renderer.exclude_tools_when_tool_choice_none
+        ):
+            return None
+        return [tool.model_dump() for tool in request.tools]
+
+    # --- chat completions and Messages (vLLM's chat path) ---
+
+    async def serve_chat(self, body: dict, raw_request: Request) -> Response:
+        turn, options = self.begin(adapt.CHAT, body)
+        request = _validate(ChatCompletionRequest, body)
+        asked_ids, asked_logprobs = bool(request.return_token_ids), bool(request.logprobs)
+        request.return_token_ids, request.logprobs = True, True
+        await self.prepare(
+            turn,
+            request,
+            request.messages,
+            self._tool_dicts(request),
+            self.renderer.default_chat_template_kwargs,
+            options,
+        )
+        result = await self.chat.create_chat_completion(request, raw_request)
+        if isinstance(result, ErrorResponse):
+            return JSONResponse(result.model_dump(), status_code=result.error.code)
+
+        def shown(obj: dict) -> dict:
+            turn.take_chat(obj)
+            if not asked_ids:  # the fields lcap asked for go, as lcap's proxy strips them on any vLLM
+                obj.pop("prompt_token_ids", None)
+                for choice in obj.get("choices") or ():
+                    choice.pop("token_ids", None)
+            if not asked_logprobs:
+                for choice in obj.get("choices") or ():
+                    choice["logprobs"] = None
+            return obj
+
+        if isinstance(result, ChatCompletionResponse):
+            return _whole(_dumps(shown(result.model_dump())), turn)
+
+        async def events() -> AsyncIterator[str]:
+            async for item in result:
+                if item.startswith(_DONE):
+                    yield _sse_trailer(turn)
+                elif item.startswith("data: "):
+                    item = f"data: {_dumps(shown(json.loads(item[6:])))}\n\n"
+                yield item
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def serve_messages(self, body: dict, raw_request: Request) -> Response:
+        turn, options = self.begin(adapt.MESSAGES, body)
+        request = _validate(AnthropicMessagesRequest, body)
+        handler = self.messages
+        effort = "none"
+        if request.thinking is not None and request.thinking.type == "disabled":
+            effort = await handler._get_disabled_thinking_effort()
+        chat = handler.to_chat_completion_request(
+            request, merge_inline_system=handler._merge_inline_system, disabled_thinking_effort=effort
+        )
+        chat.return_token_ids, chat.logprobs = True, True
+        if isinstance(body.get("logit_bias"), dict):  # vLLM's sampling extension, which its Messages model drops
+            chat.logit_bias = body["logit_bias"]
+        await self.prepare(
+            turn, chat, chat.messages, self._tool_dicts(chat), self.renderer.default_chat_template_kwargs, options
+        )
+        result = await handler.create_chat_completion(chat, raw_request)
+        if isinstance(result, ErrorResponse):
+            return _anthropic_error(result)
+        if isinstance(result, ChatCompletionResponse):
+            turn.take_chat(result.model_dump())
+            return _whole(_dumps(handler.messages_full_converter(result).model_dump(exclude_none=True)), turn)
+
+        async def chat_events() -> AsyncIterator[str]:
+            async for item in result:
+                if item.startswith("data: ") and not item.startswith(_DONE):
+                    turn.take_chat(json.loads(item[6:]))
+                yield item
+
+        async def events() -> AsyncIterator[str]:
+            async for item in handler.message_stream_converter(chat_events()):
+                if item.startswith("event: message_stop"):
+                    yield _sse_trailer(turn)
+                yield item
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    # --- Responses (vLLM's Responses handler, tapped) ---
+
+    async def responses_result(self, body: dict, raw_request: Request | None) -> tuple[Turn, Any]:
+        turn, options = self.begin(adapt.RESPONSES, body)
+        request = _validate(ResponsesRequest, body)
+        if self.responses is None:
+            raise RequestValidationError([{"msg": "the model does not support the Responses API"}])
+        if request.previous_response_id is not None or request.background:
+            turn.exact = not request.background
+            turn.note = "previous_response_id or background: the history is vLLM's, not the request's"
+        else:
+            messages = construct_input_messages(request_instructions=request.instructions, request_input=request.input)
+            tools = construct_tool_dicts(
+                request.tools,
+                request.tool_choice,
+                exclude_tools_when_tool_choice_none=self.renderer.exclude_tools_when_tool_choice_none,
+            )
+            template_kwargs = self.renderer.effective_chat_template_kwargs(request)
+            await self.prepare(turn, request, messages, tools, template_kwargs, options)
+        self.taps[request.request_id] = turn
+        try:
+            result = await self.responses.create_responses(request, raw_request)
+        except BaseException:
+            self.taps.pop(request.request_id, None)
+            raise
+        if isinstance(result, (ErrorResponse, ResponsesResponse)):  # done: only a stream still runs
+            self.taps.pop(request.request_id, None)
+        return turn, _Started(request.request_id, result)
+
+    def produced(self, turn: Turn, response: Any) -> None:
+        """The assistant message(s) the agent got, as the Responses handler reads them back into chat messages."""
+        try:
+            output = response.output if not isinstance(response, dict) else ResponsesResponse(**response).output
+            turn.produced = construct_chat_messages_with_tool_call(list(output))
+        except Exception as exc:
+            turn.produced, turn.digests = [], []  # no head: the next turn is not stitched onto this one
+            turn.note = turn.note or f"the answer could not be read back: {exc}"
+
+    async def response_events(self, turn: Turn, started: _Started) -> AsyncIterator[tuple[str, str]]:
+        """(event type, JSON) of a streamed Responses answer, lcap's two parts before its last event."""
+        try:
+            async for event in started.result:
+                kind = getattr(event, "type", "unknown")
+                data = event.model_dump_json(indent=None, by_alias=True)
+                if getattr(event, "response", None) is not None:
+                    data = _dumps({**json.loads(data), "response": _public(json.loads(data)["response"])})
+                if kind in _RESPONSE_END:
+                    self.produced(turn, getattr(event, "response", None))
+                    record, head = turn.trailer()
+                    yield wire.RECORD_EVENT, record
+                    yield wire.HEAD_EVENT, head
+                yield kind, data
+        finally:
+            self.taps.pop(started.request_id, None)
+
+
+@dataclass
+class _Started:
+    request_id: str
+    result: Any
+
+
+def _validate(model: type, body: dict) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+
+
+def _public(response: dict) -> dict:
+    """A Responses object without vLLM's own unset extensions (`input_messages`, `output_messages`): the
+    OpenAI shape a harness expects, as lcap's proxy leaves it on any vLLM."""
+    for name in ("input_messages", "output_messages"):
+        if response.get(name) is None:
+            response.pop(name, None)
+    return response
+
+
+def _whole(answer: str, turn: Turn) -> Response:
+    record, head = turn.trailer()
+    return Response(f"{answer}\n{record}\n{head}".encode(), media_type="application/json")
+
+
+def _sse_trailer(turn: Turn) -> str:
+    record, head = turn.trailer()
+    return f"event: {wire.RECORD_EVENT}\ndata: {record}\n\nevent: {wire.HEAD_EVENT}\ndata: {head}\n\n"
+
+
+def _anthropic_error(error: ErrorResponse) -> JSONResponse:
+    body = {"type": "error", "error": {"type": error.error.type, "message": error.error.message}}
+    return JSONResponse(body, status_code=error.error.code)
+
+
+def _policy(request: Request | WebSocket) -> Policy:
+    return request.app.state.lcap_policy
+
+
+# --- routes -------------------------------------------------------------------------------------------
+
+
+@router.get(wire.INFO_PATH)
+async def info(raw_request: Request) -> JSONResponse:
+    policy = _policy(raw_request)
+    dialects = ["chat", "messages"] + (["responses"] if policy.responses is not None else [])
+    return JSONResponse({"version": wire.VERSION, "max_model_len": policy.max_model_len, "dialects": dialects})
+
+
+@router.post(wire.PREFIX + "/v1/chat/completions")
+@with_cancellation
+@load_aware_call
+async def chat_completions(body: dict = Body(...), *, raw_request: Request):  # noqa: B008 (FastAPI's idiom)
+    return await _policy(raw_request).serve_chat(body, raw_request)
+
+
+@router.post(wire.PREFIX + "/v1/messages")
+@with_cancellation
+@load_aware_call
+async def messages(body: dict = Body(...), *, raw_request: Request):  # noqa: B008
+    return await _policy(raw_request).serve_messages(body, raw_request)
+
+
+@router.post(wire.PREFIX + "/v1/responses")
+@with_cancellation
+@load_aware_call
+async def responses(body: dict = Body(...), *, raw_request: Request):  # noqa: B008
+    policy = _policy(raw_request)
+    turn, started = await policy.responses_result(body, raw_request)
+    result = started.result
+    if isinstance(result, ErrorResponse):
+        return JSONResponse(result.model_dump(mode="json", by_alias=True), status_code=result.error.code)
+    if isinstance(result, ResponsesResponse):
+        policy.produced(turn, result)
+        return _whole(_dumps(_public(result.model_dump(mode="json", by_alias=True))), turn)
+
+    async def events() -> AsyncIterator[str]:
+        async for kind, data in policy.response_events(turn, started):
+            yield f"event: {kind}\ndata: {data}\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+@router.websocket(wire.PREFIX + "/v1/responses")
+async def responses_socket(socket: WebSocket) -> None:
+    """The Responses API over a WebSocket: a `response.create` frame in, its events out as frames, one response
+    at a time. A frame with `generate: false` (a client warming the connection up) gets an empty response."""
+    await socket.accept()
+    policy = _policy(socket)
+    try:
+        while True:
+            try:
+                frame = json.loads(await socket.receive_text())
+            except ValueError:
+                await socket.send_text(_dumps(_ws_error("invalid_request_error", "a frame that is not JSON")))
+                continue
+            if not isinstance(frame, dict) or frame.get("type") != "response.create":
+                continue
+            nested = frame.get("response")
+            body = dict(nested) if isinstance(nested, dict) else {k: v for k, v in frame.items() if k != "type"}
+            if wire.REQUEST_KEY in frame and isinstance(nested, dict):
+                body[wire.REQUEST_KEY] = frame[wire.REQUEST_KEY]
+            generate = body.pop("generate", True)
+            if generate is False:
+                for event in _empty_response(body):
+                    await socket.send_text(_dumps(event))
+                continue
+            body["stream"] = True
+            try:
+                turn, started = await policy.responses_result(body, None)
+            except RequestValidationError as exc:
+                await socket.send_text(_dumps(_ws_error("invalid_request_error", str(exc.errors()))))
+                continue
+            if isinstance(started.result, ErrorResponse):
+                error = started.result.error
+                await socket.send_text(_dumps(_ws_error(error.type, error.message)))
+                continue
+            async for kind, data in policy.response_events(turn, started):
+                if kind == wire.HEAD_EVENT:
+                    await socket.send_text(f'{{"type":"{wire.HEAD_EVENT}","head":{data}}}')
+                elif kind == wire.RECORD_EVENT:
+                    await socket.send_text(f'{{"type":"{wire.RECORD_EVENT}",{data[1:]}')
+                else:
+                    await socket.send_text(data)
+    except WebSocketDisconnect:
+        return
+
+
+def _ws_error(kind: str, message: str) -> dict:
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _empty_response(body: dict) -> list[dict]:
+    import time
+    import uuid
+
+    response = {
+        "id": f"resp_{uuid.uuid4().hex}",
+        "object": "response",
+        "created_at": int(time.time()),
+        "model": body.get("model"),
+        "status": "completed",
+        "output": [],
+        "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0},
+    }
+    return [
+        {"type": "response.created", "response": {**response, "status": "in_progress"}},
+        {"type": "response.completed", "response": response},
+    ]
