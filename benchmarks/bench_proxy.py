@@ -51,6 +51,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 import httpcore
 import httpx
@@ -303,9 +304,12 @@ def _leaf_files(ca_dir: Path, tmp: Path) -> tuple[str, str]:
     return str(cert_file), str(key_file)
 
 
-def start_proxy(argv: list[str], env: dict[str, str], cwd: Path | None = None) -> tuple[subprocess.Popen, int, str]:
-    """Start `lcap proxy --serve ...`; its process, port and the CA bundle it exports. Its stderr is this one's."""
-    proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, text=True)
+def start_proxy(
+    argv: list[str], env: dict[str, str], cwd: Path | None = None, stderr: IO[str] | None = None
+) -> tuple[subprocess.Popen, int, str]:
+    """Start `lcap proxy --serve ...`; its process, port and the CA bundle it exports. Its stderr is this one's
+    unless given."""
+    proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=stderr, text=True)
     line = proc.stdout.readline()
     if "listening on" not in line:
         proc.kill()

@@ -30,6 +30,9 @@ log = logging.getLogger("lcap.capture")
 
 Fields = Sequence[tuple[bytes, bytes]]  # header fields: (name, value) pairs
 _CREDENTIALS = frozenset(name.encode() for name in CREDENTIAL_HEADERS)
+# A rerouted call has nothing to switch protocols to, and an upgrade asked on a POST makes readers disagree on its
+# body (llhttp, in uvicorn and Node, takes it for the next protocol's bytes): the request goes without it.
+_UPGRADE = frozenset((b"upgrade", b"http2-settings"))
 
 
 # --- which episode ------------------------------------------------------------------------------------
@@ -175,9 +178,9 @@ class Calls:
         """Send `call` along `route`: its upstream, its fields for that upstream, and what its turn says of it."""
         pending = call.pending
         pending.policy = route.lcap and pending.dialect in policy_wire.PATHS
-        drop = _CREDENTIALS
+        drop = _CREDENTIALS | _UPGRADE
         if pending.policy or (self.token_ids and pending.dialect in dialects.TOKEN_ID_DIALECTS):
-            drop = _CREDENTIALS | {b"accept-encoding"}  # answers are rewritten: keep them plain
+            drop = drop | {b"accept-encoding"}  # answers are rewritten: keep them plain
         call.route = route
         call.fields = self.rerouted_fields(call.agent_fields, route, drop)
         call.scheme, call.host, call.port = route.scheme, route.host, route.port
@@ -210,15 +213,15 @@ class Calls:
         rewritten when the route says so). False: a side call that shares the path; nothing is recorded, and
         the request goes on as it came, to its own host."""
         try:
-            request = json.loads(body)
+            request, exact = json.loads(body), True
         except ValueError:
-            return False
+            request, exact = _read_leniently(body), False
         pending = call.pending
         if not dialects.looks_like_call(pending.dialect, request):
             return False
         pending.request_body = call.body = body
         pending.model_requested = request.get("model")
-        if call.route is not None:
+        if call.route is not None and exact:  # a body read leniently goes on as it came: the upstream judges it
             call.request = request
             call.body = self._forward(call)
         pending.started_at, pending.t0 = time.time(), time.perf_counter()  # the call starts once it is whole
@@ -353,6 +356,19 @@ class Calls:
         self.writer.put(pending)
         if pending.seq is not None:
             self._closed(pending.episode_id)
+
+
+def _read_leniently(body: bytes) -> object:
+    """A body Python's parser refuses but an upstream may take (bytes that are not UTF-8 in a string, a raw
+    control character, an integer past `int`'s digit limit), read with those repaired; None if it is not JSON."""
+    try:
+        return json.loads(body.decode("utf-8", "replace"), strict=False, parse_int=_lenient_int)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _lenient_int(digits: str) -> int | float:
+    return int(digits) if len(digits) < 4000 else float(digits)
 
 
 def with_route_model(request: dict, route: Route) -> dict:

@@ -209,6 +209,7 @@ class UpstreamPool:
         self.idle: OrderedDict[tuple[str, str, int], list[Plain]] = OrderedDict()
         self.count = 0
         self._tls: ssl.SSLContext | None = None
+        self._pruning: asyncio.TimerHandle | None = None
 
     def take(self, key: tuple[str, str, int]) -> Plain | None:
         idle = self.idle.get(key)
@@ -246,6 +247,27 @@ class UpstreamPool:
                 self.count -= 1
             if not conns:
                 del self.idle[first_key]
+        if self._pruning is None:
+            self._pruning = asyncio.get_running_loop().call_later(POOL_AGE, self._prune)
+
+    def _prune(self) -> None:
+        """Close the connections idle for `POOL_AGE`: a proxy no call uses keeps none open (`take` only looks at
+        the upstream it takes from), then look again when the next one comes of age."""
+        self._pruning = None
+        now = time.monotonic()
+        for key, conns in list(self.idle.items()):
+            kept = [conn for conn in conns if conn.idle_since > now - POOL_AGE]
+            for conn in conns:
+                if conn.idle_since <= now - POOL_AGE:
+                    conn.close()
+            self.count -= len(conns) - len(kept)
+            if kept:
+                self.idle[key] = kept
+            else:
+                del self.idle[key]
+        if self.count:
+            oldest = min(conn.idle_since for conns in self.idle.values() for conn in conns)
+            self._pruning = asyncio.get_running_loop().call_later(oldest + POOL_AGE - now, self._prune)
 
     def _tls_context(self) -> ssl.SSLContext:
         """Verified against certifi's roots, as mitmproxy verifies upstreams: one trust store for both paths."""
@@ -257,6 +279,9 @@ class UpstreamPool:
         return self._tls
 
     def close(self) -> None:
+        if self._pruning is not None:
+            self._pruning.cancel()
+            self._pruning = None
         for conns in self.idle.values():
             for conn in conns:
                 conn.close()

@@ -39,7 +39,15 @@ from lcap.capture.certs import LeafCerts
 from lcap.capture.connections import READ_SIZE, AgentReader, Expired, Plain, TlsServerSide, UpstreamPool, Watches
 from lcap.capture.destinations import Destinations, Forbidden
 from lcap.capture.dns import Names
-from lcap.capture.http1 import HEAD_END, PROXY_AUTHENTICATE, BadRequest, RequestHead, parse_request_head, refusal
+from lcap.capture.http1 import (
+    HEAD_END,
+    PROXY_AUTHENTICATE,
+    BadRequest,
+    RequestHead,
+    not_a_head,
+    parse_request_head,
+    refusal,
+)
 from lcap.capture.netns import original_destination
 from lcap.capture.options import ProxyOptions
 
@@ -430,6 +438,8 @@ class Front:
             if not buf:
                 return None
         end = HEAD_END.search(buf)
+        if end is None and not_a_head(buf):
+            raise Refused(400, "not an HTTP/1 request (TLS to a plain proxy URL? the proxy URL is http://)")
         if end is None:
             pieces = bytearray(buf)
             try:

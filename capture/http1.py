@@ -20,6 +20,15 @@ import httptools
 HEAD_END = re.compile(rb"\n\r?\n")  # the empty line ending a head; a bare-LF one is found too, then refused
 
 
+_LINE_START = re.compile(rb"(?:\r?\n)*[!#$%&'*+.^_`|~0-9A-Za-z-]{0,32}(?: |\Z)")  # empty lines, then a method
+
+
+def not_a_head(start: bytes) -> bool:
+    """True when `start`, the first bytes of a request, cannot begin a request line (a TLS handshake sent to the
+    plain port, binary garbage): answered at once, not waited for until the head timeout."""
+    return _LINE_START.match(start) is None
+
+
 class BadRequest(Exception):
     """A head llhttp refuses: 400."""
 

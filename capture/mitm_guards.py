@@ -11,11 +11,19 @@
   `body_size_limit` applies to every flow, downloads and uploads the agent makes included, so lcap
   replaces its check with one that asks `limit_for(flow, request)`; everything else streams, unbounded
   and unbuffered, as before.
+- `install_http1_guards`: where mitmproxy's HTTP/1 layer would hang or close without a word, an answer.
+  A chunk size past 2^64 (which the front's parser, llhttp, refuses too) is a protocol error, and a
+  request body mitmproxy cannot read gets its 400 before the connection closes (mitmproxy closed it
+  first, so its 400 was never written). Trailers after a chunked body are dropped (RFC 9112 7.1.2 lets
+  a recipient that removes the chunked coding discard them; mitmproxy raised NotImplementedError). An
+  upstream's interim answer (100 Continue, 103 Early Hints) is skipped, so the answer proper that
+  follows is the one relayed (the front does the same), where mitmproxy took the 1xx for the answer.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -126,3 +134,71 @@ def _no_limit(flow: Any, request: bool) -> int | None:
 
 
 _limit_for: Callable[[Any, bool], int | None] = _no_limit
+
+
+_INTERIM = re.compile(rb"HTTP/1\.[01] 1(?!01)[0-9][0-9][ \r\n]")  # a 1xx head other than 101 Switching Protocols
+MAX_CHUNK_SIZE = 2**64 - 1
+
+
+def install_http1_guards() -> None:
+    """Patch mitmproxy's HTTP/1 layer as the module's docstring says. Installed once per process."""
+    import h11
+    from h11._readers import ChunkedReader
+    from mitmproxy.proxy import commands, events
+    from mitmproxy.proxy.layers.http import RequestProtocolError, _http1
+
+    if getattr(_http1.Http1Client.read_headers, "lcap", False):
+        return
+
+    class BoundedChunkedReader(ChunkedReader):
+        """h11's chunked body reader, refusing a chunk size past 2^64 and dropping trailers."""
+
+        def __call__(self, buf: Any) -> Any:
+            event = super().__call__(buf)
+            size = self._bytes_in_chunk  # what is left of the chunk: all of it when the chunk began here
+            if isinstance(event, h11.Data) and event.chunk_start:
+                size += len(event.data)
+            if size > MAX_CHUNK_SIZE:
+                raise h11.RemoteProtocolError("chunk size past 2^64")
+            if isinstance(event, h11.EndOfMessage) and event.headers:
+                return h11.EndOfMessage()
+            return event
+
+    read_headers = _http1.Http1Client.read_headers
+
+    def skip_interim(self: Any, event: Any):  # mitmproxy's Http1Client.read_headers, past any 1xx but 101
+        if isinstance(event, events.DataReceived) and self.request is not None:
+            while _INTERIM.match(bytes(self.buf._data[:16])):
+                if self.buf.maybe_extract_lines() is None:
+                    return  # the rest of the interim head is still to come
+        yield from read_headers(self, event)
+
+    read_body = _http1.Http1Connection.read_body
+
+    def answer_then_close(self: Any, event: Any):  # mitmproxy's read_body, for the agent's side
+        """A request body mitmproxy cannot read (a bad chunk size) is answered 400 before the connection closes;
+        mitmproxy closes it first, so its own 400 is never written."""
+        body = read_body(self, event)
+        held, reply = None, None
+        while True:
+            try:
+                command = body.send(reply)
+            except StopIteration:
+                break
+            if held is None and isinstance(command, commands.CloseConnection):
+                held, reply = command, None
+                continue
+            if held is not None:
+                error = getattr(command, "event", None)
+                if isinstance(error, RequestProtocolError) and not self.response:
+                    yield commands.SendData(self.conn, _http1.make_error_response(error.code, error.message))
+                yield held
+                held = None
+            reply = yield command
+        if held is not None:
+            yield held
+
+    skip_interim.lcap = True  # type: ignore[attr-defined]
+    _http1.ChunkedReader = BoundedChunkedReader  # type: ignore[misc]  # make_body_reader's reader
+    _http1.Http1Client.read_headers = skip_interim  # type: ignore[method-assign]  # deliberate patches
+    _http1.Http1Server.read_body = answer_then_close  # type: ignore[method-assign]

@@ -21,6 +21,7 @@ import hashlib
 import itertools
 import logging
 import os
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -62,13 +63,24 @@ class Route:
         return (host if self.port == default else f"{host}:{self.port}").encode("idna")
 
     def path_for(self, agent_path: str) -> str:
-        """Map the agent's path onto the upstream: keep it whole, or graft what follows `/v1`."""
+        """Map the agent's path onto the upstream: keep it whole, or graft what follows `/v1`. Bytes past ASCII
+        (a raw 0xFF, unencoded UTF-8), which an HTTP/1 server may refuse (RFC 9112 3.2), are percent-encoded as
+        browsers and curl send them; the turn keeps the path the agent wrote."""
+        if not agent_path.isascii():
+            agent_path = _PAST_ASCII.sub(_percent, agent_path.encode("utf-8", "surrogateescape")).decode()
         if not self.base_path:
             return agent_path
         path, sep, query = agent_path.partition("?")
         idx = path.find("/v1/")
         tail = path[idx + 3 :] if idx >= 0 else path
         return f"{self.base_path}{tail}{sep}{query}"
+
+
+_PAST_ASCII = re.compile(rb"[\x80-\xff]")
+
+
+def _percent(match: re.Match[bytes]) -> bytes:
+    return b"%%%02X" % match[0][0]
 
 
 def parse_upstream(

@@ -36,7 +36,7 @@ from lcap.capture.dns import Names, Resolver
 from lcap.capture.front import Front
 from lcap.capture.jvm import java_proxy_options, java_tool_options, non_proxy_hosts, trust_store
 from lcap.capture.memory import MemoryTrimmer
-from lcap.capture.mitm_guards import FrontOnly, PrivateDestinations, install_body_limits
+from lcap.capture.mitm_guards import FrontOnly, PrivateDestinations, install_body_limits, install_http1_guards
 from lcap.capture.netns import Namespaces, certs_mirror, missing
 from lcap.capture.options import ProxyOptions
 from lcap.capture.peers import from_tree
@@ -388,6 +388,7 @@ class CaptureProxy:
             addon,
         )
         install_body_limits(addon.body_limit)
+        install_http1_guards()
         opts.update(  # mitmproxy listens on loopback only: agents reach it through the front (capture/front.py)
             confdir=str(ca_dir()),
             listen_host="127.0.0.1",

@@ -255,6 +255,9 @@ class TurnWriter:
             if code in (0, _UNREACHABLE, _LOCKED) or (stopping and restarts_at_stop >= _RESTARTS_AT_STOP):
                 break  # done; or the store is unreachable at the end (the spool stays); or it keeps dying
             log.warning("lcap: the turn writer %s; starting it again", _death(code))
+            for pipe in (proc.stdin, proc.stdout):  # the dead writer's, or each restart leaves its pipes open
+                if pipe is not None:
+                    pipe.close()
             if time.monotonic() - started > 10:
                 delay = _RESTART_DELAY[0]
             time.sleep(delay)

@@ -9,6 +9,7 @@ and the numbering of idle episodes.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import resource
@@ -22,6 +23,7 @@ import httpx
 import pytest
 from fixtures_capture import LCAP, turns
 
+from lcap.capture import connections
 from lcap.capture.calls import Calls
 from lcap.capture.certs import LeafCerts
 from lcap.capture.options import ProxyOptions
@@ -306,6 +308,29 @@ def test_certificate_caches_are_bounded(store):
         while tunnels and time.monotonic() < deadline:
             time.sleep(0.05)
         assert tunnels == {}
+
+
+def test_idle_upstream_connections_are_closed_when_no_call_comes(monkeypatch):
+    """The pool closes a connection idle for `POOL_AGE` even when no call takes from that upstream again: a proxy
+    left idle keeps no upstream's fds (the soak counts them)."""
+    monkeypatch.setattr(connections, "POOL_AGE", 0.5)
+
+    async def main() -> None:
+        server = await asyncio.start_server(lambda reader, writer: None, "127.0.0.1", 0)  # keeps them open
+        key = ("http", "127.0.0.1", server.sockets[0].getsockname()[1])
+        pool = connections.UpstreamPool()
+        first, second = [await pool.open(key, "127.0.0.1") for _ in range(2)]
+        pool.give_back(key, first)
+        await asyncio.sleep(0.3)
+        pool.give_back(key, second)  # younger than the first: the pool looks again when it comes of age
+        await asyncio.sleep(2.0)
+        closed = first.writer.is_closing(), second.writer.is_closing()
+        left = pool.count, dict(pool.idle)
+        pool.close()
+        server.close()
+        assert closed == (True, True) and left == (0, {})
+
+    asyncio.run(main())
 
 
 def test_idle_episodes_are_forgotten_and_still_sort(tmp_path):
