@@ -1,7 +1,7 @@
 """The capture proxy's options (`lcap proxy`, collect's proxy, `CaptureProxy`): each default and help, written once.
 
 Every limit has a default sized for real agents (long prompts, long streams, many connections) and an
-answer the agent can read: the status code of each is in its help, and README's "Limits and security"."""
+answer the agent can read: the status code of each is in its help, and the user guide's "Limits and security" (docs/guide.md)."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ class ProxyOptions:
     # --- state kept between calls ---
     max_certs: int = option(1000, help="TLS certificates kept for intercepted hosts (least recently used go).")
     max_episodes: int = option(
-        100_000, help="Idle episodes whose call numbering is kept (least recently used go; see README)."
+        100_000, help="Idle episodes whose call numbering is kept (least recently used go; see docs/guide.md)."
     )
 
 
