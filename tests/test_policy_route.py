@@ -143,13 +143,14 @@ def test_messages_and_responses_exact_ids(vllm_policy, tmp_path, capture_home):
     db = tmp_path / "lcap.duckdb"
     with CaptureProxy(Store(db), ProxyOptions(upstream="policy")) as proxy:
         oa, an = _clients(proxy, "dialects-ep")
-        # Anthropic Messages, as Claude Code sends it: a frontier-sized max_tokens, thinking, metadata, cache marks
+        # Anthropic Messages, as Claude Code sends it: thinking, metadata, cache marks, and a max_tokens past the
+        # policy's context (Claude Code's 64000 fits the tiny model's 64k positions; a frontier model's may not)
         system = [{"type": "text", "text": "Use tools.", "cache_control": {"type": "ephemeral"}}]
         history: list = [{"role": "user", "content": [{"type": "text", "text": "What is x?"}]}]
         tools = [{"name": "lookup", "description": "Look up.", "input_schema": TOOLS[0]["function"]["parameters"]}]
         common = dict(
             model="claude-sonnet-4-5",
-            max_tokens=64000,
+            max_tokens=200_000,
             system=system,
             tools=tools,
             metadata={"user_id": "u1"},
@@ -216,7 +217,7 @@ def test_adaptation_off_gets_vllms_answer(vllm_policy, tmp_path, capture_home):
         with pytest.raises(anthropic.BadRequestError):
             an.messages.create(
                 model="claude",
-                max_tokens=64000,
+                max_tokens=200_000,  # past the policy's context: vLLM refuses it
                 messages=[{"role": "user", "content": "hi"}],
                 metadata={"user_id": "u"},
             )
