@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import duckdb
 import httpx
 import pytest
 from fixtures_ui import LCAP, XSS, UiServer, fill_store
@@ -300,18 +301,25 @@ def test_bad_query_values_are_named_and_ignored(ui_db):
 
 
 def test_columns_a_newer_lcap_adds_are_shown_when_present(ui_db, tmp_path):
-    copy = tmp_path / "newer.duckdb"
-    copy.write_bytes(ui_db.read_bytes())
-    store = Store(copy)
-    store.execute("ALTER TABLE turns ADD COLUMN stitched BOOLEAN")
+    """The UI reads the columns a store has: a store from before stitching and the mismatch guard still shows."""
+    newer = tmp_path / "newer.duckdb"
+    newer.write_bytes(ui_db.read_bytes())
+    store = Store(newer)
     store.execute("UPDATE turns SET stitched = true WHERE episode_id = 'ep-r2-1'")
-    store.execute("ALTER TABLE train_runs ADD COLUMN train_serve_mismatch DOUBLE")
-    store.execute("UPDATE train_runs SET train_serve_mismatch = 0.0123")
-    with client(copy) as c:
-        assert "0.0123" in c.get("/").text and ">train_serve_mismatch<" in c.get("/").text
+    store.execute("UPDATE train_runs SET mismatch_kl = 0.0123, mismatch = '[]'")
+    older = tmp_path / "older.duckdb"
+    older.write_bytes(ui_db.read_bytes())
+    con = duckdb.connect(str(older))  # Store would migrate it back to today's columns
+    con.execute("ALTER TABLE turns DROP COLUMN stitched")
+    for column in ("mismatch_kl", "mismatch_logp_diff", "mismatch_seconds", "mismatch"):
+        con.execute(f"ALTER TABLE train_runs DROP COLUMN {column}")
+    con.close()
+    with client(newer) as c:
+        assert "0.0123" in c.get("/").text and ">mismatch_kl<" in c.get("/").text
+        assert ">mismatch<" not in c.get("/").text  # the per-deployment JSON is not a figure
         assert rows_of(c.get("/episodes", params={"flag": "stitched"}).text) == ["ep-r2-1"]
         assert 'badge flag-soft">stitched' in c.get("/episode", params={"id": "ep-r2-1"}).text
-    with client(ui_db) as c:  # the older store: no such filter, no such column
+    with client(older) as c:  # the older store: no such filter, no such column
         assert "stitched" not in c.get("/episodes").text and "mismatch" not in c.get("/").text
 
 

@@ -295,7 +295,7 @@ def overview(con: duckdb.DuckDBPyConnection, cols: dict[str, set[str]]) -> dict[
         )
     )
     train = _dicts(con.execute("SELECT * EXCLUDE (config) FROM train_runs ORDER BY round, started_at"))
-    mismatch = sorted(c for c in cols.get("train_runs", set()) if "mismatch" in c)
+    mismatch = sorted(c for c in cols.get("train_runs", set()) if "mismatch" in c and c != "mismatch")  # not its JSON
     phases = _dicts(
         con.execute(
             """WITH latest AS (SELECT arg_max(run, created_at) AS run FROM loop_steps)
