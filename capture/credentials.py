@@ -29,6 +29,7 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 from lcap.config import LcapError, lcap_home
+from lcap.processes import alive
 
 Fields = Sequence[tuple[bytes, bytes]]
 EPISODE_HEADER = b"x-lcap-episode"
@@ -189,7 +190,7 @@ def running_proxies() -> list[ProxyRecord]:
             record = ProxyRecord.from_json(json.loads(path.read_text()))
         except (OSError, ValueError, TypeError, AttributeError):
             continue
-        if _alive(record.pid):
+        if alive(record.pid):
             found.append(record)
         else:
             path.unlink(missing_ok=True)
@@ -209,13 +210,3 @@ def find_proxy(port: int | None) -> ProxyRecord:
         ports = ", ".join(str(p.port) for p in proxies)
         raise LcapError(f"several lcap proxies are running (ports {ports}): pick one with --port")
     return proxies[0]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -68,7 +68,7 @@ from lcap.dataset.collect import (
     template_dir,
 )
 from lcap.dataset.options import CollectOptions
-from lcap.processes import kill_group
+from lcap.processes import alive, kill_group
 from lcap.ray_cluster import describe
 from lcap.store import Store
 
@@ -180,22 +180,12 @@ class NodeProxy:
         return report.unstored if report is not None else 0
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_dead_spools(root: Path) -> None:
     """Spools of node proxies that died: what they hold belongs to episodes that are run again (a finished
     episode's turns were all taken before it finished), so they are deleted, not replayed."""
     for path in root.glob("*-*"):
         pid = path.name.split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not alive(int(pid)):
             if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
             else:
