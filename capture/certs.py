@@ -7,6 +7,7 @@ import ssl
 import tempfile
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 
 class LeafCerts:
@@ -16,8 +17,7 @@ class LeafCerts:
     def __init__(self, confdir: Path, basename: str, max_certs: int = 1000) -> None:
         from mitmproxy.certs import CertStore
 
-        self.store = CertStore.from_store(confdir, basename, 2048)
-        self.store.STORE_CAP = max_certs  # mitmproxy's own bound on the certificates it keeps (FIFO)
+        self.store = bounded_lru(CertStore.from_store(confdir, basename, 2048), max_certs)
         self.max_certs = max_certs
         self.contexts: OrderedDict[str, ssl.SSLContext] = OrderedDict()
 
@@ -57,3 +57,22 @@ class LeafCerts:
             key_file.write_bytes(key)
             ctx.load_cert_chain(cert_file, key_file)
         return ctx
+
+
+def bounded_lru(store: Any, max_certs: int) -> Any:
+    """Make a mitmproxy `CertStore` keep the `max_certs` certificates used last. Its own bound (`STORE_CAP`)
+    drops the one made first, even a host every call goes to; here each hit moves its entry to the back of the
+    store's expiry queue, so the one used least recently goes instead."""
+    store.STORE_CAP = max_certs
+    get_cert = store.get_cert
+
+    def get_cert_lru(*args: Any, **kwargs: Any) -> Any:
+        entry = get_cert(*args, **kwargs)
+        queue = store.expire_queue
+        if queue and queue[-1] is not entry and entry in queue:  # a made certificate (not the CA's own)
+            queue.remove(entry)
+            queue.append(entry)
+        return entry
+
+    store.get_cert = get_cert_lru
+    return store

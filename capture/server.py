@@ -29,7 +29,7 @@ from typing import Any
 from lcap.capture.addon import CaptureAddon
 from lcap.capture.announce import Announcer, command_line
 from lcap.capture.calls import Calls
-from lcap.capture.certs import LeafCerts
+from lcap.capture.certs import LeafCerts, bounded_lru
 from lcap.capture.credentials import EpisodeKeys, ProxyRecord, remove_record
 from lcap.capture.destinations import Destinations, is_loopback_host
 from lcap.capture.dns import Names, Resolver
@@ -398,7 +398,7 @@ class CaptureProxy:
             upstream_cert=False,
             stream_large_bodies=None,
         )
-        master.addons.get("tlsconfig").certstore.STORE_CAP = self.options.max_certs
+        bounded_lru(master.addons.get("tlsconfig").certstore, self.options.max_certs)
         self._master = master
         self.loop = asyncio.get_running_loop()
         self.loop.set_exception_handler(_loop_exception)  # kept through asyncio.run's shutdown

@@ -25,7 +25,7 @@ from fixtures_capture import LCAP, turns
 
 from lcap.capture import connections
 from lcap.capture.calls import Calls
-from lcap.capture.certs import LeafCerts
+from lcap.capture.certs import LeafCerts, bounded_lru
 from lcap.capture.options import ProxyOptions
 from lcap.capture.routes import Router
 from lcap.capture.server import CA_BASENAME, CaptureProxy, ca_dir
@@ -308,6 +308,25 @@ def test_certificate_caches_are_bounded(store):
         while tunnels and time.monotonic() < deadline:
             time.sleep(0.05)
         assert tunnels == {}
+
+
+def test_mitmproxys_certificate_store_drops_the_least_recently_used():
+    """A host every call goes to keeps its certificate however many others come and go (mitmproxy's own bound
+    drops the certificate made first)."""
+    from cryptography import x509
+    from mitmproxy.certs import CertStore
+
+    store = bounded_lru(CertStore.from_store(ca_dir(), CA_BASENAME, 2048), 2)
+
+    def cert(host: str):
+        return store.get_cert(host, [x509.DNSName(host)])
+
+    busy = cert("busy.example")
+    cert("a.example")
+    assert cert("busy.example") is busy  # a hit
+    cert("b.example")  # one too many: a.example, used least recently, goes
+    assert cert("busy.example") is busy
+    assert {e.cert.cn for e in store.expire_queue} == {"busy.example", "b.example"}
 
 
 def test_idle_upstream_connections_are_closed_when_no_call_comes(monkeypatch):
