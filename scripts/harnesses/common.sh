@@ -21,5 +21,6 @@ if [ -n "${LCAP_WORKDIR:-}" ]; then
 else
   harness_home=$(mktemp -d "${TMPDIR:-/tmp}/lcap-harness-XXXXXX")
 fi
-# A key of the right shape: lcap's proxy drops it on the policy route, and redacts it from the store anyway.
-fake_key=sk-lcap-0000000000000000000000000000000000000000
+# A key of the right shape, made here so that no key-shaped string is committed: lcap's proxy drops it on the
+# policy route, and redacts it from the store anyway.
+fake_key="sk-lcap-$(printf '0%.0s' $(seq 40))"
