@@ -69,9 +69,10 @@ def bounded_lru(store: Any, max_certs: int) -> Any:
     def get_cert_lru(*args: Any, **kwargs: Any) -> Any:
         entry = get_cert(*args, **kwargs)
         queue = store.expire_queue
-        if queue and queue[-1] is not entry and entry in queue:  # a made certificate (not the CA's own)
-            queue.remove(entry)
-            queue.append(entry)
+        if queue and queue[-1] is not entry:
+            at = next((i for i, e in enumerate(queue) if e is entry), None)  # by identity: entries compare by value
+            if at is not None:  # a made certificate (the CA's own is not in the queue)
+                queue.append(queue.pop(at))
         return entry
 
     store.get_cert = get_cert_lru
