@@ -29,10 +29,11 @@ if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
   $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends chromium
 fi
 # `--transparent` rewrites the agent's connections with iptables inside its own network namespace; the JVM agents
-# of the capture tests run from one source file (`java File.java` needs a JDK, not only a JRE).
+# of the capture tests run from one source file (`java File.java` needs a JDK, not only a JRE), one of them on OkHttp.
 missing=()
 PATH=$PATH:/usr/sbin:/sbin command -v iptables-restore >/dev/null 2>&1 || missing+=(iptables)
 command -v javac >/dev/null 2>&1 || missing+=(default-jdk-headless)
+[ -f /usr/share/java/okhttp.jar ] || missing+=(libokhttp-java)
 if [ ${#missing[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
   sudo=$([ "$(id -u)" = 0 ] || echo sudo)
   $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -737,21 +737,17 @@ def test_what_is_missing_is_said(monkeypatch):
     assert netns.missing().startswith("iptables (iptables-restore")
 
 
-M2 = Path.home() / ".m2" / "repository"
-OKHTTP_JARS = (
-    "com/squareup/okhttp3/okhttp/4.12.0/okhttp-4.12.0.jar",
-    "com/squareup/okio/okio-jvm/3.6.0/okio-jvm-3.6.0.jar",
-    "org/jetbrains/kotlin/kotlin-stdlib/1.8.21/kotlin-stdlib-1.8.21.jar",
-)
+# Debian's OkHttp (libokhttp-java, installed by scripts/setup.sh) and its Okio.
+OKHTTP_JARS = (Path("/usr/share/java/okhttp.jar"), Path("/usr/share/java/okio.jar"))
 
 
 @pytest.mark.parametrize("transparent", [False, True], ids=["default", "transparent"])
 def test_okhttp_agent(capture_env, llm, transparent, request):
-    """OkHttp (the JVM client under many LLM SDKs), from the local Maven cache where it is there: captured in the
-    default mode through JAVA_TOOL_OPTIONS, and with --transparent."""
-    jars = [M2 / jar for jar in OKHTTP_JARS]
+    """OkHttp (the JVM client under many LLM SDKs): captured in the default mode through JAVA_TOOL_OPTIONS, and with
+    --transparent."""
+    jars = OKHTTP_JARS
     if shutil.which("java") is None or not all(jar.exists() for jar in jars):
-        pytest.skip("no JDK, or no OkHttp 4.12 in ~/.m2")
+        pytest.skip("no JDK, or no OkHttp (scripts/setup.sh installs Debian's libokhttp-java)")
     if transparent:
         request.getfixturevalue("transparent_ok")
     flag = ["--transparent"] if transparent else []

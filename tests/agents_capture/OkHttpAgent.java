@@ -1,5 +1,5 @@
 // A test agent on OkHttp (as many JVM LLM clients use it), which ignores HTTPS_PROXY like the JDK's clients:
-// `java -cp OKHTTP_JARS OkHttpAgent.java`. One chat call to https://api.openai.com; the answer's content is printed.
+// `java -cp OKHTTP_JARS OkHttpAgent.java` (OkHttp 3 or 4: the calls used here are in both). One chat call to https://api.openai.com; the answer's content is printed.
 import java.util.regex.Matcher;
 import java.util.regex.Pattern;
 import okhttp3.MediaType;
@@ -14,7 +14,7 @@ public class OkHttpAgent {
         Request request = new Request.Builder()
             .url("https://api.openai.com/v1/chat/completions")
             .header("Authorization", "Bearer " + System.getenv().getOrDefault("OPENAI_API_KEY", "sk-none"))
-            .post(RequestBody.create(body, MediaType.get("application/json")))
+            .post(RequestBody.create(MediaType.get("application/json"), body))
             .build();
         OkHttpClient client = new OkHttpClient();
         try (Response response = client.newCall(request).execute()) {
