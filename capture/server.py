@@ -540,14 +540,18 @@ class CaptureProxy:
     ) -> Iterator[Child]:
         """How to run `argv` as `episode_id`'s agent, for as long as it runs: in its own namespaces with
         `--transparent`, else with the proxy's environment and a loopback port of the episode's own for JVMs.
-        What the episode holds (its listeners) is released at the end of the block, once the agent exited."""
+        What the episode holds (its listeners, the heads its calls left for stitching) is released at the end of
+        the block, once the agent exited."""
         if self.loop is None or self.front is None:
             raise LcapError("the capture proxy is not started")
         front, loop = self.front, self.loop
         if self.namespaces is not None:
             env = self.child_env(episode_id, base)
-            with self.namespaces.launch(episode_id, env.get("PATH")) as launch:
-                yield Child(launch.argv(argv), env, launch.pass_fds)
+            try:
+                with self.namespaces.launch(episode_id, env.get("PATH")) as launch:
+                    yield Child(launch.argv(argv), env, launch.pass_fds)
+            finally:
+                self._forget(episode_id)
             return
         started: list[int] = []  # the agent's pid: its processes alone may use the episode's port
 
@@ -561,6 +565,12 @@ class CaptureProxy:
             yield Child(list(argv), env, on_start=lambda child: started.append(child.pid))
         finally:
             loop.call_soon_threadsafe(server.close)
+            self._forget(episode_id)
+
+    def _forget(self, episode_id: str) -> None:
+        """An ended episode makes no more calls: its stitching heads would only crowd out live episodes' heads."""
+        if self._calls is not None:
+            self._calls.heads.forget(episode_id)
 
 
 def _loop_factory():

@@ -341,3 +341,23 @@ def _read_answer(sock: socket.socket) -> bytes:
     while len(data) < len(head) + 4 + length:
         data += sock.recv(65536)
     return data
+
+
+def test_an_ended_episode_leaves_no_stitching_heads(store, llm):
+    """The heads an episode's calls left for stitching go when its agent ends, the other episodes' stay."""
+    from lcap.capture.stitching import Head
+    from lcap.processes import run_child
+
+    proxy = CaptureProxy(store, ProxyOptions(upstream=llm.url))
+    proxy.start()
+    try:
+        heads = proxy._calls.heads
+        heads.put("live", Head(b"kept", key=1, items=3, turn_id="t0", thread_seq=0))
+        with proxy.episode_child("ended", ["true"]) as child:
+            heads.put("ended", Head(b"dropped", key=1, items=3, turn_id="t1", thread_seq=0))
+            assert run_child(child.argv, child.env, pass_fds=child.pass_fds).code == 0
+            assert heads.pick("ended", 1, 5) is not None
+        assert heads.pick("ended", 1, 5) is None and heads.pick("live", 1, 5) is not None
+        assert heads.bytes == len(b"kept")
+    finally:
+        proxy.stop()
