@@ -212,6 +212,12 @@ class _Proxies:
             self.proxies[node_id] = (f"{node_id}#{self.started}", handle)
         return self.proxies[node_id][1]
 
+    def prestart(self, node_ids: list[str]) -> None:
+        """Start the proxies of the nodes episodes will run on now, while the episodes' workers start: a node's
+        first episode then waits for the longer of the two starts, not for both in turn."""
+        for node_id in node_ids:
+            self.get(node_id)
+
     def known(self) -> dict[str, Any]:
         """Every proxy started and not forgotten, by key (a node's proxy started again has a new key)."""
         return {key: handle for key, handle in self.proxies.values()}
@@ -412,7 +418,7 @@ class RayPool:
             del self.need["CPU"]
 
     def run_all(self, specs: list[EpisodeSpec], *, progress: bool) -> None:
-        self._check_fits()
+        nodes = self._nodes_that_fit()
         key = os.urandom(32)
         config = NodeConfig(
             self.proxy_options,
@@ -429,6 +435,8 @@ class RayPool:
         proxies: Any = _ProxiesActor.options(
             num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False) if here else None
         ).remote(config)
+        if len(specs) >= len(nodes):  # fewer episodes than nodes: which nodes they land on is Ray's choice
+            proxies.prestart.remote(nodes)
         ingest = _Ingest(proxies, writer, key)
         ingest.start()
         run = _Run(self, proxies, ingest, ray.put(self.rules), _Templates(self.tasks_dir, specs))
@@ -444,11 +452,13 @@ class RayPool:
                 if report is not None and report.unstored:
                     log.warning("%s", report.summary(self.store.path))
 
-    def _check_fits(self) -> None:
-        """A cluster where no node can ever run an episode would queue them forever: say so now."""
+    def _nodes_that_fit(self) -> list[str]:
+        """The ids of the live nodes that can run an episode. A cluster where none can would queue the episodes
+        forever: that is an error now."""
         nodes = [n for n in ray.nodes() if n.get("Alive")]
-        if any(_fits(n.get("Resources", {}), self.need) for n in nodes):
-            return
+        fit = [n["NodeID"] for n in nodes if _fits(n.get("Resources", {}), self.need)]
+        if fit:
+            return fit
         have = "; ".join(_resources_text(n.get("Resources", {})) for n in nodes) or "no live node"
         raise LcapError(
             f"no node of the Ray cluster at {describe(self.options.ray or '')} can run an episode, which needs "
