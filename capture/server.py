@@ -40,8 +40,7 @@ from lcap.capture.mitm_guards import FrontOnly, PrivateDestinations, install_bod
 from lcap.capture.netns import Namespaces, certs_mirror, missing
 from lcap.capture.options import ProxyOptions
 from lcap.capture.peers import from_tree
-from lcap.capture.policy_wire import INFO_PATH
-from lcap.capture.policy_wire import VERSION as WIRE_VERSION
+from lcap.capture.policy_wire import has_endpoints
 from lcap.capture.routes import Router, parse_upstream
 from lcap.capture.stitching import Heads
 from lcap.capture.writer import TurnSink, TurnWriter, WriterReport
@@ -155,18 +154,6 @@ def trust_env(bundle: Path, java_options: str | None = None) -> dict[str, str]:
 
 
 # --- the proxy ----------------------------------------------------------------------------------
-
-
-def probe_lcap_endpoints(base_url: str, timeout: float = 5.0) -> bool:
-    """Whether the server at `base_url` has lcap's policy endpoints (a vLLM that `lcap serve` started)."""
-    import httpx
-
-    route = parse_upstream(base_url, None)
-    try:
-        resp = httpx.get(f"{route.scheme}://{route.host}:{route.port}{INFO_PATH}", timeout=timeout, trust_env=False)
-        return resp.status_code == 200 and resp.json().get("version") == WIRE_VERSION
-    except (httpx.HTTPError, ValueError, AttributeError):
-        return False
 
 
 def probe_models(base_url: str, timeout: float = 5.0, *, key: str | None = None) -> list[dict]:
@@ -344,9 +331,10 @@ class CaptureProxy:
             parse_upstream(upstream, None)
         except ValueError as exc:
             raise LcapError(f"bad --upstream: {exc}") from None
-        models = probe_models(upstream)
+        key = os.environ.get("LCAP_UPSTREAM_API_KEY")  # what calls to it carry (capture/calls.py)
+        models = probe_models(upstream, key=key)
         vllm = any(m.get("owned_by") == "vllm" for m in models)
-        self.lcap_endpoints = vllm and probe_lcap_endpoints(upstream)
+        self.lcap_endpoints = vllm and has_endpoints(upstream, key=key)
         if self.token_ids is None:
             return vllm
         return self.token_ids
