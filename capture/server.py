@@ -188,16 +188,23 @@ class CaptureProxy:
     """An in-process mitmproxy that logs every LLM call passing through it as a turn in `store`."""
 
     def __init__(
-        self, store: Store | None, options: ProxyOptions = ProxyOptions(), *, writer: TurnSink | None = None
+        self,
+        store: Store | None,
+        options: ProxyOptions = ProxyOptions(),
+        *,
+        writer: TurnSink | None = None,
+        policy_key: str | None = None,
     ) -> None:
         """`store` receives the turns through a writer process; a proxy on a Ray node has no store, and hands its
-        turns to `writer` instead (an Outbox the collect driver empties)."""
+        turns to `writer` instead (an Outbox the collect driver empties). `policy_key`: the policy replicas' key,
+        held in memory, in place of the record's key file (a Ray node's proxy: that file is on the driver's machine)."""
         if writer is None:
             if store is None:
                 raise ValueError("CaptureProxy needs a store or a writer")
             writer = TurnWriter(store)
         self.store = store
         self.options = options
+        self.policy_key = policy_key
         self.token_ids = options.token_ids  # resolved at start(): on when the upstream is vLLM
         self.lcap_endpoints = False  # resolved at start() for a fixed --upstream URL (the policy record says it)
         self.keys = EpisodeKeys.new()  # this run's key: episode secrets are worthless to any other proxy
@@ -243,7 +250,9 @@ class CaptureProxy:
         if self.store is not None:
             with self.store.connect():  # the schema exists from the start: `lcap sql` works before the first turn
                 pass
-        router = Router(self.options.upstream, self.options.model, lcap_endpoints=self.lcap_endpoints)
+        router = Router(
+            self.options.upstream, self.options.model, lcap_endpoints=self.lcap_endpoints, policy_key=self.policy_key
+        )
         calls = Calls(
             self.writer,
             router,
@@ -317,10 +326,11 @@ class CaptureProxy:
             record = read_policy()
             if record is None:
                 raise LcapError(f"--upstream policy: no policy server record at {record_path()} (run `lcap serve`)")
+            key = self.policy_key if self.policy_key is not None else record.api_key()
             errors = []
             for replica in record.replicas:  # one replica that answers is enough: the router skips the others
                 try:
-                    probe_models(replica.url, key=record.api_key())
+                    probe_models(replica.url, key=key)
                     break
                 except LcapError as exc:
                     errors.append(str(exc))
