@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from lcap.capture.routes import parse_upstream
+
 PREFIX = "/lcap"
 REQUEST_KEY = "lcap"
 RECORD_EVENT = "lcap"
@@ -27,6 +29,22 @@ _RECORD_FRAME = b'{"type":"lcap",'
 _HEAD_FRAME = b'{"type":"lcap-head","head":'
 
 Parts = Callable[[bytes | None, bytes | None], None]  # (record, head) as they arrive: one of them per call
+
+
+def has_endpoints(base_url: str, timeout: float = 5.0, *, key: str | None = None) -> bool:
+    """Whether the server at `base_url` has lcap's policy endpoints of this wire version (a vLLM that `lcap serve`
+    started; a `--python` vLLM of another version may not load them). `key`: the bearer key the server requires
+    (a replica on the network answers 401 without it, which would read as a server without them)."""
+    import httpx
+
+    route = parse_upstream(base_url, None)
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    url = f"{route.scheme}://{route.host}:{route.port}{INFO_PATH}"
+    try:
+        resp = httpx.get(url, timeout=timeout, trust_env=False, headers=headers)
+        return resp.status_code == 200 and resp.json().get("version") == VERSION
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return False
 
 
 def request_body(forward: bytes, *, adapt: bool, stitch: bool, head: bytes | None) -> bytes:

@@ -129,9 +129,12 @@ class Router:
         *,
         health_interval: float = HEALTH_INTERVAL_S,
         lcap_endpoints: bool = False,
+        policy_key: str | None = None,
     ) -> None:
-        """`lcap_endpoints`: the fixed URL's server has lcap's policy endpoints (the policy record says it itself)."""
+        """`lcap_endpoints`: the fixed URL's server has lcap's policy endpoints (the policy record says it itself).
+        `policy_key`: the replicas' key, in place of the record's key file (which a Ray node's proxy cannot read)."""
         self.upstream, self.model = upstream, model
+        self.policy_key = policy_key
         self.health_interval = health_interval
         fixed = upstream if upstream not in (None, "policy") else None
         self._fixed = parse_upstream(fixed, model, lcap=lcap_endpoints) if fixed is not None else None
@@ -282,7 +285,7 @@ class Router:
             routes: tuple[Route, ...] = ()
             rotation: tuple[Route, ...] = ()
             if record is not None:
-                key = record.api_key()
+                key = self.policy_key if self.policy_key is not None else record.api_key()
                 pairs = [
                     (
                         parse_upstream(

@@ -40,8 +40,7 @@ from lcap.capture.mitm_guards import FrontOnly, PrivateDestinations, install_bod
 from lcap.capture.netns import Namespaces, certs_mirror, missing
 from lcap.capture.options import ProxyOptions
 from lcap.capture.peers import from_tree
-from lcap.capture.policy_wire import INFO_PATH
-from lcap.capture.policy_wire import VERSION as WIRE_VERSION
+from lcap.capture.policy_wire import has_endpoints
 from lcap.capture.routes import Router, parse_upstream
 from lcap.capture.stitching import Heads
 from lcap.capture.writer import TurnSink, TurnWriter, WriterReport
@@ -157,18 +156,6 @@ def trust_env(bundle: Path, java_options: str | None = None) -> dict[str, str]:
 # --- the proxy ----------------------------------------------------------------------------------
 
 
-def probe_lcap_endpoints(base_url: str, timeout: float = 5.0) -> bool:
-    """Whether the server at `base_url` has lcap's policy endpoints (a vLLM that `lcap serve` started)."""
-    import httpx
-
-    route = parse_upstream(base_url, None)
-    try:
-        resp = httpx.get(f"{route.scheme}://{route.host}:{route.port}{INFO_PATH}", timeout=timeout, trust_env=False)
-        return resp.status_code == 200 and resp.json().get("version") == WIRE_VERSION
-    except (httpx.HTTPError, ValueError, AttributeError):
-        return False
-
-
 def probe_models(base_url: str, timeout: float = 5.0, *, key: str | None = None) -> list[dict]:
     """GET {upstream}/v1/models; LcapError when the upstream cannot be reached."""
     import httpx
@@ -201,16 +188,23 @@ class CaptureProxy:
     """An in-process mitmproxy that logs every LLM call passing through it as a turn in `store`."""
 
     def __init__(
-        self, store: Store | None, options: ProxyOptions = ProxyOptions(), *, writer: TurnSink | None = None
+        self,
+        store: Store | None,
+        options: ProxyOptions = ProxyOptions(),
+        *,
+        writer: TurnSink | None = None,
+        policy_key: str | None = None,
     ) -> None:
         """`store` receives the turns through a writer process; a proxy on a Ray node has no store, and hands its
-        turns to `writer` instead (an Outbox the collect driver empties)."""
+        turns to `writer` instead (an Outbox the collect driver empties). `policy_key`: the policy replicas' key,
+        held in memory, in place of the record's key file (a Ray node's proxy: that file is on the driver's machine)."""
         if writer is None:
             if store is None:
                 raise ValueError("CaptureProxy needs a store or a writer")
             writer = TurnWriter(store)
         self.store = store
         self.options = options
+        self.policy_key = policy_key
         self.token_ids = options.token_ids  # resolved at start(): on when the upstream is vLLM
         self.lcap_endpoints = False  # resolved at start() for a fixed --upstream URL (the policy record says it)
         self.keys = EpisodeKeys.new()  # this run's key: episode secrets are worthless to any other proxy
@@ -256,7 +250,9 @@ class CaptureProxy:
         if self.store is not None:
             with self.store.connect():  # the schema exists from the start: `lcap sql` works before the first turn
                 pass
-        router = Router(self.options.upstream, self.options.model, lcap_endpoints=self.lcap_endpoints)
+        router = Router(
+            self.options.upstream, self.options.model, lcap_endpoints=self.lcap_endpoints, policy_key=self.policy_key
+        )
         calls = Calls(
             self.writer,
             router,
@@ -330,10 +326,11 @@ class CaptureProxy:
             record = read_policy()
             if record is None:
                 raise LcapError(f"--upstream policy: no policy server record at {record_path()} (run `lcap serve`)")
+            key = self.policy_key if self.policy_key is not None else record.api_key()
             errors = []
             for replica in record.replicas:  # one replica that answers is enough: the router skips the others
                 try:
-                    probe_models(replica.url, key=record.api_key())
+                    probe_models(replica.url, key=key)
                     break
                 except LcapError as exc:
                     errors.append(str(exc))
@@ -344,9 +341,10 @@ class CaptureProxy:
             parse_upstream(upstream, None)
         except ValueError as exc:
             raise LcapError(f"bad --upstream: {exc}") from None
-        models = probe_models(upstream)
+        key = os.environ.get("LCAP_UPSTREAM_API_KEY")  # what calls to it carry (capture/calls.py)
+        models = probe_models(upstream, key=key)
         vllm = any(m.get("owned_by") == "vllm" for m in models)
-        self.lcap_endpoints = vllm and probe_lcap_endpoints(upstream)
+        self.lcap_endpoints = vllm and has_endpoints(upstream, key=key)
         if self.token_ids is None:
             return vllm
         return self.token_ids

@@ -91,13 +91,17 @@ SPOOL_DIR = "ray-spool"  # under the node's LCAP_HOME
 
 @dataclass(frozen=True)
 class NodeConfig:
-    """What every node proxy of a run is started with."""
+    """What every node proxy of a run is started with. It travels in Ray's actor arguments, never through a file;
+    the keys stay out of its repr (Ray shows arguments in some errors)."""
 
     options: ProxyOptions
     policy: str | None  # the policy record's text (`--upstream policy`), written on the node for its Router
-    key: bytes  # the run's hand-off key: the outbox is sealed with it
+    key: bytes = field(repr=False)  # the run's hand-off key: the outbox is sealed with it
     run: str  # names the node's spool directory
     max_concurrency: int
+    # The policy replicas' key itself: the record names a file on the driver's machine, which another host lacks.
+    # The node's proxy holds it in memory only.
+    policy_key: str | None = field(default=None, repr=False)
 
 
 class NodeProxy:
@@ -121,7 +125,7 @@ class NodeProxy:
                 f.write(config.policy)
             os.environ["LCAP_POLICY_RECORD"] = str(record)  # this actor's process: what its Router reads
         self.outbox = Outbox(directory, AESGCM(config.key))
-        self.proxy = CaptureProxy(None, config.options, writer=self.outbox)
+        self.proxy = CaptureProxy(None, config.options, writer=self.outbox, policy_key=config.policy_key)
         try:
             self.proxy.start()
         except LcapError as exc:
@@ -420,12 +424,14 @@ class RayPool:
     def run_all(self, specs: list[EpisodeSpec], *, progress: bool) -> None:
         nodes = self._nodes_that_fit()
         key = os.urandom(32)
+        policy, policy_key = self._policy_record()
         config = NodeConfig(
             self.proxy_options,
-            self._policy_record(),
+            policy,
             key,
             self.tally.result.run_id + "-" + os.urandom(4).hex(),
             max_concurrency=min(self.options.concurrency, 4096) + 16,
+            policy_key=policy_key,
         )
         writer = TurnWriter(self.store)
         writer.start()
@@ -465,15 +471,24 @@ class RayPool:
             f"{_resources_text(self.need)} (nodes: {have}): lower --episode-cpus, or add nodes with these resources"
         )
 
-    def _policy_record(self) -> str | None:
-        """The policy record, for the nodes' proxies (`--upstream policy`); its server must be reachable from them."""
+    def _policy_record(self) -> tuple[str | None, str | None]:
+        """The policy record and its replicas' key (read here, where the record's key file is), for the nodes'
+        proxies (`--upstream policy`); the replicas must be reachable from the nodes."""
         if self.proxy_options.upstream != "policy":
-            return None
+            return None, None
         from lcap.policy import read_policy, record_path
 
-        if read_policy() is None:
+        record = read_policy()
+        if record is None:
             raise LcapError(f"--upstream policy: no policy server record at {record_path()} (run `lcap serve`)")
-        return record_path().read_text()
+        try:
+            key = record.api_key()
+        except OSError as exc:
+            raise LcapError(
+                f"--upstream policy: cannot read the policy replicas' key {record.api_key_file} "
+                f"({exc.strerror or exc}): is this the machine `lcap serve` ran on?"
+            ) from None
+        return record_path().read_text(), key
 
 
 class _Run:

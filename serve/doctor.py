@@ -3,10 +3,11 @@ the model and deployment the record names, able to hot-load LoRA adapters)."""
 
 from __future__ import annotations
 
+import shlex
 import shutil
 
 from lcap.doctor import Context, Result, check
-from lcap.policy import read_policy, record_path
+from lcap.policy import PolicyServer, read_policy, record_path
 from lcap.serve.health import PolicyHealth, probe
 from lcap.serve.vllm_env import vllm_venv, working_vllm_python
 
@@ -30,6 +31,27 @@ def vllm_installed(ctx: Context) -> Result:
     return Result.fail(f"vLLM is not installed ({vllm_venv()} does not exist)", "lcap setup vllm")
 
 
+def restart_command(record: PolicyServer) -> str:
+    """`lcap serve --stop && lcap serve ...` that starts the recorded policy server again as it was: its model and
+    name, its replicas (and Ray cluster), tool parser and vLLM arguments."""
+    from lcap.serve.server import served_name_for
+
+    args = ["--model", record.base_model]
+    if record.served_model != served_name_for(record.base_model):
+        args += ["--name", record.served_model]
+    if len(record.replicas) > 1:
+        args += ["--replicas", str(len(record.replicas))]
+    if record.ray_address is not None:
+        args += ["--ray", record.ray_address]
+        if record.python:  # under --ray, the interpreter the user named (each node's); locally it is resolved
+            args += ["--python", record.python]
+    if record.tool_parser != "hermes":
+        args += ["--tool-parser", record.tool_parser or "none"]
+    if record.vllm_args:
+        args += ["--", *record.vllm_args]
+    return "lcap serve --stop && lcap serve " + shlex.join(args)
+
+
 def _health(ctx: Context) -> PolicyHealth | None:
     record = read_policy()
     return None if record is None else ctx.once("policy", lambda: probe(record, lora=True))
@@ -41,7 +63,7 @@ def policy_server(ctx: Context) -> Result:
     if health is None:
         return Result.skip(f"no policy server recorded ({record_path()}): `lcap serve --model M` starts one")
     record = health.record
-    restart = f"lcap serve --stop && lcap serve --model {record.base_model}"
+    restart = restart_command(record)
     down = [r for r in health.replicas if not r.alive]
     if down:
         where = "; ".join(f"{r.replica.name} ({r.label})" for r in down)
@@ -69,7 +91,7 @@ def policy_model(ctx: Context) -> Result:
     if record.served_model not in health.models:
         return Result.fail(
             f"the server lists {health.models or 'no model'}, not {record.served_model!r} as recorded",
-            f"another server took its port? lcap serve --stop && lcap serve --model {record.base_model}",
+            f"another server took its port? {restart_command(record)}",
         )
     lacking = [r for r in health.replicas if not r.serves_current]
     if lacking:
@@ -100,7 +122,7 @@ def policy_lora(ctx: Context) -> Result:
     if missing:
         return Result.fail(
             "; ".join(missing) + ": `lcap deploy` cannot hot-load adapters",
-            f"restart it with lcap serve, which turns both on: lcap serve --stop && lcap serve --model {health.record.base_model}",
+            f"restart it with lcap serve, which turns both on: {restart_command(health.record)}",
         )
     loaded = ", ".join(health.record.loras) or "none yet"
     return Result.ok(f"LoRA hot-loading on (adapters loaded: {loaded})")

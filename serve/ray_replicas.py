@@ -47,7 +47,6 @@ PLACEMENT_TIMEOUT_S = 300.0  # for Ray to find a node with the replica's GPUs (a
 CALL_TIMEOUT_S = 60.0  # an actor's quick methods (alive, stop, log tail)
 MAX_RESTARTS = 3  # of one replica's vLLM, after it exited on its own
 WATCH_INTERVAL_S = 1.0
-GUARD = Path(__file__).with_name("vllm_guard.py")
 
 
 def new_key() -> Path:
@@ -149,10 +148,7 @@ class ReplicaActor:
     def _launch(self) -> None:
         assert self.spec is not None
         python = resolve_python(self.spec.python or None)
-        env = dict(os.environ, LCAP_REPLICA_KEY=self.key)
-        self.proc = launch(
-            self.spec, python=python, port=self.port, host=self.host, log_path=self.log, env=env, launcher=GUARD
-        )
+        self.proc = launch(self.spec, python=python, port=self.port, host=self.host, log_path=self.log, key=self.key)
         try:
             wait_healthy([(self.proc, self.url, self.log)], self.spec.timeout, progress=False)
             for name, path in self.loras.items():

@@ -6,7 +6,8 @@ their own process group (so stopping one also stops its engine workers) on 127.0
 interpreter of lcap's vLLM venv; on a GPU machine each gets its own GPUs. Under `--ray` each
 replica is a Ray actor that runs vLLM on its node (serve/ray_replicas.py). A local
 replica starts through vllm_plugin/launch.py, which adds lcap's policy endpoints (exact tokens in
-every dialect, stitched prompts, request adaptation: vllm_plugin/lcap_policy). The record
+every dialect, stitched prompts, request adaptation: vllm_plugin/lcap_policy); a Ray replica starts the
+same way behind vllm_guard.py, which requires its key on every path but /health. The record
 (`lcap.policy`) is written only once every replica's /health answers, so a reader that finds one
 can send requests.
 """
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from lcap.capture.policy_wire import has_endpoints
 from lcap.config import LcapError, lcap_home
 from lcap.policy import PolicyServer, Replica, clear_policy, policy_lock, read_policy, write_policy
 from lcap.processes import alive, kill_group, python_helper
@@ -143,11 +145,11 @@ def server_command(
     host: str = "127.0.0.1",
     tool_parser: str | None = TOOL_PARSER,
     extra_args: Sequence[str] = (),
-    launcher: Path | None = None,
+    guarded: bool = False,
 ) -> list[str]:
-    """vLLM's OpenAI server on `model`, started by `launcher` (default: LAUNCHER, vLLM with lcap's endpoints;
-    serve/vllm_guard.py for a replica reachable from the network)."""
-    start = python_helper(python, str(launcher or LAUNCHER))
+    """vLLM's OpenAI server on `model` with lcap's policy endpoints (LAUNCHER); `guarded`: behind the replica key
+    on every path but /health (GUARD, which then runs LAUNCHER), for a replica reachable from the network."""
+    start = python_helper(python, str(GUARD if guarded else LAUNCHER))
     cmd = [
         *start,
         "--model",
@@ -173,6 +175,7 @@ def server_command(
 
 
 LAUNCHER = Path(__file__).resolve().parent / "vllm_plugin" / "launch.py"  # vLLM with lcap's policy endpoints
+GUARD = Path(__file__).resolve().parent / "vllm_guard.py"  # the key check, in front of LAUNCHER
 
 
 def launch(
@@ -183,13 +186,18 @@ def launch(
     log_path: Path,
     host: str = "127.0.0.1",
     env: dict[str, str] | None = None,
-    launcher: Path | None = None,
+    key: str | None = None,
 ) -> subprocess.Popen:
-    """Start one vLLM server in a process group of its own, its output appended to `log_path`."""
+    """Start one vLLM server in a process group of its own, its output appended to `log_path`: the one way lcap
+    starts vLLM, for local and Ray replicas alike. `key`: every path but /health requires it (the server listens
+    where the network reaches it); it goes in the environment, never on the command line, which `ps` shows."""
     from lcap.serve.vllm_env import has_gpu
 
     gpu = has_gpu() and (env or os.environ).get("CUDA_VISIBLE_DEVICES") != ""
     env = dict(env or os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
+    env.pop(KEY_VARIABLE, None)
+    if key:
+        env[KEY_VARIABLE] = key
     extra_args = list(spec.extra_args)
     if not gpu:
         # GiB; vLLM's default would reserve a large share of RAM, too little would refuse the model's own length.
@@ -209,7 +217,7 @@ def launch(
         gpu=gpu,
         tool_parser=spec.tool_parser,
         extra_args=extra_args,
-        launcher=launcher,
+        guarded=bool(key),
     )
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
@@ -218,6 +226,9 @@ def launch(
         return subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
+
+
+KEY_VARIABLE = "LCAP_REPLICA_KEY"  # what vllm_guard.py reads the key from
 
 
 def wait_healthy(servers: Sequence[tuple[subprocess.Popen, str, Path]], timeout: float, progress: bool | None) -> None:
@@ -453,14 +464,15 @@ def start_server(
     served_name = served_name or served_name_for(model)
     gpus_per_server(extra_args)  # a malformed parallel size is an error before anything starts
     names = [f"r{i}" for i in range(replicas)]
-    key_file = None
+    key_file = key = None
     if ray is not None:
         from lcap.serve.ray_replicas import RayReplicas, new_key
 
         ray_backend = RayReplicas(ray, python)  # joins the cluster: an unreachable one is an error before anything
         key_file = new_key()
+        key = key_file.read_text().strip()
         spec = VllmSpec(model, served_name, python, tool_parser, tuple(extra_args), timeout)
-        started = ray_backend.start(names, spec, key_file.read_text().strip(), gpus_per_replica)
+        started = ray_backend.start(names, spec, key, gpus_per_replica)
         python_recorded = python or ""
     else:
         python_recorded = resolve_python(python)
@@ -483,7 +495,7 @@ def start_server(
         tool_parser=tool_parser,
         ray_address=ray,
         api_key_file=str(key_file) if key_file else None,
-        lcap_endpoints=_has_lcap_endpoints(started[0].url),
+        lcap_endpoints=has_endpoints(started[0].url, key=key),
     )
     write_policy(record)
     if store is not None:
@@ -557,12 +569,3 @@ def _any_alive(record: PolicyServer) -> bool:
     if record.ray_address is not None:
         return any(healthy(r.url) for r in record.replicas)
     return any(r.pid is not None and alive(r.pid) for r in record.replicas)
-
-
-def _has_lcap_endpoints(url: str) -> bool:
-    """The launcher loads lcap's endpoints; this checks that vLLM did (a `--python` vLLM of another version may
-    not load them, a Ray replica runs behind its key without them: the policy route then works as on any vLLM)."""
-    try:
-        return httpx.get(f"{url}/lcap/v1/info", timeout=5, trust_env=False).status_code == 200
-    except httpx.HTTPError:
-        return False

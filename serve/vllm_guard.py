@@ -3,9 +3,11 @@
 vLLM's own `--api-key` guards only /v1, /v2, /inference and /cohere; /invocations (the same inference as
 /v1), /tokenize, /pause, /sleep, /collective_rpc and the rest stay open. A Ray replica listens on its
 node's address, so lcap starts it through this script with the interpreter of the vLLM venv
-(`python -I vllm_guard.py ARGS`): the key comes from LCAP_REPLICA_KEY (never the command line, which
-`ps` shows), the middleware is registered as an importable module, and vLLM's server runs as `-m` would
-run it. It imports nothing from lcap: the vLLM venv does not have lcap.
+(`python -I vllm_guard.py ARGS`, serve/server.py `launch`): the key comes from LCAP_REPLICA_KEY (never
+the command line, which `ps` shows), the middleware is registered as an importable module, and the
+server then starts as a local replica's does, through vllm_plugin/launch.py (vLLM with lcap's policy
+endpoints, which the middleware guards like every other path). It imports nothing from lcap: the vLLM
+venv does not have lcap.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 MODULE = "lcap_vllm_guard"
 OPEN_PATHS = frozenset({"/health"})  # what lcap's probes and `lcap serve --status` read without the key
 REFUSAL = b'{"error": "lcap: this policy replica needs its key (Authorization: Bearer ...)"}'
+LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_plugin", "launch.py")
 
 
 class RequireKey:
@@ -49,9 +52,8 @@ def main() -> None:
     module = types.ModuleType(MODULE)
     module.RequireKey = RequireKey  # type: ignore[attr-defined]
     sys.modules[MODULE] = module
-    server = "vllm.entrypoints.openai.api_server"
-    sys.argv = [server, *sys.argv[1:], "--middleware", f"{MODULE}.RequireKey"]
-    runpy.run_module(server, run_name="__main__", alter_sys=True)
+    sys.argv = [LAUNCHER, *sys.argv[1:], "--middleware", f"{MODULE}.RequireKey"]
+    runpy.run_path(LAUNCHER, run_name="__main__")
 
 
 if __name__ == "__main__":

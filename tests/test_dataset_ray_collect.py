@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -207,6 +208,70 @@ def test_a_node_lost_mid_run_loses_nothing(cluster, upstream, project):
     assert set(lost) <= victims
     assert all(runs[e] == 2 for e in victims) and all(runs[e] == 1 for e in runs if e not in victims)
     assert sorted(runs) == sorted(r[0] for r in rows)
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare (a mount namespace)"
+)
+def test_the_policy_key_reaches_nodes_that_cannot_read_the_drivers_key_file(cluster, project, tmp_path, monkeypatch):
+    """`collect --ray --upstream policy` with replicas behind a key (`serve --ray`): the record names the key's file
+    on the driver's machine, which a node on another host lacks. Here the driver runs in a mount namespace of its
+    own, where the file is on a tmpfs that the nodes (outside it) never see; the key travels in the nodes' actor
+    arguments, goes upstream on every call, and is written to no file on the nodes or in the store."""
+    from fixtures_capture import store_text
+
+    from lcap.policy import PolicyServer, Replica, write_policy
+
+    address, _, tmp = cluster
+    replica = FakeLLM(vllm=True)
+    replica.models = ["tiny"]
+    replica.thread.start()
+    key = "policy-key-" + os.urandom(16).hex()
+    secret = tmp_path / "driver-only"
+    secret.mkdir()
+    monkeypatch.setenv("LCAP_POLICY_RECORD", str(tmp_path / "policy.json"))
+    write_policy(
+        PolicyServer(
+            url=replica.url,
+            pid=None,
+            base_model="tiny",
+            served_model="tiny",
+            current="tiny",
+            log_path="",
+            python="",
+            started_at="2026-01-01T00:00:00+00:00",
+            replicas=[Replica(name="r0", url=replica.url, actor="lcap-replica-x-r0", node="127.0.0.1")],
+            ray_address=address,
+            api_key_file=str(secret / "policy.key"),
+        )
+    )
+    _tasks(project, n=2, calls=2)
+    argv = _argv(project, address, _Url(), "-g", "1")
+    argv[argv.index("--upstream") + 1] = "policy"
+    del argv[argv.index("--model") : argv.index("--model") + 2]
+    driver = (
+        f'mount -t tmpfs -o mode=0700 lcap-test {secret} && printf %s "$POLICY_KEY" > {secret}/policy.key && exec "$@"'
+    )
+    try:
+        result = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", driver, "sh", *argv],
+            env={**os.environ, "POLICY_KEY": key},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        replica.shutdown()
+    assert not (secret / "policy.key").exists()  # only the driver's namespace had it
+    assert result.returncode == 0, result.stderr
+    assert "2 episodes, 2 ok, 0 failed" in result.stdout
+    calls = replica.calls("/chat/completions")
+    assert len(calls) == 4 and all(c["headers"]["authorization"] == f"Bearer {key}" for c in calls)
+    rows = Store(project / "lcap.duckdb").fetchall("SELECT replica, status_code FROM turns")
+    assert rows == [("r0", 200)] * 4
+    assert key not in store_text(project / "lcap.duckdb")
+    node_files = [p for p in (tmp / "node-home").rglob("*") if p.is_file()]
+    assert node_files and not [p for p in node_files if key.encode() in p.read_bytes()]
 
 
 def _dead(pid: int) -> bool:

@@ -399,6 +399,7 @@ def test_policy_checks_and_status_cover_every_replica(home):
         record(dead)
         found = run("policy.server")["policy.server"]
         assert found.status == "fail" and f"replica r1 (pid {dead}, {url[1]}) is not running" in found.summary
+        assert found.fix.startswith("lcap serve --stop && lcap serve --model /m --name tiny --replicas 2 (its log")
         key_file.write_text("wrong\n")
         section = policy(View(home / "none.duckdb", time.time()))
         assert section.rows[0][3].startswith("not answering (HTTPStatusError") and "401" in section.rows[0][3]
@@ -406,6 +407,22 @@ def test_policy_checks_and_status_cover_every_replica(home):
     finally:
         both.shutdown()
         base_only.shutdown()
+
+
+def test_the_restart_keeps_the_replicas_the_cluster_and_the_vllm_arguments():
+    """The fix that restarts the policy server starts it as it was: `--replicas`, `--ray`, and the rest."""
+    from lcap.policy import PolicyServer, Replica
+    from lcap.serve.doctor import restart_command
+
+    replicas = [Replica(f"r{i}", f"http://10.0.0.{i + 2}:8000", None, actor=f"a{i}") for i in range(2)]
+    record = PolicyServer(
+        replicas[0].url, None, "Qwen/Qwen3-8B", "Qwen3-8B", "Qwen3-8B", "", "/opt/vllm env/bin/python", "2026-01-01",
+        replicas=replicas, ray_address="10.0.0.1:6379", tool_parser=None, vllm_args=["--tensor-parallel-size", "2"],
+    )  # fmt: skip
+    assert restart_command(record) == (
+        "lcap serve --stop && lcap serve --model Qwen/Qwen3-8B --replicas 2 --ray 10.0.0.1:6379 "
+        "--python '/opt/vllm env/bin/python' --tool-parser none -- --tensor-parallel-size 2"
+    )
 
 
 @pytest.mark.vllm

@@ -31,6 +31,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 LCAP = str(Path(sys.executable).parent / "lcap")
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+MESSAGES = {"model": "claude-sonnet-4-5", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
 def _actor_state(record) -> dict:
@@ -86,11 +87,33 @@ def test_a_ray_replica_serves_behind_its_key_with_shipped_adapters_and_comes_bac
         models = httpx.get(f"{replica.url}/v1/models", headers=auth, timeout=30).json()["data"]
         assert [m["id"] for m in models] == ["tiny"]
 
-        # The proxy sends the key; an adapter reaches the node through Ray, not through the path.
+        # vLLM started as a local replica is, with lcap's policy endpoints, which the key guards too; `lcap serve`
+        # found them (its check sends the key).
+        assert record.lcap_endpoints
+        lcap_chat = f"{replica.url}/lcap/v1/chat/completions"
+        assert httpx.post(lcap_chat, json={**CHAT, "model": "tiny"}, timeout=30).status_code == 401
+        direct = httpx.post(lcap_chat, json={**CHAT, "model": "tiny"}, headers=auth, timeout=300)
+        assert direct.status_code == 200, direct.text
+        answer_part, record_part, _ = direct.content.split(b"\n", 2)  # the answer, then lcap's record and head
+        assert json.loads(answer_part)["model"] == "tiny" and json.loads(record_part)["stitched"] is False
+
+        # The proxy sends the key; an adapter reaches the node through Ray, not through the path. Messages calls
+        # get exact ids only from lcap's endpoints; the second chat call extends the first and is stitched.
         with CaptureProxy(Store(db), ProxyOptions(upstream="policy")) as proxy:
             env = proxy.child_env("ep-1", base={})
             with httpx.Client(proxy=env["HTTPS_PROXY"], verify=env["SSL_CERT_FILE"], timeout=120) as client:
-                assert client.post("https://api.openai.com/v1/chat/completions", json=CHAT).status_code == 200
+                first = client.post("https://api.openai.com/v1/chat/completions", json=CHAT)
+                assert first.status_code == 200
+                said = first.json()["choices"][0]["message"]
+                later = [*CHAT["messages"], {"role": "assistant", "content": said["content"]}]
+                later.append({"role": "user", "content": "and?"})
+                assert (
+                    client.post(
+                        "https://api.openai.com/v1/chat/completions", json={**CHAT, "messages": later}
+                    ).status_code
+                    == 200
+                )
+                assert client.post("https://api.anthropic.com/v1/messages", json=MESSAGES).status_code == 200
                 name = deploy(tiny_lora, round=1, store=Store(db))
                 time.sleep(0.7)
                 answer = client.post("https://api.openai.com/v1/chat/completions", json=CHAT)
@@ -98,8 +121,16 @@ def test_a_ray_replica_serves_behind_its_key_with_shipped_adapters_and_comes_bac
         rows = turns(db)
         assert [(r["replica"], r["deployment"], r["token_source"]) for r in rows] == [
             ("r0", "tiny", "vllm"),
+            ("r0", "tiny", "vllm"),
+            ("r0", "tiny", "vllm"),
             ("r0", name, "vllm"),
         ]
+        # A call cut by max_tokens ends its conversation's thread: the next is stitched only after a stop.
+        first_ended = first.json()["choices"][0]["finish_reason"] == "stop"
+        assert [r["stitched"] for r in rows[:3]] == [False, first_ended, False], [r["stitch_note"] for r in rows]
+        messages = rows[2]
+        assert messages["dialect"] == "messages" and len(messages["completion_token_ids"]) > 0
+        assert len(messages["completion_logprobs"]) == len(messages["completion_token_ids"])
         models = httpx.get(f"{replica.url}/v1/models", headers=auth, timeout=30).json()["data"]
         (lora,) = [m for m in models if m["id"] == name]
         assert lora["root"] != str(tiny_lora) and f"loras/{name}" in lora["root"]  # the actor's own copy

@@ -247,18 +247,21 @@ def test_a_full_checkpoint_rolls_one_replica_at_a_time(pair, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=False,
-    reason="since the merge of the policy endpoints every call before the kill is stored as served by r1 "
-    "(two whole-suite runs on main; it passed on its branch): under investigation (issue #15)",
-)
 def test_a_killed_replica_moves_its_episodes_to_the_other(pair, tmp_path):
     """SIGKILL one replica's process group while agents run. A call that had no answer yet is sent again to the
     other replica (the agent does not see the kill); a stream already under way is cut, and that call fails.
-    Every call that starts after the kill is answered, by the survivor."""
+    Every call that starts after the kill is answered, by the survivor.
+
+    The kill waits until the victim has answered calls of this test: the agents' episode ids are fixed, and the
+    first four (eight calls) all rank r1 first, so a count of calls alone may pass before r0 answered any."""
     victim = pair.record.replica("r0")
+    served_before = _answered(victim.url)
     with _proxy(tmp_path) as proxy, Agents(proxy, threads=4, stream_every=3, max_tokens=24) as agents:
         agents.wait_for(12)
+        deadline = time.monotonic() + 300
+        while _answered(victim.url) < served_before + 2:
+            assert time.monotonic() < deadline, "r0 answered no call of this test"
+            time.sleep(0.1)
         killed, killed_at = time.monotonic(), time.time()
         os.killpg(victim.pid, signal.SIGKILL)
         agents.wait_for(24)
@@ -270,3 +273,15 @@ def test_a_killed_replica_moves_its_episodes_to_the_other(pair, tmp_path):
     after = [r for r in rows if r["started_at"].timestamp() > killed_at + 0.5]
     assert after and {r["replica"] for r in after} == {"r1"}
     assert {r["replica"] for r in rows} == {"r0", "r1"}
+
+
+def _answered(url: str) -> int:
+    """Requests the vLLM server at `url` has finished, from its Prometheus metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return int(
+        sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:request_success_total{")
+        )
+    )

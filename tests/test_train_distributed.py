@@ -106,7 +106,31 @@ def test_a_workers_bad_input_is_one_line(ray_cluster, tiny_train_model, captured
     ours = [line for line in result.stderr.splitlines() if line.startswith("lcap: ")]  # the rest: Ray's worker logs
     assert len(ours) == 1 and "round 1: no group with two or more usable samples" in ours[0], ours
     assert "2 samples are alone in their groups" in ours[0] and "--group-size" in ours[0]
+    assert f" in {lonely.resolve()} (" in ours[0] and "lcap-train-worker" not in ours[0]  # the user's file, not a copy
     assert not (tmp_path / "lcap.duckdb").exists()
+
+
+@pytest.mark.slow
+def test_the_guard_on_ray_workers_names_the_users_paths(ray_cluster, tiny_train_model, captured_samples, tmp_path):
+    """Round 2 continues a round-1 adapter that did not serve the samples (a random LoRA): the mismatch guard stops
+    it on the Ray workers. Its one-line error names the adapter in the run folder and RUN/round-2/mismatch.json,
+    which holds the figures, not the workers' scratch copies (gone once they end)."""
+    from fixtures_vllm import make_lora
+
+    run = tmp_path / "run"
+    make_lora(tiny_train_model, run / "round-1" / "adapter", seed=1)
+    command = [sys.executable, "-m", "lcap", "train", "--round", "2", "--run", str(run), "--db", str(tmp_path / "db")]
+    command += ["--data", str(captured_samples), "--model", str(tiny_train_model), *TRAIN, "--mismatch-max", "0.01"]
+    command += ["--ray", ray_cluster, "--num-workers", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    ours = [line for line in result.stderr.splitlines() if line.startswith("lcap: ")]
+    assert len(ours) == 1 and "round 2: the policy being trained" in ours[0], ours
+    assert f"({run / 'round-1' / 'adapter'}) does not score" in ours[0]
+    assert f"Per deployment: {run / 'round-2' / 'mismatch.json'};" in ours[0] and "lcap-train-worker" not in ours[0]
+    figures = json.loads((run / "round-2" / "mismatch.json").read_text())
+    assert figures["limit"] == 0.01 and max(d["kl"] for d in figures["deployments"]) > 0.01
+    assert not (run / "round-2" / "adapter").exists()
 
 
 def test_a_cluster_too_small_is_one_line(ray_cluster, tiny_train_model, captured_samples, tmp_path):

@@ -136,6 +136,16 @@ def is_main_process() -> bool:
 
 
 @dataclass(frozen=True)
+class UserPaths:
+    """Where the user finds a round's inputs and files when it trains on copies of them elsewhere (a Ray worker's
+    scratch folder, gone by the time anyone reads the error): what errors name."""
+
+    samples: Path
+    init_from: Path | None
+    round_dir: Path  # RUN/round-N on the machine `lcap train` runs on
+
+
+@dataclass(frozen=True)
 class RoundInputs:
     """What a round trains from, resolved once where the command runs; a Ray worker gets these, not the run folder."""
 
@@ -143,6 +153,11 @@ class RoundInputs:
     samples: Path
     init_from: Path | None  # the previous round's adapter or checkpoint
     current: str | None  # the deployment being trained (samples another one served are stale)
+    user_paths: UserPaths | None = None  # None: these paths are the user's own
+
+    def shown(self, out_dir: Path) -> UserPaths:
+        """The paths to name to the user for these inputs and a round written to `out_dir`."""
+        return self.user_paths or UserPaths(self.samples, self.init_from, out_dir)
 
 
 def round_inputs(run: Path, round: int, options: TrainOptions, data: Path | None = None) -> RoundInputs:
@@ -194,7 +209,9 @@ def prepare(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Prepar
     groups = make_groups(samples, group_size=options.group_size, stale=options.stale, current=inputs.current)
     if not groups.groups:
         raise LcapError(
-            nothing_to_train(out_dir.name.replace("-", " "), inputs.samples, samples, groups, inputs.current)
+            nothing_to_train(
+                out_dir.name.replace("-", " "), inputs.shown(out_dir).samples, samples, groups, inputs.current
+            )
         )
     size = groups.size
     processes = world_size()
@@ -435,10 +452,11 @@ def guard_round(p: PreparedRound, options: TrainOptions) -> Mismatch:
     path = p.out_dir / "mismatch.json"
     if p.trainer.accelerator.is_main_process:
         path.write_text(json.dumps({"limit": options.mismatch_max, "deployments": mismatch.details()}, indent=2))
-    init_from, base_model = p.inputs.init_from, p.inputs.base_model
-    policy = str(init_from) if init_from else f"the base model {base_model}"
+    shown = p.inputs.shown(p.out_dir)
+    policy = str(shown.init_from) if shown.init_from else f"the base model {p.inputs.base_model}"
     where = p.out_dir.name.replace("-", " ")
-    check_mismatch(mismatch, options.mismatch_max, where=where, policy=policy, details=str(path))
+    details = str(shown.round_dir / path.name)
+    check_mismatch(mismatch, options.mismatch_max, where=where, policy=policy, details=details)
     return mismatch
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from lcap.config import LcapError
-from lcap.train.grpo import FittedRound, RoundInputs, fit_round
+from lcap.train.grpo import FittedRound, RoundInputs, UserPaths, fit_round
 from lcap.train.options import TrainOptions
 
 # What rank 0 may send back (the adapter and TRL's logs): a LoRA adapter is a small part of its model.
@@ -53,6 +53,9 @@ def fit_on_ray(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Fit
         "current": inputs.current,
         "options": options,
         "round_name": out_dir.name,
+        "user_paths": UserPaths(
+            Path(inputs.samples).resolve(), inputs.init_from.resolve() if inputs.init_from else None, out_dir.resolve()
+        ),
     }
     storage = Path(tempfile.mkdtemp(prefix="lcap-ray-train-"))  # Ray Train's own run state; nothing of ours
     try:
@@ -69,7 +72,7 @@ def fit_on_ray(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Fit
         try:
             result = cast(Result, trainer.fit())  # ray.train's Result, as mypy reads it, is v1's
         except Exception as exc:
-            error = _user_error(exc)
+            error = _user_error(exc, out_dir)
             if error is None:
                 raise
             raise error from None
@@ -111,9 +114,19 @@ def _train_worker(config: dict[str, Any]) -> dict[str, Any] | None:
         if config["init_from"] is not None:
             init_from = scratch / "init" / config["init_name"]
             _unpack(ray.get(config["init_from"]), init_from)
-        inputs = RoundInputs(base_model=base_model, samples=samples, init_from=init_from, current=config["current"])
+        inputs = RoundInputs(
+            base_model=base_model,
+            samples=samples,
+            init_from=init_from,
+            current=config["current"],
+            user_paths=config["user_paths"],
+        )
         out_dir = scratch / config["round_name"]
-        fitted = fit_round(inputs, out_dir, options)
+        try:
+            fitted = fit_round(inputs, out_dir, options)
+        except LcapError as exc:  # the guard's figures (rank 0 writes them) go where its error says they are
+            report = out_dir / "mismatch.json"
+            raise _RoundStopped(str(exc), {report.name: report.read_bytes()} if report.exists() else {}) from None
         if ray.train.get_context().get_world_rank() != 0:
             return None
         return {
@@ -166,11 +179,24 @@ def _check_resources(options: TrainOptions, address: str) -> None:
         )
 
 
-def _user_error(exc: Exception) -> LcapError | None:
-    """A worker's LcapError (bad input) as the one-line error it is, instead of Ray's report of a failed run."""
+class _RoundStopped(LcapError):
+    """A worker's one-line error, with the files of the round it names (OUT_DIR's, by name) for the driver."""
+
+    def __init__(self, message: str, files: dict[str, bytes]) -> None:
+        super().__init__(message, files)
+        self.message, self.files = message, files
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _user_error(exc: Exception, out_dir: Path) -> LcapError | None:
+    """A worker's LcapError (bad input) as the one-line error it is, instead of Ray's report of a failed run; the
+    files it names (rank 0's) are written into OUT_DIR."""
     failures = getattr(exc, "worker_failures", None) or {}
-    for failure in failures.values():
-        cause = getattr(failure, "cause", failure)
-        if isinstance(cause, LcapError):
-            return LcapError(str(cause))
-    return None
+    causes = [getattr(failure, "cause", failure) for failure in failures.values()]
+    errors = sorted((c for c in causes if isinstance(c, LcapError)), key=lambda c: not getattr(c, "files", None))
+    if not errors:
+        return None
+    _unpack(getattr(errors[0], "files", None) or {}, out_dir)
+    return LcapError(str(errors[0]))
