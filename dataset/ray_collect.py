@@ -125,11 +125,13 @@ class NodeProxy:
                 f.write(config.policy)
             os.environ["LCAP_POLICY_RECORD"] = str(record)  # this actor's process: what its Router reads
         self.outbox = Outbox(directory, AESGCM(config.key))
-        self.proxy = CaptureProxy(None, config.options, writer=self.outbox, policy_key=config.policy_key)
         try:
+            self.proxy = CaptureProxy(None, config.options, writer=self.outbox, policy_key=config.policy_key)
             self.proxy.start()
         except LcapError as exc:
             self.error = str(exc)
+        except Exception as exc:  # the driver says it in one line (episodes on this node end with it), no traceback
+            self.error = f"{exc.__class__.__name__}: {_first_line(exc)}"
 
     def ready(self) -> str | None:
         """None once the proxy listens; else why it could not start."""

@@ -355,3 +355,21 @@ def test_a_cluster_no_node_fits_is_one_line(cluster, upstream, project):
     )
     assert result.returncode == 2, result.stderr
     assert f"no node of the Ray cluster at {address} can run an episode, which needs CPU=1, sandbox=1" in result.stderr
+
+
+def test_a_node_proxy_that_cannot_start_says_why_in_one_line(tmp_path, monkeypatch, capture_home):
+    """Whatever stops a node's capture proxy from starting (here a stand-in failure of the proxy's start) is what
+    its episodes report, one line, instead of a dead actor's traceback."""
+    from lcap.capture.options import ProxyOptions
+    from lcap.capture.server import CaptureProxy
+    from lcap.dataset.ray_collect import NodeConfig, NodeProxy
+
+    monkeypatch.setenv("LCAP_HOME", str(capture_home))
+
+    def refuse(self) -> None:
+        raise RuntimeError("no room for listeners\nsecond line")
+
+    monkeypatch.setattr(CaptureProxy, "start", refuse)
+    node = NodeProxy(NodeConfig(ProxyOptions(upstream="http://127.0.0.1:9"), None, os.urandom(32), "t", 8))
+    assert node.ready() == "RuntimeError: no room for listeners"
+    assert node.stop(1.0) == 0
