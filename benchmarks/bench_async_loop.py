@@ -63,12 +63,16 @@ def main() -> None:
 
     disable_progress_bar()
     torch.set_num_threads(1)
+    from lcap.serve.server import resolve_python
+
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
+    python = resolve_python()  # lcap's vLLM venv, found (or made) where LCAP_HOME points before the bench's own
     os.environ.setdefault("LCAP_HOME", str(out / "home"))
     os.environ.setdefault("LCAP_POLICY_RECORD", str(out / "home" / "policy.json"))
     os.environ.setdefault("OPENAI_API_KEY", "sk-bench-not-a-real-key")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    Path(os.environ["LCAP_HOME"]).mkdir(parents=True, exist_ok=True)
     settings = DemoSettings(seed=args.seed, tasks_per_round=args.tasks_per_round, group_size=args.group_size)
     demo = ROOT / "scripts" / "demo"
     words = read_words(demo / "words.txt")
@@ -100,7 +104,7 @@ def main() -> None:
     if read_policy() is not None:
         stop_server()
     print("starting vLLM on the tiny model", flush=True)
-    start_server(str(model), log_path=out / "vllm.log")
+    start_server(str(model), python=python, log_path=out / "vllm.log")
     results = {}
     try:
         base = read_policy()

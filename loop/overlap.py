@@ -14,6 +14,7 @@ and a group in any recorded batch is never taken again.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -197,6 +198,7 @@ def run_async_loop(
     producer = Producer(config, pool, size, per_step, _wasted(data))
     producer.advance(version, _wasted(data))
     idle_before = 0.0
+    held_out = _Background()
     with pool:
         producer.start()
         try:
@@ -210,8 +212,9 @@ def run_async_loop(
                     if staleness.trainable:
                         break
                     # every sample of the batch was stale: its groups are spent, the step takes another batch
-                    data["void"] = sorted(set(data["void"]) | set(batch["groups"]))
-                    del data["steps"][f"{n}:batch"]
+                    with state.lock:
+                        data["void"] = sorted(set(data["void"]) | set(batch["groups"]))
+                        del data["steps"][f"{n}:batch"]
                     void = state.done(n, "void") or {"groups": [], "staleness": {}, "dropped": 0}
                     state.finish(
                         n,
@@ -226,6 +229,7 @@ def run_async_loop(
                     echo(f"step {n}: every sample of {len(batch['groups'])} groups was stale, taking the next ones")
                 train_options = replace(config.train, current=_name_of(versions, n - 1), mismatch_current_only=True)
                 trained = step(n, "train", lambda: {**_train(store, run, n, train_options, out), **_as(staleness)})
+                held_out.wait()  # the previous step's held-out episodes are all served by the policy they measure
                 deployed = step(n, "deploy", lambda: _deploy(store, trained["output"], n))
                 producer.advance(n, _wasted(data))
                 idle = pool.idle_seconds()
@@ -245,15 +249,17 @@ def run_async_loop(
                 step(n, "stats", lambda: _record(store, run, n, figures))
                 s = RoundSummary(round=n, train=trained, deployed=deployed["name"])
                 s.train_reward = trained.get("mean_reward")
-                if config.eval_tasks:
-                    s.eval_reward = step(n, "eval", lambda: _evaluate(store, config, n))["mean_reward"]
                 summaries.append(s)
-                echo(_line(n, figures, trained, s, bool(config.eval_tasks)))
+                echo(_line(n, figures, trained, s))
+                if config.eval_tasks:
+                    held_out.start(n, functools.partial(_held_out, step, store, config, n, s, echo))
+            held_out.wait()
         except _Stop:
             pass
         finally:
             producer.stop()
             producer.thread.join(timeout=60)
+            held_out.wait(raising=False)
     if producer.error is not None and not isinstance(producer.error, _Stop):
         raise producer.error
     return summaries
@@ -278,8 +284,9 @@ def _take_batch(store, config: LoopConfig, state: LoopState, producer: Producer,
         )
         untrainable = [g for g, _, ok in rows if not ok]
         if untrainable:
-            data["untrainable"] = sorted(set(data["untrainable"]) | set(untrainable))
-            state.save()
+            with state.lock:
+                data["untrainable"] = sorted(set(data["untrainable"]) | set(untrainable))
+                state.save()
             producer.advance(producer.version, _wasted(data))
             if len(data["untrainable"]) - untrainable_before > UNTRAINABLE_MAX * per_step:
                 raise LcapError(
@@ -307,6 +314,38 @@ def _deploy(store, output: str, n: int) -> dict:
     return {"name": deploy(Path(output), round=n, store=store), "path": output}
 
 
+class _Background:
+    """One step's held-out run, beside the next step's training (it must end before that step deploys)."""
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self, n: int, body: Callable[[], None]) -> None:
+        def run() -> None:
+            try:
+                body()
+            except BaseException as exc:  # raised in the trainer's thread by wait()
+                self.error = exc
+
+        self.thread = threading.Thread(target=run, name=f"lcap-held-out-{n}", daemon=True)
+        self.thread.start()
+
+    def wait(self, raising: bool = True) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        error, self.error = self.error, None
+        if error is not None and raising:
+            raise error
+
+
+def _held_out(step, store, config: LoopConfig, n: int, s: RoundSummary, echo: Callable[[str], None]) -> None:
+    info = step(n, "eval", lambda: _evaluate(store, config, n))
+    s.eval_reward = info["mean_reward"]
+    echo(f"step {n}: held-out reward {num(info['mean_reward'])} ({info['rewarded']} episodes)")
+
+
 def _evaluate(store, config: LoopConfig, n: int) -> dict:
     assert config.eval_tasks is not None
     return collect_split(store, config, n, "eval", config.eval_tasks, config.eval_group_size)
@@ -328,14 +367,13 @@ def _record(store, run: Path, n: int, figures: dict[str, Any]) -> dict:
     return figures
 
 
-def _line(n: int, f: dict[str, Any], trained: dict, s: RoundSummary, held_out: bool) -> str:
+def _line(n: int, f: dict[str, Any], trained: dict, s: RoundSummary) -> str:
     hist = " ".join(f"{k}:{v}" for k, v in f["staleness"].items()) or "-"
     return (
         f"step {n}: {f['groups']} groups (queue {f['queue']}) | staleness {hist}, dropped {f['dropped_stale']}"
         f" | waited: trainer {f['trainer_wait_s']:.0f}s, agents {f['agent_wait_s']:.0f}s"
         f" | train reward {num(s.train_reward)}"
-        + (f" | held-out {num(s.eval_reward)}" if held_out else "")
-        + f" | {training_text(trained)} | deployed {s.deployed}, {f['in_flight']} episodes in flight"
+        f" | {training_text(trained)} | deployed {s.deployed}, {f['in_flight']} episodes in flight"
         f" | {f['seconds']:.0f}s"
     )
 
@@ -365,10 +403,11 @@ def _name_of(versions: dict[str, int], version: int) -> str:
 
 
 def _taken(state: LoopState) -> set[str]:
-    taken = set(state.data["void"]) | set(state.data["untrainable"])
-    for key, info in state.data["steps"].items():
-        if key.endswith(":batch"):
-            taken |= set(info["groups"])
+    with state.lock:
+        taken = set(state.data["void"]) | set(state.data["untrainable"])
+        for key, info in state.data["steps"].items():
+            if key.endswith(":batch"):
+                taken |= set(info["groups"])
     return taken
 
 

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -82,20 +83,23 @@ class LoopState:
                 "verifier: use a new --run folder"
             )
         self.data = data or {"key": key, "steps": {}}
+        self.lock = threading.RLock()  # the async loop's held-out runs record their steps from a thread of their own
 
     def done(self, round: int, step: str) -> dict | None:
         return self.data["steps"].get(f"{round}:{step}")
 
     def finish(self, round: int, step: str, info: dict) -> None:
-        self.data["steps"][f"{round}:{step}"] = {**info, "finished_at": time.time()}
-        self.save()
+        with self.lock:
+            self.data["steps"][f"{round}:{step}"] = {**info, "finished_at": time.time()}
+            self.save()
 
     def save(self) -> None:
         """Write the state atomically (a reader, or a resumed loop, never sees half a file)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.data, indent=2, default=str))
-        tmp.replace(self.path)
+        with self.lock:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self.data, indent=2, default=str))
+            tmp.replace(self.path)
 
     def last_deployed(self) -> dict | None:
         deployed = [(int(k.split(":")[0]), v) for k, v in self.data["steps"].items() if k.endswith(":deploy")]

@@ -289,6 +289,8 @@ def test_async_loop_killed_and_resumed_loses_and_retrains_no_group(vllm_policy, 
     command = [str(lcap) if lcap.exists() else "lcap", "loop", "--async", "--max-staleness", "1"]
     command += ["--groups-per-step", "1", "--db", str(db), "--run", str(run), "--rounds", "3", "--tasks", str(tasks)]
     command += ["--group-size", "2", "--concurrency", "4", "--verifier", f"{tmp_path / 'verify.py'}:verify"]
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"id": "e0", "q": "Which is a number: list five text"}) + "\n")
+    command += ["--eval-tasks", str(tmp_path / "eval.jsonl"), "--eval-group-size", "2"]
     command += ["--lr", "1e-3", "--report-to", "none", "--", sys.executable, str(tmp_path / "agent.py"), "{q}"]
     env = dict(os.environ, OPENAI_API_KEY="sk-test")
     state = run / "state.json"
@@ -309,7 +311,8 @@ def test_async_loop_killed_and_resumed_loses_and_retrains_no_group(vllm_policy, 
 
     second = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert "step 2:" in second.stdout and "step 3:" in second.stdout and "step 1:" not in second.stdout
+    assert "step 2:" in second.stdout and "step 3: held-out reward" in second.stdout
+    assert "step 1: 1 groups" not in second.stdout
     after = json.loads(state.read_text())
     batches = _batches(after)
     assert batches[2] == _batches(before)[2]  # the batch taken before the kill, trained after it
@@ -318,6 +321,14 @@ def test_async_loop_killed_and_resumed_loses_and_retrains_no_group(vllm_policy, 
     store = Store(db)
     counts = dict(store.fetchall("SELECT round || ':' || step, count(*) FROM loop_steps GROUP BY ALL"))
     assert counts["1:batch"] == counts["2:batch"] == counts["3:batch"] == 1
+    assert all(counts[f"{n}:eval"] == 1 for n in (0, 2, 3))  # held-out runs beside the next step's training
+    # Each step's held-out episodes were all served by that step's deployment.
+    served = store.fetchall(
+        "SELECT e.round, list(DISTINCT t.deployment) FROM turns t JOIN episodes e USING (episode_id) "
+        "WHERE e.split = 'eval' GROUP BY ALL ORDER BY 1"
+    )
+    names = [after["steps"][f"{n}:deploy"]["name"] for n in (1, 2, 3)]
+    assert served == [(0, [vllm_policy.served_model])] + [(n, [names[n - 1]]) for n in (1, 2, 3)]
     assert store.fetchall("SELECT round, count(*) FROM train_runs GROUP BY ALL ORDER BY 1") == [(1, 1), (2, 1), (3, 1)]
     for n, groups in batches.items():
         data = pq.read_table(run / f"round-{n}" / "data" / "samples.parquet").to_pylist()
