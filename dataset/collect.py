@@ -616,8 +616,6 @@ class EpisodePool:
     ) -> None:
         from lcap.capture.server import CaptureProxy
 
-        if options.ray is not None:
-            raise LcapError("the async loop runs its episodes on this machine: --async with --ray is not supported yet")
         self.store, self.concurrency = store, concurrency
         self.proxy = CaptureProxy(store, collect_proxy_options(options, proxy_options))
         self.result = CollectResult()

@@ -171,6 +171,8 @@ def run_async_loop(
 ) -> list[RoundSummary]:
     from lcap.dataset.collect import EpisodePool
 
+    if config.train.ray is not None:
+        raise LcapError("--async runs its episodes on this machine: with --ray, use the synchronous loop for now")
     run = Path(config.run)
     data = state.data
     data.setdefault("base_deployment", base_deployment)

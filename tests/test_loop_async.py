@@ -92,6 +92,18 @@ def test_loop_options_refuse_negative_bounds():
     assert sync.key() != overlapped.key()  # a run folder is one kind of loop
 
 
+def test_async_loop_refuses_ray_before_it_collects(tmp_path):
+    from lcap.loop.overlap import run_async_loop
+    from lcap.loop.rounds import LoopState
+
+    config = LoopConfig(
+        run=tmp_path, rounds=1, tasks=tmp_path / "t.jsonl", command=["a"], train=TrainOptions(ray="local")
+    )
+    with pytest.raises(LcapError, match="--async runs its episodes on this machine"):
+        run_async_loop(Store(tmp_path / "lcap.duckdb"), config, LoopState(tmp_path, config.key()), "base")
+    assert not (tmp_path / "lcap.duckdb").exists()
+
+
 @pytest.mark.vllm
 def test_async_loop_steps_on_complete_groups_and_drops_stale_samples(vllm_policy, openai_env, tmp_path, monkeypatch):
     """One group per step, --max-staleness 1. The `slow` group's episodes call the base policy and then stay in
