@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ SELECT tt.episode_id, tt.seq, tt.thread, tt.deployment, tt.rebuilt, tt.truncated
              ELSE list_transform(tt.completion_ids, lambda x: 0.0) END)::FLOAT[] AS logprobs,
        a.task_id, a.round::INTEGER AS round, a.group_id, a.reward, a.advantage, a.zero_variance, a.tampered
 FROM turn_tokens tt JOIN episode_advantages a USING (episode_id)
-WHERE a.round = $round AND a.split = $split AND tt.prompt_ids IS NOT NULL AND tt.completion_ids IS NOT NULL
+WHERE {a_chosen} AND tt.prompt_ids IS NOT NULL AND tt.completion_ids IS NOT NULL
 """
 
 
@@ -74,8 +75,11 @@ class BuildReport:
         ]
 
 
-def build_dataset(store: Store, *, round: int, out: Path, options: BuildOptions = BuildOptions()) -> BuildReport:
-    """Write `out/samples.parquet` and `out/report.json` for the `options.split` episodes of `round`."""
+def build_dataset(
+    store: Store, *, round: int, out: Path, options: BuildOptions = BuildOptions(), groups: Sequence[str] | None = None
+) -> BuildReport:
+    """Write `out/samples.parquet` and `out/report.json` for the `options.split` episodes of `round`, or with
+    `groups` for those GRPO groups (of any round: an async loop step's batch; `round` then names the step)."""
     started = time.perf_counter()
     round = int(round)
     out = Path(out)
@@ -86,20 +90,28 @@ def build_dataset(store: Store, *, round: int, out: Path, options: BuildOptions 
     if options.rebuild:
         from lcap.dataset.rebuild import rebuild_missing_tokens
 
-        rebuilt, unrebuildable = rebuild_missing_tokens(
-            store, round=round, split=options.split, tokenizer=options.tokenizer
-        )
+        rebuilt = unrebuildable = 0
+        for source in _source_rounds(store, round, groups):
+            done, failed = rebuild_missing_tokens(store, round=source, split=options.split, tokenizer=options.tokenizer)
+            rebuilt, unrebuildable = rebuilt + done, unrebuildable + failed
     else:
         rebuilt = unrebuildable = 0
     clock("rebuild")
 
-    params = {"round": round, "split": options.split}
+    params: dict[str, Any] = {"split": options.split}
+    if groups is None:
+        params["round"] = round
+    else:
+        params["groups"] = list(groups)
     with store.connect() as con:
-        turns = con.sql(_TURNS, params=params).to_arrow_table()
+        turns = con.sql(_chosen(_TURNS, groups), params=params).to_arrow_table()
         clock("turns_sql")
-        report.episodes = _one(con, _EPISODE_COUNTS, params)
-        report.groups = _one(con, _GROUP_COUNTS, params)
-        report.turns = _one(con, _TURN_COUNTS, params) | {"rebuilt_now": rebuilt, "unrebuildable": unrebuildable}
+        report.episodes = _one(con, _chosen(_EPISODE_COUNTS, groups), params)
+        report.groups = _one(con, _chosen(_GROUP_COUNTS, groups), params)
+        report.turns = _one(con, _chosen(_TURN_COUNTS, groups), params) | {
+            "rebuilt_now": rebuilt,
+            "unrebuildable": unrebuildable,
+        }
         clock("counts_sql")
     report.episodes["no_usable_turns"] = report.episodes["rewarded"] - len(pc.unique(turns["episode_id"]))
 
@@ -129,6 +141,7 @@ def build_dataset(store: Store, *, round: int, out: Path, options: BuildOptions 
         "tampered": int(flags["tampered"].sum()),
         "rebuilt": int(flags["rebuilt"].sum()),
         "episodes_split": len(pc.unique(split_episodes)),
+        "split_at_deploy": int(samples["after_deploy"].to_numpy(zero_copy_only=False).astype(bool).sum()),
     }
     report.samples = report.sample_counts["written"]
     sizes = pc.value_counts(samples["group_id"].filter(pa.array(keep))).field("counts")
@@ -143,6 +156,23 @@ def build_dataset(store: Store, *, round: int, out: Path, options: BuildOptions 
     )
     (out / "report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     return report
+
+
+def _chosen(sql: str, groups: Sequence[str] | None) -> str:
+    """`sql` over the episodes chosen: a round's, or the listed groups' (both of one split)."""
+    where = "round = $round" if groups is None else "group_id IN (SELECT unnest($groups::VARCHAR[]))"
+    return sql.format(chosen=f"{where} AND split = $split", a_chosen=f"a.{where} AND a.split = $split")
+
+
+def _source_rounds(store: Store, round: int, groups: Sequence[str] | None) -> list[int]:
+    """The rounds the chosen episodes were collected in."""
+    if groups is None:
+        return [round]
+    rows = store.fetchall(
+        "SELECT DISTINCT round FROM episode_summary WHERE group_id IN (SELECT unnest(?::VARCHAR[])) ORDER BY 1",
+        [list(groups)],
+    )
+    return [r[0] for r in rows if r[0] is not None]
 
 
 class _Clock:
@@ -163,8 +193,8 @@ def _one(con, sql: str, params: dict[str, Any]) -> dict[str, int]:
 
 # Every episode of the round and split, by why it does or does not train.
 _EPISODE_COUNTS = """
-WITH e AS (SELECT * FROM episode_summary WHERE round = $round AND split = $split),
-     a AS (SELECT * FROM episode_advantages WHERE round = $round AND split = $split)
+WITH e AS (SELECT * FROM episode_summary WHERE {chosen}),
+     a AS (SELECT * FROM episode_advantages WHERE {chosen})
 SELECT (SELECT count(*) FROM e) AS total,
        (SELECT count(*) FILTER (WHERE status = 'failed') FROM e) AS failed,
        (SELECT count(*) FILTER (WHERE status = 'timeout') FROM e) AS timeout,
@@ -183,11 +213,11 @@ _GROUP_COUNTS = """
 SELECT count(*) AS total, count(*) FILTER (WHERE zero_variance) AS zero_variance,
        count(*) FILTER (WHERE group_size = 1) AS singleton, coalesce(max(group_size), 0) AS max_size
 FROM (SELECT group_id, any_value(zero_variance) AS zero_variance, any_value(group_size) AS group_size
-      FROM episode_advantages WHERE round = $round AND split = $split GROUP BY group_id)
+      FROM episode_advantages WHERE {chosen} GROUP BY group_id)
 """
 
 _TURN_COUNTS = """
-WITH e AS (SELECT episode_id FROM episode_summary WHERE round = $round AND split = $split),
+WITH e AS (SELECT episode_id FROM episode_summary WHERE {chosen}),
      t AS (SELECT * FROM turns WHERE episode_id IN (SELECT episode_id FROM e))
 SELECT count(*) AS total, count(*) - count(DISTINCT turn_id) AS duplicate,
        count(*) FILTER (WHERE error IS NOT NULL OR status_code >= 400) AS failed_calls,

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tarfile
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
@@ -147,26 +148,22 @@ def episode_id(run_id: str, round: int, split: str, task_id: str, sample: int) -
     return f"c{run_id}-r{round}-{split}-{safe}-{sample}"
 
 
-def collect(
-    store: Store,
-    *,
-    tasks: Path,
-    command: list[str],
-    options: CollectOptions = CollectOptions(),
-    labels: Mapping[str, str] = {},
-    progress: bool | None = None,
-    proxy_options: ProxyOptions | None = None,
-) -> CollectResult:
-    """Run `command` group_size times per task through one capture proxy, verify, record every episode.
-    `proxy_options` sets the proxy's limits and timeouts; its upstream and model are `options`'."""
-    if not command:
-        raise LcapError("no agent command (put it after --)")
-    if options.ray is not None:  # an unreachable cluster is a one-line error before anything runs
-        from lcap.ray_cluster import connect
+@dataclass
+class CollectPlan:
+    """A collect's episodes, before any runs: what `collect` runs at once and the async loop's pool runs as they
+    are admitted (one definition of episode ids, commands, labels and rules for both)."""
 
-        connect(options.ray)
-    elif options.episode_resources or options.episode_cpus != 1.0:
-        raise LcapError("--episode-cpus and --episode-resources place episodes on a Ray cluster: add --ray ADDRESS")
+    run_id: str
+    run_dir: Path
+    specs: list[EpisodeSpec]
+    rules: EpisodeRules
+    files: TaskFiles
+
+
+def plan_collect(
+    *, tasks: Path, command: list[str], options: CollectOptions, labels: Mapping[str, str] = {}
+) -> CollectPlan:
+    """Every episode of `tasks` x `options.group_size` for `options.round` and `options.split`, in task order."""
     tasks = Path(tasks)
     task_rows = load_tasks(tasks)
     base = Path.cwd()
@@ -208,6 +205,41 @@ def collect(
                     },
                 )
             )
+    return CollectPlan(
+        run_id, run_dir, specs, EpisodeRules(judge, guard, options.timeout), TaskFiles(tasks.parent.resolve())
+    )
+
+
+def collect_proxy_options(options: CollectOptions, proxy_options: ProxyOptions | None) -> ProxyOptions:
+    """The capture proxy's options for a collect: `proxy_options`' limits, `options`' upstream and model."""
+    return replace(
+        proxy_options or ProxyOptions(), upstream=options.upstream, model=options.model, transparent=options.transparent
+    )
+
+
+def collect(
+    store: Store,
+    *,
+    tasks: Path,
+    command: list[str],
+    options: CollectOptions = CollectOptions(),
+    labels: Mapping[str, str] = {},
+    progress: bool | None = None,
+    proxy_options: ProxyOptions | None = None,
+) -> CollectResult:
+    """Run `command` group_size times per task through one capture proxy, verify, record every episode.
+    `proxy_options` sets the proxy's limits and timeouts; its upstream and model are `options`'."""
+    if not command:
+        raise LcapError("no agent command (put it after --)")
+    if options.ray is not None:  # an unreachable cluster is a one-line error before anything runs
+        from lcap.ray_cluster import connect
+
+        connect(options.ray)
+    elif options.episode_resources or options.episode_cpus != 1.0:
+        raise LcapError("--episode-cpus and --episode-resources place episodes on a Ray cluster: add --ray ADDRESS")
+    plan = plan_collect(tasks=tasks, command=command, options=options, labels=labels)
+    tasks, run_id, run_dir, specs = Path(tasks), plan.run_id, plan.run_dir, plan.specs
+    round = options.round
 
     result = CollectResult(episodes=len(specs), run_id=run_id, run_dir=str(run_dir))
     done = _finished(store, [s.episode_id for s in specs])
@@ -216,21 +248,17 @@ def collect(
     if todo:
         _forget_partial(store, [s.episode_id for s in todo])
 
-        proxy_options = replace(
-            proxy_options or ProxyOptions(),
-            upstream=options.upstream,
-            model=options.model,
-            transparent=options.transparent,
-        )
-        rules = EpisodeRules(judge, guard, options.timeout)
+        proxy_options = collect_proxy_options(options, proxy_options)
         tally = Tally(result)
         show = sys.stderr.isatty() if progress is None else progress
         if options.ray is not None:
             from lcap.dataset.ray_collect import RayPool
 
-            RayPool(store, rules, tasks.parent.resolve(), options, proxy_options, tally).run_all(todo, progress=show)
+            RayPool(store, plan.rules, tasks.parent.resolve(), options, proxy_options, tally).run_all(
+                todo, progress=show
+            )
         else:
-            _run_local(store, todo, rules, TaskFiles(tasks.parent.resolve()), tally, proxy_options, options, show)
+            _run_local(store, todo, plan.rules, plan.files, tally, proxy_options, options, show)
     result.summary = summarize(store, [s.episode_id for s in specs], run_dir, round, options.transparent)
     return result
 
@@ -505,10 +533,18 @@ def report_end(console, spec: EpisodeSpec, outcome: EpisodeOutcome) -> None:
 class _Runner:
     """Runs episodes on a thread pool against one local capture proxy."""
 
-    def __init__(self, store: Store, proxy, rules: EpisodeRules, files: TaskFiles, tally: Tally) -> None:
+    def __init__(
+        self,
+        store: Store,
+        proxy,
+        rules: EpisodeRules,
+        files: TaskFiles,
+        tally: Tally,
+        stopping: threading.Event | None = None,
+    ) -> None:
         self.store, self.proxy, self.rules, self.files, self.tally = store, proxy, rules, files, tally
         self.running: dict[str, subprocess.Popen] = {}
-        self.stopping = threading.Event()
+        self.stopping = stopping or threading.Event()
 
     def run_all(self, specs: list[EpisodeSpec], concurrency: int, *, progress: bool) -> None:
         console, bar = progress_bar(progress)
@@ -567,6 +603,89 @@ class _Runner:
         record_outcome(self.store, spec, outcome)
         self.tally.add(outcome)
         return outcome
+
+
+class EpisodePool:
+    """Episodes run as they are submitted, `concurrency` at a time, through one capture proxy for the pool's whole
+    life: the async loop's producer (loop/overlap.py). Each episode runs, is verified and is recorded exactly as in
+    `lcap collect` (`_Runner.run_one`); the pool adds the submission, a wake-up when an episode ends, and the
+    measure of its idle slots."""
+
+    def __init__(
+        self, store: Store, options: CollectOptions, proxy_options: ProxyOptions | None, concurrency: int
+    ) -> None:
+        from lcap.capture.server import CaptureProxy
+
+        self.store, self.concurrency = store, concurrency
+        self.proxy = CaptureProxy(store, collect_proxy_options(options, proxy_options))
+        self.result = CollectResult()
+        self.tally = Tally(self.result)
+        self.stopping = threading.Event()
+        self.ended = threading.Condition()  # notified whenever an episode ends
+        self._runners: list[_Runner] = []
+        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="lcap-episode")
+        self._busy = 0
+        self._idle = 0.0  # slot-seconds with no episode running in the slot
+        self._since = time.monotonic()
+        self._clock = threading.Lock()
+
+    def __enter__(self) -> EpisodePool:
+        self.proxy.start()
+        self._since = time.monotonic()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def submit(self, plan: CollectPlan, specs: Sequence[EpisodeSpec]) -> int:
+        """Queue `specs` (of `plan`) that have not finished yet, an interrupted attempt's turns forgotten first;
+        returns how many were queued."""
+        done = _finished(self.store, [s.episode_id for s in specs])
+        todo = [s for s in specs if s.episode_id not in done]
+        if not todo:
+            return 0
+        _forget_partial(self.store, [s.episode_id for s in todo])
+        runner = _Runner(self.store, self.proxy, plan.rules, plan.files, self.tally, stopping=self.stopping)
+        self._runners.append(runner)
+        for spec in todo:
+            self._pool.submit(self._run, runner, spec)
+        return len(todo)
+
+    def idle_seconds(self) -> float:
+        """Idle slot-seconds so far, over the slots: the seconds the whole pool would have stood idle."""
+        with self._clock:
+            self._tick()
+            return self._idle / self.concurrency
+
+    def stop(self) -> None:
+        """Kill the episodes in flight (recorded as interrupted; a later run reruns them) and drop queued ones."""
+        self.stopping.set()
+        for runner in self._runners:
+            runner.kill_all()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.proxy.stop()
+
+    def _tick(self) -> None:
+        t = time.monotonic()
+        self._idle += max(self.concurrency - self._busy, 0) * (t - self._since)
+        self._since = t
+
+    def _run(self, runner: _Runner, spec: EpisodeSpec) -> None:
+        with self._clock:
+            self._tick()
+            self._busy += 1
+        try:
+            outcome = runner.run_one(spec)
+            if outcome is not None and outcome.status != "ok":
+                log.warning("lcap: episode %s: %s %s", spec.episode_id, outcome.status, printable(outcome.reason or ""))
+        except Exception:  # run_one records lcap's own failures; anything past it must not kill the pool silently
+            log.exception("lcap: episode %s", spec.episode_id)
+        finally:
+            with self._clock:
+                self._tick()
+                self._busy -= 1
+            with self.ended:
+                self.ended.notify_all()
 
 
 def template_dir(task: Mapping[str, Any], tasks_dir: Path) -> Path | None:

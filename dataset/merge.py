@@ -24,7 +24,8 @@ def merge_turns(turns: pa.Table, *, mask_truncated: bool = False) -> pa.Table:
     """One row per call (episode_id, group_id, seq, thread (optional: seq), deployment, truncated, rebuilt,
     prompt_ids, completion_ids, logprobs + per-episode columns) -> one row per sample, ordered by group,
     episode and position, with prompt_ids, completion_ids, logprobs, env_mask, n_turns, merged,
-    truncated, rebuilt, part (the sample's index in its episode) and the per-episode columns."""
+    truncated, rebuilt, part (the sample's index in its episode), after_deploy (it starts where the deployment
+    changed within its episode) and the per-episode columns."""
     if len(turns) == 0:
         return _empty(turns)
     if "thread" not in turns.column_names:
@@ -123,6 +124,9 @@ def merge_turns(turns: pa.Table, *, mask_truncated: bool = False) -> pa.Table:
             "n_turns": pa.array(n_turns),
             "merged": pa.array(n_turns > 1),
             "part": pa.array(part),
+            # the sample starts where its episode's previous call was served by another deployment (a deploy
+            # happened mid-episode): the merge split there rather than join two policies' turns
+            "after_deploy": pa.array((same_episode & ~same_deployment)[starts]),
         }
     )
 
@@ -180,5 +184,6 @@ def _empty(turns: pa.Table) -> pa.Table:
             "n_turns": pa.array([], pa.int32()),
             "merged": pa.array([], pa.bool_()),
             "part": pa.array([], pa.int64()),
+            "after_deploy": pa.array([], pa.bool_()),
         }
     )

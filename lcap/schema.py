@@ -191,6 +191,23 @@ CREATE TABLE IF NOT EXISTS loop_steps (
     created_at   TIMESTAMPTZ
 );
 
+-- train stage: `lcap loop --async`, one row per training step (a batch of complete groups), when it is deployed
+CREATE TABLE IF NOT EXISTS async_steps (
+    run             VARCHAR,
+    step            INTEGER,      -- the step; its output is deployment version `step`
+    groups          INTEGER,      -- complete groups in the batch
+    queue           INTEGER,      -- complete groups not yet trained when the batch was taken (the batch's included)
+    samples         INTEGER,      -- samples trained on
+    dropped_stale   INTEGER,      -- samples past --max-staleness (or from a deployment the loop does not know)
+    staleness       JSON,         -- {staleness: samples} over the batch's samples, before the drop ("unknown" too)
+    trainer_wait_s  DOUBLE,       -- the trainer waited this long for the batch's groups to complete
+    agent_wait_s    DOUBLE,       -- idle episode slots since the previous step, slot-seconds / --concurrency
+    in_flight       INTEGER,      -- episodes running when the step was deployed
+    deployed        VARCHAR,
+    seconds         DOUBLE,       -- the step's wall time, from the previous step's deploy
+    created_at      TIMESTAMPTZ
+);
+
 -- dataset stage: one row per `lcap build-dataset`, the cleaning counts as JSON
 CREATE TABLE IF NOT EXISTS dataset_reports (
     round       INTEGER,

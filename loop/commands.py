@@ -10,6 +10,7 @@ import typer
 from lcap.capture.options import NOT_POLICY_ROUTE_FLAGS, ProxyOptions
 from lcap.cli_options import DbOption, one_line_errors, with_options
 from lcap.dataset.options import BuildOptions, CollectOptions
+from lcap.loop.options import LoopOptions
 from lcap.train.options import TrainOptions
 
 
@@ -19,6 +20,7 @@ def register(app: typer.Typer) -> None:
 
 
 @one_line_errors
+@with_options(LoopOptions, "options")
 @with_options(TrainOptions, "train", exclude=("current",))
 @with_options(BuildOptions, "build", exclude=("split",))
 @with_options(CollectOptions, "collect", exclude=("round", "split", "upstream", "model", "run_dir", "ray"))
@@ -33,6 +35,7 @@ def loop(
     build: BuildOptions,
     train: TrainOptions,
     proxy: ProxyOptions,
+    options: LoopOptions,
     eval_tasks: Annotated[
         Path | None, typer.Option("--eval-tasks", help="Held-out tasks, run before round 1 and after each deploy.")
     ] = None,
@@ -47,7 +50,8 @@ def loop(
 ) -> None:
     """Alternate collect -> build-dataset -> train -> deploy for --rounds rounds against the served policy.
 
-    Resumable: killed anywhere, the same command continues at the first unfinished step.
+    Resumable: killed anywhere, the same command continues at the first unfinished step. With --async,
+    collection and training overlap (bounded by --max-staleness).
     The agent command follows `--`, a template as in `lcap collect`.
     """
     from lcap.loop.rounds import LoopConfig, run_loop
@@ -65,11 +69,13 @@ def loop(
         build=build,
         train=train,
         proxy=proxy,
+        options=options,
     )
     run_loop(Store(db), config, echo=typer.echo)
 
 
 @one_line_errors
+@with_options(LoopOptions, "options", exclude=("groups_per_step",))
 def demo(
     out: Annotated[Path, typer.Option("--out", help="Where the demo writes its model, run, store and results.")] = Path(
         "lcap-demo"
@@ -81,6 +87,8 @@ def demo(
     seed: Annotated[
         int, typer.Option("--seed", help="Seed of the model's init, the warm start, the task draw and training.")
     ] = 0,
+    *,
+    options: LoopOptions,
 ) -> None:
     """Make a tiny model, serve it with vLLM, and train it with GRPO on a bundled agent and task set.
 
@@ -88,4 +96,4 @@ def demo(
     """
     from lcap.loop.demo import DemoSettings, run_demo
 
-    run_demo(out, rounds=rounds, fresh=fresh, settings=DemoSettings(seed=seed), echo=typer.echo)
+    run_demo(out, rounds=rounds, fresh=fresh, settings=DemoSettings(seed=seed), echo=typer.echo, loop=options)

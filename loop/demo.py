@@ -29,6 +29,7 @@ from pathlib import Path
 
 from lcap.config import LcapError
 from lcap.display import num, small
+from lcap.loop.options import LoopOptions
 from lcap.serve.options import TinyModelOptions
 
 # The policy's size: small enough to warm-start and train on two CPU cores in seconds, large enough to learn the task.
@@ -71,6 +72,7 @@ def run_demo(
     fresh: bool = False,
     settings: DemoSettings | None = None,
     echo: Callable[[str], None] = print,
+    loop: LoopOptions | None = None,
 ) -> dict:
     import torch
     from transformers.utils.logging import disable_progress_bar
@@ -165,6 +167,7 @@ def run_demo(
             report_to="tensorboard",
             seed=settings.seed,
         ),
+        options=loop or LoopOptions(),  # `lcap demo --async`: the overlapped loop
     )
     try:
         run_loop(store, config, echo=echo)

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -27,6 +28,7 @@ from lcap.capture.options import ProxyOptions
 from lcap.config import LcapError
 from lcap.dataset.options import BuildOptions, CollectOptions
 from lcap.display import num, rounded
+from lcap.loop.options import LoopOptions
 from lcap.store import now
 from lcap.train.grpo import round_dir
 from lcap.train.options import TrainOptions
@@ -46,6 +48,7 @@ class LoopConfig:
     build: BuildOptions = field(default_factory=BuildOptions)
     train: TrainOptions = field(default_factory=TrainOptions)
     proxy: ProxyOptions = field(default_factory=ProxyOptions)  # its policy-route flags (stitch, adapt)
+    options: LoopOptions = field(default_factory=LoopOptions)  # the loop's own: --async and its bounds
 
     def __post_init__(self) -> None:
         if self.tasks_per_round < 0:
@@ -63,6 +66,8 @@ class LoopConfig:
         ]
         if self.tasks_per_round:
             ident.append(self.tasks_per_round)
+        if self.options.overlap:  # an async run's state (batches of groups) is not a synchronous run's (rounds)
+            ident.append("async")
         return hashlib.sha1(json.dumps(ident).encode()).hexdigest()[:12]
 
 
@@ -78,16 +83,23 @@ class LoopState:
                 "verifier: use a new --run folder"
             )
         self.data = data or {"key": key, "steps": {}}
+        self.lock = threading.RLock()  # the async loop's held-out runs record their steps from a thread of their own
 
     def done(self, round: int, step: str) -> dict | None:
         return self.data["steps"].get(f"{round}:{step}")
 
     def finish(self, round: int, step: str, info: dict) -> None:
-        self.data["steps"][f"{round}:{step}"] = {**info, "finished_at": time.time()}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.data, indent=2, default=str))
-        tmp.replace(self.path)
+        with self.lock:
+            self.data["steps"][f"{round}:{step}"] = {**info, "finished_at": time.time()}
+            self.save()
+
+    def save(self) -> None:
+        """Write the state atomically (a reader, or a resumed loop, never sees half a file)."""
+        with self.lock:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self.data, indent=2, default=str))
+            tmp.replace(self.path)
 
     def last_deployed(self) -> dict | None:
         deployed = [(int(k.split(":")[0]), v) for k, v in self.data["steps"].items() if k.endswith(":deploy")]
@@ -117,7 +129,6 @@ def run_loop(
 ) -> list[RoundSummary]:
     """Run (or resume) the loop; `stop_after=(round, step)` ends it there (tests use it to stage a kill)."""
     from lcap.dataset.build import build_dataset
-    from lcap.dataset.collect import collect
     from lcap.policy import read_policy
     from lcap.serve.deploy import deploy
     from lcap.train.grpo import resolve_base_model
@@ -136,52 +147,19 @@ def run_loop(
         raise LcapError(f"--num-workers {config.train.num_workers} trains on a Ray cluster: add --ray ADDRESS")
     (run / "loop.json").write_text(json.dumps({**asdict(config), "key": config.key()}, indent=2, default=str))
     _redeploy_if_lost(state, store, echo)
+    if config.options.overlap:
+        from lcap.loop.overlap import run_async_loop
+
+        return run_async_loop(store, config, state, policy.current, echo=echo, stop_after=stop_after)
 
     def step(round: int, name: str, body: Callable[[], dict]) -> dict:
-        info = state.done(round, name)
-        if info is None:
-            t0 = time.perf_counter()
-            info = {**body(), "seconds": rounded(time.perf_counter() - t0)}
-            # The store's record first: a kill between the two reruns the step (and records it twice),
-            # rather than resuming past a step the store never heard of.
-            store.append(
-                "loop_steps",
-                [
-                    {
-                        "run": str(run.resolve()),
-                        "round": round,
-                        "step": name,
-                        "mean_reward": info.get("mean_reward"),
-                        "details": json.dumps(info, default=str),
-                        "created_at": now(),
-                    }
-                ],
-            )
-            state.finish(round, name, info)
+        info = run_step(store, state, run, round, name, body)
         if stop_after == (round, name):
             raise _Stop()
         return info
 
     def collect_step(round: int, split: str, tasks: Path, group_size: int) -> dict:
-        options = replace(
-            config.collect,
-            group_size=group_size,
-            round=round,
-            split=split,
-            upstream="policy",
-            run_dir=run / "episodes",
-            ray=config.train.ray,  # one --ray: the loop collects and trains on the same cluster
-        )
-        result = collect(store, tasks=tasks, command=config.command, options=options, proxy_options=config.proxy)
-        mean, n = split_reward(store, result.run_id, round, split)
-        return {
-            "mean_reward": mean,
-            "rewarded": n,
-            "episodes": result.episodes,
-            "failed": result.failed,
-            "skipped": result.skipped,
-            "collect_run": result.run_id,
-        }
+        return collect_split(store, config, round, split, tasks, group_size)
 
     eval_tasks = config.eval_tasks
     summaries: list[RoundSummary] = []
@@ -227,6 +205,56 @@ def run_loop(
     except _Stop:
         pass
     return summaries
+
+
+def run_step(store, state: LoopState, run: Path, round: int, name: str, body: Callable[[], dict]) -> dict:
+    """A step of the loop, once: its recorded result, or `body()`'s, recorded (store first, then state.json)."""
+    info = state.done(round, name)
+    if info is None:
+        t0 = time.perf_counter()
+        info = {**body(), "seconds": rounded(time.perf_counter() - t0)}
+        # The store's record first: a kill between the two reruns the step (and records it twice),
+        # rather than resuming past a step the store never heard of.
+        store.append(
+            "loop_steps",
+            [
+                {
+                    "run": str(run.resolve()),
+                    "round": round,
+                    "step": name,
+                    "mean_reward": info.get("mean_reward"),
+                    "details": json.dumps(info, default=str),
+                    "created_at": now(),
+                }
+            ],
+        )
+        state.finish(round, name, info)
+    return info
+
+
+def collect_split(store, config: LoopConfig, round: int, split: str, tasks: Path, group_size: int) -> dict:
+    """One collect of the loop (`lcap collect` against the policy): a round's training episodes, or held-out ones."""
+    from lcap.dataset.collect import collect
+
+    options = replace(
+        config.collect,
+        group_size=group_size,
+        round=round,
+        split=split,
+        upstream="policy",
+        run_dir=Path(config.run) / "episodes",
+        ray=config.train.ray,  # one --ray: the loop collects and trains on the same cluster
+    )
+    result = collect(store, tasks=tasks, command=config.command, options=options, proxy_options=config.proxy)
+    mean, n = split_reward(store, result.run_id, round, split)
+    return {
+        "mean_reward": mean,
+        "rewarded": n,
+        "episodes": result.episodes,
+        "failed": result.failed,
+        "skipped": result.skipped,
+        "collect_run": result.run_id,
+    }
 
 
 def round_tasks(config: LoopConfig, n: int) -> Path:
@@ -285,4 +313,4 @@ def _parquet_rows(path: Path) -> int:
 
 
 class _Stop(Exception):
-    pass
+    """`stop_after` reached: the loop ends there, as a kill would."""

@@ -455,8 +455,14 @@ def guard_round(p: PreparedRound, options: TrainOptions) -> Mismatch:
     shown = p.inputs.shown(p.out_dir)
     policy = str(shown.init_from) if shown.init_from else f"the base model {p.inputs.base_model}"
     where = p.out_dir.name.replace("-", " ")
-    details = str(shown.round_dir / path.name)
-    check_mismatch(mismatch, options.mismatch_max, where=where, policy=policy, details=details)
+    check_mismatch(
+        mismatch,
+        options.mismatch_max,
+        where=where,
+        policy=policy,
+        details=str(shown.round_dir / path.name),
+        only=p.inputs.current if options.mismatch_current_only else None,
+    )
     return mismatch
 
 

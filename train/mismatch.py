@@ -153,11 +153,14 @@ def _logp_differences(trainer, samples: list[Sample]) -> list[Any]:
     return result
 
 
-def check_mismatch(mismatch: Mismatch, limit: float, *, where: str, policy: str, details: str) -> None:
-    """Stop the round (one-line error) when a deployment's KL is past `limit` (0: never)."""
+def check_mismatch(
+    mismatch: Mismatch, limit: float, *, where: str, policy: str, details: str, only: str | None = None
+) -> None:
+    """Stop the round (one-line error) when a deployment's KL is past `limit` (0: never); with `only`, just that
+    deployment's (the one being trained: the others' KL includes the drift since they served)."""
     if not limit:
         return
-    bad = [d for d in mismatch.deployments if d.kl > limit]
+    bad = [d for d in mismatch.deployments if d.kl > limit and (only is None or d.deployment == only)]
     if not bad:
         return
     worst = max(bad, key=lambda d: d.kl)

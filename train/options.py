@@ -51,6 +51,12 @@ class TrainOptions:
         "log-probs of the captured tokens are further from vLLM's than this KL per token (k3 estimate): the served "
         "model is not the one being trained. 0: never stop (still measured).",
     )
+    mismatch_current_only: bool = option(
+        False,
+        cli=False,
+        help="Hold only the deployment being trained (`current`) to --mismatch-max; the others are measured and "
+        "recorded (`lcap loop --async`: an older deployment's KL includes the drift of the steps since it served).",
+    )
     mismatch_samples: int = option(
         32, help="Samples per deployment the mismatch check scores with one no-grad forward (0: all)."
     )

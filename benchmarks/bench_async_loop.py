@@ -1,0 +1,224 @@
+"""The synchronous and the overlapped loop side by side, in one run: trained groups per hour and held-out reward.
+
+    .venv/bin/python benchmarks/bench_async_loop.py [--out bench-async] [--rounds 4] [--seed 0]
+        [--tasks-per-round 8] [--group-size 4] [--concurrency 8] [--max-staleness 1]
+        [--median 2] [--sigma 1.2] [--cap 30] [--eval 16]
+
+The demo's tiny warm-started model, tasks and verifier (loop/demo.py), one vLLM CPU server for both loops,
+and an agent whose episodes spend most of their time in a tool call of uneven length:
+scripts/agents/tool_sleeper.py sleeps a log-normal time (median `--median` s, shape `--sigma`, capped at
+`--cap`) seeded by the task and sample, then asks the policy. Both loops get the same tasks in the same
+order, the same policy (the server is put back on the base model between them), the same seed and the same
+sleeps; each has its own store and run folder under --out. The held-out set is evaluated before the first
+step and after each one, in both.
+
+Prints one table: per loop, the wall time of its steps (from the end of the base policy's held-out run to
+the last step's), the groups trained, trained groups per hour, the trainer's and the agents' waiting time,
+samples dropped as stale, and the held-out reward after each step (the curve per trained group: each step
+trains --tasks-per-round groups). The overlapped loop's target: >= 1.5x the groups per hour.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("bench-async"))
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tasks-per-round", type=int, default=8)
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--max-staleness", type=int, default=1)
+    ap.add_argument("--median", type=float, default=2.0)
+    ap.add_argument("--sigma", type=float, default=1.2)
+    ap.add_argument("--cap", type=float, default=30.0)
+    ap.add_argument("--eval", type=int, default=16, help="held-out tasks, one episode each")
+    args = ap.parse_args()
+
+    import torch
+    from transformers.utils.logging import disable_progress_bar
+
+    from lcap.dataset.options import BuildOptions, CollectOptions
+    from lcap.loop.demo import MODEL, DemoSettings
+    from lcap.loop.demo_task import make_tasks, read_words, warm_start, write_jsonl
+    from lcap.loop.options import LoopOptions
+    from lcap.loop.rounds import LoopConfig, run_loop
+    from lcap.policy import read_policy, write_policy
+    from lcap.serve.server import start_server, stop_server
+    from lcap.serve.tiny_model import init_model
+    from lcap.store import Store
+    from lcap.train.options import TrainOptions
+
+    disable_progress_bar()
+    torch.set_num_threads(1)
+    from lcap.serve.server import resolve_python
+
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    python = resolve_python()  # lcap's vLLM venv, found (or made) where LCAP_HOME points before the bench's own
+    os.environ.setdefault("LCAP_HOME", str(out / "home"))
+    os.environ.setdefault("LCAP_POLICY_RECORD", str(out / "home" / "policy.json"))
+    os.environ.setdefault("OPENAI_API_KEY", "sk-bench-not-a-real-key")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    Path(os.environ["LCAP_HOME"]).mkdir(parents=True, exist_ok=True)
+    settings = DemoSettings(seed=args.seed, tasks_per_round=args.tasks_per_round, group_size=args.group_size)
+    demo = ROOT / "scripts" / "demo"
+    words = read_words(demo / "words.txt")
+
+    model = out / "model"
+    if not (model / "warm_start.json").exists():
+        print(f"making and warm-starting the demo's tiny model in {model}", flush=True)
+        shutil.rmtree(model, ignore_errors=True)
+        init_model(model, replace(MODEL, seed=args.seed))
+        report = warm_start(
+            model,
+            words,
+            p_correct=settings.warm_p_correct,
+            p_format=settings.warm_p_format,
+            answer_weight=settings.warm_answer_weight,
+            steps=settings.warm_steps,
+            seed=args.seed,
+        )
+        (model / "warm_start.json").write_text(json.dumps(report))
+    train_tasks, held_out = make_tasks(
+        words, n_train=args.tasks_per_round * args.rounds, n_eval=args.eval, seed=args.seed
+    )
+    tasks = write_jsonl(out / "tasks.jsonl", train_tasks)
+    eval_tasks = write_jsonl(out / "heldout.jsonl", held_out)
+    agent = [sys.executable, str(ROOT / "scripts" / "agents" / "tool_sleeper.py"), "--question", "{question}"]
+    agent += ["--sample", "{sample}", "--median", str(args.median), "--sigma", str(args.sigma)]
+    agent += ["--cap", str(args.cap), "--seed", str(args.seed)]
+
+    if read_policy() is not None:
+        stop_server()
+    print("starting vLLM on the tiny model", flush=True)
+    start_server(str(model), python=python, log_path=out / "vllm.log")
+    results = {}
+    try:
+        base = read_policy()
+        assert base is not None
+        for name, overlap in (("sync", False), ("async", True)):
+            record = read_policy()
+            assert record is not None
+            record.current = base.served_model  # the same starting policy for both
+            write_policy(record)
+            folder = out / name
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            config = LoopConfig(
+                run=folder / "run",
+                rounds=args.rounds,
+                tasks=tasks,
+                command=agent,
+                eval_tasks=eval_tasks,
+                tasks_per_round=args.tasks_per_round,
+                collect=CollectOptions(
+                    group_size=args.group_size,
+                    concurrency=args.concurrency,
+                    timeout=args.cap + 120,
+                    verifier=f"{demo / 'verify.py'}:verify",
+                ),
+                build=BuildOptions(truncated="keep"),
+                train=TrainOptions(
+                    base_model=str(model),
+                    learning_rate=settings.lr,
+                    epochs=settings.epochs,
+                    epsilon_high=settings.epsilon_high,
+                    batch_size=settings.batch_size,
+                    report_to="none",
+                    seed=args.seed,
+                ),
+                options=LoopOptions(overlap=overlap, max_staleness=args.max_staleness),
+            )
+            store = Store(folder / "lcap.duckdb")
+            print(f"--- {name} loop", flush=True)
+            marks: dict[str, float] = {}
+
+            def echo(line: str, marks: dict[str, float] = marks) -> None:
+                print(line, flush=True)
+                marks.setdefault("start", time.monotonic()) if line.startswith("round 0") else None
+                marks["end"] = time.monotonic()
+
+            cwd = Path.cwd()
+            os.chdir(folder)  # the episodes' folders
+            try:
+                t0 = time.monotonic()
+                run_loop(store, config, echo=echo)
+            finally:
+                os.chdir(cwd)
+            results[name] = _figures(store, folder / "run", marks["end"] - marks.get("start", t0), args)
+    finally:
+        stop_server()
+    _print(results, args)
+
+
+def _figures(store, run: Path, seconds: float, args) -> dict:
+    """One loop's figures, measured the same way for both: trained groups from each step's dataset report (groups
+    with two or more samples), the agents' idle time as the steps' wall time less the training episodes' busy
+    time over the slots, the trainer's wait as the time it had no batch to train on."""
+    state = json.loads((run / "state.json").read_text())["steps"]
+    steps = range(1, args.rounds + 1)
+    groups = sum(
+        json.loads((run / f"round-{n}" / "data" / "report.json").read_text())["groups"]["trainable"] for n in steps
+    )
+    eval_by_round = dict(
+        store.fetchall(
+            "SELECT round, avg(reward) FROM episode_summary WHERE split = 'eval' AND reward IS NOT NULL GROUP BY round"
+        )
+    )
+    ((busy,),) = store.fetchall("SELECT coalesce(sum(duration_s), 0) FROM episode_summary WHERE split = 'train'")
+    overlapped = any(f"{n}:batch" in state for n in steps)
+    if overlapped:
+        ((trainer_wait, dropped),) = store.fetchall("SELECT sum(trainer_wait_s), sum(dropped_stale) FROM async_steps")
+    else:  # the synchronous trainer waits for each round's whole collect
+        trainer_wait, dropped = sum(state[f"{n}:collect"]["seconds"] for n in steps), 0
+    return {
+        "seconds": seconds,
+        "groups": groups,
+        "per_hour": groups * 3600 / seconds,
+        "trainer_wait_s": trainer_wait,
+        "agent_wait_s": seconds - busy / args.concurrency,
+        "dropped": dropped,
+        "held_out": [eval_by_round.get(n) for n in range(0, args.rounds + 1)],
+    }
+
+
+def _print(results: dict, args) -> None:
+    fmt = lambda x, d=1: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
+    print()
+    print(
+        f"rounds {args.rounds} x {args.tasks_per_round} groups of {args.group_size}, concurrency {args.concurrency}, "
+        f"tool time log-normal median {args.median}s sigma {args.sigma} cap {args.cap}s, seed {args.seed}, "
+        f"--max-staleness {args.max_staleness}"
+    )
+    print(
+        "| loop | steps wall s | groups trained | groups / hour | trainer waited s | agents idle s | dropped stale |"
+        " held-out reward: base, after each step |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        curve = " ".join(fmt(x, 3) for x in r["held_out"])
+        print(
+            f"| {name} | {r['seconds']:.0f} | {r['groups']} | {r['per_hour']:.0f} | {fmt(r['trainer_wait_s'], 0)} | "
+            f"{fmt(r['agent_wait_s'], 0)} | {r['dropped']} | {curve} |"
+        )
+    if "sync" in results and "async" in results:
+        print(
+            f"\noverlapped / synchronous groups per hour: {results['async']['per_hour'] / results['sync']['per_hour']:.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""The options of `lcap loop` itself (collect's, build's and train's live with their stages): each written once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lcap.cli_options import option
+from lcap.config import LcapError
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """How the loop's rounds are scheduled: `lcap loop` and `lcap demo` read their flags from here."""
+
+    overlap: bool = option(
+        False,
+        flag="--async",
+        help="Overlap collection and training: episodes run continuously up to --concurrency, each step trains on "
+        "the next complete groups and deploys while episodes stay in flight (docs/guide.md, choosing a loop).",
+    )
+    max_staleness: int = option(
+        1,
+        help="--async: drop a sample served by a deployment more than this many versions behind the policy being "
+        "trained (counted); within it the importance correction applies. Collection runs at most this far ahead.",
+    )
+    groups_per_step: int = option(
+        0, help="--async: complete groups per training step (0: the tasks of a round, the synchronous batch)."
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_staleness < 0 or self.groups_per_step < 0:
+            raise LcapError("--max-staleness and --groups-per-step must be 0 or more")
