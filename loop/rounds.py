@@ -268,11 +268,17 @@ def round_tasks(config: LoopConfig, n: int) -> Path:
     k = config.tasks_per_round
     if k > len(tasks):
         raise LcapError(f"--tasks-per-round {k} is more than the {len(tasks)} tasks in {config.tasks}")
-    chosen = [tasks[i % len(tasks)] for i in range((n - 1) * k, n * k)]
+    here = Path(config.tasks).resolve().parent  # a task's `template` is relative to the user's file, not this one
+    chosen = [_anchored(tasks[i % len(tasks)], here) for i in range((n - 1) * k, n * k)]
     path = round_dir(config.run, n) / "tasks.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(t) + "\n" for t in chosen))
     return path
+
+
+def _anchored(task: dict[str, Any], tasks_dir: Path) -> dict[str, Any]:
+    template = task.get("template")
+    return {**task, "template": str(tasks_dir / template)} if isinstance(template, str) and template else task
 
 
 def _train(store, run: Path, n: int, options: TrainOptions, data: Path) -> dict:

@@ -191,3 +191,19 @@ def test_tasks_per_round_takes_the_next_tasks_each_round(tmp_path):
     assert round_tasks(every, 2) == tasks and every.key() != config.key()
     with pytest.raises(LcapError, match="more than the 5 tasks"):
         round_tasks(LoopConfig(run=tmp_path, rounds=1, tasks=tasks, command=["a"], tasks_per_round=6), 1)
+
+
+def test_a_rounds_tasks_keep_their_templates(tmp_path):
+    """A task's `template` folder is relative to the user's tasks file; the round's own file points at the same one."""
+    from lcap.dataset.collect import load_tasks, template_dir
+    from lcap.loop.rounds import round_tasks
+
+    project = tmp_path / "project"
+    (project / "repo").mkdir(parents=True)
+    tasks = project / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": "t0", "q": "q", "template": "repo"}) + "\n" + json.dumps({"id": "t1"}) + "\n")
+    config = LoopConfig(run=tmp_path / "run", rounds=1, tasks=tasks, command=["agent"], tasks_per_round=2)
+    chosen = round_tasks(config, 1)
+    first, second = load_tasks(chosen)
+    assert template_dir(first, chosen.parent) == project / "repo"
+    assert template_dir(second, chosen.parent) is None
