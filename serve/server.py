@@ -480,24 +480,30 @@ def start_server(
         started = LocalReplicas(python_recorded).start(
             names, spec, port=port, log_path=log_path, gpus_per_replica=gpus_per_replica, progress=progress
         )
-    record = PolicyServer(
-        url=started[0].url,
-        pid=started[0].pid,
-        base_model=model,
-        served_model=served_name,
-        current=served_name,
-        log_path=started[0].log_path,
-        python=python_recorded,
-        started_at=now().isoformat(),
-        loras={},
-        replicas=started,
-        vllm_args=list(extra_args),
-        tool_parser=tool_parser,
-        ray_address=ray,
-        api_key_file=str(key_file) if key_file else None,
-        lcap_endpoints=has_endpoints(started[0].url, key=key),
-    )
-    write_policy(record)
+    backend = ray_backend if ray is not None else LocalReplicas(python_recorded)
+    try:
+        record = PolicyServer(
+            url=started[0].url,
+            pid=started[0].pid,
+            base_model=model,
+            served_model=served_name,
+            current=served_name,
+            log_path=started[0].log_path,
+            python=python_recorded,
+            started_at=now().isoformat(),
+            loras={},
+            replicas=started,
+            vllm_args=list(extra_args),
+            tool_parser=tool_parser,
+            ray_address=ray,
+            api_key_file=str(key_file) if key_file else None,
+            lcap_endpoints=has_endpoints(started[0].url, key=key),
+        )
+        write_policy(record)
+    except BaseException:  # servers that no record names would run on, unseen by `lcap serve --stop`
+        for replica in started:
+            backend.stop(replica, 30)
+        raise
     if store is not None:
         store.append(
             "deployments",

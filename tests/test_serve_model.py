@@ -119,6 +119,30 @@ def test_serve_reports_the_log_when_vllm_dies_on_start(tmp_path, monkeypatch):
     assert read_policy() is None
 
 
+def test_servers_no_record_names_are_stopped(tmp_path, monkeypatch):
+    """A start whose record cannot be written (a full disk, a missing folder) stops the servers it started: none is
+    left running where `lcap serve --stop` would never find it. (A process group stands in for vLLM.)"""
+    from lcap.policy import Replica
+    from lcap.serve import server
+
+    monkeypatch.setenv("LCAP_POLICY_RECORD", str(tmp_path / "policy.json"))
+    leaders: list[subprocess.Popen] = []
+
+    def start(self, names, spec, **_):
+        leaders.extend(subprocess.Popen(["sleep", "300"], start_new_session=True) for _ in names)
+        return [Replica(name, "http://127.0.0.1:9", pid=p.pid) for name, p in zip(names, leaders)]
+
+    def refuse(record) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(server.LocalReplicas, "start", start)
+    monkeypatch.setattr(server, "resolve_python", lambda python: sys.executable)
+    monkeypatch.setattr(server, "write_policy", refuse)
+    with pytest.raises(OSError, match="No space left"):
+        server.start_server(str(tmp_path), replicas=2)
+    assert len(leaders) == 2 and all(p.wait(timeout=30) is not None for p in leaders)
+
+
 def _record(pid: int) -> None:
     """A policy record (at LCAP_POLICY_RECORD) for a server on a closed port led by `pid`."""
     write_policy(
