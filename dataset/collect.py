@@ -222,7 +222,7 @@ def collect(
             model=options.model,
             transparent=options.transparent,
         )
-        rules = EpisodeRules(judge, guard, options.timeout)
+        rules = EpisodeRules(judge, guard, options.timeout, options.verify_failed)
         tally = Tally(result)
         show = sys.stderr.isatty() if progress is None else progress
         if options.ray is not None:
@@ -279,6 +279,7 @@ class EpisodeRules:
     judge: Verifier | None
     guard: tuple[str, ...]
     timeout: float | None
+    verify_failed: bool = False  # an agent's non-zero exit is an outcome to verify, not a failure
 
 
 @dataclass(frozen=True)
@@ -343,7 +344,7 @@ def run_episode(
         outcome.status, outcome.exit_code = "timeout", None
         outcome.reason = f"timed out after {rules.timeout:g}s"
         return outcome
-    if exit_code != 0:
+    if exit_code != 0 and not rules.verify_failed:
         outcome.status, outcome.reason = "failed", f"agent exited {exit_code}: {_tail(spec.dir / 'stderr.txt')}"
         return outcome
 
