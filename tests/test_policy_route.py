@@ -279,3 +279,45 @@ def test_responses_websocket_exact_ids_and_stitched(vllm_policy, tmp_path, captu
     first_ended = ends[1] == "response.completed"
     assert [r["stitched"] for r in rows] == [False, first_ended], [r["stitch_note"] for r in rows]
     assert _extends(rows) == [first_ended]
+
+
+def test_responses_previous_response_id_resolved_and_stitched(vllm_policy, tmp_path, capture_home):
+    """A call that continues by previous_response_id sends only what is new (Codex over its WebSocket): lcap's
+    bounded store of served responses makes it the whole conversation, stitched onto the previous turn's exact ids.
+    An id the store does not hold gets a 404 naming the store's bounds, counted on /lcap/v1/info."""
+    import openai
+
+    server = vllm_policy
+    before = httpx.get(f"{server.url}/lcap/v1/info", timeout=10).json()["responses"]
+    db = tmp_path / "lcap.duckdb"
+    with CaptureProxy(Store(db), ProxyOptions(upstream="policy")) as proxy:
+        oa, _ = _clients(proxy, "previous-ep")
+        common = dict(
+            model="gpt-5-codex",
+            instructions="Be brief.",
+            max_output_tokens=32,
+            store=False,
+            extra_body={"logit_bias": {str(_stop_id(server)): 6}},
+        )
+        ask = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is x?"}]}]
+        first = oa.responses.create(input=ask, **common)
+        more = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "And y?"}]}]
+        second = oa.responses.create(input=more, previous_response_id=first.id, **common)
+        assert second.status in ("completed", "incomplete")
+        with pytest.raises(openai.NotFoundError) as missing:
+            oa.responses.create(input=more, previous_response_id="resp_never_served", **common)
+    message = str(missing.value)
+    assert "not in lcap's response store" in message and "--responses-max" in message, message
+    after = httpx.get(f"{server.url}/lcap/v1/info", timeout=10).json()["responses"]
+    assert after["resolved"] - before["resolved"] == 1 and after["missed"] - before["missed"] == 1
+
+    rows = turns(db)
+    assert [r["status_code"] for r in rows] == [200, 200, 404]
+    first_ended = first.status == "completed"
+    assert [r["stitched"] for r in rows[:2]] == [False, first_ended], [r["stitch_note"] for r in rows]
+    assert _extends(rows[:2]) == [first_ended]
+    # the resolved prompt holds the first call's question: the history came from the store, not the request
+    assert len(rows[1]["prompt_token_ids"]) > len(rows[0]["prompt_token_ids"])
+    assert rows[1]["token_source"] == "vllm" and len(rows[1]["completion_logprobs"]) == len(
+        rows[1]["completion_token_ids"]
+    )
