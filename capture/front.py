@@ -491,10 +491,7 @@ class Front:
             if exchange.gone or isinstance(exc, _AgentGone):
                 started = call.pending.status_code is not None
                 self.calls.close_call(
-                    call.pending,
-                    str(exc)
-                    if isinstance(exc, _AgentGone) and str(exc)
-                    else agent_left(started),
+                    call.pending, str(exc) if isinstance(exc, _AgentGone) and str(exc) else agent_left(started)
                 )
                 if isinstance(exc, asyncio.CancelledError):
                     raise

@@ -143,7 +143,6 @@ def test_collect_records_every_outcome(collect_env):
     assert out.startswith(f"agent {ok[0]} {cwd} proxy")
 
 
-
 def test_verify_failed_verifies_an_agent_that_exits_non_zero(collect_env):
     """--verify-failed: a non-zero exit is an outcome the verifier scores (it sees the exit code), not a failure."""
     tmp = collect_env
@@ -156,6 +155,7 @@ def test_verify_failed_verifies_an_agent_that_exits_non_zero(collect_env):
     rows = _summary(store)
     assert rows[("fail", 0)][3:6] == ("ok", None, 0.0) and rows[("ok", 0)][3:6] == ("ok", None, 1.0)
     assert store.fetchall("SELECT exit_code FROM episodes WHERE episode_id = ?", [rows[("fail", 0)][0]]) == [(3,)]
+
 
 def test_resume_after_interrupted_run(collect_env):
     tmp = collect_env
