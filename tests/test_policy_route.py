@@ -256,7 +256,8 @@ def test_tool_agent_one_sample_per_episode(vllm_policy, tmp_path, capture_home):
 
 
 def test_responses_websocket_exact_ids_and_stitched(vllm_policy, tmp_path, capture_env):
-    """Codex's transport: Responses over a WebSocket through `lcap proxy`, a warm-up frame then two calls."""
+    """Codex's transport: Responses over a WebSocket through `lcap proxy`, a warm-up frame then three calls, the
+    last continuing by previous_response_id."""
     db = capture_env["LCAP_DB"]
     env = {**capture_env, "OPENAI_API_KEY": "sk-test", "LOGIT_BIAS": json.dumps({str(_stop_id(vllm_policy)): 6})}
     done = subprocess.run(
@@ -270,15 +271,17 @@ def test_responses_websocket_exact_ids_and_stitched(vllm_policy, tmp_path, captu
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
     events = [line.split(": ", 1)[1] for line in done.stdout.splitlines() if line.startswith("event: ")]
     ends = [e for e in events if e in ("response.completed", "response.incomplete")]
-    assert len(ends) == 3 and not any("lcap" in e for e in events)  # the warm-up's, then the two calls'
+    assert len(ends) == 4 and not any("lcap" in e for e in events)  # the warm-up's, then the three calls'
     rows = turns(db)
-    assert [(r["transport"], r["status_code"]) for r in rows] == [("websocket", 200)] * 2
+    assert [(r["transport"], r["status_code"]) for r in rows] == [("websocket", 200)] * 3
     for row in rows:
         assert row["token_source"] == "vllm" and len(row["completion_logprobs"]) == len(row["completion_token_ids"])
     # the second call extends the first when the first ended on a stop token (else the agent resent it as it was)
-    first_ended = ends[1] == "response.completed"
-    assert [r["stitched"] for r in rows] == [False, first_ended], [r["stitch_note"] for r in rows]
-    assert _extends(rows) == [first_ended]
+    first_ended, second_ended = ends[1] == "response.completed", ends[2] == "response.completed"
+    # the third, by previous_response_id, is the whole conversation from lcap's store, on the second's exact ids
+    assert [r["stitched"] for r in rows] == [False, first_ended, second_ended], [r["stitch_note"] for r in rows]
+    assert _extends(rows) == [first_ended, second_ended]
+    assert json.loads(rows[2]["request"])["previous_response_id"]
 
 
 def test_responses_previous_response_id_resolved_and_stitched(vllm_policy, tmp_path, capture_home):

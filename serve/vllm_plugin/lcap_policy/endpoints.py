@@ -605,6 +605,10 @@ async def responses_socket(socket: WebSocket) -> None:
             generate = body.pop("generate", True)
             if generate is False:
                 body.pop(wire.REQUEST_KEY, None)
+                _, missing = policy.resolve_previous(body)  # a warm-up may continue a conversation too
+                if missing is not None:
+                    await socket.send_text(_dumps(_ws_error(missing.error.type, missing.error.message)))
+                    continue
                 events = _empty_response(body)
                 if policy.stored is not None:  # a later call may continue it: what it was sent, no output
                     policy.stored.put(
