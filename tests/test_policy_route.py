@@ -281,7 +281,7 @@ def test_responses_websocket_exact_ids_and_stitched(vllm_policy, tmp_path, captu
     # the third, by previous_response_id, is the whole conversation from lcap's store, on the second's exact ids
     assert [r["stitched"] for r in rows] == [False, first_ended, second_ended], [r["stitch_note"] for r in rows]
     assert _extends(rows) == [first_ended, second_ended]
-    assert json.loads(rows[2]["request"])["previous_response_id"]
+    assert rows[2]["request"]["previous_response_id"]
 
 
 def test_responses_previous_response_id_resolved_and_stitched(vllm_policy, tmp_path, capture_home):
