@@ -21,7 +21,7 @@ from lcap.capture import dialects, policy_wire
 from lcap.capture.calls import Calls, NoRoute, Unauthorized, with_route_model
 from lcap.capture.options import ProxyOptions
 from lcap.capture.routes import Route
-from lcap.capture.turn import PendingTurn
+from lcap.capture.turn import PendingTurn, agent_left
 
 log = logging.getLogger("lcap.capture")
 
@@ -199,7 +199,7 @@ class CaptureAddon:
             if flow.response is not None:
                 pending.status_code = flow.response.status_code
             if message == "Client disconnected.":  # in the front's words, so both transports read alike
-                message = f"the agent closed the connection {'during' if flow.response else 'before'} the answer"
+                message = agent_left(flow.response is not None)
             else:
                 self.calls.upstream_failed(pending, message)
             self.calls.close_call(pending, flow.metadata.pop(_TIMED_OUT, None) or message)

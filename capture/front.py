@@ -50,6 +50,7 @@ from lcap.capture.http1 import (
 )
 from lcap.capture.netns import original_destination
 from lcap.capture.options import ProxyOptions
+from lcap.capture.turn import agent_left
 
 log = logging.getLogger("lcap.capture")
 
@@ -490,10 +491,7 @@ class Front:
             if exchange.gone or isinstance(exc, _AgentGone):
                 started = call.pending.status_code is not None
                 self.calls.close_call(
-                    call.pending,
-                    str(exc)
-                    if isinstance(exc, _AgentGone) and str(exc)
-                    else f"the agent closed the connection {'during' if started else 'before'} the answer",
+                    call.pending, str(exc) if isinstance(exc, _AgentGone) and str(exc) else agent_left(started)
                 )
                 if isinstance(exc, asyncio.CancelledError):
                     raise

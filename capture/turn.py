@@ -24,6 +24,14 @@ from lcap.capture.redact import redact_json, redact_keys, redact_path, redact_te
 log = logging.getLogger("lcap.capture")
 
 
+def agent_left(answered: bool) -> str:
+    """The error of a call whose agent closed its connection (`answered`: the answer had begun)."""
+    return f"the agent closed the connection {'during' if answered else 'before'} the answer"
+
+
+_LEFT_DURING = agent_left(True)
+
+
 _id_prefix: str
 _id_counter: Iterator[int]
 
@@ -178,6 +186,8 @@ def build_row(p: PendingTurn) -> dict[str, Any]:
         turn.error = turn.error or f"capture: {exc}"
     if p.status_code is not None and p.status_code >= 400 and not error:
         error = turn.error or f"HTTP {p.status_code}"
+    if error == _LEFT_DURING and p.streamed and turn.error is None and turn.finish_reason is not None:
+        error = None  # the stream's last event had come: clients (Codex CLI) close once they have it
     error = error or turn.error
     policy = _policy_fields(p, turn)
     has_ids = bool(turn.completion_token_ids) and p.token_ids

@@ -206,7 +206,11 @@ def plan_collect(
                 )
             )
     return CollectPlan(
-        run_id, run_dir, specs, EpisodeRules(judge, guard, options.timeout), TaskFiles(tasks.parent.resolve())
+        run_id,
+        run_dir,
+        specs,
+        EpisodeRules(judge, guard, options.timeout, options.verify_failed),
+        TaskFiles(tasks.parent.resolve()),
     )
 
 
@@ -307,6 +311,7 @@ class EpisodeRules:
     judge: Verifier | None
     guard: tuple[str, ...]
     timeout: float | None
+    verify_failed: bool = False  # an agent's non-zero exit is an outcome to verify, not a failure
 
 
 @dataclass(frozen=True)
@@ -371,7 +376,7 @@ def run_episode(
         outcome.status, outcome.exit_code = "timeout", None
         outcome.reason = f"timed out after {rules.timeout:g}s"
         return outcome
-    if exit_code != 0:
+    if exit_code != 0 and not rules.verify_failed:
         outcome.status, outcome.reason = "failed", f"agent exited {exit_code}: {_tail(spec.dir / 'stderr.txt')}"
         return outcome
 

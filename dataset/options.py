@@ -22,6 +22,13 @@ class CollectOptions:
     verifier: str | None = option(None, help="Command, module:function or file.py:function.")
     timeout: float | None = option(600.0, help="Seconds per episode; its whole process group is killed.")
     protect: tuple[str, ...] = option((), help="Glob (in the workdir) the agent must not change; repeatable.")
+    verify_failed: bool = option(
+        False,
+        flag="--verify-failed",
+        help="Verify an episode whose agent exits non-zero (the verifier sees ctx.exit_code) instead of marking it "
+        "failed: for harnesses that give up on the model's answers (Claude Code exits 1 after answers cut by the "
+        "token limit), a failure of the policy to learn from, not of the infrastructure.",
+    )
     round: int = option(0, help="Training round these episodes belong to.")
     split: str = option("train", help="train | eval (a label; build-dataset reads train).")
     upstream: str | None = option("policy", help=UPSTREAM_HELP)

@@ -58,6 +58,7 @@ class PolicyServer:
     tool_parser: str | None = "hermes"  # records from before this field were all started with hermes
     ray_address: str | None = None  # the Ray cluster the replicas run on; None: local processes
     api_key_file: str | None = None  # replicas reachable from the network require the key in this file
+    endpoint_env: dict[str, str] = field(default_factory=dict)  # the options lcap's endpoints run with
 
     def __post_init__(self) -> None:
         self.replicas = [r if isinstance(r, Replica) else Replica(**r) for r in self.replicas]

@@ -81,6 +81,7 @@ def register(app: typer.Typer) -> None:
             gpus_per_replica=options.gpus_per_replica,
             store=Store(db),
             progress=True,
+            endpoint_env=options.endpoint_env(),
         )
         if len(record.replicas) == 1:
             typer.echo(

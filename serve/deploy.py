@@ -24,6 +24,7 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from lcap.config import LcapError
@@ -119,7 +120,7 @@ def _roll(record: PolicyServer, path: Path, name: str, drain_timeout: float) -> 
     """Restart the replicas on the checkpoint one at a time; on a failure, put every replica back as it was."""
     previous = VllmSpec.of(record)
     args = _with_tokenizer(record, path)
-    target = VllmSpec(str(path), name, record.python, record.tool_parser, tuple(args), previous.timeout)
+    target = replace(previous, model=str(path), served_name=name, extra_args=tuple(args))
     drain = len(record.replicas) > 1
     touched: list[str] = []
     try:

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from lcap.cli_options import option
 from lcap.config import LcapError
 
+RESPONSES_MAX_ENV = "LCAP_RESPONSES_MAX"
+RESPONSES_MAX_AGE_ENV = "LCAP_RESPONSES_MAX_AGE"
+
 
 @dataclass(frozen=True)
 class TinyModelOptions:
@@ -69,6 +72,19 @@ class ServeOptions:
         help="GPUs each replica holds (default: the tensor x pipeline x data parallel size in the vLLM arguments); "
         "0 runs vLLM on CPU.",
     )
+    responses_max: int = option(
+        1024,
+        help="Responses each replica keeps so that a later call can continue one by previous_response_id (Codex CLI "
+        "over its WebSocket); past it the oldest go, and a call naming one gets a 404 that says so. 0 keeps none.",
+    )
+    responses_max_age: float = option(
+        3600.0, help="Seconds a kept response can be continued by previous_response_id before it goes."
+    )
+
+    def endpoint_env(self) -> dict[str, str]:
+        """What lcap's policy endpoints read from their environment (serve/vllm_plugin/lcap_policy/responses_store.py
+        names the same variables; a test compares them)."""
+        return {RESPONSES_MAX_ENV: str(self.responses_max), RESPONSES_MAX_AGE_ENV: repr(float(self.responses_max_age))}
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -77,6 +93,8 @@ class ServeOptions:
             raise LcapError(f"--gpus-per-replica {self.gpus_per_replica}: not negative")
         if self.ray is not None and self.port is not None:
             raise LcapError("--port is for local replicas: under --ray each replica takes a free port on its node")
+        if self.responses_max < 0 or not self.responses_max_age > 0:
+            raise LcapError("--responses-max must be at least 0 and --responses-max-age positive")
 
 
 @dataclass(frozen=True)

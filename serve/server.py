@@ -59,12 +59,19 @@ class VllmSpec:
     tool_parser: str | None
     extra_args: tuple[str, ...]  # the user's vLLM arguments, passed through
     timeout: float  # seconds to wait for /health
+    endpoint_env: tuple[tuple[str, str], ...] = ()  # the options of lcap's endpoints (ServeOptions.endpoint_env)
 
     @classmethod
     def of(cls, record: PolicyServer, timeout: float = 600.0) -> VllmSpec:
         """The spec the record's replicas run."""
         return cls(
-            record.base_model, record.served_model, record.python, record.tool_parser, tuple(record.vllm_args), timeout
+            record.base_model,
+            record.served_model,
+            record.python,
+            record.tool_parser,
+            tuple(record.vllm_args),
+            timeout,
+            tuple(record.endpoint_env.items()),
         )
 
 
@@ -194,7 +201,7 @@ def launch(
     from lcap.serve.vllm_env import has_gpu
 
     gpu = has_gpu() and (env or os.environ).get("CUDA_VISIBLE_DEVICES") != ""
-    env = dict(env or os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
+    env = dict(env or os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", **dict(spec.endpoint_env))
     env.pop(KEY_VARIABLE, None)
     if key:
         env[KEY_VARIABLE] = key
@@ -450,9 +457,13 @@ def start_server(
     gpus_per_replica: float | None = None,
     store: Store | None = None,
     progress: bool | None = None,
+    endpoint_env: dict[str, str] | None = None,
 ) -> PolicyServer:
     """Start `replicas` vLLM servers on `model`, wait until all are healthy, record them (and, with `store`, the
-    'base' deployment)."""
+    'base' deployment). `endpoint_env`: the options of lcap's endpoints (default: ServeOptions' defaults)."""
+    from lcap.serve.options import ServeOptions
+
+    endpoint_env = ServeOptions().endpoint_env() if endpoint_env is None else endpoint_env
     running = read_policy()
     if running is not None and _any_alive(running):
         raise LcapError(
@@ -471,12 +482,16 @@ def start_server(
         ray_backend = RayReplicas(ray, python)  # joins the cluster: an unreachable one is an error before anything
         key_file = new_key()
         key = key_file.read_text().strip()
-        spec = VllmSpec(model, served_name, python, tool_parser, tuple(extra_args), timeout)
+        spec = VllmSpec(
+            model, served_name, python, tool_parser, tuple(extra_args), timeout, tuple(endpoint_env.items())
+        )
         started = ray_backend.start(names, spec, key, gpus_per_replica)
         python_recorded = python or ""
     else:
         python_recorded = resolve_python(python)
-        spec = VllmSpec(model, served_name, python_recorded, tool_parser, tuple(extra_args), timeout)
+        spec = VllmSpec(
+            model, served_name, python_recorded, tool_parser, tuple(extra_args), timeout, tuple(endpoint_env.items())
+        )
         started = LocalReplicas(python_recorded).start(
             names, spec, port=port, log_path=log_path, gpus_per_replica=gpus_per_replica, progress=progress
         )
@@ -498,6 +513,7 @@ def start_server(
             ray_address=ray,
             api_key_file=str(key_file) if key_file else None,
             lcap_endpoints=has_endpoints(started[0].url, key=key),
+            endpoint_env=endpoint_env,
         )
         write_policy(record)
     except BaseException:  # servers that no record names would run on, unseen by `lcap serve --stop`

@@ -47,6 +47,7 @@ class FakeLLM(ThreadingHTTPServer):
         self.fail: tuple[int, dict] | None = None
         self.gzip = False
         self.gate: threading.Event | None = None  # streams pause after the first chunk until set
+        self.end_gate: threading.Event | None = None  # chat streams pause before their `[DONE]` until set
         self.chunk_delay = 0.0
         self.drop_idle = False  # close each connection after its answer, without saying so (a keep-alive timeout)
         self.models = ["fake-model"]  # what GET /v1/models lists
@@ -62,6 +63,7 @@ class FakeLLM(ThreadingHTTPServer):
     def reset(self) -> None:
         self.requests.clear()
         self.models = ["fake-model"]
+        self.end_gate = None
         self.text, self.tool_call, self.fail, self.gzip, self.gate, self.chunk_delay, self.drop_idle = (
             "Hello from the upstream.",
             None,
@@ -198,6 +200,8 @@ class _Handler(BaseHTTPRequestHandler):
             if self.server.chunk_delay:
                 time.sleep(self.server.chunk_delay)
         if not named:
+            if self.server.end_gate is not None:
+                self.server.end_gate.wait(120)
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
 

@@ -133,6 +133,28 @@ def test_an_agent_that_leaves_mid_stream_leaves_an_error_turn(store, llm):
     assert "agent closed the connection" in row["error"]
 
 
+def test_an_agent_that_leaves_after_the_last_event_leaves_a_whole_turn(store, llm):
+    """Codex CLI closes an SSE stream once it has the final event, before the stream's own end: the turn is whole,
+    not an error (one that leaves before the final event is: the test above)."""
+    llm.end_gate = threading.Event()
+    try:
+        with CaptureProxy(store) as proxy:
+            with _one_connection(proxy, "ep-done") as client:
+                with client.stream("POST", f"{llm.url}/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
+                    seen = b""
+                    for data in resp.iter_raw():
+                        seen += data
+                        if b'"finish_reason": "stop"' in seen:
+                            break
+            llm.end_gate.set()
+            assert proxy.flush(timeout=10)
+    finally:
+        llm.end_gate.set()
+    (row,) = turns(store.path)
+    assert row["episode_id"] == "ep-done" and row["stream"] and row["finish_reason"] == "stop"
+    assert row["error"] is None and row["completion_text"] == llm.text
+
+
 def test_upstream_dropping_connections(store):
     """Kept-alive upstream connections the upstream closed are replaced without the agent noticing; an upstream
     that is gone gets the agent a 502 and the turn an error."""

@@ -143,6 +143,20 @@ def test_collect_records_every_outcome(collect_env):
     assert out.startswith(f"agent {ok[0]} {cwd} proxy")
 
 
+def test_verify_failed_verifies_an_agent_that_exits_non_zero(collect_env):
+    """--verify-failed: a non-zero exit is an outcome the verifier scores (it sees the exit code), not a failure."""
+    tmp = collect_env
+    (tmp / "exits.py").write_text("def judge(ctx):\n    return {'reward': 0.0 if ctx.exit_code else 1.0}\n")
+    tasks = _tasks(tmp / "tasks.jsonl", [{"id": "fail", "mode": "fail"}, {"id": "ok", "mode": "ok"}])
+    store = Store(tmp / "lcap.duckdb")
+    options = CollectOptions(group_size=1, concurrency=2, verifier="exits.py:judge", upstream=None, verify_failed=True)
+    result = collect(store, tasks=tasks, command=[sys.executable, "agent.py", "{mode}"], options=options)
+    assert result.statuses == {"ok": 2}
+    rows = _summary(store)
+    assert rows[("fail", 0)][3:6] == ("ok", None, 0.0) and rows[("ok", 0)][3:6] == ("ok", None, 1.0)
+    assert store.fetchall("SELECT exit_code FROM episodes WHERE episode_id = ?", [rows[("fail", 0)][0]]) == [(3,)]
+
+
 def test_resume_after_interrupted_run(collect_env):
     tmp = collect_env
     tasks = _tasks(tmp / "tasks.jsonl", [{"id": f"t{i}", "mode": "gate"} for i in range(3)])

@@ -256,7 +256,8 @@ def test_tool_agent_one_sample_per_episode(vllm_policy, tmp_path, capture_home):
 
 
 def test_responses_websocket_exact_ids_and_stitched(vllm_policy, tmp_path, capture_env):
-    """Codex's transport: Responses over a WebSocket through `lcap proxy`, a warm-up frame then two calls."""
+    """Codex's transport: Responses over a WebSocket through `lcap proxy`, a warm-up frame then three calls, the
+    last continuing by previous_response_id."""
     db = capture_env["LCAP_DB"]
     env = {**capture_env, "OPENAI_API_KEY": "sk-test", "LOGIT_BIAS": json.dumps({str(_stop_id(vllm_policy)): 6})}
     done = subprocess.run(
@@ -270,12 +271,56 @@ def test_responses_websocket_exact_ids_and_stitched(vllm_policy, tmp_path, captu
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
     events = [line.split(": ", 1)[1] for line in done.stdout.splitlines() if line.startswith("event: ")]
     ends = [e for e in events if e in ("response.completed", "response.incomplete")]
-    assert len(ends) == 3 and not any("lcap" in e for e in events)  # the warm-up's, then the two calls'
+    assert len(ends) == 4 and not any("lcap" in e for e in events)  # the warm-up's, then the three calls'
     rows = turns(db)
-    assert [(r["transport"], r["status_code"]) for r in rows] == [("websocket", 200)] * 2
+    assert [(r["transport"], r["status_code"]) for r in rows] == [("websocket", 200)] * 3
     for row in rows:
         assert row["token_source"] == "vllm" and len(row["completion_logprobs"]) == len(row["completion_token_ids"])
     # the second call extends the first when the first ended on a stop token (else the agent resent it as it was)
-    first_ended = ends[1] == "response.completed"
-    assert [r["stitched"] for r in rows] == [False, first_ended], [r["stitch_note"] for r in rows]
-    assert _extends(rows) == [first_ended]
+    first_ended, second_ended = ends[1] == "response.completed", ends[2] == "response.completed"
+    # the third, by previous_response_id, is the whole conversation from lcap's store, on the second's exact ids
+    assert [r["stitched"] for r in rows] == [False, first_ended, second_ended], [r["stitch_note"] for r in rows]
+    assert _extends(rows) == [first_ended, second_ended]
+    assert rows[2]["request"]["previous_response_id"]
+
+
+def test_responses_previous_response_id_resolved_and_stitched(vllm_policy, tmp_path, capture_home):
+    """A call that continues by previous_response_id sends only what is new (Codex over its WebSocket): lcap's
+    bounded store of served responses makes it the whole conversation, stitched onto the previous turn's exact ids.
+    An id the store does not hold gets a 404 naming the store's bounds, counted on /lcap/v1/info."""
+    import openai
+
+    server = vllm_policy
+    before = httpx.get(f"{server.url}/lcap/v1/info", timeout=10).json()["responses"]
+    db = tmp_path / "lcap.duckdb"
+    with CaptureProxy(Store(db), ProxyOptions(upstream="policy")) as proxy:
+        oa, _ = _clients(proxy, "previous-ep")
+        common = dict(
+            model="gpt-5-codex",
+            instructions="Be brief.",
+            max_output_tokens=32,
+            store=False,
+            extra_body={"logit_bias": {str(_stop_id(server)): 6}},
+        )
+        ask = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is x?"}]}]
+        first = oa.responses.create(input=ask, **common)
+        more = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "And y?"}]}]
+        second = oa.responses.create(input=more, previous_response_id=first.id, **common)
+        assert second.status in ("completed", "incomplete")
+        with pytest.raises(openai.NotFoundError) as missing:
+            oa.responses.create(input=more, previous_response_id="resp_never_served", **common)
+    message = str(missing.value)
+    assert "not in lcap's response store" in message and "--responses-max" in message, message
+    after = httpx.get(f"{server.url}/lcap/v1/info", timeout=10).json()["responses"]
+    assert after["resolved"] - before["resolved"] == 1 and after["missed"] - before["missed"] == 1
+
+    rows = turns(db)
+    assert [r["status_code"] for r in rows] == [200, 200, 404]
+    first_ended = first.status == "completed"
+    assert [r["stitched"] for r in rows[:2]] == [False, first_ended], [r["stitch_note"] for r in rows]
+    assert _extends(rows[:2]) == [first_ended]
+    # the resolved prompt holds the first call's question: the history came from the store, not the request
+    assert len(rows[1]["prompt_token_ids"]) > len(rows[0]["prompt_token_ids"])
+    assert rows[1]["token_source"] == "vllm" and len(rows[1]["completion_logprobs"]) == len(
+        rows[1]["completion_token_ids"]
+    )

@@ -230,7 +230,8 @@ def padded_batch(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, int
 def test_cpu_logps_from_the_plain_lm_head_equal_trls_fused_head(
     tiny_train_model, captured_samples, tmp_path, monkeypatch
 ):
-    """On CPU the trainer scores completions with the model's LM head, not TRL's fused head: same numbers."""
+    """On CPU the trainer scores completions with the model's LM head, not TRL's fused head: same numbers, each
+    sample alone without a mask (a masked, padded batch takes SDPA's quadratic-memory kernel)."""
     import trl.trainer.utils as trl_utils
     from trl import GRPOTrainer
 
@@ -252,8 +253,16 @@ def test_cpu_logps_from_the_plain_lm_head_equal_trls_fused_head(
             [p.grad.clone() for p in trainer.model.parameters() if p.requires_grad],
         )
 
+    calls: list[tuple[int, bool]] = []  # (rows, masked) of each forward of ours
+    hook = trainer.model.register_forward_pre_hook(
+        lambda _, args, kwargs: calls.append((kwargs["input_ids"].size(0), kwargs.get("attention_mask") is not None)),
+        with_kwargs=True,
+    )
     ours = scored(type(trainer)._get_per_token_logps_and_entropies)
+    hook.remove()
     assert not fused_calls
+    # one sample per forward, unpadded and unmasked: SDPA's causal kernel, memory linear in the length
+    assert calls == [(1, False)] * len(samples)
     trl_own = scored(GRPOTrainer._get_per_token_logps_and_entropies)
     assert fused_calls
     torch.testing.assert_close(ours[0], trl_own[0])  # log-probs, 0 at padding like TRL's

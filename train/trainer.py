@@ -22,7 +22,11 @@ Four small, named departures from stock TRL, each tested:
    position (prompt and padding too) and recomputes each logits tile in the backward, which made
    it the largest single cost of a step on CPU (`benchmarks/bench_train.py`). The fused head's
    gain, never holding a batch's logits, matters on a GPU, where it runs as TRL ships it; on CPU
-   one micro-batch's completion logits (batch x completion length x vocab floats) are held.
+   one sample's completion logits (completion length x vocab floats) are held. Each sample runs
+   alone, cut to its own tokens, with no attention mask (its absolute positions kept), so PyTorch's
+   SDPA takes its causal CPU kernel, whose memory grows with the length: a padded batch with a mask
+   takes the math kernel, which holds a length x length matrix per head and layer (a harness's
+   40k-token prompt asked for tens of GB).
 4. `CapturedGRPOTrainer._compute_loss`, when each sample is trained on once under the weights it
    was scored with (TRL's aligned case: `gradient_accumulation_steps` a multiple of
    `steps_per_generation x num_iterations`) and the IS mode truncates: the old-policy log-probs
@@ -191,21 +195,36 @@ class CapturedGRPOTrainer(GRPOTrainer):
         return out
 
     def _lm_head_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy):
-        batch_size = batch_size or input_ids.size(0)
-        logps, entropies = [], []
-        for start in range(0, input_ids.size(0), batch_size):
-            ids, attn = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
+        width = input_ids.size(1)
+        first = width - logits_to_keep  # the first completion slot
+        logps = input_ids.new_zeros(input_ids.shape[0], logits_to_keep, dtype=torch.float32)
+        entropies = torch.zeros_like(logps) if compute_entropy else None
+        rows_logps, rows_entropies = [], []
+        for row in range(input_ids.size(0)):
+            real = attention_mask[row].nonzero()
+            start, end = int(real[0]), int(real[-1]) + 1  # left-padded prompt, right-padded completion
+            kept = end - first  # the row's completion tokens
+            if kept <= 0:
+                rows_logps.append(logps[row])
+                if entropies is not None:
+                    rows_entropies.append(entropies[row])
+                continue
             with self.accelerator.autocast():
                 logits = model(
-                    input_ids=ids, attention_mask=attn, logits_to_keep=logits_to_keep + 1, use_cache=False
+                    input_ids=input_ids[row : row + 1, start:end],
+                    position_ids=torch.arange(start, end, device=input_ids.device)[None],
+                    logits_to_keep=kept + 1,
+                    use_cache=False,
                 ).logits
-            logps_all = torch.log_softmax(logits[:, :-1].float() / self.temperature, dim=-1)
-            padding = attn[:, -logits_to_keep:] == 0
-            logps.append(logps_all.gather(-1, ids[:, -logits_to_keep:, None])[..., 0].masked_fill(padding, 0.0))
-            if compute_entropy:
+            logps_all = torch.log_softmax(logits[0, :-1].float() / self.temperature, dim=-1)
+            pad = logits_to_keep - kept
+            row_logps = logps_all.gather(-1, input_ids[row, first:end, None])[..., 0]
+            rows_logps.append(torch.nn.functional.pad(row_logps, (0, pad)))
+            if entropies is not None:
                 with torch.set_grad_enabled(torch.is_grad_enabled() and self._entropy_bonus_enabled):
-                    entropies.append(-(logps_all.exp() * logps_all).sum(-1).masked_fill(padding, 0.0))
-        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
+                    row_entropy = -(logps_all.exp() * logps_all).sum(-1)
+                rows_entropies.append(torch.nn.functional.pad(row_entropy, (0, pad)))
+        return torch.stack(rows_logps), torch.stack(rows_entropies) if compute_entropy else None, None
 
     def _truncated_is_ratio(self, logps: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
         """TRL's truncated IS ratio and its metrics, from the loss forward's log-probs instead of a second forward."""

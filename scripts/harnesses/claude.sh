@@ -12,4 +12,4 @@ export ANTHROPIC_API_KEY=$fake_key IS_SANDBOX=1
 [ -z "${LCAP_MAX_OUTPUT_TOKENS:-}" ] || export CLAUDE_CODE_MAX_OUTPUT_TOKENS=$LCAP_MAX_OUTPUT_TOKENS
 export DISABLE_TELEMETRY=1 DISABLE_ERROR_REPORTING=1 DISABLE_AUTOUPDATER=1 CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1
 exec "$(harness_bin claude)" -p --dangerously-skip-permissions --max-turns "${LCAP_MAX_TURNS:-3}" \
-  --model claude-sonnet-4-5 --output-format text "$@"
+  --model sonnet --output-format text "$@"

@@ -1,6 +1,7 @@
-"""A test agent: a two-call Responses conversation over a WebSocket (as Codex CLI speaks it), default host.
+"""A test agent: a three-call Responses conversation over a WebSocket (as Codex CLI speaks it), default host.
 
-The second call resends the first call's output and adds a user message, as a harness does. LOGIT_BIAS
+The second call resends the first call's output and adds a user message, as a harness does; the third names
+the second's response by previous_response_id and sends only a new message, as Codex does. LOGIT_BIAS
 (JSON) is passed as is. Prints each event type it gets, so a test can check that nothing of lcap's arrives.
 """
 
@@ -30,3 +31,12 @@ with connect(
             continue
         items = [*items, *event["response"]["output"]]
         items.append({"type": "message", "role": "user", "content": [{"type": "input_text", "text": "And y?"}]})
+    # then as Codex continues: the previous response by id, and only what is new
+    more = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "And z?"}]}]
+    request = {"model": "gpt-5", "instructions": "Be brief.", "input": more, "max_output_tokens": 32}
+    ws.send(json.dumps({"type": "response.create", **request, "previous_response_id": event["response"]["id"]}))
+    while True:
+        event = json.loads(ws.recv(timeout=300))
+        print("event:", event["type"], flush=True)
+        if event["type"] in ("response.completed", "response.incomplete", "response.failed", "error"):
+            break

@@ -12,7 +12,9 @@ handler: same template, same tool and reasoning parsers, same streaming events).
   Responses handler does not pass on;
 - stitching (lcap_policy.stitch): when the request extends the conversation's previous turn, its
   prompt is that turn's exact ids plus the rendered suffix, handed to vLLM as prompt ids
-  (`kv_transfer_params.prompt_token_ids`, vLLM's own way to skip templating and tokenization).
+  (`kv_transfer_params.prompt_token_ids`, vLLM's own way to skip templating and tokenization);
+- `previous_response_id` (lcap_policy.responses_store): resolved from lcap's own bounded store of the
+  responses it served, into the whole conversation stitched onto the previous turn's exact ids.
 
 The wire format towards lcap's proxy is lcap_policy.wire.
 """
@@ -22,8 +24,10 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field, replace
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import APIRouter, Body, Request, WebSocket, WebSocketDisconnect
@@ -39,11 +43,12 @@ from vllm.entrypoints.openai.responses.utils import (
     construct_tool_dicts,
 )
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 from vllm.entrypoints.serve.utils.api_utils import load_aware_call, with_cancellation
 from vllm.renderers.params import merge_kwargs
 from vllm.sampling_params import RequestOutputKind
 
-from lcap_policy import adapt, stitch, wire
+from lcap_policy import adapt, responses_store, stitch, wire
 
 log = logging.getLogger("lcap_policy")
 router = APIRouter()
@@ -79,6 +84,7 @@ class Turn:
     context: str = ""
     stop_ids: frozenset[int] = frozenset()
     max_model_len: int = 0
+    history: list[Any] | None = None  # Responses: the call's whole input items, kept with its answer
 
     # --- reading what vLLM produced ---
 
@@ -180,6 +186,7 @@ class Policy:
         reasoning = getattr(state.vllm_config, "reasoning_config", None)
         self.thinking_budgets = bool(reasoning is not None and getattr(reasoning, "enabled", False))
         self.taps: dict[str, Turn] = {}  # Responses request id -> its turn, while it runs
+        self.stored = responses_store.from_env(dict(os.environ))  # responses a later call may continue
         # A copy of vLLM's Responses handler (sharing its stores) whose engine loop also feeds lcap's turn.
         self.responses = copy.copy(state.openai_serving_responses)
         if self.responses is not None:
@@ -389,8 +396,48 @@ class Policy:
 
     # --- Responses (vLLM's Responses handler, tapped) ---
 
+    def resolve_previous(self, body: dict) -> tuple[str | None, ErrorResponse | None]:
+        """A request naming `previous_response_id` becomes the whole conversation (in place): (the previous turn's
+        head, None), or (None, a 404 saying why) when lcap's store does not have it."""
+        previous = body.get("previous_response_id")
+        if not isinstance(previous, str) or self.stored is None:
+            return None, None
+        stored, why = self.stored.get(previous)
+        if stored is None:
+            message = (
+                f"previous_response_id {previous!r} is not in lcap's response store: {why}. It keeps "
+                f"{self.stored.limits()} (lcap serve --responses-max, --responses-max-age); send the whole "
+                "conversation as input instead"
+            )
+            log.warning("lcap: %s", message)
+            error = create_error_response(
+                message, "invalid_request_error", HTTPStatus.NOT_FOUND, "previous_response_id"
+            )
+            return None, error
+        del body["previous_response_id"]
+        body["input"] = [*stored.history, *responses_store.input_items(body.get("input"))]
+        return stored.head, None
+
+    def keep(self, turn: Turn, response: Any, head: str) -> None:
+        """Keep a served response for a later call's `previous_response_id`: its input, output and head."""
+        if self.stored is None or turn.history is None or response is None:
+            return
+        if isinstance(response, dict):
+            response_id, output = response.get("id"), response.get("output") or []
+        else:
+            response_id = response.id
+            output = [item.model_dump(mode="json", by_alias=True, exclude_none=True) for item in response.output]
+        if isinstance(response_id, str):
+            self.stored.put(response_id, [*turn.history, *output], head if head != "null" else None)
+
     async def responses_result(self, body: dict, raw_request: Request | None) -> tuple[Turn, Any]:
+        previous_head, missing = self.resolve_previous(body)
         turn, options = self.begin(adapt.RESPONSES, body)
+        if missing is not None:
+            return turn, _Started("", missing)
+        if previous_head is not None:  # the previous response's own head: exact, whatever the proxy offered
+            options["head"] = json.loads(previous_head)
+        turn.history = responses_store.input_items(body.get("input"))
         request = _validate(ResponsesRequest, body)
         if self.responses is None:
             raise RequestValidationError([{"msg": "the model does not support the Responses API"}])
@@ -434,8 +481,10 @@ class Policy:
                 if getattr(event, "response", None) is not None:
                     data = _dumps({**json.loads(data), "response": _public(json.loads(data)["response"])})
                 if kind in _RESPONSE_END:
-                    self.produced(turn, getattr(event, "response", None))
+                    response = getattr(event, "response", None)
+                    self.produced(turn, response)
                     record, head = turn.trailer()
+                    self.keep(turn, response, head)
                     yield wire.RECORD_EVENT, record
                     yield wire.HEAD_EVENT, head
                 yield kind, data
@@ -465,8 +514,8 @@ def _public(response: dict) -> dict:
     return response
 
 
-def _whole(answer: str, turn: Turn) -> Response:
-    record, head = turn.trailer()
+def _whole(answer: str, turn: Turn, parts: tuple[str, str] | None = None) -> Response:
+    record, head = parts or turn.trailer()
     return Response(f"{answer}\n{record}\n{head}".encode(), media_type="application/json")
 
 
@@ -491,7 +540,11 @@ def _policy(request: Request | WebSocket) -> Policy:
 async def info(raw_request: Request) -> JSONResponse:
     policy = _policy(raw_request)
     dialects = ["chat", "messages"] + (["responses"] if policy.responses is not None else [])
-    return JSONResponse({"version": wire.VERSION, "max_model_len": policy.max_model_len, "dialects": dialects})
+    stored = policy.stored
+    responses = None if stored is None else {"kept": len(stored), "limits": stored.limits(), **stored.stats}
+    return JSONResponse(
+        {"version": wire.VERSION, "max_model_len": policy.max_model_len, "dialects": dialects, "responses": responses}
+    )
 
 
 @router.post(wire.PREFIX + "/v1/chat/completions")
@@ -519,7 +572,9 @@ async def responses(body: dict = Body(...), *, raw_request: Request):  # noqa: B
         return JSONResponse(result.model_dump(mode="json", by_alias=True), status_code=result.error.code)
     if isinstance(result, ResponsesResponse):
         policy.produced(turn, result)
-        return _whole(_dumps(_public(result.model_dump(mode="json", by_alias=True))), turn)
+        record, head = turn.trailer()
+        policy.keep(turn, result, head)
+        return _whole(_dumps(_public(result.model_dump(mode="json", by_alias=True))), turn, (record, head))
 
     async def events() -> AsyncIterator[str]:
         async for kind, data in policy.response_events(turn, started):
@@ -549,7 +604,17 @@ async def responses_socket(socket: WebSocket) -> None:
                 body[wire.REQUEST_KEY] = frame[wire.REQUEST_KEY]
             generate = body.pop("generate", True)
             if generate is False:
-                for event in _empty_response(body):
+                body.pop(wire.REQUEST_KEY, None)
+                _, missing = policy.resolve_previous(body)  # a warm-up may continue a conversation too
+                if missing is not None:
+                    await socket.send_text(_dumps(_ws_error(missing.error.type, missing.error.message)))
+                    continue
+                events = _empty_response(body)
+                if policy.stored is not None:  # a later call may continue it: what it was sent, no output
+                    policy.stored.put(
+                        events[-1]["response"]["id"], responses_store.input_items(body.get("input")), None
+                    )
+                for event in events:
                     await socket.send_text(_dumps(event))
                 continue
             body["stream"] = True
