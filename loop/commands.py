@@ -10,6 +10,7 @@ import typer
 from lcap.capture.options import NOT_POLICY_ROUTE_FLAGS, ProxyOptions
 from lcap.cli_options import DbOption, one_line_errors, with_options
 from lcap.dataset.options import BuildOptions, CollectOptions
+from lcap.loop.demo import DemoOptions
 from lcap.train.options import TrainOptions
 
 
@@ -70,7 +71,9 @@ def loop(
 
 
 @one_line_errors
+@with_options(DemoOptions, "options")
 def demo(
+    options: DemoOptions,
     out: Annotated[Path, typer.Option("--out", help="Where the demo writes its model, run, store and results.")] = Path(
         "lcap-demo"
     ),
@@ -86,6 +89,7 @@ def demo(
 
     Prints one line per round (training and held-out reward), then where the results are.
     """
-    from lcap.loop.demo import DemoSettings, run_demo
+    from lcap.loop.demo import demo_task, run_demo
 
-    run_demo(out, rounds=rounds, fresh=fresh, settings=DemoSettings(seed=seed), echo=typer.echo)
+    settings = demo_task(options.task).settings(seed)
+    run_demo(out, rounds=rounds, fresh=fresh, task=options.task, settings=settings, echo=typer.echo)
