@@ -10,6 +10,7 @@ import typer
 from lcap.capture.options import NOT_POLICY_ROUTE_FLAGS, ProxyOptions
 from lcap.cli_options import DbOption, one_line_errors, with_options
 from lcap.dataset.options import BuildOptions, CollectOptions
+from lcap.loop.demo import DemoOptions
 from lcap.loop.options import LoopOptions
 from lcap.train.options import TrainOptions
 
@@ -76,6 +77,7 @@ def loop(
 
 @one_line_errors
 @with_options(LoopOptions, "options", exclude=("groups_per_step",))
+@with_options(DemoOptions, "demo_options")
 def demo(
     out: Annotated[Path, typer.Option("--out", help="Where the demo writes its model, run, store and results.")] = Path(
         "lcap-demo"
@@ -89,11 +91,14 @@ def demo(
     ] = 0,
     *,
     options: LoopOptions,
+    demo_options: DemoOptions,
 ) -> None:
     """Make a tiny model, serve it with vLLM, and train it with GRPO on a bundled agent and task set.
 
     Prints one line per round (training and held-out reward), then where the results are.
     """
-    from lcap.loop.demo import DemoSettings, run_demo
+    from lcap.loop.demo import demo_task, run_demo
 
-    run_demo(out, rounds=rounds, fresh=fresh, settings=DemoSettings(seed=seed), echo=typer.echo, loop=options)
+    task = demo_options.task
+    settings = demo_task(task).settings(seed)
+    run_demo(out, rounds=rounds, fresh=fresh, task=task, settings=settings, echo=typer.echo, loop=options)

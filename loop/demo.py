@@ -1,11 +1,14 @@
 """`lcap demo`: the whole loop on a bundled agent, task set and verifier, on this machine.
 
-1. Make the tiny model (`init_model`) and warm-start it (`demo_task.warm_start`): it answers with a
-   word of the question, half the time in the verifier's format and often the wrong word, like a
-   base model that knows the task only in part.
+Two tasks (`--task`), each a module: `number` (loop/demo_task.py, a single-call agent) and `tools`
+(loop/demo_tools.py, a three-call tool agent whose calls are stitched and merged). Both share what follows.
+
+1. Make the tiny model (`init_model`) and warm-start it (the task's `warm_start`): it answers
+   half the time in the verifier's format and often the wrong word, like a base model that knows
+   the task only in part.
 2. Start vLLM (CPU here, GPU where there is one) on it: the policy server.
-3. `run_loop`: the bundled agent (scripts/demo/agent.py, a plain OpenAI-SDK script that calls
-   api.openai.com) runs through the capture proxy, rerouted to the policy; the bundled verifier
+3. `run_loop`: the bundled agent (a plain OpenAI-SDK script that calls api.openai.com) runs
+   through the capture proxy, rerouted to the policy; the bundled verifier
    rewards it; build-dataset -> GRPO -> deploy the LoRA; each round trains on new tasks, and
    held-out tasks are evaluated before round 1 and after every round.
 4. Write the reward curve (PNG), a summary table (Markdown) and results.json, check the learning
@@ -21,12 +24,13 @@ import json
 import os
 import shlex
 import shutil
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any, Literal, get_args
 
+from lcap.cli_options import option
 from lcap.config import LcapError
 from lcap.display import num, small
 from lcap.loop.options import LoopOptions
@@ -36,9 +40,29 @@ from lcap.serve.options import TinyModelOptions
 MODEL = TinyModelOptions(hidden_size=128, num_layers=2, num_heads=2)
 
 
+TaskName = Literal["number", "tools"]
+DEMO_TASKS: tuple[str, ...] = get_args(TaskName)
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """What `lcap demo` runs (its flags beyond --out, --rounds, --fresh and --seed)."""
+
+    task: TaskName = option(
+        "number",
+        help="The demo's task: 'number' (one call: which word is a number) or 'tools' (three calls of a tool "
+        "agent: look the number up, answer with what the tool said).",
+    )
+
+    def __post_init__(self) -> None:
+        if self.task not in DEMO_TASKS:
+            raise LcapError(f"--task {self.task!r}: choose one of {', '.join(DEMO_TASKS)}")
+
+
 @dataclass
 class DemoSettings:
-    """The demo's task sizes and training knobs (loop/demo_task.py explains the task and the warm start)."""
+    """The demo's task sizes and training knobs (each task's module explains its task and warm start; a task may
+    change these defaults, `DemoTask.defaults`)."""
 
     n_train: int = 65  # distinct training tasks...
     tasks_per_round: int = 13  # ...the next 13 each round: five rounds meet each once, none is learnt by heart
@@ -50,11 +74,36 @@ class DemoSettings:
     warm_p_correct: float = 0.5  # the warm start answers the number word this often (chance: 1/3)...
     warm_p_format: float = 0.5  # ...and in the verifier's format this often
     warm_answer_weight: float = 5.0  # the answer word's weight in the warm start's loss: copying is learnt fast
+    warm_p_lookup: float = 0.8  # tools: the warm start looks up what the tool knows this often (else another word)
     lr: float = 3e-3
     epochs: int = 4  # PPO-style passes over a round's samples, clipped against the round's starting policy
     epsilon_high: float = 0.5  # PPO's clip above 1 (DAPO's clip-higher): right answers gain faster
     batch_size: int = 32
     seed: int = 0
+
+
+@dataclass(frozen=True)
+class DemoTask:
+    """What one demo task brings: the agent's command template, its train and held-out tasks, the warm start that
+    makes its base model, and its own defaults for `DemoSettings`. The verifier (scripts/demo/verify.py) is shared."""
+
+    name: str
+    command: Callable[[], list[str]]
+    make_tasks: Callable[[DemoSettings], tuple[list[dict], list[dict]]]
+    warm_start: Callable[[Path, DemoSettings], dict]
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+    def settings(self, seed: int = 0) -> DemoSettings:
+        return replace(DemoSettings(seed=seed), **self.defaults)
+
+
+def demo_task(name: str) -> DemoTask:
+    from lcap.loop import demo_task, demo_tools
+
+    tasks = {task.name: task for task in (demo_task.TASK, demo_tools.TASK)}
+    if name not in tasks:
+        raise LcapError(f"no demo task {name!r}: choose one of {', '.join(DEMO_TASKS)}")
+    return tasks[name]
 
 
 def demo_dir() -> Path:
@@ -70,6 +119,7 @@ def run_demo(
     *,
     rounds: int = 5,
     fresh: bool = False,
+    task: str = "number",
     settings: DemoSettings | None = None,
     echo: Callable[[str], None] = print,
     loop: LoopOptions | None = None,
@@ -78,7 +128,7 @@ def run_demo(
     from transformers.utils.logging import disable_progress_bar
 
     from lcap.dataset.options import BuildOptions, CollectOptions
-    from lcap.loop.demo_task import make_tasks, read_words, warm_start, write_jsonl
+    from lcap.loop.demo_task import write_jsonl
     from lcap.loop.rounds import LoopConfig, run_loop
     from lcap.policy import read_policy
     from lcap.serve.server import start_server, stop_server
@@ -86,7 +136,8 @@ def run_demo(
     from lcap.store import Store
     from lcap.train.options import TrainOptions
 
-    settings = settings or DemoSettings()
+    kind = demo_task(task)
+    settings = settings or kind.settings()
     disable_progress_bar()  # transformers' bars over loading and saving weights: the demo prints a line a round
     if (os.cpu_count() or 1) <= 2:
         torch.set_num_threads(1)  # two busy threads on two cores thrash (vLLM, the proxy and agents share them)
@@ -95,32 +146,26 @@ def run_demo(
     if fresh and out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    bundled = demo_dir()
+    bundled = demo_dir()  # the shared verifier
     store = Store(out / "lcap.duckdb")
     timings: dict[str, float] = {}
 
+    marker = out / "demo.json"
+    if marker.exists() and json.loads(marker.read_text()).get("task") != kind.name:
+        raise LcapError(f"{out} holds a demo of another task: use another --out, or --fresh to start over")
+    marker.write_text(json.dumps({"task": kind.name}))
     model = out / "model"
     if not (model / "warm_start.json").exists():
         echo(f"[demo] making the tiny model in {model} and warm-starting it ({settings.warm_steps} supervised steps)")
         warm_t0 = time.perf_counter()
         shutil.rmtree(model, ignore_errors=True)
         init_model(model, replace(MODEL, seed=settings.seed))
-        report = warm_start(
-            model,
-            read_words(bundled / "words.txt"),
-            p_correct=settings.warm_p_correct,
-            p_format=settings.warm_p_format,
-            answer_weight=settings.warm_answer_weight,
-            steps=settings.warm_steps,
-            seed=settings.seed,
-        )
+        report = kind.warm_start(model, settings)
         (model / "warm_start.json").write_text(json.dumps(report, indent=2))
         echo(f"[demo] warm start done in {time.perf_counter() - warm_t0:.0f} s (final loss {report['loss']:.3f})")
     timings["model"] = time.perf_counter() - t0
 
-    train_tasks, held_out = make_tasks(
-        read_words(bundled / "words.txt"), n_train=settings.n_train, n_eval=settings.n_eval, seed=settings.seed
-    )
+    train_tasks, held_out = kind.make_tasks(settings)
     tasks = write_jsonl(out / "tasks.jsonl", train_tasks)
     eval_tasks = write_jsonl(out / "heldout.jsonl", held_out)
 
@@ -145,7 +190,7 @@ def run_demo(
         run=out / "run",
         rounds=rounds,
         tasks=tasks,
-        command=[sys.executable, str(bundled / "agent.py"), "--question", "{question}"],
+        command=kind.command(),
         eval_tasks=eval_tasks,
         eval_group_size=settings.eval_group_size,
         tasks_per_round=settings.tasks_per_round,
@@ -175,7 +220,14 @@ def run_demo(
         if started:
             stop_server()
     timings["loop"] = time.perf_counter() - t0 - timings["model"] - timings["server"]
-    results = summarise(out, store, timings, time.perf_counter() - t0)
+    results = summarise(out, store, timings, time.perf_counter() - t0, kind.name)
+    for r in results["rounds"]:
+        if (r["calls_per_episode"] or 0) > 1:
+            echo(
+                f"[demo] round {r['round']} training episodes: {r['calls_per_episode']:.1f} calls each, "
+                f"{num(r['stitched'], 2)} of the later ones stitched, {num(r['samples_per_episode'], 2)} samples each "
+                f"({num(r['env_tokens_per_sample'], 0)} environment tokens per sample)"
+            )
     first, last = results["rounds"][0], results["rounds"][-1]
     echo(
         f"[demo] held-out: reward {num(first['eval_reward'])} -> {num(last['eval_reward'])}, right answers "
@@ -208,6 +260,34 @@ def held_out_by_round(store) -> list[dict]:
     return [dict(round=n, episodes=k, reward=r, well_formed=f, right=g) for n, k, r, f, g in rows]
 
 
+def calls_by_round(store) -> list[dict]:
+    """Per round, from the store, the training episodes' calls and what became of them: calls per episode, the share
+    of calls after an episode's first that were stitched onto the call before (`turns.stitched`), and the training
+    samples per episode with their environment tokens (env_mask 0: tool results, observations) per sample, from the
+    `samples` view (build-dataset's merge rule)."""
+    with store.connect(read_only=True) as con:
+        rows = con.execute("""
+            WITH e AS (SELECT episode_id, round FROM episodes WHERE coalesce(split, 'train') = 'train'),
+            t AS (
+                SELECT e.round, t.episode_id, t.stitched, t.seq > min(t.seq) OVER (PARTITION BY t.episode_id) AS later
+                FROM turns t JOIN e USING (episode_id)),
+            c AS (
+                SELECT round, count(DISTINCT episode_id) AS episodes, count(*) AS calls,
+                       count(*) FILTER (WHERE later) AS later, count(*) FILTER (WHERE later AND stitched) AS stitched
+                FROM t GROUP BY round),
+            s AS (
+                SELECT round, count(*) AS samples, count(DISTINCT episode_id) AS episodes,
+                       sum(len(env_mask) - list_sum(env_mask)) AS env_tokens
+                FROM samples WHERE split = 'train' GROUP BY round)
+            SELECT c.round, c.episodes, c.calls / c.episodes, CASE WHEN c.later > 0 THEN c.stitched / c.later END,
+                   s.samples / s.episodes, s.env_tokens / s.samples
+            FROM c LEFT JOIN s USING (round) ORDER BY c.round""").fetchall()
+    return [
+        dict(round=n, episodes=k, calls=calls, stitched=stitched, samples=samples, env_tokens=env)
+        for n, k, calls, stitched, samples, env in rows
+    ]
+
+
 def check_targets(held_out: list[dict]) -> tuple[bool, list[str]]:
     """The demo's learning targets on the held-out rounds: each one's verdict as a line, and whether all pass."""
     if len(held_out) < 2:
@@ -234,19 +314,25 @@ def check_targets(held_out: list[dict]) -> tuple[bool, list[str]]:
     return all(ok for ok, _ in checks), [f"{'ok  ' if ok else 'MISS'} {text}" for ok, text in checks]
 
 
-def summarise(out: Path, store, timings: dict[str, float], seconds: float) -> dict:
+def summarise(out: Path, store, timings: dict[str, float], seconds: float, task: str = "number") -> dict:
     """Reward curve PNG + Markdown table + results.json from the store (held-out) and the loop's state (training)."""
     state = json.loads((out / "run" / "state.json").read_text())["steps"]
     held_out = {h["round"]: h for h in held_out_by_round(store)}
+    calls = {c["round"]: c for c in calls_by_round(store)}
     rounds = sorted({int(k.split(":")[0]) for k in state} | set(held_out))
     rows = []
     for n in rounds:
         h = held_out.get(n, {})
+        c = calls.get(n, {})
         trained = state.get(f"{n}:train") or {}
         rows.append(
             {
                 "round": n,
                 "train_reward": (state.get(f"{n}:collect") or {}).get("mean_reward"),
+                "calls_per_episode": c.get("calls"),
+                "stitched": c.get("stitched"),
+                "samples_per_episode": c.get("samples"),
+                "env_tokens_per_sample": c.get("env_tokens"),
                 "eval_reward": h.get("reward"),
                 "eval_well_formed": h.get("well_formed"),
                 "eval_right": h.get("right"),
@@ -259,11 +345,13 @@ def summarise(out: Path, store, timings: dict[str, float], seconds: float) -> di
     fmt = lambda x, d=3: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
     table = "\n".join(
         [
-            "| round | train reward | held-out reward | held-out well-formed / right | loss | IS ratio | train/serve KL | deployed |",
-            "|---|---|---|---|---|---|---|---|",
+            "| round | train reward | calls / episode, stitched | samples / episode (env tokens each) "
+            "| held-out reward | held-out well-formed / right | loss | IS ratio | train/serve KL | deployed |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         + [
-            f"| {r['round']} | {fmt(r['train_reward'])} | {fmt(r['eval_reward'])} | "
+            f"| {r['round']} | {fmt(r['train_reward'])} | {fmt(r['calls_per_episode'], 1)}, {fmt(r['stitched'], 2)} | "
+            f"{fmt(r['samples_per_episode'], 2)} ({fmt(r['env_tokens_per_sample'], 0)}) | {fmt(r['eval_reward'])} | "
             f"{fmt(r['eval_well_formed'], 2)} / {fmt(r['eval_right'], 2)} | {fmt(r['loss'], 4)} | "
             f"{fmt(r['is_ratio'])} | {small(r['mismatch_kl'])} | {r['deployed'] or ('base' if r['round'] == 0 else '-')} |"
             for r in rows
@@ -273,6 +361,7 @@ def summarise(out: Path, store, timings: dict[str, float], seconds: float) -> di
     png = out / "reward_curve.png"
     _plot(rows, png)
     results = {
+        "task": task,
         "rounds": rows,
         "seconds": seconds,
         "timings": timings,
@@ -282,7 +371,7 @@ def summarise(out: Path, store, timings: dict[str, float], seconds: float) -> di
         "table": table,
     }
     (out / "summary.md").write_text(
-        f"# lcap demo\n\n{table}\n\ntotal {seconds:.0f} s "
+        f"# lcap demo --task {task}\n\n{table}\n\ntotal {seconds:.0f} s "
         f"(model {timings.get('model', 0):.0f} s, vLLM start {timings.get('server', 0):.0f} s, "
         f"loop {timings.get('loop', 0):.0f} s)\n\ntargets: {'PASS' if passed else 'FAIL'}\n"
         + "".join(f"- {v}\n" for v in verdicts)

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from pathlib import Path
+
+from lcap.loop.demo import DemoSettings, DemoTask, demo_dir
 
 QUESTION = "Which is a number: {a} {b} {c}"
 # The verifier parses the first format; the warm start uses it `p_format` of the time, the others
@@ -143,3 +146,28 @@ def warm_start(
         "p_format": p_format,
         "answer_weight": answer_weight,
     }
+
+
+def demo_tasks(settings: DemoSettings) -> tuple[list[dict], list[dict]]:
+    words = read_words(demo_dir() / "words.txt")
+    return make_tasks(words, n_train=settings.n_train, n_eval=settings.n_eval, seed=settings.seed)
+
+
+def demo_warm_start(model_dir: Path, settings: DemoSettings) -> dict:
+    return warm_start(
+        model_dir,
+        read_words(demo_dir() / "words.txt"),
+        p_correct=settings.warm_p_correct,
+        p_format=settings.warm_p_format,
+        answer_weight=settings.warm_answer_weight,
+        steps=settings.warm_steps,
+        seed=settings.seed,
+    )
+
+
+def agent_command() -> list[str]:
+    """scripts/demo/agent.py: one call, the question as the user message."""
+    return [sys.executable, str(demo_dir() / "agent.py"), "--question", "{question}"]
+
+
+TASK = DemoTask("number", agent_command, demo_tasks, demo_warm_start)

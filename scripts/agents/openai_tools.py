@@ -1,10 +1,10 @@
 """A multi-turn tool-using agent (openai SDK, chat completions with tools), as a user would write it.
 
-The model gets a `lookup` tool. The harness runs the tool calls the model makes; when the model
-answers in plain text instead, the harness looks the question up itself and sends the result as
-an observation (a ReAct-style loop), for `--turns` calls. `--compact-at N` rewrites the history
-before call N (earlier observations replaced by a summary), as harnesses that compact their
-context do. It calls https://api.openai.com with OPENAI_API_KEY and knows nothing of lcap.
+The model gets a `lookup` tool (a few facts, or the `--facts` given). The harness runs the tool calls
+the model makes; when the model answers in plain text instead, the harness looks the question up
+itself and sends the result as an observation (a ReAct-style loop), for `--turns` calls.
+`--compact-at N` rewrites the history before call N (earlier observations replaced by a summary), as
+harnesses that compact their context do. It calls https://api.openai.com with OPENAI_API_KEY and knows nothing of lcap.
 """
 
 import argparse
@@ -13,6 +13,7 @@ import os
 
 from openai import OpenAI
 
+SYSTEM = "Use the lookup tool, then answer."
 FACTS = {"capital of france": "Paris", "boiling point of water": "100 C", "largest planet": "Jupiter"}
 TOOLS = [
     {
@@ -26,9 +27,9 @@ TOOLS = [
 ]
 
 
-def lookup(query: str) -> str:
+def lookup(query: str, facts: dict[str, str] = FACTS) -> str:
     query = query.lower()
-    return next((v for k, v in FACTS.items() if k in query or query in k), "no entry") + f" (for {query!r})"
+    return next((v for k, v in facts.items() if k in query or query in k), "no entry") + f" (for {query!r})"
 
 
 def main() -> None:
@@ -39,14 +40,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--compact-at", type=int, default=None)
     ap.add_argument("--logit-bias", default=None, help="JSON {token_id: bias}, passed to the API as is")
+    ap.add_argument("--facts", default=None, help="JSON {key: fact}: the encyclopedia `lookup` reads instead")
     args = ap.parse_args()
 
     client = OpenAI()
+    facts = json.loads(args.facts) if args.facts else FACTS
     extra = {"logit_bias": json.loads(args.logit_bias)} if args.logit_bias else {}
-    messages = [
-        {"role": "system", "content": "Use the lookup tool, then answer."},
-        {"role": "user", "content": args.question},
-    ]
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": args.question}]
     answer = ""
     for call in range(args.turns):
         if args.compact_at is not None and call == args.compact_at:
@@ -68,9 +68,9 @@ def main() -> None:
                     query = json.loads(tool_call.function.arguments or "{}").get("query", "")
                 except json.JSONDecodeError:
                     query = ""
-                messages.append({"role": "tool", "tool_call_id": tool_call.id, "content": lookup(query)})
+                messages.append({"role": "tool", "tool_call_id": tool_call.id, "content": lookup(query, facts)})
         else:
-            messages.append({"role": "user", "content": f"Observation {call}: {lookup(args.question)}"})
+            messages.append({"role": "user", "content": f"Observation {call}: {lookup(args.question, facts)}"})
     print(answer)
 
 

@@ -3,7 +3,9 @@
     .venv/bin/python scripts/demo/check_learning.py [OUT]      # OUT defaults to ./lcap-demo
 
 Reads the held-out episodes of every round from OUT/lcap.duckdb (their rewards and the verifier's
-well-formed / right details), prints one line per round, then checks, at the last round: held-out mean
+well-formed / right details), prints one line per round (with, for a multi-call agent such as
+`lcap demo --task tools`, the training episodes' calls, the share of later calls stitched and samples
+per episode), then checks, at the last round: held-out mean
 reward >= 0.8, held-out right answers >= 0.6, and neither fell by more than 0.1 from the round before
 (the targets are defined once, in lcap.loop.demo). Exits 1 on FAIL.
 """
@@ -12,15 +14,24 @@ import json
 import sys
 from pathlib import Path
 
-from lcap.loop.demo import check_targets, held_out_by_round
+from lcap.loop.demo import calls_by_round, check_targets, held_out_by_round
 from lcap.store import Store
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else "lcap-demo")
-held_out = held_out_by_round(Store(out / "lcap.duckdb"))
+store = Store(out / "lcap.duckdb")
+held_out = held_out_by_round(store)
+calls = {c["round"]: c for c in calls_by_round(store)}
 for h in held_out:
+    c = calls.get(h["round"])
+    multi = (
+        f"; training: {c['calls']:.1f} calls/episode, {c['stitched'] or 0:.2f} of later calls stitched, "
+        f"{c['samples'] or 0:.2f} samples/episode"
+        if c and c["calls"] > 1
+        else ""
+    )
     print(
         f"round {h['round']}: held-out reward {h['reward']:.3f}, well-formed {h['well_formed']:.2f}, "
-        f"right {h['right']:.2f} ({h['episodes']} episodes)"
+        f"right {h['right']:.2f} ({h['episodes']} episodes){multi}"
     )
 results = out / "results.json"
 if results.exists():

@@ -1,0 +1,120 @@
+"""`lcap demo --task tools`: its tasks, its warm start's episodes, and one short round end to end on vLLM (the whole
+run is measured, not tested: docs/benchmarks.md#demo)."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from collections import Counter
+
+import pytest
+from fixtures_dataset import chat_turns
+
+from lcap.loop.demo import DemoSettings, calls_by_round, demo_dir, demo_task
+from lcap.loop.demo_task import NUMBERS, read_words
+from lcap.loop.demo_tools import KEY, agent_module, make_tasks, warm_episode
+from lcap.store import Store
+
+
+def test_tasks_are_distinct_and_only_the_tool_knows_the_answer():
+    words = read_words(demo_dir() / "words.txt")
+    agent = agent_module()
+    train, held = make_tasks(words, n_train=65, n_eval=64, seed=1)
+    questions = [t["question"] for t in train + held]
+    assert len(set(questions)) == len(questions) == 129
+    counts = Counter(t["answer"] for t in train)
+    assert set(counts) == NUMBERS and max(counts.values()) - min(counts.values()) <= 1
+    for task in train + held:
+        listed = task["question"].split(": ")[1].rstrip("?").replace(",", "").replace(" or", "").split()
+        assert listed == task["candidates"] and len(set(listed)) == 3 and set(listed) <= NUMBERS
+        assert task["answer"] in listed
+        # the tool names the answer when asked for the number, and nothing for another word
+        assert agent.lookup(KEY, task["facts"]).startswith(f"the number is {task['answer']} ")
+        assert agent.lookup("answer", task["facts"]).startswith("no entry")
+    assert make_tasks(words, n_train=65, n_eval=64, seed=1) == (train, held)
+
+
+def test_warm_episodes_follow_the_agent():
+    words = read_words(demo_dir() / "words.txt")
+    agent = agent_module()
+    rng = random.Random(0)
+    episodes = [warm_episode(rng, words, agent, p_lookup=0.5, p_correct=0.5, p_format=1.0) for _ in range(200)]
+    looked_up = right = 0
+    for calls in episodes:
+        assert len(calls) == 3 and "tool_call" in calls[0][1] and all("text" in said for _, said in calls[1:])
+        messages, said = calls[2]
+        question = messages[1]["content"]
+        known = json.loads(calls[0][1]["tool_call"])["query"] == KEY
+        looked_up += known
+        tool = messages[3]["content"]
+        assert messages[3]["role"] == "tool" and tool.startswith("no entry") != known
+        assert messages[5]["content"].startswith("Observation 1: ")  # the harness's, after an answer in plain text
+        answer = said["text"].removeprefix("Answer: ")
+        assert answer in question
+        right += known and f" {answer} " in tool
+    assert 70 <= looked_up <= 130 and 0.3 * looked_up <= right <= 0.7 * looked_up
+
+
+def test_warm_start_runs_on_the_tiny_model(tiny_model_dir, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)  # the warm start saves in place
+    report = demo_task("tools").warm_start(model, DemoSettings(warm_steps=2))
+    assert report["steps"] == 2 and report["loss"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_one_round_of_the_tools_demo_stitches_and_merges(tmp_path, monkeypatch):
+    """One short round of `lcap demo --task tools` on its own vLLM server: the store shows calls stitched onto the
+    call before and samples that merge an episode's three calls, tool results masked as environment tokens."""
+    from lcap.loop.demo import run_demo
+
+    monkeypatch.setenv("LCAP_POLICY_RECORD", str(tmp_path / "policy.json"))  # its own server, not the session's
+    settings = DemoSettings(
+        n_train=3, tasks_per_round=3, group_size=2, n_eval=2, warm_steps=60, concurrency=2, batch_size=4, epochs=1
+    )
+    lines: list[str] = []
+    results = run_demo(tmp_path / "demo", rounds=1, task="tools", settings=settings, echo=lines.append)
+    assert [r["round"] for r in results["rounds"]] == [0, 1]
+    (trained,) = calls_by_round(Store(tmp_path / "demo" / "lcap.duckdb"))
+    assert trained["episodes"] == 6 and trained["calls"] == 3
+    assert trained["stitched"] > 0, lines
+    assert trained["samples"] < 2 and trained["env_tokens"] > 10
+    with Store(tmp_path / "demo" / "lcap.duckdb").connect(read_only=True) as con:
+        ((merged, masked),) = con.execute(
+            "SELECT count(*) FILTER (WHERE n_turns = 3), count(*) FILTER (WHERE list_min(env_mask) = 0)"
+            " FROM samples WHERE split = 'train'"
+        ).fetchall()
+    assert merged > 0 and masked > 0
+    assert any("stitched" in line for line in lines)
+
+
+def test_calls_by_round_reads_stitching_and_merging_from_the_store(builder, dstore):
+    """Round 1: two three-call episodes, the later calls of one stitched and extending (one sample), the other's
+    third call starting afresh (two samples); round 2: single calls. Held-out episodes are left out."""
+    builder.episode("a", task="t0", sample=0, reward=1.0, turns=chat_turns([5, 6], [7], [8]))
+    split = chat_turns([5, 6], [7]) + [{"prompt_token_ids": [1, 2], "completion_token_ids": [9]}]
+    builder.episode("b", task="t0", sample=1, reward=0.0, turns=split)
+    builder.episode("c", task="t1", split="eval", reward=1.0, turns=chat_turns([5], [6], [7]))
+    for i in range(2):
+        builder.episode(f"d{i}", task="t2", sample=i, round=2, reward=float(i), turns=chat_turns([5]))
+    with dstore.connect() as con:
+        con.execute("UPDATE turns SET stitched = seq > 0 AND episode_id = 'a'")
+    first, second = calls_by_round(dstore)
+    assert first == dict(round=1, episodes=2, calls=3.0, stitched=0.5, samples=1.5, env_tokens=2.0)
+    assert second == dict(round=2, episodes=2, calls=1.0, stitched=None, samples=1.0, env_tokens=0.0)
+
+
+def test_an_unknown_task_or_another_tasks_folder_is_a_one_line_error(tmp_path):
+    from typer.testing import CliRunner
+
+    from lcap.cli import app
+
+    result = CliRunner().invoke(app, ["demo", "--task", "nope", "--out", str(tmp_path / "demo")])
+    assert result.exit_code == 2 and "--task 'nope': choose one of number, tools" in result.output
+    assert not (tmp_path / "demo").exists()
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "demo.json").write_text(json.dumps({"task": "number"}))
+    result = CliRunner().invoke(app, ["demo", "--task", "tools", "--out", str(tmp_path / "demo")])
+    assert result.exit_code == 2 and "holds a demo of another task" in result.output
