@@ -230,10 +230,13 @@ def padded_batch(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, int
 def test_cpu_logps_from_the_plain_lm_head_equal_trls_fused_head(
     tiny_train_model, captured_samples, tmp_path, monkeypatch
 ):
-    """On CPU the trainer scores completions with the model's LM head, not TRL's fused head: same numbers, each
-    sample alone without a mask (a masked, padded batch takes SDPA's quadratic-memory kernel)."""
+    """On CPU the trainer scores completions with the model's LM head, not TRL's fused head: same numbers, in
+    padded micro-batches while their attention is small, each sample alone without a mask past that (a masked,
+    padded batch takes SDPA's quadratic-memory kernel)."""
     import trl.trainer.utils as trl_utils
     from trl import GRPOTrainer
+
+    from lcap.train import trainer as lcap_trainer
 
     prepared = prepare_round(tmp_path / "run", 1, options(tiny_train_model), data=captured_samples)
     trainer, samples = prepared.trainer, prepared.groups.real_samples
@@ -258,20 +261,26 @@ def test_cpu_logps_from_the_plain_lm_head_equal_trls_fused_head(
         lambda _, args, kwargs: calls.append((kwargs["input_ids"].size(0), kwargs.get("attention_mask") is not None)),
         with_kwargs=True,
     )
-    ours = scored(type(trainer)._get_per_token_logps_and_entropies)
+    batched = scored(type(trainer)._get_per_token_logps_and_entropies)
+    assert [rows for rows, _ in calls] == [min(3, len(samples) - i) for i in range(0, len(samples), 3)]
+    assert all(masked for _, masked in calls)  # small samples: padded, masked micro-batches of batch_size
+    calls.clear()
+    monkeypatch.setattr(lcap_trainer, "PADDED_ATTENTION_BYTES", 0)
+    alone = scored(type(trainer)._get_per_token_logps_and_entropies)
     hook.remove()
     assert not fused_calls
-    # one sample per forward, unpadded and unmasked: SDPA's causal kernel, memory linear in the length
+    # past the bound, one sample per forward, unpadded and unmasked: SDPA's causal kernel, memory linear in the length
     assert calls == [(1, False)] * len(samples)
     trl_own = scored(GRPOTrainer._get_per_token_logps_and_entropies)
     assert fused_calls
-    torch.testing.assert_close(ours[0], trl_own[0])  # log-probs, 0 at padding like TRL's
-    torch.testing.assert_close(ours[1], trl_own[1])  # entropies
-    assert any(g.abs().max() > 0 for g in ours[2])
-    torch.testing.assert_close(ours[2], trl_own[2])  # gradients
+    for ours in (batched, alone):
+        torch.testing.assert_close(ours[0], trl_own[0])  # log-probs, 0 at padding like TRL's
+        torch.testing.assert_close(ours[1], trl_own[1])  # entropies
+        assert any(g.abs().max() > 0 for g in ours[2])
+        torch.testing.assert_close(ours[2], trl_own[2])  # gradients
     model = trainer.model.eval()
     for i, s in enumerate(samples):
-        torch.testing.assert_close(ours[0][i, : len(s.completion_ids)], token_logps(model, s), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(alone[0][i, : len(s.completion_ids)], token_logps(model, s), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("setting, expected", [(None, False), (True, True)])

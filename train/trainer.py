@@ -22,11 +22,11 @@ Four small, named departures from stock TRL, each tested:
    position (prompt and padding too) and recomputes each logits tile in the backward, which made
    it the largest single cost of a step on CPU (`benchmarks/bench_train.py`). The fused head's
    gain, never holding a batch's logits, matters on a GPU, where it runs as TRL ships it; on CPU
-   one sample's completion logits (completion length x vocab floats) are held. Each sample runs
-   alone, cut to its own tokens, with no attention mask (its absolute positions kept), so PyTorch's
-   SDPA takes its causal CPU kernel, whose memory grows with the length: a padded batch with a mask
-   takes the math kernel, which holds a length x length matrix per head and layer (a harness's
-   40k-token prompt asked for tens of GB).
+   one micro-batch's completion logits are held. A padded, masked micro-batch takes SDPA's math
+   kernel, which holds a length x length matrix per row, head and layer: fast for short samples,
+   but a harness's 40k-token prompt asked for tens of GB. Past `PADDED_ATTENTION_BYTES` each sample
+   runs alone, cut to its own tokens, with no mask (its absolute positions kept), on SDPA's causal
+   kernel, whose memory grows linearly with the length.
 4. `CapturedGRPOTrainer._compute_loss`, when each sample is trained on once under the weights it
    was scored with (TRL's aligned case: `gradient_accumulation_steps` a multiple of
    `steps_per_generation x num_iterations`) and the IS mode truncates: the old-policy log-probs
@@ -195,6 +195,26 @@ class CapturedGRPOTrainer(GRPOTrainer):
         return out
 
     def _lm_head_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy):
+        """Padded, masked micro-batches while their attention matrices are small; else each sample alone."""
+        batch_size = batch_size or input_ids.size(0)
+        if _padded_attention_bytes(model, batch_size, input_ids.size(1)) > PADDED_ATTENTION_BYTES:
+            return self._one_by_one_logps(model, input_ids, attention_mask, logits_to_keep, compute_entropy)
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids, attn = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
+            with self.accelerator.autocast():
+                logits = model(
+                    input_ids=ids, attention_mask=attn, logits_to_keep=logits_to_keep + 1, use_cache=False
+                ).logits
+            logps_all = torch.log_softmax(logits[:, :-1].float() / self.temperature, dim=-1)
+            padding = attn[:, -logits_to_keep:] == 0
+            logps.append(logps_all.gather(-1, ids[:, -logits_to_keep:, None])[..., 0].masked_fill(padding, 0.0))
+            if compute_entropy:
+                with torch.set_grad_enabled(torch.is_grad_enabled() and self._entropy_bonus_enabled):
+                    entropies.append(-(logps_all.exp() * logps_all).sum(-1).masked_fill(padding, 0.0))
+        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
+
+    def _one_by_one_logps(self, model, input_ids, attention_mask, logits_to_keep, compute_entropy):
         width = input_ids.size(1)
         first = width - logits_to_keep  # the first completion slot
         logps = input_ids.new_zeros(input_ids.shape[0], logits_to_keep, dtype=torch.float32)
@@ -252,3 +272,15 @@ class CapturedGRPOTrainer(GRPOTrainer):
             value = reduce(values) if values.numel() else values.new_zeros(())  # this process, then all of them
             metrics[name].append(reduce(self.accelerator.gather(value)).item())
         return ratio
+
+
+# The most a micro-batch's padded, masked attention may hold (SDPA's math kernel keeps a width x width matrix per
+# row, head and layer for the backward) before samples are scored one by one, unpadded, on its causal kernel.
+PADDED_ATTENTION_BYTES = 512 << 20
+
+
+def _padded_attention_bytes(model, rows: int, width: int) -> int:
+    config = model.config
+    heads = getattr(config, "num_attention_heads", 1) or 1
+    layers = getattr(config, "num_hidden_layers", 1) or 1
+    return rows * heads * layers * width * width * 4
