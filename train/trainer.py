@@ -197,7 +197,8 @@ class CapturedGRPOTrainer(GRPOTrainer):
     def _lm_head_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy):
         """Padded, masked micro-batches while their attention matrices are small; else each sample alone."""
         batch_size = batch_size or input_ids.size(0)
-        if _padded_attention_bytes(model, batch_size, input_ids.size(1)) > PADDED_ATTENTION_BYTES:
+        config = self.accelerator.unwrap_model(model).config  # DDP wraps the model in training with several workers
+        if _padded_attention_bytes(config, batch_size, input_ids.size(1)) > PADDED_ATTENTION_BYTES:
             return self._one_by_one_logps(model, input_ids, attention_mask, logits_to_keep, compute_entropy)
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
@@ -279,8 +280,7 @@ class CapturedGRPOTrainer(GRPOTrainer):
 PADDED_ATTENTION_BYTES = 512 << 20
 
 
-def _padded_attention_bytes(model, rows: int, width: int) -> int:
-    config = model.config
+def _padded_attention_bytes(config, rows: int, width: int) -> int:
     heads = getattr(config, "num_attention_heads", 1) or 1
     layers = getattr(config, "num_hidden_layers", 1) or 1
     return rows * heads * layers * width * width * 4
