@@ -271,7 +271,6 @@ def test_a_lora_deploy_drops_no_streaming_call(vllm_policy, tiny_lora, tmp_path)
             w.start()
         while len(calls) < 6:
             time.sleep(0.1)
-        began = time.monotonic()
         name = deploy(tiny_lora, round=1, store=Store(tmp_path / "lcap.duckdb"))
         done = time.monotonic()
         while not any(c["started"] > done + 3 for c in calls):
@@ -280,11 +279,9 @@ def test_a_lora_deploy_drops_no_streaming_call(vllm_policy, tiny_lora, tmp_path)
         for w in workers:
             w.join(120)
     assert calls and all(c["ok"] for c in calls), [c for c in calls if not c["ok"]][:3]
-    spanning = [c for c in calls if c["started"] < began and c["ended"] > done]
     assert {c["model"] for c in calls} == {"tiny", name}
     assert all(c["model"] == name for c in calls if c["started"] > done + 3)
     assert all(c["chunks"] > 1 for c in calls)
-    assert spanning or all(c["ended"] <= began or c["started"] >= began for c in calls)  # in flight, or none was
 
 
 @pytest.mark.vllm
