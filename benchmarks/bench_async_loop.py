@@ -70,7 +70,7 @@ def main() -> None:
     python = resolve_python()  # lcap's vLLM venv, found (or made) where LCAP_HOME points before the bench's own
     os.environ.setdefault("LCAP_HOME", str(out / "home"))
     os.environ.setdefault("LCAP_POLICY_RECORD", str(out / "home" / "policy.json"))
-    os.environ.setdefault("OPENAI_API_KEY", "sk-bench-not-a-real-key")
+    os.environ.setdefault("OPENAI_API_KEY", "bench-placeholder")  # the SDK wants one; the policy route ignores it
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     Path(os.environ["LCAP_HOME"]).mkdir(parents=True, exist_ok=True)
     settings = DemoSettings(seed=args.seed, tasks_per_round=args.tasks_per_round, group_size=args.group_size)
