@@ -171,10 +171,17 @@ def _tls_server() -> Iterator[str]:
     context = LeafCerts(ca_dir(), CA_BASENAME, 4).context("127.0.0.1")
     server = _QuietServer(("127.0.0.1", 0), _Page)
     server.socket = context.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
-    thread = threading.Thread(target=server.serve_forever, name="lcap-doctor-tls", daemon=True)
+    with _serving(server, "lcap-doctor-tls") as port:
+        yield f"https://127.0.0.1:{port}/lcap-doctor"
+
+
+@contextmanager
+def _serving(server: _QuietServer, name: str) -> Iterator[int]:
+    """Serve `server` on a daemon thread while the block runs; yields its port."""
+    thread = threading.Thread(target=server.serve_forever, name=name, daemon=True)
     thread.start()
     try:
-        yield f"https://127.0.0.1:{server.server_address[1]}/lcap-doctor"
+        yield server.server_address[1]
     finally:
         server.shutdown()
         server.server_close()
@@ -534,14 +541,8 @@ class _StandIn(BaseHTTPRequestHandler):
 
 @contextmanager
 def _stand_in() -> Iterator[str]:
-    server = _QuietServer(("127.0.0.1", 0), _StandIn)
-    thread = threading.Thread(target=server.serve_forever, name="lcap-doctor-stand-in", daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with _serving(_QuietServer(("127.0.0.1", 0), _StandIn), "lcap-doctor-stand-in") as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 @check("roundtrip", section="capture", required=True, needs=("ca",), timeout=120)

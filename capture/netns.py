@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lcap.capture.dns import NamespaceDns
+from lcap.capture.peers import tcp_table
 from lcap.config import LcapError
 
 if TYPE_CHECKING:
@@ -118,12 +119,7 @@ def host_loopback_ports() -> list[int]:
     """TCP ports the host listens on that its loopback reaches (bound to 127.x, ::1 or a wildcard address)."""
     ports = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
+        for fields in tcp_table(table):
             if len(fields) < 4 or fields[3] != "0A":  # LISTEN
                 continue
             address, _, port = fields[1].rpartition(":")

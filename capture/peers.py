@@ -26,15 +26,19 @@ def socket_inode(own: tuple[str, int], peer: tuple[str, int], tables: str = "/pr
     IPv6 socket with IPv4-mapped addresses included)."""
     for table, v6 in ((tables, False), (tables + "6", True)):
         want = (_hex(own, v6), _hex(peer, v6))
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
+        for fields in tcp_table(table):
             if len(fields) > 9 and (fields[1], fields[2]) == want:
                 return int(fields[9]) or None
     return None
+
+
+def tcp_table(table: str) -> list[list[str]]:
+    """The rows of a /proc/net/tcp-style table, split into fields; none when it cannot be read."""
+    try:
+        lines = Path(table).read_text().splitlines()[1:]
+    except OSError:
+        return []
+    return [line.split() for line in lines]
 
 
 def descendants(root: int) -> set[int]:
