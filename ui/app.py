@@ -403,23 +403,13 @@ def _short(value: Any, n: int = 80) -> str:
 def _overview_charts(o: dict[str, Any]) -> list[dict[str, Any]]:
     """Chart specs (labels and series) for the overview; the browser draws them with Chart.js."""
     charts: list[dict[str, Any]] = []
-    rounds = sorted({r["round"] for r in o["rewards"]})
-    if rounds:
-        splits = sorted({r["split"] for r in o["rewards"]})
-        by = {(r["round"], r["split"]): r["mean"] for r in o["rewards"]}
+    if o["rewards"]:
+        rounds, series = _by_round(o["rewards"], "split", "mean")
         charts.append(
-            {
-                "id": "reward",
-                "title": "Mean reward per round",
-                "type": "line",
-                "labels": rounds,
-                "series": [{"label": s, "data": [by.get((n, s)) for n in rounds]} for s in splits],
-            }
+            {"id": "reward", "title": "Mean reward per round", "type": "line", "labels": rounds, "series": series}
         )
-    rounds = sorted({r["round"] for r in o["statuses"]})
-    if rounds:
-        statuses = sorted({r["status"] for r in o["statuses"]})
-        by = {(r["round"], r["status"]): r["n"] for r in o["statuses"]}
+    if o["statuses"]:
+        rounds, series = _by_round(o["statuses"], "status", "n", missing=0)
         charts.append(
             {
                 "id": "status",
@@ -427,7 +417,7 @@ def _overview_charts(o: dict[str, Any]) -> list[dict[str, Any]]:
                 "type": "bar",
                 "stacked": True,
                 "labels": rounds,
-                "series": [{"label": s, "data": [by.get((n, s), 0) for n in rounds]} for s in statuses],
+                "series": series,
             }
         )
     if o["turns"]:
@@ -456,9 +446,9 @@ def _overview_charts(o: dict[str, Any]) -> list[dict[str, Any]]:
             }
         )
     if o["phases"]:
-        rounds = sorted({r["round"] for r in o["phases"]})
-        steps = [s for s in ("collect", "build", "train", "deploy", "eval") if any(r["step"] == s for r in o["phases"])]
-        by = {(r["round"], r["step"]): r["seconds"] for r in o["phases"]}
+        rounds, series = _by_round(
+            o["phases"], "step", "seconds", order=("collect", "build", "train", "deploy", "eval")
+        )
         charts.append(
             {
                 "id": "phases",
@@ -466,7 +456,19 @@ def _overview_charts(o: dict[str, Any]) -> list[dict[str, Any]]:
                 "type": "bar",
                 "stacked": True,
                 "labels": rounds,
-                "series": [{"label": s, "data": [by.get((n, s)) for n in rounds]} for s in steps],
+                "series": series,
             }
         )
     return charts
+
+
+def _by_round(
+    rows: list[dict[str, Any]], column: str, value: str, missing: Any = None, order: tuple[str, ...] | None = None
+) -> tuple[list[int], list[dict[str, Any]]]:
+    """Rows of (round, column, value) as chart labels (the rounds) and one series per value of `column`, in
+    `order` where given (values it lacks are left out), else sorted."""
+    rounds = sorted({r["round"] for r in rows})
+    present = {r[column] for r in rows}
+    names = [n for n in order if n in present] if order else sorted(present)
+    by = {(r["round"], r[column]): r[value] for r in rows}
+    return rounds, [{"label": n, "data": [by.get((k, n), missing) for k in rounds]} for n in names]
