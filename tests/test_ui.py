@@ -150,6 +150,27 @@ def test_each_call_shows_what_it_adds_and_a_rewritten_history_in_full():
     assert [v.answer.parts[0].text for v in views] == ["a1", "a2", "a3"]
 
 
+def test_overview_charts_put_each_value_under_its_round():
+    from lcap.ui.app import _overview_charts
+
+    o = {
+        "rewards": [{"round": 2, "split": "train", "mean": 0.5}, {"round": 1, "split": "eval", "mean": 0.25}],
+        "statuses": [{"round": 1, "status": "ok", "n": 3}],
+        "turns": [],
+        "train": [],
+        "phases": [{"round": 1, "step": "train", "seconds": 9.0}, {"round": 1, "step": "collect", "seconds": 4.0}],
+    }
+    charts = {c["id"]: c for c in _overview_charts(o)}
+    assert charts["reward"]["labels"] == [1, 2]
+    assert charts["reward"]["series"] == [
+        {"label": "eval", "data": [0.25, None]},
+        {"label": "train", "data": [None, 0.5]},
+    ]
+    assert charts["status"]["series"] == [{"label": "ok", "data": [3]}]
+    assert [s["label"] for s in charts["phases"]["series"]] == ["collect", "train"]  # the loop's order
+    assert set(charts) == {"reward", "status", "phases"}
+
+
 # --- pages ------------------------------------------------------------------------------------------
 
 
