@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import struct
 import subprocess
 import sys
@@ -615,6 +616,40 @@ def run_lcap(
     args: list[str], env: dict[str, str], *, timeout: float = 180, cwd: Path | None = None
 ) -> subprocess.CompletedProcess:
     return subprocess.run([LCAP, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def serve_proxy(env: dict[str, str], *args: str, host: str = "127.0.0.1") -> tuple[subprocess.Popen, int]:
+    """`lcap proxy --serve ARGS` as a child process, and the port it listens on once it says so."""
+    proc = subprocess.Popen(
+        [LCAP, "proxy", "--serve", *(["--host", host] if host != "127.0.0.1" else []), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    said = f"listening on http://{host}:"
+    line = proc.stdout.readline()
+    if said not in line:
+        proc.kill()
+        raise AssertionError(line + proc.stderr.read())
+    return proc, int(line.split(said, 1)[1].split()[0])
+
+
+def raw_exchange(port: int, data: bytes, *, then: bytes = b"", timeout: float = 10.0) -> bytes:
+    """Send `data` to 127.0.0.1:`port` (then `then` after the first answer bytes); everything that comes back until
+    the other side closes the connection or `timeout` passes without a byte."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(data)
+        got = b""
+        try:
+            while chunk := sock.recv(65536):
+                got += chunk
+                if then:
+                    sock.sendall(then)
+                    then = b""
+        except (TimeoutError, ConnectionResetError):
+            pass
+    return got
 
 
 def agent(name: str) -> list[str]:

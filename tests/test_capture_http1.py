@@ -16,7 +16,7 @@ import threading
 import time
 
 import pytest
-from fixtures_capture import turns
+from fixtures_capture import raw_exchange, turns
 
 from lcap.capture.options import ProxyOptions
 from lcap.capture.server import CaptureProxy
@@ -46,20 +46,9 @@ def proxy(tmp_path_factory, capture_home):
 
 
 def exchange(proxy: CaptureProxy, data: bytes, *, wait: float = 5.0, then: bytes = b"") -> tuple[bytes, float]:
-    """Send `data` (then `then` once the first answer bytes came), read until the proxy closes or `wait` passes;
-    (what came back, seconds until the connection ended)."""
+    """What the proxy answers `data` (see raw_exchange), and the seconds until the connection ended."""
     t0 = time.monotonic()
-    with socket.create_connection(("127.0.0.1", proxy.port), timeout=wait) as sock:
-        sock.sendall(data)
-        got = b""
-        try:
-            while chunk := sock.recv(65536):
-                got += chunk
-                if then:
-                    sock.sendall(then)
-                    then = b""
-        except (TimeoutError, ConnectionResetError):
-            pass
+    got = raw_exchange(proxy.port, data, then=then, timeout=wait)
     return got, time.monotonic() - t0
 
 

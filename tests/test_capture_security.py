@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 
 import httpx
 import pytest
-from fixtures_capture import LCAP, SECRET, FakeLLM, run_lcap, turns
+from fixtures_capture import LCAP, SECRET, FakeLLM, raw_exchange, run_lcap, serve_proxy, turns
 
 from lcap.capture.credentials import EpisodeKeys
 from lcap.capture.options import ProxyOptions
@@ -52,20 +52,8 @@ def upstream():
 
 
 def raw(port: int, data: bytes, *, then: bytes = b"") -> bytes:
-    """Send `data` to the proxy (then `then` after the first answer bytes); everything it answers until it closes
-    the connection (every request here asks it to)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(data)
-        got = b""
-        try:
-            while chunk := sock.recv(65536):
-                got += chunk
-                if then:
-                    sock.sendall(then)
-                    then = b""
-        except (TimeoutError, ConnectionResetError):
-            pass
-    return got
+    """Everything the proxy answers `data` until it closes the connection (every request here asks it to)."""
+    return raw_exchange(port, data, then=then)
 
 
 def basic(user: str, password: str) -> bytes:
@@ -243,18 +231,7 @@ def test_an_upstream_with_no_server_answers_503_and_never_falls_back(store, llm,
 
 
 def exposed(env: dict[str, str], *args: str) -> tuple[subprocess.Popen, int]:
-    proc = subprocess.Popen(
-        [LCAP, "proxy", "--serve", "--host", "0.0.0.0", *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    line = proc.stdout.readline()
-    if "listening on http://0.0.0.0:" not in line:
-        proc.kill()
-        raise AssertionError(line + proc.stderr.read())
-    return proc, int(line.split("listening on http://0.0.0.0:", 1)[1].split()[0])
+    return serve_proxy(env, *args, host="0.0.0.0")
 
 
 def stop(proc: subprocess.Popen) -> str:

@@ -10,25 +10,14 @@ import threading
 import time
 
 import httpx
-from fixtures_capture import LCAP, run_lcap, turns
+from fixtures_capture import run_lcap, serve_proxy, turns
 
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
 
 
 def start_serve(env: dict[str, str], upstream: str) -> tuple[subprocess.Popen, int]:
     """`lcap proxy --serve --upstream UPSTREAM` as a child process, and the port it listens on."""
-    proc = subprocess.Popen(
-        [LCAP, "proxy", "--serve", "--upstream", upstream],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    line = proc.stdout.readline()
-    if "listening on http://127.0.0.1:" not in line:
-        proc.kill()
-        raise AssertionError(line + proc.stderr.read())
-    return proc, int(line.split("listening on http://127.0.0.1:", 1)[1].split()[0])
+    return serve_proxy(env, "--upstream", upstream)
 
 
 def new_episode(env: dict[str, str], port: int, *args: str) -> dict:
