@@ -203,3 +203,33 @@ def vllm_policy(vllm_server):
     vllm_server.use_base()
     yield vllm_server
     vllm_server.use_base()
+
+
+def perturbed_checkpoint(model_dir: Path, out: Path, *, seed: int = 1, scale: float = 0.05) -> Path:
+    """A full checkpoint of `model_dir` (same config and tokenizer) whose matrices carry seeded noise: other
+    weights, the same model otherwise, so `lcap deploy` can reload it in place."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out)
+    generator = torch.Generator().manual_seed(seed)
+    for file in out.glob("*.safetensors"):
+        weights = load_file(file)
+        for key, value in weights.items():
+            if value.dtype.is_floating_point and value.dim() == 2:
+                weights[key] = value + scale * torch.randn(value.shape, generator=generator, dtype=value.dtype)
+        save_file(weights, file, metadata={"format": "pt"})
+    return out
+
+
+def hf_logprobs(model, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> list[float]:
+    """The log-probabilities `model` (transformers, float32) gives each completion token after the prompt."""
+    import torch
+
+    ids = torch.tensor([list(prompt_ids) + list(completion_ids)])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
+    picked = torch.log_softmax(logits, -1).gather(-1, torch.tensor(list(completion_ids))[:, None])
+    return picked[:, 0].tolist()
