@@ -6,27 +6,81 @@ Starts `lcap serve` on the tiny model (one replica) and the capture proxy, runs 
 stream chat completions back to back through the proxy, and deploys a new checkpoint (the tiny model
 with other weights, same config) ROUNDS times in each mode, alternating: `restart` (lcap deploy
 --restart: vLLM restarts on it; a replica alone has nowhere to send its calls) and `in-place`
-(serve/reload.py: pause, reload the weights, resume). Prints per deploy its wall time, the calls that
-failed, and the longest call that overlapped it (what an agent waits at worst); then the medians and
-the failed calls of each mode, side by side. benchmarks/probe_vllm_reload.py is the bare vLLM
+(serve/reload.py: pause, reload the weights, resume). An agent whose call fails waits RETRY_S before
+its next. Prints per deploy its wall time, the calls that failed, and the longest call that overlapped
+it (what an agent waits at worst); then the medians and the failed calls of each mode, side by side. benchmarks/probe_vllm_reload.py is the bare vLLM
 probe this grew from.
 """
 
 from __future__ import annotations
 
 import os
+import ssl
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 
+RETRY_S = 0.5  # an agent's pause after a failed call, before its next one
+
+
+class Agents:
+    """THREADS agents streaming calls back to back through the proxy until stopped; every call's outcome is kept
+    (a stream cut mid-way counts as failed, as an agent sees it)."""
+
+    def __init__(self, proxy, threads: int) -> None:
+        self.proxy, self.threads = proxy, threads
+        self.calls: list[dict] = []
+        self.stop = threading.Event()
+        self.workers = [threading.Thread(target=self._run, args=(w,), daemon=True) for w in range(threads)]
+
+    def __enter__(self) -> Agents:
+        for worker in self.workers:
+            worker.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for worker in self.workers:
+            worker.join(300)
+
+    def wait_for(self, n: int) -> None:
+        start = len([c for c in self.calls if c["ok"]])
+        while len([c for c in self.calls if c["ok"]]) < start + n:
+            time.sleep(0.1)
+
+    def _run(self, worker: int) -> None:
+        import httpx
+        from openai import OpenAI
+
+        env = self.proxy.child_env(f"bench-{worker}", base={})
+        verify = ssl.create_default_context(cafile=env["SSL_CERT_FILE"])
+        with httpx.Client(proxy=env["HTTPS_PROXY"], verify=verify, timeout=300) as http:
+            client = OpenAI(api_key="sk-test", http_client=http, max_retries=0)
+            while not self.stop.is_set():
+                started = time.monotonic()
+                try:
+                    stream = client.chat.completions.create(
+                        model="gpt-4o-mini", messages=MESSAGES, max_tokens=24, stream=True
+                    )
+                    ok = bool(list(stream))
+                except Exception:  # refused, cut, or an error answer: the agent sees a failed call
+                    ok = False
+                self.calls.append({"ok": ok, "started": started, "ended": time.monotonic()})
+                if not ok:
+                    time.sleep(RETRY_S)
+
+
+MESSAGES = [{"role": "user", "content": "Count from one to ten, please."}]
+
+
 def main(rounds: int, threads: int) -> None:
     from fixtures_vllm import perturbed_checkpoint
-    from test_serve_replicas import Agents
 
     from lcap.capture.options import ProxyOptions
     from lcap.capture.server import CaptureProxy
@@ -40,6 +94,7 @@ def main(rounds: int, threads: int) -> None:
     work = Path(tempfile.mkdtemp(prefix="lcap-bench-deploy-"))
     os.environ["LCAP_HOME"] = str(work / "home")
     os.environ["LCAP_POLICY_RECORD"] = str(work / "home" / "policy.json")
+    (work / "home").mkdir()
     model = init_model(work / "tiny")
     checkpoints = [perturbed_checkpoint(model, work / f"ckpt-{k}", seed=k + 1) for k in range(2)]
     t0 = time.monotonic()
@@ -52,7 +107,7 @@ def main(rounds: int, threads: int) -> None:
             deploys = 0
             for i in range(rounds):
                 for mode in ("restart", "in-place"):
-                    with Agents(proxy, threads=threads, stream_every=1, max_tokens=24) as agents:
+                    with Agents(proxy, threads) as agents:
                         agents.wait_for(2 * threads)
                         pid = read_policy().pid
                         started = time.monotonic()

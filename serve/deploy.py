@@ -140,6 +140,8 @@ def _why_not_in_place(record: PolicyServer, path: Path) -> str | None:
     """None when every replica can reload the checkpoint in place; else why it must restart."""
     if record.ray_address is not None:
         return "Ray replicas restart on a full checkpoint (each actor supervises vLLM on the model it was given)"
+    if any(replica.serving(record) in record.loras for replica in record.replicas):
+        return "a LoRA adapter is the running deployment (calls the pause holds would get it on the new weights)"
     running = Path(record.base_model)
     if not (running / "config.json").is_file():
         return f"the running model {record.base_model} is not a local checkpoint to compare the new one with"
