@@ -12,6 +12,10 @@ the deployment calls ask for; it is probed again with a bounded back-off and rej
 good answer. A replica the record marks `draining` (a full checkpoint is replacing it) gets no new
 call. When no replica is left, calls go to the whole set anyway: a stale verdict must not turn
 into a 503.
+
+A call asks vLLM for the name its deployment is served under (the record's `served_as`: a full
+checkpoint reloaded in place keeps the name vLLM started with) and its turn stores the deployment,
+settled when the call ends (`Router.settle`).
 """
 
 from __future__ import annotations
