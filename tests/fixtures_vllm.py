@@ -71,10 +71,18 @@ QUESTIONS = ("Which is a number: code seven tool", "What is 2 + 2?", "Name a fil
 
 
 def served_samples(
-    url: str, model: str, out: Path, *, questions: Sequence[str] = QUESTIONS, group_size: int = 4, max_tokens: int = 12
+    url: str,
+    model: str,
+    out: Path,
+    *,
+    questions: Sequence[str] = QUESTIONS,
+    group_size: int = 4,
+    max_tokens: int = 12,
+    deployment: str | None = None,
 ) -> Path:
     """samples.parquet of completions vLLM served as `model`, with what the proxy stores of each: the prompt
-    and completion ids and the sampled tokens' logprobs; one group per question, rewards 1, 0, 1, 0."""
+    and completion ids and the sampled tokens' logprobs; one group per question, rewards 1, 0, 1, 0. Their
+    deployment is `model` unless named (a checkpoint reloaded in place is served under another name)."""
     rows = []
     for g, question in enumerate(questions):
         body = {
@@ -107,7 +115,7 @@ def served_samples(
                     env_mask=[1] * len(ids),
                     reward=reward,
                     advantage=reward - 0.5,
-                    deployment=model,
+                    deployment=deployment or model,
                     rebuilt=False,
                     truncated=choice["finish_reason"] == "length",
                     n_turns=1,
