@@ -58,13 +58,7 @@ def can_reload(url: str, key: str | None) -> str | None:
 
 
 def reload_in_place(
-    url: str,
-    key: str | None,
-    checkpoint: Path,
-    *,
-    drain_timeout: float,
-    switch: Callable[[], None],
-    name: str = "",
+    url: str, key: str | None, checkpoint: Path, *, drain_timeout: float, switch: Callable[[], None], name: str = ""
 ) -> None:
     """Pause the replica at `url`, reload its weights from `checkpoint`, call `switch` (record the new deployment),
     wait SWITCH_GRACE_S, resume. Calls still in flight after `drain_timeout` finish on the new weights.
