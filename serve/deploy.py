@@ -32,6 +32,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from lcap.config import LcapError
@@ -173,7 +174,7 @@ def _reload(record: PolicyServer, path: Path, name: str, drain_timeout: float) -
             key,
             path,
             drain_timeout=drain_timeout,
-            switch=lambda n=replica.name: switch(n),
+            switch=partial(switch, replica.name),
             name=replica.name,
         )
     reloaded = read_policy() or record
