@@ -170,12 +170,7 @@ def _reload(record: PolicyServer, path: Path, name: str, drain_timeout: float) -
 
     for replica in record.replicas:
         reload_in_place(
-            replica.url,
-            key,
-            path,
-            drain_timeout=drain_timeout,
-            switch=partial(switch, replica.name),
-            name=replica.name,
+            replica.url, key, path, drain_timeout=drain_timeout, switch=partial(switch, replica.name), name=replica.name
         )
     reloaded = read_policy() or record
     reloaded.vllm_args = _with_tokenizer(reloaded, path)
