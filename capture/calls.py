@@ -351,6 +351,7 @@ class Calls:
             return
         pending.done = True
         pending.t_end = time.perf_counter()
+        pending.deployment = self.router.settle(pending.replica, pending.deployment)
         if error is not None:
             pending.error = error
         self.writer.put(pending)

@@ -12,6 +12,10 @@ the deployment calls ask for; it is probed again with a bounded back-off and rej
 good answer. A replica the record marks `draining` (a full checkpoint is replacing it) gets no new
 call. When no replica is left, calls go to the whole set anyway: a stale verdict must not turn
 into a 503.
+
+A call asks vLLM for the name its deployment is served under (the record's `served_as`: a full
+checkpoint reloaded in place keeps the name vLLM started with) and its turn stores the deployment,
+settled when the call ends (`Router.settle`).
 """
 
 from __future__ import annotations
@@ -143,6 +147,8 @@ class Router:
         self._routes: tuple[Route, ...] = ()  # every replica's route
         self._rotation: tuple[Route, ...] = ()  # the replicas new calls go to (none draining)
         self._out: frozenset[str] = frozenset()  # replicas out of the rotation until a probe answers
+        self._by_replica: dict[str | None, Route] = {}
+        self._served_as: dict[str, str] = {}  # the record's deployment -> vLLM name map (lcap/policy.py)
         self._health: dict[str, _Health] = {}
         self._round_robin = itertools.count()
         self._lock = threading.Lock()
@@ -177,6 +183,29 @@ class Router:
         if episode is None:  # nothing to stick to: spread
             return candidates[next(self._round_robin) % len(candidates)]
         return max(candidates, key=lambda r: rank(episode, r.replica or ""))
+
+    def settle(self, replica: str | None, deployment: str | None) -> str | None:
+        """The deployment that served a call to `replica` that has just ended, labelled `deployment` when it was sent.
+
+        A full checkpoint reloaded in place (serve/deploy.py) changes a replica's weights under the name vLLM serves:
+        a call sent while the replica was paused for the reload waits in vLLM and is served by the new weights. The
+        deploy switches the record while the replica is paused with nothing running and resumes it only once every
+        proxy has had time to read the switch (twice REFRESH_S), so a call that ends after the switch was served by
+        the new deployment when both deployments are served under the same name; a LoRA or a restart changes the
+        name, and then the label given when the call was sent stands."""
+        if replica is None or deployment is None or self.upstream != "policy":
+            return deployment
+        now = time.monotonic()
+        if now - self._checked >= REFRESH_S:
+            with self._lock:
+                self._refresh(now)
+        route = self._by_replica.get(replica)
+        if route is None or route.deployment is None or route.deployment == deployment:
+            return deployment
+        served = self._served_as
+        if served.get(route.deployment, route.deployment) == served.get(deployment, deployment):
+            return route.deployment
+        return deployment
 
     def trusted(self, host: str, port: int) -> bool:
         """Whether (host, port) is an upstream lcap routes to (connections there are not checked as destinations)."""
@@ -290,7 +319,7 @@ class Router:
                     (
                         parse_upstream(
                             r.url,
-                            self.model or r.serving(record),
+                            self.model or record.served_name(r.serving(record)),
                             r.serving(record),
                             replica=r.name,
                             key=key,
@@ -302,6 +331,7 @@ class Router:
                 ]
                 routes = tuple(route for route, _ in pairs)
                 rotation = tuple(route for route, draining in pairs if not draining) or routes
+                served = dict(record.served_as)
         except (ValueError, TypeError, KeyError, OSError) as exc:  # a record being rewritten: keep the last routes
             log.warning("lcap: unreadable policy record (%s); keeping the previous routes", exc)
             return
@@ -315,6 +345,8 @@ class Router:
         self._health = health
         self._out = frozenset(name for name, h in health.items() if h.out)
         self._routes, self._rotation = routes, rotation
+        self._by_replica = {route.replica: route for route in routes}
+        self._served_as = served if record is not None else {}
         if len(routes) > 1 and self._prober is None:
             self._prober = threading.Thread(target=self._probe_loop, name="lcap-replica-health", daemon=True)
             self._prober.start()

@@ -1,6 +1,7 @@
 """The record of the running policy server, shared by every stage.
 
-`lcap serve` writes it when every replica is healthy and `lcap deploy` updates `current`; the proxy's
+`lcap serve` writes it when every replica is healthy and `lcap deploy` updates `current` (and, for a full checkpoint
+reloaded in place, maps the new deployment to the name vLLM keeps serving it under); the proxy's
 `--upstream policy` reads it (again whenever the file changes) so that a new deployment reroutes
 new calls without restarting the proxy or the agents. The policy is served by one or more replicas
 (`lcap serve --replicas N`), each a vLLM server of its own; the proxy sends each episode to one of
@@ -59,6 +60,9 @@ class PolicyServer:
     ray_address: str | None = None  # the Ray cluster the replicas run on; None: local processes
     api_key_file: str | None = None  # replicas reachable from the network require the key in this file
     endpoint_env: dict[str, str] = field(default_factory=dict)  # the options lcap's endpoints run with
+    # deployment -> the name vLLM serves it under, for a full checkpoint reloaded in place (vLLM keeps the name it
+    # started with); a deployment not here is served under its own name
+    served_as: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.replicas = [r if isinstance(r, Replica) else Replica(**r) for r in self.replicas]
@@ -70,6 +74,10 @@ class PolicyServer:
             if replica.name == name:
                 return replica
         raise KeyError(name)
+
+    def served_name(self, deployment: str) -> str:
+        """The model name a call for `deployment` asks vLLM for."""
+        return self.served_as.get(deployment, deployment)
 
     def api_key(self) -> str | None:
         return Path(self.api_key_file).read_text().strip() if self.api_key_file else None

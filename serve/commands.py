@@ -101,8 +101,8 @@ def register(app: typer.Typer) -> None:
         path: Annotated[
             Path,
             typer.Argument(
-                help="A PEFT LoRA adapter dir (hot-loaded into every replica) or a full checkpoint dir (replicas "
-                "restart on it one at a time)."
+                help="A PEFT LoRA adapter dir (hot-loaded into every replica) or a full checkpoint dir (reloaded "
+                "into the replicas in place one at a time, or, when its config or tokenizer changed, restarted on)."
             ),
         ],
         db: DbOption,
@@ -113,6 +113,11 @@ def register(app: typer.Typer) -> None:
         from lcap.store import Store
 
         served = deploy_policy(
-            path, name=options.name, round=options.round, store=Store(db), drain_timeout=options.drain_timeout
+            path,
+            name=options.name,
+            round=options.round,
+            store=Store(db),
+            drain_timeout=options.drain_timeout,
+            restart=options.restart,
         )
         typer.echo(served)

@@ -5,7 +5,14 @@ new, unique name, and only then does the record's `current` name it: the proxy a
 reads there, so no call can reach a replica that lacks the adapter. Nothing restarts; calls in
 flight finish on the old deployment. If one replica refuses the adapter, `current` stays as it was.
 
-A full checkpoint (config.json + weights) needs each vLLM restarted on it. With several replicas
+A full checkpoint (config.json + weights) that changes nothing but the weights (serve/same_model.py) is
+reloaded into each local replica in place, one replica at a time (serve/reload.py): the replica pauses
+(new calls wait in vLLM, calls in flight finish on the old weights, `drain_timeout` at most), reloads
+the weights, and the record maps the new deployment to the name vLLM keeps serving (`served_as`) before
+the replica resumes. No call fails, and each turn is labelled with the weights that served it (capture's
+Router.settle). Where that is not possible (another config or tokenizer, Ray replicas, a server started
+without the reload endpoints, a reload vLLM refuses, or `restart=True`) each vLLM is restarted on the
+checkpoint instead, with one log line saying why. With several replicas
 they roll one at a time: the replica is marked draining in the record (the proxy routes its
 episodes to their next replica), its calls in flight finish (vLLM's own request gauges reach zero,
 or `drain_timeout` passes), it restarts on the checkpoint on the same address, and once healthy it
@@ -25,11 +32,14 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from lcap.config import LcapError
 from lcap.policy import PolicyServer, policy_lock, read_policy, write_policy
-from lcap.serve.server import MAX_LORA_RANK, VllmSpec, in_flight, replicas_of
+from lcap.serve.reload import ReloadError, can_reload, reload_in_place
+from lcap.serve.same_model import difference
+from lcap.serve.server import MAX_LORA_RANK, VllmSpec, _flag_value, in_flight, replicas_of
 from lcap.store import Store, now
 
 log = logging.getLogger("lcap.serve")
@@ -37,6 +47,7 @@ log = logging.getLogger("lcap.serve")
 DRAIN_GRACE_S = 2.0  # after marking a replica draining: proxies re-read the record (capture/routes.py REFRESH_S)
 DRAIN_POLL_S = 0.5
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+SERVED_AS_KEPT = 64  # deployment -> vLLM name entries the record keeps (turns in flight may carry an older label)
 
 
 def deploy(
@@ -46,9 +57,10 @@ def deploy(
     round: int | None = None,
     store: Store | None = None,
     drain_timeout: float = 600.0,
+    restart: bool = False,
 ) -> str:
-    """Deploy a LoRA adapter (hot-load) or a full checkpoint (restart) on every replica; return the served name now
-    `current`."""
+    """Deploy a LoRA adapter (hot-load) or a full checkpoint (reload in place, else restart; `restart`: restart
+    anyway) on every replica; return the deployment name now `current`."""
     path = Path(path).expanduser().resolve()
     with policy_lock():
         record = read_policy()
@@ -61,7 +73,16 @@ def deploy(
         elif (path / "config.json").is_file():
             kind = "full"
             name = name or _unique_name(path, round)
-            record = _roll(record, path, name, drain_timeout)
+            why = None if restart else _why_not_in_place(record, path)
+            if why is None and not restart:
+                try:
+                    record = _reload(record, path, name, drain_timeout)
+                except ReloadError as exc:
+                    why = f"the reload failed ({exc})"
+            if why is not None or restart:
+                if why is not None:
+                    log.warning("lcap: deploying %s by restarting vLLM: %s", path, why)
+                record = _roll(read_policy() or record, path, name, drain_timeout)
         else:
             raise LcapError(f"{path} is neither a LoRA adapter (adapter_config.json) nor a checkpoint (config.json)")
     if store is not None:
@@ -114,6 +135,59 @@ def _load_everywhere(record: PolicyServer, loras: dict[str, str], only: str | No
             f"not every replica loaded {', '.join(loras.values())}, so {record.current!r} stays current: "
             + "; ".join(errors)
         )
+
+
+def _why_not_in_place(record: PolicyServer, path: Path) -> str | None:
+    """None when every replica can reload the checkpoint in place; else why it must restart."""
+    if record.ray_address is not None:
+        return "Ray replicas restart on a full checkpoint (each actor supervises vLLM on the model it was given)"
+    if any(replica.serving(record) in record.loras for replica in record.replicas):
+        return "a LoRA adapter is the running deployment (calls the pause holds would get it on the new weights)"
+    running = Path(record.base_model)
+    if not (running / "config.json").is_file():
+        return f"the running model {record.base_model} is not a local checkpoint to compare the new one with"
+    why = difference(path, running, Path(_flag_value(record.vllm_args, "--tokenizer") or running))
+    if why is not None:
+        return why
+    key = record.api_key()
+    for replica in record.replicas:
+        if (why := can_reload(replica.url, key)) is not None:
+            return f"replica {replica.name}: {why}"
+    return None
+
+
+def _reload(record: PolicyServer, path: Path, name: str, drain_timeout: float) -> PolicyServer:
+    """Reload the checkpoint into the replicas in place, one at a time; each serves `name` from its switch on."""
+    served, key = record.served_model, record.api_key()
+
+    def switch(replica_name: str) -> None:
+        now_record = read_policy()
+        if now_record is None:
+            raise ReloadError("the policy record disappeared during the deploy (`lcap serve --stop`?)")
+        now_record.served_as = _served_as(now_record.served_as, name, served)
+        now_record.replica(replica_name).current = name
+        write_policy(now_record)
+
+    for replica in record.replicas:
+        reload_in_place(
+            replica.url, key, path, drain_timeout=drain_timeout, switch=partial(switch, replica.name), name=replica.name
+        )
+    reloaded = read_policy() or record
+    reloaded.vllm_args = _with_tokenizer(reloaded, path)
+    reloaded.base_model, reloaded.current = str(path), name  # a replica restarted later starts on these weights
+    reloaded.loras = {}  # vLLM drops its adapters on a reload
+    for replica in reloaded.replicas:
+        replica.current = None
+    write_policy(reloaded)
+    return reloaded
+
+
+def _served_as(mapping: dict[str, str], name: str, served: str) -> dict[str, str]:
+    """`mapping` with `name` -> `served` last, at most SERVED_AS_KEPT entries (the oldest go)."""
+    out = {k: v for k, v in mapping.items() if k != name}
+    if name != served:
+        out[name] = served
+    return dict(list(out.items())[-SERVED_AS_KEPT:])
 
 
 def _roll(record: PolicyServer, path: Path, name: str, drain_timeout: float) -> PolicyServer:

@@ -105,6 +105,11 @@ class DeployOptions:
     round: int | None = option(None, help="Training round that produced it.")
     drain_timeout: float = option(
         600.0,
-        help="A full checkpoint restarts the replicas one at a time: seconds to wait for one's calls in flight to "
-        "finish (new calls already go to the others) before it restarts anyway.",
+        help="A full checkpoint replaces the replicas one at a time: seconds to wait for one's calls in flight to "
+        "finish before it reloads (they then finish on the new weights) or restarts (they fail) anyway.",
+    )
+    restart: bool = option(
+        False,
+        flag="--restart",
+        help="Restart vLLM on a full checkpoint even when it could reload it in place (same config and tokenizer).",
     )

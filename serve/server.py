@@ -1,7 +1,8 @@
 """`lcap serve`: run vLLM's OpenAI server on the policy, as one replica or several, and record it for the other commands.
 
 Each replica is one vLLM server with LoRA enabled and runtime adapter loading allowed: `lcap deploy`
-hot-loads each new round's adapter without restarting anything. Local replicas are processes of
+hot-loads each new round's adapter without restarting anything. A local replica also runs in vLLM's dev
+mode, so that `lcap deploy` can reload a full checkpoint into it in place (serve/reload.py). Local replicas are processes of
 their own process group (so stopping one also stops its engine workers) on 127.0.0.1, from the
 interpreter of lcap's vLLM venv; on a GPU machine each gets its own GPUs. Under `--ray` each
 replica is a Ray actor that runs vLLM on its node (serve/ray_replicas.py). A local
@@ -175,12 +176,15 @@ def server_command(
         str(MAX_LORA_RANK),
         "--max-loras",
         str(MAX_LORAS),
+        "--worker-extension-cls",
+        RELOAD_EXTENSION,
     ]
     if tool_parser:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", tool_parser]
     return cmd + list(extra_args)
 
 
+RELOAD_EXTENSION = "lcap_policy.reload.ReloadExtension"  # the worker method serve/reload.py calls
 LAUNCHER = Path(__file__).resolve().parent / "vllm_plugin" / "launch.py"  # vLLM with lcap's policy endpoints
 GUARD = Path(__file__).resolve().parent / "vllm_guard.py"  # the key check, in front of LAUNCHER
 
@@ -197,12 +201,17 @@ def launch(
 ) -> subprocess.Popen:
     """Start one vLLM server in a process group of its own, its output appended to `log_path`: the one way lcap
     starts vLLM, for local and Ray replicas alike. `key`: every path but /health requires it (the server listens
-    where the network reaches it); it goes in the environment, never on the command line, which `ps` shows."""
+    where the network reaches it); it goes in the environment, never on the command line, which `ps` shows.
+    A server on loopback runs in vLLM's dev mode (in-place weight reloads); one on another address never does."""
     from lcap.serve.vllm_env import has_gpu
 
     gpu = has_gpu() and (env or os.environ).get("CUDA_VISIBLE_DEVICES") != ""
     env = dict(env or os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", **dict(spec.endpoint_env))
     env.pop(KEY_VARIABLE, None)
+    if host in LOOPBACK:  # /pause, /resume, /collective_rpc: for a full checkpoint reloaded in place (serve/reload.py)
+        env.setdefault(DEV_MODE_VARIABLE, "1")
+    else:  # vLLM's --api-key would not guard them, and /collective_rpc calls any worker method
+        env.pop(DEV_MODE_VARIABLE, None)
     if key:
         env[KEY_VARIABLE] = key
     extra_args = list(spec.extra_args)
@@ -236,6 +245,8 @@ def launch(
 
 
 KEY_VARIABLE = "LCAP_REPLICA_KEY"  # what vllm_guard.py reads the key from
+DEV_MODE_VARIABLE = "VLLM_SERVER_DEV_MODE"
+LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
 
 
 def wait_healthy(servers: Sequence[tuple[subprocess.Popen, str, Path]], timeout: float, progress: bool | None) -> None:

@@ -71,10 +71,18 @@ QUESTIONS = ("Which is a number: code seven tool", "What is 2 + 2?", "Name a fil
 
 
 def served_samples(
-    url: str, model: str, out: Path, *, questions: Sequence[str] = QUESTIONS, group_size: int = 4, max_tokens: int = 12
+    url: str,
+    model: str,
+    out: Path,
+    *,
+    questions: Sequence[str] = QUESTIONS,
+    group_size: int = 4,
+    max_tokens: int = 12,
+    deployment: str | None = None,
 ) -> Path:
     """samples.parquet of completions vLLM served as `model`, with what the proxy stores of each: the prompt
-    and completion ids and the sampled tokens' logprobs; one group per question, rewards 1, 0, 1, 0."""
+    and completion ids and the sampled tokens' logprobs; one group per question, rewards 1, 0, 1, 0. Their
+    deployment is `model` unless named (a checkpoint reloaded in place is served under another name)."""
     rows = []
     for g, question in enumerate(questions):
         body = {
@@ -107,7 +115,7 @@ def served_samples(
                     env_mask=[1] * len(ids),
                     reward=reward,
                     advantage=reward - 0.5,
-                    deployment=model,
+                    deployment=deployment or model,
                     rebuilt=False,
                     truncated=choice["finish_reason"] == "length",
                     n_turns=1,
@@ -203,3 +211,33 @@ def vllm_policy(vllm_server):
     vllm_server.use_base()
     yield vllm_server
     vllm_server.use_base()
+
+
+def perturbed_checkpoint(model_dir: Path, out: Path, *, seed: int = 1, scale: float = 0.05) -> Path:
+    """A full checkpoint of `model_dir` (same config and tokenizer) whose matrices carry seeded noise: other
+    weights, the same model otherwise, so `lcap deploy` can reload it in place."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out)
+    generator = torch.Generator().manual_seed(seed)
+    for file in out.glob("*.safetensors"):
+        weights = load_file(file)
+        for key, value in weights.items():
+            if value.dtype.is_floating_point and value.dim() == 2:
+                weights[key] = value + scale * torch.randn(value.shape, generator=generator, dtype=value.dtype)
+        save_file(weights, file, metadata={"format": "pt"})
+    return out
+
+
+def hf_logprobs(model, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> list[float]:
+    """The log-probabilities `model` (transformers, float32) gives each completion token after the prompt."""
+    import torch
+
+    ids = torch.tensor([list(prompt_ids) + list(completion_ids)])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
+    picked = torch.log_softmax(logits, -1).gather(-1, torch.tensor(list(completion_ids))[:, None])
+    return picked[:, 0].tolist()

@@ -130,6 +130,38 @@ def _chat(proxy: CaptureProxy, episode: str, **extra) -> httpx.Response:
 # --- the router alone ---------------------------------------------------------------------------------
 
 
+def test_a_reloaded_deployment_is_asked_for_by_its_served_name_and_settles_calls_that_end_after_it(record_env):
+    """A full checkpoint reloaded in place (serve/deploy.py): the record maps the new deployment to the name vLLM
+    kept serving; routes ask vLLM for that name and carry the deployment. A call labelled with the old deployment
+    when it was sent that ends once its replica serves the new one under the same name was served by the new
+    weights (the pause held it); under another name (a LoRA, a restart) its label stands."""
+    urls = {"r0": "http://127.0.0.1:9", "r1": "http://127.0.0.1:10"}
+    record = _record(urls, loras={"lora-a": "/adapters/a"})
+    router = Router("policy", None, health_interval=3600)
+    try:
+        assert router.settle("r0", "tiny") == "tiny" and router.settle("r0", "lora-a") == "lora-a"
+        record.replicas[0].current = "tiny-r1"  # r0 reloaded, r1 not yet
+        record.served_as = {"tiny-r1": "tiny"}
+        write_policy(record)
+        time.sleep(0.6)
+        router.route("episode")  # re-reads the record
+        routes = {r.replica: (r.model, r.deployment) for r in router.routes()}
+        assert routes == {"r0": ("tiny", "tiny-r1"), "r1": ("tiny", "tiny")}
+        assert router.settle("r0", "tiny") == "tiny-r1"  # held by r0's pause, served by the new weights
+        assert router.settle("r1", "tiny") == "tiny"  # r1 has not reloaded
+        assert router.settle("r0", "lora-a") == "lora-a"  # another name: the adapter served it before the pause
+        assert router.settle(None, "tiny") == "tiny"
+
+        record.replicas[0].current = None  # a restart on a new name: nothing is relabelled
+        record.served_model = record.current = "tiny-v2"
+        write_policy(record)
+        time.sleep(0.6)
+        assert router.settle("r0", "tiny-r1") == "tiny-r1" and router.settle("r1", "tiny") == "tiny"
+        assert {(r.model, r.deployment) for r in router.routes()} == {("tiny-v2", "tiny-v2")}
+    finally:
+        router.close()
+
+
 def test_episodes_stick_to_one_replica_spread_and_move_only_when_theirs_leaves(record_env):
     urls = {f"r{i}": f"http://127.0.0.1:{9 + i}" for i in range(4)}  # nothing listens: no call is made here
     record = _record(urls)

@@ -1,16 +1,23 @@
-"""`lcap serve --status` and `lcap deploy` on the real vLLM CPU server: LoRA hot-load, full-checkpoint restart."""
+"""`lcap serve --status` and `lcap deploy` on the real vLLM CPU server: LoRA hot-load, full checkpoint reloaded in
+place (calls streaming through the proxy meanwhile), full-checkpoint restart."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
 import pytest
+import torch
+from fixtures_capture import turns
+from fixtures_vllm import hf_logprobs, perturbed_checkpoint
 from typer.testing import CliRunner
 
 from lcap.cli import app
@@ -74,13 +81,103 @@ def test_lcap_serve_status_reports_the_running_server(vllm_server):
     assert rows == [("tiny", str(vllm_server.model_dir.resolve()), "base", None)]
 
 
-def test_deploy_full_checkpoint_restarts_vllm_on_the_same_url(vllm_policy, tmp_path):
-    """A full checkpoint restarts vLLM on it. The checkpoint is an exact copy of the tiny model under the same
-    name, so the session's server keeps serving the same policy to the tests that follow."""
+def test_full_checkpoint_reloads_in_place_while_calls_stream(vllm_policy, tmp_path):
+    """A checkpoint with other weights and the same config deploys in place while agents stream calls through the
+    proxy: the same vLLM process, no call fails, and every turn is labelled with the deployment whose weights
+    served it (its captured logprobs are the label's model's, scored by transformers, and not the other's),
+    including calls sent while the replica was paused for the reload, which vLLM held and served afterwards."""
+    from test_serve_replicas import Agents, _proxy
+    from transformers import AutoModelForCausalLM
+
+    from lcap.serve.deploy import deploy
+
+    before = read_policy()
+    base = vllm_policy.served_model
+    checkpoint = perturbed_checkpoint(vllm_policy.model_dir, tmp_path / "round-1" / "checkpoint")
+    db = tmp_path / "lcap.duckdb"
+    switched: list[float] = []
+
+    def watch(stop: threading.Event) -> None:  # when the record first names the new deployment
+        while not stop.is_set() and not switched:
+            record = read_policy()
+            if record is not None and record.replicas[0].serving(record) == "tiny-r1":
+                switched.append(time.time())
+            time.sleep(0.01)
+
+    try:
+        with _proxy(tmp_path) as proxy, Agents(proxy, threads=3, stream_every=1, max_tokens=24) as agents:
+            agents.wait_for(6)
+            stop = threading.Event()
+            watcher = threading.Thread(target=watch, args=(stop,), daemon=True)
+            watcher.start()
+            name = deploy(checkpoint, name="tiny-r1", round=1, store=Store(db), drain_timeout=120)
+            stop.set()
+            watcher.join(10)
+            agents.wait_for(6)
+        after = read_policy()
+        assert name == "tiny-r1" and after.current == name and after.served_name(name) == base
+        assert after.pid == before.pid and after.served_model == base  # the same server: no restart
+        assert after.base_model == str(checkpoint.resolve()) and not after.loras
+        failed = [c for c in agents.calls if not c["ok"]]
+        assert not failed, failed[:3]
+        rows = turns(db)
+        assert all(r["status_code"] == 200 and r["token_source"] == "vllm" for r in rows)
+        assert {r["deployment"] for r in rows} == {base, name} and {r["model_served"] for r in rows} == {base}
+
+        models = {
+            label: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            for label, path in ((base, vllm_policy.model_dir), (name, checkpoint))
+        }
+        for row in rows:
+            served = row["completion_logprobs"]
+            error = {
+                label: max(
+                    abs(a - b)
+                    for a, b in zip(
+                        hf_logprobs(model, row["prompt_token_ids"], row["completion_token_ids"]), served, strict=True
+                    )
+                )
+                for label, model in models.items()
+            }
+            other = name if row["deployment"] == base else base
+            assert error[row["deployment"]] < 1e-3 < error[other], (row["deployment"], row["started_at"], error)
+        # Calls sent before the switch and served after it (held by the pause) are labelled with the new weights.
+        assert switched and any(r["deployment"] == name and r["started_at"].timestamp() < switched[0] for r in rows), (
+            "no call was held by the pause: the test did not exercise it"
+        )
+        rows = Store(db).fetchall("SELECT name, path, kind, round FROM deployments")
+        assert rows == [(name, str(checkpoint.resolve()), "full", 1)]
+    finally:  # the tests that follow expect the tiny model's own weights
+        deploy(vllm_policy.model_dir, name=base)
+    record = read_policy()
+    assert record.pid == before.pid and record.base_model == str(vllm_policy.model_dir.resolve())
+
+
+def test_a_failed_reload_resumes_and_a_changed_config_restarts_vllm(vllm_policy, tmp_path, caplog):
+    """A reload vLLM refuses (weights that do not fit the model) raises and leaves the replica resumed, not paused
+    (vLLM's failed reload leaves it unable to serve: the deploy then restarts it). A checkpoint whose config.json
+    differs cannot be reloaded in place: vLLM restarts on it, and one log line says why. That checkpoint is the
+    tiny model with a key vLLM ignores, under the same name, so the session's server serves the same policy again
+    to the tests that follow."""
+    from safetensors.torch import save_file
+
+    from lcap.serve.reload import ReloadError, can_reload, reload_in_place
+
     before = read_policy()
     base = completion_ids(vllm_policy.url, vllm_policy.served_model)
+    broken = tmp_path / "broken"
+    shutil.copytree(vllm_policy.model_dir, broken)
+    save_file({"model.embed_tokens.weight": torch.zeros(3, 3)}, broken / "model.safetensors")
+    switched: list[int] = []
+    with pytest.raises(ReloadError, match="lcap_reload_weights"):
+        reload_in_place(vllm_policy.url, None, broken, drain_timeout=60, switch=lambda: switched.append(1), name="r0")
+    assert not switched and can_reload(vllm_policy.url, None) is None  # resumed, not paused
+
     checkpoint = tmp_path / "round-3" / "checkpoint"
     shutil.copytree(vllm_policy.model_dir, checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "lcap_test_marker": 1}))
+    caplog.set_level(logging.WARNING, logger="lcap.serve")
 
     result = CliRunner().invoke(
         app,
@@ -96,6 +193,11 @@ def test_deploy_full_checkpoint_restarts_vllm_on_the_same_url(vllm_policy, tmp_p
         ],
     )
     assert result.exit_code == 0, result.output
+    why = [r.getMessage() for r in caplog.records if "by restarting vLLM" in r.getMessage()]
+    assert why == [
+        f"lcap: deploying {checkpoint.resolve()} by restarting vLLM: its config.json differs from the "
+        "running model's (lcap_test_marker)"
+    ], why
     after = read_policy()
     vllm_policy.record = after
     assert after.pid != before.pid and after.url == before.url

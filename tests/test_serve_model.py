@@ -281,7 +281,7 @@ def test_the_replica_guard_requires_the_key_on_every_path_but_health(monkeypatch
         await websocket.send_text("ok")
         await websocket.close()
 
-    paths = ["/health", "/v1/models", "/invocations", "/tokenize", "/pause", "/metrics"]
+    paths = ["/health", "/v1/models", "/invocations", "/tokenize", "/pause", "/resume", "/collective_rpc", "/metrics"]
     app_ = Starlette(routes=[*(Route(p, ok, methods=["GET", "POST"]) for p in paths), WebSocketRoute("/ws", socket)])
     monkeypatch.setenv("LCAP_REPLICA_KEY", "k-123")
     client = TestClient(RequireKey(app_))
@@ -321,3 +321,78 @@ def test_a_second_policy_change_waits_then_names_the_holder(tmp_path, monkeypatc
         holder.wait()
     with policy_lock(wait=5):  # free again once its holder is gone
         pass
+
+
+def test_vllm_dev_mode_runs_only_on_loopback(tmp_path, monkeypatch):
+    """The dev-mode endpoints (/pause, /collective_rpc) that in-place reloads use are not guarded by vLLM's API key:
+    a replica gets them on 127.0.0.1 only, never on an address the network reaches, even when asked to."""
+    from lcap.serve.server import VllmSpec, launch
+
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\nenv > "$(dirname "$0")/env-$LCAP_TEST_RUN"\n')
+    fake.chmod(0o755)
+    spec = VllmSpec(str(tmp_path), "tiny", None, None, (), 60)
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+    for run, host, key in (("local", "127.0.0.1", None), ("ray", "10.1.2.3", "k-1")):
+        env = dict(os.environ, LCAP_TEST_RUN=run, **({"VLLM_SERVER_DEV_MODE": "1"} if key else {}))
+        launch(spec, python=str(fake), port=1, log_path=tmp_path / "log", host=host, env=env, key=key).wait(30)
+    assert "VLLM_SERVER_DEV_MODE=1" in (tmp_path / "env-local").read_text().splitlines()
+    assert "VLLM_SERVER_DEV_MODE" not in (tmp_path / "env-ray").read_text()
+
+
+def test_a_checkpoint_reloads_in_place_only_when_nothing_but_weight_values_changed(tmp_path):
+    """serve/same_model.py: a trainer's re-save (another transformers writes the tokenizer and config again) is the
+    same model; another shape, config value, generation default or vocabulary is not."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lcap.serve.options import TinyModelOptions
+    from lcap.serve.same_model import difference
+    from lcap.serve.tiny_model import init_model
+
+    running = init_model(tmp_path / "tiny", TinyModelOptions(seed=0))
+    saved = tmp_path / "saved"
+    AutoModelForCausalLM.from_pretrained(running).save_pretrained(saved)
+    AutoTokenizer.from_pretrained(running).save_pretrained(saved)
+    assert (saved / "tokenizer.json").read_bytes() != (running / "tokenizer.json").read_bytes()
+    assert difference(saved, running, running) is None
+
+    def variant(name: str) -> Path:
+        out = tmp_path / name
+        shutil.copytree(saved, out)
+        return out
+
+    weights_only = variant("weights-only")
+    for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (weights_only / file).unlink()
+    assert difference(weights_only, running, running) is None
+
+    config = variant("config")
+    data = json.loads((config / "config.json").read_text())
+    (config / "config.json").write_text(json.dumps({**data, "rms_norm_eps": 1e-5, "transformers_version": "9"}))
+    assert difference(config, running, running) == "its config.json differs from the running model's (rms_norm_eps)"
+
+    generation = variant("generation")
+    (generation / "generation_config.json").write_text('{"max_new_tokens": 7}')
+    assert "generation_config.json differs" in difference(generation, running, running)
+
+    shapes = variant("shapes")
+    weights = load_file(shapes / "model.safetensors")
+    weights["model.norm.weight"] = torch.ones(3)
+    save_file(weights, shapes / "model.safetensors")
+    assert "tensors differ" in difference(shapes, running, running) and "model.norm.weight" in difference(
+        shapes, running, running
+    )
+
+    vocabulary = variant("vocabulary")
+    tokenizer = AutoTokenizer.from_pretrained(saved)
+    tokenizer.add_tokens(["<lcap-new>"])
+    tokenizer.save_pretrained(vocabulary)
+    assert "tokenizes differently" in difference(vocabulary, running, running)
+
+    template = variant("template")
+    (template / "chat_template.jinja").write_text("{{ messages }}")
+    assert "chat_template" in difference(template, running, running)

@@ -26,7 +26,7 @@ from openai import APIError, OpenAI
 
 from lcap.capture.options import ProxyOptions
 from lcap.capture.server import CaptureProxy
-from lcap.policy import PolicyServer, read_policy
+from lcap.policy import PolicyServer, read_policy, write_policy
 from lcap.store import Store
 
 pytestmark = pytest.mark.vllm
@@ -197,11 +197,61 @@ def test_a_lora_deploy_reaches_both_replicas_before_any_call_asks_for_it(pair, t
     assert any(c["started"] > switched + 1 and c["model"] == name for c in agents.calls)
 
 
+def test_a_full_checkpoint_reloads_into_one_replica_at_a_time(pair, tmp_path):
+    """A checkpoint with other weights and the same config while agents run: each replica in turn pauses, reloads
+    in place and serves the new deployment (under the name vLLM started with) while the other still serves the
+    old one; no call fails, no server restarts, and every turn's deployment is the one its replica served then."""
+    from fixtures_vllm import perturbed_checkpoint
+
+    from lcap.serve.deploy import deploy
+
+    record = pair.record
+    record.current = record.served_model  # off the LoRA of the test before: a LoRA current means a restart
+    write_policy(record)
+    before = pair.record
+    checkpoint = perturbed_checkpoint(pair.model_dir, tmp_path / "round-1" / "checkpoint")
+    states: list[tuple[float, tuple]] = []
+
+    def watch(stop: threading.Event) -> None:
+        while not stop.is_set():
+            record = read_policy()
+            if record is not None:
+                states.append((time.time(), tuple(r.serving(record) for r in record.replicas)))
+            time.sleep(0.02)
+
+    try:
+        with _proxy(tmp_path) as proxy, Agents(proxy, threads=4, stream_every=2, max_tokens=16) as agents:
+            agents.wait_for(8)
+            stop = threading.Event()
+            watcher = threading.Thread(target=watch, args=(stop,), daemon=True)
+            watcher.start()
+            name = deploy(checkpoint, name="tiny-r1", round=1, store=Store(pair.db), drain_timeout=120)
+            stop.set()
+            watcher.join(10)
+            agents.wait_for(8)
+        after = pair.record
+        assert after.current == name and after.served_name(name) == before.served_model
+        assert [r.pid for r in after.replicas] == [r.pid for r in before.replicas]  # nothing restarted
+        failed = [c for c in agents.calls if not c["ok"]]
+        assert not failed, failed[:3]
+        seen = [s for _, s in states]
+        old = before.current
+        assert (name, old) in seen and (old, name) not in seen  # r0 first, then r1; never r1 alone
+        switched = {i: min(t for t, s in states if s[i] == name) for i in range(2)}
+        rows = turns(tmp_path / "lcap.duckdb")
+        assert {r["deployment"] for r in rows} == {old, name} and all(r["status_code"] == 200 for r in rows)
+        for row in rows:  # a turn that ended before its replica switched was served by the old weights, else new
+            index = int(row["replica"][1:])
+            assert row["deployment"] == (name if row["ended_at"].timestamp() > switched[index] else old), row
+    finally:  # the tests that follow expect the tiny model's own weights under its own name
+        deploy(pair.model_dir, name=before.current)
+
+
 @pytest.mark.slow
 def test_a_full_checkpoint_rolls_one_replica_at_a_time(pair, tmp_path):
-    """A full checkpoint while agents run: one replica at a time drains (its episodes go to the other), restarts on
-    the checkpoint and comes back; no call fails, calls in flight at the drain finish, and once done every call
-    asks for the new deployment."""
+    """A full checkpoint restart (`--restart`; also what a changed config gets) while agents run: one replica at a
+    time drains (its episodes go to the other), restarts on the checkpoint and comes back; no call fails, calls in
+    flight at the drain finish, and once done every call asks for the new deployment."""
     from lcap.serve.deploy import deploy
 
     before = pair.record
@@ -223,7 +273,7 @@ def test_a_full_checkpoint_rolls_one_replica_at_a_time(pair, tmp_path):
         stop = threading.Event()
         watcher = threading.Thread(target=watch, args=(stop,), daemon=True)
         watcher.start()
-        name = deploy(checkpoint, name="tiny-v2", round=2, store=Store(pair.db), drain_timeout=120)
+        name = deploy(checkpoint, name="tiny-v2", round=2, store=Store(pair.db), drain_timeout=120, restart=True)
         done = time.monotonic()
         stop.set()
         watcher.join(10)

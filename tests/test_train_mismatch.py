@@ -156,6 +156,35 @@ def test_skipped_deploy_stops_the_round(vllm_policy, round_one, tmp_path):
     assert store.fetchall("SELECT count(*) FROM train_runs") == [(0,)]
 
 
+@pytest.mark.vllm
+def test_a_checkpoint_reloaded_in_place_passes_the_guard_as_its_deployment(vllm_policy, tmp_path):
+    """Full fine-tuning deployed in place: vLLM serves the checkpoint under the name it started with, the samples
+    carry the new deployment (as capture labels its turns: tests/test_serve_deploy.py), and the guard, scoring
+    them with the checkpoint being continued, finds no mismatch for it; the base's weights, which vLLM served
+    under the same name before, do not pass."""
+    from fixtures_vllm import perturbed_checkpoint
+
+    from lcap.policy import read_policy
+    from lcap.serve.deploy import deploy
+
+    pid = read_policy().pid
+    checkpoint = perturbed_checkpoint(vllm_policy.model_dir, tmp_path / "round-1" / "checkpoint")
+    try:
+        name = deploy(checkpoint, name="tiny-r1", round=1)
+        assert read_policy().pid == pid and read_policy().served_name(name) == vllm_policy.served_model
+        data = served_samples(vllm_policy.url, vllm_policy.served_model, tmp_path / "data", deployment=name)
+    finally:  # the tests that follow expect the tiny model's own weights
+        deploy(vllm_policy.model_dir, name=vllm_policy.served_model)
+    measured = {}
+    for label, model in (("checkpoint", checkpoint), ("base", vllm_policy.model_dir)):
+        prepared = prepare_round(tmp_path / f"run-{label}", 1, options(model, full=True), data)
+        (measured[label],) = measure_mismatch(
+            prepared.trainer, prepared.groups.real_samples, per_deployment=0
+        ).deployments
+    assert measured["checkpoint"].deployment == name and measured["checkpoint"].samples == 16
+    assert measured["checkpoint"].kl < MISMATCH_MAX / 100 < MISMATCH_MAX < measured["base"].kl
+
+
 def test_a_store_of_schema_version_3_gets_the_guard_columns(tmp_path):
     from lcap.schema import SCHEMA_VERSION
 
