@@ -220,7 +220,11 @@ class _Proxies:
         self.proxies: dict[str, tuple[str, Any]] = {}  # node id -> (this proxy's key, its handle)
         self.started = 0
 
-    def get(self, node_id: str) -> Any:
+    def get(self, node_id: str, lost: str | None = None) -> Any:
+        """The node's proxy, started if it has none; `lost`: the actor id of a proxy found dead there, replaced
+        now if it is still the node's (the ingest finds it dead too, later)."""
+        if lost is not None and node_id in self.proxies and self.proxies[node_id][1]._actor_id.hex() == lost:
+            del self.proxies[node_id]
         if node_id not in self.proxies:
             self.started += 1
             handle = _NodeProxyActor.options(
@@ -277,17 +281,24 @@ def _episode_task(proxies: Any, spec: EpisodeSpec, rules: EpisodeRules, archive:
     node = context.get_node_id()
     where = f"{ray.util.get_node_ip_address()} ({node[:8]})"
     cached = (proxies._actor_id.hex(), node)  # this run's registry, this node
+    eid = spec.episode_id
     try:
-        proxy = _node_proxy.get(cached)
+        proxy, lost = _node_proxy.get(cached), None
+        if proxy is not None:
+            try:
+                env = ray.get(proxy.child_env.remote(eid, dict(os.environ)), timeout=CALL_S)
+            except ray.exceptions.RayActorError:  # gone since an earlier episode here (proxies a loop keeps across
+                # its collects): nothing of this episode ran yet, so it asks the registry for the node's next proxy
+                lost, proxy = proxy._actor_id.hex(), None
+                _node_proxy.pop(cached, None)
         if proxy is None:
-            proxy = ray.get(proxies.get.remote(node), timeout=CALL_S)
+            proxy = ray.get(proxies.get.remote(node, lost), timeout=CALL_S)
             error = ray.get(proxy.ready.remote(), timeout=PROXY_START_S)
             if error is not None:
                 return _Report(proxy_error=error, node=where)
             _node_proxy.clear()  # a worker serves one run at a time: older runs' proxies are gone
             _node_proxy[cached] = proxy
-        eid = spec.episode_id
-        env = ray.get(proxy.child_env.remote(eid, dict(os.environ)), timeout=CALL_S)
+            env = ray.get(proxy.child_env.remote(eid, dict(os.environ)), timeout=CALL_S)
 
         def adopt(child) -> None:
             ray.get(proxy.adopt.remote(eid, child.pid), timeout=CALL_S)

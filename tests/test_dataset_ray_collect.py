@@ -498,3 +498,55 @@ def test_ctrl_c_on_a_ray_loop_leaves_no_node_proxy_nor_agent(cluster, project, t
     assert not _node_proxies_running(env["LCAP_HOME"])
     rows = Store(project / "lcap.duckdb").fetchall("SELECT status FROM episodes WHERE round = 1")
     assert [r[0] for r in rows] == ["interrupted", "interrupted"]
+
+
+def test_kept_node_proxies_replace_a_lost_one_and_start_on_a_node_that_joins(cluster, upstream, project, caplog):
+    """Between two collects of one `NodeProxies` (a loop's), one node's proxy dies and a node joins: the next collect
+    runs on a new proxy on the first node (its workers' cached handle of the dead one costs no episode a rerun) and
+    starts one on the new node, keeps the other one, and stores every episode's turns once."""
+    import ray
+
+    from lcap.dataset.collect import collect
+    from lcap.dataset.options import CollectOptions
+    from lcap.dataset.ray_collect import NodeProxies
+    from lcap.ray_cluster import connect
+
+    address, env, tmp = cluster
+    _tasks(project, n=2, calls=2)
+    store = Store(project / "lcap.duckdb")
+    command = [sys.executable, str(project / "agent.py")]
+    if ray.is_initialized():
+        ray.shutdown()
+    connect(address)
+
+    def run(proxies: NodeProxies, n: int) -> dict:
+        options = CollectOptions(group_size=2, concurrency=3, round=n, upstream=upstream.url, model="m", ray=address)
+        result = collect(
+            store, tasks=project / "tasks.jsonl", command=command, options=options, progress=False, node_proxies=proxies
+        )
+        assert (result.finished, result.failed) == (4, 0)
+        return ray.get(proxies.registry.known.remote(), timeout=60)
+
+    try:
+        with NodeProxies(store) as proxies:
+            first = run(proxies, 1)
+            gone_key, gone = next(iter(first.items()))
+            ray.kill(gone, no_restart=True)
+            deadline = time.monotonic() + 60
+            while gone_key in ray.get(proxies.registry.known.remote(), timeout=60):  # the ingest saw it die
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            with ray_worker(address, tmp / f"joins-{free_port()}.log", num_cpus=1, env=env):
+                second = run(proxies, 2)
+                assert proxies.starts == 1
+                proxies.close()  # before the node that joined leaves
+    finally:
+        ray.shutdown()
+    assert len(first) == 2 and gone_key not in second and len(second) == 3
+    kept = set(first) - {gone_key}
+    assert kept <= set(second)
+    nodes = {key.split("#")[0] for key in second}
+    assert len(nodes) == 3 and gone_key.split("#")[0] in nodes  # a new proxy on the node whose proxy died
+    turns = store.fetchall("SELECT episode_id, count(*), count(DISTINCT turn_id) FROM turns GROUP BY episode_id")
+    assert sorted(t[1:] for t in turns) == [(2, 2)] * 8
+    assert "running it again" not in caplog.text  # no episode was lost with the dead proxy
