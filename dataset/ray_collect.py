@@ -12,6 +12,8 @@ bar, resume. What runs where:
   (NodeAffinitySchedulingStrategy), started by the first episode that lands there. Agents reach it on
   the node's loopback, so their traffic never crosses nodes to be captured and TLS ends where the
   agent runs. The proxies are owned by one `_Proxies` actor that the driver owns: they end with it.
+  `NodeProxies` holds them with the hand-off below: a collect's own, or the one `lcap loop --ray` keeps
+  across its collects (the proxies then start once per node and loop, and take each deploy's record).
 * The proxy's turns go to an `Outbox` (capture/outbox.py), a spool on the node sealed with this run's
   hand-off key, and the driver's ingest thread takes them in bounded batches, reseals them with this
   home's spool key and appends them to its own `TurnWriter`: the one store writer, with its row
@@ -470,6 +472,16 @@ class NodeProxies:
         shape = (options, max_concurrency, policy_key)
         if self.registry is not None and (shape != self._shape or (self.ingest and self.ingest.error is not None)):
             self.close()  # started with other options, or its hand-off failed: these proxies cannot serve it
+        if self.registry is not None and policy is not None and policy != self._policy:
+            try:
+                ray.get(self.registry.set_policy.remote(policy), timeout=2 * CALL_S)
+                self._policy = policy
+            except ray.exceptions.RayError as exc:  # new proxies start with the new record
+                log.warning(
+                    "lcap: the node proxies did not take the new policy record (%s): starting new ones",
+                    _first_line(exc),
+                )
+                self.close()
         if self.registry is None:
             self._start(
                 NodeConfig(
@@ -482,9 +494,6 @@ class NodeProxies:
                 )
             )
             self._shape, self._policy = shape, policy
-        elif policy != self._policy and policy is not None:
-            ray.get(self.registry.set_policy.remote(policy), timeout=2 * CALL_S)
-            self._policy = policy
         if nodes:
             self.registry.prestart.remote(nodes)
 
