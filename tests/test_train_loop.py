@@ -167,6 +167,8 @@ def test_a_ray_loop_collects_each_round_with_the_last_deployment(vllm_policy, ra
     the loop keeps for all of them, and each deploy reaches those proxies before the next collect."""
     db = tmp_path / "lcap.duckdb"
     command = loop_command(tmp_path, db)
+    # An agent on a Ray node gets its node's environment, where the cluster has no OPENAI_API_KEY.
+    (tmp_path / "agent.py").write_text(AGENT.replace("OpenAI()", 'OpenAI(api_key="sk-test")'))
     end = command.index("--")
     command[end:end] = ["--ray", ray_cluster]
     env = dict(os.environ, OPENAI_API_KEY="sk-test")
