@@ -1,16 +1,24 @@
 """`lcap collect` through the local pool and through a two-node local Ray cluster, side by side in one run, and the
 store's ingest rate from a remote node.
 
-    .venv/bin/python benchmarks/bench_ray_collect.py [--tasks 32] [--group 2] [--calls 4] [--concurrency 4]
+    .venv/bin/python benchmarks/bench_ray_collect.py [--sizes 16,64] [--group 2] [--calls 4] [--concurrency 4]
         [--rounds 3] [--ingest 20000]
 
 Starts a minimal asyncio upstream (benchmarks/bench_proxy.py's) and a Ray cluster of two `ray start` nodes on this
-machine (node IP 127.0.0.1, CONCURRENCY/2 CPUs each), then runs the same episodes (a trivial agent: CALLS chat
-completions through its capture proxy with httpx, then one line to a file) alternately through the local pool (one
-proxy, a thread pool) and with `--ray` (an episode per Ray task, a proxy per node, turns handed to the driver's
-writer), ROUNDS times each after one warm-up run of each; episodes/s is episodes over the run's wall time, median
-over the rounds. Every run must store episodes x CALLS turns. "one-episode collect" is a collect of one task, one
-sample, after each run: what a collect costs before and after its episodes (its proxies' start and stop).
+machine (node IP 127.0.0.1, CONCURRENCY/2 CPUs each), then, for each size in SIZES (episodes per collect: SIZE/GROUP
+tasks x GROUP), runs the same episodes (a trivial agent: CALLS chat completions through its capture proxy with
+httpx, then one line to a file) through three paths in turn, ROUNDS times each after one warm-up run of each:
+
+* local pool: one proxy, a thread pool;
+* ray, proxies per collect: `--ray` as a standalone `lcap collect --ray` runs it (an episode per Ray task, a proxy
+  per node started with the collect and stopped at its end, turns handed to the driver's writer);
+* ray, proxies kept: the same, with the node proxies kept across all that path's collects of the size (warm-up
+  included), as `lcap loop --ray` keeps them across its rounds' collects.
+
+Episodes/s is episodes over the collect's wall time, median over the rounds. Every run must store episodes x CALLS
+turns. "one-episode collect" is a collect of one task, one sample, after each run: what a collect costs before and
+after its episodes (its proxies' start and stop, when it starts them). The load averages (`uptime`'s) are printed
+before and after each size.
 
 Ingest: an Outbox (capture/outbox.py) in an actor on the worker node is filled with INGEST turns, then the driver's
 real ingest (dataset/ray_collect.py: takes, reseals, the one TurnWriter) moves them into a fresh store: turns/s from
@@ -79,7 +87,15 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def collect_once(
-    db: Path, tasks: Path, agent: Path, round: int, args, upstream: str, address: str | None, group: int
+    db: Path,
+    tasks: Path,
+    agent: Path,
+    round: int,
+    args,
+    upstream: str,
+    address: str | None,
+    group: int,
+    node_proxies=None,
 ) -> float:
     """Seconds of one collect of TASKS x GROUP episodes, checked: every episode ok, every call a turn."""
     from lcap.dataset.collect import collect, load_tasks
@@ -91,7 +107,14 @@ def collect_once(
         group_size=group, concurrency=args.concurrency, round=round, upstream=upstream, model="m", ray=address
     )
     t0 = time.perf_counter()
-    result = collect(store, tasks=tasks, command=[sys.executable, str(agent)], options=options, progress=False)
+    result = collect(
+        store,
+        tasks=tasks,
+        command=[sys.executable, str(agent)],
+        options=options,
+        progress=False,
+        node_proxies=node_proxies,
+    )
     wall = time.perf_counter() - t0
     episodes = len(load_tasks(tasks)) * group
     assert result.finished == episodes, result
@@ -100,6 +123,11 @@ def collect_once(
     )[0]
     assert stored == episodes * args.calls, (stored, episodes * args.calls)
     return wall
+
+
+def load() -> str:
+    """The 1, 5 and 15 minute load averages, as `uptime` prints them."""
+    return ", ".join(f"{value:.2f}" for value in os.getloadavg())
 
 
 def make_turn(i: int):
@@ -206,7 +234,7 @@ def ingest_rate(n: int, node: str, db: Path) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", type=int, default=32)
+    parser.add_argument("--sizes", default="16,64", help="episodes per collect, comma-separated")
     parser.add_argument("--group", type=int, default=2)
     parser.add_argument("--calls", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=4)
@@ -220,10 +248,7 @@ def main() -> None:
     os.chdir(tmp)
     agent = tmp / "agent.py"
     agent.write_text(AGENT)
-    tasks = tmp / "tasks.jsonl"
-    tasks.write_text(
-        "".join(json.dumps({"id": f"t{i}", "q": f"q{i}", "calls": args.calls}) + "\n" for i in range(args.tasks))
-    )
+    sizes = [int(size) for size in args.sizes.split(",")]
     one_task = tmp / "one-task.jsonl"
     one_task.write_text(json.dumps({"id": "one", "q": "q", "calls": args.calls}) + "\n")
     upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM], stdout=subprocess.PIPE, text=True)
@@ -243,27 +268,53 @@ def main() -> None:
         )
         print(f"two-node cluster up in {time.perf_counter() - t0:.1f} s ({per_node} CPUs each)", flush=True)
 
-        paths = (("local pool", None), ("ray (2 nodes)", address))
-        rates: dict[str, list[float]] = {name: [] for name, _ in paths}
-        single: dict[str, list[float]] = {name: [] for name, _ in paths}
-        episodes = args.tasks * args.group
-        for round in range(args.rounds + 1):  # round 0 warms both paths up (Ray's workers, the node proxies)
-            for name, where in paths:
-                db = tmp / f"{name[:5]}.duckdb"
-                wall = collect_once(db, tasks, agent, round, args, url, where, args.group)
-                one = collect_once(db, one_task, agent, 1000 + round, args, url, where, 1)
-                if round:
-                    rates[name].append(episodes / wall)
-                    single[name].append(one)
-        print(f"\n{episodes} episodes x {args.calls} calls, concurrency {args.concurrency}, {args.rounds} rounds")
-        print(f"{'path':<16} {'episodes/s median':>18} {'min':>6} {'max':>6} {'one-episode collect s':>22}")
-        for name, values in rates.items():
-            print(
-                f"{name:<16} {statistics.median(values):>18.2f} {min(values):>6.2f} {max(values):>6.2f} "
-                f"{statistics.median(single[name]):>22.1f}"
+        from lcap.dataset.ray_collect import NodeProxies
+        from lcap.store import Store
+
+        paths: list[tuple[str, str | None, bool]] = [
+            ("local pool", None, False),
+            ("ray, proxies per collect", address, False),
+            ("ray, proxies kept", address, True),
+        ]
+        print(
+            f"{args.group} samples x {args.calls} calls per episode, concurrency {args.concurrency}, {args.rounds} rounds"
+        )
+        for size in sizes:
+            tasks = tmp / f"tasks-{size}.jsonl"
+            n_tasks = max(1, size // args.group)
+            tasks.write_text(
+                "".join(json.dumps({"id": f"t{i}", "q": f"q{i}", "calls": args.calls}) + "\n" for i in range(n_tasks))
             )
-        ratio = statistics.median(rates["ray (2 nodes)"]) / statistics.median(rates["local pool"])
-        print(f"ray / local: {ratio:.2f}x (target >= 0.8x)")
+            episodes = n_tasks * args.group
+            rates: dict[str, list[float]] = {name: [] for name, _, _ in paths}
+            single: dict[str, list[float]] = {name: [] for name, _, _ in paths}
+            before = load()
+            kept: dict[str, NodeProxies] = {}
+            try:
+                for round in range(args.rounds + 1):  # round 0 warms every path up (Ray's workers, kept proxies)
+                    for name, where, keep in paths:
+                        db = tmp / f"{size}-{name.replace(' ', '-').replace(',', '')}.duckdb"
+                        proxies = kept.setdefault(name, NodeProxies(Store(db))) if keep else None
+                        wall = collect_once(db, tasks, agent, round, args, url, where, args.group, proxies)
+                        one = collect_once(db, one_task, agent, 1000 + round, args, url, where, 1, proxies)
+                        if round:
+                            rates[name].append(episodes / wall)
+                            single[name].append(one)
+            finally:
+                for proxies in kept.values():
+                    proxies.close()
+            local_rate = statistics.median(rates["local pool"])
+            print(f"\n{episodes} episodes per collect; load average before {before}, after {load()}")
+            print(
+                f"{'path':<26} {'episodes/s median':>18} {'min':>6} {'max':>6} {'/ local':>8} "
+                f"{'one-episode collect s':>22}"
+            )
+            for name, values in rates.items():
+                print(
+                    f"{name:<26} {statistics.median(values):>18.2f} {min(values):>6.2f} {max(values):>6.2f} "
+                    f"{statistics.median(values) / local_rate:>7.2f}x {statistics.median(single[name]):>22.1f}"
+                )
+        print("target: ray >= 0.8x the local pool")
 
         import ray
 

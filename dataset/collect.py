@@ -52,6 +52,7 @@ from lcap.store import Store, now
 
 if TYPE_CHECKING:
     from lcap.capture.server import Child
+    from lcap.dataset.ray_collect import NodeProxies
 
 log = logging.getLogger("lcap.dataset")
 
@@ -230,9 +231,11 @@ def collect(
     labels: Mapping[str, str] = {},
     progress: bool | None = None,
     proxy_options: ProxyOptions | None = None,
+    node_proxies: NodeProxies | None = None,
 ) -> CollectResult:
     """Run `command` group_size times per task through one capture proxy, verify, record every episode.
-    `proxy_options` sets the proxy's limits and timeouts; its upstream and model are `options`'."""
+    `proxy_options` sets the proxy's limits and timeouts; its upstream and model are `options`'. `node_proxies`
+    (with `options.ray`): node proxies that the caller keeps across its collects, in place of this collect's own."""
     if not command:
         raise LcapError("no agent command (put it after --)")
     if options.ray is not None:  # an unreachable cluster is a one-line error before anything runs
@@ -258,7 +261,7 @@ def collect(
         if options.ray is not None:
             from lcap.dataset.ray_collect import RayPool
 
-            RayPool(store, plan.rules, tasks.parent.resolve(), options, proxy_options, tally).run_all(
+            RayPool(store, plan.rules, tasks.parent.resolve(), options, proxy_options, tally, node_proxies).run_all(
                 todo, progress=show
             )
         else:

@@ -12,6 +12,8 @@ bar, resume. What runs where:
   (NodeAffinitySchedulingStrategy), started by the first episode that lands there. Agents reach it on
   the node's loopback, so their traffic never crosses nodes to be captured and TLS ends where the
   agent runs. The proxies are owned by one `_Proxies` actor that the driver owns: they end with it.
+  `NodeProxies` holds them with the hand-off below: a collect's own, or the one `lcap loop --ray` keeps
+  across its collects (the proxies then start once per node and loop, and take each deploy's record).
 * The proxy's turns go to an `Outbox` (capture/outbox.py), a spool on the node sealed with this run's
   hand-off key, and the driver's ingest thread takes them in bounded batches, reseals them with this
   home's spool key and appends them to its own `TurnWriter`: the one store writer, with its row
@@ -40,7 +42,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from lcap.capture.options import ProxyOptions
 from lcap.capture.outbox import Outbox, Position, Taken
+from lcap.capture.routes import REFRESH_S
 from lcap.capture.spool import private_dir, reseal
 from lcap.capture.writer import TurnWriter
 from lcap.config import LcapError, lcap_home
@@ -137,6 +140,18 @@ class NodeProxy:
         """None once the proxy listens; else why it could not start."""
         return self.error
 
+    def set_policy(self, policy: str) -> None:
+        """A new policy record (a deploy between two collects of a loop): written over this proxy's copy, which its
+        Router reads again when the file changes. Returns once any call routed from now on is routed by it: the
+        Router looks at the file at most `REFRESH_S` after its last look."""
+        record = self.outbox.directory.with_name(self.outbox.directory.name + ".policy.json")
+        tmp = record.with_name(record.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(policy)
+        tmp.replace(record)
+        time.sleep(REFRESH_S)
+
     def child_env(self, episode_id: str, base: Mapping[str, str]) -> dict[str, str]:
         return self.proxy.child_env(episode_id, base)
 
@@ -207,7 +222,11 @@ class _Proxies:
         self.proxies: dict[str, tuple[str, Any]] = {}  # node id -> (this proxy's key, its handle)
         self.started = 0
 
-    def get(self, node_id: str) -> Any:
+    def get(self, node_id: str, lost: str | None = None) -> Any:
+        """The node's proxy, started if it has none; `lost`: the actor id of a proxy found dead there, replaced
+        now if it is still the node's (the ingest finds it dead too, later)."""
+        if lost is not None and node_id in self.proxies and self.proxies[node_id][1]._actor_id.hex() == lost:
+            del self.proxies[node_id]
         if node_id not in self.proxies:
             self.started += 1
             handle = _NodeProxyActor.options(
@@ -223,6 +242,13 @@ class _Proxies:
         first episode then waits for the longer of the two starts, not for both in turn."""
         for node_id in node_ids:
             self.get(node_id)
+
+    def set_policy(self, policy: str) -> None:
+        """A new policy record for every proxy, those running and those started from now on."""
+        self.config = replace(self.config, policy=policy)
+        calls = [handle.set_policy.remote(policy) for _, handle in self.proxies.values()]
+        if calls:
+            ray.wait(calls, num_returns=len(calls), timeout=CALL_S)  # a proxy that is gone is the ingest's to see
 
     def known(self) -> dict[str, Any]:
         """Every proxy started and not forgotten, by key (a node's proxy started again has a new key)."""
@@ -257,17 +283,24 @@ def _episode_task(proxies: Any, spec: EpisodeSpec, rules: EpisodeRules, archive:
     node = context.get_node_id()
     where = f"{ray.util.get_node_ip_address()} ({node[:8]})"
     cached = (proxies._actor_id.hex(), node)  # this run's registry, this node
+    eid = spec.episode_id
     try:
-        proxy = _node_proxy.get(cached)
+        proxy, lost = _node_proxy.get(cached), None
+        if proxy is not None:
+            try:
+                env = ray.get(proxy.child_env.remote(eid, dict(os.environ)), timeout=CALL_S)
+            except ray.exceptions.RayActorError:  # gone since an earlier episode here (proxies a loop keeps across
+                # its collects): nothing of this episode ran yet, so it asks the registry for the node's next proxy
+                lost, proxy = proxy._actor_id.hex(), None
+                _node_proxy.pop(cached, None)
         if proxy is None:
-            proxy = ray.get(proxies.get.remote(node), timeout=CALL_S)
+            proxy = ray.get(proxies.get.remote(node, lost), timeout=CALL_S)
             error = ray.get(proxy.ready.remote(), timeout=PROXY_START_S)
             if error is not None:
                 return _Report(proxy_error=error, node=where)
             _node_proxy.clear()  # a worker serves one run at a time: older runs' proxies are gone
             _node_proxy[cached] = proxy
-        eid = spec.episode_id
-        env = ray.get(proxy.child_env.remote(eid, dict(os.environ)), timeout=CALL_S)
+            env = ray.get(proxy.child_env.remote(eid, dict(os.environ)), timeout=CALL_S)
 
         def adopt(child) -> None:
             ray.get(proxy.adopt.remote(eid, child.pid), timeout=CALL_S)
@@ -395,6 +428,125 @@ class _Ingest:
                 self.moved.notify_all()
 
 
+class NodeProxies:
+    """The node proxies of one or more collects, the registry that owns them, and the hand-off of their turns to the
+    store (the ingest thread and the one writer).
+
+    A standalone `lcap collect --ray` has its own, stopped at its end. `lcap loop --ray` keeps one for all its
+    collects (each round's and each held-out one): a node's proxy is started once, by the first collect that runs
+    an episode there, and serves the loop's later collects too, instead of a new actor process per node and
+    collect. What stays per collect is what always was per episode: its credentials in the proxy URL (the turns'
+    episode, hence their round and split) and its flush. A deploy between two collects reaches the running
+    proxies through `prepare` (the new policy record, written over each proxy's copy) before any episode of the
+    next collect starts. Options that proxies are started with (the proxy options, the concurrency bound, the
+    replicas' key) cannot change under a running proxy: a collect that asks for others stops these and starts
+    new ones. Each collect also starts proxies on nodes that joined since (and on those whose proxy was lost)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.registry: Any = None
+        self.ingest: _Ingest | None = None
+        self.writer: TurnWriter | None = None
+        self._shape: tuple[ProxyOptions, int, str | None] | None = None  # what the running proxies were started with
+        self._policy: str | None = None
+        self.starts = 0  # how many times the registry was started (a test and the benchmark read it)
+
+    def __enter__(self) -> NodeProxies:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def prepare(
+        self,
+        options: ProxyOptions,
+        *,
+        max_concurrency: int,
+        policy: str | None,
+        policy_key: str | None,
+        name: str,
+        nodes: list[str],
+    ) -> None:
+        """Ready for a collect: started (or kept, with `policy` pushed to them if it changed), and the proxies of
+        `nodes` starting."""
+        shape = (options, max_concurrency, policy_key)
+        if self.registry is not None and (shape != self._shape or (self.ingest and self.ingest.error is not None)):
+            self.close()  # started with other options, or its hand-off failed: these proxies cannot serve it
+        if self.registry is not None and policy is not None and policy != self._policy:
+            try:
+                ray.get(self.registry.set_policy.remote(policy), timeout=2 * CALL_S)
+                self._policy = policy
+            except ray.exceptions.RayError as exc:  # new proxies start with the new record
+                log.warning(
+                    "lcap: the node proxies did not take the new policy record (%s): starting new ones",
+                    _first_line(exc),
+                )
+                self.close()
+        if self.registry is None:
+            self._start(
+                NodeConfig(
+                    options,
+                    policy,
+                    os.urandom(32),
+                    f"{name}-{os.urandom(4).hex()}",
+                    max_concurrency,
+                    policy_key=policy_key,
+                )
+            )
+            self._shape, self._policy = shape, policy
+        if nodes:
+            self.registry.prestart.remote(nodes)
+
+    def _start(self, config: NodeConfig) -> None:
+        self.writer = TurnWriter(self.store)
+        self.writer.start()
+        # The registry owns the node proxies, which end with it: on this process's own node (never a worker node
+        # that may be lost mid-run, which would take every node's proxy with it), so it fails only with the driver.
+        here = ray.get_runtime_context().get_node_id()
+        self.registry = _ProxiesActor.options(
+            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False) if here else None
+        ).remote(config)
+        self.starts += 1
+        self.ingest = _Ingest(self.registry, self.writer, config.key)
+        self.ingest.start()
+
+    def close(self) -> None:
+        """Stop every node proxy (each kills the agents left on its node; the ingest takes their last turns
+        meanwhile), then the registry and the writer. Safe to call twice; Ctrl-C does not interrupt it."""
+        if self.registry is None:
+            return
+        registry, ingest, writer = self.registry, self.ingest, self.writer
+        self.registry = self.ingest = self.writer = None
+        self._shape = self._policy = None
+        with _ignoring_sigint():
+            try:
+                if ingest is not None:
+                    _stop_proxies(ingest)
+            finally:
+                if ingest is not None:
+                    ingest.stop()
+                ray.kill(registry)  # the node proxies it owns end with it
+                report = writer.finish() if writer is not None else None
+                if report is not None and report.unstored:
+                    log.warning("%s", report.summary(self.store.path))
+
+
+def _stop_proxies(ingest: _Ingest) -> None:
+    """Stop the live node proxies: the ingest takes their last turns meanwhile."""
+    proxies = ingest.live()
+    stops = [proxy.stop.remote(STOP_S) for proxy in proxies.values()]
+    if stops:
+        ready, _ = ray.wait(stops, num_returns=len(stops), timeout=STOP_S + CALL_S)
+        for ref in ready:
+            try:
+                unsent = ray.get(ref)
+            except ray.exceptions.RayError:
+                continue
+            if unsent:
+                log.warning("lcap: %d turns were left on a node proxy at its end", unsent)
+    ingest.settle(timeout=30)
+
+
 # --- on the driver: the pool ----------------------------------------------------------------------------
 
 
@@ -416,49 +568,39 @@ class RayPool:
         options: CollectOptions,
         proxy_options: ProxyOptions,
         tally: Tally,
+        node_proxies: NodeProxies | None = None,
     ) -> None:
+        """`node_proxies`: the node proxies to run on, kept by the caller across several collects (`lcap loop`);
+        None: this collect's own, stopped at its end."""
         self.store, self.rules, self.tasks_dir, self.options, self.tally = store, rules, tasks_dir, options, tally
         self.proxy_options = proxy_options
+        self.node_proxies = node_proxies
         self.need = {"CPU": options.episode_cpus, **options.resources()}
         if not options.episode_cpus:
             del self.need["CPU"]
 
     def run_all(self, specs: list[EpisodeSpec], *, progress: bool) -> None:
         nodes = self._nodes_that_fit()
-        key = os.urandom(32)
         policy, policy_key = self._policy_record()
-        config = NodeConfig(
-            self.proxy_options,
-            policy,
-            key,
-            self.tally.result.run_id + "-" + os.urandom(4).hex(),
-            max_concurrency=min(self.options.concurrency, 4096) + 16,
-            policy_key=policy_key,
-        )
-        writer = TurnWriter(self.store)
-        writer.start()
-        # The registry owns the node proxies, which end with it: on this process's own node (never a worker node
-        # that may be lost mid-run, which would take every node's proxy with it), so it fails only with the driver.
-        here = ray.get_runtime_context().get_node_id()
-        proxies: Any = _ProxiesActor.options(
-            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False) if here else None
-        ).remote(config)
-        if len(specs) >= len(nodes):  # fewer episodes than nodes: which nodes they land on is Ray's choice
-            proxies.prestart.remote(nodes)
-        ingest = _Ingest(proxies, writer, key)
-        ingest.start()
-        run = _Run(self, proxies, ingest, ray.put(self.rules), _Templates(self.tasks_dir, specs))
+        proxies = self.node_proxies or NodeProxies(self.store)
+        if proxies.store.path != self.store.path:  # their writer would store this collect's turns elsewhere
+            raise ValueError(f"node proxies of {proxies.store.path} used for a collect into {self.store.path}")
         try:
+            proxies.prepare(
+                self.proxy_options,
+                max_concurrency=min(self.options.concurrency, 4096) + 16,
+                policy=policy,
+                policy_key=policy_key,
+                name=self.tally.result.run_id,
+                # fewer episodes than nodes: which nodes they land on is Ray's choice
+                nodes=nodes if len(specs) >= len(nodes) else [],
+            )
+            assert proxies.registry is not None and proxies.ingest is not None
+            run = _Run(self, proxies.registry, proxies.ingest, ray.put(self.rules), _Templates(self.tasks_dir, specs))
             run.schedule(specs, progress)
         finally:
-            try:
-                run.end()
-            finally:
-                ingest.stop()
-                ray.kill(proxies)  # its node proxies end with it
-                report = writer.finish()
-                if report is not None and report.unstored:
-                    log.warning("%s", report.summary(self.store.path))
+            if proxies is not self.node_proxies:
+                proxies.close()
 
     def _nodes_that_fit(self) -> list[str]:
         """The ids of the live nodes that can run an episode. A cluster where none can would queue the episodes
@@ -650,22 +792,6 @@ class _Run:
             for attempt in self.inflight.values():
                 self._finish(attempt.spec, EpisodeOutcome("interrupted", None, "collect was interrupted"), ended)
             self.inflight.clear()
-
-    def end(self) -> None:
-        """Stop the node proxies: the ingest takes their last turns meanwhile."""
-        with _ignoring_sigint():
-            proxies = self.ingest.live()
-            stops = [proxy.stop.remote(STOP_S) for proxy in proxies.values()]
-            if stops:
-                ready, _ = ray.wait(stops, num_returns=len(stops), timeout=STOP_S + CALL_S)
-                for ref in ready:
-                    try:
-                        unsent = ray.get(ref)
-                    except ray.exceptions.RayError:
-                        continue
-                    if unsent:
-                        log.warning("lcap: %d turns were left on a node proxy at its end", unsent)
-            self.ingest.settle(timeout=30)
 
 
 class _ignoring_sigint:

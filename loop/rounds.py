@@ -128,9 +128,7 @@ def run_loop(
     store, config: LoopConfig, *, echo: Callable[[str], None] = print, stop_after: tuple[int, str] | None = None
 ) -> list[RoundSummary]:
     """Run (or resume) the loop; `stop_after=(round, step)` ends it there (tests use it to stage a kill)."""
-    from lcap.dataset.build import build_dataset
     from lcap.policy import read_policy
-    from lcap.serve.deploy import deploy
     from lcap.train.grpo import resolve_base_model
 
     run = Path(config.run)
@@ -158,9 +156,29 @@ def run_loop(
             raise _Stop()
         return info
 
-    def collect_step(round: int, split: str, tasks: Path, group_size: int) -> dict:
-        return collect_split(store, config, round, split, tasks, group_size)
+    if config.train.ray is None:
+        return _rounds(store, config, step, echo, None)
+    from lcap.dataset.ray_collect import NodeProxies
 
+    with NodeProxies(store) as node_proxies:  # started by the first collect, serving every collect of the loop
+        return _rounds(store, config, step, echo, node_proxies)
+
+
+def _rounds(
+    store,
+    config: LoopConfig,
+    step: Callable[[int, str, Callable[[], dict]], dict],
+    echo: Callable[[str], None],
+    node_proxies: Any,
+) -> list[RoundSummary]:
+    """The synchronous loop's rounds; `node_proxies`: with --ray, the Ray node proxies of all its collects."""
+    from lcap.dataset.build import build_dataset
+    from lcap.serve.deploy import deploy
+
+    def collect_step(round: int, split: str, tasks: Path, group_size: int) -> dict:
+        return collect_split(store, config, round, split, tasks, group_size, node_proxies)
+
+    run = Path(config.run)
     eval_tasks = config.eval_tasks
     summaries: list[RoundSummary] = []
     try:
@@ -232,8 +250,11 @@ def run_step(store, state: LoopState, run: Path, round: int, name: str, body: Ca
     return info
 
 
-def collect_split(store, config: LoopConfig, round: int, split: str, tasks: Path, group_size: int) -> dict:
-    """One collect of the loop (`lcap collect` against the policy): a round's training episodes, or held-out ones."""
+def collect_split(
+    store, config: LoopConfig, round: int, split: str, tasks: Path, group_size: int, node_proxies: Any = None
+) -> dict:
+    """One collect of the loop (`lcap collect` against the policy): a round's training episodes, or held-out ones.
+    `node_proxies`: with --ray, the node proxies the loop keeps across its collects (dataset/ray_collect.py)."""
     from lcap.dataset.collect import collect
 
     options = replace(
@@ -245,7 +266,14 @@ def collect_split(store, config: LoopConfig, round: int, split: str, tasks: Path
         run_dir=Path(config.run) / "episodes",
         ray=config.train.ray,  # one --ray: the loop collects and trains on the same cluster
     )
-    result = collect(store, tasks=tasks, command=config.command, options=options, proxy_options=config.proxy)
+    result = collect(
+        store,
+        tasks=tasks,
+        command=config.command,
+        options=options,
+        proxy_options=config.proxy,
+        node_proxies=node_proxies,
+    )
     mean, n = split_reward(store, result.run_id, round, split)
     return {
         "mean_reward": mean,

@@ -88,8 +88,13 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=STOP_TIMEOUT_S)
 
 
+# Ray's memory monitor kills the cluster's newest workers once the machine's memory is 95% used, whoever uses it:
+# on a machine shared with other runs' vLLM servers that is a test's episode runner or its node proxies' registry.
+NO_OOM_KILLER = {"RAY_memory_monitor_refresh_ms": "0"}
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory) -> Iterator[str]:
     """A 2-CPU Ray cluster shared by the session's tests; its address."""
-    with ray_head(tmp_path_factory.mktemp("ray") / "head.log", num_cpus=2) as address:
+    with ray_head(tmp_path_factory.mktemp("ray") / "head.log", num_cpus=2, env=NO_OOM_KILLER) as address:
         yield address

@@ -373,3 +373,180 @@ def test_a_node_proxy_that_cannot_start_says_why_in_one_line(tmp_path, monkeypat
     node = NodeProxy(NodeConfig(ProxyOptions(upstream="http://127.0.0.1:9"), None, os.urandom(32), "t", 8))
     assert node.ready() == "RuntimeError: no room for listeners"
     assert node.stop(1.0) == 0
+
+
+def _policy_replica(tmp_path: Path, monkeypatch, deployments: list[str]) -> FakeLLM:
+    """A policy record naming one replica (a fake vLLM that serves `deployments`), as `lcap serve` writes it."""
+    from lcap.policy import PolicyServer, Replica, write_policy
+
+    replica = FakeLLM(vllm=True)
+    replica.models = deployments
+    replica.thread.start()
+    monkeypatch.setenv("LCAP_POLICY_RECORD", str(tmp_path / "policy.json"))
+    write_policy(
+        PolicyServer(
+            url=replica.url,
+            pid=None,
+            base_model="tiny",
+            served_model=deployments[0],
+            current=deployments[0],
+            log_path="",
+            python="",
+            started_at="2026-01-01T00:00:00+00:00",
+            replicas=[Replica(name="r0", url=replica.url)],
+        )
+    )
+    return replica
+
+
+def test_a_loops_collects_share_the_node_proxies_and_each_sees_the_last_deploy(cluster, project, tmp_path, monkeypatch):
+    """The node proxies of `lcap loop --ray`: started once per node for all the loop's collects, each collect's
+    turns attributed to its own episodes and round, a deploy between two collects reaching the running proxies
+    (round 2 is served by round 1's deployment), and every proxy actor gone once the loop ends."""
+    import ray
+
+    from lcap.dataset.collect import collect
+    from lcap.dataset.options import CollectOptions
+    from lcap.dataset.ray_collect import NodeProxies
+    from lcap.policy import read_policy, write_policy
+    from lcap.ray_cluster import connect
+
+    address, _, _ = cluster
+    replica = _policy_replica(tmp_path, monkeypatch, ["tiny", "tiny-r1"])
+    _tasks(project, n=2, calls=2)
+    store = Store(project / "lcap.duckdb")
+    command = [sys.executable, str(project / "agent.py")]
+    if ray.is_initialized():
+        ray.shutdown()
+    connect(address)
+    try:
+        with NodeProxies(store) as proxies:
+            known = []
+            for n in (1, 2):
+                options = CollectOptions(group_size=2, concurrency=2, round=n, verifier="judge.py:judge", ray=address)
+                result = collect(
+                    store,
+                    tasks=project / "tasks.jsonl",
+                    command=command,
+                    options=options,
+                    progress=False,
+                    node_proxies=proxies,
+                )
+                assert (result.finished, result.failed) == (4, 0)
+                known.append(ray.get(proxies.registry.known.remote(), timeout=60))
+                if n == 1:  # what `lcap deploy` does once the replica loaded round 1's adapter
+                    record = read_policy()
+                    record.current = "tiny-r1"
+                    write_policy(record)
+            assert proxies.starts == 1 and len(known[0]) == 2 and known[1].keys() == known[0].keys()
+        for handle in known[0].values():  # the loop's end stopped them
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(handle.ready.remote(), timeout=60)
+    finally:
+        ray.shutdown()
+        replica.shutdown()
+
+    # Two nodes, two proxies (a proxy per node and collect would listen on new ports in round 2).
+    assert len({s["proxy"] for s in _starts(project)}) <= 2 and len(_starts(project)) == 8
+    served = store.fetchall(
+        "SELECT e.round, list(DISTINCT t.deployment), count(*), count(DISTINCT t.turn_id), count(DISTINCT episode_id) "
+        "FROM turns t JOIN episodes e USING (episode_id) GROUP BY e.round ORDER BY e.round"
+    )
+    assert served == [(1, ["tiny"], 8, 8, 4), (2, ["tiny-r1"], 8, 8, 4)]
+    asked = [c["body"]["model"] for c in replica.calls("/chat/completions")]
+    assert asked == ["tiny"] * 8 + ["tiny-r1"] * 8
+
+
+def _node_proxies_running(node_home: str) -> list[int]:
+    """The pids of this cluster's node proxy actors (Ray titles an actor's process `ray::CLASS`)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            title = (proc / "cmdline").read_bytes()
+            if (
+                title.startswith(b"ray::NodeProxy")
+                and f"LCAP_HOME={node_home}".encode() in (proc / "environ").read_bytes()
+            ):
+                pids.append(int(proc.name))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def test_ctrl_c_on_a_ray_loop_leaves_no_node_proxy_nor_agent(cluster, project, tmp_path, monkeypatch):
+    address, env, _ = cluster
+    replica = _policy_replica(tmp_path, monkeypatch, ["tiny"])
+    hang = _hanging(project, 2)
+    argv = [LCAP, "loop", "--db", str(project / "lcap.duckdb"), "--run", str(project / "run"), "--rounds", "2"]
+    argv += ["--tasks", str(project / "tasks.jsonl"), "-g", "1", "--ray", address, "--"]
+    argv += [sys.executable, str(project / "agent.py")]
+    try:
+        run = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while not hang.exists() or len(hang.read_text().splitlines()) < 2:
+            assert time.monotonic() < deadline and run.poll() is None, run.stderr.read() if run.stderr else ""
+            time.sleep(0.3)
+        running = _node_proxies_running(env["LCAP_HOME"])
+        assert running
+        run.send_signal(signal.SIGINT)
+        _, err = run.communicate(timeout=120)
+    finally:
+        replica.shutdown()
+    assert run.returncode == 130, err
+    pids = [int(p) for line in hang.read_text().splitlines() for p in line.split()]
+    assert all(_dead(p) for p in pids + running)
+    assert not _node_proxies_running(env["LCAP_HOME"])
+    rows = Store(project / "lcap.duckdb").fetchall("SELECT status FROM episodes WHERE round = 1")
+    assert [r[0] for r in rows] == ["interrupted", "interrupted"]
+
+
+def test_kept_node_proxies_replace_a_lost_one_and_start_on_a_node_that_joins(cluster, upstream, project, caplog):
+    """Between two collects of one `NodeProxies` (a loop's), one node's proxy dies and a node joins: the next collect
+    runs on a new proxy on the first node (its workers' cached handle of the dead one costs no episode a rerun) and
+    starts one on the new node, keeps the other one, and stores every episode's turns once."""
+    import ray
+
+    from lcap.dataset.collect import collect
+    from lcap.dataset.options import CollectOptions
+    from lcap.dataset.ray_collect import NodeProxies
+    from lcap.ray_cluster import connect
+
+    address, env, tmp = cluster
+    _tasks(project, n=2, calls=2)
+    store = Store(project / "lcap.duckdb")
+    command = [sys.executable, str(project / "agent.py")]
+    if ray.is_initialized():
+        ray.shutdown()
+    connect(address)
+
+    def run(proxies: NodeProxies, n: int) -> dict:
+        options = CollectOptions(group_size=2, concurrency=3, round=n, upstream=upstream.url, model="m", ray=address)
+        result = collect(
+            store, tasks=project / "tasks.jsonl", command=command, options=options, progress=False, node_proxies=proxies
+        )
+        assert (result.finished, result.failed) == (4, 0)
+        return ray.get(proxies.registry.known.remote(), timeout=60)
+
+    try:
+        with NodeProxies(store) as proxies:
+            first = run(proxies, 1)
+            gone_key, gone = next(iter(first.items()))
+            ray.kill(gone, no_restart=True)
+            deadline = time.monotonic() + 60
+            while gone_key in ray.get(proxies.registry.known.remote(), timeout=60):  # the ingest saw it die
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            with ray_worker(address, tmp / f"joins-{free_port()}.log", num_cpus=1, env=env):
+                second = run(proxies, 2)
+                assert proxies.starts == 1
+                proxies.close()  # before the node that joined leaves
+    finally:
+        ray.shutdown()
+    assert len(first) == 2 and gone_key not in second and len(second) == 3
+    kept = set(first) - {gone_key}
+    assert kept <= set(second)
+    nodes = {key.split("#")[0] for key in second}
+    assert len(nodes) == 3 and gone_key.split("#")[0] in nodes  # a new proxy on the node whose proxy died
+    turns = store.fetchall("SELECT episode_id, count(*), count(DISTINCT turn_id) FROM turns GROUP BY episode_id")
+    assert sorted(t[1:] for t in turns) == [(2, 2)] * 8
+    assert "running it again" not in caplog.text  # no episode was lost with the dead proxy

@@ -101,11 +101,15 @@ def test_a_workers_bad_input_is_one_line(ray_cluster, tiny_train_model, captured
     """A worker's LcapError comes back as the one-line error it is, not as Ray's report of a failed run."""
     rows = pq.read_table(captured_samples).to_pylist()
     lonely = write_samples(tmp_path / "data" / "samples.parquet", [r for r in rows if r["sample_id"].endswith("-0")])
+    # build-dataset's report beside the samples: its causes reach the workers with the samples, not by path
+    report = {"round": 1, "split": "train", "episodes": {"total": 4, "ok": 2, "failed": 2}}
+    (tmp_path / "data" / "report.json").write_text(json.dumps(report))
     result = train_cli(tiny_train_model, lonely, tmp_path, "--ray", ray_cluster, "--num-workers", "2")
     assert result.returncode == 2
     ours = [line for line in result.stderr.splitlines() if line.startswith("lcap: ")]  # the rest: Ray's worker logs
     assert len(ours) == 1 and "round 1: no group with two or more usable samples" in ours[0], ours
     assert "2 samples are alone in their groups" in ours[0] and "--group-size" in ours[0]
+    assert "2 failed (agent exit code not 0)" in ours[0] and "no report.json" not in ours[0]
     assert f" in {lonely.resolve()} (" in ours[0] and "lcap-train-worker" not in ours[0]  # the user's file, not a copy
     assert not (tmp_path / "lcap.duckdb").exists()
 

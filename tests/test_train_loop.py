@@ -160,6 +160,37 @@ def test_loop_two_rounds_killed_and_resumed(vllm_policy, tmp_path):
     assert "3:build" in steps and "3:train" not in steps
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_ray_loop_collects_each_round_with_the_last_deployment(vllm_policy, ray_cluster, tmp_path):
+    """`lcap loop --ray`: its collects (held-out and training, every round) run on the cluster through node proxies
+    the loop keeps for all of them, and each deploy reaches those proxies before the next collect."""
+    db = tmp_path / "lcap.duckdb"
+    command = loop_command(tmp_path, db)
+    # An agent on a Ray node gets its node's environment, where the cluster has no OPENAI_API_KEY.
+    (tmp_path / "agent.py").write_text(AGENT.replace("OpenAI()", 'OpenAI(api_key="sk-test")'))
+    end = command.index("--")
+    command[end:end] = ["--ray", ray_cluster]
+    env = dict(os.environ, OPENAI_API_KEY="sk-test")
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps = json.loads((tmp_path / "run" / "state.json").read_text())["steps"]
+    first, second = steps["1:deploy"]["name"], steps["2:deploy"]["name"]
+    served = Store(db).fetchall(
+        "SELECT e.round, e.split, list(DISTINCT t.deployment), count(DISTINCT e.episode_id) "
+        "FROM turns t JOIN episodes e USING (episode_id) GROUP BY ALL ORDER BY ALL"
+    )
+    base = served[0][2]
+    assert base != [first] and first != second
+    assert served == [
+        (0, "eval", base, 2),
+        (1, "eval", [first], 2),
+        (1, "train", base, 9),
+        (2, "eval", [second], 2),
+        (2, "train", [first], 9),  # round 2 was collected with round 1's deployment, on the kept proxies
+    ]
+
+
 def test_loop_state_refuses_another_loop(tmp_path):
     config = LoopConfig(
         run=tmp_path, rounds=2, tasks=tmp_path / "t.jsonl", command=["agent"], collect=CollectOptions(group_size=4)

@@ -25,6 +25,7 @@ from lcap.train.options import TrainOptions
 
 # What rank 0 may send back (the adapter and TRL's logs): a LoRA adapter is a small part of its model.
 MAX_RETURN_BYTES = 4 << 30
+MAX_REPORT_BYTES = 1 << 20  # build-dataset's report.json shipped with the samples (a few KiB)
 
 
 def fit_on_ray(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> FittedRound:
@@ -46,6 +47,7 @@ def fit_on_ray(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Fit
         base_model = str(Path(base_model).resolve())  # a worker's working directory is not this one
     config = {
         "samples": ray.put(Path(inputs.samples).read_bytes()),
+        "report": _report(Path(inputs.samples)),
         "init_from": ray.put(_pack(inputs.init_from)) if inputs.init_from else None,
         "init_name": inputs.init_from.name if inputs.init_from else None,
         "base_model": base_model,
@@ -110,6 +112,8 @@ def _train_worker(config: dict[str, Any]) -> dict[str, Any] | None:
         samples = scratch / "data" / "samples.parquet"
         samples.parent.mkdir()
         samples.write_bytes(ray.get(config["samples"]))
+        if config.get("report") is not None:  # where a round with nothing to train on finds why (grpo.py)
+            (samples.parent / "report.json").write_bytes(config["report"])
         init_from = None
         if config["init_from"] is not None:
             init_from = scratch / "init" / config["init_name"]
@@ -142,6 +146,18 @@ def _train_worker(config: dict[str, Any]) -> dict[str, Any] | None:
         }
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _report(samples: Path) -> bytes | None:
+    """build-dataset's report beside the samples, shipped with them: a worker on another host cannot read the
+    driver's file, and without it a round with nothing to train on could not say why."""
+    path = samples.parent / "report.json"
+    try:
+        if path.stat().st_size > MAX_REPORT_BYTES:
+            return None
+        return path.read_bytes()
+    except OSError:
+        return None
 
 
 def _pack(folder: Path) -> dict[str, bytes]:
