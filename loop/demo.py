@@ -26,15 +26,18 @@ import shlex
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from lcap.cli_options import option
 from lcap.config import LcapError
 from lcap.display import num, small
 from lcap.loop.options import LoopOptions
 from lcap.serve.options import TinyModelOptions
+
+if TYPE_CHECKING:
+    from lcap.loop.demo_warm import Corpus
 
 # The policy's size: small enough to warm-start and train on two CPU cores in seconds, large enough to learn the task.
 MODEL = TinyModelOptions(hidden_size=128, num_layers=2, num_heads=2)
@@ -70,7 +73,10 @@ class DemoSettings:
     n_eval: int = 64  # held-out tasks, in no training round: one episode moves the mean by 1/64
     eval_group_size: int = 1
     concurrency: int = 4
-    warm_steps: int = 600
+    warm_steps: int = 600  # the warm start's supervised steps...
+    warm_batch_size: int = 64  # ...of this many examples...
+    warm_examples: int = 4000  # ...drawn from a corpus this large...
+    warm_lr: float = 3e-3  # ...at this peak learning rate (one cycle)
     warm_p_correct: float = 0.5  # the warm start answers the number word this often (chance: 1/3)...
     warm_p_format: float = 0.5  # ...and in the verifier's format this often
     warm_answer_weight: float = 5.0  # the answer word's weight in the warm start's loss: copying is learnt fast
@@ -84,17 +90,37 @@ class DemoSettings:
 
 @dataclass(frozen=True)
 class DemoTask:
-    """What one demo task brings: the agent's command template, its train and held-out tasks, the warm start that
-    makes its base model, and its own defaults for `DemoSettings`. The verifier (scripts/demo/verify.py) is shared."""
+    """What one demo task brings: the agent's command template, its train and held-out tasks (from the bundled word
+    list), the corpus its warm start learns from (lcap.loop.demo_warm: one trainer for every task), and its own
+    defaults for `DemoSettings`. The verifier (scripts/demo/verify.py) is shared."""
 
     name: str
     command: Callable[[], list[str]]
-    make_tasks: Callable[[DemoSettings], tuple[list[dict], list[dict]]]
-    warm_start: Callable[[Path, DemoSettings], dict]
+    make_tasks: Callable[..., tuple[list[dict], list[dict]]]  # (words, *, n_train, n_eval, seed)
+    corpus: Callable[[list[str], DemoSettings], Corpus]
     defaults: dict[str, Any] = field(default_factory=dict)
 
     def settings(self, seed: int = 0) -> DemoSettings:
         return replace(DemoSettings(seed=seed), **self.defaults)
+
+    def tasks(self, settings: DemoSettings) -> tuple[list[dict], list[dict]]:
+        """The training tasks (taken `tasks_per_round` a round) and the held-out ones."""
+        return self.make_tasks(words(), n_train=settings.n_train, n_eval=settings.n_eval, seed=settings.seed)
+
+    def warm_start(self, model_dir: Path, settings: DemoSettings) -> dict:
+        """Make the model in `model_dir` this task's base model, in place; returns the warm start's report."""
+        from lcap.loop.demo_warm import warm_start
+
+        report = warm_start(
+            model_dir,
+            self.corpus(words(), settings),
+            examples=settings.warm_examples,
+            steps=settings.warm_steps,
+            batch_size=settings.warm_batch_size,
+            lr=settings.warm_lr,
+            seed=settings.seed,
+        )
+        return {"task": self.name, **report, **{k: v for k, v in asdict(settings).items() if k.startswith("warm_")}}
 
 
 def demo_task(name: str) -> DemoTask:
@@ -104,6 +130,11 @@ def demo_task(name: str) -> DemoTask:
     if name not in tasks:
         raise LcapError(f"no demo task {name!r}: choose one of {', '.join(DEMO_TASKS)}")
     return tasks[name]
+
+
+def words() -> list[str]:
+    """The bundled word list: 13 number words and the others, each one token after a space."""
+    return (demo_dir() / "words.txt").read_text().split()
 
 
 def demo_dir() -> Path:
@@ -165,7 +196,7 @@ def run_demo(
         echo(f"[demo] warm start done in {time.perf_counter() - warm_t0:.0f} s (final loss {report['loss']:.3f})")
     timings["model"] = time.perf_counter() - t0
 
-    train_tasks, held_out = kind.make_tasks(settings)
+    train_tasks, held_out = kind.tasks(settings)
     tasks = write_jsonl(out / "tasks.jsonl", train_tasks)
     eval_tasks = write_jsonl(out / "heldout.jsonl", held_out)
 
