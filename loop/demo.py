@@ -81,6 +81,9 @@ class DemoSettings:
     warm_p_format: float = 0.7  # ...and in the verifier's format this often
     warm_answer_weight: float = 5.0  # the answer word's weight in the warm start's loss: copying is learnt fast
     warm_p_lookup: float = 0.8  # tools: the warm start looks up what the tool knows this often (else another word)
+    warm_up_steps: int = (
+        0  # tools: steps on the number task's corpus first (the copy and the format, on short examples)
+    )
     lr: float = 3e-3
     epochs: int = 4  # PPO-style passes over a round's samples, clipped against the round's starting policy
     epsilon_high: float = 0.5  # PPO's clip above 1 (DAPO's clip-higher): right answers gain faster
@@ -99,6 +102,7 @@ class DemoTask:
     make_tasks: Callable[..., tuple[list[dict], list[dict]]]  # (words, *, n_train, n_eval, seed)
     corpus: Callable[[list[str], DemoSettings], Corpus]
     defaults: dict[str, Any] = field(default_factory=dict)
+    warm_up: Callable[[list[str], DemoSettings], Corpus] | None = None  # a corpus learnt first (`warm_up_steps`)
 
     def settings(self, seed: int = 0) -> DemoSettings:
         return replace(DemoSettings(seed=seed), **self.defaults)
@@ -108,19 +112,25 @@ class DemoTask:
         return self.make_tasks(words(), n_train=settings.n_train, n_eval=settings.n_eval, seed=settings.seed)
 
     def warm_start(self, model_dir: Path, settings: DemoSettings) -> dict:
-        """Make the model in `model_dir` this task's base model, in place; returns the warm start's report."""
+        """Make the model in `model_dir` this task's base model, in place; returns the warm start's report. With
+        `warm_up`, its corpus is learnt first for `warm_up_steps` steps, then the task's own."""
         from lcap.loop.demo_warm import warm_start
 
-        report = warm_start(
-            model_dir,
-            self.corpus(words(), settings),
-            examples=settings.warm_examples,
-            steps=settings.warm_steps,
-            batch_size=settings.warm_batch_size,
-            lr=settings.warm_lr,
-            seed=settings.seed,
-        )
-        return {"task": self.name, **report, **{k: v for k, v in asdict(settings).items() if k.startswith("warm_")}}
+        phases = [(self.warm_up, settings.warm_up_steps)] if self.warm_up and settings.warm_up_steps else []
+        reports = [
+            warm_start(
+                model_dir,
+                corpus(words(), settings),
+                examples=settings.warm_examples,
+                steps=steps,
+                batch_size=settings.warm_batch_size,
+                lr=settings.warm_lr,
+                seed=settings.seed + n,
+            )
+            for n, (corpus, steps) in enumerate([*phases, (self.corpus, settings.warm_steps)])
+        ]
+        warm = {k: v for k, v in asdict(settings).items() if k.startswith("warm_")}
+        return {"task": self.name, **reports[-1], "phases": reports, **warm}
 
 
 def demo_task(name: str) -> DemoTask:

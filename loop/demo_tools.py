@@ -36,6 +36,7 @@ from types import ModuleType
 from lcap.config import LcapError
 from lcap.loop.demo import DemoSettings, DemoTask
 from lcap.loop.demo_task import FORMATS, make_tasks, make_triple
+from lcap.loop.demo_task import demo_corpus as number_corpus
 from lcap.loop.demo_warm import Corpus, Example
 
 QUESTION = "Which word is a number?"  # names none of the words, nor the key the tool knows
@@ -164,5 +165,6 @@ TASK = DemoTask(
     agent_command,
     functools.partial(make_tasks, form=tool_task),
     demo_corpus,
-    defaults={"warm_steps": 300, "warm_batch_size": 32, "warm_examples": 2000},
+    defaults={"warm_up_steps": 300, "warm_steps": 200, "warm_batch_size": 32, "warm_examples": 2000},
+    warm_up=number_corpus,
 )
