@@ -197,7 +197,8 @@ def run_demo(
     marker.write_text(json.dumps({"task": kind.name}))
     model = out / "model"
     if not (model / "warm_start.json").exists():
-        echo(f"[demo] making the tiny model in {model} and warm-starting it ({settings.warm_steps} supervised steps)")
+        steps = settings.warm_steps + (settings.warm_up_steps if kind.warm_up else 0)
+        echo(f"[demo] making the tiny model in {model} and warm-starting it ({steps} supervised steps)")
         warm_t0 = time.perf_counter()
         shutil.rmtree(model, ignore_errors=True)
         init_model(model, replace(MODEL, seed=settings.seed))

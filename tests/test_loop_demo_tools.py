@@ -81,6 +81,7 @@ def test_one_round_of_the_tools_demo_stitches_and_merges(tmp_path, monkeypatch):
         tasks_per_round=3,
         group_size=2,
         n_eval=2,
+        warm_up_steps=60,
         warm_steps=60,
         concurrency=2,
         batch_size=4,
