@@ -81,9 +81,7 @@ class DemoSettings:
     warm_p_format: float = 0.7  # ...and in the verifier's format this often
     warm_answer_weight: float = 5.0  # the answer word's weight in the warm start's loss: copying is learnt fast
     warm_p_lookup: float = 0.8  # tools: the warm start looks up what the tool knows this often (else another word)
-    warm_up_steps: int = (
-        0  # tools: steps on the number task's corpus first (the copy and the format, on short examples)
-    )
+    warm_up_steps: int = 0  # tools: first this many steps on the number task's corpus (short: copy and format)
     lr: float = 3e-3
     epochs: int = 4  # PPO-style passes over a round's samples, clipped against the round's starting policy
     epsilon_high: float = 0.5  # PPO's clip above 1 (DAPO's clip-higher): right answers gain faster
