@@ -80,10 +80,10 @@ def test_one_round_of_the_tools_demo_stitches_and_merges(tmp_path, monkeypatch):
         demo_task("tools").settings(),
         n_train=3,
         tasks_per_round=3,
-        group_size=2,
+        group_size=4,  # groups whose rewards differ: else the round has nothing to train on
         n_eval=2,
-        warm_up_steps=60,
-        warm_steps=60,
+        warm_up_steps=300,  # the format and the copy, on short questions (seconds)
+        warm_steps=100,
         concurrency=2,
         batch_size=4,
         epochs=1,
@@ -92,7 +92,7 @@ def test_one_round_of_the_tools_demo_stitches_and_merges(tmp_path, monkeypatch):
     results = run_demo(tmp_path / "demo", rounds=1, task="tools", settings=settings, echo=lines.append)
     assert [r["round"] for r in results["rounds"]] == [0, 1]
     (trained,) = calls_by_round(Store(tmp_path / "demo" / "lcap.duckdb"))
-    assert trained["episodes"] == 6 and trained["calls"] == 3
+    assert trained["episodes"] == 12 and trained["calls"] == 3
     assert trained["stitched"] > 0, lines
     assert trained["samples"] < 2 and trained["env_tokens"] > 10
     with Store(tmp_path / "demo" / "lcap.duckdb").connect(read_only=True) as con:
