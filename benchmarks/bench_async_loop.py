@@ -51,8 +51,8 @@ def main() -> None:
     from transformers.utils.logging import disable_progress_bar
 
     from lcap.dataset.options import BuildOptions, CollectOptions
-    from lcap.loop.demo import MODEL, DemoSettings
-    from lcap.loop.demo_task import make_tasks, read_words, warm_start, write_jsonl
+    from lcap.loop.demo import MODEL, DemoSettings, demo_dir, demo_task
+    from lcap.loop.demo_task import write_jsonl
     from lcap.loop.options import LoopOptions
     from lcap.loop.rounds import LoopConfig, run_loop
     from lcap.policy import read_policy, write_policy
@@ -74,26 +74,17 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     Path(os.environ["LCAP_HOME"]).mkdir(parents=True, exist_ok=True)
     settings = DemoSettings(seed=args.seed, tasks_per_round=args.tasks_per_round, group_size=args.group_size)
-    demo = ROOT / "scripts" / "demo"
-    words = read_words(demo / "words.txt")
+    number = demo_task("number")
 
     model = out / "model"
     if not (model / "warm_start.json").exists():
         print(f"making and warm-starting the demo's tiny model in {model}", flush=True)
         shutil.rmtree(model, ignore_errors=True)
         init_model(model, replace(MODEL, seed=args.seed))
-        report = warm_start(
-            model,
-            words,
-            p_correct=settings.warm_p_correct,
-            p_format=settings.warm_p_format,
-            answer_weight=settings.warm_answer_weight,
-            steps=settings.warm_steps,
-            seed=args.seed,
-        )
+        report = number.warm_start(model, settings)
         (model / "warm_start.json").write_text(json.dumps(report))
-    train_tasks, held_out = make_tasks(
-        words, n_train=args.tasks_per_round * args.rounds, n_eval=args.eval, seed=args.seed
+    train_tasks, held_out = number.tasks(
+        replace(settings, n_train=args.tasks_per_round * args.rounds, n_eval=args.eval)
     )
     tasks = write_jsonl(out / "tasks.jsonl", train_tasks)
     eval_tasks = write_jsonl(out / "heldout.jsonl", held_out)
@@ -128,7 +119,7 @@ def main() -> None:
                     group_size=args.group_size,
                     concurrency=args.concurrency,
                     timeout=args.cap + 120,
-                    verifier=f"{demo / 'verify.py'}:verify",
+                    verifier=f"{demo_dir() / 'verify.py'}:verify",
                 ),
                 build=BuildOptions(truncated="keep"),
                 train=TrainOptions(

@@ -26,15 +26,18 @@ import shlex
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from lcap.cli_options import option
 from lcap.config import LcapError
 from lcap.display import num, small
 from lcap.loop.options import LoopOptions
 from lcap.serve.options import TinyModelOptions
+
+if TYPE_CHECKING:
+    from lcap.loop.demo_warm import Corpus
 
 # The policy's size: small enough to warm-start and train on two CPU cores in seconds, large enough to learn the task.
 MODEL = TinyModelOptions(hidden_size=128, num_layers=2, num_heads=2)
@@ -70,11 +73,15 @@ class DemoSettings:
     n_eval: int = 64  # held-out tasks, in no training round: one episode moves the mean by 1/64
     eval_group_size: int = 1
     concurrency: int = 4
-    warm_steps: int = 600
-    warm_p_correct: float = 0.5  # the warm start answers the number word this often (chance: 1/3)...
-    warm_p_format: float = 0.5  # ...and in the verifier's format this often
+    warm_steps: int = 600  # the warm start's supervised steps...
+    warm_batch_size: int = 64  # ...of this many examples...
+    warm_examples: int = 4000  # ...drawn from a corpus this large...
+    warm_lr: float = 3e-3  # ...at this peak learning rate (one cycle)
+    warm_p_correct: float = 0.6  # the warm start answers the number word this often (chance: 1/3)...
+    warm_p_format: float = 0.7  # ...and in the verifier's format this often
     warm_answer_weight: float = 5.0  # the answer word's weight in the warm start's loss: copying is learnt fast
     warm_p_lookup: float = 0.8  # tools: the warm start looks up what the tool knows this often (else another word)
+    warm_up_steps: int = 0  # tools: first this many steps on the number task's corpus (short: copy and format)
     lr: float = 3e-3
     epochs: int = 4  # PPO-style passes over a round's samples, clipped against the round's starting policy
     epsilon_high: float = 0.5  # PPO's clip above 1 (DAPO's clip-higher): right answers gain faster
@@ -84,17 +91,44 @@ class DemoSettings:
 
 @dataclass(frozen=True)
 class DemoTask:
-    """What one demo task brings: the agent's command template, its train and held-out tasks, the warm start that
-    makes its base model, and its own defaults for `DemoSettings`. The verifier (scripts/demo/verify.py) is shared."""
+    """What one demo task brings: the agent's command template, its train and held-out tasks (from the bundled word
+    list), the corpus its warm start learns from (lcap.loop.demo_warm: one trainer for every task), and its own
+    defaults for `DemoSettings`. The verifier (scripts/demo/verify.py) is shared."""
 
     name: str
     command: Callable[[], list[str]]
-    make_tasks: Callable[[DemoSettings], tuple[list[dict], list[dict]]]
-    warm_start: Callable[[Path, DemoSettings], dict]
+    make_tasks: Callable[..., tuple[list[dict], list[dict]]]  # (words, *, n_train, n_eval, seed)
+    corpus: Callable[[list[str], DemoSettings], Corpus]
     defaults: dict[str, Any] = field(default_factory=dict)
+    warm_up: Callable[[list[str], DemoSettings], Corpus] | None = None  # a corpus learnt first (`warm_up_steps`)
 
     def settings(self, seed: int = 0) -> DemoSettings:
         return replace(DemoSettings(seed=seed), **self.defaults)
+
+    def tasks(self, settings: DemoSettings) -> tuple[list[dict], list[dict]]:
+        """The training tasks (taken `tasks_per_round` a round) and the held-out ones."""
+        return self.make_tasks(words(), n_train=settings.n_train, n_eval=settings.n_eval, seed=settings.seed)
+
+    def warm_start(self, model_dir: Path, settings: DemoSettings) -> dict:
+        """Make the model in `model_dir` this task's base model, in place; returns the warm start's report. With
+        `warm_up`, its corpus is learnt first for `warm_up_steps` steps, then the task's own."""
+        from lcap.loop.demo_warm import warm_start
+
+        phases = [(self.warm_up, settings.warm_up_steps)] if self.warm_up and settings.warm_up_steps else []
+        reports = [
+            warm_start(
+                model_dir,
+                corpus(words(), settings),
+                examples=settings.warm_examples,
+                steps=steps,
+                batch_size=settings.warm_batch_size,
+                lr=settings.warm_lr,
+                seed=settings.seed + n,
+            )
+            for n, (corpus, steps) in enumerate([*phases, (self.corpus, settings.warm_steps)])
+        ]
+        warm = {k: v for k, v in asdict(settings).items() if k.startswith("warm_")}
+        return {"task": self.name, **reports[-1], "phases": reports, **warm}
 
 
 def demo_task(name: str) -> DemoTask:
@@ -104,6 +138,11 @@ def demo_task(name: str) -> DemoTask:
     if name not in tasks:
         raise LcapError(f"no demo task {name!r}: choose one of {', '.join(DEMO_TASKS)}")
     return tasks[name]
+
+
+def words() -> list[str]:
+    """The bundled word list: 13 number words and the others, each one token after a space."""
+    return (demo_dir() / "words.txt").read_text().split()
 
 
 def demo_dir() -> Path:
@@ -156,7 +195,8 @@ def run_demo(
     marker.write_text(json.dumps({"task": kind.name}))
     model = out / "model"
     if not (model / "warm_start.json").exists():
-        echo(f"[demo] making the tiny model in {model} and warm-starting it ({settings.warm_steps} supervised steps)")
+        steps = settings.warm_steps + (settings.warm_up_steps if kind.warm_up else 0)
+        echo(f"[demo] making the tiny model in {model} and warm-starting it ({steps} supervised steps)")
         warm_t0 = time.perf_counter()
         shutil.rmtree(model, ignore_errors=True)
         init_model(model, replace(MODEL, seed=settings.seed))
@@ -165,7 +205,7 @@ def run_demo(
         echo(f"[demo] warm start done in {time.perf_counter() - warm_t0:.0f} s (final loss {report['loss']:.3f})")
     timings["model"] = time.perf_counter() - t0
 
-    train_tasks, held_out = kind.make_tasks(settings)
+    train_tasks, held_out = kind.tasks(settings)
     tasks = write_jsonl(out / "tasks.jsonl", train_tasks)
     eval_tasks = write_jsonl(out / "heldout.jsonl", held_out)
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from lcap.loop.demo import TARGET_FALLBACK, TARGET_REWARD, TARGET_RIGHT, check_targets, demo_dir, held_out_by_round
-from lcap.loop.demo_task import NUMBERS, make_tasks, read_words
+from lcap.loop.demo import TARGET_FALLBACK, TARGET_REWARD, TARGET_RIGHT, check_targets, held_out_by_round, words
+from lcap.loop.demo_task import NUMBERS, make_tasks
+from lcap.loop.demo_warm import Example, shared_prefix
 from lcap.store import Store, now
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "demo"))
@@ -19,16 +21,44 @@ from verify import score
 
 
 def test_tasks_are_distinct_triples_and_the_training_ones_cover_every_number_word():
-    words = read_words(demo_dir() / "words.txt")
-    train, held = make_tasks(words, n_train=130, n_eval=32, seed=3)
+    vocabulary = words()
+    train, held = make_tasks(vocabulary, n_train=130, n_eval=32, seed=3)
     questions = [t["question"] for t in train + held]
     assert len(set(questions)) == len(questions) == 162  # no question twice, none in both sets
     counts = Counter(t["answer"] for t in train)
-    assert set(counts) == {w for w in words if w in NUMBERS} and max(counts.values()) - min(counts.values()) <= 1
+    assert set(counts) == {w for w in vocabulary if w in NUMBERS} and max(counts.values()) - min(counts.values()) <= 1
     for task in train + held:
         listed = task["question"].split(": ")[1].split()
         assert len(listed) == 3 and [w for w in listed if w in NUMBERS] == [task["answer"]]
-    assert make_tasks(words, n_train=130, n_eval=32, seed=3) == (train, held)  # seeded
+    assert make_tasks(vocabulary, n_train=130, n_eval=32, seed=3) == (train, held)  # seeded
+
+
+def test_the_warm_starts_shared_prefix_holds_no_trained_token():
+    """The shared prefix runs once a step, outside the batch: it ends before the last shared token (whose logits
+    predict the first that differs) and before the first token any example is trained on."""
+    a = Example([1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 1, 1])
+    b = Example([1, 2, 3, 4, 7, 8, 9], [0, 0, 0, 0, 1, 1, 1])
+    assert shared_prefix([a, b]) == 3  # tokens 1 2 3 run once; 4 stays in the batch to predict 5 and 7
+    c = Example([1, 2, 3, 4, 7], [0, 0, 1, 0, 1])  # trains on its third token, inside the shared part
+    assert shared_prefix([a, b, c]) == 1
+    assert shared_prefix([Example([1, 2], [0, 1]), Example([3, 4], [0, 1])]) == 0
+
+
+def test_the_warm_start_learns_its_corpus(tiny_model_dir, tmp_path):
+    """A few steps on the number task's corpus lower its loss, and the saved model is the trained one."""
+    import shutil
+
+    from lcap.loop.demo import demo_task
+
+    task = demo_task("number")
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)  # the warm start saves in place
+    before = (model / "model.safetensors").read_bytes()
+    settings = task.settings()
+    short = task.warm_start(model, replace(settings, warm_steps=1, warm_examples=64))
+    longer = task.warm_start(model, replace(settings, warm_steps=30, warm_examples=640))
+    assert longer["loss"] < short["loss"] and longer["task"] == "number" and longer["warm_steps"] == 30
+    assert (model / "model.safetensors").read_bytes() != before
 
 
 def test_verifier_rewards_a_right_answer_in_the_format_only():

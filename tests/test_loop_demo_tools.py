@@ -7,60 +7,65 @@ import json
 import random
 import shutil
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 from fixtures_dataset import chat_turns
 
-from lcap.loop.demo import DemoSettings, calls_by_round, demo_dir, demo_task
-from lcap.loop.demo_task import NUMBERS, read_words
-from lcap.loop.demo_tools import KEY, agent_module, make_tasks, warm_episode
+from lcap.loop.demo import calls_by_round, demo_task, words
+from lcap.loop.demo_task import NUMBERS
+from lcap.loop.demo_tools import KEY, QUESTION, agent_module, warm_episode
 from lcap.store import Store
 
 
-def test_tasks_are_distinct_and_only_the_tool_knows_the_answer():
-    words = read_words(demo_dir() / "words.txt")
+def test_tasks_are_distinct_and_only_the_tool_knows_the_words():
     agent = agent_module()
-    train, held = make_tasks(words, n_train=65, n_eval=64, seed=1)
-    questions = [t["question"] for t in train + held]
-    assert len(set(questions)) == len(questions) == 129
+    task = demo_task("tools")
+    train, held = task.tasks(replace(task.settings(seed=1), n_train=65, n_eval=64))
+    triples = [tuple(t["words"]) for t in train + held]
+    assert len(set(triples)) == len(triples) == 129
     counts = Counter(t["answer"] for t in train)
     assert set(counts) == NUMBERS and max(counts.values()) - min(counts.values()) <= 1
-    for task in train + held:
-        listed = task["question"].split(": ")[1].rstrip("?").replace(",", "").replace(" or", "").split()
-        assert listed == task["candidates"] and len(set(listed)) == 3 and set(listed) <= NUMBERS
-        assert task["answer"] in listed
-        # the tool names the answer when asked for the number, and nothing for another word
-        assert agent.lookup(KEY, task["facts"]).startswith(f"the number is {task['answer']} ")
-        assert agent.lookup("answer", task["facts"]).startswith("no entry")
-    assert make_tasks(words, n_train=65, n_eval=64, seed=1) == (train, held)
+    for t in train + held:
+        assert t["question"] == QUESTION and not set(t["words"]) & set(QUESTION.lower().rstrip("?").split())
+        assert [w for w in t["words"] if w in NUMBERS] == [t["answer"]]
+        # the tool lists the words when asked for them, and has nothing for another word or the question
+        assert agent.lookup(KEY, t["facts"]).startswith(f"the words: {' '.join(t['words'])} ")
+        assert agent.lookup("answer", t["facts"]).startswith("no entry")
+        assert agent.lookup(t["question"], t["facts"]).startswith("no entry")  # the harness's observation
+    assert task.tasks(replace(task.settings(seed=1), n_train=65, n_eval=64)) == (train, held)
 
 
 def test_warm_episodes_follow_the_agent():
-    words = read_words(demo_dir() / "words.txt")
+    vocabulary = words()
     agent = agent_module()
     rng = random.Random(0)
-    episodes = [warm_episode(rng, words, agent, p_lookup=0.5, p_correct=0.5, p_format=1.0) for _ in range(200)]
+    episodes = [warm_episode(rng, vocabulary, agent, p_lookup=0.5, p_correct=0.5, p_format=1.0) for _ in range(200)]
     looked_up = right = 0
     for calls in episodes:
         assert len(calls) == 3 and "tool_call" in calls[0][1] and all("text" in said for _, said in calls[1:])
         messages, said = calls[2]
-        question = messages[1]["content"]
         known = json.loads(calls[0][1]["tool_call"])["query"] == KEY
         looked_up += known
         tool = messages[3]["content"]
         assert messages[3]["role"] == "tool" and tool.startswith("no entry") != known
-        assert messages[5]["content"].startswith("Observation 1: ")  # the harness's, after an answer in plain text
+        assert messages[5]["content"].startswith("Observation 1: no entry")  # the harness's, after a plain answer
+        assert calls[1][1] == said  # the answer, said again
         answer = said["text"].removeprefix("Answer: ")
-        assert answer in question
-        right += known and f" {answer} " in tool
+        if known:
+            listed = tool.removeprefix("the words: ").split(" (for")[0].split()
+            assert answer in listed
+            right += answer in NUMBERS
     assert 70 <= looked_up <= 130 and 0.3 * looked_up <= right <= 0.7 * looked_up
 
 
 def test_warm_start_runs_on_the_tiny_model(tiny_model_dir, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)  # the warm start saves in place
-    report = demo_task("tools").warm_start(model, DemoSettings(warm_steps=2))
-    assert report["steps"] == 2 and report["loss"] > 0
+    task = demo_task("tools")
+    report = task.warm_start(model, replace(task.settings(), warm_up_steps=3, warm_steps=2, warm_examples=8))
+    assert report["steps"] == 2 and report["loss"] > 0 and report["task"] == "tools"
+    assert [phase["steps"] for phase in report["phases"]] == [3, 2]  # the number task's questions, then episodes
 
 
 @pytest.mark.slow
@@ -71,14 +76,23 @@ def test_one_round_of_the_tools_demo_stitches_and_merges(tmp_path, monkeypatch):
     from lcap.loop.demo import run_demo
 
     monkeypatch.setenv("LCAP_POLICY_RECORD", str(tmp_path / "policy.json"))  # its own server, not the session's
-    settings = DemoSettings(
-        n_train=3, tasks_per_round=3, group_size=2, n_eval=2, warm_steps=60, concurrency=2, batch_size=4, epochs=1
+    settings = replace(
+        demo_task("tools").settings(),
+        n_train=3,
+        tasks_per_round=3,
+        group_size=4,  # groups whose rewards differ: else the round has nothing to train on
+        n_eval=2,
+        warm_up_steps=300,  # the format and the copy, on short questions (seconds)
+        warm_steps=100,
+        concurrency=2,
+        batch_size=4,
+        epochs=1,
     )
     lines: list[str] = []
     results = run_demo(tmp_path / "demo", rounds=1, task="tools", settings=settings, echo=lines.append)
     assert [r["round"] for r in results["rounds"]] == [0, 1]
     (trained,) = calls_by_round(Store(tmp_path / "demo" / "lcap.duckdb"))
-    assert trained["episodes"] == 6 and trained["calls"] == 3
+    assert trained["episodes"] == 12 and trained["calls"] == 3
     assert trained["stitched"] > 0, lines
     assert trained["samples"] < 2 and trained["env_tokens"] > 10
     with Store(tmp_path / "demo" / "lcap.duckdb").connect(read_only=True) as con:
