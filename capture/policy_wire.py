@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from lcap.capture.routes import parse_upstream
+from lcap.policy import bearer
 
 PREFIX = "/lcap"
 REQUEST_KEY = "lcap"
@@ -38,7 +39,7 @@ def has_endpoints(base_url: str, timeout: float = 5.0, *, key: str | None = None
     import httpx
 
     route = parse_upstream(base_url, None)
-    headers = {"authorization": f"Bearer {key}"} if key else {}
+    headers = bearer(key)
     url = f"{route.scheme}://{route.host}:{route.port}{INFO_PATH}"
     try:
         resp = httpx.get(url, timeout=timeout, trust_env=False, headers=headers)

@@ -45,6 +45,7 @@ from lcap.capture.routes import Router, parse_upstream
 from lcap.capture.stitching import Heads
 from lcap.capture.writer import TurnSink, TurnWriter, WriterReport
 from lcap.config import LcapError, lcap_home
+from lcap.policy import bearer
 from lcap.store import Store
 
 log = logging.getLogger("lcap.capture")
@@ -162,7 +163,7 @@ def probe_models(base_url: str, timeout: float = 5.0, *, key: str | None = None)
 
     route = parse_upstream(base_url, None)
     url = f"{route.scheme}://{route.host}:{route.port}{route.base_path or '/v1'}/models"
-    headers = {"authorization": f"Bearer {key}"} if key else {}
+    headers = bearer(key)
     try:
         resp = httpx.get(url, timeout=timeout, trust_env=False, headers=headers)
     except httpx.HTTPError as exc:

@@ -83,6 +83,11 @@ class PolicyServer:
         return Path(self.api_key_file).read_text().strip() if self.api_key_file else None
 
 
+def bearer(key: str | None) -> dict[str, str]:
+    """The header that authenticates to a policy server started with `key` (none without a key)."""
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
 def record_path() -> Path:
     return Path(os.environ.get("LCAP_POLICY_RECORD") or lcap_home() / "policy.json")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from lcap.policy import PolicyServer, Replica
+from lcap.policy import PolicyServer, Replica, bearer
 from lcap.processes import alive
 
 
@@ -82,7 +82,7 @@ def probe(record: PolicyServer, *, timeout: float = 3.0, lora: bool = False) -> 
         key = record.api_key()
     except OSError:
         key = None  # the replicas then answer 401, which says what is wrong
-    headers = {"authorization": f"Bearer {key}"} if key else {}
+    headers = bearer(key)
     return PolicyHealth(record, [_probe(record, r, headers, timeout, lora) for r in record.replicas])
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from lcap.capture.routes import REFRESH_S
+from lcap.policy import bearer
 
 log = logging.getLogger("lcap.serve")
 
@@ -36,14 +37,10 @@ class ReloadError(Exception):
     """The replica could not take the checkpoint in place."""
 
 
-def _headers(key: str | None) -> dict[str, str]:
-    return {"authorization": f"Bearer {key}"} if key else {}
-
-
 def can_reload(url: str, key: str | None) -> str | None:
     """None when the replica has the reload endpoints and is not paused; else why not."""
     try:
-        answer = httpx.get(f"{url}/is_paused", headers=_headers(key), timeout=CALL_TIMEOUT_S, trust_env=False)
+        answer = httpx.get(f"{url}/is_paused", headers=bearer(key), timeout=CALL_TIMEOUT_S, trust_env=False)
     except httpx.HTTPError as exc:
         return f"it did not answer ({exc})"
     if answer.status_code == 404:
@@ -67,7 +64,7 @@ def reload_in_place(
     first tensor, so a reload that fails leaves a replica that cannot serve (a reload of the previous weights fails
     too): it is resumed, and the caller restarts it (serve/deploy.py). same_model.py's checks of the checkpoint's
     tensors come first so that this stays the exception (an unreadable file, a full disk)."""
-    headers = _headers(key)
+    headers = bearer(key)
     paused = False
     try:
         started = time.monotonic()

@@ -32,7 +32,7 @@ import httpx
 
 from lcap.capture.policy_wire import has_endpoints
 from lcap.config import LcapError, lcap_home
-from lcap.policy import PolicyServer, Replica, clear_policy, policy_lock, read_policy, write_policy
+from lcap.policy import PolicyServer, Replica, bearer, clear_policy, policy_lock, read_policy, write_policy
 from lcap.processes import alive, kill_group, python_helper
 from lcap.store import Store, now
 
@@ -392,7 +392,7 @@ def load_lora_over_http(url: str, name: str, path: Path | str, key: str | None) 
     """Hot-load the adapter at `path` (on the server's machine) under `name`; LcapError when vLLM refuses it."""
     # In place: deploying a name again (a resumed loop, or a retrained adapter under a fixed name) replaces it.
     body = {"lora_name": name, "lora_path": str(path), "load_inplace": True}
-    headers = {"authorization": f"Bearer {key}"} if key else {}
+    headers = bearer(key)
     try:
         response = httpx.post(f"{url}/v1/load_lora_adapter", json=body, timeout=600, headers=headers, trust_env=False)
     except httpx.HTTPError as exc:
@@ -589,7 +589,7 @@ _GAUGE = re.compile(rb"^vllm:num_requests_(?:running|waiting)\{[^}]*\} ([0-9.e+]
 
 def in_flight(url: str, key: str | None) -> int | None:
     """Requests a server is running or holding, from its Prometheus metrics; None when it does not say."""
-    headers = {"authorization": f"Bearer {key}"} if key else {}
+    headers = bearer(key)
     try:
         answer = httpx.get(f"{url}/metrics", timeout=HEALTH_TIMEOUT_S, headers=headers, trust_env=False)
     except httpx.HTTPError:

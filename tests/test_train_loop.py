@@ -145,7 +145,8 @@ def test_loop_two_rounds_killed_and_resumed(vllm_policy, tmp_path):
 
     from lcap.serve.deploy import deploy
 
-    deploy(make_lora(vllm_policy.model_dir, tmp_path / "wrong" / "adapter"), name=steps["2:deploy"]["name"])
+    wrong = make_lora(vllm_policy.model_dir, tmp_path / "wrong" / "adapter", scale=2.0)  # far from any trained one
+    deploy(wrong, name=steps["2:deploy"]["name"])
     command[command.index("--rounds") + 1] = "3"
     third = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert third.returncode == 2, third.stdout[-3000:] + third.stderr[-3000:]
