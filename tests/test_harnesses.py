@@ -51,7 +51,9 @@ LCAP = str(Path(sys.executable).parent / "lcap")
 MAX_TURNS = 2  # harness turns/steps per episode (its own limit, where it has one)
 MAX_OUTPUT_TOKENS = 24  # per answer, where the harness has a setting: the tiny model rarely stops by itself
 CLAUDE_TOOLS = "Bash,Write"  # Claude Code's built-in tools: all of them are most of a ~23k-token prompt
-EPISODE_TIMEOUT = 420  # seconds; Codex has neither a turn nor an output limit
+# Seconds per episode. Codex has neither a turn nor an output limit, and the LoRA deployment answers its long prompt
+# slowly on a loaded CPU: a timed-out call is an unfinished turn, which the transport check counts as lcap's failure.
+EPISODE_TIMEOUT = 900
 CONCURRENCY = 4  # episodes at once
 
 
