@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Lint and types, run by scripts/test.sh before the tests: ruff (lint + format check) over the tree, and mypy
-# over lcap's packages. mypy finds a package in a folder of its name, while lcap maps `lcap.capture` to
-# `capture/` and so on (pyproject's package-dir), so it checks a tree of links laid out as lcap imports.
+# over lcap's packages and the vLLM plugin (serve/vllm_plugin; vLLM lives in a venv of its own, so mypy sees its
+# names as Any and checks the plugin's own code). mypy finds a package in a folder of its name, while lcap maps
+# `lcap.capture` to `capture/` and so on (pyproject's package-dir), so it checks a tree of links laid out as lcap
+# imports.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=${LCAP_VENV:-.venv}/bin
@@ -21,4 +23,4 @@ for package, folder in dirs.items():
     for source in Path(folder).glob("*.py"):
         (target / source.name).symlink_to(source.resolve())
 PY
-"$bin/mypy" "$tree/lcap"
+"$bin/mypy" "$tree/lcap" serve/vllm_plugin

@@ -10,6 +10,7 @@ from lcap.config import LcapError
 
 RESPONSES_MAX_ENV = "LCAP_RESPONSES_MAX"
 RESPONSES_MAX_AGE_ENV = "LCAP_RESPONSES_MAX_AGE"
+RESPONSES_MAX_BYTES_ENV = "LCAP_RESPONSES_MAX_BYTES"
 
 
 @dataclass(frozen=True)
@@ -80,11 +81,20 @@ class ServeOptions:
     responses_max_age: float = option(
         3600.0, help="Seconds a kept response can be continued by previous_response_id before it goes."
     )
+    responses_max_bytes: int = option(
+        256 << 20,
+        help="Bytes the kept responses may hold in all, per replica (their items as JSON, each shared item once, and "
+        "their exact ids); past it the oldest go.",
+    )
 
     def endpoint_env(self) -> dict[str, str]:
         """What lcap's policy endpoints read from their environment (serve/vllm_plugin/lcap_policy/responses_store.py
         names the same variables; a test compares them)."""
-        return {RESPONSES_MAX_ENV: str(self.responses_max), RESPONSES_MAX_AGE_ENV: repr(float(self.responses_max_age))}
+        return {
+            RESPONSES_MAX_ENV: str(self.responses_max),
+            RESPONSES_MAX_AGE_ENV: repr(float(self.responses_max_age)),
+            RESPONSES_MAX_BYTES_ENV: str(self.responses_max_bytes),
+        }
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -93,8 +103,10 @@ class ServeOptions:
             raise LcapError(f"--gpus-per-replica {self.gpus_per_replica}: not negative")
         if self.ray is not None and self.port is not None:
             raise LcapError("--port is for local replicas: under --ray each replica takes a free port on its node")
-        if self.responses_max < 0 or not self.responses_max_age > 0:
-            raise LcapError("--responses-max must be at least 0 and --responses-max-age positive")
+        if self.responses_max < 0 or not self.responses_max_age > 0 or self.responses_max_bytes < 0:
+            raise LcapError(
+                "--responses-max and --responses-max-bytes must be at least 0 and --responses-max-age positive"
+            )
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ dropped the response, and the options `lcap serve` hands it. tests/test_policy_r
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 from pathlib import Path
 
@@ -42,7 +43,7 @@ def test_count_bound_drops_the_oldest(store_module):
         assert store.get(kept)[0] is not None
     stored, why = store.get("r0")
     assert stored is None and "more than 3 responses were served after it" in why
-    assert store.stats == {"stored": 5, "resolved": 3, "missed": 1, "evicted": 2, "expired": 0}
+    assert store.stats == {"stored": 5, "resolved": 3, "missed": 1, "evicted": 2, "expired": 0, "over_bytes": 0}
 
 
 def test_age_bound_expires(store_module):
@@ -84,13 +85,37 @@ def test_history_shares_the_items_of_the_call_it_extends(store_module):
 
 
 def test_serve_options_reach_the_store(store_module):
-    env = ServeOptions(responses_max=7, responses_max_age=30).endpoint_env()
-    assert set(env) == {store_module.MAX_RESPONSES_ENV, store_module.MAX_AGE_ENV}
+    env = ServeOptions(responses_max=7, responses_max_age=30, responses_max_bytes=1 << 20).endpoint_env()
+    assert set(env) == {store_module.MAX_RESPONSES_ENV, store_module.MAX_AGE_ENV, store_module.MAX_BYTES_ENV}
     store = store_module.from_env(env)
-    assert (store.max_responses, store.max_age) == (7, 30.0)
+    assert (store.max_responses, store.max_age, store.max_bytes) == (7, 30.0, 1 << 20)
     assert store_module.from_env({}) is None
 
 
 def test_input_items(store_module):
     assert store_module.input_items("hi") == [{"type": "message", "role": "user", "content": "hi"}]
     assert store_module.input_items(None) == [] and store_module.input_items([{"a": 1}]) == [{"a": 1}]
+
+
+def test_byte_bound_drops_the_oldest_and_counts_shared_items_once(store_module):
+    """Heads (exact ids as JSON) grow with a conversation: past max_bytes the oldest go, whatever the count allows;
+    items an entry shares with the one it extends are counted once."""
+    text = {"type": "message", "role": "user", "content": "x" * 1000}
+    size = len(json.dumps(text))
+    store = store_module.ResponseStore(100, 60.0, max_bytes=size + 3 * 500, clock=Clock())
+    history: list = [text]
+    for i in range(5):  # one conversation: each entry holds the items before it, and a head of 500 bytes
+        store.put(f"r{i}", history, "h" * 500)
+        history = [*store.get(f"r{i}")[0].history]
+    assert len(store) == 3 and store.bytes == size + 3 * 500
+    stored, why = store.get("r0")
+    assert stored is None and f"held more than {size + 1500} bytes" in why
+    assert store.stats["over_bytes"] == 2 and "bytes in all" in store.limits()
+    store._expire(float("inf"))  # every entry goes: what they held goes with them
+    assert len(store) == 0 and store.bytes == 0 and store._items == {}
+
+
+def test_an_entry_larger_than_the_byte_bound_is_not_kept(store_module):
+    store = store_module.ResponseStore(100, 60.0, max_bytes=100, clock=Clock())
+    store.put("big", [{"content": "y" * 200}], None)
+    assert len(store) == 0 and store.bytes == 0 and "more than 100 bytes" in store.get("big")[1]

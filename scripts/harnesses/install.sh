@@ -22,7 +22,7 @@ npm_package() {  # npm_package NAME VERSION
 pip_package() {  # pip_package VENV PACKAGE VERSION
   local venv=$dir/$1
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-  [ "$("$venv/bin/python" -m pip show "$2" 2>/dev/null | sed -n 's/^Version: //p')" = "$3" ] && return
+  [ "$("$venv/bin/python" -c "from importlib.metadata import version; print(version('$2'))" 2>/dev/null)" = "$3" ] && return
   "$venv/bin/python" -m pip install -q --disable-pip-version-check "$2==$3" >&2
 }
 

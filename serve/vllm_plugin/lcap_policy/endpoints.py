@@ -33,7 +33,7 @@ from typing import Any
 from fastapi import APIRouter, Body, Request, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatCompletionResponse
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest, ResponsesResponse
@@ -198,7 +198,7 @@ class Policy:
         tok = self.tokenizer
         special = set(getattr(tok, "all_special_ids", ()) or ()) | set((tok.get_added_vocab() or {}).values())
         eos = self.renderer.model_config.hf_config
-        ids = set()
+        ids: set[int] = set()
         for source in (getattr(tok, "eos_token_id", None), getattr(eos, "eos_token_id", None)):
             ids.update(source if isinstance(source, list) else [source] if isinstance(source, int) else [])
         generation = self.renderer.model_config.get_diff_sampling_param().get("stop_token_ids") or ()
@@ -217,8 +217,9 @@ class Policy:
         policy = self
 
         async def tapped(*args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
-            turn = policy.taps.get(kwargs.get("request_id", args[0] if args else None))
-            params = kwargs.get("sampling_params") if "sampling_params" in kwargs else args[2]
+            request_id = kwargs.get("request_id", args[0] if args else None)
+            turn = policy.taps.get(request_id) if isinstance(request_id, str) else None
+            params: Any = kwargs.get("sampling_params") if "sampling_params" in kwargs else args[2]
             if turn is not None and params.logprobs is None:
                 params.logprobs = 0  # the sampled token's logprob only; the answer shows none unless asked
             delta = params.output_kind == RequestOutputKind.DELTA
@@ -406,8 +407,8 @@ class Policy:
         if stored is None:
             message = (
                 f"previous_response_id {previous!r} is not in lcap's response store: {why}. It keeps "
-                f"{self.stored.limits()} (lcap serve --responses-max, --responses-max-age); send the whole "
-                "conversation as input instead"
+                f"{self.stored.limits()} (lcap serve --responses-max, --responses-max-age, --responses-max-bytes); "
+                "send the whole conversation as input instead"
             )
             log.warning("lcap: %s", message)
             error = create_error_response(
@@ -498,7 +499,7 @@ class _Started:
     result: Any
 
 
-def _validate(model: type, body: dict) -> Any:
+def _validate(model: type[BaseModel], body: dict) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -646,7 +647,7 @@ def _empty_response(body: dict) -> list[dict]:
     import time
     import uuid
 
-    response = {
+    response: dict[str, Any] = {
         "id": f"resp_{uuid.uuid4().hex}",
         "object": "response",
         "created_at": int(time.time()),

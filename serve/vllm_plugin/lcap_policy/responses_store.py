@@ -5,15 +5,18 @@ what is new; the rest is the earlier call's input and the answer it got. lcap re
 the request becomes the earlier call's whole input, its output items, then the new input, and is served as
 any other call, stitched onto the earlier turn's exact ids (its head, kept here with it). vLLM's own store
 (VLLM_ENABLE_RESPONSES_API_STORE) never forgets anything; this one keeps at most `max_responses`, each for at
-most `max_age` seconds, and drops the oldest first. A call naming one that is gone gets a 4xx that says which
-bound dropped it (or that it was never served here), counted in `stats` and logged.
+most `max_age` seconds, holding at most `max_bytes` in all, and drops the oldest first. A call naming one that
+is gone gets a 4xx that says which bound dropped it (or that it was never served here), counted in `stats` and
+logged.
 
 An entry's history shares its items with the entry it extends, so a conversation's text is held once, not
-once per turn. Nothing here imports vLLM.
+once per turn, and counted once against `max_bytes` (each item's JSON size, while any entry holds it); each
+entry's head (its exact ids, as JSON) is its own. Nothing here imports vLLM.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import OrderedDict
@@ -23,6 +26,7 @@ from typing import Any
 
 MAX_RESPONSES_ENV = "LCAP_RESPONSES_MAX"  # set by `lcap serve` from ServeOptions; unset: no store
 MAX_AGE_ENV = "LCAP_RESPONSES_MAX_AGE"
+MAX_BYTES_ENV = "LCAP_RESPONSES_MAX_BYTES"
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,22 +37,32 @@ class Stored:
 
 
 class ResponseStore:
-    """Response id -> what a call continuing it needs; bounded in count and age, oldest first out."""
+    """Response id -> what a call continuing it needs; bounded in count, age and bytes, oldest first out."""
 
-    def __init__(self, max_responses: int, max_age: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        max_responses: int,
+        max_age: float,
+        max_bytes: float = float("inf"),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.max_responses = max_responses
         self.max_age = max_age
+        self.max_bytes = max_bytes
         self.clock = clock
         self._entries: OrderedDict[str, Stored] = OrderedDict()
+        self._items: dict[int, list[Any]] = {}  # id(item) -> [item, entries holding it, its bytes]
+        self.bytes = 0  # what the entries hold: their distinct items and their heads
         self._gone: OrderedDict[str, str] = OrderedDict()  # ids dropped lately -> which bound dropped them
         self._lock = threading.Lock()
-        self.stats = {"stored": 0, "resolved": 0, "missed": 0, "evicted": 0, "expired": 0}
+        self.stats = {"stored": 0, "resolved": 0, "missed": 0, "evicted": 0, "expired": 0, "over_bytes": 0}
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def limits(self) -> str:
-        return f"the last {self.max_responses} responses, each for {self.max_age:g} s"
+        held = "" if self.max_bytes == float("inf") else f", {self.max_bytes:g} bytes in all"
+        return f"the last {self.max_responses} responses, each for {self.max_age:g} s{held}"
 
     def put(self, response_id: str, history: Sequence[Any], head: str | None) -> None:
         if self.max_responses <= 0:
@@ -56,13 +70,18 @@ class ResponseStore:
         with self._lock:
             now = self.clock()
             self._expire(now)
-            self._entries.pop(response_id, None)
-            self._entries[response_id] = Stored(tuple(history), head, now)
+            if response_id in self._entries:
+                self._release(self._entries.pop(response_id))
+            stored = Stored(tuple(history), head, now)
+            self._hold(stored)
+            self._entries[response_id] = stored
             self.stats["stored"] += 1
             while len(self._entries) > self.max_responses:
-                victim, _ = self._entries.popitem(last=False)
-                self._forget(victim, f"more than {self.max_responses} responses were served after it")
+                self._drop_oldest(f"more than {self.max_responses} responses were served after it")
                 self.stats["evicted"] += 1
+            while self.bytes > self.max_bytes:
+                self._drop_oldest(f"the responses kept after it held more than {self.max_bytes:g} bytes")
+                self.stats["over_bytes"] += 1
 
     def get(self, response_id: str) -> tuple[Stored | None, str]:
         """(the stored response, "") or (None, why it is not here)."""
@@ -78,12 +97,36 @@ class ResponseStore:
 
     def _expire(self, now: float) -> None:
         while self._entries:
-            oldest, stored = next(iter(self._entries.items()))
+            stored = next(iter(self._entries.values()))
             if now - stored.at <= self.max_age:
                 return
-            del self._entries[oldest]
-            self._forget(oldest, f"it was older than {self.max_age:g} s")
+            self._drop_oldest(f"it was older than {self.max_age:g} s")
             self.stats["expired"] += 1
+
+    def _drop_oldest(self, why: str) -> None:
+        victim, stored = self._entries.popitem(last=False)
+        self._release(stored)
+        self._forget(victim, why)
+
+    def _hold(self, stored: Stored) -> None:
+        for item in stored.history:
+            held = self._items.get(id(item))
+            if held is None:
+                size = len(json.dumps(item, default=str))
+                self._items[id(item)] = [item, 1, size]
+                self.bytes += size
+            else:
+                held[1] += 1
+        self.bytes += len(stored.head or "")
+
+    def _release(self, stored: Stored) -> None:
+        for item in stored.history:
+            held = self._items[id(item)]
+            held[1] -= 1
+            if held[1] == 0:
+                del self._items[id(item)]
+                self.bytes -= held[2]
+        self.bytes -= len(stored.head or "")
 
     def _forget(self, response_id: str, why: str) -> None:
         self._gone[response_id] = why
@@ -96,7 +139,9 @@ def from_env(environ: dict[str, str]) -> ResponseStore | None:
     count = environ.get(MAX_RESPONSES_ENV)
     if not count:
         return None
-    return ResponseStore(int(count), float(environ.get(MAX_AGE_ENV) or "inf"))
+    return ResponseStore(
+        int(count), float(environ.get(MAX_AGE_ENV) or "inf"), float(environ.get(MAX_BYTES_ENV) or "inf")
+    )
 
 
 def input_items(value: Any) -> list[Any]:
