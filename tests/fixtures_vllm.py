@@ -14,14 +14,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from lcap.policy import PolicyServer
+from lcap.policy import PolicyServer, read_policy
 
 
 @dataclass
@@ -241,3 +245,26 @@ def hf_logprobs(model, prompt_ids: Sequence[int], completion_ids: Sequence[int])
         logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
     picked = torch.log_softmax(logits, -1).gather(-1, torch.tensor(list(completion_ids))[:, None])
     return picked[:, 0].tolist()
+
+
+@contextmanager
+def watching_record(read: Callable[[PolicyServer], Any], every: float = 0.02) -> Iterator[list[tuple[float, Any]]]:
+    """While the block runs (a deploy), (time.time(), read(policy record)) every `every` seconds: how the record
+    moved, as the proxies saw it."""
+    states: list[tuple[float, Any]] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            record = read_policy()
+            if record is not None:
+                states.append((time.time(), read(record)))
+            time.sleep(every)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield states
+    finally:
+        stop.set()
+        watcher.join(10)

@@ -9,15 +9,13 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 from fixtures_capture import turns
-from fixtures_vllm import hf_logprobs, perturbed_checkpoint
+from fixtures_vllm import hf_logprobs, perturbed_checkpoint, watching_record
 from typer.testing import CliRunner
 
 from lcap.cli import app
@@ -95,24 +93,11 @@ def test_full_checkpoint_reloads_in_place_while_calls_stream(vllm_policy, tmp_pa
     base = vllm_policy.served_model
     checkpoint = perturbed_checkpoint(vllm_policy.model_dir, tmp_path / "round-1" / "checkpoint")
     db = tmp_path / "lcap.duckdb"
-    switched: list[float] = []
-
-    def watch(stop: threading.Event) -> None:  # when the record first names the new deployment
-        while not stop.is_set() and not switched:
-            record = read_policy()
-            if record is not None and record.replicas[0].serving(record) == "tiny-r1":
-                switched.append(time.time())
-            time.sleep(0.01)
-
     try:
         with _proxy(tmp_path) as proxy, Agents(proxy, threads=3, stream_every=1, max_tokens=24) as agents:
             agents.wait_for(6)
-            stop = threading.Event()
-            watcher = threading.Thread(target=watch, args=(stop,), daemon=True)
-            watcher.start()
-            name = deploy(checkpoint, name="tiny-r1", round=1, store=Store(db), drain_timeout=120)
-            stop.set()
-            watcher.join(10)
+            with watching_record(lambda record: record.replicas[0].serving(record), every=0.01) as states:
+                name = deploy(checkpoint, name="tiny-r1", round=1, store=Store(db), drain_timeout=120)
             agents.wait_for(6)
         after = read_policy()
         assert name == "tiny-r1" and after.current == name and after.served_name(name) == base
@@ -142,7 +127,8 @@ def test_full_checkpoint_reloads_in_place_while_calls_stream(vllm_policy, tmp_pa
             other = name if row["deployment"] == base else base
             assert error[row["deployment"]] < 1e-3 < error[other], (row["deployment"], row["started_at"], error)
         # Calls sent before the switch and served after it (held by the pause) are labelled with the new weights.
-        assert switched and any(r["deployment"] == name and r["started_at"].timestamp() < switched[0] for r in rows), (
+        switched = min((t for t, serving in states if serving == name), default=None)
+        assert switched and any(r["deployment"] == name and r["started_at"].timestamp() < switched for r in rows), (
             "no call was held by the pause: the test did not exercise it"
         )
         rows = Store(db).fetchall("SELECT name, path, kind, round FROM deployments")

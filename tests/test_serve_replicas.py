@@ -201,7 +201,7 @@ def test_a_full_checkpoint_reloads_into_one_replica_at_a_time(pair, tmp_path):
     """A checkpoint with other weights and the same config while agents run: each replica in turn pauses, reloads
     in place and serves the new deployment (under the name vLLM started with) while the other still serves the
     old one; no call fails, no server restarts, and every turn's deployment is the one its replica served then."""
-    from fixtures_vllm import perturbed_checkpoint
+    from fixtures_vllm import perturbed_checkpoint, watching_record
 
     from lcap.serve.deploy import deploy
 
@@ -210,24 +210,11 @@ def test_a_full_checkpoint_reloads_into_one_replica_at_a_time(pair, tmp_path):
     write_policy(record)
     before = pair.record
     checkpoint = perturbed_checkpoint(pair.model_dir, tmp_path / "round-1" / "checkpoint")
-    states: list[tuple[float, tuple]] = []
-
-    def watch(stop: threading.Event) -> None:
-        while not stop.is_set():
-            record = read_policy()
-            if record is not None:
-                states.append((time.time(), tuple(r.serving(record) for r in record.replicas)))
-            time.sleep(0.02)
-
     try:
         with _proxy(tmp_path) as proxy, Agents(proxy, threads=4, stream_every=2, max_tokens=16) as agents:
             agents.wait_for(8)
-            stop = threading.Event()
-            watcher = threading.Thread(target=watch, args=(stop,), daemon=True)
-            watcher.start()
-            name = deploy(checkpoint, name="tiny-r1", round=1, store=Store(pair.db), drain_timeout=120)
-            stop.set()
-            watcher.join(10)
+            with watching_record(lambda record: tuple(r.serving(record) for r in record.replicas)) as states:
+                name = deploy(checkpoint, name="tiny-r1", round=1, store=Store(pair.db), drain_timeout=120)
             agents.wait_for(8)
         after = pair.record
         assert after.current == name and after.served_name(name) == before.served_model
@@ -252,6 +239,8 @@ def test_a_full_checkpoint_rolls_one_replica_at_a_time(pair, tmp_path):
     """A full checkpoint restart (`--restart`; also what a changed config gets) while agents run: one replica at a
     time drains (its episodes go to the other), restarts on the checkpoint and comes back; no call fails, calls in
     flight at the drain finish, and once done every call asks for the new deployment."""
+    from fixtures_vllm import watching_record
+
     from lcap.serve.deploy import deploy
 
     before = pair.record
@@ -259,24 +248,15 @@ def test_a_full_checkpoint_rolls_one_replica_at_a_time(pair, tmp_path):
     shutil.copytree(pair.model_dir, checkpoint)
     for tokenizer_file in ("tokenizer.json", "tokenizer_config.json"):  # weights only: the tokenizer is the base's
         (checkpoint / tokenizer_file).unlink(missing_ok=True)
-    states: list[tuple[float, tuple]] = []
 
-    def watch(stop: threading.Event) -> None:
-        while not stop.is_set():
-            record = read_policy()
-            if record is not None:
-                states.append((time.monotonic(), tuple((r.name, r.draining, r.current) for r in record.replicas)))
-            time.sleep(0.05)
+    def replica_states(record: PolicyServer) -> tuple:
+        return tuple((r.name, r.draining, r.current) for r in record.replicas)
 
     with _proxy(tmp_path) as proxy, Agents(proxy, threads=4, max_tokens=24) as agents:
         agents.wait_for(8)
-        stop = threading.Event()
-        watcher = threading.Thread(target=watch, args=(stop,), daemon=True)
-        watcher.start()
-        name = deploy(checkpoint, name="tiny-v2", round=2, store=Store(pair.db), drain_timeout=120, restart=True)
-        done = time.monotonic()
-        stop.set()
-        watcher.join(10)
+        with watching_record(replica_states, every=0.05) as states:
+            name = deploy(checkpoint, name="tiny-v2", round=2, store=Store(pair.db), drain_timeout=120, restart=True)
+            done = time.monotonic()
         agents.wait_for(16)
     after = pair.record
     assert name == "tiny-v2" and after.current == after.served_model == "tiny-v2"

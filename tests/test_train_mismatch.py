@@ -167,14 +167,16 @@ def test_a_checkpoint_reloaded_in_place_passes_the_guard_as_its_deployment(vllm_
     from lcap.policy import read_policy
     from lcap.serve.deploy import deploy
 
-    pid = read_policy().pid
-    checkpoint = perturbed_checkpoint(vllm_policy.model_dir, tmp_path / "round-1" / "checkpoint")
+    # The session's server may run a copy of the tiny model whose config a test before changed: the checkpoint is
+    # made from what it runs (the same weights), so it can reload in place.
+    pid, running = read_policy().pid, Path(read_policy().base_model)
+    checkpoint = perturbed_checkpoint(running, tmp_path / "round-1" / "checkpoint")
     try:
         name = deploy(checkpoint, name="tiny-r1", round=1)
         assert read_policy().pid == pid and read_policy().served_name(name) == vllm_policy.served_model
         data = served_samples(vllm_policy.url, vllm_policy.served_model, tmp_path / "data", deployment=name)
     finally:  # the tests that follow expect the tiny model's own weights
-        deploy(vllm_policy.model_dir, name=vllm_policy.served_model)
+        deploy(running, name=vllm_policy.served_model)
     measured = {}
     for label, model in (("checkpoint", checkpoint), ("base", vllm_policy.model_dir)):
         prepared = prepare_round(tmp_path / f"run-{label}", 1, options(model, full=True), data)
