@@ -17,6 +17,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fixtures_capture import SECRET, FakeLLM
@@ -220,30 +221,17 @@ def test_the_policy_key_reaches_nodes_that_cannot_read_the_drivers_key_file(clus
     arguments, goes upstream on every call, and is written to no file on the nodes or in the store."""
     from fixtures_capture import store_text
 
-    from lcap.policy import PolicyServer, Replica, write_policy
-
     address, _, tmp = cluster
-    replica = FakeLLM(vllm=True)
-    replica.models = ["tiny"]
-    replica.thread.start()
     key = "policy-key-" + os.urandom(16).hex()
     secret = tmp_path / "driver-only"
     secret.mkdir()
-    monkeypatch.setenv("LCAP_POLICY_RECORD", str(tmp_path / "policy.json"))
-    write_policy(
-        PolicyServer(
-            url=replica.url,
-            pid=None,
-            base_model="tiny",
-            served_model="tiny",
-            current="tiny",
-            log_path="",
-            python="",
-            started_at="2026-01-01T00:00:00+00:00",
-            replicas=[Replica(name="r0", url=replica.url, actor="lcap-replica-x-r0", node="127.0.0.1")],
-            ray_address=address,
-            api_key_file=str(secret / "policy.key"),
-        )
+    replica = _policy_replica(
+        tmp_path,
+        monkeypatch,
+        ["tiny"],
+        on_ray={"actor": "lcap-replica-x-r0", "node": "127.0.0.1"},
+        ray_address=address,
+        api_key_file=str(secret / "policy.key"),
     )
     _tasks(project, n=2, calls=2)
     argv = _argv(project, address, _Url(), "-g", "1")
@@ -375,8 +363,11 @@ def test_a_node_proxy_that_cannot_start_says_why_in_one_line(tmp_path, monkeypat
     assert node.stop(1.0) == 0
 
 
-def _policy_replica(tmp_path: Path, monkeypatch, deployments: list[str]) -> FakeLLM:
-    """A policy record naming one replica (a fake vLLM that serves `deployments`), as `lcap serve` writes it."""
+def _policy_replica(
+    tmp_path: Path, monkeypatch, deployments: list[str], *, on_ray: dict[str, str] | None = None, **record: Any
+) -> FakeLLM:
+    """A policy record naming one replica (a fake vLLM that serves `deployments`), as `lcap serve` writes it;
+    `on_ray`: the replica's Ray actor and node; `record`: more of the record's fields."""
     from lcap.policy import PolicyServer, Replica, write_policy
 
     replica = FakeLLM(vllm=True)
@@ -393,7 +384,8 @@ def _policy_replica(tmp_path: Path, monkeypatch, deployments: list[str]) -> Fake
             log_path="",
             python="",
             started_at="2026-01-01T00:00:00+00:00",
-            replicas=[Replica(name="r0", url=replica.url)],
+            replicas=[Replica(name="r0", url=replica.url, **(on_ray or {}))],
+            **record,
         )
     )
     return replica
