@@ -363,6 +363,20 @@ def test_a_node_proxy_that_cannot_start_says_why_in_one_line(tmp_path, monkeypat
     assert node.stop(1.0) == 0
 
 
+def _driver_of(project: Path, address: str) -> tuple[Store, list[str]]:
+    """This process as the driver of collects on the cluster at `address`: two tasks of two calls, the project's
+    store and its agent's command."""
+    import ray
+
+    from lcap.ray_cluster import connect
+
+    _tasks(project, n=2, calls=2)
+    if ray.is_initialized():
+        ray.shutdown()
+    connect(address)
+    return Store(project / "lcap.duckdb"), [sys.executable, str(project / "agent.py")]
+
+
 def _policy_replica(
     tmp_path: Path, monkeypatch, deployments: list[str], *, on_ray: dict[str, str] | None = None, **record: Any
 ) -> FakeLLM:
@@ -401,16 +415,10 @@ def test_a_loops_collects_share_the_node_proxies_and_each_sees_the_last_deploy(c
     from lcap.dataset.options import CollectOptions
     from lcap.dataset.ray_collect import NodeProxies
     from lcap.policy import read_policy, write_policy
-    from lcap.ray_cluster import connect
 
     address, _, _ = cluster
     replica = _policy_replica(tmp_path, monkeypatch, ["tiny", "tiny-r1"])
-    _tasks(project, n=2, calls=2)
-    store = Store(project / "lcap.duckdb")
-    command = [sys.executable, str(project / "agent.py")]
-    if ray.is_initialized():
-        ray.shutdown()
-    connect(address)
+    store, command = _driver_of(project, address)
     try:
         with NodeProxies(store) as proxies:
             known = []
@@ -501,15 +509,9 @@ def test_kept_node_proxies_replace_a_lost_one_and_start_on_a_node_that_joins(clu
     from lcap.dataset.collect import collect
     from lcap.dataset.options import CollectOptions
     from lcap.dataset.ray_collect import NodeProxies
-    from lcap.ray_cluster import connect
 
     address, env, tmp = cluster
-    _tasks(project, n=2, calls=2)
-    store = Store(project / "lcap.duckdb")
-    command = [sys.executable, str(project / "agent.py")]
-    if ray.is_initialized():
-        ray.shutdown()
-    connect(address)
+    store, command = _driver_of(project, address)
 
     def run(proxies: NodeProxies, n: int) -> dict:
         options = CollectOptions(group_size=2, concurrency=3, round=n, upstream=upstream.url, model="m", ray=address)
