@@ -1,10 +1,10 @@
 """A full checkpoint into a running vLLM replica without a restart: vLLM 0.32's dev-mode endpoints.
 
-Every replica lcap starts runs with VLLM_SERVER_DEV_MODE=1 (serve/server.py `launch`), which adds
+A replica lcap starts on loopback runs with VLLM_SERVER_DEV_MODE=1 (serve/server.py `launch`), which adds
 `/pause`, `/resume`, `/is_paused` and `/collective_rpc`. vLLM's own `--api-key` does not guard them
 (it checks only paths under /v1, /v2, /inference and /cohere), and `/collective_rpc` calls any worker
-method, so lcap turns them on only where nothing but lcap reaches them: a local replica listens on
-127.0.0.1, a Ray replica is behind vllm_guard.py (its key on every path but /health).
+method, so lcap turns dev mode off for any replica that listens beyond 127.0.0.1 (Ray replicas: they
+restart on a full checkpoint); vllm_guard.py, where it runs, wants the key on those paths too.
 
 `reload_in_place` pauses the replica (`mode=wait`: new calls wait in vLLM's queue, calls in flight
 finish on the weights they started on), reloads the weights from the checkpoint with the worker's
