@@ -61,7 +61,7 @@ class Agents:
         env = self.proxy.child_env(f"bench-{worker}", base={})
         verify = ssl.create_default_context(cafile=env["SSL_CERT_FILE"])
         with httpx.Client(proxy=env["HTTPS_PROXY"], verify=verify, timeout=300) as http:
-            client = OpenAI(api_key="sk-test", http_client=http, max_retries=0)
+            client = OpenAI(api_key="lcap-bench-placeholder", http_client=http, max_retries=0)
             while not self.stop.is_set():
                 started = time.monotonic()
                 try:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lcap.loop.demo import DemoSettings, DemoTask, demo_dir
-from lcap.loop.demo_warm import Corpus, Example
+from lcap.loop.demo_warm import Corpus, Example, answer_weights
 
 QUESTION = "Which is a number: {a} {b} {c}"
 # The verifier parses the first format; the warm start uses it `p_format` of the time, the others
@@ -93,10 +93,7 @@ def corpus(words: list[str], *, p_correct: float, p_format: float, answer_weight
         form = FORMATS[0] if rng.random() < p_format else rng.choice(FORMATS[1:])
         c_ids = tokenizer(form.format(w=answer) + "<|im_end|>", add_special_tokens=False)["input_ids"]
         word = tokenizer(" " + answer, add_special_tokens=False)["input_ids"]  # the question's own token
-        if len(word) != 1 or word[0] not in c_ids:
-            raise ValueError(f"the warm start needs single-token words copied as they are read: {answer!r}")
-        weights = [answer_weight if t == word[0] else 1.0 for t in c_ids]
-        return Example(p_ids + c_ids, [0.0] * len(p_ids) + weights)
+        return Example(p_ids + c_ids, [0.0] * len(p_ids) + answer_weights(c_ids, word, answer_weight, answer))
 
     return example
 

@@ -37,7 +37,7 @@ from lcap.config import LcapError
 from lcap.loop.demo import DemoSettings, DemoTask
 from lcap.loop.demo_task import FORMATS, make_tasks, make_triple
 from lcap.loop.demo_task import demo_corpus as number_corpus
-from lcap.loop.demo_warm import Corpus, Example
+from lcap.loop.demo_warm import Corpus, Example, answer_weights
 
 QUESTION = "Which word is a number?"  # names none of the words, nor the key the tool knows
 KEY = "words"  # what the tool knows: the query that finds the task's words (in no question, no word list)
@@ -140,10 +140,8 @@ def corpus(words: list[str], *, p_lookup: float, p_correct: float, p_format: flo
                 completion = said["text"]
                 word = encode(" " + completion.rstrip(".").split()[-1])
             out = encode(completion + end)
-            if len(word) != 1 or word[0] not in out:
-                raise ValueError(f"warm start needs single-token words copied as they are read: {completion!r}")
             ids += new + out
-            weights += [0.0] * len(new) + [answer_weight if t == word[0] else 1.0 for t in out]
+            weights += [0.0] * len(new) + answer_weights(out, word, answer_weight, completion)
             text = prompt + completion + end
         return Example(ids, weights)
 

@@ -35,6 +35,14 @@ Corpus = Callable[[Any, random.Random], Example]
 """(tokenizer, rng) -> one example; called once per example, with the warm start's seeded generator."""
 
 
+def answer_weights(completion: list[int], word: list[int], answer_weight: float, said: str) -> list[float]:
+    """The weights of an answer's tokens: 1 each, `answer_weight` for the word it copies from the context. ValueError
+    unless that word is one token and the answer holds it as read (`said`: the answer, for the message)."""
+    if len(word) != 1 or word[0] not in completion:
+        raise ValueError(f"the warm start needs single-token words copied as they are read: {said!r}")
+    return [answer_weight if t == word[0] else 1.0 for t in completion]
+
+
 def shared_prefix(examples: list[Example]) -> int:
     """How many leading tokens every example shares and none is trained on: they run once a step. The last shared
     token stays with the batch, since its logits predict the first token that differs."""
