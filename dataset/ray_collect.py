@@ -213,14 +213,27 @@ def _remove_dead_spools(root: Path) -> None:
                 path.unlink(missing_ok=True)
 
 
+def _start_proxy(config: NodeConfig, node_id: str) -> Any:
+    """A node proxy pinned to `node_id`, owned by the caller (it ends when its owner does)."""
+    return _NodeProxyActor.options(
+        num_cpus=0,
+        max_concurrency=config.max_concurrency,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(config)
+
+
 class _Proxies:
     """The registry of a run's node proxies: starts one on a node when its first episode there asks for it, and owns
-    them, so that they end with it (and it ends with the driver that owns it)."""
+    them, so that they end with it (and it ends with the driver that owns it). `started`: the proxies the driver
+    started with it, by node (the driver owns those and ends them)."""
 
-    def __init__(self, config: NodeConfig) -> None:
+    def __init__(self, config: NodeConfig, started: Mapping[str, Any] | None = None) -> None:
         self.config = config
         self.proxies: dict[str, tuple[str, Any]] = {}  # node id -> (this proxy's key, its handle)
         self.started = 0
+        for node_id, handle in (started or {}).items():
+            self.started += 1
+            self.proxies[node_id] = (f"{node_id}#{self.started}", handle)
 
     def get(self, node_id: str, lost: str | None = None) -> Any:
         """The node's proxy, started if it has none; `lost`: the actor id of a proxy found dead there, replaced
@@ -229,12 +242,7 @@ class _Proxies:
             del self.proxies[node_id]
         if node_id not in self.proxies:
             self.started += 1
-            handle = _NodeProxyActor.options(
-                num_cpus=0,
-                max_concurrency=self.config.max_concurrency,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            ).remote(self.config)
-            self.proxies[node_id] = (f"{node_id}#{self.started}", handle)
+            self.proxies[node_id] = (f"{node_id}#{self.started}", _start_proxy(self.config, node_id))
         return self.proxies[node_id][1]
 
     def prestart(self, node_ids: list[str]) -> None:
@@ -449,6 +457,7 @@ class NodeProxies:
         self.writer: TurnWriter | None = None
         self._shape: tuple[ProxyOptions, int, str | None] | None = None  # what the running proxies were started with
         self._policy: str | None = None
+        self._owned: list[Any] = []  # the node proxies started here with the registry (the rest are the registry's)
         self.starts = 0  # how many times the registry was started (a test and the benchmark read it)
 
     def __enter__(self) -> NodeProxies:
@@ -483,29 +492,27 @@ class NodeProxies:
                 )
                 self.close()
         if self.registry is None:
-            self._start(
-                NodeConfig(
-                    options,
-                    policy,
-                    os.urandom(32),
-                    f"{name}-{os.urandom(4).hex()}",
-                    max_concurrency,
-                    policy_key=policy_key,
-                )
+            config = NodeConfig(
+                options, policy, os.urandom(32), f"{name}-{os.urandom(4).hex()}", max_concurrency, policy_key=policy_key
             )
+            self._start(config, nodes)
             self._shape, self._policy = shape, policy
-        if nodes:
-            self.registry.prestart.remote(nodes)
+        elif nodes:
+            self.registry.prestart.remote(nodes)  # nodes that joined since, and those whose proxy was lost
 
-    def _start(self, config: NodeConfig) -> None:
+    def _start(self, config: NodeConfig, nodes: list[str]) -> None:
+        """The writer, the registry and the proxies of `nodes`: those start here, beside the registry, not by it once
+        it runs (an actor's start each, one after the other), and are handed to it as the nodes' proxies."""
         self.writer = TurnWriter(self.store)
         self.writer.start()
-        # The registry owns the node proxies, which end with it: on this process's own node (never a worker node
+        started = {node_id: _start_proxy(config, node_id) for node_id in nodes}
+        self._owned = list(started.values())
+        # The registry owns the proxies it starts, which end with it: on this process's own node (never a worker node
         # that may be lost mid-run, which would take every node's proxy with it), so it fails only with the driver.
         here = ray.get_runtime_context().get_node_id()
         self.registry = _ProxiesActor.options(
             num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False) if here else None
-        ).remote(config)
+        ).remote(config, started)
         self.starts += 1
         self.ingest = _Ingest(self.registry, self.writer, config.key)
         self.ingest.start()
@@ -515,8 +522,9 @@ class NodeProxies:
         meanwhile), then the registry and the writer. Safe to call twice; Ctrl-C does not interrupt it."""
         if self.registry is None:
             return
-        registry, ingest, writer = self.registry, self.ingest, self.writer
+        registry, ingest, writer, owned = self.registry, self.ingest, self.writer, self._owned
         self.registry = self.ingest = self.writer = None
+        self._owned = []
         self._shape = self._policy = None
         with _ignoring_sigint():
             try:
@@ -525,7 +533,8 @@ class NodeProxies:
             finally:
                 if ingest is not None:
                     ingest.stop()
-                ray.kill(registry)  # the node proxies it owns end with it
+                for proxy in [registry, *owned]:  # the node proxies the registry owns end with it
+                    ray.kill(proxy)
                 report = writer.finish() if writer is not None else None
                 if report is not None and report.unstored:
                     log.warning("%s", report.summary(self.store.path))
