@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -325,6 +326,9 @@ def main() -> None:
         print(f"{'from a remote node':<28} {remote:>9,.0f}  (target >= 3,000)")
         print(f"{'local, the same writer':<28} {local:>9,.0f}  (the same writer, no hand-off)")
         ray.shutdown()
+    except BaseException:
+        traceback.print_exc()  # now: stopping the nodes ends this process (Ray's client loses its GCS) before Python would
+        raise
     finally:
         for node in reversed(nodes):
             stop(node)

@@ -666,13 +666,13 @@ class _Run:
 
             try:
                 while queue or self.inflight:
-                    while queue and len(self.inflight) < self.pool.options.concurrency:
-                        self._submit(queue.popleft(), ended)
+                    self._fill(queue, ended)
                     self.tally.running = len(self.inflight)
                     bar.update(job, description=self.tally.describe())
                     if self.ingest.error is not None:
                         raise LcapError(f"the turns of the nodes cannot reach the store: {self.ingest.error}")
                     finished, lost = self._collect()
+                    self._fill(queue, ended)  # the slots of the episodes that ended, before waiting for their turns
                     self._record(finished, ended)
                     for attempt, why in lost:
                         self._retry(attempt, why, queue, ended)
@@ -680,6 +680,10 @@ class _Run:
             except BaseException:
                 self._interrupt(ended)
                 raise
+
+    def _fill(self, queue: deque[_Attempt], ended) -> None:
+        while queue and len(self.inflight) < self.pool.options.concurrency:
+            self._submit(queue.popleft(), ended)
 
     def _submit(self, attempt: _Attempt, ended) -> None:
         spec = attempt.spec
