@@ -21,6 +21,10 @@ says its answer again at call 3. Every word is one token after a space, the same
 the answer. What RL must learn is to look the words up, the rule, and the format, on word triples it never saw.
 Calls 2 and 3 reach the policy as prompts stitched onto the previous call's exact ids; build-dataset merges an
 episode's calls into one sample whose tool results and observations are environment tokens (env_mask 0).
+
+RL steps at a third of the number task's learning rate: a sample here trains on three calls' tokens, the lookup's
+JSON among them, and at the number task's rate a round's update overshoots (in benchmarks/demo_sweep.py the second
+round leaves a policy that answers nothing well-formed).
 """
 
 from __future__ import annotations
@@ -163,6 +167,6 @@ TASK = DemoTask(
     agent_command,
     functools.partial(make_tasks, form=tool_task),
     demo_corpus,
-    defaults={"warm_up_steps": 300, "warm_steps": 200, "warm_batch_size": 32, "warm_examples": 2000},
+    defaults={"warm_up_steps": 300, "warm_steps": 200, "warm_batch_size": 32, "warm_examples": 2000, "lr": 1e-3},
     warm_up=number_corpus,
 )
