@@ -327,7 +327,7 @@ def main() -> None:
         print(f"{'local, the same writer':<28} {local:>9,.0f}  (the same writer, no hand-off)")
         ray.shutdown()
     except BaseException:
-        traceback.print_exc()  # now: stopping the nodes ends this process (Ray's client loses its GCS) before Python would
+        traceback.print_exc()  # here: stopping the nodes ends this process (its Ray client loses the GCS) first
         raise
     finally:
         for node in reversed(nodes):
