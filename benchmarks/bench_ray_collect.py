@@ -52,7 +52,7 @@ with httpx.Client(timeout=30) as client:  # HTTPS_PROXY and lcap's CA from the e
     for i in range(task["calls"]):
         r = client.post("https://api.openai.com/v1/chat/completions",
                         json={"model": "m", "messages": [{"role": "user", "content": f"{task['q']} {i}"}]},
-                        headers={"authorization": "Bearer sk-bench"})
+                        headers={"authorization": "Bearer bench-placeholder"})
         r.raise_for_status()
 open("answer.txt", "w").write(task["q"])
 """

@@ -117,7 +117,7 @@ def run_agents(db: Path, stitch: bool, turns: int, episodes: int, bias: str) -> 
 
     with CaptureProxy(Store(db), ProxyOptions(upstream="policy", stitch=stitch)) as proxy:
         for i in range(episodes):
-            env = {**os.environ, **proxy.child_env(f"t{turns}-e{i}"), "OPENAI_API_KEY": "sk-bench"}
+            env = {**os.environ, **proxy.child_env(f"t{turns}-e{i}"), "OPENAI_API_KEY": "bench-placeholder"}
             question = QUESTIONS[i % len(QUESTIONS)]
             cmd = [sys.executable, str(AGENT), "--question", question, "--model", "gpt-4o", "--turns", str(turns)]
             subprocess.run([*cmd, "--max-tokens", "16", "--logit-bias", bias], env=env, check=True, timeout=900)

@@ -53,7 +53,7 @@ def _write_config(upstream_url: str, workdir: Path) -> Path:
                 "litellm_params": {
                     "model": f"openai/{MODEL}",
                     "api_base": upstream_url.rstrip("/") + "/v1",
-                    "api_key": "sk-upstream",
+                    "api_key": "upstream-placeholder",
                 },
             }
         ],

@@ -571,7 +571,7 @@ def roundtrip(ctx: Context) -> Result:
                 answer = client.post(
                     "https://api.openai.com/v1/chat/completions",
                     json={"model": "gpt-doctor", "messages": [{"role": "user", "content": "are you there?"}]},
-                    headers={"Authorization": "Bearer sk-lcap-doctor-not-a-key"},
+                    headers={"Authorization": "Bearer lcap-doctor-placeholder"},
                 )
             if answer.status_code != 200 or _ANSWER not in answer.text:
                 return Result.fail(

@@ -225,7 +225,7 @@ def run_demo(
         started = True
     timings["server"] = time.perf_counter() - t0 - timings["model"]
 
-    os.environ.setdefault("OPENAI_API_KEY", "sk-demo-not-a-real-key")  # the agent wants one; the proxy drops it
+    os.environ.setdefault("OPENAI_API_KEY", "demo-placeholder")  # the agent wants one; the proxy drops it
     config = LoopConfig(
         run=out / "run",
         rounds=rounds,

@@ -169,7 +169,8 @@ def test_a_checkpoint_reloaded_in_place_passes_the_guard_as_its_deployment(vllm_
 
     # The session's server may run a copy of the tiny model whose config a test before changed: the checkpoint is
     # made from what it runs (the same weights), so it can reload in place.
-    pid, running = read_policy().pid, Path(read_policy().base_model)
+    record = read_policy()
+    pid, running = record.pid, Path(record.base_model)
     checkpoint = perturbed_checkpoint(running, tmp_path / "round-1" / "checkpoint")
     try:
         name = deploy(checkpoint, name="tiny-r1", round=1)
