@@ -175,7 +175,9 @@ def main() -> None:
         for task in tasks:
             for _ in range(n):
                 messages = [{"role": "system", "content": agent.SYSTEM}, {"role": "user", "content": task["question"]}]
-                runs.append(dict(task=task, messages=messages, segments=[segment(encode(render(messages)))], said=""))
+                runs.append(
+                    dict(task=task, messages=messages, segments=[segment(encode(render(messages)))], said="", found=0)
+                )
         for call in range(TURNS):
             prompts = [r["segments"][-1]["prompt_ids"] + r["segments"][-1]["completion_ids"] for r in runs]
             for r, (completion, logprobs, cut) in zip(runs, generate(model, prompts, MAX_TOKENS)):
@@ -189,9 +191,10 @@ def main() -> None:
                 for block in TOOL_CALL.findall(text):
                     try:
                         parsed = json.loads(block)
-                        calls.append((parsed["name"], json.dumps(parsed.get("arguments", {}))))
+                        if isinstance(parsed["name"], str) and isinstance(parsed.get("arguments", {}), dict):
+                            calls.append((parsed["name"], json.dumps(parsed.get("arguments", {}))))
                     except (ValueError, KeyError, TypeError):
-                        pass
+                        pass  # not a call the parser would pass on
                 content = text[: text.find("<tool_call>")].strip() if calls else text
                 r["said"] = content
                 messages = r["messages"]
@@ -209,6 +212,7 @@ def main() -> None:
                     except (ValueError, AttributeError):
                         query = ""
                     result = agent.lookup(str(query), r["task"]["facts"])
+                    r["found"] |= not result.startswith("no entry")
                     messages.append({"role": "tool", "tool_call_id": f"call_{k}", "content": result})
                 if not calls:
                     observation = agent.lookup(r["task"]["question"], r["task"]["facts"])
@@ -229,6 +233,7 @@ def main() -> None:
                 segments=r["segments"],
                 cut=any(s["truncated"] for s in r["segments"]),
                 turns=len(r["segments"]),
+                found=r["found"],
                 **score(r["task"]["answer"], r["said"]),
             )
             for r in runs
@@ -246,7 +251,11 @@ def main() -> None:
         return (
             f"reward {sum(r['reward'] for r in rows) / n:.3f} (well-formed {sum(r['well_formed'] for r in rows) / n:.2f},"
             f" right {sum(r['right'] for r in rows) / n:.2f}, cut off {sum(r['cut'] for r in rows) / n:.2f}"
-            + (f", samples/episode {samples:.2f})" if kind.name == "tools" else ")")
+            + (
+                f", looked the words up {sum(r['found'] for r in rows) / n:.2f}, samples/episode {samples:.2f})"
+                if kind.name == "tools"
+                else ")"
+            )
         )
 
     store = Store(work / "lcap.duckdb")
