@@ -85,6 +85,7 @@ TAKE_RECORDS = 2000  # a take's bound, the writer's batch
 TAKE_BYTES = 32 << 20
 TAKE_WAIT_S = 0.5  # a take waits this long on the node for a record (long poll)
 STOP_S = 20.0  # node proxies' drain at the end of the run
+PLACE_S = 0.5  # how long a collect's first episodes wait for its node proxies to have their workers
 MAX_TEMPLATE_BYTES = 1 << 30  # a template directory shipped through the object store
 SPOOL_DIR = "ray-spool"  # under the node's LCAP_HOME
 
@@ -113,38 +114,63 @@ class NodeProxy:
     Runs as a threaded Ray actor: episodes' flushes wait while the driver takes turns."""
 
     def __init__(self, config: NodeConfig) -> None:
-        from lcap.capture.server import CaptureProxy
-
+        """Nothing slow: the actor is alive as soon as it has a worker (`placed`); `start` starts the proxy."""
+        self.config = config
         self.error: str | None = None
         self.groups: dict[str, int] = {}  # episode -> its agent's process group
         self.lock = threading.Lock()
-        root = private_dir(lcap_home() / SPOOL_DIR)
-        _remove_dead_spools(root)
-        directory = root / f"{os.getpid()}-{config.run}"
-        if config.policy is not None:
-            record = directory.with_name(directory.name + ".policy.json")
-            fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it may hold the replicas' key
-            with os.fdopen(fd, "w") as f:
-                f.write(config.policy)
-            os.environ["LCAP_POLICY_RECORD"] = str(record)  # this actor's process: what its Router reads
-        self.outbox = Outbox(directory, AESGCM(config.key))
+        self.started = threading.Event()
+        self.outbox: Outbox | None = None
+        self.proxy: Any = None
+
+    def placed(self) -> int:
+        """Its worker's pid, once this actor has its worker process (before its proxy started)."""
+        return os.getpid()
+
+    def start(self) -> None:
+        """Start the proxy (its CA, the upstream's probe, its port); every other call waits for it."""
         try:
+            from lcap.capture.server import CaptureProxy
+
+            config = self.config
+            root = private_dir(lcap_home() / SPOOL_DIR)
+            _remove_dead_spools(root)
+            directory = root / f"{os.getpid()}-{config.run}"
+            if config.policy is not None:
+                record = directory.with_name(directory.name + ".policy.json")
+                fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it may hold the replicas' key
+                with os.fdopen(fd, "w") as f:
+                    f.write(config.policy)
+                os.environ["LCAP_POLICY_RECORD"] = str(record)  # this actor's process: what its Router reads
+            self.outbox = Outbox(directory, AESGCM(config.key))
             self.proxy = CaptureProxy(None, config.options, writer=self.outbox, policy_key=config.policy_key)
             self.proxy.start()
         except LcapError as exc:
             self.error = str(exc)
         except Exception as exc:  # the driver says it in one line (episodes on this node end with it), no traceback
             self.error = f"{exc.__class__.__name__}: {_first_line(exc)}"
+        finally:
+            self.started.set()
 
     def ready(self) -> str | None:
         """None once the proxy listens; else why it could not start."""
+        if not self.started.wait(PROXY_START_S):
+            return f"the capture proxy did not start in {PROXY_START_S:g}s"
         return self.error
+
+    def _outbox(self) -> Outbox:
+        """The outbox, once `start` has made it (the driver's takes may come first)."""
+        self.started.wait(PROXY_START_S)
+        if self.outbox is None:
+            raise RuntimeError(f"this node's capture proxy did not start: {self.error}")
+        return self.outbox
 
     def set_policy(self, policy: str) -> None:
         """A new policy record (a deploy between two collects of a loop): written over this proxy's copy, which its
         Router reads again when the file changes. Returns once any call routed from now on is routed by it: the
         Router looks at the file at most `REFRESH_S` after its last look."""
-        record = self.outbox.directory.with_name(self.outbox.directory.name + ".policy.json")
+        outbox = self._outbox()
+        record = outbox.directory.with_name(outbox.directory.name + ".policy.json")
         tmp = record.with_name(record.name + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -153,6 +179,7 @@ class NodeProxy:
         time.sleep(REFRESH_S)
 
     def child_env(self, episode_id: str, base: Mapping[str, str]) -> dict[str, str]:
+        self._outbox()
         return self.proxy.child_env(episode_id, base)
 
     def adopt(self, episode_id: str, pgid: int) -> None:
@@ -166,10 +193,11 @@ class NodeProxy:
             self.groups.pop(episode_id, None)
 
     def flush(self, episode_id: str, timeout: float) -> bool:
+        self._outbox()
         return self.proxy.flush(episode_id, timeout=timeout)
 
     def take(self, after: Position | None, limit: int, max_bytes: int, wait: float) -> Taken:
-        return self.outbox.take(after, limit=limit, max_bytes=max_bytes, wait=wait)
+        return self._outbox().take(after, limit=limit, max_bytes=max_bytes, wait=wait)
 
     def fence(self, episode_ids: list[str], timeout: float) -> bool:
         """End these episodes here: kill their agents, let their calls finish and wait for the driver to take their
@@ -179,9 +207,10 @@ class NodeProxy:
                 group = self.groups.pop(eid, None)
             if group is not None:
                 kill_group(group, grace=1.0)
-        if self.error is not None:
-            return True
         deadline = time.monotonic() + timeout
+        self.started.wait(timeout)
+        if self.proxy is None or self.error is not None:
+            return True
         return all(self.proxy.flush(eid, timeout=max(0.0, deadline - time.monotonic())) for eid in episode_ids)
 
     def kill_all(self) -> int:
@@ -195,9 +224,11 @@ class NodeProxy:
         """Kill what agents are left, stop the proxy (the driver takes its last turns, for up to `timeout`
         seconds), delete its spool; returns the turns it never handed off."""
         self.kill_all()
-        report = self.proxy.stop(drain=min(timeout, 10.0)) if self.error is None else None
-        self.outbox.remove()
-        self.outbox.directory.with_name(self.outbox.directory.name + ".policy.json").unlink(missing_ok=True)
+        self.started.wait(timeout)
+        report = self.proxy.stop(drain=min(timeout, 10.0)) if self.proxy is not None and self.error is None else None
+        if self.outbox is not None:
+            self.outbox.remove()
+            self.outbox.directory.with_name(self.outbox.directory.name + ".policy.json").unlink(missing_ok=True)
         return report.unstored if report is not None else 0
 
 
@@ -214,26 +245,26 @@ def _remove_dead_spools(root: Path) -> None:
 
 
 def _start_proxy(config: NodeConfig, node_id: str) -> Any:
-    """A node proxy pinned to `node_id`, owned by the caller (it ends when its owner does)."""
-    return _NodeProxyActor.options(
+    """A node proxy pinned to `node_id`, owned by the caller (it ends when its owner does), starting."""
+    handle: Any = _NodeProxyActor.options(
         num_cpus=0,
         max_concurrency=config.max_concurrency,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     ).remote(config)
+    handle.start.remote()
+    return handle
 
 
 class _Proxies:
     """The registry of a run's node proxies: starts one on a node when its first episode there asks for it, and owns
     them, so that they end with it (and it ends with the driver that owns it). `started`: the proxies the driver
-    started with it, by node (the driver owns those and ends them)."""
+    started with it, by node, with their keys (the driver owns those and ends them)."""
 
-    def __init__(self, config: NodeConfig, started: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, config: NodeConfig, started: Mapping[str, tuple[str, Any]] | None = None) -> None:
         self.config = config
         self.proxies: dict[str, tuple[str, Any]] = {}  # node id -> (this proxy's key, its handle)
-        self.started = 0
-        for node_id, handle in (started or {}).items():
-            self.started += 1
-            self.proxies[node_id] = (f"{node_id}#{self.started}", handle)
+        self.proxies.update(started or {})
+        self.started = len(self.proxies)
 
     def get(self, node_id: str, lost: str | None = None) -> Any:
         """The node's proxy, started if it has none; `lost`: the actor id of a proxy found dead there, replaced
@@ -286,14 +317,20 @@ class _Report:
     node: str = ""
 
 
-def _episode_task(proxies: Any, spec: EpisodeSpec, rules: EpisodeRules, archive: bytes | None) -> _Report:
+def _episode_task(
+    proxies: Any, started: list[Any], spec: EpisodeSpec, rules: EpisodeRules, archive: bytes | None
+) -> _Report:
+    """`started`: [a reference to the proxies the driver started, by node] (in a list, so that Ray passes the
+    reference and the task reads it only if its worker has no proxy for this node yet)."""
     context = ray.get_runtime_context()
     node = context.get_node_id()
     where = f"{ray.util.get_node_ip_address()} ({node[:8]})"
     cached = (proxies._actor_id.hex(), node)  # this run's registry, this node
     eid = spec.episode_id
     try:
-        proxy, lost = _node_proxy.get(cached), None
+        proxy: Any = _node_proxy.get(cached)
+        lost: str | None = None
+        env: dict[str, str] | None = None
         if proxy is not None:
             try:
                 env = ray.get(proxy.child_env.remote(eid, dict(os.environ)), timeout=CALL_S)
@@ -301,9 +338,20 @@ def _episode_task(proxies: Any, spec: EpisodeSpec, rules: EpisodeRules, archive:
                 # its collects): nothing of this episode ran yet, so it asks the registry for the node's next proxy
                 lost, proxy = proxy._actor_id.hex(), None
                 _node_proxy.pop(cached, None)
-        if proxy is None:
-            proxy = ray.get(proxies.get.remote(node, lost), timeout=CALL_S)
-            error = ray.get(proxy.ready.remote(), timeout=PROXY_START_S)
+        if env is None:
+            error: str | None = None
+            if lost is None and started:
+                # The proxy the driver started on this node, if any: no call to the registry, which may still be
+                # starting. Else (a node that joined since, or whose proxy was lost) the registry starts one here.
+                proxy = ray.get(started[0], timeout=CALL_S).get(node)
+                if proxy is not None:
+                    try:
+                        error = ray.get(proxy.ready.remote(), timeout=PROXY_START_S)
+                    except ray.exceptions.RayActorError:
+                        lost, proxy = proxy._actor_id.hex(), None
+            if proxy is None:
+                proxy = ray.get(proxies.get.remote(node, lost), timeout=CALL_S)
+                error = ray.get(proxy.ready.remote(), timeout=PROXY_START_S)
             if error is not None:
                 return _Report(proxy_error=error, node=where)
             _node_proxy.clear()  # a worker serves one run at a time: older runs' proxies are gone
@@ -351,10 +399,13 @@ class _Source:
 class _Ingest:
     """The driver's thread that takes the node proxies' turns and appends them to the one writer's spool."""
 
-    def __init__(self, proxies: Any, writer: TurnWriter, key: bytes) -> None:
+    def __init__(self, proxies: Any, writer: TurnWriter, key: bytes, started: Mapping[str, Any] | None = None) -> None:
+        """`started`: the proxies the driver started, by key, taken from at once (the registry, which lists them
+        too, may still be starting)."""
         self.proxies, self.writer = proxies, writer
         self.source_cipher = AESGCM(key)
-        self.sources: dict[str, _Source] = {}
+        self.sources: dict[str, _Source] = {key: _Source(proxy) for key, proxy in (started or {}).items()}
+        self._known: Any = None  # the registry's list, asked for
         self.appending = threading.Lock()  # held while a batch is appended: `settle` waits for it
         self.moved = threading.Condition()
         self.records = 0
@@ -405,10 +456,19 @@ class _Ingest:
             log.error("lcap: the driver stopped taking turns from the nodes: %s", _first_line(exc))
 
     def _refresh(self) -> None:
-        if time.monotonic() - self._refreshed < 0.5:
+        """Take from the proxies the registry started too: its list is asked for every half second and read once
+        it came, so that takes never wait for the registry."""
+        if self._known is None:
+            if time.monotonic() - self._refreshed < 0.5:
+                return
+            self._refreshed = time.monotonic()
+            self._known = self.proxies.known.remote()
+        ready, _ = ray.wait([self._known], timeout=0)
+        if not ready:
+            if time.monotonic() - self._refreshed > CALL_S:
+                raise TimeoutError(f"the node proxies' registry did not answer in {CALL_S:g}s")
             return
-        self._refreshed = time.monotonic()
-        known = ray.get(self.proxies.known.remote(), timeout=CALL_S)
+        known, self._known = ray.get(ready[0]), None
         with self.moved:
             for key, proxy in known.items():
                 self.sources.setdefault(key, _Source(proxy))
@@ -458,6 +518,7 @@ class NodeProxies:
         self._shape: tuple[ProxyOptions, int, str | None] | None = None  # what the running proxies were started with
         self._policy: str | None = None
         self._owned: list[Any] = []  # the node proxies started here with the registry (the rest are the registry's)
+        self.started: list[Any] = []  # [a reference to those by node], for the episodes' tasks
         self.starts = 0  # how many times the registry was started (a test and the benchmark read it)
 
     def __enter__(self) -> NodeProxies:
@@ -500,13 +561,25 @@ class NodeProxies:
         elif nodes:
             self.registry.prestart.remote(nodes)  # nodes that joined since, and those whose proxy was lost
 
+    def with_proxy(self, nodes: list[str]) -> list[str]:
+        """`nodes`, those where a proxy of these runs already (kept from an earlier collect) first."""
+        have = {key.split("#", 1)[0] for key in self.ingest.live()} if self.ingest is not None else set()
+        return sorted(nodes, key=lambda node: node not in have)
+
     def _start(self, config: NodeConfig, nodes: list[str]) -> None:
         """The writer, the registry and the proxies of `nodes`: those start here, beside the registry, not by it once
-        it runs (an actor's start each, one after the other), and are handed to it as the nodes' proxies."""
+        it runs (an actor's start each, one after the other), and are handed to it as the nodes' proxies. The
+        episodes' tasks and the ingest get them from here too, so that none waits for the registry's start."""
+        started = {node_id: (f"{node_id}#{i}", _start_proxy(config, node_id)) for i, node_id in enumerate(nodes, 1)}
+        self._owned = [handle for _, handle in started.values()]
+        if self._owned:
+            # An actor takes an idle worker of this job where one is free (an empty actor answers in a fraction of
+            # a new worker process's start), and episodes submitted at once would take them first: they wait (at
+            # most PLACE_S) for the proxies to hold theirs, and start new workers while the proxies start.
+            ray.wait([handle.placed.remote() for handle in self._owned], num_returns=len(self._owned), timeout=PLACE_S)
+        self.started = [ray.put({node_id: handle for node_id, (_, handle) in started.items()})]
         self.writer = TurnWriter(self.store)
         self.writer.start()
-        started = {node_id: _start_proxy(config, node_id) for node_id in nodes}
-        self._owned = list(started.values())
         # The registry owns the proxies it starts, which end with it: on this process's own node (never a worker node
         # that may be lost mid-run, which would take every node's proxy with it), so it fails only with the driver.
         here = ray.get_runtime_context().get_node_id()
@@ -514,7 +587,7 @@ class NodeProxies:
             num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False) if here else None
         ).remote(config, started)
         self.starts += 1
-        self.ingest = _Ingest(self.registry, self.writer, config.key)
+        self.ingest = _Ingest(self.registry, self.writer, config.key, dict(started.values()))
         self.ingest.start()
 
     def close(self) -> None:
@@ -524,7 +597,7 @@ class NodeProxies:
             return
         registry, ingest, writer, owned = self.registry, self.ingest, self.writer, self._owned
         self.registry = self.ingest = self.writer = None
-        self._owned = []
+        self._owned, self.started = [], []
         self._shape = self._policy = None
         with _ignoring_sigint():
             try:
@@ -594,6 +667,9 @@ class RayPool:
         proxies = self.node_proxies or NodeProxies(self.store)
         if proxies.store.path != self.store.path:  # their writer would store this collect's turns elsewhere
             raise ValueError(f"node proxies of {proxies.store.path} used for a collect into {self.store.path}")
+        # Fewer episodes than nodes: they go to as many nodes (soft affinity: elsewhere if that node is lost), those
+        # with a proxy first, and only those nodes start one.
+        pins = proxies.with_proxy(nodes)[: len(specs)] if len(specs) < len(nodes) else []
         try:
             proxies.prepare(
                 self.proxy_options,
@@ -601,11 +677,10 @@ class RayPool:
                 policy=policy,
                 policy_key=policy_key,
                 name=self.tally.result.run_id,
-                # fewer episodes than nodes: which nodes they land on is Ray's choice
-                nodes=nodes if len(specs) >= len(nodes) else [],
+                nodes=pins or nodes,
             )
             assert proxies.registry is not None and proxies.ingest is not None
-            run = _Run(self, proxies.registry, proxies.ingest, ray.put(self.rules), _Templates(self.tasks_dir, specs))
+            run = _Run(self, proxies, ray.put(self.rules), _Templates(self.tasks_dir, specs), pins)
             run.schedule(specs, progress)
         finally:
             if proxies is not self.node_proxies:
@@ -647,9 +722,13 @@ class RayPool:
 class _Run:
     """One run of the pool: the episodes in flight, their retries, Ctrl-C."""
 
-    def __init__(self, pool: RayPool, proxies: Any, ingest: _Ingest, rules_ref: Any, templates: _Templates) -> None:
-        self.pool, self.proxies, self.ingest = pool, proxies, ingest
+    def __init__(
+        self, pool: RayPool, proxies: NodeProxies, rules_ref: Any, templates: _Templates, pins: list[str]
+    ) -> None:
+        assert proxies.ingest is not None
+        self.pool, self.proxies, self.ingest, self.started = pool, proxies.registry, proxies.ingest, proxies.started
         self.rules_ref, self.templates = rules_ref, templates
+        self.pins, self.submitted = pins, 0
         self.store, self.tally = pool.store, pool.tally
         self.inflight: dict[Any, _Attempt] = {}
         self.waiting_since: float | None = None
@@ -694,12 +773,15 @@ class _Run:
             self._finish(spec, EpisodeOutcome("error", None, f"{exc.__class__.__name__}: {exc}"), ended)
             return
         start_episode(self.store, spec)
+        pin = self.pins[self.submitted % len(self.pins)] if self.pins and attempt.number == 1 else None
+        self.submitted += 1
         ref = _episode_remote.options(
             num_cpus=self.pool.options.episode_cpus,
             resources=self.pool.options.resources(),
             max_retries=0,  # a lost episode is run again by the driver, after its partial turns are removed
             retry_exceptions=False,
-        ).remote(self.proxies, spec, self.rules_ref, archive)
+            scheduling_strategy=NodeAffinitySchedulingStrategy(pin, soft=True) if pin else "DEFAULT",
+        ).remote(self.proxies, self.started, spec, self.rules_ref, archive)
         self.inflight[ref] = attempt
 
     def _collect(self) -> tuple[list[tuple[_Attempt, _Report]], list[tuple[_Attempt, str]]]:
