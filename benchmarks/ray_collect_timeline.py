@@ -133,14 +133,13 @@ def driver(args: argparse.Namespace) -> None:
 
     def prepare(self, *a, **k):
         original_prepare(self, *a, **k)
-        t0, registry = time.time(), self.registry
+        registry = self.registry
 
         def wait() -> None:
             ray.get(registry.known.remote())
             mark("registry actor ready (from its creation)", t_registry[0], time.time())
 
         threading.Thread(target=wait, daemon=True).start()
-        del t0
 
     t_registry = [0.0]
     original_actor = ray_collect._ProxiesActor.options
@@ -323,7 +322,6 @@ def main() -> None:
                 "--collects",
                 str(args.repeat),
             ]
-            t0 = time.time()
             run = subprocess.run(command, capture_output=True, text=True)
             lines = [x for x in run.stdout.splitlines() if x.startswith("TIMELINE ")]
             if run.returncode or len(lines) != args.repeat:

@@ -9,9 +9,11 @@ bar, resume. What runs where:
   the outcome (status, reward, details, flags) comes back. A task's `template` directory travels with
   it as an archive in Ray's object store (once per node), its `files` inside the task's spec.
 * Each node that runs an episode has one capture proxy: a `NodeProxy` actor pinned to the node
-  (NodeAffinitySchedulingStrategy), started by the first episode that lands there. Agents reach it on
-  the node's loopback, so their traffic never crosses nodes to be captured and TLS ends where the
-  agent runs. The proxies are owned by one `_Proxies` actor that the driver owns: they end with it.
+  (NodeAffinitySchedulingStrategy). The driver starts those of the nodes the episodes go to before it
+  sends any, and hands them to the tasks and the ingest directly; a node without one (joined since, or
+  its proxy lost) gets one from the `_Proxies` registry actor when its first episode asks. Agents reach
+  it on the node's loopback, so their traffic never crosses nodes to be captured and TLS ends where the
+  agent runs. The driver owns the proxies it starts and the registry, which owns the ones it starts.
   `NodeProxies` holds them with the hand-off below: a collect's own, or the one `lcap loop --ray` keeps
   across its collects (the proxies then start once per node and loop, and take each deploy's record).
 * The proxy's turns go to an `Outbox` (capture/outbox.py), a spool on the node sealed with this run's
@@ -85,7 +87,6 @@ TAKE_RECORDS = 2000  # a take's bound, the writer's batch
 TAKE_BYTES = 32 << 20
 TAKE_WAIT_S = 0.5  # a take waits this long on the node for a record (long poll)
 STOP_S = 20.0  # node proxies' drain at the end of the run
-PLACE_S = 0.5  # how long a collect's first episodes wait for its node proxies to have their workers
 MAX_TEMPLATE_BYTES = 1 << 30  # a template directory shipped through the object store
 SPOOL_DIR = "ray-spool"  # under the node's LCAP_HOME
 
@@ -114,7 +115,8 @@ class NodeProxy:
     Runs as a threaded Ray actor: episodes' flushes wait while the driver takes turns."""
 
     def __init__(self, config: NodeConfig) -> None:
-        """Nothing slow: the actor is alive as soon as it has a worker (`placed`); `start` starts the proxy."""
+        """Nothing slow: the actor is alive once it has its worker process (`placed`), and `start`, called by whoever
+        creates it, starts the proxy, so that where the start's time goes (Ray's worker or lcap's proxy) shows."""
         self.config = config
         self.error: str | None = None
         self.groups: dict[str, int] = {}  # episode -> its agent's process group
@@ -572,11 +574,6 @@ class NodeProxies:
         episodes' tasks and the ingest get them from here too, so that none waits for the registry's start."""
         started = {node_id: (f"{node_id}#{i}", _start_proxy(config, node_id)) for i, node_id in enumerate(nodes, 1)}
         self._owned = [handle for _, handle in started.values()]
-        if self._owned:
-            # An actor takes an idle worker of this job where one is free (an empty actor answers in a fraction of
-            # a new worker process's start), and episodes submitted at once would take them first: they wait (at
-            # most PLACE_S) for the proxies to hold theirs, and start new workers while the proxies start.
-            ray.wait([handle.placed.remote() for handle in self._owned], num_returns=len(self._owned), timeout=PLACE_S)
         self.started = [ray.put({node_id: handle for node_id, (_, handle) in started.items()})]
         self.writer = TurnWriter(self.store)
         self.writer.start()
