@@ -4,15 +4,15 @@
 
 Starts the same two-node `ray start` cluster and asyncio upstream as bench_ray_collect.py, then for each size runs
 REPEAT collects of SIZE episodes (SIZE/2 tasks x 2; one task x 1 for SIZE 1) one after the other in a fresh driver
-process: the first as the `lcap collect --ray` command runs (a new Ray job: `ray.init`, no worker of its own yet), the
-next ones as bench_ray_collect.py's "proxies per collect" path runs (the job's workers warm; a registry and node
-proxies of each collect's own). The
-driver's steps are timed by wrapping dataset/ray_collect.py's functions; a node proxy's creation -> ready by asking
-each new proxy `ready()` from a thread; the agents (bench_ray_collect.py's, plus a timestamp at their start and end)
-write when they ran. Each line is seconds from the collect's call (the driver's `ray.init` included), then
-'+duration' for a step. Then, in one driver, two bare probes of Ray's own cost on a node: an empty actor (defined in
-this small script) from creation to its first answer, and the same pinned to a node whose workers are idle (does an
-actor land on an idle prestarted worker? its pid says).
+process: the first as the `lcap collect --ray` command runs (a new Ray job: `ray.init`, no worker of its own yet),
+the next ones as bench_ray_collect.py's "proxies per collect" path runs (the job's workers warm, node proxies of
+each collect's own). The driver's steps are timed by wrapping dataset/ray_collect.py's functions; a node proxy's
+creation -> on its worker (its `placed()`, with whether that worker process existed before) -> ready (its
+`ready()`) from a thread; the agents (bench_ray_collect.py's, plus a timestamp at their start and end) write when
+they ran. Each line is seconds from the collect's call (the driver's `ray.init` included), then '+duration' for a
+step. Then, in one driver, a bare probe of Ray's own cost on a node: an empty actor (defined in this small script)
+from creation to its first answer, first with no worker of this driver's job on the node, then after tasks of the
+job ran there (does an actor take an idle worker? its pid says).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def driver(args: argparse.Namespace) -> None:
     import_end = time.time()
     wrap(lcap.ray_cluster, "connect", "driver connects (ray.init)")
     wrap(ray_collect.RayPool, "_nodes_that_fit", "nodes that fit (ray.nodes)")
-    wrap(ray_collect.NodeProxies, "_start", "writer + registry + proxies created")
+    wrap(ray_collect.NodeProxies, "_start", "proxies created, writer and ingest started")
     wrap(ray_collect.NodeProxies, "close", "close (end of collect)")
     wrap(ray_collect, "_stop_proxies", "  node proxies stopped, last turns taken")
     wrap(ray_collect._Ingest, "stop", "  ingest thread stopped")
@@ -129,28 +129,6 @@ def driver(args: argparse.Namespace) -> None:
         return handle
 
     ray_collect._start_proxy = start_proxy
-    original_prepare = ray_collect.NodeProxies.prepare
-
-    def prepare(self, *a, **k):
-        original_prepare(self, *a, **k)
-        registry = self.registry
-
-        def wait() -> None:
-            ray.get(registry.known.remote())
-            mark("registry actor ready (from its creation)", t_registry[0], time.time())
-
-        threading.Thread(target=wait, daemon=True).start()
-
-    t_registry = [0.0]
-    original_actor = ray_collect._ProxiesActor.options
-
-    def registry_options(*a, **k):
-        t_registry[0] = time.time()
-        return original_actor(*a, **k)
-
-    ray_collect._ProxiesActor.options = registry_options
-    ray_collect.NodeProxies.prepare = prepare
-
     store = Store(Path(args.db))
     for n in range(args.collects):
         events.clear()

@@ -434,7 +434,7 @@ def test_a_loops_collects_share_the_node_proxies_and_each_sees_the_last_deploy(c
                     node_proxies=proxies,
                 )
                 assert (result.finished, result.failed) == (4, 0)
-                known.append(ray.get(proxies.registry.known.remote(), timeout=60))
+                known.append(proxies.known())
                 if n == 1:  # what `lcap deploy` does once the replica loaded round 1's adapter
                     record = read_policy()
                     record.current = "tiny-r1"
@@ -520,7 +520,7 @@ def test_kept_node_proxies_replace_a_lost_one_and_start_on_a_node_that_joins(clu
             store, tasks=project / "tasks.jsonl", command=command, options=options, progress=False, node_proxies=proxies
         )
         assert (result.finished, result.failed) == (4, 0)
-        return ray.get(proxies.registry.known.remote(), timeout=60)
+        return proxies.known()
 
     try:
         with NodeProxies(store) as proxies:
@@ -528,7 +528,7 @@ def test_kept_node_proxies_replace_a_lost_one_and_start_on_a_node_that_joins(clu
             gone_key, gone = next(iter(first.items()))
             ray.kill(gone, no_restart=True)
             deadline = time.monotonic() + 60
-            while gone_key in ray.get(proxies.registry.known.remote(), timeout=60):  # the ingest saw it die
+            while gone_key in proxies.known():  # the ingest saw it die
                 assert time.monotonic() < deadline
                 time.sleep(0.2)
             with ray_worker(address, tmp / f"joins-{free_port()}.log", num_cpus=1, env=env):
@@ -597,8 +597,8 @@ def test_a_nodes_episodes_start_before_another_nodes_proxy_is_ready(cluster, ups
 
 
 def test_fewer_episodes_than_nodes_start_proxies_only_where_they_run(cluster, upstream, project):
-    """One episode on a two-node cluster: one node proxy is started, by the driver, on the node the episode is then
-    sent to (not by the registry once the episode landed), and the episode runs behind it."""
+    """One episode on a two-node cluster: one node proxy is started, on the node the episode is then sent to, before
+    the episode is sent (not once it landed), and the episode runs behind it."""
     import ray
 
     from lcap.dataset.collect import collect
@@ -621,10 +621,58 @@ def test_fewer_episodes_than_nodes_start_proxies_only_where_they_run(cluster, up
                 progress=False,
                 node_proxies=proxies,
             )
-            known = ray.get(proxies.registry.known.remote(), timeout=60)
+            known = proxies.known()
             started = ray.get(proxies.started[0], timeout=60)  # by the driver, before the episode was sent
     finally:
         ray.shutdown()
     assert (result.finished, result.failed) == (1, 0)
     assert len(known) == 1 and {key.split("#")[0] for key in known} == set(started)
     assert store.fetchall("SELECT count(*) FROM turns") == [(2,)]
+
+
+def test_an_episode_on_a_node_without_a_proxy_comes_back_and_runs_there(
+    cluster, upstream, project, monkeypatch, caplog
+):
+    """No proxy started before the episodes (as on nodes that join mid-run): each node's first episode comes back
+    unrun, the driver starts that node's proxy and sends the episode back there; none counts as lost, one proxy per
+    node, every turn stored once."""
+    import ray
+
+    from lcap.dataset import ray_collect
+    from lcap.dataset.collect import collect
+    from lcap.dataset.options import CollectOptions
+    from lcap.dataset.ray_collect import NodeProxies
+
+    address, _, _ = cluster
+    store, command = _driver_of(project, address)
+    original = NodeProxies._start
+    monkeypatch.setattr(NodeProxies, "_start", lambda self, config, nodes: original(self, config, []))
+    moved = []
+    original_move = ray_collect._Run._move
+
+    def move(self, attempt, report, queue, ended):
+        moved.append(report.node_id)
+        original_move(self, attempt, report, queue, ended)
+
+    monkeypatch.setattr(ray_collect._Run, "_move", move)
+    try:
+        with NodeProxies(store) as proxies:
+            options = CollectOptions(
+                group_size=2, concurrency=2, round=1, upstream=upstream.url, model="m", ray=address
+            )
+            result = collect(
+                store,
+                tasks=project / "tasks.jsonl",
+                command=command,
+                options=options,
+                progress=False,
+                node_proxies=proxies,
+            )
+            known = proxies.known()
+    finally:
+        ray.shutdown()
+    assert (result.finished, result.failed) == (4, 0)
+    assert moved and len(known) == len({key.split("#")[0] for key in known}) <= 2
+    assert set(moved) <= {key.split("#")[0] for key in known}
+    assert store.fetchall("SELECT count(*), count(DISTINCT turn_id) FROM turns") == [(8, 8)]
+    assert "running it again" not in caplog.text
