@@ -193,9 +193,11 @@ def ingest_rate(n: int, node: str, db: Path) -> float:
         def take(self, after, limit, max_bytes, wait):
             return self.outbox.take(after, limit=limit, max_bytes=max_bytes, wait=wait)
 
-    class Registry:
+    class Proxies:
+        """The driver's list of node proxies, here the one filler."""
+
         def __init__(self, proxy) -> None:
-            self.proxy = proxy[0]
+            self.proxy = proxy
 
         def known(self):
             return {"bench#1": self.proxy}
@@ -211,11 +213,10 @@ def ingest_rate(n: int, node: str, db: Path) -> float:
         .remote(n, str(spool / "outbox"), key)
     )
     ray.get(filler.ready.remote())  # filled
-    registry = ray.remote(Registry).options(num_cpus=0).remote([filler])
     store = Store(db)
     writer = TurnWriter(store)
     writer.start()
-    ingest = _Ingest(registry, writer, key)
+    ingest = _Ingest(Proxies(filler), writer, key)
     t0 = time.perf_counter()
     ingest.start()
     while ingest.records < n:

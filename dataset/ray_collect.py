@@ -9,11 +9,13 @@ bar, resume. What runs where:
   the outcome (status, reward, details, flags) comes back. A task's `template` directory travels with
   it as an archive in Ray's object store (once per node), its `files` inside the task's spec.
 * Each node that runs an episode has one capture proxy: a `NodeProxy` actor pinned to the node
-  (NodeAffinitySchedulingStrategy), started by the first episode that lands there. Agents reach it on
-  the node's loopback, so their traffic never crosses nodes to be captured and TLS ends where the
-  agent runs. The proxies are owned by one `_Proxies` actor that the driver owns: they end with it.
-  `NodeProxies` holds them with the hand-off below: a collect's own, or the one `lcap loop --ray` keeps
-  across its collects (the proxies then start once per node and loop, and take each deploy's record).
+  (NodeAffinitySchedulingStrategy), started and owned by the driver, so that it ends with the driver. The
+  driver starts those of the nodes the episodes go to before it sends any; an episode that lands on a node
+  without one (joined since, or its proxy lost) comes back unrun, and the driver starts one there and sends
+  the episode back to that node. Agents reach the proxy on the node's loopback, so their traffic never
+  crosses nodes to be captured and TLS ends where the agent runs. `NodeProxies` holds them with the
+  hand-off below: a collect's own, or the one `lcap loop --ray` keeps across its collects (the proxies then
+  start once per node and loop, and take each deploy's record).
 * The proxy's turns go to an `Outbox` (capture/outbox.py), a spool on the node sealed with this run's
   hand-off key, and the driver's ingest thread takes them in bounded batches, reseals them with this
   home's spool key and appends them to its own `TurnWriter`: the one store writer, with its row
@@ -78,8 +80,9 @@ from lcap.store import Store
 log = logging.getLogger("lcap.dataset")
 
 MAX_ATTEMPTS = 3  # runs of one episode whose node was lost, before it is recorded as an error
+MAX_MOVES = 3  # times one episode is sent back to a node whose proxy was missing, before it is an error
 PROXY_START_S = 120.0  # a node proxy's start: its CA, the upstream's probe, its port
-CALL_S = 60.0  # any other call to a node proxy or the registry
+CALL_S = 60.0  # any other call to a node proxy
 FLUSH_S = 30.0  # an episode's turns reaching the driver after its agent ended
 TAKE_RECORDS = 2000  # a take's bound, the writer's batch
 TAKE_BYTES = 32 << 20
@@ -113,38 +116,64 @@ class NodeProxy:
     Runs as a threaded Ray actor: episodes' flushes wait while the driver takes turns."""
 
     def __init__(self, config: NodeConfig) -> None:
-        from lcap.capture.server import CaptureProxy
-
+        """Nothing slow: the actor is alive once it has its worker process (`placed`), and `start`, called by whoever
+        creates it, starts the proxy, so that where the start's time goes (Ray's worker or lcap's proxy) shows."""
+        self.config = config
         self.error: str | None = None
         self.groups: dict[str, int] = {}  # episode -> its agent's process group
         self.lock = threading.Lock()
-        root = private_dir(lcap_home() / SPOOL_DIR)
-        _remove_dead_spools(root)
-        directory = root / f"{os.getpid()}-{config.run}"
-        if config.policy is not None:
-            record = directory.with_name(directory.name + ".policy.json")
-            fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it may hold the replicas' key
-            with os.fdopen(fd, "w") as f:
-                f.write(config.policy)
-            os.environ["LCAP_POLICY_RECORD"] = str(record)  # this actor's process: what its Router reads
-        self.outbox = Outbox(directory, AESGCM(config.key))
+        self.started = threading.Event()
+        self.outbox: Outbox | None = None
+        self.proxy: Any = None
+
+    def placed(self) -> int:
+        """Its worker's pid, once this actor has its worker process (before its proxy started)."""
+        return os.getpid()
+
+    def start(self) -> None:
+        """Start the proxy (its CA, the upstream's probe, its port); every other call waits for it."""
         try:
+            from lcap.capture.server import CaptureProxy
+
+            config = self.config
+            root = private_dir(lcap_home() / SPOOL_DIR)
+            _remove_dead_spools(root)
+            directory = root / f"{os.getpid()}-{config.run}"
+            if config.policy is not None:
+                record = directory.with_name(directory.name + ".policy.json")
+                fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it may hold the replicas' key
+                with os.fdopen(fd, "w") as f:
+                    f.write(config.policy)
+                os.environ["LCAP_POLICY_RECORD"] = str(record)  # this actor's process: what its Router reads
+            self.outbox = Outbox(directory, AESGCM(config.key))
             self.proxy = CaptureProxy(None, config.options, writer=self.outbox, policy_key=config.policy_key)
             self.proxy.start()
         except LcapError as exc:
             self.error = str(exc)
         except Exception as exc:  # the driver says it in one line (episodes on this node end with it), no traceback
             self.error = f"{exc.__class__.__name__}: {_first_line(exc)}"
+        finally:
+            self.started.set()
 
     def ready(self) -> str | None:
         """None once the proxy listens; else why it could not start."""
+        if not self.started.wait(PROXY_START_S):
+            return f"the capture proxy did not start in {PROXY_START_S:g}s"
         return self.error
+
+    def _outbox(self) -> Outbox:
+        """The outbox, once `start` has made it (the driver's takes may come first)."""
+        self.started.wait(PROXY_START_S)
+        if self.outbox is None:
+            raise RuntimeError(f"this node's capture proxy did not start: {self.error}")
+        return self.outbox
 
     def set_policy(self, policy: str) -> None:
         """A new policy record (a deploy between two collects of a loop): written over this proxy's copy, which its
         Router reads again when the file changes. Returns once any call routed from now on is routed by it: the
         Router looks at the file at most `REFRESH_S` after its last look."""
-        record = self.outbox.directory.with_name(self.outbox.directory.name + ".policy.json")
+        outbox = self._outbox()
+        record = outbox.directory.with_name(outbox.directory.name + ".policy.json")
         tmp = record.with_name(record.name + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -153,6 +182,7 @@ class NodeProxy:
         time.sleep(REFRESH_S)
 
     def child_env(self, episode_id: str, base: Mapping[str, str]) -> dict[str, str]:
+        self._outbox()
         return self.proxy.child_env(episode_id, base)
 
     def adopt(self, episode_id: str, pgid: int) -> None:
@@ -166,10 +196,11 @@ class NodeProxy:
             self.groups.pop(episode_id, None)
 
     def flush(self, episode_id: str, timeout: float) -> bool:
+        self._outbox()
         return self.proxy.flush(episode_id, timeout=timeout)
 
     def take(self, after: Position | None, limit: int, max_bytes: int, wait: float) -> Taken:
-        return self.outbox.take(after, limit=limit, max_bytes=max_bytes, wait=wait)
+        return self._outbox().take(after, limit=limit, max_bytes=max_bytes, wait=wait)
 
     def fence(self, episode_ids: list[str], timeout: float) -> bool:
         """End these episodes here: kill their agents, let their calls finish and wait for the driver to take their
@@ -179,9 +210,10 @@ class NodeProxy:
                 group = self.groups.pop(eid, None)
             if group is not None:
                 kill_group(group, grace=1.0)
-        if self.error is not None:
-            return True
         deadline = time.monotonic() + timeout
+        self.started.wait(timeout)
+        if self.proxy is None or self.error is not None:
+            return True
         return all(self.proxy.flush(eid, timeout=max(0.0, deadline - time.monotonic())) for eid in episode_ids)
 
     def kill_all(self) -> int:
@@ -195,9 +227,11 @@ class NodeProxy:
         """Kill what agents are left, stop the proxy (the driver takes its last turns, for up to `timeout`
         seconds), delete its spool; returns the turns it never handed off."""
         self.kill_all()
-        report = self.proxy.stop(drain=min(timeout, 10.0)) if self.error is None else None
-        self.outbox.remove()
-        self.outbox.directory.with_name(self.outbox.directory.name + ".policy.json").unlink(missing_ok=True)
+        self.started.wait(timeout)
+        report = self.proxy.stop(drain=min(timeout, 10.0)) if self.proxy is not None and self.error is None else None
+        if self.outbox is not None:
+            self.outbox.remove()
+            self.outbox.directory.with_name(self.outbox.directory.name + ".policy.json").unlink(missing_ok=True)
         return report.unstored if report is not None else 0
 
 
@@ -214,63 +248,71 @@ def _remove_dead_spools(root: Path) -> None:
 
 
 def _start_proxy(config: NodeConfig, node_id: str) -> Any:
-    """A node proxy pinned to `node_id`, owned by the caller (it ends when its owner does)."""
-    return _NodeProxyActor.options(
+    """A node proxy pinned to `node_id`, owned by this process (it ends with it), starting."""
+    handle: Any = _NodeProxyActor.options(
         num_cpus=0,
         max_concurrency=config.max_concurrency,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     ).remote(config)
+    handle.start.remote()
+    return handle
 
 
 class _Proxies:
-    """The registry of a run's node proxies: starts one on a node when its first episode there asks for it, and owns
-    them, so that they end with it (and it ends with the driver that owns it). `started`: the proxies the driver
-    started with it, by node (the driver owns those and ends them)."""
+    """A run's node proxies, one per node, held by the driver, which starts them and owns them (they end with it:
+    no actor of a run outlives its driver). Thread-safe: the ingest thread forgets the ones it finds dead."""
 
-    def __init__(self, config: NodeConfig, started: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, config: NodeConfig) -> None:
         self.config = config
         self.proxies: dict[str, tuple[str, Any]] = {}  # node id -> (this proxy's key, its handle)
-        self.started = 0
-        for node_id, handle in (started or {}).items():
-            self.started += 1
-            self.proxies[node_id] = (f"{node_id}#{self.started}", handle)
+        self.every: list[Any] = []  # every proxy started, dead ones included: all are killed at the end
+        self.lock = threading.Lock()
+        self.ref: Any = ray.put({})  # {node id: handle} in the object store, for the episodes' tasks
 
-    def get(self, node_id: str, lost: str | None = None) -> Any:
-        """The node's proxy, started if it has none; `lost`: the actor id of a proxy found dead there, replaced
-        now if it is still the node's (the ingest finds it dead too, later)."""
-        if lost is not None and node_id in self.proxies and self.proxies[node_id][1]._actor_id.hex() == lost:
-            del self.proxies[node_id]
-        if node_id not in self.proxies:
-            self.started += 1
-            self.proxies[node_id] = (f"{node_id}#{self.started}", _start_proxy(self.config, node_id))
-        return self.proxies[node_id][1]
+    def ensure(self, node_ids: Iterable[str]) -> None:
+        """A proxy on each of these nodes, started now where there is none."""
+        with self.lock:
+            missing = [node_id for node_id in node_ids if node_id not in self.proxies]
+            for node_id in missing:
+                handle = _start_proxy(self.config, node_id)
+                self.every.append(handle)
+                self.proxies[node_id] = (f"{node_id}#{len(self.every)}", handle)
+            if missing:
+                self.ref = ray.put({node_id: handle for node_id, (_, handle) in self.proxies.items()})
 
-    def prestart(self, node_ids: list[str]) -> None:
-        """Start the proxies of the nodes episodes will run on now, while the episodes' workers start: a node's
-        first episode then waits for the longer of the two starts, not for both in turn."""
-        for node_id in node_ids:
-            self.get(node_id)
+    def replace(self, node_id: str, lost: str | None) -> None:
+        """An episode found no live proxy on `node_id` (`lost`: the actor id of the one it found dead): start one,
+        unless another replaced it meanwhile."""
+        with self.lock:
+            if lost and node_id in self.proxies and self.proxies[node_id][1]._actor_id.hex() == lost:
+                del self.proxies[node_id]
+        self.ensure([node_id])
 
-    def set_policy(self, policy: str) -> None:
-        """A new policy record for every proxy, those running and those started from now on."""
-        self.config = replace(self.config, policy=policy)
-        calls = [handle.set_policy.remote(policy) for _, handle in self.proxies.values()]
-        if calls:
-            ray.wait(calls, num_returns=len(calls), timeout=CALL_S)  # a proxy that is gone is the ingest's to see
+    def set_policy(self, policy: str) -> bool:
+        """A new policy record for every proxy, those running and those started from now on; False if a proxy did
+        not answer in time (one that is gone is the ingest's to see)."""
+        with self.lock:
+            self.config = replace(self.config, policy=policy)
+            calls = [handle.set_policy.remote(policy) for _, handle in self.proxies.values()]
+        if not calls:
+            return True
+        _, late = ray.wait(calls, num_returns=len(calls), timeout=CALL_S)
+        return not late
 
     def known(self) -> dict[str, Any]:
         """Every proxy started and not forgotten, by key (a node's proxy started again has a new key)."""
-        return {key: handle for key, handle in self.proxies.values()}
+        with self.lock:
+            return {key: handle for key, handle in self.proxies.values()}
 
     def forget(self, key: str) -> None:
-        """A proxy that died: the next episode on its node (if the node lives) starts another."""
+        """A proxy that died: the next episode on its node (if the node lives) has another started."""
         node_id = key.split("#", 1)[0]
-        if node_id in self.proxies and self.proxies[node_id][0] == key:
-            del self.proxies[node_id]
+        with self.lock:
+            if node_id in self.proxies and self.proxies[node_id][0] == key:
+                del self.proxies[node_id]
 
 
 _NodeProxyActor = ray.remote(NodeProxy)
-_ProxiesActor = ray.remote(_Proxies)
 
 
 # --- on each node: one episode ------------------------------------------------------------------------
@@ -284,26 +326,39 @@ class _Report:
     lost: str | None = None  # its node proxy went away mid-episode: run it again
     proxy_error: str | None = None  # the node's capture proxy could not start
     node: str = ""
+    # Nothing ran: its node has no proxy yet ("") or the one there is dead (its actor id). The driver starts one
+    # there and sends the episode back to that node.
+    no_proxy: str | None = None
+    node_id: str = ""
 
 
-def _episode_task(proxies: Any, spec: EpisodeSpec, rules: EpisodeRules, archive: bytes | None) -> _Report:
+def _episode_task(
+    run: str, started: list[Any], spec: EpisodeSpec, rules: EpisodeRules, archive: bytes | None
+) -> _Report:
+    """`started`: [a reference to the run's node proxies by node] (in a list, so that Ray passes the reference and
+    the task reads it only if its worker has no proxy for this node yet)."""
     context = ray.get_runtime_context()
     node = context.get_node_id()
     where = f"{ray.util.get_node_ip_address()} ({node[:8]})"
-    cached = (proxies._actor_id.hex(), node)  # this run's registry, this node
+    cached = (run, node)
     eid = spec.episode_id
     try:
-        proxy, lost = _node_proxy.get(cached), None
+        proxy: Any = _node_proxy.get(cached)
         if proxy is not None:
             try:
                 env = ray.get(proxy.child_env.remote(eid, dict(os.environ)), timeout=CALL_S)
             except ray.exceptions.RayActorError:  # gone since an earlier episode here (proxies a loop keeps across
-                # its collects): nothing of this episode ran yet, so it asks the registry for the node's next proxy
-                lost, proxy = proxy._actor_id.hex(), None
+                # its collects): nothing of this episode ran yet, so the driver starts another and sends it back
                 _node_proxy.pop(cached, None)
-        if proxy is None:
-            proxy = ray.get(proxies.get.remote(node, lost), timeout=CALL_S)
-            error = ray.get(proxy.ready.remote(), timeout=PROXY_START_S)
+                return _Report(no_proxy=proxy._actor_id.hex(), node=where, node_id=node)
+        else:
+            proxy = ray.get(started[0], timeout=CALL_S).get(node)
+            if proxy is None:  # a node that joined since the run's proxies started
+                return _Report(no_proxy="", node=where, node_id=node)
+            try:
+                error = ray.get(proxy.ready.remote(), timeout=PROXY_START_S)
+            except ray.exceptions.RayActorError:
+                return _Report(no_proxy=proxy._actor_id.hex(), node=where, node_id=node)
             if error is not None:
                 return _Report(proxy_error=error, node=where)
             _node_proxy.clear()  # a worker serves one run at a time: older runs' proxies are gone
@@ -325,7 +380,7 @@ def _episode_task(proxies: Any, spec: EpisodeSpec, rules: EpisodeRules, archive:
         finally:
             proxy.release.remote(eid)
     except ray.exceptions.RayError as exc:
-        _node_proxy.pop(cached, None)  # the next episode here asks the registry again (it may start another)
+        _node_proxy.pop(cached, None)  # the next episode here looks for the node's proxy again
         return _Report(lost=f"its node's capture proxy was lost: {_first_line(exc)}", node=where)
     return _Report(outcome=outcome, node=where)
 
@@ -351,7 +406,7 @@ class _Source:
 class _Ingest:
     """The driver's thread that takes the node proxies' turns and appends them to the one writer's spool."""
 
-    def __init__(self, proxies: Any, writer: TurnWriter, key: bytes) -> None:
+    def __init__(self, proxies: _Proxies, writer: TurnWriter, key: bytes) -> None:
         self.proxies, self.writer = proxies, writer
         self.source_cipher = AESGCM(key)
         self.sources: dict[str, _Source] = {}
@@ -361,7 +416,6 @@ class _Ingest:
         self.lost: list[str] = []  # node proxies found dead
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lcap-ray-ingest", daemon=True)
-        self._refreshed = 0.0
         self.error: BaseException | None = None
 
     def start(self) -> None:
@@ -405,10 +459,7 @@ class _Ingest:
             log.error("lcap: the driver stopped taking turns from the nodes: %s", _first_line(exc))
 
     def _refresh(self) -> None:
-        if time.monotonic() - self._refreshed < 0.5:
-            return
-        self._refreshed = time.monotonic()
-        known = ray.get(self.proxies.known.remote(), timeout=CALL_S)
+        known = self.proxies.known()
         with self.moved:
             for key, proxy in known.items():
                 self.sources.setdefault(key, _Source(proxy))
@@ -424,7 +475,7 @@ class _Ingest:
                 source.dead = True
                 self.lost.append(node)
                 self.moved.notify_all()
-            self.proxies.forget.remote(node)
+            self.proxies.forget(node)
             return
         with self.appending:
             for payload in taken.records:
@@ -437,8 +488,8 @@ class _Ingest:
 
 
 class NodeProxies:
-    """The node proxies of one or more collects, the registry that owns them, and the hand-off of their turns to the
-    store (the ingest thread and the one writer).
+    """The node proxies of one or more collects and the hand-off of their turns to the store (the ingest thread and
+    the one writer).
 
     A standalone `lcap collect --ray` has its own, stopped at its end. `lcap loop --ray` keeps one for all its
     collects (each round's and each held-out one): a node's proxy is started once, by the first collect that runs
@@ -452,19 +503,32 @@ class NodeProxies:
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self.registry: Any = None
+        self.proxies: _Proxies | None = None
         self.ingest: _Ingest | None = None
         self.writer: TurnWriter | None = None
         self._shape: tuple[ProxyOptions, int, str | None] | None = None  # what the running proxies were started with
         self._policy: str | None = None
-        self._owned: list[Any] = []  # the node proxies started here with the registry (the rest are the registry's)
-        self.starts = 0  # how many times the registry was started (a test and the benchmark read it)
+        self.starts = 0  # how many times the proxies and their hand-off were started (a test and the benchmark read it)
 
     def __enter__(self) -> NodeProxies:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @property
+    def started(self) -> list[Any]:
+        """[a reference to the running proxies by node], what the episodes' tasks are given."""
+        return [self.proxies.ref] if self.proxies is not None else []
+
+    @property
+    def run(self) -> str:
+        """Names the running proxies (an episode's worker keeps its node's proxy under it)."""
+        return self.proxies.config.run if self.proxies is not None else ""
+
+    def known(self) -> dict[str, Any]:
+        """The live proxies, by key."""
+        return self.proxies.known() if self.proxies is not None else {}
 
     def prepare(
         self,
@@ -479,52 +543,50 @@ class NodeProxies:
         """Ready for a collect: started (or kept, with `policy` pushed to them if it changed), and the proxies of
         `nodes` starting."""
         shape = (options, max_concurrency, policy_key)
-        if self.registry is not None and (shape != self._shape or (self.ingest and self.ingest.error is not None)):
+        if self.proxies is not None and (shape != self._shape or (self.ingest and self.ingest.error is not None)):
             self.close()  # started with other options, or its hand-off failed: these proxies cannot serve it
-        if self.registry is not None and policy is not None and policy != self._policy:
-            try:
-                ray.get(self.registry.set_policy.remote(policy), timeout=2 * CALL_S)
+        if self.proxies is not None and policy is not None and policy != self._policy:
+            if self.proxies.set_policy(policy):
                 self._policy = policy
-            except ray.exceptions.RayError as exc:  # new proxies start with the new record
-                log.warning(
-                    "lcap: the node proxies did not take the new policy record (%s): starting new ones",
-                    _first_line(exc),
-                )
+            else:  # new proxies start with the new record
+                log.warning("lcap: the node proxies did not take the new policy record in time: starting new ones")
                 self.close()
-        if self.registry is None:
+        if self.proxies is None:
             config = NodeConfig(
                 options, policy, os.urandom(32), f"{name}-{os.urandom(4).hex()}", max_concurrency, policy_key=policy_key
             )
             self._start(config, nodes)
             self._shape, self._policy = shape, policy
-        elif nodes:
-            self.registry.prestart.remote(nodes)  # nodes that joined since, and those whose proxy was lost
+        else:
+            self.proxies.ensure(nodes)  # nodes that joined since, and those whose proxy was lost
+
+    def replace(self, node_id: str, lost: str | None) -> None:
+        """Start a proxy on `node_id`, which an episode found without a live one."""
+        assert self.proxies is not None
+        self.proxies.replace(node_id, lost)
+
+    def with_proxy(self, nodes: list[str]) -> list[str]:
+        """`nodes`, those where a proxy of these runs already (kept from an earlier collect) first."""
+        have = {key.split("#", 1)[0] for key in self.known()}
+        return sorted(nodes, key=lambda node: node not in have)
 
     def _start(self, config: NodeConfig, nodes: list[str]) -> None:
-        """The writer, the registry and the proxies of `nodes`: those start here, beside the registry, not by it once
-        it runs (an actor's start each, one after the other), and are handed to it as the nodes' proxies."""
+        """The proxies of `nodes` (first: each is an actor process to start), the writer and the ingest."""
+        self.proxies = _Proxies(config)
+        self.proxies.ensure(nodes)
         self.writer = TurnWriter(self.store)
         self.writer.start()
-        started = {node_id: _start_proxy(config, node_id) for node_id in nodes}
-        self._owned = list(started.values())
-        # The registry owns the proxies it starts, which end with it: on this process's own node (never a worker node
-        # that may be lost mid-run, which would take every node's proxy with it), so it fails only with the driver.
-        here = ray.get_runtime_context().get_node_id()
-        self.registry = _ProxiesActor.options(
-            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False) if here else None
-        ).remote(config, started)
         self.starts += 1
-        self.ingest = _Ingest(self.registry, self.writer, config.key)
+        self.ingest = _Ingest(self.proxies, self.writer, config.key)
         self.ingest.start()
 
     def close(self) -> None:
         """Stop every node proxy (each kills the agents left on its node; the ingest takes their last turns
-        meanwhile), then the registry and the writer. Safe to call twice; Ctrl-C does not interrupt it."""
-        if self.registry is None:
+        meanwhile), then the writer. Safe to call twice; Ctrl-C does not interrupt it."""
+        if self.proxies is None:
             return
-        registry, ingest, writer, owned = self.registry, self.ingest, self.writer, self._owned
-        self.registry = self.ingest = self.writer = None
-        self._owned = []
+        proxies, ingest, writer = self.proxies, self.ingest, self.writer
+        self.proxies = self.ingest = self.writer = None
         self._shape = self._policy = None
         with _ignoring_sigint():
             try:
@@ -533,7 +595,7 @@ class NodeProxies:
             finally:
                 if ingest is not None:
                     ingest.stop()
-                for proxy in [registry, *owned]:  # the node proxies the registry owns end with it
+                for proxy in proxies.every:
                     ray.kill(proxy)
                 report = writer.finish() if writer is not None else None
                 if report is not None and report.unstored:
@@ -564,6 +626,8 @@ class _Attempt:
     spec: EpisodeSpec
     number: int = 1
     errors: list[str] = field(default_factory=list)
+    pin: str | None = None  # the node it is sent to (soft affinity)
+    moves: int = 0  # times it was sent back to a node that had no proxy yet
 
 
 class RayPool:
@@ -594,6 +658,9 @@ class RayPool:
         proxies = self.node_proxies or NodeProxies(self.store)
         if proxies.store.path != self.store.path:  # their writer would store this collect's turns elsewhere
             raise ValueError(f"node proxies of {proxies.store.path} used for a collect into {self.store.path}")
+        # Fewer episodes than nodes: they go to as many nodes (soft affinity: elsewhere if that node is lost), those
+        # with a proxy first, and only those nodes start one.
+        pins = proxies.with_proxy(nodes)[: len(specs)] if len(specs) < len(nodes) else []
         try:
             proxies.prepare(
                 self.proxy_options,
@@ -601,11 +668,9 @@ class RayPool:
                 policy=policy,
                 policy_key=policy_key,
                 name=self.tally.result.run_id,
-                # fewer episodes than nodes: which nodes they land on is Ray's choice
-                nodes=nodes if len(specs) >= len(nodes) else [],
+                nodes=pins or nodes,
             )
-            assert proxies.registry is not None and proxies.ingest is not None
-            run = _Run(self, proxies.registry, proxies.ingest, ray.put(self.rules), _Templates(self.tasks_dir, specs))
+            run = _Run(self, proxies, ray.put(self.rules), _Templates(self.tasks_dir, specs), pins)
             run.schedule(specs, progress)
         finally:
             if proxies is not self.node_proxies:
@@ -647,16 +712,22 @@ class RayPool:
 class _Run:
     """One run of the pool: the episodes in flight, their retries, Ctrl-C."""
 
-    def __init__(self, pool: RayPool, proxies: Any, ingest: _Ingest, rules_ref: Any, templates: _Templates) -> None:
-        self.pool, self.proxies, self.ingest = pool, proxies, ingest
+    def __init__(
+        self, pool: RayPool, proxies: NodeProxies, rules_ref: Any, templates: _Templates, pins: list[str]
+    ) -> None:
+        assert proxies.ingest is not None
+        self.pool, self.proxies, self.ingest = pool, proxies, proxies.ingest
         self.rules_ref, self.templates = rules_ref, templates
+        self.pins = pins
         self.store, self.tally = pool.store, pool.tally
         self.inflight: dict[Any, _Attempt] = {}
         self.waiting_since: float | None = None
 
     def schedule(self, specs: list[EpisodeSpec], progress: bool) -> None:
         console, bar = progress_bar(progress)
-        queue = deque(_Attempt(spec) for spec in specs)
+        queue = deque(
+            _Attempt(spec, pin=self.pins[i % len(self.pins)] if self.pins else None) for i, spec in enumerate(specs)
+        )
         with bar:
             job = bar.add_task(self.tally.describe(), total=len(specs))
 
@@ -671,7 +742,9 @@ class _Run:
                     bar.update(job, description=self.tally.describe())
                     if self.ingest.error is not None:
                         raise LcapError(f"the turns of the nodes cannot reach the store: {self.ingest.error}")
-                    finished, lost = self._collect()
+                    finished, lost, moved = self._collect()
+                    for attempt, report in moved:
+                        self._move(attempt, report, queue, ended)
                     self._fill(queue, ended)  # the slots of the episodes that ended, before waiting for their turns
                     self._record(finished, ended)
                     for attempt, why in lost:
@@ -688,28 +761,33 @@ class _Run:
     def _submit(self, attempt: _Attempt, ended) -> None:
         spec = attempt.spec
         try:
-            archive = self.templates.ref(spec, again=attempt.number > 1)
+            archive = self.templates.ref(spec, again=attempt.number > 1 or attempt.moves > 0)
         except LcapError as exc:  # as the local pool: an episode whose workdir cannot be set up is an error
             start_episode(self.store, spec)
             self._finish(spec, EpisodeOutcome("error", None, f"{exc.__class__.__name__}: {exc}"), ended)
             return
         start_episode(self.store, spec)
+        pin = attempt.pin
         ref = _episode_remote.options(
             num_cpus=self.pool.options.episode_cpus,
             resources=self.pool.options.resources(),
             max_retries=0,  # a lost episode is run again by the driver, after its partial turns are removed
             retry_exceptions=False,
-        ).remote(self.proxies, spec, self.rules_ref, archive)
+            scheduling_strategy=NodeAffinitySchedulingStrategy(pin, soft=True) if pin else "DEFAULT",
+        ).remote(self.proxies.run, self.proxies.started, spec, self.rules_ref, archive)
         self.inflight[ref] = attempt
 
-    def _collect(self) -> tuple[list[tuple[_Attempt, _Report]], list[tuple[_Attempt, str]]]:
+    def _collect(
+        self,
+    ) -> tuple[list[tuple[_Attempt, _Report]], list[tuple[_Attempt, str]], list[tuple[_Attempt, _Report]]]:
+        """The episodes that ended: finished, lost with their node or runner, and sent back for want of a proxy."""
         refs = list(self.inflight)
         if not refs:
-            return [], []
+            return [], [], []
         ready, _ = ray.wait(refs, num_returns=1, timeout=0.5)
         if ready:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        finished, lost = [], []
+        finished, lost, moved = [], [], []
         for ref in ready:
             attempt = self.inflight.pop(ref)
             try:
@@ -721,6 +799,9 @@ class _Run:
             except ray.exceptions.RayError as exc:  # its node or worker died
                 lost.append((attempt, f"{type(exc).__name__}: {_first_line(exc)}"))
                 continue
+            if report.no_proxy is not None:
+                moved.append((attempt, report))
+                continue
             if report.proxy_error is not None:
                 raise LcapError(
                     f"the capture proxy on node {report.node} did not start: {report.proxy_error} (the upstream must "
@@ -730,7 +811,7 @@ class _Run:
                 lost.append((attempt, report.lost))
                 continue
             finished.append((attempt, report))
-        return finished, lost
+        return finished, lost, moved
 
     def _record(self, finished: list[tuple[_Attempt, _Report]], ended) -> None:
         if not finished:
@@ -749,6 +830,18 @@ class _Run:
         record_outcome(self.store, spec, outcome)
         self.tally.add(outcome)
         ended(spec, outcome)
+
+    def _move(self, attempt: _Attempt, report: _Report, queue: deque[_Attempt], ended) -> None:
+        """An episode that found no live proxy on its node (nothing of it ran): a proxy started there, and the
+        episode sent back to that node, first in line."""
+        attempt.moves += 1
+        if attempt.moves > MAX_MOVES:
+            reason = f"no capture proxy could be started on node {report.node} for it ({MAX_MOVES} tries)"
+            self._finish(attempt.spec, EpisodeOutcome("error", None, reason), ended)
+            return
+        self.proxies.replace(report.node_id, report.no_proxy or None)
+        attempt.pin = report.node_id
+        queue.appendleft(attempt)
 
     def _retry(self, attempt: _Attempt, why: str, queue: deque[_Attempt], ended) -> None:
         """An episode whose node (or runner) was lost: its partial turns removed, run again or given up."""

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import duckdb
-import pyarrow as pa
 
 from lcap.config import LcapError
 from lcap.private_files import private_files
@@ -181,6 +180,8 @@ class Store:
         `new_by`, only rows whose value of that column is not in the table yet. Returns the rows inserted."""
         if not rows:
             return 0
+        import pyarrow as pa  # here: the processes that never append (node proxies, episode runners) skip its import
+
         columns = dict.fromkeys(key for row in rows for key in row)  # every row's keys, not the first row's only
         batch = pa.Table.from_pydict({column: [row.get(column) for row in rows] for column in columns})
         only_new = f" WHERE {new_by} NOT IN (SELECT {new_by} FROM {table})" if new_by else ""

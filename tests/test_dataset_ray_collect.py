@@ -359,6 +359,7 @@ def test_a_node_proxy_that_cannot_start_says_why_in_one_line(tmp_path, monkeypat
 
     monkeypatch.setattr(CaptureProxy, "start", refuse)
     node = NodeProxy(NodeConfig(ProxyOptions(upstream="http://127.0.0.1:9"), None, os.urandom(32), "t", 8))
+    node.start()
     assert node.ready() == "RuntimeError: no room for listeners"
     assert node.stop(1.0) == 0
 
@@ -433,7 +434,7 @@ def test_a_loops_collects_share_the_node_proxies_and_each_sees_the_last_deploy(c
                     node_proxies=proxies,
                 )
                 assert (result.finished, result.failed) == (4, 0)
-                known.append(ray.get(proxies.registry.known.remote(), timeout=60))
+                known.append(proxies.known())
                 if n == 1:  # what `lcap deploy` does once the replica loaded round 1's adapter
                     record = read_policy()
                     record.current = "tiny-r1"
@@ -519,7 +520,7 @@ def test_kept_node_proxies_replace_a_lost_one_and_start_on_a_node_that_joins(clu
             store, tasks=project / "tasks.jsonl", command=command, options=options, progress=False, node_proxies=proxies
         )
         assert (result.finished, result.failed) == (4, 0)
-        return ray.get(proxies.registry.known.remote(), timeout=60)
+        return proxies.known()
 
     try:
         with NodeProxies(store) as proxies:
@@ -527,7 +528,7 @@ def test_kept_node_proxies_replace_a_lost_one_and_start_on_a_node_that_joins(clu
             gone_key, gone = next(iter(first.items()))
             ray.kill(gone, no_restart=True)
             deadline = time.monotonic() + 60
-            while gone_key in ray.get(proxies.registry.known.remote(), timeout=60):  # the ingest saw it die
+            while gone_key in proxies.known():  # the ingest saw it die
                 assert time.monotonic() < deadline
                 time.sleep(0.2)
             with ray_worker(address, tmp / f"joins-{free_port()}.log", num_cpus=1, env=env):
@@ -544,3 +545,134 @@ def test_kept_node_proxies_replace_a_lost_one_and_start_on_a_node_that_joins(clu
     turns = store.fetchall("SELECT episode_id, count(*), count(DISTINCT turn_id) FROM turns GROUP BY episode_id")
     assert sorted(t[1:] for t in turns) == [(2, 2)] * 8
     assert "running it again" not in caplog.text  # no episode was lost with the dead proxy
+
+
+def test_a_nodes_episodes_start_before_another_nodes_proxy_is_ready(cluster, upstream, project, monkeypatch):
+    """The worker node's proxy is held before its start until an agent ran: the head's episodes do not wait for it
+    (each episode waits for its own node's proxy only), then the held one starts and the run ends with every turn."""
+    import threading
+
+    import ray
+
+    from lcap.dataset import ray_collect
+    from lcap.dataset.collect import collect
+    from lcap.dataset.options import CollectOptions
+
+    address, _, _ = cluster
+    store, command = _driver_of(project, address)
+    head = ray.get_runtime_context().get_node_id()
+    held: dict[str, float] = {}
+
+    def start_proxy(config, node_id):
+        if node_id == head:
+            return original(config, node_id)
+        handle = ray_collect._NodeProxyActor.options(
+            num_cpus=0,
+            max_concurrency=config.max_concurrency,
+            scheduling_strategy=ray_collect.NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(config)
+
+        def release() -> None:
+            deadline = time.monotonic() + 60  # then started anyway: the assertions below fail instead of a hang
+            while not _starts(project) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            held["agents_before"] = len(_starts(project))
+            handle.start.remote()
+
+        threading.Thread(target=release, daemon=True).start()
+        return handle
+
+    original = ray_collect._start_proxy
+    monkeypatch.setattr(ray_collect, "_start_proxy", start_proxy)
+    try:
+        options = CollectOptions(group_size=2, concurrency=2, round=1, upstream=upstream.url, model="m", ray=address)
+        result = collect(store, tasks=project / "tasks.jsonl", command=command, options=options, progress=False)
+    finally:
+        ray.shutdown()
+    assert (result.finished, result.failed) == (4, 0)
+    assert held["agents_before"] >= 1  # an agent ran while the other node's proxy had not started
+    assert len({s["proxy"] for s in _starts(project)}) == 2  # and the held node ran episodes once it started
+    turns = store.fetchall("SELECT count(*), count(DISTINCT turn_id) FROM turns")
+    assert turns == [(8, 8)]
+
+
+def test_fewer_episodes_than_nodes_start_proxies_only_where_they_run(cluster, upstream, project):
+    """One episode on a two-node cluster: one node proxy is started, on the node the episode is then sent to, before
+    the episode is sent (not once it landed), and the episode runs behind it."""
+    import ray
+
+    from lcap.dataset.collect import collect
+    from lcap.dataset.options import CollectOptions
+    from lcap.dataset.ray_collect import NodeProxies
+
+    address, _, _ = cluster
+    store, command = _driver_of(project, address)
+    _tasks(project, n=1, calls=2)
+    try:
+        with NodeProxies(store) as proxies:
+            options = CollectOptions(
+                group_size=1, concurrency=2, round=1, upstream=upstream.url, model="m", ray=address
+            )
+            result = collect(
+                store,
+                tasks=project / "tasks.jsonl",
+                command=command,
+                options=options,
+                progress=False,
+                node_proxies=proxies,
+            )
+            known = proxies.known()
+            started = ray.get(proxies.started[0], timeout=60)  # by the driver, before the episode was sent
+    finally:
+        ray.shutdown()
+    assert (result.finished, result.failed) == (1, 0)
+    assert len(known) == 1 and {key.split("#")[0] for key in known} == set(started)
+    assert store.fetchall("SELECT count(*) FROM turns") == [(2,)]
+
+
+def test_an_episode_on_a_node_without_a_proxy_comes_back_and_runs_there(
+    cluster, upstream, project, monkeypatch, caplog
+):
+    """No proxy started before the episodes (as on nodes that join mid-run): each node's first episode comes back
+    unrun, the driver starts that node's proxy and sends the episode back there; none counts as lost, one proxy per
+    node, every turn stored once."""
+    import ray
+
+    from lcap.dataset import ray_collect
+    from lcap.dataset.collect import collect
+    from lcap.dataset.options import CollectOptions
+    from lcap.dataset.ray_collect import NodeProxies
+
+    address, _, _ = cluster
+    store, command = _driver_of(project, address)
+    original = NodeProxies._start
+    monkeypatch.setattr(NodeProxies, "_start", lambda self, config, nodes: original(self, config, []))
+    moved = []
+    original_move = ray_collect._Run._move
+
+    def move(self, attempt, report, queue, ended):
+        moved.append(report.node_id)
+        original_move(self, attempt, report, queue, ended)
+
+    monkeypatch.setattr(ray_collect._Run, "_move", move)
+    try:
+        with NodeProxies(store) as proxies:
+            options = CollectOptions(
+                group_size=2, concurrency=2, round=1, upstream=upstream.url, model="m", ray=address
+            )
+            result = collect(
+                store,
+                tasks=project / "tasks.jsonl",
+                command=command,
+                options=options,
+                progress=False,
+                node_proxies=proxies,
+            )
+            known = proxies.known()
+    finally:
+        ray.shutdown()
+    assert (result.finished, result.failed) == (4, 0)
+    assert moved and len(known) == len({key.split("#")[0] for key in known}) <= 2
+    assert set(moved) <= {key.split("#")[0] for key in known}
+    assert store.fetchall("SELECT count(*), count(DISTINCT turn_id) FROM turns") == [(8, 8)]
+    assert "running it again" not in caplog.text
