@@ -17,7 +17,8 @@ samples cut by the token limit are kept or dropped (`--truncated`). Held-out que
 trains on the same questions every round instead of new ones.
 
 Prints, per round: held-out mean reward, well-formed, right and cut-off shares (tools: also how often an
-episode's lookup found the words), and the round's training figures. Not a check of `lcap demo` itself: `scripts/demo/check_learning.py` reads a real run's store.
+episode's lookup found the words), and the round's training figures. Not a check of `lcap demo` itself:
+`scripts/demo/check_learning.py` reads a real run's store.
 """
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ the tool has no entry: then it answers a word it never saw, rarely right), answe
 words, the number word `warm_p_correct` of the time, in the verifier's format `warm_p_format` of the time, and
 says its answer again at call 3. Every word is one token after a space, the same in the tool's result and in
 the answer. What RL must learn is the rule and the format (and may learn to look the words up more often), on
-word triples it never saw. Calls 2 and 3 reach the policy as prompts stitched onto the previous call's exact ids; build-dataset merges an
-episode's calls into one sample whose tool results and observations are environment tokens (env_mask 0).
+word triples it never saw. Calls 2 and 3 reach the policy as prompts stitched onto the previous call's exact
+ids; build-dataset merges an episode's calls into one sample whose tool results and observations are environment
+tokens (env_mask 0).
 
 The warm start answers the number word more often than the number task's (`warm_p_correct` 0.8 against 0.6, in
 both its phases): reading the words in a tool's result, after a lookup, the tiny model learns the rule more slowly
