@@ -89,7 +89,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 # Ray's memory monitor kills the cluster's newest workers once the machine's memory is 95% used, whoever uses it:
-# on a machine shared with other runs' vLLM servers that is a test's episode runner or its node proxies' registry.
+# on a machine shared with other runs' vLLM servers that is a test's episode runner or a node proxy.
 NO_OOM_KILLER = {"RAY_memory_monitor_refresh_ms": "0"}
 
 
