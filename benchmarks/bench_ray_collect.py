@@ -40,21 +40,29 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_proxy import UPSTREAM
 
 AGENT = r"""
-import json, os, httpx
+import json, os, time, httpx
+start = time.time()
 task = json.loads(os.environ["LCAP_TASK"])
+key = os.environ.get("OPENAI_API_KEY", "none")  # sent as a client sends one; the stand-in upstream reads none
 with httpx.Client(timeout=30) as client:  # HTTPS_PROXY and lcap's CA from the environment lcap gives
     for i in range(task["calls"]):
         r = client.post("https://api.openai.com/v1/chat/completions",
                         json={"model": "m", "messages": [{"role": "user", "content": f"{task['q']} {i}"}]},
-                        headers={"authorization": "Bearer bench-placeholder"})
+                        headers={"authorization": f"Bearer {key}"})
         r.raise_for_status()
 open("answer.txt", "w").write(task["q"])
+if "log" in task:  # ray_collect_timeline.py: when the agent ran
+    with open(task["log"], "a") as f:
+        f.write(json.dumps({"start": start, "end": time.time(), "pid": os.getpid()}) + "\n")
 """
 
 
@@ -85,6 +93,55 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=15)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass
+
+
+@dataclass(frozen=True)
+class Bench:
+    """What the benchmarks run against: a scratch directory (LCAP_HOME and the cwd inside), the agent's script, the
+    stand-in upstream's URL and a two-node `ray start` cluster's address."""
+
+    tmp: Path
+    agent: Path
+    url: str
+    address: str
+    per_node: int
+
+
+@contextmanager
+def two_node_cluster(prefix: str, concurrency: int) -> Iterator[Bench]:
+    """The stand-in upstream and a two-node cluster of `concurrency` CPUs in all, stopped and removed at the end (a
+    failure's traceback printed first: stopping the nodes ends this process, whose Ray client loses the GCS)."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    os.environ["LCAP_HOME"] = str(tmp / "home")
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    os.chdir(tmp)
+    agent = tmp / "agent.py"
+    agent.write_text(AGENT)
+    upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM], stdout=subprocess.PIPE, text=True)
+    assert upstream.stdout is not None
+    url = f"http://127.0.0.1:{upstream.stdout.readline().strip()}"
+    per_node = max(1, concurrency // 2)
+    port = free_port()
+    nodes: list[subprocess.Popen] = []
+    try:
+        t0 = time.perf_counter()
+        head = ["--head", "--port", str(port), "--num-cpus", str(per_node), "--include-dashboard", "false"]
+        head += ["--ray-client-server-port", str(free_port()), "--dashboard-port", str(free_port())]
+        nodes.append(ray_node(head, tmp / "head.log", dict(os.environ)))
+        address = f"127.0.0.1:{port}"
+        nodes.append(
+            ray_node(["--address", address, "--num-cpus", str(per_node)], tmp / "worker.log", dict(os.environ))
+        )
+        print(f"two-node cluster up in {time.perf_counter() - t0:.1f} s ({per_node} CPUs each)", flush=True)
+        yield Bench(tmp, agent, url, address, per_node)
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        for node in reversed(nodes):
+            stop(node)
+        upstream.terminate()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def collect_once(
@@ -244,31 +301,11 @@ def main() -> None:
     parser.add_argument("--ingest", type=int, default=20000)
     args = parser.parse_args()
 
-    tmp = Path(tempfile.mkdtemp(prefix="lcap-bench-ray-"))
-    os.environ["LCAP_HOME"] = str(tmp / "home")
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    os.chdir(tmp)
-    agent = tmp / "agent.py"
-    agent.write_text(AGENT)
     sizes = [int(size) for size in args.sizes.split(",")]
-    one_task = tmp / "one-task.jsonl"
-    one_task.write_text(json.dumps({"id": "one", "q": "q", "calls": args.calls}) + "\n")
-    upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM], stdout=subprocess.PIPE, text=True)
-    assert upstream.stdout is not None
-    url = f"http://127.0.0.1:{upstream.stdout.readline().strip()}"
-    per_node = max(1, args.concurrency // 2)
-    port = free_port()
-    nodes: list[subprocess.Popen] = []
-    try:
-        t0 = time.perf_counter()
-        head = ["--head", "--port", str(port), "--num-cpus", str(per_node), "--include-dashboard", "false"]
-        head += ["--ray-client-server-port", str(free_port()), "--dashboard-port", str(free_port())]
-        nodes.append(ray_node(head, tmp / "head.log", dict(os.environ)))
-        address = f"127.0.0.1:{port}"
-        nodes.append(
-            ray_node(["--address", address, "--num-cpus", str(per_node)], tmp / "worker.log", dict(os.environ))
-        )
-        print(f"two-node cluster up in {time.perf_counter() - t0:.1f} s ({per_node} CPUs each)", flush=True)
+    with two_node_cluster("lcap-bench-ray-", args.concurrency) as bench:
+        tmp, agent, url, address = bench.tmp, bench.agent, bench.url, bench.address
+        one_task = tmp / "one-task.jsonl"
+        one_task.write_text(json.dumps({"id": "one", "q": "q", "calls": args.calls}) + "\n")
 
         from lcap.dataset.ray_collect import NodeProxies
         from lcap.store import Store
@@ -327,14 +364,6 @@ def main() -> None:
         print(f"{'from a remote node':<28} {remote:>9,.0f}  (target >= 3,000)")
         print(f"{'local, the same writer':<28} {local:>9,.0f}  (the same writer, no hand-off)")
         ray.shutdown()
-    except BaseException:
-        traceback.print_exc()  # here: stopping the nodes ends this process (its Ray client loses the GCS) first
-        raise
-    finally:
-        for node in reversed(nodes):
-            stop(node)
-        upstream.terminate()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

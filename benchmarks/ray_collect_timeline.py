@@ -20,31 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_proxy import UPSTREAM
-from bench_ray_collect import free_port, ray_node, stop
-
-AGENT = r"""
-import json, os, time, httpx
-start = time.time()
-task = json.loads(os.environ["LCAP_TASK"])
-with httpx.Client(timeout=30) as client:
-    for i in range(task["calls"]):
-        r = client.post("https://api.openai.com/v1/chat/completions",
-                        json={"model": "m", "messages": [{"role": "user", "content": f"{task['q']} {i}"}]},
-                        headers={"authorization": "Bearer bench-placeholder"})
-        r.raise_for_status()
-open("answer.txt", "w").write(task["q"])
-with open(task["log"], "a") as f:
-    f.write(json.dumps({"start": start, "end": time.time(), "pid": os.getpid()}) + "\n")
-"""
+from bench_ray_collect import two_node_cluster
 
 
 def driver(args: argparse.Namespace) -> None:
@@ -252,26 +234,8 @@ def main() -> None:
         driver(args)
         return
 
-    tmp = Path(tempfile.mkdtemp(prefix="lcap-bench-timeline-"))
-    os.environ["LCAP_HOME"] = str(tmp / "home")
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    os.chdir(tmp)
-    agent = tmp / "agent.py"
-    agent.write_text(AGENT)
-    upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM], stdout=subprocess.PIPE, text=True)
-    assert upstream.stdout is not None
-    url = f"http://127.0.0.1:{upstream.stdout.readline().strip()}"
-    per_node = max(1, args.concurrency // 2)
-    port = free_port()
-    nodes: list[subprocess.Popen] = []
-    try:
-        head = ["--head", "--port", str(port), "--num-cpus", str(per_node), "--include-dashboard", "false"]
-        head += ["--ray-client-server-port", str(free_port()), "--dashboard-port", str(free_port())]
-        nodes.append(ray_node(head, tmp / "head.log", dict(os.environ)))
-        address = f"127.0.0.1:{port}"
-        nodes.append(
-            ray_node(["--address", address, "--num-cpus", str(per_node)], tmp / "worker.log", dict(os.environ))
-        )
+    with two_node_cluster("lcap-bench-timeline-", args.concurrency) as bench:
+        tmp, agent, url, address = bench.tmp, bench.agent, bench.url, bench.address
         print(f"load average {', '.join(f'{v:.2f}' for v in os.getloadavg())}")
         for round, size in enumerate([int(s) for s in args.sizes.split(",")], start=1):
             group = 1 if size == 1 else 2
@@ -310,11 +274,6 @@ def main() -> None:
                 show(size, json.loads(line[len("TIMELINE ") :]))
         print("\nRay's own cost of an actor on a node (one driver):")
         probes(address, tmp)
-    finally:
-        for node in reversed(nodes):
-            stop(node)
-        upstream.terminate()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from lcap.capture.jvm import TRUST_STORE
 from lcap.capture.server import CA_BASENAME, PROXY_VARS, ca_bundle, ca_dir, ca_files, ensure_ca, trust_env
 from lcap.config import LcapError, lcap_home
 from lcap.doctor import Context, Result, check
+from lcap.policy import bearer
 from lcap.processes import alive, python_helper
 
 CLIENT_TIMEOUT = 30.0  # seconds a client gets to fetch one page from the local TLS server
@@ -571,7 +572,7 @@ def roundtrip(ctx: Context) -> Result:
                 answer = client.post(
                     "https://api.openai.com/v1/chat/completions",
                     json={"model": "gpt-doctor", "messages": [{"role": "user", "content": "are you there?"}]},
-                    headers={"Authorization": "Bearer lcap-doctor-placeholder"},
+                    headers=bearer(os.urandom(16).hex()),  # a client's key, made up here: the stand-in reads none
                 )
             if answer.status_code != 200 or _ANSWER not in answer.text:
                 return Result.fail(
