@@ -119,3 +119,17 @@ def test_an_entry_larger_than_the_byte_bound_is_not_kept(store_module):
     store = store_module.ResponseStore(100, 60.0, max_bytes=100, clock=Clock())
     store.put("big", [{"content": "y" * 200}], None)
     assert len(store) == 0 and store.bytes == 0 and "more than 100 bytes" in store.get("big")[1]
+
+
+def test_an_empty_answer_is_kept_as_an_empty_assistant_message(store_module):
+    """vLLM leaves an empty answer's message out of the output (or sends it without content): kept as it is, the
+    next call's history would have no assistant turn to stitch onto."""
+    said = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "yes"}]}
+    call = {"type": "function_call", "name": "f", "arguments": "{}", "call_id": "c"}
+    assert store_module.answer_items([said]) == [said]
+    assert store_module.answer_items([call]) == [call]
+    for empty in ([], [{"type": "message", "role": "assistant", "content": []}]):
+        (kept,) = store_module.answer_items(empty)
+        assert kept["role"] == "assistant" and kept["content"] == [
+            {"type": "output_text", "text": "", "annotations": []}
+        ]

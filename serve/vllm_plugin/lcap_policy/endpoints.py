@@ -429,7 +429,8 @@ class Policy:
             response_id = response.id
             output = [item.model_dump(mode="json", by_alias=True, exclude_none=True) for item in response.output]
         if isinstance(response_id, str):
-            self.stored.put(response_id, [*turn.history, *output], head if head != "null" else None)
+            answer = responses_store.answer_items(output)
+            self.stored.put(response_id, [*turn.history, *answer], head if head != "null" else None)
 
     async def responses_result(self, body: dict, raw_request: Request | None) -> tuple[Turn, Any]:
         previous_head, missing = self.resolve_previous(body)

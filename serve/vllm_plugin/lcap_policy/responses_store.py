@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -151,3 +152,26 @@ def input_items(value: Any) -> list[Any]:
     if isinstance(value, str):
         return [{"type": "message", "role": "user", "content": value}]
     return list(value) if isinstance(value, list) else [value]
+
+
+_ANSWER_TYPES = frozenset(
+    {"message", "function_call", "custom_tool_call", "reasoning"}
+)  # each reads back as the assistant's
+_EMPTY_TEXT = {"type": "output_text", "text": "", "annotations": []}
+
+
+def answer_items(output: Sequence[Any]) -> list[Any]:
+    """A response's output items as the history a later call continues. The model always answers, if only with
+    its stop token, but vLLM leaves an empty answer's message out (or, without a parser, sends it with no
+    content, which its own input reader cannot read back): without an assistant message there, the next call is
+    not stitched onto this turn's exact ids. An empty answer becomes one empty assistant message."""
+    items = [
+        {**item, "content": [_EMPTY_TEXT]}
+        if isinstance(item, dict) and item.get("type") == "message" and not item.get("content")
+        else item
+        for item in output
+    ]
+    if not any(isinstance(item, dict) and item.get("type") in _ANSWER_TYPES for item in items):
+        empty = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "status": "completed"}
+        items.append({**empty, "content": [_EMPTY_TEXT]})
+    return items
