@@ -154,9 +154,8 @@ def input_items(value: Any) -> list[Any]:
     return list(value) if isinstance(value, list) else [value]
 
 
-_ANSWER_TYPES = frozenset(
-    {"message", "function_call", "custom_tool_call", "reasoning"}
-)  # each reads back as the assistant's
+# output items that vLLM reads back as an assistant message
+_ANSWER_TYPES = frozenset({"message", "function_call", "custom_tool_call", "reasoning"})
 _EMPTY_TEXT = {"type": "output_text", "text": "", "annotations": []}
 
 
