@@ -71,7 +71,7 @@ class DemoSettings:
     tasks_per_round: int = 13  # ...the next 13 each round: five rounds meet each once, none is learnt by heart
     group_size: int = 8  # ...x 8 samples: 104 episodes a round
     n_eval: int = 64  # held-out tasks, in no training round: one episode moves the mean by 1/64
-    eval_group_size: int = 1
+    eval_group_size: int = 1  # episodes per held-out task a round
     concurrency: int = 4
     warm_steps: int = 600  # the warm start's supervised steps...
     warm_batch_size: int = 64  # ...of this many examples...

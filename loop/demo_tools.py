@@ -28,6 +28,11 @@ both its phases): reading the words in a tool's result, after a lookup, the tiny
 than in a question, and at the number task's share its base model was right little more often than chance. At
 0.8 it is right about as often as the number task's base model, so RL starts from the same place on the rule.
 
+Each held-out question is asked twice a round: the tools task's right answers sit closer to the bar than the
+number task's, and at one episode a question a round's held-out share moves by chance about as much as the
+bar allows it to fall between the last two rounds (docs/benchmarks.md: a real run fell past that bound from
+one round to the next where the sweep, asking each question four times, saw a steady curve).
+
 RL steps at a third of the number task's learning rate: a sample here trains on three calls' tokens, the lookup's
 JSON among them, and at the number task's rate a round's update overshoots (in benchmarks/demo_sweep.py the second
 round leaves a policy that answers nothing well-formed).
@@ -180,6 +185,7 @@ TASK = DemoTask(
         "warm_examples": 2000,
         "lr": 1e-3,
         "warm_p_correct": 0.8,
+        "eval_group_size": 2,
     },
     warm_up=number_corpus,
 )

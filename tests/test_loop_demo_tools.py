@@ -82,6 +82,7 @@ def test_one_round_of_the_tools_demo_stitches_and_merges(tmp_path, monkeypatch):
         tasks_per_round=3,
         group_size=4,  # groups whose rewards differ: else the round has nothing to train on
         n_eval=2,
+        eval_group_size=1,
         warm_up_steps=300,  # the format and the copy, on short questions (seconds)
         warm_steps=100,
         concurrency=2,
