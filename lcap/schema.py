@@ -14,7 +14,7 @@ PROMOTED_LABELS = {
 
 # The store's shape. A new store gets TABLES at SCHEMA_VERSION; an older one is brought there by MIGRATIONS
 # (version reached -> statements), in order, inside the unit of work that first opens it for writing.
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     2: (
         "ALTER TABLE episodes RENAME COLUMN group_index TO sample",
@@ -39,6 +39,7 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
             "adaptations JSON",
         )
     ),
+    7: ("ALTER TABLE train_runs ADD COLUMN IF NOT EXISTS mismatch_held VARCHAR",),
 }
 
 TABLES = """
@@ -174,11 +175,14 @@ CREATE TABLE IF NOT EXISTS train_runs (
     steps          INTEGER,
     config         JSON,
     -- the mismatch guard (lcap.train.mismatch), before the first step: the trainer's log-probs of the captured
-    -- tokens against vLLM's, for the deployment that differs most (every deployment's figures in `mismatch`)
+    -- tokens against vLLM's, for the held deployment that differs most (every deployment's figures in `mismatch`)
     mismatch_kl         DOUBLE,   -- k3 estimate of KL(served || trained) per model token
     mismatch_logp_diff  DOUBLE,   -- mean |train logp - served logp|
     mismatch_seconds    DOUBLE,   -- the guard's no-grad forward
-    mismatch            JSON      -- [{deployment, samples, tokens, logp_diff, kl}]
+    mismatch            JSON,     -- [{deployment, samples, tokens, logp_diff, kl}]
+    -- the one deployment held to the limit (an async step's: the one being trained), NULL: all of them; with
+    -- mismatch_kl NULL and samples scored, the batch had none of its samples and the guard checked nothing
+    mismatch_held       VARCHAR
 );
 
 -- train stage: `lcap loop` progress, one row per finished step of a round (collect, build, train, deploy, eval)

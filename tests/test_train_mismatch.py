@@ -25,6 +25,7 @@ from lcap.store import Store
 from lcap.train.grpo import prepare_round, train_round
 from lcap.train.mismatch import measure_mismatch
 from lcap.train.options import MISMATCH_MAX
+from lcap.train.progress import training_text
 
 
 def test_guard_measures_the_known_shift_and_stops_past_the_limit(tiny_train_model, captured_samples, tmp_path):
@@ -66,6 +67,21 @@ def test_guard_measures_the_known_shift_and_stops_past_the_limit(tiny_train_mode
 
     result = train_round(store, tmp_path / "run", 1, options(tiny_train_model, mismatch_max=0), data=path)  # off
     assert result.metrics["mismatch_kl"] == pytest.approx(worst)
+
+    # an async step holds only the deployment being trained; a batch without its samples checks nothing, and says so
+    held = options(tiny_train_model, mismatch_max=0.1, mismatch_current_only=True, current="other")
+    with pytest.raises(LcapError, match="as deployment 'other'"):
+        train_round(store, tmp_path / "held", 1, held, data=path)
+    absent = options(tiny_train_model, mismatch_max=0.1, mismatch_current_only=True, current="round-9")
+    result = train_round(store, tmp_path / "absent", 1, absent, data=path)  # every deployment is past the limit
+    assert result.metrics["mismatch_kl"] is None and result.metrics["mismatch_held"] == "round-9"
+    assert "(no sample of round-9: not checked)" in training_text(result.metrics)
+    written = json.loads((tmp_path / "absent" / "round-1" / "mismatch.json").read_text())
+    assert written["held"] == "round-9" and "not checked" in written["unchecked"] and len(written["deployments"]) == 2
+    ((held_column, kl),) = store.fetchall(
+        "SELECT mismatch_held, mismatch_kl FROM train_runs WHERE mismatch_held IS NOT NULL"
+    )
+    assert (held_column, kl) == ("round-9", None)
 
 
 def test_guard_caps_the_samples_it_scores_per_deployment(tiny_train_model, tmp_path):

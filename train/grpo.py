@@ -447,22 +447,20 @@ def guard_round(p: PreparedRound, options: TrainOptions) -> Mismatch:
     from lcap.train.mismatch import check_mismatch, measure_mismatch
 
     mismatch = measure_mismatch(
-        p.trainer, p.groups.real_samples, per_deployment=options.mismatch_samples, seed=options.seed
+        p.trainer,
+        p.groups.real_samples,
+        per_deployment=options.mismatch_samples,
+        seed=options.seed,
+        held=p.inputs.current if options.mismatch_current_only else None,
     )
     path = p.out_dir / "mismatch.json"
     if p.trainer.accelerator.is_main_process:
-        path.write_text(json.dumps({"limit": options.mismatch_max, "deployments": mismatch.details()}, indent=2))
+        report = {"limit": options.mismatch_max, "held": mismatch.held, "unchecked": mismatch.unchecked()}
+        path.write_text(json.dumps({**report, "deployments": mismatch.details()}, indent=2))
     shown = p.inputs.shown(p.out_dir)
     policy = str(shown.init_from) if shown.init_from else f"the base model {p.inputs.base_model}"
     where = p.out_dir.name.replace("-", " ")
-    check_mismatch(
-        mismatch,
-        options.mismatch_max,
-        where=where,
-        policy=policy,
-        details=str(shown.round_dir / path.name),
-        only=p.inputs.current if options.mismatch_current_only else None,
-    )
+    check_mismatch(mismatch, options.mismatch_max, where=where, policy=policy, details=str(shown.round_dir / path.name))
     return mismatch
 
 

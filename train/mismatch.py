@@ -45,22 +45,43 @@ class DeploymentMismatch:
 
 @dataclass
 class Mismatch:
-    """The guard's measurement of a round, per deployment, and how long its forward took."""
+    """The guard's measurement of a round, per deployment, and how long its forward took. `held`: the one
+    deployment held to the limit (an async step's: the one being trained; the others' KL includes the drift
+    since they served), or None for all of them."""
 
     deployments: list[DeploymentMismatch]
     seconds: float
+    held: str | None = None
+
+    @property
+    def checked(self) -> list[DeploymentMismatch]:
+        """The deployments held to the limit. Empty while deployments were scored: the batch had no sample of
+        the held one, and the guard checked nothing this round."""
+        return [d for d in self.deployments if self.held is None or d.deployment == self.held]
 
     @property
     def worst(self) -> DeploymentMismatch | None:
-        return max(self.deployments, key=lambda d: d.kl, default=None)
+        return max(self.checked, key=lambda d: d.kl, default=None)
+
+    def unchecked(self) -> str | None:
+        """Why the guard checked nothing, or None when it checked something (or had nothing to check)."""
+        if self.held is None or self.checked or not self.samples:
+            return None
+        return f"no scored sample was served by {self.held!r}, the deployment being trained: not checked"
+
+    @property
+    def samples(self) -> int:
+        return sum(d.samples for d in self.deployments)
 
     def metrics(self) -> dict[str, Any]:
-        """The `train_runs` columns: the worst deployment's figures, and every deployment's as JSON."""
+        """The `train_runs` columns: the worst held deployment's figures (NULL when none was scored), and every
+        deployment's as JSON."""
         worst = self.worst
         return {
             "mismatch_kl": worst.kl if worst else None,
             "mismatch_logp_diff": worst.logp_diff if worst else None,
             "mismatch_seconds": self.seconds,
+            "mismatch_held": self.held,
         }
 
     def details(self) -> list[dict[str, Any]]:
@@ -81,7 +102,9 @@ def pick_samples(samples: list[Sample], per_deployment: int, seed: int = 0) -> d
     }
 
 
-def measure_mismatch(trainer, samples: list[Sample], *, per_deployment: int, seed: int = 0) -> Mismatch:
+def measure_mismatch(
+    trainer, samples: list[Sample], *, per_deployment: int, seed: int = 0, held: str | None = None
+) -> Mismatch:
     """Score the picked samples with the trainer's model (no grad) and compare with the served logprobs."""
     import time
 
@@ -91,7 +114,7 @@ def measure_mismatch(trainer, samples: list[Sample], *, per_deployment: int, see
     picked = pick_samples(samples, per_deployment, seed)
     chosen = [s for members in picked.values() for s in members]
     if not chosen:
-        return Mismatch([], time.perf_counter() - t0)
+        return Mismatch([], time.perf_counter() - t0, held)
     diffs = _logp_differences(trainer, chosen)
     out = []
     start = 0
@@ -109,7 +132,7 @@ def measure_mismatch(trainer, samples: list[Sample], *, per_deployment: int, see
                 kl=float((torch.expm1(r.clamp(max=50.0)) - r).mean()),
             )
         )
-    return Mismatch(out, time.perf_counter() - t0)
+    return Mismatch(out, time.perf_counter() - t0, held)
 
 
 def _logp_differences(trainer, samples: list[Sample]) -> list[Any]:
@@ -153,14 +176,11 @@ def _logp_differences(trainer, samples: list[Sample]) -> list[Any]:
     return result
 
 
-def check_mismatch(
-    mismatch: Mismatch, limit: float, *, where: str, policy: str, details: str, only: str | None = None
-) -> None:
-    """Stop the round (one-line error) when a deployment's KL is past `limit` (0: never); with `only`, just that
-    deployment's (the one being trained: the others' KL includes the drift since they served)."""
+def check_mismatch(mismatch: Mismatch, limit: float, *, where: str, policy: str, details: str) -> None:
+    """Stop the round (one-line error) when a held deployment's KL is past `limit` (0: never)."""
     if not limit:
         return
-    bad = [d for d in mismatch.deployments if d.kl > limit and (only is None or d.deployment == only)]
+    bad = [d for d in mismatch.checked if d.kl > limit]
     if not bad:
         return
     worst = max(bad, key=lambda d: d.kl)

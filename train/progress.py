@@ -17,8 +17,13 @@ def training_text(metrics: dict[str, Any]) -> str:
     return (
         f"loss {num(metrics.get('loss'), 4)} | KL {num(metrics.get('kl'))} | IS ratio {num(metrics.get('is_ratio_mean'))}"
         f" | clip {num(metrics.get('clip_fraction'))} | {num(metrics.get('tokens_per_s'), 0)} tok/s"
-        f" | train/serve KL {small(metrics.get('mismatch_kl'))}"
+        f" | train/serve KL {small(metrics.get('mismatch_kl'))}{_unchecked(metrics)}"
     )
+
+
+def _unchecked(metrics: dict[str, Any]) -> str:
+    held = metrics.get("mismatch_held")
+    return f" (no sample of {held}: not checked)" if held and metrics.get("mismatch_kl") is None else ""
 
 
 def round_line(round: int, metrics: dict[str, Any], output: Path) -> str:
