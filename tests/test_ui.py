@@ -332,12 +332,12 @@ def test_columns_a_newer_lcap_adds_are_shown_when_present(ui_db, tmp_path):
     older.write_bytes(ui_db.read_bytes())
     con = duckdb.connect(str(older))  # Store would migrate it back to today's columns
     con.execute("ALTER TABLE turns DROP COLUMN stitched")
-    for column in ("mismatch_kl", "mismatch_logp_diff", "mismatch_seconds", "mismatch"):
+    for column in ("mismatch_kl", "mismatch_logp_diff", "mismatch_seconds", "mismatch", "mismatch_held"):
         con.execute(f"ALTER TABLE train_runs DROP COLUMN {column}")
     con.close()
     with client(newer) as c:
         assert "0.0123" in c.get("/").text and ">mismatch_kl<" in c.get("/").text
-        assert ">mismatch<" not in c.get("/").text  # the per-deployment JSON is not a figure
+        assert ">mismatch<" not in c.get("/").text and ">mismatch_held<" not in c.get("/").text  # not figures
         assert rows_of(c.get("/episodes", params={"flag": "stitched"}).text) == ["ep-r2-1"]
         assert 'badge flag-soft">stitched' in c.get("/episode", params={"id": "ep-r2-1"}).text
     with client(older) as c:  # the older store: no such filter, no such column

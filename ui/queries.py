@@ -39,6 +39,7 @@ TURN_FLAGS = {
     "failed_call": "error IS NOT NULL OR status_code >= 400",
 }
 OPTIONAL_TURN_FLAGS = {"stitched": "stitched"}  # columns a newer capture adds; offered when the store has them
+MISMATCH_FIGURES = ("mismatch_kl", "mismatch_logp_diff", "mismatch_seconds")  # train_runs: the guard's charted figures
 
 
 def columns(con: duckdb.DuckDBPyConnection) -> dict[str, set[str]]:
@@ -295,7 +296,7 @@ def overview(con: duckdb.DuckDBPyConnection, cols: dict[str, set[str]]) -> dict[
         )
     )
     train = _dicts(con.execute("SELECT * EXCLUDE (config) FROM train_runs ORDER BY round, started_at"))
-    mismatch = sorted(c for c in cols.get("train_runs", set()) if "mismatch" in c and c != "mismatch")  # not its JSON
+    mismatch = [c for c in MISMATCH_FIGURES if c in cols.get("train_runs", set())]  # a store before the guard: none
     phases = _dicts(
         con.execute(
             """WITH latest AS (SELECT arg_max(run, created_at) AS run FROM loop_steps)
