@@ -4,7 +4,8 @@
   request parser, keep-alive). Each call names its case in an `x-fuzz-case` header; the server
   answers it as the case's `Answer` says, byte for byte (broken SSE, broken gzip, a reset, a hang,
   ...), and records what it received and what it sent, so a test can compare the agent's answer
-  with the upstream's and count the calls that reached it.
+  with the upstream's and count the calls that reached it. A call id is answered once: a second answer
+  under one id would replace the record of the first, which the agent may be reading (see `answered_again`).
 - `Canary` stands where the agent meant to go (the original host). With `--upstream` set, an LLM
   call must never reach it (issue #14, requirement 6); it records every connection.
 - `exchange` is the agent: it writes a request as raw bytes (plain HTTP, or HTTPS through CONNECT and
@@ -156,7 +157,8 @@ class ScriptedUpstream:
         self.url = f"http://127.0.0.1:{self.port}"
         self.answers: dict[str, Answer] = {}
         self.received: defaultdict[str, list[Received]] = defaultdict(list)
-        self.sent: dict[str, Sent] = {}
+        self.sent: dict[str, Sent] = {}  # the first answer written under each call id
+        self.answered_again: list[str] = []  # call ids answered more than once: the corpus or the proxy is wrong
         self.parse_errors: list[str] = []  # requests from the proxy that are not HTTP/1.1 as httptools reads it
         self.release = threading.Event()
         self._lock = threading.Lock()
@@ -245,7 +247,10 @@ class ScriptedUpstream:
             head.append(b"connection: close\r\n")
         sent = Sent(answer.status, b"", False)
         with self._lock:
-            self.sent[case] = sent
+            if case in self.sent:
+                self.answered_again.append(case)
+            else:
+                self.sent[case] = sent
         conn.sendall(b"".join(head) + b"\r\n")
         if answer.special == "head-only":
             return False
@@ -385,10 +390,14 @@ class Outcome:
         return self.status is not None and not self.from_upstream and not self.from_canary
 
     def brief(self) -> str:
-        who = "upstream" if self.from_upstream else "canary" if self.from_canary else "proxy"
+        """The answer in a line: the proxy's own with its text, another's with its size and, for the upstream's,
+        the call id it answered."""
+        who = "canary" if self.from_canary else "proxy"
+        if self.from_upstream:
+            who = f"upstream (call {self.headers[UPSTREAM_MARK].decode('latin-1')})"
         got = f"{self.status} from the {who}" if self.status is not None else "no answer"
-        body = self.body[:120] if self.from_proxy else b""
-        return f"{got}{'' if self.complete else ' (incomplete)'}{f', {self.error}' if self.error else ''} {body!r}"
+        body = repr(self.body[:120]) if self.from_proxy else f"{len(self.body)} bytes of body"
+        return f"{got}{'' if self.complete else ' (incomplete)'}{f', {self.error}' if self.error else ''} {body}"
 
 
 class _ResponseParts:
@@ -448,6 +457,7 @@ class Request:
     raw: Callable[[bytes, bytes], bytes] | None = None
     half_close: bool = False  # shut the agent's sending side after the request (plain HTTP only)
     expect_wait: bool = False  # send the head, wait for 100 Continue (or an answer), then the body
+    linger: Callable[[], object] | None = None  # called once the answer is read, before the agent closes
 
 
 def exchange(agent: Agent, transport: str, case: str, episode: str, request: Request, timeout: float) -> Outcome:
@@ -493,6 +503,8 @@ def exchange(agent: Agent, transport: str, case: str, episode: str, request: Req
         if request.half_close and not tls:
             sock.shutdown(socket.SHUT_WR)
         _read_answer(sock, deadline, out, early)
+        if request.linger is not None:
+            request.linger()
     except TimeoutError:
         out.error = "timeout"
     except (OSError, ssl.SSLError) as exc:
