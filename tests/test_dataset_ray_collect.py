@@ -378,6 +378,19 @@ def _driver_of(project: Path, address: str) -> tuple[Store, list[str]]:
     return Store(project / "lcap.duckdb"), [sys.executable, str(project / "agent.py")]
 
 
+def _collect_once(
+    store: Store, project: Path, command: list[str], address: str, upstream, *, group_size: int = 2, **kw
+):
+    """The project's tasks x `group_size`, two at a time, on the cluster, to the `upstream` (a test's fake LLM)."""
+    from lcap.dataset.collect import collect
+    from lcap.dataset.options import CollectOptions
+
+    options = CollectOptions(
+        group_size=group_size, concurrency=2, round=1, upstream=upstream.url, model="m", ray=address
+    )
+    return collect(store, tasks=project / "tasks.jsonl", command=command, options=options, progress=False, **kw)
+
+
 def _policy_replica(
     tmp_path: Path, monkeypatch, deployments: list[str], *, on_ray: dict[str, str] | None = None, **record: Any
 ) -> FakeLLM:
@@ -555,8 +568,6 @@ def test_a_nodes_episodes_start_before_another_nodes_proxy_is_ready(cluster, ups
     import ray
 
     from lcap.dataset import ray_collect
-    from lcap.dataset.collect import collect
-    from lcap.dataset.options import CollectOptions
 
     address, _, _ = cluster
     store, command = _driver_of(project, address)
@@ -585,8 +596,7 @@ def test_a_nodes_episodes_start_before_another_nodes_proxy_is_ready(cluster, ups
     original = ray_collect._start_proxy
     monkeypatch.setattr(ray_collect, "_start_proxy", start_proxy)
     try:
-        options = CollectOptions(group_size=2, concurrency=2, round=1, upstream=upstream.url, model="m", ray=address)
-        result = collect(store, tasks=project / "tasks.jsonl", command=command, options=options, progress=False)
+        result = _collect_once(store, project, command, address, upstream)
     finally:
         ray.shutdown()
     assert (result.finished, result.failed) == (4, 0)
@@ -601,8 +611,6 @@ def test_fewer_episodes_than_nodes_start_proxies_only_where_they_run(cluster, up
     the episode is sent (not once it landed), and the episode runs behind it."""
     import ray
 
-    from lcap.dataset.collect import collect
-    from lcap.dataset.options import CollectOptions
     from lcap.dataset.ray_collect import NodeProxies
 
     address, _, _ = cluster
@@ -610,17 +618,7 @@ def test_fewer_episodes_than_nodes_start_proxies_only_where_they_run(cluster, up
     _tasks(project, n=1, calls=2)
     try:
         with NodeProxies(store) as proxies:
-            options = CollectOptions(
-                group_size=1, concurrency=2, round=1, upstream=upstream.url, model="m", ray=address
-            )
-            result = collect(
-                store,
-                tasks=project / "tasks.jsonl",
-                command=command,
-                options=options,
-                progress=False,
-                node_proxies=proxies,
-            )
+            result = _collect_once(store, project, command, address, upstream, group_size=1, node_proxies=proxies)
             known = proxies.known()
             started = ray.get(proxies.started[0], timeout=60)  # by the driver, before the episode was sent
     finally:
@@ -639,8 +637,6 @@ def test_an_episode_on_a_node_without_a_proxy_comes_back_and_runs_there(
     import ray
 
     from lcap.dataset import ray_collect
-    from lcap.dataset.collect import collect
-    from lcap.dataset.options import CollectOptions
     from lcap.dataset.ray_collect import NodeProxies
 
     address, _, _ = cluster
@@ -657,17 +653,7 @@ def test_an_episode_on_a_node_without_a_proxy_comes_back_and_runs_there(
     monkeypatch.setattr(ray_collect._Run, "_move", move)
     try:
         with NodeProxies(store) as proxies:
-            options = CollectOptions(
-                group_size=2, concurrency=2, round=1, upstream=upstream.url, model="m", ray=address
-            )
-            result = collect(
-                store,
-                tasks=project / "tasks.jsonl",
-                command=command,
-                options=options,
-                progress=False,
-                node_proxies=proxies,
-            )
+            result = _collect_once(store, project, command, address, upstream, node_proxies=proxies)
             known = proxies.known()
     finally:
         ray.shutdown()
