@@ -991,7 +991,10 @@ class Kind:
     make: Callable[[random.Random], list[Case]]
     workers: int = 8
     timeout: float = 15.0  # seconds an agent waits for an answer; past it, the call is a hang
-    flush: float = 6.0
+    # Seconds proxy.flush() may wait before the writer counts as stuck. A bound on a hang, not on speed: the writer
+    # is niced background work, so a loaded machine stores a kind's turns late but stores them (how fast the writer
+    # is, benchmarks/ measure).
+    flush: float = 60.0
     agent_leaves: bool = False  # the agent gives up after `timeout` on purpose: no answer is not a hang
     transports: tuple[str, ...] = TRANSPORTS  # each case is sent over each of these (raw requests set no framing)
     cross: bool = True  # False: the cases take the transports in turn (kinds of many distinct random cases)
@@ -1068,6 +1071,7 @@ class Run:
     spool_left: list[str]
     flushed: bool
     seconds: float
+    writer: dict = field(default_factory=dict)  # the writer's counters when flush returned (or gave up)
 
 
 class Runs:
@@ -1121,6 +1125,7 @@ class Runs:
                     results = list(pool.map(one, cases))
                     finals = [normal(f"{kind}-final-{t}", t) for t in TRANSPORTS]
                     flushed = proxy.flush(timeout=spec.flush)
+                    writer = proxy.writer.counters()
             finally:
                 proxy.stop(drain=2)
         seconds = time.monotonic() - t0
@@ -1141,6 +1146,7 @@ class Runs:
             spool_left=_spool_left(self.home, store.path),
             flushed=flushed,
             seconds=seconds,
+            writer=writer,
         )
 
 
@@ -1309,7 +1315,8 @@ def _judge(case: Case, got: Outcome, run: Run) -> str | None:
 @pytest.mark.parametrize("kind", _params("nothing lost"))
 def test_nothing_is_lost(runs, kind):
     """Every call that reached the upstream with an LLM call's body is stored (a turn, flagged or not, or a dead
-    letter), every normal call is one turn with the upstream's answer, and the writer kept up (flush returned)."""
+    letter), every normal call is one turn with the upstream's answer, and the writer is not stuck: flush returns
+    within a bound that catches a hang, not a slow machine (a slow writer still has to store everything)."""
     run = runs[kind]
     by_episode = Counter(t[0] for t in run.turns)
     expected: Counter = Counter()
@@ -1331,7 +1338,10 @@ def test_nothing_is_lost(runs, kind):
         if by_episode[call] != 1 or row is None or (row[1], row[2], row[3]) != (200, None, answer_text(call)):
             problems.append(f"normal call {call}: {by_episode[call]} turns, {row}")
     if not run.flushed:
-        problems.append("proxy.flush() timed out: calls still in flight or the writer is stuck")
+        problems.append(
+            f"proxy.flush() did not return within {KINDS[kind].flush:.0f} s: calls still in flight or the writer is "
+            f"stuck (writer: {run.writer})"
+        )
     if run.spool_left:
         problems.append(f"left in the spool after the proxy stopped: {run.spool_left}")
     assert not problems, _report(problems, run, len(expected) + len(run.goods))
