@@ -93,6 +93,26 @@ def agent_command() -> list[str]:
     ]
 
 
+def lookups_by_round(store) -> dict[int, dict]:
+    """Per round, the held-out episodes whose first call looked the words up (the `lookup` of `KEY`): their share,
+    and the right answers among them. What RL must learn is both; the share is where a round falls back."""
+    with store.connect(read_only=True) as con:
+        rows = con.execute(
+            """
+            WITH first AS (
+                SELECT s.round, (s.reward_details->>'right')::BOOLEAN AS is_right,
+                       coalesce(t.tool_calls::JSON->0->>'name' = 'lookup'
+                                AND (t.tool_calls::JSON->0->>'arguments')::JSON->>'query' = ?, false) AS looked_up
+                FROM episode_summary s JOIN turns t USING (episode_id)
+                WHERE s.split = 'eval' AND s.reward IS NOT NULL
+                QUALIFY t.seq = min(t.seq) OVER (PARTITION BY t.episode_id))
+            SELECT round, avg(looked_up::INTEGER), avg(is_right::INTEGER) FILTER (WHERE looked_up)
+            FROM first GROUP BY round""",
+            [KEY],
+        ).fetchall()
+    return {n: dict(looked_up=share, right_when_looked_up=right) for n, share, right in rows}
+
+
 def tool_task(triple: list[str], answer: str) -> dict:
     """The tools task: the words in the tool's fact, none in the question."""
     a, b, c = triple

@@ -85,11 +85,9 @@ class StoreBuilder:
             )
         return episode_id
 
-    def reward(self, episode_id: str, value: float, source: str = "test") -> None:
-        self.store.append(
-            "rewards",
-            [{"episode_id": episode_id, "value": value, "details": "{}", "source": source, "created_at": self._tick()}],
-        )
+    def reward(self, episode_id: str, value: float, source: str = "test", details: dict | None = None) -> None:
+        row = {"episode_id": episode_id, "value": value, "details": json.dumps(details or {}), "source": source}
+        self.store.append("rewards", [{**row, "created_at": self._tick()}])
 
 
 def chat_turns(*completions: list[int], system: list[int] = (1, 2, 3), env: list[int] = (90, 91)) -> list[dict]:

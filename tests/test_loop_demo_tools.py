@@ -14,7 +14,7 @@ from fixtures_dataset import chat_turns
 
 from lcap.loop.demo import calls_by_round, demo_task, words
 from lcap.loop.demo_task import NUMBERS
-from lcap.loop.demo_tools import KEY, QUESTION, agent_module, warm_episode
+from lcap.loop.demo_tools import KEY, QUESTION, agent_module, lookups_by_round, warm_episode
 from lcap.store import Store
 
 
@@ -119,6 +119,28 @@ def test_calls_by_round_reads_stitching_and_merging_from_the_store(builder, dsto
     first, second = calls_by_round(dstore)
     assert first == dict(round=1, episodes=2, calls=3.0, stitched=0.5, samples=1.5, env_tokens=2.0)
     assert second == dict(round=2, episodes=2, calls=1.0, stitched=None, samples=1.0, env_tokens=0.0)
+
+
+def test_lookups_by_round_reads_the_first_calls_query(builder, dstore):
+    """Held-out episodes whose first call looked the words up, and the right answers among them: another query, a
+    text answer first (a lookup only at a later call) and training episodes do not count as lookups."""
+
+    def lookup(query: str) -> dict:
+        arguments = json.dumps({"query": query})
+        return {"tool_calls": json.dumps([{"id": "c0", "name": "lookup", "arguments": arguments}])}
+
+    text = {"completion_text": "Answer: seven"}
+    episodes = {
+        "a": ([lookup(KEY), text], True),
+        "b": ([lookup(KEY), text], False),
+        "c": ([lookup("number"), text], False),
+        "d": ([text, lookup(KEY)], True),
+    }
+    for episode_id, (turns, right) in episodes.items():
+        builder.episode(episode_id, split="eval", turns=turns)
+        builder.reward(episode_id, 1.0 if right else 0.5, details={"right": right})
+    builder.episode("e", turns=[lookup(KEY)], reward=1.0)
+    assert lookups_by_round(dstore) == {1: dict(looked_up=0.5, right_when_looked_up=0.5)}
 
 
 def test_an_unknown_task_or_another_tasks_folder_is_a_one_line_error(tmp_path):

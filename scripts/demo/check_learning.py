@@ -5,7 +5,8 @@
 Reads the held-out episodes of every round from OUT/lcap.duckdb (their rewards and the verifier's
 well-formed / right details), prints one line per round (with, for a multi-call agent such as
 `lcap demo --task tools`, the training episodes' calls, the share of later calls stitched and samples
-per episode), then checks, at the last round: held-out mean
+per episode; for the tools task, how often the first call looked the words up and how often those episodes
+were right), then checks, at the last round: held-out mean
 reward >= 0.8, held-out right answers >= 0.6, and neither fell by more than 0.1 from the round before
 (the targets are defined once, in lcap.loop.demo). Exits 1 on FAIL.
 """
@@ -15,12 +16,16 @@ import sys
 from pathlib import Path
 
 from lcap.loop.demo import calls_by_round, check_targets, held_out_by_round
+from lcap.loop.demo_tools import lookups_by_round
 from lcap.store import Store
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else "lcap-demo")
 store = Store(out / "lcap.duckdb")
 held_out = held_out_by_round(store)
 calls = {c["round"]: c for c in calls_by_round(store)}
+settings = out / "demo.json"
+tools = settings.exists() and json.loads(settings.read_text()).get("task") == "tools"
+lookups = lookups_by_round(store) if tools else {}
 for h in held_out:
     c = calls.get(h["round"])
     multi = (
@@ -29,9 +34,15 @@ for h in held_out:
         if c and c["calls"] > 1
         else ""
     )
+    lookup = lookups.get(h["round"])
+    looked = (
+        f", looked the words up {lookup['looked_up']:.2f} (right among them {lookup['right_when_looked_up'] or 0:.2f})"
+        if lookup
+        else ""
+    )
     print(
         f"round {h['round']}: held-out reward {h['reward']:.3f}, well-formed {h['well_formed']:.2f}, "
-        f"right {h['right']:.2f} ({h['episodes']} episodes){multi}"
+        f"right {h['right']:.2f}{looked} ({h['episodes']} episodes){multi}"
     )
 results = out / "results.json"
 if results.exists():
