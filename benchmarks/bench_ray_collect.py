@@ -104,7 +104,6 @@ class Bench:
     agent: Path
     url: str
     address: str
-    per_node: int
 
 
 @contextmanager
@@ -133,7 +132,7 @@ def two_node_cluster(prefix: str, concurrency: int) -> Iterator[Bench]:
             ray_node(["--address", address, "--num-cpus", str(per_node)], tmp / "worker.log", dict(os.environ))
         )
         print(f"two-node cluster up in {time.perf_counter() - t0:.1f} s ({per_node} CPUs each)", flush=True)
-        yield Bench(tmp, agent, url, address, per_node)
+        yield Bench(tmp, agent, url, address)
     except BaseException:
         traceback.print_exc()
         raise

@@ -21,7 +21,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils.logging import disable_progress_bar
 
-    from lcap.loop.demo_tools import KEY, QUESTION, WRONG_QUERIES, agent_module
+    from lcap.loop.demo_tools import KEY, QUESTION, WRONG_QUERIES, agent_module, lookup_call
 
     disable_progress_bar()
     agent = agent_module()
@@ -31,7 +31,7 @@ def main() -> None:
         prompt = str(
             tokenizer.apply_chat_template(messages, tools=agent.TOOLS, add_generation_prompt=True, tokenize=False)
         )
-        opening = '<tool_call>\n{"name": "lookup", "arguments": {"query": "'
+        opening = lookup_call(KEY).split(KEY)[0]  # up to the query
 
         def ids(text: str) -> list[int]:
             return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -62,6 +62,12 @@ TURNS = 3  # the agent's calls per episode: look up, answer, answer again after 
 MAX_TOKENS = 28  # per call: a lookup call is under 20 tokens with its stop token
 
 
+def lookup_call(query: str) -> str:
+    """A lookup call as the model writes it (vLLM's hermes parser reads it back as a tool call): the warm start's
+    text, and what benchmarks/demo_first_call.py scores."""
+    return "<tool_call>\n" + json.dumps({"name": "lookup", "arguments": {"query": query}}) + "\n</tool_call>"
+
+
 def agent_path() -> Path:
     path = Path(__file__).resolve().parent.parent / "scripts" / "agents" / "openai_tools.py"
     if not path.exists():
@@ -168,9 +174,9 @@ def corpus(words: list[str], *, p_lookup: float, p_correct: float, p_format: flo
                 raise ValueError("the chat template rewrites earlier calls: the warm start cannot stitch them")
             new = encode(prompt[len(text) :])
             if "tool_call" in said:
-                name_and_args = json.dumps({"name": "lookup", "arguments": json.loads(said["tool_call"])})
-                completion = f"<tool_call>\n{name_and_args}\n</tool_call>"
-                word = encode(json.loads(said["tool_call"])["query"])
+                query = json.loads(said["tool_call"])["query"]
+                completion = lookup_call(query)
+                word = encode(query)
             else:
                 completion = said["text"]
                 word = encode(" " + completion.rstrip(".").split()[-1])

@@ -141,9 +141,11 @@ def test_a_record_that_kills_the_writer_becomes_a_dead_letter(tmp_path, capture_
     assert writer.flush(timeout=30)
     assert writer._proc is not None
     os.kill(writer._proc.pid, signal.SIGSTOP)  # both records land before its next read: one batch, whatever the load
-    writer._spool.append_payload(seal(writer._spool.cipher, _ExitsOnLoad()))
-    writer.put(_turn("last"))
-    os.kill(writer._proc.pid, signal.SIGCONT)
+    try:
+        writer._spool.append_payload(seal(writer._spool.cipher, _ExitsOnLoad()))
+        writer.put(_turn("last"))
+    finally:
+        os.kill(writer._proc.pid, signal.SIGCONT)
     assert writer.flush(timeout=60)
     report = writer.finish(timeout=60)
     # Died on the batch, then twice on the record alone; the fourth writer keeps it unread.

@@ -55,8 +55,8 @@ class Mismatch:
 
     @property
     def checked(self) -> list[DeploymentMismatch]:
-        """The deployments held to the limit. Empty while deployments were scored: the batch had no sample of
-        the held one, and the guard checked nothing this round."""
+        """The deployments held to the limit and scored; with `held` set and none scored, the batch had no sample
+        of it and the guard checked nothing this round."""
         return [d for d in self.deployments if self.held is None or d.deployment == self.held]
 
     @property
@@ -64,14 +64,10 @@ class Mismatch:
         return max(self.checked, key=lambda d: d.kl, default=None)
 
     def unchecked(self) -> str | None:
-        """Why the guard checked nothing, or None when it checked something (or had nothing to check)."""
-        if self.held is None or self.checked or not self.samples:
+        """Why the guard checked nothing, or None when it checked the held deployment (or held them all)."""
+        if self.held is None or self.checked:
             return None
         return f"no scored sample was served by {self.held!r}, the deployment being trained: not checked"
-
-    @property
-    def samples(self) -> int:
-        return sum(d.samples for d in self.deployments)
 
     def metrics(self) -> dict[str, Any]:
         """The `train_runs` columns: the worst held deployment's figures (NULL when none was scored), and every
