@@ -100,23 +100,31 @@ def agent_command() -> list[str]:
 
 
 def lookups_by_round(store) -> dict[int, dict]:
-    """Per round, the held-out episodes whose first call looked the words up (the `lookup` of `KEY`): their share,
-    and the right answers among them. What RL must learn is both; the share is where a round falls back."""
+    """Per round, of the held-out episodes: the share whose first call looked the words up (the `lookup` of `KEY`)
+    and the right answers among them; the share of the others that looked them up at a later call; and the right
+    answers of the episodes that never did. What RL must learn is the rule and the lookup; the share of first
+    calls that look up is where a round falls back."""
     with store.connect(read_only=True) as con:
         rows = con.execute(
             """
-            WITH first AS (
-                SELECT s.round, (s.reward_details->>'right')::BOOLEAN AS is_right,
+            WITH calls AS (
+                SELECT s.round, t.episode_id, t.seq, (s.reward_details->>'right')::BOOLEAN AS is_right,
                        coalesce(t.tool_calls::JSON->0->>'name' = 'lookup'
-                                AND (t.tool_calls::JSON->0->>'arguments')::JSON->>'query' = ?, false) AS looked_up
+                                AND (t.tool_calls::JSON->0->>'arguments')::JSON->>'query' = ?, false) AS looks_up
                 FROM episode_summary s JOIN turns t USING (episode_id)
-                WHERE s.split = 'eval' AND s.reward IS NOT NULL
-                QUALIFY t.seq = min(t.seq) OVER (PARTITION BY t.episode_id))
-            SELECT round, avg(looked_up::INTEGER), avg(is_right::INTEGER) FILTER (WHERE looked_up)
-            FROM first GROUP BY round""",
+                WHERE s.split = 'eval' AND s.reward IS NOT NULL),
+            episodes AS (
+                SELECT round, any_value(is_right) AS is_right, arg_min(looks_up, seq) AS first, bool_or(looks_up) AS ever
+                FROM calls GROUP BY round, episode_id)
+            SELECT round, avg(first::INTEGER), avg(is_right::INTEGER) FILTER (WHERE first),
+                   avg(ever::INTEGER) FILTER (WHERE NOT first), avg(is_right::INTEGER) FILTER (WHERE NOT ever)
+            FROM episodes GROUP BY round""",
             [KEY],
         ).fetchall()
-    return {n: dict(looked_up=share, right_when_looked_up=right) for n, share, right in rows}
+    return {
+        n: dict(looked_up=share, right_when_looked_up=right, later=later, right_when_never=never)
+        for n, share, right, later, never in rows
+    }
 
 
 def tool_task(triple: list[str], answer: str) -> dict:

@@ -123,7 +123,8 @@ def test_calls_by_round_reads_stitching_and_merging_from_the_store(builder, dsto
 
 def test_lookups_by_round_reads_the_first_calls_query(builder, dstore):
     """Held-out episodes whose first call looked the words up, and the right answers among them: another query, a
-    text answer first (a lookup only at a later call) and training episodes do not count as lookups."""
+    text answer first (a lookup only at a later call) and training episodes do not count as lookups. Of the other
+    two, one looked the words up later; the one that never did was wrong."""
 
     def lookup(query: str) -> dict:
         arguments = json.dumps({"query": query})
@@ -140,7 +141,8 @@ def test_lookups_by_round_reads_the_first_calls_query(builder, dstore):
         builder.episode(episode_id, split="eval", turns=turns)
         builder.reward(episode_id, 1.0 if right else 0.5, details={"right": right})
     builder.episode("e", turns=[lookup(KEY)], reward=1.0)
-    assert lookups_by_round(dstore) == {1: dict(looked_up=0.5, right_when_looked_up=0.5)}
+    expected = dict(looked_up=0.5, right_when_looked_up=0.5, later=0.5, right_when_never=0.0)
+    assert lookups_by_round(dstore) == {1: expected}
 
 
 def test_an_unknown_task_or_another_tasks_folder_is_a_one_line_error(tmp_path):
