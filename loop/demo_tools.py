@@ -28,6 +28,13 @@ both its phases): reading the words in a tool's result, after a lookup, the tiny
 than in a question, and at the number task's share its base model was right little more often than chance. At
 0.8 it is right about as often as the number task's base model, so RL starts from the same place on the rule.
 
+The warm start weighs every token of the lookup call as it weighs the copied word (`warm_answer_weight`), and
+learns 300 steps of episodes: the call's syntax is what a base model that can use its tool already knows, and
+not what RL is here to teach. A tool call vLLM's parser cannot read reaches the agent as a plain answer, and
+the episode, its words never looked up, is nearly always wrong; trained like an answer's other tokens, a few
+first calls in a hundred broke their JSON, RL's rounds moved that share as noise, and the real runs that
+missed the bar fell back in such a round (docs/benchmarks.md, "`lcap demo --task tools`").
+
 Each held-out question is asked twice a round: the tools task's right answers sit closer to the bar than the
 number task's, and at one episode a question a round's held-out share moves by chance about as much as the
 bar allows it to fall between the last two rounds (docs/benchmarks.md: a real run fell past that bound from
@@ -101,8 +108,9 @@ def agent_command() -> list[str]:
 
 def lookups_by_round(store) -> dict[int, dict]:
     """Per round, of the held-out episodes: the share whose first call looked the words up (the `lookup` of `KEY`)
-    and the right answers among them; the share of the others that looked them up at a later call; and the right
-    answers of the episodes that never did. What RL must learn is the rule and the lookup; the share of first
+    and the right answers among them; the share of the others that looked them up at a later call; the right
+    answers of the episodes that never did; and the share whose first call was a tool call vLLM's parser could
+    not read (`<tool_call>` in a plain answer). What RL must learn is the rule and the lookup; the share of first
     calls that look up is where a round falls back."""
     with store.connect(read_only=True) as con:
         rows = con.execute(
@@ -110,20 +118,24 @@ def lookups_by_round(store) -> dict[int, dict]:
             WITH calls AS (
                 SELECT s.round, t.episode_id, t.seq, (s.reward_details->>'right')::BOOLEAN AS is_right,
                        coalesce(t.tool_calls::JSON->0->>'name' = 'lookup'
-                                AND (t.tool_calls::JSON->0->>'arguments')::JSON->>'query' = ?, false) AS looks_up
+                                AND (t.tool_calls::JSON->0->>'arguments')::JSON->>'query' = ?, false) AS looks_up,
+                       coalesce(json_array_length(t.tool_calls::JSON), 0) = 0
+                           AND contains(coalesce(t.completion_text, ''), '<tool_call>') AS broken
                 FROM episode_summary s JOIN turns t USING (episode_id)
                 WHERE s.split = 'eval' AND s.reward IS NOT NULL),
             episodes AS (
-                SELECT round, any_value(is_right) AS is_right, arg_min(looks_up, seq) AS first, bool_or(looks_up) AS ever
+                SELECT round, any_value(is_right) AS is_right, arg_min(looks_up, seq) AS first,
+                       bool_or(looks_up) AS ever, arg_min(broken, seq) AS broken
                 FROM calls GROUP BY round, episode_id)
             SELECT round, avg(first::INTEGER), avg(is_right::INTEGER) FILTER (WHERE first),
-                   avg(ever::INTEGER) FILTER (WHERE NOT first), avg(is_right::INTEGER) FILTER (WHERE NOT ever)
+                   avg(ever::INTEGER) FILTER (WHERE NOT first), avg(is_right::INTEGER) FILTER (WHERE NOT ever),
+                   avg(broken::INTEGER)
             FROM episodes GROUP BY round""",
             [KEY],
         ).fetchall()
     return {
-        n: dict(looked_up=share, right_when_looked_up=right, later=later, right_when_never=never)
-        for n, share, right, later, never in rows
+        n: dict(looked_up=share, right_when_looked_up=right, later=later, right_when_never=never, broken=broken)
+        for n, share, right, later, never, broken in rows
     }
 
 
@@ -189,8 +201,11 @@ def corpus(words: list[str], *, p_lookup: float, p_correct: float, p_format: flo
                 completion = said["text"]
                 word = encode(" " + completion.rstrip(".").split()[-1])
             out = encode(completion + end)
+            trained = answer_weights(out, word, answer_weight, completion)
+            if "tool_call" in said:  # the call's syntax too: a base model that can use its tool (the module says why)
+                trained = [answer_weight] * len(trained)
             ids += new + out
-            weights += [0.0] * len(new) + answer_weights(out, word, answer_weight, completion)
+            weights += [0.0] * len(new) + trained
             text = prompt + completion + end
         return Example(ids, weights)
 
@@ -214,7 +229,7 @@ TASK = DemoTask(
     demo_corpus,
     defaults={
         "warm_up_steps": 300,
-        "warm_steps": 200,
+        "warm_steps": 300,
         "warm_batch_size": 32,
         "warm_examples": 2000,
         "lr": 1e-3,

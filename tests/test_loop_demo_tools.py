@@ -59,6 +59,24 @@ def test_warm_episodes_follow_the_agent():
     assert 70 <= looked_up <= 130 and 0.3 * looked_up <= right <= 0.7 * looked_up
 
 
+def test_the_warm_start_weighs_the_whole_lookup_call_and_the_copied_word(tiny_model_dir):
+    """Trained tokens: every token of the lookup call weighs `warm_answer_weight` (its syntax is what a base model
+    that can use its tool knows); in a text answer only the copied word does, the others 1; prompts 0."""
+    from transformers import AutoTokenizer
+
+    from lcap.loop.demo_tools import demo_corpus, lookup_call
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    settings = demo_task("tools").settings()
+    example = demo_corpus(words(), settings)(tokenizer, random.Random(0))
+    heavy = settings.warm_answer_weight
+    call = tokenizer(lookup_call(KEY), add_special_tokens=False)["input_ids"]
+    start = next(i for i in range(len(example.ids)) if example.ids[i : i + len(call)] == call)
+    assert example.weights[start - 1] == 0.0 and set(example.weights[start : start + len(call) + 1]) == {heavy}
+    trained = [w for w in example.weights[start + len(call) + 1 :] if w]
+    assert trained.count(heavy) == 2 and set(trained) == {1.0, heavy}  # the word of each text answer
+
+
 def test_warm_start_runs_on_the_tiny_model(tiny_model_dir, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)  # the warm start saves in place
@@ -123,8 +141,8 @@ def test_calls_by_round_reads_stitching_and_merging_from_the_store(builder, dsto
 
 def test_lookups_by_round_reads_the_first_calls_query(builder, dstore):
     """Held-out episodes whose first call looked the words up, and the right answers among them: another query, a
-    text answer first (a lookup only at a later call) and training episodes do not count as lookups. Of the other
-    two, one looked the words up later; the one that never did was wrong."""
+    text answer first (a lookup only at a later call), a call the parser could not read and training episodes do
+    not count as lookups. Of the other three, one looked the words up later; those that never did were wrong."""
 
     def lookup(query: str) -> dict:
         arguments = json.dumps({"query": query})
@@ -136,13 +154,14 @@ def test_lookups_by_round_reads_the_first_calls_query(builder, dstore):
         "b": ([lookup(KEY), text], False),
         "c": ([lookup("number"), text], False),
         "d": ([text, lookup(KEY)], True),
+        "f": ([{"completion_text": '<tool_call>\n{"name": "lookuu", "arguments": {"query": "words"}}'}, text], False),
     }
     for episode_id, (turns, right) in episodes.items():
         builder.episode(episode_id, split="eval", turns=turns)
         builder.reward(episode_id, 1.0 if right else 0.5, details={"right": right})
     builder.episode("e", turns=[lookup(KEY)], reward=1.0)
-    expected = dict(looked_up=0.5, right_when_looked_up=0.5, later=0.5, right_when_never=0.0)
-    assert lookups_by_round(dstore) == {1: expected}
+    expected = dict(looked_up=0.4, right_when_looked_up=0.5, later=1 / 3, right_when_never=0.0, broken=0.2)
+    assert lookups_by_round(dstore) == {1: pytest.approx(expected)}
 
 
 def test_an_unknown_task_or_another_tasks_folder_is_a_one_line_error(tmp_path):

@@ -38,7 +38,7 @@ for h in held_out:
     looked = (
         f", first call looked the words up {lookup['looked_up']:.2f} (right among them "
         f"{lookup['right_when_looked_up'] or 0:.2f}; of the others {lookup['later'] or 0:.2f} later; right when "
-        f"never {lookup['right_when_never'] or 0:.2f})"
+        f"never {lookup['right_when_never'] or 0:.2f}; a tool call the parser could not read {lookup['broken']:.2f})"
         if lookup
         else ""
     )
