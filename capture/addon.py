@@ -134,7 +134,11 @@ class CaptureAddon:
         )  # here, not at requestheaders: mitmproxy may change them
         is_call = self.calls.take_body(call, body)
         if is_call and self.calls.must_hold(call):
-            ready = await self.calls.hold(call, lambda: not flow.client_conn.connected)
+            try:
+                ready = await self.calls.hold(call, lambda: not flow.client_conn.connected)
+            except asyncio.CancelledError:  # the proxy stops
+                self.calls.close_call(call.pending, "the call was interrupted")
+                raise
             if not ready:  # the agent left while its call was held
                 self.calls.close_call(call.pending, agent_left(False))
                 flow.kill()
