@@ -5,7 +5,7 @@ Usage: .venv/bin/python benchmarks/bench_full_deploy.py [ROUNDS] [THREADS]
 Starts `lcap serve` on the tiny model (one replica) and the capture proxy, runs THREADS agents that
 stream chat completions back to back through the proxy, and deploys a new checkpoint (the tiny model
 with other weights, same config) ROUNDS times in each mode, alternating: `restart` (lcap deploy
---restart: vLLM restarts on it; a replica alone has nowhere to send its calls) and `in-place`
+--restart: the replica drains, vLLM restarts on it, the proxy holds the calls sent meanwhile) and `in-place`
 (serve/reload.py: pause, reload the weights, resume). An agent whose call fails waits RETRY_S before
 its next. Prints per deploy its wall time, the calls that failed, and the longest call that overlapped
 it (what an agent waits at worst); then the medians and the failed calls of each mode, side by side. benchmarks/probe_vllm_reload.py is the bare vLLM

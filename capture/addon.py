@@ -18,7 +18,7 @@ from typing import Any
 from mitmproxy import http
 
 from lcap.capture import dialects, policy_wire
-from lcap.capture.calls import Calls, NoRoute, Unauthorized, with_route_model
+from lcap.capture.calls import Calls, HoldRefused, NoRoute, Unauthorized, with_route_model
 from lcap.capture.options import ProxyOptions
 from lcap.capture.routes import Route
 from lcap.capture.turn import PendingTurn, agent_left
@@ -107,19 +107,21 @@ class CaptureAddon:
         else:
             req.stream = True  # not an LLM call: passed through as it comes, never held in memory
 
-    def request(self, flow: http.HTTPFlow) -> None:
+    async def request(self, flow: http.HTTPFlow) -> None:
         """An LLM path's request is whole. Not guarded like the other hooks: when lcap reroutes, a failure here
-        answers the agent (502, 503) instead of letting the call go to its original host with its key."""
+        answers the agent (502, 503) instead of letting the call go to its original host with its key. A call
+        for the policy while every replica restarts waits here (`Calls.hold`); mitmproxy goes on with the
+        connection's other flows meanwhile."""
         try:
-            self._request(flow)
-        except NoRoute as exc:
+            await self._request(flow)
+        except (NoRoute, HoldRefused) as exc:  # a held call's turn is stored and counted already
             flow.response = http.Response.make(503, f"lcap: {exc}\n".encode())
         except Exception:
             log.exception("lcap: capture error in request")
             if self.calls.router.upstream is not None and dialects.match(flow.request.method, flow.request.path):
                 flow.response = http.Response.make(502, b"lcap: capture error (see lcap's log)\n")
 
-    def _request(self, flow: http.HTTPFlow) -> None:
+    async def _request(self, flow: http.HTTPFlow) -> None:
         opened = flow.metadata.pop(_OPEN, None)
         if opened is None:
             if _WS_KEY in flow.metadata:
@@ -131,6 +133,16 @@ class CaptureAddon:
             *opened, scheme=req.scheme, host=req.host, port=req.port, path=req.path, fields=req.headers.fields
         )  # here, not at requestheaders: mitmproxy may change them
         is_call = self.calls.take_body(call, body)
+        if is_call and self.calls.must_hold(call):
+            try:
+                ready = await self.calls.hold(call, lambda: not flow.client_conn.connected)
+            except asyncio.CancelledError:  # the proxy stops
+                self.calls.close_call(call.pending, "the call was interrupted")
+                raise
+            if not ready:  # the agent left while its call was held
+                self.calls.close_call(call.pending, agent_left(False))
+                flow.kill()
+                return
         if is_call:
             flow.metadata[_KEY] = call.pending
             if call.body is not body:

@@ -8,6 +8,7 @@ cheap: raw bytes and timings go on a `PendingTurn`, and the writer process does 
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
@@ -16,7 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from lcap.capture import dialects, policy_wire
 from lcap.capture.credentials import EpisodeKeys
@@ -33,6 +34,7 @@ _CREDENTIALS = frozenset(name.encode() for name in CREDENTIAL_HEADERS)
 # A rerouted call has nothing to switch protocols to, and an upgrade asked on a POST makes readers disagree on its
 # body (llhttp, in uvicorn and Node, takes it for the next protocol's bytes): the request goes without it.
 _UPGRADE = frozenset((b"upgrade", b"http2-settings"))
+HOLD_POLL_S = 0.25  # how often a held call looks whether a replica serves again, or its agent left
 
 
 # --- which episode ------------------------------------------------------------------------------------
@@ -45,6 +47,11 @@ class Unauthorized(Exception):
 class NoRoute(Exception):
     """`--upstream` is set but has no server to send to right now (no policy record): the agent gets a 503,
     never the original host."""
+
+
+class HoldRefused(Exception):
+    """A call held while every policy replica restarts that no replica took within `--hold-timeout`, or one past
+    `--max-held-calls`: the agent gets a 503 with this message, and the turn is stored with it."""
 
 
 # --- one call ---------------------------------------------------------------------------------------
@@ -65,6 +72,7 @@ class Call:
     body: bytes = b""  # the request body to send (rewritten when lcap changed it)
     request: Any = None  # the request body, decoded (an LLM call's)
     tried: frozenset[str] = frozenset()  # replicas this call failed to reach
+    held_until: float | None = None  # the end of the call's hold (time.monotonic()), once it was first held
 
 
 class Calls:
@@ -86,6 +94,8 @@ class Calls:
         stitch: bool = True,
         adapt: bool = True,
         heads: Heads | None = None,
+        hold_timeout: float = 600.0,
+        max_held: int = 512,
     ) -> None:
         self.writer = writer
         self.router = router
@@ -106,6 +116,9 @@ class Calls:
         self._floor = 0
         self._seq_lock = threading.Lock()
         self.numbered = 0  # calls numbered since the start
+        self.hold_timeout, self.max_held = hold_timeout, max_held
+        self.held = 0  # calls waiting now for a restarting replica (`hold`); changed on the proxy's loop only
+        self.hold_refused = 0  # held calls answered 503 since the start (timeout, or past `max_held`)
 
     def attribute(self, fields: Fields, fallback: str | None = None) -> tuple[str | None, Fields]:
         """The episode a request is written into (the one its credentials prove, else `fallback`: its tunnel's)
@@ -145,6 +158,8 @@ class Calls:
             return {
                 "calls": self.numbered,
                 "calls_in_flight": sum(self.in_flight.values()),
+                "calls_held": self.held,
+                "calls_hold_refused": self.hold_refused,
                 "episodes": len(self._next),
                 "episodes_in_flight": len(self.in_flight),
             }
@@ -198,11 +213,61 @@ class Calls:
         other = self.router.route(call.pending.episode_id, call.tried)
         if other is None:
             return False
-        call.path = call.pending.path
-        self._point(call, other)
-        if call.request is not None and other.model != route.model:  # a replica that serves another deployment
-            call.body = self._forward(call)
+        self._repoint(call, other)
         return True
+
+    def _repoint(self, call: Call, route: Route) -> None:
+        """Send a whole call along another route: re-rendered when that replica serves another deployment."""
+        previous = call.route
+        call.path = call.pending.path
+        self._point(call, route)
+        if call.request is not None and (previous is None or route.model != previous.model):
+            call.body = self._forward(call)
+
+    def must_hold(self, call: Call) -> bool:
+        """Whether a whole call for the policy must wait before it is sent: every replica is restarting."""
+        return call.route is not None and call.route.replica is not None and self.router.holding()
+
+    async def hold(self, call: Call, gone: Callable[[], bool]) -> bool:
+        """Keep a call while every policy replica restarts (serve/deploy.py marks them draining), then point it at
+        the replica that serves again: the deployment it serves now is the one the turn stores. The call's hold
+        lasts `hold_timeout` at most, however often it is held. False when the agent left (`gone()`, looked at
+        every HOLD_POLL_S); `HoldRefused` past the timeout, past `max_held` calls held at once, or when the policy
+        record went away meanwhile (the turn is then stored with the error, and counted)."""
+        if self.held >= self.max_held:
+            self._refuse_held(
+                call, f"too many calls wait for a restarting policy replica (--max-held-calls {self.max_held})"
+            )
+        if call.held_until is None:
+            call.held_until = time.monotonic() + self.hold_timeout
+        self.held += 1
+        try:
+            while self.router.holding():
+                if gone():
+                    return False
+                left = call.held_until - time.monotonic()
+                if left <= 0:
+                    self._refuse_held(
+                        call, f"no policy replica served again within {self.hold_timeout:g} s (--hold-timeout)"
+                    )
+                await asyncio.sleep(min(HOLD_POLL_S, left))
+        finally:
+            self.held -= 1
+        if gone():
+            return False
+        route = self.router.route(call.pending.episode_id)
+        if route is None:
+            self._refuse_held(call, f"--upstream {self.router.upstream}: the policy server went away meanwhile")
+        call.tried = frozenset()  # the replicas it failed on have restarted
+        self._repoint(call, route)
+        return True
+
+    def _refuse_held(self, call: Call, why: str) -> NoReturn:
+        self.hold_refused += 1
+        log.warning("lcap: a call of episode %s got a 503: %s", call.pending.episode_id, why)
+        call.pending.status_code = 503
+        self.close_call(call.pending, why)
+        raise HoldRefused(why)
 
     def upstream_failed(self, pending: PendingTurn, why: str) -> None:
         """A call to a replica failed after it was sent: the replica leaves the rotation until it serves again."""

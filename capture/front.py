@@ -34,7 +34,7 @@ from mitmproxy.proxy.layers.tls import parse_client_hello
 from mitmproxy.tls import ClientHello
 
 from lcap.capture import dialects
-from lcap.capture.calls import Call, Calls, Fields, NoRoute, Unauthorized
+from lcap.capture.calls import Call, Calls, Fields, HoldRefused, NoRoute, Unauthorized
 from lcap.capture.certs import LeafCerts
 from lcap.capture.connections import READ_SIZE, AgentReader, Expired, Plain, TlsServerSide, UpstreamPool, Watches
 from lcap.capture.destinations import Destinations, Forbidden
@@ -485,6 +485,10 @@ class Front:
         try:
             upstream, parts = await self._send(client, call, upstream_head, exchange)
             reuse = await self._answer(client, call, upstream, parts, client_close, exchange)
+        except HoldRefused as refused:  # its turn is stored and counted already
+            self.answered[503] += 1
+            client.send(refusal(503, str(refused), close=False))
+            return True
         except BaseException as exc:
             if exchange.upstream is not None:
                 exchange.upstream.close()
@@ -524,18 +528,25 @@ class Front:
     async def _send(
         self, client: Plain, call: Call, upstream_head: bytes, exchange: _Exchange
     ) -> tuple[Plain, _ResponseParts]:
-        """Send the call upstream and read its response head. A call that cannot reach a policy replica (no
-        connection, or the connection closed before any answer: the replica never answered it) goes to the
-        episode's next replica, the failed one leaving the rotation; at most once per replica."""
+        """Send the call upstream and read its response head. While every policy replica restarts, the call
+        waits for one to serve again (`Calls.hold`). A call that cannot reach a policy replica (no connection, or
+        the connection closed before any answer: the replica never answered it) goes to the episode's next
+        replica, the failed one leaving the rotation; at most once per replica. With no replica left to try it
+        waits too if the record now says they all restart (it was sent before this proxy read that)."""
         while True:
+            if self.calls.must_hold(call):
+                if not await self.calls.hold(call, lambda: exchange.gone):
+                    raise _AgentGone
+                upstream_head, _ = _request_head(call)
             try:
                 return await self._attempt(client, call, upstream_head, exchange)
             except _Unreached as unreached:
                 if exchange.gone:
                     raise _AgentGone from None
-                if not self.calls.failover(call, str(unreached.error)):
+                if self.calls.failover(call, str(unreached.error)):
+                    upstream_head, _ = _request_head(call)
+                elif not self.calls.must_hold(call):
                     raise unreached.error from None
-                upstream_head, _ = _request_head(call)
 
     async def _attempt(
         self, client: Plain, call: Call, upstream_head: bytes, exchange: _Exchange

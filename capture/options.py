@@ -82,6 +82,15 @@ class ProxyOptions:
     stitch_memory: int = option(
         256 * MiB, help="Bytes of earlier turns' ids kept for stitching, all conversations together (oldest go)."
     )
+    hold_timeout: float = option(
+        600.0,
+        help="Seconds a call may wait while every policy replica restarts (a full-checkpoint deploy drains and "
+        "restarts vLLM) for one to serve again; past it the agent gets a 503 and an error turn is stored. The "
+        "default covers a drain and a vLLM start (`lcap serve --timeout`).",
+    )
+    max_held_calls: int = option(
+        512, help="Calls waiting at once for a restarting policy replica (--hold-timeout); past it a 503 at once."
+    )
     # --- state kept between calls ---
     max_certs: int = option(1000, help="TLS certificates kept for intercepted hosts (least recently used go).")
     max_episodes: int = option(
@@ -90,5 +99,5 @@ class ProxyOptions:
 
 
 # The flags `lcap collect` and `lcap loop` take from ProxyOptions (their proxy's other settings are the defaults).
-POLICY_ROUTE_FLAGS = ("stitch", "adapt", "stitch_memory")
+POLICY_ROUTE_FLAGS = ("stitch", "adapt", "stitch_memory", "hold_timeout", "max_held_calls")
 NOT_POLICY_ROUTE_FLAGS = tuple(f for f in ProxyOptions.__dataclass_fields__ if f not in POLICY_ROUTE_FLAGS)

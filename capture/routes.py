@@ -10,8 +10,11 @@ A replica leaves the rotation when a call to it fails (no connection, the connec
 any answer, a 5xx) or when the periodic probe of its `/v1/models` fails twice or no longer lists
 the deployment calls ask for; it is probed again with a bounded back-off and rejoins at the first
 good answer. A replica the record marks `draining` (a full checkpoint is replacing it) gets no new
-call. When no replica is left, calls go to the whole set anyway: a stale verdict must not turn
-into a 503.
+call. When no replica is left by the probes' verdicts, calls go to the whole set anyway: a stale
+verdict must not turn into a 503. When the record marks every replica draining (one replica alone
+restarting on a new checkpoint), the router is `holding`: the transports keep new calls until a
+replica serves again (capture/calls.py `Calls.hold`) instead of sending them to a server that is
+going away.
 
 A call asks vLLM for the name its deployment is served under (the record's `served_as`: a full
 checkpoint reloaded in place keeps the name vLLM started with) and its turn stores the deployment,
@@ -146,6 +149,7 @@ class Router:
         self._mtime: int | None = -1
         self._routes: tuple[Route, ...] = ()  # every replica's route
         self._rotation: tuple[Route, ...] = ()  # the replicas new calls go to (none draining)
+        self._holding = False  # the record marks every replica draining: new calls wait (`holding`)
         self._out: frozenset[str] = frozenset()  # replicas out of the rotation until a probe answers
         self._by_replica: dict[str | None, Route] = {}
         self._served_as: dict[str, str] = {}  # the record's deployment -> vLLM name map (lcap/policy.py)
@@ -183,6 +187,17 @@ class Router:
         if episode is None:  # nothing to stick to: spread
             return candidates[next(self._round_robin) % len(candidates)]
         return max(candidates, key=lambda r: rank(episode, r.replica or ""))
+
+    def holding(self) -> bool:
+        """Whether every replica of the policy is draining (a deploy restarts them all, or the only one): a new
+        call then waits for one to serve again rather than go to a server that is about to stop."""
+        if self.upstream != "policy":
+            return False
+        now = time.monotonic()
+        if now - self._checked >= REFRESH_S:
+            with self._lock:
+                self._refresh(now)
+        return self._holding
 
     def settle(self, replica: str | None, deployment: str | None) -> str | None:
         """The deployment that served a call to `replica` that has just ended, labelled `deployment` when it was sent.
@@ -313,28 +328,33 @@ class Router:
             record = read_policy()
             routes: tuple[Route, ...] = ()
             rotation: tuple[Route, ...] = ()
+            draining: set[str] = set()
             if record is not None:
                 key = self.policy_key if self.policy_key is not None else record.api_key()
-                pairs = [
-                    (
-                        parse_upstream(
-                            r.url,
-                            self.model or record.served_name(r.serving(record)),
-                            r.serving(record),
-                            replica=r.name,
-                            key=key,
-                            lcap=record.lcap_endpoints,
-                        ),
-                        r.draining,
+                routes = tuple(
+                    parse_upstream(
+                        r.url,
+                        self.model or record.served_name(r.serving(record)),
+                        r.serving(record),
+                        replica=r.name,
+                        key=key,
+                        lcap=record.lcap_endpoints,
                     )
                     for r in record.replicas
-                ]
-                routes = tuple(route for route, _ in pairs)
-                rotation = tuple(route for route, draining in pairs if not draining) or routes
+                )
+                draining = {r.name for r in record.replicas if r.draining}
+                rotation = tuple(route for route in routes if route.replica not in draining) or routes
                 served = dict(record.served_as)
         except (ValueError, TypeError, KeyError, OSError) as exc:  # a record being rewritten: keep the last routes
             log.warning("lcap: unreadable policy record (%s); keeping the previous routes", exc)
             return
+        holding = bool(routes) and all(route.replica in draining for route in routes)
+        if holding != self._holding:
+            if holding:
+                log.warning("lcap: every policy replica is restarting (a deploy): new calls wait for one to serve")
+            else:
+                log.warning("lcap: the policy replicas are no longer all restarting: held calls go on")
+        self._holding = holding
         previous = {r.replica: r for r in self._rotation}
         health: dict[str, _Health] = {}
         for route in rotation:

@@ -266,6 +266,8 @@ class CaptureProxy:
             stitch=self.options.stitch,
             adapt=self.options.adapt,
             heads=Heads(self.options.stitch_memory),
+            hold_timeout=self.options.hold_timeout,
+            max_held=self.options.max_held_calls,
         )
         self._calls = calls
         self.writer.start()

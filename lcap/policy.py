@@ -32,7 +32,7 @@ class Replica:
     pid: int | None = None  # the process group lcap started it in; None when a Ray actor runs it
     log_path: str = ""  # on the node that runs it
     current: str | None = None  # what calls routed here ask for while a full checkpoint rolls out; None: the record's
-    draining: bool = False  # out of the rotation: no new call is routed here (a full checkpoint replaces it)
+    draining: bool = False  # out of the rotation (a full checkpoint replaces it); all draining: proxies hold calls
     devices: str | None = None  # local: the CUDA_VISIBLE_DEVICES it runs with (None: lcap's own)
     actor: str | None = None  # Ray: the named actor that runs and supervises it
     node: str | None = None  # Ray: the address of its node

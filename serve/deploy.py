@@ -12,13 +12,16 @@ the weights, and the record maps the new deployment to the name vLLM keeps servi
 the replica resumes. No call fails, and each turn is labelled with the weights that served it (capture's
 Router.settle). Where that is not possible (another config or tokenizer, Ray replicas, a server started
 without the reload endpoints, a reload vLLM refuses, or `restart=True`) each vLLM is restarted on the
-checkpoint instead, with one log line saying why. With several replicas
-they roll one at a time: the replica is marked draining in the record (the proxy routes its
-episodes to their next replica), its calls in flight finish (vLLM's own request gauges reach zero,
-or `drain_timeout` passes), it restarts on the checkpoint on the same address, and once healthy it
+checkpoint instead, with one log line saying why. The replicas
+roll one at a time: the replica is marked draining in the record (the proxy routes its episodes to
+their next replica), its calls in flight finish (vLLM's own request gauges reach zero, or
+`drain_timeout` passes), it restarts on the checkpoint on the same address, and once healthy it
 rejoins the rotation serving the new deployment (its entry in the record says so until all have
-rolled). One replica alone restarts at once: there is nowhere else for its calls to go. A replica
-that fails to start puts every replica back on the previous policy, adapters included.
+rolled). One replica alone drains and restarts the same way: with every replica draining, the proxy
+holds new calls until it serves again (capture/calls.py `Calls.hold`, `--hold-timeout`), so they are
+answered late by the new deployment instead of failing. A replica that fails to start puts every
+replica back on the previous policy, adapters included; if that fails too, no replica stays marked
+draining (the proxy would hold calls for a server that is not coming back).
 
 Every deployment is a row in the store's `deployments` table, so each captured turn's `deployment`
 says which policy produced it, and its `replica` which server.
@@ -195,22 +198,25 @@ def _roll(record: PolicyServer, path: Path, name: str, drain_timeout: float) -> 
     previous = VllmSpec.of(record)
     args = _with_tokenizer(record, path)
     target = replace(previous, model=str(path), served_name=name, extra_args=tuple(args))
-    drain = len(record.replicas) > 1
     touched: list[str] = []
     try:
         for replica in record.replicas:
             touched.append(replica.name)
-            _replace(replica.name, target, drain=drain, drain_timeout=drain_timeout)
+            _replace(replica.name, target, drain_timeout=drain_timeout)
     except LcapError as exc:
         for replica_name in touched:  # the failed one too: it may be down, or half started
             try:
-                _replace(replica_name, previous, drain=drain, drain_timeout=drain_timeout, loras=record.loras)
+                _replace(replica_name, previous, drain_timeout=drain_timeout, loras=record.loras)
             except LcapError as again:
+                _undrain()
                 raise LcapError(
                     f"checkpoint {path} did not start ({exc}), and replica {replica_name} did not start again on "
                     f"{record.current!r} either: {again}"
                 ) from None
         raise LcapError(f"checkpoint {path} did not start, so {record.current!r} is serving again: {exc}") from None
+    except BaseException:  # interrupted (Ctrl-C) mid-roll
+        _undrain()
+        raise
     rolled = read_policy() or record
     rolled.base_model, rolled.served_model, rolled.current = str(path), name, name
     rolled.loras, rolled.vllm_args = {}, args
@@ -220,19 +226,17 @@ def _roll(record: PolicyServer, path: Path, name: str, drain_timeout: float) -> 
     return rolled
 
 
-def _replace(
-    name: str, spec: VllmSpec, *, drain: bool, drain_timeout: float, loras: dict[str, str] | None = None
-) -> None:
+def _replace(name: str, spec: VllmSpec, *, drain_timeout: float, loras: dict[str, str] | None = None) -> None:
     """Take replica `name` out of the rotation, let its calls finish, restart it on `spec` (with `loras`) and put
-    it back in the rotation serving `spec`."""
+    it back in the rotation serving `spec`. A replica alone is taken out too: the proxy then holds new calls
+    until it is back."""
     record = read_policy()
     if record is None:
         raise LcapError("the policy record disappeared during the deploy (`lcap serve --stop`?)")
     replica = record.replica(name)
-    if drain:
-        replica.draining = True
-        write_policy(record)
-        _drain(replica.url, record.api_key(), name, drain_timeout)
+    replica.draining = True
+    write_policy(record)
+    _drain(replica.url, record.api_key(), name, drain_timeout)
     restarted = replicas_of(record).restart(replica, spec)
     record = read_policy() or record
     for i, entry in enumerate(record.replicas):
@@ -245,6 +249,16 @@ def _replace(
     if loras and record.current in loras:
         restarted.current = None
     write_policy(record)
+
+
+def _undrain() -> None:
+    """Mark no replica draining: after a deploy that could not bring a replica back, calls go to the replicas
+    as they are (and fail fast where one is down) instead of being held for one that is not coming."""
+    record = read_policy()
+    if record is not None and any(r.draining for r in record.replicas):
+        for replica in record.replicas:
+            replica.draining = False
+        write_policy(record)
 
 
 def _drain(url: str, key: str | None, name: str, timeout: float) -> None:

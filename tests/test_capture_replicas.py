@@ -16,6 +16,7 @@ import sys
 import textwrap
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -362,3 +363,95 @@ def test_a_call_mitmproxy_carries_reports_a_dead_replica(tmp_path, record_env, r
             second = client.post(url, content=iter([body]), headers={"content-type": "application/json"})
             assert second.status_code == 200
     assert [r["replica"] for r in turns(db)] == ["r0", "r1"]
+
+
+# --- a lone replica restarting: calls are held ----------------------------------------------------------
+
+
+def _restarting(record: PolicyServer) -> None:
+    """Mark every replica draining, as `lcap deploy` does before it restarts the only one; wait until the proxy
+    can have read it (capture/routes.py REFRESH_S)."""
+    for replica in record.replicas:
+        replica.draining = True
+    write_policy(record)
+    time.sleep(0.6)
+
+
+def test_calls_wait_while_the_only_replica_restarts_and_go_to_the_new_deployment(tmp_path, record_env):
+    """While the record marks the only replica draining, calls through the front (whole and streamed) and through
+    mitmproxy (a chunked body) wait in the proxy, none reaching the replica; once it serves the new deployment
+    they are answered by it, and their turns say so."""
+    server = FakeLLM(vllm=True)
+    server.models = ["tiny"]
+    server.thread.start()
+    record = _record({"r0": server.url})
+    db = tmp_path / "lcap.duckdb"
+    body = json.dumps(CHAT).encode()
+
+    def chunked(episode: str) -> httpx.Response:
+        with _client(proxy, episode) as client:
+            url = "https://api.openai.com/v1/chat/completions"
+            return client.post(url, content=iter([body]), headers={"content-type": "application/json"})
+
+    try:
+        with CaptureProxy(Store(db), ProxyOptions(upstream="policy")) as proxy, ThreadPoolExecutor(3) as pool:
+            assert _chat(proxy, "before").status_code == 200
+            _restarting(record)
+            held = [pool.submit(_chat, proxy, "whole"), pool.submit(_chat, proxy, "streamed", stream=True)]
+            held.append(pool.submit(chunked, "mitmproxy"))
+            time.sleep(1.5)
+            assert not any(f.done() for f in held) and len(server.calls("/chat/completions")) == 1
+            assert proxy.counters()["calls_held"] == 3
+            server.models = ["tiny-v2"]  # restarted on the new checkpoint, back in the rotation
+            record.replicas[0].draining = False
+            record.current = record.served_model = "tiny-v2"
+            write_policy(record)
+            answers = [f.result(timeout=30) for f in held]
+            assert [a.status_code for a in answers] == [200, 200, 200], [a.text for a in answers]
+            assert proxy.counters()["calls_held"] == 0
+    finally:
+        server.shutdown()
+    assert [c["body"]["model"] for c in server.calls("/chat/completions")] == ["tiny", *["tiny-v2"] * 3]
+    rows = {r["episode_id"]: r for r in turns(db)}
+    assert {e: (r["deployment"], r["status_code"], r["error"]) for e, r in rows.items()} == {
+        "before": ("tiny", 200, None),
+        **{e: ("tiny-v2", 200, None) for e in ("whole", "streamed", "mitmproxy")},
+    }
+
+
+def test_a_held_call_ends_with_a_503_past_its_timeout_or_the_bound_and_its_agent_can_leave(tmp_path, record_env):
+    """The only replica is marked draining and never comes back: a held call gets a 503 naming --hold-timeout once
+    it passes, a call past --max-held-calls gets one at once, and a held call whose agent leaves stops waiting
+    then; each is stored as an error turn, and the 503s are counted."""
+    server = FakeLLM(vllm=True)
+    server.models = ["tiny"]
+    server.thread.start()
+    record = _record({"r0": server.url})
+    db = tmp_path / "lcap.duckdb"
+    options = ProxyOptions(upstream="policy", hold_timeout=3.0, max_held_calls=1)
+    with CaptureProxy(Store(db), options) as proxy, ThreadPoolExecutor(1) as pool:
+        server.shutdown()
+        _restarting(record)
+        started = time.monotonic()
+        timed_out = pool.submit(_chat, proxy, "timed-out")
+        time.sleep(0.5)
+        over = _chat(proxy, "over-the-bound")
+        assert over.status_code == 503 and "(--max-held-calls 1)" in over.text, over.text
+        assert time.monotonic() - started < 1.5
+        answer = timed_out.result(timeout=30)
+        assert answer.status_code == 503 and "within 3 s (--hold-timeout)" in answer.text, answer.text
+        assert 3.0 <= time.monotonic() - started < 5.0
+
+        with _client(proxy, "left") as client, pytest.raises(httpx.ReadTimeout):
+            client.post("https://api.openai.com/v1/chat/completions", json=CHAT, timeout=0.5)
+        left = time.monotonic()
+        while proxy.counters()["calls_held"] and time.monotonic() - left < 1.5:
+            time.sleep(0.05)
+        assert proxy.counters()["calls_held"] == 0  # long before its 3 s were up
+        assert proxy.counters()["calls_hold_refused"] == 2
+    rows = {r["episode_id"]: (r["status_code"], r["error"]) for r in turns(db)}
+    assert rows == {
+        "timed-out": (503, "no policy replica served again within 3 s (--hold-timeout)"),
+        "over-the-bound": (503, "too many calls wait for a restarting policy replica (--max-held-calls 1)"),
+        "left": (None, "the agent closed the connection before the answer"),
+    }

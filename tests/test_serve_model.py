@@ -171,6 +171,41 @@ def test_serve_status_and_deploy_without_a_server(tmp_path, monkeypatch):
     assert deployed.exit_code == 2 and "neither a LoRA adapter" in deployed.output
 
 
+def test_a_lone_replica_drains_and_is_not_left_draining_when_it_cannot_start_again(tmp_path, monkeypatch):
+    """A `--restart` deploy of one replica marks it draining first (the proxies hold its calls meanwhile); when
+    neither the checkpoint nor the previous policy starts (here an interpreter without vLLM, which dies at once)
+    the deploy fails and no replica stays draining: the proxies would hold calls for a server not coming back.
+    (A process group stands in for the running vLLM.)"""
+    from fixtures_vllm import watching_record
+
+    from lcap.config import LcapError
+    from lcap.policy import read_policy
+    from lcap.serve import deploy
+
+    monkeypatch.setenv("LCAP_POLICY_RECORD", str(tmp_path / "policy.json"))
+    monkeypatch.setenv("LCAP_HOME", str(tmp_path))
+    monkeypatch.setattr(deploy, "DRAIN_GRACE_S", 0.0)
+    running = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    _record(pid=running.pid)
+    record = read_policy()
+    record.python = sys.executable
+    write_policy(record)
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    try:
+        with (
+            watching_record(lambda record: record.replicas[0].draining, every=0.01) as states,
+            pytest.raises(LcapError, match="did not start again on 'm' either"),
+        ):
+            deploy.deploy(checkpoint, name="m2", restart=True, drain_timeout=5)
+    finally:
+        running.kill()
+        running.wait()
+    assert any(draining for _, draining in states)
+    assert not read_policy().replicas[0].draining
+
+
 def test_vllm_env_rejects_a_venv_without_vllm_and_reuses_a_stamped_one(tmp_path, monkeypatch):
     import sys
 

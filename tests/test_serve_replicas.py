@@ -2,7 +2,8 @@
 
 One module-scoped pair of servers (each ~1-2 GB, ~30 s to start) serves every test here, in file order:
 status, stickiness and spread, a LoRA deploy while agents run, a rolling full-checkpoint deploy while
-agents run, and last the kill of one replica mid-run (it is not brought back).
+agents run, the kill of one replica mid-run (it is not brought back), and last a restart of the survivor
+alone while agents run.
 """
 
 from __future__ import annotations
@@ -315,3 +316,43 @@ def _answered(url: str) -> int:
             if line.startswith("vllm:request_success_total{")
         )
     )
+
+
+@pytest.mark.slow
+def test_a_lone_replica_restarting_holds_calls_instead_of_failing_them(pair, tmp_path):
+    """One replica left (r0 is killed if the test before did not): a `--restart` deploy while agents run drains it
+    and restarts it; the proxy holds the calls sent meanwhile, and they are answered after the restart by the new
+    deployment, which their turns store. No call fails."""
+    from fixtures_vllm import watching_record
+
+    from lcap.serve.deploy import deploy
+
+    record = pair.record
+    try:
+        os.killpg(record.replica("r0").pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    record.replicas = [record.replica("r1")]
+    write_policy(record)
+    old = record.current
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(pair.model_dir, checkpoint)
+
+    with _proxy(tmp_path) as proxy, Agents(proxy, threads=3, stream_every=2, max_tokens=16) as agents:
+        agents.wait_for(6)
+        with watching_record(lambda record: record.replicas[0].draining, every=0.05) as states:
+            name = deploy(checkpoint, name="tiny-held", store=Store(pair.db), drain_timeout=120, restart=True)
+        agents.wait_for(6)
+    after = pair.record
+    assert after.current == after.served_model == name and after.replicas[0].pid != record.replicas[0].pid
+    failed = [c for c in agents.calls if not c["ok"]]
+    assert not failed, failed[:3]
+    drained = min(t for t, draining in states if draining)
+    back = max(t for t, draining in states if draining)  # the record's last look before the replica rejoined
+    rows = turns(tmp_path / "lcap.duckdb")
+    held = [r for r in rows if r["started_at"].timestamp() < back < r["ended_at"].timestamp()]
+    assert held, "no call was sent while the replica restarted: the test did not exercise the hold"
+    assert all(r["deployment"] == name for r in held), held
+    # Every call sent once the proxies had read the mark (their refresh, REFRESH_S, and a margin) was held.
+    assert all(r in held for r in rows if drained + 1 < r["started_at"].timestamp() < back)
+    assert {r["deployment"] for r in rows} == {old, name} and all(r["status_code"] == 200 for r in rows)
