@@ -173,7 +173,7 @@ def warm_episode(rng: random.Random, words: list[str], agent, *, p_lookup: float
 def corpus(words: list[str], *, p_lookup: float, p_correct: float, p_format: float, answer_weight: float) -> Corpus:
     """The warm start's examples: whole episodes (`warm_episode`), tokenised as the policy route stitches them (the
     previous prompt's ids + the answer's ids + the new messages rendered); the answers are trained on, the word
-    each copies (the query, the answer word) weighing `answer_weight`."""
+    each copies (the answer word) and every token of the lookup call weighing `answer_weight`."""
     agent = agent_module()
     end = "<|im_end|>"
 
