@@ -32,8 +32,8 @@ The warm start weighs every token of the lookup call as it weighs the copied wor
 learns 300 steps of episodes: the call's syntax is what a base model that can use its tool already knows, and
 not what RL is here to teach. A tool call vLLM's parser cannot read reaches the agent as a plain answer, and
 the episode, its words never looked up, is nearly always wrong; trained like an answer's other tokens, a few
-first calls in a hundred broke their JSON, RL's rounds moved that share as noise, and the real runs that
-missed the bar fell back in such a round (docs/benchmarks.md, "`lcap demo --task tools`").
+first calls in a hundred broke their JSON, and the real runs that missed the bar fell back in a round where
+fewer first calls were well-formed lookup calls (docs/benchmarks.md, "`lcap demo --task tools`").
 
 Each held-out question is asked twice a round: the tools task's right answers sit closer to the bar than the
 number task's, and at one episode a question a round's held-out share moves by chance about as much as the
