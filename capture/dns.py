@@ -175,6 +175,7 @@ class NamespaceDns(asyncio.DatagramProtocol):
         self.transport: asyncio.DatagramTransport | None = None
         self.in_flight = 0
         self.dropped = 0
+        self.closed = asyncio.Event()  # set once the transport let go of the socket
         self._tasks: set[asyncio.Task] = set()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -202,6 +203,7 @@ class NamespaceDns(asyncio.DatagramProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         for task in list(self._tasks):
             task.cancel()
+        self.closed.set()
 
 
 def _question(message: bytes) -> tuple[str, int, int, int]:

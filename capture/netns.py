@@ -53,6 +53,7 @@ SO_ORIGINAL_DST = 80
 SBIN = ("/usr/local/sbin", "/usr/sbin", "/sbin")
 RESTORE_PROGRAMS = ("iptables-restore", "iptables-nft-restore", "iptables-legacy-restore")
 START_TIMEOUT = 30.0  # seconds an agent's namespace may take to hand its listeners over
+CLOSE_TIMEOUT = 5.0  # seconds the proxy's loop may take to let go of an ended episode's sockets
 CHECK_EPISODE = "lcap-check"  # the episode of the namespace `Namespaces.check` sets up at start
 
 # System CA bundles (PEM) and JVM trust stores, where each distribution keeps them; /etc/ssl/certs itself is a
@@ -349,6 +350,7 @@ class Launch:
         self.ours.send(config)
         self.server: asyncio.AbstractServer | None = None
         self.dns: asyncio.DatagramTransport | None = None
+        self.dns_protocol: NamespaceDns | None = None
         self._closed = False
         self._ready = asyncio.run_coroutine_threadsafe(self._receive(), namespaces.loop)
 
@@ -382,7 +384,7 @@ class Launch:
             dns.setblocking(False)
             self.server = await self.namespaces.front.listen_episode(self.episode, tcp, redirected=True)
             resolver = self.namespaces.resolver
-            self.dns, _ = await loop.create_datagram_endpoint(lambda: NamespaceDns(resolver), sock=dns)
+            self.dns, self.dns_protocol = await loop.create_datagram_endpoint(lambda: NamespaceDns(resolver), sock=dns)
             served = True
         except (ValueError, OSError) as exc:
             log.warning("lcap: episode %s: its namespace's listeners cannot be served: %s", self.episode, exc)
@@ -423,12 +425,13 @@ class Launch:
                 self._ready.cancel()
             if self.server is not None:
                 self.server.close()
-            if self.dns is not None:
-                self.dns.close()
+            if self.dns is not None and self.dns_protocol is not None:
+                self.dns.close()  # the socket closes on a later turn of the loop: the episode ends once it did
+                await asyncio.wait_for(self.dns_protocol.closed.wait(), CLOSE_TIMEOUT)
             self.ours.close()
 
         try:
-            asyncio.run_coroutine_threadsafe(close(), self.namespaces.loop).result(10)
+            asyncio.run_coroutine_threadsafe(close(), self.namespaces.loop).result(2 * CLOSE_TIMEOUT)
         except (RuntimeError, TimeoutError, asyncio.CancelledError):  # the proxy's loop is gone: so are its sockets
             self.ours.close()
 

@@ -565,13 +565,21 @@ class CaptureProxy:
             env = self.child_env(episode_id, base, jvm_port=port)
             yield Child(list(argv), env, on_start=lambda child: started.append(child.pid))
         finally:
-            loop.call_soon_threadsafe(server.close)
+            try:
+                asyncio.run_coroutine_threadsafe(_close(server), loop).result(30)
+            except (RuntimeError, TimeoutError):  # the proxy's loop is gone: so is the listener
+                pass
             self._forget(episode_id)
 
     def _forget(self, episode_id: str) -> None:
         """An ended episode makes no more calls: its stitching heads would only crowd out live episodes' heads."""
         if self._calls is not None:
             self._calls.heads.forget(episode_id)
+
+
+async def _close(server: asyncio.AbstractServer) -> None:
+    """Close `server` on its own loop (its sockets are the loop's), returning once they are closed."""
+    server.close()
 
 
 def _loop_factory():

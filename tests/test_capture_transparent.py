@@ -359,7 +359,9 @@ def _in_namespace(inode: int) -> list[int]:
 
 
 def test_episode_listeners_end_with_the_episode(capture_env, llm, transparent_ok, monkeypatch):
-    """An episode's listeners (which hold its namespace) are closed when it ends: lcap's open files stay flat."""
+    """An episode's listeners (which hold its namespace) are closed when it ends: lcap's open files stay flat.
+    Each episode would leak two sockets (its TCP and DNS listeners); the test process's other threads may open a
+    file meanwhile, so eight episodes may end one file above the first."""
     from lcap.capture.options import ProxyOptions
     from lcap.capture.server import CaptureProxy
     from lcap.processes import run_child
@@ -370,11 +372,11 @@ def test_episode_listeners_end_with_the_episode(capture_env, llm, transparent_ok
     proxy.start()
     try:
         counts = []
-        for n in range(4):
+        for n in range(8):
             with proxy.episode_child(f"ep-{n}", ["true"]) as child:
                 assert run_child(child.argv, child.env, pass_fds=child.pass_fds).code == 0
             counts.append(len(os.listdir("/proc/self/fd")))
-        assert counts[1:] == counts[:1] * 3, counts
+        assert max(counts) - counts[0] <= 1, counts
     finally:
         proxy.stop()
 

@@ -138,7 +138,7 @@ class Agents:
                         else:
                             outcome["model"] = client.chat.completions.create(**kwargs).model
                         outcome["ok"] = True
-                    except APIError as exc:
+                    except (APIError, httpx.HTTPError) as exc:  # a cut stream is httpx's error, not the SDK's
                         outcome.update(ok=False, error=f"{exc.__class__.__name__}: {exc}")
                     outcome["ended"] = time.monotonic()
                     self.calls.append(outcome)
