@@ -110,8 +110,8 @@ class CaptureAddon:
     async def request(self, flow: http.HTTPFlow) -> None:
         """An LLM path's request is whole. Not guarded like the other hooks: when lcap reroutes, a failure here
         answers the agent (502, 503) instead of letting the call go to its original host with its key. A call
-        for the policy while every replica restarts waits here (`Calls.hold`); mitmproxy goes on with the
-        connection's other flows meanwhile."""
+        for the policy while every replica restarts waits here (`Calls.hold`), as does a Responses WebSocket's
+        opening; mitmproxy goes on with the connection's other flows meanwhile."""
         try:
             await self._request(flow)
         except (NoRoute, HoldRefused) as exc:  # a held call's turn is stored and counted already
@@ -125,6 +125,10 @@ class CaptureAddon:
         opened = flow.metadata.pop(_OPEN, None)
         if opened is None:
             if _WS_KEY in flow.metadata:
+                held = self.calls.router.holding()
+                if held and not await self.calls.hold_websocket(lambda: not flow.client_conn.connected):
+                    flow.kill()  # the agent left while its WebSocket's opening was held
+                    return
                 self._route_websocket(flow)
             return
         req = flow.request

@@ -234,26 +234,9 @@ class Calls:
         lasts `hold_timeout` at most, however often it is held. False when the agent left (`gone()`, looked at
         every HOLD_POLL_S); `HoldRefused` past the timeout, past `max_held` calls held at once, or when the policy
         record went away meanwhile (the turn is then stored with the error, and counted)."""
-        if self.held >= self.max_held:
-            self._refuse_held(
-                call, f"too many calls wait for a restarting policy replica (--max-held-calls {self.max_held})"
-            )
         if call.held_until is None:
             call.held_until = time.monotonic() + self.hold_timeout
-        self.held += 1
-        try:
-            while self.router.holding():
-                if gone():
-                    return False
-                left = call.held_until - time.monotonic()
-                if left <= 0:
-                    self._refuse_held(
-                        call, f"no policy replica served again within {self.hold_timeout:g} s (--hold-timeout)"
-                    )
-                await asyncio.sleep(min(HOLD_POLL_S, left))
-        finally:
-            self.held -= 1
-        if gone():
+        if not await self._wait_for_a_replica(call.held_until, gone, lambda why: self._refuse_held(call, why)):
             return False
         route = self.router.route(call.pending.episode_id)
         if route is None:
@@ -262,11 +245,41 @@ class Calls:
         self._repoint(call, route)
         return True
 
+    async def hold_websocket(self, gone: Callable[[], bool]) -> bool:
+        """Keep a Responses WebSocket's opening while every policy replica restarts, as `hold` keeps a call, so that
+        it opens on the replica that serves again (one open before goes on with its replica: it cannot move).
+        False when the agent left; `HoldRefused` as `hold` (no turn began: the refusal is counted and logged)."""
+        return await self._wait_for_a_replica(time.monotonic() + self.hold_timeout, gone, self._refuse_websocket)
+
+    async def _wait_for_a_replica(
+        self, deadline: float, gone: Callable[[], bool], refuse: Callable[[str], NoReturn]
+    ) -> bool:
+        """Wait while the router holds, until `deadline`; `refuse` says why a wait ends without a replica."""
+        if self.held >= self.max_held:
+            refuse(f"too many calls wait for a restarting policy replica (--max-held-calls {self.max_held})")
+        self.held += 1
+        try:
+            while self.router.holding():
+                if gone():
+                    return False
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    refuse(f"no policy replica served again within {self.hold_timeout:g} s (--hold-timeout)")
+                await asyncio.sleep(min(HOLD_POLL_S, left))
+        finally:
+            self.held -= 1
+        return not gone()
+
     def _refuse_held(self, call: Call, why: str) -> NoReturn:
         self.hold_refused += 1
         log.warning("lcap: a call of episode %s got a 503: %s", call.pending.episode_id, why)
         call.pending.status_code = 503
         self.close_call(call.pending, why)
+        raise HoldRefused(why)
+
+    def _refuse_websocket(self, why: str) -> NoReturn:
+        self.hold_refused += 1
+        log.warning("lcap: a Responses WebSocket got a 503: %s", why)
         raise HoldRefused(why)
 
     def upstream_failed(self, pending: PendingTurn, why: str) -> None:

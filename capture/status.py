@@ -32,13 +32,18 @@ def proxies(view: View) -> Section:
                 str(c.get("episodes", 0)),
                 str(c.get("episodes_in_flight", 0)),
                 str(c.get("calls", 0)),
-                str(c.get("calls_in_flight", 0)),
+                str(c.get("calls_in_flight", 0)) + (f" ({held} held)" if (held := c.get("calls_held", 0)) else ""),
                 f"{stored}/{c.get('turns_spooled', 0)}",
                 str(c.get("connections", 0)),
                 record.db,
                 record.command,
             ]
         )
+        if held:
+            s.notes.append(
+                f"the proxy on port {record.port} holds {held} call{'s' * (held != 1)} until a restarting policy replica serves again "
+                "(its --hold-timeout answers them 503)"
+            )
         entry = {k: v for k, v in asdict(record).items() if k != "key"}  # the key stays in its 0600 file
         data.append(entry)
     s.data = data

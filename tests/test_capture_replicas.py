@@ -23,11 +23,14 @@ from pathlib import Path
 import httpx
 import pytest
 from fixtures_capture import FakeLLM, turns
+from websockets.exceptions import InvalidStatus
 
 from lcap.capture.options import ProxyOptions
 from lcap.capture.routes import Router
 from lcap.capture.server import CaptureProxy
+from lcap.capture.status import proxies
 from lcap.policy import PolicyServer, Replica, read_policy, write_policy
+from lcap.status import View
 from lcap.store import Store
 
 TESTS = Path(__file__).resolve().parent
@@ -402,6 +405,14 @@ def test_calls_wait_while_the_only_replica_restarts_and_go_to_the_new_deployment
             time.sleep(1.5)
             assert not any(f.done() for f in held) and len(server.calls("/chat/completions")) == 1
             assert proxy.counters()["calls_held"] == 3
+            deadline = time.monotonic() + 10  # the announcer's next write
+            while not (shown := proxies(View(db, time.time()))).notes and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert [row[6] for row in shown.rows] == ["3 (3 held)"]
+            assert shown.notes == [
+                f"the proxy on port {proxy.port} holds 3 calls until a restarting policy replica serves again "
+                "(its --hold-timeout answers them 503)"
+            ]
             server.models = ["tiny-v2"]  # restarted on the new checkpoint, back in the rotation
             record.replicas[0].draining = False
             record.current = record.served_model = "tiny-v2"
@@ -419,10 +430,53 @@ def test_calls_wait_while_the_only_replica_restarts_and_go_to_the_new_deployment
     }
 
 
+def _responses_over_websocket(proxy: CaptureProxy, episode: str) -> str:
+    """One `response.create` over a Responses WebSocket through the proxy; the text it answered."""
+    from websockets.sync.client import connect
+
+    env = proxy.child_env(episode, base={})
+    ssl_context = ssl.create_default_context(cafile=env["SSL_CERT_FILE"])
+    with connect("wss://api.openai.com/v1/responses", proxy=env["HTTPS_PROXY"], ssl=ssl_context, open_timeout=60) as ws:
+        ws.send(json.dumps({"type": "response.create", "model": "gpt-5", "input": "Say hello"}))
+        text = []
+        while (event := json.loads(ws.recv(timeout=30)))["type"] != "response.completed":
+            text += [event["delta"]] if event["type"] == "response.output_text.delta" else []
+    return "".join(text)
+
+
+def test_a_responses_websocket_opened_while_the_only_replica_restarts_opens_on_the_new_deployment(tmp_path, record_env):
+    """A Responses WebSocket opened while the record marks the only replica draining waits in the proxy (its
+    opening is held like a call), opens once the replica serves the new deployment, and its turn says so."""
+    server = FakeLLM(vllm=True)
+    server.models = ["tiny"]
+    server.thread.start()
+    record = _record({"r0": server.url})
+    db = tmp_path / "lcap.duckdb"
+    try:
+        with CaptureProxy(Store(db), ProxyOptions(upstream="policy")) as proxy, ThreadPoolExecutor(1) as pool:
+            _restarting(record)
+            answer = pool.submit(_responses_over_websocket, proxy, "ws")
+            time.sleep(1.5)
+            assert not answer.done() and not [r for r in server.requests if r["method"] == "WS"]
+            assert proxy.counters()["calls_held"] == 1
+            server.models = ["tiny-v2"]
+            record.replicas[0].draining = False
+            record.current = record.served_model = "tiny-v2"
+            write_policy(record)
+            assert answer.result(timeout=30)
+            assert proxy.counters()["calls_held"] == 0
+    finally:
+        server.shutdown()
+    assert [r["body"]["model"] for r in server.requests if r["method"] == "WS"] == ["tiny-v2"]
+    assert [(r["episode_id"], r["transport"], r["deployment"], r["status_code"]) for r in turns(db)] == [
+        ("ws", "websocket", "tiny-v2", 200)
+    ]
+
+
 def test_a_held_call_ends_with_a_503_past_its_timeout_or_the_bound_and_its_agent_can_leave(tmp_path, record_env):
     """The only replica is marked draining and never comes back: a held call gets a 503 naming --hold-timeout once
-    it passes, a call past --max-held-calls gets one at once, and a held call whose agent leaves stops waiting
-    then; each is stored as an error turn, and the 503s are counted."""
+    it passes, a call (or a Responses WebSocket's opening) past --max-held-calls gets one at once, and a held call
+    whose agent leaves stops waiting then; each call is stored as an error turn, and the 503s are counted."""
     server = FakeLLM(vllm=True)
     server.models = ["tiny"]
     server.thread.start()
@@ -437,6 +491,9 @@ def test_a_held_call_ends_with_a_503_past_its_timeout_or_the_bound_and_its_agent
         time.sleep(0.5)
         over = _chat(proxy, "over-the-bound")
         assert over.status_code == 503 and "(--max-held-calls 1)" in over.text, over.text
+        with pytest.raises(InvalidStatus) as refused:  # a Responses WebSocket's opening is held, and bound, alike
+            _responses_over_websocket(proxy, "websocket-over-the-bound")
+        assert refused.value.response.status_code == 503 and b"(--max-held-calls 1)" in refused.value.response.body
         assert time.monotonic() - started < 1.5
         answer = timed_out.result(timeout=30)
         assert answer.status_code == 503 and "within 3 s (--hold-timeout)" in answer.text, answer.text
@@ -448,7 +505,7 @@ def test_a_held_call_ends_with_a_503_past_its_timeout_or_the_bound_and_its_agent
         while proxy.counters()["calls_held"] and time.monotonic() - left < 1.5:
             time.sleep(0.05)
         assert proxy.counters()["calls_held"] == 0  # long before its 3 s were up
-        assert proxy.counters()["calls_hold_refused"] == 2
+        assert proxy.counters()["calls_hold_refused"] == 3
     rows = {r["episode_id"]: (r["status_code"], r["error"]) for r in turns(db)}
     assert rows == {
         "timed-out": (503, "no policy replica served again within 3 s (--hold-timeout)"),
