@@ -249,7 +249,11 @@ class Calls:
         """Keep a Responses WebSocket's opening while every policy replica restarts, as `hold` keeps a call, so that
         it opens on the replica that serves again (one open before goes on with its replica: it cannot move).
         False when the agent left; `HoldRefused` as `hold` (no turn began: the refusal is counted and logged)."""
-        return await self._wait_for_a_replica(time.monotonic() + self.hold_timeout, gone, self._refuse_websocket)
+        if not await self._wait_for_a_replica(time.monotonic() + self.hold_timeout, gone, self._refuse_websocket):
+            return False
+        if self.router.route() is None:
+            self._refuse_websocket(f"--upstream {self.router.upstream}: the policy server went away meanwhile")
+        return True
 
     async def _wait_for_a_replica(
         self, deadline: float, gone: Callable[[], bool], refuse: Callable[[str], NoReturn]

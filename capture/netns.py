@@ -35,6 +35,7 @@ import struct
 import subprocess
 import sys
 from collections.abc import Sequence
+from concurrent.futures import CancelledError
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -386,6 +387,8 @@ class Launch:
             resolver = self.namespaces.resolver
             self.dns, self.dns_protocol = await loop.create_datagram_endpoint(lambda: NamespaceDns(resolver), sock=dns)
             served = True
+            if self._closed:  # the episode ended while they were made: `close` did not find them all
+                await self._close_listeners()
         except (ValueError, OSError) as exc:
             log.warning("lcap: episode %s: its namespace's listeners cannot be served: %s", self.episode, exc)
         finally:
@@ -405,7 +408,8 @@ class Launch:
             try:
                 await waiter
             finally:
-                loop.remove_reader(self.ours.fileno())
+                if self.ours.fileno() >= 0:  # else `close` took it off the loop before it closed it
+                    loop.remove_reader(self.ours.fileno())
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> bool:
         """Whether the listeners are served (or the namespace gave up) within `timeout` seconds."""
@@ -423,17 +427,23 @@ class Launch:
         async def close() -> None:
             if not self._ready.done():
                 self._ready.cancel()
-            if self.server is not None:
-                self.server.close()
-            if self.dns is not None and self.dns_protocol is not None:
-                self.dns.close()  # the socket closes on a later turn of the loop: the episode ends once it did
-                await asyncio.wait_for(self.dns_protocol.closed.wait(), CLOSE_TIMEOUT)
-            self.ours.close()
+            if self.ours.fileno() >= 0:  # the set-up may still wait to read it: take it off the loop, then close it
+                self.namespaces.loop.remove_reader(self.ours.fileno())
+                self.ours.close()
+            await self._close_listeners()
 
         try:
             asyncio.run_coroutine_threadsafe(close(), self.namespaces.loop).result(2 * CLOSE_TIMEOUT)
-        except (RuntimeError, TimeoutError, asyncio.CancelledError):  # the proxy's loop is gone: so are its sockets
+        except (RuntimeError, TimeoutError, CancelledError):  # the proxy's loop is gone or stopping: so are its sockets
             self.ours.close()
+
+    async def _close_listeners(self) -> None:
+        """Close what of the listeners is made (again, harmlessly, for what was closed before)."""
+        if self.server is not None:
+            self.server.close()
+        if self.dns is not None and self.dns_protocol is not None:
+            self.dns.close()  # the socket closes on a later turn of the loop: the episode ends once it did
+            await asyncio.wait_for(self.dns_protocol.closed.wait(), CLOSE_TIMEOUT)
 
     def __enter__(self) -> Launch:
         return self

@@ -22,6 +22,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import CancelledError
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -565,10 +566,8 @@ class CaptureProxy:
             env = self.child_env(episode_id, base, jvm_port=port)
             yield Child(list(argv), env, on_start=lambda child: started.append(child.pid))
         finally:
-            try:
+            with contextlib.suppress(RuntimeError, TimeoutError, CancelledError):  # else the loop, stopping, closes it
                 asyncio.run_coroutine_threadsafe(_close(server), loop).result(30)
-            except (RuntimeError, TimeoutError):  # the proxy's loop is gone: so is the listener
-                pass
             self._forget(episode_id)
 
     def _forget(self, episode_id: str) -> None:

@@ -41,8 +41,8 @@ def proxies(view: View) -> Section:
         )
         if held:
             s.notes.append(
-                f"the proxy on port {record.port} holds {held} call{'s' * (held != 1)} until a restarting policy "
-                "replica serves again (its --hold-timeout answers them 503)"
+                f"the proxy on port {record.port} holds {held} (calls, and Responses WebSocket openings) until a "
+                "restarting policy replica serves again; its --hold-timeout answers them 503"
             )
         entry = {k: v for k, v in asdict(record).items() if k != "key"}  # the key stays in its 0600 file
         data.append(entry)

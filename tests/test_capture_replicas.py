@@ -410,8 +410,8 @@ def test_calls_wait_while_the_only_replica_restarts_and_go_to_the_new_deployment
                 time.sleep(0.2)
             assert [row[6] for row in shown.rows] == ["3 (3 held)"]
             assert shown.notes == [
-                f"the proxy on port {proxy.port} holds 3 calls until a restarting policy replica serves again "
-                "(its --hold-timeout answers them 503)"
+                f"the proxy on port {proxy.port} holds 3 (calls, and Responses WebSocket openings) until a "
+                "restarting policy replica serves again; its --hold-timeout answers them 503"
             ]
             server.models = ["tiny-v2"]  # restarted on the new checkpoint, back in the rotation
             record.replicas[0].draining = False
