@@ -125,8 +125,7 @@ class CaptureAddon:
         opened = flow.metadata.pop(_OPEN, None)
         if opened is None:
             if _WS_KEY in flow.metadata:
-                held = self.calls.router.holding()
-                if held and not await self.calls.hold_websocket(lambda: not flow.client_conn.connected):
+                if not await self.calls.hold_websocket(lambda: not flow.client_conn.connected):
                     flow.kill()  # the agent left while its WebSocket's opening was held
                     return
                 self._route_websocket(flow)

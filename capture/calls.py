@@ -248,7 +248,9 @@ class Calls:
     async def hold_websocket(self, gone: Callable[[], bool]) -> bool:
         """Keep a Responses WebSocket's opening while every policy replica restarts, as `hold` keeps a call, so that
         it opens on the replica that serves again (one open before goes on with its replica: it cannot move).
-        False when the agent left; `HoldRefused` as `hold` (no turn began: the refusal is counted and logged)."""
+        True at once when they are not all restarting; False when the agent left; `HoldRefused` as `hold` (no turn began: the refusal is counted and logged)."""
+        if not self.router.holding():
+            return True
         if not await self._wait_for_a_replica(time.monotonic() + self.hold_timeout, gone, self._refuse_websocket):
             return False
         if self.router.route() is None:

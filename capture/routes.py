@@ -169,10 +169,7 @@ class Router:
         """The route of a call of `episode`; `avoid`: replicas this call already failed on (None when none is left)."""
         if self.upstream != "policy":
             return None if avoid else self._fixed
-        now = time.monotonic()
-        if now - self._checked >= REFRESH_S:
-            with self._lock:
-                self._refresh(now)
+        self._look()
         rotation = self._rotation
         if len(rotation) == 1 and not avoid:
             return rotation[0]
@@ -193,10 +190,7 @@ class Router:
         call then waits for one to serve again rather than go to a server that is about to stop."""
         if self.upstream != "policy":
             return False
-        now = time.monotonic()
-        if now - self._checked >= REFRESH_S:
-            with self._lock:
-                self._refresh(now)
+        self._look()
         return self._holding
 
     def settle(self, replica: str | None, deployment: str | None) -> str | None:
@@ -210,10 +204,7 @@ class Router:
         name, and then the label given when the call was sent stands."""
         if replica is None or deployment is None or self.upstream != "policy":
             return deployment
-        now = time.monotonic()
-        if now - self._checked >= REFRESH_S:
-            with self._lock:
-                self._refresh(now)
+        self._look()
         route = self._by_replica.get(replica)
         if route is None or route.deployment is None or route.deployment == deployment:
             return deployment
@@ -312,6 +303,13 @@ class Router:
             log.warning("lcap: policy replica %s is serving again: back in the rotation", name)
 
     # --- the record ---------------------------------------------------------------------------
+
+    def _look(self) -> None:
+        """Read the record again if REFRESH_S passed since the last look."""
+        now = time.monotonic()
+        if now - self._checked >= REFRESH_S:
+            with self._lock:
+                self._refresh(now)
 
     def _refresh(self, now: float) -> None:
         from lcap.policy import read_policy, record_path
