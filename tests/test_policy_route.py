@@ -325,3 +325,42 @@ def test_responses_previous_response_id_resolved_and_stitched(vllm_policy, tmp_p
     assert rows[1]["token_source"] == "vllm" and len(rows[1]["completion_logprobs"]) == len(
         rows[1]["completion_token_ids"]
     )
+
+
+def test_an_empty_responses_answer_comes_back_as_an_empty_message(vllm_policy, tmp_path, capture_home):
+    """The model answering only its stop token: vLLM's Responses output has no message for it, so a harness that
+    sends its output back (Codex, store false) would have nothing after its question and the next call could not
+    be stitched. lcap's answer holds one empty assistant message, in the response and (streamed) as items."""
+    server = vllm_policy
+    db = tmp_path / "lcap.duckdb"
+    with CaptureProxy(Store(db), ProxyOptions(upstream="policy")) as proxy:
+        oa, _ = _clients(proxy, "empty-ep")
+        common = dict(
+            model="gpt-5-codex",
+            instructions="Be brief.",
+            max_output_tokens=32,
+            store=False,
+            extra_body={"logit_bias": {str(_stop_id(server)): 100}},
+        )
+
+        def user(text: str) -> dict:
+            return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+        items: list = [user("What is x?")]
+        first = oa.responses.create(input=items, **common)
+        assert first.status == "completed" and first.output_text == ""
+        assert [(o.type, o.role, [c.text for c in o.content]) for o in first.output] == [("message", "assistant", [""])]
+        items += [o.model_dump(exclude_none=True) for o in first.output] + [user("And y?")]
+        events = list(oa.responses.create(input=items, stream=True, **common))
+        numbers = [event.sequence_number for event in events]
+        assert numbers == sorted(set(numbers)), numbers
+        streamed = [event.item for event in events if event.type == "response.output_item.done"]
+        assert [(o.type, [c.text for c in o.content]) for o in streamed] == [("message", [""])]
+        assert events[-1].type == "response.completed" and events[-1].response.output == streamed
+        items += [o.model_dump(exclude_none=True) for o in streamed] + [user("And z?")]
+        assert oa.responses.create(input=items, **common).status == "completed"
+
+    rows = turns(db)
+    assert [r["completion_token_ids"] for r in rows] == [[_stop_id(server)]] * 3
+    assert [r["stitched"] for r in rows] == [False, True, True], [r["stitch_note"] for r in rows]
+    assert _extends(rows) == [True, True]

@@ -480,15 +480,26 @@ class Policy:
             async for event in started.result:
                 kind = getattr(event, "type", "unknown")
                 data = event.model_dump_json(indent=None, by_alias=True)
-                if getattr(event, "response", None) is not None:
-                    data = _dumps({**json.loads(data), "response": _public(json.loads(data)["response"])})
+                if kind == "response.output_item.done":
+                    payload = json.loads(data)
+                    (item,) = responses_store.answer_items([payload["item"]], complete=False)
+                    data = _dumps({**payload, "item": item})
                 if kind in _RESPONSE_END:
+                    payload = json.loads(data)
+                    answered = _answered(_public(payload["response"]))
+                    added = _added_items(payload, answered["output"])
+                    for extra in added:
+                        yield extra["type"], _dumps(extra)
+                    sequence = payload.get("sequence_number", 0) + len(added)
+                    data = _dumps({**payload, "response": answered, "sequence_number": sequence})
                     response = getattr(event, "response", None)
                     self.produced(turn, response)
                     record, head = turn.trailer()
                     self.keep(turn, response, head)
                     yield wire.RECORD_EVENT, record
                     yield wire.HEAD_EVENT, head
+                elif getattr(event, "response", None) is not None:
+                    data = _dumps({**json.loads(data), "response": _public(json.loads(data)["response"])})
                 yield kind, data
         finally:
             self.taps.pop(started.request_id, None)
@@ -514,6 +525,26 @@ def _public(response: dict) -> dict:
         if response.get(name) is None:
             response.pop(name, None)
     return response
+
+
+def _answered(response: dict) -> dict:
+    """A finished response as the harness gets it, its output as `responses_store.answer_items` makes it: the
+    history a harness sends back then holds the turn that the model's exact ids end on, so it is stitched."""
+    if response.get("status") != "completed":
+        return response
+    return {**response, "output": responses_store.answer_items(response.get("output") or [])}
+
+
+def _added_items(end: dict, output: list) -> list[dict]:
+    """The `output_item.added` and `.done` events of what `_answered` added to a streamed response, numbered
+    before its end event: a harness that builds its history from the items streamed (Codex) gets them too."""
+    start, sequence = len(end["response"].get("output") or []), end.get("sequence_number", 0)
+    events = []
+    for index, item in enumerate(output[start:], start):
+        for kind in ("response.output_item.added", "response.output_item.done"):
+            events.append({"type": kind, "item": item, "output_index": index, "sequence_number": sequence})
+            sequence += 1
+    return events
 
 
 def _whole(answer: str, turn: Turn, parts: tuple[str, str] | None = None) -> Response:
@@ -576,7 +607,7 @@ async def responses(body: dict = Body(...), *, raw_request: Request):  # noqa: B
         policy.produced(turn, result)
         record, head = turn.trailer()
         policy.keep(turn, result, head)
-        return _whole(_dumps(_public(result.model_dump(mode="json", by_alias=True))), turn, (record, head))
+        return _whole(_dumps(_answered(_public(result.model_dump(mode="json", by_alias=True)))), turn, (record, head))
 
     async def events() -> AsyncIterator[str]:
         async for kind, data in policy.response_events(turn, started):
