@@ -124,7 +124,7 @@ def test_async_loop_steps_on_complete_groups_and_drops_stale_samples(vllm_policy
         command=[sys.executable, str(tmp_path / "agent.py"), "{q}"],
         collect=CollectOptions(group_size=2, concurrency=4, timeout=300, verifier=f"{tmp_path / 'verify.py'}:verify"),
         train=TrainOptions(learning_rate=1e-3, report_to="none"),
-        build=BuildOptions(),
+        build=BuildOptions(truncated="keep"),  # a rare answer cut by max_tokens would leave its group short
         options=LoopOptions(overlap=True, max_staleness=1, groups_per_step=1),
     )
 
@@ -298,6 +298,7 @@ def test_async_loop_killed_and_resumed_loses_and_retrains_no_group(vllm_policy, 
     command = [str(lcap) if lcap.exists() else "lcap", "loop", "--async", "--max-staleness", "1"]
     command += ["--groups-per-step", "1", "--db", str(db), "--run", str(run), "--rounds", "3", "--tasks", str(tasks)]
     command += ["--group-size", "2", "--concurrency", "4", "--verifier", f"{tmp_path / 'verify.py'}:verify"]
+    command += ["--truncated", "keep"]  # a rare answer cut by max_tokens would leave its group short
     (tmp_path / "eval.jsonl").write_text(json.dumps({"id": "e0", "q": "Which is a number: list five text"}) + "\n")
     command += ["--eval-tasks", str(tmp_path / "eval.jsonl"), "--eval-group-size", "2"]
     command += ["--lr", "1e-3", "--report-to", "none", "--", sys.executable, str(tmp_path / "agent.py"), "{q}"]

@@ -78,6 +78,22 @@ def episode_samples(db: Path) -> dict[str, int]:
     return {episode: samples.count(episode) for episode in dict.fromkeys(samples)}
 
 
+def _user_item(text: str) -> dict:
+    """A Responses input message from the user, as Codex writes one."""
+    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+
+def _brief_codex(server, stop_bias: float) -> dict:
+    """Responses arguments as Codex sends them (store false), short answers steered by `stop_bias`."""
+    return dict(
+        model="gpt-5-codex",
+        instructions="Be brief.",
+        max_output_tokens=32,
+        store=False,
+        extra_body={"logit_bias": {str(_stop_id(server)): stop_bias}},
+    )
+
+
 def _extends(rows: list[dict]) -> list[bool]:
     """Per call after the first: its prompt ids start with the previous call's prompt + completion ids."""
     out = []
@@ -169,7 +185,7 @@ def test_messages_and_responses_exact_ids(vllm_policy, tmp_path, capture_home):
         assert kinds[0] == "message_start" and "message_stop" in kinds and final.usage.output_tokens > 0
 
         # Responses, as Codex sends it: store false, a reasoning effort, encrypted reasoning asked for
-        items: list = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is x?"}]}]
+        items: list = [_user_item("What is x?")]
         rcommon = dict(
             model="gpt-5-codex",
             instructions="Use tools.",
@@ -182,7 +198,7 @@ def test_messages_and_responses_exact_ids(vllm_policy, tmp_path, capture_home):
         answer = oa.responses.create(input=items, **rcommon)
         assert answer.status == "completed"
         items += [o.model_dump(exclude_none=True) for o in answer.output]
-        items.append({"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Observation"}]})
+        items.append(_user_item("Observation"))
         events = [event.type for event in oa.responses.create(input=items, stream=True, **rcommon)]
         assert events[0] == "response.created" and events[-1] == "response.completed"
 
@@ -295,18 +311,12 @@ def test_responses_previous_response_id_resolved_and_stitched(vllm_policy, tmp_p
     db = tmp_path / "lcap.duckdb"
     with CaptureProxy(Store(db), ProxyOptions(upstream="policy")) as proxy:
         oa, _ = _clients(proxy, "previous-ep")
-        common = dict(
-            model="gpt-5-codex",
-            instructions="Be brief.",
-            max_output_tokens=32,
-            store=False,
-            extra_body={"logit_bias": {str(_stop_id(server)): 6}},
-        )
-        ask = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is x?"}]}]
+        common = _brief_codex(server, 6)
+        ask = [_user_item("What is x?")]
         # an empty answer (only the stop token): vLLM's output has no message, lcap's store keeps an empty one
         first = oa.responses.create(input=ask, **{**common, "extra_body": {"logit_bias": {str(_stop_id(server)): 100}}})
         assert first.status == "completed" and first.output_text == ""
-        more = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "And y?"}]}]
+        more = [_user_item("And y?")]
         second = oa.responses.create(input=more, previous_response_id=first.id, **common)
         assert second.status in ("completed", "incomplete")
         with pytest.raises(openai.NotFoundError) as missing:
@@ -335,29 +345,19 @@ def test_an_empty_responses_answer_comes_back_as_an_empty_message(vllm_policy, t
     db = tmp_path / "lcap.duckdb"
     with CaptureProxy(Store(db), ProxyOptions(upstream="policy")) as proxy:
         oa, _ = _clients(proxy, "empty-ep")
-        common = dict(
-            model="gpt-5-codex",
-            instructions="Be brief.",
-            max_output_tokens=32,
-            store=False,
-            extra_body={"logit_bias": {str(_stop_id(server)): 100}},
-        )
-
-        def user(text: str) -> dict:
-            return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
-
-        items: list = [user("What is x?")]
+        common = _brief_codex(server, 100)
+        items: list = [_user_item("What is x?")]
         first = oa.responses.create(input=items, **common)
         assert first.status == "completed" and first.output_text == ""
         assert [(o.type, o.role, [c.text for c in o.content]) for o in first.output] == [("message", "assistant", [""])]
-        items += [o.model_dump(exclude_none=True) for o in first.output] + [user("And y?")]
+        items += [o.model_dump(exclude_none=True) for o in first.output] + [_user_item("And y?")]
         events = list(oa.responses.create(input=items, stream=True, **common))
         numbers = [event.sequence_number for event in events]
         assert numbers == sorted(set(numbers)), numbers
         streamed = [event.item for event in events if event.type == "response.output_item.done"]
         assert [(o.type, [c.text for c in o.content]) for o in streamed] == [("message", [""])]
         assert events[-1].type == "response.completed" and events[-1].response.output == streamed
-        items += [o.model_dump(exclude_none=True) for o in streamed] + [user("And z?")]
+        items += [o.model_dump(exclude_none=True) for o in streamed] + [_user_item("And z?")]
         assert oa.responses.create(input=items, **common).status == "completed"
 
     rows = turns(db)

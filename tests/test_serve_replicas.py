@@ -118,6 +118,14 @@ class Agents:
             assert time.monotonic() < deadline, f"only {len(self.calls) - start} calls in {timeout}s"
             time.sleep(0.1)
 
+    def wait_after(self, since: float, n: int = 4, timeout: float = 300) -> None:
+        """Until `n` calls that started after `since` (time.monotonic) have ended: a count of calls alone may be
+        reached by fast calls that all started before it."""
+        deadline = time.monotonic() + timeout
+        while sum(c["started"] > since for c in list(self.calls)) < n:
+            assert time.monotonic() < deadline, f"fewer than {n} calls started after the mark in {timeout}s"
+            time.sleep(0.1)
+
     def _run(self, worker: int) -> None:
         episode_number = 0
         while not self.stop.is_set():
@@ -187,6 +195,7 @@ def test_a_lora_deploy_reaches_both_replicas_before_any_call_asks_for_it(pair, t
         name = deploy(tiny_lora, round=1, store=Store(pair.db))
         switched = time.monotonic()
         agents.wait_for(24)
+        agents.wait_after(switched + 1)
     assert read_policy().current == name
     failed = [c for c in agents.calls if not c["ok"]]
     assert not failed, failed[:3]
@@ -259,6 +268,7 @@ def test_a_full_checkpoint_rolls_one_replica_at_a_time(pair, tmp_path):
             name = deploy(checkpoint, name="tiny-v2", round=2, store=Store(pair.db), drain_timeout=120, restart=True)
             done = time.monotonic()
         agents.wait_for(16)
+        agents.wait_after(done + 1)
     after = pair.record
     assert name == "tiny-v2" and after.current == after.served_model == "tiny-v2"
     assert after.base_model == str(checkpoint.resolve()) and "--tokenizer" in after.vllm_args

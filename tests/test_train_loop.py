@@ -30,11 +30,12 @@ reply = OpenAI().chat.completions.create(model="gpt-4o-mini", max_tokens=12, tem
 print(reply.choices[0].message.content or "")
 """
 
-# Reward with variance on random text: the share of lowercase letters in the answer.
+# Reward with variance on random text: the share of lowercase letters in the answer, and the episode's place in
+# its group (the stop string empties about half the answers: a group of equal rewards would leave nothing to train).
 VERIFIER = """
 def verify(ctx):
     said = ctx.stdout.strip()
-    return sum(c.islower() for c in said) / max(len(said), 1)
+    return 0.8 * sum(c.islower() for c in said) / max(len(said), 1) + 0.1 * int(ctx.episode_id.rsplit("-", 1)[1])
 """
 
 
