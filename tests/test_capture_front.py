@@ -343,14 +343,14 @@ def test_the_body_may_come_long_after_the_head(store, llm):
             gone.sendall(head % (llm.url.encode(), len(body)))
         with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as slow:
             slow.sendall(head % (llm.url.encode(), len(body)))
-            time.sleep(0.3)
+            time.sleep(1.0)
             slow.sendall(body)
             answer = _read_answer(slow)
         assert proxy.flush(timeout=10)
     assert answer.startswith(b"HTTP/1.1 200") and TEXT.encode() in answer
     (row,) = turns(store.path)
     assert (row["seq"], row["completion_text"]) == (0, TEXT)
-    assert row["latency_ms"] < 250  # the call starts once it is whole: the agent's pause is not the upstream's
+    assert row["latency_ms"] < 800  # the call starts once it is whole: the agent's pause is not the upstream's
 
 
 def _read_answer(sock: socket.socket) -> bytes:

@@ -132,10 +132,10 @@ def test_an_agent_that_leaves_cancels_its_call_at_once(store, chunked):
             agent.sendall(call_bytes(hung.url, chunked=chunked))
             time.sleep(0.5)
             left = time.monotonic()
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + 5
         while not hung.closed_at and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert hung.closed_at and hung.closed_at[0] - left < 0.5
+        assert hung.closed_at and hung.closed_at[0] - left < 1.5  # at once: the upstream would wait for minutes
         assert proxy.flush(timeout=10)
     (row,) = turns(store.path)
     assert row["error"] == "the agent closed the connection before the answer"
