@@ -146,7 +146,7 @@ class Router:
         fixed = upstream if upstream not in (None, "policy") else None
         self._fixed = parse_upstream(fixed, model, lcap=lcap_endpoints) if fixed is not None else None
         self._checked = 0.0
-        self._mtime: int | None = -1
+        self._seen: tuple[int, int, int] | None = (-1, -1, -1)  # the record file's identity at the last read
         self._routes: tuple[Route, ...] = ()  # every replica's route
         self._rotation: tuple[Route, ...] = ()  # the replicas new calls go to (none draining)
         self._holding = False  # the record marks every replica draining: new calls wait (`holding`)
@@ -316,12 +316,14 @@ class Router:
 
         self._checked = now
         try:
-            mtime = os.stat(record_path()).st_mtime_ns
+            stat = os.stat(record_path())
+            # the inode too: each write replaces the file, and two writes within one tick of the clock share a mtime
+            seen = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
         except FileNotFoundError:
-            mtime = None
-        if mtime == self._mtime:
+            seen = None
+        if seen == self._seen:
             return
-        self._mtime = mtime
+        self._seen = seen
         try:
             record = read_policy()
             routes: tuple[Route, ...] = ()

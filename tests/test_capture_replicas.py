@@ -166,6 +166,25 @@ def test_a_reloaded_deployment_is_asked_for_by_its_served_name_and_settles_calls
         router.close()
 
 
+def test_a_record_rewritten_within_one_clock_tick_is_read_again(record_env):
+    """Two writes of the record can share a modification time (the clock's tick is coarser than a deploy's steps):
+    the router still sees the second, a new file."""
+    from lcap.policy import record_path
+
+    record = _record({"r0": "http://127.0.0.1:9", "r1": "http://127.0.0.1:10"})
+    router = Router("policy", None, health_interval=3600)
+    try:
+        assert {router.route(f"e{i}").replica for i in range(20)} == {"r0", "r1"}
+        before = os.stat(record_path())
+        record.replicas[1].draining = True
+        write_policy(record)
+        os.utime(record_path(), ns=(before.st_atime_ns, before.st_mtime_ns))
+        time.sleep(0.6)
+        assert {router.route(f"e{i}").replica for i in range(20)} == {"r0"}  # the first re-reads the record
+    finally:
+        router.close()
+
+
 def test_episodes_stick_to_one_replica_spread_and_move_only_when_theirs_leaves(record_env):
     urls = {f"r{i}": f"http://127.0.0.1:{9 + i}" for i in range(4)}  # nothing listens: no call is made here
     record = _record(urls)
