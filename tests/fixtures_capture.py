@@ -694,3 +694,11 @@ def _npm_version(target: Path, package: str) -> str | None:
         return json.loads((target / "node_modules" / package / "package.json").read_text())["version"]
     except (OSError, ValueError, KeyError):
         return None
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    """Poll `condition` until it holds; fail past `timeout` seconds (a fixed sleep is a guess on a loaded machine)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout} s"
+        time.sleep(0.02)

@@ -224,6 +224,8 @@ def test_an_upstream_connection_out_of_step_is_never_reused(proxy, how):
                     return
                 threading.Thread(target=answer_each, args=(conn,), daemon=True).start()
 
+        sent = threading.Event()  # the first answer's every byte is out
+
         def answer_each(conn: socket.socket) -> None:
             with conn:
                 first = True
@@ -237,12 +239,14 @@ def test_an_upstream_connection_out_of_step_is_never_reused(proxy, how):
                     else:
                         conn.sendall(genuine + started if first else b"xxxxx" + poison)
                     first = False
+                    sent.set()
 
         threading.Thread(target=serve, daemon=True).start()
         url = f"http://127.0.0.1:{server.getsockname()[1]}"
         call = request(url, b"content-length: %s\r\nconnection: close\r\n" % N)
         first, _ = exchange(proxy, call)
-        time.sleep(0.3)
+        assert sent.wait(10)
+        time.sleep(0.3)  # the proxy reads what came after the answer
         second, _ = exchange(proxy, call)
     assert b"genuine" in first and b"poisoned" not in first
     assert second.startswith(b"HTTP/1.1 200 OK") and b"genuine" in second and b"poisoned" not in second

@@ -21,7 +21,7 @@ import time
 
 import httpx
 import pytest
-from fixtures_capture import LCAP, turns
+from fixtures_capture import LCAP, turns, wait_until
 
 from lcap.capture import connections
 from lcap.capture.calls import Calls
@@ -145,7 +145,7 @@ def test_one_client_cannot_take_every_connection(store, llm):
     with CaptureProxy(store, options) as proxy:
         mine = [socket.create_connection(("127.0.0.1", proxy.port), timeout=10) for _ in range(3)]
         try:
-            time.sleep(0.2)
+            wait_until(lambda: proxy.counters()["connections"] == 3)  # admitted
             with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as fourth:
                 fourth.sendall(call_bytes(llm.url))
                 assert answer(fourth).startswith(b"HTTP/1.1 503 Service Unavailable")
@@ -157,7 +157,7 @@ def test_one_client_cannot_take_every_connection(store, llm):
         finally:
             for sock in mine:
                 sock.close()
-        time.sleep(0.2)
+        wait_until(lambda: proxy.counters()["connections"] == 0)  # their closes seen
         with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as again:
             again.sendall(call_bytes(llm.url))
             assert answer(again).startswith(b"HTTP/1.1 200 OK")

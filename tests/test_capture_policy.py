@@ -276,9 +276,10 @@ def test_turns_wait_while_another_process_holds_the_store(tmp_path, capture_home
         [
             sys.executable,
             "-c",
-            "import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); print('held', flush=True); time.sleep(3)",
+            "import duckdb, sys; c = duckdb.connect(sys.argv[1]); print('held', flush=True); sys.stdin.read()",
             str(db),
         ],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -287,6 +288,7 @@ def test_turns_wait_while_another_process_holds_the_store(tmp_path, capture_home
     writer.start()
     writer.put(_finished_turn("waited"))
     assert not writer.flush(timeout=1.0) and writer.written == 0  # refused while held, kept
+    holder.stdin.close()  # lets go
     holder.wait(10)
     assert writer.flush(timeout=20)
     assert writer.stop(timeout=30)

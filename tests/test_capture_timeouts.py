@@ -113,13 +113,14 @@ def pending_tasks(proxy: CaptureProxy) -> int:
 
 @contextmanager
 def settled(proxy: CaptureProxy) -> Iterator[None]:
-    """What the block opens in the proxy is closed within 3 s of its end: file descriptors and tasks."""
+    """What the block opens in the proxy is closed within 3 s of its end: file descriptors and tasks (no more than
+    before; another thread of the test process may have closed one of its own meanwhile)."""
     fds, tasks = open_fds(), pending_tasks(proxy)
     yield
     deadline = time.monotonic() + 3
     while time.monotonic() < deadline and (open_fds() > fds or pending_tasks(proxy) > tasks):
         time.sleep(0.05)
-    assert (open_fds(), pending_tasks(proxy)) == (fds, tasks)
+    assert open_fds() <= fds and pending_tasks(proxy) <= tasks, (open_fds(), fds, pending_tasks(proxy), tasks)
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["front", "mitmproxy"])
@@ -139,7 +140,7 @@ def test_an_agent_that_leaves_cancels_its_call_at_once(store, chunked):
         assert proxy.flush(timeout=10)
     (row,) = turns(store.path)
     assert row["error"] == "the agent closed the connection before the answer"
-    assert 450 < row["latency_ms"] < 1500
+    assert 300 < row["latency_ms"] < 1500  # the agent left after 0.5 s (the mitmproxy hand-off starts it later)
 
 
 def test_an_agent_that_closed_before_its_call_started_gets_no_call(store):

@@ -100,7 +100,7 @@ def test_collect_records_every_outcome(collect_env):
     )
     store = Store(tmp / "lcap.duckdb")
     started = time.monotonic()
-    options = CollectOptions(group_size=2, concurrency=4, round=3, verifier="judge.py:judge", upstream=None, timeout=4)
+    options = CollectOptions(group_size=2, concurrency=4, round=3, verifier="judge.py:judge", upstream=None, timeout=10)
     result = collect(
         store, tasks=tasks, command=[sys.executable, "agent.py", "{mode}"], options=options, labels={"exp": "unit"}
     )
@@ -118,7 +118,7 @@ def test_collect_records_every_outcome(collect_env):
     fail = rows[("fail", 1)]
     assert fail[3] == "failed" and "agent exited 3: something broke" in fail[4] and fail[5] is None
     hang = rows[("hang", 0)]
-    assert hang[3] == "timeout" and hang[4] == "timed out after 4s"
+    assert hang[3] == "timeout" and hang[4] == "timed out after 10s"
     crash = rows[("crash", 0)]
     assert crash[3] == "error" and "ValueError: cannot judge crash" in crash[4] and crash[7] == ["verifier_error"]
     cheat = rows[("cheat", 1)]

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from fixtures_capture import agent, run_lcap
+from fixtures_capture import agent, run_lcap, wait_until  # polled from Python: the CSP forbids Playwright's eval
 from fixtures_ui import XSS, UiServer, fill_store
 
 from lcap.store import Store
@@ -49,14 +49,6 @@ def visit(page, url: str) -> None:
     page.goto(url)
     page.wait_for_load_state("load")
     page.wait_for_selector("#live.on", timeout=10_000)  # the live stream is connected
-
-
-def wait_until(condition, timeout: float = 10.0) -> None:
-    """Poll from Python: the page's CSP forbids the eval that Playwright's wait_for_function needs."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
 
 
 def test_every_page_loads_without_console_errors(ui, page):
