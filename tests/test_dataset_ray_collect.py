@@ -55,11 +55,12 @@ def judge(ctx):
     return {"reward": float(len((ctx.workdir / "answer.txt").read_text()) % 5), "pid": __import__("os").getpid()}
 """
 
-HEALTH = {  # a lost node is declared dead after about 2 s instead of Ray's default of tens of seconds
+HEALTH = {  # a lost node is declared dead after a few seconds instead of Ray's default of tens of seconds; a
+    # loaded machine's raylet may be slow to answer one check, so it takes five missed in a row
     "RAY_health_check_initial_delay_ms": "1000",
     "RAY_health_check_period_ms": "500",
-    "RAY_health_check_timeout_ms": "500",
-    "RAY_health_check_failure_threshold": "3",
+    "RAY_health_check_timeout_ms": "1000",
+    "RAY_health_check_failure_threshold": "5",
 }
 
 
