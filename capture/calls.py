@@ -236,11 +236,10 @@ class Calls:
         record went away meanwhile (the turn is then stored with the error, and counted)."""
         if call.held_until is None:
             call.held_until = time.monotonic() + self.hold_timeout
-        if not await self._wait_for_a_replica(call.held_until, gone, lambda why: self._refuse_held(call, why)):
-            return False
-        route = self.router.route(call.pending.episode_id)
+        refuse = functools.partial(self._refuse_held, call)
+        route = await self._wait_for_a_replica(call.held_until, gone, refuse, call.pending.episode_id)
         if route is None:
-            self._refuse_held(call, f"--upstream {self.router.upstream}: the policy server went away meanwhile")
+            return False
         call.tried = frozenset()  # the replicas it failed on have restarted
         self._repoint(call, route)
         return True
@@ -248,33 +247,35 @@ class Calls:
     async def hold_websocket(self, gone: Callable[[], bool]) -> bool:
         """Keep a Responses WebSocket's opening while every policy replica restarts, as `hold` keeps a call, so that
         it opens on the replica that serves again (one open before goes on with its replica: it cannot move).
-        True at once when they are not all restarting; False when the agent left; `HoldRefused` as `hold` (no turn began: the refusal is counted and logged)."""
+        True at once when they are not all restarting; False when the agent left; `HoldRefused` as `hold` (no
+        turn began: the refusal is counted and logged)."""
         if not self.router.holding():
             return True
-        if not await self._wait_for_a_replica(time.monotonic() + self.hold_timeout, gone, self._refuse_websocket):
-            return False
-        if self.router.route() is None:
-            self._refuse_websocket(f"--upstream {self.router.upstream}: the policy server went away meanwhile")
-        return True
+        deadline = time.monotonic() + self.hold_timeout
+        return await self._wait_for_a_replica(deadline, gone, self._refuse_websocket) is not None
 
     async def _wait_for_a_replica(
-        self, deadline: float, gone: Callable[[], bool], refuse: Callable[[str], NoReturn]
-    ) -> bool:
-        """Wait while the router holds, until `deadline`; `refuse` says why a wait ends without a replica."""
+        self, deadline: float, gone: Callable[[], bool], refuse: Callable[[str], NoReturn], episode: str | None = None
+    ) -> Route | None:
+        """Wait while the router holds, until `deadline`: the route `episode` then takes, or None when the agent
+        left; `refuse` says why a wait ends without a replica."""
         if self.held >= self.max_held:
             refuse(f"too many calls wait for a restarting policy replica (--max-held-calls {self.max_held})")
         self.held += 1
         try:
-            while self.router.holding():
-                if gone():
-                    return False
+            while self.router.holding() and not gone():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     refuse(f"no policy replica served again within {self.hold_timeout:g} s (--hold-timeout)")
                 await asyncio.sleep(min(HOLD_POLL_S, left))
         finally:
             self.held -= 1
-        return not gone()
+        if gone():
+            return None
+        route = self.router.route(episode)
+        if route is None:
+            refuse(f"--upstream {self.router.upstream}: the policy server went away meanwhile")
+        return route
 
     def _refuse_held(self, call: Call, why: str) -> NoReturn:
         self.hold_refused += 1

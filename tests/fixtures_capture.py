@@ -702,3 +702,15 @@ def wait_until(condition, timeout: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"not within {timeout} s"
         time.sleep(0.02)
+
+
+def open_files(kind: str) -> int:
+    """How many of this process's open files are of `kind` ("socket", "pipe"): other threads' other files do not
+    count."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith(f"{kind}:")
+        except OSError:  # closed since it was listed
+            continue
+    return count

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fixtures_capture import FakeLLM, turns
+from fixtures_capture import FakeLLM, turns, wait_until
 from websockets.exceptions import InvalidStatus
 
 from lcap.capture.options import ProxyOptions
@@ -421,9 +421,7 @@ def test_calls_wait_while_the_only_replica_restarts_and_go_to_the_new_deployment
             _restarting(record)
             held = [pool.submit(_chat, proxy, "whole"), pool.submit(_chat, proxy, "streamed", stream=True)]
             held.append(pool.submit(chunked, "mitmproxy"))
-            deadline = time.monotonic() + 30  # each call's TLS set-up first (and the mitmproxy hand-off)
-            while proxy.counters()["calls_held"] != 3 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until(lambda: proxy.counters()["calls_held"] == 3, 30)  # each call's TLS set-up (and hand-off) first
             assert not any(f.done() for f in held) and len(server.calls("/chat/completions")) == 1
             assert proxy.counters()["calls_held"] == 3
             deadline = time.monotonic() + 10  # the announcer's next write with all three held
@@ -479,9 +477,7 @@ def test_a_responses_websocket_opened_while_the_only_replica_restarts_opens_on_t
         with CaptureProxy(Store(db), ProxyOptions(upstream="policy")) as proxy, ThreadPoolExecutor(1) as pool:
             _restarting(record)
             answer = pool.submit(_responses_over_websocket, proxy, "ws")
-            deadline = time.monotonic() + 30
-            while proxy.counters()["calls_held"] != 1 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until(lambda: proxy.counters()["calls_held"] == 1, 30)
             assert not answer.done() and not [r for r in server.requests if r["method"] == "WS"]
             assert proxy.counters()["calls_held"] == 1
             server.models = ["tiny-v2"]
@@ -513,9 +509,7 @@ def test_a_held_call_ends_with_a_503_past_its_timeout_or_the_bound_and_its_agent
         _restarting(record)
         started = time.monotonic()
         timed_out = pool.submit(_chat, proxy, "timed-out")
-        while proxy.counters()["calls_held"] != 1:  # held (its TLS set-up may take a while on a loaded machine)
-            assert time.monotonic() - started < 6.0, "the first call was not held"
-            time.sleep(0.02)
+        wait_until(lambda: proxy.counters()["calls_held"] == 1, 6.0)  # held (its TLS set-up may take a while)
         held = time.monotonic()
         over = _chat(proxy, "over-the-bound")
         assert over.status_code == 503 and "(--max-held-calls 1)" in over.text, over.text

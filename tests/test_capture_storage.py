@@ -13,23 +13,12 @@ import pickle
 import signal
 
 import duckdb
-from fixtures_capture import agent, run_lcap, turns
+from fixtures_capture import agent, open_files, run_lcap, turns
 
 from lcap.capture.spool import seal
 from lcap.capture.turn import PendingTurn, build_row
 from lcap.capture.writer import TurnWriter
 from lcap.store import Store
-
-
-def _pipes() -> int:
-    """Pipes this process holds open (other threads' files, a socket or a log, do not count)."""
-    count = 0
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            count += os.readlink(f"/proc/self/fd/{name}").startswith("pipe:")
-        except FileNotFoundError:  # closed since the listing
-            pass
-    return count
 
 
 def _rows(db, sql: str) -> list[tuple]:
@@ -127,7 +116,7 @@ def test_a_killed_writer_is_restarted_and_stores_each_turn_once(tmp_path, captur
         writer.put(_turn(f"before-{i}"))
     assert writer.flush(timeout=30)
     progress, end = writer._spool.directory / "progress", list(writer._spool.position())
-    fds = _pipes()
+    fds = open_files("pipe")
     assert fds >= 2  # the writer's stdin and stdout
     os.kill(writer._proc.pid, signal.SIGKILL)
     # As if it died after storing its batch but before noting it: only the attempt is noted.
@@ -135,7 +124,7 @@ def test_a_killed_writer_is_restarted_and_stores_each_turn_once(tmp_path, captur
     for i in range(5):
         writer.put(_turn(f"after-{i}"))
     assert writer.flush(timeout=60)
-    assert _pipes() == fds  # the dead writer's pipes were closed, the new one's opened
+    assert open_files("pipe") == fds  # the dead writer's pipes were closed, the new one's opened
     report = writer.finish(timeout=60)
     assert report is not None and report.restarts == 1 and report.unstored == 0
     episodes = sorted(r["episode_id"] for r in turns(db))

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from fixtures_capture import AGENTS, LCAP, SECRET, agent, run_lcap, turns
+from fixtures_capture import AGENTS, LCAP, SECRET, agent, open_files, run_lcap, turns
 
 from lcap.capture import netns
 from lcap.capture.dns import STAND_IN, Names, NamespaceDns, Resolver
@@ -374,30 +374,19 @@ def test_episode_listeners_end_with_the_episode(capture_env, llm, monkeypatch, r
 
     def settled(baseline: int) -> int:
         deadline = time.monotonic() + 2
-        while (count := _sockets()) != baseline and time.monotonic() < deadline:
+        while (count := open_files("socket")) != baseline and time.monotonic() < deadline:
             time.sleep(0.05)
         return count
 
     options = ProxyOptions(upstream=llm.url, transparent=transparent)
     with CaptureProxy(Store(capture_env["LCAP_DB"]), options) as proxy:
-        baseline = _sockets()
+        baseline = open_files("socket")
         counts = []
         for n in range(4):
             with proxy.episode_child(f"ep-{n}", ["true"]) as child:
                 assert run_child(child.argv, child.env, pass_fds=child.pass_fds).code == 0
             counts.append(settled(baseline))
         assert counts == [baseline] * 4, (baseline, counts)
-
-
-def _sockets() -> int:
-    """How many sockets this process has open."""
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-        except OSError:  # closed since it was listed
-            continue
-    return count
 
 
 def test_exit_code_and_signals(capture_env, llm, transparent_ok):

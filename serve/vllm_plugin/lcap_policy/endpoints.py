@@ -482,9 +482,8 @@ class Policy:
                 data = event.model_dump_json(indent=None, by_alias=True)
                 if kind == "response.output_item.done":
                     payload = json.loads(data)
-                    (item,) = responses_store.answer_items([payload["item"]], complete=False)
-                    data = _dumps({**payload, "item": item})
-                if kind in _RESPONSE_END:
+                    data = _dumps({**payload, "item": responses_store.filled(payload["item"])})
+                elif kind in _RESPONSE_END:
                     payload = json.loads(data)
                     answered = _answered(_public(payload["response"]))
                     added = _added_items(payload, answered["output"])
@@ -499,7 +498,8 @@ class Policy:
                     yield wire.RECORD_EVENT, record
                     yield wire.HEAD_EVENT, head
                 elif getattr(event, "response", None) is not None:
-                    data = _dumps({**json.loads(data), "response": _public(json.loads(data)["response"])})
+                    payload = json.loads(data)
+                    data = _dumps({**payload, "response": _public(payload["response"])})
                 yield kind, data
         finally:
             self.taps.pop(started.request_id, None)

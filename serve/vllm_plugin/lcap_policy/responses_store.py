@@ -159,19 +159,20 @@ _ANSWER_TYPES = frozenset({"message", "function_call", "custom_tool_call", "reas
 _EMPTY_TEXT = {"type": "output_text", "text": "", "annotations": []}
 
 
-def answer_items(output: Sequence[Any], *, complete: bool = True) -> list[Any]:
+def filled(item: Any) -> Any:
+    """An output item as vLLM reads it back: a message sent without content gets one empty text part."""
+    if isinstance(item, dict) and item.get("type") == "message" and not item.get("content"):
+        return {**item, "content": [_EMPTY_TEXT]}
+    return item
+
+
+def answer_items(output: Sequence[Any]) -> list[Any]:
     """A response's output items as the history a later call continues. The model always answers, if only with
     its stop token, but vLLM leaves an empty answer's message out (or, without a parser, sends it with no
-    content, which its own input reader cannot read back): without an assistant message there, the next call is
-    not stitched onto this turn's exact ids. An empty answer becomes one empty assistant message; with
-    `complete=False` (some of a response's items) only messages without content are filled."""
-    items = [
-        {**item, "content": [_EMPTY_TEXT]}
-        if isinstance(item, dict) and item.get("type") == "message" and not item.get("content")
-        else item
-        for item in output
-    ]
-    if complete and not any(isinstance(item, dict) and item.get("type") in _ANSWER_TYPES for item in items):
+    content, which its own input reader cannot read back: `filled`): without an assistant message there, the
+    next call is not stitched onto this turn's exact ids. An empty answer becomes one empty assistant message."""
+    items = [filled(item) for item in output]
+    if not any(isinstance(item, dict) and item.get("type") in _ANSWER_TYPES for item in items):
         empty = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "status": "completed"}
         items.append({**empty, "content": [_EMPTY_TEXT]})
     return items
