@@ -60,7 +60,8 @@ REPO = Path(__file__).resolve().parents[1]
 LCAP = str(REPO / ".venv" / "bin" / "lcap") if (REPO / ".venv" / "bin" / "lcap").exists() else shutil.which("lcap")
 
 UPSTREAM = r"""
-import asyncio, json, sys
+import asyncio, json, os, sys
+DELAY = float(os.environ.get("BENCH_UPSTREAM_DELAY", "0"))  # seconds before each answer, as a model's would take
 BODY = json.dumps({"id": "c1", "object": "chat.completion", "model": "m", "choices": [{"index": 0,
     "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
     "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}).encode()
@@ -77,6 +78,8 @@ async def handle(reader, writer):
                 if line.lower().startswith("content-length:"):
                     length = int(line.split(":", 1)[1])
             body = await reader.readexactly(length) if length else b""
+            if DELAY and not lines[0].startswith("GET"):
+                await asyncio.sleep(DELAY)
             if lines[0].startswith("GET"):
                 data = b'{"object":"list","data":[{"id":"m","owned_by":"bench"}]}'
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(data) + data)

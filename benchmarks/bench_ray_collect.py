@@ -2,21 +2,25 @@
 store's ingest rate from a remote node.
 
     .venv/bin/python benchmarks/bench_ray_collect.py [--sizes 16,64] [--group 2] [--calls 4] [--concurrency 4]
-        [--rounds 3] [--ingest 20000]
+        [--rounds 3] [--latency 0] [--ingest 20000]
 
 Starts a minimal asyncio upstream (benchmarks/bench_proxy.py's) and a Ray cluster of two `ray start` nodes on this
 machine (node IP 127.0.0.1, CONCURRENCY/2 CPUs each), then, for each size in SIZES (episodes per collect: SIZE/GROUP
 tasks x GROUP), runs the same episodes (a trivial agent: CALLS chat completions through its capture proxy with
-httpx, then one line to a file) through three paths in turn, ROUNDS times each after one warm-up run of each:
+httpx, then one line to a file; the upstream answers each after LATENCY seconds, 0 by default) through five paths in
+turn, ROUNDS times each after one warm-up run of each:
 
 * local pool: one proxy, a thread pool;
 * ray, proxies per collect: `--ray` as a standalone `lcap collect --ray` runs it (an episode per Ray task, a proxy
   per node started with the collect and stopped at its end, turns handed to the driver's writer);
 * ray, proxies kept: the same, with the node proxies kept across all that path's collects of the size (warm-up
-  included), as `lcap loop --ray` keeps them across its rounds' collects.
+  included), as `lcap loop --ray` keeps them across its rounds' collects;
+* the commands: `lcap collect` and `lcap collect --ray`, each a new process, as a user runs them: what the in-process
+  paths above do not count (the interpreter, imports, joining the cluster, and for `--ray` a new Ray job, whose
+  episode tasks each need a new worker process on their node, besides its node proxies).
 
-Episodes/s is episodes over the collect's wall time, median over the rounds. Every run must store episodes x CALLS
-turns. "one-episode collect" is a collect of one task, one sample, after each run: what a collect costs before and
+Episodes/s is episodes over the collect's wall time, median over the rounds; "/ local" compares the in-process paths
+with the local pool and `lcap collect --ray` with `lcap collect`. Every run must store episodes x CALLS turns. "one-episode collect" is a collect of one task, one sample, after each run: what a collect costs before and
 after its episodes (its proxies' start and stop, when it starts them). The load averages (`uptime`'s) are printed
 before and after each size.
 
@@ -107,16 +111,22 @@ class Bench:
 
 
 @contextmanager
-def two_node_cluster(prefix: str, concurrency: int) -> Iterator[Bench]:
-    """The stand-in upstream and a two-node cluster of `concurrency` CPUs in all, stopped and removed at the end (a
-    failure's traceback printed first: stopping the nodes ends this process, whose Ray client loses the GCS)."""
+def two_node_cluster(prefix: str, concurrency: int, latency: float = 0.0) -> Iterator[Bench]:
+    """The stand-in upstream (answering each call after `latency` seconds) and a two-node cluster of `concurrency`
+    CPUs in all, stopped and removed at the end (a failure's traceback printed first: stopping the nodes ends this
+    process, whose Ray client loses the GCS)."""
     tmp = Path(tempfile.mkdtemp(prefix=prefix))
     os.environ["LCAP_HOME"] = str(tmp / "home")
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     os.chdir(tmp)
     agent = tmp / "agent.py"
     agent.write_text(AGENT)
-    upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM], stdout=subprocess.PIPE, text=True)
+    upstream = subprocess.Popen(
+        [sys.executable, "-c", UPSTREAM],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "BENCH_UPSTREAM_DELAY": str(latency)},
+    )
     assert upstream.stdout is not None
     url = f"http://127.0.0.1:{upstream.stdout.readline().strip()}"
     per_node = max(1, concurrency // 2)
@@ -153,28 +163,40 @@ def collect_once(
     address: str | None,
     group: int,
     node_proxies=None,
+    command: bool = False,
 ) -> float:
-    """Seconds of one collect of TASKS x GROUP episodes, checked: every episode ok, every call a turn."""
+    """Seconds of one collect of TASKS x GROUP episodes, checked: every episode ok, every call a turn. `command`: run
+    as the `lcap collect` command, in a new process."""
     from lcap.dataset.collect import collect, load_tasks
     from lcap.dataset.options import CollectOptions
     from lcap.store import Store
 
     store = Store(db)
-    options = CollectOptions(
-        group_size=group, concurrency=args.concurrency, round=round, upstream=upstream, model="m", ray=address
-    )
-    t0 = time.perf_counter()
-    result = collect(
-        store,
-        tasks=tasks,
-        command=[sys.executable, str(agent)],
-        options=options,
-        progress=False,
-        node_proxies=node_proxies,
-    )
-    wall = time.perf_counter() - t0
     episodes = len(load_tasks(tasks)) * group
-    assert result.finished == episodes, result
+    t0 = time.perf_counter()
+    if command:
+        argv = [str(Path(sys.executable).parent / "lcap"), "collect", "--tasks", str(tasks), "--db", str(db)]
+        argv += ["--group-size", str(group), "--concurrency", str(args.concurrency), "--round", str(round)]
+        argv += ["--upstream", upstream, "--model", "m", *(["--ray", address] if address else [])]
+        done = subprocess.run([*argv, "--", sys.executable, str(agent)], capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        assert done.returncode == 0, done.stderr[-2000:]
+        (finished,) = store.fetchall("SELECT count(*) FROM episodes WHERE round = ? AND status = 'ok'", [round])[0]
+        assert finished == episodes, (finished, episodes)
+    else:
+        options = CollectOptions(
+            group_size=group, concurrency=args.concurrency, round=round, upstream=upstream, model="m", ray=address
+        )
+        result = collect(
+            store,
+            tasks=tasks,
+            command=[sys.executable, str(agent)],
+            options=options,
+            progress=False,
+            node_proxies=node_proxies,
+        )
+        wall = time.perf_counter() - t0
+        assert result.finished == episodes, result
     (stored,) = store.fetchall(
         "SELECT count(*) FROM turns WHERE episode_id IN (SELECT episode_id FROM episodes WHERE round = ?)", [round]
     )[0]
@@ -297,11 +319,12 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--latency", type=float, default=0.0, help="seconds the upstream takes to answer each call")
     parser.add_argument("--ingest", type=int, default=20000)
     args = parser.parse_args()
 
     sizes = [int(size) for size in args.sizes.split(",")]
-    with two_node_cluster("lcap-bench-ray-", args.concurrency) as bench:
+    with two_node_cluster("lcap-bench-ray-", args.concurrency, args.latency) as bench:
         tmp, agent, url, address = bench.tmp, bench.agent, bench.url, bench.address
         one_task = tmp / "one-task.jsonl"
         one_task.write_text(json.dumps({"id": "one", "q": "q", "calls": args.calls}) + "\n")
@@ -309,13 +332,17 @@ def main() -> None:
         from lcap.dataset.ray_collect import NodeProxies
         from lcap.store import Store
 
-        paths: list[tuple[str, str | None, bool]] = [
-            ("local pool", None, False),
-            ("ray, proxies per collect", address, False),
-            ("ray, proxies kept", address, True),
+        # (name, Ray address, how: "pool" in this process, "kept" node proxies, "command" a new process)
+        paths: list[tuple[str, str | None, str]] = [
+            ("local pool", None, "pool"),
+            ("ray, proxies per collect", address, "pool"),
+            ("ray, proxies kept", address, "kept"),
+            ("lcap collect", None, "command"),
+            ("lcap collect --ray", address, "command"),
         ]
         print(
-            f"{args.group} samples x {args.calls} calls per episode, concurrency {args.concurrency}, {args.rounds} rounds"
+            f"{args.group} samples x {args.calls} calls per episode, upstream latency {args.latency:g} s, "
+            f"concurrency {args.concurrency}, {args.rounds} rounds"
         )
         for size in sizes:
             tasks = tmp / f"tasks-{size}.jsonl"
@@ -326,22 +353,23 @@ def main() -> None:
             episodes = n_tasks * args.group
             rates: dict[str, list[float]] = {name: [] for name, _, _ in paths}
             single: dict[str, list[float]] = {name: [] for name, _, _ in paths}
+            baseline = {name: "lcap collect" if how == "command" else "local pool" for name, _, how in paths}
             before = load()
             kept: dict[str, NodeProxies] = {}
             try:
                 for round in range(args.rounds + 1):  # round 0 warms every path up (Ray's workers, kept proxies)
-                    for name, where, keep in paths:
+                    for name, where, how in paths:
                         db = tmp / f"{size}-{name.replace(' ', '-').replace(',', '')}.duckdb"
-                        proxies = kept.setdefault(name, NodeProxies(Store(db))) if keep else None
-                        wall = collect_once(db, tasks, agent, round, args, url, where, args.group, proxies)
-                        one = collect_once(db, one_task, agent, 1000 + round, args, url, where, 1, proxies)
+                        proxies = kept.setdefault(name, NodeProxies(Store(db))) if how == "kept" else None
+                        command = how == "command"
+                        wall = collect_once(db, tasks, agent, round, args, url, where, args.group, proxies, command)
+                        one = collect_once(db, one_task, agent, 1000 + round, args, url, where, 1, proxies, command)
                         if round:
                             rates[name].append(episodes / wall)
                             single[name].append(one)
             finally:
                 for proxies in kept.values():
                     proxies.close()
-            local_rate = statistics.median(rates["local pool"])
             print(f"\n{episodes} episodes per collect; load average before {before}, after {load()}")
             print(
                 f"{'path':<26} {'episodes/s median':>18} {'min':>6} {'max':>6} {'/ local':>8} "
@@ -350,7 +378,8 @@ def main() -> None:
             for name, values in rates.items():
                 print(
                     f"{name:<26} {statistics.median(values):>18.2f} {min(values):>6.2f} {max(values):>6.2f} "
-                    f"{statistics.median(values) / local_rate:>7.2f}x {statistics.median(single[name]):>22.1f}"
+                    f"{statistics.median(values) / statistics.median(rates[baseline[name]]):>7.2f}x "
+                    f"{statistics.median(single[name]):>22.1f}"
                 )
         print("target: ray >= 0.8x the local pool")
 
