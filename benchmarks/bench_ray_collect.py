@@ -11,8 +11,8 @@ httpx, then one line to a file; the upstream answers each after LATENCY seconds,
 turn, ROUNDS times each after one warm-up run of each:
 
 * local pool: one proxy, a thread pool;
-* ray, proxies per collect: `--ray` as a standalone `lcap collect --ray` runs it (an episode per Ray task, a proxy
-  per node started with the collect and stopped at its end, turns handed to the driver's writer);
+* ray, proxies per collect: `--ray` in this process (an episode per Ray task, a proxy per node started with the
+  collect and stopped at its end, turns handed to the driver's writer);
 * ray, proxies kept: the same, with the node proxies kept across all that path's collects of the size (warm-up
   included), as `lcap loop --ray` keeps them across its rounds' collects;
 * the commands: `lcap collect` and `lcap collect --ray`, each a new process, as a user runs them: what the in-process
@@ -20,9 +20,10 @@ turn, ROUNDS times each after one warm-up run of each:
   episode tasks each need a new worker process on their node, besides its node proxies).
 
 Episodes/s is episodes over the collect's wall time, median over the rounds; "/ local" compares the in-process paths
-with the local pool and `lcap collect --ray` with `lcap collect`. Every run must store episodes x CALLS turns. "one-episode collect" is a collect of one task, one sample, after each run: what a collect costs before and
-after its episodes (its proxies' start and stop, when it starts them). The load averages (`uptime`'s) are printed
-before and after each size.
+with the local pool and `lcap collect --ray` with `lcap collect`. Every run must store episodes x CALLS turns.
+"one-episode collect" is a collect of one task, one sample, after each run: what a collect costs before and after its
+episodes (its proxies' start and stop, when it starts them). The load averages (`uptime`'s) are printed before and
+after each size.
 
 Ingest: an Outbox (capture/outbox.py) in an actor on the worker node is filled with INGEST turns, then the driver's
 real ingest (dataset/ray_collect.py: takes, reseals, the one TurnWriter) moves them into a fresh store: turns/s from
