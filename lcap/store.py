@@ -4,7 +4,9 @@ DuckDB lets one process hold a database file read-write, and while it does no ot
 open it, not even read-only. lcap runs several processes on one store (a proxy writing turns,
 `lcap sql` reading them, a verifier adding rewards), so nobody keeps the file open: each unit of
 work attaches it, and an attach that finds the file locked retries until `timeout`. Writers batch
-their rows so that a whole batch costs one attach.
+their rows so that a whole batch costs one attach. DuckDB's lock is no queue, so those waiting are let
+in first (`_Waiters`): else a writer with a backlog, attaching again the instant it detaches, would
+keep a collect's driver or `lcap sql` waiting for seconds.
 
 The file is attached to one in-memory DuckDB per file and process, kept for the process's life:
 starting a DuckDB instance per unit of work costs far more CPU (it builds its catalog of built-in
@@ -14,6 +16,8 @@ collect round does hundreds of units of work.
 
 from __future__ import annotations
 
+import fcntl
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -29,6 +33,8 @@ from lcap.private_files import private_files
 from lcap.schema import MIGRATIONS, PROMOTED_LABELS, SCHEMA_VERSION, TABLES, VIEWS
 
 _LOCKED = ("Could not set lock", "Conflicting lock", "database is locked")
+RETRY_MAX_S = 0.025  # the longest pause between two attempts at a locked file
+LET_IN_S = 2.0  # the longest a process about to attach lets those already waiting attach first
 T = TypeVar("T")
 
 
@@ -114,21 +120,28 @@ class Store:
         self._while_locked(attach)
 
     def _while_locked(self, open_it: Callable[[], T]) -> T:
-        """`open_it()`, retried while another process holds the file (up to `timeout`)."""
+        """`open_it()`, after any process already waiting for the file, and retried while another process holds
+        it (up to `timeout`)."""
         deadline = time.monotonic() + self.timeout
+        waiters = _Waiters(self.path)
+        waiters.let_in()
         delay = 0.005
-        while True:
-            try:
-                return open_it()
-            except duckdb.Error as exc:
-                if not any(marker in str(exc) for marker in _LOCKED):
-                    raise LcapError(f"cannot open store {self.path}: {exc}") from exc
-                if time.monotonic() > deadline:
-                    raise LcapError(
-                        f"store {self.path} stayed locked by another process for {self.timeout:.0f}s"
-                    ) from exc
-                time.sleep(delay)
-                delay = min(delay * 2, 0.1)
+        try:
+            while True:
+                try:
+                    return open_it()
+                except duckdb.Error as exc:
+                    if not any(marker in str(exc) for marker in _LOCKED):
+                        raise LcapError(f"cannot open store {self.path}: {exc}") from exc
+                    if time.monotonic() > deadline:
+                        raise LcapError(
+                            f"store {self.path} stayed locked by another process for {self.timeout:.0f}s"
+                        ) from exc
+                    waiters.join()
+                    time.sleep(delay)
+                    delay = min(delay * 2, RETRY_MAX_S)
+        finally:
+            waiters.leave()
 
     @contextmanager
     def user_sql(self, *, write: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
@@ -246,6 +259,60 @@ def _one_row(con: duckdb.DuckDBPyConnection) -> tuple[Any, ...]:
 
 def _sql_string(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
+
+
+class _Waiters:
+    """The processes waiting for a store file, seen through a lock file beside it (STORE.waiters): each whose attach
+    found the file locked holds a shared lock on it until it attaches. A process about to attach first waits until
+    nobody holds one (an exclusive lock it can take), for `LET_IN_S` at most, so that the file, once released, goes
+    to those already waiting rather than back to the process that held it. A directory where the lock file cannot
+    be made leaves processes to wait unseen, as they did before it."""
+
+    def __init__(self, store: Path) -> None:
+        self.path = store.with_name(store.name + ".waiters")
+        self.fd: int | None = None
+
+    def let_in(self) -> None:
+        """Return once no process waits for the file, or after `LET_IN_S`."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:  # nobody has waited for this store yet
+            return
+        try:
+            _flock(fd, fcntl.LOCK_EX, LET_IN_S)
+        finally:
+            os.close(fd)  # (and its lock with it)
+
+    def join(self) -> None:
+        """This process waits for the file (until `leave`)."""
+        if self.fd is not None:
+            return
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o600)
+        except OSError:
+            return
+        if _flock(fd, fcntl.LOCK_SH, LET_IN_S):
+            self.fd = fd
+        else:
+            os.close(fd)
+
+    def leave(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _flock(fd: int, kind: int, timeout: float) -> bool:
+    """Take a `kind` lock on `fd` (False after `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, kind | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
 
 
 def _detach(con: duckdb.DuckDBPyConnection) -> None:
