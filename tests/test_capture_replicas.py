@@ -424,11 +424,12 @@ def test_calls_wait_while_the_only_replica_restarts_and_go_to_the_new_deployment
             wait_until(lambda: proxy.counters()["calls_held"] == 3, 30)  # each call's TLS set-up (and hand-off) first
             assert not any(f.done() for f in held) and len(server.calls("/chat/completions")) == 1
             assert proxy.counters()["calls_held"] == 3
-            deadline = time.monotonic() + 10  # the announcer's next write with all three held
+
+            def shown_held() -> list[str]:
+                return [row[6] for row in proxies(View(db, time.time())).rows]
+
+            wait_until(lambda: shown_held() == ["3 (3 held)"], 10)  # the announcer's next write with all three held
             shown = proxies(View(db, time.time()))
-            while [row[6] for row in shown.rows] != ["3 (3 held)"] and time.monotonic() < deadline:
-                time.sleep(0.2)
-                shown = proxies(View(db, time.time()))
             assert [row[6] for row in shown.rows] == ["3 (3 held)"]
             assert shown.notes == [
                 f"the proxy on port {proxy.port} holds 3 (calls, and Responses WebSocket openings) until a "
@@ -523,9 +524,7 @@ def test_a_held_call_ends_with_a_503_past_its_timeout_or_the_bound_and_its_agent
 
         with _client(proxy, "left") as client, pytest.raises(httpx.ReadTimeout):
             client.post("https://api.openai.com/v1/chat/completions", json=CHAT, timeout=httpx.Timeout(30, read=1.0))
-        left = time.monotonic()
-        while proxy.counters()["calls_held"] and time.monotonic() - left < 3.0:
-            time.sleep(0.05)
+        wait_until(lambda: proxy.counters()["calls_held"] == 0, 3.0)
         assert proxy.counters()["calls_held"] == 0  # long before its 6 s were up
         assert proxy.counters()["calls_hold_refused"] == 3
     rows = {r["episode_id"]: (r["status_code"], r["error"]) for r in turns(db)}
