@@ -4,7 +4,7 @@
         [--tasks-per-round 8] [--group-size 4] [--concurrency 8] [--max-staleness 1]
         [--median 2] [--sigma 1.2] [--cap 30] [--eval 16]
 
-The demo's tiny warm-started model, tasks and verifier (loop/demo.py), one vLLM CPU server for both loops,
+The demo's tiny warm-started model, tasks and verifier (loop/demo/runner.py), one vLLM CPU server for both loops,
 and an agent whose episodes spend most of their time in a tool call of uneven length:
 scripts/agents/tool_sleeper.py sleeps a log-normal time (median `--median` s, shape `--sigma`, capped at
 `--cap`) seeded by the task and sample, then asks the policy. Both loops get the same tasks in the same
@@ -51,8 +51,8 @@ def main() -> None:
     from transformers.utils.logging import disable_progress_bar
 
     from lcap.dataset.options import BuildOptions, CollectOptions
-    from lcap.loop.demo import MODEL, DemoSettings, demo_dir, demo_task
-    from lcap.loop.demo_task import write_jsonl
+    from lcap.loop.demo.number import write_jsonl
+    from lcap.loop.demo.runner import MODEL, DemoSettings, demo_dir, demo_task
     from lcap.loop.options import LoopOptions
     from lcap.loop.rounds import LoopConfig, run_loop
     from lcap.policy import read_policy, write_policy

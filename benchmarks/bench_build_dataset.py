@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from synthetic_store import make_store
 
-from lcap.dataset.build import build_dataset
+from lcap.dataset.build.builder import build_dataset
 
 
 def main() -> None:

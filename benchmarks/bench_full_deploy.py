@@ -83,7 +83,7 @@ def main(rounds: int, threads: int) -> None:
     from fixtures_vllm import perturbed_checkpoint
 
     from lcap.capture.options import ProxyOptions
-    from lcap.capture.server import CaptureProxy
+    from lcap.capture.proxy.server import CaptureProxy
     from lcap.policy import read_policy
     from lcap.serve.deploy import deploy
     from lcap.serve.server import resolve_python, start_server, stop_server

@@ -23,7 +23,7 @@ import httpx
 from bench_proxy import UPSTREAM
 
 from lcap.capture.options import ProxyOptions
-from lcap.capture.server import CaptureProxy
+from lcap.capture.proxy.server import CaptureProxy
 from lcap.store import Store
 
 

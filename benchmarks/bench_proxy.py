@@ -13,7 +13,7 @@ each round, so machine noise hits them alike:
   the API over HTTPS pays its own TLS with or without lcap;
 - lcap http / lcap https: `lcap proxy --serve --upstream` (every call stored); plain HTTP through
   the proxy, and HTTPS to api.openai.com rerouted (CONNECT + TLS interception with lcap's CA,
-  keep-alive): what a real agent pays. Both take the front's short path (capture/front.py);
+  keep-alive): what a real agent pays. Both take the front's short path (capture/proxy/front.py);
   the mitmproxy row is what every call paid before it;
 - lcap transparent: `lcap proxy --transparent --upstream` (a second lcap, its own store) around an agent that
   only holds its namespace open; this process makes the connections of that row inside the agent's network
@@ -161,7 +161,7 @@ from mitmproxy.utils import asyncio_utils
 sys.path.insert(0, os.path.dirname(sys.argv[1]))
 from reroute import Reroute
 if os.environ.get("BENCH_SKIP_DEBUG_CHECKS"):  # benchmarks/count_proxy_instructions.py's middle row
-    from lcap.capture.server import skip_debug_checks
+    from lcap.capture.proxy.server import skip_debug_checks
     skip_debug_checks()
 
 async def main():
@@ -243,10 +243,10 @@ def capture_cost(n: int = 2000) -> tuple[float, float, float]:
     """lcap's own share of a call, whichever listener carries it: `Calls` opening one rerouted 8 KB chat call,
     reading its answer and spooling the turn (p50, p99 in us), and the writer process's row building per
     turn (us)."""
-    from lcap.capture.calls import Calls
-    from lcap.capture.routes import Router
-    from lcap.capture.spool import SpoolAppender, SpoolReader, unseal
-    from lcap.capture.turn import build_row
+    from lcap.capture.proxy.calls import Calls
+    from lcap.capture.routing.routes import Router
+    from lcap.capture.storage.spool import SpoolAppender, SpoolReader, unseal
+    from lcap.capture.turns.turn import build_row
 
     spool_root = Path(tempfile.mkdtemp(prefix="lcap-bench-spool-"))
     spool_dir = spool_root / "bench"
@@ -297,8 +297,8 @@ def capture_cost(n: int = 2000) -> tuple[float, float, float]:
 
 def _leaf_files(ca_dir: Path, tmp: Path) -> tuple[str, str]:
     """A certificate for 127.0.0.1 from lcap's CA, made as lcap makes the ones it shows agents, and its key."""
-    from lcap.capture.certs import LeafCerts
-    from lcap.capture.server import CA_BASENAME
+    from lcap.capture.proxy.server import CA_BASENAME
+    from lcap.capture.trust.certs import LeafCerts
 
     chain, key = LeafCerts(ca_dir, CA_BASENAME).pem("127.0.0.1")
     cert_file, key_file = tmp / "upstream-cert.pem", tmp / "upstream-key.pem"

@@ -25,8 +25,8 @@ with the local pool and `lcap collect --ray` with `lcap collect`. Every run must
 episodes (its proxies' start and stop, when it starts them). The load averages (`uptime`'s) are printed before and
 after each size.
 
-Ingest: an Outbox (capture/outbox.py) in an actor on the worker node is filled with INGEST turns, then the driver's
-real ingest (dataset/ray_collect.py: takes, reseals, the one TurnWriter) moves them into a fresh store: turns/s from
+Ingest: an Outbox (capture/storage/outbox.py) in an actor on the worker node is filled with INGEST turns, then the driver's
+real ingest (dataset/collect/on_ray.py: takes, reseals, the one TurnWriter) moves them into a fresh store: turns/s from
 the first take to the last turn in the store; beside it, the same turns put straight into a local TurnWriter (what
 a local proxy does), the writer's own rate on this machine.
 """
@@ -168,7 +168,7 @@ def collect_once(
 ) -> float:
     """Seconds of one collect of TASKS x GROUP episodes, checked: every episode ok, every call a turn. `command`: run
     as the `lcap collect` command, in a new process."""
-    from lcap.dataset.collect import collect, load_tasks
+    from lcap.dataset.collect.episodes import collect, load_tasks
     from lcap.dataset.options import CollectOptions
     from lcap.store import Store
 
@@ -212,7 +212,7 @@ def load() -> str:
 
 def make_turn(i: int):
     """A finished chat call of a few hundred bytes each way."""
-    from lcap.capture.turn import PendingTurn
+    from lcap.capture.turns.turn import PendingTurn
 
     request = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi " * 50}]}).encode()
     answer = {"model": "m", "choices": [{"message": {"content": "ok " * 50}, "finish_reason": "stop"}]}
@@ -225,7 +225,7 @@ def make_turn(i: int):
 
 def writer_rate(n: int, db: Path) -> float:
     """The baseline: the same turns put straight into a local proxy's writer (no node, no hand-off)."""
-    from lcap.capture.writer import TurnWriter
+    from lcap.capture.storage.writer import TurnWriter
     from lcap.store import Store
 
     store = Store(db)
@@ -247,8 +247,8 @@ def ingest_rate(n: int, node: str, db: Path) -> float:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from lcap.capture.writer import TurnWriter
-    from lcap.dataset.ray_collect import _Ingest
+    from lcap.capture.storage.writer import TurnWriter
+    from lcap.dataset.collect.on_ray import _Ingest
     from lcap.store import Store
 
     key = os.urandom(32)
@@ -259,7 +259,7 @@ def ingest_rate(n: int, node: str, db: Path) -> float:
         def __init__(self, n: int, directory: str, key: bytes) -> None:
             from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-            from lcap.capture.outbox import Outbox
+            from lcap.capture.storage.outbox import Outbox
 
             self.outbox = Outbox(Path(directory), AESGCM(key))
             self.outbox.start()
@@ -330,7 +330,7 @@ def main() -> None:
         one_task = tmp / "one-task.jsonl"
         one_task.write_text(json.dumps({"id": "one", "q": "q", "calls": args.calls}) + "\n")
 
-        from lcap.dataset.ray_collect import NodeProxies
+        from lcap.dataset.collect.on_ray import NodeProxies
         from lcap.store import Store
 
         # (name, Ray address, how: "pool" in this process, "kept" node proxies, "command" a new process)

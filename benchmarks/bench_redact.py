@@ -17,8 +17,8 @@ import statistics
 import time
 from pathlib import Path
 
-from lcap.capture import redact
-from lcap.capture.turn import PendingTurn, build_row
+from lcap.capture.trust import redact
+from lcap.capture.turns.turn import PendingTurn, build_row
 
 REPO = Path(__file__).resolve().parents[1]
 

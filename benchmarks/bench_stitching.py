@@ -14,7 +14,7 @@ stitching). Templates:
              re-rendered history never starts with what the model was given
 
 The agent's answers end on the stop token through `logit_bias` (a random model rarely samples it; a trained
-one does). Per case, from the store through build-dataset's merge (lcap.dataset.merge): calls stitched,
+one does). Per case, from the store through build-dataset's merge (lcap.dataset.build.merge): calls stitched,
 merge rate (calls merged into their predecessor's sample / calls after each episode's first), samples per
 episode, and trained tokens per episode (the tokens of its samples: what one training pass reads).
 Then the added latency: one call (max_tokens 1) repeated `--repeats` times on the last conversation, through
@@ -70,7 +70,7 @@ def episode_stats(db: Path) -> list[dict]:
     """Per episode: calls, stitched calls, samples and trained tokens under build-dataset's merge."""
     import duckdb
 
-    from lcap.dataset.merge import merge_turns
+    from lcap.dataset.build.merge import merge_turns
 
     con = duckdb.connect(str(db), read_only=True)
     try:
@@ -112,7 +112,7 @@ def episode_stats(db: Path) -> list[dict]:
 
 def run_agents(db: Path, stitch: bool, turns: int, episodes: int, bias: str) -> None:
     from lcap.capture.options import ProxyOptions
-    from lcap.capture.server import CaptureProxy
+    from lcap.capture.proxy.server import CaptureProxy
     from lcap.store import Store
 
     with CaptureProxy(Store(db), ProxyOptions(upstream="policy", stitch=stitch)) as proxy:

@@ -22,7 +22,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils.logging import disable_progress_bar
 
-    from lcap.loop.demo_tools import KEY, QUESTION, WRONG_QUERIES, agent_module, lookup_call
+    from lcap.loop.demo.tools import KEY, QUESTION, WRONG_QUERIES, agent_module, lookup_call
 
     disable_progress_bar()
     agent = agent_module()

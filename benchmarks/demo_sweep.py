@@ -55,8 +55,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils.logging import disable_progress_bar
 
-    from lcap.dataset.samples_file import SAMPLE_SCHEMA
-    from lcap.loop.demo import MODEL, DemoSettings, demo_task
+    from lcap.dataset.build.samples_file import SAMPLE_SCHEMA
+    from lcap.loop.demo.runner import MODEL, DemoSettings, demo_task
     from lcap.serve.tiny_model import init_model
     from lcap.store import Store
     from lcap.train.grpo import train_round
@@ -160,7 +160,7 @@ def main() -> None:
         """n episodes per task of scripts/agents/openai_tools.py, call by call; each call's prompt is the previous
         call's ids + its completion + the new messages rendered (the policy route's stitching) unless that call was
         cut by the token limit: then the rendered history starts a new sample."""
-        from lcap.loop.demo_tools import MAX_TOKENS, TURNS, agent_module
+        from lcap.loop.demo.tools import MAX_TOKENS, TURNS, agent_module
 
         agent = agent_module()
 

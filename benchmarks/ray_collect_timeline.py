@@ -6,7 +6,7 @@ Starts the same two-node `ray start` cluster and asyncio upstream as bench_ray_c
 REPEAT collects of SIZE episodes (SIZE/2 tasks x 2; one task x 1 for SIZE 1) one after the other in a fresh driver
 process: the first as the `lcap collect --ray` command runs (a new Ray job: `ray.init`, no worker of its own yet),
 the next ones as bench_ray_collect.py's "proxies per collect" path runs (the job's workers warm, node proxies of
-each collect's own). The driver's steps are timed by wrapping dataset/ray_collect.py's functions; a node proxy's
+each collect's own). The driver's steps are timed by wrapping dataset/collect/on_ray.py's functions; a node proxy's
 creation -> on its worker (its `placed()`, with whether that worker process existed before) -> ready (its
 `ready()`) from a thread; the agents (bench_ray_collect.py's, plus a timestamp at their start and end) write when
 they ran. Each line is seconds from the collect's call (the driver's `ray.init` included), then '+duration' for a
@@ -61,9 +61,9 @@ def driver(args: argparse.Namespace) -> None:
     import ray
 
     import lcap.ray_cluster
-    from lcap.capture.writer import TurnWriter
-    from lcap.dataset import ray_collect
-    from lcap.dataset.collect import collect
+    from lcap.capture.storage.writer import TurnWriter
+    from lcap.dataset.collect import on_ray as ray_collect
+    from lcap.dataset.collect.episodes import collect
     from lcap.dataset.options import CollectOptions
     from lcap.store import Store
 

@@ -214,7 +214,7 @@ def fd_kinds(pid: int, listen_port: int) -> Counter[str]:
 
 
 def writer_pids(proxy_pid: int) -> list[int]:
-    """The proxy's turn writer processes (`python ... lcap.capture.writer ...`), children of the proxy."""
+    """The proxy's turn writer processes (`python ... lcap.capture.storage.writer ...`), children of the proxy."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -225,7 +225,7 @@ def writer_pids(proxy_pid: int) -> list[int]:
         except OSError:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == proxy_pid and b"lcap.capture.writer" in cmdline:
+        if ppid == proxy_pid and b"lcap.capture.storage.writer" in cmdline:
             found.append(int(entry.name))
     return found
 

@@ -70,7 +70,7 @@ def register(app: typer.Typer) -> None:
         import json
         import uuid
 
-        from lcap.capture.credentials import find_proxy
+        from lcap.capture.trust.credentials import find_proxy
         from lcap.store import Store
 
         record = find_proxy(port)
@@ -87,6 +87,6 @@ def register(app: typer.Typer) -> None:
     @one_line_errors
     def ca() -> None:
         """Print the path of lcap's CA certificate (made on first use), to trust it by hand."""
-        from lcap.capture.server import ensure_ca
+        from lcap.capture.proxy.server import ensure_ca
 
         typer.echo(str(ensure_ca()))

@@ -24,8 +24,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from lcap.capture.jvm import TRUST_STORE
-from lcap.capture.server import CA_BASENAME, PROXY_VARS, ca_bundle, ca_dir, ca_files, ensure_ca, trust_env
+from lcap.capture.proxy.server import CA_BASENAME, PROXY_VARS, ca_bundle, ca_dir, ca_files, ensure_ca, trust_env
+from lcap.capture.reach.jvm import TRUST_STORE
 from lcap.config import LcapError, lcap_home
 from lcap.doctor import Context, Result, check
 from lcap.policy import bearer
@@ -167,7 +167,7 @@ class _QuietServer(ThreadingHTTPServer):
 @contextmanager
 def _tls_server() -> Iterator[str]:
     """A local HTTPS server on 127.0.0.1 whose certificate lcap's CA signed; yields its URL."""
-    from lcap.capture.certs import LeafCerts
+    from lcap.capture.trust.certs import LeafCerts
 
     context = LeafCerts(ca_dir(), CA_BASENAME, 4).context("127.0.0.1")
     server = _QuietServer(("127.0.0.1", 0), _Page)
@@ -364,7 +364,14 @@ _PRELOAD_PROBE = (
 @check("node.preload", section="capture", required=True)
 def node_preload(ctx: Context) -> Result:
     """The preload's npm packages are installed at their pinned versions, and the preload routes Node's fetch."""
-    from lcap.capture.node_preload import PACKAGES, PRELOAD, installed_version, node_dir, node_options, preload_env
+    from lcap.capture.reach.node_preload import (
+        PACKAGES,
+        PRELOAD,
+        installed_version,
+        node_dir,
+        node_options,
+        preload_env,
+    )
 
     node = shutil.which("node")
     if node is None:
@@ -397,7 +404,7 @@ def _spool_root() -> Path:
 
 @check("spool.key", section="capture", required=True)
 def spool_key_check(ctx: Context) -> Result:
-    from lcap.capture.spool import KEY_NAME
+    from lcap.capture.storage.spool import KEY_NAME
 
     path = _spool_root() / KEY_NAME
     if not path.exists():
@@ -419,7 +426,7 @@ def spool_key_check(ctx: Context) -> Result:
 def spool_backlog(ctx: Context) -> Result:
     """Turns waiting in spools: a proxy that died leaves them for the next proxy on its store; a live proxy whose
     writer falls far behind has a store it cannot write; and the spool's disk must have room."""
-    from lcap.capture.spool import backlogs
+    from lcap.capture.storage.spool import backlogs
 
     root = _spool_root()
     spools = backlogs(root)
@@ -553,7 +560,7 @@ def roundtrip(ctx: Context) -> Result:
     import httpx
 
     from lcap.capture.options import ProxyOptions
-    from lcap.capture.server import CaptureProxy
+    from lcap.capture.proxy.server import CaptureProxy
     from lcap.store import Store
 
     cert, _ = ca_files()
@@ -582,7 +589,7 @@ def roundtrip(ctx: Context) -> Result:
             if not proxy.flush(timeout=30):
                 return Result.fail(
                     "the call was answered but its turn was not in the store within 30 s",
-                    "the turn writer does not run: check that `python -I -m lcap.capture.writer --help` works",
+                    "the turn writer does not run: check that `python -I -m lcap.capture.storage.writer --help` works",
                 )
             rows = store.fetchall(
                 "SELECT episode_id, model_requested, status_code FROM turns WHERE episode_id = ?", [episode]

@@ -13,11 +13,11 @@ import uuid
 from dataclasses import replace
 from pathlib import Path
 
-from lcap.capture.destinations import is_loopback_host
 from lcap.capture.options import ProxyOptions
-from lcap.capture.redact import redact_text
-from lcap.capture.server import CaptureProxy
-from lcap.capture.writer import WriterReport
+from lcap.capture.proxy.server import CaptureProxy
+from lcap.capture.storage.writer import WriterReport
+from lcap.capture.trust.destinations import is_loopback_host
+from lcap.capture.trust.redact import redact_text
 from lcap.config import LcapError
 from lcap.processes import run_child
 from lcap.store import Store

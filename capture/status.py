@@ -1,12 +1,12 @@
 """`lcap status`'s sections of capture: the proxies running for this LCAP_HOME (from the records they keep
-current, capture/announce.py) and the turn writers with what waits in their spools."""
+current, capture/proxy/announce.py) and the turn writers with what waits in their spools."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
 
-from lcap.capture.credentials import running_proxies
-from lcap.capture.spool import backlogs
+from lcap.capture.storage.spool import backlogs
+from lcap.capture.trust.credentials import running_proxies
 from lcap.config import lcap_home
 from lcap.processes import alive
 from lcap.status import Section, View, age, section, size

@@ -40,7 +40,7 @@ def collect(
     """
     import signal
 
-    from lcap.dataset.collect import collect as run_collect
+    from lcap.dataset.collect.episodes import collect as run_collect
     from lcap.display import printable
     from lcap.store import Store
 
@@ -77,7 +77,7 @@ def reward(
     source: Annotated[str, typer.Option("--source", help="Who gave it (default 'cli').")] = "cli",
 ) -> None:
     """Give an episode a reward (the latest reward of an episode wins)."""
-    from lcap.dataset.rewards import add_reward
+    from lcap.dataset.collect.rewards import add_reward
     from lcap.store import Store
 
     add_reward(Store(db), episode, value, details=details, source=source)
@@ -94,8 +94,8 @@ def build_dataset(
 ) -> None:
     """Join captured turns with rewards into GRPO samples (SQL views), clean them, write Parquet."""
     from lcap.config import LcapError
-    from lcap.dataset.build import build_dataset as build
-    from lcap.dataset.explain import causes, explain
+    from lcap.dataset.build.builder import build_dataset as build
+    from lcap.dataset.build.explain import causes, explain
     from lcap.store import Store
 
     report = build(Store(db), round=round, out=out, options=options)

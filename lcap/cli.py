@@ -72,7 +72,7 @@ def setup(
     parts: Annotated[list[str] | None, typer.Argument(help="What to set up: node, vllm (default: both).")] = None,
 ) -> None:
     """Install what lcap runs beside itself: the Node proxy preload and vLLM's own venv. Idempotent."""
-    from lcap.capture.node_preload import install_node_preload
+    from lcap.capture.reach.node_preload import install_node_preload
     from lcap.serve.vllm_env import ensure_vllm_env
 
     steps = {"node": install_node_preload, "vllm": ensure_vllm_env}

@@ -5,7 +5,7 @@ reloaded in place, maps the new deployment to the name vLLM keeps serving it und
 `--upstream policy` reads it (again whenever the file changes) so that a new deployment reroutes
 new calls without restarting the proxy or the agents. The policy is served by one or more replicas
 (`lcap serve --replicas N`), each a vLLM server of its own; the proxy sends each episode to one of
-them (capture/calls.py `Router`). A record written before replicas existed describes one server:
+them (capture/proxy/calls.py `Router`). A record written before replicas existed describes one server:
 it reads as one replica, `r0`.
 """
 

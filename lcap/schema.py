@@ -313,7 +313,7 @@ CREATE OR REPLACE VIEW turn_tokens AS
 # `turn_segments(round, split)` (NULL: all) gives, per call, the sample it belongs to and its
 # segment: env tokens + completion; the view `samples` concatenates them in seq order. This is
 # the rule's SQL statement, for inspection; build-dataset applies the same rule vectorised on the
-# Arrow buffers of the joined turns (lcap.dataset.merge, faster than these list comparisons), and a
+# Arrow buffers of the joined turns (lcap.dataset.build.merge, faster than these list comparisons), and a
 # test checks that both agree.
 _SEGMENTS = """
     WITH tt AS (

@@ -10,7 +10,7 @@ import typer
 from lcap.capture.options import NOT_POLICY_ROUTE_FLAGS, ProxyOptions
 from lcap.cli_options import DbOption, one_line_errors, with_options
 from lcap.dataset.options import BuildOptions, CollectOptions
-from lcap.loop.demo import DemoOptions
+from lcap.loop.demo.runner import DemoOptions
 from lcap.loop.options import LoopOptions
 from lcap.train.options import TrainOptions
 
@@ -97,7 +97,7 @@ def demo(
 
     Prints one line per round (training and held-out reward), then where the results are.
     """
-    from lcap.loop.demo import demo_task, run_demo
+    from lcap.loop.demo.runner import demo_task, run_demo
 
     task = demo_options.task
     settings = demo_task(task).settings(seed)

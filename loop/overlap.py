@@ -68,7 +68,7 @@ class Staleness:
 def drop_stale(samples: Path, versions: dict[str, int], trained: int, max_staleness: int) -> Staleness:
     """Rewrite `samples` without the samples served more than `max_staleness` versions before `trained` (or by a
     deployment not in `versions`). Each sample has one deployment: the merge never joins two deployments' calls."""
-    from lcap.dataset.samples_file import read_samples_table, write_samples
+    from lcap.dataset.build.samples_file import read_samples_table, write_samples
 
     table = read_samples_table(samples)
     names = pa.array(list(versions), pa.string())
@@ -130,7 +130,7 @@ class Producer:
         return ahead < limit
 
     def _run(self) -> None:
-        from lcap.dataset.collect import plan_collect
+        from lcap.dataset.collect.episodes import plan_collect
 
         options = replace(
             self.config.collect, split="train", upstream="policy", run_dir=Path(self.config.run) / "episodes"
@@ -169,7 +169,7 @@ def run_async_loop(
     echo: Callable[[str], None] = print,
     stop_after: tuple[int, str] | None = None,
 ) -> list[RoundSummary]:
-    from lcap.dataset.collect import EpisodePool
+    from lcap.dataset.collect.episodes import EpisodePool
 
     if config.train.ray is not None:
         raise LcapError("--async runs its episodes on this machine: with --ray, use the synchronous loop for now")
@@ -304,7 +304,7 @@ def _take_batch(store, config: LoopConfig, state: LoopState, producer: Producer,
 
 
 def _build(store, config: LoopConfig, n: int, groups: Sequence[str], out: Path, versions: dict[str, int]) -> Staleness:
-    from lcap.dataset.build import build_dataset
+    from lcap.dataset.build.builder import build_dataset
 
     build_dataset(store, round=n, out=out, options=replace(config.build, split="train"), groups=groups)
     return drop_stale(out / "samples.parquet", versions, n - 1, config.options.max_staleness)
@@ -420,6 +420,6 @@ def _wasted(data: dict) -> int:
 def _wave_size(config: LoopConfig) -> int:
     if config.tasks_per_round:
         return config.tasks_per_round
-    from lcap.dataset.collect import load_tasks
+    from lcap.dataset.collect.episodes import load_tasks
 
     return len(load_tasks(config.tasks))

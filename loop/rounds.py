@@ -158,7 +158,7 @@ def run_loop(
 
     if config.train.ray is None:
         return _rounds(store, config, step, echo, None)
-    from lcap.dataset.ray_collect import NodeProxies
+    from lcap.dataset.collect.on_ray import NodeProxies
 
     with NodeProxies(store) as node_proxies:  # started by the first collect, serving every collect of the loop
         return _rounds(store, config, step, echo, node_proxies)
@@ -172,7 +172,7 @@ def _rounds(
     node_proxies: Any,
 ) -> list[RoundSummary]:
     """The synchronous loop's rounds; `node_proxies`: with --ray, the Ray node proxies of all its collects."""
-    from lcap.dataset.build import build_dataset
+    from lcap.dataset.build.builder import build_dataset
     from lcap.serve.deploy import deploy
 
     def collect_step(round: int, split: str, tasks: Path, group_size: int) -> dict:
@@ -254,8 +254,8 @@ def collect_split(
     store, config: LoopConfig, round: int, split: str, tasks: Path, group_size: int, node_proxies: Any = None
 ) -> dict:
     """One collect of the loop (`lcap collect` against the policy): a round's training episodes, or held-out ones.
-    `node_proxies`: with --ray, the node proxies the loop keeps across its collects (dataset/ray_collect.py)."""
-    from lcap.dataset.collect import collect
+    `node_proxies`: with --ray, the node proxies the loop keeps across its collects (dataset/collect/on_ray.py)."""
+    from lcap.dataset.collect.episodes import collect
 
     options = replace(
         config.collect,
@@ -290,7 +290,7 @@ def round_tasks(config: LoopConfig, n: int) -> Path:
     wrapping around at its end, written to RUN/round-n/tasks.jsonl (the same bytes when a round is resumed)."""
     if not config.tasks_per_round:
         return config.tasks
-    from lcap.dataset.collect import load_tasks
+    from lcap.dataset.collect.episodes import load_tasks
 
     tasks = load_tasks(config.tasks)
     k = config.tasks_per_round
@@ -314,7 +314,7 @@ def _train(store, run: Path, n: int, options: TrainOptions, data: Path) -> dict:
 
     samples = data / "samples.parquet"
     if not samples.exists() or _parquet_rows(samples) == 0:
-        from lcap.dataset.explain import explain
+        from lcap.dataset.build.explain import explain
 
         try:
             report = json.loads((data / "report.json").read_text())

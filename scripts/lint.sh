@@ -18,9 +18,12 @@ from pathlib import Path
 tree = Path(sys.argv[1])
 dirs = tomllib.loads(Path("pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
 for package, folder in dirs.items():
-    target = tree.joinpath(*package.split("."))
-    target.mkdir(parents=True, exist_ok=True)
-    for source in Path(folder).glob("*.py"):
-        (target / source.name).symlink_to(source.resolve())
+    for source in Path(folder).rglob("*.py"):
+        relative = source.relative_to(folder)
+        if relative.parts[0] == "vllm_plugin":  # checked on its own below
+            continue
+        target = tree.joinpath(*package.split("."), relative)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.symlink_to(source.resolve())
 PY
 "$bin/mypy" "$tree/lcap" serve/vllm_plugin

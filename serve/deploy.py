@@ -18,7 +18,7 @@ their next replica), its calls in flight finish (vLLM's own request gauges reach
 `drain_timeout` passes), it restarts on the checkpoint on the same address, and once healthy it
 rejoins the rotation serving the new deployment (its entry in the record says so until all have
 rolled). One replica alone drains and restarts the same way: with every replica draining, the proxy
-holds new calls until it serves again (capture/calls.py `Calls.hold`, `--hold-timeout`), so they are
+holds new calls until it serves again (capture/proxy/calls.py `Calls.hold`, `--hold-timeout`), so they are
 answered late by the new deployment instead of failing. A replica that fails to start puts every
 replica back on the previous policy, adapters included; if that fails too, no replica stays marked
 draining (the proxy would hold calls for a server that is not coming back).
@@ -47,7 +47,9 @@ from lcap.store import Store, now
 
 log = logging.getLogger("lcap.serve")
 
-DRAIN_GRACE_S = 2.0  # after marking a replica draining: proxies re-read the record (capture/routes.py REFRESH_S)
+DRAIN_GRACE_S = (
+    2.0  # after marking a replica draining: proxies re-read the record (capture/routing/routes.py REFRESH_S)
+)
 DRAIN_POLL_S = 0.5
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 SERVED_AS_KEPT = 64  # deployment -> vLLM name entries the record keeps (turns in flight may carry an older label)

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from lcap.dataset.samples_file import SAMPLE_SCHEMA  # the trainer reads what the builder writes
+from lcap.dataset.build.samples_file import SAMPLE_SCHEMA  # the trainer reads what the builder writes
 
 
 def make_tiny_model(out: Path, seed: int = 0) -> Path:

@@ -1,4 +1,4 @@
-"""The front's short path and its hand-offs to mitmproxy (capture/front.py), in-process, real sockets.
+"""The front's short path and its hand-offs to mitmproxy (capture/proxy/front.py), in-process, real sockets.
 
 The front serves HTTP/1.1 LLM calls itself and gives any other connection to the embedded
 mitmproxy with the bytes read so far. These tests mix both on one connection, send what the
@@ -20,7 +20,7 @@ import pytest
 from fixtures_capture import FakeLLM, turns
 
 from lcap.capture.options import ProxyOptions
-from lcap.capture.server import CaptureProxy
+from lcap.capture.proxy.server import CaptureProxy
 from lcap.store import Store
 
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
@@ -300,7 +300,7 @@ def test_a_stream_head_waits_briefly_for_its_first_event(store, monkeypatch, gap
     """The head of a streamed answer goes out in one write with the first body to send when that comes within
     `HEAD_HOLD` (one TLS record for the agent instead of two), and alone once `HEAD_HOLD` has passed: the head
     is never held until a slow first event."""
-    from lcap.capture import front
+    from lcap.capture.proxy import front
 
     monkeypatch.setattr(front, "HEAD_HOLD", hold)
     upstream, thread = _sse_upstream(gap)
@@ -367,7 +367,7 @@ def _read_answer(sock: socket.socket) -> bytes:
 
 def test_an_ended_episode_leaves_no_stitching_heads(store, llm):
     """The heads an episode's calls left for stitching go when its agent ends, the other episodes' stay."""
-    from lcap.capture.stitching import Head
+    from lcap.capture.routing.stitching import Head
     from lcap.processes import run_child
 
     proxy = CaptureProxy(store, ProxyOptions(upstream=llm.url))

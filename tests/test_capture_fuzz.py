@@ -65,7 +65,7 @@ from fixtures_fuzz import (
 )
 
 from lcap.capture.options import ProxyOptions
-from lcap.capture.server import CaptureProxy
+from lcap.capture.proxy.server import CaptureProxy
 from lcap.store import Store
 
 TRANSPORTS = ("http", "https", "http-chunked", "https-chunked")  # *-chunked: the front hands them to mitmproxy
@@ -463,7 +463,7 @@ def _raw(head: bytes, body: bytes = b"") -> Callable[[bytes, bytes], bytes]:
 
 
 PIPELINED = "two calls in one write (pipelining)"
-_HANGING_FRAMES = (  # heads and bodies that hung the agent before capture/mitm_guards.py's HTTP/1 guards
+_HANGING_FRAMES = (  # heads and bodies that hung the agent before capture/proxy/mitm_guards.py's HTTP/1 guards
     "Content-Length: 2^64",
     "a chunk size that is not hex",
     "a chunk size past 2^64",
@@ -1036,7 +1036,7 @@ KINDS: dict[str, Kind] = {
 }
 
 # (invariant, kind) -> what breaks it on main and the requirement that makes it hold. Strict: when the fix lands,
-# the entry must go. Empty since the fixes of this suite's findings (capture/calls.py, front.py, mitm_guards.py).
+# the entry must go. Empty since the fixes of this suite's findings (capture/proxy/calls.py, front.py, mitm_guards.py).
 KNOWN: dict[tuple[str, str], str] = {}
 
 
@@ -1456,7 +1456,7 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from fixtures_fuzz import Agent, Canary, Request, ScriptedUpstream, exchange
 from lcap.capture.options import ProxyOptions
-from lcap.capture.server import CaptureProxy
+from lcap.capture.proxy.server import CaptureProxy
 from lcap.store import Store
 
 upstream, canary = ScriptedUpstream(), Canary()

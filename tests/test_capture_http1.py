@@ -1,7 +1,7 @@
 """Every defence of the front's request reading, one case each, through a real proxy and real sockets.
 
-The front frames each head itself, has llhttp (strict) parse it, and answers what it refuses (capture/http1.py,
-capture/front.py). Each case here fails if its defence is removed: a head two HTTP implementations could read
+The front frames each head itself, has llhttp (strict) parse it, and answers what it refuses (capture/proxy/http1.py,
+capture/proxy/front.py). Each case here fails if its defence is removed: a head two HTTP implementations could read
 differently gets a 400 and reaches no upstream; what the short path must not serve (Expect, Upgrade, HTTP/1.0, a
 GET with a body, a chunked body) is served by mitmproxy, correctly; limits answer 408, 413, 431; pipelined calls
 are answered in order; an upstream connection that is out of step is never reused.
@@ -19,7 +19,7 @@ import pytest
 from fixtures_capture import raw_exchange, turns
 
 from lcap.capture.options import ProxyOptions
-from lcap.capture.server import CaptureProxy
+from lcap.capture.proxy.server import CaptureProxy
 from lcap.store import Store
 
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}

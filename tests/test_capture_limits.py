@@ -23,13 +23,13 @@ import httpx
 import pytest
 from fixtures_capture import LCAP, turns, wait_until
 
-from lcap.capture import connections
-from lcap.capture.calls import Calls
-from lcap.capture.certs import LeafCerts, bounded_lru
 from lcap.capture.options import ProxyOptions
-from lcap.capture.routes import Router
-from lcap.capture.server import CA_BASENAME, CaptureProxy, ca_dir
-from lcap.capture.turn import PendingTurn
+from lcap.capture.proxy import connections
+from lcap.capture.proxy.calls import Calls
+from lcap.capture.proxy.server import CA_BASENAME, CaptureProxy, ca_dir
+from lcap.capture.routing.routes import Router
+from lcap.capture.trust.certs import LeafCerts, bounded_lru
+from lcap.capture.turns.turn import PendingTurn
 from lcap.store import Store
 
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
@@ -274,7 +274,7 @@ def test_memory_returns_to_baseline_after_a_big_body(capture_env, llm):
                     pass
                 refused = agent.recv(100)
             assert refused.startswith(b"HTTP/1.1 413"), refused
-        deadline = time.monotonic() + 15  # the proxy looks at its memory every 5 s (capture/memory.py)
+        deadline = time.monotonic() + 15  # the proxy looks at its memory every 5 s (capture/proxy/memory.py)
         while time.monotonic() < deadline and rss_mb(proc.pid) > baseline + 15:
             time.sleep(0.2)
         after = rss_mb(proc.pid)
@@ -378,7 +378,7 @@ def test_idle_episodes_are_forgotten_and_still_sort(tmp_path):
 
 def test_the_redaction_cache_keeps_only_short_names():
     """Field names are checked against credential names through a cache: an agent's long keys do not enter it."""
-    from lcap.capture import redact
+    from lcap.capture.trust import redact
 
     before = redact._secret_name.cache_info().currsize
     assert redact.redact_json({"k" * 100_000: "v", "x_unique_api_key": "v"}) == {

@@ -19,7 +19,7 @@ import pytest
 from fixtures_capture import FakeLLM, fake_ids, turns
 
 from lcap.capture.options import ProxyOptions
-from lcap.capture.server import CaptureProxy
+from lcap.capture.proxy.server import CaptureProxy
 from lcap.policy import PolicyServer, write_policy
 from lcap.store import Store
 
@@ -226,7 +226,7 @@ def test_child_env(tmp_path, capture_home, monkeypatch):
 
 
 def _finished_turn(episode: str, text: str = "hi"):
-    from lcap.capture.turn import PendingTurn
+    from lcap.capture.turns.turn import PendingTurn
 
     pending = PendingTurn(episode_id=episode, seq=0, host="api.openai.com", path="/v1/chat/completions", dialect="chat")
     pending.request_body = json.dumps(CHAT).encode()
@@ -239,8 +239,8 @@ def _finished_turn(episode: str, text: str = "hi"):
 
 def test_spool_left_by_a_dead_proxy_is_replayed_once(tmp_path, capture_home):
     """Turns spooled by a proxy whose writer died are written by the next proxy's writer, without duplicates."""
-    from lcap.capture.spool import SpoolAppender
-    from lcap.capture.writer import TurnWriter
+    from lcap.capture.storage.spool import SpoolAppender
+    from lcap.capture.storage.writer import TurnWriter
 
     db, root = tmp_path / "db.duckdb", tmp_path / "spool"
     store = Store(db)
@@ -252,7 +252,7 @@ def test_spool_left_by_a_dead_proxy_is_replayed_once(tmp_path, capture_home):
     other = SpoolAppender(root / "999999998-0therdb0", tmp_path / "other.duckdb")  # another store's spool: left alone
     other.append(_finished_turn("other"))
     other.close()
-    from lcap.capture.turn import build_row
+    from lcap.capture.turns.turn import build_row
 
     store.append("turns", [build_row(stored)])  # written before the crash, still in the spool
     writer = TurnWriter(store, spool_root=root)
@@ -268,7 +268,7 @@ def test_turns_wait_while_another_process_holds_the_store(tmp_path, capture_home
     import subprocess
     import sys
 
-    from lcap.capture.writer import TurnWriter
+    from lcap.capture.storage.writer import TurnWriter
 
     db = tmp_path / "db.duckdb"
     Store(db).execute("SELECT 1")  # schema
@@ -303,7 +303,7 @@ def test_skip_debug_checks_keeps_option_semantics():
 
     from mitmproxy import optmanager
 
-    from lcap.capture.server import skip_debug_checks
+    from lcap.capture.proxy.server import skip_debug_checks
 
     skip_debug_checks()
     skip_debug_checks()  # idempotent

@@ -1,4 +1,4 @@
-"""Routing to policy replicas (capture/routes.py): sticky and consistent by episode, failover, health, the key.
+"""Routing to policy replicas (capture/routing/routes.py): sticky and consistent by episode, failover, health, the key.
 
 The replicas here are FakeLLM servers answering like vLLM, each in a process of its own so that a test
 can kill one the way a replica dies (every connection reset at once). The same routing against two
@@ -26,8 +26,8 @@ from fixtures_capture import FakeLLM, turns, wait_until
 from websockets.exceptions import InvalidStatus
 
 from lcap.capture.options import ProxyOptions
-from lcap.capture.routes import Router
-from lcap.capture.server import CaptureProxy
+from lcap.capture.proxy.server import CaptureProxy
+from lcap.capture.routing.routes import Router
 from lcap.capture.status import proxies
 from lcap.policy import PolicyServer, Replica, read_policy, write_policy
 from lcap.status import View
@@ -218,7 +218,7 @@ def test_episodes_stick_to_one_replica_spread_and_move_only_when_theirs_leaves(r
 
     # The hash is stable across processes (not Python's salted hash): another process routes the same way.
     code = (
-        "import json,sys; from lcap.capture.routes import Router; r = Router('policy', None, health_interval=3600); "
+        "import json,sys; from lcap.capture.routing.routes import Router; r = Router('policy', None, health_interval=3600); "
         "print(json.dumps({e: r.route(e).replica for e in json.loads(sys.argv[1])})); r.close()"
     )
     record.replicas[2].draining = False
@@ -392,7 +392,7 @@ def test_a_call_mitmproxy_carries_reports_a_dead_replica(tmp_path, record_env, r
 
 def _restarting(record: PolicyServer) -> None:
     """Mark every replica draining, as `lcap deploy` does before it restarts the only one; wait until the proxy
-    can have read it (capture/routes.py REFRESH_S)."""
+    can have read it (capture/routing/routes.py REFRESH_S)."""
     for replica in record.replicas:
         replica.draining = True
     write_policy(record)

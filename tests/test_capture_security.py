@@ -27,9 +27,9 @@ import httpx
 import pytest
 from fixtures_capture import LCAP, SECRET, FakeLLM, raw_exchange, run_lcap, serve_proxy, turns
 
-from lcap.capture.credentials import EpisodeKeys
 from lcap.capture.options import ProxyOptions
-from lcap.capture.server import CaptureProxy, ca_bundle
+from lcap.capture.proxy.server import CaptureProxy, ca_bundle
+from lcap.capture.trust.credentials import EpisodeKeys
 from lcap.policy import PolicyServer, write_policy
 from lcap.store import Store
 

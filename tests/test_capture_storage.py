@@ -15,9 +15,9 @@ import signal
 import duckdb
 from fixtures_capture import agent, open_files, run_lcap, turns
 
-from lcap.capture.spool import seal
-from lcap.capture.turn import PendingTurn, build_row
-from lcap.capture.writer import TurnWriter
+from lcap.capture.storage.spool import seal
+from lcap.capture.storage.writer import TurnWriter
+from lcap.capture.turns.turn import PendingTurn, build_row
 from lcap.store import Store
 
 

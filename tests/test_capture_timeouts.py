@@ -21,9 +21,9 @@ from contextlib import contextmanager
 import pytest
 from fixtures_capture import turns
 
-from lcap.capture.connections import AgentReader
 from lcap.capture.options import ProxyOptions
-from lcap.capture.server import CaptureProxy
+from lcap.capture.proxy.connections import AgentReader
+from lcap.capture.proxy.server import CaptureProxy
 from lcap.store import Store
 
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}

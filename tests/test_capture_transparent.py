@@ -24,9 +24,15 @@ from pathlib import Path
 import pytest
 from fixtures_capture import AGENTS, LCAP, SECRET, agent, open_files, run_lcap, turns
 
-from lcap.capture import netns
-from lcap.capture.dns import STAND_IN, Names, NamespaceDns, Resolver
-from lcap.capture.jvm import java_proxy_options, java_tool_options, non_proxy_hosts, pkcs12_trust_store, trust_store
+from lcap.capture.reach import netns
+from lcap.capture.reach.dns import STAND_IN, Names, NamespaceDns, Resolver
+from lcap.capture.reach.jvm import (
+    java_proxy_options,
+    java_tool_options,
+    non_proxy_hosts,
+    pkcs12_trust_store,
+    trust_store,
+)
 
 TEXT = "Hello from the upstream."
 INIT = str(Path(netns.__file__).with_name("netns_init.py"))
@@ -308,7 +314,7 @@ def test_java_default_mode(capture_env, llm, tmp_path):
 
 def test_collect_one_namespace_per_episode(tmp_path, monkeypatch, capture_env, llm, transparent_ok):
     """Concurrent episodes, each in its own namespace: every turn lands in its own episode, without credentials."""
-    from lcap.dataset.collect import collect
+    from lcap.dataset.collect.episodes import collect
     from lcap.dataset.options import CollectOptions
     from lcap.store import Store
 
@@ -364,7 +370,7 @@ def test_episode_listeners_end_with_the_episode(capture_env, llm, monkeypatch, r
     default, its JVM port) are closed when it ends: the process's sockets are back to what they were before it.
     Other threads of the test process may hold a socket a moment: each count waits up to 2 s for the baseline."""
     from lcap.capture.options import ProxyOptions
-    from lcap.capture.server import CaptureProxy
+    from lcap.capture.proxy.server import CaptureProxy
     from lcap.processes import run_child
     from lcap.store import Store
 
@@ -660,7 +666,7 @@ def test_jvm_trust_store_and_options(tmp_path):
     from cryptography import x509
     from cryptography.hazmat.primitives.serialization import Encoding, pkcs12
 
-    from lcap.capture.server import ensure_ca
+    from lcap.capture.proxy.server import ensure_ca
 
     ca = x509.load_pem_x509_certificate(ensure_ca().read_bytes())
     store = pkcs12.load_pkcs12(pkcs12_trust_store([("lcap", ca.public_bytes(Encoding.DER))]), None)
@@ -698,7 +704,7 @@ def test_namespace_rules_and_host_ports(tmp_path, monkeypatch):
 def test_peers_tell_the_agents_connections_from_others():
     """The connection a process (or one under it) made is found in its tree, over IPv4 and IPv4-mapped IPv6 (the
     JVM's dual-stack sockets); another process's tree does not hold it."""
-    from lcap.capture.peers import from_tree
+    from lcap.capture.reach.peers import from_tree
 
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
@@ -727,8 +733,8 @@ def test_peers_tell_the_agents_connections_from_others():
 
 def test_collect_summary_hint_under_transparent():
     """Episodes without a turn: the summary suggests --transparent, except to a collect that used it."""
-    from lcap.dataset.explain import NO_CALLS_FIX, NO_CALLS_FIX_TRANSPARENT
-    from lcap.dataset.summary import CollectSummary
+    from lcap.dataset.build.explain import NO_CALLS_FIX, NO_CALLS_FIX_TRANSPARENT
+    from lcap.dataset.collect.summary import CollectSummary
 
     default = "\n".join(CollectSummary(episodes=1, no_turns=1).lines())
     transparent = "\n".join(CollectSummary(episodes=1, no_turns=1, transparent=True).lines())

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from fixtures_dataset import chat_turns
 
-from lcap.dataset.build import BuildOptions, build_dataset
+from lcap.dataset.build.builder import BuildOptions, build_dataset
 
 
 def _build(store, tmp_path, **options):
@@ -324,11 +324,11 @@ def test_reward_command(builder, dstore, tmp_path):
 
 
 def test_vectorised_merge_agrees_with_the_samples_view(builder, dstore, tmp_path, monkeypatch):
-    """build-dataset merges on Arrow buffers (lcap.dataset.merge); the `samples` view states the
+    """build-dataset merges on Arrow buffers (lcap.dataset.build.merge); the `samples` view states the
     same rule in SQL. Both must give the same samples; small blocks exercise the chunked compare."""
     import random
 
-    from lcap.dataset import merge
+    from lcap.dataset.build import merge
 
     monkeypatch.setattr(merge, "_BLOCK", 5)
     rng = random.Random(7)
@@ -378,7 +378,7 @@ def test_rebuild_anthropic_messages_turn(tiny_model_dir):
     """vLLM returns no ids for /v1/messages: the turn is re-rendered as the equivalent chat."""
     from transformers import AutoTokenizer
 
-    from lcap.dataset.rebuild import rebuild_turn
+    from lcap.dataset.build.rebuild import rebuild_turn
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     request = {

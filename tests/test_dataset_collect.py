@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lcap.dataset.collect import collect
+from lcap.dataset.collect.episodes import collect
 from lcap.dataset.options import CollectOptions
 from lcap.store import Store
 

@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 from fixtures_dataset import DATASET_VERIFIERS, py_agent
 
-from lcap.dataset.build import BuildOptions, build_dataset
-from lcap.dataset.collect import collect
+from lcap.dataset.build.builder import BuildOptions, build_dataset
+from lcap.dataset.collect.episodes import collect
 from lcap.dataset.options import CollectOptions
 from lcap.store import Store
 

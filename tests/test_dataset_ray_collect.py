@@ -350,8 +350,8 @@ def test_a_node_proxy_that_cannot_start_says_why_in_one_line(tmp_path, monkeypat
     """Whatever stops a node's capture proxy from starting (here a stand-in failure of the proxy's start) is what
     its episodes report, one line, instead of a dead actor's traceback."""
     from lcap.capture.options import ProxyOptions
-    from lcap.capture.server import CaptureProxy
-    from lcap.dataset.ray_collect import NodeConfig, NodeProxy
+    from lcap.capture.proxy.server import CaptureProxy
+    from lcap.dataset.collect.on_ray import NodeConfig, NodeProxy
 
     monkeypatch.setenv("LCAP_HOME", str(capture_home))
 
@@ -383,7 +383,7 @@ def _collect_once(
     store: Store, project: Path, command: list[str], address: str, upstream, *, group_size: int = 2, **kw
 ):
     """The project's tasks x `group_size`, two at a time, on the cluster, to the `upstream` (a test's fake LLM)."""
-    from lcap.dataset.collect import collect
+    from lcap.dataset.collect.episodes import collect
     from lcap.dataset.options import CollectOptions
 
     options = CollectOptions(
@@ -426,9 +426,9 @@ def test_a_loops_collects_share_the_node_proxies_and_each_sees_the_last_deploy(c
     (round 2 is served by round 1's deployment), and every proxy actor gone once the loop ends."""
     import ray
 
-    from lcap.dataset.collect import collect
+    from lcap.dataset.collect.episodes import collect
+    from lcap.dataset.collect.on_ray import NodeProxies
     from lcap.dataset.options import CollectOptions
-    from lcap.dataset.ray_collect import NodeProxies
     from lcap.policy import read_policy, write_policy
 
     address, _, _ = cluster
@@ -521,9 +521,9 @@ def test_kept_node_proxies_replace_a_lost_one_and_start_on_a_node_that_joins(clu
     starts one on the new node, keeps the other one, and stores every episode's turns once."""
     import ray
 
-    from lcap.dataset.collect import collect
+    from lcap.dataset.collect.episodes import collect
+    from lcap.dataset.collect.on_ray import NodeProxies
     from lcap.dataset.options import CollectOptions
-    from lcap.dataset.ray_collect import NodeProxies
 
     address, env, tmp = cluster
     store, command = _driver_of(project, address)
@@ -568,7 +568,7 @@ def test_a_nodes_episodes_start_before_another_nodes_proxy_is_ready(cluster, ups
 
     import ray
 
-    from lcap.dataset import ray_collect
+    from lcap.dataset.collect import on_ray as ray_collect
 
     address, _, _ = cluster
     store, command = _driver_of(project, address)
@@ -612,7 +612,7 @@ def test_fewer_episodes_than_nodes_start_proxies_only_where_they_run(cluster, up
     the episode is sent (not once it landed), and the episode runs behind it."""
     import ray
 
-    from lcap.dataset.ray_collect import NodeProxies
+    from lcap.dataset.collect.on_ray import NodeProxies
 
     address, _, _ = cluster
     store, command = _driver_of(project, address)
@@ -637,8 +637,8 @@ def test_an_episode_on_a_node_without_a_proxy_comes_back_and_runs_there(
     node, every turn stored once."""
     import ray
 
-    from lcap.dataset import ray_collect
-    from lcap.dataset.ray_collect import NodeProxies
+    from lcap.dataset.collect import on_ray as ray_collect
+    from lcap.dataset.collect.on_ray import NodeProxies
 
     address, _, _ = cluster
     store, command = _driver_of(project, address)

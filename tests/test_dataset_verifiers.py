@@ -9,8 +9,8 @@ import pytest
 from fixtures_dataset import DATASET_VERIFIERS
 
 from lcap.config import LcapError
-from lcap.dataset.collect import episode_id, load_tasks, render_command
-from lcap.dataset.verifiers import (
+from lcap.dataset.collect.episodes import episode_id, load_tasks, render_command
+from lcap.dataset.collect.verifiers import (
     VerifierContext,
     VerifierError,
     hash_protected,

@@ -38,7 +38,7 @@ def run(*names: str, db: Path | None = None) -> dict[str, Result]:
 @pytest.fixture(scope="module")
 def made_ca(tmp_path_factory) -> Path:
     """lcap's CA, made once for the module (an RSA key takes a while); each test copies it."""
-    from lcap.capture.server import ensure_ca
+    from lcap.capture.proxy.server import ensure_ca
 
     home = tmp_path_factory.mktemp("doctor-ca-home")
     saved = os.environ.get("LCAP_HOME")
@@ -169,7 +169,7 @@ def test_bundle_without_lcaps_ca_fails(home):
 def test_java_trusts_lcaps_store_and_fails_with_a_broken_one(home, monkeypatch):
     """lcap gives a JVM child its trust store in JAVA_TOOL_OPTIONS (after the user's own options); a store Java
     cannot read fails, and removing it (as the fix says) makes lcap write it again."""
-    from lcap.capture.jvm import TRUST_STORE
+    from lcap.capture.reach.jvm import TRUST_STORE
 
     monkeypatch.setenv("JAVA_TOOL_OPTIONS", "-Xss2m")
     assert run("trust.java")["trust.java"].status == "ok"
@@ -196,7 +196,7 @@ def test_node_preload_passes_installed_and_fails_without_its_packages(home, node
 
 
 def test_spool_key(home):
-    from lcap.capture.spool import spool_key
+    from lcap.capture.storage.spool import spool_key
 
     assert run("spool.key")["spool.key"].status == "skip"
     spool_key(home / "spool")
@@ -217,8 +217,8 @@ def _dead_pid() -> int:
 
 
 def _spool(home: Path, owner: int, db: Path, n: int) -> Path:
-    from lcap.capture.spool import SpoolAppender
-    from lcap.capture.turn import PendingTurn
+    from lcap.capture.storage.spool import SpoolAppender
+    from lcap.capture.turns.turn import PendingTurn
 
     appender = SpoolAppender(home / "spool" / f"{owner}-0badf00d", db)
     for i in range(n):

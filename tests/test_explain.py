@@ -13,8 +13,8 @@ import pytest
 from fixtures_dataset import chat_turns
 
 from lcap.config import LcapError
-from lcap.dataset.build import BuildOptions, build_dataset
-from lcap.dataset.explain import NO_CALLS_FIX, causes, explain
+from lcap.dataset.build.builder import BuildOptions, build_dataset
+from lcap.dataset.build.explain import NO_CALLS_FIX, causes, explain
 
 LCAP = str(Path(sys.executable).parent / "lcap")
 
@@ -227,7 +227,7 @@ def test_collect_ends_with_a_summary_that_says_where_to_look(capture_env, llm, t
 
 def test_collect_failure_reasons_are_text_not_markup(tmp_path, monkeypatch, capsys):
     """An agent's stderr with rich markup and ANSI escapes is printed as it is (escaped), and never breaks collect."""
-    from lcap.dataset.collect import collect
+    from lcap.dataset.collect.episodes import collect
     from lcap.dataset.options import CollectOptions
     from lcap.store import Store
 

@@ -187,8 +187,8 @@ def test_an_episode_spanning_a_deploy_keeps_each_turns_deployment(
     call keeps the deployment that served it, and the merge splits there and marks the second sample."""
     from transformers import AutoTokenizer
 
-    from lcap.dataset.build import build_dataset
-    from lcap.dataset.collect import collect
+    from lcap.dataset.build.builder import build_dataset
+    from lcap.dataset.collect.episodes import collect
     from lcap.serve.deploy import deploy
 
     monkeypatch.chdir(tmp_path)
@@ -214,7 +214,7 @@ def test_an_episode_spanning_a_deploy_keeps_each_turns_deployment(
         assert time.monotonic() < deadline and spanning.is_alive()
         time.sleep(0.1)
     name = deploy(tiny_lora, round=1, store=store)
-    time.sleep(3)  # the proxy re-reads the policy record (capture/routes.py REFRESH_S)
+    time.sleep(3)  # the proxy re-reads the policy record (capture/routing/routes.py REFRESH_S)
     go.touch()
     spanning.join(300)
 
@@ -237,7 +237,7 @@ def test_a_lora_deploy_drops_no_streaming_call(vllm_policy, tiny_lora, tmp_path)
     """Streaming calls through the proxy keep going while an adapter is hot-loaded: none fails, the ones in flight
     finish on the policy they started on, and calls after the switch ask for the adapter."""
     from lcap.capture.options import ProxyOptions
-    from lcap.capture.server import CaptureProxy
+    from lcap.capture.proxy.server import CaptureProxy
     from lcap.serve.deploy import deploy
 
     calls: list[dict] = []

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from lcap.loop.demo import TARGET_FALLBACK, TARGET_REWARD, TARGET_RIGHT, check_targets, held_out_by_round, words
-from lcap.loop.demo_task import NUMBERS, make_tasks
-from lcap.loop.demo_warm import Example, shared_prefix
+from lcap.loop.demo.number import NUMBERS, make_tasks
+from lcap.loop.demo.runner import TARGET_FALLBACK, TARGET_REWARD, TARGET_RIGHT, check_targets, held_out_by_round, words
+from lcap.loop.demo.warm import Example, shared_prefix
 from lcap.store import Store, now
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "demo"))
@@ -48,7 +48,7 @@ def test_the_warm_start_learns_its_corpus(tiny_model_dir, tmp_path):
     """A few steps on the number task's corpus lower its loss, and the saved model is the trained one."""
     import shutil
 
-    from lcap.loop.demo import demo_task
+    from lcap.loop.demo.runner import demo_task
 
     task = demo_task("number")
     model = tmp_path / "model"

@@ -12,9 +12,9 @@ from dataclasses import replace
 import pytest
 from fixtures_dataset import chat_turns
 
-from lcap.loop.demo import calls_by_round, demo_task, words
-from lcap.loop.demo_task import NUMBERS
-from lcap.loop.demo_tools import KEY, QUESTION, agent_module, lookups_by_round, warm_episode
+from lcap.loop.demo.number import NUMBERS
+from lcap.loop.demo.runner import calls_by_round, demo_task, words
+from lcap.loop.demo.tools import KEY, QUESTION, agent_module, lookups_by_round, warm_episode
 from lcap.store import Store
 
 
@@ -64,7 +64,7 @@ def test_the_warm_start_weighs_the_whole_lookup_call_and_the_copied_word(tiny_mo
     that can use its tool knows); in a text answer only the copied word does, the others 1; prompts 0."""
     from transformers import AutoTokenizer
 
-    from lcap.loop.demo_tools import demo_corpus, lookup_call
+    from lcap.loop.demo.tools import demo_corpus, lookup_call
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     settings = demo_task("tools").settings()
@@ -91,7 +91,7 @@ def test_warm_start_runs_on_the_tiny_model(tiny_model_dir, tmp_path):
 def test_one_round_of_the_tools_demo_stitches_and_merges(tmp_path, monkeypatch):
     """One short round of `lcap demo --task tools` on its own vLLM server: the store shows calls stitched onto the
     call before and samples that merge an episode's three calls, tool results masked as environment tokens."""
-    from lcap.loop.demo import run_demo
+    from lcap.loop.demo.runner import run_demo
 
     monkeypatch.setenv("LCAP_POLICY_RECORD", str(tmp_path / "policy.json"))  # its own server, not the session's
     settings = replace(

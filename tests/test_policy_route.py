@@ -20,7 +20,7 @@ import pytest
 from fixtures_capture import turns
 
 from lcap.capture.options import ProxyOptions
-from lcap.capture.server import CaptureProxy
+from lcap.capture.proxy.server import CaptureProxy
 from lcap.store import Store
 
 pytestmark = pytest.mark.vllm
@@ -59,10 +59,10 @@ def _clients(proxy: CaptureProxy, episode: str):
 
 
 def episode_samples(db: Path) -> dict[str, int]:
-    """Samples per episode under build-dataset's merge (lcap.dataset.merge), every turn as captured."""
+    """Samples per episode under build-dataset's merge (lcap.dataset.build.merge), every turn as captured."""
     import duckdb
 
-    from lcap.dataset.merge import merge_turns
+    from lcap.dataset.build.merge import merge_turns
 
     con = duckdb.connect(str(db), read_only=True)
     try:

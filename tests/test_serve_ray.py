@@ -23,7 +23,7 @@ import pytest
 from fixtures_capture import turns
 
 from lcap.capture.options import ProxyOptions
-from lcap.capture.server import CaptureProxy
+from lcap.capture.proxy.server import CaptureProxy
 from lcap.policy import read_policy
 from lcap.store import Store
 

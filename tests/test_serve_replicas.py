@@ -26,7 +26,7 @@ from fixtures_capture import turns
 from openai import APIError, OpenAI
 
 from lcap.capture.options import ProxyOptions
-from lcap.capture.server import CaptureProxy
+from lcap.capture.proxy.server import CaptureProxy
 from lcap.policy import PolicyServer, read_policy, write_policy
 from lcap.store import Store
 

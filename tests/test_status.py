@@ -109,8 +109,8 @@ def test_status_while_a_proxy_runs(capture_env, llm, tmp_path):
 def test_status_of_what_ended_badly(tmp_path, monkeypatch):
     """A record left by a proxy killed -9 is dropped; its spool shows as waiting for the next proxy; a policy record
     whose server is gone says so; the store's loop steps give each run's last step."""
-    from lcap.capture.credentials import ProxyRecord, records_dir, write_record
-    from lcap.capture.spool import SpoolAppender
+    from lcap.capture.storage.spool import SpoolAppender
+    from lcap.capture.trust.credentials import ProxyRecord, records_dir, write_record
     from lcap.policy import PolicyServer, write_policy
     from lcap.store import Store
 

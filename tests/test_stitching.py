@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from lcap.capture import policy_wire
-from lcap.capture.stitching import Head as ProxyHead
-from lcap.capture.stitching import Heads
+from lcap.capture.routing import policy_wire
+from lcap.capture.routing.stitching import Head as ProxyHead
+from lcap.capture.routing.stitching import Heads
 
 PLUGIN = Path(__file__).resolve().parents[1] / "serve" / "vllm_plugin"
 

@@ -228,7 +228,7 @@ def test_tasks_per_round_takes_the_next_tasks_each_round(tmp_path):
 
 def test_a_rounds_tasks_keep_their_templates(tmp_path):
     """A task's `template` folder is relative to the user's tasks file; the round's own file points at the same one."""
-    from lcap.dataset.collect import load_tasks, template_dir
+    from lcap.dataset.collect.episodes import load_tasks, template_dir
     from lcap.loop.rounds import round_tasks
 
     project = tmp_path / "project"

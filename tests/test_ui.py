@@ -225,8 +225,8 @@ def test_captured_text_is_escaped_everywhere(ui_db):
 
 
 def test_the_token_view_shows_the_samples_build_dataset_trains_on(ui_db, tmp_path):
-    from lcap.dataset.build import build_dataset
-    from lcap.dataset.samples_file import read_samples_table
+    from lcap.dataset.build.builder import build_dataset
+    from lcap.dataset.build.samples_file import read_samples_table
 
     with client(ui_db) as c:
         html = c.get("/episode", params={"id": "ep-calc-2"}).text

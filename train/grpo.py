@@ -89,7 +89,7 @@ def round_samples(run: Path, round: int, data: Path | None) -> Path:
 def nothing_to_train(where: str, samples_path: Path, samples: list, groups: Any, current: str | None) -> str:
     """Why a round has no group GRPO can train on: build-dataset's losses (from the report.json beside the samples)
     and the trainer's own (stale samples dropped, samples alone in their group), with what changes each."""
-    from lcap.dataset.explain import Cause, explain, plural
+    from lcap.dataset.build.explain import Cause, explain, plural
 
     report_path = Path(samples_path).parent / "report.json"
     try:

@@ -1,6 +1,6 @@
 """Captured samples as GRPO groups: read `samples.parquet`, drop or keep stale ones, pad groups.
 
-The episode builder writes one row per sample (see `lcap.dataset.build`). GRPO trains on groups
+The episode builder writes one row per sample (see `lcap.dataset.build.builder`). GRPO trains on groups
 of samples of one task; TRL wants every group to have exactly `num_generations` members, while a
 captured group can be short (an episode failed, a stale sample was dropped). Short groups are
 padded with copies whose loss mask is all zero and whose advantage is zero: they take a slot in
@@ -83,7 +83,7 @@ class Groups:
 
 def read_samples(path: str | Path) -> list[Sample]:
     """Read the episode builder's `samples.parquet` (a file, or the folder that holds it)."""
-    from lcap.dataset.samples_file import read_samples_table
+    from lcap.dataset.build.samples_file import read_samples_table
 
     return [
         Sample(

@@ -1,7 +1,7 @@
 """The token view of an episode's training samples: which tokens carried the loss, and how sure the model was.
 
 The samples are the ones build-dataset makes: the episode's calls as `turn_tokens` gives them, merged by
-lcap.dataset.merge (the one implementation of the multi-turn merge). Each sample is cut back into the
+lcap.dataset.build.merge (the one implementation of the multi-turn merge). Each sample is cut back into the
 calls it was merged from, at the boundaries the merge leaves: a call's segment is the environment tokens
 between the previous call's completion and its own (env_mask 0) followed by its completion (env_mask 1,
 with the logprob vLLM served). Ids are decoded with the tokenizer of the base model the deployment
@@ -112,7 +112,7 @@ def _decode(tokenizer: Any, ids: list[int]) -> list[str | None]:
 
 def token_view(turns: pa.Table, tokenizers: Tokenizers, base_models: dict[str, str]) -> TokenView:
     """The samples of one episode's calls (`queries.episode_tokens`), cut per call and decoded."""
-    from lcap.dataset.merge import merge_turns
+    from lcap.dataset.build.merge import merge_turns
 
     view = TokenView()
     if turns.num_rows == 0:

@@ -8,15 +8,15 @@ well-formed / right details), prints one line per round (with, for a multi-call 
 per episode; for the tools task, how often the first call looked the words up and how often those episodes
 were right), then checks, at the last round: held-out mean
 reward >= 0.8, held-out right answers >= 0.6, and neither fell by more than 0.1 from the round before
-(the targets are defined once, in lcap.loop.demo). Exits 1 on FAIL.
+(the targets are defined once, in lcap.loop.demo.runner). Exits 1 on FAIL.
 """
 
 import json
 import sys
 from pathlib import Path
 
-from lcap.loop.demo import calls_by_round, check_targets, held_out_by_round
-from lcap.loop.demo_tools import lookups_by_round
+from lcap.loop.demo.runner import calls_by_round, check_targets, held_out_by_round
+from lcap.loop.demo.tools import lookups_by_round
 from lcap.store import Store
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else "lcap-demo")

@@ -35,7 +35,7 @@ while time.monotonic() < until and alive(proxy):
             argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
         except OSError:
             continue
-        if b"lcap.capture.writer" in argv and any(f"/{proxy}-".encode() in a for a in argv):
+        if b"lcap.capture.storage.writer" in argv and any(f"/{proxy}-".encode() in a for a in argv):
             try:
                 os.kill(int(pid), signal.SIGKILL)
             except OSError:

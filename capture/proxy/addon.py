@@ -1,6 +1,6 @@
-"""The mitmproxy addon: LLM calls the front handed over (capture/front.py) become turns here.
+"""The mitmproxy addon: LLM calls the front handed over (capture/proxy/front.py) become turns here.
 
-The hooks map mitmproxy flows onto `Calls` (capture/calls.py), which both transports share, and
+The hooks map mitmproxy flows onto `Calls` (capture/proxy/calls.py), which both transports share, and
 capture the Responses API over WebSocket, which only mitmproxy carries. Every hook body is
 wrapped: a capture bug is logged and the agent's traffic flows on untouched.
 """
@@ -17,11 +17,12 @@ from typing import Any
 
 from mitmproxy import http
 
-from lcap.capture import dialects, policy_wire
-from lcap.capture.calls import Calls, HoldRefused, NoRoute, Unauthorized, with_route_model
 from lcap.capture.options import ProxyOptions
-from lcap.capture.routes import Route
-from lcap.capture.turn import PendingTurn, agent_left
+from lcap.capture.proxy.calls import Calls, HoldRefused, NoRoute, Unauthorized, with_route_model
+from lcap.capture.routing import policy_wire
+from lcap.capture.routing.routes import Route
+from lcap.capture.turns import dialects
+from lcap.capture.turns.turn import PendingTurn, agent_left
 
 log = logging.getLogger("lcap.capture")
 

@@ -3,7 +3,7 @@
 The joins, the multi-turn merge, the advantages and the cleaning are SQL views of the store
 (`episode_advantages`, `turn_tokens`, `samples` in lcap.schema), so what `lcap sql` shows is what
 the trainer gets. DuckDB joins turns x episodes x latest rewards x deployments; the multi-turn
-merge itself runs vectorised on the Arrow buffers of that result (lcap.dataset.merge: the same
+merge itself runs vectorised on the Arrow buffers of that result (lcap.dataset.build.merge: the same
 rule as the `samples` view, without its per-call list comparisons in SQL;
 benchmarks/bench_build_dataset.py times the build); Python otherwise only re-tokenises turns
 captured without token ids (cached in `rebuilt_turns`).
@@ -22,16 +22,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from lcap.dataset.merge import merge_turns
+from lcap.dataset.build.merge import merge_turns
+from lcap.dataset.build.samples_file import SAMPLES_FILE, write_samples
 from lcap.dataset.options import BuildOptions
-from lcap.dataset.samples_file import SAMPLES_FILE, write_samples
 from lcap.display import rounded
 from lcap.store import Store, now
 
 ADVANTAGE = "(reward - group mean) / (group sample std, ddof=1, + 1e-4): TRL's GRPO scaling"
 
 # One row per successful call of the round's trainable episodes, with its episode's reward and
-# advantage; lcap.dataset.merge turns them into samples (the rule the `samples` view states).
+# advantage; lcap.dataset.build.merge turns them into samples (the rule the `samples` view states).
 _TURNS = """
 SELECT tt.episode_id, tt.seq, tt.thread, tt.deployment, tt.rebuilt, tt.truncated,
        tt.prompt_ids::INTEGER[] AS prompt_ids, tt.completion_ids::INTEGER[] AS completion_ids,
@@ -88,7 +88,7 @@ def build_dataset(
 
     clock = _Clock(report.timings, started)
     if options.rebuild:
-        from lcap.dataset.rebuild import rebuild_missing_tokens
+        from lcap.dataset.build.rebuild import rebuild_missing_tokens
 
         rebuilt = unrebuildable = 0
         for source in _source_rounds(store, round, groups):

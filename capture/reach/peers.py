@@ -1,6 +1,6 @@
 """Which processes a loopback TCP connection comes from.
 
-A JVM cannot present proxy credentials (`capture/jvm.py`), so each episode gives it a loopback port
+A JVM cannot present proxy credentials (`capture/reach/jvm.py`), so each episode gives it a loopback port
 of its own (`Front.listen_episode`). Any local process can reach a loopback port; this port serves
 only the agent's own processes (the child lcap started and its descendants), found through /proc:
 the connecting socket's inode in /proc/net/tcp, then which of those processes holds it. Linux only;

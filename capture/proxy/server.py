@@ -2,10 +2,10 @@
 
 `CaptureProxy` is used by `lcap proxy` (one child, one episode) and by collect (one proxy, many
 concurrent episodes told apart by the proxy URL's credentials). Agents connect to the front
-(capture/front.py), which serves plain HTTP/1.1 LLM calls itself and hands everything else to an
+(capture/proxy/front.py), which serves plain HTTP/1.1 LLM calls itself and hands everything else to an
 embedded mitmproxy on a loopback port. Only the mitmproxy addons lcap needs are loaded (proxy
 server, layer selection, TLS). With `--transparent`, each child runs in namespaces of its own whose
-every connection is redirected to the front (capture/netns.py), and its DNS answered by lcap.
+every connection is redirected to the front (capture/reach/netns.py), and its DNS answered by lcap.
 """
 
 from __future__ import annotations
@@ -27,24 +27,24 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from lcap.capture.addon import CaptureAddon
-from lcap.capture.announce import Announcer, command_line
-from lcap.capture.calls import Calls
-from lcap.capture.certs import LeafCerts, bounded_lru
-from lcap.capture.credentials import EpisodeKeys, ProxyRecord, remove_record
-from lcap.capture.destinations import Destinations, is_loopback_host
-from lcap.capture.dns import Names, Resolver
-from lcap.capture.front import Front
-from lcap.capture.jvm import java_proxy_options, java_tool_options, non_proxy_hosts, trust_store
-from lcap.capture.memory import MemoryTrimmer
-from lcap.capture.mitm_guards import FrontOnly, PrivateDestinations, install_body_limits, install_http1_guards
-from lcap.capture.netns import Namespaces, certs_mirror, missing
 from lcap.capture.options import ProxyOptions
-from lcap.capture.peers import from_tree
-from lcap.capture.policy_wire import has_endpoints
-from lcap.capture.routes import Router, parse_upstream
-from lcap.capture.stitching import Heads
-from lcap.capture.writer import TurnSink, TurnWriter, WriterReport
+from lcap.capture.proxy.addon import CaptureAddon
+from lcap.capture.proxy.announce import Announcer, command_line
+from lcap.capture.proxy.calls import Calls
+from lcap.capture.proxy.front import Front
+from lcap.capture.proxy.memory import MemoryTrimmer
+from lcap.capture.proxy.mitm_guards import FrontOnly, PrivateDestinations, install_body_limits, install_http1_guards
+from lcap.capture.reach.dns import Names, Resolver
+from lcap.capture.reach.jvm import java_proxy_options, java_tool_options, non_proxy_hosts, trust_store
+from lcap.capture.reach.netns import Namespaces, certs_mirror, missing
+from lcap.capture.reach.peers import from_tree
+from lcap.capture.routing.policy_wire import has_endpoints
+from lcap.capture.routing.routes import Router, parse_upstream
+from lcap.capture.routing.stitching import Heads
+from lcap.capture.storage.writer import TurnSink, TurnWriter, WriterReport
+from lcap.capture.trust.certs import LeafCerts, bounded_lru
+from lcap.capture.trust.credentials import EpisodeKeys, ProxyRecord, remove_record
+from lcap.capture.trust.destinations import Destinations, is_loopback_host
 from lcap.config import LcapError, lcap_home
 from lcap.policy import bearer
 from lcap.store import Store
@@ -345,7 +345,7 @@ class CaptureProxy:
             parse_upstream(upstream, None)
         except ValueError as exc:
             raise LcapError(f"bad --upstream: {exc}") from None
-        key = os.environ.get("LCAP_UPSTREAM_API_KEY")  # what calls to it carry (capture/calls.py)
+        key = os.environ.get("LCAP_UPSTREAM_API_KEY")  # what calls to it carry (capture/proxy/calls.py)
         models = probe_models(upstream, key=key)
         vllm = any(m.get("owned_by") == "vllm" for m in models)
         self.lcap_endpoints = vllm and has_endpoints(upstream, key=key)
@@ -391,7 +391,7 @@ class CaptureProxy:
         )
         install_body_limits(addon.body_limit)
         install_http1_guards()
-        opts.update(  # mitmproxy listens on loopback only: agents reach it through the front (capture/front.py)
+        opts.update(  # mitmproxy listens on loopback only: agents reach it through the front (capture/proxy/front.py)
             confdir=str(ca_dir()),
             listen_host="127.0.0.1",
             listen_port=0,
@@ -506,7 +506,7 @@ class CaptureProxy:
         """The full environment of a child whose LLM calls go through this proxy as `episode_id`. JVMs are pointed
         at `jvm_port` (an episode's own port: they cannot present credentials), else at the proxy's port. With
         `--transparent` no proxy is set: the child's namespace sends everything to lcap."""
-        from lcap.capture.node_preload import node_options, preload_env
+        from lcap.capture.reach.node_preload import node_options, preload_env
 
         env = dict(os.environ if base is None else base)
         if self.options.transparent:

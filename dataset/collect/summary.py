@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lcap.dataset.explain import NO_CALLS_FIX, NO_CALLS_FIX_TRANSPARENT
+from lcap.dataset.build.explain import NO_CALLS_FIX, NO_CALLS_FIX_TRANSPARENT
 from lcap.display import num
 from lcap.store import Store
 

@@ -13,7 +13,7 @@ good answer. A replica the record marks `draining` (a full checkpoint is replaci
 call. When no replica is left by the probes' verdicts, calls go to the whole set anyway: a stale
 verdict must not turn into a 503. When the record marks every replica draining (one replica alone
 restarting on a new checkpoint), the router is `holding`: the transports keep new calls until a
-replica serves again (capture/calls.py `Calls.hold`) instead of sending them to a server that is
+replica serves again (capture/proxy/calls.py `Calls.hold`) instead of sending them to a server that is
 going away.
 
 A call asks vLLM for the name its deployment is served under (the record's `served_as`: a full
@@ -57,7 +57,7 @@ class Route:
     deployment: str | None  # the policy deployment name stored on the turn
     replica: str | None = None  # the policy replica (r0, r1, ...) stored on the turn
     authorization: bytes | None = None  # the Authorization value the replica requires, if any
-    lcap: bool = False  # the server has lcap's policy endpoints (capture/policy_wire.py)
+    lcap: bool = False  # the server has lcap's policy endpoints (capture/routing/policy_wire.py)
 
     @functools.cached_property
     def url(self) -> str:

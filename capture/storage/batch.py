@@ -1,7 +1,7 @@
 """One batch of spooled records into the store, whatever the records hold.
 
 A record must never hold up the others, and none is dropped. Each record is read, built into a `turns`
-row (capture/turn.py) and the batch is inserted in one statement. When DuckDB or Arrow refuses the
+row (capture/turns/turn.py) and the batch is inserted in one statement. When DuckDB or Arrow refuses the
 batch, it is split in halves until the rows it refuses are alone; such a row is stored degraded (text
 that is not valid UTF-8 kept as `\\uXXXX` escapes) or, failing that, as a skeleton (the call's identity,
 timing and status, without its content), with its `degraded` column saying why. Every record not stored
@@ -22,8 +22,8 @@ from typing import Any
 import duckdb
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from lcap.capture.spool import Entry, unseal
-from lcap.capture.turn import PendingTurn, build_row, repair_text, skeleton_row
+from lcap.capture.storage.spool import Entry, unseal
+from lcap.capture.turns.turn import PendingTurn, build_row, repair_text, skeleton_row
 from lcap.config import LcapError
 from lcap.store import Store, now
 

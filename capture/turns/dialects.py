@@ -43,7 +43,7 @@ def looks_like_call(dialect: str, body: Any) -> bool:
 def thread_key(dialect: str, body: dict) -> tuple[int, int]:
     """(key, messages) of a call: which conversation it belongs to within its episode (a digest of what starts
     it: system prompt and first message, prompt-cache marks left out), and how many messages it carries.
-    Stitching offers a call the head its conversation left (capture/stitching.py)."""
+    Stitching offers a call the head its conversation left (capture/routing/stitching.py)."""
     items: list[Any]
     if dialect == RESPONSES:
         given = body.get("input")

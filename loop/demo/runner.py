@@ -1,7 +1,7 @@
 """`lcap demo`: the whole loop on a bundled agent, task set and verifier, on this machine.
 
-Two tasks (`--task`), each a module: `number` (loop/demo_task.py, a single-call agent) and `tools`
-(loop/demo_tools.py, a three-call tool agent whose calls are stitched and merged). Both share what follows.
+Two tasks (`--task`), each a module: `number` (loop/demo/number.py, a single-call agent) and `tools`
+(loop/demo/tools.py, a three-call tool agent whose calls are stitched and merged). Both share what follows.
 
 1. Make the tiny model (`init_model`) and warm-start it (the task's `warm_start`): it answers
    half the time in the verifier's format and often the wrong word, like a base model that knows
@@ -37,7 +37,7 @@ from lcap.loop.options import LoopOptions
 from lcap.serve.options import TinyModelOptions
 
 if TYPE_CHECKING:
-    from lcap.loop.demo_warm import Corpus
+    from lcap.loop.demo.warm import Corpus
 
 # The policy's size: small enough to warm-start and train on two CPU cores in seconds, large enough to learn the task.
 MODEL = TinyModelOptions(hidden_size=128, num_layers=2, num_heads=2)
@@ -92,7 +92,7 @@ class DemoSettings:
 @dataclass(frozen=True)
 class DemoTask:
     """What one demo task brings: the agent's command template, its train and held-out tasks (from the bundled word
-    list), the corpus its warm start learns from (lcap.loop.demo_warm: one trainer for every task), and its own
+    list), the corpus its warm start learns from (lcap.loop.demo.warm: one trainer for every task), and its own
     defaults for `DemoSettings`. The verifier (scripts/demo/verify.py) is shared."""
 
     name: str
@@ -112,7 +112,7 @@ class DemoTask:
     def warm_start(self, model_dir: Path, settings: DemoSettings) -> dict:
         """Make the model in `model_dir` this task's base model, in place; returns the warm start's report. With
         `warm_up`, its corpus is learnt first for `warm_up_steps` steps, then the task's own."""
-        from lcap.loop.demo_warm import warm_start
+        from lcap.loop.demo.warm import warm_start
 
         phases = [(self.warm_up, settings.warm_up_steps)] if self.warm_up and settings.warm_up_steps else []
         reports = [
@@ -132,7 +132,8 @@ class DemoTask:
 
 
 def demo_task(name: str) -> DemoTask:
-    from lcap.loop import demo_task, demo_tools
+    from lcap.loop.demo import number as demo_task
+    from lcap.loop.demo import tools as demo_tools
 
     tasks = {task.name: task for task in (demo_task.TASK, demo_tools.TASK)}
     if name not in tasks:
@@ -167,7 +168,7 @@ def run_demo(
     from transformers.utils.logging import disable_progress_bar
 
     from lcap.dataset.options import BuildOptions, CollectOptions
-    from lcap.loop.demo_task import write_jsonl
+    from lcap.loop.demo.number import write_jsonl
     from lcap.loop.rounds import LoopConfig, run_loop
     from lcap.policy import read_policy
     from lcap.serve.server import start_server, stop_server

@@ -16,7 +16,7 @@ bar, resume. What runs where:
   crosses nodes to be captured and TLS ends where the agent runs. `NodeProxies` holds them with the
   hand-off below: a collect's own, or the one `lcap loop --ray` keeps across its collects (the proxies then
   start once per node and loop, and take each deploy's record).
-* The proxy's turns go to an `Outbox` (capture/outbox.py), a spool on the node sealed with this run's
+* The proxy's turns go to an `Outbox` (capture/storage/outbox.py), a spool on the node sealed with this run's
   hand-off key, and the driver's ingest thread takes them in bounded batches, reseals them with this
   home's spool key and appends them to its own `TurnWriter`: the one store writer, with its row
   builder, degraded rows and dead letters. The hand-off is exactly-once by spool position: each take
@@ -53,12 +53,12 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from lcap.capture.options import ProxyOptions
-from lcap.capture.outbox import Outbox, Position, Taken
-from lcap.capture.routes import REFRESH_S
-from lcap.capture.spool import private_dir, reseal
-from lcap.capture.writer import TurnWriter
+from lcap.capture.routing.routes import REFRESH_S
+from lcap.capture.storage.outbox import Outbox, Position, Taken
+from lcap.capture.storage.spool import private_dir, reseal
+from lcap.capture.storage.writer import TurnWriter
 from lcap.config import LcapError, lcap_home
-from lcap.dataset.collect import (
+from lcap.dataset.collect.episodes import (
     EpisodeOutcome,
     EpisodeRules,
     EpisodeSpec,
@@ -133,7 +133,7 @@ class NodeProxy:
     def start(self) -> None:
         """Start the proxy (its CA, the upstream's probe, its port); every other call waits for it."""
         try:
-            from lcap.capture.server import CaptureProxy
+            from lcap.capture.proxy.server import CaptureProxy
 
             config = self.config
             root = private_dir(lcap_home() / SPOOL_DIR)

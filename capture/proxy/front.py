@@ -4,10 +4,10 @@ mitmproxy's per-call machinery (protocol layers, event dispatch, hook plumbing) 
 milliseconds per call on a small machine, more than a proxy in front of an LLM may add. The front
 serves the common case itself: an HTTP/1.1 POST to an LLM path with a Content-Length body, in the
 clear or inside a CONNECT tunnel whose TLS it terminates with lcap's CA. What happens to the call
-itself (attribution, rerouting, recording) is `Calls` (capture/calls.py), which the mitmproxy addon
+itself (attribution, rerouting, recording) is `Calls` (capture/proxy/calls.py), which the mitmproxy addon
 drives too, so capture has one implementation.
 
-Every request head is read here first, parsed by llhttp (capture/http1.py), checked against the
+Every request head is read here first, parsed by llhttp (capture/proxy/http1.py), checked against the
 limits (`ProxyOptions`) and the episode credentials; what fails gets lcap's answer (400, 407, 408,
 413, 431, 503) and nothing else. Any connection the front does not serve in full is then handed to
 the embedded mitmproxy together with the bytes read so far, and spliced there for the rest of its
@@ -33,13 +33,10 @@ import httptools
 from mitmproxy.proxy.layers.tls import parse_client_hello
 from mitmproxy.tls import ClientHello
 
-from lcap.capture import dialects
-from lcap.capture.calls import Call, Calls, Fields, HoldRefused, NoRoute, Unauthorized
-from lcap.capture.certs import LeafCerts
-from lcap.capture.connections import READ_SIZE, AgentReader, Expired, Plain, TlsServerSide, UpstreamPool, Watches
-from lcap.capture.destinations import Destinations, Forbidden
-from lcap.capture.dns import Names
-from lcap.capture.http1 import (
+from lcap.capture.options import ProxyOptions
+from lcap.capture.proxy.calls import Call, Calls, Fields, HoldRefused, NoRoute, Unauthorized
+from lcap.capture.proxy.connections import READ_SIZE, AgentReader, Expired, Plain, TlsServerSide, UpstreamPool, Watches
+from lcap.capture.proxy.http1 import (
     HEAD_END,
     PROXY_AUTHENTICATE,
     BadRequest,
@@ -48,9 +45,12 @@ from lcap.capture.http1 import (
     parse_request_head,
     refusal,
 )
-from lcap.capture.netns import original_destination
-from lcap.capture.options import ProxyOptions
-from lcap.capture.turn import agent_left
+from lcap.capture.reach.dns import Names
+from lcap.capture.reach.netns import original_destination
+from lcap.capture.trust.certs import LeafCerts
+from lcap.capture.trust.destinations import Destinations, Forbidden
+from lcap.capture.turns import dialects
+from lcap.capture.turns.turn import agent_left
 
 log = logging.getLogger("lcap.capture")
 

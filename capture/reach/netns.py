@@ -6,7 +6,7 @@ the namespaces, routes everything over `lo`, loads lcap's iptables rules there, 
 on the namespace's loopback (TCP, and UDP for DNS), binds lcap's trust bundle over the system CA
 paths, and sends the listeners to lcap over a socket pair. lcap serves them from its own event
 loop: the TCP one with the front (`Front.listen_episode`, which reads each connection's original
-destination with SO_ORIGINAL_DST), the UDP one with lcap's DNS (capture/dns.py). A listener lives
+destination with SO_ORIGINAL_DST), the UDP one with lcap's DNS (capture/reach/dns.py). A listener lives
 in one namespace only, so whatever arrives on it is that episode's: attribution needs no
 credentials and cannot be claimed from anywhere else.
 
@@ -39,13 +39,13 @@ from concurrent.futures import CancelledError
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lcap.capture.dns import NamespaceDns
-from lcap.capture.peers import tcp_table
+from lcap.capture.reach.dns import NamespaceDns
+from lcap.capture.reach.peers import tcp_table
 from lcap.config import LcapError
 
 if TYPE_CHECKING:
-    from lcap.capture.dns import Resolver
-    from lcap.capture.front import Front
+    from lcap.capture.proxy.front import Front
+    from lcap.capture.reach.dns import Resolver
 
 log = logging.getLogger("lcap.capture")
 

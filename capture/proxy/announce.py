@@ -1,4 +1,4 @@
-"""A running proxy announces itself: its record in `LCAP_HOME/proxies/` (capture/credentials.py) carries its
+"""A running proxy announces itself: its record in `LCAP_HOME/proxies/` (capture/trust/credentials.py) carries its
 counters, rewritten at most once a second and only while they change, so `lcap status` can show what runs on
 this machine without a network endpoint. An idle proxy writes nothing."""
 
@@ -14,8 +14,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from lcap.capture.credentials import ProxyRecord, write_record
-from lcap.capture.redact import redact_text
+from lcap.capture.trust.credentials import ProxyRecord, write_record
+from lcap.capture.trust.redact import redact_text
 
 log = logging.getLogger("lcap.capture")
 

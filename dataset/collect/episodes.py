@@ -33,11 +33,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lcap.capture.options import ProxyOptions
-from lcap.capture.redact import redact_text
+from lcap.capture.trust.redact import redact_text
 from lcap.config import LcapError
-from lcap.dataset.options import CollectOptions
-from lcap.dataset.summary import CollectSummary, summarize
-from lcap.dataset.verifiers import (
+from lcap.dataset.collect.summary import CollectSummary, summarize
+from lcap.dataset.collect.verifiers import (
     Verifier,
     VerifierContext,
     VerifierError,
@@ -46,13 +45,14 @@ from lcap.dataset.verifiers import (
     resolve_argv,
     tampered_files,
 )
+from lcap.dataset.options import CollectOptions
 from lcap.display import printable
 from lcap.processes import kill_group, run_child
 from lcap.store import Store, now
 
 if TYPE_CHECKING:
-    from lcap.capture.server import Child
-    from lcap.dataset.ray_collect import NodeProxies
+    from lcap.capture.proxy.server import Child
+    from lcap.dataset.collect.on_ray import NodeProxies
 
 log = logging.getLogger("lcap.dataset")
 
@@ -259,7 +259,7 @@ def collect(
         tally = Tally(result)
         show = sys.stderr.isatty() if progress is None else progress
         if options.ray is not None:
-            from lcap.dataset.ray_collect import RayPool
+            from lcap.dataset.collect.on_ray import RayPool
 
             RayPool(store, plan.rules, tasks.parent.resolve(), options, proxy_options, tally, node_proxies).run_all(
                 todo, progress=show
@@ -281,7 +281,7 @@ def _run_local(
     show: bool,
 ) -> None:
     """The local pool: one capture proxy in this process, `--concurrency` episodes at a time on threads."""
-    from lcap.capture.server import CaptureProxy
+    from lcap.capture.proxy.server import CaptureProxy
 
     proxy = CaptureProxy(store, proxy_options)
     proxy.start()
@@ -622,7 +622,7 @@ class EpisodePool:
     def __init__(
         self, store: Store, options: CollectOptions, proxy_options: ProxyOptions | None, concurrency: int
     ) -> None:
-        from lcap.capture.server import CaptureProxy
+        from lcap.capture.proxy.server import CaptureProxy
 
         self.store, self.concurrency = store, concurrency
         self.proxy = CaptureProxy(store, collect_proxy_options(options, proxy_options))

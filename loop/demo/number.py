@@ -21,8 +21,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from lcap.loop.demo import DemoSettings, DemoTask, demo_dir
-from lcap.loop.demo_warm import Corpus, Example, answer_weights
+from lcap.loop.demo.runner import DemoSettings, DemoTask, demo_dir
+from lcap.loop.demo.warm import Corpus, Example, answer_weights
 
 QUESTION = "Which is a number: {a} {b} {c}"
 # The verifier parses the first format; the warm start uses it `p_format` of the time, the others

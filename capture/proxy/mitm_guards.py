@@ -4,7 +4,7 @@
   to it (told apart by their local port, registered before they connect); anything else that
   connects there is cut off before a byte is read, so the port is no way around the front's checks.
 - `PrivateDestinations`: while the proxy is exposed, server connections go only to checked public
-  addresses (`capture/destinations.py`), pinned so that the address checked is the one connected to.
+  addresses (`capture/trust/destinations.py`), pinned so that the address checked is the one connected to.
 - `install_body_limits`: mitmproxy holds LLM requests, and the answers lcap records whole, in memory;
   these are bounded by `--max-body-bytes` like on the front (413 for a request, 502 for an answer),
   early by their Content-Length or as soon as a chunked body passes the limit. mitmproxy's own
@@ -27,8 +27,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from lcap.capture.destinations import Destinations, Forbidden
-from lcap.capture.routes import Router
+from lcap.capture.routing.routes import Router
+from lcap.capture.trust.destinations import Destinations, Forbidden
 
 log = logging.getLogger("lcap.capture")
 

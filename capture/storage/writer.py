@@ -1,8 +1,8 @@
 """The writer process: finished turns leave the proxy's process at once.
 
-The proxy's hooks append each finished call to a spool (capture/spool.py) and go on. A separate
-process, `python -I -m lcap.capture.writer`, reads the spool, builds the rows (JSON, SSE reassembly,
-redaction) and appends them to DuckDB in batches, one open per batch (capture/batch.py: a record the
+The proxy's hooks append each finished call to a spool (capture/storage/spool.py) and go on. A separate
+process, `python -I -m lcap.capture.storage.writer`, reads the spool, builds the rows (JSON, SSE reassembly,
+redaction) and appends them to DuckDB in batches, one open per batch (capture/storage/batch.py: a record the
 store refuses is stored degraded or as a dead letter, never holding up the rest). None of that work
 competes with the proxy's event loop for the GIL, so the agent does not wait for capture.
 
@@ -34,9 +34,9 @@ from typing import IO, Protocol
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from lcap.capture.batch import Outcome, StoreUnavailable, store_entries
-from lcap.capture.spool import Entry, Progress, SpoolAppender, SpoolReader, private_dir, spool_key, spool_store
-from lcap.capture.turn import PendingTurn
+from lcap.capture.storage.batch import Outcome, StoreUnavailable, store_entries
+from lcap.capture.storage.spool import Entry, Progress, SpoolAppender, SpoolReader, private_dir, spool_key, spool_store
+from lcap.capture.turns.turn import PendingTurn
 from lcap.config import lcap_home
 from lcap.processes import python_helper
 from lcap.store import Store
@@ -83,7 +83,7 @@ class WriterReport:
 
 class TurnSink(Protocol):
     """Where a capture proxy hands its finished turns: a `TurnWriter` (the store, through a writer process) or,
-    on a Ray node, an `Outbox` (capture/outbox.py) that the driver empties into its own writer."""
+    on a Ray node, an `Outbox` (capture/storage/outbox.py) that the driver empties into its own writer."""
 
     def start(self) -> None: ...
 
@@ -153,7 +153,7 @@ class TurnWriter:
         argv = python_helper(
             sys.executable,
             "-m",
-            "lcap.capture.writer",
+            "lcap.capture.storage.writer",
             str(self._spool.directory),
             str(self.store.path),
             "--interval",
@@ -471,7 +471,9 @@ def run(directory: Path, store: Store, interval: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lcap.capture.writer", description="lcap's turn writer process")
+    parser = argparse.ArgumentParser(
+        prog="python -m lcap.capture.storage.writer", description="lcap's turn writer process"
+    )
     parser.add_argument("spool", type=Path)
     parser.add_argument("db", type=Path)
     parser.add_argument("--interval", type=float, default=0.25)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from lcap.capture.routes import parse_upstream
+from lcap.capture.routing.routes import parse_upstream
 from lcap.policy import bearer
 
 PREFIX = "/lcap"

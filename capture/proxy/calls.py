@@ -1,7 +1,7 @@
 """What lcap does with one LLM call, whichever listener carried it: attribute, reroute, record, finish.
 
-Two transports drive these methods: the front's short path (capture/front.py) and the mitmproxy
-addon (capture/addon.py) for everything the front hands over. Both speak in plain values (header
+Two transports drive these methods: the front's short path (capture/proxy/front.py) and the mitmproxy
+addon (capture/proxy/addon.py) for everything the front hands over. Both speak in plain values (header
 fields as byte pairs, bodies as bytes), so capture has one implementation. Everything here is
 cheap: raw bytes and timings go on a `PendingTurn`, and the writer process does the parsing.
 """
@@ -19,13 +19,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from lcap.capture import dialects, policy_wire
-from lcap.capture.credentials import EpisodeKeys
-from lcap.capture.redact import CREDENTIAL_HEADERS
-from lcap.capture.routes import Route, Router
-from lcap.capture.stitching import Head, Heads
-from lcap.capture.turn import PendingTurn
-from lcap.capture.writer import TurnSink
+from lcap.capture.routing import policy_wire
+from lcap.capture.routing.routes import Route, Router
+from lcap.capture.routing.stitching import Head, Heads
+from lcap.capture.storage.writer import TurnSink
+from lcap.capture.trust.credentials import EpisodeKeys
+from lcap.capture.trust.redact import CREDENTIAL_HEADERS
+from lcap.capture.turns import dialects
+from lcap.capture.turns.turn import PendingTurn
 
 log = logging.getLogger("lcap.capture")
 

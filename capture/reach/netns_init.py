@@ -1,6 +1,6 @@
 """The first moments of a `--transparent` agent: new namespaces, set up, then the agent itself (exec, same pid).
 
-lcap starts `python -I -S netns_init.py FD -- AGENT...` (capture/netns.py); this file imports only the
+lcap starts `python -I -S netns_init.py FD -- AGENT...` (capture/reach/netns.py); this file imports only the
 standard library, so it starts fast and reads nothing the agent's working directory holds. It reads
 its set-up from the socket FD, then:
 

@@ -2,9 +2,9 @@
 
 DuckDB admits one writing process per file, so the proxies that `lcap collect --ray` runs on the
 cluster's nodes have no store: each hands its turns to an `Outbox` instead of a `TurnWriter`. The
-outbox appends them to a spool on the node (capture/spool.py: length-prefixed records, sealed with
+outbox appends them to a spool on the node (capture/storage/spool.py: length-prefixed records, sealed with
 the collect run's hand-off key, never in plain text on the node's disk), and the driver takes them
-in bounded batches and appends them to its own writer's spool (dataset/ray_collect.py).
+in bounded batches and appends them to its own writer's spool (dataset/collect/on_ray.py).
 
 The hand-off is exactly-once by position: the driver asks for the records after the spool position
 it has appended up to (`take(after=...)`), which also acknowledges everything before it. Segments
@@ -23,9 +23,9 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from lcap.capture.spool import SpoolAppender, SpoolReader
-from lcap.capture.turn import PendingTurn
-from lcap.capture.writer import WriterReport
+from lcap.capture.storage.spool import SpoolAppender, SpoolReader
+from lcap.capture.storage.writer import WriterReport
+from lcap.capture.turns.turn import PendingTurn
 
 Position = tuple[int, int]  # (segment, offset) in the spool
 

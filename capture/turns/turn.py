@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
-from lcap.capture import dialects
-from lcap.capture.redact import redact_json, redact_keys, redact_path, redact_text
+from lcap.capture.trust.redact import redact_json, redact_keys, redact_path, redact_text
+from lcap.capture.turns import dialects
 
 log = logging.getLogger("lcap.capture")
 
@@ -117,7 +117,7 @@ class PendingTurn:
         self.added: dialects.Added | None = None
         self.events: list[Any] | None = None  # WebSocket: decoded server events
         self.done = False
-        # lcap's policy endpoints (capture/policy_wire.py): served there, the parts they answered with, the head
+        # lcap's policy endpoints (capture/routing/policy_wire.py): served there, the parts they answered with, the head
         # the call was offered (its turn and thread) and the conversation it belongs to (key, messages)
         self.policy = False
         self.lcap_record: bytes | None = None

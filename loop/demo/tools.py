@@ -56,10 +56,10 @@ from pathlib import Path
 from types import ModuleType
 
 from lcap.config import LcapError
-from lcap.loop.demo import DemoSettings, DemoTask
-from lcap.loop.demo_task import FORMATS, make_tasks, make_triple
-from lcap.loop.demo_task import demo_corpus as number_corpus
-from lcap.loop.demo_warm import Corpus, Example, answer_weights
+from lcap.loop.demo.number import FORMATS, make_tasks, make_triple
+from lcap.loop.demo.number import demo_corpus as number_corpus
+from lcap.loop.demo.runner import DemoSettings, DemoTask
+from lcap.loop.demo.warm import Corpus, Example, answer_weights
 
 QUESTION = "Which word is a number?"  # names none of the words, nor the key the tool knows
 KEY = "words"  # what the tool knows: the query that finds the task's words (in no question, no word list)
