@@ -24,8 +24,9 @@ from pathlib import Path
 import pytest
 from fixtures_capture import AGENTS, LCAP, SECRET, agent, open_files, run_lcap, turns
 
+from lcap.capture.proxy.connections import original_destination
 from lcap.capture.reach import netns
-from lcap.capture.reach.dns import STAND_IN, Names, NamespaceDns, Resolver
+from lcap.capture.reach.dns import NamespaceDns, Resolver
 from lcap.capture.reach.jvm import (
     java_proxy_options,
     java_tool_options,
@@ -33,6 +34,7 @@ from lcap.capture.reach.jvm import (
     pkcs12_trust_store,
     trust_store,
 )
+from lcap.capture.reach.names import STAND_IN, Names
 
 TEXT = "Hello from the upstream."
 INIT = str(Path(netns.__file__).with_name("netns_init.py"))
@@ -553,7 +555,7 @@ def test_rootless_namespace(transparent_ok):
     listener = socket.socket(fileno=fds[0])
     listener.settimeout(60)
     conn, _ = listener.accept()
-    assert netns.original_destination(conn) == ("203.0.113.7", 443)
+    assert original_destination(conn) == ("203.0.113.7", 443)
     conn.sendall(b"redirected")
     out, err = child.communicate(timeout=60)
     assert child.returncode == 0, err

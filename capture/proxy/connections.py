@@ -1,5 +1,6 @@
 """Connections as the front uses them: the agent's side (which says at once when the agent leaves), TLS done
-in memory, kept-alive upstream connections, and the deadline of whatever a connection waits for.
+in memory, kept-alive upstream connections, the deadline of whatever a connection waits for, and where a
+connection a namespace redirected (`--transparent`) was going.
 
 Deadlines. Every wait of the front has one (a head, a body, an upstream connecting, answering, pausing
 mid-stream, an agent not reading). `asyncio.timeout` would schedule and cancel a loop timer for each of
@@ -11,15 +12,19 @@ cancelling the task of one that ran out, which `Watch.within` turns into `Expire
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
+import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 READ_SIZE = 65536
 POOL_IDLE = 256  # idle upstream connections kept, over all upstreams
 POOL_AGE = 60.0  # seconds an idle upstream connection is kept
 TICK = 0.25  # seconds between two looks at the deadlines
+SO_ORIGINAL_DST = 80
 
 
 class Expired(Exception):
@@ -292,3 +297,13 @@ class UpstreamPool:
 def _buffered(reader: asyncio.StreamReader) -> int:
     """Bytes an idle upstream connection has received and nobody read: it is out of step, never reused."""
     return len(getattr(reader, "_buffer", b""))
+
+
+def original_destination(sock: Any) -> tuple[str, int] | None:
+    """Where a redirected connection was going (IPv4 SO_ORIGINAL_DST); None when it was not redirected."""
+    try:
+        raw = sock.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
+    except (OSError, AttributeError):
+        return None
+    port, packed = struct.unpack_from("!2xH4s", raw)
+    return socket.inet_ntoa(packed), port

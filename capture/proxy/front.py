@@ -35,7 +35,16 @@ from mitmproxy.tls import ClientHello
 
 from lcap.capture.options import ProxyOptions
 from lcap.capture.proxy.calls import Call, Calls, Fields, HoldRefused, NoRoute, Unauthorized
-from lcap.capture.proxy.connections import READ_SIZE, AgentReader, Expired, Plain, TlsServerSide, UpstreamPool, Watches
+from lcap.capture.proxy.connections import (
+    READ_SIZE,
+    AgentReader,
+    Expired,
+    Plain,
+    TlsServerSide,
+    UpstreamPool,
+    Watches,
+    original_destination,
+)
 from lcap.capture.proxy.http1 import (
     HEAD_END,
     PROXY_AUTHENTICATE,
@@ -45,8 +54,7 @@ from lcap.capture.proxy.http1 import (
     parse_request_head,
     refusal,
 )
-from lcap.capture.reach.dns import Names
-from lcap.capture.reach.netns import original_destination
+from lcap.capture.reach.names import Names
 from lcap.capture.trust.certs import LeafCerts
 from lcap.capture.trust.destinations import Destinations, Forbidden
 from lcap.capture.turns import dialects

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import CancelledError
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lcap.capture.options import ProxyOptions
 from lcap.capture.proxy.addon import CaptureAddon
@@ -34,9 +34,9 @@ from lcap.capture.proxy.calls import Calls
 from lcap.capture.proxy.front import Front
 from lcap.capture.proxy.memory import MemoryTrimmer
 from lcap.capture.proxy.mitm_guards import FrontOnly, PrivateDestinations, install_body_limits, install_http1_guards
-from lcap.capture.reach.dns import Names, Resolver
 from lcap.capture.reach.jvm import java_proxy_options, java_tool_options, non_proxy_hosts, trust_store
-from lcap.capture.reach.netns import Namespaces, certs_mirror, missing
+from lcap.capture.reach.names import Names
+from lcap.capture.reach.node_preload import node_options, preload_env
 from lcap.capture.reach.peers import from_tree
 from lcap.capture.routing.policy_wire import has_endpoints
 from lcap.capture.routing.routes import Router, parse_upstream
@@ -48,6 +48,9 @@ from lcap.capture.trust.destinations import Destinations, is_loopback_host
 from lcap.config import LcapError, lcap_home
 from lcap.policy import bearer
 from lcap.store import Store
+
+if TYPE_CHECKING:
+    from lcap.capture.reach.netns import Namespaces
 
 log = logging.getLogger("lcap.capture")
 
@@ -241,8 +244,11 @@ class CaptureProxy:
         """Check the CA, the upstream and the port, then listen. Returns once the proxy accepts connections."""
         if self.exposed and not self.require_credentials:
             raise LcapError(f"--host {self.options.host} is reachable from the network: --anonymous is refused there")
-        if self.options.transparent and (lacking := missing()):
-            raise LcapError(f"--transparent needs {lacking}; the default mode (without --transparent) still works")
+        if self.options.transparent:
+            from lcap.capture.reach.netns import missing  # transparent mode only
+
+            if lacking := missing():
+                raise LcapError(f"--transparent needs {lacking}; the default mode (without --transparent) still works")
         self._bundle = ca_bundle()
         self._java_store = trust_store(self._bundle, ca_dir())
         self.token_ids = self._resolve_token_ids()
@@ -310,6 +316,9 @@ class CaptureProxy:
             )
 
     def _start_namespaces(self) -> None:
+        from lcap.capture.reach.dns import Resolver  # transparent mode only
+        from lcap.capture.reach.netns import Namespaces, certs_mirror
+
         assert self.front is not None and self.loop is not None and self._bundle and self._java_store
         resolver = Resolver(self.names, stand_ins=lambda: self.options.upstream is not None)
         mirror = certs_mirror(ca_dir() / "trust", self._bundle, self._java_store, ensure_ca())
@@ -506,8 +515,6 @@ class CaptureProxy:
         """The full environment of a child whose LLM calls go through this proxy as `episode_id`. JVMs are pointed
         at `jvm_port` (an episode's own port: they cannot present credentials), else at the proxy's port. With
         `--transparent` no proxy is set: the child's namespace sends everything to lcap."""
-        from lcap.capture.reach.node_preload import node_options, preload_env
-
         env = dict(os.environ if base is None else base)
         if self.options.transparent:
             for name in PROXY_VARS:

@@ -4,7 +4,7 @@ A (IPv4) questions are resolved through the host's own resolver (`getaddrinfo`, 
 nsswitch and the host's nameservers all count). When the host cannot resolve a name and calls are
 rerouted (`--upstream`), the name gets a stand-in address from 198.18.0.0/15 (a range reserved for
 benchmarks, never routed on the internet): a connection to it reaches lcap like any other, which
-knows the name again (`Names`), so an LLM call to a host this machine cannot resolve still reaches
+knows the name again (`Names`, capture/reach/names.py), so an LLM call to a host this machine cannot resolve still reaches
 the upstream (offline machines, private API names). AAAA questions get an empty answer: inside the
 namespace only IPv4 is routed. Other record types (SRV, TXT, MX, ...) are relayed to the host's
 nameservers as they are.
@@ -16,7 +16,6 @@ Bounded: names remembered (`MAX_NAMES`, least recently used go), questions in fl
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import socket
 import struct
@@ -24,10 +23,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+from lcap.capture.reach.names import MAX_NAMES, Names
+
 log = logging.getLogger("lcap.capture")
 
-STAND_IN = ipaddress.ip_network("198.18.0.0/15")
-MAX_NAMES = 65536
 MAX_IN_FLIGHT = 64
 RESOLVE_TIMEOUT = 5.0
 TTL = 30  # seconds a client may keep an answer
@@ -36,44 +35,6 @@ CACHE_SECONDS = 30.0
 QTYPE_A, QTYPE_AAAA = 1, 28
 NOERROR, FORMERR, SERVFAIL, NXDOMAIN, NOTIMP = 0, 1, 2, 3, 4
 _NO_SUCH_NAME = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
-
-
-class Names:
-    """The names lcap answered for addresses, and the stand-in addresses of names the host cannot resolve."""
-
-    def __init__(self, max_names: int = MAX_NAMES) -> None:
-        self.max_names = max_names
-        self._by_address: OrderedDict[str, str] = OrderedDict()
-        self._stand_ins: OrderedDict[str, str] = OrderedDict()  # name -> address
-        self._next = 1
-
-    def name_of(self, address: str) -> str | None:
-        return self._by_address.get(address)
-
-    def is_stand_in(self, address: str) -> bool:
-        try:
-            return ipaddress.ip_address(address) in STAND_IN
-        except ValueError:
-            return False
-
-    def remember(self, name: str, address: str) -> None:
-        self._by_address[address] = name
-        self._by_address.move_to_end(address)
-        if len(self._by_address) > self.max_names:
-            self._by_address.popitem(last=False)
-
-    def stand_in(self, name: str) -> str:
-        address = self._stand_ins.get(name)
-        if address is None:
-            if len(self._stand_ins) >= self.max_names:
-                _, address = self._stand_ins.popitem(last=False)  # the oldest name gives its address up
-            else:
-                address = str(STAND_IN[self._next])
-                self._next += 1
-            self._stand_ins[name] = address
-        self._stand_ins.move_to_end(name)
-        self.remember(name, address)
-        return address
 
 
 class Resolver:

@@ -6,9 +6,10 @@ the namespaces, routes everything over `lo`, loads lcap's iptables rules there, 
 on the namespace's loopback (TCP, and UDP for DNS), binds lcap's trust bundle over the system CA
 paths, and sends the listeners to lcap over a socket pair. lcap serves them from its own event
 loop: the TCP one with the front (`Front.listen_episode`, which reads each connection's original
-destination with SO_ORIGINAL_DST), the UDP one with lcap's DNS (capture/reach/dns.py). A listener lives
-in one namespace only, so whatever arrives on it is that episode's: attribution needs no
-credentials and cannot be claimed from anywhere else.
+destination with SO_ORIGINAL_DST: `original_destination` in capture/proxy/connections.py), the UDP
+one with lcap's DNS (capture/reach/dns.py). A listener lives in one namespace only, so whatever
+arrives on it is that episode's: attribution needs no credentials and cannot be claimed from
+anywhere else.
 
 What the rules do inside (nothing is set on the host): DNS queries go to lcap; TCP to the host's
 loopback ports that were listening when the episode started goes to lcap, which passes it to the
@@ -31,7 +32,6 @@ import logging
 import os
 import shutil
 import socket
-import struct
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -50,7 +50,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("lcap.capture")
 
 INIT = Path(__file__).with_name("netns_init.py")
-SO_ORIGINAL_DST = 80
 SBIN = ("/usr/local/sbin", "/usr/sbin", "/sbin")
 RESTORE_PROGRAMS = ("iptables-restore", "iptables-nft-restore", "iptables-legacy-restore")
 START_TIMEOUT = 30.0  # seconds an agent's namespace may take to hand its listeners over
@@ -76,16 +75,6 @@ JVM_STORES = (
     "/etc/pki/java/cacerts",
 )
 JVM_HOMES = ("/usr/lib/jvm/*", "/usr/java/*", "/opt/java/*", "/usr/local/openjdk-*", "/opt/java/openjdk")
-
-
-def original_destination(sock: Any) -> tuple[str, int] | None:
-    """Where a redirected connection was going (IPv4 SO_ORIGINAL_DST); None when it was not redirected."""
-    try:
-        raw = sock.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
-    except (OSError, AttributeError):
-        return None
-    port, packed = struct.unpack_from("!2xH4s", raw)
-    return socket.inet_ntoa(packed), port
 
 
 # --- what the machine offers -----------------------------------------------------------------------------
