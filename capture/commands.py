@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import uuid
 from typing import Annotated
 
 import typer
 
 from lcap.capture.options import ProxyOptions
 from lcap.cli_options import DbOption, one_line_errors, parse_labels, with_options
+from lcap.config import LcapError
 
 
 def register(app: typer.Typer) -> None:
@@ -31,8 +34,7 @@ def register(app: typer.Typer) -> None:
         `lcap proxy -- python agent.py` makes one episode. `--serve` runs for many agents: each gets its
         episode's proxy URL from `lcap episode new` (http://EPISODE:SECRET@127.0.0.1:PORT).
         """
-        from lcap.capture.run import run_proxy, serve_proxy
-        from lcap.config import LcapError
+        from lcap.capture.run import run_proxy, serve_proxy  # start-up: mitmproxy
 
         if serve:
             if command:
@@ -67,11 +69,8 @@ def register(app: typer.Typer) -> None:
         """Start an episode on a running proxy and print its proxy URL: HTTPS_PROXY=$(lcap episode new ...).
 
         The URL carries the episode's secret; only calls that present it are written into the episode."""
-        import json
-        import uuid
-
-        from lcap.capture.trust.credentials import find_proxy
-        from lcap.store import Store
+        from lcap.capture.trust.credentials import find_proxy  # start-up: hashlib's OpenSSL
+        from lcap.store import Store  # start-up: duckdb
 
         record = find_proxy(port)
         episode_id = episode or str(uuid.uuid4())
@@ -87,6 +86,6 @@ def register(app: typer.Typer) -> None:
     @one_line_errors
     def ca() -> None:
         """Print the path of lcap's CA certificate (made on first use), to trust it by hand."""
-        from lcap.capture.proxy.server import ensure_ca
+        from lcap.capture.proxy.server import ensure_ca  # start-up: mitmproxy
 
         typer.echo(str(ensure_ca()))

@@ -24,12 +24,29 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from lcap.capture.proxy.server import CA_BASENAME, PROXY_VARS, ca_bundle, ca_dir, ca_files, ensure_ca, trust_env
+import httpx
+from cryptography import x509
+
+from lcap.capture.options import ProxyOptions
+from lcap.capture.proxy.server import (
+    CA_BASENAME,
+    PROXY_VARS,
+    CaptureProxy,
+    ca_bundle,
+    ca_dir,
+    ca_files,
+    ensure_ca,
+    trust_env,
+)
 from lcap.capture.reach.jvm import TRUST_STORE
+from lcap.capture.reach.node_preload import PACKAGES, PRELOAD, installed_version, node_dir, node_options, preload_env
+from lcap.capture.storage.spool import KEY_NAME, backlogs
+from lcap.capture.trust.certs import LeafCerts
 from lcap.config import LcapError, lcap_home
 from lcap.doctor import Context, Result, check
 from lcap.policy import bearer
 from lcap.processes import alive, python_helper
+from lcap.store import Store
 
 CLIENT_TIMEOUT = 30.0  # seconds a client gets to fetch one page from the local TLS server
 BACKLOG_RECORDS = 10_000  # a live proxy's writer this many turns behind is stuck, not busy
@@ -43,8 +60,6 @@ MIN_FREE_BYTES = 1 << 30  # free space the spool's disk needs
 @check("ca", section="capture", required=True)
 def ca(ctx: Context) -> Result:
     """The CA exists (made now when missing, as any lcap proxy would), is a CA and is not expired."""
-    from cryptography import x509
-
     cert, key = ca_files()
     made = not (cert.exists() and key.exists())
     if made:
@@ -106,8 +121,6 @@ def ca_key(ctx: Context) -> Result:
 @check("ca.bundle", section="capture", required=True, needs=("ca",))
 def ca_bundle_check(ctx: Context) -> Result:
     """The bundle children get (system roots + lcap's CA) holds readable certificates, lcap's CA among them."""
-    from cryptography import x509
-
     cert, _ = ca_files()
     try:
         bundle = ca_bundle(cert)  # what the next proxy gives its children (written again if stale)
@@ -167,8 +180,6 @@ class _QuietServer(ThreadingHTTPServer):
 @contextmanager
 def _tls_server() -> Iterator[str]:
     """A local HTTPS server on 127.0.0.1 whose certificate lcap's CA signed; yields its URL."""
-    from lcap.capture.trust.certs import LeafCerts
-
     context = LeafCerts(ca_dir(), CA_BASENAME, 4).context("127.0.0.1")
     server = _QuietServer(("127.0.0.1", 0), _Page)
     server.socket = context.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
@@ -364,15 +375,6 @@ _PRELOAD_PROBE = (
 @check("node.preload", section="capture", required=True)
 def node_preload(ctx: Context) -> Result:
     """The preload's npm packages are installed at their pinned versions, and the preload routes Node's fetch."""
-    from lcap.capture.reach.node_preload import (
-        PACKAGES,
-        PRELOAD,
-        installed_version,
-        node_dir,
-        node_options,
-        preload_env,
-    )
-
     node = shutil.which("node")
     if node is None:
         return Result.skip("no node on PATH (Node agents are not used here)")
@@ -404,8 +406,6 @@ def _spool_root() -> Path:
 
 @check("spool.key", section="capture", required=True)
 def spool_key_check(ctx: Context) -> Result:
-    from lcap.capture.storage.spool import KEY_NAME
-
     path = _spool_root() / KEY_NAME
     if not path.exists():
         return Result.skip(f"no spool key yet ({path} is made by the first proxy)")
@@ -426,8 +426,6 @@ def spool_key_check(ctx: Context) -> Result:
 def spool_backlog(ctx: Context) -> Result:
     """Turns waiting in spools: a proxy that died leaves them for the next proxy on its store; a live proxy whose
     writer falls far behind has a store it cannot write; and the spool's disk must have room."""
-    from lcap.capture.storage.spool import backlogs
-
     root = _spool_root()
     spools = backlogs(root)
     problems, fixes = [], []
@@ -557,12 +555,6 @@ def _stand_in() -> Iterator[str]:
 def roundtrip(ctx: Context) -> Result:
     """A chat call to https://api.openai.com through a throwaway proxy (TLS with lcap's CA, episode credentials)
     to a local stand-in, then its turn read back from a scratch store: the whole capture path, writer included."""
-    import httpx
-
-    from lcap.capture.options import ProxyOptions
-    from lcap.capture.proxy.server import CaptureProxy
-    from lcap.store import Store
-
     cert, _ = ca_files()
     started = time.perf_counter()
     with _stand_in() as upstream:

@@ -3,19 +3,24 @@
 
 from __future__ import annotations
 
+import importlib
+import json
 import logging
 import sys
+import time
 from typing import Annotated
 
 import typer
 
 from lcap.capture.commands import register as register_capture
+from lcap.capture.reach.node_preload import install_node_preload
 from lcap.cli_options import DbOption, one_line_errors
-from lcap.config import LcapError
+from lcap.config import LcapError, lcap_home
 from lcap.dataset.commands import register as register_dataset
 from lcap.loop.commands import register as register_loop
 from lcap.serve.commands import register as register_serve
-from lcap.sql_output import DEFAULT_MAX_WIDTH
+from lcap.serve.vllm_env import ensure_vllm_env
+from lcap.sql_output import DEFAULT_MAX_WIDTH, render
 from lcap.train.commands import register as register_train
 from lcap.ui.commands import register as register_ui
 
@@ -48,9 +53,9 @@ def sql(
     """Run SQL on the store, even while a proxy is writing to it: read-only unless --write, and never the file
     system (no COPY TO, no reading other files, no ATTACH, no extensions). The table format rounds floats and cuts
     long values for reading; csv and json print every value exactly."""
+    # start-up: duckdb, here and in the store
     import duckdb
 
-    from lcap.sql_output import render
     from lcap.store import Store
 
     if format not in ("table", "csv", "json"):
@@ -72,9 +77,6 @@ def setup(
     parts: Annotated[list[str] | None, typer.Argument(help="What to set up: node, vllm (default: both).")] = None,
 ) -> None:
     """Install what lcap runs beside itself: the Node proxy preload and vLLM's own venv. Idempotent."""
-    from lcap.capture.reach.node_preload import install_node_preload
-    from lcap.serve.vllm_env import ensure_vllm_env
-
     steps = {"node": install_node_preload, "vllm": ensure_vllm_env}
     for part in parts or list(steps):
         if part not in steps:
@@ -100,13 +102,10 @@ def doctor(
     """Check what lcap needs on this machine, each with a fix: its CA and whether Python, curl, Node and Java trust
     it, the Node preload, vLLM and the policy server, the store and the spool, optional parts, and a live call
     through a throwaway proxy. Exit code 0 only when every required check passes."""
-    import importlib
-    import json
-
+    # start-up: rich, here and in the registry
     from rich.console import Console
 
     from lcap import doctor as registry
-    from lcap.config import lcap_home
 
     for module in DOCTOR_CHECKS:
         importlib.import_module(module)
@@ -152,10 +151,7 @@ def status(
 ) -> None:
     """What runs on this machine for this LCAP_HOME: proxies (episodes, calls in flight, turns), turn writers and
     what waits in their spools, the policy server and its current deployment, the store, the last loop step."""
-    import importlib
-    import json
-    import time
-
+    # start-up: rich, here and in the registry
     from rich.console import Console
     from rich.live import Live
 

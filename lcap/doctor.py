@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from rich.text import Text
+
 Status = Literal["ok", "warn", "fail", "skip"]
 
 
@@ -210,8 +212,6 @@ _MARKS = {"ok": ("ok", "green"), "warn": ("warn", "yellow"), "fail": ("FAIL", "b
 def line(item: Check, result: Result) -> Any:
     """One check as rich Text: its mark, name, what it found and, below, the fix. Text, never markup: summaries
     quote paths, server answers and error messages."""
-    from rich.text import Text
-
     word, style = _MARKS[result.status]
     if result.status == "fail" and not item.required:
         word, style = "fail", "yellow"

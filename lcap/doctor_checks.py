@@ -10,6 +10,7 @@ from typing import Any
 from lcap.config import LcapError
 from lcap.doctor import Context, Result, check
 from lcap.schema import SCHEMA_VERSION
+from lcap.store import Store
 
 STORE_TIMEOUT = 5.0  # seconds the doctor waits for a store another process holds
 
@@ -18,8 +19,6 @@ def _store_facts(ctx: Context) -> dict[str, Any]:
     """The store's counts, read once, read-only (never creating or migrating it)."""
 
     def read() -> dict[str, Any]:
-        from lcap.store import Store
-
         store = Store(ctx.db, timeout=STORE_TIMEOUT)
         with store.connect(read_only=True) as con:
             tables = {

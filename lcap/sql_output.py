@@ -44,6 +44,7 @@ def render(columns: Sequence[str], rows: Sequence[tuple], fmt: str, *, max_width
         writer.writerow(columns)
         writer.writerows([[_plain(v) for v in row] for row in rows])
         return out.getvalue()
+    # start-up: rich (the CLI loads this module for its default width)
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text

@@ -14,6 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rich import box
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from lcap.config import LcapError
+from lcap.store import Store
+
 STORE_TIMEOUT = 2.0  # seconds a section waits for a store a writer holds
 
 
@@ -72,11 +80,6 @@ def as_json(sections: list[tuple[str, Section]]) -> dict[str, Any]:
 def render(sections: list[tuple[str, Section]]) -> Any:
     """The snapshot as rich renderables. Every value is Text, never markup: commands and errors are shown as
     they are."""
-    from rich import box
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-
     parts: list[Any] = []
     for _, s in sections:
         if not s.rows:
@@ -116,9 +119,6 @@ def size(n: float) -> str:
 @section("store")
 def store_section(view: View) -> Section:
     """The store asked about: episodes running, turns, the last turn."""
-    from lcap.config import LcapError
-    from lcap.store import Store
-
     s = Section(f"store {view.db}", ["episodes running", "episodes", "turns", "last turn"])
     if not view.db.exists():
         s.empty = "does not exist yet"

@@ -17,6 +17,7 @@ collect round does hundreds of units of work.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import threading
 import time
@@ -193,7 +194,7 @@ class Store:
         `new_by`, only rows whose value of that column is not in the table yet. Returns the rows inserted."""
         if not rows:
             return 0
-        import pyarrow as pa  # here: the processes that never append (node proxies, episode runners) skip its import
+        import pyarrow as pa  # start-up: pyarrow, which the processes that never append (node proxies, runners) skip
 
         columns = dict.fromkeys(key for row in rows for key in row)  # every row's keys, not the first row's only
         batch = pa.Table.from_pydict({column: [row.get(column) for row in rows] for column in columns})
@@ -327,6 +328,4 @@ def _detach(con: duckdb.DuckDBPyConnection) -> None:
 
 
 def _json(value: Any) -> str:
-    import json
-
     return json.dumps(value, ensure_ascii=False)

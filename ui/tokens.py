@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+from tokenizers import Tokenizer
+
+from lcap.dataset.build.merge import merge_turns
 
 MAX_TOKENS = 20_000  # tokens an episode's token view shows; the rest are counted
 _BUCKETS = (0.9, 0.6, 0.3, 0.1)  # probability thresholds of the logprob shades, most to least certain
@@ -92,8 +95,6 @@ class Tokenizers:
 
 
 def _load(source: str) -> tuple[Any, str]:
-    from tokenizers import Tokenizer
-
     path = Path(source).expanduser()
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
@@ -112,8 +113,6 @@ def _decode(tokenizer: Any, ids: list[int]) -> list[str | None]:
 
 def token_view(turns: pa.Table, tokenizers: Tokenizers, base_models: dict[str, str]) -> TokenView:
     """The samples of one episode's calls (`queries.episode_tokens`), cut per call and decoded."""
-    from lcap.dataset.build.merge import merge_turns
-
     view = TokenView()
     if turns.num_rows == 0:
         return view

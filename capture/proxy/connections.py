@@ -20,6 +20,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import certifi
+
 READ_SIZE = 65536
 POOL_IDLE = 256  # idle upstream connections kept, over all upstreams
 POOL_AGE = 60.0  # seconds an idle upstream connection is kept
@@ -277,8 +279,6 @@ class UpstreamPool:
     def _tls_context(self) -> ssl.SSLContext:
         """Verified against certifi's roots, as mitmproxy verifies upstreams: one trust store for both paths."""
         if self._tls is None:
-            import certifi  # a dependency of mitmproxy
-
             self._tls = ssl.create_default_context(cafile=certifi.where())
             self._tls.set_alpn_protocols(["http/1.1"])
         return self._tls

@@ -27,6 +27,14 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import h11
+from h11._readers import ChunkedReader
+from mitmproxy import flow as mflow
+from mitmproxy.net.http.http1 import expected_http_body_size
+from mitmproxy.proxy import commands, events
+from mitmproxy.proxy.layers import http as mhttp
+from mitmproxy.proxy.layers.http import RequestProtocolError, _http1
+
 from lcap.capture.routing.routes import Router
 from lcap.capture.trust.destinations import Destinations, Forbidden
 
@@ -83,10 +91,6 @@ class PrivateDestinations:
 def install_body_limits(limit_for: Callable[[Any, bool], int | None]) -> None:
     """Make mitmproxy's body-size check per flow: `limit_for(flow, request)` is the largest body mitmproxy may
     hold for it (None: no limit). Installed once per process; the last `limit_for` is used."""
-    from mitmproxy import flow as mflow
-    from mitmproxy.net.http.http1 import expected_http_body_size
-    from mitmproxy.proxy.layers import http as mhttp
-
     global _limit_for
     _limit_for = limit_for
     if getattr(mhttp.HttpStream.check_body_size, "lcap", False):
@@ -142,11 +146,6 @@ MAX_CHUNK_SIZE = 2**64 - 1
 
 def install_http1_guards() -> None:
     """Patch mitmproxy's HTTP/1 layer as the module's docstring says. Installed once per process."""
-    import h11
-    from h11._readers import ChunkedReader
-    from mitmproxy.proxy import commands, events
-    from mitmproxy.proxy.layers.http import RequestProtocolError, _http1
-
     if getattr(_http1.Http1Client.read_headers, "lcap", False):
         return
 

@@ -16,6 +16,7 @@ import copy
 import fcntl
 import logging
 import os
+import resource
 import socket
 import ssl
 import subprocess
@@ -26,6 +27,12 @@ from concurrent.futures import CancelledError
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import certifi
+from mitmproxy import http, optmanager
+from mitmproxy.certs import CertStore
+from mitmproxy.options import Options
+from mitmproxy.utils import asyncio_utils
 
 from lcap.capture.options import ProxyOptions
 from lcap.capture.proxy.addon import CaptureAddon
@@ -46,8 +53,13 @@ from lcap.capture.trust.certs import LeafCerts, bounded_lru
 from lcap.capture.trust.credentials import EpisodeKeys, ProxyRecord, remove_record
 from lcap.capture.trust.destinations import Destinations, is_loopback_host
 from lcap.config import LcapError, lcap_home
-from lcap.policy import bearer
+from lcap.policy import bearer, read_policy, record_path
 from lcap.store import Store
+
+try:
+    import uvloop
+except ImportError:  # Windows: uvloop is a dependency everywhere else
+    uvloop = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
     from lcap.capture.reach.netns import Namespaces
@@ -86,8 +98,6 @@ def ca_files() -> tuple[Path, Path]:
 
 def ensure_ca() -> Path:
     """Create lcap's CA on first use (key 0600) and return the path of its certificate."""
-    from mitmproxy.certs import CertStore
-
     directory = ca_dir()
     cert, key = ca_files()
     try:
@@ -125,12 +135,7 @@ def _system_roots() -> str | None:
         "/etc/ssl/certs/ca-certificates.crt",
         "/etc/pki/tls/certs/ca-bundle.crt",
     ]
-    try:
-        import certifi
-
-        candidates.append(certifi.where())
-    except ImportError:
-        pass
+    candidates.append(certifi.where())
     return next((c for c in candidates if c and os.path.isfile(c)), None)
 
 
@@ -163,7 +168,7 @@ def trust_env(bundle: Path, java_options: str | None = None) -> dict[str, str]:
 
 def probe_models(base_url: str, timeout: float = 5.0, *, key: str | None = None) -> list[dict]:
     """GET {upstream}/v1/models; LcapError when the upstream cannot be reached."""
-    import httpx
+    import httpx  # start-up: httpx, asked of an upstream only
 
     route = parse_upstream(base_url, None)
     url = f"{route.scheme}://{route.host}:{route.port}{route.base_path or '/v1'}/models"
@@ -334,8 +339,6 @@ class CaptureProxy:
                 raise LcapError("--token-ids needs --upstream (a vLLM server, or 'policy')")
             return False
         if upstream == "policy":
-            from lcap.policy import read_policy, record_path
-
             record = read_policy()
             if record is None:
                 raise LcapError(f"--upstream policy: no policy server record at {record_path()} (run `lcap serve`)")
@@ -372,12 +375,11 @@ class CaptureProxy:
 
     async def _main(self, calls: Calls) -> None:
         skip_debug_checks()
-        from mitmproxy import options
+        # start-up: mitmproxy's master and addons, which only a running proxy needs
         from mitmproxy.addons import next_layer, proxyserver, tlsconfig
         from mitmproxy.master import Master
-        from mitmproxy.utils import asyncio_utils
 
-        opts = options.Options()
+        opts = Options()
         master = Master(opts)
         front_only = FrontOnly({})
         destinations = Destinations(
@@ -590,11 +592,7 @@ async def _close(server: asyncio.AbstractServer) -> None:
 
 def _loop_factory():
     """uvloop where it is installed (a dependency except on Windows): a leaner event loop under every call."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
+    return None if uvloop is None else uvloop.new_event_loop
 
 
 def skip_debug_checks() -> None:
@@ -602,8 +600,6 @@ def skip_debug_checks() -> None:
     counts their share of each proxied call): a runtime type check of every field of every Request and
     Response it builds, which Python's -O already removes (`if __debug__`), and a deep copy of an option's
     value on every read, which lcap keeps only for mutable values."""
-    from mitmproxy import http, optmanager
-
     if optmanager._Option.current is _current_option:
         return
     http.MessageData.__post_init__ = lambda self: None  # type: ignore[method-assign]  # a deliberate patch
@@ -612,8 +608,6 @@ def skip_debug_checks() -> None:
 
 def _current_option(option: Any) -> Any:
     """mitmproxy's `_Option.current` without the deep copy of immutable values."""
-    from mitmproxy import optmanager
-
     value = option._default if option.value is optmanager.unset else option.value
     return value if isinstance(value, _IMMUTABLE) else copy.deepcopy(value)
 
@@ -646,13 +640,11 @@ def _fit_open_files(wanted: int) -> int:
     """The connection limit the open-file limit allows: the soft limit is raised to the hard one, and each agent
     connection may hold up to `FDS_PER_CONNECTION` files (agent, upstream, and both ends of a hand-off)."""
     try:
-        import resource
-
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if hard == resource.RLIM_INFINITY or hard > soft:
             soft = min(hard, 1 << 20) if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    except (ImportError, ValueError, OSError):
+    except (ValueError, OSError):
         return wanted
     fitting = max(1, (soft - FDS_RESERVED) // FDS_PER_CONNECTION)
     if fitting < wanted:

@@ -19,6 +19,9 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import Encoding
+
 TRUST_STORE = "java-truststore.p12"
 
 # --- a minimal DER encoder, for the one structure written here ----------------------------------------
@@ -84,9 +87,6 @@ def pkcs12_trust_store(certificates: Iterable[tuple[str, bytes]]) -> bytes:
 def trust_store(bundle: Path, directory: Path) -> Path:
     """`directory/java-truststore.p12`: every certificate of the PEM `bundle` (the system roots and lcap's CA)
     as a trusted entry; rewritten when the bundle is newer."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives.serialization import Encoding
-
     store = directory / TRUST_STORE
     if store.exists() and store.stat().st_mtime >= bundle.stat().st_mtime:
         return store

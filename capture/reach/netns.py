@@ -32,12 +32,15 @@ import logging
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 from collections.abc import Sequence
 from concurrent.futures import CancelledError
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import certifi
 
 from lcap.capture.reach.dns import NamespaceDns
 from lcap.capture.reach.peers import tcp_table
@@ -231,8 +234,6 @@ def trust_mounts(bundle: Path, store: Path, mirror: Path | None, path: str | Non
         seen.add(real)
         mounts.append((str(source), real))
 
-    import ssl
-
     defaults = ssl.get_default_verify_paths()
     for target in (*PEM_BUNDLES, defaults.openssl_cafile, *_certifi_bundles(path)):
         add(bundle, target)
@@ -243,13 +244,7 @@ def trust_mounts(bundle: Path, store: Path, mirror: Path | None, path: str | Non
 
 def _certifi_bundles(path: str | None) -> list[str]:
     """certifi's bundle in lcap's own environment and in the Python environments on the agent's PATH."""
-    found = []
-    try:
-        import certifi
-
-        found.append(certifi.where())
-    except ImportError:
-        pass
+    found = [certifi.where()]
     for directory in (path or "").split(os.pathsep):
         if directory:
             for packages in ("site-packages", "dist-packages"):

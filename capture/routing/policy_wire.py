@@ -36,7 +36,7 @@ def has_endpoints(base_url: str, timeout: float = 5.0, *, key: str | None = None
     """Whether the server at `base_url` has lcap's policy endpoints of this wire version (a vLLM that `lcap serve`
     started; a `--python` vLLM of another version may not load them). `key`: the bearer key the server requires
     (a replica on the network answers 401 without it, which would read as a server without them)."""
-    import httpx
+    import httpx  # start-up: httpx, asked of a policy server only
 
     route = parse_upstream(base_url, None)
     headers = bearer(key)

@@ -35,6 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from lcap.policy import read_policy, record_path
+
 log = logging.getLogger("lcap.capture")
 
 REFRESH_S = 0.5  # how often the policy record's mtime is checked
@@ -252,7 +254,7 @@ class Router:
             self._prober.join(PROBE_TIMEOUT_S + 1)
 
     def _probe_loop(self) -> None:
-        import httpx
+        import httpx  # start-up: httpx, for policy replicas only
 
         next_sweep = 0.0
         with (
@@ -312,8 +314,6 @@ class Router:
                 self._refresh(now)
 
     def _refresh(self, now: float) -> None:
-        from lcap.policy import read_policy, record_path
-
         self._checked = now
         try:
             stat = os.stat(record_path())

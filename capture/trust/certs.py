@@ -9,14 +9,16 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from mitmproxy.certs import CertStore
+
 
 class LeafCerts:
     """TLS server contexts for intercepted hosts, signed by lcap's CA: made on first use, the `max_certs` most
     recently used kept (a context holds its certificate and key; a client names as many hosts as it likes)."""
 
     def __init__(self, confdir: Path, basename: str, max_certs: int = 1000) -> None:
-        from mitmproxy.certs import CertStore
-
         self.store = bounded_lru(CertStore.from_store(confdir, basename, 2048), max_certs)
         self.max_certs = max_certs
         self.contexts: OrderedDict[str, ssl.SSLContext] = OrderedDict()
@@ -33,9 +35,6 @@ class LeafCerts:
 
     def pem(self, host: str) -> tuple[bytes, bytes]:
         """The certificate chain for `host` and its private key, PEM-encoded."""
-        from cryptography import x509
-        from cryptography.hazmat.primitives import serialization
-
         try:
             name: x509.GeneralName = x509.IPAddress(ipaddress.ip_address(host))
         except ValueError:

@@ -18,6 +18,9 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
+import brotli
+import zstandard
+
 from lcap.capture.trust.redact import redact_json, redact_keys, redact_path, redact_text
 from lcap.capture.turns import dialects
 
@@ -141,12 +144,8 @@ def _decode(body: bytes, encoding: str | None) -> bytes:
             except zlib.error:
                 return zlib.decompress(body, -zlib.MAX_WBITS)
         if enc == "br":
-            import brotli
-
             return brotli.decompress(body)
         if enc == "zstd":
-            import zstandard
-
             return zstandard.ZstdDecompressor().decompressobj().decompress(body)
     except Exception as exc:  # a body lcap cannot decode is still forwarded; the turn says why
         raise ValueError(f"cannot decode {enc} body: {exc}") from exc
