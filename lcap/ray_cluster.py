@@ -1,8 +1,8 @@
 """Joining a Ray cluster (`--ray ADDRESS`): the one place that knows what an unreachable cluster says.
 
-Ray is the `lcap[ray]` extra. `ray.init` on an address with nobody listening retries for a long
-while before it fails with a page of logs, so a `host:port` address is probed first and a cluster
-that is not there is a one-line error naming the address tried.
+Ray is the `ray` extra (`pip install -e '.[ray]'`). `ray.init` on an address with nobody listening
+retries for a long while before it fails with a page of logs, so a `host:port` address is probed
+first and a cluster that is not there is a one-line error naming the address tried.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ PROBE_TIMEOUT_S = 5.0
 def connect(address: str) -> None:
     """Join the Ray cluster at ADDRESS (`host:port`, `ray://host:port`, `auto` or `local`) for this process."""
     try:
-        import ray
+        import ray  # the ray extra
     except ImportError:
-        raise LcapError("--ray needs Ray: install lcap[ray] (scripts/setup.sh does)") from None
+        raise LcapError("--ray needs the ray extra: pip install -e '.[ray]' (scripts/setup.sh does)") from None
     if ray.is_initialized():
         return
     tried = describe(address)

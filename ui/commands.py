@@ -23,7 +23,7 @@ def ui(db: DbOption, options: UiOptions) -> None:
     needs the token printed at start. Opens no browser by itself.
     """
     try:
-        from lcap.ui.server import serve
+        from lcap.ui.server import serve  # the ui extra: starlette, uvicorn, jinja2
     except ImportError as exc:
-        raise LcapError(f"lcap ui needs its extra: pip install 'lcap[ui]' ({exc.name} is missing)") from None
+        raise LcapError(f"lcap ui needs the ui extra: pip install -e '.[ui]' ({exc.name} is missing)") from None
     serve(db, options, echo=typer.echo)

@@ -7,7 +7,11 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
+import uvicorn
+
 from lcap.config import LcapError
+from lcap.store import Store
+from lcap.ui.app import create_app
 from lcap.ui.options import UiOptions
 
 
@@ -34,11 +38,6 @@ def address(options: UiOptions, sock: socket.socket, token: str | None) -> str:
 
 def serve(db: Path, options: UiOptions, *, echo: Callable[[str], None]) -> None:
     """Serve the UI over `db` until interrupted. A non-loopback host gets a fresh token, printed once."""
-    import uvicorn
-
-    from lcap.store import Store
-    from lcap.ui.app import create_app
-
     with Store(db, timeout=options.store_timeout).connect(read_only=True):
         pass  # no store, or not a DuckDB file: one line now rather than on every page
     token = None if options.loopback else secrets.token_urlsafe(24)
