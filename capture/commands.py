@@ -69,7 +69,7 @@ def register(app: typer.Typer) -> None:
         """Start an episode on a running proxy and print its proxy URL: HTTPS_PROXY=$(lcap episode new ...).
 
         The URL carries the episode's secret; only calls that present it are written into the episode."""
-        from lcap.capture.trust.credentials import find_proxy  # start-up: hashlib's OpenSSL
+        from lcap.capture.trust.credentials import find_proxy  # start-up: credentials (hashlib, secrets)
         from lcap.store import Store  # start-up: duckdb
 
         record = find_proxy(port)

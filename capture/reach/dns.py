@@ -4,10 +4,10 @@ A (IPv4) questions are resolved through the host's own resolver (`getaddrinfo`, 
 nsswitch and the host's nameservers all count). When the host cannot resolve a name and calls are
 rerouted (`--upstream`), the name gets a stand-in address from 198.18.0.0/15 (a range reserved for
 benchmarks, never routed on the internet): a connection to it reaches lcap like any other, which
-knows the name again (`Names`, capture/reach/names.py), so an LLM call to a host this machine cannot resolve still reaches
-the upstream (offline machines, private API names). AAAA questions get an empty answer: inside the
-namespace only IPv4 is routed. Other record types (SRV, TXT, MX, ...) are relayed to the host's
-nameservers as they are.
+knows the name again (`Names`, capture/reach/names.py), so an LLM call to a host this machine cannot
+resolve still reaches the upstream (offline machines, private API names). AAAA questions get an empty
+answer: inside the namespace only IPv4 is routed. Other record types (SRV, TXT, MX, ...) are relayed
+to the host's nameservers as they are.
 
 Bounded: names remembered (`MAX_NAMES`, least recently used go), questions in flight per namespace
 (`MAX_IN_FLIGHT`, more are dropped: the client retries), a deadline on every resolution.
