@@ -1,4 +1,4 @@
-"""Does vLLM 0.32's dev-mode in-place weight reload work on CPU? (docs/design.md, "Full checkpoints in-place")
+"""Does vLLM 0.32's dev-mode in-place weight reload work on CPU? (docs/architecture.md, "Serving and deploys")
 
     .venv/bin/python benchmarks/probe_vllm_reload.py [wait|keep|abort] [DIR]
 

@@ -6,7 +6,7 @@ the loop), admitting a new group only while collection is at most --max-stalenes
 training. The trainer (this thread) waits for --groups-per-step complete, trainable groups (the store
 is the queue), records them as the step's batch, builds them, drops samples past --max-staleness,
 trains from the previous step's output and deploys, while the episodes in flight keep running.
-docs/design.md ("The overlapped loop") gives the rules; loop/rounds.py the steps it shares.
+docs/architecture.md ("The overlapped loop") gives the rules; loop/rounds.py the steps it shares.
 
 Resumable: a step's batch is recorded (store, then RUN/state.json) before anything is built from it,
 and a group in any recorded batch is never taken again.

@@ -11,7 +11,7 @@ LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 # The mismatch guard's default limit, KL per token. benchmarks/bench_mismatch.py measures the right deployment
 # (float32 on both sides here) and the failures the guard must catch on the tiny model; the limit leaves room for
-# the bf16 kernels of a GPU, where vLLM and the trainer differ more (docs/design.md, the mismatch guard).
+# the bf16 kernels of a GPU, where vLLM and the trainer differ more (docs/architecture.md, "Train").
 MISMATCH_MAX = 0.02
 
 
