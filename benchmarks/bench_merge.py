@@ -11,7 +11,7 @@ build-dataset gives `merge_turns`, then merges them both ways, in a new random o
   the previous prompt + completion) and appended to the open sample or starting a new one; the same sample
   columns built as Arrow arrays at the end.
 Both outputs are checked equal (sample ids, tokens, log-probs, masks, calls per sample). Printed per round and
-as medians: seconds and calls per second.
+as medians: seconds and calls per second, and how many times as long the loop took.
 """
 
 from __future__ import annotations
@@ -118,13 +118,19 @@ def main() -> None:
             out[name] = paths[name](turns)
             seconds[name].append(time.perf_counter() - t0)
         assert out["numpy"].select(COMPARED).equals(out["Python loop"].select(COMPARED)), "the two merges differ"
-        print(f"round {number}: " + ", ".join(f"{name} {seconds[name][-1]:.2f} s" for name in paths), flush=True)
+        ratio = seconds["Python loop"][-1] / seconds["numpy"][-1]
+        print(
+            f"round {number}: " + ", ".join(f"{name} {seconds[name][-1]:.2f} s" for name in paths) + f" ({ratio:.1f}x)",
+            flush=True,
+        )
     m = {name: statistics.median(values) for name, values in seconds.items()}
     merged = int(pa.compute.sum(out["numpy"]["n_turns"]).as_py()) - len(out["numpy"])
     print(
         f"medians: numpy {m['numpy']:.2f} s ({len(turns) / m['numpy']:,.0f} calls/s), Python loop "
         f"{m['Python loop']:.2f} s ({len(turns) / m['Python loop']:,.0f} calls/s): numpy "
-        f"{m['Python loop'] / m['numpy']:.1f}x faster; {len(out['numpy']):,} samples, {merged:,} calls merged"
+        f"{m['Python loop'] / m['numpy']:.1f}x faster (per round: median "
+        f"{statistics.median(p / n for p, n in zip(seconds['Python loop'], seconds['numpy'], strict=True)):.1f}x); "
+        f"{len(out['numpy']):,} samples, {merged:,} calls merged"
     )
 
 
