@@ -50,8 +50,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import httpcore
 import httpx
@@ -239,23 +240,21 @@ async def _measure(
     return results, {name: t / len(results[name]) * 1e6 for name, t in cpu.items()}
 
 
-def capture_cost(n: int = 2000) -> tuple[float, float, float]:
-    """lcap's own share of a call, whichever listener carries it: `Calls` opening one rerouted 8 KB chat call,
-    reading its answer and spooling the turn (p50, p99 in us), and the writer process's row building per
-    turn (us)."""
+class Sink:
+    """Where `capture_call` hands finished turns: any `put`."""
+
+    def __init__(self, put: Callable[[Any], None]) -> None:
+        self.put = put
+
+
+def capture_call(sink: Any) -> Callable[[], None]:
+    """One rerouted 8 KB chat call through lcap's `Calls` per invocation, as either listener carries it: opened,
+    its body and answer taken, and its finished turn handed to `sink.put` (the proxy's `TurnWriter` takes it
+    there)."""
     from lcap.capture.proxy.calls import Calls
     from lcap.capture.routing.routes import Router
-    from lcap.capture.storage.spool import SpoolAppender, SpoolReader, unseal
-    from lcap.capture.turns.turn import build_row
 
-    spool_root = Path(tempfile.mkdtemp(prefix="lcap-bench-spool-"))
-    spool_dir = spool_root / "bench"
-    spool = SpoolAppender(spool_dir, spool_root / "unused.duckdb")
-
-    class Writer:
-        put = spool.append
-
-    calls = Calls(Writer(), Router("http://127.0.0.1:9", None), token_ids=False, require_credentials=True)
+    calls = Calls(sink, Router("http://127.0.0.1:9", None), token_ids=False, require_credentials=True)
     body = json.dumps({**REQUEST, "messages": [{"role": "user", "content": "x" * 2000}] * 4}).encode()
     answer = json.dumps(
         {
@@ -271,8 +270,7 @@ def capture_cost(n: int = 2000) -> tuple[float, float, float]:
         (b"Proxy-Authorization", b"Basic " + base64.b64encode(calls.keys.pair("bench").encode())),
     )
 
-    def one() -> float:
-        t0 = time.perf_counter()
+    def one() -> None:
         episode, rest = calls.attribute(fields)
         call = calls.open_call(
             "chat", episode, scheme="https", host="api.openai.com", port=443, path="/v1/chat/completions", fields=rest
@@ -280,6 +278,24 @@ def capture_cost(n: int = 2000) -> tuple[float, float, float]:
         calls.take_body(call, body)
         calls.answer_head(call.pending, 200, "application/json", None)
         calls.answer_body(call.pending, answer)
+
+    return one
+
+
+def capture_cost(n: int = 2000) -> tuple[float, float, float]:
+    """lcap's own share of a call (`capture_call`, spooling the turn: p50, p99 in us), and the writer process's
+    row building per turn (us)."""
+    from lcap.capture.storage.spool import SpoolAppender, SpoolReader, unseal
+    from lcap.capture.turns.turn import build_row
+
+    spool_root = Path(tempfile.mkdtemp(prefix="lcap-bench-spool-"))
+    spool_dir = spool_root / "bench"
+    spool = SpoolAppender(spool_dir, spool_root / "unused.duckdb")
+    call = capture_call(Sink(spool.append))
+
+    def one() -> float:
+        t0 = time.perf_counter()
+        call()
         return (time.perf_counter() - t0) * 1e6
 
     for _ in range(200):
