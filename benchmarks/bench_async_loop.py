@@ -54,7 +54,8 @@ def main() -> None:
     from lcap.loop.demo.number import write_jsonl
     from lcap.loop.demo.runner import MODEL, DemoSettings, demo_dir, demo_task
     from lcap.loop.options import LoopOptions
-    from lcap.loop.rounds import LoopConfig, run_loop
+    from lcap.loop.rounds import run_loop
+    from lcap.loop.steps import LoopConfig
     from lcap.policy import read_policy, write_policy
     from lcap.serve.server import start_server, stop_server
     from lcap.serve.tiny_model import init_model

@@ -55,7 +55,8 @@ def loop(
     collection and training overlap (bounded by --max-staleness).
     The agent command follows `--`, a template as in `lcap collect`.
     """
-    from lcap.loop.rounds import LoopConfig, run_loop
+    from lcap.loop.rounds import run_loop
+    from lcap.loop.steps import LoopConfig
     from lcap.store import Store
 
     config = LoopConfig(

@@ -169,7 +169,8 @@ def run_demo(
 
     from lcap.dataset.options import BuildOptions, CollectOptions
     from lcap.loop.demo.number import write_jsonl
-    from lcap.loop.rounds import LoopConfig, run_loop
+    from lcap.loop.rounds import run_loop
+    from lcap.loop.steps import LoopConfig
     from lcap.policy import read_policy
     from lcap.serve.server import start_server, stop_server
     from lcap.serve.tiny_model import init_model
