@@ -64,7 +64,7 @@ def main() -> None:
 
     disable_progress_bar()
     torch.set_num_threads(1)
-    from lcap.serve.server import resolve_python
+    from lcap.serve.vllm_process import resolve_python
 
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,7 @@ from typing import Any
 from lcap.config import LcapError, lcap_home
 from lcap.policy import Replica
 from lcap.processes import kill_group
-from lcap.serve.server import (
+from lcap.serve.vllm_process import (
     VllmSpec,
     free_port,
     gpus_per_server,
