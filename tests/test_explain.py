@@ -171,7 +171,7 @@ def test_build_dataset_cli_says_what_was_lost_when_some_samples_remain(builder, 
 
 
 def test_train_names_stale_samples_dropped(tmp_path):
-    from lcap.train.grpo import nothing_to_train
+    from lcap.train.fit import nothing_to_train
     from lcap.train.samples import Sample, make_groups
 
     samples = [

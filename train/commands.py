@@ -46,7 +46,8 @@ def train(
         _accelerate(accelerate_config, options, dry_run)
         return
     from lcap.store import Store
-    from lcap.train.grpo import is_main_process, train_round
+    from lcap.train.fit import is_main_process
+    from lcap.train.grpo import train_round
     from lcap.train.progress import round_line
 
     result = train_round(Store(db), run, round, options, data=data, progress=True)

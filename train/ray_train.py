@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from lcap.config import LcapError
-from lcap.train.grpo import FittedRound, RoundInputs, UserPaths, fit_round
+from lcap.train.fit import FittedRound, RoundInputs, UserPaths, fit_round
 from lcap.train.options import TrainOptions
 
 # What rank 0 may send back (the adapter and TRL's logs): a LoRA adapter is a small part of its model.
@@ -112,7 +112,7 @@ def _train_worker(config: dict[str, Any]) -> dict[str, Any] | None:
         samples = scratch / "data" / "samples.parquet"
         samples.parent.mkdir()
         samples.write_bytes(ray.get(config["samples"]))
-        if config.get("report") is not None:  # where a round with nothing to train on finds why (grpo.py)
+        if config.get("report") is not None:  # where a round with nothing to train on finds why (fit.py)
             (samples.parent / "report.json").write_bytes(config["report"])
         init_from = None
         if config["init_from"] is not None:
