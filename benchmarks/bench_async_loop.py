@@ -52,7 +52,8 @@ def main() -> None:
 
     from lcap.dataset.options import BuildOptions, CollectOptions
     from lcap.loop.demo.number import write_jsonl
-    from lcap.loop.demo.runner import MODEL, DemoSettings, demo_dir, demo_task
+    from lcap.loop.demo.runner import MODEL, demo_task
+    from lcap.loop.demo.task import DemoSettings, demo_dir
     from lcap.loop.options import LoopOptions
     from lcap.loop.rounds import run_loop
     from lcap.loop.steps import LoopConfig

@@ -58,7 +58,7 @@ from types import ModuleType
 from lcap.config import LcapError
 from lcap.loop.demo.number import FORMATS, make_tasks, make_triple
 from lcap.loop.demo.number import demo_corpus as number_corpus
-from lcap.loop.demo.runner import DemoSettings, DemoTask
+from lcap.loop.demo.task import DemoSettings, DemoTask
 from lcap.loop.demo.warm import Corpus, Example, answer_weights
 
 QUESTION = "Which word is a number?"  # names none of the words, nor the key the tool knows
