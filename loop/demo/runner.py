@@ -24,42 +24,30 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Literal, get_args
 
-from lcap.cli_options import option
 from lcap.config import LcapError
+from lcap.dataset.options import BuildOptions, CollectOptions
 from lcap.display import num, small
 from lcap.loop.demo import number, tools
 from lcap.loop.demo.number import write_jsonl
 from lcap.loop.demo.task import DemoSettings, DemoTask, demo_dir
-from lcap.loop.options import LoopOptions
+from lcap.loop.options import DEMO_TASKS, LoopOptions
+from lcap.loop.rounds import run_loop
+from lcap.loop.steps import LoopConfig
+from lcap.policy import read_policy
 from lcap.serve.options import TinyModelOptions
+from lcap.serve.server import start_server, stop_server
+from lcap.serve.tiny_model import init_model
+from lcap.store import Store
+from lcap.train.options import TrainOptions
 
 # The policy's size: small enough to warm-start and train on two CPU cores in seconds, large enough to learn the task.
 MODEL = TinyModelOptions(hidden_size=128, num_layers=2, num_heads=2)
-
-
-TaskName = Literal["number", "tools"]
-DEMO_TASKS: tuple[str, ...] = get_args(TaskName)
-
-
-@dataclass(frozen=True)
-class DemoOptions:
-    """What `lcap demo` runs (its flags beyond --out, --rounds, --fresh and --seed)."""
-
-    task: TaskName = option(
-        "number",
-        help="The demo's task: 'number' (one call: which word is a number) or 'tools' (three calls of a tool "
-        "agent: look the number up, answer with what the tool said).",
-    )
-
-    def __post_init__(self) -> None:
-        if self.task not in DEMO_TASKS:
-            raise LcapError(f"--task {self.task!r}: choose one of {', '.join(DEMO_TASKS)}")
 
 
 def demo_task(name: str) -> DemoTask:
@@ -79,17 +67,9 @@ def run_demo(
     echo: Callable[[str], None] = print,
     loop: LoopOptions | None = None,
 ) -> dict:
+    # the train extra
     import torch
     from transformers.utils.logging import disable_progress_bar
-
-    from lcap.dataset.options import BuildOptions, CollectOptions
-    from lcap.loop.rounds import run_loop
-    from lcap.loop.steps import LoopConfig
-    from lcap.policy import read_policy
-    from lcap.serve.server import start_server, stop_server
-    from lcap.serve.tiny_model import init_model
-    from lcap.store import Store
-    from lcap.train.options import TrainOptions
 
     kind = demo_task(task)
     settings = settings or kind.settings()
@@ -124,8 +104,6 @@ def run_demo(
     train_tasks, held_out = kind.tasks(settings)
     tasks = write_jsonl(out / "tasks.jsonl", train_tasks)
     eval_tasks = write_jsonl(out / "heldout.jsonl", held_out)
-
-    import signal
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))  # stop vLLM on `kill` too
     running = read_policy()
@@ -337,7 +315,7 @@ def summarise(out: Path, store, timings: dict[str, float], seconds: float, task:
 
 
 def _plot(rows: list[dict], png: Path) -> None:
-    import matplotlib
+    import matplotlib  # the train extra
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
