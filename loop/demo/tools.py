@@ -76,7 +76,7 @@ def lookup_call(query: str) -> str:
 
 
 def agent_path() -> Path:
-    path = Path(__file__).resolve().parent.parent / "scripts" / "agents" / "openai_tools.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "agents" / "openai_tools.py"
     if not path.exists():
         raise LcapError(f"bundled tool agent not found at {path}: run `lcap demo --task tools` from an lcap checkout")
     return path
