@@ -318,7 +318,7 @@ def _plot(rows: list[dict], png: Path) -> None:
     import matplotlib  # the train extra
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # the train extra, after its backend is chosen
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ev = [(r["round"], r["eval_reward"]) for r in rows if r["eval_reward"] is not None]
