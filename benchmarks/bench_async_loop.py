@@ -52,9 +52,11 @@ def main() -> None:
 
     from lcap.dataset.options import BuildOptions, CollectOptions
     from lcap.loop.demo.number import write_jsonl
-    from lcap.loop.demo.runner import MODEL, DemoSettings, demo_dir, demo_task
+    from lcap.loop.demo.runner import MODEL, demo_task
+    from lcap.loop.demo.task import DemoSettings, demo_dir
     from lcap.loop.options import LoopOptions
-    from lcap.loop.rounds import LoopConfig, run_loop
+    from lcap.loop.rounds import run_loop
+    from lcap.loop.steps import LoopConfig
     from lcap.policy import read_policy, write_policy
     from lcap.serve.server import start_server, stop_server
     from lcap.serve.tiny_model import init_model
@@ -63,7 +65,7 @@ def main() -> None:
 
     disable_progress_bar()
     torch.set_num_threads(1)
-    from lcap.serve.server import resolve_python
+    from lcap.serve.vllm_process import resolve_python
 
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -86,8 +86,9 @@ def main(rounds: int, threads: int) -> None:
     from lcap.capture.proxy.server import CaptureProxy
     from lcap.policy import read_policy
     from lcap.serve.deploy import deploy
-    from lcap.serve.server import resolve_python, start_server, stop_server
+    from lcap.serve.server import start_server, stop_server
     from lcap.serve.tiny_model import init_model
+    from lcap.serve.vllm_process import resolve_python
     from lcap.store import Store
 
     python = resolve_python()

@@ -51,8 +51,9 @@ def long_prompt(url: str, model: str, tokens: int) -> float:
 
 def main(rounds: int) -> None:
     from lcap.serve.options import TinyModelOptions
-    from lcap.serve.server import cpu_kv_cache_gib, resolve_python, start_server, stop_server
+    from lcap.serve.server import start_server, stop_server
     from lcap.serve.tiny_model import init_model
+    from lcap.serve.vllm_process import cpu_kv_cache_gib, resolve_python
 
     python = resolve_python()
     work = Path(tempfile.mkdtemp(prefix="lcap-bench-"))

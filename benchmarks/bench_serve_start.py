@@ -23,8 +23,9 @@ def main(rounds: int) -> None:
     from fixtures_vllm import make_lora
 
     from lcap.serve.deploy import deploy
-    from lcap.serve.server import resolve_python, start_server, stop_server
+    from lcap.serve.server import start_server, stop_server
     from lcap.serve.tiny_model import init_model
+    from lcap.serve.vllm_process import resolve_python
 
     python = resolve_python()
     work = Path(tempfile.mkdtemp(prefix="lcap-bench-"))

@@ -174,8 +174,9 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from lcap.serve.server import resolve_python, start_server, stop_server
+    from lcap.serve.server import start_server, stop_server
     from lcap.serve.tiny_model import init_model
+    from lcap.serve.vllm_process import resolve_python
 
     python = resolve_python()  # lcap's vLLM venv, found before LCAP_HOME points at the benchmark's own home
     work = Path(tempfile.mkdtemp(prefix="bench-stitching-"))

@@ -56,7 +56,8 @@ def main() -> None:
     from transformers.utils.logging import disable_progress_bar
 
     from lcap.dataset.build.samples_file import SAMPLE_SCHEMA
-    from lcap.loop.demo.runner import MODEL, DemoSettings, demo_task
+    from lcap.loop.demo.runner import MODEL, demo_task
+    from lcap.loop.demo.task import DemoSettings
     from lcap.serve.tiny_model import init_model
     from lcap.store import Store
     from lcap.train.grpo import train_round

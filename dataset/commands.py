@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Annotated
 
@@ -9,7 +10,10 @@ import typer
 
 from lcap.capture.options import NOT_POLICY_ROUTE_FLAGS, ProxyOptions
 from lcap.cli_options import DbOption, one_line_errors, parse_labels, with_options
+from lcap.config import LcapError
+from lcap.dataset.build.explain import causes, explain
 from lcap.dataset.options import BuildOptions, CollectOptions
+from lcap.display import printable
 
 
 def register(app: typer.Typer) -> None:
@@ -38,11 +42,8 @@ def collect(
     LCAP_TASK (the task as JSON) and LCAP_EPISODE_ID, and runs in its own working directory.
     Re-running the same collect skips the episodes it already finished.
     """
-    import signal
-
-    from lcap.dataset.collect.episodes import collect as run_collect
-    from lcap.display import printable
-    from lcap.store import Store
+    from lcap.dataset.collect.episodes import collect as run_collect  # start-up: the capture proxy
+    from lcap.store import Store  # start-up: duckdb
 
     labels = parse_labels(label)
 
@@ -77,8 +78,8 @@ def reward(
     source: Annotated[str, typer.Option("--source", help="Who gave it (default 'cli').")] = "cli",
 ) -> None:
     """Give an episode a reward (the latest reward of an episode wins)."""
-    from lcap.dataset.collect.rewards import add_reward
-    from lcap.store import Store
+    from lcap.dataset.collect.rewards import add_reward  # start-up: duckdb
+    from lcap.store import Store  # start-up: duckdb
 
     add_reward(Store(db), episode, value, details=details, source=source)
     typer.echo(f"reward {value:g} -> {episode}")
@@ -93,10 +94,8 @@ def build_dataset(
     options: BuildOptions,
 ) -> None:
     """Join captured turns with rewards into GRPO samples (SQL views), clean them, write Parquet."""
-    from lcap.config import LcapError
-    from lcap.dataset.build.builder import build_dataset as build
-    from lcap.dataset.build.explain import causes, explain
-    from lcap.store import Store
+    from lcap.dataset.build.builder import build_dataset as build  # start-up: duckdb, pyarrow
+    from lcap.store import Store  # start-up: duckdb
 
     report = build(Store(db), round=round, out=out, options=options)
     typer.echo("\n".join(report.lines()))

@@ -10,8 +10,7 @@ import typer
 from lcap.capture.options import NOT_POLICY_ROUTE_FLAGS, ProxyOptions
 from lcap.cli_options import DbOption, one_line_errors, with_options
 from lcap.dataset.options import BuildOptions, CollectOptions
-from lcap.loop.demo.runner import DemoOptions
-from lcap.loop.options import LoopOptions
+from lcap.loop.options import DemoOptions, LoopOptions
 from lcap.train.options import TrainOptions
 
 
@@ -55,8 +54,9 @@ def loop(
     collection and training overlap (bounded by --max-staleness).
     The agent command follows `--`, a template as in `lcap collect`.
     """
-    from lcap.loop.rounds import LoopConfig, run_loop
-    from lcap.store import Store
+    from lcap.loop.rounds import run_loop  # start-up: the whole loop's modules
+    from lcap.loop.steps import LoopConfig  # start-up: the whole loop's modules
+    from lcap.store import Store  # start-up: duckdb
 
     config = LoopConfig(
         run=run,
@@ -97,7 +97,7 @@ def demo(
 
     Prints one line per round (training and held-out reward), then where the results are.
     """
-    from lcap.loop.demo.runner import demo_task, run_demo
+    from lcap.loop.demo.runner import demo_task, run_demo  # start-up: the whole loop's modules
 
     task = demo_options.task
     settings = demo_task(task).settings(seed)

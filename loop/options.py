@@ -1,8 +1,10 @@
-"""The options of `lcap loop` itself (collect's, build's and train's live with their stages): each written once."""
+"""The options of `lcap loop` and `lcap demo` themselves (collect's, build's and train's live with their stages): each
+written once."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from lcap.cli_options import option
 from lcap.config import LcapError
@@ -30,3 +32,22 @@ class LoopOptions:
     def __post_init__(self) -> None:
         if self.max_staleness < 0 or self.groups_per_step < 0:
             raise LcapError("--max-staleness and --groups-per-step must be 0 or more")
+
+
+TaskName = Literal["number", "tools"]
+DEMO_TASKS: tuple[str, ...] = get_args(TaskName)
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """What `lcap demo` runs (its flags beyond --out, --rounds, --fresh and --seed)."""
+
+    task: TaskName = option(
+        "number",
+        help="The demo's task: 'number' (one call: which word is a number) or 'tools' (three calls of a tool "
+        "agent: look the number up, answer with what the tool said).",
+    )
+
+    def __post_init__(self) -> None:
+        if self.task not in DEMO_TASKS:
+            raise LcapError(f"--task {self.task!r}: choose one of {', '.join(DEMO_TASKS)}")

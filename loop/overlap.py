@@ -6,7 +6,7 @@ the loop), admitting a new group only while collection is at most --max-stalenes
 training. The trainer (this thread) waits for --groups-per-step complete, trainable groups (the store
 is the queue), records them as the step's batch, builds them, drops samples past --max-staleness,
 trains from the previous step's output and deploys, while the episodes in flight keep running.
-docs/architecture.md ("The overlapped loop") gives the rules; loop/rounds.py the steps it shares.
+docs/architecture.md ("The overlapped loop") gives the rules; loop/steps.py the steps it shares with loop/rounds.py.
 
 Resumable: a step's batch is recorded (store, then RUN/state.json) before anything is built from it,
 and a group in any recorded batch is never taken again.
@@ -28,8 +28,21 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lcap.config import LcapError
+from lcap.dataset.build.builder import build_dataset
+from lcap.dataset.build.samples_file import read_samples_table, write_samples
+from lcap.dataset.collect.episodes import EpisodePool, load_tasks, plan_collect
 from lcap.display import num
-from lcap.loop.rounds import LoopConfig, LoopState, RoundSummary, _Stop, _train, collect_split, round_tasks, run_step
+from lcap.loop.steps import (
+    LoopConfig,
+    LoopState,
+    RoundSummary,
+    StepRunner,
+    StopAfter,
+    collect_split,
+    deploy_step,
+    round_tasks,
+    train_step,
+)
 from lcap.store import now
 from lcap.train.grpo import round_dir
 from lcap.train.progress import training_text
@@ -68,8 +81,6 @@ class Staleness:
 def drop_stale(samples: Path, versions: dict[str, int], trained: int, max_staleness: int) -> Staleness:
     """Rewrite `samples` without the samples served more than `max_staleness` versions before `trained` (or by a
     deployment not in `versions`). Each sample has one deployment: the merge never joins two deployments' calls."""
-    from lcap.dataset.build.samples_file import read_samples_table, write_samples
-
     table = read_samples_table(samples)
     names = pa.array(list(versions), pa.string())
     index = pc.index_in(table["deployment"], value_set=names).to_numpy(zero_copy_only=False)
@@ -130,8 +141,6 @@ class Producer:
         return ahead < limit
 
     def _run(self) -> None:
-        from lcap.dataset.collect.episodes import plan_collect
-
         options = replace(
             self.config.collect, split="train", upstream="policy", run_dir=Path(self.config.run) / "episodes"
         )
@@ -169,8 +178,6 @@ def run_async_loop(
     echo: Callable[[str], None] = print,
     stop_after: tuple[int, str] | None = None,
 ) -> list[RoundSummary]:
-    from lcap.dataset.collect.episodes import EpisodePool
-
     if config.train.ray is not None:
         raise LcapError("--async runs its episodes on this machine: with --ray, use the synchronous loop for now")
     run = Path(config.run)
@@ -182,11 +189,7 @@ def run_async_loop(
     size = config.collect.group_size
     summaries: list[RoundSummary] = []
 
-    def step(n: int, name: str, body: Callable[[], dict]) -> dict:
-        info = run_step(store, state, run, n, name, body)
-        if stop_after == (n, name):
-            raise _Stop()
-        return info
+    step = StepRunner(store, state, run, stop_after)
 
     if config.eval_tasks:
         info = step(0, "eval", lambda: _evaluate(store, config, 0))
@@ -230,9 +233,9 @@ def run_async_loop(
                     producer.advance(n - 1, _wasted(data))
                     echo(f"step {n}: every sample of {len(batch['groups'])} groups was stale, taking the next ones")
                 train_options = replace(config.train, current=_name_of(versions, n - 1), mismatch_current_only=True)
-                trained = step(n, "train", lambda: {**_train(store, run, n, train_options, out), **_as(staleness)})
+                trained = step(n, "train", lambda: {**train_step(store, run, n, train_options, out), **_as(staleness)})
                 held_out.wait()  # the previous step's held-out episodes are all served by the policy they measure
-                deployed = step(n, "deploy", lambda: _deploy(store, trained["output"], n))
+                deployed = step(n, "deploy", lambda: deploy_step(store, trained["output"], n))
                 producer.advance(n, _wasted(data))
                 idle = pool.idle_seconds()
                 figures = {
@@ -256,13 +259,13 @@ def run_async_loop(
                 if config.eval_tasks:
                     held_out.start(n, functools.partial(_held_out, step, store, config, n, s, echo))
             held_out.wait()
-        except _Stop:
+        except StopAfter:
             pass
         finally:
             producer.stop()
             producer.thread.join(timeout=60)
             held_out.wait(raising=False)
-    if producer.error is not None and not isinstance(producer.error, _Stop):
+    if producer.error is not None and not isinstance(producer.error, StopAfter):
         raise producer.error
     return summaries
 
@@ -304,16 +307,8 @@ def _take_batch(store, config: LoopConfig, state: LoopState, producer: Producer,
 
 
 def _build(store, config: LoopConfig, n: int, groups: Sequence[str], out: Path, versions: dict[str, int]) -> Staleness:
-    from lcap.dataset.build.builder import build_dataset
-
     build_dataset(store, round=n, out=out, options=replace(config.build, split="train"), groups=groups)
     return drop_stale(out / "samples.parquet", versions, n - 1, config.options.max_staleness)
-
-
-def _deploy(store, output: str, n: int) -> dict:
-    from lcap.serve.deploy import deploy
-
-    return {"name": deploy(Path(output), round=n, store=store), "path": output}
 
 
 class _Background:
@@ -342,7 +337,9 @@ class _Background:
             raise error
 
 
-def _held_out(step, store, config: LoopConfig, n: int, s: RoundSummary, echo: Callable[[str], None]) -> None:
+def _held_out(
+    step: StepRunner, store, config: LoopConfig, n: int, s: RoundSummary, echo: Callable[[str], None]
+) -> None:
     info = step(n, "eval", lambda: _evaluate(store, config, n))
     s.eval_reward = info["mean_reward"]
     echo(f"step {n}: held-out reward {num(info['mean_reward'])} ({info['rewarded']} episodes)")
@@ -420,6 +417,4 @@ def _wasted(data: dict) -> int:
 def _wave_size(config: LoopConfig) -> int:
     if config.tasks_per_round:
         return config.tasks_per_round
-    from lcap.dataset.collect.episodes import load_tasks
-
     return len(load_tasks(config.tasks))

@@ -7,6 +7,7 @@ import json
 from lcap.config import LcapError
 from lcap.display import num
 from lcap.status import STORE_TIMEOUT, Section, View, age, section
+from lcap.store import Store
 
 RUNS = 3  # runs shown, the most recent first
 
@@ -19,8 +20,6 @@ FROM loop_steps GROUP BY run ORDER BY max(created_at) DESC LIMIT {RUNS}
 
 @section("loop")
 def loop(view: View) -> Section:
-    from lcap.store import Store
-
     s = Section(
         "loop runs", ["run", "last step", "round", "mean reward", "finished"], empty="no `lcap loop` step in this store"
     )

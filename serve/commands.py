@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from lcap.cli_options import DbOption, one_line_errors, with_options
+from lcap.config import LcapError
 from lcap.serve.options import DeployOptions, ServeOptions, TinyModelOptions
 
 
@@ -22,7 +24,7 @@ def register(app: typer.Typer) -> None:
         options: TinyModelOptions,
     ) -> None:
         """Make the tiny default policy: random-init Qwen2-style LM, local BPE tokenizer, tool-call chat template."""
-        from lcap.serve.tiny_model import init_model
+        from lcap.serve.tiny_model import init_model  # start-up: tokenizers
 
         typer.echo(str(init_model(out, options)))
 
@@ -42,11 +44,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Start vLLM's OpenAI server on the policy (LoRA hot-loading on), as N replicas, wait until all are healthy,
         record them."""
-        import json
-
-        from lcap.config import LcapError
-        from lcap.serve.server import server_status, start_server, stop_server
-        from lcap.store import Store
+        from lcap.serve.server import server_status, start_server, stop_server  # start-up: httpx
+        from lcap.store import Store  # start-up: duckdb
 
         if stop:
             stopped = stop_server()
@@ -109,8 +108,8 @@ def register(app: typer.Typer) -> None:
         options: DeployOptions,
     ) -> None:
         """Make a new checkpoint the current policy: every routed call is served by it from now on."""
-        from lcap.serve.deploy import deploy as deploy_policy
-        from lcap.store import Store
+        from lcap.serve.deploy import deploy as deploy_policy  # start-up: httpx
+        from lcap.store import Store  # start-up: duckdb
 
         served = deploy_policy(
             path,

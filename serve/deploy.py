@@ -42,7 +42,8 @@ from lcap.config import LcapError
 from lcap.policy import PolicyServer, policy_lock, read_policy, write_policy
 from lcap.serve.reload import ReloadError, can_reload, reload_in_place
 from lcap.serve.same_model import difference
-from lcap.serve.server import MAX_LORA_RANK, VllmSpec, _flag_value, in_flight, replicas_of
+from lcap.serve.server import in_flight, replicas_of
+from lcap.serve.vllm_process import MAX_LORA_RANK, VllmSpec, flag_value
 from lcap.store import Store, now
 
 log = logging.getLogger("lcap.serve")
@@ -151,7 +152,7 @@ def _why_not_in_place(record: PolicyServer, path: Path) -> str | None:
     running = Path(record.base_model)
     if not (running / "config.json").is_file():
         return f"the running model {record.base_model} is not a local checkpoint to compare the new one with"
-    why = difference(path, running, Path(_flag_value(record.vllm_args, "--tokenizer") or running))
+    why = difference(path, running, Path(flag_value(record.vllm_args, "--tokenizer") or running))
     if why is not None:
         return why
     key = record.api_key()

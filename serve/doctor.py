@@ -10,6 +10,7 @@ from lcap.doctor import Context, Result, check
 from lcap.policy import PolicyServer, read_policy, record_path
 from lcap.serve.health import PolicyHealth, probe
 from lcap.serve.vllm_env import vllm_venv, working_vllm_python
+from lcap.serve.vllm_process import served_name_for
 
 
 @check("vllm", section="serve", required=True, timeout=330)
@@ -34,8 +35,6 @@ def vllm_installed(ctx: Context) -> Result:
 def restart_command(record: PolicyServer) -> str:
     """`lcap serve --stop && lcap serve ...` that starts the recorded policy server again as it was: its model and
     name, its replicas (and Ray cluster), tool parser and vLLM arguments."""
-    from lcap.serve.server import served_name_for
-
     args = ["--model", record.base_model]
     if record.served_model != served_name_for(record.base_model):
         args += ["--name", record.served_model]

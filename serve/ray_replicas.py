@@ -31,7 +31,8 @@ from typing import Any
 from lcap.config import LcapError, lcap_home
 from lcap.policy import Replica
 from lcap.processes import kill_group
-from lcap.serve.server import (
+from lcap.ray_cluster import connect
+from lcap.serve.vllm_process import (
     VllmSpec,
     free_port,
     gpus_per_server,
@@ -65,7 +66,7 @@ class ReplicaActor:
     """Runs one vLLM server on the node Ray placed it on (decorated with `ray.remote` where it is started)."""
 
     def __init__(self, name: str) -> None:
-        import ray
+        import ray  # the ray extra
 
         self.name = name
         self.host = _node_address(ray)
@@ -186,8 +187,6 @@ class RayReplicas:
     """The replicas of a policy as Ray actors: start, restart, stop, hot-load adapters, from the driver."""
 
     def __init__(self, address: str, python: str | None) -> None:
-        from lcap.ray_cluster import connect
-
         connect(address)
         self.address = address
         self.python = python
@@ -196,7 +195,7 @@ class RayReplicas:
     def start(
         self, names: Sequence[str], spec: VllmSpec, key: str, gpus_per_replica: float | None = None
     ) -> list[Replica]:
-        import ray
+        import ray  # the ray extra
 
         gpus = float(gpus_per_server(spec.extra_args)) if gpus_per_replica is None else gpus_per_replica
         actor_class = ray.remote(ReplicaActor)
@@ -246,7 +245,7 @@ class RayReplicas:
         return replace(replica, url=info["url"], log_path=info["log_path"], node=info["node"])
 
     def load_lora(self, replica: Replica, name: str, path: Path, key: str | None) -> None:
-        import ray
+        import ray  # the ray extra
 
         files = self._adapters.get(str(path))
         if files is None:
@@ -255,7 +254,7 @@ class RayReplicas:
         self._get({replica.name: self._actor(replica).load_lora.remote(name, files)}, 600)
 
     def stop(self, replica: Replica, timeout: float = 30) -> None:
-        import ray
+        import ray  # the ray extra
 
         try:
             actor = self._actor(replica)
@@ -268,7 +267,7 @@ class RayReplicas:
         _kill(actor)
 
     def alive(self, replica: Replica) -> bool:
-        import ray
+        import ray  # the ray extra
 
         try:
             return bool(ray.get(self._actor(replica).alive.remote(), timeout=CALL_TIMEOUT_S))
@@ -276,7 +275,7 @@ class RayReplicas:
             return False
 
     def log_tail(self, replica: Replica) -> str:
-        import ray
+        import ray  # the ray extra
 
         try:
             return str(ray.get(self._actor(replica).log_tail.remote(), timeout=CALL_TIMEOUT_S))
@@ -284,7 +283,7 @@ class RayReplicas:
             return f"(no log: {exc.__class__.__name__})"
 
     def _actor(self, replica: Replica) -> Any:
-        import ray
+        import ray  # the ray extra
 
         try:
             return ray.get_actor(replica.actor or "", namespace=NAMESPACE)
@@ -296,7 +295,7 @@ class RayReplicas:
     @staticmethod
     def _get(calls: dict[str, Any], timeout: float) -> dict[str, Any]:
         """The results of actor calls by replica name; the first failure as an LcapError naming its replica."""
-        import ray
+        import ray  # the ray extra
 
         out = {}
         deadline = time.monotonic() + timeout + CALL_TIMEOUT_S
@@ -324,7 +323,7 @@ def _node_address(ray: Any) -> str:
 
 
 def _kill(actor: Any) -> None:
-    import ray
+    import ray  # the ray extra
 
     try:
         ray.kill(actor)

@@ -1,6 +1,6 @@
 """A full checkpoint into a running vLLM replica without a restart: vLLM 0.32's dev-mode endpoints.
 
-A replica lcap starts on loopback runs with VLLM_SERVER_DEV_MODE=1 (serve/server.py `launch`), which adds
+A replica lcap starts on loopback runs with VLLM_SERVER_DEV_MODE=1 (serve/vllm_process.py `launch`), which adds
 `/pause`, `/resume`, `/is_paused` and `/collective_rpc`. vLLM's own `--api-key` does not guard them
 (it checks only paths under /v1, /v2, /inference and /cohere), and `/collective_rpc` calls any worker
 method, so lcap turns dev mode off for any replica that listens beyond 127.0.0.1 (Ray replicas: they

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
 CONFIG_NOISE = frozenset({"_name_or_path", "transformers_version", "use_cache"})  # nothing vLLM serves by
 RENAMED = {"torch_dtype": "dtype"}  # transformers 4.56 renamed it
 TOKENIZER_SETTINGS = ("eos_token", "bos_token", "pad_token", "add_bos_token", "add_eos_token", "chat_template")
@@ -102,8 +104,6 @@ def _same_bytes(a: Path, b: Path, name: str) -> bool:
 
 def _same_tokenizer(a: Path, b: Path) -> bool:
     """Same vocabulary (added tokens included), and the same ids for a probe text and back."""
-    from tokenizers import Tokenizer
-
     try:
         first, second = Tokenizer.from_file(str(a / "tokenizer.json")), Tokenizer.from_file(str(b / "tokenizer.json"))
     except Exception:  # missing or unreadable: not provably the same

@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
 from lcap.config import LcapError
 from lcap.serve.options import TinyModelOptions
 
@@ -415,8 +417,6 @@ def _corpus() -> list[str]:
 
 
 def _train_tokenizer(vocab_size: int):
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
     # Exactly Qwen2's normalizer and pre-tokenizer (one digit per token): transformers loads a
     # qwen2 model's tokenizer as Qwen2Tokenizer, which installs these whatever tokenizer.json says.
     tokenizer = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
@@ -450,6 +450,7 @@ def init_model(out: Path, options: TinyModelOptions = TinyModelOptions()) -> Pat
     if out.exists() and any(out.iterdir()):
         raise LcapError(f"{out} exists and is not empty")
 
+    # the train extra
     import torch
     from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 

@@ -3,7 +3,7 @@
 vLLM's own `--api-key` guards only /v1, /v2, /inference and /cohere; /invocations (the same inference as
 /v1), /tokenize, /pause, /sleep, /collective_rpc and the rest stay open. A Ray replica listens on its
 node's address, so lcap starts it through this script with the interpreter of the vLLM venv
-(`python -I vllm_guard.py ARGS`, serve/server.py `launch`): the key comes from LCAP_REPLICA_KEY (never
+(`python -I vllm_guard.py ARGS`, serve/vllm_process.py `launch`): the key comes from LCAP_REPLICA_KEY (never
 the command line, which `ps` shows), the middleware is registered as an importable module, and the
 server then starts as a local replica's does, through vllm_plugin/launch.py (vLLM with lcap's policy
 endpoints, which the middleware guards like every other path). It imports nothing from lcap: the vLLM

@@ -150,7 +150,8 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def vllm_server(tiny_model_dir, tmp_path_factory):
     from lcap.config import LcapError
     from lcap.policy import read_policy
-    from lcap.serve.server import resolve_python, stop_server
+    from lcap.serve.server import stop_server
+    from lcap.serve.vllm_process import resolve_python
 
     try:
         python = resolve_python()  # finds lcap's vLLM venv, else installs it (as `lcap setup vllm`)

@@ -65,7 +65,7 @@ def test_truncated_calls_explained_by_build_train_and_the_fix_works(builder, dst
 
 
 def test_loop_says_why_a_round_is_empty(builder, dstore, tmp_path):
-    from lcap.loop.rounds import _train
+    from lcap.loop.steps import train_step
     from lcap.train.options import TrainOptions
 
     for i in range(3):
@@ -73,7 +73,7 @@ def test_loop_says_why_a_round_is_empty(builder, dstore, tmp_path):
     data = tmp_path / "run" / "round-1" / "data"
     build_dataset(dstore, round=1, out=data)
     with pytest.raises(LcapError) as caught:
-        _train(dstore, tmp_path / "run", 1, TrainOptions(), data)
+        train_step(dstore, tmp_path / "run", 1, TrainOptions(), data)
     message = str(caught.value)
     assert message.startswith(f"round 1: nothing to train on in {data}: 3 of 3 episodes did not finish ok: 3 failed")
     assert "stderr.txt" in message
@@ -171,7 +171,7 @@ def test_build_dataset_cli_says_what_was_lost_when_some_samples_remain(builder, 
 
 
 def test_train_names_stale_samples_dropped(tmp_path):
-    from lcap.train.grpo import nothing_to_train
+    from lcap.train.fit import nothing_to_train
     from lcap.train.samples import Sample, make_groups
 
     samples = [

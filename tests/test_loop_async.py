@@ -22,7 +22,8 @@ from openai import APIError, OpenAI
 from lcap.config import LcapError
 from lcap.dataset.options import BuildOptions, CollectOptions
 from lcap.loop.options import LoopOptions
-from lcap.loop.rounds import LoopConfig, run_loop
+from lcap.loop.rounds import run_loop
+from lcap.loop.steps import LoopConfig
 from lcap.store import Store
 from lcap.train.options import TrainOptions
 
@@ -94,7 +95,7 @@ def test_loop_options_refuse_negative_bounds():
 
 def test_async_loop_refuses_ray_before_it_collects(tmp_path):
     from lcap.loop.overlap import run_async_loop
-    from lcap.loop.rounds import LoopState
+    from lcap.loop.steps import LoopState
 
     config = LoopConfig(
         run=tmp_path, rounds=1, tasks=tmp_path / "t.jsonl", command=["a"], train=TrainOptions(ray="local")

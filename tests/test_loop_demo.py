@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from lcap.loop.demo.number import NUMBERS, make_tasks
-from lcap.loop.demo.runner import TARGET_FALLBACK, TARGET_REWARD, TARGET_RIGHT, check_targets, held_out_by_round, words
+from lcap.loop.demo.runner import TARGET_FALLBACK, TARGET_REWARD, TARGET_RIGHT, check_targets, held_out_by_round
+from lcap.loop.demo.task import words
 from lcap.loop.demo.warm import Example, shared_prefix
 from lcap.store import Store, now
 

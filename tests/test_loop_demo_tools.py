@@ -13,7 +13,8 @@ import pytest
 from fixtures_dataset import chat_turns
 
 from lcap.loop.demo.number import NUMBERS
-from lcap.loop.demo.runner import calls_by_round, demo_task, words
+from lcap.loop.demo.runner import calls_by_round, demo_task
+from lcap.loop.demo.task import words
 from lcap.loop.demo.tools import KEY, QUESTION, agent_module, lookups_by_round, warm_episode
 from lcap.store import Store
 

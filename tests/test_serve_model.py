@@ -75,7 +75,7 @@ def test_init_model_makes_a_context_harnesses_fit_in(tmp_path):
 def test_cpu_kv_cache_holds_one_sequence_at_the_served_length(tmp_path):
     """vLLM refuses to start when its KV cache cannot hold one sequence at the served length: lcap sizes
     VLLM_CPU_KVCACHE_SPACE from the model's config (float32 K and V per layer) and `--max-model-len`."""
-    from lcap.serve.server import cpu_kv_cache_gib
+    from lcap.serve.vllm_process import cpu_kv_cache_gib
 
     def model(layers: int, kv_heads: int, head_dim: int, positions: int) -> str:
         folder = tmp_path / f"m{layers}-{kv_heads}-{head_dim}-{positions}"
@@ -247,7 +247,7 @@ def test_serve_stop_ends_the_whole_process_group(tmp_path, monkeypatch):
 
 def test_vllm_parallel_flags_set_the_gpus_of_a_replica():
     from lcap.config import LcapError
-    from lcap.serve.server import gpus_per_server
+    from lcap.serve.vllm_process import gpus_per_server
 
     assert gpus_per_server([]) == 1
     assert gpus_per_server(["--tensor-parallel-size", "2", "--max-model-len", "4096"]) == 2
@@ -361,7 +361,7 @@ def test_a_second_policy_change_waits_then_names_the_holder(tmp_path, monkeypatc
 def test_vllm_dev_mode_runs_only_on_loopback(tmp_path, monkeypatch):
     """The dev-mode endpoints (/pause, /collective_rpc) that in-place reloads use are not guarded by vLLM's API key:
     a replica gets them on 127.0.0.1 only, never on an address the network reaches, even when asked to."""
-    from lcap.serve.server import VllmSpec, launch
+    from lcap.serve.vllm_process import VllmSpec, launch
 
     fake = tmp_path / "python"
     fake.write_text('#!/bin/sh\nenv > "$(dirname "$0")/env-$LCAP_TEST_RUN"\n')

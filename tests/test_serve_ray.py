@@ -50,7 +50,7 @@ def test_a_ray_replica_serves_behind_its_key_with_shipped_adapters_and_comes_bac
 
     from lcap.config import LcapError
     from lcap.serve.deploy import deploy
-    from lcap.serve.server import resolve_python
+    from lcap.serve.vllm_process import resolve_python
 
     try:
         python = resolve_python()

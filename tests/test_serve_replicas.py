@@ -52,7 +52,8 @@ class Pair:
 @pytest.fixture(scope="module")
 def pair(tiny_model_dir, tmp_path_factory):
     from lcap.config import LcapError
-    from lcap.serve.server import resolve_python, stop_server
+    from lcap.serve.server import stop_server
+    from lcap.serve.vllm_process import resolve_python
 
     try:
         python = resolve_python()

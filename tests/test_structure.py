@@ -1,4 +1,5 @@
-"""The shape of the code: imports flow one way, core <- capture <- dataset <- train/serve <- loop <- CLI."""
+"""The shape of the code: imports flow one way, core <- capture <- dataset <- train/serve <- loop <- CLI; modules
+share public names only; no two modules import each other, however indirectly; every package says what it is."""
 
 from __future__ import annotations
 
@@ -92,6 +93,127 @@ def test_the_check_sees_a_backward_import(tmp_path):
         "lcap.dataset.x (dataset) imports lcap.cli (cli)",
         "lcap.serve.x (serve) imports lcap.train.grpo (train)",
     ]
+
+
+def private_imports(modules: dict[str, Path]) -> list[str]:
+    """Every underscore name a module imports from another module (a module named with an underscore is no name)."""
+    bad = []
+    for module, path in sorted(modules.items()):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module != module):
+                continue
+            if node.module.split(".")[0] != "lcap":
+                continue
+            for alias in node.names:
+                if alias.name.startswith("_") and f"{node.module}.{alias.name}" not in modules:
+                    bad.append(f"{module} imports {alias.name} from {node.module}")
+    return bad
+
+
+def import_cycles(modules: dict[str, Path]) -> list[list[str]]:
+    """The groups of modules that import each other, directly or through others (every lcap import counts: at the
+    top, inside a function, or for type checking only), each sorted."""
+    known = set(modules)
+    graph = {m: sorted((imports_of(path, known) & known) - {m}) for m, path in modules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(groups)
+
+
+def packages_without_docstring(modules: dict[str, Path]) -> list[str]:
+    """Packages whose __init__.py does not open with a docstring (what the package owns and may import)."""
+    return sorted(
+        module
+        for module, path in modules.items()
+        if path.name == "__init__.py" and not ast.get_docstring(ast.parse(path.read_text(), str(path)))
+    )
+
+
+def test_modules_share_public_names_only():
+    assert private_imports(_modules()) == []
+
+
+def test_the_check_sees_a_private_import(tmp_path):
+    (tmp_path / "a.py").write_text(
+        "from lcap.x.b import _hidden, shown\nfrom lcap.x.a import _mine\nfrom lcap.x import _sub\n"
+        "def f():\n    from lcap.x.c import _late\n"
+    )
+    (tmp_path / "b.py").write_text("_hidden = shown = 1\n")
+    (tmp_path / "c.py").write_text("from json import _default_encoder\n")
+    (tmp_path / "_sub.py").write_text("")
+    modules = {f"lcap.x.{name}": tmp_path / f"{name}.py" for name in ("a", "b", "c", "_sub")}
+    assert private_imports(modules) == [
+        "lcap.x.a imports _hidden from lcap.x.b",
+        "lcap.x.a imports _late from lcap.x.c",
+    ]
+
+
+def test_no_import_cycles():
+    assert import_cycles(_modules()) == []
+
+
+def test_the_check_sees_an_import_cycle(tmp_path):
+    """A cycle counts however it is made: through a function's import, a third module, or type checking alone."""
+    files = {
+        "a": "from lcap.x.b import f\n",
+        "b": "def f():\n    from lcap.x.a import g\n",
+        "c": "import lcap.x.d\n",
+        "d": "from lcap.x import e\n",
+        "e": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from lcap.x.c import C\n",
+        "f": "from lcap.x.a import g\nfrom lcap.x.f import h\n",  # imports a cycle's member, and itself: no cycle
+    }
+    for name, text in files.items():
+        (tmp_path / f"{name}.py").write_text(text)
+    modules = {f"lcap.x.{name}": tmp_path / f"{name}.py" for name in files}
+    assert import_cycles(modules) == [["lcap.x.a", "lcap.x.b"], ["lcap.x.c", "lcap.x.d", "lcap.x.e"]]
+
+
+def test_each_package_opens_with_a_docstring():
+    modules = _modules()
+    assert sum(path.name == "__init__.py" for path in modules.values()) > len(STAGES), "sub-packages are seen"
+    assert packages_without_docstring(modules) == []
+
+
+def test_the_check_sees_a_package_without_a_docstring(tmp_path):
+    for name, text in {
+        "said": '"""What it owns; what it may import."""\n',
+        "bare": "",
+        "late": 'x = 1\n"""Late."""\n',
+    }.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(text)
+    (tmp_path / "said" / "mod.py").write_text("x = 1\n")
+    modules = {f"lcap.{name}": tmp_path / name / "__init__.py" for name in ("said", "bare", "late")}
+    modules["lcap.said.mod"] = tmp_path / "said" / "mod.py"
+    assert packages_without_docstring(modules) == ["lcap.bare", "lcap.late"]
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -14,7 +14,7 @@ import pytest
 
 from lcap.config import LcapError
 from lcap.dataset.options import CollectOptions
-from lcap.loop.rounds import LoopConfig, LoopState
+from lcap.loop.steps import LoopConfig, LoopState
 from lcap.store import Store
 from lcap.train.options import MISMATCH_MAX
 
@@ -212,7 +212,7 @@ def test_loop_state_refuses_another_loop(tmp_path):
 
 
 def test_tasks_per_round_takes_the_next_tasks_each_round(tmp_path):
-    from lcap.loop.rounds import round_tasks
+    from lcap.loop.steps import round_tasks
 
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps({"id": f"t{i}", "q": f"question {i}"}) + "\n" for i in range(5)))
@@ -228,8 +228,9 @@ def test_tasks_per_round_takes_the_next_tasks_each_round(tmp_path):
 
 def test_a_rounds_tasks_keep_their_templates(tmp_path):
     """A task's `template` folder is relative to the user's tasks file; the round's own file points at the same one."""
-    from lcap.dataset.collect.episodes import load_tasks, template_dir
-    from lcap.loop.rounds import round_tasks
+    from lcap.dataset.collect.episode import template_dir
+    from lcap.dataset.collect.episodes import load_tasks
+    from lcap.loop.steps import round_tasks
 
     project = tmp_path / "project"
     (project / "repo").mkdir(parents=True)

@@ -22,7 +22,7 @@ LAUNCH_SWITCHES = ("--dry-run",)
 
 def load_config(path: Path) -> dict:
     """CONFIG as accelerate's own loader reads it; an unreadable or invalid one is a one-line error."""
-    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.config.config_args import load_config_from_file  # the train extra
 
     if not Path(path).is_file():
         raise LcapError(f"no accelerate config at {path}")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -9,6 +12,8 @@ import typer
 
 from lcap.cli_options import DbOption, one_line_errors, with_options
 from lcap.config import LcapError
+from lcap.processes import helper_env
+from lcap.train.accelerate_launch import accelerate_command
 from lcap.train.options import TrainOptions
 
 
@@ -45,9 +50,10 @@ def train(
     if accelerate_config is not None:
         _accelerate(accelerate_config, options, dry_run)
         return
-    from lcap.store import Store
-    from lcap.train.grpo import is_main_process, train_round
-    from lcap.train.progress import round_line
+    from lcap.store import Store  # start-up: duckdb
+    from lcap.train.fit import is_main_process  # start-up: pyarrow
+    from lcap.train.grpo import train_round  # start-up: pyarrow
+    from lcap.train.progress import round_line  # start-up: rich
 
     result = train_round(Store(db), run, round, options, data=data, progress=True)
     if is_main_process():
@@ -56,13 +62,6 @@ def train(
 
 def _accelerate(config: Path, options: TrainOptions, dry_run: bool) -> None:
     """Rerun this same `lcap train` command line on every process of an accelerate config."""
-    import os
-    import subprocess
-    import sys
-
-    from lcap.processes import helper_env
-    from lcap.train.accelerate_launch import accelerate_command
-
     if options.ray is not None:
         raise LcapError("--accelerate-config and --ray are two launchers: pick one")
     processes = options.num_workers if options.num_workers > 1 else None  # 1, the default: the config's count

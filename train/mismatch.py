@@ -25,6 +25,7 @@ is held to the same limit: its KL includes the drift of the rounds since it serv
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -102,9 +103,7 @@ def measure_mismatch(
     trainer, samples: list[Sample], *, per_deployment: int, seed: int = 0, held: str | None = None
 ) -> Mismatch:
     """Score the picked samples with the trainer's model (no grad) and compare with the served logprobs."""
-    import time
-
-    import torch
+    import torch  # the train extra
 
     t0 = time.perf_counter()
     picked = pick_samples(samples, per_deployment, seed)
@@ -134,7 +133,7 @@ def measure_mismatch(
 def _logp_differences(trainer, samples: list[Sample]) -> list[Any]:
     """Per sample, train logp - served logp at its model tokens (float64), scored in micro-batches of the
     trainer's batch size, prompts left-padded and completions right-padded as TRL pads them."""
-    import torch
+    import torch  # the train extra
 
     device = trainer.accelerator.device
     pad = trainer.processing_class.pad_token_id

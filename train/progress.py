@@ -9,6 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
 from lcap.display import num, small
 
 
@@ -35,7 +38,7 @@ def round_line(round: int, metrics: dict[str, Any], output: Path) -> str:
 
 def step_progress(label: str) -> Any:
     """A TrainerCallback that draws a rich progress bar over the round's optimiser steps (main process only)."""
-    from transformers import TrainerCallback
+    from transformers import TrainerCallback  # the train extra
 
     class StepProgress(TrainerCallback):
         def __init__(self, label: str) -> None:
@@ -46,9 +49,6 @@ def step_progress(label: str) -> Any:
         def on_train_begin(self, args, state, control, **kwargs):
             if not state.is_world_process_zero:
                 return
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
             self._bar = Progress(
                 TextColumn(self.label),
                 BarColumn(),

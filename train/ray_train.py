@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any, cast
 
 from lcap.config import LcapError
-from lcap.train.grpo import FittedRound, RoundInputs, UserPaths, fit_round
+from lcap.ray_cluster import connect, describe
+from lcap.train.fit import FittedRound, RoundInputs, UserPaths, fit_round
 from lcap.train.options import TrainOptions
 
 # What rank 0 may send back (the adapter and TRL's logs): a LoRA adapter is a small part of its model.
@@ -30,14 +31,12 @@ MAX_REPORT_BYTES = 1 << 20  # build-dataset's report.json shipped with the sampl
 
 def fit_on_ray(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> FittedRound:
     """Train the round on `options.num_workers` Ray Train workers; write what rank 0 made into OUT_DIR."""
-    import ray
+    import ray  # the ray extra
 
     # Ray Train v2 by name (the default in Ray 2.60; RAY_TRAIN_V2_ENABLED=0 would swap in v1, which has no return_value)
     from ray.train.v2.api.config import RunConfig, ScalingConfig
     from ray.train.v2.api.result import Result
     from ray.train.v2.torch.torch_trainer import TorchTrainer
-
-    from lcap.ray_cluster import connect, describe
 
     connect(options.ray or "auto")
     _check_resources(options, describe(options.ray or "auto"))
@@ -97,8 +96,8 @@ def fit_on_ray(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Fit
 
 def _train_worker(config: dict[str, Any]) -> dict[str, Any] | None:
     """One Ray Train worker: materialise the round's inputs on this node, train, and (rank 0) return the output."""
-    import ray
-    import ray.train
+    import ray  # the ray extra
+    import ray.train  # the ray extra
 
     options: TrainOptions = config["options"]
     base_model = config["base_model"]
@@ -112,7 +111,7 @@ def _train_worker(config: dict[str, Any]) -> dict[str, Any] | None:
         samples = scratch / "data" / "samples.parquet"
         samples.parent.mkdir()
         samples.write_bytes(ray.get(config["samples"]))
-        if config.get("report") is not None:  # where a round with nothing to train on finds why (grpo.py)
+        if config.get("report") is not None:  # where a round with nothing to train on finds why (fit.py)
             (samples.parent / "report.json").write_bytes(config["report"])
         init_from = None
         if config["init_from"] is not None:
@@ -184,7 +183,7 @@ def _unpack(files: dict[str, bytes], folder: Path) -> None:
 
 def _check_resources(options: TrainOptions, address: str) -> None:
     """Fail at once, not after Ray's wait for resources, when the cluster can never hold the workers."""
-    import ray
+    import ray  # the ray extra
 
     total = ray.cluster_resources()
     cpus, gpus = options.num_workers * options.cpus_per_worker, options.num_workers if options.use_gpu else 0

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from lcap.dataset.build.samples_file import read_samples_table
+
 
 @dataclass
 class Sample:
@@ -83,8 +85,6 @@ class Groups:
 
 def read_samples(path: str | Path) -> list[Sample]:
     """Read the episode builder's `samples.parquet` (a file, or the folder that holds it)."""
-    from lcap.dataset.build.samples_file import read_samples_table
-
     return [
         Sample(
             sample_id=r["sample_id"],

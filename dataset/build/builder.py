@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lcap.dataset.build.merge import merge_turns
+from lcap.dataset.build.rebuild import rebuild_missing_tokens
 from lcap.dataset.build.samples_file import SAMPLES_FILE, write_samples
 from lcap.dataset.options import BuildOptions
 from lcap.display import rounded
@@ -88,8 +89,6 @@ def build_dataset(
 
     clock = _Clock(report.timings, started)
     if options.rebuild:
-        from lcap.dataset.build.rebuild import rebuild_missing_tokens
-
         rebuilt = unrebuildable = 0
         for source in _source_rounds(store, round, groups):
             done, failed = rebuild_missing_tokens(store, round=source, split=options.split, tokenizer=options.tokenizer)

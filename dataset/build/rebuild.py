@@ -13,6 +13,7 @@ import json
 import sys
 from typing import Any
 
+from lcap.policy import read_policy
 from lcap.schema import TRUNCATED_REASONS
 from lcap.store import Store, now
 
@@ -154,13 +155,11 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 @functools.lru_cache(maxsize=8)
 def _load_tokenizer(name: str):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # the train extra
 
     return AutoTokenizer.from_pretrained(name)
 
 
 def _policy_base_model() -> str | None:
-    from lcap.policy import read_policy
-
     policy = read_policy()
     return policy.base_model if policy else None

@@ -4,7 +4,7 @@ The driver (this process) keeps what the local pool keeps: the store, the episod
 bar, resume. What runs where:
 
 * An episode is a Ray task (`--episode-cpus`, `--episode-resources`; at most `--concurrency` in flight).
-  It runs `collect.run_episode` on its node, the function the local pool runs: the workdir (at the run
+  It runs `episode.run_episode` on its node, the function the local pool runs: the workdir (at the run
   directory's path, on the node), the agent, the tamper guard and the verifier are all there, and only
   the outcome (status, reward, details, flags) comes back. A task's `template` directory travels with
   it as an archive in Ray's object store (once per node), its `files` inside the task's spec.
@@ -53,18 +53,19 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from lcap.capture.options import ProxyOptions
+from lcap.capture.proxy.server import CaptureProxy
 from lcap.capture.routing.routes import REFRESH_S
 from lcap.capture.storage.outbox import Outbox, Position, Taken
 from lcap.capture.storage.spool import private_dir, reseal
 from lcap.capture.storage.writer import TurnWriter
 from lcap.config import LcapError, lcap_home
-from lcap.dataset.collect.episodes import (
+from lcap.dataset.collect.episode import (
     EpisodeOutcome,
     EpisodeRules,
     EpisodeSpec,
     Tally,
     TaskFiles,
-    _forget_partial,
+    forget_partial,
     progress_bar,
     record_outcome,
     report_end,
@@ -73,6 +74,7 @@ from lcap.dataset.collect.episodes import (
     template_dir,
 )
 from lcap.dataset.options import CollectOptions
+from lcap.policy import read_policy, record_path
 from lcap.processes import alive, kill_group
 from lcap.ray_cluster import describe
 from lcap.store import Store
@@ -133,8 +135,6 @@ class NodeProxy:
     def start(self) -> None:
         """Start the proxy (its CA, the upstream's probe, its port); every other call waits for it."""
         try:
-            from lcap.capture.proxy.server import CaptureProxy
-
             config = self.config
             root = private_dir(lcap_home() / SPOOL_DIR)
             _remove_dead_spools(root)
@@ -694,8 +694,6 @@ class RayPool:
         proxies (`--upstream policy`); the replicas must be reachable from the nodes."""
         if self.proxy_options.upstream != "policy":
             return None, None
-        from lcap.policy import read_policy, record_path
-
         record = read_policy()
         if record is None:
             raise LcapError(f"--upstream policy: no policy server record at {record_path()} (run `lcap serve`)")
@@ -853,7 +851,7 @@ class _Run:
             reason = f"lost {attempt.number} times with its node: {'; '.join(attempt.errors)}"
             self._finish(spec, EpisodeOutcome("error", None, reason), ended)
             return
-        _forget_partial(self.store, [spec.episode_id])
+        forget_partial(self.store, [spec.episode_id])
         queue.appendleft(_Attempt(spec, attempt.number + 1, attempt.errors))
 
     def _fence(self, episode_ids: list[str]) -> None:

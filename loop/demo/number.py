@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from lcap.loop.demo.runner import DemoSettings, DemoTask, demo_dir
+from lcap.loop.demo.task import DemoSettings, DemoTask, demo_dir
 from lcap.loop.demo.warm import Corpus, Example, answer_weights
 
 QUESTION = "Which is a number: {a} {b} {c}"

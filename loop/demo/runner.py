@@ -24,134 +24,37 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from lcap.cli_options import option
 from lcap.config import LcapError
+from lcap.dataset.options import BuildOptions, CollectOptions
 from lcap.display import num, small
-from lcap.loop.options import LoopOptions
+from lcap.loop.demo import number, tools
+from lcap.loop.demo.number import write_jsonl
+from lcap.loop.demo.task import DemoSettings, DemoTask, demo_dir
+from lcap.loop.options import DEMO_TASKS, LoopOptions
+from lcap.loop.rounds import run_loop
+from lcap.loop.steps import LoopConfig
+from lcap.policy import read_policy
 from lcap.serve.options import TinyModelOptions
-
-if TYPE_CHECKING:
-    from lcap.loop.demo.warm import Corpus
+from lcap.serve.server import start_server, stop_server
+from lcap.serve.tiny_model import init_model
+from lcap.store import Store
+from lcap.train.options import TrainOptions
 
 # The policy's size: small enough to warm-start and train on two CPU cores in seconds, large enough to learn the task.
 MODEL = TinyModelOptions(hidden_size=128, num_layers=2, num_heads=2)
 
 
-TaskName = Literal["number", "tools"]
-DEMO_TASKS: tuple[str, ...] = get_args(TaskName)
-
-
-@dataclass(frozen=True)
-class DemoOptions:
-    """What `lcap demo` runs (its flags beyond --out, --rounds, --fresh and --seed)."""
-
-    task: TaskName = option(
-        "number",
-        help="The demo's task: 'number' (one call: which word is a number) or 'tools' (three calls of a tool "
-        "agent: look the number up, answer with what the tool said).",
-    )
-
-    def __post_init__(self) -> None:
-        if self.task not in DEMO_TASKS:
-            raise LcapError(f"--task {self.task!r}: choose one of {', '.join(DEMO_TASKS)}")
-
-
-@dataclass
-class DemoSettings:
-    """The demo's task sizes and training knobs (each task's module explains its task and warm start; a task may
-    change these defaults, `DemoTask.defaults`)."""
-
-    n_train: int = 65  # distinct training tasks...
-    tasks_per_round: int = 13  # ...the next 13 each round: five rounds meet each once, none is learnt by heart
-    group_size: int = 8  # ...x 8 samples: 104 episodes a round
-    n_eval: int = 64  # held-out tasks, in no training round: one episode moves the mean by 1/64
-    eval_group_size: int = 1  # episodes per held-out task a round
-    concurrency: int = 4
-    warm_steps: int = 600  # the warm start's supervised steps...
-    warm_batch_size: int = 64  # ...of this many examples...
-    warm_examples: int = 4000  # ...drawn from a corpus this large...
-    warm_lr: float = 3e-3  # ...at this peak learning rate (one cycle)
-    warm_p_correct: float = 0.6  # the warm start answers the number word this often (chance: 1/3)...
-    warm_p_format: float = 0.7  # ...and in the verifier's format this often
-    warm_answer_weight: float = 5.0  # the answer word's weight in the warm start's loss: copying is learnt fast
-    warm_p_lookup: float = 0.8  # tools: the warm start looks up what the tool knows this often (else another word)
-    warm_up_steps: int = 0  # tools: first this many steps on the number task's corpus (short: copy and format)
-    lr: float = 3e-3
-    epochs: int = 4  # PPO-style passes over a round's samples, clipped against the round's starting policy
-    epsilon_high: float = 0.5  # PPO's clip above 1 (DAPO's clip-higher): right answers gain faster
-    batch_size: int = 32
-    seed: int = 0
-
-
-@dataclass(frozen=True)
-class DemoTask:
-    """What one demo task brings: the agent's command template, its train and held-out tasks (from the bundled word
-    list), the corpus its warm start learns from (lcap.loop.demo.warm: one trainer for every task), and its own
-    defaults for `DemoSettings`. The verifier (scripts/demo/verify.py) is shared."""
-
-    name: str
-    command: Callable[[], list[str]]
-    make_tasks: Callable[..., tuple[list[dict], list[dict]]]  # (words, *, n_train, n_eval, seed)
-    corpus: Callable[[list[str], DemoSettings], Corpus]
-    defaults: dict[str, Any] = field(default_factory=dict)
-    warm_up: Callable[[list[str], DemoSettings], Corpus] | None = None  # a corpus learnt first (`warm_up_steps`)
-
-    def settings(self, seed: int = 0) -> DemoSettings:
-        return replace(DemoSettings(seed=seed), **self.defaults)
-
-    def tasks(self, settings: DemoSettings) -> tuple[list[dict], list[dict]]:
-        """The training tasks (taken `tasks_per_round` a round) and the held-out ones."""
-        return self.make_tasks(words(), n_train=settings.n_train, n_eval=settings.n_eval, seed=settings.seed)
-
-    def warm_start(self, model_dir: Path, settings: DemoSettings) -> dict:
-        """Make the model in `model_dir` this task's base model, in place; returns the warm start's report. With
-        `warm_up`, its corpus is learnt first for `warm_up_steps` steps, then the task's own."""
-        from lcap.loop.demo.warm import warm_start
-
-        phases = [(self.warm_up, settings.warm_up_steps)] if self.warm_up and settings.warm_up_steps else []
-        reports = [
-            warm_start(
-                model_dir,
-                corpus(words(), settings),
-                examples=settings.warm_examples,
-                steps=steps,
-                batch_size=settings.warm_batch_size,
-                lr=settings.warm_lr,
-                seed=settings.seed + n,
-            )
-            for n, (corpus, steps) in enumerate([*phases, (self.corpus, settings.warm_steps)])
-        ]
-        warm = {k: v for k, v in asdict(settings).items() if k.startswith("warm_")}
-        return {"task": self.name, **reports[-1], "phases": reports, **warm}
-
-
 def demo_task(name: str) -> DemoTask:
-    from lcap.loop.demo import number as demo_task
-    from lcap.loop.demo import tools as demo_tools
-
-    tasks = {task.name: task for task in (demo_task.TASK, demo_tools.TASK)}
+    tasks = {task.name: task for task in (number.TASK, tools.TASK)}
     if name not in tasks:
         raise LcapError(f"no demo task {name!r}: choose one of {', '.join(DEMO_TASKS)}")
     return tasks[name]
-
-
-def words() -> list[str]:
-    """The bundled word list: 13 number words and the others, each one token after a space."""
-    return (demo_dir() / "words.txt").read_text().split()
-
-
-def demo_dir() -> Path:
-    """The bundled agent, verifier and word list (scripts/demo in the source tree)."""
-    here = Path(__file__).resolve().parent.parent / "scripts" / "demo"
-    if not (here / "agent.py").exists():
-        raise LcapError(f"bundled demo files not found in {here}: run `lcap demo` from an lcap checkout")
-    return here
 
 
 def run_demo(
@@ -164,17 +67,9 @@ def run_demo(
     echo: Callable[[str], None] = print,
     loop: LoopOptions | None = None,
 ) -> dict:
+    # the train extra
     import torch
     from transformers.utils.logging import disable_progress_bar
-
-    from lcap.dataset.options import BuildOptions, CollectOptions
-    from lcap.loop.demo.number import write_jsonl
-    from lcap.loop.rounds import LoopConfig, run_loop
-    from lcap.policy import read_policy
-    from lcap.serve.server import start_server, stop_server
-    from lcap.serve.tiny_model import init_model
-    from lcap.store import Store
-    from lcap.train.options import TrainOptions
 
     kind = demo_task(task)
     settings = settings or kind.settings()
@@ -209,8 +104,6 @@ def run_demo(
     train_tasks, held_out = kind.tasks(settings)
     tasks = write_jsonl(out / "tasks.jsonl", train_tasks)
     eval_tasks = write_jsonl(out / "heldout.jsonl", held_out)
-
-    import signal
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))  # stop vLLM on `kill` too
     running = read_policy()
@@ -422,10 +315,10 @@ def summarise(out: Path, store, timings: dict[str, float], seconds: float, task:
 
 
 def _plot(rows: list[dict], png: Path) -> None:
-    import matplotlib
+    import matplotlib  # the train extra
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # the train extra, after its backend is chosen
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ev = [(r["round"], r["eval_reward"]) for r in rows if r["eval_reward"] is not None]

@@ -58,7 +58,7 @@ from types import ModuleType
 from lcap.config import LcapError
 from lcap.loop.demo.number import FORMATS, make_tasks, make_triple
 from lcap.loop.demo.number import demo_corpus as number_corpus
-from lcap.loop.demo.runner import DemoSettings, DemoTask
+from lcap.loop.demo.task import DemoSettings, DemoTask
 from lcap.loop.demo.warm import Corpus, Example, answer_weights
 
 QUESTION = "Which word is a number?"  # names none of the words, nor the key the tool knows
@@ -76,7 +76,7 @@ def lookup_call(query: str) -> str:
 
 
 def agent_path() -> Path:
-    path = Path(__file__).resolve().parent.parent / "scripts" / "agents" / "openai_tools.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "agents" / "openai_tools.py"
     if not path.exists():
         raise LcapError(f"bundled tool agent not found at {path}: run `lcap demo --task tools` from an lcap checkout")
     return path

@@ -59,6 +59,7 @@ def warm_start(
 ) -> dict:
     """Train the model in `model_dir` on `examples` examples drawn from `corpus` (no more than the steps read), with
     AdamW and a one-cycle schedule; saves in place. Returns the report `lcap demo` keeps as warm_start.json."""
+    # the train extra
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

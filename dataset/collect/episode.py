@@ -1,0 +1,347 @@
+"""One episode of a collect, wherever it runs: its spec, running it (workdir, agent, tamper guard, verifier),
+its outcome and the store's record of it, and the counts and progress bar of a run.
+
+The local pool (episodes.py: threads in this process) and the Ray pool (on_ray.py: a Ray task per episode) both
+run episodes through these pieces, so an episode is the same wherever it ran.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import shlex
+import shutil
+import subprocess
+import tarfile
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
+
+from lcap.capture.trust.redact import redact_text
+from lcap.config import LcapError
+from lcap.dataset.collect.summary import CollectSummary
+from lcap.dataset.collect.verifiers import Verifier, VerifierContext, VerifierError, hash_protected, tampered_files
+from lcap.display import printable
+from lcap.processes import kill_group, run_child
+from lcap.store import Store, now
+
+if TYPE_CHECKING:
+    from lcap.capture.proxy.server import Child
+
+log = logging.getLogger("lcap.dataset")
+
+FINISHED = ("ok", "failed", "timeout", "error")
+
+
+@dataclass
+class CollectResult:
+    episodes: int = 0  # episodes this run asked for (tasks x group_size)
+    finished: int = 0  # ran to the end with a reward, this run
+    failed: int = 0  # agent failed, timed out, verifier error, interrupted (this run)
+    skipped: int = 0  # already finished by an earlier run of the same collect
+    mean_reward: float | None = None  # over the rewards given in this run
+    run_id: str = ""
+    run_dir: str = ""
+    statuses: dict[str, int] = field(default_factory=dict)
+    tampered: int = 0
+    summary: CollectSummary | None = None  # every episode of this collect, this run's and earlier ones'
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    episode_id: str
+    task: Mapping[str, Any]
+    sample: int
+    argv: list[str]
+    dir: Path  # run_dir/<episode_id>: stdout.txt, stderr.txt, work/
+    labels: dict[str, str]
+
+    @property
+    def workdir(self) -> Path:
+        return self.dir / "work"
+
+
+def finished_episodes(store: Store, ids: list[str]) -> set[str]:
+    rows = store.fetchall(
+        "SELECT episode_id FROM episodes WHERE episode_id IN (SELECT unnest(?)) AND status IN "
+        f"({', '.join(repr(s) for s in FINISHED)})",
+        [ids],
+    )
+    return {r[0] for r in rows}
+
+
+def forget_partial(store: Store, ids: list[str]) -> None:
+    """An interrupted attempt's turns, rewards and flags would mix with the new attempt's: delete them."""
+    with store.connect() as con:
+        for table in ("turns", "rewards", "episode_flags"):
+            con.execute(f"DELETE FROM {table} WHERE episode_id IN (SELECT unnest(?))", [ids])
+
+
+@dataclass(frozen=True)
+class EpisodeRules:
+    """What every episode of a collect run shares: the verifier, the tamper guard's globs, the agent's timeout."""
+
+    judge: Verifier | None
+    guard: tuple[str, ...]
+    timeout: float | None
+    verify_failed: bool = False  # an agent's non-zero exit is an outcome to verify, not a failure
+
+
+@dataclass(frozen=True)
+class TaskFiles:
+    """Where a task's `template` directory comes from: the tasks file's directory, or (on a Ray node, which may not
+    see this machine's files) the directory's contents as a tar archive shipped with the episode."""
+
+    tasks_dir: Path
+    archive: bytes | None = None
+
+
+@dataclass
+class EpisodeOutcome:
+    """How one episode ended: what the store gets (`record_outcome`), wherever the episode ran."""
+
+    status: str  # ok | failed | timeout | error | interrupted
+    exit_code: int | None = None
+    reason: str | None = None
+    reward: float | None = None  # with `source` and `details`: the reward to store, if any
+    source: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+    flags: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # (flag, details) to raise
+    tampered: bool = False
+
+
+def run_episode(
+    spec: EpisodeSpec,
+    env: Mapping[str, str],
+    rules: EpisodeRules,
+    files: TaskFiles,
+    *,
+    flush: Callable[[], bool],
+    on_start: Callable[[subprocess.Popen], None] | None = None,
+    stopping: Callable[[], bool] = lambda: False,
+    agent: Child | None = None,
+) -> EpisodeOutcome:
+    """Run one episode here: set up its working directory, run the agent with `env` (the capture proxy's
+    environment for this episode), check the tamper guard and run the verifier. Writes nothing to the store:
+    `flush()` must return once the episode's turns are stored (False if they may not be), and the caller
+    records the outcome. The local pool and a Ray node run episodes through this one function. `agent`, from
+    `CaptureProxy.episode_child`, says how to start the agent (in namespaces of its own with `--transparent`)."""
+    if spec.dir.exists():
+        shutil.rmtree(spec.dir)
+    spec.workdir.mkdir(parents=True)
+    _populate(spec.workdir, spec.task, files)
+    guard = tuple(rules.guard) + tuple(spec.task.get("protected") or ())
+    before = hash_protected(spec.workdir, guard) if guard else {}
+
+    child_env = dict(env)
+    child_env["LCAP_TASK"] = json.dumps(dict(spec.task), ensure_ascii=False)
+    child_env["LCAP_WORKDIR"] = str(spec.workdir)
+    exit_code, timed_out = _run_agent(spec, child_env, rules.timeout, on_start, agent)
+    outcome = EpisodeOutcome("ok", exit_code)
+    # The episode's turns are in the store before it is verified and marked finished.
+    if not flush():
+        log.warning("lcap: episode %s: some of its turns are not in the store yet", spec.episode_id)
+        outcome.flags.append(("turns_unstored", {"reason": "not stored when the agent ended"}))
+    if stopping():
+        outcome.status, outcome.reason = "interrupted", "collect was interrupted"
+        return outcome
+    if timed_out:
+        outcome.status, outcome.exit_code = "timeout", None
+        outcome.reason = f"timed out after {rules.timeout:g}s"
+        return outcome
+    if exit_code != 0 and not rules.verify_failed:
+        outcome.status, outcome.reason = "failed", f"agent exited {exit_code}: {_tail(spec.dir / 'stderr.txt')}"
+        return outcome
+
+    if guard:
+        changed = tampered_files(before, hash_protected(spec.workdir, guard))
+        if changed:
+            details = {"tampered": changed, "protected": list(guard)}
+            outcome.flags.append(("tampered", details))
+            outcome.reward, outcome.details, outcome.source, outcome.tampered = 0.0, details, "tamper-guard", True
+            return outcome
+    if rules.judge is None:  # rewards may come later (`lcap reward`)
+        return outcome
+    ctx = VerifierContext(
+        task=spec.task,
+        episode_id=spec.episode_id,
+        workdir=spec.workdir,
+        stdout=(spec.dir / "stdout.txt").read_text(errors="replace"),
+        exit_code=exit_code,
+        status="ok",
+    )
+    try:
+        verdict = rules.judge(ctx)
+    except VerifierError as exc:
+        outcome.flags.append(("verifier_error", {"error": str(exc)}))
+        outcome.status, outcome.reason = "error", f"verifier: {exc}"
+        return outcome
+    outcome.reward, outcome.details, outcome.source = verdict.reward, dict(verdict.details), rules.judge.name
+    return outcome
+
+
+def _run_agent(
+    spec: EpisodeSpec,
+    env: dict[str, str],
+    timeout: float | None,
+    on_start: Callable[[subprocess.Popen], None] | None,
+    agent: Child | None = None,
+) -> tuple[int, bool]:
+    """(exit code, timed out). The agent leads a process group of its own, which ends with it; an exception
+    here (a cancelled Ray task's KeyboardInterrupt) ends the group too."""
+    child: subprocess.Popen | None = None
+
+    def started(proc: subprocess.Popen) -> None:
+        nonlocal child
+        child = proc
+        if agent is not None:
+            agent.on_start(proc)
+        if on_start is not None:
+            on_start(proc)
+
+    with open(spec.dir / "stdout.txt", "wb") as out, open(spec.dir / "stderr.txt", "wb") as err:
+        try:
+            ended = run_child(
+                agent.argv if agent is not None else spec.argv,
+                env,
+                cwd=spec.workdir,
+                timeout=timeout,
+                own_group=True,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                on_start=started,
+                pass_fds=agent.pass_fds if agent is not None else (),
+            )
+        except LcapError as exc:
+            err.write(f"{exc}\n".encode())
+            return 127, False
+        except BaseException:
+            if child is not None:
+                kill_group(child.pid, grace=1.0)
+            raise
+    return ended.code, ended.timed_out
+
+
+def record_outcome(store: Store, spec: EpisodeSpec, outcome: EpisodeOutcome) -> None:
+    """Store an episode's flags, reward and end in one attach of the store."""
+    with store.connect():
+        for flag, details in outcome.flags:
+            store.flag_episode(spec.episode_id, flag, details)
+        if outcome.reward is not None:
+            store.append(
+                "rewards",
+                [
+                    {
+                        "episode_id": spec.episode_id,
+                        "value": float(outcome.reward),
+                        "details": json.dumps(outcome.details, default=str),
+                        "source": outcome.source,
+                        "created_at": now(),
+                    }
+                ],
+            )
+        store.end_episode(spec.episode_id, status=outcome.status, exit_code=outcome.exit_code, error=outcome.reason)
+
+
+def start_episode(store: Store, spec: EpisodeSpec) -> None:
+    """The episode's row, marked running: even a task whose workdir cannot be set up leaves one."""
+    store.start_episode(
+        spec.episode_id, command=redact_text(shlex.join(spec.argv)), cwd=str(spec.workdir), labels=spec.labels
+    )
+
+
+class Tally:
+    """The run's counts and rewards as episodes end, and the progress bar's line; shared by both pools."""
+
+    def __init__(self, result: CollectResult) -> None:
+        self.result = result
+        self.rewards: list[float] = []
+        self.running = 0
+        self.lock = threading.Lock()
+
+    def add(self, outcome: EpisodeOutcome) -> None:
+        with self.lock:
+            r = self.result
+            r.statuses[outcome.status] = r.statuses.get(outcome.status, 0) + 1
+            if outcome.status == "ok":
+                r.finished += 1
+            else:
+                r.failed += 1
+            if outcome.tampered:
+                r.tampered += 1
+            if outcome.reward is not None:
+                self.rewards.append(float(outcome.reward))
+            r.mean_reward = sum(self.rewards) / len(self.rewards) if self.rewards else None
+
+    def describe(self) -> str:
+        r = self.result
+        mean = f"{sum(self.rewards) / len(self.rewards):.3f}" if self.rewards else "-"
+        return f"ok {r.finished} failed {r.failed} running {self.running} reward {mean}"
+
+
+def progress_bar(show: bool):
+    """The console and progress bar both pools draw on stderr."""
+    console = Console(stderr=True)
+    bar = Progress(
+        TextColumn("collect"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not show,
+        transient=False,
+    )
+    return console, bar
+
+
+def report_end(console, spec: EpisodeSpec, outcome: EpisodeOutcome) -> None:
+    if outcome.status != "ok":  # the reason quotes the agent: text, not markup
+        console.print(
+            Text.assemble((f"{spec.episode_id}: {outcome.status} ", "yellow"), printable(outcome.reason or ""))
+        )
+
+
+def template_dir(task: Mapping[str, Any], tasks_dir: Path) -> Path | None:
+    """The task's `template` directory (relative to the tasks file), or None if it has none."""
+    template = task.get("template")
+    if not template:
+        return None
+    src = (tasks_dir / template).resolve()
+    if not src.is_dir():
+        raise LcapError(f"task {task['id']}: template {src} is not a directory")
+    return src
+
+
+def _populate(workdir: Path, task: Mapping[str, Any], files: TaskFiles) -> None:
+    """A task may bring a `template` directory (copied) and `files` ({relative path: text}) into its workdir."""
+    if files.archive is not None:
+        with tarfile.open(fileobj=io.BytesIO(files.archive)) as tar:
+            tar.extractall(workdir, filter="tar")  # symlinks kept as they are, as copytree(symlinks=True) does
+    else:
+        src = template_dir(task, files.tasks_dir)
+        if src is not None:
+            shutil.copytree(src, workdir, dirs_exist_ok=True, symlinks=True)
+    for rel, text in (task.get("files") or {}).items():
+        target = (workdir / rel).resolve()
+        if workdir.resolve() not in target.parents:
+            raise LcapError(f"task {task['id']}: file {rel!r} is outside the workdir")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text if isinstance(text, str) else json.dumps(text))
+
+
+def _tail(path: Path, n: int = 300) -> str:
+    try:
+        text = path.read_text(errors="replace").strip()
+    except OSError:
+        return ""
+    text = " ".join(text.splitlines()[-3:])
+    return text[-n:] if text else "(no stderr)"

@@ -1,0 +1,249 @@
+"""What both loops are made of: the loop's config, its resumable state (RUN/state.json), and its steps, each
+run once and recorded (`StepRunner`): a collect, a round's training, a deploy.
+
+The synchronous loop (rounds.py) runs them round by round; the overlapped loop (overlap.py) runs the same steps
+while collection goes on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from lcap.capture.options import ProxyOptions
+from lcap.config import LcapError
+from lcap.dataset.build.explain import explain
+from lcap.dataset.collect.episodes import collect, load_tasks
+from lcap.dataset.options import BuildOptions, CollectOptions
+from lcap.display import rounded
+from lcap.loop.options import LoopOptions
+from lcap.serve.deploy import deploy
+from lcap.store import now
+from lcap.train.grpo import round_dir, train_round
+from lcap.train.options import TrainOptions
+
+
+@dataclass
+class LoopConfig:
+    run: Path
+    rounds: int
+    tasks: Path
+    command: list[str]
+    eval_tasks: Path | None = None
+    eval_group_size: int = 1
+    tasks_per_round: int = 0  # 0: every task every round; else the next this many of the file each round
+    collect: CollectOptions = field(default_factory=CollectOptions)
+    build: BuildOptions = field(default_factory=BuildOptions)
+    train: TrainOptions = field(default_factory=TrainOptions)
+    proxy: ProxyOptions = field(default_factory=ProxyOptions)  # its policy-route flags (stitch, adapt)
+    options: LoopOptions = field(default_factory=LoopOptions)  # the loop's own: --async and its bounds
+
+    def __post_init__(self) -> None:
+        if self.tasks_per_round < 0:
+            raise LcapError("--tasks-per-round must be 0 (every task) or more")
+
+    def key(self) -> str:
+        """What must not change between a run and its resume (more rounds may be added)."""
+        ident = [
+            list(self.command),
+            str(Path(self.tasks).resolve()),
+            self.collect.group_size,
+            self.collect.verifier,
+            str(Path(self.eval_tasks).resolve()) if self.eval_tasks else None,
+            self.eval_group_size,
+        ]
+        if self.tasks_per_round:
+            ident.append(self.tasks_per_round)
+        if self.options.overlap:  # an async run's state (batches of groups) is not a synchronous run's (rounds)
+            ident.append("async")
+        return hashlib.sha1(json.dumps(ident).encode()).hexdigest()[:12]
+
+
+class LoopState:
+    """RUN/state.json: the finished steps and what they produced."""
+
+    def __init__(self, run: Path, key: str) -> None:
+        self.path = Path(run) / "state.json"
+        data = json.loads(self.path.read_text()) if self.path.exists() else {}
+        if data and data.get("key") != key:
+            raise LcapError(
+                f"{self.path} belongs to a loop with another agent command, tasks, tasks per round, group size or "
+                "verifier: use a new --run folder"
+            )
+        self.data = data or {"key": key, "steps": {}}
+        self.lock = threading.RLock()  # the async loop's held-out runs record their steps from a thread of their own
+
+    def done(self, round: int, step: str) -> dict | None:
+        return self.data["steps"].get(f"{round}:{step}")
+
+    def finish(self, round: int, step: str, info: dict) -> None:
+        with self.lock:
+            self.data["steps"][f"{round}:{step}"] = {**info, "finished_at": time.time()}
+            self.save()
+
+    def save(self) -> None:
+        """Write the state atomically (a reader, or a resumed loop, never sees half a file)."""
+        with self.lock:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self.data, indent=2, default=str))
+            tmp.replace(self.path)
+
+    def last_deployed(self) -> dict | None:
+        deployed = [(int(k.split(":")[0]), v) for k, v in self.data["steps"].items() if k.endswith(":deploy")]
+        return max(deployed, key=lambda x: x[0])[1] if deployed else None
+
+
+@dataclass
+class RoundSummary:
+    round: int
+    train_reward: float | None = None
+    eval_reward: float | None = None
+    train: dict[str, Any] = field(default_factory=dict)
+    deployed: str | None = None
+
+
+def split_reward(store, run_id: str, round: int, split: str) -> tuple[float | None, int]:
+    """Mean reward of one collect run's episodes of a round and split, from the store (resume-proof)."""
+    rows = store.fetchall(
+        "SELECT avg(reward), count(reward) FROM episode_summary WHERE collect_run = ? AND round = ? AND split = ?",
+        [run_id, round, split],
+    )
+    return (rows[0][0], rows[0][1]) if rows else (None, 0)
+
+
+def run_step(store, state: LoopState, run: Path, round: int, name: str, body: Callable[[], dict]) -> dict:
+    """A step of the loop, once: its recorded result, or `body()`'s, recorded (store first, then state.json)."""
+    info = state.done(round, name)
+    if info is None:
+        t0 = time.perf_counter()
+        info = {**body(), "seconds": rounded(time.perf_counter() - t0)}
+        # The store's record first: a kill between the two reruns the step (and records it twice),
+        # rather than resuming past a step the store never heard of.
+        store.append(
+            "loop_steps",
+            [
+                {
+                    "run": str(run.resolve()),
+                    "round": round,
+                    "step": name,
+                    "mean_reward": info.get("mean_reward"),
+                    "details": json.dumps(info, default=str),
+                    "created_at": now(),
+                }
+            ],
+        )
+        state.finish(round, name, info)
+    return info
+
+
+def collect_split(
+    store, config: LoopConfig, round: int, split: str, tasks: Path, group_size: int, node_proxies: Any = None
+) -> dict:
+    """One collect of the loop (`lcap collect` against the policy): a round's training episodes, or held-out ones.
+    `node_proxies`: with --ray, the node proxies the loop keeps across its collects (dataset/collect/on_ray.py)."""
+    options = replace(
+        config.collect,
+        group_size=group_size,
+        round=round,
+        split=split,
+        upstream="policy",
+        run_dir=Path(config.run) / "episodes",
+        ray=config.train.ray,  # one --ray: the loop collects and trains on the same cluster
+    )
+    result = collect(
+        store,
+        tasks=tasks,
+        command=config.command,
+        options=options,
+        proxy_options=config.proxy,
+        node_proxies=node_proxies,
+    )
+    mean, n = split_reward(store, result.run_id, round, split)
+    return {
+        "mean_reward": mean,
+        "rewarded": n,
+        "episodes": result.episodes,
+        "failed": result.failed,
+        "skipped": result.skipped,
+        "collect_run": result.run_id,
+    }
+
+
+def round_tasks(config: LoopConfig, n: int) -> Path:
+    """Round n's training tasks: the whole file, or with `tasks_per_round` k the file's tasks (n-1)k .. nk-1,
+    wrapping around at its end, written to RUN/round-n/tasks.jsonl (the same bytes when a round is resumed)."""
+    if not config.tasks_per_round:
+        return config.tasks
+    tasks = load_tasks(config.tasks)
+    k = config.tasks_per_round
+    if k > len(tasks):
+        raise LcapError(f"--tasks-per-round {k} is more than the {len(tasks)} tasks in {config.tasks}")
+    here = Path(config.tasks).resolve().parent  # a task's `template` is relative to the user's file, not this one
+    chosen = [_anchored(tasks[i % len(tasks)], here) for i in range((n - 1) * k, n * k)]
+    path = round_dir(config.run, n) / "tasks.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(t) + "\n" for t in chosen))
+    return path
+
+
+def _anchored(task: dict[str, Any], tasks_dir: Path) -> dict[str, Any]:
+    template = task.get("template")
+    return {**task, "template": str(tasks_dir / template)} if isinstance(template, str) and template else task
+
+
+def train_step(store, run: Path, n: int, options: TrainOptions, data: Path) -> dict:
+    """Train round `n` on the samples in `data`; with none, a one-line error that says why (build's report)."""
+    samples = data / "samples.parquet"
+    if not samples.exists() or _parquet_rows(samples) == 0:
+        try:
+            report = json.loads((data / "report.json").read_text())
+        except (OSError, ValueError):
+            report = None
+        why = explain(report) if report else f"no report.json in {data}"
+        raise LcapError(f"round {n}: nothing to train on in {data}: {why}")
+    result = train_round(store, run, n, options, data=data, progress=sys.stderr.isatty())
+    return {
+        "output": str(result.output),
+        **{k: v for k, v in result.metrics.items() if isinstance(v, (int, float)) or v is None},
+    }
+
+
+def _parquet_rows(path: Path) -> int:
+    return pq.ParquetFile(path).metadata.num_rows
+
+
+def deploy_step(store, output: str, n: int) -> dict:
+    """Deploy round `n`'s adapter or checkpoint: its deployment's name and path."""
+    return {"name": deploy(Path(output), round=n, store=store), "path": output}
+
+
+class StopAfter(Exception):
+    """`stop_after` reached: the loop ends there, as a kill would."""
+
+
+@dataclass
+class StepRunner:
+    """A loop's steps: each runs once (`run_step`), and the loop stops after `stop_after` (tests stage a kill
+    there). Both loops call it as `step(round, name, body)`."""
+
+    store: Any
+    state: LoopState
+    run: Path
+    stop_after: tuple[int, str] | None = None
+
+    def __call__(self, round: int, name: str, body: Callable[[], dict]) -> dict:
+        info = run_step(self.store, self.state, self.run, round, name, body)
+        if self.stop_after == (round, name):
+            raise StopAfter()
+        return info
