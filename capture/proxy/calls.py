@@ -26,6 +26,7 @@ from lcap.capture.storage.writer import TurnSink
 from lcap.capture.trust.credentials import EpisodeKeys
 from lcap.capture.trust.redact import CREDENTIAL_HEADERS
 from lcap.capture.turns import dialects
+from lcap.capture.turns.sse import SseCutter
 from lcap.capture.turns.turn import PendingTurn
 
 log = logging.getLogger("lcap.capture")
@@ -527,22 +528,16 @@ class _SseRewriter:
         self.pending = pending
         self.limit = limit
         self.copy = _Copy(pending, limit)
-        self.buffer = b""
+        self.events = SseCutter()
 
     def __call__(self, data: bytes) -> list[bytes]:
-        if data:
-            self.copy.add(data)
-        self.buffer += data
-        if not data or len(self.buffer) > self.limit:  # the end, or no event end in sight: out as it is
-            rest, self.buffer = self.buffer, b""
+        if not data:  # the end: whatever is left goes out as it is
+            rest = self.events.rest()
             return [rest] if rest else []
-        out = []
-        while True:
-            cut = self.buffer.find(b"\n\n")
-            if cut < 0:
-                break
-            event, self.buffer = self.buffer[: cut + 2], self.buffer[cut + 2 :]
-            out.append(self._rewrite(event))
+        self.copy.add(data)
+        out = [self._rewrite(event) for event in self.events.feed(data)]
+        if len(self.events) > self.limit:  # no event end in sight: out as it is
+            out.append(self.events.rest())
         return out
 
     def _rewrite(self, event: bytes) -> bytes:
@@ -551,6 +546,7 @@ class _SseRewriter:
             if not line.startswith(b"data:"):
                 continue
             payload = line[5:].strip()
+            ending = line[len(line.rstrip(b"\r")) :]
             if not payload.startswith(b"{"):
                 continue
             try:
@@ -563,5 +559,6 @@ class _SseRewriter:
                 + json.dumps(
                     dialects.strip_added(obj, self.pending.added), ensure_ascii=False, separators=(",", ":")
                 ).encode()
+                + ending
             )
         return b"\n".join(lines)
