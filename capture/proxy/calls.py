@@ -51,6 +51,18 @@ class NoRoute(Exception):
     never the original host."""
 
 
+UNASKED_SWITCH = "the upstream switched protocols (101) on a call that asked for none"  # both transports' 502
+
+
+class BodyRefused(Exception):
+    """An LLM call whose body lcap cannot read as the upstream would (JSON nested past Python's parser): the agent
+    gets `status` with this message, and the turn is stored with it and the raw body."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class HoldRefused(Exception):
     """A call held while every policy replica restarts that no replica took within `--hold-timeout`, or one past
     `--max-held-calls`: the agent gets a 503 with this message, and the turn is stored with it."""
@@ -299,11 +311,16 @@ class Calls:
         """The request's body. True: an LLM call, now numbered in its episode and recorded from here on (its body
         rewritten when the route says so). False: a side call that shares the path; nothing is recorded, and
         the request goes on as it came, to its own host."""
+        pending = call.pending
         try:
             request, exact = json.loads(body), True
         except ValueError:
             request, exact = _read_leniently(body), False
-        pending = call.pending
+        except RecursionError:
+            why = "request body nests JSON deeper than lcap's parser reads"
+            pending.request_body = body
+            self.refuse_call(call, 400, why)
+            raise BodyRefused(400, why) from None
         if not dialects.looks_like_call(pending.dialect, request):
             return False
         pending.request_body = call.body = body
