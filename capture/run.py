@@ -40,10 +40,14 @@ def run_proxy(
     store = Store(db)
     proxy = _start(store, options)
     episode_id = episode or str(uuid.uuid4())
+    try:
+        store.start_episode(episode_id, command=redact_text(shlex.join(command)), cwd=os.getcwd(), labels=labels)
+    except BaseException:  # an id that exists already: that episode is left as it is
+        proxy.stop()
+        raise
     status, code, error = "failed", None, None
     report = None
     try:
-        store.start_episode(episode_id, command=redact_text(shlex.join(command)), cwd=os.getcwd(), labels=labels)
         if options.transparent and not shutil.which(command[0]):  # else the namespace's start says it, exit 127
             raise LcapError(f"cannot run {shlex.join(command)}: command not found")
         with proxy.episode_child(episode_id, command) as child:

@@ -217,15 +217,26 @@ class Store:
 
     # Episodes are shared by capture (one per `lcap proxy -- CMD`) and collect (one per task run).
 
-    def start_episode(self, episode_id: str, *, command: str | None, cwd: str | None, labels: dict[str, str]) -> None:
-        """Record an episode as running; the labels of PROMOTED_LABELS are also stored in their columns."""
+    def start_episode(
+        self, episode_id: str, *, command: str | None, cwd: str | None, labels: dict[str, str], replace: bool = False
+    ) -> None:
+        """Record an episode as running; the labels of PROMOTED_LABELS are also stored in their columns.
+
+        An id the store already holds is refused (a one-line error naming its status), unless `replace`: collect
+        starts again an episode of its own that a crash cut short."""
         columns = ", ".join(column for column, _ in PROMOTED_LABELS.values())
         casts = ", ".join(f"TRY_CAST(? AS {kind})" for _, kind in PROMOTED_LABELS.values())
-        self.execute(
-            f"""INSERT OR REPLACE INTO episodes (episode_id, command, cwd, started_at, status, labels, {columns})
-                VALUES (?, ?, ?, ?, 'running', ?, {casts})""",
-            [episode_id, command, cwd, now(), _json(labels), *(labels.get(label) for label in PROMOTED_LABELS)],
-        )
+        verb = "INSERT OR REPLACE" if replace else "INSERT"
+        try:
+            self.execute(
+                f"""{verb} INTO episodes (episode_id, command, cwd, started_at, status, labels, {columns})
+                    VALUES (?, ?, ?, ?, 'running', ?, {casts})""",
+                [episode_id, command, cwd, now(), _json(labels), *(labels.get(label) for label in PROMOTED_LABELS)],
+            )
+        except duckdb.ConstraintException:
+            rows = self.fetchall("SELECT status FROM episodes WHERE episode_id = ?", [episode_id])
+            status = rows[0][0] if rows else "unknown"
+            raise LcapError(f"episode {episode_id!r} exists already (status {status}): give a new id") from None
 
     def flag_episode(self, episode_id: str, flag: str, details: dict[str, Any]) -> None:
         """Raise a flag on an episode (tampered, verifier_error, turns_unstored, ...) with its details."""

@@ -50,6 +50,7 @@ class FakeLLM(ThreadingHTTPServer):
         self.gate: threading.Event | None = None  # streams pause after the first chunk until set
         self.end_gate: threading.Event | None = None  # chat streams pause before their `[DONE]` until set
         self.chunk_delay = 0.0
+        self.line_end = "\n"  # "\r\n": SSE lines (and the blank line after each event) end in CRLF
         self.drop_idle = False  # close each connection after its answer, without saying so (a keep-alive timeout)
         self.models = ["fake-model"]  # what GET /v1/models lists
         self.thread = threading.Thread(target=self.serve_forever, daemon=True)
@@ -65,6 +66,7 @@ class FakeLLM(ThreadingHTTPServer):
         self.requests.clear()
         self.models = ["fake-model"]
         self.end_gate = None
+        self.line_end = "\n"
         self.text, self.tool_call, self.fail, self.gzip, self.gate, self.chunk_delay, self.drop_idle = (
             "Hello from the upstream.",
             None,
@@ -193,8 +195,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.close_connection = True
         for i, event in enumerate(events):
-            head = f"event: {event['type']}\n" if named else ""
-            self.wfile.write(f"{head}data: {json.dumps(event)}\n\n".encode())
+            end = self.server.line_end
+            head = f"event: {event['type']}{end}" if named else ""
+            self.wfile.write(f"{head}data: {json.dumps(event)}{end}{end}".encode())
             self.wfile.flush()
             if i == 1 and self.server.gate is not None:  # after the first content chunk
                 self.server.gate.wait(120)
@@ -203,7 +206,7 @@ class _Handler(BaseHTTPRequestHandler):
         if not named:
             if self.server.end_gate is not None:
                 self.server.end_gate.wait(120)
-            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.write(f"data: [DONE]{self.server.line_end * 2}".encode())
             self.wfile.flush()
 
 

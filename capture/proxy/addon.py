@@ -18,7 +18,7 @@ from typing import Any
 from mitmproxy import http
 
 from lcap.capture.options import ProxyOptions
-from lcap.capture.proxy.calls import Calls, HoldRefused, NoRoute, Unauthorized, with_route_model
+from lcap.capture.proxy.calls import BodyRefused, Calls, HoldRefused, NoRoute, Unauthorized, with_route_model
 from lcap.capture.routing import policy_wire
 from lcap.capture.routing.routes import Route
 from lcap.capture.turns import dialects
@@ -117,6 +117,8 @@ class CaptureAddon:
             await self._request(flow)
         except (NoRoute, HoldRefused) as exc:  # a held call's turn is stored and counted already
             flow.response = http.Response.make(503, f"lcap: {exc}\n".encode())
+        except BodyRefused as exc:  # its turn is stored already
+            flow.response = http.Response.make(exc.status, f"lcap: {exc}\n".encode())
         except Exception:
             log.exception("lcap: capture error in request")
             if self.calls.router.upstream is not None and dialects.match(flow.request.method, flow.request.path):

@@ -26,6 +26,7 @@ from lcap.capture.storage.writer import TurnSink
 from lcap.capture.trust.credentials import EpisodeKeys
 from lcap.capture.trust.redact import CREDENTIAL_HEADERS
 from lcap.capture.turns import dialects
+from lcap.capture.turns.sse import SseCutter
 from lcap.capture.turns.turn import PendingTurn
 
 log = logging.getLogger("lcap.capture")
@@ -48,6 +49,18 @@ class Unauthorized(Exception):
 class NoRoute(Exception):
     """`--upstream` is set but has no server to send to right now (no policy record): the agent gets a 503,
     never the original host."""
+
+
+UNASKED_SWITCH = "the upstream switched protocols (101) on a call that asked for none"  # both transports' 502
+
+
+class BodyRefused(Exception):
+    """An LLM call whose body lcap cannot read as the upstream would (JSON nested past Python's parser): the agent
+    gets `status` with this message, and the turn is stored with it and the raw body."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class HoldRefused(Exception):
@@ -298,11 +311,16 @@ class Calls:
         """The request's body. True: an LLM call, now numbered in its episode and recorded from here on (its body
         rewritten when the route says so). False: a side call that shares the path; nothing is recorded, and
         the request goes on as it came, to its own host."""
+        pending = call.pending
         try:
             request, exact = json.loads(body), True
         except ValueError:
             request, exact = _read_leniently(body), False
-        pending = call.pending
+        except RecursionError:
+            why = "request body nests JSON deeper than lcap's parser reads"
+            pending.request_body = body
+            self.refuse_call(call, 400, why)
+            raise BodyRefused(400, why) from None
         if not dialects.looks_like_call(pending.dialect, request):
             return False
         pending.request_body = call.body = body
@@ -527,22 +545,16 @@ class _SseRewriter:
         self.pending = pending
         self.limit = limit
         self.copy = _Copy(pending, limit)
-        self.buffer = b""
+        self.events = SseCutter()
 
     def __call__(self, data: bytes) -> list[bytes]:
-        if data:
-            self.copy.add(data)
-        self.buffer += data
-        if not data or len(self.buffer) > self.limit:  # the end, or no event end in sight: out as it is
-            rest, self.buffer = self.buffer, b""
+        if not data:  # the end: whatever is left goes out as it is
+            rest = self.events.rest()
             return [rest] if rest else []
-        out = []
-        while True:
-            cut = self.buffer.find(b"\n\n")
-            if cut < 0:
-                break
-            event, self.buffer = self.buffer[: cut + 2], self.buffer[cut + 2 :]
-            out.append(self._rewrite(event))
+        self.copy.add(data)
+        out = [self._rewrite(event) for event in self.events.feed(data)]
+        if len(self.events) > self.limit:  # no event end in sight: out as it is
+            out.append(self.events.rest())
         return out
 
     def _rewrite(self, event: bytes) -> bytes:
@@ -551,6 +563,7 @@ class _SseRewriter:
             if not line.startswith(b"data:"):
                 continue
             payload = line[5:].strip()
+            ending = line[len(line.rstrip(b"\r")) :]
             if not payload.startswith(b"{"):
                 continue
             try:
@@ -563,5 +576,6 @@ class _SseRewriter:
                 + json.dumps(
                     dialects.strip_added(obj, self.pending.added), ensure_ascii=False, separators=(",", ":")
                 ).encode()
+                + ending
             )
         return b"\n".join(lines)

@@ -34,7 +34,16 @@ from mitmproxy.proxy.layers.tls import parse_client_hello
 from mitmproxy.tls import ClientHello
 
 from lcap.capture.options import ProxyOptions
-from lcap.capture.proxy.calls import Call, Calls, Fields, HoldRefused, NoRoute, Unauthorized
+from lcap.capture.proxy.calls import (
+    UNASKED_SWITCH,
+    BodyRefused,
+    Call,
+    Calls,
+    Fields,
+    HoldRefused,
+    NoRoute,
+    Unauthorized,
+)
 from lcap.capture.proxy.connections import (
     READ_SIZE,
     AgentReader,
@@ -184,6 +193,8 @@ class _ResponseParts:
     def feed(self, data: bytes) -> None:
         try:
             self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:  # the front relays no upgrade: those calls go to mitmproxy
+            raise httptools.HttpParserError(UNASKED_SWITCH) from None
         except httptools.HttpParserError:
             if not self.complete:
                 raise
@@ -424,6 +435,8 @@ class Front:
         body, buf = buf[:length], buf[length:]
         try:
             is_call = self.calls.take_body(call, body)
+        except BodyRefused as refused:  # its turn is stored already
+            raise Refused(refused.status, str(refused)) from None
         except Exception:
             log.exception("lcap: capture error on %s (the call goes through mitmproxy)", path)
             is_call = False

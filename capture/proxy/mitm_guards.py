@@ -35,6 +35,7 @@ from mitmproxy.proxy import commands, events
 from mitmproxy.proxy.layers import http as mhttp
 from mitmproxy.proxy.layers.http import RequestProtocolError, _http1
 
+from lcap.capture.proxy.calls import UNASKED_SWITCH
 from lcap.capture.routing.routes import Router
 from lcap.capture.trust.destinations import Destinations, Forbidden
 
@@ -141,6 +142,7 @@ _limit_for: Callable[[Any, bool], int | None] = _no_limit
 
 
 _INTERIM = re.compile(rb"HTTP/1\.[01] 1(?!01)[0-9][0-9][ \r\n]")  # a 1xx head other than 101 Switching Protocols
+_SWITCH = re.compile(rb"HTTP/1\.[01] 101[ \r\n]")
 MAX_CHUNK_SIZE = 2**64 - 1
 
 
@@ -170,6 +172,10 @@ def install_http1_guards() -> None:
             while _INTERIM.match(bytes(self.buf._data[:16])):
                 if self.buf.maybe_extract_lines() is None:
                     return  # the rest of the interim head is still to come
+            if _SWITCH.match(bytes(self.buf._data[:16])) and "upgrade" not in self.request.headers:
+                yield commands.CloseConnection(self.conn)
+                yield mhttp.ReceiveHttp(mhttp.ResponseProtocolError(self.stream_id, UNASKED_SWITCH))
+                return
         yield from read_headers(self, event)
 
     read_body = _http1.Http1Connection.read_body

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from lcap.capture.routing.routes import parse_upstream
+from lcap.capture.turns.sse import SseCutter
 from lcap.policy import bearer
 
 PREFIX = "/lcap"
@@ -104,29 +105,19 @@ class SseParts:
     def __init__(self, parts: Parts, limit: int) -> None:
         self.parts = parts
         self.limit = limit
-        self.buffer = b""
+        self.events = SseCutter()
 
     def __call__(self, data: bytes) -> list[bytes]:
         if not data:  # the end: whatever is left goes out
-            rest, self.buffer = self.buffer, b""
+            rest = self.events.rest()
             return [rest] if rest else []
-        self.buffer += data
         out = []
-        start = 0
-        buffer = self.buffer
-        while True:
-            cut = buffer.find(b"\n\n", start)
-            if cut < 0:
-                break
-            event = buffer[start : cut + 2]
-            start = cut + 2
+        for event in self.events.feed(data):
             part = sse_part(event) if event.startswith(b"event: lcap") else None
             if part is None:
                 out.append(event)
             else:
                 self.parts(*part)
-        self.buffer = buffer[start:]
-        if len(self.buffer) > self.limit:
-            out.append(self.buffer)
-            self.buffer = b""
+        if len(self.events) > self.limit:
+            out.append(self.events.rest())
         return out

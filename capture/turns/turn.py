@@ -167,7 +167,7 @@ def build_row(p: PendingTurn) -> dict[str, Any]:
     if request is None and p.request_body:
         try:
             request = json.loads(p.request_body)
-        except ValueError:
+        except (ValueError, RecursionError):
             request = p.request_body.decode("utf-8", "replace")
     turn = dialects.Turn()
     try:
@@ -256,7 +256,7 @@ def _parse(raw: bytes | None) -> dict:
         return {}
     try:
         value = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return {}
     return value if isinstance(value, dict) else {}
 

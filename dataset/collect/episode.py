@@ -254,7 +254,11 @@ def record_outcome(store: Store, spec: EpisodeSpec, outcome: EpisodeOutcome) -> 
 def start_episode(store: Store, spec: EpisodeSpec) -> None:
     """The episode's row, marked running: even a task whose workdir cannot be set up leaves one."""
     store.start_episode(
-        spec.episode_id, command=redact_text(shlex.join(spec.argv)), cwd=str(spec.workdir), labels=spec.labels
+        spec.episode_id,
+        command=redact_text(shlex.join(spec.argv)),
+        cwd=str(spec.workdir),
+        labels=spec.labels,
+        replace=True,
     )
 
 
