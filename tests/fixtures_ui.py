@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -415,25 +416,23 @@ def fill_store(store, tokenizer_dir: Path, *, xss: bool = True) -> UiStore:
 # --- a running `lcap ui` -------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class UiServer:
     """`lcap ui` as a user starts it, in a child process; `url` once it answers."""
 
     def __init__(self, db: Path, *args: str, host: str = "127.0.0.1") -> None:
-        self.port = free_port()
         self.proc = subprocess.Popen(
-            [LCAP, "ui", "--db", str(db), "--host", host, "--port", str(self.port), "--poll", "0.3", *args],
+            [LCAP, "ui", "--db", str(db), "--host", host, "--port", "0", "--poll", "0.3", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         self.first_line = self.proc.stdout.readline() if self.proc.stdout else ""
+        listening = re.search(r"^lcap ui: http://\S+?:(\d+)/", self.first_line)
+        if listening is None:
+            self.proc.kill()
+            raise RuntimeError(f"lcap ui did not say where it listens: {self.first_line}{self.proc.communicate()[1]}")
+        self.port = int(listening.group(1))  # bound by `lcap ui` itself: port 0 is a free one, never raced
         self.url = f"http://{host}:{self.port}"
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:

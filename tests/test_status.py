@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+from fixtures_capture import serve_proxy
 
 LCAP = str(Path(sys.executable).parent / "lcap")
 
@@ -39,23 +39,10 @@ def _until(probe, timeout: float = 20.0):
         time.sleep(0.2)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_status_while_a_proxy_runs(capture_env, llm, tmp_path):
     env = {**capture_env, "LCAP_HOME": str(tmp_path / "home")}
     db = tmp_path / "lcap.duckdb"
-    port = _free_port()
-    proxy = subprocess.Popen(
-        [LCAP, "proxy", "--serve", "--port", str(port), "--upstream", llm.url, "--db", str(db)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proxy, port = serve_proxy(env, "--port", "0", "--upstream", llm.url, "--db", str(db))
     record = tmp_path / "home" / "proxies" / f"{port}.json"
     try:
         assert _until(record.exists), proxy.stderr.read() if proxy.poll() is not None else "no record"

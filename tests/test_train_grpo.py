@@ -9,18 +9,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from fixtures_train import write_samples
+from logps import perturbed_samples, token_logps, train_options
 
 from lcap.store import Store
-from lcap.train.grpo import TrainOptions, prepare_round, train_round
+from lcap.train.grpo import prepare_round, train_round
 from lcap.train.samples import Sample, make_groups, read_samples
-
-
-def token_logps(model, sample: Sample) -> torch.Tensor:
-    """Log-probability of each completion token under `model`, one forward pass, no padding."""
-    ids = torch.tensor([sample.prompt_ids + sample.completion_ids])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(sample.prompt_ids) - 1 : -1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(sample.completion_ids)[:, None])[:, 0]
 
 
 def model_token_logp(model, sample: Sample) -> float:
@@ -28,12 +21,10 @@ def model_token_logp(model, sample: Sample) -> float:
     return float(token_logps(model, sample)[mask].sum())
 
 
-def options(model_dir: Path, **kw) -> TrainOptions:
-    return TrainOptions(base_model=str(model_dir), report_to="none", **kw)
-
-
 def test_step_raises_positive_and_lowers_negative_advantage(tiny_train_model, captured_samples, tmp_path):
-    prepared = prepare_round(tmp_path / "run", 1, options(tiny_train_model, learning_rate=3e-3), data=captured_samples)
+    prepared = prepare_round(
+        tmp_path / "run", 1, train_options(tiny_train_model, learning_rate=3e-3), data=captured_samples
+    )
     samples = prepared.groups.real_samples
     model = prepared.trainer.model
     before = [model_token_logp(model, s) for s in samples]
@@ -53,7 +44,7 @@ def test_round_saves_changed_lora_and_metrics(tiny_train_model, captured_samples
 
     store = Store(tmp_path / "lcap.duckdb")
     result = train_round(
-        store, tmp_path / "run", 1, options(tiny_train_model, learning_rate=1e-3), data=captured_samples
+        store, tmp_path / "run", 1, train_options(tiny_train_model, learning_rate=1e-3), data=captured_samples
     )
     assert result.output == tmp_path / "run" / "round-1" / "adapter"
     base = AutoModelForCausalLM.from_pretrained(tiny_train_model)
@@ -73,22 +64,6 @@ def test_round_saves_changed_lora_and_metrics(tiny_train_model, captured_samples
     assert row == [(1, "lora", 8, 2, 0.5, pytest.approx(row[0][5]), pytest.approx(row[0][6]), 1)]
     assert 0.5 < row[0][5] < 2.0 and row[0][6] > 0
     assert (tmp_path / "run" / "round-1" / "config.json").exists()
-
-
-def perturbed_samples(tiny_train_model, captured_samples, out: Path) -> tuple[Path, dict, list[Sample]]:
-    """Captured samples whose behaviour logprobs differ from the model's by known amounts per token."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_train_model).eval()
-    rows = pq.read_table(captured_samples).to_pylist()
-    shifts = (0.3, -1.0, 0.0, -0.2)  # captured = true + shift: ratio exp(-shift); exp(1.0) > the 2.0 cap
-    for row, sample in zip(rows, read_samples(captured_samples)):
-        true = token_logps(model, sample).tolist()
-        row["logprobs"] = [t + shifts[i % 4] if m else 0.0 for i, (t, m) in enumerate(zip(true, sample.env_mask))]
-    path = write_samples(out / "samples.parquet", rows)
-    samples = read_samples(path)
-    train_logps = {s.sample_id: token_logps(model, s) for s in samples}
-    return path, train_logps, samples
 
 
 def loss_inputs(monkeypatch) -> tuple[list[dict], list[bool]]:
@@ -127,7 +102,7 @@ def first_batch(
     the grad flag of every log-prob forward."""
     seen, forwards = loss_inputs(monkeypatch)
     prepared = prepare_round(
-        tmp_path / "run", 1, options(model_dir, is_mode=is_mode, is_max=2.0, epochs=epochs), data=data
+        tmp_path / "run", 1, train_options(model_dir, is_mode=is_mode, is_max=2.0, epochs=epochs), data=data
     )
     prepared.trainer.train()
     return seen[0], forwards
@@ -208,7 +183,9 @@ def test_token_mask_mode_drops_rejected_tokens_from_the_denominator(
 
 def test_without_correction_no_ratio(tiny_train_model, captured_samples, tmp_path, monkeypatch):
     seen, _ = loss_inputs(monkeypatch)
-    prepared = prepare_round(tmp_path / "run", 1, options(tiny_train_model, is_correction=False), data=captured_samples)
+    prepared = prepare_round(
+        tmp_path / "run", 1, train_options(tiny_train_model, is_correction=False), data=captured_samples
+    )
     prepared.trainer.train()
     assert "importance_sampling_ratio" not in seen[0]
 
@@ -238,7 +215,7 @@ def test_cpu_logps_from_the_plain_lm_head_equal_trls_fused_head(
 
     from lcap.train import trainer as lcap_trainer
 
-    prepared = prepare_round(tmp_path / "run", 1, options(tiny_train_model), data=captured_samples)
+    prepared = prepare_round(tmp_path / "run", 1, train_options(tiny_train_model), data=captured_samples)
     trainer, samples = prepared.trainer, prepared.groups.real_samples
     ids, attn, c_len = padded_batch(samples)
     fused_calls: list[int] = []
@@ -291,7 +268,7 @@ def test_activation_checkpointing_off_on_cpu_unless_asked(
     prepared = prepare_round(
         tmp_path / "run",
         1,
-        options(tiny_train_model, activation_checkpointing=setting, max_steps=1),
+        train_options(tiny_train_model, activation_checkpointing=setting, max_steps=1),
         data=captured_samples,
     )
     prepared.trainer.train()

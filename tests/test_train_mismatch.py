@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 from fixtures_train import make_captured_samples, write_samples
 from fixtures_vllm import make_lora, served_samples
-from test_train_grpo import options, perturbed_samples
+from logps import perturbed_samples, train_options
 
 from lcap.config import LcapError
 from lcap.store import Store
@@ -36,7 +36,7 @@ def test_guard_measures_the_known_shift_and_stops_past_the_limit(tiny_train_mode
         row["deployment"] = "other"
     path = write_samples(tmp_path / "data2" / "samples.parquet", rows)
 
-    prepared = prepare_round(tmp_path / "run", 1, options(tiny_train_model), path)
+    prepared = prepare_round(tmp_path / "run", 1, train_options(tiny_train_model), path)
     measured = {
         d.deployment: d
         for d in measure_mismatch(prepared.trainer, prepared.groups.real_samples, per_deployment=0).deployments
@@ -60,19 +60,19 @@ def test_guard_measures_the_known_shift_and_stops_past_the_limit(tiny_train_mode
     with pytest.raises(
         LcapError, match=r"round 1: .* does not score the captured tokens as deployment .*Likely causes"
     ):
-        train_round(store, tmp_path / "run", 1, options(tiny_train_model, mismatch_max=0.1), data=path)
+        train_round(store, tmp_path / "run", 1, train_options(tiny_train_model, mismatch_max=0.1), data=path)
     assert not (tmp_path / "run" / "round-1" / "adapter").exists()  # stopped before training
     written = json.loads((tmp_path / "run" / "round-1" / "mismatch.json").read_text())
     assert max(d["kl"] for d in written["deployments"]) == pytest.approx(worst)
 
-    result = train_round(store, tmp_path / "run", 1, options(tiny_train_model, mismatch_max=0), data=path)  # off
+    result = train_round(store, tmp_path / "run", 1, train_options(tiny_train_model, mismatch_max=0), data=path)  # off
     assert result.metrics["mismatch_kl"] == pytest.approx(worst)
 
     # an async step holds only the deployment being trained; a batch without its samples checks nothing, and says so
-    held = options(tiny_train_model, mismatch_max=0.1, mismatch_current_only=True, current="other")
+    held = train_options(tiny_train_model, mismatch_max=0.1, mismatch_current_only=True, current="other")
     with pytest.raises(LcapError, match="as deployment 'other'"):
         train_round(store, tmp_path / "held", 1, held, data=path)
-    absent = options(tiny_train_model, mismatch_max=0.1, mismatch_current_only=True, current="round-9")
+    absent = train_options(tiny_train_model, mismatch_max=0.1, mismatch_current_only=True, current="round-9")
     result = train_round(store, tmp_path / "absent", 1, absent, data=path)  # every deployment is past the limit
     assert result.metrics["mismatch_kl"] is None and result.metrics["mismatch_held"] == "round-9"
     assert "(no sample of round-9: not checked)" in training_text(result.metrics)
@@ -88,7 +88,7 @@ def test_guard_caps_the_samples_it_scores_per_deployment(tiny_train_model, tmp_p
     """Single-turn samples drawn from the trainer's own model, with its logprobs: no mismatch beyond float noise.
     (The fixture's multi-turn samples splice in a second part sampled after another prompt.)"""
     data = make_captured_samples(tiny_train_model, tmp_path / "data", multi_turn=False)
-    prepared = prepare_round(tmp_path / "run", 1, options(tiny_train_model), data)
+    prepared = prepare_round(tmp_path / "run", 1, train_options(tiny_train_model), data)
     (capped,) = measure_mismatch(prepared.trainer, prepared.groups.real_samples, per_deployment=3).deployments
     (every,) = measure_mismatch(prepared.trainer, prepared.groups.real_samples, per_deployment=0).deployments
     assert capped.samples == 3 and every.samples == 8 and capped.tokens < every.tokens
@@ -129,7 +129,7 @@ def test_right_deployment_passes_the_guard(vllm_policy, round_one, tmp_path):
     name = deploy(round_one / "round-1" / "adapter", round=1)
     data = served_samples(vllm_policy.url, name, tmp_path / "data")
     store = Store(tmp_path / "lcap.duckdb")
-    result = train_round(store, round_one, 2, options(vllm_policy.model_dir), data=data)
+    result = train_round(store, round_one, 2, train_options(vllm_policy.model_dir), data=data)
     kl, diff, details = store.fetchall("SELECT mismatch_kl, mismatch_logp_diff, mismatch FROM train_runs")[0]
     assert kl == result.metrics["mismatch_kl"] and 0 <= kl < MISMATCH_MAX / 100
     assert diff < 0.05
@@ -167,7 +167,7 @@ def test_skipped_deploy_stops_the_round(vllm_policy, round_one, tmp_path):
     data = served_samples(vllm_policy.url, vllm_policy.served_model, tmp_path / "data")
     store = Store(tmp_path / "lcap.duckdb")
     with pytest.raises(LcapError, match=f"deployment '{vllm_policy.served_model}'") as stopped:
-        train_round(store, round_one, 2, options(vllm_policy.model_dir), data=data)
+        train_round(store, round_one, 2, train_options(vllm_policy.model_dir), data=data)
     assert "\n" not in str(stopped.value)
     assert store.fetchall("SELECT count(*) FROM train_runs") == [(0,)]
 
@@ -196,7 +196,7 @@ def test_a_checkpoint_reloaded_in_place_passes_the_guard_as_its_deployment(vllm_
         deploy(running, name=vllm_policy.served_model)
     measured = {}
     for label, model in (("checkpoint", checkpoint), ("base", vllm_policy.model_dir)):
-        prepared = prepare_round(tmp_path / f"run-{label}", 1, options(model, full=True), data)
+        prepared = prepare_round(tmp_path / f"run-{label}", 1, train_options(model, full=True), data)
         (measured[label],) = measure_mismatch(
             prepared.trainer, prepared.groups.real_samples, per_deployment=0
         ).deployments

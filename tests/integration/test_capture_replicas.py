@@ -29,12 +29,16 @@ from lcap.capture.options import ProxyOptions
 from lcap.capture.proxy.server import CaptureProxy
 from lcap.capture.routing.routes import Router
 from lcap.capture.status import proxies
-from lcap.policy import PolicyServer, Replica, read_policy, write_policy
+from lcap.policy import PolicyServer, Replica, write_policy
 from lcap.status import View
 from lcap.store import Store
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
+
+
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
 SERVER = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, %r)
@@ -84,12 +88,6 @@ def replicas():
 
 
 @pytest.fixture
-def record_env(tmp_path, monkeypatch, capture_home):
-    monkeypatch.setenv("LCAP_HOME", str(capture_home))
-    monkeypatch.setenv("LCAP_POLICY_RECORD", str(tmp_path / "policy.json"))
-
-
-@pytest.fixture
 def fake_replicas(record_env):
     """Two FakeLLM replicas in this process (r0, r1), serving 'tiny', recorded as the policy."""
     servers = [FakeLLM(vllm=True), FakeLLM(vllm=True)]
@@ -129,9 +127,6 @@ def _client(proxy: CaptureProxy, episode: str | None) -> httpx.Client:
 def _chat(proxy: CaptureProxy, episode: str, **extra) -> httpx.Response:
     with _client(proxy, episode) as client:
         return client.post("https://api.openai.com/v1/chat/completions", json={**CHAT, **extra})
-
-
-# --- the router alone ---------------------------------------------------------------------------------
 
 
 def test_a_reloaded_deployment_is_asked_for_by_its_served_name_and_settles_calls_that_end_after_it(record_env):
@@ -227,43 +222,6 @@ def test_episodes_stick_to_one_replica_spread_and_move_only_when_theirs_leaves(r
         [sys.executable, "-c", code, json.dumps(episodes)], capture_output=True, text=True, env=os.environ, timeout=60
     )
     assert json.loads(other.stdout) == first, other.stderr
-
-
-def test_an_old_single_server_record_is_one_replica(record_env, tmp_path):
-    """A record written before replicas (no `replicas` key) reads as replica r0 and routes as before."""
-    old = {
-        "url": "http://127.0.0.1:8123",
-        "pid": 4242,
-        "base_model": "/m",
-        "served_model": "m",
-        "current": "policy-r1-abc",
-        "log_path": "/logs/vllm-8123.log",
-        "python": "/py",
-        "started_at": "",
-        "loras": {"policy-r1-abc": "/a"},
-    }
-    Path(os.environ["LCAP_POLICY_RECORD"]).write_text(json.dumps(old))
-    record = read_policy()
-    assert [(r.name, r.url, r.pid, r.log_path) for r in record.replicas] == [
-        ("r0", "http://127.0.0.1:8123", 4242, "/logs/vllm-8123.log")
-    ]
-    assert record.tool_parser == "hermes" and record.ray_address is None and record.api_key() is None
-    router = Router("policy", None)
-    route = router.route("any")
-    assert (route.host, route.port, route.model, route.deployment, route.replica) == (
-        "127.0.0.1",
-        8123,
-        "policy-r1-abc",
-        "policy-r1-abc",
-        "r0",
-    )
-    router.close()
-    write_policy(record)  # written back: the replicas are listed, the old fields still name the first
-    again = json.loads(Path(os.environ["LCAP_POLICY_RECORD"]).read_text())
-    assert again["url"] == old["url"] and again["pid"] == 4242 and again["replicas"][0]["name"] == "r0"
-
-
-# --- through the proxy --------------------------------------------------------------------------------
 
 
 def test_a_killed_replica_moves_its_episodes_and_no_call_fails(tmp_path, record_env, replicas):
@@ -385,9 +343,6 @@ def test_a_call_mitmproxy_carries_reports_a_dead_replica(tmp_path, record_env, r
             second = client.post(url, content=iter([body]), headers={"content-type": "application/json"})
             assert second.status_code == 200
     assert [r["replica"] for r in turns(db)] == ["r0", "r1"]
-
-
-# --- a lone replica restarting: calls are held ----------------------------------------------------------
 
 
 def _restarting(record: PolicyServer) -> None:

@@ -22,18 +22,12 @@ import pytest
 from fixtures_capture import turns
 
 from lcap.capture.options import ProxyOptions
-from lcap.capture.proxy.connections import AgentReader
 from lcap.capture.proxy.server import CaptureProxy
-from lcap.store import Store
 
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+
+
 BODY = json.dumps(CHAT).encode()
-
-
-@pytest.fixture
-def store(tmp_path, capture_home, monkeypatch) -> Store:
-    monkeypatch.setenv("LCAP_HOME", str(capture_home))
-    return Store(tmp_path / "lcap.duckdb")
 
 
 class Hung:
@@ -157,21 +151,6 @@ def test_an_agent_that_closed_before_its_call_started_gets_no_call(store):
         assert proxy.flush(timeout=10)
     (row,) = turns(store.path)
     assert row["error"] == "the agent closed the connection before the answer" and hung.requests == 0
-
-
-def test_the_agent_reader_says_when_the_agent_left():
-    """What cancels a call: the agent's side ending while it runs, or before it started."""
-
-    async def main() -> list[str]:
-        reader = AgentReader(loop=asyncio.get_running_loop())
-        seen: list[str] = []
-        reader.notify(lambda: seen.append("while waiting"))
-        reader.feed_eof()
-        reader.notify(lambda: seen.append("already gone"))
-        reader.notify(None)
-        return seen
-
-    assert asyncio.run(main()) == ["while waiting", "already gone"]
 
 
 def test_an_upstream_that_never_answers_gets_a_504(store):

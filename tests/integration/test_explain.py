@@ -9,10 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-from fixtures_dataset import chat_turns
+from fixtures_dataset import chat_turns, lost_samples_scenario
 
-from lcap.config import LcapError
 from lcap.dataset.build.builder import BuildOptions, build_dataset
 from lcap.dataset.build.explain import NO_CALLS_FIX, causes, explain
 
@@ -64,91 +62,8 @@ def test_truncated_calls_explained_by_build_train_and_the_fix_works(builder, dst
     assert not any("token limit" in str(c) for c in causes(masked))
 
 
-def test_loop_says_why_a_round_is_empty(builder, dstore, tmp_path):
-    from lcap.loop.rounds import _train
-    from lcap.train.options import TrainOptions
-
-    for i in range(3):
-        builder.episode(f"f{i}", sample=i, status="failed", turns=chat_turns([5, 2]))
-    data = tmp_path / "run" / "round-1" / "data"
-    build_dataset(dstore, round=1, out=data)
-    with pytest.raises(LcapError) as caught:
-        _train(dstore, tmp_path / "run", 1, TrainOptions(), data)
-    message = str(caught.value)
-    assert message.startswith(f"round 1: nothing to train on in {data}: 3 of 3 episodes did not finish ok: 3 failed")
-    assert "stderr.txt" in message
-
-
-def _scenario(builder, name: str) -> dict:
-    """A round that loses its samples one way; returns the build options that round is built with."""
-    if name == "no_episodes":
-        builder.episode("other-round", round=2, reward=1.0, turns=chat_turns([5, 2]))
-    elif name == "not_finished":
-        builder.episode("a", sample=0, status="failed", turns=chat_turns([5, 2]))
-        builder.episode("b", sample=1, status="timeout", turns=chat_turns([5, 2]))
-        builder.episode("c", sample=2, status="running", turns=chat_turns([5, 2]))
-    elif name == "no_reward":
-        builder.episode("a", sample=0, turns=chat_turns([5, 2]))
-        builder.episode("b", sample=1, turns=chat_turns([6, 2]))
-    elif name == "no_calls":
-        builder.episode("a", sample=0, reward=1.0)
-        builder.episode("b", sample=1, reward=0.0)
-    elif name == "failed_calls":
-        for i, reward in enumerate((1.0, 0.0)):
-            turns = chat_turns([5, 2])
-            turns[0].update(status_code=500, error="upstream said no")
-            builder.episode(f"e{i}", sample=i, reward=reward, turns=turns)
-    elif name == "equal_rewards":
-        builder.episode("a", sample=0, reward=0.5, turns=chat_turns([5, 2]))
-        builder.episode("b", sample=1, reward=0.5, turns=chat_turns([6, 2]))
-    elif name == "singleton":
-        builder.episode("a", task="t1", sample=0, reward=1.0, turns=chat_turns([5, 2]))
-        builder.episode("b", task="t2", sample=0, reward=0.0, turns=chat_turns([6, 2]))
-    elif name == "tampered":
-        builder.episode("a", sample=0, reward=0.0, turns=chat_turns([5, 2]), flags=["tampered"])
-        builder.episode("b", sample=1, reward=0.0, turns=chat_turns([6, 2]), flags=["tampered"])
-        return {"drop_tampered": True, "keep_zero_variance": True}
-    return {}
-
-
-# scenario -> (the counts, the option or command that changes it)
-EXPECTED = {
-    "no_episodes": ("the store has no train episode of round 1", "lcap collect --round 1"),
-    "not_finished": (
-        "3 of 3 episodes did not finish ok: 1 failed (agent exit code not 0), 1 timed out, 1 unfinished",
-        "raise --timeout; rerun the same `lcap collect`",
-    ),
-    "no_reward": (
-        "2 of 2 finished episodes have no reward",
-        "collect with --verifier, or reward them with `lcap reward",
-    ),
-    "no_calls": ("2 of 2 rewarded episodes have no usable LLM call (no LLM call of theirs was captured", NO_CALLS_FIX),
-    "failed_calls": ("2 of 2 rewarded episodes have no usable LLM call (2 of 2 calls failed", "turns.error"),
-    "equal_rewards": (
-        "1 of 1 groups got the same reward for every sample and were dropped (2 samples",
-        "a larger --group-size",
-    ),
-    "singleton": ("2 of 2 groups have a single rewarded episode", "collect with --group-size 2 or more"),
-    "tampered": ("2 tampered samples dropped (--drop-tampered)", "build without --drop-tampered"),
-}
-
-
-@pytest.mark.parametrize("name", sorted(EXPECTED))
-def test_each_nothing_to_train_names_counts_and_the_option(name, builder, dstore, tmp_path):
-    options = _scenario(builder, name)
-    dstore.execute("SELECT 1")  # the schema exists even for a round without episodes
-    report = build_dataset(dstore, round=1, out=tmp_path / "data", options=BuildOptions(**options))
-    assert report.samples == 0
-    what, fix = EXPECTED[name]
-    line = explain(report)
-    assert what in line, line
-    assert fix in line, line
-    # from report.json as train and loop read it: the same words
-    assert explain(json.loads((tmp_path / "data" / "report.json").read_text())) == line
-
-
 def test_build_dataset_cli_exits_2_with_the_reason_when_nothing_is_left(builder, dstore, tmp_path):
-    _scenario(builder, "no_reward")
+    lost_samples_scenario(builder, "no_reward")
     done = _lcap("build-dataset", "--round", "1", "--out", str(tmp_path / "d"), "--db", str(dstore.path))
     assert done.returncode == 2
     (line,) = done.stderr.strip().splitlines()
@@ -168,21 +83,6 @@ def test_build_dataset_cli_says_what_was_lost_when_some_samples_remain(builder, 
         "lost: 1 of 3 episodes did not finish ok: 1 timed out; see each one's reason in its stderr.txt or "
         "`lcap sql \"select episode_id, status, error from episodes where status <> 'ok'\"`; raise --timeout"
     ]
-
-
-def test_train_names_stale_samples_dropped(tmp_path):
-    from lcap.train.grpo import nothing_to_train
-    from lcap.train.samples import Sample, make_groups
-
-    samples = [
-        Sample(f"s{i}", "1/train/t0", [1], [2], [-0.1], [1], float(i), 0.0, deployment="policy-r1") for i in range(2)
-    ]
-    groups = make_groups(samples, stale="drop", current="policy-r2")
-    assert not groups.groups
-    line = nothing_to_train("round 1", tmp_path / "samples.parquet", samples, groups, "policy-r2")
-    assert "2 of 2 samples were served by another deployment than policy-r2 and dropped (--stale drop)" in line
-    assert "train with --stale correct" in line
-    assert "no report.json" not in line
 
 
 COLLECT_AGENT = """

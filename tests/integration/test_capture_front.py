@@ -21,17 +21,10 @@ from fixtures_capture import FakeLLM, turns
 
 from lcap.capture.options import ProxyOptions
 from lcap.capture.proxy.server import CaptureProxy
-from lcap.store import Store
 
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
 TEXT = "Hello from the upstream."
 ANONYMOUS = ProxyOptions(require_credentials=False)  # raw-socket tests: calls without credentials, unattributed
-
-
-@pytest.fixture
-def store(tmp_path, capture_home, monkeypatch) -> Store:
-    monkeypatch.setenv("LCAP_HOME", str(capture_home))
-    return Store(tmp_path / "lcap.duckdb")
 
 
 def _one_connection(proxy: CaptureProxy, episode: str) -> httpx.Client:

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import subprocess
 import time
 from pathlib import Path
 
-from fixtures_capture import LCAP, agent, store_text, turns
+from fixtures_capture import LCAP, agent, is_private, store_text, turns
 
 from lcap.capture.trust.redact import REDACTED, redact_keys, redact_text
 
@@ -41,6 +40,8 @@ SAMPLES = {
     "npm": "npm_abcdefghijklmnopqrstuvwxyz0123456789",
     "url_password": "https://deploy:S3cr3tPassw0rd9@git.example.com/repo.git",
 }
+
+
 # What must not survive: the sample itself, or its secret part where the sample carries a name or a URL around it.
 SECRETS = {
     **SAMPLES,
@@ -83,10 +84,6 @@ def test_every_key_format_is_redacted_and_the_maintained_detector_agrees():
     )
 
 
-def _private(path: Path) -> bool:
-    return stat.S_IMODE(path.stat().st_mode) & 0o077 == 0
-
-
 def test_no_secret_reaches_the_spool_or_the_store(capture_env, llm, capture_home):
     """An agent sends every format in its prompt and two in the query. While another process holds the store,
     its turn waits in the spool: the spool files hold none of them; once stored, neither does the DuckDB file.
@@ -111,8 +108,8 @@ def test_no_secret_reaches_the_spool_or_the_store(capture_env, llm, capture_home
     for kind, secret in SECRETS.items():
         assert secret.encode() not in spooled, f"{kind} is in the spool in plain text"
     spool = segments[0].parent
-    assert _private(spool_root) and _private(spool) and _private(spool_root / "key")
-    assert all(_private(p) for p in spool.iterdir())
+    assert is_private(spool_root) and is_private(spool) and is_private(spool_root / "key")
+    assert all(is_private(p) for p in spool.iterdir())
     release.touch()  # the store is free: the waiting turn is stored
     out, err = proxy.communicate(timeout=180)
     assert proxy.returncode == 0, err
@@ -123,26 +120,4 @@ def test_no_secret_reaches_the_spool_or_the_store(capture_env, llm, capture_home
     for kind, secret in SECRETS.items():
         assert secret not in text, f"{kind} reached the store"
     assert row["path"] == f"/v1/chat/completions?key={REDACTED}&trace={REDACTED}"
-    assert _private(db)
-
-
-def test_the_store_and_its_wal_are_created_private(tmp_path):
-    """DuckDB creates both with the process's umask, and the WAL again after each checkpoint: lcap holds the
-    umask at 077 while a unit of work may create them, and gives it back after."""
-    from lcap.store import Store
-
-    db = tmp_path / "new" / "lcap.duckdb"
-    store = Store(db)
-    before = os.umask(0o022)
-    os.umask(before)
-    for _ in range(2):  # the second unit of work makes a new WAL
-        with store.connect() as con:
-            con.execute("INSERT INTO rewards (episode_id, value) VALUES ('e', 1)")
-            wal = db.with_name(db.name + ".wal")
-            assert wal.exists() and _private(wal) and _private(db)
-    with store.user_sql(write=True) as con:  # `lcap sql --write`
-        con.execute("INSERT INTO rewards (episode_id, value) VALUES ('e', 2)")
-        assert _private(db.with_name(db.name + ".wal"))
-    current = os.umask(0o022)
-    os.umask(current)
-    assert current == before  # given back: files the user's own code creates are as they were
+    assert is_private(db)

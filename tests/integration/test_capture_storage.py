@@ -13,11 +13,10 @@ import pickle
 import signal
 
 import duckdb
-from fixtures_capture import agent, open_files, run_lcap, turns
+from fixtures_capture import agent, open_files, pending_turn, run_lcap, turns
 
 from lcap.capture.storage.spool import seal
 from lcap.capture.storage.writer import TurnWriter
-from lcap.capture.turns.turn import PendingTurn, build_row
 from lcap.store import Store
 
 
@@ -55,15 +54,6 @@ def test_odd_strings_are_stored_degraded_and_never_block_later_turns(capture_env
     assert len(turns(db)) == 6
 
 
-def _turn(episode: str, text: str = "hi", **response: object) -> PendingTurn:
-    pending = PendingTurn(episode_id=episode, seq=0, host="api.openai.com", path="/v1/chat/completions", dialect="chat")
-    pending.request_body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
-    answer = {"model": "m", "choices": [{"message": {"content": text}, "finish_reason": "stop"}], **response}
-    pending.response_body = json.dumps(answer).encode()
-    pending.status_code = 200
-    return pending
-
-
 class _ExitsOnLoad:
     """Unpickled, it ends the process at once: a record that kills the writer (as an OOM kill would)."""
 
@@ -78,13 +68,13 @@ def test_refused_rows_are_split_out_of_their_batch(tmp_path, capture_home):
     writer = TurnWriter(Store(db), interval=0.05, spool_root=tmp_path / "spool")
     writer.start()
     assert writer._spool is not None
-    good = [_turn(f"good-{i}") for i in range(5)]
+    good = [pending_turn(f"good-{i}") for i in range(5)]
     writer.put(good[0])
-    writer.put(_turn("surrogate", "half an emoji \ud83d"))
+    writer.put(pending_turn("surrogate", "half an emoji \ud83d"))
     writer.put(good[1])
-    writer.put(_turn("too-big", usage={"prompt_tokens": 2**40, "completion_tokens": 1}))
+    writer.put(pending_turn("too-big", usage={"prompt_tokens": 2**40, "completion_tokens": 1}))
     writer.put(good[2])
-    writer.put(_turn("text-count", usage={"prompt_tokens": "many", "completion_tokens": 1}))
+    writer.put(pending_turn("text-count", usage={"prompt_tokens": "many", "completion_tokens": 1}))
     writer.put(good[3])
     writer._spool.append_payload(b"E" + os.urandom(64))  # a record whose seal does not open
     writer.put(good[4])
@@ -113,7 +103,7 @@ def test_a_killed_writer_is_restarted_and_stores_each_turn_once(tmp_path, captur
     writer.start()
     assert writer._spool is not None and writer._proc is not None
     for i in range(5):
-        writer.put(_turn(f"before-{i}"))
+        writer.put(pending_turn(f"before-{i}"))
     assert writer.flush(timeout=30)
     progress, end = writer._spool.directory / "progress", list(writer._spool.position())
     fds = open_files("pipe")
@@ -122,7 +112,7 @@ def test_a_killed_writer_is_restarted_and_stores_each_turn_once(tmp_path, captur
     # As if it died after storing its batch but before noting it: only the attempt is noted.
     progress.write_text(json.dumps({"position": None, "attempt_at": [1, 0], "attempt_end": end, "attempts": 1}))
     for i in range(5):
-        writer.put(_turn(f"after-{i}"))
+        writer.put(pending_turn(f"after-{i}"))
     assert writer.flush(timeout=60)
     assert open_files("pipe") == fds  # the dead writer's pipes were closed, the new one's opened
     report = writer.finish(timeout=60)
@@ -138,13 +128,13 @@ def test_a_record_that_kills_the_writer_becomes_a_dead_letter(tmp_path, capture_
     writer = TurnWriter(Store(db), interval=0.5, spool_root=root)
     writer.start()
     assert writer._spool is not None
-    writer.put(_turn("first"))
+    writer.put(pending_turn("first"))
     assert writer.flush(timeout=30)
     assert writer._proc is not None
     os.kill(writer._proc.pid, signal.SIGSTOP)  # both records land before its next read: one batch, whatever the load
     try:
         writer._spool.append_payload(seal(writer._spool.cipher, _ExitsOnLoad()))
-        writer.put(_turn("last"))
+        writer.put(pending_turn("last"))
     finally:
         os.kill(writer._proc.pid, signal.SIGCONT)
     assert writer.flush(timeout=60)
@@ -173,11 +163,3 @@ def test_unstored_turns_are_a_warning_and_an_episode_flag(capture_env, llm):
     later = run_lcap(["proxy", "--", "true"], capture_env)
     assert later.returncode == 0, later.stderr
     assert _rows(db, "SELECT count(*) FROM turns") == [(2,)] and "recovered 2 turns" in later.stderr
-
-
-def test_build_row_and_store_agree_on_a_clean_turn(tmp_path):
-    """The fast path is untouched: a clean turn's row is stored exactly as built, with no flag."""
-    pending = _turn("clean")
-    Store(tmp_path / "db.duckdb").append("turns", [build_row(pending)])
-    (row,) = turns(tmp_path / "db.duckdb")
-    assert row["turn_id"] == pending.turn_id and row["degraded"] is None and row["completion_text"] == "hi"

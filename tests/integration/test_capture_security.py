@@ -31,16 +31,9 @@ from lcap.capture.options import ProxyOptions
 from lcap.capture.proxy.server import CaptureProxy, ca_bundle
 from lcap.capture.trust.credentials import EpisodeKeys
 from lcap.policy import PolicyServer, write_policy
-from lcap.store import Store
 
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
 BODY = json.dumps(CHAT).encode()
-
-
-@pytest.fixture
-def store(tmp_path, capture_home, monkeypatch) -> Store:
-    monkeypatch.setenv("LCAP_HOME", str(capture_home))
-    return Store(tmp_path / "lcap.duckdb")
 
 
 @pytest.fixture

@@ -2,86 +2,12 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-from fixtures_dataset import DATASET_VERIFIERS
+from fixtures_dataset import verifier_context
 
 from lcap.config import LcapError
 from lcap.dataset.collect.episodes import episode_id, load_tasks, render_command
-from lcap.dataset.collect.verifiers import (
-    VerifierContext,
-    VerifierError,
-    hash_protected,
-    load_verifier,
-    tampered_files,
-    to_verdict,
-)
-
-
-def _ctx(tmp_path: Path, stdout: str = "", task: dict | None = None) -> VerifierContext:
-    work = tmp_path / "ep" / "work"
-    work.mkdir(parents=True, exist_ok=True)
-    (work.parent / "stdout.txt").write_text(stdout)
-    return VerifierContext(
-        task=task or {"id": "t1", "answer": "Paris"},
-        episode_id="ep-1",
-        workdir=work,
-        stdout=stdout,
-        exit_code=0,
-        status="ok",
-    )
-
-
-def test_command_verifier_reads_task_stdout_and_workdir(tmp_path):
-    verdict = load_verifier(f"{sys.executable} {DATASET_VERIFIERS / 'contains_answer.py'}")(
-        _ctx(tmp_path, "It is paris, I think.")
-    )
-    assert verdict.reward == 1.0 and verdict.details == {"expected": "Paris", "output_chars": 21}
-    assert (
-        load_verifier(f"{sys.executable} {DATASET_VERIFIERS / 'contains_answer.py'}")(_ctx(tmp_path, "Rome")).reward
-        == 0.0
-    )
-    ctx = _ctx(tmp_path)
-    (ctx.workdir / "answer.txt").write_text("one two three")
-    assert load_verifier(f"{sys.executable} {DATASET_VERIFIERS / 'brevity.py'}")(ctx).reward == 0.25
-
-
-def test_command_verifier_sees_its_environment(tmp_path):
-    script = tmp_path / "v.py"
-    script.write_text(
-        "import os, json, sys\n"
-        "print('noise')\n"
-        "print(json.dumps({'reward': 0.5, 'ep': os.environ['LCAP_EPISODE_ID'], 'cwd': os.getcwd(),"
-        " 'task': json.loads(os.environ['LCAP_TASK'])['id'], 'stdin': sys.stdin.read(),"
-        " 'file': open(os.environ['LCAP_AGENT_STDOUT']).read()}))\n"
-    )
-    ctx = _ctx(tmp_path, "agent says hi")
-    verdict = load_verifier(f"{sys.executable} v.py", base=tmp_path)(ctx)  # relative script path resolved
-    assert verdict.reward == 0.5
-    assert verdict.details == {
-        "ep": "ep-1",
-        "cwd": str(ctx.workdir),
-        "task": "t1",
-        "stdin": "agent says hi",
-        "file": "agent says hi",
-    }
-
-
-@pytest.mark.parametrize(
-    "code, message",
-    [
-        ("import sys; sys.exit(3)", "verifier exited 3"),
-        ("print('not a number')", "not a float or JSON"),
-        ("pass", "printed nothing"),
-        ("import json; print(json.dumps(dict(score=1)))", "without 'reward'"),
-        ("print('NaN')", "non-finite"),
-    ],
-)
-def test_command_verifier_errors(tmp_path, code, message):
-    with pytest.raises(VerifierError, match=message):
-        load_verifier(f'{sys.executable} -c "{code}"')(_ctx(tmp_path))
+from lcap.dataset.collect.verifiers import VerifierError, hash_protected, load_verifier, tampered_files, to_verdict
 
 
 def test_python_verifier_return_shapes_and_errors(tmp_path):
@@ -93,7 +19,7 @@ def test_python_verifier_return_shapes_and_errors(tmp_path):
         "def text(ctx): return 'yes'\n"
         "boom.protected = ['tests/*.py']\n"
     )
-    ctx = _ctx(tmp_path, "abc")
+    ctx = verifier_context(tmp_path, "abc")
     assert load_verifier("judge.py:pair", base=tmp_path)(ctx).details == {"why": "t1"}
     assert load_verifier("judge.py:mapping", base=tmp_path)(ctx).reward == 1.0
     boom = load_verifier("judge.py:boom", base=tmp_path)

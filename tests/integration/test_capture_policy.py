@@ -24,6 +24,8 @@ from lcap.policy import PolicyServer, write_policy
 from lcap.store import Store
 
 TEXT = "Hello from the upstream."
+
+
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
 
 
@@ -295,25 +297,3 @@ def test_turns_wait_while_another_process_holds_the_store(tmp_path, capture_home
     (row,) = turns(db)
     assert row["episode_id"] == "waited" and row["completion_text"] == "hi"
     assert [p.name for p in (tmp_path / "spool").iterdir()] == ["key"]  # all stored: the spool is gone
-
-
-def test_skip_debug_checks_keeps_option_semantics():
-    """The proxy skips mitmproxy's debug-only work; options still read as before (mutable values copied)."""
-    from collections.abc import Sequence
-
-    from mitmproxy import optmanager
-
-    from lcap.capture.proxy.server import skip_debug_checks
-
-    skip_debug_checks()
-    skip_debug_checks()  # idempotent
-    opts = optmanager.OptManager()
-    opts.add_option("host", str, "127.0.0.1", "a string option")
-    opts.add_option("limit", int | None, None, "an optional int")
-    opts.add_option("modes", Sequence[str], ["regular"], "a list option")
-    opts.update(limit=5)
-    assert opts.host == "127.0.0.1" and opts.limit == 5
-    first, second = opts.modes, opts.modes
-    assert first == second == ["regular"] and first is not second  # a caller mutating it cannot change the option
-    first.append("socks5")
-    assert opts.modes == ["regular"]

@@ -268,61 +268,6 @@ def test_views_episode_summary_and_samples(builder, dstore):
     assert sample == ("ep#0", 2, True, [1, 1, 0, 0, 1, 1])
 
 
-def test_reward_command(builder, dstore, tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    lcap = Path(sys.executable).parent / "lcap"
-    builder.episode("ep", reward=None, turns=chat_turns([5]))
-    ok = subprocess.run(
-        [str(lcap), "reward", "ep", "0.7", "--details", '{"judge": "human"}', "--db", str(dstore.path)],
-        capture_output=True,
-        text=True,
-    )
-    assert ok.returncode == 0, ok.stderr
-    bad = subprocess.run([str(lcap), "reward", "nope", "1", "--db", str(dstore.path)], capture_output=True, text=True)
-    assert bad.returncode == 2 and bad.stderr.strip() == f"lcap: no episode 'nope' in {dstore.path}"
-    assert dstore.fetchall("SELECT reward, details->>'judge', source FROM latest_rewards") == [(0.7, "human", "cli")]
-    built = subprocess.run(
-        [
-            str(lcap),
-            "build-dataset",
-            "--round",
-            "1",
-            "--out",
-            str(tmp_path / "data"),
-            "--keep-zero-variance",
-            "--truncated",
-            "mask",
-            "--db",
-            str(dstore.path),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert built.returncode == 0, built.stderr
-    assert built.stdout.startswith(f"round 1 (train): 1 samples -> {tmp_path / 'data'}")
-    assert "groups: total 1, zero_variance 1, singleton 1" in built.stdout
-    bad = subprocess.run(
-        [
-            str(lcap),
-            "build-dataset",
-            "--round",
-            "1",
-            "--out",
-            str(tmp_path / "d2"),
-            "--truncated",
-            "cut",
-            "--db",
-            str(dstore.path),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert bad.returncode == 2 and bad.stderr.strip() == "lcap: --truncated must be drop, mask or keep, not 'cut'"
-
-
 def test_vectorised_merge_agrees_with_the_samples_view(builder, dstore, tmp_path, monkeypatch):
     """build-dataset merges on Arrow buffers (lcap.dataset.build.merge); the `samples` view states the
     same rule in SQL. Both must give the same samples; small blocks exercise the chunked compare."""

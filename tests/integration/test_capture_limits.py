@@ -20,27 +20,20 @@ import threading
 import time
 
 import httpx
-import pytest
 from fixtures_capture import LCAP, turns, wait_until
 
 from lcap.capture.options import ProxyOptions
 from lcap.capture.proxy import connections
-from lcap.capture.proxy.calls import Calls
 from lcap.capture.proxy.server import CA_BASENAME, CaptureProxy, ca_dir
-from lcap.capture.routing.routes import Router
-from lcap.capture.trust.certs import LeafCerts, bounded_lru
-from lcap.capture.turns.turn import PendingTurn
-from lcap.store import Store
+from lcap.capture.trust.certs import LeafCerts
 
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+
+
 BODY = json.dumps(CHAT).encode()
+
+
 TEXT = "Hello from the upstream."
-
-
-@pytest.fixture
-def store(tmp_path, capture_home, monkeypatch) -> Store:
-    monkeypatch.setenv("LCAP_HOME", str(capture_home))
-    return Store(tmp_path / "lcap.duckdb")
 
 
 def serve_proxy(env: dict[str, str], *args: str, nofile: int | None = None) -> tuple[subprocess.Popen, int]:
@@ -310,25 +303,6 @@ def test_certificate_caches_are_bounded(store):
         assert tunnels == {}
 
 
-def test_mitmproxys_certificate_store_drops_the_least_recently_used():
-    """A host every call goes to keeps its certificate however many others come and go (mitmproxy's own bound
-    drops the certificate made first)."""
-    from cryptography import x509
-    from mitmproxy.certs import CertStore
-
-    store = bounded_lru(CertStore.from_store(ca_dir(), CA_BASENAME, 2048), 2)
-
-    def cert(host: str):
-        return store.get_cert(host, [x509.DNSName(host)])
-
-    busy = cert("busy.example")
-    cert("a.example")
-    assert cert("busy.example") is busy  # a hit
-    cert("b.example")  # one too many: a.example, used least recently, goes
-    assert cert("busy.example") is busy
-    assert {e.cert.cn for e in store.expire_queue} == {"busy.example", "b.example"}
-
-
 def test_idle_upstream_connections_are_closed_when_no_call_comes(monkeypatch):
     """The pool closes a connection idle for `POOL_AGE` even when no call takes from that upstream again: a proxy
     left idle keeps no upstream's fds (the soak counts them)."""
@@ -350,39 +324,3 @@ def test_idle_upstream_connections_are_closed_when_no_call_comes(monkeypatch):
         assert closed == (True, True) and left == (0, {})
 
     asyncio.run(main())
-
-
-def test_idle_episodes_are_forgotten_and_still_sort(tmp_path):
-    """Past `max_episodes` idle episodes, the least recently used one's numbering is forgotten; if it comes back,
-    its calls are numbered above any number it had."""
-
-    class Writer:
-        def put(self, pending: PendingTurn) -> None:
-            pass
-
-    calls = Calls(Writer(), Router(None, None), token_ids=False, max_episodes=3)  # type: ignore[arg-type]
-
-    def one_call(episode: str) -> int:
-        pending = PendingTurn(episode_id=episode, seq=None, host="h", path="/v1/chat/completions", dialect="chat")
-        pending.seq = calls.next_seq(episode)
-        calls.close_call(pending)
-        return pending.seq
-
-    first = [one_call("a"), one_call("a"), one_call("a")]
-    for i in range(20):
-        one_call(f"e{i}")
-    assert first == [0, 1, 2] and calls.tracked_episodes() == 3
-    assert one_call("a") > 2  # forgotten, and still after its earlier calls
-    assert calls.tracked_episodes() == 3 and not calls.busy(any_episode=True)
-
-
-def test_the_redaction_cache_keeps_only_short_names():
-    """Field names are checked against credential names through a cache: an agent's long keys do not enter it."""
-    from lcap.capture.trust import redact
-
-    before = redact._secret_name.cache_info().currsize
-    assert redact.redact_json({"k" * 100_000: "v", "x_unique_api_key": "v"}) == {
-        "k" * 100_000: "v",
-        "x_unique_api_key": redact.REDACTED,
-    }
-    assert redact._secret_name.cache_info().currsize == before + 1

@@ -22,21 +22,20 @@ import time
 from pathlib import Path
 
 import pytest
-from fixtures_capture import AGENTS, LCAP, SECRET, agent, open_files, run_lcap, turns
+from fixtures_capture import AGENTS, LCAP, SECRET, agent, dns_query, open_files, run_lcap, turns
 
 from lcap.capture.reach import netns
-from lcap.capture.reach.dns import STAND_IN, Names, NamespaceDns, Resolver
-from lcap.capture.reach.jvm import (
-    java_proxy_options,
-    java_tool_options,
-    non_proxy_hosts,
-    pkcs12_trust_store,
-    trust_store,
-)
+from lcap.capture.reach.dns import Names, Resolver
 
 TEXT = "Hello from the upstream."
+
+
 INIT = str(Path(netns.__file__).with_name("netns_init.py"))
+
+
 CHAT = '{"model":"m","messages":[{"role":"user","content":"hi"}]}'
+
+
 NODE_FETCH = (
     'fetch("https://api.openai.com/v1/chat/completions", {method: "POST", headers: {"content-type": '
     '"application/json"}, body: JSON.stringify({model: "m", messages: [{role: "user", content: "hi"}]})})'
@@ -113,9 +112,6 @@ def _host_address() -> str | None:
             if not address.startswith("127.") and address != "0.0.0.0":
                 return address
     return None
-
-
-# --- clients that ignore proxy settings -------------------------------------------------------------------
 
 
 def test_proxyless_clients_are_captured(capture_env, llm, transparent_ok, banner_server):
@@ -309,9 +305,6 @@ def test_java_default_mode(capture_env, llm, tmp_path):
     assert len(llm.calls()) == 2
 
 
-# --- episodes: collect, leaks, exits, kill -9 ---------------------------------------------------------------
-
-
 def test_collect_one_namespace_per_episode(tmp_path, monkeypatch, capture_env, llm, transparent_ok):
     """Concurrent episodes, each in its own namespace: every turn lands in its own episode, without credentials."""
     from lcap.dataset.collect.episodes import collect
@@ -459,9 +452,6 @@ def _inode(path: str) -> int | None:
         return None
 
 
-# --- when it cannot be done --------------------------------------------------------------------------------
-
-
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root to hide iptables")
 def test_missing_iptables_is_one_line(capture_env, tmp_path):
     """No iptables (hidden in a private mount namespace), or one that fails: one line, exit 2, and the default mode
@@ -563,16 +553,8 @@ def test_rootless_namespace(transparent_ok):
     shutil.rmtree(shared)
 
 
-# --- the parts -----------------------------------------------------------------------------------------------
-
-
-def _query(name: str, qtype: int = 1, ident: int = 0x1234) -> bytes:
-    labels = b"".join(bytes([len(p)]) + p.encode() for p in name.split("."))
-    return struct.pack("!HHHHHH", ident, 0x0100, 1, 0, 0, 0) + labels + b"\x00" + struct.pack("!HH", qtype, 1)
-
-
 def _answers(response: bytes) -> tuple[int, list[str]]:
-    """(rcode, A records) of a response to `_query`."""
+    """(rcode, A records) of a response to `dns_query`."""
     rcode, count = struct.unpack_from("!H", response, 2)[0] & 0xF, struct.unpack_from("!H", response, 6)[0]
     offset = 12
     if struct.unpack_from("!H", response, 4)[0]:  # the question, echoed
@@ -608,80 +590,22 @@ def test_dns_answers():
     resolver = Resolver(names, lambda: rerouting[0], nameservers=[nameserver.getsockname()])
 
     async def main() -> None:
-        assert _answers(await resolver.answer(_query("localhost"))) == (0, ["127.0.0.1"])
-        rcode, (stand_in,) = _answers(await resolver.answer(_query("no-such-host.invalid")))
+        assert _answers(await resolver.answer(dns_query("localhost"))) == (0, ["127.0.0.1"])
+        rcode, (stand_in,) = _answers(await resolver.answer(dns_query("no-such-host.invalid")))
         assert rcode == 0 and socket.inet_aton(stand_in) and stand_in.startswith("198.1")
-        assert _answers(await resolver.answer(_query("No-Such-Host.invalid"))) == (0, [stand_in])
+        assert _answers(await resolver.answer(dns_query("No-Such-Host.invalid"))) == (0, [stand_in])
         assert names.name_of(stand_in) == "no-such-host.invalid" and names.is_stand_in(stand_in)
         rerouting[0] = False
-        assert _answers(await resolver.answer(_query("other-host.invalid")))[0] in (3, 2)  # NXDOMAIN / SERVFAIL
-        assert _answers(await resolver.answer(_query("localhost", qtype=28))) == (0, [])  # AAAA: IPv4 only
+        assert _answers(await resolver.answer(dns_query("other-host.invalid")))[0] in (3, 2)  # NXDOMAIN / SERVFAIL
+        assert _answers(await resolver.answer(dns_query("localhost", qtype=28))) == (0, [])  # AAAA: IPv4 only
         assert await resolver.answer(b"\x00") is None
-        assert await resolver.answer(_query("x")[:2] + b"\x81\x80" + _query("x")[4:]) is None  # a response
-        assert _answers(await resolver.answer(_query("x")[:12] + b"\xff"))[0] == 1  # FORMERR
-        txt = await resolver.answer(_query("example.test", qtype=16, ident=0x4242))
+        assert await resolver.answer(dns_query("x")[:2] + b"\x81\x80" + dns_query("x")[4:]) is None  # a response
+        assert _answers(await resolver.answer(dns_query("x")[:12] + b"\xff"))[0] == 1  # FORMERR
+        txt = await resolver.answer(dns_query("example.test", qtype=16, ident=0x4242))
         assert txt is not None and txt[:2] == b"\x42\x42" and relayed and relayed[0][:2] == b"\x42\x42"
 
     asyncio.run(main())
     nameserver.close()
-
-
-def test_dns_bounds():
-    """Names kept are bounded (the oldest name's stand-in address is reused); questions in flight per namespace
-    are bounded (more are dropped, the client retries)."""
-    names = Names(max_names=2)
-    first, second = names.stand_in("a.test"), names.stand_in("b.test")
-    third = names.stand_in("c.test")
-    assert third == first and len({first, second}) == 2 and names.stand_in("b.test") == second
-    assert all(ipaddress_in(a) for a in (first, second))
-
-    class Slow(Resolver):
-        async def answer(self, query: bytes) -> bytes | None:
-            import asyncio
-
-            await asyncio.sleep(10)
-            return None
-
-    import asyncio
-
-    async def main() -> int:
-        protocol = NamespaceDns(Slow(Names(), lambda: False, nameservers=[]))
-        for _ in range(100):
-            protocol.datagram_received(_query("a.test"), ("127.0.0.1", 5))
-        protocol.connection_lost(None)
-        return protocol.dropped
-
-    assert asyncio.run(main()) == 100 - 64
-
-
-def ipaddress_in(address: str) -> bool:
-    import ipaddress
-
-    return ipaddress.ip_address(address) in STAND_IN
-
-
-def test_jvm_trust_store_and_options(tmp_path):
-    """The PKCS#12 trust store holds each certificate with its alias (Java's reading of it is checked by the Java
-    tests); JAVA_TOOL_OPTIONS keeps the user's own options first and quotes paths with spaces."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives.serialization import Encoding, pkcs12
-
-    from lcap.capture.proxy.server import ensure_ca
-
-    ca = x509.load_pem_x509_certificate(ensure_ca().read_bytes())
-    store = pkcs12.load_pkcs12(pkcs12_trust_store([("lcap", ca.public_bytes(Encoding.DER))]), None)
-    (entry,) = store.additional_certs
-    assert entry.certificate == ca and entry.friendly_name == b"lcap"
-    bundle = tmp_path / "bundle.pem"
-    bundle.write_bytes(b"-----BEGIN CERTIFICATE-----\ngarbage\n-----END CERTIFICATE-----\n" + ensure_ca().read_bytes())
-    written = pkcs12.load_pkcs12(trust_store(bundle, tmp_path).read_bytes(), None)  # the unreadable one left out
-    assert [c.certificate for c in written.additional_certs] == [ca]
-    options = java_tool_options("-Xmx1g", Path("/a b/s.p12"))
-    assert options.startswith("-Xmx1g ") and '"-Djavax.net.ssl.trustStore=/a b/s.p12"' in options
-    assert "proxyHost" not in options
-    proxy = java_proxy_options(("127.0.0.1", 8080))
-    assert "-Dhttps.proxyPort=8080" in proxy and "-Dhttp.nonProxyHosts=localhost|127.*" in proxy
-    assert non_proxy_hosts(".corp.example,db:5432,10.0.0.0/8,internal")[-3:] == ["*.corp.example", "db", "internal"]
 
 
 def test_namespace_rules_and_host_ports(tmp_path, monkeypatch):
@@ -731,28 +655,6 @@ def test_peers_tell_the_agents_connections_from_others():
             other.wait()
 
 
-def test_collect_summary_hint_under_transparent():
-    """Episodes without a turn: the summary suggests --transparent, except to a collect that used it."""
-    from lcap.dataset.build.explain import NO_CALLS_FIX, NO_CALLS_FIX_TRANSPARENT
-    from lcap.dataset.collect.summary import CollectSummary
-
-    default = "\n".join(CollectSummary(episodes=1, no_turns=1).lines())
-    transparent = "\n".join(CollectSummary(episodes=1, no_turns=1, transparent=True).lines())
-    assert NO_CALLS_FIX in default and "--transparent" in NO_CALLS_FIX
-    assert NO_CALLS_FIX_TRANSPARENT in transparent and "try --transparent" not in transparent
-
-
-def test_what_is_missing_is_said(monkeypatch):
-    """Not root and no user namespaces, or no iptables: `missing` names it (lcap's one-line error carries it)."""
-    if not sys.platform.startswith("linux"):
-        pytest.skip("Linux only")
-    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
-    monkeypatch.setattr(netns, "user_namespaces_allowed", lambda: False)
-    assert netns.missing() == "root, or unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1)"
-    monkeypatch.setattr(netns, "restore_program", lambda: None)
-    assert netns.missing().startswith("iptables (iptables-restore")
-
-
 # Debian's OkHttp (libokhttp-java, installed by scripts/setup.sh) and its Okio.
 OKHTTP_JARS = (Path("/usr/share/java/okhttp.jar"), Path("/usr/share/java/okio.jar"))
 
@@ -777,12 +679,3 @@ def test_okhttp_agent(capture_env, llm, transparent, request):
     assert result.stdout.splitlines() == [f"okhttp: {TEXT}"]
     rows = turns(capture_env["LCAP_DB"])
     assert [(r["host"], r["status_code"], r["completion_text"]) for r in rows] == [("api.openai.com", 200, TEXT)]
-
-
-def test_transparent_does_not_go_with_ray():
-    """Namespaces are made on this machine: collect --transparent --ray is a one-line error before anything runs."""
-    from lcap.config import LcapError
-    from lcap.dataset.options import CollectOptions
-
-    with pytest.raises(LcapError, match="--transparent runs episodes on this machine"):
-        CollectOptions(transparent=True, ray="auto")

@@ -1,0 +1,21 @@
+"""Capture you can trust, the storage side: no turn is lost or stuck, whatever it holds and whatever happens to
+the writer process; the proxy says at exit what became of its turns.
+
+Real parts throughout: `lcap proxy` with its writer process, the spool on disk, DuckDB files; the agents write
+their requests byte by byte (tests/agents_capture/raw_agent.py) so that odd bytes reach the proxy as sent.
+"""
+
+from __future__ import annotations
+
+from fixtures_capture import pending_turn, turns
+
+from lcap.capture.turns.turn import build_row
+from lcap.store import Store
+
+
+def test_build_row_and_store_agree_on_a_clean_turn(tmp_path):
+    """The fast path is untouched: a clean turn's row is stored exactly as built, with no flag."""
+    pending = pending_turn("clean")
+    Store(tmp_path / "db.duckdb").append("turns", [build_row(pending)])
+    (row,) = turns(tmp_path / "db.duckdb")
+    assert row["turn_id"] == pending.turn_id and row["degraded"] is None and row["completion_text"] == "hi"
