@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from fixtures_capture import SECRET, FakeLLM
-from fixtures_ray import free_port, ray_head, ray_worker
+from fixtures_ray import closed_port, ray_head, ray_worker
 
 from lcap.store import Store
 
@@ -170,7 +170,7 @@ def test_a_node_lost_mid_run_loses_nothing(cluster, upstream, project):
     address, env, tmp = cluster
     _tasks(project, n=4, calls=2)
     victim_env = {**env, "LCAP_TEST_VICTIM": "1"}
-    with ray_worker(address, tmp / f"victim-{free_port()}.log", num_cpus=1, env=victim_env) as victim:
+    with ray_worker(address, tmp / "victim.log", num_cpus=1, env=victim_env) as victim:
         run = subprocess.Popen(
             _argv(project, address, upstream, "-g", "2", "-j", "3"),
             stdout=subprocess.PIPE,
@@ -319,8 +319,10 @@ def test_timeouts_and_ctrl_c_end_the_agents_on_their_nodes(cluster, upstream, pr
 
 def test_bad_cluster_and_options_are_one_line(project):
     _tasks(project, n=1, calls=1)
-    port = free_port()
-    result = subprocess.run(_argv(project, f"127.0.0.1:{port}", _Url()), capture_output=True, text=True, timeout=120)
+    with closed_port() as port:
+        result = subprocess.run(
+            _argv(project, f"127.0.0.1:{port}", _Url()), capture_output=True, text=True, timeout=120
+        )
     assert result.returncode == 2 and result.stderr.startswith(f"lcap: no Ray cluster at 127.0.0.1:{port}")
     assert len(result.stderr.strip().splitlines()) == 1
 
@@ -545,7 +547,7 @@ def test_kept_node_proxies_replace_a_lost_one_and_start_on_a_node_that_joins(clu
             while gone_key in proxies.known():  # the ingest saw it die
                 assert time.monotonic() < deadline
                 time.sleep(0.2)
-            with ray_worker(address, tmp / f"joins-{free_port()}.log", num_cpus=1, env=env):
+            with ray_worker(address, tmp / "joins.log", num_cpus=1, env=env):
                 second = run(proxies, 2)
                 assert proxies.starts == 1
                 proxies.close()  # before the node that joined leaves

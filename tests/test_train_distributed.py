@@ -19,6 +19,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
+from fixtures_ray import closed_port
 from fixtures_train import write_samples
 from safetensors.torch import load_file
 
@@ -146,10 +147,11 @@ def test_a_cluster_too_small_is_one_line(ray_cluster, tiny_train_model, captured
 
 
 def test_an_unreachable_cluster_is_one_line(tiny_train_model, captured_samples, tmp_path):
-    from fixtures_ray import free_port
-
-    address = f"127.0.0.1:{free_port()}"
-    result = train_cli(tiny_train_model, captured_samples, tmp_path, "--ray", address, "--num-workers", "2", timeout=60)
+    with closed_port() as port:
+        address = f"127.0.0.1:{port}"
+        result = train_cli(
+            tiny_train_model, captured_samples, tmp_path, "--ray", address, "--num-workers", "2", timeout=60
+        )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"lcap: no Ray cluster at {address}: "), lines
