@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from lcap.store import Store
+
 LCAP = str(Path(sys.executable).with_name("lcap"))
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -411,6 +413,14 @@ def fill_store(store, tokenizer_dir: Path, *, xss: bool = True) -> UiStore:
         ],
     )
     return b
+
+
+@pytest.fixture(scope="session")
+def ui_db(tmp_path_factory) -> Path:
+    """A store with every kind of row the UI shows (fill_store), made once per session."""
+    root = tmp_path_factory.mktemp("ui")
+    fill_store(Store(root / "ui.duckdb"), root / "tokenizer")
+    return root / "ui.duckdb"
 
 
 # --- a running `lcap ui` -------------------------------------------------------------------------------

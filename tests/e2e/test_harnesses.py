@@ -45,7 +45,7 @@ from lcap.store import Store
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 HARNESSES = REPO / "scripts" / "harnesses"
 LCAP = str(Path(sys.executable).parent / "lcap")
 MAX_TURNS = 2  # harness turns/steps per episode (its own limit, where it has one)

@@ -20,9 +20,9 @@ import jsonschema
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "scripts" / "k8s"
-SCHEMA = Path(__file__).parent / "data" / "kuberay" / "raycluster-v1.schema.json"
+SCHEMA = Path(__file__).resolve().parents[1] / "data" / "kuberay" / "raycluster-v1.schema.json"
 
 
 def strict(schema: Any) -> Any:

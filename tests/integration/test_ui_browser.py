@@ -16,7 +16,7 @@ from fixtures_ui import XSS, UiServer, fill_store
 
 from lcap.store import Store
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 

@@ -28,7 +28,7 @@ from lcap.store import Store
 from lcap.train.accelerate_launch import load_config
 from lcap.train.grpo import TrainOptions, train_round
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "scripts" / "accelerate"
 # One process vs two: the same samples per step, the same loss normaliser, gradients averaged by DDP; what
 # differs is the order of float sums (batch shapes, the all-reduce), far below these bounds.

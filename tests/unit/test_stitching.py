@@ -18,7 +18,7 @@ from lcap.capture.routing import policy_wire
 from lcap.capture.routing.stitching import Head as ProxyHead
 from lcap.capture.routing.stitching import Heads
 
-PLUGIN = Path(__file__).resolve().parents[1] / "serve" / "vllm_plugin"
+PLUGIN = Path(__file__).resolve().parents[2] / "serve" / "vllm_plugin"
 
 
 @pytest.fixture(scope="module")

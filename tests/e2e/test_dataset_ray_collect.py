@@ -27,7 +27,9 @@ from lcap.store import Store
 
 pytestmark = pytest.mark.slow
 
+
 LCAP = str(Path(sys.executable).parent / "lcap")
+
 
 AGENT = """
 import json, os, sys, time
@@ -50,10 +52,12 @@ for i in range(task["calls"]):
 open("answer.txt", "w").write(open("hint.txt").read() + task["q"])
 """
 
+
 VERIFIER = """
 def judge(ctx):
     return {"reward": float(len((ctx.workdir / "answer.txt").read_text()) % 5), "pid": __import__("os").getpid()}
 """
+
 
 HEALTH = {  # a lost node is declared dead after a few seconds instead of Ray's default of tens of seconds; a
     # loaded machine's raylet may be slow to answer one check, so it takes five missed in a row
@@ -346,25 +350,6 @@ def test_a_cluster_no_node_fits_is_one_line(cluster, upstream, project):
     )
     assert result.returncode == 2, result.stderr
     assert f"no node of the Ray cluster at {address} can run an episode, which needs CPU=1, sandbox=1" in result.stderr
-
-
-def test_a_node_proxy_that_cannot_start_says_why_in_one_line(tmp_path, monkeypatch, capture_home):
-    """Whatever stops a node's capture proxy from starting (here a stand-in failure of the proxy's start) is what
-    its episodes report, one line, instead of a dead actor's traceback."""
-    from lcap.capture.options import ProxyOptions
-    from lcap.capture.proxy.server import CaptureProxy
-    from lcap.dataset.collect.on_ray import NodeConfig, NodeProxy
-
-    monkeypatch.setenv("LCAP_HOME", str(capture_home))
-
-    def refuse(self) -> None:
-        raise RuntimeError("no room for listeners\nsecond line")
-
-    monkeypatch.setattr(CaptureProxy, "start", refuse)
-    node = NodeProxy(NodeConfig(ProxyOptions(upstream="http://127.0.0.1:9"), None, os.urandom(32), "t", 8))
-    node.start()
-    assert node.ready() == "RuntimeError: no room for listeners"
-    assert node.stop(1.0) == 0
 
 
 def _driver_of(project: Path, address: str) -> tuple[Store, list[str]]:

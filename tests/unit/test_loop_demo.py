@@ -16,7 +16,7 @@ from lcap.loop.demo.runner import TARGET_FALLBACK, TARGET_REWARD, TARGET_RIGHT, 
 from lcap.loop.demo.warm import Example, shared_prefix
 from lcap.store import Store, now
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "demo"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "demo"))
 from verify import score
 
 

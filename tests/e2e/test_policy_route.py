@@ -25,7 +25,7 @@ from lcap.store import Store
 
 pytestmark = pytest.mark.vllm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOOLS = [
     {
         "type": "function",

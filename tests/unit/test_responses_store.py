@@ -14,7 +14,7 @@ import pytest
 
 from lcap.serve.options import ServeOptions
 
-PLUGIN = Path(__file__).resolve().parents[1] / "serve" / "vllm_plugin"
+PLUGIN = Path(__file__).resolve().parents[2] / "serve" / "vllm_plugin"
 
 
 @pytest.fixture(scope="module")
