@@ -1,11 +1,5 @@
-"""Bounded resources: connections, bodies, memory, certificates and per-episode state.
-
-A proxy that anyone on its network (or any process on its machine) can reach must not be made to run out of
-file descriptors or memory: connections past the limits are shed with a 503 (the limit fitted to the open-file
-limit), bodies past `--max-body-bytes` are refused before they are read, on both transports, and memory
-returns to its baseline after a big body. Caches are bounded: TLS certificates (the front's and mitmproxy's)
-and the numbering of idle episodes.
-"""
+"""Bounded per-proxy state, in-process: the certificate cache, idle episodes, the redaction cache (the connection,
+body and memory limits on a running proxy: tests/integration/test_capture_limits.py)."""
 
 from __future__ import annotations
 

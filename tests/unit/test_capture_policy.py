@@ -1,10 +1,5 @@
-"""The in-process API that collect uses: `CaptureProxy` routed to the policy record, token ids, attribution.
-
-The upstream here is FakeLLM answering like vLLM (fields `prompt_token_ids`, `token_ids`,
-`logprobs` when asked): it checks lcap's own logic (what it asks for, what it strips from the
-agent's answer, how `lcap deploy` switches routes) fast and deterministically. The same path
-against the real vLLM server is in test_capture_vllm.py.
-"""
+"""The proxy's debug-check skipping keeps mitmproxy's option semantics (the policy route itself:
+tests/integration/test_capture_policy.py)."""
 
 from __future__ import annotations
 

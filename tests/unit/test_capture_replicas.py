@@ -1,9 +1,5 @@
-"""Routing to policy replicas (capture/routing/routes.py): sticky and consistent by episode, failover, health, the key.
-
-The replicas here are FakeLLM servers answering like vLLM, each in a process of its own so that a test
-can kill one the way a replica dies (every connection reset at once). The same routing against two
-real vLLM servers is in test_serve_replicas.py.
-"""
+"""A policy record from before replicas reads as one replica (routing to live replicas:
+tests/integration/test_capture_replicas.py)."""
 
 from __future__ import annotations
 

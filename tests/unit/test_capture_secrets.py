@@ -1,9 +1,5 @@
-"""Secrets never reach disk: every common key format is redacted before the store, the spool on disk is sealed,
-and the store, its WAL, the spool and its key are private to their owner.
-
-The formats are checked with a maintained detector as the oracle: Yelp's detect-secrets (its regex plugins)
-finds each sample it knows in the text as the agent sent it, and nothing in what lcap stores.
-"""
+"""The store and its WAL are created private to their owner (redaction end to end:
+tests/integration/test_capture_secrets.py)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Capture you can trust, the storage side: no turn is lost or stuck, whatever it holds and whatever happens to
-the writer process; the proxy says at exit what became of its turns.
-
-Real parts throughout: `lcap proxy` with its writer process, the spool on disk, DuckDB files; the agents write
-their requests byte by byte (tests/agents_capture/raw_agent.py) so that odd bytes reach the proxy as sent.
-"""
+"""The row a turn becomes and the store agree on a clean turn (the writer process, the spool and their failures:
+tests/integration/test_capture_storage.py)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Upstreams that hang, agents that leave: every call ends, with an error turn, its time and its file descriptors.
-
-An upstream that does not connect, does not answer or stops mid-stream is cut off after `--connect-timeout`,
-`--first-byte-timeout` or `--stream-idle-timeout` (504 when the agent has had nothing yet). An agent that leaves
-while its call runs cancels the call at once: the upstream connection is closed then, the turn says so with the
-real latency, and no task is left behind for the garbage collector. Both transports: the front, and mitmproxy
-(which gets a call whose body is chunked).
-"""
+"""The agent reader tells when the agent left (hanging upstreams and leaving agents on a running proxy:
+tests/integration/test_capture_timeouts.py)."""
 
 from __future__ import annotations
 

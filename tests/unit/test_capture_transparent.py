@@ -1,11 +1,5 @@
-"""`--transparent`: agents that ignore proxy settings are captured too, in namespaces of their own.
-
-Real clients in a real network namespace with no route out (only `lo`, lcap's iptables rules), real
-mitmproxy and lcap's front, a real local upstream (FakeLLM: this machine has no internet, and its
-resolver cannot resolve api.openai.com, so lcap's DNS answers with a stand-in address). They need
-root (or user namespaces) and iptables: where those are missing the tests are skipped, except the
-one that checks lcap's one-line error. JVM agents are also checked in the default mode.
-"""
+"""`--transparent`'s in-process parts: DNS bounds, the JVM trust store and options, what is missing, the hints and
+refusals (agents in real namespaces: tests/integration/test_capture_transparent.py)."""
 
 from __future__ import annotations
 

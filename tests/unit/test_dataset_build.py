@@ -1,4 +1,5 @@
-"""build-dataset on real DuckDB stores: merge and env masks, advantages, each cleaning rule, views."""
+"""build-dataset on real DuckDB stores: merge and env masks, advantages, each cleaning rule, views (the reward
+command as a child process: tests/integration/test_dataset_build.py)."""
 
 from __future__ import annotations
 

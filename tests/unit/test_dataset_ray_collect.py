@@ -1,10 +1,5 @@
-"""`lcap collect --ray`: episodes as Ray tasks on a real local cluster (`ray start` nodes on this machine, node IP
-127.0.0.1), captured by a proxy on each node, their turns stored once by the driver's writer; a node lost mid-run.
-
-The agents are real subprocesses calling a local fake upstream with the openai SDK through the node's capture
-proxy. What an agent sees (its proxy, the node it ran on) goes to a log named by its task, which the tests read.
-Ray's health checks are lowered on the head so that a killed node is seen as dead in seconds.
-"""
+"""A node's capture proxy that cannot start says why in one line (`lcap collect --ray` on real clusters:
+tests/e2e/test_dataset_ray_collect.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Verifiers (command and Python), the tamper guard's hashing, task files and command templates."""
+"""Python verifiers, the tamper guard's hashing, task files and command templates (command verifiers as child
+processes: tests/integration/test_dataset_verifiers.py)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""`lcap doctor`: every check passing and failing, each failure with its fix (applied where the test can, to see
-it work). Real parts: lcap's CA and bundle, Python/curl/Node/Java clients against a local TLS server, the Node
-preload, spools with sealed records, a throwaway proxy, DuckDB stores (one locked by another process), the vLLM
-CPU server (marked vllm). A stand-in HTTP server plays a vLLM started without LoRA (starting a second real one
-costs minutes here), and a throwaway package plays an installed Ray."""
+"""`lcap doctor`'s registry and the checks that run in-process: the CA, the spool, the vLLM venv, the restart
+command, Ray (checks on clients, proxies and servers: tests/integration/test_doctor.py; on the vLLM server:
+tests/e2e/test_doctor.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Errors that say what to do: every "nothing to train on" names the counts by cause (from build-dataset's report)
-and the option or command that changes it, in build-dataset, train and loop; collect ends with a summary that
-says where to look. Real stores, real build-dataset, the real CLI."""
+and the option that changes it (the CLI and collect's summary: tests/integration/test_explain.py)."""
 
 from __future__ import annotations
 

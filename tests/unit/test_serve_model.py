@@ -1,4 +1,5 @@
-"""`lcap init-model` and the failure paths of `lcap serve` / `lcap deploy` (no vLLM start needed)."""
+"""`lcap init-model`, and `lcap serve` / `lcap deploy` decisions made without a process (the failure paths with
+processes: tests/integration/test_serve_model.py)."""
 
 from __future__ import annotations
 

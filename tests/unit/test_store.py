@@ -1,4 +1,5 @@
-"""The store: schema versions and migrations, batched appends, processes taking turns at the file."""
+"""The store: schema versions and migrations, batched appends (processes taking turns at the file:
+tests/integration/test_store.py)."""
 
 from __future__ import annotations
 

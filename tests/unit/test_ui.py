@@ -1,5 +1,5 @@
-"""`lcap ui` over real DuckDB stores: the app in-process (Starlette's test client) and `lcap ui` as a child
-process (CLI, token, read-only while a writer writes). The browser tests are in test_ui_browser.py."""
+"""`lcap ui`'s app in-process over real DuckDB stores (Starlette's test client); `lcap ui` as a child process:
+tests/integration/test_ui.py, in a browser: tests/integration/test_ui_browser.py."""
 
 from __future__ import annotations
 
