@@ -2,9 +2,10 @@
 
 The tests sit in three tiers, one folder each, and carry their folder's marker (`-m unit`, `-m "not e2e"`):
 tests/unit (in-process), tests/integration (processes and servers), tests/e2e (vLLM, training, loops, Ray).
-Under pytest-xdist (`-n N --dist loadgroup`, as scripts/test.sh runs the suite) the tests that share a costly
-session fixture, or a resource only one of them may hold at a time, run on one worker, one after another (their
-`xdist_group`); the others spread over the workers."""
+Under pytest-xdist (`-n N --dist loadgroup`, as scripts/test.sh runs the suite) each integration or end-to-end
+file runs on one worker, one test after another (its `xdist_group`), and unit tests spread over the workers. A
+session fixture is set up once per worker that needs it (at most one vLLM server per worker); every port is bound
+as port 0 by whoever listens on it, and each worker has a temporary tree (and lcap home) of its own."""
 
 import signal
 
@@ -30,17 +31,10 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 
 
 def xdist_group(item: pytest.Item) -> str | None:
-    """The worker-sharing group of a test: one vLLM server per run, Ray clusters one at a time, network namespaces
-    one at a time; None for a test that may run beside any other."""
-    fixtures = set(getattr(item, "fixturenames", ()))
-    if "vllm_server" in fixtures:
-        return "vllm"
-    if "ray_cluster" in fixtures or hasattr(getattr(item, "module", None), "ray_head"):
-        return "ray"
-    if "node_modules" in fixtures:
-        return "node"
-    if item.path.name == "test_capture_transparent.py":
-        return "netns"
+    """The worker-sharing group of a test: an integration or end-to-end test runs on the worker that runs the rest of
+    its file (a module fixture, a store or cluster the file's tests share, is set up once); unit tests spread."""
+    if item.path.parent.name in ("integration", "e2e"):
+        return f"{item.path.parent.name}/{item.path.stem}"
     return None
 
 

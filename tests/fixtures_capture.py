@@ -11,6 +11,7 @@ logprobs when asked with return_token_ids).
 from __future__ import annotations
 
 import base64
+import fcntl
 import gzip
 import hashlib
 import json
@@ -601,10 +602,18 @@ def node_cache_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def node_modules() -> Path:
-    """Install the preload's undici and the openai Node SDK once (skip only if npm cannot)."""
+    """Install the preload's undici and the openai Node SDK once (skip only if npm cannot). The cache is shared by
+    runs and by the workers of one run: they take turns at it (a lock file beside it)."""
     if shutil.which("node") is None or shutil.which("npm") is None:
         pytest.skip("node/npm are not installed")
     target = node_cache_dir()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f"{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return install_node_modules(target)
+
+
+def install_node_modules(target: Path) -> Path:
     env = {**os.environ, "LCAP_NODE_DIR": str(target)}
     setup = subprocess.run([LCAP, "setup", "node"], env=env, capture_output=True, text=True)
     if not all(
