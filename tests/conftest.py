@@ -38,11 +38,6 @@ def xdist_group(item: pytest.Item) -> str | None:
     return None
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    for tier in TIERS:
-        config.addinivalue_line("markers", f"{tier}: a test of tests/{tier}")
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.parent.name in TIERS:
