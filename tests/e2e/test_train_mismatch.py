@@ -175,7 +175,7 @@ def test_skipped_deploy_stops_the_round(vllm_policy, round_one, tmp_path):
 @pytest.mark.vllm
 def test_a_checkpoint_reloaded_in_place_passes_the_guard_as_its_deployment(vllm_policy, tmp_path):
     """Full fine-tuning deployed in place: vLLM serves the checkpoint under the name it started with, the samples
-    carry the new deployment (as capture labels its turns: tests/test_serve_deploy.py), and the guard, scoring
+    carry the new deployment (as capture labels its turns: tests/e2e/test_serve_deploy.py), and the guard, scoring
     them with the checkpoint being continued, finds no mismatch for it; the base's weights, which vLLM served
     under the same name before, do not pass."""
     from fixtures_vllm import perturbed_checkpoint

@@ -3,7 +3,7 @@
 The upstream here is FakeLLM answering like vLLM (fields `prompt_token_ids`, `token_ids`,
 `logprobs` when asked): it checks lcap's own logic (what it asks for, what it strips from the
 agent's answer, how `lcap deploy` switches routes) fast and deterministically. The same path
-against the real vLLM server is in test_capture_vllm.py.
+against the real vLLM server is in tests/e2e/test_capture_vllm.py.
 """
 
 from __future__ import annotations

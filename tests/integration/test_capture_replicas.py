@@ -2,7 +2,7 @@
 
 The replicas here are FakeLLM servers answering like vLLM, each in a process of its own so that a test
 can kill one the way a replica dies (every connection reset at once). The same routing against two
-real vLLM servers is in test_serve_replicas.py.
+real vLLM servers is in tests/e2e/test_serve_replicas.py.
 """
 
 from __future__ import annotations

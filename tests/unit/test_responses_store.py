@@ -1,6 +1,6 @@
 """The bounded store of served responses behind `previous_response_id` (serve/vllm_plugin/lcap_policy/
 responses_store.py), on plain values: its count and age bounds, oldest out first, a miss saying which bound
-dropped the response, and the options `lcap serve` hands it. tests/test_policy_route.py runs it on the real server.
+dropped the response, and the options `lcap serve` hands it. tests/e2e/test_policy_route.py runs it on the real server.
 """
 
 from __future__ import annotations

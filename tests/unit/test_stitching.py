@@ -2,7 +2,7 @@
 template adds after it, the proxy's bounded store of heads, and the wire both sides speak.
 
 The rule itself runs inside vLLM (serve/vllm_plugin/lcap_policy/stitch.py imports nothing of vLLM), so
-these tests load it from there; tests/test_policy_route.py runs it on the real server.
+these tests load it from there; tests/e2e/test_policy_route.py runs it on the real server.
 """
 
 from __future__ import annotations
