@@ -3,12 +3,22 @@ run is measured, not tested: docs/benchmarks.md#demo)."""
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
 
 import pytest
 
 from lcap.loop.demo.runner import calls_by_round, demo_task
 from lcap.store import Store
+
+
+def test_warm_start_runs_on_the_tiny_model(tiny_model_dir, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)  # the warm start saves in place
+    task = demo_task("tools")
+    report = task.warm_start(model, replace(task.settings(), warm_up_steps=3, warm_steps=2, warm_examples=8))
+    assert report["steps"] == 2 and report["loss"] > 0 and report["task"] == "tools"
+    assert [phase["steps"] for phase in report["phases"]] == [3, 2]  # the number task's questions, then episodes
 
 
 @pytest.mark.slow

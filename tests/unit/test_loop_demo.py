@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import sys
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,8 @@ from lcap.loop.demo.warm import Example, shared_prefix
 from lcap.store import Store, now
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "demo"))
+
+
 from verify import score
 
 
@@ -42,23 +43,6 @@ def test_the_warm_starts_shared_prefix_holds_no_trained_token():
     c = Example([1, 2, 3, 4, 7], [0, 0, 1, 0, 1])  # trains on its third token, inside the shared part
     assert shared_prefix([a, b, c]) == 1
     assert shared_prefix([Example([1, 2], [0, 1]), Example([3, 4], [0, 1])]) == 0
-
-
-def test_the_warm_start_learns_its_corpus(tiny_model_dir, tmp_path):
-    """A few steps on the number task's corpus lower its loss, and the saved model is the trained one."""
-    import shutil
-
-    from lcap.loop.demo.runner import demo_task
-
-    task = demo_task("number")
-    model = tmp_path / "model"
-    shutil.copytree(tiny_model_dir, model)  # the warm start saves in place
-    before = (model / "model.safetensors").read_bytes()
-    settings = task.settings()
-    short = task.warm_start(model, replace(settings, warm_steps=1, warm_examples=64))
-    longer = task.warm_start(model, replace(settings, warm_steps=30, warm_examples=640))
-    assert longer["loss"] < short["loss"] and longer["task"] == "number" and longer["warm_steps"] == 30
-    assert (model / "model.safetensors").read_bytes() != before
 
 
 def test_verifier_rewards_a_right_answer_in_the_format_only():

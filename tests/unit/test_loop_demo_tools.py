@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 from collections import Counter
 from dataclasses import replace
 
@@ -74,15 +73,6 @@ def test_the_warm_start_weighs_the_whole_lookup_call_and_the_copied_word(tiny_mo
     assert example.weights[start - 1] == 0.0 and set(example.weights[start : start + len(call) + 1]) == {heavy}
     trained = [w for w in example.weights[start + len(call) + 1 :] if w]
     assert trained.count(heavy) == 2 and set(trained) == {1.0, heavy}  # the word of each text answer
-
-
-def test_warm_start_runs_on_the_tiny_model(tiny_model_dir, tmp_path):
-    model = tmp_path / "model"
-    shutil.copytree(tiny_model_dir, model)  # the warm start saves in place
-    task = demo_task("tools")
-    report = task.warm_start(model, replace(task.settings(), warm_up_steps=3, warm_steps=2, warm_examples=8))
-    assert report["steps"] == 2 and report["loss"] > 0 and report["task"] == "tools"
-    assert [phase["steps"] for phase in report["phases"]] == [3, 2]  # the number task's questions, then episodes
 
 
 def test_calls_by_round_reads_stitching_and_merging_from_the_store(builder, dstore):
