@@ -468,9 +468,11 @@ class UiServer:
         return out + err
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
-    """Headless Debian Chromium driven by Playwright (no browser download: the system one)."""
+    """Headless Debian Chromium driven by Playwright (no browser download: the system one). Closed after the module:
+    Playwright's sync API holds an event loop running in the thread, and a worker that runs more tests after the
+    browser tests (under xdist) would have every later `asyncio.run` refused."""
     if not Path(CHROMIUM).exists() or shutil.which("chromium") is None:
         pytest.skip("Debian's chromium is not installed (scripts/setup.sh installs it)")
     from playwright.sync_api import sync_playwright

@@ -16,6 +16,7 @@ import pytest
 import torch
 from fixtures_capture import turns
 from fixtures_vllm import hf_logprobs, perturbed_checkpoint, watching_record
+from policy_agents import Agents, policy_proxy
 from typer.testing import CliRunner
 
 from lcap.cli import app
@@ -84,7 +85,6 @@ def test_full_checkpoint_reloads_in_place_while_calls_stream(vllm_policy, tmp_pa
     proxy: the same vLLM process, no call fails, and every turn is labelled with the deployment whose weights
     served it (its captured logprobs are the label's model's, scored by transformers, and not the other's),
     including calls sent while the replica was paused for the reload, which vLLM held and served afterwards."""
-    from test_serve_replicas import Agents, _proxy
     from transformers import AutoModelForCausalLM
 
     from lcap.serve.deploy import deploy
@@ -94,7 +94,7 @@ def test_full_checkpoint_reloads_in_place_while_calls_stream(vllm_policy, tmp_pa
     checkpoint = perturbed_checkpoint(vllm_policy.model_dir, tmp_path / "round-1" / "checkpoint")
     db = tmp_path / "lcap.duckdb"
     try:
-        with _proxy(tmp_path) as proxy, Agents(proxy, threads=3, stream_every=1, max_tokens=24) as agents:
+        with policy_proxy(tmp_path) as proxy, Agents(proxy, threads=3, stream_every=1, max_tokens=24) as agents:
             agents.wait_for(6)
             with watching_record(lambda record: record.replicas[0].serving(record), every=0.01) as states:
                 name = deploy(checkpoint, name="tiny-r1", round=1, store=Store(db), drain_timeout=120)

@@ -12,28 +12,23 @@ import json
 import os
 import shutil
 import signal
-import ssl
 import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 from fixtures_capture import turns
-from openai import APIError, OpenAI
+from policy_agents import Agents, policy_proxy
 
-from lcap.capture.options import ProxyOptions
-from lcap.capture.proxy.server import CaptureProxy
 from lcap.policy import PolicyServer, read_policy, write_policy
 from lcap.store import Store
 
 pytestmark = pytest.mark.vllm
 
 LCAP = str(Path(sys.executable).parent / "lcap")
-MESSAGES = [{"role": "user", "content": "Count from one to ten, please."}]
 
 
 @dataclass
@@ -87,76 +82,6 @@ def pair(tiny_model_dir, tmp_path_factory):
                 os.environ[key] = value
 
 
-@dataclass
-class Agents:
-    """Agents that keep running episodes (two calls each) through the proxy until stopped; every call is kept."""
-
-    proxy: CaptureProxy
-    threads: int = 4
-    stream_every: int = 0  # every Nth episode streams (0: none)
-    max_tokens: int = 8
-    calls: list[dict] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
-    _workers: list[threading.Thread] = field(default_factory=list)
-
-    def __enter__(self) -> Agents:
-        for worker in range(self.threads):
-            thread = threading.Thread(target=self._run, args=(worker,), daemon=True)
-            thread.start()
-            self._workers.append(thread)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for thread in self._workers:
-            thread.join(300)
-
-    def wait_for(self, n: int, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        start = len(self.calls)
-        while len(self.calls) < start + n:
-            assert time.monotonic() < deadline, f"only {len(self.calls) - start} calls in {timeout}s"
-            time.sleep(0.1)
-
-    def wait_after(self, since: float, n: int = 4, timeout: float = 300) -> None:
-        """Until `n` calls that started after `since` (time.monotonic) have ended: a count of calls alone may be
-        reached by fast calls that all started before it."""
-        deadline = time.monotonic() + timeout
-        while sum(c["started"] > since for c in list(self.calls)) < n:
-            assert time.monotonic() < deadline, f"fewer than {n} calls started after the mark in {timeout}s"
-            time.sleep(0.1)
-
-    def _run(self, worker: int) -> None:
-        episode_number = 0
-        while not self.stop.is_set():
-            episode = f"w{worker}-e{episode_number}"
-            stream = bool(self.stream_every) and episode_number % self.stream_every == 0
-            env = self.proxy.child_env(episode, base={})
-            verify = ssl.create_default_context(cafile=env["SSL_CERT_FILE"])
-            with httpx.Client(proxy=env["HTTPS_PROXY"], verify=verify, timeout=300) as http:
-                client = OpenAI(api_key="sk-test", http_client=http, max_retries=0)
-                for seq in range(2):
-                    started = time.monotonic()
-                    outcome: dict = {"episode": episode, "seq": seq, "stream": stream, "started": started}
-                    try:
-                        kwargs = {"model": "gpt-4o-mini", "messages": MESSAGES, "max_tokens": self.max_tokens}
-                        if stream:
-                            chunks = list(client.chat.completions.create(stream=True, **kwargs))
-                            outcome["model"] = chunks[0].model
-                        else:
-                            outcome["model"] = client.chat.completions.create(**kwargs).model
-                        outcome["ok"] = True
-                    except (APIError, httpx.HTTPError) as exc:  # a cut stream is httpx's error, not the SDK's
-                        outcome.update(ok=False, error=f"{exc.__class__.__name__}: {exc}")
-                    outcome["ended"] = time.monotonic()
-                    self.calls.append(outcome)
-            episode_number += 1
-
-
-def _proxy(tmp_path: Path) -> CaptureProxy:
-    return CaptureProxy(Store(tmp_path / "lcap.duckdb"), ProxyOptions(upstream="policy"))
-
-
 def test_serve_status_lists_both_replicas(pair):
     status = subprocess.run([LCAP, "serve", "--status"], capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stderr
@@ -171,7 +96,7 @@ def test_serve_status_lists_both_replicas(pair):
 
 
 def test_episodes_stick_to_a_replica_and_spread_over_both(pair, tmp_path):
-    with _proxy(tmp_path) as proxy, Agents(proxy, threads=2) as agents:
+    with policy_proxy(tmp_path) as proxy, Agents(proxy, threads=2) as agents:
         agents.wait_for(32)
         agents.stop.set()
     assert all(c["ok"] for c in agents.calls), [c for c in agents.calls if not c["ok"]][:3]
@@ -190,7 +115,7 @@ def test_a_lora_deploy_reaches_both_replicas_before_any_call_asks_for_it(pair, t
     it does not serve), and from the switch on both replicas serve the adapter."""
     from lcap.serve.deploy import deploy
 
-    with _proxy(tmp_path) as proxy, Agents(proxy, threads=4) as agents:
+    with policy_proxy(tmp_path) as proxy, Agents(proxy, threads=4) as agents:
         agents.wait_for(8)
         name = deploy(tiny_lora, round=1, store=Store(pair.db))
         switched = time.monotonic()
@@ -221,7 +146,7 @@ def test_a_full_checkpoint_reloads_into_one_replica_at_a_time(pair, tmp_path):
     before = pair.record
     checkpoint = perturbed_checkpoint(pair.model_dir, tmp_path / "round-1" / "checkpoint")
     try:
-        with _proxy(tmp_path) as proxy, Agents(proxy, threads=4, stream_every=2, max_tokens=16) as agents:
+        with policy_proxy(tmp_path) as proxy, Agents(proxy, threads=4, stream_every=2, max_tokens=16) as agents:
             agents.wait_for(8)
             with watching_record(lambda record: tuple(r.serving(record) for r in record.replicas)) as states:
                 name = deploy(checkpoint, name="tiny-r1", round=1, store=Store(pair.db), drain_timeout=120)
@@ -262,7 +187,7 @@ def test_a_full_checkpoint_rolls_one_replica_at_a_time(pair, tmp_path):
     def replica_states(record: PolicyServer) -> tuple:
         return tuple((r.name, r.draining, r.current) for r in record.replicas)
 
-    with _proxy(tmp_path) as proxy, Agents(proxy, threads=4, max_tokens=24) as agents:
+    with policy_proxy(tmp_path) as proxy, Agents(proxy, threads=4, max_tokens=24) as agents:
         agents.wait_for(8)
         with watching_record(replica_states, every=0.05) as states:
             name = deploy(checkpoint, name="tiny-v2", round=2, store=Store(pair.db), drain_timeout=120, restart=True)
@@ -297,7 +222,7 @@ def test_a_killed_replica_moves_its_episodes_to_the_other(pair, tmp_path):
     first four (eight calls) all rank r1 first, so a count of calls alone may pass before r0 answered any."""
     victim = pair.record.replica("r0")
     served_before = _answered(victim.url)
-    with _proxy(tmp_path) as proxy, Agents(proxy, threads=4, stream_every=3, max_tokens=24) as agents:
+    with policy_proxy(tmp_path) as proxy, Agents(proxy, threads=4, stream_every=3, max_tokens=24) as agents:
         agents.wait_for(12)
         deadline = time.monotonic() + 300
         while _answered(victim.url) < served_before + 2:
@@ -348,7 +273,7 @@ def test_a_lone_replica_restarting_holds_calls_instead_of_failing_them(pair, tmp
     checkpoint = tmp_path / "checkpoint"
     shutil.copytree(pair.model_dir, checkpoint)
 
-    with _proxy(tmp_path) as proxy, Agents(proxy, threads=3, stream_every=2, max_tokens=16) as agents:
+    with policy_proxy(tmp_path) as proxy, Agents(proxy, threads=3, stream_every=2, max_tokens=16) as agents:
         agents.wait_for(6)
         with watching_record(lambda record: record.replicas[0].draining, every=0.05) as states:
             name = deploy(checkpoint, name="tiny-held", store=Store(pair.db), drain_timeout=120, restart=True)
