@@ -11,12 +11,14 @@ logprobs when asked with return_token_ids).
 from __future__ import annotations
 
 import base64
+import fcntl
 import gzip
 import hashlib
 import json
 import os
 import shutil
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -26,6 +28,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
+from lcap.capture.turns.turn import PendingTurn
+from lcap.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 AGENTS = Path(__file__).resolve().parent / "agents_capture"
@@ -556,6 +561,13 @@ def capture_home(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
+def store(tmp_path, capture_home, monkeypatch) -> Store:
+    """A fresh store under the session's capture home."""
+    monkeypatch.setenv("LCAP_HOME", str(capture_home))
+    return Store(tmp_path / "lcap.duckdb")
+
+
+@pytest.fixture
 def capture_env(capture_home, tmp_path, monkeypatch) -> dict[str, str]:
     """Environment for `lcap` child processes: isolated home, a fresh store, the test node modules."""
     monkeypatch.setenv("LCAP_HOME", str(capture_home))
@@ -593,10 +605,18 @@ def node_cache_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def node_modules() -> Path:
-    """Install the preload's undici and the openai Node SDK once (skip only if npm cannot)."""
+    """Install the preload's undici and the openai Node SDK once (skip only if npm cannot). The cache is shared by
+    runs and by the workers of one run: they take turns at it (a lock file beside it)."""
     if shutil.which("node") is None or shutil.which("npm") is None:
         pytest.skip("node/npm are not installed")
     target = node_cache_dir()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f"{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return install_node_modules(target)
+
+
+def install_node_modules(target: Path) -> Path:
     env = {**os.environ, "LCAP_NODE_DIR": str(target)}
     setup = subprocess.run([LCAP, "setup", "node"], env=env, capture_output=True, text=True)
     if not all(
@@ -717,3 +737,31 @@ def open_files(kind: str) -> int:
         except OSError:  # closed since it was listed
             continue
     return count
+
+
+@pytest.fixture
+def record_env(tmp_path, monkeypatch, capture_home):
+    """The capture home, and a policy record of the test's own."""
+    monkeypatch.setenv("LCAP_HOME", str(capture_home))
+    monkeypatch.setenv("LCAP_POLICY_RECORD", str(tmp_path / "policy.json"))
+
+
+def is_private(path: Path) -> bool:
+    """Nobody but the owner may read or write PATH."""
+    return stat.S_IMODE(path.stat().st_mode) & 0o077 == 0
+
+
+def pending_turn(episode: str, text: str = "hi", **response: object) -> PendingTurn:
+    """A finished chat call of EPISODE answering TEXT, as the proxy hands it to the spool."""
+    pending = PendingTurn(episode_id=episode, seq=0, host="api.openai.com", path="/v1/chat/completions", dialect="chat")
+    pending.request_body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    answer = {"model": "m", "choices": [{"message": {"content": text}, "finish_reason": "stop"}], **response}
+    pending.response_body = json.dumps(answer).encode()
+    pending.status_code = 200
+    return pending
+
+
+def dns_query(name: str, qtype: int = 1, ident: int = 0x1234) -> bytes:
+    """A DNS query for NAME (type QTYPE), as a resolver sends it."""
+    labels = b"".join(bytes([len(p)]) + p.encode() for p in name.split("."))
+    return struct.pack("!HHHHHH", ident, 0x0100, 1, 0, 0, 0) + labels + b"\x00" + struct.pack("!HH", qtype, 1)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from lcap.dataset.collect.verifiers import VerifierContext
+
 REPO = Path(__file__).resolve().parents[1]
 DATASET_AGENTS = REPO / "scripts" / "agents"
 DATASET_VERIFIERS = REPO / "scripts" / "verifiers"
@@ -122,3 +124,50 @@ def openai_env(monkeypatch):
 
 def py_agent(name: str) -> list[str]:
     return [sys.executable, str(DATASET_AGENTS / name)]
+
+
+def verifier_context(tmp_path: Path, stdout: str = "", task: dict | None = None) -> VerifierContext:
+    """What a verifier is handed for one finished episode (its workdir made under TMP_PATH)."""
+    work = tmp_path / "ep" / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    (work.parent / "stdout.txt").write_text(stdout)
+    return VerifierContext(
+        task=task or {"id": "t1", "answer": "Paris"},
+        episode_id="ep-1",
+        workdir=work,
+        stdout=stdout,
+        exit_code=0,
+        status="ok",
+    )
+
+
+def lost_samples_scenario(builder, name: str) -> dict:
+    """A round that loses its samples one way; returns the build options that round is built with."""
+    if name == "no_episodes":
+        builder.episode("other-round", round=2, reward=1.0, turns=chat_turns([5, 2]))
+    elif name == "not_finished":
+        builder.episode("a", sample=0, status="failed", turns=chat_turns([5, 2]))
+        builder.episode("b", sample=1, status="timeout", turns=chat_turns([5, 2]))
+        builder.episode("c", sample=2, status="running", turns=chat_turns([5, 2]))
+    elif name == "no_reward":
+        builder.episode("a", sample=0, turns=chat_turns([5, 2]))
+        builder.episode("b", sample=1, turns=chat_turns([6, 2]))
+    elif name == "no_calls":
+        builder.episode("a", sample=0, reward=1.0)
+        builder.episode("b", sample=1, reward=0.0)
+    elif name == "failed_calls":
+        for i, reward in enumerate((1.0, 0.0)):
+            turns = chat_turns([5, 2])
+            turns[0].update(status_code=500, error="upstream said no")
+            builder.episode(f"e{i}", sample=i, reward=reward, turns=turns)
+    elif name == "equal_rewards":
+        builder.episode("a", sample=0, reward=0.5, turns=chat_turns([5, 2]))
+        builder.episode("b", sample=1, reward=0.5, turns=chat_turns([6, 2]))
+    elif name == "singleton":
+        builder.episode("a", task="t1", sample=0, reward=1.0, turns=chat_turns([5, 2]))
+        builder.episode("b", task="t2", sample=0, reward=0.0, turns=chat_turns([6, 2]))
+    elif name == "tampered":
+        builder.episode("a", sample=0, reward=0.0, turns=chat_turns([5, 2]), flags=["tampered"])
+        builder.episode("b", sample=1, reward=0.0, turns=chat_turns([6, 2]), flags=["tampered"])
+        return {"drop_tampered": True, "keep_zero_variance": True}
+    return {}

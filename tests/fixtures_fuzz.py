@@ -1,4 +1,4 @@
-"""The fuzz suite's machinery (tests/test_capture_fuzz.py): a scripted upstream, a canary, a raw-socket agent.
+"""The fuzz suite's machinery (tests/integration/test_capture_fuzz.py): a scripted upstream, a canary, a raw-socket agent.
 
 - `ScriptedUpstream` is a real HTTP/1.1 server on 127.0.0.1 (a thread per connection, httptools'
   request parser, keep-alive). Each call names its case in an `x-fuzz-case` header; the server

@@ -1,13 +1,16 @@
 """A real Ray cluster for the tests: `ray start --head --block` in its own process group, on free ports.
 
 Other runs on this machine may hold Ray's fixed default ports (client server 10001, dashboard 8265,
-dashboard agent 52365), so every port this head listens on is picked free. The cluster is stopped
+dashboard agent 52365), so no port is left to its default: the head's GCS, the dashboard and each node's agent
+are given port 0 and bind a free one themselves (the head's port is read from what `ray start` prints). Ray
+refuses port 0 for its client server, the one port picked free here before Ray binds it. The cluster is stopped
 by signalling its process group: `ray stop` would stop every Ray cluster on the machine.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -30,14 +33,24 @@ def free_port() -> int:
 
 
 @contextmanager
+def closed_port() -> Iterator[int]:
+    """A loopback port held bound and never listening while the block runs: a connection to it is refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
+
+
+@contextmanager
 def ray_head(log: Path, num_cpus: int = 2, env: Mapping[str, str] = {}) -> Iterator[str]:
     """A one-node Ray cluster with NUM_CPUS CPUs; yields its address (host:port). `env` adds to the environment of
     its processes (Ray's RAY_* settings, what its workers inherit)."""
-    port = free_port()
-    command = ["--head", "--port", str(port), "--num-cpus", str(num_cpus), "--include-dashboard", "false"]
-    command += ["--ray-client-server-port", str(free_port()), "--dashboard-port", str(free_port())]
+    command = ["--head", "--port", "0", "--num-cpus", str(num_cpus), "--include-dashboard", "false"]
+    command += ["--ray-client-server-port", str(free_port()), "--dashboard-port", "0"]
     with ray_node(command, log, env) as _:
-        yield f"127.0.0.1:{port}"
+        joined = re.search(r"ray start --address='[^':]+:(\d+)'", log.read_text())
+        if joined is None:
+            raise RuntimeError(f"ray start did not say the head's address: {log.read_text()[-2000:]}")
+        yield f"127.0.0.1:{joined.group(1)}"
 
 
 @contextmanager
@@ -52,7 +65,7 @@ def ray_worker(address: str, log: Path, num_cpus: int = 1, env: Mapping[str, str
 def ray_node(args: list[str], log: Path, env: Mapping[str, str]) -> Iterator[subprocess.Popen]:
     ray = Path(sys.executable).parent / "ray"
     command = [str(ray), "start", "--block", *args, "--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
-    command += ["--dashboard-agent-listen-port", str(free_port())]
+    command += ["--dashboard-agent-listen-port", "0"]
     environ = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **env}
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=environ, start_new_session=True)

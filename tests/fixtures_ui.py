@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -16,6 +17,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+
+from lcap.store import Store
 
 LCAP = str(Path(sys.executable).with_name("lcap"))
 CHROMIUM = "/usr/bin/chromium"
@@ -412,28 +415,34 @@ def fill_store(store, tokenizer_dir: Path, *, xss: bool = True) -> UiStore:
     return b
 
 
+@pytest.fixture(scope="session")
+def ui_db(tmp_path_factory) -> Path:
+    """A store with every kind of row the UI shows (fill_store), made once per session."""
+    root = tmp_path_factory.mktemp("ui")
+    fill_store(Store(root / "ui.duckdb"), root / "tokenizer")
+    return root / "ui.duckdb"
+
+
 # --- a running `lcap ui` -------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class UiServer:
     """`lcap ui` as a user starts it, in a child process; `url` once it answers."""
 
     def __init__(self, db: Path, *args: str, host: str = "127.0.0.1") -> None:
-        self.port = free_port()
         self.proc = subprocess.Popen(
-            [LCAP, "ui", "--db", str(db), "--host", host, "--port", str(self.port), "--poll", "0.3", *args],
+            [LCAP, "ui", "--db", str(db), "--host", host, "--port", "0", "--poll", "0.3", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         self.first_line = self.proc.stdout.readline() if self.proc.stdout else ""
+        listening = re.search(r"^lcap ui: http://\S+?:(\d+)/", self.first_line)
+        if listening is None:
+            self.proc.kill()
+            raise RuntimeError(f"lcap ui did not say where it listens: {self.first_line}{self.proc.communicate()[1]}")
+        self.port = int(listening.group(1))  # bound by `lcap ui` itself: port 0 is a free one, never raced
         self.url = f"http://{host}:{self.port}"
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -459,9 +468,11 @@ class UiServer:
         return out + err
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
-    """Headless Debian Chromium driven by Playwright (no browser download: the system one)."""
+    """Headless Debian Chromium driven by Playwright (no browser download: the system one). Closed after the module:
+    Playwright's sync API holds an event loop running in the thread, and a worker that runs more tests after the
+    browser tests (under xdist) would have every later `asyncio.run` refused."""
     if not Path(CHROMIUM).exists() or shutil.which("chromium") is None:
         pytest.skip("Debian's chromium is not installed (scripts/setup.sh installs it)")
     from playwright.sync_api import sync_playwright

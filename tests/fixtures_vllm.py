@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from lcap.policy import PolicyServer, read_policy
+from lcap.policy import PolicyServer, read_policy, write_policy
 
 
 @dataclass
@@ -129,6 +129,22 @@ def served_samples(
     from fixtures_train import write_samples
 
     return write_samples(out / "samples.parquet", rows)
+
+
+def record_dead_server(pid: int) -> None:
+    """A policy record (at LCAP_POLICY_RECORD) for a server on a closed port led by `pid`."""
+    write_policy(
+        PolicyServer(
+            url="http://127.0.0.1:9",
+            pid=pid,
+            base_model="m",
+            served_model="m",
+            current="m",
+            log_path="",
+            python="",
+            started_at="",
+        )
+    )
 
 
 @pytest.fixture(scope="session")

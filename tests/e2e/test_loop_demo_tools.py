@@ -1,0 +1,58 @@
+"""`lcap demo --task tools`: its tasks, its warm start's episodes, and one short round end to end on vLLM (the whole
+run is measured, not tested: docs/benchmarks.md#demo)."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+
+import pytest
+
+from lcap.loop.demo.runner import calls_by_round, demo_task
+from lcap.store import Store
+
+
+def test_warm_start_runs_on_the_tiny_model(tiny_model_dir, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)  # the warm start saves in place
+    task = demo_task("tools")
+    report = task.warm_start(model, replace(task.settings(), warm_up_steps=3, warm_steps=2, warm_examples=8))
+    assert report["steps"] == 2 and report["loss"] > 0 and report["task"] == "tools"
+    assert [phase["steps"] for phase in report["phases"]] == [3, 2]  # the number task's questions, then episodes
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_one_round_of_the_tools_demo_stitches_and_merges(tmp_path, monkeypatch):
+    """One short round of `lcap demo --task tools` on its own vLLM server: the store shows calls stitched onto the
+    call before and samples that merge an episode's three calls, tool results masked as environment tokens."""
+    from lcap.loop.demo.runner import run_demo
+
+    monkeypatch.setenv("LCAP_POLICY_RECORD", str(tmp_path / "policy.json"))  # its own server, not the session's
+    settings = replace(
+        demo_task("tools").settings(),
+        n_train=3,
+        tasks_per_round=3,
+        group_size=4,  # groups whose rewards differ: else the round has nothing to train on
+        n_eval=2,
+        eval_group_size=1,
+        warm_up_steps=300,  # the format and the copy, on short questions (seconds)
+        warm_steps=100,
+        concurrency=2,
+        batch_size=4,
+        epochs=1,
+    )
+    lines: list[str] = []
+    results = run_demo(tmp_path / "demo", rounds=1, task="tools", settings=settings, echo=lines.append)
+    assert [r["round"] for r in results["rounds"]] == [0, 1]
+    (trained,) = calls_by_round(Store(tmp_path / "demo" / "lcap.duckdb"))
+    assert trained["episodes"] == 12 and trained["calls"] == 3
+    assert trained["stitched"] > 0, lines
+    assert trained["samples"] < 2 and trained["env_tokens"] > 10
+    with Store(tmp_path / "demo" / "lcap.duckdb").connect(read_only=True) as con:
+        ((merged, masked),) = con.execute(
+            "SELECT count(*) FILTER (WHERE n_turns = 3), count(*) FILTER (WHERE list_min(env_mask) = 0)"
+            " FROM samples WHERE split = 'train'"
+        ).fetchall()
+    assert merged > 0 and masked > 0
+    assert any("stitched" in line for line in lines)

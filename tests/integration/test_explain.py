@@ -1,0 +1,149 @@
+"""Errors that say what to do: every "nothing to train on" names the counts by cause (from build-dataset's report)
+and the option or command that changes it, in build-dataset, train and loop; collect ends with a summary that
+says where to look. Real stores, real build-dataset, the real CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from fixtures_dataset import chat_turns, lost_samples_scenario
+
+from lcap.dataset.build.builder import BuildOptions, build_dataset
+from lcap.dataset.build.explain import NO_CALLS_FIX, causes, explain
+
+LCAP = str(Path(sys.executable).parent / "lcap")
+
+
+def _lcap(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([LCAP, *args], capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+def _truncating_group(builder) -> None:
+    """The issue's round: 8 episodes of 6 calls each asking for a few tokens; all calls but one hit the limit."""
+    for i in range(8):
+        turns = chat_turns(*[[10 + i, 11 + k] for k in range(6)])
+        for turn in turns:
+            turn["finish_reason"] = "length"
+        if i == 0:
+            turns[-1]["finish_reason"] = "stop"
+        builder.episode(f"ep{i}", sample=i, reward=float(i % 2), turns=turns)
+
+
+def test_truncated_calls_explained_by_build_train_and_the_fix_works(builder, dstore, tmp_path):
+    _truncating_group(builder)
+    out = tmp_path / "data"
+    report = build_dataset(dstore, round=1, out=out)
+    assert report.samples == 1 and report.groups["trainable"] == 0
+    line = explain(report)
+    assert "47 of 48 calls hit the token limit and their 47 samples were dropped (--truncated drop)" in line
+    assert "build with --truncated mask, or raise the agent's max_tokens" in line
+
+    built = _lcap("build-dataset", "--round", "1", "--out", str(tmp_path / "cli"), "--db", str(dstore.path))
+    assert built.returncode == 0, built.stderr
+    warning = built.stderr.strip().splitlines()
+    assert len(warning) == 1 and warning[0].startswith("lcap: warning: round 1 has no group of two or more samples")
+    assert "47 of 48 calls hit the token limit" in warning[0] and "--truncated mask" in warning[0]
+
+    trained = _lcap("train", "--round", "1", "--run", str(tmp_path / "run"), "--data", str(out), "--model", "unused")
+    assert trained.returncode == 2, trained.stdout + trained.stderr
+    (error,) = trained.stderr.strip().splitlines()
+    assert error.startswith(f"lcap: round 1: no group with two or more usable samples in {out / 'samples.parquet'}")
+    assert "(1 sample in 1 group)" in error
+    assert "47 of 48 calls hit the token limit and their 47 samples were dropped (--truncated drop)" in error
+    assert "build with --truncated mask" in error
+    assert "1 sample is alone in its group" in error
+
+    # the suggested option: every call is kept (masked), and the group trains
+    masked = build_dataset(dstore, round=1, out=tmp_path / "masked", options=BuildOptions(truncated="mask"))
+    assert masked.samples == 48 and masked.groups["trainable"] == 1
+    assert not any("token limit" in str(c) for c in causes(masked))
+
+
+def test_build_dataset_cli_exits_2_with_the_reason_when_nothing_is_left(builder, dstore, tmp_path):
+    lost_samples_scenario(builder, "no_reward")
+    done = _lcap("build-dataset", "--round", "1", "--out", str(tmp_path / "d"), "--db", str(dstore.path))
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("lcap: round 1: nothing to train on: 2 of 2 finished episodes have no reward")
+    assert "round 1 (train): 0 samples" in done.stdout  # the report is still printed, and written
+    assert (tmp_path / "d" / "report.json").exists()
+
+
+def test_build_dataset_cli_says_what_was_lost_when_some_samples_remain(builder, dstore, tmp_path):
+    builder.episode("a", sample=0, reward=1.0, turns=chat_turns([5, 2]))
+    builder.episode("b", sample=1, reward=0.0, turns=chat_turns([6, 2]))
+    builder.episode("c", sample=2, status="timeout", turns=chat_turns([7, 2]))
+    done = _lcap("build-dataset", "--round", "1", "--out", str(tmp_path / "d"), "--db", str(dstore.path))
+    assert done.returncode == 0, done.stderr
+    lost = [line for line in done.stdout.splitlines() if line.startswith("lost: ")]
+    assert lost == [
+        "lost: 1 of 3 episodes did not finish ok: 1 timed out; see each one's reason in its stderr.txt or "
+        "`lcap sql \"select episode_id, status, error from episodes where status <> 'ok'\"`; raise --timeout"
+    ]
+
+
+COLLECT_AGENT = """
+import sys
+mode, sample = sys.argv[1], sys.argv[2]
+if mode == "fail":
+    print(f"boom at step {sample}", file=sys.stderr)
+    sys.exit(3)
+if mode == "call":
+    from openai import OpenAI
+    OpenAI(max_retries=0, timeout=30).chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+"""
+
+
+def test_collect_ends_with_a_summary_that_says_where_to_look(capture_env, llm, tmp_path):
+    (tmp_path / "agent.py").write_text(COLLECT_AGENT)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"id": m, "mode": m}) + "\n" for m in ("call", "fail", "silent")))
+    done = subprocess.run(
+        [LCAP, "collect", "--tasks", str(tasks), "-g", "2", "--round", "1", "--upstream", llm.url]
+        + ["--verifier", f"{sys.executable} -c 'print(1.0)'", "--", sys.executable, "agent.py", "{mode}", "{sample}"],
+        env=capture_env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "  episodes: ok 4, failed 2" in lines
+    assert "  reward: mean 1.000 over 4 rewarded episodes" in lines
+    assert "  turns per episode: min 0, median 0, max 1" in lines
+    assert (
+        f"  4 episodes with 0 turns (2 of them finished ok): the agent made no LLM call through lcap: {NO_CALLS_FIX}"
+        in lines
+    )
+    i = lines.index("  failures, most common first:")
+    assert lines[i + 1] == "    2 x agent exited 3: boom at step 0"  # one reason, whatever the numbers in it
+    example = lines[i + 2].strip().removeprefix("e.g. ")
+    assert example.endswith("stderr.txt") and "boom at step 0" in (tmp_path / example).read_text()
+
+
+def test_collect_failure_reasons_are_text_not_markup(tmp_path, monkeypatch, capsys):
+    """An agent's stderr with rich markup and ANSI escapes is printed as it is (escaped), and never breaks collect."""
+    from lcap.dataset.collect.episodes import collect
+    from lcap.dataset.options import CollectOptions
+    from lcap.store import Store
+
+    monkeypatch.setenv("LCAP_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "agent.py").write_text("import sys\nprint('[/bold] \\x1b[31mred', file=sys.stderr)\nsys.exit(1)\n")
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"id": "t"}\n')
+    result = collect(
+        Store(tmp_path / "lcap.duckdb"),
+        tasks=tasks,
+        command=[sys.executable, "agent.py"],
+        options=CollectOptions(group_size=1, upstream=None),
+        progress=True,
+    )
+    assert result.statuses == {"failed": 1}
+    assert result.summary is not None
+    assert result.summary.reasons[0].text == "agent exited 1: [/bold] \x1b[31mred"
+    assert "failed agent exited 1: [/bold] \\x1b[31mred" in capsys.readouterr().err

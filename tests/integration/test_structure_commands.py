@@ -1,0 +1,22 @@
+"""Each stage's commands load in a fresh interpreter without the CLI module (the import rules themselves:
+tests/unit/test_structure.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+STAGES = ("capture", "dataset", "train", "serve", "loop", "ui")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_each_stages_commands_import_on_their_own(stage):
+    """A stage's commands load without the CLI module (they take shared options from lcap.cli_options)."""
+    code = (
+        f"import sys, typer; import lcap.{stage}.commands as c; app = typer.Typer(); c.register(app); "
+        "assert 'lcap.cli' not in sys.modules, 'lcap.cli was imported'"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

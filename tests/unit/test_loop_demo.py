@@ -1,0 +1,98 @@
+"""The demo's task, warm start and learning targets (the whole `lcap demo` run is measured, not tested:
+docs/benchmarks.md#demo, scripts/demo/check_learning.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from lcap.loop.demo.number import NUMBERS, make_tasks
+from lcap.loop.demo.runner import TARGET_FALLBACK, TARGET_REWARD, TARGET_RIGHT, check_targets, held_out_by_round
+from lcap.loop.demo.task import words
+from lcap.loop.demo.warm import Example, shared_prefix
+from lcap.store import Store, now
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "demo"))
+
+
+from verify import score
+
+
+def test_tasks_are_distinct_triples_and_the_training_ones_cover_every_number_word():
+    vocabulary = words()
+    train, held = make_tasks(vocabulary, n_train=130, n_eval=32, seed=3)
+    questions = [t["question"] for t in train + held]
+    assert len(set(questions)) == len(questions) == 162  # no question twice, none in both sets
+    counts = Counter(t["answer"] for t in train)
+    assert set(counts) == {w for w in vocabulary if w in NUMBERS} and max(counts.values()) - min(counts.values()) <= 1
+    for task in train + held:
+        listed = task["question"].split(": ")[1].split()
+        assert len(listed) == 3 and [w for w in listed if w in NUMBERS] == [task["answer"]]
+    assert make_tasks(vocabulary, n_train=130, n_eval=32, seed=3) == (train, held)  # seeded
+
+
+def test_the_warm_starts_shared_prefix_holds_no_trained_token():
+    """The shared prefix runs once a step, outside the batch: it ends before the last shared token (whose logits
+    predict the first that differs) and before the first token any example is trained on."""
+    a = Example([1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 1, 1])
+    b = Example([1, 2, 3, 4, 7, 8, 9], [0, 0, 0, 0, 1, 1, 1])
+    assert shared_prefix([a, b]) == 3  # tokens 1 2 3 run once; 4 stays in the batch to predict 5 and 7
+    c = Example([1, 2, 3, 4, 7], [0, 0, 1, 0, 1])  # trains on its third token, inside the shared part
+    assert shared_prefix([a, b, c]) == 1
+    assert shared_prefix([Example([1, 2], [0, 1]), Example([3, 4], [0, 1])]) == 0
+
+
+def test_verifier_rewards_a_right_answer_in_the_format_only():
+    assert score("seven", "Answer: seven")["reward"] == 1.0
+    assert score("seven", "Answer: tool")["reward"] == 0.5
+    assert score("seven", "The answer is seven.")["reward"] == 0.0
+    assert score("seven", "thinking...\nAnswer: seven\n")["right"]
+
+
+def held_out_store(tmp_path: Path, rounds: dict[int, list[tuple[bool, bool]]]) -> Store:
+    """A store with held-out episodes per round, each (well_formed, right), rewarded as the demo's verifier does."""
+    store = Store(tmp_path / "lcap.duckdb")
+    for n, answers in rounds.items():
+        for i, (formed, right) in enumerate(answers):
+            episode = f"e{n}-{i}"
+            store.start_episode(episode, command="agent", cwd=None, labels={"round": str(n), "split": "eval"})
+            store.end_episode(episode, status="ok", exit_code=0)
+            reward = 1.0 if right else 0.5 if formed else 0.0
+            store.append(
+                "rewards",
+                [
+                    {
+                        "episode_id": episode,
+                        "value": reward,
+                        "details": json.dumps({"well_formed": formed, "right": right}),
+                        "created_at": now(),
+                    }
+                ],
+            )
+    return store
+
+
+def test_targets_read_from_the_store(tmp_path):
+    right, formed, wrong = (True, True), (True, False), (False, False)
+    store = held_out_store(
+        tmp_path, {0: [wrong] * 8 + [formed] * 2, 1: [right] * 7 + [formed] * 3, 2: [right] * 8 + [formed] * 2}
+    )
+    rows = held_out_by_round(store)
+    assert [(r["round"], r["episodes"], r["reward"], r["right"]) for r in rows] == [
+        (0, 10, pytest.approx(0.1), 0.0),
+        (1, 10, pytest.approx(0.85), pytest.approx(0.7)),
+        (2, 10, pytest.approx(0.9), pytest.approx(0.8)),
+    ]
+    assert check_targets(rows)[0]
+
+    # Each target alone fails it: a low last reward, few right answers, a fall from the round before.
+    last = rows[-1]
+    assert not check_targets(rows[:-1] + [{**last, "reward": TARGET_REWARD - 0.01}])[0]
+    assert not check_targets(rows[:-1] + [{**last, "right": TARGET_RIGHT - 0.01}])[0]
+    before = {**rows[1], "right": last["right"] + TARGET_FALLBACK + 0.01}
+    passed, lines = check_targets([rows[0], before, last])
+    assert not passed and [line.split()[0] for line in lines] == ["ok", "ok", "ok", "MISS"]

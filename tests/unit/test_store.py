@@ -1,0 +1,69 @@
+"""The store: schema versions and migrations, batched appends (processes taking turns at the file:
+tests/integration/test_store.py)."""
+
+from __future__ import annotations
+
+import json
+
+import duckdb
+
+from lcap.store import Store
+
+
+def test_append_takes_every_rows_columns_not_only_the_first_rows(tmp_path):
+    store = Store(tmp_path / "s.duckdb")
+    rows = [{"episode_id": "a"}, {"episode_id": "b", "status": "ok", "exit_code": 3}]
+    assert store.append("episodes", rows) == 2
+    assert store.fetchall("SELECT episode_id, status, exit_code FROM episodes ORDER BY 1") == [
+        ("a", None, None),
+        ("b", "ok", 3),
+    ]
+
+
+def test_a_store_from_before_schema_versions_is_migrated(tmp_path):
+    """Version 1 stores had episodes.group_index and no split column: the first write migrates them."""
+    path = tmp_path / "old.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute("""CREATE TABLE episodes (episode_id VARCHAR PRIMARY KEY, command VARCHAR, cwd VARCHAR,
+                   started_at TIMESTAMPTZ, ended_at TIMESTAMPTZ, exit_code INTEGER, status VARCHAR, error VARCHAR,
+                   labels JSON, task_id VARCHAR, round INTEGER, group_index INTEGER)""")
+    labels = json.dumps({"task": "t", "round": "1", "sample": "3", "split": "eval"})
+    con.execute(
+        "INSERT INTO episodes (episode_id, labels, task_id, round, group_index, status) "
+        "VALUES ('e1', ?, 't', 1, 3, 'ok')",
+        [labels],
+    )
+    con.close()
+    store = Store(path)
+    with store.connect():  # the first unit of work that may write brings the schema up to date
+        pass
+    assert store.fetchall("SELECT episode_id, sample, split FROM episodes") == [("e1", 3, "eval")]
+    assert store.fetchall("SELECT group_id FROM episode_summary") == [("1/eval/t",)]
+    (version,) = store.fetchall("SELECT version FROM schema_version")[0]
+    from lcap.schema import SCHEMA_VERSION
+
+    assert version == SCHEMA_VERSION
+
+
+def test_a_version_2_store_gets_turns_degraded(tmp_path):
+    """Version 3 added turns.degraded (capture: why a row is not the call exactly as captured)."""
+    path = tmp_path / "v2.duckdb"
+    Store(path).append("turns", [{"turn_id": "t1"}])
+    con = duckdb.connect(str(path))  # back to version 2's shape
+    con.execute("ALTER TABLE turns DROP COLUMN degraded; UPDATE schema_version SET version = 2")
+    con.close()
+    store = Store(path)
+    store.append("turns", [{"turn_id": "t2", "degraded": "why"}])
+    assert store.fetchall("SELECT turn_id, degraded FROM turns ORDER BY turn_id") == [("t1", None), ("t2", "why")]
+
+
+def test_a_version_4_store_gets_turns_replica(tmp_path):
+    """Version 5 added turns.replica (the policy replica lcap routed the call to)."""
+    path = tmp_path / "v4.duckdb"
+    Store(path).append("turns", [{"turn_id": "t1"}])
+    con = duckdb.connect(str(path))  # back to version 4's shape
+    con.execute("ALTER TABLE turns DROP COLUMN replica; UPDATE schema_version SET version = 4")
+    con.close()
+    store = Store(path)
+    store.append("turns", [{"turn_id": "t2", "replica": "r1"}])
+    assert store.fetchall("SELECT turn_id, replica FROM turns ORDER BY turn_id") == [("t1", None), ("t2", "r1")]
