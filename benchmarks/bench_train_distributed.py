@@ -14,7 +14,7 @@ The Ray cluster (one node, 2 CPUs, `ray start`) is started once, before the firs
 line prints the command's wall time (start-up, model load, workers, training, saving) and the
 training loop's own time (train_runs.train_seconds), median and minimum over the repeats (the
 minimum is the least disturbed by a busy machine), and the round's loss, which must agree across the
-ways (tests/test_train_distributed.py holds them equal). On a machine with few cores two processes share them: the point of this benchmark here is the
+ways (tests/e2e/test_train_distributed.py holds them equal). On a machine with few cores two processes share them: the point of this benchmark here is the
 overhead each launcher adds to a round, not a speed-up (that needs GPUs, one per worker).
 """
 

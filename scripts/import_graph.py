@@ -2,7 +2,7 @@
 
     python3 scripts/import_graph.py    (from the repository root; docs/architecture.md shows its output)
 
-Module by module the graph has no cycle (tests/test_structure.py); between sub-packages an arrow both ways means
+Module by module the graph has no cycle (tests/unit/test_structure.py); between sub-packages an arrow both ways means
 modules of each import modules of the other, never the same ones.
 """
 

@@ -111,7 +111,7 @@ def prepare(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Prepar
 
     The batch (`--batch-size` samples, whole groups) is the same for any number of processes: each one
     takes `batch / processes` consecutive samples of it, and DDP averages their gradients, so one process
-    and N take the same optimiser steps on the same samples (tests/test_train_distributed.py).
+    and N take the same optimiser steps on the same samples (tests/e2e/test_train_distributed.py).
     """
     # the train extra
     import torch

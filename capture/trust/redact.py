@@ -51,7 +51,7 @@ _SECRET_QUERY_KEYS = _SECRET_KEYS | {"sig", "signature", "code", "auth"}
 # Key formats, each replaced wherever it appears (prompts, answers, tool calls, paths, errors). Formats follow the
 # issuers' documented token shapes, as the maintained detectors encode them (Yelp's detect-secrets plugins: AWS,
 # GitHub, GitLab, Slack, Stripe, JWT, private keys, PyPI, npm, SendGrid, Square, Azure, basic auth; gitleaks' rules
-# for Hugging Face, Google, fine-grained GitHub and Anthropic keys); tests/test_capture_secrets.py checks redacted
+# for Hugging Face, Google, fine-grained GitHub and Anthropic keys); tests/unit/test_capture_secrets.py and tests/integration/test_capture_secrets.py checks redacted
 # text with detect-secrets itself. Each rule: (literals that every match contains, how many characters before the
 # literal a match may start, the pattern); a `keep` group is a prefix that stays (`aws_secret_access_key = `).
 # A rule is tried only where one of its literals occurs (bytes.find over the UTF-8 text, far cheaper than one regex).

@@ -1,6 +1,6 @@
 """Request adaptation: what a harness written for a frontier API sends and vLLM refuses, made servable.
 
-Each rule answers one of vLLM 0.32's real 400s (tests/test_policy_endpoints.py replays them with
+Each rule answers one of vLLM 0.32's real 400s (tests/e2e/test_policy_route.py replays them with
 adaptation off, then on). It changes the request's JSON before vLLM validates it and says what it
 changed and why, in the turn's record: nothing is changed silently. Token limits are clamped to the
 context vLLM can actually give (`clamps`, once the prompt's length is known).

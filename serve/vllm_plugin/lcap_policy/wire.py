@@ -1,6 +1,6 @@
 """What lcap's proxy and these endpoints exchange besides the dialect itself.
 
-The proxy side is lcap.capture.routing.policy_wire; tests/test_stitching.py checks that both say the same.
+The proxy side is lcap.capture.routing.policy_wire; tests/unit/test_stitching.py checks that both say the same.
 
 A request to PREFIX + the dialect's path (`/lcap/v1/chat/completions`, `/lcap/v1/messages`,
 `/lcap/v1/responses`, the last also as a WebSocket) is the agent's own request plus one member,
