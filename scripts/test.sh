@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The README's test command: set up (idempotent), lint and type-check, then run the suite (every tier unless
-# arguments name tests: `scripts/test.sh tests/unit`). Two pytest-xdist workers, one per core here, each file on
-# one worker (its module fixtures, a store or cluster its tests share, are set up once). The whole suite runs in
-# two phases: tests/unit and tests/integration, then tests/e2e, so that the end-to-end runs (vLLM, training, Ray,
-# the harnesses) never share the two cores with the integration tests' timing bounds. Within a phase files are
-# handed out in collection order (xdist's default would order them by their count of tests, leaving a one-test
-# file of minutes to the end); `-n 4` among the arguments overrides the count, `-n 0` runs serially.
+# arguments name tests: `scripts/test.sh tests/unit`). The whole suite runs in two phases: tests/unit and
+# tests/integration one test at a time (their timing bounds, a handshake or a writer's restart within seconds,
+# failed now and then with two workers on the two cores), then tests/e2e on two pytest-xdist workers, one per core
+# here, each file on one worker (its module fixtures, a vLLM server or Ray cluster its tests share, are set up
+# once), handed out in collection order (xdist's default would order them by their count of tests, leaving a
+# one-test file of minutes to the end). Tests named as arguments run on two workers; `-n 0` among the arguments
+# runs them serially.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -17,6 +18,6 @@ for arg in "$@"; do
   fi
 done
 status=0
-"${pytest[@]}" tests/unit tests/integration "$@" || status=$?
+.venv/bin/python -m pytest tests/unit tests/integration "$@" || status=$?
 "${pytest[@]}" tests/e2e "$@" || status=$?
 exit "$status"
