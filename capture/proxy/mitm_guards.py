@@ -18,6 +18,11 @@
   a recipient that removes the chunked coding discard them; mitmproxy raised NotImplementedError). An
   upstream's interim answer (100 Continue, 103 Early Hints) is skipped, so the answer proper that
   follows is the one relayed (the front does the same), where mitmproxy took the 1xx for the answer.
+  Heads are bounded as on the front: an answer head past `--max-head-bytes` is a 502, one taking over
+  `--head-timeout` after its first byte a 504; a request head past the limit a 431.
+- `install_websocket_limits`, `install_reset_limit`: a WebSocket message past `--max-body-bytes` closes the
+  socket with 1009; an agent resetting more than `--max-stream-resets` HTTP/2 streams a second gets GOAWAY.
+  `Limits` hands each proxy's limits to these patches as options of its mitmproxy.
 """
 
 from __future__ import annotations
