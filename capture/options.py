@@ -49,17 +49,39 @@ class ProxyOptions:
         "(refused with 403 otherwise).",
     )
     # --- what the proxy accepts from agents ---
-    max_head_bytes: int = option(64 * 1024, help="Largest request head (431 past it).")
-    max_body_bytes: int = option(
-        64 * MiB, help="Largest LLM request body, and largest answer lcap holds whole (413, or 502 for an answer)."
+    max_head_bytes: int = option(
+        64 * 1024, help="Largest request head (431 past it), and largest answer head from an upstream (502 past it)."
     )
-    head_timeout: float = option(30.0, help="Seconds to receive a request head once it has begun (408).")
+    max_body_bytes: int = option(
+        64 * MiB,
+        help="Largest LLM request body, and largest answer lcap holds whole (413, or 502 for an answer); on a "
+        "Responses WebSocket, the largest message either side may send (closed with 1009).",
+    )
+    head_timeout: float = option(
+        30.0,
+        help="Seconds to receive a request head once it has begun (408), an upstream's answer head once its first "
+        "byte came (504), and a connection's first request while it has proved no episode (closed).",
+    )
     body_timeout: float = option(120.0, help="Seconds to receive a request body after its head (408).")
     idle_timeout: float = option(120.0, help="Seconds an agent's kept-alive connection may wait for its next request.")
     max_connections: int = option(
         1024, help="Agent connections open at once, in total (503 past it; lowered to fit the open-file limit)."
     )
-    max_client_connections: int = option(256, help="Agent connections open at once from one address (503 past it).")
+    max_client_connections: int = option(
+        256,
+        help="Agent connections open at once from one address that have proved no episode yet (past it, that "
+        "address's oldest idle one is closed, else 503).",
+    )
+    max_episode_connections: int = option(
+        256,
+        help="Agent connections open at once of one episode (past it, the episode's oldest idle one is closed, "
+        "else 503).",
+    )
+    max_stream_resets: int = option(
+        100,
+        help="HTTP/2 streams an agent may reset per second on one connection (past it the connection is closed: "
+        "GOAWAY, ENHANCE_YOUR_CALM).",
+    )
     # --- upstreams ---
     connect_timeout: float = option(30.0, help="Seconds to connect to an upstream (504).")
     first_byte_timeout: float = option(

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mitmproxy import http
+from wsproto.frame_protocol import CloseReason
 
 from lcap.capture.options import ProxyOptions
 from lcap.capture.proxy.calls import BodyRefused, Calls, HoldRefused, NoRoute, Unauthorized, with_route_model
@@ -31,6 +32,7 @@ _KEY = "lcap"  # the PendingTurn of a recognised call
 _WS_KEY = "lcap-ws"
 _TIMER = "lcap-timer"  # the call's upstream deadline (a loop timer)
 _TIMED_OUT = "lcap-timed-out"  # why the deadline cut the call
+MAX_ERROR_CHARS = 1000  # of an error mitmproxy reports, kept in the turn
 
 
 def _guarded(hook: Callable) -> Callable:
@@ -190,6 +192,8 @@ class CaptureAddon:
     @_guarded
     def response(self, flow: http.HTTPFlow) -> None:
         self._disarm(flow)
+        if flow.websocket is not None and _WS_KEY not in flow.metadata:
+            flow.websocket = None  # not an LLM call: relayed as plain TCP, never a whole message held in memory
         pending: PendingTurn | None = flow.metadata.get(_KEY)
         if pending is None or pending.done or flow.response is None:
             return
@@ -201,10 +205,16 @@ class CaptureAddon:
             flow.response.content = rewritten
 
     @_guarded
+    def tcp_message(self, flow: Any) -> None:
+        flow.messages.clear()  # relayed already: what a tunnel carried is nobody's to keep
+
+    @_guarded
     def error(self, flow: http.HTTPFlow) -> None:
         self._disarm(flow)
         opened = flow.metadata.pop(_OPEN, None)
         message = str(flow.error.msg if flow.error else "connection error")
+        if len(message) > MAX_ERROR_CHARS:  # mitmproxy's errors may quote what an upstream sent
+            message = message[:MAX_ERROR_CHARS] + " [...]"
         if opened is not None and message.startswith("lcap: request body over"):  # install_body_limits' 413
             req = flow.request
             call = self.calls.open_call(
@@ -277,10 +287,17 @@ class CaptureAddon:
 
     @_guarded
     def websocket_message(self, flow: http.HTTPFlow) -> None:
-        state = flow.metadata.get(_WS_KEY)
-        if state is None or flow.websocket is None:
+        if flow.websocket is None:
             return
-        message = flow.websocket.messages[-1]
+        try:
+            self._ws_message(flow, flow.websocket.messages[-1])
+        finally:  # mitmproxy relays the message itself: the flow need not keep every message until the socket closes
+            flow.websocket.messages.clear()
+
+    def _ws_message(self, flow: http.HTTPFlow, message: Any) -> None:
+        state = flow.metadata.get(_WS_KEY)
+        if state is None:
+            return
         if not message.is_text:
             return
         turn: PendingTurn | None = state["turn"]
@@ -306,7 +323,12 @@ class CaptureAddon:
         if turn.t_first is None:
             turn.t_first = time.perf_counter()
         if turn.events is not None:
-            turn.events.append(frame)
+            state["kept"] += len(message.content)
+            if state["kept"] <= self.options.max_body_bytes:
+                turn.events.append(frame)
+            elif turn.error is None:
+                limit = self.options.max_body_bytes
+                turn.error = f"capture: a stream over {limit} bytes (--max-body-bytes); the turn has its start"
         if kind in ("response.completed", "response.incomplete", "response.failed", "error"):
             turn.status_code = 200 if kind != "error" else None
             state["turn"] = None
@@ -321,14 +343,7 @@ class CaptureAddon:
         warm_up = frame.get("generate") is False  # no model output, no turn
         if not warm_up:
             self._ws_close_turn(state, "superseded by a new response.create")
-        started = PendingTurn(
-            episode_id=state["episode"],
-            seq=None if warm_up else self.calls.next_seq(state["episode"]),
-            host=state["host"],
-            path=state["path"],
-            dialect=dialects.RESPONSES,
-            transport="websocket",
-        )
+        started = self._ws_turn(state, numbered=not warm_up)
         started.policy = route is not None and route.lcap
         if route is not None:
             forward = with_route_model(request, route)
@@ -348,12 +363,34 @@ class CaptureAddon:
         started.streamed = True
         started.events = []
         state["turn"] = started
+        state["kept"] = 0
 
     @_guarded
     def websocket_end(self, flow: http.HTTPFlow) -> None:
         state = flow.metadata.get(_WS_KEY)
-        if state is not None:
-            self._ws_close_turn(state, "websocket closed before the response completed")
+        if state is None:
+            return
+        ws = flow.websocket
+        reason = (ws.close_reason or "") if ws is not None else ""
+        if ws is not None and ws.close_code == CloseReason.MESSAGE_TOO_BIG and reason.startswith("lcap:"):
+            why = reason.removeprefix("lcap: ") + "; lcap closed the WebSocket (1009)"
+            log.warning("lcap: a Responses WebSocket of episode %s was closed: %s", state["episode"], why)
+            if state["turn"] is None or ws.closed_by_client:  # the message refused is a call of its own
+                self._ws_close_turn(state, "superseded by a message lcap refused")
+                state["turn"] = self._ws_turn(state)
+            self._ws_close_turn(state, why)
+            return
+        self._ws_close_turn(state, "websocket closed before the response completed")
+
+    def _ws_turn(self, state: dict, *, numbered: bool = True) -> PendingTurn:
+        return PendingTurn(
+            episode_id=state["episode"],
+            seq=self.calls.next_seq(state["episode"]) if numbered else None,
+            host=state["host"],
+            path=state["path"],
+            dialect=dialects.RESPONSES,
+            transport="websocket",
+        )
 
     def _ws_close_turn(self, state: dict, why: str) -> None:
         turn: PendingTurn | None = state["turn"]

@@ -1,6 +1,6 @@
-"""Connections as the front uses them: the agent's side (which says at once when the agent leaves), TLS done
-in memory, kept-alive upstream connections, the deadline of whatever a connection waits for, and where a
-connection a namespace redirected (`--transparent`) was going.
+"""Connections as the front uses them: how many agents may hold open (`Admission`), the agent's side (which says
+at once when the agent leaves), TLS done in memory, kept-alive upstream connections, the deadline of whatever a
+connection waits for, and where a connection a namespace redirected (`--transparent`) was going.
 
 Deadlines. Every wait of the front has one (a head, a body, an upstream connecting, answering, pausing
 mid-stream, an agent not reading). `asyncio.timeout` would schedule and cancel a loop timer for each of
@@ -116,6 +116,103 @@ class AgentReader(asyncio.StreamReader):
             callback()
 
 
+class Seat:
+    """One agent connection's place in `Admission`: its group (the address it came from while it has proved no
+    episode, then its episode), since when it waits idle for its next request, and how to close it."""
+
+    __slots__ = ("close", "group", "idle_since", "left")
+
+    def __init__(self, group: tuple[str, str], close: Callable[[], None]) -> None:
+        self.group, self.close = group, close
+        self.idle_since: float | None = None
+        self.left = False
+
+    @property
+    def attributed(self) -> bool:
+        return self.group[0] == "episode"
+
+
+class Admission:
+    """Agent connections open at once: in total, per client address (those that proved no episode yet) and per
+    episode. Past a limit the oldest idle connection of the same kind is closed to make room (one that proved no
+    episode first, for the total); with none idle, the newcomer is refused (503). An idle connection waits for its
+    next request, nothing begun: closing it loses nothing, and its client opens another when it needs one. So one
+    agent's idle connections never refuse another episode's, though every agent connects from 127.0.0.1."""
+
+    def __init__(self, total: int, per_client: int, per_episode: int) -> None:
+        self.total, self.per_client, self.per_episode = total, per_client, per_episode
+        self.open = 0
+        self.shed = 0  # idle connections closed to make room
+        self.by_group: dict[tuple[str, str], int] = {}
+        self.idle: dict[Seat, None] = {}  # oldest idle first
+
+    def enter(self, group: tuple[str, str], close: Callable[[], None]) -> Seat | None:
+        """A seat for a new connection of `group` (("address", ADDRESS) or ("episode", EPISODE)), or None: refused."""
+        if self.open >= self.total and not self._shed(None):
+            return None
+        if self._full(group) and not self._shed(group):
+            return None
+        seat = Seat(group, close)
+        self.open += 1
+        self.by_group[group] = self.by_group.get(group, 0) + 1
+        return seat
+
+    def attribute(self, seat: Seat, episode: str) -> bool:
+        """The connection proved `episode`: it counts as the episode's from now on. False: the episode has its limit
+        of connections open and none idle (the caller refuses)."""
+        group = ("episode", episode)
+        if seat.group == group or seat.left:
+            return True
+        if self._full(group) and not self._shed(group):
+            return False
+        self._count(seat.group, -1)
+        seat.group = group
+        self._count(group, 1)
+        return True
+
+    def waiting(self, seat: Seat) -> None:
+        """The connection waits idle for its next request."""
+        if not seat.left:
+            seat.idle_since = time.monotonic()
+            self.idle[seat] = None
+
+    def busy(self, seat: Seat) -> None:
+        seat.idle_since = None
+        self.idle.pop(seat, None)
+
+    def leave(self, seat: Seat) -> None:
+        if seat.left:
+            return
+        seat.left = True
+        self.busy(seat)
+        self.open -= 1
+        self._count(seat.group, -1)
+
+    def _full(self, group: tuple[str, str]) -> bool:
+        limit = self.per_episode if group[0] == "episode" else self.per_client
+        return self.by_group.get(group, 0) >= limit
+
+    def _count(self, group: tuple[str, str], change: int) -> None:
+        count = self.by_group.get(group, 0) + change
+        if count:
+            self.by_group[group] = count
+        else:
+            self.by_group.pop(group, None)
+
+    def _shed(self, group: tuple[str, str] | None) -> bool:
+        """Close the oldest idle connection of `group` (None: any, one that proved no episode first)."""
+        if group is not None:
+            oldest = next((seat for seat in self.idle if seat.group == group), None)
+        else:
+            oldest = next((seat for seat in self.idle if not seat.attributed), None) or next(iter(self.idle), None)
+        if oldest is None:
+            return False
+        self.leave(oldest)
+        self.shed += 1
+        oldest.close()
+        return True
+
+
 class Plain:
     """A TCP connection as the front uses it: recv / send / drain / close. An agent's has the `Watch` of its waits."""
 
@@ -124,6 +221,8 @@ class Plain:
         self.watch = watch
         self.idle_since = 0.0
         self.episode: str | None = None  # an agent's connection to an episode's own listener: that episode
+        self.seat: Seat | None = None  # an agent's connection: its place in the front's `Admission`
+        self.served = False  # an agent's connection: a request began on it
 
     def deadline(self, seconds: float, what: str) -> Watch:
         """`with conn.deadline(30, "head"): await ...`: `Expired` past it (an agent's connection only)."""
@@ -162,8 +261,10 @@ class TlsServerSide(Plain):
         writer: asyncio.StreamWriter,
         context: ssl.SSLContext,
         watch: Watch | None = None,
+        seat: Seat | None = None,
     ) -> None:
         super().__init__(reader, writer, watch)
+        self.seat = seat
         self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
         self.tls = context.wrap_bio(self.incoming, self.outgoing, server_side=True)
 

@@ -24,6 +24,7 @@ import ipaddress
 import logging
 import socket
 import ssl
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from lcap.capture.proxy.calls import (
 )
 from lcap.capture.proxy.connections import (
     READ_SIZE,
+    Admission,
     AgentReader,
     Expired,
     Plain,
@@ -113,6 +115,10 @@ class Refused(Exception):
 
 class _UpstreamTimeout(Exception):
     """An upstream took longer than a `ProxyOptions` timeout allows: 504."""
+
+
+class _AnswerRefused(Exception):
+    """An upstream's answer past a `ProxyOptions` limit lcap will not relay (its head too big): 502."""
 
 
 class _Unreached(Exception):
@@ -204,31 +210,6 @@ class _ResponseParts:
         return 100 <= self.parser.get_status_code() < 200 and not self.complete
 
 
-class Admission:
-    """Agent connections open at once, in total and per client address: past either limit, load is shed (503)."""
-
-    def __init__(self, total: int, per_client: int) -> None:
-        self.total, self.per_client = total, per_client
-        self.open = 0
-        self.by_client: dict[str, int] = {}
-
-    def enter(self, client: str) -> bool:
-        mine = self.by_client.get(client, 0)
-        if self.open >= self.total or mine >= self.per_client:
-            return False
-        self.open += 1
-        self.by_client[client] = mine + 1
-        return True
-
-    def leave(self, client: str) -> None:
-        self.open -= 1
-        mine = self.by_client[client] - 1
-        if mine:
-            self.by_client[client] = mine
-        else:
-            del self.by_client[client]
-
-
 # --- the server -----------------------------------------------------------------------------------
 
 
@@ -250,7 +231,9 @@ class Front:
         self.certs = certs
         self.options = options
         self.destinations = destinations or Destinations(restricted=False)
-        self.admission = Admission(options.max_connections, options.max_client_connections)
+        self.admission = Admission(
+            options.max_connections, options.max_client_connections, options.max_episode_connections
+        )
         self.pool = UpstreamPool()
         self.server: asyncio.Server | None = None
         # local ports of the front's own connections to mitmproxy, the only ones it serves (`FrontOnly`), and the
@@ -316,14 +299,16 @@ class Front:
         client.episode = episode
         peer = writer.get_extra_info("peername")
         # an episode's own listener is its own client (a namespace's connections all come from its 127.0.0.1)
-        address = f"episode {episode}" if episode is not None else peer[0] if isinstance(peer, tuple) else ""
+        group = ("episode", episode) if episode is not None else ("address", peer[0] if isinstance(peer, tuple) else "")
         try:
-            if not self.admission.enter(address):
+            seat = self.admission.enter(group, client.abort)
+            if seat is None:
                 try:
                     await self._refuse(client, Refused(503, "too many connections open: try again later"))
                 finally:
                     client.close()
                 return
+            client.seat = seat
             try:
                 if admit is not None and not await _admitted(admit, writer):
                     return await self._refuse(client, Refused(403, f"this port serves episode {episode}'s agent only"))
@@ -336,7 +321,7 @@ class Front:
             except Exception:
                 log.exception("lcap: front connection failed")
             finally:
-                self.admission.leave(address)
+                self.admission.leave(seat)
                 client.close()
         finally:
             self.watches.active.discard(watch)
@@ -381,6 +366,16 @@ class Front:
                         "(http://EPISODE:SECRET@host:port, see `lcap episode new`)",
                         PROXY_AUTHENTICATE,
                     ) from None
+                if (
+                    episode is not None
+                    and client.seat is not None
+                    and not self.admission.attribute(client.seat, episode)
+                ):
+                    raise Refused(
+                        503,
+                        f"episode {episode} has {self.admission.per_episode} connections open, none idle "
+                        "(--max-episode-connections): try again later",
+                    )
                 if head.method == b"CONNECT":
                     if tunnel is not None:
                         return await self._hand_off(client, raw_head + buf, tunnel)
@@ -449,16 +444,28 @@ class Front:
 
     async def _next_head(self, client: Plain, buf: bytes) -> tuple[bytes, bytes] | None:
         """(the next request head, the bytes after it); None when the agent closed its connection or left it idle
-        for `idle_timeout`. A head over `max_head_bytes` is a 431, one that takes over `head_timeout` a 408."""
+        for `idle_timeout` (`head_timeout` for a new connection that proved no episode). A head over `max_head_bytes` is
+        a 431, one that takes over `head_timeout` a 408. While it waits for the head's first byte, the connection is
+        idle: `Admission` may close it to make room."""
         options = self.options
         if not buf:
+            seat = client.seat
+            # a connection that proved no episode, and never sent a request, waits no longer than for a head
+            fresh = seat is not None and not seat.attributed and not client.served
             try:
-                with client.deadline(options.idle_timeout, "idle"):
-                    buf = await client.recv()
+                with client.deadline(options.head_timeout if fresh else options.idle_timeout, "idle"):
+                    if seat is not None:
+                        self.admission.waiting(seat)
+                    try:
+                        buf = await client.recv()
+                    finally:
+                        if seat is not None:
+                            self.admission.busy(seat)
             except Expired:
                 return None
             if not buf:
                 return None
+        client.served = True
         end = HEAD_END.search(buf)
         if end is None and not_a_head(buf):
             raise Refused(400, "not an HTTP/1 request (TLS to a plain proxy URL? the proxy URL is http://)")
@@ -521,7 +528,9 @@ class Front:
                 if isinstance(exc, asyncio.CancelledError):
                     raise
                 return False
-            if not isinstance(exc, (OSError, EOFError, httptools.HttpParserError, _UpstreamTimeout, Forbidden)):
+            if not isinstance(
+                exc, (OSError, EOFError, httptools.HttpParserError, _UpstreamTimeout, _AnswerRefused, Forbidden)
+            ):
                 self.calls.close_call(call.pending, "the call was interrupted")
                 raise
             if isinstance(exc, Forbidden):
@@ -530,7 +539,7 @@ class Front:
                 self.calls.upstream_failed(call.pending, f"{exc.__class__.__name__}: {exc}")
                 status = 504 if isinstance(exc, _UpstreamTimeout) else 502
                 why = f"upstream {call.scheme}://{call.host}:{call.port}: {exc.__class__.__name__}: {exc}"
-                if isinstance(exc, _UpstreamTimeout):
+                if isinstance(exc, (_UpstreamTimeout, _AnswerRefused)):
                     why = f"upstream {call.scheme}://{call.host}:{call.port}: {exc}"
             self.calls.close_call(call.pending, why)
             if call.pending.chunks is not None:  # a stream: the agent may have part of it, cut it off
@@ -589,7 +598,7 @@ class Front:
             if exchange.gone:
                 raise _AgentGone
             try:
-                return upstream, await _response_head(upstream, message, client, self.options.first_byte_timeout)
+                return upstream, await _response_head(upstream, message, client, self.options)
             except _Stale:
                 upstream.close()
                 if exchange.gone:
@@ -820,7 +829,7 @@ class Front:
         except Exception as exc:  # a name lcap cannot make a certificate for: mitmproxy decides what to do
             log.warning("lcap: no certificate for %r (%s); the tunnel goes to mitmproxy", tunnel.sni, exc)
             return None
-        tls = TlsServerSide(client.reader, client.writer, context, client.watch)
+        tls = TlsServerSide(client.reader, client.writer, context, client.watch, client.seat)
         await tls.handshake(data)
         return tls
 
@@ -949,12 +958,15 @@ async def _recv(upstream: Plain, client: Plain, timeout: float) -> bytes:
         ) from None
 
 
-async def _response_head(upstream: Plain, message: bytes, client: Plain, timeout: float) -> _ResponseParts:
+async def _response_head(upstream: Plain, message: bytes, client: Plain, options: ProxyOptions) -> _ResponseParts:
+    """Send the call and read its answer's head: its first byte within `first_byte_timeout`, the rest within
+    `head_timeout` of it, and all of it (interim heads included) within `max_head_bytes`."""
     upstream.send(message)
     parts = _ResponseParts()
-    got = False
+    got = 0
+    head_timeout, limit = options.head_timeout, options.max_head_bytes
     try:
-        with client.deadline(timeout, "first byte"):
+        with client.deadline(options.first_byte_timeout, "first byte") as watch:
             while not parts.head_done:
                 try:
                     data = await upstream.recv()
@@ -964,10 +976,16 @@ async def _response_head(upstream: Plain, message: bytes, client: Plain, timeout
                     if got:
                         raise EOFError("the upstream closed the connection mid-head")
                     raise _Stale
-                got = True
+                if not got and watch.at is not None:
+                    watch.at, watch.what = min(watch.at, time.monotonic() + head_timeout), "answer head"
+                got += len(data)
                 parts.feed(data)
-    except Expired:
-        raise _UpstreamTimeout(f"no answer within {timeout:g} s (--first-byte-timeout)") from None
+                if not parts.head_done and got > limit:
+                    raise _AnswerRefused(f"its answer head is over {limit} bytes (--max-head-bytes)")
+    except Expired as expired:
+        if str(expired) == "answer head":
+            raise _UpstreamTimeout(f"its answer head took over {head_timeout:g} s (--head-timeout)") from None
+        raise _UpstreamTimeout(f"no answer within {options.first_byte_timeout:g} s (--first-byte-timeout)") from None
     return parts
 
 

@@ -18,23 +18,39 @@
   a recipient that removes the chunked coding discard them; mitmproxy raised NotImplementedError). An
   upstream's interim answer (100 Continue, 103 Early Hints) is skipped, so the answer proper that
   follows is the one relayed (the front does the same), where mitmproxy took the 1xx for the answer.
+  Heads are bounded as on the front: an answer head past `--max-head-bytes` is a 502, one taking over
+  `--head-timeout` after its first byte a 504; a request head past the limit a 431.
+- `install_websocket_limits`, `install_reset_limit`: a WebSocket message past `--max-body-bytes` closes the
+  socket with 1009; an agent resetting more than `--max-stream-resets` HTTP/2 streams a second gets GOAWAY.
+  `Limits` hands each proxy's limits to these patches as options of its mitmproxy.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
-from collections.abc import Callable
+import time
+import zlib
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
+import h2.errors
+import h2.events
 import h11
+import wsproto.events
 from h11._readers import ChunkedReader
 from mitmproxy import flow as mflow
 from mitmproxy.net.http.http1 import expected_http_body_size
 from mitmproxy.proxy import commands, events
 from mitmproxy.proxy.layers import http as mhttp
-from mitmproxy.proxy.layers.http import RequestProtocolError, _http1
+from mitmproxy.proxy.layers import websocket
+from mitmproxy.proxy.layers.http import RequestProtocolError, _http1, _http2
+from mitmproxy.proxy.utils import expect
+from wsproto.extensions import PerMessageDeflate
+from wsproto.frame_protocol import CloseReason
 
+from lcap.capture.options import ProxyOptions
 from lcap.capture.proxy.calls import UNASKED_SWITCH
 from lcap.capture.routing.routes import Router
 from lcap.capture.trust.destinations import Destinations, Forbidden
@@ -60,6 +76,26 @@ class FrontOnly:
     def episode(self, client: Any) -> str | None:
         peer = client.peername
         return self.ports.get(peer[1]) if isinstance(peer, tuple) else None
+
+
+class Limits:
+    """mitmproxy's `load`: lcap's limits become options of this proxy's mitmproxy, which the layers patched here
+    read from their context (the patches are the process's, the limits each proxy's own)."""
+
+    def __init__(self, options: ProxyOptions) -> None:
+        self.options = options
+
+    def load(self, loader: Any) -> None:
+        o = self.options
+        loader.add_option("lcap_max_head_bytes", int, o.max_head_bytes, "lcap: --max-head-bytes")
+        loader.add_option("lcap_head_timeout", float, o.head_timeout, "lcap: --head-timeout")
+        loader.add_option("lcap_max_message_bytes", int, o.max_body_bytes, "lcap: --max-body-bytes")
+        loader.add_option("lcap_max_stream_resets", int, o.max_stream_resets, "lcap: --max-stream-resets")
+
+
+def _limit(options: Any, name: str) -> Any:
+    """One of `Limits`' options; None where no `Limits` was loaded (mitmproxy used without lcap's proxy)."""
+    return getattr(options, name, None)
 
 
 class PrivateDestinations:
@@ -144,6 +180,7 @@ _limit_for: Callable[[Any, bool], int | None] = _no_limit
 _INTERIM = re.compile(rb"HTTP/1\.[01] 1(?!01)[0-9][0-9][ \r\n]")  # a 1xx head other than 101 Switching Protocols
 _SWITCH = re.compile(rb"HTTP/1\.[01] 101[ \r\n]")
 MAX_CHUNK_SIZE = 2**64 - 1
+MAX_ECHOED = 200  # bytes of an unreadable answer head that mitmproxy's error (the agent's 502, the turn) quotes
 
 
 def install_http1_guards() -> None:
@@ -169,14 +206,48 @@ def install_http1_guards() -> None:
 
     def skip_interim(self: Any, event: Any):  # mitmproxy's Http1Client.read_headers, past any 1xx but 101
         if isinstance(event, events.DataReceived) and self.request is not None:
+            began = self.__dict__.setdefault("lcap_head_began", time.monotonic())
             while _INTERIM.match(bytes(self.buf._data[:16])):
                 if self.buf.maybe_extract_lines() is None:
-                    return  # the rest of the interim head is still to come
+                    break  # the rest of the interim head is still to come
             if _SWITCH.match(bytes(self.buf._data[:16])) and "upgrade" not in self.request.headers:
                 yield commands.CloseConnection(self.conn)
                 yield mhttp.ReceiveHttp(mhttp.ResponseProtocolError(self.stream_id, UNASKED_SWITCH))
                 return
+            timeout = _limit(self.context.options, "lcap_head_timeout")
+            if timeout is not None and time.monotonic() - began > timeout:
+                why = f"lcap: the upstream's answer head took over {timeout:g} s (--head-timeout)"
+                yield commands.CloseConnection(self.conn)
+                yield mhttp.ReceiveHttp(mhttp.ResponseProtocolError(self.stream_id, why, 504))
+                return
+            if _INTERIM.match(bytes(self.buf._data[:16])):
+                return
+        elif isinstance(event, events.ConnectionClosed) and len(self.buf) > MAX_ECHOED:
+            del self.buf._data[MAX_ECHOED:]  # mitmproxy's error quotes what the upstream sent: its start is enough
         yield from read_headers(self, event)
+        if self.state == self.read_headers and self.response is None:
+            limit = _limit(self.context.options, "lcap_max_head_bytes")
+            if limit is not None and len(self.buf) > limit:
+                why = f"lcap: the upstream's answer head is over {limit} bytes (--max-head-bytes)"
+                self.buf._data.clear()
+                yield commands.CloseConnection(self.conn)
+                yield mhttp.ReceiveHttp(mhttp.ResponseProtocolError(self.stream_id, why))
+        else:
+            self.__dict__.pop("lcap_head_began", None)
+
+    read_request_head = _http1.Http1Server.read_headers
+
+    def bounded_request_head(self: Any, event: Any):  # mitmproxy's Http1Server.read_headers, with the front's limit
+        """A request head on a connection mitmproxy carries (the front read only the first) is bounded as on the
+        front: past `--max-head-bytes`, a 431 and the connection closes."""
+        yield from read_request_head(self, event)
+        limit = _limit(self.context.options, "lcap_max_head_bytes")
+        if self.state == self.read_headers and limit is not None and len(self.buf) > limit:
+            self.buf._data.clear()
+            why = f"lcap: request head over {limit} bytes (--max-head-bytes)"
+            yield commands.SendData(self.conn, _http1.make_error_response(431, why))
+            yield commands.CloseConnection(self.conn)
+            self.state = self.done
 
     read_body = _http1.Http1Connection.read_body
 
@@ -206,4 +277,102 @@ def install_http1_guards() -> None:
     skip_interim.lcap = True  # type: ignore[attr-defined]
     _http1.ChunkedReader = BoundedChunkedReader  # type: ignore[misc]  # make_body_reader's reader
     _http1.Http1Client.read_headers = skip_interim  # type: ignore[method-assign]  # deliberate patches
+    _http1.Http1Server.read_headers = bounded_request_head  # type: ignore[method-assign]
     _http1.Http1Server.read_body = answer_then_close  # type: ignore[method-assign]
+
+
+def install_websocket_limits() -> None:
+    """Bound what mitmproxy holds of a WebSocket message (it keeps a whole message before relaying it): past
+    `--max-body-bytes`, counted as it arrives (inflated, with permessage-deflate), both sides get a close with 1009
+    (message too big) and lcap's reason instead of the rest. Installed once per process."""
+    if getattr(websocket.WebsocketLayer, "lcap", False):
+        return
+
+    class BoundedWebsocketLayer(websocket.WebsocketLayer):
+        lcap = True
+
+        @expect(events.Start)
+        def start(self, event: Any):
+            yield from super().start(event)
+            limit = _limit(self.context.options, "lcap_max_message_bytes")
+            if limit is None:
+                return
+            for ws, sender in ((self.client_ws, "agent"), (self.server_ws, "upstream")):
+                ws.events = MessageBound(ws.events, limit, sender)  # type: ignore[method-assign]
+                for extension in ws._proto.extensions:
+                    if isinstance(extension, PerMessageDeflate):
+                        extension.frame_inbound_payload_data = functools.partial(  # type: ignore[method-assign]
+                            _bounded_inflate, extension, limit
+                        )
+
+        _handle_event = start
+
+    websocket.WebsocketLayer = BoundedWebsocketLayer  # type: ignore[misc]  # a deliberate patch: the HTTP layer's
+
+
+class MessageBound:
+    """A WebSocket connection's `events()`, each message counted as its pieces arrive: past `limit` bytes, a close
+    (1009) with lcap's reason instead of the rest."""
+
+    def __init__(self, events: Callable[[], Iterator[Any]], limit: int, sender: str) -> None:
+        self.events, self.limit = events, limit
+        self.reason = f"lcap: a message from the {sender} over {limit} bytes (--max-body-bytes)"
+        self.size = 0
+
+    def __call__(self) -> Generator[Any, None, None]:
+        for event in self.events():
+            if isinstance(event, wsproto.events.Message):
+                data = event.data
+                self.size += len(data) if isinstance(data, bytes) or data.isascii() else len(data.encode())
+                if self.size > self.limit:
+                    yield wsproto.events.CloseConnection(CloseReason.MESSAGE_TOO_BIG, self.reason)
+                    return
+                if event.message_finished:
+                    self.size = 0
+            elif isinstance(event, wsproto.events.CloseConnection) and event.reason == _TOO_BIG_TO_INFLATE:
+                event = wsproto.events.CloseConnection(CloseReason.MESSAGE_TOO_BIG, self.reason)
+            yield event
+
+
+_TOO_BIG_TO_INFLATE = "error in extension"  # wsproto's reason when `_bounded_inflate` refuses
+
+
+def _bounded_inflate(extension: PerMessageDeflate, limit: int, proto: Any, data: bytes) -> bytes | CloseReason:
+    """wsproto's permessage-deflate inflation of a frame's payload, at most `limit` + 1 bytes of it at a time."""
+    if not extension._inbound_compressed or not extension._inbound_is_compressible:
+        return data
+    assert extension._decompressor is not None
+    try:
+        out = extension._decompressor.decompress(bytes(data), limit + 1)
+    except zlib.error:
+        return CloseReason.INVALID_FRAME_PAYLOAD_DATA
+    if extension._decompressor.unconsumed_tail:
+        return CloseReason.MESSAGE_TOO_BIG
+    return out
+
+
+def install_reset_limit() -> None:
+    """HTTP/2 rapid reset: an agent that resets more than `--max-stream-resets` streams within a second on one
+    connection has that connection closed (GOAWAY, ENHANCE_YOUR_CALM), so the work each stream's opening costs
+    cannot crowd out the other agents' calls. Installed once per process."""
+    handle = _http2.Http2Server.handle_h2_event
+    if getattr(handle, "lcap", False):
+        return
+
+    def count_resets(self: Any, event: Any):  # mitmproxy's Http2Server.handle_h2_event, counting client resets
+        if isinstance(event, h2.events.StreamReset):
+            cap = _limit(self.context.options, "lcap_max_stream_resets")
+            if cap:
+                now = time.monotonic()
+                window = self.__dict__.get("lcap_resets")
+                if window is None or now - window[0] >= 1.0:
+                    window = self.__dict__["lcap_resets"] = [now, 0]
+                window[1] += 1
+                if window[1] > cap:
+                    why = f"lcap: over {cap} stream resets in a second (--max-stream-resets)"
+                    yield from self.protocol_error(why, h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
+                    return True
+        return (yield from handle(self, event))
+
+    count_resets.lcap = True  # type: ignore[attr-defined]
+    _http2.Http2Server.handle_h2_event = count_resets  # type: ignore[method-assign]  # a deliberate patch

@@ -40,7 +40,15 @@ from lcap.capture.proxy.announce import Announcer, command_line
 from lcap.capture.proxy.calls import Calls
 from lcap.capture.proxy.front import Front
 from lcap.capture.proxy.memory import MemoryTrimmer
-from lcap.capture.proxy.mitm_guards import FrontOnly, PrivateDestinations, install_body_limits, install_http1_guards
+from lcap.capture.proxy.mitm_guards import (
+    FrontOnly,
+    Limits,
+    PrivateDestinations,
+    install_body_limits,
+    install_http1_guards,
+    install_reset_limit,
+    install_websocket_limits,
+)
 from lcap.capture.reach.jvm import java_proxy_options, java_tool_options, non_proxy_hosts, trust_store
 from lcap.capture.reach.names import Names
 from lcap.capture.reach.node_preload import node_options, preload_env
@@ -398,10 +406,13 @@ class CaptureProxy:
             next_layer.NextLayer(),
             TlsConfig(),
             PrivateDestinations(destinations, calls.router),
+            Limits(self.options),
             addon,
         )
         install_body_limits(addon.body_limit)
         install_http1_guards()
+        install_websocket_limits()
+        install_reset_limit()
         opts.update(  # mitmproxy listens on loopback only: agents reach it through the front (capture/proxy/front.py)
             confdir=str(ca_dir()),
             listen_host="127.0.0.1",
@@ -454,6 +465,7 @@ class CaptureProxy:
         connections, credentials refused, and where its turns are (spooled, stored, the writer process)."""
         out: dict[str, Any] = dict(self._calls.counts()) if self._calls is not None else {}
         out["connections"] = self.front.admission.open if self.front is not None else 0
+        out["connections_shed"] = self.front.admission.shed if self.front is not None else 0
         out["refused_credentials"] = self.keys.refused
         out.update(self.writer.counters())
         return out

@@ -10,6 +10,7 @@ and the numbering of idle episodes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -133,15 +134,27 @@ def test_slowloris_is_shed_and_never_exhausts_file_descriptors(capture_env, llm)
 
 
 def test_one_client_cannot_take_every_connection(store, llm):
-    """Past `--max-client-connections` from one address, that address is shed; another address is still served."""
+    """Past `--max-client-connections` from one address, that address's oldest idle connection is closed to make
+    room; with none idle (each has begun a head), the newcomer gets a 503; another address is still served."""
     options = ProxyOptions(require_credentials=False, max_client_connections=3)
     with CaptureProxy(store, options) as proxy:
         mine = [socket.create_connection(("127.0.0.1", proxy.port), timeout=10) for _ in range(3)]
         try:
-            wait_until(lambda: proxy.counters()["connections"] == 3)  # admitted
+            wait_until(lambda: proxy.counters()["connections"] == 3)  # admitted, idle
             with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as fourth:
                 fourth.sendall(call_bytes(llm.url))
-                assert answer(fourth).startswith(b"HTTP/1.1 503 Service Unavailable")
+                assert answer(fourth).startswith(b"HTTP/1.1 200 OK")
+            mine[0].settimeout(10)
+            with contextlib.suppress(ConnectionResetError):
+                assert mine[0].recv(100) == b""  # the oldest idle one made room
+            assert proxy.counters()["connections_shed"] == 1
+            mine[0] = socket.create_connection(("127.0.0.1", proxy.port), timeout=10)
+            for sock in mine:
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\n")  # a head begun: not idle
+            wait_until(lambda: proxy.counters()["connections"] == 3)
+            with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as fifth:
+                fifth.sendall(call_bytes(llm.url))
+                assert answer(fifth).startswith(b"HTTP/1.1 503 Service Unavailable")
             with socket.create_connection(
                 ("127.0.0.1", proxy.port), timeout=10, source_address=("127.0.0.2", 0)
             ) as other:
