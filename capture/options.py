@@ -51,7 +51,9 @@ class ProxyOptions:
     # --- what the proxy accepts from agents ---
     max_head_bytes: int = option(64 * 1024, help="Largest request head (431 past it).")
     max_body_bytes: int = option(
-        64 * MiB, help="Largest LLM request body, and largest answer lcap holds whole (413, or 502 for an answer)."
+        64 * MiB,
+        help="Largest LLM request body, and largest answer lcap holds whole, as sent and as decoded (gzip, deflate, "
+        "br, zstd): 413, or 502 for an answer.",
     )
     head_timeout: float = option(30.0, help="Seconds to receive a request head once it has begun (408).")
     body_timeout: float = option(120.0, help="Seconds to receive a request body after its head (408).")
