@@ -1,6 +1,7 @@
-"""A memory cgroup for tests whose regression would take the machine's memory: the processes put in it are
-OOM-killed at its limit, so a test that fails that way fails alone (cgroups v1, as on the test machines; the
-test is skipped where no writable v1 memory hierarchy exists).
+"""Memory-bound tests: compression bombs built without ever holding what they decode to (`json_bomb`), and a
+memory cgroup for tests whose regression would take the machine's memory: the processes put in it are OOM-killed
+at its limit, so a test that fails that way fails alone (cgroups v1, as on the test machines; the test is skipped
+where no writable v1 memory hierarchy exists).
 
     with memory_cgroup(512 << 20) as cgroup:
         proc = subprocess.Popen([...], preexec_fn=cgroup.enter)  # the child and everything it starts
@@ -12,15 +13,49 @@ from __future__ import annotations
 
 import itertools
 import os
+import struct
 import time
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import brotli
 import pytest
+import zstandard
 
 MEMORY_ROOT = Path("/sys/fs/cgroup/memory")
 _numbers = itertools.count()
+FILL = b"a" * (1 << 20)
+PREFIX = b'{"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "'
+SUFFIX = b'"}]}'
+
+
+def json_bomb(coding: str, mebibytes: int, prefix: bytes = PREFIX, suffix: bytes = SUFFIX) -> bytes:
+    """JSON holding a string of `mebibytes` MiB, in `coding`, built without ever holding it: gzip as one deflate
+    stream of blocks that each restart the dictionary (so one megabyte's block repeats), zstd as frames one after
+    another, brotli compressed as it streams."""
+    if coding == "gzip":
+
+        def block(data: bytes, last: bool = False) -> bytes:
+            compressor = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
+            return compressor.compress(data) + compressor.flush(zlib.Z_FINISH if last else zlib.Z_FULL_FLUSH)
+
+        crc = zlib.crc32(prefix)
+        for _ in range(mebibytes):
+            crc = zlib.crc32(FILL, crc)
+        crc = zlib.crc32(suffix, crc)
+        size = len(prefix) + (mebibytes << 20) + len(suffix)
+        header = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"
+        body = block(prefix) + block(FILL) * mebibytes + block(suffix, last=True)
+        return header + body + struct.pack("<II", crc, size & 0xFFFFFFFF)
+    if coding == "zstd":
+        frame = zstandard.ZstdCompressor().compress
+        return frame(prefix) + frame(FILL) * mebibytes + frame(suffix)
+    compressor = brotli.Compressor(quality=1)
+    parts = [compressor.process(prefix)]
+    parts += [compressor.process(FILL) for _ in range(mebibytes)]
+    return b"".join(parts) + compressor.process(suffix) + compressor.finish()
 
 
 class MemoryCgroup:

@@ -14,53 +14,26 @@ import gzip
 import io
 import json
 import socket
-import struct
+import ssl
 import threading
 import time
-import zlib
 
 import brotli
 import httpx
 import pytest
 import zstandard
 from fixtures_capture import serve_proxy, turns
-from fixtures_memory import memory_cgroup
+from fixtures_memory import FILL, PREFIX, SUFFIX, json_bomb, memory_cgroup
+
+from lcap.capture.options import ProxyOptions
+from lcap.capture.proxy.server import CaptureProxy
+from lcap.store import Store
 
 LIMIT = 8 << 20  # the tests' --max-body-bytes
 CGROUP = 512 << 20  # the proxy and its writer together: a gibibyte decoded whole cannot fit
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
-FILL = b"a" * (1 << 20)
-PREFIX = b'{"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "'
-SUFFIX = b'"}]}'
 ANSWER_PREFIX = b'{"id": "x", "object": "chat.completion", "model": "m", "choices": [{"index": 0, "message": {"role": "assistant", "content": "'
 ANSWER_SUFFIX = b'"}, "finish_reason": "stop"}]}'
-
-
-def json_bomb(coding: str, mebibytes: int, prefix: bytes = PREFIX, suffix: bytes = SUFFIX) -> bytes:
-    """JSON holding a string of `mebibytes` MiB, in `coding`, built without ever holding it: gzip as one deflate
-    stream of blocks that each restart the dictionary (so one megabyte's block repeats), zstd as frames one after
-    another, brotli compressed as it streams."""
-    if coding == "gzip":
-
-        def block(data: bytes, last: bool = False) -> bytes:
-            compressor = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
-            return compressor.compress(data) + compressor.flush(zlib.Z_FINISH if last else zlib.Z_FULL_FLUSH)
-
-        crc = zlib.crc32(prefix)
-        for _ in range(mebibytes):
-            crc = zlib.crc32(FILL, crc)
-        crc = zlib.crc32(suffix, crc)
-        size = len(prefix) + (mebibytes << 20) + len(suffix)
-        header = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"
-        body = block(prefix) + block(FILL) * mebibytes + block(suffix, last=True)
-        return header + body + struct.pack("<II", crc, size & 0xFFFFFFFF)
-    if coding == "zstd":
-        frame = zstandard.ZstdCompressor().compress
-        return frame(prefix) + frame(FILL) * mebibytes + frame(suffix)
-    compressor = brotli.Compressor(quality=1)
-    parts = [compressor.process(prefix)]
-    parts += [compressor.process(FILL) for _ in range(mebibytes)]
-    return b"".join(parts) + compressor.process(suffix) + compressor.finish()
 
 
 @pytest.fixture(scope="module")
@@ -151,9 +124,10 @@ def test_request_bombs_are_413_on_both_transports_while_other_calls_are_served(c
 
 class BombUpstream:
     """A loopback upstream answering every POST with `body` under `content-encoding: gzip` (GET /v1/models, the
-    proxy's look at an --upstream when it starts, with an empty list)."""
+    proxy's look at an --upstream when it starts, with an empty list); `requests` holds each POST's head and body."""
 
     def __init__(self, body: bytes) -> None:
+        self.requests: list[tuple[bytes, bytes]] = []
         self.answer = (
             b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-encoding: gzip\r\n"
             b"content-length: %d\r\n\r\n%s" % (len(body), body)
@@ -175,14 +149,31 @@ class BombUpstream:
                 if head.startswith(b"GET"):
                     conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 30\r\n\r\n" + b'{"object": "list", "data": []}')
                     continue
-                length = int(head.lower().split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
-                body = head.split(b"\r\n\r\n", 1)[1]
-                while len(body) < length and (chunk := conn.recv(65536)):
-                    body += chunk
+                head, _, body = head.partition(b"\r\n\r\n")
+                head = head.lower()
+                if b"content-length:" in head:
+                    length = int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+                    while len(body) < length and (chunk := conn.recv(65536)):
+                        body += chunk
+                else:  # chunked
+                    while not body.endswith(b"0\r\n\r\n") and (chunk := conn.recv(65536)):
+                        body += chunk
+                    body = _unchunk(body)
+                self.requests.append((head, body))
                 conn.sendall(self.answer)
 
     def close(self) -> None:
         self.sock.close()
+
+
+def _unchunk(data: bytes) -> bytes:
+    body = b""
+    while True:
+        size_line, _, data = data.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        if not size:
+            return body
+        body, data = body + data[:size], data[size + 2 :]
 
 
 def test_an_answer_bomb_is_stored_as_it_came_and_the_writer_goes_on(capture_env, llm):
@@ -233,3 +224,43 @@ def test_an_answer_bomb_is_stored_as_it_came_and_the_writer_goes_on(capture_env,
     ]
     assert "lcap must read it to pass it on" in rerouted["error"]
     assert base64.b64decode(rerouted["response"]["base64"]) == bomb
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["front", "mitmproxy"])
+def test_compressed_bodies_lcap_rewrites_go_plain_and_corrupt_ones_are_a_400(
+    tmp_path, capture_home, monkeypatch, chunked
+):
+    """With --token-ids lcap rewrites a gzip request: the upstream gets it plain, without its Content-Encoding; the
+    upstream's gzip answer is decoded, rewritten and sent on plain. A request whose gzip is corrupt gets a 400 that
+    says so, and its turn keeps the body as it came."""
+    monkeypatch.setenv("LCAP_HOME", str(capture_home))
+    answer = {"id": "x", "object": "chat.completion", "model": "m", "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]}  # fmt: skip
+    upstream = BombUpstream(gzip.compress(json.dumps(answer).encode()))
+    store = Store(tmp_path / "lcap.duckdb")
+    request = gzip.compress(json.dumps(CHAT).encode())
+    try:
+        with CaptureProxy(store, ProxyOptions(upstream=upstream.url, token_ids=True)) as proxy:
+            env = proxy.child_env("ep-bombs", base={})
+            verify = ssl.create_default_context(cafile=env["SSL_CERT_FILE"])
+            with httpx.Client(proxy=env["HTTPS_PROXY"], verify=verify, timeout=30) as client:
+                replies = [
+                    client.post(
+                        "https://api.openai.com/v1/chat/completions",
+                        content=iter([body]) if chunked else body,
+                        headers={"content-type": "application/json", "content-encoding": "gzip"},
+                    )
+                    for body in (request, request[: len(request) // 2])
+                ]
+            assert proxy.flush(timeout=30)
+    finally:
+        upstream.close()
+    served, corrupt = replies
+    assert served.status_code == 200 and "content-encoding" not in served.headers
+    assert served.json()["choices"][0]["message"]["content"] == "ok"
+    ((head, sent),) = upstream.requests
+    assert b"content-encoding" not in head and json.loads(sent)["messages"] == CHAT["messages"]
+    assert corrupt.status_code == 400 and "the gzip body ends before its stream does" in corrupt.text
+    rows = {row["status_code"]: row for row in turns(store.path)}
+    assert rows[200]["request"] == CHAT and rows[200]["completion_text"] == "ok"
+    assert "the gzip body ends before its stream does" in rows[400]["error"]
+    assert base64.b64decode(rows[400]["request"]["base64"]) == request[: len(request) // 2]

@@ -11,6 +11,7 @@ import zlib
 import brotli
 import pytest
 import zstandard
+from fixtures_memory import json_bomb
 
 from lcap.capture.turns.encoding import BodyTooLarge, UndecodableBody, decode_body, raw_body
 from lcap.capture.turns.turn import PendingTurn, build_row
@@ -49,24 +50,11 @@ def test_truncated_and_corrupt_streams_are_refused(coding):
         decode_body(corrupt, coding, len(BODY))
 
 
-def bomb(coding: str, size: int) -> bytes:
-    """`size` zero bytes in `coding`, compressed as they stream (the test never holds them)."""
-    zeros = bytes(1 << 20)
-    if coding == "gzip":
-        compressor = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
-        return b"".join(compressor.compress(zeros) for _ in range(size >> 20)) + compressor.flush()
-    if coding == "br":
-        brotli_compressor = brotli.Compressor(quality=5)
-        return b"".join(brotli_compressor.process(zeros) for _ in range(size >> 20)) + brotli_compressor.finish()
-    chunker = zstandard.ZstdCompressor().chunker(size=size)
-    return b"".join(b"".join(chunker.compress(zeros)) for _ in range(size >> 20)) + b"".join(chunker.finish())
-
-
 @pytest.mark.parametrize("coding", ["gzip", "br", "zstd"])
 def test_a_bomb_stops_at_the_limit(coding):
-    """256 MiB of zeros in a few hundred KB at most: decoding stops one step past the 4 MiB limit."""
-    encoded = bomb(coding, 256 << 20)
-    assert len(encoded) < 1 << 20
+    """1 GiB in a megabyte at most: decoding stops one step past the 4 MiB limit."""
+    encoded = json_bomb(coding, 1024)
+    assert len(encoded) < 1_100_000
     with pytest.raises(BodyTooLarge):
         decode_body(encoded, coding, 4 << 20)
 
