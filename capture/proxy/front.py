@@ -435,9 +435,9 @@ class Front:
                 return None
             buf = got
         body, buf = buf[:length], buf[length:]
-        coding = next((value for name, value in fields if name.lower() == b"content-encoding"), None)
+        coding = b", ".join(value for name, value in fields if name.lower() == b"content-encoding")
         try:
-            plain = await self.calls.read_body(call, body, coding.decode("latin-1") if coding is not None else None)
+            plain = await self.calls.read_body(call, body, coding.decode("latin-1"))
             is_call = self.calls.take_body(call, plain)
             if is_call and call.body is not call.raw:  # rewritten: the head follows the body's fields
                 upstream_head, client_close = _request_head(call)
