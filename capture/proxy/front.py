@@ -13,7 +13,7 @@ limits (`ProxyOptions`) and the episode credentials; what fails gets lcap's answ
 the embedded mitmproxy together with the bytes read so far, and spliced there for the rest of its
 life: an HTTP/2-only or non-TLS tunnel, an upgrade (Responses over WebSocket), `Expect`, a chunked
 request body, a request that is not an LLM call (telemetry, model lists). A compressed request body is
-decoded (`Calls.take_body`, within `--max-body-bytes`, in a worker thread) and sent on as it came. Traffic
+decoded (`Calls.read_body`, within `--max-body-bytes`, in a worker thread) and sent on as it came. Traffic
 never depends on the short path.
 """
 
