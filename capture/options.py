@@ -54,8 +54,9 @@ class ProxyOptions:
     )
     max_body_bytes: int = option(
         64 * MiB,
-        help="Largest LLM request body, and largest answer lcap holds whole (413, or 502 for an answer); on a "
-        "Responses WebSocket, the largest message either side may send (closed with 1009).",
+        help="Largest LLM request body, and largest answer lcap holds whole, as sent and as decoded (gzip, deflate, "
+        "br, zstd): 413, or 502 for an answer; on a Responses WebSocket, the largest message either side may send, "
+        "inflated (closed with 1009).",
     )
     head_timeout: float = option(
         30.0,

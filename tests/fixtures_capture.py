@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -641,14 +642,18 @@ def run_lcap(
     return subprocess.run([LCAP, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
-def serve_proxy(env: dict[str, str], *args: str, host: str = "127.0.0.1") -> tuple[subprocess.Popen, int]:
-    """`lcap proxy --serve ARGS` as a child process, and the port it listens on once it says so."""
+def serve_proxy(
+    env: dict[str, str], *args: str, host: str = "127.0.0.1", preexec_fn: Callable[[], None] | None = None
+) -> tuple[subprocess.Popen, int]:
+    """`lcap proxy --serve ARGS` as a child process (`preexec_fn` run in it first: `MemoryCgroup.enter`, say), and
+    the port it listens on once it says so."""
     proc = subprocess.Popen(
         [LCAP, "proxy", "--serve", *(["--host", host] if host != "127.0.0.1" else []), *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=preexec_fn,
     )
     said = f"listening on http://{host}:"
     line = proc.stdout.readline()

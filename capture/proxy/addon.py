@@ -19,7 +19,15 @@ from mitmproxy import http
 from wsproto.frame_protocol import CloseReason
 
 from lcap.capture.options import ProxyOptions
-from lcap.capture.proxy.calls import BodyRefused, Calls, HoldRefused, NoRoute, Unauthorized, with_route_model
+from lcap.capture.proxy.calls import (
+    AnswerRefused,
+    BodyRefused,
+    Calls,
+    HoldRefused,
+    NoRoute,
+    Unauthorized,
+    with_route_model,
+)
 from lcap.capture.routing import policy_wire
 from lcap.capture.routing.routes import Route
 from lcap.capture.turns import dialects
@@ -136,11 +144,12 @@ class CaptureAddon:
                 self._route_websocket(flow)
             return
         req = flow.request
-        body = req.get_content(strict=False) or b""
+        body = req.raw_content or b""  # as it came: `Calls` decodes it within the limit, never mitmproxy
         call = self.calls.open_call(
             *opened, scheme=req.scheme, host=req.host, port=req.port, path=req.path, fields=req.headers.fields
         )  # here, not at requestheaders: mitmproxy may change them
-        is_call = self.calls.take_body(call, body)
+        plain = await self.calls.read_body(call, body, req.headers.get("content-encoding"))
+        is_call = self.calls.take_body(call, plain)
         if is_call and self.calls.must_hold(call):
             try:
                 ready = await self.calls.hold(call, lambda: not flow.client_conn.connected)
@@ -153,14 +162,13 @@ class CaptureAddon:
                 return
         if is_call:
             flow.metadata[_KEY] = call.pending
-            if call.body is not body:
-                req.content = call.body
             self._arm(flow, self.options.first_byte_timeout, "no answer within {:g} s (--first-byte-timeout)")
-        if call.route is None:
-            return
-        req.headers.fields = tuple(call.fields)  # a side call too goes to the route, never to the original host
-        if (call.scheme, call.host, call.port, call.path) != (req.scheme, req.host, req.port, req.path):
-            _retarget(req, call.scheme, call.host, call.port, call.path)
+        if call.route is not None:
+            req.headers.fields = tuple(call.fields)  # a side call too goes to the route, never to the original host
+            if (call.scheme, call.host, call.port, call.path) != (req.scheme, req.host, req.port, req.path):
+                _retarget(req, call.scheme, call.host, call.port, call.path)
+        if is_call and call.body is not body:
+            req.content = call.body  # after the fields: a body lcap rewrote goes plain, its Content-Encoding dropped
 
     # --- responses ---------------------------------------------------------------------------
 
@@ -189,8 +197,17 @@ class CaptureAddon:
 
         return stream
 
-    @_guarded
-    def response(self, flow: http.HTTPFlow) -> None:
+    async def response(self, flow: http.HTTPFlow) -> None:
+        """A whole answer (or a stream's end). Not guarded like the other hooks: an answer lcap must rewrite and
+        cannot read gets a 502 (`AnswerRefused`, its turn stored)."""
+        try:
+            await self._response(flow)
+        except AnswerRefused as exc:
+            flow.response = http.Response.make(502, f"lcap: {exc}\n".encode())
+        except Exception:
+            log.exception("lcap: capture error in response (traffic passed through)")
+
+    async def _response(self, flow: http.HTTPFlow) -> None:
         self._disarm(flow)
         if flow.websocket is not None and _WS_KEY not in flow.metadata:
             flow.websocket = None  # not an LLM call: relayed as plain TCP, never a whole message held in memory
@@ -200,9 +217,12 @@ class CaptureAddon:
         if pending.chunks is not None:  # a stream: the agent has it all already
             self.calls.close_call(pending)
             return
-        rewritten = self.calls.answer_body(pending, flow.response.raw_content or b"")
-        if rewritten is not None:
-            flow.response.content = rewritten
+        raw = flow.response.raw_content or b""
+        plain = await self.calls.read_answer(pending, raw)
+        out = self.calls.answer_body(pending, plain) or plain
+        if out is not raw:  # lcap decoded or rewrote it: the agent gets it plain
+            flow.response.headers.pop("content-encoding", None)
+            flow.response.content = out
 
     @_guarded
     def tcp_message(self, flow: Any) -> None:

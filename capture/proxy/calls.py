@@ -25,7 +25,7 @@ from lcap.capture.routing.stitching import Head, Heads
 from lcap.capture.storage.writer import TurnSink
 from lcap.capture.trust.credentials import EpisodeKeys
 from lcap.capture.trust.redact import CREDENTIAL_HEADERS
-from lcap.capture.turns import dialects
+from lcap.capture.turns import dialects, encoding
 from lcap.capture.turns.sse import SseCutter
 from lcap.capture.turns.turn import PendingTurn
 
@@ -63,6 +63,11 @@ class BodyRefused(Exception):
         self.status = status
 
 
+class AnswerRefused(Exception):
+    """An answer lcap must rewrite (the policy route, `--token-ids`) but cannot decode within `--max-body-bytes`: the
+    agent gets a 502 with this message, and the turn is stored with it and the answer as it came."""
+
+
 class HoldRefused(Exception):
     """A call held while every policy replica restarts that no replica took within `--hold-timeout`, or one past
     `--max-held-calls`: the agent gets a 503 with this message, and the turn is stored with it."""
@@ -84,6 +89,8 @@ class Call:
     fields: Fields  # the request's header fields, minus lcap's own (and the agent's credentials when rerouted)
     agent_fields: Fields = ()  # the fields as the agent sent them (minus lcap's): a failover reroutes from these
     body: bytes = b""  # the request body to send (rewritten when lcap changed it)
+    raw: bytes = b""  # the request body as the agent sent it
+    encoding: str | None = None  # the request body's Content-Encoding, when lcap decoded it to read it
     request: Any = None  # the request body, decoded (an LLM call's)
     tried: frozenset[str] = frozenset()  # replicas this call failed to reach
     held_until: float | None = None  # the end of the call's hold (time.monotonic()), once it was first held
@@ -196,6 +203,7 @@ class Calls:
         if route is None and self.router.upstream is not None:
             raise NoRoute(f"--upstream {self.router.upstream}: no server to send the call to")
         pending = PendingTurn(episode_id=episode, seq=None, host=host, path=path, dialect=dialect)
+        pending.body_limit = self.max_body_bytes
         call = Call(pending, route, scheme, host, port, path, fields, fields)
         if route is None:
             pending.upstream = f"{scheme}://{host}:{port}"
@@ -237,6 +245,7 @@ class Calls:
         self._point(call, route)
         if call.request is not None and (previous is None or route.model != previous.model):
             call.body = self._forward(call)
+        self._plain_fields(call)
 
     def must_hold(self, call: Call) -> bool:
         """Whether a whole call for the policy must wait before it is sent: every replica is restarting."""
@@ -307,30 +316,58 @@ class Calls:
         """A call to a replica failed after it was sent: the replica leaves the rotation until it serves again."""
         self.router.failed(pending.replica, why)
 
-    def take_body(self, call: Call, body: bytes) -> bool:
-        """The request's body. True: an LLM call, now numbered in its episode and recorded from here on (its body
-        rewritten when the route says so). False: a side call that shares the path; nothing is recorded, and
-        the request goes on as it came, to its own host."""
-        pending = call.pending
+    async def read_body(self, call: Call, body: bytes, content_encoding: str | None) -> bytes:
+        """The request's body as it came, decoded by its `content_encoding` for `take_body` to read (an unknown
+        coding is left to the upstream: returned as it is). The inflate runs off the event loop and stops at
+        `max_body_bytes`: past it a `BodyRefused` 413, and a body that is not what its coding says a 400 (each
+        with its turn stored, the body kept as it came)."""
+        call.raw = body
+        if not (encoding.encoded(content_encoding) and encoding.known(content_encoding)):
+            return body
         try:
-            request, exact = json.loads(body), True
+            plain = await asyncio.to_thread(encoding.decode_body, body, content_encoding, self.max_body_bytes)
+        except (encoding.BodyTooLarge, encoding.UndecodableBody) as exc:
+            status = 413 if isinstance(exc, encoding.BodyTooLarge) else 400
+            why = f"request body: {exc}"
+            call.pending.request_body, call.pending.request_encoding = body, content_encoding
+            self.refuse_call(call, status, why)
+            raise BodyRefused(status, why) from None
+        call.encoding = content_encoding
+        return plain
+
+    def take_body(self, call: Call, plain: bytes) -> bool:
+        """The request's body (decoded by `read_body` when it came encoded). True: an LLM call, now numbered in its
+        episode and recorded from here on (its body rewritten when the route says so). False: a side call that
+        shares the path; nothing is recorded, and the request goes on as it came, to its own host."""
+        pending = call.pending
+        if call.encoding is None:
+            call.raw = plain
+        try:
+            request, exact = json.loads(plain), True
         except ValueError:
-            request, exact = _read_leniently(body), False
+            request, exact = _read_leniently(plain), False
         except RecursionError:
             why = "request body nests JSON deeper than lcap's parser reads"
-            pending.request_body = body
+            pending.request_body = plain
             self.refuse_call(call, 400, why)
             raise BodyRefused(400, why) from None
         if not dialects.looks_like_call(pending.dialect, request):
             return False
-        pending.request_body = call.body = body
+        pending.request_body, call.body = plain, call.raw
         pending.model_requested = request.get("model")
         if call.route is not None and exact:  # a body read leniently goes on as it came: the upstream judges it
             call.request = request
             call.body = self._forward(call)
+            self._plain_fields(call)
         pending.started_at, pending.t0 = time.time(), time.perf_counter()  # the call starts once it is whole
         pending.seq = self.next_seq(pending.episode_id)
         return True
+
+    @staticmethod
+    def _plain_fields(call: Call) -> None:
+        """A body lcap decoded and rewrote goes to the upstream plain: without the agent's Content-Encoding."""
+        if call.encoding is not None and call.body is not call.raw:
+            call.fields = tuple(field for field in call.fields if field[0].lower() != b"content-encoding")
 
     def policy_request(self, pending: PendingTurn, request: dict, forward: bytes, *, stitch: bool = True) -> bytes:
         """The request for lcap's endpoints: `forward` (the agent's request, the deployment's model) with lcap's
@@ -379,7 +416,7 @@ class Calls:
         if self.token_ids:
             pending.added = dialects.ask_token_ids(pending.dialect, forward)
             pending.token_ids = pending.added is not None
-        return json.dumps(forward, ensure_ascii=False).encode() if forward != request else pending.request_body
+        return json.dumps(forward, ensure_ascii=False).encode() if forward != request else call.raw
 
     def refuse_call(self, call: Call, status: int, error: str) -> None:
         """A call refused before it was whole (a body past the limit): an error turn, numbered in its episode."""
@@ -425,9 +462,28 @@ class Calls:
             return _SseRewriter(pending, self.max_body_bytes)
         return _collector(pending, self.max_body_bytes)
 
+    async def read_answer(self, pending: PendingTurn, body: bytes) -> bytes:
+        """A whole answer as it came, decoded when lcap must rewrite it (the policy route, `--token-ids`) and it came
+        encoded: off the event loop, within `max_body_bytes`. `AnswerRefused` (its turn stored, the answer kept as
+        it came) when it cannot be decoded. A body returned decoded goes to the agent plain, without the answer's
+        Content-Encoding."""
+        rewrites = (pending.policy or pending.added is not None) and (pending.status_code or 500) < 400
+        if not (rewrites and encoding.encoded(pending.encoding)):
+            return body
+        try:
+            plain = await asyncio.to_thread(encoding.decode_body, body, pending.encoding, self.max_body_bytes)
+        except (encoding.BodyTooLarge, encoding.UndecodableBody) as exc:  # an unknown coding too
+            why = f"the answer: {exc}; lcap must read it to pass it on"
+            pending.response_body = body
+            self.close_call(pending, why)
+            raise AnswerRefused(why) from None
+        pending.encoding = None
+        return plain
+
     def answer_body(self, pending: PendingTurn, body: bytes) -> bytes | None:
-        """The whole answer: the turn is recorded before the agent has it. Returns the body the agent gets when
-        lcap changed it (the vLLM path, without the fields lcap asked for), else None."""
+        """The whole answer (decoded by `read_answer` when lcap must rewrite it): the turn is recorded before the
+        agent has it. Returns the body the agent gets when lcap changed it (the vLLM path, without the fields lcap
+        asked for), else None."""
         pending.response_body = body
         out = None
         if pending.policy and (pending.status_code or 500) < 400 and pending.encoding in (None, "identity"):

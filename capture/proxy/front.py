@@ -12,7 +12,8 @@ limits (`ProxyOptions`) and the episode credentials; what fails gets lcap's answ
 413, 431, 503) and nothing else. Any connection the front does not serve in full is then handed to
 the embedded mitmproxy together with the bytes read so far, and spliced there for the rest of its
 life: an HTTP/2-only or non-TLS tunnel, an upgrade (Responses over WebSocket), `Expect`, a chunked
-or compressed request body, a request that is not an LLM call (telemetry, model lists). Traffic
+request body, a request that is not an LLM call (telemetry, model lists). A compressed request body is
+decoded (`Calls.read_body`, within `--max-body-bytes`, in a worker thread) and sent on as it came. Traffic
 never depends on the short path.
 """
 
@@ -37,6 +38,7 @@ from mitmproxy.tls import ClientHello
 from lcap.capture.options import ProxyOptions
 from lcap.capture.proxy.calls import (
     UNASKED_SWITCH,
+    AnswerRefused,
     BodyRefused,
     Call,
     Calls,
@@ -428,8 +430,12 @@ class Front:
                 return None
             buf = got
         body, buf = buf[:length], buf[length:]
+        coding = b", ".join(value for name, value in fields if name.lower() == b"content-encoding")
         try:
-            is_call = self.calls.take_body(call, body)
+            plain = await self.calls.read_body(call, body, coding.decode("latin-1"))
+            is_call = self.calls.take_body(call, plain)
+            if is_call and call.body is not call.raw:  # rewritten: the head follows the body's fields
+                upstream_head, client_close = _request_head(call)
         except BodyRefused as refused:  # its turn is stored already
             raise Refused(refused.status, str(refused)) from None
         except Exception:
@@ -516,6 +522,12 @@ class Front:
         except HoldRefused as refused:  # its turn is stored and counted already
             self.answered[503] += 1
             client.send(refusal(503, str(refused), close=False))
+            return True
+        except AnswerRefused as refused:  # its turn is stored already
+            if exchange.upstream is not None:
+                exchange.upstream.close()
+            self.answered[502] += 1
+            client.send(refusal(502, str(refused), close=False))
             return True
         except BaseException as exc:
             if exchange.upstream is not None:
@@ -643,8 +655,7 @@ class Front:
         framed = no_body or length is not None or b"chunked" in transfer
         if client_close or not framed:
             keep.append((b"connection", b"close"))
-        fields = b"".join(b"%s: %s\r\n" % f for f in keep)
-        head = b"HTTP/1.1 %d %s\r\n%s" % (status, parts.reason, fields)
+        head = _answer_head(status, parts.reason, keep)
         transform = self.calls.answer_head(
             call.pending, status, content_type.decode("latin-1"), encoding.decode("latin-1") or None
         )
@@ -668,8 +679,11 @@ class Front:
                 parts.feed(data)
             if parts.size > limit:
                 raise EOFError(f"the answer is over {limit} bytes (--max-body-bytes)")
-            body = b"".join(parts.body)
-            body = self.calls.answer_body(call.pending, body) or body
+            raw = b"".join(parts.body)
+            plain = await self.calls.read_answer(call.pending, raw)
+            body = self.calls.answer_body(call.pending, plain) or plain
+            if body is not raw and encoding:  # lcap decoded or rewrote it: the agent gets it plain
+                head = _answer_head(status, parts.reason, [f for f in keep if f[0].lower() != b"content-encoding"])
             client.send(head + (b"\r\n" if no_body else b"content-length: %d\r\n\r\n" % len(body)) + body)
         try:
             with client.deadline(self.options.stream_idle_timeout, "drain"):
@@ -917,6 +931,11 @@ def _request_head(call: Call) -> tuple[bytes, bool]:
     fields = b"".join(b"%s: %s\r\n" % f for f in forwarded)
     path = call.path.encode("utf-8", "surrogateescape")
     return b"POST %s HTTP/1.1\r\n%scontent-length: " % (path, fields), client_close
+
+
+def _answer_head(status: int, reason: bytes, fields: list[tuple[bytes, bytes]]) -> bytes:
+    """An answer's head for the agent, up to its framing fields."""
+    return b"HTTP/1.1 %d %s\r\n%s" % (status, reason, b"".join(b"%s: %s\r\n" % f for f in fields))
 
 
 def _target(head: RequestHead, tunnel: Tunnel | None) -> tuple[str, str, str, int, str]:

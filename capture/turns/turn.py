@@ -6,23 +6,19 @@ decompression, redaction) in the writer process, away from the proxy's event loo
 
 from __future__ import annotations
 
-import gzip
 import itertools
 import json
 import logging
 import os
 import re
 import time
-import zlib
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
-import brotli
-import zstandard
-
 from lcap.capture.trust.redact import redact_json, redact_keys, redact_path, redact_text
 from lcap.capture.turns import dialects
+from lcap.capture.turns.encoding import BodyTooLarge, UndecodableBody, decode_body, raw_body
 
 log = logging.getLogger("lcap.capture")
 
@@ -60,6 +56,7 @@ class PendingTurn:
     __slots__ = (
         "adapted",
         "added",
+        "body_limit",
         "chunks",
         "deployment",
         "dialect",
@@ -78,6 +75,7 @@ class PendingTurn:
         "policy",
         "replica",
         "request_body",
+        "request_encoding",
         "request_json",
         "response_body",
         "seq",
@@ -108,7 +106,9 @@ class PendingTurn:
         self.model_requested: str | None = None
         self.deployment: str | None = None
         self.replica: str | None = None  # the policy replica lcap routed the call to: lcap's choice, never the agent's
-        self.request_body: bytes = b""
+        self.request_body: bytes = b""  # decoded, unless `request_encoding` says it could not be
+        self.request_encoding: str | None = None  # the Content-Encoding of a request body kept encoded
+        self.body_limit: int | None = None  # --max-body-bytes: the most bytes a body of this turn decodes to
         self.request_json: Any = None  # WebSocket: the response.create frame, already decoded
         self.chunks: list[bytes] | None = None  # SSE chunks as forwarded
         self.response_body: bytes = b""
@@ -131,25 +131,8 @@ class PendingTurn:
         self.adapted: list[dict] | None = None  # what the proxy changed itself (the model's name)
 
 
-def _decode(body: bytes, encoding: str | None) -> bytes:
-    if not encoding or encoding == "identity" or not body:
-        return body
-    enc = encoding.strip().lower()
-    try:
-        if enc in ("gzip", "x-gzip"):
-            return gzip.decompress(body)
-        if enc == "deflate":
-            try:
-                return zlib.decompress(body)
-            except zlib.error:
-                return zlib.decompress(body, -zlib.MAX_WBITS)
-        if enc == "br":
-            return brotli.decompress(body)
-        if enc == "zstd":
-            return zstandard.ZstdDecompressor().decompressobj().decompress(body)
-    except Exception as exc:  # a body lcap cannot decode is still forwarded; the turn says why
-        raise ValueError(f"cannot decode {enc} body: {exc}") from exc
-    return body
+# A record of an lcap that did not write `body_limit` into it: the default --max-body-bytes of then
+_OLD_BODY_LIMIT = 64 << 20
 
 
 def _ts(t: float) -> datetime:
@@ -164,7 +147,10 @@ def build_row(p: PendingTurn) -> dict[str, Any]:
     """The `turns` row of a finished call."""
     error = p.error
     request = p.request_json
-    if request is None and p.request_body:
+    request_encoding = getattr(p, "request_encoding", None)
+    if request_encoding is not None:
+        request = raw_body(p.request_body, request_encoding)
+    elif request is None and p.request_body:
         try:
             request = json.loads(p.request_body)
         except (ValueError, RecursionError):
@@ -175,7 +161,11 @@ def build_row(p: PendingTurn) -> dict[str, Any]:
             turn = dialects.assemble_events(p.dialect, p.events)
         else:
             raw = b"".join(p.chunks) if p.chunks is not None else p.response_body
-            raw = _decode(raw, p.encoding)
+            try:
+                raw = decode_body(raw, p.encoding, getattr(p, "body_limit", None) or _OLD_BODY_LIMIT)
+            except (BodyTooLarge, UndecodableBody) as exc:  # the turn keeps the answer as it came, and says why
+                turn.response, turn.error = raw_body(raw, p.encoding), f"capture: the answer: {exc}"
+                raw = b""
             if raw:
                 turn = dialects.assemble(p.dialect, raw, p.streamed)
                 if turn.response is None and not p.streamed:

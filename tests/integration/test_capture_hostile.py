@@ -10,7 +10,7 @@ by what it is sent, and one agent's abuse never stalls or refuses another's call
   call; one episode's, for that episode's next; a new connection that says nothing waits `--head-timeout` only.
 
 The memory-bound cases run the proxy (`lcap proxy --serve`, and its writer) in a memory cgroup
-(tests/fixtures_cgroup.py): a regression gets it killed, and the test fails, instead of taking the machine.
+(tests/fixtures_memory.py): a regression gets it killed, and the test fails, instead of taking the machine.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import h2.events
 import httpx
 import pytest
 from fixtures_capture import LCAP, turns, wait_until
-from fixtures_cgroup import memory_cgroup
+from fixtures_memory import memory_cgroup
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
@@ -125,7 +125,7 @@ def proxy_in_cgroup(env: dict[str, str], limit: int, *args: str) -> Iterator[tup
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            preexec_fn=group.join,
+            preexec_fn=group.enter,
         )
         try:
             line = proc.stdout.readline()
@@ -138,7 +138,7 @@ def proxy_in_cgroup(env: dict[str, str], limit: int, *args: str) -> Iterator[tup
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        assert not group.oom_kills(), "the proxy was killed for memory"
+        assert not group.kills(), "the proxy was killed for memory"
 
 
 def response_create(text: str = "hi") -> str:
