@@ -143,7 +143,7 @@ def test_a_record_that_kills_the_writer_becomes_a_dead_letter(tmp_path, capture_
     assert report is not None and report.restarts == 3 and (report.stored, report.dead, report.unstored) == (2, 1, 0)
     assert sorted(r["episode_id"] for r in turns(db)) == ["first", "last"]
     ((reason, record),) = _rows(db, "SELECT reason, record FROM dead_letters WHERE stored_as = 'none'")
-    assert reason == "the writer process died on this record" and pickle.dumps(_ExitsOnLoad()) not in record
+    assert reason == "the writer process died on this record (2 times)" and pickle.dumps(_ExitsOnLoad()) not in record
 
 
 def test_unstored_turns_are_a_warning_and_an_episode_flag(capture_env, llm):
