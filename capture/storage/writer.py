@@ -61,7 +61,7 @@ _RESTARTS_AT_STOP = 3  # restarts allowed once the proxy stops (each drains what
 _UNREACHABLE = 3  # the writer's exit code when it stops with turns left in the spool: the store is unreachable
 _LOCKED = 4  # another writer works on this spool
 POISON_TRIES = 2  # writers that may die on one record alone before it is kept unread as a dead letter
-_HELD_WAIT_AT_END = 10.0  # seconds the proxy's end waits for a refusing disk to take the turns held in memory
+_HELD_WAIT_AT_END = 5.0  # seconds the proxy's end waits for a refusing disk to take the turns held in memory
 POISONED_DIR = "poisoned"  # beside the spools: records too big to keep even as a dead letter row
 
 

@@ -147,7 +147,8 @@ def test_a_full_spool_disk_answers_every_call_and_stores_every_turn(full_env, ll
 
 def test_a_disk_full_to_the_end_says_what_was_lost(full_env, llm):
     """The disk never takes the held turns back: the agent still got its answers, the exit message says how many
-    turns were lost instead of claiming they wait in a spool, and `lcap status` keeps nothing in flight."""
+    turns were lost instead of claiming they wait in a spool, `lcap status` keeps nothing in flight, and
+    `lcap doctor` warns that the spool's disk is nearly full."""
     env, db, spool = full_env
     proxy, port = serve_proxy(env, "--upstream", llm.url, "--db", str(db))
     try:
@@ -166,6 +167,11 @@ def test_a_disk_full_to_the_end_says_what_was_lost(full_env, llm):
     assert "left in" not in err
     assert _status(env, db)["proxies"] == []
     assert _rows(db, "SELECT count(*) FROM turns") == [(1,)]
+    doctor = subprocess.run(
+        [LCAP, "doctor", "spool.disk", "--json"], env=env, capture_output=True, text=True, timeout=120
+    )
+    (check,) = json.loads(doctor.stdout)["checks"]
+    assert check["status"] == "warn" and "nearly full" in check["summary"] and check["details"]["free_bytes"] < 1 << 20
 
 
 @contextmanager
