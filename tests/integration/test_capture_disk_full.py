@@ -239,3 +239,31 @@ def test_a_record_that_oom_kills_every_writer_is_set_aside(tmp_path, capture_hom
     assert record is None and reason.startswith("the writer process died on this record (3 times)")
     (aside,) = (root / POISONED_DIR).iterdir()
     assert str(aside) in reason and aside.stat().st_size == 4 + len(big)
+
+
+def test_the_writer_stores_a_spool_whose_disk_is_full(tmp_path, capture_home):
+    """The spool's own disk is full: the writer still stores what the spool holds (its progress is rewritten in
+    place, needing no new space), a turn put meanwhile waits in memory, and is stored by itself once the disk
+    has room again."""
+    db = tmp_path / "db.duckdb"
+    with small_disk(tmp_path / "spool") as root:
+        writer = TurnWriter(Store(db), interval=0.05, spool_root=root)
+        writer.start()
+        assert writer._spool is not None and writer._proc is not None
+        writer.put(pending_turn("first"))
+        assert writer.flush(timeout=60)
+        os.kill(writer._proc.pid, signal.SIGSTOP)
+        try:
+            writer.put(pending_turn("queued-1"))
+            writer.put(pending_turn("queued-2"))
+            filler = fill(root)
+        finally:
+            os.kill(writer._proc.pid, signal.SIGCONT)
+        wait_until(lambda: writer.stored == 3, timeout=60)
+        writer.put(pending_turn("held", "x" * 20_000))  # more than the last page of the segment has left
+        assert writer._spool.held == 1 and not writer.flush(timeout=1)
+        filler.unlink()
+        assert writer.flush(timeout=60)
+        report = writer.finish(timeout=60)
+    assert report is not None and (report.spooled, report.stored, report.lost, report.unstored) == (4, 4, 0, 0)
+    assert sorted(r["episode_id"] for r in turns(db)) == ["first", "held", "queued-1", "queued-2"]
