@@ -40,7 +40,7 @@ from lcap.capture.proxy.server import (
 )
 from lcap.capture.reach.jvm import TRUST_STORE
 from lcap.capture.reach.node_preload import PACKAGES, PRELOAD, installed_version, node_dir, node_options, preload_env
-from lcap.capture.storage.spool import KEY_NAME, backlogs
+from lcap.capture.storage.spool import KEY_NAME, SPOOL_MIN_FREE_BYTES, SPOOL_MIN_FREE_FRACTION, backlogs, spool_disk
 from lcap.capture.trust.certs import LeafCerts
 from lcap.config import LcapError, lcap_home
 from lcap.doctor import Context, Result, check
@@ -51,7 +51,6 @@ from lcap.store import Store
 CLIENT_TIMEOUT = 30.0  # seconds a client gets to fetch one page from the local TLS server
 BACKLOG_RECORDS = 10_000  # a live proxy's writer this many turns behind is stuck, not busy
 BACKLOG_SECONDS = 120.0  # ... or whose oldest waiting turn is this old
-MIN_FREE_BYTES = 1 << 30  # free space the spool's disk needs
 
 
 # --- lcap's CA -----------------------------------------------------------------------------------
@@ -425,7 +424,7 @@ def spool_key_check(ctx: Context) -> Result:
 @check("spool.backlog", section="capture", required=True)
 def spool_backlog(ctx: Context) -> Result:
     """Turns waiting in spools: a proxy that died leaves them for the next proxy on its store; a live proxy whose
-    writer falls far behind has a store it cannot write; and the spool's disk must have room."""
+    writer falls far behind has a store it cannot write."""
     root = _spool_root()
     spools = backlogs(root)
     problems, fixes = [], []
@@ -444,20 +443,31 @@ def spool_backlog(ctx: Context) -> Result:
                 f"something holds {spool.store} (a DuckDB shell, `lcap sql --write`, a notebook): close it; "
                 "`lcap status` shows the writer"
             )
-    free = shutil.disk_usage(root if root.exists() else lcap_home()).free
-    if free < MIN_FREE_BYTES:
-        problems.append(f"only {free / 1e6:.0f} MB free on the spool's disk ({root})")
-        fixes.append("free space there, or set LCAP_HOME to a larger disk")
     waiting = sum(s.waiting for s in spools)
-    details = {"spools": len(spools), "waiting": waiting, "free_bytes": free}
+    details = {"spools": len(spools), "waiting": waiting}
     if problems:
         return Result.fail("; ".join(problems), "; ".join(dict.fromkeys(fixes)), **details)
     return Result.ok(
-        f"{len(spools)} spool(s), {waiting} turns being written, {free / 1e9:.0f} GB free"
-        if spools
-        else "no spool waiting",
-        **details,
+        f"{len(spools)} spool(s), {waiting} turns being written" if spools else "no spool waiting", **details
     )
+
+
+@check("spool.disk", section="capture", required=False)
+def spool_disk_room(ctx: Context) -> Result:
+    """Room on the spool's file system: a full one holds finished turns in the proxy's memory (bounded by
+    --max-spool-backlog) until it takes writes again, and past that bound turns are lost."""
+    root = _spool_root()
+    free, total, nearly_full = spool_disk(root)
+    details = {"free_bytes": free, "total_bytes": total}
+    if nearly_full:
+        return Result.warn(
+            f"the spool's disk ({root}) is nearly full: {free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB "
+            f"(lcap wants {SPOOL_MIN_FREE_BYTES >> 20} MiB and {SPOOL_MIN_FREE_FRACTION:.0%} free)",
+            "free space there, or set LCAP_HOME to a larger disk; while it is full, turns wait in the proxy's "
+            "memory (--max-spool-backlog) and past that are lost",
+            **details,
+        )
+    return Result.ok(f"{free / 2**30:.1f} GiB free on the spool's disk ({root})", **details)
 
 
 # --- --transparent's prerequisites ------------------------------------------------------------------

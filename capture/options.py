@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lcap.capture.storage.spool import SPOOL_BACKLOG_BYTES
 from lcap.cli_options import option
 
 MiB = 1 << 20
@@ -113,6 +114,12 @@ class ProxyOptions:
     )
     max_held_calls: int = option(
         512, help="Calls waiting at once for a restarting policy replica (--hold-timeout); past it a 503 at once."
+    )
+    max_spool_backlog: int = option(
+        SPOOL_BACKLOG_BYTES,
+        help="Bytes of finished turns held in memory while the spool's disk refuses writes (full, over quota); "
+        "written in order once it takes them again. Past it a turn is lost, counted and logged; the agent's "
+        "answer is never held back.",
     )
     # --- state kept between calls ---
     max_certs: int = option(1000, help="TLS certificates kept for intercepted hosts (least recently used go).")

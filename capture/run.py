@@ -60,7 +60,7 @@ def run_proxy(
     finally:
         report = proxy.stop()
         store.end_episode(episode_id, status=status, exit_code=code, error=error)
-        if report is not None and report.unstored:
+        if report is not None and (report.unstored or report.lost):
             store.flag_episode(episode_id, "turns_unstored", _unstored_details(report))
             if error is not None:  # the summary below is not printed: the warning still is
                 print(report.summary(db), file=sys.stderr, flush=True)
@@ -70,7 +70,7 @@ def run_proxy(
 
 
 def _unstored_details(report: WriterReport) -> dict[str, object]:
-    return {"unstored": report.unstored, "spooled": report.spooled, "spool": str(report.spool)}
+    return {"unstored": report.unstored, "lost": report.lost, "spooled": report.spooled, "spool": str(report.spool)}
 
 
 def serve_proxy(*, db: Path, options: ProxyOptions) -> None:

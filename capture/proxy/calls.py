@@ -514,9 +514,11 @@ class Calls:
         pending.deployment = self.router.settle(pending.replica, pending.deployment)
         if error is not None:
             pending.error = error
-        self.writer.put(pending)
-        if pending.seq is not None:
-            self._closed(pending.episode_id)
+        try:
+            self.writer.put(pending)
+        finally:  # the call is over whatever became of its turn: `lcap status` must not count it in flight
+            if pending.seq is not None:
+                self._closed(pending.episode_id)
 
 
 def _read_leniently(body: bytes) -> object:

@@ -219,7 +219,7 @@ class CaptureProxy:
         if writer is None:
             if store is None:
                 raise ValueError("CaptureProxy needs a store or a writer")
-            writer = TurnWriter(store)
+            writer = TurnWriter(store, max_backlog=options.max_spool_backlog)
         self.store = store
         self.options = options
         self.policy_key = policy_key

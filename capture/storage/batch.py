@@ -68,22 +68,25 @@ def dead_letter(directory: Path, entry: Entry, pending: PendingTurn | None, stor
         "episode_id": _text_attr(pending, "episode_id"),
         "stored_as": stored_as,
         "reason": repair_text(reason[:2000]),
-        "record": entry.payload,
+        "record": entry.payload if entry.payload or not entry.size else None,  # None: set aside unread (reason)
         "created_at": now(),
     }
 
 
 def store_entries(
-    store: Store, directory: Path, entries: list[Entry], cipher: AESGCM, *, only_new: bool, poisoned: bool = False
+    store: Store, directory: Path, entries: list[Entry], cipher: AESGCM, *, only_new: bool, poisoned: str | None = None
 ) -> Outcome:
     """Store `entries` (from spool `directory`); `only_new` skips turns already in the store (a restart may have
-    stored some); `poisoned`: the records killed earlier writers, so they are kept as dead letters unread.
+    stored some); `poisoned`: why the records are kept as dead letters unread (they killed earlier writers).
     Raises StoreUnavailable when the store cannot take them now."""
     batch = _Batch(store, directory, only_new)
     items: list[_Item] = []
     for entry in entries:
-        if poisoned:
-            batch.dead(entry, None, "the writer process died on this record")
+        if poisoned is not None:
+            batch.dead(entry, None, poisoned)
+            continue
+        if entry.torn:
+            batch.dead(entry, None, "bytes left in the spool that are not a whole record (a write cut short)")
             continue
         try:
             pending = unseal(cipher, entry.payload)

@@ -7,6 +7,11 @@ finished call with one `write`; the writer process reads the segments in order a
 its turns are in the store. A record written survives anything that happens to lcap afterwards (kill -9
 included): the writer process, its restart, or the next proxy on the same store still gets it into DuckDB.
 
+A write the disk refuses (full, over quota, failing) never fails the call: the part written is cut off the
+segment, and the record waits in memory (`--max-spool-backlog` bytes, in order) until a thread with backoff
+writes it. Past that bound a record is lost, counted and logged. A reader that leaves a segment with bytes it
+could not read as records hands them on as one torn entry (a dead letter), never skipping them.
+
 Records hold raw request and response bytes, credentials included (redaction needs the parsed and
 reassembled turn, which the writer builds). So they are encrypted (AES-256-GCM, a fresh nonce per
 record) with a key kept beside the spools (`LCAP_HOME/spool/key`, 0600) that every proxy and writer on
@@ -20,9 +25,12 @@ import json
 import logging
 import os
 import pickle
+import shutil
 import stat
 import struct
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +47,10 @@ _SUFFIX = ".turns"
 _ENCRYPTED = b"E"  # a record's first byte; a pickle (spools of lcap before encryption) starts with 0x80
 _NONCE = 12
 KEY_NAME = "key"
+_RETRY_DELAY = (0.05, 2.0)  # backoff between tries to write held records to a disk that refused them
+_LOSS_LOG_SECONDS = 10.0  # records lost past the backlog's bound are logged at most this often (with a count)
+SPOOL_BACKLOG_BYTES = 256 << 20  # default bound of the turns held in memory while the spool's disk refuses them
+PROGRESS_BYTES = 4096  # the progress file's fixed size: rewritten in place, it needs no new space on a full disk
 
 
 def segment_path(directory: Path, number: int) -> Path:
@@ -122,9 +134,17 @@ class SpoolAppender:
     """The proxy's side: append records, starting a new segment past `SEGMENT_BYTES`. Thread-safe.
 
     `store_path` names the store its writer fills (None: a Ray node's spool, which the driver empties);
-    `cipher` seals the records (default: the key beside the spools)."""
+    `cipher` seals the records (default: the key beside the spools). A record the disk refuses waits in
+    memory, up to `max_backlog` bytes of them, and a thread writes them in order once the disk takes them."""
 
-    def __init__(self, directory: Path, store_path: Path | None, cipher: AESGCM | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        store_path: Path | None,
+        cipher: AESGCM | None = None,
+        *,
+        max_backlog: int = SPOOL_BACKLOG_BYTES,
+    ) -> None:
         self.cipher = cipher or spool_key(directory.parent)
         private_dir(directory)
         if store_path is not None:
@@ -134,31 +154,124 @@ class SpoolAppender:
             finally:
                 os.close(fd)
         self.directory = directory
-        self.appended = 0
-        self._lock = threading.Lock()
+        self.max_backlog = max_backlog
+        self.appended = 0  # records on disk
+        self.lost = 0  # records never written: past the backlog's bound, or still held at `close`
+        self.refused = 0  # writes the disk refused
+        self._lock = threading.Condition()
+        self._held: deque[bytes] = deque()
+        self._held_bytes = 0
+        self._retrying = False
+        self._closed = False
+        self._torn = False  # a refused write could not be cut back: the next record starts a new segment
+        self._loss_logged = 0.0
         self._segment = 0
         self._size = 0
         self._fd = self._open(1)
 
     def _open(self, number: int) -> int:
         fd = os.open(segment_path(self.directory, number), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        self._segment, self._size = number, 0
+        self._segment, self._size = number, os.fstat(fd).st_size
         return fd
 
     def append(self, record: Any) -> None:
         self.append_payload(seal(self.cipher, record))
 
     def append_payload(self, data: bytes) -> None:
-        """Append one sealed record (`append` seals it; tests write damaged ones with this)."""
-        view = memoryview(_LENGTH.pack(len(data)) + data)
+        """Append one sealed record (`append` seals it; tests write damaged ones with this). Never raises for the
+        disk: a record it refuses is held and written later, or counted lost."""
+        framed = _LENGTH.pack(len(data)) + data
         with self._lock:
-            if self._size and self._size + len(view) > SEGMENT_BYTES:
+            if self._closed:
+                self._lose(1, "the spool is closed")
+                return
+            if not self._held and self._write(framed):
+                return
+            if self._held_bytes + len(framed) > self.max_backlog:
+                self._lose(1, f"{self._held_bytes} bytes of turns already wait in memory for the disk")
+                return
+            self._held.append(framed)
+            self._held_bytes += len(framed)
+            if not self._retrying:
+                self._retrying = True
+                threading.Thread(target=self._retry, name="lcap-spool-retry", daemon=True).start()
+
+    def _write(self, framed: bytes) -> bool:
+        """Write one framed record whole, or nothing of it (False: the disk refused it). Under the lock."""
+        try:
+            if self._torn or (self._size and self._size + len(framed) > SEGMENT_BYTES):
+                fd = self._open_next()
                 os.close(self._fd)
-                self._fd = self._open(self._segment + 1)
-            self._size += len(view)
+                self._fd, self._torn = fd, False
+            view = memoryview(framed)
             while view:
                 view = view[os.write(self._fd, view) :]
-            self.appended += 1
+        except OSError as exc:
+            self.refused += 1
+            if self.refused == 1 or not self._held:
+                log.error(
+                    "lcap: cannot write to the spool %s (%s): turns wait in memory until it can (up to %d MiB)",
+                    self.directory,
+                    exc,
+                    self.max_backlog >> 20,
+                )
+            self._cut_back()
+            return False
+        self._size += len(framed)
+        self.appended += 1
+        return True
+
+    def _open_next(self) -> int:
+        number = self._segment + 1
+        fd = os.open(segment_path(self.directory, number), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._segment, self._size = number, 0
+        return fd
+
+    def _cut_back(self) -> None:
+        """Remove the part of a refused record that reached the segment: what follows must start at a record."""
+        try:
+            if os.fstat(self._fd).st_size != self._size:
+                os.ftruncate(self._fd, self._size)
+        except OSError as exc:
+            log.error(
+                "lcap: cannot cut a torn record off %s (%s): the next record starts a new segment", self.directory, exc
+            )
+            self._torn = True
+
+    def _retry(self) -> None:
+        delay = _RETRY_DELAY[0]
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: self._closed, delay)
+                while self._held and self._write(self._held[0]):
+                    self._held_bytes -= len(self._held.popleft())
+                if not self._held or self._closed:
+                    if not self._held:
+                        log.warning(
+                            "lcap: the spool %s takes records again: the turns held in memory are in it", self.directory
+                        )
+                    self._retrying = False
+                    self._lock.notify_all()
+                    return
+            delay = min(delay * 2, _RETRY_DELAY[1])
+
+    def _lose(self, count: int, why: str) -> None:
+        self.lost += count
+        now = time.monotonic()
+        if now - self._loss_logged > _LOSS_LOG_SECONDS or self._closed:
+            self._loss_logged = now
+            log.error("lcap: %d turn(s) lost, never spooled (%s): %d lost so far", count, why, self.lost)
+
+    @property
+    def held(self) -> int:
+        """Records waiting in memory for the disk."""
+        with self._lock:
+            return len(self._held)
+
+    def wait_written(self, timeout: float | None) -> bool:
+        """Block until no record waits in memory (False after `timeout`)."""
+        with self._lock:
+            return self._lock.wait_for(lambda: not self._held, timeout)
 
     def position(self) -> tuple[int, int]:
         """(segment, bytes) written so far: a reader at or past it has seen every record appended."""
@@ -166,17 +279,38 @@ class SpoolAppender:
             return self._segment, self._size
 
     def close(self) -> None:
+        """Close the segment; records still held in memory (the disk never took them back) are lost, and said so."""
         with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+            if self._held:
+                count = len(self._held)
+                self._held.clear()
+                self._held_bytes = 0
+                self._lose(count, f"the spool's disk did not take them before the end ({self.directory})")
             os.close(self._fd)
 
 
 @dataclass
 class Entry:
-    """One record as read from the spool: where it is (its id in dead_letters) and its sealed bytes."""
+    """One record as read from the spool: where it is (its id in dead_letters), its sealed bytes (empty until read
+    when the reader was asked for places only) and their length. A torn entry holds bytes left in a segment that
+    do not make a record (a write cut by a crash): never a turn, kept as a dead letter."""
 
     segment: int
     offset: int
     payload: bytes
+    size: int = -1
+    torn: bool = False
+
+    def __post_init__(self) -> None:
+        if self.size < 0:
+            self.size = len(self.payload)
+
+    @property
+    def end(self) -> int:
+        """The offset right after the record (its length prefix included)."""
+        return self.offset + self.size + (0 if self.torn else _LENGTH.size)
 
     def record_id(self, directory: Path) -> str:
         return f"{directory.name}/{self.segment}/{self.offset}"
@@ -194,41 +328,82 @@ class SpoolReader:
         # Fully read segments, to delete once their turns are stored (those before the start were, already).
         self.finished: list[int] = [n for n in existing if n < self.segment]
 
-    def read(self, limit: int = 1 << 30, max_bytes: int = 1 << 62) -> list[Entry]:
-        """Up to `limit` records (and about `max_bytes`); the rest stays for the next read."""
+    def read(self, limit: int = 1 << 30, max_bytes: int = 1 << 62, *, payloads: bool = True) -> list[Entry]:
+        """Up to `limit` records (and about `max_bytes`); the rest stays for the next read. Without `payloads`,
+        only where each record is and its size (`payload` reads it)."""
         entries: list[Entry] = []
         size = 0
         while len(entries) < limit and size < max_bytes:
-            size += self._read_segment(entries, limit, max_bytes - size)
+            size += self._read_segment(entries, limit, max_bytes - size, payloads)
             if len(entries) >= limit or size >= max_bytes:
                 break
             if not segment_path(self.directory, self.segment + 1).exists():
                 break
             # The appender opens the next segment only after its last write to this one: read that too.
-            size += self._read_segment(entries, limit, max_bytes - size)
+            size += self._read_segment(entries, limit, max_bytes - size, payloads)
             if len(entries) >= limit or size >= max_bytes:
                 break
+            size += self._torn_tail(entries, payloads)
             self.finished.append(self.segment)
             self.segment, self.offset = self.segment + 1, 0
         return entries
 
-    def _read_segment(self, entries: list[Entry], limit: int, max_bytes: int) -> int:
+    def read_end(self, *, payloads: bool = True) -> list[Entry]:
+        """Once nothing more is appended (the appender closed, or its process died): what `read` left at the end of
+        the last segment, as one torn entry (none when the spool ends on a whole record)."""
+        entries: list[Entry] = []
+        self._read_segment(entries, 1 << 30, 1 << 62, payloads)
+        if not entries:
+            self._torn_tail(entries, payloads)
+        return entries
+
+    def payload(self, entry: Entry) -> bytes:
+        """The bytes of an entry read without them."""
+        if entry.payload or not entry.size:
+            return entry.payload
+        with open(segment_path(self.directory, entry.segment), "rb") as fh:
+            fh.seek(entry.offset + (0 if entry.torn else _LENGTH.size))
+            return fh.read(entry.size)
+
+    def _read_segment(self, entries: list[Entry], limit: int, max_bytes: int, payloads: bool) -> int:
         try:
-            with open(segment_path(self.directory, self.segment), "rb") as fh:
-                fh.seek(self.offset)
-                data = fh.read()  # at most a segment: the appender starts a new one past SEGMENT_BYTES
+            fh = open(segment_path(self.directory, self.segment), "rb")
         except FileNotFoundError:
             return 0
-        pos = 0
-        while pos + _LENGTH.size <= len(data) and len(entries) < limit and pos < max_bytes:
-            (length,) = _LENGTH.unpack_from(data, pos)
-            end = pos + _LENGTH.size + length
-            if end > len(data):
-                break  # being written, or cut by a crash: the rest comes with the next read
-            entries.append(Entry(self.segment, self.offset + pos, data[pos + _LENGTH.size : end]))
-            pos = end
-        self.offset += pos
-        return pos
+        with fh:
+            end = os.fstat(fh.fileno()).st_size
+            pos = self.offset
+            while pos + _LENGTH.size <= end and len(entries) < limit and pos - self.offset < max_bytes:
+                fh.seek(pos)
+                (length,) = _LENGTH.unpack(fh.read(_LENGTH.size))
+                if pos + _LENGTH.size + length > end:
+                    break  # being written, or cut by a crash: the rest comes with the next read
+                payload = fh.read(length) if payloads else b""
+                entries.append(Entry(self.segment, pos, payload, length))
+                pos += _LENGTH.size + length
+        read, self.offset = pos - self.offset, pos
+        return read
+
+    def _torn_tail(self, entries: list[Entry], payloads: bool) -> int:
+        """Bytes past the last whole record of the current segment, which no record will complete: one torn entry."""
+        path = segment_path(self.directory, self.segment)
+        try:
+            left = path.stat().st_size - self.offset
+        except FileNotFoundError:
+            return 0
+        if left <= 0:
+            return 0
+        log.error(
+            "lcap: %d bytes at %s offset %d are not a whole record: kept as a dead letter", left, path, self.offset
+        )
+        payload = b""
+        if payloads:
+            with open(path, "rb") as fh:
+                fh.seek(self.offset)
+                payload = fh.read(left)
+        entries.append(Entry(self.segment, self.offset, payload, left, torn=True))
+        self.offset += left
+        return left
 
     def position(self) -> tuple[int, int]:
         return self.segment, self.offset
@@ -258,7 +433,7 @@ class Progress:
     @classmethod
     def load(cls, directory: Path) -> Progress:
         try:
-            data = json.loads((directory / "progress").read_text(encoding="utf-8"))
+            data = _read_progress(directory / "progress")
             return cls(
                 position=tuple(data["position"]) if data.get("position") else None,
                 stored=int(data.get("stored", 0)),
@@ -284,17 +459,46 @@ class Progress:
             "attempt_end": self.attempt_end,
             "attempts": self.attempts,
         }
-        tmp = directory / f".progress.{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        # One page rewritten in place and synced: a kill cannot tear it, and a full disk cannot refuse it once the
+        # file exists (the writer notes an attempt here before it makes it).
+        text = json.dumps(data).encode()
+        fd = os.open(directory / "progress", os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            os.write(fd, json.dumps(data).encode())
+            os.pwrite(fd, text.ljust(max(PROGRESS_BYTES, len(text))), 0)
+            os.fsync(fd)
         finally:
             os.close(fd)
-        tmp.replace(directory / "progress")
 
     @property
     def handled(self) -> int:
         return self.stored + self.degraded + self.dead
+
+
+def _read_progress(path: Path) -> Any:
+    """The progress file's JSON; read again once if it was being rewritten just then."""
+    text = path.read_text(encoding="utf-8")
+    try:
+        return json.loads(text)
+    except ValueError:
+        return json.loads(path.read_text(encoding="utf-8"))
+
+
+# --- the spool's disk ------------------------------------------------------------------------------------------
+
+
+SPOOL_MIN_FREE_BYTES = 1 << 30  # below this much free space, or
+SPOOL_MIN_FREE_FRACTION = 0.05  # this part of the disk, the spool's disk is nearly full (`lcap doctor` warns)
+
+
+def spool_disk(root: Path) -> tuple[int, int, bool]:
+    """(free bytes, total bytes, nearly full) of the file system holding the spools under `root` (or its parent
+    while it does not exist yet)."""
+    path = root
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    usage = shutil.disk_usage(path)
+    nearly_full = usage.free < SPOOL_MIN_FREE_BYTES or usage.free < usage.total * SPOOL_MIN_FREE_FRACTION
+    return usage.free, usage.total, nearly_full
 
 
 # --- what a spool still holds (`lcap status`, `lcap doctor`) --------------------------------------------

@@ -35,7 +35,17 @@ from typing import IO, Protocol
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from lcap.capture.storage.batch import Outcome, StoreUnavailable, store_entries
-from lcap.capture.storage.spool import Entry, Progress, SpoolAppender, SpoolReader, private_dir, spool_key, spool_store
+from lcap.capture.storage.spool import (
+    SPOOL_BACKLOG_BYTES,
+    Entry,
+    Progress,
+    SpoolAppender,
+    SpoolReader,
+    private_dir,
+    segment_path,
+    spool_key,
+    spool_store,
+)
 from lcap.capture.turns.turn import PendingTurn
 from lcap.config import lcap_home
 from lcap.processes import python_helper
@@ -50,6 +60,9 @@ _RESTART_DELAY = (0.1, 5.0)  # the supervisor's backoff between restarts of a wr
 _RESTARTS_AT_STOP = 3  # restarts allowed once the proxy stops (each drains what is left, or dies trying)
 _UNREACHABLE = 3  # the writer's exit code when it stops with turns left in the spool: the store is unreachable
 _LOCKED = 4  # another writer works on this spool
+POISON_TRIES = 2  # writers that may die on one record alone before it is kept unread as a dead letter
+_HELD_WAIT_AT_END = 5.0  # seconds the proxy's end waits for a refusing disk to take the turns held in memory
+POISONED_DIR = "poisoned"  # beside the spools: records too big to keep even as a dead letter row
 
 
 @dataclass
@@ -62,22 +75,27 @@ class WriterReport:
     dead: int
     restarts: int
     spool: Path
+    lost: int = 0  # finished calls whose turn never reached the spool (its disk refused them to the end)
 
     @property
     def unstored(self) -> int:
-        """Turns still only in the spool (the next proxy on the store writes them)."""
+        """Turns spooled and not stored (the next proxy on the store writes those still in the spool)."""
         return max(0, self.spooled - self.stored - self.degraded - self.dead)
 
     def summary(self, db: Path) -> str:
         flagged = f" ({self.degraded} degraded, {self.dead} dead letters)" if self.degraded or self.dead else ""
-        line = f"lcap: {self.stored + self.degraded} of {self.spooled} turns stored in {db}{flagged}"
+        line = f"lcap: {self.stored + self.degraded} of {self.spooled + self.lost} turns stored in {db}{flagged}"
         if self.restarts:
             line += f"; the writer process was restarted {self.restarts} time(s)"
-        if self.unstored:
+        if self.unstored and self.spool.is_dir():
             line += (
                 f"; warning: {self.unstored} not stored yet, left in {self.spool}"
                 " (the next lcap proxy on this store writes them)"
             )
+        elif self.unstored:
+            line += f"; warning: {self.unstored} spooled but not stored, and {self.spool} is gone: they are lost"
+        if self.lost:
+            line += f"; warning: {self.lost} lost, never spooled: the spool's disk refused them (see the log above)"
         return line
 
 
@@ -105,10 +123,18 @@ class TurnWriter:
     """The proxy's handle on its writer process: `put` finished turns, `flush`, `stop`. Restarts a writer
     that dies."""
 
-    def __init__(self, store: Store, *, interval: float = 0.25, spool_root: Path | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        interval: float = 0.25,
+        spool_root: Path | None = None,
+        max_backlog: int = SPOOL_BACKLOG_BYTES,
+    ) -> None:
         self.store = store
         self.interval = interval
         self.spool_root = spool_root or lcap_home() / "spool"
+        self.max_backlog = max_backlog  # bytes of turns held in memory while the spool's disk refuses them
         self._spool: SpoolAppender | None = None
         self._proc: subprocess.Popen | None = None
         self._progress = threading.Condition()
@@ -133,6 +159,8 @@ class TurnWriter:
         spool, proc = self._spool, self._proc
         return {
             "turns_spooled": spool.appended if spool is not None else 0,
+            "turns_held": spool.held if spool is not None else 0,
+            "turns_lost": spool.lost if spool is not None else 0,
             "turns_stored": self.stored,
             "turns_degraded": self.degraded,
             "dead_letters": self.dead,
@@ -142,7 +170,7 @@ class TurnWriter:
 
     def start(self) -> None:
         directory = self.spool_root / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._spool = SpoolAppender(directory, self.store.path)
+        self._spool = SpoolAppender(directory, self.store.path, max_backlog=self.max_backlog)
         self._stopping = self._exited = False
         self._proc = self._spawn()
         self._supervisor = threading.Thread(target=self._supervise, name="lcap-writer-supervisor", daemon=True)
@@ -187,7 +215,11 @@ class TurnWriter:
         """Block until every turn put before this call is in the store (False after `timeout`)."""
         if self._spool is None:
             return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._spool.wait_written(timeout):
+            return False
         target = self._spool.position()
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         self._send(b"flush\n")
         with self._progress:
             self._progress.wait_for(lambda: self._committed >= target or self._exited, timeout)
@@ -203,6 +235,7 @@ class TurnWriter:
         spool = self._spool
         if spool is None or self._proc is None:
             return None
+        spool.wait_written(_HELD_WAIT_AT_END if timeout is None else min(timeout, _HELD_WAIT_AT_END))
         spool.close()
         with self._progress:  # the supervisor restarts writers under this lock: `proc` is the current one
             self._stopping = True
@@ -213,7 +246,9 @@ class TurnWriter:
             if not self._progress.wait_for(lambda: self._exited, wait):
                 log.error("lcap: the turn writer is still busy; it finishes on its own (spool %s)", spool.directory)
         self._spool = None
-        return WriterReport(spool.appended, self.stored, self.degraded, self.dead, self.restarts, spool.directory)
+        return WriterReport(
+            spool.appended, self.stored, self.degraded, self.dead, self.restarts, spool.directory, spool.lost
+        )
 
     def _end_input(self, proc: subprocess.Popen) -> None:
         """Tell a writer to store what is left and exit (also what closing its stdin says)."""
@@ -312,39 +347,97 @@ class Drain:
         self.batch_at = self.batch_end = self.reader.position()
         self.first = True
         self.retried = False  # the batch failed part way (the store went away): some of its rows may be in
+        self.unsaved = False  # the last batch is stored but the spool's disk refused its progress: not noted yet
         # A writer before this one died storing the records up to here (it may have stored some): take them one
         # at a time, skipping turns already stored.
         self.careful_until = self.progress.attempt_end if self.progress.attempts else None
 
-    def step(self) -> bool:
-        """Store the next batch (or retry the last); False when the spool had nothing new. Raises
-        StoreUnavailable, keeping the batch for the next step."""
+    def step(self, *, final: bool = False) -> bool:
+        """Store the next batch (or retry the last); False when the spool had nothing new. `final`: nothing more
+        is appended, so bytes left at the end that are not a whole record are a torn write (a dead letter).
+        Raises StoreUnavailable, keeping the batch for the next step."""
+        progress = self.progress
+        if self.unsaved:
+            self._save("the stored batch's progress")
+            self.unsaved = False
+            self.reader.delete_finished()
         if not self.batch:
             self.batch_at = self.reader.position()
             careful = self.careful_until is not None and self.batch_at < self.careful_until
-            self.batch = self.reader.read(limit=1 if careful else BATCH_RECORDS, max_bytes=BATCH_BYTES)
+            # Where the records are and their sizes only: the attempt is noted before any is read, so a record
+            # that kills the writer while it is read is counted too.
+            self.batch = self.reader.read(
+                limit=1 if careful else BATCH_RECORDS, max_bytes=BATCH_BYTES, payloads=False
+            ) or (self.reader.read_end(payloads=False) if final else [])
             self.batch_end = self.reader.position()
             if not self.batch:
                 return False
-        progress = self.progress
-        same = (progress.attempt_at, progress.attempt_end) == (self.batch_at, self.batch_end)
-        prior = progress.attempts if same else 0
-        poisoned = prior >= 2 and len(self.batch) == 1  # two writers died storing this record alone: keep it unread
-        progress.attempt_at, progress.attempt_end, progress.attempts = self.batch_at, self.batch_end, prior + 1
-        progress.save(self.directory)  # noted before the attempt: a writer that dies in it tells its successor
+        # The attempt is named by its records (the end of one segment and the start of the next are one place).
+        first, last = self.batch[0], self.batch[-1]
+        at, end = (first.segment, first.offset), (last.segment, last.end)
+        prior = progress.attempts if (progress.attempt_at, progress.attempt_end) == (at, end) else 0
+        poisoned = prior >= POISON_TRIES and len(self.batch) == 1  # writers died on this record alone: kept unread
+        progress.attempt_at, progress.attempt_end, progress.attempts = at, end, prior + 1
+        try:
+            self._save("an attempt")  # before the attempt: a writer that dies in it tells its successor
+        except StoreUnavailable:
+            progress.attempts = prior
+            raise
+        reason = None
+        if poisoned:
+            reason = self._set_aside(self.batch[0], prior)
+        else:
+            for entry in self.batch:
+                entry.payload = self.reader.payload(entry)
         # The first batch too: a writer killed after storing a batch but before noting anything leaves no trace.
         only_new = self.first or self.retried or (self.careful_until is not None and self.batch_at < self.careful_until)
         try:
             outcome = store_entries(
-                self.store, self.directory, self.batch, self.cipher, only_new=only_new, poisoned=poisoned
+                self.store, self.directory, self.batch, self.cipher, only_new=only_new, poisoned=reason
             )
         except StoreUnavailable:
             progress.attempts = prior
-            progress.save(self.directory)
+            try:
+                progress.save(self.directory)
+            except OSError:
+                pass  # the attempt stays counted: one more writer death than there was, at worst
             self.retried = True
             raise
         self._done(outcome)
         return True
+
+    def _set_aside(self, entry: Entry, prior: int) -> str:
+        """Why a record that writers died on is kept unread. The first time its sealed bytes go to the dead letter;
+        if a writer dies doing that too, they are copied a slice at a time to a file beside the spools instead."""
+        reason = f"the writer process died on this record ({prior} times)"
+        if prior == POISON_TRIES:
+            entry.payload = self.reader.payload(entry)
+            return reason
+        target = (
+            private_dir(self.directory.parent / POISONED_DIR) / f"{self.directory.name}.{entry.segment}.{entry.offset}"
+        )
+        try:
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with open(segment_path(self.directory, entry.segment), "rb") as source, open(fd, "wb") as out:
+                source.seek(entry.offset)
+                left = entry.end - entry.offset
+                while left > 0 and (chunk := source.read(min(left, 1 << 20))):
+                    out.write(chunk)
+                    left -= len(chunk)
+                    if left % (16 << 20) < len(chunk):  # written back as it goes: little memory held dirty
+                        out.flush()
+                        os.fsync(out.fileno())
+                out.flush()
+                os.fsync(out.fileno())
+        except OSError as exc:
+            return f"{reason}; it also died keeping it, and its bytes could not be copied aside: {exc}"
+        return f"{reason}; it also died keeping it: its sealed bytes (length-prefixed) are in {target}"
+
+    def _save(self, what: str) -> None:
+        try:
+            self.progress.save(self.directory)
+        except OSError as exc:
+            raise StoreUnavailable(f"cannot note {what} in the spool's progress file: {exc}") from exc
 
     def _done(self, outcome: Outcome) -> None:
         progress = self.progress
@@ -353,15 +446,22 @@ class Drain:
         progress.degraded += outcome.degraded
         progress.dead += outcome.dead
         progress.attempt_at, progress.attempt_end, progress.attempts = None, None, 0
-        progress.save(self.directory)
-        self.reader.delete_finished()
         self.batch, self.first, self.retried = [], False, False
         if self.careful_until is not None and self.batch_end >= self.careful_until:
             self.careful_until = None
+        try:
+            progress.save(self.directory)
+        except OSError as exc:
+            # Stored, not noted: a successor would take the batch carefully (the attempt is noted), skipping what
+            # is in. Its segments stay until the note is made.
+            log.error("lcap: cannot note stored turns in %s yet: %s", self.directory, exc)
+            self.unsaved = True
+            return
+        self.reader.delete_finished()
 
-    def drain(self) -> None:
-        """Store everything the spool holds now."""
-        while self.step():
+    def drain(self, *, final: bool = False) -> None:
+        """Store everything the spool holds now (`final`: its end too, whole record or not)."""
+        while self.step(final=final):
             pass
 
 
@@ -399,7 +499,7 @@ def replay_dead_spools(store: Store, root: Path, *, skip: Path | None = None) ->
         try:
             drain = Drain(directory, store)
             before = drain.progress.handled
-            drain.drain()
+            drain.drain(final=True)
             recovered += drain.progress.handled - before
         except StoreUnavailable:
             raise
@@ -446,7 +546,7 @@ def run(directory: Path, store: Store, interval: float) -> int:
         command = _commands(0 if stopping or busy else interval)
         stopping = stopping or command is None or b"stop" in command
         try:
-            busy = drain.step()  # one bounded batch, then the proxy hears of it
+            busy = drain.step(final=stopping)  # one bounded batch, then the proxy hears of it
             logged = 0.0
         except StoreUnavailable as exc:
             busy = False

@@ -11,11 +11,12 @@ import json
 import os
 import pickle
 import signal
+import struct
 
 import duckdb
 from fixtures_capture import agent, open_files, pending_turn, run_lcap, turns
 
-from lcap.capture.storage.spool import seal
+from lcap.capture.storage.spool import seal, segment_path
 from lcap.capture.storage.writer import TurnWriter
 from lcap.store import Store
 
@@ -143,7 +144,7 @@ def test_a_record_that_kills_the_writer_becomes_a_dead_letter(tmp_path, capture_
     assert report is not None and report.restarts == 3 and (report.stored, report.dead, report.unstored) == (2, 1, 0)
     assert sorted(r["episode_id"] for r in turns(db)) == ["first", "last"]
     ((reason, record),) = _rows(db, "SELECT reason, record FROM dead_letters WHERE stored_as = 'none'")
-    assert reason == "the writer process died on this record" and pickle.dumps(_ExitsOnLoad()) not in record
+    assert reason == "the writer process died on this record (2 times)" and pickle.dumps(_ExitsOnLoad()) not in record
 
 
 def test_unstored_turns_are_a_warning_and_an_episode_flag(capture_env, llm):
@@ -163,3 +164,31 @@ def test_unstored_turns_are_a_warning_and_an_episode_flag(capture_env, llm):
     later = run_lcap(["proxy", "--", "true"], capture_env)
     assert later.returncode == 0, later.stderr
     assert _rows(db, "SELECT count(*) FROM turns") == [(2,)] and "recovered 2 turns" in later.stderr
+
+
+def test_bytes_that_are_not_a_whole_record_are_a_dead_letter_never_skipped(tmp_path, capture_home):
+    """Part of a record left in a segment (a write cut by a crash), then a new segment, and part of another at the
+    spool's very end: each torn part is kept as a dead letter, the whole records around them are stored, and the
+    spool is removed only once nothing in it is left unhandled."""
+    db, root = tmp_path / "db.duckdb", tmp_path / "spool"
+    writer = TurnWriter(Store(db), interval=0.05, spool_root=root)
+    writer.start()
+    spool = writer._spool
+    assert spool is not None
+    writer.put(pending_turn("before"))
+    torn = struct.pack("<I", 5000) + b"E" + os.urandom(100)  # says 5000 bytes follow; 101 do
+    with open(segment_path(spool.directory, 1), "ab") as fh:
+        fh.write(torn)
+    spool._torn = True  # as after a write that could not be cut back: the next record starts a new segment
+    writer.put(pending_turn("after"))
+    with open(segment_path(spool.directory, 2), "ab") as fh:
+        fh.write(torn)
+    report = writer.finish(timeout=60)
+    assert report is not None and (report.stored, report.dead, report.unstored) == (2, 2, 0), report
+    assert sorted(r["episode_id"] for r in turns(db)) == ["after", "before"]
+    letters = _rows(db, "SELECT reason, record FROM dead_letters ORDER BY record_id")
+    assert [reason for reason, _ in letters] == [
+        "bytes left in the spool that are not a whole record (a write cut short)"
+    ] * 2
+    assert all(record == torn for _, record in letters)
+    assert not spool.directory.exists()

@@ -109,12 +109,16 @@ def test_spool_of_a_live_proxy_far_behind_fails(home, tmp_path, monkeypatch):
     assert "`lcap status` shows the writer" in found.fix
 
 
-def test_spool_disk_nearly_full_fails(home, monkeypatch):
-    from lcap.capture import doctor as capture_doctor
+def test_spool_disk_nearly_full_warns(home, monkeypatch):
+    from lcap.capture.storage import spool
 
-    monkeypatch.setattr(capture_doctor, "MIN_FREE_BYTES", 1 << 62)
-    found = run_checks("spool.backlog")["spool.backlog"]
-    assert found.status == "fail" and "free on the spool's disk" in found.summary
+    monkeypatch.setattr(spool, "SPOOL_MIN_FREE_BYTES", 0)
+    monkeypatch.setattr(spool, "SPOOL_MIN_FREE_FRACTION", 0.0)
+    assert run_checks("spool.disk")["spool.disk"].status == "ok"
+    monkeypatch.setattr(spool, "SPOOL_MIN_FREE_BYTES", 1 << 62)
+    found = run_checks("spool.disk")["spool.disk"]
+    assert found.status == "warn" and "the spool's disk" in found.summary and "nearly full" in found.summary
+    assert "--max-spool-backlog" in found.fix
 
 
 def test_vllm_missing_fails_and_lcaps_venv_passes(home, monkeypatch):
