@@ -135,7 +135,7 @@ def init_pretrained(out: Path, name: str) -> Path:
     template = chat_template(source.default_system)
     stamp = {
         **asdict(source),
-        "gguf_sha256": _sha256(gguf),
+        "gguf_sha256": file_sha256(gguf),
         "template_sha256": hashlib.sha256(template.encode()).hexdigest(),
     }
     out = Path(out)
@@ -149,7 +149,7 @@ def init_pretrained(out: Path, name: str) -> Path:
     return out
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(1 << 20):

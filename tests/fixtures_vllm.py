@@ -162,10 +162,13 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return init_model(tmp_path_factory.mktemp("tiny-model") / "tiny", TinyModelOptions(seed=0))
 
 
-@pytest.fixture(scope="session")
-def vllm_server(tiny_model_dir, tmp_path_factory):
+@contextmanager
+def serving(
+    model_dir: Path, name: str, home: Path, *, vllm_args: Sequence[str] = (), timeout: float = 900
+) -> Iterator[VllmServer]:
+    """`lcap serve` on `model_dir` as `name`, with LCAP_HOME and LCAP_POLICY_RECORD in `home` while the block runs
+    (restored after it) and lcap's vLLM venv linked there, so no second venv is installed; stopped at the end."""
     from lcap.config import LcapError
-    from lcap.policy import read_policy
     from lcap.serve.server import stop_server
     from lcap.serve.vllm_process import resolve_python
 
@@ -174,7 +177,6 @@ def vllm_server(tiny_model_dir, tmp_path_factory):
     except LcapError as exc:
         pytest.skip(f"vLLM cannot be installed or imported here: {exc}")
 
-    home = tmp_path_factory.mktemp("lcap-home")
     venv = Path(python).parent.parent
     if venv.name == "vllm-venv":  # let `lcap serve` without --python find the venv in the isolated home too
         (home / "vllm-venv").symlink_to(venv, target_is_directory=True)
@@ -188,19 +190,20 @@ def vllm_server(tiny_model_dir, tmp_path_factory):
                 str(Path(sys.executable).parent / "lcap"),
                 "serve",
                 "--model",
-                str(tiny_model_dir),
+                str(model_dir),
                 "--name",
-                "tiny",
+                name,
                 "--python",
                 python,
                 "--timeout",
-                "900",
+                str(timeout),
                 "--db",
                 str(home / "serve.duckdb"),
+                *(["--", *vllm_args] if vllm_args else []),
             ],
             capture_output=True,
             text=True,
-            timeout=1000,
+            timeout=timeout + 100,
         )
         record = read_policy()
         assert started.returncode == 0 and record is not None, (
@@ -210,7 +213,7 @@ def vllm_server(tiny_model_dir, tmp_path_factory):
         yield VllmServer(
             url=record.url,
             served_model=record.served_model,
-            model_dir=tiny_model_dir,
+            model_dir=model_dir,
             record=record,
             lcap_home=home,
             python=python,
@@ -224,6 +227,52 @@ def vllm_server(tiny_model_dir, tmp_path_factory):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_dir, tmp_path_factory):
+    with serving(tiny_model_dir, "tiny", tmp_path_factory.mktemp("lcap-home")) as server:
+        yield server
+
+
+TEST_MODELS = Path(os.environ.get("LCAP_TEST_MODELS") or Path.home() / ".cache" / "lcap-test-models")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as `lcap init-model --from smollm2` writes it, converted once into a folder of
+    TEST_MODELS named by the GGUF's hash: a rerun finds it there. Skipped where the wheel is not installed."""
+    import shutil
+
+    from lcap.config import LcapError
+    from lcap.serve.pretrained import SOURCES, STAMP, file_sha256, find_gguf, init_pretrained
+
+    try:
+        gguf = find_gguf(SOURCES["smollm2"])
+    except LcapError as exc:
+        pytest.skip(str(exc))
+    out = TEST_MODELS / f"smollm2-{file_sha256(gguf)[:16]}"
+    if not (out / STAMP).is_file():  # a conversion cut short: start again
+        shutil.rmtree(out, ignore_errors=True)
+    return init_pretrained(out, "smollm2")
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_dir, tmp_path_factory):
+    """`lcap serve` on SmolLM2 for one test module (a second server beside the session's tiny one, whose
+    LCAP_HOME comes back when the module ends), with a context the tests' short conversations fit."""
+    with serving(
+        smollm2_dir, "smollm2", tmp_path_factory.mktemp("lcap-home"), vllm_args=["--max-model-len", "2048"]
+    ) as server:
+        yield server
+
+
+@pytest.fixture
+def smollm2_policy(smollm2_server):
+    """The module's SmolLM2 server with `current` = the base model, restored after the test."""
+    smollm2_server.use_base()
+    yield smollm2_server
+    smollm2_server.use_base()
 
 
 @pytest.fixture

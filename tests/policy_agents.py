@@ -3,6 +3,7 @@ plugin: importing the proxy costs every run that loads the plugins seconds)."""
 
 from __future__ import annotations
 
+import itertools
 import ssl
 import threading
 import time
@@ -88,3 +89,47 @@ class Agents:
 def policy_proxy(tmp_path: Path) -> CaptureProxy:
     """A capture proxy routed to the policy record, over a fresh store under TMP_PATH."""
     return CaptureProxy(Store(tmp_path / "lcap.duckdb"), ProxyOptions(upstream="policy"))
+
+
+def sdk_clients(proxy: CaptureProxy, episode: str):
+    """The OpenAI and Anthropic SDK clients of one episode, through `proxy`."""
+    import anthropic
+    import openai
+
+    env = proxy.child_env(episode, base={})
+    http = httpx.Client(
+        proxy=env["HTTPS_PROXY"], verify=ssl.create_default_context(cafile=env["SSL_CERT_FILE"]), timeout=300
+    )
+    return (
+        openai.OpenAI(api_key="sk-test", http_client=http, max_retries=0),
+        anthropic.Anthropic(api_key="sk-ant-test", http_client=http, max_retries=0),
+    )
+
+
+def episode_samples(db: Path) -> dict[str, int]:
+    """Samples per episode under build-dataset's merge (lcap.dataset.build.merge), every turn as captured."""
+    import duckdb
+
+    from lcap.dataset.build.merge import merge_turns
+
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        table = con.sql(
+            "SELECT episode_id, episode_id AS group_id, seq, thread, deployment, rebuilt, truncated,"
+            " prompt_ids::INTEGER[] AS prompt_ids, completion_ids::INTEGER[] AS completion_ids,"
+            " list_transform(completion_ids, lambda x: 0.0)::FLOAT[] AS logprobs"
+            " FROM turn_tokens WHERE prompt_ids IS NOT NULL AND completion_ids IS NOT NULL"
+        ).to_arrow_table()
+    finally:
+        con.close()
+    samples = merge_turns(table).column("episode_id").to_pylist()
+    return {episode: samples.count(episode) for episode in dict.fromkeys(samples)}
+
+
+def extends_previous(rows: list[dict]) -> list[bool]:
+    """Per call after the first: its prompt ids start with the previous call's prompt + completion ids."""
+    out = []
+    for before, after in itertools.pairwise(rows):
+        seen = before["prompt_token_ids"] + before["completion_token_ids"]
+        out.append(after["prompt_token_ids"][: len(seen)] == seen)
+    return out

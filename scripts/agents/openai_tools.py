@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--model", default=os.environ.get("OPENAI_MODEL", "gpt-4o-mini"))
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the API's)")
     ap.add_argument("--compact-at", type=int, default=None)
     ap.add_argument("--logit-bias", default=None, help="JSON {token_id: bias}, passed to the API as is")
     ap.add_argument("--facts", default=None, help="JSON {key: fact}: the encyclopedia `lookup` reads instead")
@@ -46,6 +47,8 @@ def main() -> None:
     client = OpenAI()
     facts = json.loads(args.facts) if args.facts else FACTS
     extra = {"logit_bias": json.loads(args.logit_bias)} if args.logit_bias else {}
+    if args.temperature is not None:
+        extra["temperature"] = args.temperature
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": args.question}]
     answer = ""
     for call in range(args.turns):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import ssl
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fixtures_capture import turns
+from policy_agents import episode_samples, extends_previous, sdk_clients
 
 from lcap.capture.options import ProxyOptions
 from lcap.capture.proxy.server import CaptureProxy
@@ -44,40 +44,6 @@ def _stop_id(server) -> int:
     return AutoTokenizer.from_pretrained(server.model_dir).convert_tokens_to_ids("<|im_end|>")
 
 
-def _clients(proxy: CaptureProxy, episode: str):
-    import anthropic
-    import openai
-
-    env = proxy.child_env(episode, base={})
-    http = httpx.Client(
-        proxy=env["HTTPS_PROXY"], verify=ssl.create_default_context(cafile=env["SSL_CERT_FILE"]), timeout=300
-    )
-    return (
-        openai.OpenAI(api_key="sk-test", http_client=http, max_retries=0),
-        anthropic.Anthropic(api_key="sk-ant-test", http_client=http, max_retries=0),
-    )
-
-
-def episode_samples(db: Path) -> dict[str, int]:
-    """Samples per episode under build-dataset's merge (lcap.dataset.build.merge), every turn as captured."""
-    import duckdb
-
-    from lcap.dataset.build.merge import merge_turns
-
-    con = duckdb.connect(str(db), read_only=True)
-    try:
-        table = con.sql(
-            "SELECT episode_id, episode_id AS group_id, seq, thread, deployment, rebuilt, truncated,"
-            " prompt_ids::INTEGER[] AS prompt_ids, completion_ids::INTEGER[] AS completion_ids,"
-            " list_transform(completion_ids, lambda x: 0.0)::FLOAT[] AS logprobs"
-            " FROM turn_tokens WHERE prompt_ids IS NOT NULL AND completion_ids IS NOT NULL"
-        ).to_arrow_table()
-    finally:
-        con.close()
-    samples = merge_turns(table).column("episode_id").to_pylist()
-    return {episode: samples.count(episode) for episode in dict.fromkeys(samples)}
-
-
 def _user_item(text: str) -> dict:
     """A Responses input message from the user, as Codex writes one."""
     return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
@@ -94,15 +60,6 @@ def _brief_codex(server, stop_bias: float) -> dict:
     )
 
 
-def _extends(rows: list[dict]) -> list[bool]:
-    """Per call after the first: its prompt ids start with the previous call's prompt + completion ids."""
-    out = []
-    for before, after in itertools.pairwise(rows):
-        seen = before["prompt_token_ids"] + before["completion_token_ids"]
-        out.append(after["prompt_token_ids"][: len(seen)] == seen)
-    return out
-
-
 def test_chat_stitched_streaming_and_not(vllm_policy, tmp_path, capture_home):
     server = vllm_policy
     bias = {str(_stop_id(server)): 6}
@@ -110,7 +67,7 @@ def test_chat_stitched_streaming_and_not(vllm_policy, tmp_path, capture_home):
     messages: list[dict] = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "What is x?"}]
     seen_chunks: list = []
     with CaptureProxy(Store(db), ProxyOptions(upstream="policy")) as proxy:
-        oa, _ = _clients(proxy, "chat-ep")
+        oa, _ = sdk_clients(proxy, "chat-ep")
         for call in range(3):
             kwargs = dict(model="gpt-4o", messages=messages, tools=TOOLS, max_tokens=16, logit_bias=bias, seed=call)
             if call == 1:  # streamed, as an agent asks, with usage
@@ -134,13 +91,13 @@ def test_chat_stitched_streaming_and_not(vllm_policy, tmp_path, capture_home):
     assert [r["stitched"] for r in rows] == [False, True, True]
     assert [r["stitched_from"] for r in rows[1:]] == [rows[0]["turn_id"], rows[1]["turn_id"]]
     assert [r["thread_seq"] for r in rows] == [0, 0, 0]
-    assert _extends(rows) == [True, True]
+    assert extends_previous(rows) == [True, True]
     assert all(len(r["completion_logprobs"]) == len(r["completion_token_ids"]) for r in rows)
 
     # --no-stitch: the same conversation is rendered from its messages, as vLLM's own endpoint does
     db2 = tmp_path / "off.duckdb"
     with CaptureProxy(Store(db2), ProxyOptions(upstream="policy", stitch=False)) as proxy:
-        oa, _ = _clients(proxy, "chat-off")
+        oa, _ = sdk_clients(proxy, "chat-off")
         oa.chat.completions.create(model="gpt-4o", messages=messages, tools=TOOLS, max_tokens=4, logit_bias=bias)
     (row,) = turns(db2)
     assert row["stitched"] is False and row["stitched_from"] is None
@@ -158,7 +115,7 @@ def test_messages_and_responses_exact_ids(vllm_policy, tmp_path, capture_home):
     stop = _stop_id(server)
     db = tmp_path / "lcap.duckdb"
     with CaptureProxy(Store(db), ProxyOptions(upstream="policy")) as proxy:
-        oa, an = _clients(proxy, "dialects-ep")
+        oa, an = sdk_clients(proxy, "dialects-ep")
         # Anthropic Messages, as Claude Code sends it: thinking, metadata, cache marks, and a max_tokens past the
         # policy's context (Claude Code's 64000 fits the tiny model's 64k positions; a frontier model's may not)
         system = [{"type": "text", "text": "Use tools.", "cache_control": {"type": "ephemeral"}}]
@@ -215,7 +172,7 @@ def test_messages_and_responses_exact_ids(vllm_policy, tmp_path, capture_home):
         assert len(row["completion_logprobs"]) == len(row["completion_token_ids"]) > 0
         assert all(lp <= 0 for lp in row["completion_logprobs"])
     assert [r["stitched"] for r in rows] == [False, True, False, True], [r["stitch_note"] for r in rows]
-    assert _extends(rows[:2]) == [True] and _extends(rows[2:]) == [True]
+    assert extends_previous(rows[:2]) == [True] and extends_previous(rows[2:]) == [True]
     adapted = [{a["field"]: a["action"] for a in json.loads(r["adaptations"])} for r in rows]
     for row, changes in zip(rows, adapted):
         assert changes["model"] == "mapped", row["dialect"]
@@ -229,7 +186,7 @@ def test_adaptation_off_gets_vllms_answer(vllm_policy, tmp_path, capture_home):
 
     db = tmp_path / "lcap.duckdb"
     with CaptureProxy(Store(db), ProxyOptions(upstream="policy", adapt=False)) as proxy:
-        _, an = _clients(proxy, "no-adapt")
+        _, an = sdk_clients(proxy, "no-adapt")
         with pytest.raises(anthropic.BadRequestError):
             an.messages.create(
                 model="claude",
@@ -267,7 +224,7 @@ def test_tool_agent_one_sample_per_episode(vllm_policy, tmp_path, capture_home):
         mine = [r for r in rows if r["episode_id"] == episode]
         ended = [r["finish_reason"] in ("stop", "tool_calls") for r in mine]
         assert [r["stitched"] for r in mine] == [False, *ended[:-1]], [r["stitch_note"] for r in mine]
-        assert all(_extends([a, b]) == [True] for a, b in itertools.pairwise(mine) if b["stitched"])
+        assert all(extends_previous([a, b]) == [True] for a, b in itertools.pairwise(mine) if b["stitched"])
         assert samples[episode] == 1 + ended[:-1].count(False)
 
 
@@ -296,7 +253,7 @@ def test_responses_websocket_exact_ids_and_stitched(vllm_policy, tmp_path, captu
     first_ended, second_ended = ends[1] == "response.completed", ends[2] == "response.completed"
     # the third, by previous_response_id, is the whole conversation from lcap's store, on the second's exact ids
     assert [r["stitched"] for r in rows] == [False, first_ended, second_ended], [r["stitch_note"] for r in rows]
-    assert _extends(rows) == [first_ended, second_ended]
+    assert extends_previous(rows) == [first_ended, second_ended]
     assert rows[2]["request"]["previous_response_id"]
 
 
@@ -310,7 +267,7 @@ def test_responses_previous_response_id_resolved_and_stitched(vllm_policy, tmp_p
     before = httpx.get(f"{server.url}/lcap/v1/info", timeout=10).json()["responses"]
     db = tmp_path / "lcap.duckdb"
     with CaptureProxy(Store(db), ProxyOptions(upstream="policy")) as proxy:
-        oa, _ = _clients(proxy, "previous-ep")
+        oa, _ = sdk_clients(proxy, "previous-ep")
         common = _brief_codex(server, 6)
         ask = [_user_item("What is x?")]
         # an empty answer (only the stop token): vLLM's output has no message, lcap's store keeps an empty one
@@ -329,7 +286,7 @@ def test_responses_previous_response_id_resolved_and_stitched(vllm_policy, tmp_p
     rows = turns(db)
     assert [r["status_code"] for r in rows] == [200, 200, 404]
     assert [r["stitched"] for r in rows[:2]] == [False, True], [r["stitch_note"] for r in rows]
-    assert _extends(rows[:2]) == [True]
+    assert extends_previous(rows[:2]) == [True]
     # the resolved prompt holds the first call's question: the history came from the store, not the request
     assert len(rows[1]["prompt_token_ids"]) > len(rows[0]["prompt_token_ids"])
     assert rows[1]["token_source"] == "vllm" and len(rows[1]["completion_logprobs"]) == len(
@@ -344,7 +301,7 @@ def test_an_empty_responses_answer_comes_back_as_an_empty_message(vllm_policy, t
     server = vllm_policy
     db = tmp_path / "lcap.duckdb"
     with CaptureProxy(Store(db), ProxyOptions(upstream="policy")) as proxy:
-        oa, _ = _clients(proxy, "empty-ep")
+        oa, _ = sdk_clients(proxy, "empty-ep")
         common = _brief_codex(server, 100)
         items: list = [_user_item("What is x?")]
         first = oa.responses.create(input=items, **common)
@@ -363,4 +320,4 @@ def test_an_empty_responses_answer_comes_back_as_an_empty_message(vllm_policy, t
     rows = turns(db)
     assert [r["completion_token_ids"] for r in rows] == [[_stop_id(server)]] * 3
     assert [r["stitched"] for r in rows] == [False, True, True], [r["stitch_note"] for r in rows]
-    assert _extends(rows) == [True, True]
+    assert extends_previous(rows) == [True, True]
