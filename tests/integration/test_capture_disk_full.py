@@ -15,7 +15,6 @@ import signal
 import subprocess
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,13 +23,12 @@ import duckdb
 import httpx
 import pytest
 from fixtures_capture import LCAP, pending_turn, serve_proxy, turns, wait_until
+from fixtures_memory import memory_cgroup
 
 from lcap.capture.storage.writer import POISONED_DIR, TurnWriter
 from lcap.store import Store
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs and memory cgroups need root")
-
-CGROUPS = Path("/sys/fs/cgroup/memory")
 
 
 def _rows(db: Path, sql: str) -> list[tuple]:
@@ -174,27 +172,6 @@ def test_a_disk_full_to_the_end_says_what_was_lost(full_env, llm):
     assert check["status"] == "warn" and "nearly full" in check["summary"] and check["details"]["free_bytes"] < 1 << 20
 
 
-@contextmanager
-def memory_cgroup(limit: int) -> Iterator[Path]:
-    """A memory cgroup (v1) limited to `limit` bytes, removed at the end."""
-    if not (CGROUPS / "cgroup.procs").exists():
-        pytest.skip("no cgroup v1 memory controller")
-    group = CGROUPS / f"lcap-test-{uuid.uuid4().hex[:8]}"
-    group.mkdir()
-    try:
-        (group / "memory.limit_in_bytes").write_text(str(limit))
-        yield group
-    finally:
-        for pid in (group / "cgroup.procs").read_text().split():
-            (CGROUPS / "cgroup.procs").write_text(pid)
-        for _ in range(50):
-            try:
-                group.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
-
-
 def test_a_record_that_oom_kills_every_writer_is_set_aside(tmp_path, capture_home):
     """A record too big for the writer's memory kills it whenever it is read, also when the writer only means to
     keep it as a dead letter. The tries are counted before each read, so after the set number of deaths its
@@ -210,7 +187,7 @@ def test_a_record_that_oom_kills_every_writer_is_set_aside(tmp_path, capture_hom
                 proc = writer._proc
                 if proc is not None and proc.pid not in confined:
                     try:
-                        (group / "cgroup.procs").write_text(str(proc.pid))
+                        group.add(proc.pid)
                     except OSError:
                         pass
                     confined.add(proc.pid)
