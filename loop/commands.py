@@ -99,6 +99,6 @@ def demo(
     """
     from lcap.loop.demo.runner import demo_task, run_demo  # start-up: the whole loop's modules
 
-    task = demo_options.task
-    settings = demo_task(task).settings(seed)
-    run_demo(out, rounds=rounds, fresh=fresh, task=task, settings=settings, echo=typer.echo, loop=options)
+    kind = demo_task(demo_options.task, demo_options.model)
+    settings = kind.settings(seed)
+    run_demo(out, rounds=rounds, fresh=fresh, task=kind.name, settings=settings, echo=typer.echo, loop=options)

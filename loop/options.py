@@ -34,20 +34,30 @@ class LoopOptions:
             raise LcapError("--max-staleness and --groups-per-step must be 0 or more")
 
 
-TaskName = Literal["number", "tools"]
+TaskName = Literal["number", "tools", "calculator"]
 DEMO_TASKS: tuple[str, ...] = get_args(TaskName)
+ModelName = Literal["tiny", "smollm2"]
+DEMO_MODELS: tuple[str, ...] = get_args(ModelName)
 
 
 @dataclass(frozen=True)
 class DemoOptions:
     """What `lcap demo` runs (its flags beyond --out, --rounds, --fresh and --seed)."""
 
-    task: TaskName = option(
-        "number",
-        help="The demo's task: 'number' (one call: which word is a number) or 'tools' (three calls of a tool "
-        "agent: look the number up, answer with what the tool said).",
+    model: ModelName = option(
+        "tiny",
+        help="The policy: 'tiny' (a two-layer model made and warm-started here in seconds, a quick look) or "
+        "'smollm2' (SmolLM2-135M-Instruct, a real pretrained model: `lcap setup smollm2` installs it).",
+    )
+    task: TaskName | None = option(
+        None,
+        help="The demo's task: for tiny, 'number' (the default; one call: which word is a number) or 'tools' (three "
+        "calls of a tool agent: look the number up, answer with what the tool said); for smollm2, 'calculator' (a "
+        "tool agent multiplies two-digit numbers).",
     )
 
     def __post_init__(self) -> None:
-        if self.task not in DEMO_TASKS:
+        if self.model not in DEMO_MODELS:
+            raise LcapError(f"--model {self.model!r}: choose one of {', '.join(DEMO_MODELS)}")
+        if self.task is not None and self.task not in DEMO_TASKS:
             raise LcapError(f"--task {self.task!r}: choose one of {', '.join(DEMO_TASKS)}")

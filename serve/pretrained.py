@@ -24,7 +24,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from lcap.config import LcapError
+from lcap.config import LcapError, lcap_home
 from lcap.serve.tiny_model import CHAT_TEMPLATE, portable_tokenizer_config
 
 STAMP = "lcap-model.json"
@@ -147,6 +147,12 @@ def init_pretrained(out: Path, name: str) -> Path:
     convert_gguf(gguf, out, template=template)
     stamp_path.write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
     return out
+
+
+def pretrained_dir(name: str) -> Path:
+    """Where lcap keeps its own conversion of a known source (`lcap demo --model NAME` trains from it; LoRA rounds and
+    full checkpoints go to the run, never here)."""
+    return lcap_home() / "models" / name
 
 
 def file_sha256(path: Path) -> str:

@@ -33,7 +33,7 @@ from pathlib import Path
 from lcap.config import LcapError
 from lcap.dataset.options import BuildOptions, CollectOptions
 from lcap.display import num, small
-from lcap.loop.demo import number, tools
+from lcap.loop.demo import calculator, number, tools
 from lcap.loop.demo.number import write_jsonl
 from lcap.loop.demo.task import DemoSettings, DemoTask, demo_dir
 from lcap.loop.options import DEMO_TASKS, LoopOptions
@@ -41,6 +41,7 @@ from lcap.loop.rounds import run_loop
 from lcap.loop.steps import LoopConfig
 from lcap.policy import read_policy
 from lcap.serve.options import TinyModelOptions
+from lcap.serve.pretrained import STAMP, init_pretrained, pretrained_dir
 from lcap.serve.server import start_server, stop_server
 from lcap.serve.tiny_model import init_model
 from lcap.store import Store
@@ -50,10 +51,16 @@ from lcap.train.options import TrainOptions
 MODEL = TinyModelOptions(hidden_size=128, num_layers=2, num_heads=2)
 
 
-def demo_task(name: str) -> DemoTask:
-    tasks = {task.name: task for task in (number.TASK, tools.TASK)}
+def demo_task(name: str | None, model: str | None = None) -> DemoTask:
+    """The task `--task` names (for `--model`, when given), or the first of `--model`'s when it names none."""
+    tasks = {task.name: task for task in (number.TASK, tools.TASK, calculator.TASK)}
+    if name is None:
+        name = next((t.name for t in tasks.values() if t.model == (model or "tiny")), None)
     if name not in tasks:
         raise LcapError(f"no demo task {name!r}: choose one of {', '.join(DEMO_TASKS)}")
+    if model is not None and tasks[name].model != model:
+        fits = ", ".join(t.name for t in tasks.values() if t.model == model)
+        raise LcapError(f"--task {name} trains the {tasks[name].model} model: with --model {model}, choose {fits}")
     return tasks[name]
 
 
@@ -89,16 +96,22 @@ def run_demo(
     if marker.exists() and json.loads(marker.read_text()).get("task") != kind.name:
         raise LcapError(f"{out} holds a demo of another task: use another --out, or --fresh to start over")
     marker.write_text(json.dumps({"task": kind.name}))
-    model = out / "model"
-    if not (model / "warm_start.json").exists():
-        steps = settings.warm_steps + (settings.warm_up_steps if kind.warm_up else 0)
-        echo(f"[demo] making the tiny model in {model} and warm-starting it ({steps} supervised steps)")
-        warm_t0 = time.perf_counter()
-        shutil.rmtree(model, ignore_errors=True)
-        init_model(model, replace(MODEL, seed=settings.seed))
-        report = kind.warm_start(model, settings)
-        (model / "warm_start.json").write_text(json.dumps(report, indent=2))
-        echo(f"[demo] warm start done in {time.perf_counter() - warm_t0:.0f} s (final loss {report['loss']:.3f})")
+    if kind.model == "tiny":
+        model = out / "model"
+        if not (model / "warm_start.json").exists():
+            steps = settings.warm_steps + (settings.warm_up_steps if kind.warm_up else 0)
+            echo(f"[demo] making the tiny model in {model} and warm-starting it ({steps} supervised steps)")
+            warm_t0 = time.perf_counter()
+            shutil.rmtree(model, ignore_errors=True)
+            init_model(model, replace(MODEL, seed=settings.seed))
+            report = kind.warm_start(model, settings)
+            (model / "warm_start.json").write_text(json.dumps(report, indent=2))
+            echo(f"[demo] warm start done in {time.perf_counter() - warm_t0:.0f} s (final loss {report['loss']:.3f})")
+    else:
+        model = pretrained_dir(kind.model)
+        if not (model / STAMP).exists():
+            echo(f"[demo] converting {kind.model} into {model} (once, about a minute)")
+        init_pretrained(model, kind.model)
     timings["model"] = time.perf_counter() - t0
 
     train_tasks, held_out = kind.tasks(settings)
@@ -111,7 +124,7 @@ def run_demo(
     if running is None or running.base_model != str(model):
         if running is not None:
             raise LcapError(f"a policy server for {running.base_model} is running: stop it (`lcap serve --stop`) first")
-        echo("[demo] starting vLLM on the tiny model (about 30 s on CPU)")
+        echo(f"[demo] starting vLLM on the {kind.model} model (about 30 s on CPU)")
         # vLLM means to serve with one torch thread, but its CPU backend skips that and runs an OpenMP
         # thread per core; on two cores shared with the agents those threads spin and wait on each other.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -179,6 +192,9 @@ def run_demo(
 TARGET_REWARD = 0.8  # held-out mean reward at the last round
 TARGET_RIGHT = 0.6  # share of held-out answers that are right at the last round
 TARGET_FALLBACK = 0.1  # neither may fall by more than this between the last two rounds
+# A pretrained model's bar is relative to where it starts (its base, held-out round 0), not to a warm start's.
+TARGET_GAIN = 0.25  # held-out right answers at the last round: at least the base's plus this
+TARGET_FROM_BEST = 0.05  # ...and at most this below the best round's
 
 
 def held_out_by_round(store) -> list[dict]:
@@ -222,10 +238,13 @@ def calls_by_round(store) -> list[dict]:
     ]
 
 
-def check_targets(held_out: list[dict]) -> tuple[bool, list[str]]:
-    """The demo's learning targets on the held-out rounds: each one's verdict as a line, and whether all pass."""
+def check_targets(held_out: list[dict], *, pretrained: bool = False) -> tuple[bool, list[str]]:
+    """The demo's learning targets on the held-out rounds: each one's verdict as a line, and whether all pass. A tiny
+    model's are absolute (its warm start sets where it begins); a pretrained model's are its gain over round 0."""
     if len(held_out) < 2:
         return False, ["fewer than two held-out rounds in the store"]
+    if pretrained:
+        return gain_targets(held_out)
     last, before = held_out[-1], held_out[-2]
     checks = [
         (
@@ -245,6 +264,24 @@ def check_targets(held_out: list[dict]) -> tuple[bool, list[str]]:
                 f"held-out {name} from round {before['round']} to {last['round']}: {change:+.3f} (>= -{TARGET_FALLBACK})",
             )
         )
+    return all(ok for ok, _ in checks), [f"{'ok  ' if ok else 'MISS'} {text}" for ok, text in checks]
+
+
+def gain_targets(held_out: list[dict]) -> tuple[bool, list[str]]:
+    base, last = held_out[0], held_out[-1]
+    best = max(held_out, key=lambda h: h["right"])
+    checks = [
+        (
+            last["right"] >= base["right"] + TARGET_GAIN,
+            f"held-out right answers: base (round {base['round']}) {base['right']:.3f} -> round {last['round']} "
+            f"{last['right']:.3f} (>= base + {TARGET_GAIN})",
+        ),
+        (
+            last["right"] >= best["right"] - TARGET_FROM_BEST,
+            f"held-out right answers at round {last['round']}: {last['right']:.3f}, best round {best['round']}: "
+            f"{best['right']:.3f} (at most {TARGET_FROM_BEST} below)",
+        ),
+    ]
     return all(ok for ok, _ in checks), [f"{'ok  ' if ok else 'MISS'} {text}" for ok, text in checks]
 
 
@@ -291,7 +328,7 @@ def summarise(out: Path, store, timings: dict[str, float], seconds: float, task:
             for r in rows
         ]
     )
-    passed, verdicts = check_targets(list(held_out.values()))
+    passed, verdicts = check_targets(list(held_out.values()), pretrained=demo_task(task).model != "tiny")
     png = out / "reward_curve.png"
     _plot(rows, png)
     results = {
@@ -322,13 +359,16 @@ def _plot(rows: list[dict], png: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ev = [(r["round"], r["eval_reward"]) for r in rows if r["eval_reward"] is not None]
+    right = [(r["round"], r["eval_right"]) for r in rows if r["eval_right"] is not None]
     tr = [(r["round"], r["train_reward"]) for r in rows if r["train_reward"] is not None]
     if ev:
-        ax.plot(*zip(*ev), marker="o", label="held-out tasks (after the round's training)")
+        ax.plot(*zip(*ev), marker="o", label="held-out mean reward (round 0: the base model)")
+    if right:
+        ax.plot(*zip(*right), marker="^", label="held-out right answers (success)")
     if tr:
-        ax.plot(*zip(*tr), marker="s", linestyle="--", label="training episodes (collected in the round)")
+        ax.plot(*zip(*tr), marker="s", linestyle="--", label="training episodes' mean reward (collected in the round)")
     ax.set_xlabel("round")
-    ax.set_ylabel("mean reward")
+    ax.set_ylabel("mean reward / share right")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")

@@ -6,9 +6,11 @@ Each task's module (number.py, tools.py) makes its `DemoTask`; runner.py runs wh
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from lcap.config import LcapError
@@ -44,16 +46,18 @@ class DemoSettings:
 
 @dataclass(frozen=True)
 class DemoTask:
-    """What one demo task brings: the agent's command template, its train and held-out tasks (from the bundled word
-    list), the corpus its warm start learns from (lcap.loop.demo.warm: one trainer for every task), and its own
-    defaults for `DemoSettings`. The verifier (scripts/demo/verify.py) is shared."""
+    """What one demo task brings: the agent's command template, its train and held-out tasks, the model it trains
+    (`model`: the tiny random-init one, or a pretrained source of lcap.serve.pretrained), the corpus a tiny model's
+    warm start learns from (lcap.loop.demo.warm: one trainer for every task; none for a pretrained model), and its
+    own defaults for `DemoSettings`. The verifier (scripts/demo/verify.py) is shared."""
 
     name: str
     command: Callable[[], list[str]]
     make_tasks: Callable[..., tuple[list[dict], list[dict]]]  # (words, *, n_train, n_eval, seed)
-    corpus: Callable[[list[str], DemoSettings], Corpus]
+    corpus: Callable[[list[str], DemoSettings], Corpus] | None
     defaults: dict[str, Any] = field(default_factory=dict)
     warm_up: Callable[[list[str], DemoSettings], Corpus] | None = None  # a corpus learnt first (`warm_up_steps`)
+    model: str = "tiny"
 
     def settings(self, seed: int = 0) -> DemoSettings:
         return replace(DemoSettings(seed=seed), **self.defaults)
@@ -65,6 +69,8 @@ class DemoTask:
     def warm_start(self, model_dir: Path, settings: DemoSettings) -> dict:
         """Make the model in `model_dir` this task's base model, in place; returns the warm start's report. With
         `warm_up`, its corpus is learnt first for `warm_up_steps` steps, then the task's own."""
+        if self.corpus is None:
+            raise LcapError(f"the {self.name} task trains a pretrained model: it has no warm start")
         phases = [(self.warm_up, settings.warm_up_steps)] if self.warm_up and settings.warm_up_steps else []
         reports = [
             warm_start(
@@ -80,6 +86,15 @@ class DemoTask:
         ]
         warm = {k: v for k, v in asdict(settings).items() if k.startswith("warm_")}
         return {"task": self.name, **reports[-1], "phases": reports, **warm}
+
+
+def load_script(path: Path, name: str) -> ModuleType:
+    """A bundled agent script as a module: a task reads its prompts, tools and examples from the agent itself."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def words() -> list[str]:

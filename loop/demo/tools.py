@@ -48,7 +48,6 @@ round leaves a policy that answers nothing well-formed).
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import random
 import sys
@@ -58,7 +57,7 @@ from types import ModuleType
 from lcap.config import LcapError
 from lcap.loop.demo.number import FORMATS, make_tasks, make_triple
 from lcap.loop.demo.number import demo_corpus as number_corpus
-from lcap.loop.demo.task import DemoSettings, DemoTask
+from lcap.loop.demo.task import DemoSettings, DemoTask, load_script
 from lcap.loop.demo.warm import Corpus, Example, answer_weights
 
 QUESTION = "Which word is a number?"  # names none of the words, nor the key the tool knows
@@ -84,11 +83,7 @@ def agent_path() -> Path:
 
 def agent_module() -> ModuleType:
     """The agent script as a module: the warm start writes episodes with its own tools, prompt and tool results."""
-    spec = importlib.util.spec_from_file_location("lcap_demo_tool_agent", agent_path())
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(agent_path(), "lcap_demo_tool_agent")
 
 
 def agent_command() -> list[str]:
