@@ -1,11 +1,13 @@
 """`lcap demo`: the whole loop on a bundled agent, task set and verifier, on this machine.
 
-Two tasks (`--task`), each a module: `number` (loop/demo/number.py, a single-call agent) and `tools`
-(loop/demo/tools.py, a three-call tool agent whose calls are stitched and merged). Both share what follows.
+Three tasks (`--task`), each a module: on the tiny model (`--model tiny`), `number` (loop/demo/number.py, a
+single-call agent) and `tools` (loop/demo/tools.py, a three-call tool agent whose calls are stitched and
+merged); on SmolLM2-135M-Instruct (`--model smollm2`), `calculator` (loop/demo/calculator.py, a tool agent).
+All share what follows.
 
-1. Make the tiny model (`init_model`) and warm-start it (the task's `warm_start`): it answers
+1. The tiny model: make it (`init_model`) and warm-start it (the task's `warm_start`): it answers
    half the time in the verifier's format and often the wrong word, like a base model that knows
-   the task only in part.
+   the task only in part. A pretrained model: lcap's conversion of it, made once, with no warm start.
 2. Start vLLM (CPU here, GPU where there is one) on it: the policy server.
 3. `run_loop`: the bundled agent (a plain OpenAI-SDK script that calls api.openai.com) runs
    through the capture proxy, rerouted to the policy; the bundled verifier
