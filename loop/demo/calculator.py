@@ -22,8 +22,7 @@ import random
 import sys
 from pathlib import Path
 
-from lcap.config import LcapError
-from lcap.loop.demo.task import DemoTask, load_script
+from lcap.loop.demo.task import DemoTask, bundled_agent, load_script
 
 QUESTION = "What is {a} * {b}?"
 LOW, HIGH = 12, 99  # the factors: two digits, past what the model multiplies by heart
@@ -32,10 +31,7 @@ MAX_TOKENS = 40  # per call: a calculator call is about 30 tokens
 
 
 def agent_path() -> Path:
-    path = Path(__file__).resolve().parents[2] / "scripts" / "agents" / "calculator.py"
-    if not path.exists():
-        raise LcapError(f"bundled calculator agent not found at {path}: run `lcap demo` from an lcap checkout")
-    return path
+    return bundled_agent("calculator.py")
 
 
 def agent_command() -> list[str]:

@@ -88,6 +88,14 @@ class DemoTask:
         return {"task": self.name, **reports[-1], "phases": reports, **warm}
 
 
+def bundled_agent(filename: str) -> Path:
+    """A bundled agent script (scripts/agents in the source tree)."""
+    path = Path(__file__).resolve().parents[2] / "scripts" / "agents" / filename
+    if not path.exists():
+        raise LcapError(f"bundled agent not found at {path}: run `lcap demo` from an lcap checkout")
+    return path
+
+
 def load_script(path: Path, name: str) -> ModuleType:
     """A bundled agent script as a module: a task reads its prompts, tools and examples from the agent itself."""
     spec = importlib.util.spec_from_file_location(name, path)

@@ -54,10 +54,9 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from lcap.config import LcapError
 from lcap.loop.demo.number import FORMATS, make_tasks, make_triple
 from lcap.loop.demo.number import demo_corpus as number_corpus
-from lcap.loop.demo.task import DemoSettings, DemoTask, load_script
+from lcap.loop.demo.task import DemoSettings, DemoTask, bundled_agent, load_script
 from lcap.loop.demo.warm import Corpus, Example, answer_weights
 
 QUESTION = "Which word is a number?"  # names none of the words, nor the key the tool knows
@@ -75,10 +74,7 @@ def lookup_call(query: str) -> str:
 
 
 def agent_path() -> Path:
-    path = Path(__file__).resolve().parents[2] / "scripts" / "agents" / "openai_tools.py"
-    if not path.exists():
-        raise LcapError(f"bundled tool agent not found at {path}: run `lcap demo --task tools` from an lcap checkout")
-    return path
+    return bundled_agent("openai_tools.py")
 
 
 def agent_module() -> ModuleType:
