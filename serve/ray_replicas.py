@@ -34,9 +34,9 @@ from lcap.processes import kill_group
 from lcap.ray_cluster import connect
 from lcap.serve.vllm_process import (
     VllmSpec,
-    free_port,
     gpus_per_server,
     launch,
+    listen_socket,
     load_lora_over_http,
     resolve_python,
     tail,
@@ -93,7 +93,7 @@ class ReplicaActor:
     def start(self, spec: VllmSpec, key: str) -> dict:
         with self.lock:
             self.spec, self.key = spec, key
-            self.port = free_port(self.host)
+            self.port = 0
             self._launch()
             if self.watcher is None:
                 self.watcher = threading.Thread(target=self._watch, name="lcap-replica-watch", daemon=True)
@@ -149,7 +149,9 @@ class ReplicaActor:
     def _launch(self) -> None:
         assert self.spec is not None
         python = resolve_python(self.spec.python or None)
-        self.proc = launch(self.spec, python=python, port=self.port, host=self.host, log_path=self.log, key=self.key)
+        with listen_socket(self.host, self.port) as listener:
+            self.port = listener.getsockname()[1]
+            self.proc = launch(self.spec, python=python, listener=listener, log_path=self.log, key=self.key)
         try:
             wait_healthy([(self.proc, self.url, self.log)], self.spec.timeout, progress=False)
             for name, path in self.loras.items():

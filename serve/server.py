@@ -35,10 +35,10 @@ from lcap.serve.vllm_process import (
     HEALTH_TIMEOUT_S,
     TOOL_PARSER,
     VllmSpec,
-    free_port,
     gpus_per_server,
     healthy,
     launch,
+    listen_socket,
     load_lora_over_http,
     resolve_python,
     served_name_for,
@@ -46,6 +46,8 @@ from lcap.serve.vllm_process import (
     wait_healthy,
 )
 from lcap.store import Store, now
+
+HOST = "127.0.0.1"  # local replicas listen on loopback only
 
 # --- local replicas -----------------------------------------------------------------------------
 
@@ -72,13 +74,14 @@ class LocalReplicas:
         replicas = []
         try:
             for i, name in enumerate(names):
-                replica_port = port + i if port else free_port()
-                log = _replica_log(log_path, i, replica_port)
                 env = dict(os.environ)
                 if devices is not None:
                     env["CUDA_VISIBLE_DEVICES"] = devices[i]
-                proc = launch(spec, python=self.python, port=replica_port, log_path=log, env=env)
-                url = f"http://127.0.0.1:{replica_port}"
+                with listen_socket(HOST, port + i if port else 0) as listener:
+                    replica_port = listener.getsockname()[1]
+                    log = _replica_log(log_path, i, replica_port)
+                    proc = launch(spec, python=self.python, listener=listener, log_path=log, env=env)
+                url = f"http://{HOST}:{replica_port}"
                 started.append((proc, url, log))
                 replicas.append(
                     Replica(
@@ -104,7 +107,8 @@ class LocalReplicas:
             env["CUDA_VISIBLE_DEVICES"] = replica.devices
         port = int(replica.url.rsplit(":", 1)[1])
         log = Path(replica.log_path or lcap_home() / "logs" / f"vllm-{port}.log")
-        proc = launch(spec, python=self.python, port=port, log_path=log, env=env)
+        with listen_socket(HOST, port) as listener:
+            proc = launch(spec, python=self.python, listener=listener, log_path=log, env=env)
         try:
             wait_healthy([(proc, replica.url, log)], spec.timeout, progress=False)
         except BaseException:

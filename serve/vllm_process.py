@@ -181,19 +181,21 @@ def launch(
     spec: VllmSpec,
     *,
     python: str,
-    port: int,
+    listener: socket.socket,
     log_path: Path,
-    host: str = "127.0.0.1",
     env: dict[str, str] | None = None,
     key: str | None = None,
 ) -> subprocess.Popen:
-    """Start one vLLM server in a process group of its own, its output appended to `log_path`: the one way lcap
-    starts vLLM, for local and Ray replicas alike. `key`: every path but /health requires it (the server listens
-    where the network reaches it); it goes in the environment, never on the command line, which `ps` shows.
-    A server on loopback runs in vLLM's dev mode (in-place weight reloads); one on another address never does."""
+    """Start one vLLM server in a process group of its own, serving on `listener` (`listen_socket`), its output
+    appended to `log_path`: the one way lcap starts vLLM, for local and Ray replicas alike. `key`: every path but
+    /health requires it (the server listens where the network reaches it); it goes in the environment, never on
+    the command line, which `ps` shows. A server on loopback runs in vLLM's dev mode (in-place weight reloads);
+    one on another address never does. The caller closes its copy of `listener` once this returns."""
+    host, port = listener.getsockname()[:2]
     gpu = has_gpu() and (env or os.environ).get("CUDA_VISIBLE_DEVICES") != ""
     env = dict(env or os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", **dict(spec.endpoint_env))
     env.pop(KEY_VARIABLE, None)
+    env[LISTEN_FD_VARIABLE] = str(listener.fileno())
     if host in LOOPBACK:  # /pause, /resume, /collective_rpc: for a full checkpoint reloaded in place (serve/reload.py)
         env.setdefault(DEV_MODE_VARIABLE, "1")
     else:  # vLLM's --api-key would not guard them, and /collective_rpc calls any worker method
@@ -226,11 +228,33 @@ def launch(
         log.write(f"\n$ {' '.join(cmd)}\n".encode())
         log.flush()
         return subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            pass_fds=(listener.fileno(),),
         )
 
 
+def listen_socket(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket listening on `host`:`port` (0: a port the kernel picks) for `launch` to hand to vLLM, so that
+    no other process can take the port between its choice and the server's start. Until vLLM accepts, connections
+    wait in its backlog."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen()
+    except OSError as exc:
+        sock.close()
+        raise LcapError(f"cannot serve on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
 KEY_VARIABLE = "LCAP_REPLICA_KEY"  # what vllm_guard.py reads the key from
+LISTEN_FD_VARIABLE = "LCAP_LISTEN_FD"  # the inherited socket vllm_plugin/launch.py serves on
 DEV_MODE_VARIABLE = "VLLM_SERVER_DEV_MODE"
 LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
 
@@ -285,12 +309,6 @@ def tail(path: Path, lines: int = 20) -> str:
     except FileNotFoundError:
         return ""
     return "\n".join([line for line in text.splitlines() if line.strip()][-lines:])
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def load_lora_over_http(url: str, name: str, path: Path | str, key: str | None) -> None:

@@ -3,8 +3,9 @@
 Other runs on this machine may hold Ray's fixed default ports (client server 10001, dashboard 8265,
 dashboard agent 52365), so no port is left to its default: the head's GCS, the dashboard and each node's agent
 are given port 0 and bind a free one themselves (the head's port is read from what `ray start` prints). Ray
-refuses port 0 for its client server, the one port picked free here before Ray binds it. The cluster is stopped
-by signalling its process group: `ray stop` would stop every Ray cluster on the machine.
+refuses port 0 for its client server: its port is bound here first and held (`reserved_port`), which gRPC's
+SO_REUSEPORT lets Ray's server share. The cluster is stopped by signalling its process group: `ray stop` would
+stop every Ray cluster on the machine.
 """
 
 from __future__ import annotations
@@ -26,10 +27,14 @@ START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 15.0
 
 
-def free_port() -> int:
+@contextmanager
+def reserved_port() -> Iterator[int]:
+    """A loopback port held bound with SO_REUSEPORT while the block runs: no other bind to port 0 is given it, and
+    a server that binds it with SO_REUSEPORT too (gRPC's, as Ray's client server does) can take it."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
 
 
 @contextmanager
@@ -45,8 +50,8 @@ def ray_head(log: Path, num_cpus: int = 2, env: Mapping[str, str] = {}) -> Itera
     """A one-node Ray cluster with NUM_CPUS CPUs; yields its address (host:port). `env` adds to the environment of
     its processes (Ray's RAY_* settings, what its workers inherit)."""
     command = ["--head", "--port", "0", "--num-cpus", str(num_cpus), "--include-dashboard", "false"]
-    command += ["--ray-client-server-port", str(free_port()), "--dashboard-port", "0"]
-    with ray_node(command, log, env) as _:
+    command += ["--dashboard-port", "0"]
+    with reserved_port() as client_port, ray_node([*command, "--ray-client-server-port", str(client_port)], log, env):
         joined = re.search(r"ray start --address='[^':]+:(\d+)'", log.read_text())
         if joined is None:
             raise RuntimeError(f"ray start did not say the head's address: {log.read_text()[-2000:]}")

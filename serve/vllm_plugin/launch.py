@@ -4,10 +4,14 @@ vLLM finds endpoint plugins through entry points and loads only those VLLM_PLUGI
 script puts its own folder (the `lcap_policy` package and its `.dist-info`) first on the path and
 names `lcap` in VLLM_PLUGINS; when VLLM_PLUGINS was not set, it also names every other plugin
 installed, so that setting it does not turn off plugins vLLM would have loaded anyway.
+
+The server listens on the socket lcap bound for it (inherited, its descriptor in LCAP_LISTEN_FD): vLLM's
+`create_server_socket` is replaced by one that returns it, so the port lcap chose can't be taken meanwhile.
 """
 
 import os
 import runpy
+import socket
 import sys
 from importlib.metadata import entry_points
 
@@ -23,8 +27,21 @@ def main() -> None:
     else:
         names = {name for name in allowed.split(",") if name}
     os.environ["VLLM_PLUGINS"] = ",".join(sorted(names | {"lcap"}))
+    serve_on_inherited_socket()
     sys.argv[0] = "vllm.entrypoints.openai.api_server"
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
+
+
+def serve_on_inherited_socket() -> None:
+    fd = os.environ.pop("LCAP_LISTEN_FD", None)
+    if fd is None:
+        return
+    from vllm.entrypoints.launchers import launcher  # after VLLM_PLUGINS is set: importing vLLM reads it
+
+    if not hasattr(launcher, "create_server_socket"):
+        sys.exit("lcap: vLLM's launcher has no create_server_socket to hand lcap's socket to (vLLM 0.32 has it)")
+    sock = socket.socket(fileno=int(fd))
+    launcher.create_server_socket = lambda addr, *, reuse_port: sock
 
 
 if __name__ == "__main__":

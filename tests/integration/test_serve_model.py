@@ -197,18 +197,36 @@ def test_a_second_policy_change_waits_then_names_the_holder(tmp_path, monkeypatc
         pass
 
 
+def test_a_taken_port_is_refused_before_vllm_starts():
+    """`lcap serve --port P` where P is taken: one line naming the port, and no server left behind."""
+    from lcap.serve.vllm_process import listen_socket
+
+    with listen_socket("127.0.0.1") as taken:
+        port = taken.getsockname()[1]
+        done = CliRunner().invoke(app, ["serve", "--model", "unused", "--port", str(port), "--python", sys.executable])
+    assert done.exit_code != 0
+    assert f"cannot serve on 127.0.0.1:{port}: Address already in use" in done.output
+
+
 def test_vllm_dev_mode_runs_only_on_loopback(tmp_path, monkeypatch):
     """The dev-mode endpoints (/pause, /collective_rpc) that in-place reloads use are not guarded by vLLM's API key:
-    a replica gets them on 127.0.0.1 only, never on an address the network reaches, even when asked to."""
-    from lcap.serve.vllm_process import VllmSpec, launch
+    a replica gets them on 127.0.0.1 only, never on an address the network reaches, even when asked to. Either way
+    the server is handed the socket lcap bound for it."""
+    from lcap.serve.vllm_process import VllmSpec, launch, listen_socket
 
     fake = tmp_path / "python"
-    fake.write_text('#!/bin/sh\nenv > "$(dirname "$0")/env-$LCAP_TEST_RUN"\n')
+    fake.write_text(
+        '#!/bin/sh\nenv > "$(dirname "$0")/env-$LCAP_TEST_RUN"\n'
+        'readlink /proc/$$/fd/$LCAP_LISTEN_FD > "$(dirname "$0")/fd-$LCAP_TEST_RUN"\n'
+    )
     fake.chmod(0o755)
     spec = VllmSpec(str(tmp_path), "tiny", None, None, (), 60)
     monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
-    for run, host, key in (("local", "127.0.0.1", None), ("ray", "10.1.2.3", "k-1")):
+    for run, host, key in (("local", "127.0.0.1", None), ("ray", "0.0.0.0", "k-1")):
         env = dict(os.environ, LCAP_TEST_RUN=run, **({"VLLM_SERVER_DEV_MODE": "1"} if key else {}))
-        launch(spec, python=str(fake), port=1, log_path=tmp_path / "log", host=host, env=env, key=key).wait(30)
+        with listen_socket(host) as listener:
+            launch(spec, python=str(fake), listener=listener, log_path=tmp_path / "log", env=env, key=key).wait(30)
     assert "VLLM_SERVER_DEV_MODE=1" in (tmp_path / "env-local").read_text().splitlines()
     assert "VLLM_SERVER_DEV_MODE" not in (tmp_path / "env-ray").read_text()
+    for run in ("local", "ray"):  # the server inherits the socket lcap bound for it
+        assert (tmp_path / f"fd-{run}").read_text().startswith("socket:[")
