@@ -6,7 +6,8 @@
 # here, each file on one worker (its module fixtures, a vLLM server or Ray cluster its tests share, are set up
 # once), handed out in collection order (xdist's default would order them by their count of tests, leaving a
 # one-test file of minutes to the end). Tests named as arguments run on two workers; `-n 0` among the arguments
-# runs them serially.
+# runs them serially. The whole suite first installs the harnesses of tests/e2e/test_harnesses.py (their fixture
+# only checks them then).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -17,6 +18,7 @@ for arg in "$@"; do
     exec "${pytest[@]}" "$@"
   fi
 done
+scripts/harnesses/install.sh  # the real harnesses tests/e2e/test_harnesses.py runs (idempotent): set-up, not test time
 status=0
 .venv/bin/python -m pytest tests/unit tests/integration "$@" || status=$?
 "${pytest[@]}" tests/e2e "$@" || status=$?

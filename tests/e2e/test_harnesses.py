@@ -18,9 +18,10 @@ Training is most of the cost: CPU attention grows with each sample's length squa
 each answer the token limit cut (four calls an episode), each prompt mostly its tool definitions: it gets two
 tools here (LCAP_CLAUDE_TOOLS); the others keep their whole prompts, the long-sample training path included.
 All seven run by default (their cost: docs/benchmarks.md, "Real harnesses"); LCAP_HARNESSES (comma-separated,
-or `all`) runs a subset, the others skipped with that reason. The fixture installs the harnesses
-(scripts/harnesses/install.sh, idempotent, into LCAP_HARNESS_DIR or ~/.cache/lcap-harnesses): a harness that
-cannot be installed fails its checks with the installer's error, never skips them.
+or `all`) runs a subset, the others skipped with that reason. The harnesses are installed by
+scripts/harnesses/install.sh (idempotent, into LCAP_HARNESS_DIR or ~/.cache/lcap-harnesses), which scripts/test.sh
+runs before the suite and the fixture runs again (then a check): a harness that cannot be installed fails its
+checks with the installer's error, never skips them.
 
 Every check asserts the end state; where a harness still falls short (PENDING) the check is an xfail naming the
 known bug.
