@@ -189,7 +189,7 @@ def round_tasks(config: LoopConfig, n: int) -> Path:
     k = config.tasks_per_round
     if k > len(tasks):
         raise LcapError(f"--tasks-per-round {k} is more than the {len(tasks)} tasks in {config.tasks}")
-    here = Path(config.tasks).resolve().parent  # a task's `template` is relative to the user's file, not this one
+    here = Path(config.tasks).resolve().parent  # a task's `workspace` and `template` are relative to the user's file
     chosen = [_anchored(tasks[i % len(tasks)], here) for i in range((n - 1) * k, n * k)]
     path = round_dir(config.run, n) / "tasks.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -198,8 +198,11 @@ def round_tasks(config: LoopConfig, n: int) -> Path:
 
 
 def _anchored(task: dict[str, Any], tasks_dir: Path) -> dict[str, Any]:
-    template = task.get("template")
-    return {**task, "template": str(tasks_dir / template)} if isinstance(template, str) and template else task
+    out = dict(task)
+    for key in ("workspace", "template"):
+        if isinstance(task.get(key), str) and task[key]:
+            out[key] = str(tasks_dir / task[key])
+    return out
 
 
 def train_step(store, run: Path, n: int, options: TrainOptions, data: Path) -> dict:

@@ -315,18 +315,20 @@ def report_end(console, spec: EpisodeSpec, outcome: EpisodeOutcome) -> None:
 
 
 def template_dir(task: Mapping[str, Any], tasks_dir: Path) -> Path | None:
-    """The task's `template` directory (relative to the tasks file), or None if it has none."""
-    template = task.get("template")
+    """The task's `workspace` (or by its older name `template`) directory, relative to the tasks file, or None if
+    it has none."""
+    key = "workspace" if task.get("workspace") else "template"
+    template = task.get(key)
     if not template:
         return None
     src = (tasks_dir / template).resolve()
     if not src.is_dir():
-        raise LcapError(f"task {task['id']}: template {src} is not a directory")
+        raise LcapError(f"task {task['id']}: {key} {src} is not a directory")
     return src
 
 
 def _populate(workdir: Path, task: Mapping[str, Any], files: TaskFiles) -> None:
-    """A task may bring a `template` directory (copied) and `files` ({relative path: text}) into its workdir."""
+    """A task may bring a `workspace` directory (copied) and `files` ({relative path: text}) into its workdir."""
     if files.archive is not None:
         with tarfile.open(fileobj=io.BytesIO(files.archive)) as tar:
             tar.extractall(workdir, filter="tar")  # symlinks kept as they are, as copytree(symlinks=True) does

@@ -45,7 +45,8 @@ def test_tasks_per_round_takes_the_next_tasks_each_round(tmp_path):
 
 
 def test_a_rounds_tasks_keep_their_templates(tmp_path):
-    """A task's `template` folder is relative to the user's tasks file; the round's own file points at the same one."""
+    """A task's `template` (or `workspace`) folder is relative to the user's tasks file; the round's own file points
+    at the same one."""
     from lcap.dataset.collect.episode import template_dir
     from lcap.dataset.collect.episodes import load_tasks
     from lcap.loop.steps import round_tasks
@@ -53,9 +54,11 @@ def test_a_rounds_tasks_keep_their_templates(tmp_path):
     project = tmp_path / "project"
     (project / "repo").mkdir(parents=True)
     tasks = project / "tasks.jsonl"
-    tasks.write_text(json.dumps({"id": "t0", "q": "q", "template": "repo"}) + "\n" + json.dumps({"id": "t1"}) + "\n")
-    config = LoopConfig(run=tmp_path / "run", rounds=1, tasks=tasks, command=["agent"], tasks_per_round=2)
+    rows = [{"id": "t0", "q": "q", "template": "repo"}, {"id": "t1"}, {"id": "t2", "workspace": "repo"}]
+    tasks.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = LoopConfig(run=tmp_path / "run", rounds=1, tasks=tasks, command=["agent"], tasks_per_round=3)
     chosen = round_tasks(config, 1)
-    first, second = load_tasks(chosen)
+    first, second, third = load_tasks(chosen)
     assert template_dir(first, chosen.parent) == project / "repo"
     assert template_dir(second, chosen.parent) is None
+    assert template_dir(third, chosen.parent) == project / "repo"
