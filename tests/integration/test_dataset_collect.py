@@ -196,7 +196,7 @@ def test_resume_after_interrupted_run(collect_env):
             break
         time.sleep(0.3)
     first.send_signal(signal.SIGINT)
-    _, err = first.communicate(timeout=60)
+    _, err = first.communicate(timeout=180)  # a loaded machine: interrupting 6 agents and the writer
     assert first.returncode == 130, err
     assert "interrupted; finished episodes are kept" in err
 
