@@ -88,10 +88,12 @@ def reward(
 @one_line_errors
 @with_options(BuildOptions, "options")
 def build_dataset(
-    round: Annotated[int, typer.Option("--round", help="Round whose episodes to build.")],
     out: Annotated[Path, typer.Option("--out", help="Output directory (samples.parquet, report.json).")],
     db: DbOption,
     options: BuildOptions,
+    round: Annotated[
+        int | None, typer.Option("--round", help="Round whose episodes to build (with --where: of this round only).")
+    ] = None,
 ) -> None:
     """Join captured turns with rewards into GRPO samples (SQL views), clean them, write Parquet."""
     from lcap.dataset.build.builder import build_dataset as build  # start-up: duckdb, pyarrow
@@ -99,12 +101,12 @@ def build_dataset(
 
     report = build(Store(db), round=round, out=out, options=options)
     typer.echo("\n".join(report.lines()))
+    what = report.title() if options.where else f"round {round}"
     if report.samples == 0:
-        raise LcapError(f"round {round}: nothing to train on: {explain(report)}")
+        raise LcapError(f"{what}: nothing to train on: {explain(report)}")
     if not report.groups.get("trainable"):
         typer.echo(
-            f"lcap: warning: round {round} has no group of two or more samples, which GRPO needs: {explain(report)}",
-            err=True,
+            f"lcap: warning: {what} has no group of two or more samples, which GRPO needs: {explain(report)}", err=True
         )
     else:
         for cause in causes(report):

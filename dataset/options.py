@@ -98,6 +98,12 @@ class BuildOptions:
     )
     rebuild: bool = option(True, help="Re-tokenise turns captured without token ids.")
     tokenizer: str | None = option(None, help="Tokenizer for rebuilds (default: the deployment's base model).")
+    where: str | None = option(
+        None,
+        help="SQL condition over the view episode_selection (round, run, split, labels, model, deployment, reward, "
+        "reward_source, age, ...; see the guide) choosing the episodes, of every round unless --round is given. "
+        "Read-only, as in `lcap sql`. Groups and advantages are computed over the chosen episodes.",
+    )
 
     def __post_init__(self) -> None:
         if self.truncated not in ("drop", "mask", "keep"):
