@@ -113,30 +113,33 @@ def _cli(db: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_cli_where_bad_sql_and_the_read_only_guard(two_rounds, tmp_path):
+def test_cli_where_and_its_one_line_errors(two_rounds, tmp_path):
     db = two_rounds.path
     ok = _cli(db, tmp_path / "ok", "--where", "deployment = 'tiny-r2'")
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.startswith("every round (train) where deployment = 'tiny-r2': 2 samples")
-
-    for where, said in (
-        ("no_such_column = 1", "no_such_column"),
-        ("reward >", "syntax"),
-        ("true); DELETE FROM rewards; SELECT (1", "one SQL condition"),
-        ("episode_id IN (SELECT content FROM read_text('/etc/hostname'))", "disabled"),
-    ):
-        bad = _cli(db, tmp_path / "bad", "--where", where)
-        assert bad.returncode == 2, (where, bad.stdout, bad.stderr)
-        lines = bad.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("lcap: bad --where: ") and said in lines[0], (where, lines)
-    assert two_rounds.fetchall("SELECT count(*) FROM rewards") == [(7,)]
-
+    bad = _cli(db, tmp_path / "bad", "--where", "reward >")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert bad.stderr.startswith("lcap: bad --where: ") and "syntax" in bad.stderr
     nothing = _cli(db, tmp_path / "none", "--where", "reward > 5")
     assert nothing.returncode == 2 and "no train episode matches --where reward > 5" in nothing.stderr
     neither = _cli(db, tmp_path / "neither")
     assert neither.returncode == 2 and neither.stderr.strip() == "lcap: build-dataset needs --round, --where or both"
 
 
-def test_selection_refuses_in_the_library_too(two_rounds, tmp_path):
-    with pytest.raises(LcapError, match="bad --where"):
-        _build(two_rounds, tmp_path, "round = 'not a number'")
+@pytest.mark.parametrize(
+    ("where", "said"),
+    [
+        ("no_such_column = 1", "no_such_column"),
+        ("round = 'not a number'", "Conversion Error"),
+        ("true); DELETE FROM rewards; SELECT (1", "one SQL condition"),
+        # `lcap sql`'s guard: no file system (a plain read-only connection would read the file and go on)
+        ("episode_id IN (SELECT content FROM read_text('/etc/hostname'))", "disabled"),
+    ],
+)
+def test_bad_or_harmful_conditions_are_refused(two_rounds, tmp_path, where, said):
+    with pytest.raises(LcapError) as refused:
+        _build(two_rounds, tmp_path, where)
+    message = str(refused.value)
+    assert message.startswith("bad --where: ") and "\n" not in message and said in message, message
+    assert two_rounds.fetchall("SELECT count(*) FROM rewards") == [(7,)]
