@@ -108,3 +108,23 @@ class BuildOptions:
     def __post_init__(self) -> None:
         if self.truncated not in ("drop", "mask", "keep"):
             raise LcapError(f"--truncated must be drop, mask or keep, not {self.truncated!r}")
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """What `lcap export` writes; flags, defaults and help come from here."""
+
+    format: Literal["openai", "hf", "verl"] = option(
+        "hf",
+        help="openai (chat fine-tuning JSONL: --out is the file), hf (a folder `datasets.load_dataset` opens) or "
+        "verl (a folder with sft.parquet, verl's multi-turn SFT data, and rl.parquet, its RL prompts).",
+    )
+    where: str | None = option(
+        None,
+        help="SQL condition over the view episode_selection choosing the episodes (default: all), as "
+        "build-dataset --where: read-only, as in `lcap sql`.",
+    )
+
+    def __post_init__(self) -> None:
+        if self.format not in ("openai", "hf", "verl"):
+            raise LcapError(f"--format must be openai, hf or verl, not {self.format!r}")
