@@ -1,7 +1,9 @@
 """`lcap export`: chosen episodes as the files other trainers read.
 
 One conversation per episode: the messages of its call whose prompt holds the most messages, and that call's
-answer (from the parsed columns capture fills for every dialect: text, tool calls, reasoning). Formats:
+answer (from the parsed columns capture fills for every dialect: text, tool calls, reasoning). Chat calls are
+read as they are, Anthropic Messages calls as build-dataset's re-rendering reads them (`chat_from_anthropic`:
+text, tool uses and tool results); Responses and legacy completions calls are skipped and counted. Formats:
 
 - `openai`: OpenAI's chat fine-tuning JSONL, one `{"messages", "tools"}` object a line.
 - `hf`: a Hugging Face dataset folder (`data/train-00000-of-00001.parquet`) that `datasets.load_dataset(PATH)`
@@ -28,6 +30,7 @@ import pyarrow.parquet as pq
 
 from lcap.capture.trust.redact import redact_json, redact_keys
 from lcap.config import LcapError
+from lcap.dataset.build.rebuild import chat_from_anthropic
 from lcap.dataset.build.select import select_episodes
 from lcap.store import Store
 
@@ -36,29 +39,30 @@ HF_DATA_FILE = "data/train-00000-of-00001.parquet"
 VERL_SFT_FILE = "sft.parquet"
 VERL_RL_FILE = "rl.parquet"
 VERL_DATA_SOURCE = "lcap"
+_DIALECTS = ("chat", "messages")  # OpenAI chat completions, Anthropic Messages (read as chat)
 
-# The episodes chosen, each with its conversation's call (successful, chat dialect preferred: the call whose
-# request holds the most messages, the latest of equals) and, where its calls stitch into one sample of
+# The episodes chosen, each with its conversation's call (successful, a dialect export reads preferred: the call
+# whose request holds the most messages, the latest of equals) and, where its calls stitch into one sample of
 # captured ids, that sample's tokens.
 _EPISODES = """
 WITH chosen AS (
     SELECT * FROM episode_selection
     WHERE $episodes::VARCHAR[] IS NULL OR episode_id IN (SELECT unnest($episodes::VARCHAR[]))),
 call AS (
-    SELECT t.episode_id, t.dialect, t.request->'messages' AS messages, t.request->'tools' AS tools,
+    SELECT t.episode_id, t.dialect, t.request,
            t.completion_text, t.tool_calls, t.reasoning, cut_by_token_limit(t.finish_reason) AS truncated
     FROM turns t SEMI JOIN chosen USING (episode_id)
     WHERE t.error IS NULL AND coalesce(t.status_code, 200) < 400 AND t.request IS NOT NULL
     QUALIFY row_number() OVER (
         PARTITION BY t.episode_id
-        ORDER BY t.dialect = 'chat' DESC, coalesce(json_array_length(t.request->'messages'), 0) DESC, t.seq DESC) = 1),
+        ORDER BY t.dialect IN ('chat', 'messages') DESC, coalesce(json_array_length(t.request->'messages'), 0) DESC, t.seq DESC) = 1),
 tokens AS (
     SELECT episode_id, any_value(prompt_ids) AS prompt_ids, any_value(completion_ids) AS completion_ids,
            any_value(env_mask) AS loss_mask, any_value(logprobs) AS logprobs
     FROM samples SEMI JOIN chosen USING (episode_id)
     GROUP BY episode_id HAVING count(*) = 1 AND NOT bool_or(rebuilt))
 SELECT c.episode_id, c.task_id, c.round, c.split, c.run, c.model, c.deployment, c.reward, c.reward_source,
-       c.status, call.dialect, call.messages::VARCHAR AS messages, call.tools::VARCHAR AS tools,
+       c.status, call.dialect, call.request::VARCHAR AS request,
        call.completion_text, call.tool_calls::VARCHAR AS tool_calls, call.reasoning, call.truncated,
        tokens.prompt_ids, tokens.completion_ids, tokens.loss_mask, tokens.logprobs
 FROM chosen c LEFT JOIN call USING (episode_id) LEFT JOIN tokens USING (episode_id)
@@ -190,8 +194,8 @@ def export(store: Store, *, format: str, out: Path, where: str | None = None) ->
 def _unusable(row: dict[str, Any]) -> str | None:
     if row["dialect"] is None:
         return "no successful call"
-    if row["dialect"] != "chat":
-        return f"{row['dialect']} dialect (chat only)"
+    if row["dialect"] not in _DIALECTS:
+        return f"{row['dialect']} dialect (chat and messages only)"
     if row["truncated"]:
         return "answer cut by the token limit"
     if not row["completion_text"] and not row["tool_calls"]:
@@ -202,12 +206,15 @@ def _unusable(row: dict[str, Any]) -> str | None:
 def _record(row: dict[str, Any]) -> dict[str, Any] | None:
     """The episode as one record: labels, messages in OpenAI's chat form (None: a part that is not text), tools
     as JSON text, and the token columns."""
-    prompt = json.loads(row["messages"] or "[]")
+    request = json.loads(row["request"])
+    if row["dialect"] == "messages":
+        prompt, tools = chat_from_anthropic(request)
+    else:
+        prompt, tools = request.get("messages") or [], request.get("tools")
     messages = [_message(m) for m in prompt if isinstance(m, dict)]
     if any(m is None for m in messages):
         return None
     messages.append(_answer(row))
-    tools = json.loads(row["tools"]) if row["tools"] else None
     return {
         **{k: row[k] for k in ("episode_id", "task_id", "round", "split", "run", "model", "deployment", "reward")},
         "reward_source": row["reward_source"],

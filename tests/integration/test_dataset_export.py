@@ -99,7 +99,23 @@ def captured(builder, dstore):
             [
                 {
                     "dialect": "messages",
-                    "request": {"messages": [{"role": "user", "content": "2+2?"}]},
+                    "request": {
+                        "system": "You add.",
+                        "messages": [
+                            {"role": "user", "content": "2+2?"},
+                            {
+                                "role": "assistant",
+                                "content": [
+                                    {"type": "tool_use", "id": "tu_1", "name": "add", "input": {"a": 2, "b": 2}}
+                                ],
+                            },
+                            {
+                                "role": "user",
+                                "content": [{"type": "tool_result", "tool_use_id": "tu_1", "content": "4"}],
+                            },
+                        ],
+                        "tools": [{"name": "add", "description": "Add.", "input_schema": {"type": "object"}}],
+                    },
                     "completion_text": "4",
                 }
             ]
@@ -110,6 +126,12 @@ def captured(builder, dstore):
         task="mul-3",
         reward=0.0,
         turns=_stored([{"request": {"messages": [SYSTEM]}, "completion_text": "42 and", "finish_reason": "length"}]),
+    )
+    builder.episode(
+        "responses",
+        task="mul-4",
+        reward=1.0,
+        turns=_stored([{"dialect": "responses", "request": {"input": "2*3?"}, "completion_text": "6"}]),
     )
     return dstore
 
@@ -133,8 +155,8 @@ _ROLES = {
 def test_openai_jsonl_reads_as_the_openai_packages_types(captured, tmp_path):
     out = tmp_path / "ft.jsonl"
     report = export(captured, format="openai", out=out)
-    assert report.episodes == 5 and report.exported == 3
-    assert report.skipped == {"messages dialect (chat only)": 1, "answer cut by the token limit": 1}
+    assert report.episodes == 6 and report.exported == 4
+    assert report.skipped == {"responses dialect (chat and messages only)": 1, "answer cut by the token limit": 1}
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     messages_type = TypeAdapter(list[ChatCompletionMessageParam])
     tools_type = TypeAdapter(list[ChatCompletionToolParam])
@@ -152,12 +174,17 @@ def test_openai_jsonl_reads_as_the_openai_packages_types(captured, tmp_path):
     assert good["messages"][-1] == {"role": "assistant", "content": "425"}
     assert good["tools"] == TOOLS
     assert lines[2]["messages"] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    anthropic = lines[3]  # Anthropic Messages, read as chat: system, tool use and tool result included
+    assert [m["role"] for m in anthropic["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
+    assert anthropic["messages"][2]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 2, "b": 2}'}
+    assert anthropic["messages"][3] == {"role": "tool", "tool_call_id": "tu_1", "content": "4"}
+    assert anthropic["tools"][0]["function"]["name"] == "add"
 
 
 def test_hf_folder_opens_with_load_dataset(captured, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     out = tmp_path / "hf"
-    report = export(captured, format="hf", out=out, where="reward > 0")
+    report = export(captured, format="hf", out=out, where="reward > 0 AND task_id IN ('mul-1', 'hello')")
     assert report.exported == 2 and report.with_token_ids == 1
     ds = datasets.load_dataset(str(out), cache_dir=str(tmp_path / "cache"))["train"]
     rows = {r["episode_id"]: r for r in ds}
@@ -175,7 +202,7 @@ def test_hf_folder_opens_with_load_dataset(captured, tmp_path, monkeypatch):
 def test_verl_parquet_under_verls_column_names(captured, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     out = tmp_path / "verl"
-    report = export(captured, format="verl", out=out, where="task_id LIKE 'mul-%'")
+    report = export(captured, format="verl", out=out, where="task_id = 'mul-1'")
     assert report.exported == 2 and report.tasks == 1
     # multi-turn SFT: data.multiturn.messages_key=messages, tools_key=tools, read with pandas as verl does
     sft = pq.read_table(out / "sft.parquet").to_pandas()
@@ -205,7 +232,7 @@ def test_cli_export_and_its_errors(captured, tmp_path):
     run = lambda *a: subprocess.run([LCAP, "export", "--db", db, *a], capture_output=True, text=True, timeout=120)  # noqa: E731
     ok = run("--format", "openai", "--out", str(tmp_path / "x.jsonl"), "--where", "reward = 1")
     assert ok.returncode == 0, ok.stderr
-    assert ok.stdout.startswith("exported 2 of 3 episodes as openai")
+    assert ok.stdout.startswith("exported 3 of 4 episodes as openai")
     bad = run("--format", "csv", "--out", str(tmp_path / "y"))
     assert bad.returncode == 2 and bad.stderr.strip() == "lcap: --format must be openai, hf or verl, not 'csv'"
     sql = run("--out", str(tmp_path / "z"), "--where", "reward >")
