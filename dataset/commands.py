@@ -106,7 +106,7 @@ def build_dataset(
     what = report.title() if options.where else f"round {round}"
     if report.samples == 0:
         raise LcapError(f"{what}: nothing to train on: {explain(report)}")
-    if not report.groups.get("trainable"):
+    if options.format == "grpo" and not report.groups.get("trainable"):
         typer.echo(
             f"lcap: warning: {what} has no group of two or more samples, which GRPO needs: {explain(report)}", err=True
         )

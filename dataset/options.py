@@ -98,6 +98,12 @@ class BuildOptions:
     )
     rebuild: bool = option(True, help="Re-tokenise turns captured without token ids.")
     tokenizer: str | None = option(None, help="Tokenizer for rebuilds (default: the deployment's base model).")
+    format: Literal["grpo", "sft"] = option(
+        "grpo",
+        help="grpo: GRPO samples with advantages. sft: supervised samples (no group needed; choose successes with "
+        "--where) with the episode's conversation and the loss mask of the model's tokens: captured ids where a "
+        "policy deployment served the call, the student's chat template (--tokenizer) where a teacher API did.",
+    )
     where: str | None = option(
         None,
         help="SQL condition over the view episode_selection (round, run, split, labels, model, deployment, reward, "
@@ -108,6 +114,8 @@ class BuildOptions:
     def __post_init__(self) -> None:
         if self.truncated not in ("drop", "mask", "keep"):
             raise LcapError(f"--truncated must be drop, mask or keep, not {self.truncated!r}")
+        if self.format not in ("grpo", "sft"):
+            raise LcapError(f"--format must be grpo or sft, not {self.format!r}")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,8 +24,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lcap.config import LcapError
+from lcap.dataset.build.export import MESSAGE, conversations
 from lcap.dataset.build.merge import merge_turns
-from lcap.dataset.build.rebuild import rebuild_missing_tokens
+from lcap.dataset.build.rebuild import load_tokenizer, rebuild_missing_tokens, rerender_changes
 from lcap.dataset.build.samples_file import SAMPLES_FILE, write_samples
 from lcap.dataset.build.select import select_episodes
 from lcap.dataset.options import BuildOptions
@@ -45,6 +47,38 @@ FROM turn_tokens tt JOIN {advantages} a USING (episode_id)
 WHERE {a_chosen} AND tt.prompt_ids IS NOT NULL AND tt.completion_ids IS NOT NULL
 """
 
+# --format sft: a call no policy deployment served (a teacher API's) takes its ids re-rendered with the student's
+# template (rebuilt_turns), whatever ids its server gave; a policy's call keeps its captured ids.
+_SFT_TURNS = """
+WITH rb AS (SELECT turn_id, prompt_token_ids, completion_token_ids FROM rebuilt_turns
+            QUALIFY row_number() OVER (PARTITION BY turn_id ORDER BY created_at DESC) = 1),
+s AS (
+    SELECT tt.episode_id, tt.seq, tt.thread, tt.deployment, tt.rebuilt OR tt.deployment IS NULL AS rebuilt,
+           tt.truncated, tt.logprobs,
+           CASE WHEN tt.deployment IS NULL THEN rb.prompt_token_ids ELSE tt.prompt_ids END AS prompt_ids,
+           CASE WHEN tt.deployment IS NULL THEN rb.completion_token_ids ELSE tt.completion_ids END AS completion_ids,
+           a.task_id, a.round, a.group_id, a.reward, a.advantage, a.zero_variance, a.tampered
+    FROM turn_tokens tt JOIN {advantages} a USING (episode_id) LEFT JOIN rb USING (turn_id)
+    WHERE {a_chosen})
+SELECT episode_id, seq, thread, deployment, rebuilt, truncated,
+       prompt_ids::INTEGER[] AS prompt_ids, completion_ids::INTEGER[] AS completion_ids,
+       (CASE WHEN NOT rebuilt AND len(logprobs) = len(completion_ids) THEN logprobs
+             ELSE list_transform(completion_ids, lambda x: 0.0) END)::FLOAT[] AS logprobs,
+       task_id, round::INTEGER AS round, group_id, reward, advantage, zero_variance, tampered
+FROM s WHERE prompt_ids IS NOT NULL AND completion_ids IS NOT NULL
+"""
+
+# The chosen teacher calls that were re-rendered, to tell what re-rendering changed.
+_RERENDERED = """
+WITH rb AS (SELECT * FROM rebuilt_turns QUALIFY row_number() OVER (PARTITION BY turn_id ORDER BY created_at DESC) = 1)
+SELECT t.turn_id, t.completion_text, t.tool_calls::VARCHAR, rb.completion_token_ids, rb.tokenizer
+FROM turns t JOIN rb USING (turn_id)
+SEMI JOIN (SELECT episode_id FROM {advantages} a WHERE {a_chosen}) e USING (episode_id)
+WHERE t.deployment IS NULL
+ORDER BY t.turn_id
+"""
+MAX_CHANGE_EXAMPLES = 10
+
 
 @dataclass
 class BuildReport:
@@ -60,6 +94,7 @@ class BuildReport:
     advantage: str = ADVANTAGE
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase
+    sft: dict[str, Any] = field(default_factory=dict)  # --format sft: turns by kind, what re-rendering changed
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -81,7 +116,11 @@ class BuildReport:
             f"samples: {fmt(self.sample_counts)}",
             f"advantage: {self.advantage}",
             f"timings (s): {fmt(self.timings)}",
-        ]
+        ] + (
+            [f"sft turns: {fmt(self.sft['turns'])}", f"re-rendering changed: {fmt(self.sft['rerender_changes'])}"]
+            if self.sft
+            else []
+        )
 
 
 def build_dataset(
@@ -104,12 +143,15 @@ def build_dataset(
     report = BuildReport(round=round, split=options.split, out=str(out), options=asdict(options))
     episodes = None if options.where is None else select_episodes(store, options.where)
     out.mkdir(parents=True, exist_ok=True)
+    sft = options.format == "sft"
 
     clock = _Clock(report.timings, started)
     if options.rebuild:
         rebuilt = unrebuildable = 0
         for source in _source_rounds(store, round, groups, episodes):
-            done, failed = rebuild_missing_tokens(store, round=source, split=options.split, tokenizer=options.tokenizer)
+            done, failed = rebuild_missing_tokens(
+                store, round=source, split=options.split, tokenizer=options.tokenizer, teachers=sft
+            )
             rebuilt, unrebuildable = rebuilt + done, unrebuildable + failed
     else:
         rebuilt = unrebuildable = 0
@@ -118,7 +160,7 @@ def build_dataset(
     chosen = _Chosen(round, groups, episodes)
     params = chosen.params(options.split)
     with store.connect() as con:
-        turns = con.sql(chosen(_TURNS), params=params).to_arrow_table()
+        turns = con.sql(chosen(_SFT_TURNS if sft else _TURNS), params=params).to_arrow_table()
         clock("turns_sql")
         report.episodes = _one(con, chosen(_EPISODE_COUNTS), params)
         report.groups = _one(con, chosen(_GROUP_COUNTS), params)
@@ -127,6 +169,9 @@ def build_dataset(
             "unrebuildable": unrebuildable,
         }
         clock("counts_sql")
+        if sft:
+            report.sft = {"turns": _turn_kinds(turns), "rerender_changes": _rerender_changes(con, chosen, params)}
+            clock("sft_report")
     report.episodes["no_usable_turns"] = report.episodes["rewarded"] - len(pc.unique(turns["episode_id"]))
 
     samples = merge_turns(turns, mask_truncated=options.truncated == "mask")
@@ -136,7 +181,7 @@ def build_dataset(
         name: samples[name].to_numpy(zero_copy_only=False).astype(bool)
         for name in ("zero_variance", "tampered", "truncated", "merged", "rebuilt")
     }
-    if not options.keep_zero_variance:
+    if not options.keep_zero_variance and not sft:  # supervised samples need no group
         keep &= ~flags["zero_variance"]
     if options.drop_tampered:
         keep &= ~flags["tampered"]
@@ -161,7 +206,8 @@ def build_dataset(
     sizes = pc.value_counts(samples["group_id"].filter(pa.array(keep))).field("counts")
     report.groups["trainable"] = int(pc.sum(pc.greater_equal(sizes, 2)).as_py() or 0)  # GRPO needs two per group
 
-    write_samples(samples.filter(pa.array(keep)), out / SAMPLES_FILE)
+    written = samples.filter(pa.array(keep))
+    write_samples(written, out / SAMPLES_FILE, _conversations(store, written) if sft else None)
     clock("write")
     report.seconds = rounded(time.perf_counter() - started)
     store.execute(
@@ -170,6 +216,45 @@ def build_dataset(
     )
     (out / "report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     return report
+
+
+def _turn_kinds(turns: pa.Table) -> dict[str, int]:
+    """An SFT dataset's calls by where their ids come from."""
+    teacher = pc.is_null(turns["deployment"]).to_numpy(zero_copy_only=False)
+    rebuilt = turns["rebuilt"].to_numpy(zero_copy_only=False).astype(bool)
+    return {
+        "policy_captured": int((~teacher & ~rebuilt).sum()),
+        "policy_rebuilt": int((~teacher & rebuilt).sum()),
+        "teacher_rerendered": int(teacher.sum()),
+    }
+
+
+def _rerender_changes(con, chosen: _Chosen, params: dict[str, Any]) -> dict[str, Any]:
+    """Where re-rendering a teacher's call with the student's template changed its text (whitespace) or its
+    tool calls' JSON: counts, and the first turns of each."""
+    counts: Counter[str] = Counter()
+    examples: dict[str, list[str]] = {}
+    for turn_id, text, tool_calls, ids, name in con.execute(chosen(_RERENDERED), params).fetchall():
+        decoded = load_tokenizer(name).decode(ids, skip_special_tokens=True)
+        for change in rerender_changes(decoded, text, json.loads(tool_calls or "null")):
+            counts[change] += 1
+            if len(examples.setdefault(change, [])) < MAX_CHANGE_EXAMPLES:
+                examples[change].append(turn_id)
+    return {change: counts[change] for change in ("whitespace", "tool JSON", "text")} | {"turns": examples}
+
+
+def _conversations(store: Store, samples: pa.Table) -> pa.Table:
+    """Each sample's episode's conversation (messages, tools), as `lcap export` writes it."""
+    episodes = samples["episode_id"].to_pylist()
+    with store.connect(read_only=True) as con:
+        records, _ = conversations(con, sorted(set(episodes)), tokens=False)
+    by_episode = {r["episode_id"]: r for r in records}
+    return pa.table(
+        {
+            "messages": pa.array([(by_episode.get(e) or {}).get("messages") for e in episodes], pa.list_(MESSAGE)),
+            "tools": pa.array([(by_episode.get(e) or {}).get("tools") for e in episodes], pa.string()),
+        }
+    )
 
 
 @dataclass(frozen=True)

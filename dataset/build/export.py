@@ -55,18 +55,21 @@ call AS (
     WHERE t.error IS NULL AND coalesce(t.status_code, 200) < 400 AND t.request IS NOT NULL
     QUALIFY row_number() OVER (
         PARTITION BY t.episode_id
-        ORDER BY t.dialect IN ('chat', 'messages') DESC, coalesce(json_array_length(t.request->'messages'), 0) DESC, t.seq DESC) = 1),
-tokens AS (
-    SELECT episode_id, any_value(prompt_ids) AS prompt_ids, any_value(completion_ids) AS completion_ids,
-           any_value(env_mask) AS loss_mask, any_value(logprobs) AS logprobs
-    FROM samples SEMI JOIN chosen USING (episode_id)
-    GROUP BY episode_id HAVING count(*) = 1 AND NOT bool_or(rebuilt))
+        ORDER BY t.dialect IN ('chat', 'messages') DESC, coalesce(json_array_length(t.request->'messages'), 0) DESC,
+                 t.seq DESC) = 1)
 SELECT c.episode_id, c.task_id, c.round, c.split, c.run, c.model, c.deployment, c.reward, c.reward_source,
        c.status, call.dialect, call.request::VARCHAR AS request,
-       call.completion_text, call.tool_calls::VARCHAR AS tool_calls, call.reasoning, call.truncated,
-       tokens.prompt_ids, tokens.completion_ids, tokens.loss_mask, tokens.logprobs
-FROM chosen c LEFT JOIN call USING (episode_id) LEFT JOIN tokens USING (episode_id)
+       call.completion_text, call.tool_calls::VARCHAR AS tool_calls, call.reasoning, call.truncated
+FROM chosen c LEFT JOIN call USING (episode_id)
 ORDER BY c.started_at, c.episode_id
+"""
+
+_TOKENS = """
+SELECT episode_id, any_value(prompt_ids) AS prompt_ids, any_value(completion_ids) AS completion_ids,
+       any_value(env_mask) AS loss_mask, any_value(logprobs) AS logprobs
+FROM samples
+WHERE $episodes::VARCHAR[] IS NULL OR episode_id IN (SELECT unnest($episodes::VARCHAR[]))
+GROUP BY episode_id HAVING count(*) = 1 AND NOT bool_or(rebuilt)
 """
 
 _TOOL_CALL = pa.struct(
@@ -161,20 +164,8 @@ def export(store: Store, *, format: str, out: Path, where: str | None = None) ->
         with store.connect():  # a store from an older lcap gets the current views
             pass
     with store.connect(read_only=True) as con:
-        rows = con.sql(_EPISODES, params={"episodes": episodes}).to_arrow_table().to_pylist()
-    report = ExportReport(format=format, out=str(out), episodes=len(rows))
-    skipped: Counter[str] = Counter()
-    records = []
-    for row in rows:
-        why = _unusable(row)
-        if why:
-            skipped[why] += 1
-            continue
-        record = _redacted(_record(row))
-        if record is None:
-            skipped["not text"] += 1
-            continue
-        records.append(record)
+        records, skipped = conversations(con, episodes, tokens=format == "hf")
+        report = ExportReport(format=format, out=str(out), episodes=len(records) + sum(skipped.values()))
     report.skipped = dict(skipped)
     report.exported = len(records)
     report.with_token_ids = sum(r["prompt_ids"] is not None for r in records)
@@ -189,6 +180,31 @@ def export(store: Store, *, format: str, out: Path, where: str | None = None) ->
         _write_table(records, VERL_SFT_SCHEMA, out / VERL_SFT_FILE)
         _write_table(tasks, VERL_RL_SCHEMA, out / VERL_RL_FILE)
     return report
+
+
+def conversations(con: Any, episodes: list[str] | None, *, tokens: bool) -> tuple[list[dict[str, Any]], Counter[str]]:
+    """The chosen episodes (None: all) as redacted records, oldest first, with the token columns when `tokens`
+    (else None), and the count of those skipped, by why."""
+    rows = con.sql(_EPISODES, params={"episodes": episodes}).to_arrow_table().to_pylist()
+    ids: dict[str, dict[str, Any]] = {}
+    if tokens:
+        ids = {r["episode_id"]: r for r in con.sql(_TOKENS, params={"episodes": episodes}).to_arrow_table().to_pylist()}
+    skipped: Counter[str] = Counter()
+    records = []
+    for row in rows:
+        why = _unusable(row)
+        if why:
+            skipped[why] += 1
+            continue
+        row.update(
+            ids.get(row["episode_id"]) or dict.fromkeys(("prompt_ids", "completion_ids", "loss_mask", "logprobs"))
+        )
+        record = _redacted(_record(row))
+        if record is None:
+            skipped["not text"] += 1
+            continue
+        records.append(record)
+    return records, skipped
 
 
 def _unusable(row: dict[str, Any]) -> str | None:
