@@ -30,7 +30,7 @@ WHERE a.round = $round AND a.split = $split
   AND (t.token_source IS NULL OR t.prompt_token_ids IS NULL OR t.completion_token_ids IS NULL
        OR ($teachers AND t.deployment IS NULL))
   AND t.error IS NULL AND coalesce(t.status_code, 200) < 400
-  AND t.turn_id NOT IN (SELECT turn_id FROM rebuilt_turns)
+  AND t.turn_id NOT IN (SELECT turn_id FROM rebuilt_turns WHERE $tokenizer IS NULL OR tokenizer = $tokenizer)
 """
 
 
@@ -39,8 +39,8 @@ def rebuild_missing_tokens(
 ) -> tuple[int, int]:
     """Fill `rebuilt_turns` for the round's trainable turns that lack ids, and with `teachers` (SFT) for the turns
     no policy deployment served (a teacher API's, whatever ids it gave: they are not the student's); returns
-    (rebuilt, unrebuildable)."""
-    pending = store.fetchall(_PENDING, {"round": round, "split": split, "teachers": teachers})
+    (rebuilt, unrebuildable). A turn is re-tokenised once per named `tokenizer`; the latest rebuild is the one read."""
+    pending = store.fetchall(_PENDING, {"round": round, "split": split, "teachers": teachers, "tokenizer": tokenizer})
     if not pending:
         return 0, 0
     rows: list[dict[str, Any]] = []

@@ -119,7 +119,11 @@ def test_report_says_where_rerendering_changed_whitespace_or_tool_json(mixed, tm
     student = tmp_path / "student"
     tok.save_pretrained(student)
     mixed.append("turns", [dict(_teacher_turns("  425\n\n")[1], turn_id="teacher/9", episode_id="teacher", seq=9)])
+    first, _ = _sft(mixed, tmp_path / "first", tiny_model_dir)
+    assert first.sft["rerender_changes"]["tool JSON"] == 0 and first.turns["rebuilt_now"] == 3
+    # another student: its own rendering, not the cached one of the first
     report, _ = _sft(mixed, tmp_path / "sft", student)
+    assert report.turns["rebuilt_now"] == 3
     changes = report.sft["rerender_changes"]
     assert changes["tool JSON"] == 1 and changes["turns"]["tool JSON"] == ["teacher/0"]
     assert changes["whitespace"] == 1 and changes["turns"]["whitespace"] == ["teacher/9"]
