@@ -150,7 +150,12 @@ def build_dataset(
         rebuilt = unrebuildable = 0
         for source in _source_rounds(store, round, groups, episodes):
             done, failed = rebuild_missing_tokens(
-                store, round=source, split=options.split, tokenizer=options.tokenizer, teachers=sft
+                store,
+                round=source,
+                split=options.split,
+                tokenizer=options.tokenizer,
+                teachers=sft,
+                episodes=None if episodes is None else list(episodes),
             )
             rebuilt, unrebuildable = rebuilt + done, unrebuildable + failed
     else:

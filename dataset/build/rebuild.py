@@ -27,6 +27,7 @@ LEFT JOIN (SELECT name, arg_max(base_model, coalesce(created_at, TIMESTAMPTZ '-i
                   FROM deployments GROUP BY name) d
        ON d.name = t.deployment
 WHERE a.round = $round AND a.split = $split
+  AND ($episodes::VARCHAR[] IS NULL OR t.episode_id IN (SELECT unnest($episodes::VARCHAR[])))
   AND (t.token_source IS NULL OR t.prompt_token_ids IS NULL OR t.completion_token_ids IS NULL
        OR ($teachers AND t.deployment IS NULL))
   AND t.error IS NULL AND coalesce(t.status_code, 200) < 400
@@ -35,12 +36,20 @@ WHERE a.round = $round AND a.split = $split
 
 
 def rebuild_missing_tokens(
-    store: Store, *, round: int, split: str, tokenizer: str | None = None, teachers: bool = False
+    store: Store,
+    *,
+    round: int,
+    split: str,
+    tokenizer: str | None = None,
+    teachers: bool = False,
+    episodes: list[str] | None = None,
 ) -> tuple[int, int]:
     """Fill `rebuilt_turns` for the round's trainable turns that lack ids, and with `teachers` (SFT) for the turns
     no policy deployment served (a teacher API's, whatever ids it gave: they are not the student's); returns
-    (rebuilt, unrebuildable). A turn is re-tokenised once per named `tokenizer`; the latest rebuild is the one read."""
-    pending = store.fetchall(_PENDING, {"round": round, "split": split, "teachers": teachers, "tokenizer": tokenizer})
+    (rebuilt, unrebuildable); with `episodes`, only theirs. A turn is re-tokenised once per named `tokenizer`; the latest rebuild is the one read."""
+    pending = store.fetchall(
+        _PENDING, {"round": round, "split": split, "teachers": teachers, "tokenizer": tokenizer, "episodes": episodes}
+    )
     if not pending:
         return 0, 0
     rows: list[dict[str, Any]] = []

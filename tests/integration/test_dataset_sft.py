@@ -52,10 +52,12 @@ def _teacher_turns(answer: str) -> list[dict]:
 
 @pytest.fixture
 def mixed(builder, dstore):
-    """A policy episode (captured ids, deployment tiny) and a teacher's episode, both successful."""
+    """A policy episode (captured ids, deployment tiny) and a teacher's episode, both successful, and a teacher's
+    failure that `--where "reward = 1"` leaves out."""
     policy = [dict(t, request=json.dumps({"messages": [USER]}), completion_text="x") for t in chat_turns([5, 6], [7])]
     builder.episode("policy", task="p", reward=1.0, turns=policy)
     builder.episode("teacher", task="t", reward=1.0, turns=_teacher_turns("17*25 = 425"))
+    builder.episode("teacher-wrong", task="t", sample=1, reward=0.0, turns=_teacher_turns("17*25 = 400"))
     return dstore
 
 
@@ -71,6 +73,7 @@ def test_policy_ids_kept_teacher_rerendered_with_the_students_template(mixed, tm
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     report, samples = _sft(mixed, tmp_path / "sft", tiny_model_dir)
     assert report.sft["turns"] == {"policy_captured": 2, "policy_rebuilt": 0, "teacher_rerendered": 2}
+    assert report.turns["rebuilt_now"] == 2  # the chosen teacher calls only, not the failure's
     # zero-variance singleton groups are kept: supervised samples need no group
     assert set(samples) == {"policy", "teacher"} and report.samples == 2
 
