@@ -300,7 +300,7 @@ class _Chosen:
 def _source_rounds(
     store: Store, round: int | None, groups: Sequence[str] | None, episodes: Sequence[str] | None
 ) -> list[int]:
-    """The rounds the chosen episodes were collected in."""
+    """The rounds the chosen episodes were collected in (with `groups`, `round` names an async step, not a round)."""
     if groups is None and episodes is None and round is not None:
         return [round]
     if groups is not None:
@@ -308,7 +308,7 @@ def _source_rounds(
     else:
         sql, ids = "episode_id IN (SELECT unnest(?::VARCHAR[]))", list(episodes or [])
     rows = store.fetchall(f"SELECT DISTINCT round FROM episode_summary WHERE {sql} ORDER BY 1", [ids])
-    return [r[0] for r in rows if r[0] is not None and (round is None or r[0] == round)]
+    return [r[0] for r in rows if r[0] is not None and (groups is not None or round is None or r[0] == round)]
 
 
 class _Clock:

@@ -143,3 +143,20 @@ def test_bad_or_harmful_conditions_are_refused(two_rounds, tmp_path, where, said
     message = str(refused.value)
     assert message.startswith("bad --where: ") and "\n" not in message and said in message, message
     assert two_rounds.fetchall("SELECT count(*) FROM rewards") == [(7,)]
+
+
+def test_an_async_steps_groups_are_rebuilt_whatever_the_step_is_called(builder, dstore, tmp_path, tiny_model_dir):
+    """With `groups`, `round` names the async loop's step: the groups' own rounds are re-tokenised."""
+    plain = {
+        "prompt_token_ids": None,
+        "completion_token_ids": None,
+        "completion_logprobs": None,
+        "token_source": None,
+        "request": json.dumps({"messages": [{"role": "user", "content": "2+2?"}]}),
+        "completion_text": "4",
+    }
+    builder.episode("a", round=1, sample=0, reward=1.0, turns=[plain])
+    builder.episode("b", round=1, sample=1, reward=0.0, turns=[dict(plain, turn_id="b/0")])
+    options = BuildOptions(tokenizer=str(tiny_model_dir))
+    report = build_dataset(dstore, round=7, out=tmp_path / "step-7", options=options, groups=["1/train/t0"])
+    assert report.turns["rebuilt_now"] == 2 and report.samples == 2
