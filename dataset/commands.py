@@ -1,4 +1,5 @@
-"""`lcap collect`, `lcap reward`, `lcap build-dataset` (flags from `CollectOptions` and `BuildOptions`)."""
+"""`lcap collect`, `lcap reward`, `lcap build-dataset`, `lcap export` (flags from `CollectOptions`, `BuildOptions`,
+`ExportOptions`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from lcap.capture.options import NOT_POLICY_ROUTE_FLAGS, ProxyOptions
 from lcap.cli_options import DbOption, one_line_errors, parse_labels, with_options
 from lcap.config import LcapError
 from lcap.dataset.build.explain import causes, explain
-from lcap.dataset.options import BuildOptions, CollectOptions
+from lcap.dataset.options import BuildOptions, CollectOptions, ExportOptions
 from lcap.display import printable
 
 
@@ -20,6 +21,7 @@ def register(app: typer.Typer) -> None:
     app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(collect)
     app.command()(reward)
     app.command("build-dataset")(build_dataset)
+    app.command("export")(export)
 
 
 @one_line_errors
@@ -88,10 +90,12 @@ def reward(
 @one_line_errors
 @with_options(BuildOptions, "options")
 def build_dataset(
-    round: Annotated[int, typer.Option("--round", help="Round whose episodes to build.")],
     out: Annotated[Path, typer.Option("--out", help="Output directory (samples.parquet, report.json).")],
     db: DbOption,
     options: BuildOptions,
+    round: Annotated[
+        int | None, typer.Option("--round", help="Round whose episodes to build (with --where: of this round only).")
+    ] = None,
 ) -> None:
     """Join captured turns with rewards into GRPO samples (SQL views), clean them, write Parquet."""
     from lcap.dataset.build.builder import build_dataset as build  # start-up: duckdb, pyarrow
@@ -99,13 +103,31 @@ def build_dataset(
 
     report = build(Store(db), round=round, out=out, options=options)
     typer.echo("\n".join(report.lines()))
+    what = report.title() if options.where else f"round {round}"
     if report.samples == 0:
-        raise LcapError(f"round {round}: nothing to train on: {explain(report)}")
-    if not report.groups.get("trainable"):
+        raise LcapError(f"{what}: nothing to train on: {explain(report)}")
+    if options.format == "grpo" and not report.groups.get("trainable"):
         typer.echo(
-            f"lcap: warning: round {round} has no group of two or more samples, which GRPO needs: {explain(report)}",
-            err=True,
+            f"lcap: warning: {what} has no group of two or more samples, which GRPO needs: {explain(report)}", err=True
         )
     else:
         for cause in causes(report):
             typer.echo(f"lost: {cause}")
+
+
+@one_line_errors
+@with_options(ExportOptions, "options")
+def export(
+    out: Annotated[Path, typer.Option("--out", help="The file (openai) or folder (hf, verl) to write.")],
+    db: DbOption,
+    options: ExportOptions,
+) -> None:
+    """Write captured episodes as other trainers' data: OpenAI fine-tuning JSONL, a Hugging Face dataset, or verl's
+    SFT and RL Parquet; secrets redacted as in the store."""
+    from lcap.dataset.build.export import export as write  # start-up: duckdb, pyarrow
+    from lcap.store import Store  # start-up: duckdb
+
+    report = write(Store(db), format=options.format, out=out, where=options.where)
+    typer.echo(report.line())
+    if report.exported == 0:
+        raise LcapError(f"nothing exported: {report.episodes} episodes chosen, none with a chat conversation")

@@ -98,7 +98,41 @@ class BuildOptions:
     )
     rebuild: bool = option(True, help="Re-tokenise turns captured without token ids.")
     tokenizer: str | None = option(None, help="Tokenizer for rebuilds (default: the deployment's base model).")
+    format: Literal["grpo", "sft"] = option(
+        "grpo",
+        help="grpo: GRPO samples with advantages. sft: supervised samples (no group needed; choose successes with "
+        "--where) with the episode's conversation and the loss mask of the model's tokens: captured ids where a "
+        "policy deployment served the call, the student's chat template (--tokenizer) where a teacher API did.",
+    )
+    where: str | None = option(
+        None,
+        help="SQL condition over the view episode_selection (round, run, split, labels, model, deployment, reward, "
+        "reward_source, age, ...; see the guide) choosing the episodes, of every round unless --round is given. "
+        "Read-only, as in `lcap sql`. Groups and advantages are computed over the chosen episodes.",
+    )
 
     def __post_init__(self) -> None:
         if self.truncated not in ("drop", "mask", "keep"):
             raise LcapError(f"--truncated must be drop, mask or keep, not {self.truncated!r}")
+        if self.format not in ("grpo", "sft"):
+            raise LcapError(f"--format must be grpo or sft, not {self.format!r}")
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """What `lcap export` writes; flags, defaults and help come from here."""
+
+    format: Literal["openai", "hf", "verl"] = option(
+        "hf",
+        help="openai (chat fine-tuning JSONL: --out is the file), hf (a folder `datasets.load_dataset` opens) or "
+        "verl (a folder with sft.parquet, verl's multi-turn SFT data, and rl.parquet, its RL prompts).",
+    )
+    where: str | None = option(
+        None,
+        help="SQL condition over the view episode_selection choosing the episodes (default: all), as "
+        "build-dataset --where: read-only, as in `lcap sql`.",
+    )
+
+    def __post_init__(self) -> None:
+        if self.format not in ("openai", "hf", "verl"):
+            raise LcapError(f"--format must be openai, hf or verl, not {self.format!r}")

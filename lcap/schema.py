@@ -260,11 +260,14 @@ CREATE OR REPLACE VIEW episode_summary AS
 
 -- Episodes that can train: finished ok, rewarded, one per key (the latest), with the group's
 -- statistics and the GRPO advantage (reward - group mean) / (sample std + 1e-4), as TRL computes it.
-CREATE OR REPLACE VIEW episode_advantages AS
+-- `advantages_over(ids)` computes them over the episodes `ids` only (NULL: all), so that a selection
+-- (`build-dataset --where`) is the population its groups and advantages come from.
+CREATE OR REPLACE MACRO advantages_over(ids) AS TABLE
     WITH eligible AS (
         SELECT *, row_number() OVER (PARTITION BY round, split, task_id, sample ORDER BY started_at DESC) AS key_rank
         FROM episode_summary
-        WHERE round IS NOT NULL AND task_id IS NOT NULL AND status = 'ok' AND reward IS NOT NULL),
+        WHERE round IS NOT NULL AND task_id IS NOT NULL AND status = 'ok' AND reward IS NOT NULL
+          AND (ids IS NULL OR episode_id IN (SELECT unnest(ids)))),
     kept AS (SELECT * FROM eligible WHERE key_rank = 1)
     SELECT episode_id, task_id, round, split, sample, group_id, reward, list_contains(flags, 'tampered') AS tampered,
            count(*) OVER g AS group_size, avg(reward) OVER g AS group_mean,
@@ -272,6 +275,24 @@ CREATE OR REPLACE VIEW episode_advantages AS
            (reward - avg(reward) OVER g) / (coalesce(stddev_samp(reward) OVER g, 0) + 1e-4) AS advantage,
            max(reward) OVER g = min(reward) OVER g AS zero_variance
     FROM kept WINDOW g AS (PARTITION BY group_id);
+CREATE OR REPLACE VIEW episode_advantages AS SELECT * FROM advantages_over(NULL::VARCHAR[]);
+
+-- What `build-dataset --where` and `lcap export --where` select from: one row per episode, with what its
+-- turns say (the model and deployment that answered most of its calls, and every one) and its age.
+CREATE OR REPLACE VIEW episode_selection AS
+    WITH t AS (
+        SELECT episode_id,
+               mode(coalesce(model_served, model_requested)) AS model,
+               list(DISTINCT coalesce(model_served, model_requested))
+                   FILTER (WHERE coalesce(model_served, model_requested) IS NOT NULL) AS models,
+               mode(deployment) AS deployment,
+               list(DISTINCT deployment) FILTER (WHERE deployment IS NOT NULL) AS deployments
+        FROM turns WHERE episode_id IS NOT NULL GROUP BY episode_id)
+    SELECT s.episode_id, s.task_id, s.round, s.split, s.sample, s.group_id, s.collect_run AS run, e.labels,
+           s.status, s.reward, s.reward_source, s.flags, s.n_turns, t.model, coalesce(t.models, []) AS models,
+           t.deployment, coalesce(t.deployments, []) AS deployments, s.started_at, s.ended_at,
+           now() - coalesce(s.ended_at, s.started_at) AS age
+    FROM episode_summary s JOIN episodes e USING (episode_id) LEFT JOIN t USING (episode_id);
 
 -- Every successful LLM call of an episode with its token ids: captured ones, else the ids
 -- re-tokenised from the chat template (rebuilt). One row per turn_id even if it was logged twice.

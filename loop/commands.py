@@ -22,7 +22,7 @@ def register(app: typer.Typer) -> None:
 @one_line_errors
 @with_options(LoopOptions, "options")
 @with_options(TrainOptions, "train", exclude=("current",))
-@with_options(BuildOptions, "build", exclude=("split",))
+@with_options(BuildOptions, "build", exclude=("split", "where", "format"))
 @with_options(CollectOptions, "collect", exclude=("round", "split", "upstream", "model", "run_dir", "ray"))
 @with_options(ProxyOptions, "proxy", exclude=NOT_POLICY_ROUTE_FLAGS)
 def loop(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,9 +23,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from lcap.config import LcapError
+from lcap.dataset.build.export import MESSAGE, conversations
 from lcap.dataset.build.merge import merge_turns
-from lcap.dataset.build.rebuild import rebuild_missing_tokens
+from lcap.dataset.build.rebuild import load_tokenizer, rebuild_missing_tokens, rerender_changes
 from lcap.dataset.build.samples_file import SAMPLES_FILE, write_samples
+from lcap.dataset.build.select import select_episodes
 from lcap.dataset.options import BuildOptions
 from lcap.display import rounded
 from lcap.store import Store, now
@@ -39,14 +43,46 @@ SELECT tt.episode_id, tt.seq, tt.thread, tt.deployment, tt.rebuilt, tt.truncated
        (CASE WHEN len(tt.logprobs) = len(tt.completion_ids) THEN tt.logprobs
              ELSE list_transform(tt.completion_ids, lambda x: 0.0) END)::FLOAT[] AS logprobs,
        a.task_id, a.round::INTEGER AS round, a.group_id, a.reward, a.advantage, a.zero_variance, a.tampered
-FROM turn_tokens tt JOIN episode_advantages a USING (episode_id)
+FROM turn_tokens tt JOIN {advantages} a USING (episode_id)
 WHERE {a_chosen} AND tt.prompt_ids IS NOT NULL AND tt.completion_ids IS NOT NULL
 """
+
+# --format sft: a call no policy deployment served (a teacher API's) takes its ids re-rendered with the student's
+# template (rebuilt_turns), whatever ids its server gave; a policy's call keeps its captured ids.
+_SFT_TURNS = """
+WITH rb AS (SELECT turn_id, prompt_token_ids, completion_token_ids FROM rebuilt_turns
+            QUALIFY row_number() OVER (PARTITION BY turn_id ORDER BY created_at DESC) = 1),
+s AS (
+    SELECT tt.episode_id, tt.seq, tt.thread, tt.deployment, tt.rebuilt OR tt.deployment IS NULL AS rebuilt,
+           tt.truncated, tt.logprobs,
+           CASE WHEN tt.deployment IS NULL THEN rb.prompt_token_ids ELSE tt.prompt_ids END AS prompt_ids,
+           CASE WHEN tt.deployment IS NULL THEN rb.completion_token_ids ELSE tt.completion_ids END AS completion_ids,
+           a.task_id, a.round, a.group_id, a.reward, a.advantage, a.zero_variance, a.tampered
+    FROM turn_tokens tt JOIN {advantages} a USING (episode_id) LEFT JOIN rb USING (turn_id)
+    WHERE {a_chosen})
+SELECT episode_id, seq, thread, deployment, rebuilt, truncated,
+       prompt_ids::INTEGER[] AS prompt_ids, completion_ids::INTEGER[] AS completion_ids,
+       (CASE WHEN NOT rebuilt AND len(logprobs) = len(completion_ids) THEN logprobs
+             ELSE list_transform(completion_ids, lambda x: 0.0) END)::FLOAT[] AS logprobs,
+       task_id, round::INTEGER AS round, group_id, reward, advantage, zero_variance, tampered
+FROM s WHERE prompt_ids IS NOT NULL AND completion_ids IS NOT NULL
+"""
+
+# The chosen teacher calls that were re-rendered, to tell what re-rendering changed.
+_RERENDERED = """
+WITH rb AS (SELECT * FROM rebuilt_turns QUALIFY row_number() OVER (PARTITION BY turn_id ORDER BY created_at DESC) = 1)
+SELECT t.turn_id, t.completion_text, t.tool_calls::VARCHAR, rb.completion_token_ids, rb.tokenizer
+FROM turns t JOIN rb USING (turn_id)
+SEMI JOIN (SELECT episode_id FROM {advantages} a WHERE {a_chosen}) e USING (episode_id)
+WHERE t.deployment IS NULL
+ORDER BY t.turn_id
+"""
+MAX_CHANGE_EXAMPLES = 10
 
 
 @dataclass
 class BuildReport:
-    round: int
+    round: int | None  # None: a --where selection of any rounds
     split: str
     out: str
     samples: int = 0
@@ -58,60 +94,89 @@ class BuildReport:
     advantage: str = ADVANTAGE
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase
+    sft: dict[str, Any] = field(default_factory=dict)  # --format sft: turns by kind, what re-rendering changed
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def title(self) -> str:
+        """What was built: `round N (split)`, with the --where condition when there is one."""
+        where = self.options.get("where")
+        chosen = f"round {self.round}" if self.round is not None else "every round"
+        return f"{chosen} ({self.split})" + (f" where {where}" if where else "")
 
     def lines(self) -> list[str]:
         """The report as a few human lines (what the CLI prints)."""
         fmt = lambda d: ", ".join(f"{k} {v}" for k, v in d.items())  # noqa: E731
         return [
-            f"round {self.round} ({self.split}): {self.samples} samples -> {self.out}  [{self.seconds:.1f}s]",
+            f"{self.title()}: {self.samples} samples -> {self.out}  [{self.seconds:.1f}s]",
             f"episodes: {fmt(self.episodes)}",
             f"groups: {fmt(self.groups)}",
             f"turns: {fmt(self.turns)}",
             f"samples: {fmt(self.sample_counts)}",
             f"advantage: {self.advantage}",
             f"timings (s): {fmt(self.timings)}",
-        ]
+        ] + (
+            [f"sft turns: {fmt(self.sft['turns'])}", f"re-rendering changed: {fmt(self.sft['rerender_changes'])}"]
+            if self.sft
+            else []
+        )
 
 
 def build_dataset(
-    store: Store, *, round: int, out: Path, options: BuildOptions = BuildOptions(), groups: Sequence[str] | None = None
+    store: Store,
+    *,
+    round: int | None,
+    out: Path,
+    options: BuildOptions = BuildOptions(),
+    groups: Sequence[str] | None = None,
 ) -> BuildReport:
     """Write `out/samples.parquet` and `out/report.json` for the `options.split` episodes of `round`, or with
-    `groups` for those GRPO groups (of any round: an async loop step's batch; `round` then names the step)."""
+    `groups` for those GRPO groups (of any round: an async loop step's batch; `round` then names the step).
+    With `options.where`, the episodes that condition picks from `episode_selection` (of `round` when it is
+    given, of every round when it is None) are the population: their groups and advantages are theirs alone."""
     started = time.perf_counter()
-    round = int(round)
+    if round is None and options.where is None and groups is None:
+        raise LcapError("build-dataset needs --round, --where or both")
+    round = None if round is None else int(round)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     report = BuildReport(round=round, split=options.split, out=str(out), options=asdict(options))
+    episodes = None if options.where is None else select_episodes(store, options.where)
+    out.mkdir(parents=True, exist_ok=True)
+    sft = options.format == "sft"
 
     clock = _Clock(report.timings, started)
     if options.rebuild:
         rebuilt = unrebuildable = 0
-        for source in _source_rounds(store, round, groups):
-            done, failed = rebuild_missing_tokens(store, round=source, split=options.split, tokenizer=options.tokenizer)
+        for source in _source_rounds(store, round, groups, episodes):
+            done, failed = rebuild_missing_tokens(
+                store,
+                round=source,
+                split=options.split,
+                tokenizer=options.tokenizer,
+                teachers=sft,
+                episodes=None if episodes is None else list(episodes),
+            )
             rebuilt, unrebuildable = rebuilt + done, unrebuildable + failed
     else:
         rebuilt = unrebuildable = 0
     clock("rebuild")
 
-    params: dict[str, Any] = {"split": options.split}
-    if groups is None:
-        params["round"] = round
-    else:
-        params["groups"] = list(groups)
+    chosen = _Chosen(round, groups, episodes)
+    params = chosen.params(options.split)
     with store.connect() as con:
-        turns = con.sql(_chosen(_TURNS, groups), params=params).to_arrow_table()
+        turns = con.sql(chosen(_SFT_TURNS if sft else _TURNS), params=params).to_arrow_table()
         clock("turns_sql")
-        report.episodes = _one(con, _chosen(_EPISODE_COUNTS, groups), params)
-        report.groups = _one(con, _chosen(_GROUP_COUNTS, groups), params)
-        report.turns = _one(con, _chosen(_TURN_COUNTS, groups), params) | {
+        report.episodes = _one(con, chosen(_EPISODE_COUNTS), params)
+        report.groups = _one(con, chosen(_GROUP_COUNTS), params)
+        report.turns = _one(con, chosen(_TURN_COUNTS), params) | {
             "rebuilt_now": rebuilt,
             "unrebuildable": unrebuildable,
         }
         clock("counts_sql")
+        if sft:
+            report.sft = {"turns": _turn_kinds(turns), "rerender_changes": _rerender_changes(con, chosen, params)}
+            clock("sft_report")
     report.episodes["no_usable_turns"] = report.episodes["rewarded"] - len(pc.unique(turns["episode_id"]))
 
     samples = merge_turns(turns, mask_truncated=options.truncated == "mask")
@@ -121,7 +186,7 @@ def build_dataset(
         name: samples[name].to_numpy(zero_copy_only=False).astype(bool)
         for name in ("zero_variance", "tampered", "truncated", "merged", "rebuilt")
     }
-    if not options.keep_zero_variance:
+    if not options.keep_zero_variance and not sft:  # supervised samples need no group
         keep &= ~flags["zero_variance"]
     if options.drop_tampered:
         keep &= ~flags["tampered"]
@@ -146,7 +211,8 @@ def build_dataset(
     sizes = pc.value_counts(samples["group_id"].filter(pa.array(keep))).field("counts")
     report.groups["trainable"] = int(pc.sum(pc.greater_equal(sizes, 2)).as_py() or 0)  # GRPO needs two per group
 
-    write_samples(samples.filter(pa.array(keep)), out / SAMPLES_FILE)
+    written = samples.filter(pa.array(keep))
+    write_samples(written, out / SAMPLES_FILE, _conversations(store, written) if sft else None)
     clock("write")
     report.seconds = rounded(time.perf_counter() - started)
     store.execute(
@@ -157,21 +223,92 @@ def build_dataset(
     return report
 
 
-def _chosen(sql: str, groups: Sequence[str] | None) -> str:
-    """`sql` over the episodes chosen: a round's, or the listed groups' (both of one split)."""
-    where = "round = $round" if groups is None else "group_id IN (SELECT unnest($groups::VARCHAR[]))"
-    return sql.format(chosen=f"{where} AND split = $split", a_chosen=f"a.{where} AND a.split = $split")
+def _turn_kinds(turns: pa.Table) -> dict[str, int]:
+    """An SFT dataset's calls by where their ids come from."""
+    teacher = pc.is_null(turns["deployment"]).to_numpy(zero_copy_only=False)
+    rebuilt = turns["rebuilt"].to_numpy(zero_copy_only=False).astype(bool)
+    return {
+        "policy_captured": int((~teacher & ~rebuilt).sum()),
+        "policy_rebuilt": int((~teacher & rebuilt).sum()),
+        "teacher_rerendered": int(teacher.sum()),
+    }
 
 
-def _source_rounds(store: Store, round: int, groups: Sequence[str] | None) -> list[int]:
-    """The rounds the chosen episodes were collected in."""
-    if groups is None:
-        return [round]
-    rows = store.fetchall(
-        "SELECT DISTINCT round FROM episode_summary WHERE group_id IN (SELECT unnest(?::VARCHAR[])) ORDER BY 1",
-        [list(groups)],
+def _rerender_changes(con, chosen: _Chosen, params: dict[str, Any]) -> dict[str, Any]:
+    """Where re-rendering a teacher's call with the student's template changed its text (whitespace) or its
+    tool calls' JSON: counts, and the first turns of each."""
+    counts: Counter[str] = Counter()
+    examples: dict[str, list[str]] = {}
+    for turn_id, text, tool_calls, ids, name in con.execute(chosen(_RERENDERED), params).fetchall():
+        decoded = load_tokenizer(name).decode(ids, skip_special_tokens=True)
+        for change in rerender_changes(decoded, text, json.loads(tool_calls or "null")):
+            counts[change] += 1
+            if len(examples.setdefault(change, [])) < MAX_CHANGE_EXAMPLES:
+                examples[change].append(turn_id)
+    return {change: counts[change] for change in ("whitespace", "tool JSON", "text")} | {"turns": examples}
+
+
+def _conversations(store: Store, samples: pa.Table) -> pa.Table:
+    """Each sample's episode's conversation (messages, tools), as `lcap export` writes it."""
+    episodes = samples["episode_id"].to_pylist()
+    with store.connect(read_only=True) as con:
+        records, _ = conversations(con, sorted(set(episodes)), tokens=False)
+    by_episode = {r["episode_id"]: r for r in records}
+    return pa.table(
+        {
+            "messages": pa.array([(by_episode.get(e) or {}).get("messages") for e in episodes], pa.list_(MESSAGE)),
+            "tools": pa.array([(by_episode.get(e) or {}).get("tools") for e in episodes], pa.string()),
+        }
     )
-    return [r[0] for r in rows if r[0] is not None]
+
+
+@dataclass(frozen=True)
+class _Chosen:
+    """The episodes a build reads, all of one split: a round's, the listed groups', or a --where selection's
+    (of one round or of all); a selection's advantages come from `advantages_over` its episodes alone."""
+
+    round: int | None
+    groups: Sequence[str] | None
+    episodes: Sequence[str] | None
+
+    def params(self, split: str) -> dict[str, Any]:
+        params: dict[str, Any] = {"split": split}
+        if self.groups is not None:
+            params["groups"] = list(self.groups)
+        elif self.round is not None:
+            params["round"] = self.round
+        if self.episodes is not None:
+            params["episodes"] = list(self.episodes)
+        return params
+
+    def __call__(self, sql: str) -> str:
+        """`sql` over the chosen episodes."""
+        conditions = ["split = $split"]
+        if self.groups is not None:
+            conditions.append("group_id IN (SELECT unnest($groups::VARCHAR[]))")
+        elif self.round is not None:
+            conditions.append("round = $round")
+        advantages = "episode_advantages"
+        if self.episodes is not None:
+            conditions.append("episode_id IN (SELECT unnest($episodes::VARCHAR[]))")
+            advantages = "advantages_over($episodes::VARCHAR[])"
+        return sql.format(
+            chosen=" AND ".join(conditions), a_chosen=" AND ".join(f"a.{c}" for c in conditions), advantages=advantages
+        )
+
+
+def _source_rounds(
+    store: Store, round: int | None, groups: Sequence[str] | None, episodes: Sequence[str] | None
+) -> list[int]:
+    """The rounds the chosen episodes were collected in (with `groups`, `round` names an async step, not a round)."""
+    if groups is None and episodes is None and round is not None:
+        return [round]
+    if groups is not None:
+        sql, ids = "group_id IN (SELECT unnest(?::VARCHAR[]))", list(groups)
+    else:
+        sql, ids = "episode_id IN (SELECT unnest(?::VARCHAR[]))", list(episodes or [])
+    rows = store.fetchall(f"SELECT DISTINCT round FROM episode_summary WHERE {sql} ORDER BY 1", [ids])
+    return [r[0] for r in rows if r[0] is not None and (groups is not None or round is None or r[0] == round)]
 
 
 class _Clock:
@@ -193,7 +330,7 @@ def _one(con, sql: str, params: dict[str, Any]) -> dict[str, int]:
 # Every episode of the round and split, by why it does or does not train.
 _EPISODE_COUNTS = """
 WITH e AS (SELECT * FROM episode_summary WHERE {chosen}),
-     a AS (SELECT * FROM episode_advantages WHERE {chosen})
+     a AS (SELECT * FROM {advantages} WHERE {chosen})
 SELECT (SELECT count(*) FROM e) AS total,
        (SELECT count(*) FILTER (WHERE status = 'failed') FROM e) AS failed,
        (SELECT count(*) FILTER (WHERE status = 'timeout') FROM e) AS timeout,
@@ -212,7 +349,7 @@ _GROUP_COUNTS = """
 SELECT count(*) AS total, count(*) FILTER (WHERE zero_variance) AS zero_variance,
        count(*) FILTER (WHERE group_size = 1) AS singleton, coalesce(max(group_size), 0) AS max_size
 FROM (SELECT group_id, any_value(zero_variance) AS zero_variance, any_value(group_size) AS group_size
-      FROM episode_advantages WHERE {chosen} GROUP BY group_id)
+      FROM {advantages} WHERE {chosen} GROUP BY group_id)
 """
 
 _TURN_COUNTS = """

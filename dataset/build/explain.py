@@ -48,6 +48,16 @@ def causes(report: Any) -> list[Cause]:
     out: list[Cause] = []
 
     total = episodes.get("total", 0)
+    if not total and options.get("where"):
+        chosen = f"of round {rnd} " if rnd is not None else ""
+        out.append(
+            Cause(
+                f"no {split} episode {chosen}matches --where {options['where']}",
+                'check the condition with `lcap sql "SELECT * FROM episode_selection WHERE ..."` '
+                "(build-dataset also reads --split)",
+            )
+        )
+        return out
     if not total:
         out.append(
             Cause(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import sys
 from typing import Any
 
@@ -26,15 +27,29 @@ LEFT JOIN (SELECT name, arg_max(base_model, coalesce(created_at, TIMESTAMPTZ '-i
                   FROM deployments GROUP BY name) d
        ON d.name = t.deployment
 WHERE a.round = $round AND a.split = $split
-  AND (t.token_source IS NULL OR t.prompt_token_ids IS NULL OR t.completion_token_ids IS NULL)
+  AND ($episodes::VARCHAR[] IS NULL OR t.episode_id IN (SELECT unnest($episodes::VARCHAR[])))
+  AND (t.token_source IS NULL OR t.prompt_token_ids IS NULL OR t.completion_token_ids IS NULL
+       OR ($teachers AND t.deployment IS NULL))
   AND t.error IS NULL AND coalesce(t.status_code, 200) < 400
-  AND t.turn_id NOT IN (SELECT turn_id FROM rebuilt_turns)
+  AND t.turn_id NOT IN (SELECT turn_id FROM rebuilt_turns WHERE $tokenizer IS NULL OR tokenizer = $tokenizer)
 """
 
 
-def rebuild_missing_tokens(store: Store, *, round: int, split: str, tokenizer: str | None = None) -> tuple[int, int]:
-    """Fill `rebuilt_turns` for the round's trainable turns that lack ids; returns (rebuilt, unrebuildable)."""
-    pending = store.fetchall(_PENDING, {"round": round, "split": split})
+def rebuild_missing_tokens(
+    store: Store,
+    *,
+    round: int,
+    split: str,
+    tokenizer: str | None = None,
+    teachers: bool = False,
+    episodes: list[str] | None = None,
+) -> tuple[int, int]:
+    """Fill `rebuilt_turns` for the round's trainable turns that lack ids, and with `teachers` (SFT) for the turns
+    no policy deployment served (a teacher API's, whatever ids it gave: they are not the student's); returns
+    (rebuilt, unrebuildable); with `episodes`, only theirs. A turn is re-tokenised once per named `tokenizer`; the latest rebuild is the one read."""
+    pending = store.fetchall(
+        _PENDING, {"round": round, "split": split, "teachers": teachers, "tokenizer": tokenizer, "episodes": episodes}
+    )
     if not pending:
         return 0, 0
     rows: list[dict[str, Any]] = []
@@ -42,7 +57,7 @@ def rebuild_missing_tokens(store: Store, *, round: int, split: str, tokenizer: s
     for turn_id, dialect, request, text, tool_calls, finish_reason, base_model, served in pending:
         name = tokenizer or base_model or _policy_base_model() or served
         try:
-            tok = _load_tokenizer(name) if name else None
+            tok = load_tokenizer(name) if name else None
             ids = (
                 rebuild_turn(
                     tok, dialect, json.loads(request or "{}"), text, json.loads(tool_calls or "null"), finish_reason
@@ -154,7 +169,7 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 
 @functools.lru_cache(maxsize=8)
-def _load_tokenizer(name: str):
+def load_tokenizer(name: str):
     from transformers import AutoTokenizer  # the train extra
 
     return AutoTokenizer.from_pretrained(name)
@@ -163,3 +178,25 @@ def _load_tokenizer(name: str):
 def _policy_base_model() -> str | None:
     policy = read_policy()
     return policy.base_model if policy else None
+
+
+def rerender_changes(decoded: str, text: str | None, tool_calls: Any) -> list[str]:
+    """What re-rendering a call changed, from the re-rendered completion decoded without special tokens:
+    `whitespace` (its text is there only with whitespace collapsed) and `tool JSON` (a tool call's arguments, as
+    the model wrote them, are not there as written: the template re-serialised them)."""
+    changes = []
+    if text and text not in decoded:
+        if _collapsed(text) in _collapsed(decoded):
+            changes.append("whitespace")
+        else:
+            changes.append("text")
+    for call in tool_calls or ():
+        arguments = call.get("arguments") if isinstance(call, dict) else None
+        if isinstance(arguments, str) and arguments not in decoded:
+            changes.append("tool JSON")
+            break
+    return changes
+
+
+def _collapsed(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip()

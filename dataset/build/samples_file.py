@@ -48,16 +48,15 @@ def samples_path(path: str | Path) -> Path:
     return path if path.suffix == ".parquet" else path / SAMPLES_FILE
 
 
-def write_samples(table: pa.Table, path: Path) -> None:
-    """Write `table`'s sample columns atomically (a reader never sees half a file)."""
+def write_samples(table: pa.Table, path: Path, extra: pa.Table | None = None) -> None:
+    """Write `table`'s sample columns atomically (a reader never sees half a file), and `extra`'s columns beside
+    them (one row per sample: an SFT dataset's conversations), which `read_samples_table` leaves out."""
     tmp = path.with_suffix(".parquet.tmp")
-    pq.write_table(
-        table.select(SAMPLE_SCHEMA.names).cast(SAMPLE_SCHEMA),
-        tmp,
-        row_group_size=16384,
-        use_dictionary=_DICTIONARY,
-        write_statistics=_STATISTICS,
-    )
+    samples = table.select(SAMPLE_SCHEMA.names).cast(SAMPLE_SCHEMA)
+    if extra is not None:
+        for name in extra.column_names:
+            samples = samples.append_column(extra.schema.field(name), extra[name])
+    pq.write_table(samples, tmp, row_group_size=16384, use_dictionary=_DICTIONARY, write_statistics=_STATISTICS)
     tmp.replace(path)
 
 

@@ -1,0 +1,241 @@
+"""lcap export: each format loaded back with its ecosystem's reader; --where; secrets redacted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pyarrow.parquet as pq
+import pytest
+from fixtures_dataset import chat_turns
+from openai.types.chat import (
+    ChatCompletionAssistantMessageParam,
+    ChatCompletionMessageParam,
+    ChatCompletionSystemMessageParam,
+    ChatCompletionToolMessageParam,
+    ChatCompletionToolParam,
+    ChatCompletionUserMessageParam,
+)
+from pydantic import TypeAdapter
+
+from lcap.dataset.build.export import export
+
+LCAP = str(Path(sys.executable).parent / "lcap")
+SECRET = "sk-proj-4f9Qx7Lm2Rt8Vb3Nc6Kd1Hs5Jw0Pz"  # key-shaped: the store's redaction replaces it
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]},
+        },
+    }
+]
+SYSTEM = {"role": "system", "content": "You are a calculator agent."}
+
+
+def _tool_episode(answer: str, *, api_key_in: str = "user") -> list[dict]:
+    """Two chat calls: the model calls the calculator, then answers; ids captured, the second prompt extends the
+    first (one sample)."""
+    user = {"role": "user", "content": [{"type": "text", "text": f"What is 17*25? (my key: {SECRET})"}]}
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "calculator", "arguments": json.dumps({"expr": "17*25", "token": SECRET})},
+    }
+    first, second = chat_turns([5, 6], [7])
+    first.update(
+        request={"model": "policy", "messages": [SYSTEM, user], "tools": TOOLS, "api_key": "not-a-key-shape-but-named"},
+        tool_calls=[{"id": "call_1", "name": "calculator", "arguments": call["function"]["arguments"]}],
+        model_served="policy",
+    )
+    history = [SYSTEM, user, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    second.update(
+        request={
+            "model": "policy",
+            "messages": [*history, {"role": "tool", "tool_call_id": "call_1", "content": "425"}],
+            "tools": TOOLS,
+        },
+        completion_text=answer,
+        model_served="policy",
+    )
+    return _stored([first, second])
+
+
+def _stored(turns: list[dict]) -> list[dict]:
+    """Turns as the writer stores them: JSON columns as JSON text."""
+    return [{k: json.dumps(v) if k in ("request", "tool_calls") else v for k, v in t.items()} for t in turns]
+
+
+@pytest.fixture
+def captured(builder, dstore):
+    builder.episode("good", task="mul-1", sample=0, reward=1.0, turns=_tool_episode("425"))
+    builder.episode("bad", task="mul-1", sample=1, reward=0.0, turns=_tool_episode("424"))
+    builder.episode(
+        "plain",
+        task="hello",
+        reward=1.0,
+        turns=_stored(
+            [
+                {
+                    "request": {"messages": [{"role": "user", "content": "hi"}]},
+                    "completion_text": "hello",
+                    "token_source": None,
+                    "prompt_token_ids": None,
+                    "completion_token_ids": None,
+                }
+            ]
+        ),
+    )
+    builder.episode(
+        "anthropic",
+        task="mul-2",
+        reward=1.0,
+        turns=_stored(
+            [
+                {
+                    "dialect": "messages",
+                    "request": {
+                        "system": "You add.",
+                        "messages": [
+                            {"role": "user", "content": "2+2?"},
+                            {
+                                "role": "assistant",
+                                "content": [
+                                    {"type": "tool_use", "id": "tu_1", "name": "add", "input": {"a": 2, "b": 2}}
+                                ],
+                            },
+                            {
+                                "role": "user",
+                                "content": [{"type": "tool_result", "tool_use_id": "tu_1", "content": "4"}],
+                            },
+                        ],
+                        "tools": [{"name": "add", "description": "Add.", "input_schema": {"type": "object"}}],
+                    },
+                    "completion_text": "4",
+                }
+            ]
+        ),
+    )
+    builder.episode(
+        "cut",
+        task="mul-3",
+        reward=0.0,
+        turns=_stored([{"request": {"messages": [SYSTEM]}, "completion_text": "42 and", "finish_reason": "length"}]),
+    )
+    builder.episode(
+        "responses",
+        task="mul-4",
+        reward=1.0,
+        turns=_stored([{"dialect": "responses", "request": {"input": "2*3?"}, "completion_text": "6"}]),
+    )
+    return dstore
+
+
+def _all_text(path: Path) -> str:
+    if path.is_dir():
+        return "\n".join(_all_text(p) for p in sorted(path.rglob("*")) if p.is_file())
+    if path.suffix == ".parquet":
+        return json.dumps(pq.read_table(path).to_pylist(), default=str)
+    return path.read_text()
+
+
+_ROLES = {
+    "system": ChatCompletionSystemMessageParam,
+    "user": ChatCompletionUserMessageParam,
+    "assistant": ChatCompletionAssistantMessageParam,
+    "tool": ChatCompletionToolMessageParam,
+}
+
+
+def test_openai_jsonl_reads_as_the_openai_packages_types(captured, tmp_path):
+    out = tmp_path / "ft.jsonl"
+    report = export(captured, format="openai", out=out)
+    assert report.episodes == 6 and report.exported == 4
+    assert report.skipped == {"responses dialect (chat and messages only)": 1, "answer cut by the token limit": 1}
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    messages_type = TypeAdapter(list[ChatCompletionMessageParam])
+    tools_type = TypeAdapter(list[ChatCompletionToolParam])
+    for line in lines:
+        assert set(line) <= {"messages", "tools"}
+        messages_type.validate_python(line["messages"], strict=True)
+        for m in line["messages"]:  # no field OpenAI's types do not know (pydantic ignores extra TypedDict keys)
+            typed = _ROLES[m["role"]]
+            assert set(m) <= typed.__required_keys__ | typed.__optional_keys__, m
+        if "tools" in line:
+            tools_type.validate_python(line["tools"], strict=True)
+    good = lines[0]
+    assert [m["role"] for m in good["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
+    assert good["messages"][2]["tool_calls"][0]["function"]["name"] == "calculator"
+    assert good["messages"][-1] == {"role": "assistant", "content": "425"}
+    assert good["tools"] == TOOLS
+    assert lines[2]["messages"] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    anthropic = lines[3]  # Anthropic Messages, read as chat: system, tool use and tool result included
+    assert [m["role"] for m in anthropic["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
+    assert anthropic["messages"][2]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 2, "b": 2}'}
+    assert anthropic["messages"][3] == {"role": "tool", "tool_call_id": "tu_1", "content": "4"}
+    assert anthropic["tools"][0]["function"]["name"] == "add"
+
+
+def test_hf_folder_opens_with_load_dataset(captured, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    out = tmp_path / "hf"
+    report = export(captured, format="hf", out=out, where="reward > 0 AND task_id IN ('mul-1', 'hello')")
+    assert report.exported == 2 and report.with_token_ids == 1
+    ds = datasets.load_dataset(str(out), cache_dir=str(tmp_path / "cache"))["train"]
+    rows = {r["episode_id"]: r for r in ds}
+    assert set(rows) == {"good", "plain"}
+    good = rows["good"]
+    assert good["reward"] == 1.0 and good["task_id"] == "mul-1" and good["model"] == "policy"
+    assert [m["role"] for m in good["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
+    assert json.loads(good["tools"]) == TOOLS
+    # the two calls stitch into one sample: prompt, then completion 1, the tokens between (mask 0), completion 2
+    assert good["prompt_ids"] == [1, 2, 3]
+    assert good["completion_ids"] == [5, 6, 90, 91, 7] and good["loss_mask"] == [1, 1, 0, 0, 1]
+    assert rows["plain"]["prompt_ids"] is None  # captured without ids: none exported
+
+
+def test_verl_parquet_under_verls_column_names(captured, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    out = tmp_path / "verl"
+    report = export(captured, format="verl", out=out, where="task_id = 'mul-1'")
+    assert report.exported == 2 and report.tasks == 1
+    # multi-turn SFT: data.multiturn.messages_key=messages, tools_key=tools, read with pandas as verl does
+    sft = pq.read_table(out / "sft.parquet").to_pandas()
+    assert {"messages", "tools"} <= set(sft.columns)
+    for messages in sft["messages"]:
+        assert [m["role"] for m in messages][-1] == "assistant"
+    # RL prompts: RLHFDataset reads data_source, prompt (prompt_key), reward_model, extra_info through `datasets`
+    rl = datasets.load_dataset("parquet", data_files=str(out / "rl.parquet"), cache_dir=str(tmp_path / "c"))["train"]
+    assert rl.column_names == ["data_source", "prompt", "ability", "reward_model", "extra_info"]
+    (row,) = rl
+    assert row["data_source"] == "lcap" and row["reward_model"]["ground_truth"] == "mul-1"
+    assert [m["role"] for m in row["prompt"]] == ["system", "user"]
+    assert row["extra_info"]["index"] == 0 and row["extra_info"]["episodes"] == 2
+    assert row["extra_info"]["mean_reward"] == 0.5 and json.loads(row["extra_info"]["tools"]) == TOOLS
+
+
+def test_no_secret_leaves_in_any_format(captured, tmp_path):
+    for fmt, out in (("openai", tmp_path / "a.jsonl"), ("hf", tmp_path / "hf"), ("verl", tmp_path / "verl")):
+        export(captured, format=fmt, out=out)
+        text = _all_text(out)
+        assert SECRET not in text and "[REDACTED]" in text, fmt
+        assert "17*25" in text  # the rest of the conversation is there
+
+
+def test_cli_export_and_its_errors(captured, tmp_path):
+    db = str(captured.path)
+    run = lambda *a: subprocess.run([LCAP, "export", "--db", db, *a], capture_output=True, text=True, timeout=120)  # noqa: E731
+    ok = run("--format", "openai", "--out", str(tmp_path / "x.jsonl"), "--where", "reward = 1")
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith("exported 3 of 4 episodes as openai")
+    bad = run("--format", "csv", "--out", str(tmp_path / "y"))
+    assert bad.returncode == 2 and bad.stderr.strip() == "lcap: --format must be openai, hf or verl, not 'csv'"
+    sql = run("--out", str(tmp_path / "z"), "--where", "reward >")
+    assert sql.returncode == 2 and len(sql.stderr.strip().splitlines()) == 1 and "bad --where" in sql.stderr
+    none = run("--out", str(tmp_path / "n"), "--where", "reward > 5")
+    assert none.returncode == 2 and "nothing exported: 0 episodes chosen" in none.stderr
