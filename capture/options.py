@@ -121,6 +121,27 @@ class ProxyOptions:
         "written in order once it takes them again. Past it a turn is lost, counted and logged; the agent's "
         "answer is never held back.",
     )
+    # --- sessions of a long-running proxy (capture/proxy/sessions.py) ---
+    session_header: str = option(
+        "X-Lcap-Session",
+        help="Header whose value names a call's session (its episode, scoped to the call's upstream credential) "
+        "when it carries no episode credentials; never sent upstream ('' turns it off).",
+    )
+    conversations: bool | None = option(
+        None,
+        flag="--conversations/--no-conversations",
+        help="Attribute a call without credentials or session header by its Responses previous_response_id, else "
+        "its conversation (a new episode per message prefix not seen before) (default: on for --serve).",
+    )
+    # --- the reward endpoint of `lcap proxy --serve` (capture/proxy/rewards_api.py) ---
+    rewards_host: str = option(
+        "127.0.0.1", help="Address of the reward endpoint of --serve (POST /lcap/v1/rewards); loopback by default."
+    )
+    rewards_port: int | None = option(
+        None, help="Port of the reward endpoint (default: a free one for --serve, none otherwise; -1: none)."
+    )
+    max_pending_rewards: int = option(256, help="Rewards waiting to be stored at once (429 past it).")
+    max_reward_bytes: int = option(64 * 1024, help="Largest reward request body (413 past it).")
     # --- state kept between calls ---
     max_certs: int = option(1000, help="TLS certificates kept for intercepted hosts (least recently used go).")
     max_episodes: int = option(

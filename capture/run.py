@@ -16,6 +16,7 @@ from pathlib import Path
 from lcap.capture.options import ProxyOptions
 from lcap.capture.proxy.server import CaptureProxy
 from lcap.capture.storage.writer import WriterReport
+from lcap.capture.trust.credentials import records_dir
 from lcap.capture.trust.destinations import is_loopback_host
 from lcap.capture.trust.redact import redact_text
 from lcap.config import LcapError
@@ -75,14 +76,25 @@ def _unstored_details(report: WriterReport) -> dict[str, object]:
 
 def serve_proxy(*, db: Path, options: ProxyOptions) -> None:
     """Serve until SIGINT/SIGTERM, then write every finished turn and exit. On a loopback address, calls without
-    episode credentials are stored unattributed unless `--require-credentials`."""
+    episode credentials are attributed by their session header or conversation (capture/proxy/sessions.py) unless
+    `--require-credentials`. Rewards are taken over HTTP (capture/proxy/rewards_api.py) unless --rewards-port -1."""
     if options.require_credentials is None and is_loopback_host(options.host):
         options = replace(options, require_credentials=False)
+    if options.conversations is None:
+        options = replace(options, conversations=True)
+    if options.rewards_port is None:
+        options = replace(options, rewards_port=0)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     proxy = _start(Store(db), options)
-    anonymous = "refused (407)" if proxy.require_credentials else "stored unattributed"
+    anonymous = (
+        "refused (407)"
+        if proxy.require_credentials
+        else "placed by session header or conversation"
+        if options.conversations
+        else "placed by session header, else unattributed"
+    )
     print(
         f"lcap proxy listening on {proxy.url} (store {db}; token ids {'on' if proxy.token_ids else 'off'}; "
         f"calls without episode credentials {anonymous})",
@@ -93,6 +105,12 @@ def serve_proxy(*, db: Path, options: ProxyOptions) -> None:
         f"SSL_CERT_FILE={proxy.child_env(None)['SSL_CERT_FILE']}",
         flush=True,
     )
+    if proxy.rewards is not None:
+        print(
+            f"  rewards: POST {proxy.rewards.url} (Authorization: Bearer, the reward token in "
+            f"{records_dir() / f'{proxy.port}.json'} or a tenant's upstream credential)",
+            flush=True,
+        )
     try:
         while not stop.wait(0.5):
             pass

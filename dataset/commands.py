@@ -78,13 +78,20 @@ def reward(
     db: DbOption,
     details: Annotated[str | None, typer.Option("--details", help="JSON object stored with the reward.")] = None,
     source: Annotated[str, typer.Option("--source", help="Who gave it (default 'cli').")] = "cli",
+    key: Annotated[
+        str | None,
+        typer.Option("--key", help="Idempotency key: a reward with a key already stored is not stored again."),
+    ] = None,
 ) -> None:
-    """Give an episode a reward (the latest reward of an episode wins)."""
+    """Give an episode a reward (the latest reward of an episode wins). A running `lcap proxy --serve` also takes
+    rewards over HTTP: POST /lcap/v1/rewards (docs/guide.md)."""
     from lcap.dataset.collect.rewards import add_reward  # start-up: duckdb
     from lcap.store import Store  # start-up: duckdb
 
-    add_reward(Store(db), episode, value, details=details, source=source)
-    typer.echo(f"reward {value:g} -> {episode}")
+    if add_reward(Store(db), episode, value, details=details, source=source, key=key):
+        typer.echo(f"reward {value:g} -> {episode}")
+    else:
+        typer.echo(f"reward with key {key!r} stored already: {episode} left as it was")
 
 
 @one_line_errors

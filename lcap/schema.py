@@ -14,7 +14,7 @@ PROMOTED_LABELS = {
 
 # The store's shape. A new store gets TABLES at SCHEMA_VERSION; an older one is brought there by MIGRATIONS
 # (version reached -> statements), in order, inside the unit of work that first opens it for writing.
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     2: (
         "ALTER TABLE episodes RENAME COLUMN group_index TO sample",
@@ -40,6 +40,7 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         )
     ),
     7: ("ALTER TABLE train_runs ADD COLUMN IF NOT EXISTS mismatch_held VARCHAR",),
+    8: ("ALTER TABLE rewards ADD COLUMN IF NOT EXISTS key VARCHAR",),
 }
 
 TABLES = """
@@ -117,8 +118,9 @@ CREATE TABLE IF NOT EXISTS rewards (
     episode_id  VARCHAR,
     value       DOUBLE,
     details     JSON,
-    source      VARCHAR,   -- verifier command, module:function, or 'cli'
-    created_at  TIMESTAMPTZ
+    source      VARCHAR,   -- verifier command, module:function, 'cli', or what a poster to the reward endpoint said
+    created_at  TIMESTAMPTZ,
+    key         VARCHAR    -- the poster's idempotency key: a second reward with the same key is not stored
 );
 
 CREATE TABLE IF NOT EXISTS deployments (
@@ -236,6 +238,13 @@ CREATE OR REPLACE VIEW latest_rewards AS
     SELECT episode_id, arg_max(value, created_at) AS reward,
            arg_max(details, created_at) AS details, arg_max(source, created_at) AS source
     FROM rewards GROUP BY episode_id;
+-- every reward with how late it came: seconds after its episode ended (its last turn, for an episode never ended)
+CREATE OR REPLACE VIEW reward_delays AS
+    WITH last_turn AS (SELECT episode_id, max(ended_at) AS ended_at FROM turns GROUP BY episode_id)
+    SELECT r.episode_id, r.value, r.source, r.key, r.details, r.created_at,
+           coalesce(e.ended_at, t.ended_at) AS episode_ended_at,
+           epoch(r.created_at) - epoch(coalesce(e.ended_at, t.ended_at)) AS late_s
+    FROM rewards r LEFT JOIN episodes e USING (episode_id) LEFT JOIN last_turn t USING (episode_id);
 -- dataset stage views. A collect episode is keyed by (round, split, task_id, sample); its GRPO
 -- group is every sample of one task in one round and split.
 CREATE OR REPLACE VIEW episode_summary AS

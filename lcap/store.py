@@ -238,6 +238,19 @@ class Store:
             status = rows[0][0] if rows else "unknown"
             raise LcapError(f"episode {episode_id!r} exists already (status {status}): give a new id") from None
 
+    def add_reward(self, episode_id: str, value: float, *, details: str, source: str, key: str | None = None) -> bool:
+        """Append a reward (`details`: a JSON object's text); with `key`, only if no reward holds that key yet.
+        Returns whether it was stored."""
+        with self.connect() as con:
+            (inserted,) = _one_row(
+                con.execute(
+                    """INSERT INTO rewards (episode_id, value, details, source, created_at, key)
+                       SELECT ?, ?, ?, ?, ?, ? WHERE ? IS NULL OR NOT EXISTS (SELECT 1 FROM rewards WHERE key = ?)""",
+                    [episode_id, value, details, source, now(), key, key, key],
+                )
+            )
+        return bool(inserted)
+
     def flag_episode(self, episode_id: str, flag: str, details: dict[str, Any]) -> None:
         """Raise a flag on an episode (tampered, verifier_error, turns_unstored, ...) with its details."""
         self.append(

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -59,6 +59,7 @@ class FakeLLM(ThreadingHTTPServer):
         self.line_end = "\n"  # "\r\n": SSE lines (and the blank line after each event) end in CRLF
         self.drop_idle = False  # close each connection after its answer, without saying so (a keep-alive timeout)
         self.models = ["fake-model"]  # what GET /v1/models lists
+        self.response_ids: Iterator[int] | None = None  # Responses answers name themselves resp_N from it (else resp_1)
         self.thread = threading.Thread(target=self.serve_forever, daemon=True)
 
     @property
@@ -70,6 +71,7 @@ class FakeLLM(ThreadingHTTPServer):
 
     def reset(self) -> None:
         self.requests.clear()
+        self.response_ids = None
         self.models = ["fake-model"]
         self.end_gate = None
         self.line_end = "\n"
@@ -426,7 +428,7 @@ def _response(server: FakeLLM, body: dict) -> dict:
             }
         ]
     out = {
-        "id": "resp_1",
+        "id": f"resp_{next(server.response_ids)}" if server.response_ids is not None else "resp_1",
         "object": "response",
         "created_at": 1,
         "model": body.get("model"),

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from lcap.capture.proxy.sessions import Sessions, tenant_of
 from lcap.capture.routing import policy_wire
 from lcap.capture.routing.routes import Route, Router
 from lcap.capture.routing.stitching import Head, Heads
@@ -117,6 +118,7 @@ class Calls:
         heads: Heads | None = None,
         hold_timeout: float = 600.0,
         max_held: int = 512,
+        sessions: Sessions | None = None,
     ) -> None:
         self.writer = writer
         self.router = router
@@ -126,6 +128,7 @@ class Calls:
         self.upstream_api_key = upstream_api_key
         self.keys = keys or EpisodeKeys.new()
         self.require_credentials = require_credentials
+        self.sessions = sessions
         self.max_episodes = max_episodes
         self.max_body_bytes = max_body_bytes  # of a stream, the part kept for the turn
         # Per episode: the next seq, and calls numbered and not closed yet. An episode with nothing in flight
@@ -143,9 +146,14 @@ class Calls:
 
     def attribute(self, fields: Fields, fallback: str | None = None) -> tuple[str | None, Fields]:
         """The episode a request is written into (the one its credentials prove, else `fallback`: its tunnel's)
-        and its fields without lcap's. `Unauthorized` when credentials are required and none proved one."""
+        and its fields without lcap's. `Unauthorized` when credentials are required and none proved one.
+        Without credentials, a session header names the episode (capture/proxy/sessions.py)."""
         episode, _, fields = self.keys.take(fields)
         episode = episode or fallback
+        if self.sessions is not None:
+            session, fields = self.sessions.take_header(fields)
+            if episode is None and session is not None and not self.require_credentials:
+                episode = self.sessions.by_header(session, fields)
         if episode is None and self.require_credentials:
             raise Unauthorized
         return episode, fields
@@ -355,6 +363,8 @@ class Calls:
             return False
         pending.request_body, call.body = plain, call.raw
         pending.model_requested = request.get("model")
+        if pending.episode_id is None and self.sessions is not None:
+            self._attribute_by_body(call, request)
         if call.route is not None and exact:  # a body read leniently goes on as it came: the upstream judges it
             call.request = request
             call.body = self._forward(call)
@@ -362,6 +372,20 @@ class Calls:
         pending.started_at, pending.t0 = time.time(), time.perf_counter()  # the call starts once it is whole
         pending.seq = self.next_seq(pending.episode_id)
         return True
+
+    def _attribute_by_body(self, call: Call, request: dict) -> None:
+        """A call no credentials or header placed: its Responses chain or its conversation may (sessions.py)."""
+        assert self.sessions is not None
+        pending = call.pending
+        tenant = tenant_of(call.agent_fields)
+        episode = self.sessions.by_body(pending.dialect, request, tenant)
+        if episode is None:
+            return
+        pending.episode_id, pending.tenant = episode, tenant
+        if call.route is not None and call.route.replica is not None:  # replicas are picked per episode
+            route = self.router.route(episode)
+            if route is not None:
+                self._point(call, route)
 
     @staticmethod
     def _plain_fields(call: Call) -> None:
@@ -514,6 +538,15 @@ class Calls:
         pending.deployment = self.router.settle(pending.replica, pending.deployment)
         if error is not None:
             pending.error = error
+        if (
+            self.sessions is not None
+            and pending.dialect == dialects.RESPONSES
+            and pending.tenant is not None
+            and pending.episode_id is not None
+            and (pending.status_code or 500) < 400
+        ):
+            answer = b"".join(pending.chunks[:16]) if pending.chunks else pending.response_body
+            self.sessions.answered(pending.episode_id, pending.tenant, answer)
         try:
             self.writer.put(pending)
         finally:  # the call is over whatever became of its turn: `lcap status` must not count it in flight

@@ -17,6 +17,7 @@ import fcntl
 import logging
 import os
 import resource
+import secrets
 import socket
 import ssl
 import subprocess
@@ -49,6 +50,8 @@ from lcap.capture.proxy.mitm_guards import (
     install_reset_limit,
     install_websocket_limits,
 )
+from lcap.capture.proxy.rewards_api import RewardEndpoint
+from lcap.capture.proxy.sessions import EpisodeRows, Sessions
 from lcap.capture.reach.jvm import java_proxy_options, java_tool_options, non_proxy_hosts, trust_store
 from lcap.capture.reach.names import Names
 from lcap.capture.reach.node_preload import node_options, preload_env
@@ -240,6 +243,8 @@ class CaptureProxy:
         self._error: str | None = None
         self._master: Any = None
         self._calls: Calls | None = None
+        self._episode_rows: EpisodeRows | None = None
+        self.rewards: RewardEndpoint | None = None
         self._bundle: Path | None = None
         self._java_store: Path | None = None
         self.names = Names()  # names lcap's DNS answered for namespaces (`--transparent`)
@@ -274,6 +279,15 @@ class CaptureProxy:
         router = Router(
             self.options.upstream, self.options.model, lcap_endpoints=self.lcap_endpoints, policy_key=self.policy_key
         )
+        if self.store is not None:
+            self._episode_rows = EpisodeRows(self.store)
+            self._episode_rows.start()
+        sessions = Sessions(
+            header=self.options.session_header,
+            conversations=bool(self.options.conversations),
+            limit=self.options.max_episodes,
+            opened=self._episode_rows.put if self._episode_rows is not None else (lambda episode, labels: None),
+        )
         calls = Calls(
             self.writer,
             router,
@@ -288,6 +302,7 @@ class CaptureProxy:
             heads=Heads(self.options.stitch_memory),
             hold_timeout=self.options.hold_timeout,
             max_held=self.options.max_held_calls,
+            sessions=sessions,
         )
         self._calls = calls
         self.writer.start()
@@ -303,6 +318,20 @@ class CaptureProxy:
             except BaseException:
                 self.stop()
                 raise
+        if self.store is not None and self.options.rewards_port is not None and self.options.rewards_port >= 0:
+            self.rewards = RewardEndpoint(
+                self.store,
+                secrets.token_urlsafe(32),
+                host=self.options.rewards_host,
+                port=self.options.rewards_port,
+                max_pending=self.options.max_pending_rewards,
+                max_body=self.options.max_reward_bytes,
+            )
+            try:
+                self.rewards.start()
+            except BaseException:
+                self.stop()
+                raise
         if self.store is not None:  # for `lcap episode new`, `lcap status`; a node's proxy is its collect driver's
             self._record = ProxyRecord(
                 os.getpid(),
@@ -314,6 +343,8 @@ class CaptureProxy:
                 command=command_line(),
                 upstream=self.options.upstream,
                 spool=str(self.writer.spool_directory) if self.writer.spool_directory else None,
+                rewards_url=self.rewards.url if self.rewards is not None else None,
+                reward_token=self.rewards.token if self.rewards is not None else None,
             )
             self._announcer = Announcer(self._record, self.counters)
             self._announcer.start()
@@ -494,6 +525,11 @@ class CaptureProxy:
         self._thread = None
         if self._calls is not None:
             self._calls.router.close()
+        if self.rewards is not None:
+            self.rewards.stop()
+            self.rewards = None
+        if self._episode_rows is not None:
+            self._episode_rows.stop()
         if self._announcer is not None:
             self._announcer.stop()
             self._announcer = None

@@ -145,6 +145,8 @@ class ProxyRecord:
     # calls, episodes, connections, turns, the writer (CaptureProxy.counters)
     counters: dict[str, Any] = dataclasses.field(default_factory=dict)
     updated_at: float = 0.0  # when the counters were taken
+    rewards_url: str | None = None  # the reward endpoint of `lcap proxy --serve` (capture/proxy/rewards_api.py)
+    reward_token: str | None = None  # its bearer token for any episode
 
     def keys(self) -> EpisodeKeys:
         return EpisodeKeys(bytes.fromhex(self.key))

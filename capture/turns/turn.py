@@ -85,6 +85,7 @@ class PendingTurn:
         "t0",
         "t_end",
         "t_first",
+        "tenant",
         "thread",
         "token_ids",
         "transport",
@@ -97,6 +98,7 @@ class PendingTurn:
     ) -> None:
         self.turn_id = new_turn_id()
         self.episode_id, self.seq = episode_id, seq
+        self.tenant: str | None = None  # set when capture/proxy/sessions.py attributed the call from its body
         self.started_at = time.time()
         self.t0 = time.perf_counter()
         self.t_first: float | None = None

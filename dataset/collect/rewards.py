@@ -8,13 +8,20 @@ from collections.abc import Mapping
 from typing import Any
 
 from lcap.config import LcapError
-from lcap.store import Store, now
+from lcap.store import Store
 
 
 def add_reward(
-    store: Store, episode_id: str, value: float, *, details: str | Mapping[str, Any] | None = None, source: str = "cli"
-) -> None:
-    """Record a reward for an existing episode; rewards may arrive long after the episode ended."""
+    store: Store,
+    episode_id: str,
+    value: float,
+    *,
+    details: str | Mapping[str, Any] | None = None,
+    source: str = "cli",
+    key: str | None = None,
+) -> bool:
+    """Record a reward for an existing episode; rewards may arrive long after the episode ended. With `key`, a
+    reward that key already stored is not stored again (returns False)."""
     if not math.isfinite(value):
         raise LcapError(f"reward must be a finite number, not {value}")
     if isinstance(details, str):
@@ -27,15 +34,4 @@ def add_reward(
         details = parsed
     if not store.fetchall("SELECT 1 FROM episodes WHERE episode_id = ?", [episode_id]):
         raise LcapError(f"no episode {episode_id!r} in {store.path}")
-    store.append(
-        "rewards",
-        [
-            {
-                "episode_id": episode_id,
-                "value": float(value),
-                "details": json.dumps(details or {}),
-                "source": source,
-                "created_at": now(),
-            }
-        ],
-    )
+    return store.add_reward(episode_id, float(value), details=json.dumps(details or {}), source=source, key=key)

@@ -1,7 +1,7 @@
 """Who may write into an episode, where a rerouted call may go, and what an exposed proxy may reach.
 
 - Attribution cannot be spoofed: an episode is named only with its secret (an HMAC of its id under the
-  running proxy's key); without one a call is refused (407), or in `--serve` on loopback stored unattributed.
+  running proxy's key); without one a call is refused (407), or in `--serve` on loopback placed by its session rules.
   The embedded mitmproxy's own port serves nobody but the front.
 - Rerouting never leaks: with `--upstream`, every request on an LLM path goes there (or gets a 503), whatever
   its body, never to the host the agent named, with the agent's key.

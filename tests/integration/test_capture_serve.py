@@ -63,7 +63,7 @@ def test_serve_attribution_side_traffic_and_sql_while_writing(capture_env, llm):
         header = new_episode(capture_env, port, "--id", "by-header")["header"]
         with httpx.Client(proxy=f"http://127.0.0.1:{port}", verify=verify) as client:
             client.post("https://api.openai.com/v1/chat/completions", json=CHAT, headers={"X-Lcap-Episode": header})
-            client.post("https://api.openai.com/v1/chat/completions", json=CHAT)  # no credentials: unattributed
+            client.post("https://api.openai.com/v1/chat/completions", json=CHAT)  # no credentials: its conversation
         proc.send_signal(signal.SIGINT)
         proc.wait(90)
     finally:
@@ -74,12 +74,14 @@ def test_serve_attribution_side_traffic_and_sql_while_writing(capture_env, llm):
     by_episode: dict = {}
     for row in rows:
         by_episode.setdefault(row["episode_id"], []).append(row["seq"])
-    assert {k: len(v) for k, v in by_episode.items()} == {**sent, "by-header": 1, None: 1}
+    (conversation,) = set(by_episode) - {*sent, "by-header"}
+    assert conversation.startswith("c-")  # --serve makes an episode of a conversation (test_capture_sessions.py)
+    assert {k: len(v) for k, v in by_episode.items()} == {**sent, "by-header": 1, conversation: 1}
     for seqs in by_episode.values():
         assert sorted(seqs) == list(range(len(seqs)))
     assert all(r["path"] == "/v1/chat/completions" for r in rows)  # telemetry passed through, not stored
     labels = run_lcap(["sql", "-f", "csv", "SELECT episode_id, task_id FROM episodes ORDER BY 1"], capture_env)
-    assert labels.stdout.splitlines()[1:] == ["agent-a,7", "agent-b,7", "by-header,"]
+    assert labels.stdout.splitlines()[1:] == ["agent-a,7", "agent-b,7", "by-header,", f"{conversation},"]
     assert llm.calls("/telemetry") == []  # side traffic went on to its own host (unreachable here), not rerouted
 
 

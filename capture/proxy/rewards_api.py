@@ -1,0 +1,284 @@
+"""The reward endpoint of `lcap proxy --serve`: `POST /lcap/v1/rewards`, for rewards that arrive after the episode.
+
+A poster proves who it is with `Authorization: Bearer TOKEN`: either the proxy's reward token (in the proxy's
+record, `LCAP_HOME/proxies/PORT.json`, mode 0600), which may reward any episode, or the upstream credential a
+tenant's agents send (capture/proxy/sessions.py), which may reward that tenant's episodes only; another
+tenant's episode is answered as an unknown one (404). The body is a JSON object:
+
+    {"episode_id": ID | "session": NAME | "label": {KEY: VALUE, ...},
+     "value": NUMBER, "source": TEXT, "details": OBJECT, "key": TEXT}
+
+`key` makes the post idempotent: a reward with that key already stored is not stored again (200, `stored: false`).
+Rewards are stored one at a time by one thread; past `max_pending` waiting, a post gets 429 with Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+from lcap.capture.proxy.sessions import session_episode, tenant_of_token
+from lcap.store import Store
+
+log = logging.getLogger("lcap.capture")
+PATH = "/lcap/v1/rewards"
+MAX_HEAD = 16 * 1024
+HEAD_TIMEOUT_S = 10.0
+MAX_TEXT = 1024  # characters of an id, session, label value, source or key
+MAX_CONNECTIONS = 1024
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    body: dict[str, Any]
+
+
+class Refusal(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class RewardEndpoint:
+    """An asyncio HTTP/1.1 listener on a thread of its own; `start` returns once it accepts connections."""
+
+    def __init__(
+        self,
+        store: Store,
+        token: str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_pending: int = 256,
+        max_body: int = 64 * 1024,
+    ) -> None:
+        self.store, self.token = store, token
+        self.host, self.port = host, port
+        self.max_pending, self.max_body = max_pending, max_body
+        self.pending = 0  # posts read and waiting for, or in, the store thread
+        self.connections = 0
+        self.counts = {"stored": 0, "duplicate": 0, "refused": 0, "busy": 0}
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="lcap-rewards")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}{PATH}"
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="lcap-reward-endpoint", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(30) or self._server is None:
+            raise RuntimeError("the reward endpoint did not start")
+
+    def stop(self) -> None:
+        loop = self._loop
+        if loop is not None and self._thread is not None:
+            loop.call_soon_threadsafe(loop.stop)
+            self._thread.join(10)
+        self._executor.shutdown(wait=True)
+
+    def _run(self) -> None:
+        loop = self._loop = asyncio.new_event_loop()
+        try:
+            self._server = loop.run_until_complete(
+                asyncio.start_server(self._connection, self.host, self.port, limit=MAX_HEAD)
+            )
+            self.port = self._server.sockets[0].getsockname()[1]
+        finally:
+            self._ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            self._server.close()
+            loop.close()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.connections >= MAX_CONNECTIONS:
+            writer.close()
+            return
+        self.connections += 1
+        try:
+            while True:
+                try:
+                    answer, keep = await self._one(reader)
+                except Refusal as exc:
+                    self.counts["refused"] += 1
+                    answer, keep = Answer(exc.status, {"error": str(exc)}), False
+                if answer is None:
+                    return
+                _write(writer, answer, keep)
+                await writer.drain()
+                if not keep:
+                    return
+        except (ConnectionError, asyncio.IncompleteReadError):
+            return
+        finally:
+            self.connections -= 1
+            writer.close()
+
+    async def _one(self, reader: asyncio.StreamReader) -> tuple[Answer | None, bool]:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
+        except asyncio.IncompleteReadError as exc:
+            if exc.partial:
+                raise Refusal(400, "incomplete request head") from None
+            return None, False
+        except asyncio.LimitOverrunError:
+            raise Refusal(431, "request head too large") from None
+        except TimeoutError:
+            raise Refusal(408, "request head too slow") from None
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ")
+        if len(parts) != 3:
+            raise Refusal(400, "bad request line")
+        method, target, _ = parts
+        fields: dict[str, str] = {}
+        for line in lines[1:]:
+            if line:
+                name, sep, value = line.partition(":")
+                if not sep:
+                    raise Refusal(400, "bad header field")
+                fields[name.strip().lower()] = value.strip()
+        keep = fields.get("connection", "").lower() != "close"
+        if target.split("?", 1)[0] != PATH:
+            raise Refusal(404, f"no such endpoint: POST {PATH}")
+        if method != "POST":
+            raise Refusal(405, f"POST {PATH}")
+        if "transfer-encoding" in fields:
+            raise Refusal(411, "send the body with a Content-Length")
+        try:
+            length = int(fields.get("content-length", ""))
+        except ValueError:
+            raise Refusal(411, "a Content-Length is required") from None
+        if length < 0:
+            raise Refusal(400, "bad Content-Length")
+        if length > self.max_body:
+            raise Refusal(413, f"the body is over {self.max_body} bytes (--max-reward-bytes)")
+        scheme, _, token = fields.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise Refusal(401, "Authorization: Bearer TOKEN required")
+        try:
+            body = await asyncio.wait_for(reader.readexactly(length), HEAD_TIMEOUT_S)
+        except TimeoutError:
+            raise Refusal(408, "request body too slow") from None
+        admin = hmac.compare_digest(token.strip().encode(), self.token.encode())
+        post = _read_post(body)
+        if self.pending >= self.max_pending:
+            self.counts["busy"] += 1
+            return Answer(429, {"error": "too many rewards waiting to be stored: retry later"}), keep
+        self.pending += 1
+        try:
+            loop = asyncio.get_running_loop()
+            answer = await loop.run_in_executor(self._executor, self._store, post, None if admin else token.strip())
+        finally:
+            self.pending -= 1
+        if answer.status >= 400:
+            self.counts["refused"] += 1
+        else:
+            self.counts["stored" if answer.body.get("stored") else "duplicate"] += 1
+        return answer, keep
+
+    def _store(self, post: dict[str, Any], token: str | None) -> Answer:
+        """One reward, in the store thread. `token`: a tenant's credential, or None for the proxy's reward token."""
+        tenant = tenant_of_token(token) if token is not None else None
+        try:
+            episode = self._episode(post, tenant)
+        except Refusal as exc:
+            return Answer(exc.status, {"error": str(exc)})
+        stored = self.store.add_reward(
+            episode, post["value"], details=json.dumps(post["details"]), source=post["source"], key=post["key"]
+        )
+        return Answer(201 if stored else 200, {"episode_id": episode, "stored": stored})
+
+    def _episode(self, post: dict[str, Any], tenant: str | None) -> str:
+        where, params = [], []
+        if "episode_id" in post:
+            where.append("episode_id = ?")
+            params.append(post["episode_id"])
+        elif "session" in post:
+            if tenant is not None:
+                where.append("episode_id = ?")
+                params.append(session_episode(tenant, post["session"]))
+            else:
+                where.append("labels->>'session' = ?")
+                params.append(post["session"])
+        else:
+            for key, value in post["label"].items():
+                where.append("labels->>? = ?")
+                params += [key, value]
+        if tenant is not None:
+            where.append("labels->>'tenant' = ?")
+            params.append(tenant)
+        rows = self.store.fetchall(f"SELECT episode_id FROM episodes WHERE {' AND '.join(where)} LIMIT 2", params)
+        if len(rows) == 1:
+            return rows[0][0]
+        if len(rows) > 1:
+            raise Refusal(409, "several episodes match: name one by its id")
+        if tenant is not None and not self.store.fetchall(
+            "SELECT 1 FROM episodes WHERE labels->>'tenant' = ? LIMIT 1", [tenant]
+        ):
+            raise Refusal(401, "the token is neither the proxy's reward token nor a tenant's credential")
+        raise Refusal(404, "no such episode")
+
+
+def _read_post(body: bytes) -> dict[str, Any]:
+    try:
+        post = json.loads(body)
+    except (ValueError, RecursionError):
+        raise Refusal(400, "the body is not JSON") from None
+    if not isinstance(post, dict):
+        raise Refusal(400, "the body must be a JSON object")
+    named = [name for name in ("episode_id", "session", "label") if name in post]
+    if len(named) != 1:
+        raise Refusal(400, "name the episode by exactly one of episode_id, session, label")
+    value = post.get("value")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise Refusal(400, "value must be a finite number")
+    label = post.get("label")
+    if named[0] == "label" and (
+        not isinstance(label, dict) or not label or not all(_text(k) and _text(v) for k, v in label.items())
+    ):
+        raise Refusal(400, "label must be an object of text values")
+    if named[0] != "label" and not _text(post[named[0]]):
+        raise Refusal(400, f"{named[0]} must be text")
+    details = post.get("details", {})
+    if not isinstance(details, dict):
+        raise Refusal(400, "details must be a JSON object")
+    source = post.get("source", "api")
+    key = post.get("key")
+    if not _text(source) or (key is not None and not _text(key)):
+        raise Refusal(400, "source and key must be text")
+    out = {named[0]: post[named[0]], "value": float(value), "details": details, "source": source, "key": key}
+    return out
+
+
+def _text(value: Any) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= MAX_TEXT
+
+
+def _write(writer: asyncio.StreamWriter, answer: Answer, keep: bool) -> None:
+    body = json.dumps(answer.body).encode() + b"\n"
+    reason = HTTPStatus(answer.status).phrase
+    head = [
+        f"HTTP/1.1 {answer.status} {reason}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        "Connection: " + ("keep-alive" if keep else "close"),
+    ]
+    if answer.status == 429:
+        head.append("Retry-After: 1")
+    writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)

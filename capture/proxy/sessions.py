@@ -1,0 +1,230 @@
+"""Episodes a long-running proxy finds in what its clients already send, without per-episode set-up.
+
+A call that proves no episode (no episode credentials, no tunnel that proved one) is attributed by the first of
+these rules that applies:
+
+1. a session header (`X-Lcap-Session` unless configured): its value names the session; the header is taken out of
+   the request before it goes upstream;
+2. a Responses API call's `previous_response_id`: the episode of the call that answered with that id;
+3. its conversation (when `conversations` is on): the episode of an earlier call whose whole message list starts
+   this call's messages, else a new episode.
+
+Every key is scoped to the call's tenant, a digest of the credential it carries for its upstream (`Authorization`,
+`x-api-key`, `api-key`; a call with none is a tenant of its own): one tenant's session names, response ids and
+conversations never reach another tenant's episodes. A header session's episode id is a digest of (tenant, name),
+so it is the same after a restart and cannot be reached without the tenant's credential.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import re
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lcap.store import Store, now
+
+log = logging.getLogger("lcap.capture")
+
+Fields = Sequence[tuple[bytes, bytes]]
+SESSION_HEADER = "X-Lcap-Session"
+TENANT_FIELDS = (b"authorization", b"x-api-key", b"api-key")
+MAX_SESSION_LABEL = 256  # characters of a session name kept as its episode's label (the id digests all of it)
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[^"\\]{1,256})"')
+RESPONSE_ID_WINDOW = 8192  # bytes at the start of an answer where a Responses answer names itself
+
+
+def tenant_of(fields: Fields) -> str:
+    """The tenant of a request: a digest of its upstream credentials (the same for a call without any)."""
+    digest = hashlib.sha256(b"lcap-tenant\0")
+    for field in sorted((name.lower(), value) for name, value in fields if name.lower() in TENANT_FIELDS):
+        digest.update(field[0] + b"\0" + field[1].strip() + b"\0")
+    return digest.hexdigest()[:32]
+
+
+def tenant_of_token(token: str) -> str:
+    """The tenant a reward poster proves with `Authorization: Bearer TOKEN`: the one its agents' calls carry."""
+    return tenant_of(((b"authorization", f"Bearer {token}".encode()),))
+
+
+def session_episode(tenant: str, name: str) -> str:
+    return "s-" + hashlib.sha256(f"{tenant}\0{name}".encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+class Sessions:
+    """The rules above, with bounded memory: the last `limit` conversations' prefixes and response ids.
+
+    `opened(episode_id, labels)` is called once per episode this proxy run opens (the proxy stores its row)."""
+
+    def __init__(
+        self,
+        *,
+        header: str | None = SESSION_HEADER,
+        conversations: bool = False,
+        limit: int = 100_000,
+        opened: Callable[[str, dict[str, str]], None] = lambda episode, labels: None,
+    ) -> None:
+        self.header = header.lower().encode() if header else None
+        self.conversations = conversations
+        self.limit = limit
+        self.opened = opened
+        self._lock = threading.Lock()
+        self._known: OrderedDict[str, None] = OrderedDict()
+        self._prefixes: OrderedDict[bytes, str | None] = OrderedDict()  # None: two conversations share it
+        self._responses: OrderedDict[tuple[str, str], str] = OrderedDict()
+
+    def take_header(self, fields: Fields) -> tuple[str | None, Fields]:
+        """(the session header's value, the fields without it); `fields` itself when it has none."""
+        if self.header is None or not any(name.lower() == self.header for name, _ in fields):
+            return None, fields
+        value = None
+        keep = []
+        for name, field_value in fields:
+            if name.lower() == self.header:
+                value = field_value.decode("utf-8", "replace").strip() or value
+            else:
+                keep.append((name, field_value))
+        return value, tuple(keep)
+
+    def by_header(self, name: str, fields: Fields) -> str:
+        tenant = tenant_of(fields)
+        episode = session_episode(tenant, name)
+        self._open(episode, {"session": name[:MAX_SESSION_LABEL], "tenant": tenant, "attributed_by": "header"})
+        return episode
+
+    def by_body(self, dialect: str, request: dict[str, Any], tenant: str) -> str | None:
+        """The episode a call's body places it in (rules 2 and 3), or None when neither applies."""
+        previous = request.get("previous_response_id")
+        if isinstance(previous, str):
+            with self._lock:
+                episode = self._responses.get((tenant, previous))
+            if episode is not None:
+                return episode
+        if not self.conversations:
+            return None
+        items = _messages(dialect, request)
+        if items is None:  # a chain this run never saw answered: a conversation of its own from here
+            return self._new_conversation(tenant) if isinstance(previous, str) else None
+        digests = _prefix_digests(tenant, dialect, items)
+        with self._lock:
+            found = None
+            for digest in reversed(digests[1:-1]):
+                if digest in self._prefixes:
+                    found = self._prefixes[digest]
+                    break
+            fresh = found is None
+            episode = found if found is not None else _conversation_id()
+            whole = digests[-1]
+            if whole in self._prefixes and self._prefixes[whole] != episode:
+                self._prefixes[whole] = None
+            else:
+                self._prefixes[whole] = episode
+            self._prefixes.move_to_end(whole)
+            while len(self._prefixes) > self.limit:
+                self._prefixes.popitem(last=False)
+        if fresh:
+            self._open(episode, {"tenant": tenant, "attributed_by": "conversation"})
+        return episode
+
+    def _new_conversation(self, tenant: str) -> str:
+        episode = _conversation_id()
+        self._open(episode, {"tenant": tenant, "attributed_by": "conversation"})
+        return episode
+
+    def answered(self, episode: str, tenant: str, answer: bytes) -> None:
+        """A Responses answer of `episode`: its id now leads there (rule 2)."""
+        found = _RESPONSE_ID.search(answer[:RESPONSE_ID_WINDOW])
+        if found is None:
+            return
+        with self._lock:
+            self._responses[(tenant, found.group(1).decode("ascii", "replace"))] = episode
+            while len(self._responses) > self.limit:
+                self._responses.popitem(last=False)
+
+    def _open(self, episode: str, labels: dict[str, str]) -> None:
+        with self._lock:
+            if episode in self._known:
+                self._known.move_to_end(episode)
+                return
+            self._known[episode] = None
+            while len(self._known) > self.limit:
+                self._known.popitem(last=False)
+        self.opened(episode, labels)
+
+
+def _conversation_id() -> str:
+    return "c-" + uuid.uuid4().hex
+
+
+def _messages(dialect: str, request: dict[str, Any]) -> list[Any] | None:
+    if dialect == "chat" and isinstance(request.get("messages"), list):
+        return request["messages"]
+    if dialect == "messages" and isinstance(request.get("messages"), list):
+        return [{"system": request.get("system")}, *request["messages"]]
+    if dialect == "responses" and "previous_response_id" not in request:
+        given = request.get("input")
+        items = given if isinstance(given, list) else [given]
+        return [{"instructions": request.get("instructions")}, *items]
+    return None
+
+
+def _prefix_digests(tenant: str, dialect: str, items: list[Any]) -> list[bytes]:
+    """The digest of each prefix of `items` (the first: of the empty one), chained: one pass over the messages."""
+    digest = hashlib.sha256(f"{tenant}\0{dialect}".encode()).digest()
+    out = [digest]
+    for item in items:
+        canonical = json.dumps(item, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
+        digest = hashlib.sha256(digest + canonical.encode("utf-8", "surrogatepass")).digest()
+        out.append(digest)
+    return out
+
+
+class EpisodeRows:
+    """Writes the row of each episode `Sessions` opens, off the proxy's event loop, in batches; an id the store
+    holds already (a session seen before a restart) is left as it is. Past `backlog` rows waiting, a row is
+    dropped with a warning: its turns are still stored."""
+
+    def __init__(self, store: Store, *, backlog: int = 10_000) -> None:
+        self.store = store
+        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(backlog)
+        self._thread = threading.Thread(target=self._run, name="lcap-episode-rows", daemon=True)
+        self.dropped = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def put(self, episode: str, labels: dict[str, str]) -> None:
+        row = {"episode_id": episode, "started_at": now(), "status": "running", "labels": json.dumps(labels)}
+        try:
+            self._queue.put_nowait(row)
+        except queue.Full:
+            self.dropped += 1
+            log.warning("lcap: the row of episode %s was not stored (too many new episodes at once)", episode)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        done = False
+        while not done:
+            rows = [self._queue.get()]
+            while True:
+                try:
+                    rows.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            done = None in rows
+            batch = list({row["episode_id"]: row for row in rows if row is not None}.values())
+            if batch:
+                try:
+                    self.store.append("episodes", batch, new_by="episode_id")
+                except Exception as exc:  # the proxy goes on; its turns are stored without the row
+                    log.warning("lcap: %d episode rows were not stored: %s", len(batch), exc)

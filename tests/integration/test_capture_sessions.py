@@ -1,0 +1,200 @@
+"""`lcap proxy --serve` without per-episode set-up: sessions by header, Responses chain and conversation, and the
+reward endpoint (POST /lcap/v1/rewards) with its token, tenants, body limit and bounded queue. One proxy serves
+the whole module; each test uses session names, conversations and keys of its own."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+from fixtures_capture import SECRET, FakeLLM, node_cache_dir, serve_proxy, wait_until
+
+from lcap.store import Store
+
+KEY_A, KEY_B = "sk-tenant-a-0123456789", "sk-tenant-b-9876543210"
+MAX_PENDING = 1
+MAX_BODY = 2048
+
+
+class Served:
+    def __init__(self, proc, port: int, db: Path, record: dict, llm: FakeLLM) -> None:
+        self.proc, self.port, self.db, self.record, self.llm = proc, port, db, record, llm
+        self.proxy = f"http://127.0.0.1:{port}"
+
+    def call(self, body: dict, *, key: str, session: str | None = None, chunked: bool = False, path: str = "chat"):
+        """One call through the proxy as tenant `key` (chunked: a body the front hands to mitmproxy)."""
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        if session is not None:
+            headers["X-Lcap-Session"] = session
+        data = json.dumps(body).encode()
+        url = f"{self.llm.url}/v1/{'chat/completions' if path == 'chat' else 'responses'}"
+        with httpx.Client(proxy=self.proxy, timeout=30) as client:
+            answer = client.post(url, headers=headers, content=iter([data]) if chunked else data)
+        answer.raise_for_status()
+        return answer.json()
+
+    def reward(self, post: dict | bytes, token: str | None) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        content = post if isinstance(post, bytes) else json.dumps(post).encode()
+        return httpx.post(self.record["rewards_url"], content=content, headers=headers, timeout=90)
+
+    def rows(self, sql: str, params: list | None = None) -> list[tuple]:
+        return Store(self.db).fetchall(sql, params)
+
+
+@pytest.fixture(scope="module")
+def served(capture_home, tmp_path_factory, fake_llm):
+    fake_llm.reset()
+    fake_llm.response_ids = itertools.count(1)
+    db = tmp_path_factory.mktemp("sessions") / "lcap.duckdb"
+    env = dict(os.environ, LCAP_HOME=str(capture_home), LCAP_DB=str(db), LCAP_NODE_DIR=str(node_cache_dir()))
+    env["PYTHONUNBUFFERED"] = "1"
+    env["OPENAI_API_KEY"] = SECRET
+    args = ("--upstream", fake_llm.url, "--max-pending-rewards", str(MAX_PENDING), "--max-reward-bytes", str(MAX_BODY))
+    proc, port = serve_proxy(env, *args)
+    try:
+        record = json.loads((capture_home / "proxies" / f"{port}.json").read_text())
+        yield Served(proc, port, db, record, fake_llm)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        fake_llm.reset()
+
+
+def _chat(*texts: str) -> dict:
+    roles = itertools.cycle(("user", "assistant"))
+    return {
+        "model": "m",
+        "messages": [{"role": "system", "content": "be brief"}]
+        + [{"role": role, "content": text} for role, text in zip(roles, texts)],
+    }
+
+
+def _episodes_of(served: Served, marker: str) -> list[tuple]:
+    """(episode_id, seq) of the stored turns whose request mentions `marker`, once the writer stored them all."""
+    rows = served.rows("SELECT episode_id, seq, request::VARCHAR FROM turns ORDER BY episode_id, seq")
+    return [(episode, seq) for episode, seq, request in rows if marker in request]
+
+
+def _stored(served: Served, marker: str, count: int) -> list[tuple]:
+    found: list[tuple] = []
+
+    def enough() -> bool:
+        found[:] = _episodes_of(served, marker)
+        return len(found) >= count
+
+    wait_until(enough, timeout=60)
+    return found
+
+
+def test_session_header_on_both_transports_scoped_to_the_tenant_and_never_sent_upstream(served):
+    served.call(_chat("hdr-1 first"), key=KEY_A, session="pr-101")
+    served.call(_chat("hdr-1 second"), key=KEY_A, session="pr-101", chunked=True)  # through mitmproxy
+    served.call(_chat("hdr-1 other tenant"), key=KEY_B, session="pr-101")
+    rows = _stored(served, "hdr-1", 3)
+    a = sorted(r for r in rows if r[0] != _episode_of(served, "hdr-1 other tenant"))
+    assert len({episode for episode, _ in a}) == 1 and [seq for _, seq in a] == [0, 1]
+    other = _episode_of(served, "hdr-1 other tenant")
+    assert other != a[0][0]  # the same session name under another credential is another episode
+    sent = [r for r in served.llm.requests if "hdr-1" in json.dumps(r["body"])]
+    assert len(sent) == 3 and not any("x-lcap-session" in {k.lower() for k in r["headers"]} for r in sent)
+    labels = dict(
+        served.rows("SELECT episode_id, labels->>'session' FROM episodes WHERE episode_id IN (?, ?)", [a[0][0], other])
+    )
+    assert labels == {a[0][0]: "pr-101", other: "pr-101"}
+
+
+def _episode_of(served: Served, marker: str) -> str:
+    (episode,) = {episode for episode, _ in _stored(served, marker, 1)}
+    return episode
+
+
+def test_conversations_and_the_responses_chain_make_episodes_without_set_up(served):
+    served.call(_chat("conv-x task"), key=KEY_A)
+    served.call(_chat("conv-x task", "done x", "conv-x next"), key=KEY_A, chunked=True)
+    served.call(_chat("conv-y task"), key=KEY_A)
+    served.call(_chat("conv-x task"), key=KEY_B)  # the same opening under another tenant
+    first = served.call({"model": "m", "input": "chain-1 start"}, key=KEY_A, path="responses")
+    served.call(
+        {"model": "m", "input": "chain-1 more", "previous_response_id": first["id"]},
+        key=KEY_A,
+        path="responses",
+        chunked=True,
+    )
+    served.call(
+        {"model": "m", "input": "chain-1 stolen", "previous_response_id": first["id"]}, key=KEY_B, path="responses"
+    )
+    x = _stored(served, "conv-x next", 1)[0][0]
+    assert sorted(seq for episode, seq in _stored(served, "conv-x", 3) if episode == x) == [0, 1]
+    assert _episode_of(served, "conv-y") != x
+    assert len({episode for episode, _ in _stored(served, "conv-x", 3)}) == 2  # tenant B's is its own
+    chain = _episode_of(served, "chain-1 start")
+    assert _episode_of(served, "chain-1 more") == chain
+    assert _episode_of(served, "chain-1 stolen") != chain  # another tenant cannot follow tenant A's chain
+    wait_until(lambda: served.rows("SELECT count(*) FROM episodes WHERE episode_id = ?", [chain])[0][0] == 1, 60)
+
+
+def test_rewards_by_session_label_and_id_idempotent_and_late(served):
+    served.call(_chat("rw-1 work"), key=KEY_A, session="pr-202")
+    episode = _episode_of(served, "rw-1 work")
+    wait_until(lambda: served.rows("SELECT count(*) FROM episodes WHERE episode_id = ?", [episode])[0][0] == 1, 60)
+    post = {"session": "pr-202", "value": 1.0, "source": "ci", "details": {"run": 7}, "key": "ci-run-7"}
+    first = served.reward(post, KEY_A)
+    assert first.status_code == 201 and first.json() == {"episode_id": episode, "stored": True}
+    again = served.reward({**post, "value": 0.0}, KEY_A)
+    assert again.status_code == 200 and again.json()["stored"] is False
+    admin = served.record["reward_token"]
+    by_label = served.reward({"label": {"session": "pr-202"}, "value": 0.5, "source": "review", "key": "r-1"}, admin)
+    assert by_label.status_code == 201 and by_label.json()["episode_id"] == episode
+    assert served.reward({"episode_id": episode, "value": 1, "key": "b-1"}, KEY_B).status_code == 404
+    assert served.reward({"episode_id": episode, "value": 1, "key": "w-1"}, "not-a-token").status_code == 401
+    assert served.reward({"episode_id": episode, "value": 1, "key": "w-2"}, None).status_code == 401
+    assert served.reward({"episode_id": "no-such", "value": 1, "key": "u-1"}, admin).status_code == 404
+    big = served.reward(
+        json.dumps({"episode_id": episode, "value": 1, "details": {"x": "y" * MAX_BODY}}).encode(), admin
+    )
+    assert big.status_code == 413
+    assert served.reward({"episode_id": episode, "value": float("nan")}, admin).status_code == 400
+    rows = served.rows(
+        "SELECT key, value, source, late_s FROM reward_delays WHERE episode_id = ? ORDER BY key", [episode]
+    )
+    assert [row[:3] for row in rows] == [("ci-run-7", 1.0, "ci"), ("r-1", 0.5, "review")]
+    assert all(row[3] is not None and row[3] >= 0 for row in rows)
+    assert served.record["rewards_url"].startswith("http://127.0.0.1:")  # loopback unless --rewards-host
+
+
+def test_a_flood_of_rewards_meets_a_bounded_queue(served):
+    served.call(_chat("flood work"), key=KEY_A, session="flood")
+    episode = _episode_of(served, "flood work")
+    wait_until(lambda: served.rows("SELECT count(*) FROM episodes WHERE episode_id = ?", [episode])[0][0] == 1, 60)
+    answers: list[httpx.Response] = []
+    posts = 12
+    store = Store(served.db)
+    with store.connect():  # the store is held: the first reward waits in the endpoint's queue
+        threads = [
+            threading.Thread(
+                target=lambda n=n: answers.append(
+                    served.reward({"episode_id": episode, "value": 1, "key": f"flood-{n}"}, KEY_A)
+                )
+            )
+            for n in range(posts)
+        ]
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: len(answers) >= posts - MAX_PENDING, timeout=60)
+        assert all(a.status_code == 429 and a.headers["retry-after"] == "1" for a in answers)
+    for thread in threads:
+        thread.join(90)
+    assert sorted(a.status_code for a in answers) == [201] * MAX_PENDING + [429] * (posts - MAX_PENDING)
+    stored = served.rows("SELECT count(*) FROM rewards WHERE key LIKE 'flood-%'")[0][0]
+    assert stored == MAX_PENDING
