@@ -14,6 +14,16 @@ UPSTREAM_HELP = "'policy' (the deployed vLLM), a URL, or 'none' (the agent's own
 
 
 @dataclass(frozen=True)
+class SandboxLimits:
+    """What `--sandbox` allows one episode (CollectOptions' flags)."""
+
+    memory_mb: int
+    pids: int
+    disk_mb: int
+    keep_workspaces: bool = False
+
+
+@dataclass(frozen=True)
 class CollectOptions:
     """How `lcap collect` (and the loop's collect step) runs the agent; flags, defaults and help come from here."""
 
@@ -46,6 +56,22 @@ class CollectOptions:
         (), help="With --ray: a custom Ray resource one episode holds, NAME=AMOUNT (e.g. sandbox=1); repeatable."
     )
     transparent: bool = transparent_option()
+    sandbox: bool = option(
+        False,
+        flag="--sandbox",
+        help="Run each episode's agent in a bubblewrap sandbox of its own (Linux, root, the bubblewrap package, "
+        "cgroups v1): a tmpfs workspace with the task's files, the host read-only with lcap's home, the store's "
+        "folder and the run folder hidden, another user, its own PID and network namespaces whose only reachable "
+        "address is the capture proxy, and the limits below; --timeout is its wall time.",
+    )
+    sandbox_memory: int = option(2048, help="With --sandbox: MiB of memory an episode's processes may use.")
+    sandbox_pids: int = option(256, help="With --sandbox: processes and threads an episode may have at once.")
+    sandbox_disk: int = option(1024, help="With --sandbox: MiB an episode may write (its workspace; its /tmp too).")
+    keep_workspaces: bool = option(
+        False,
+        flag="--keep-workspaces",
+        help="With --sandbox: keep each episode's workspace on disk after it ended (default: removed once verified).",
+    )
 
     def __post_init__(self) -> None:
         if self.group_size < 1 or self.concurrency < 1:
@@ -57,6 +83,18 @@ class CollectOptions:
         self.resources()  # a malformed --episode-resources is an error before anything runs
         if self.transparent and self.ray is not None:
             raise LcapError("--transparent runs episodes on this machine: it does not go with --ray")
+        if self.sandbox and (self.ray is not None or self.transparent):
+            raise LcapError(
+                "--sandbox runs episodes on this machine in namespaces of its own: not with --ray or --transparent"
+            )
+        if min(self.sandbox_memory, self.sandbox_pids, self.sandbox_disk) < 1:
+            raise LcapError("--sandbox-memory, --sandbox-pids and --sandbox-disk must be at least 1")
+
+    def sandbox_limits(self) -> SandboxLimits | None:
+        """--sandbox's limits, or None without --sandbox."""
+        if not self.sandbox:
+            return None
+        return SandboxLimits(self.sandbox_memory, self.sandbox_pids, self.sandbox_disk, self.keep_workspaces)
 
     def resources(self) -> dict[str, float]:
         """--episode-resources as Ray's `resources` mapping."""
