@@ -167,7 +167,19 @@ class EpisodeSandbox:
         info_r, info_w = os.pipe()
         block_r, block_w = os.pipe()
         self.pipes = [info_r, info_w, block_r, block_w]
-        args = ["bwrap", *NAMESPACES, "--die-with-parent", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+        args = [
+            "bwrap",
+            *NAMESPACES,
+            "--die-with-parent",
+            "--new-session",
+            "--ro-bind",
+            "/",
+            "/",
+            "--dev",
+            "/dev",
+            "--proc",
+            "/proc",
+        ]
         args += ["--tmpfs", "/run", "--perms", "0755", "--dir", str(SHOWN)]
         args += self.sandbox.mounts()
         for outside, inside in _shown(env).items():
