@@ -2,7 +2,8 @@
 # Idempotent set-up on a fresh machine: the project's venv (.venv, or $LCAP_VENV) with lcap
 # installed editable, the Node preload's npm packages, vLLM in a venv of its own (its pins
 # clash with mitmproxy's), Debian's Chromium for the UI's browser tests, iptables for
-# `--transparent`, bubblewrap for `--sandbox` and a JDK for the JVM tests. Re-running it only checks what is already there.
+# `--transparent`, bubblewrap for `--sandbox` and a JDK for the JVM tests. Re-running it only checks what is
+# already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${LCAP_VENV:-.venv}

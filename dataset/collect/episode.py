@@ -351,8 +351,8 @@ def report_end(console, spec: EpisodeSpec, outcome: EpisodeOutcome) -> None:
 
 
 def template_dir(task: Mapping[str, Any], tasks_dir: Path) -> Path | None:
-    """The task's `template` directory (relative to the tasks file), or None if it has none."""
-    template = task.get("template")
+    """The task's `template` (or `workspace`) directory, relative to the tasks file, or None if it has none."""
+    template = task.get("template") or task.get("workspace")
     if not template:
         return None
     src = (tasks_dir / template).resolve()

@@ -4,12 +4,12 @@ What one episode gets (`EpisodeSandbox`):
 
 - a workspace: a tmpfs of `--sandbox-disk` MiB mounted at the episode's workdir and filled with the task's files
   before the agent starts, owned by the agent's user; the agent starts in it, it alone is writable (besides a
-  private /tmp of the same size), and after the episode (verifier included) it is unmounted, copied to disk
+  private $TMPDIR of the same size), and after the episode (verifier included) it is unmounted, copied to disk
   first with `--keep-workspaces`;
-- its own user (the host's `nobody`, with no capabilities: root outside is not root inside), and mount, PID,
-  IPC, UTS and network namespaces (`bwrap --unshare-all`): the host's file system read-only, with lcap's home,
-  the store's folder and the collect's run folder hidden under empty tmpfs (only lcap's CA bundle is put back),
-  and only the sandbox's own processes in /proc;
+- the host's `nobody` with no capabilities (bubblewrap runs as root, then `setpriv` drops to nobody before the
+  agent: root outside is not root inside), in mount, PID, IPC, UTS and network namespaces of its own: the host's
+  file system read-only, with lcap's home, the store's files and the collect's run folder hidden (only lcap's CA
+  bundle and the like are shown, under /run/lcap), and only the sandbox's own processes in /proc;
 - a network of its own loopback alone, where lcap listens on 127.0.0.1 at the proxy's port (a listener made in
   the namespace from outside, before the agent starts, and served by the proxy as this episode's: no credential
   enters the sandbox), so every LLM call is captured and nothing else leaves;
