@@ -26,6 +26,7 @@ from rich.text import Text
 
 from lcap.capture.trust.redact import redact_text
 from lcap.config import LcapError
+from lcap.dataset.collect.sandbox import release_mounts
 from lcap.dataset.collect.summary import CollectSummary
 from lcap.dataset.collect.verifiers import Verifier, VerifierContext, VerifierError, hash_protected, tampered_files
 from lcap.display import printable
@@ -137,6 +138,8 @@ def run_episode(
     `CaptureProxy.episode_child`, says how to start the agent (in namespaces of its own with `--transparent`);
     `sandbox` (`--sandbox`), that it runs in a bubblewrap sandbox of its own, whose limits reached end it."""
     if spec.dir.exists():
+        if sandbox is not None:  # a workspace a killed lcap left mounted
+            release_mounts(spec.dir)
         shutil.rmtree(spec.dir)
     spec.workdir.mkdir(parents=True)
     box = sandbox.episode(spec.episode_id, spec.workdir) if sandbox is not None else None

@@ -93,6 +93,7 @@ class Sandbox:
         self.limits, self.proxy = limits, proxy
         self.hidden = sorted({Path(p).resolve() for p in (*hidden, lcap_home())}, key=lambda p: len(p.parts))
         self.hidden_files = [Path(p).resolve() for p in hidden_files]
+        _remove_orphan_cgroups()
 
     def mounts(self) -> list[str]:
         """bubblewrap's arguments that hide what the agent must not see: a hidden file's folder becomes a tmpfs
@@ -262,6 +263,25 @@ def _shown(env: Mapping[str, str]) -> dict[str, str]:
     paths = {env[name] for name in CA_VARS if name in env}
     paths |= {str(ca_dir() / TRUST_STORE), str(node_dir() / "node_modules")}
     return {p: str(SHOWN / Path(p).name) for p in sorted(paths) if os.path.exists(p)}
+
+
+def release_mounts(folder: Path) -> None:
+    """Unmount what a killed lcap left mounted under `folder` (an episode's workspace), so it can be removed."""
+    prefix = str(Path(folder).resolve()) + "/"
+    with contextlib.suppress(OSError):
+        points = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+        for point in sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True):
+            with contextlib.suppress(LcapError):
+                _umount(point)
+
+
+def _remove_orphan_cgroups() -> None:
+    """Episode cgroups whose lcap process is gone (killed before it could remove them)."""
+    for controller in ("memory", "pids"):
+        for group in (CGROUPS / controller / GROUP).glob("*-*"):
+            pid = group.name.rsplit("-", 1)[1]
+            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                _remove_cgroup(group, wait=0.5)
 
 
 def _child_pid(fd: int) -> int:
