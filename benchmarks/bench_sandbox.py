@@ -20,11 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from lcap.capture.options import ProxyOptions
+from lcap.capture.options import ProxyOptions, SandboxLimits
 from lcap.capture.proxy.server import CaptureProxy
+from lcap.capture.sandbox import Sandbox, missing
 from lcap.dataset.collect.episode import EpisodeRules, EpisodeSpec, TaskFiles, run_episode
-from lcap.dataset.collect.sandbox import Sandbox, missing
-from lcap.dataset.options import SandboxLimits
 from lcap.store import Store
 
 

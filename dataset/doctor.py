@@ -6,7 +6,7 @@ import os
 import shutil
 import subprocess
 
-from lcap.dataset.collect.sandbox import NAMESPACES, PACKAGE, missing
+from lcap.capture.sandbox import NAMESPACES, PACKAGE, missing
 from lcap.doctor import Context, Result, check
 
 

@@ -6,21 +6,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from lcap.capture.options import transparent_option
+from lcap.capture.options import (
+    SandboxLimits,
+    keep_workspaces_option,
+    sandbox_disk_option,
+    sandbox_limits,
+    sandbox_memory_option,
+    sandbox_option,
+    sandbox_pids_option,
+    transparent_option,
+)
 from lcap.cli_options import option
 from lcap.config import LcapError
 
 UPSTREAM_HELP = "'policy' (the deployed vLLM), a URL, or 'none' (the agent's own host)."
-
-
-@dataclass(frozen=True)
-class SandboxLimits:
-    """What `--sandbox` allows one episode (CollectOptions' flags)."""
-
-    memory_mb: int
-    pids: int
-    disk_mb: int
-    keep_workspaces: bool = False
 
 
 @dataclass(frozen=True)
@@ -56,22 +55,11 @@ class CollectOptions:
         (), help="With --ray: a custom Ray resource one episode holds, NAME=AMOUNT (e.g. sandbox=1); repeatable."
     )
     transparent: bool = transparent_option()
-    sandbox: bool = option(
-        False,
-        flag="--sandbox",
-        help="Run each episode's agent in a bubblewrap sandbox of its own (Linux, root, the bubblewrap package, "
-        "cgroups v1): a tmpfs workspace with the task's files, the host read-only with lcap's home, the store's "
-        "folder and the run folder hidden, another user, its own PID and network namespaces whose only reachable "
-        "address is the capture proxy, and the limits below; --timeout is its wall time.",
-    )
-    sandbox_memory: int = option(2048, help="With --sandbox: MiB of memory an episode's processes may use.")
-    sandbox_pids: int = option(256, help="With --sandbox: processes and threads an episode may have at once.")
-    sandbox_disk: int = option(1024, help="With --sandbox: MiB an episode may write (its workspace; its /tmp too).")
-    keep_workspaces: bool = option(
-        False,
-        flag="--keep-workspaces",
-        help="With --sandbox: keep each episode's workspace on disk after it ended (default: removed once verified).",
-    )
+    sandbox: bool = sandbox_option()
+    sandbox_memory: int = sandbox_memory_option()
+    sandbox_pids: int = sandbox_pids_option()
+    sandbox_disk: int = sandbox_disk_option()
+    keep_workspaces: bool = keep_workspaces_option()
 
     def __post_init__(self) -> None:
         if self.group_size < 1 or self.concurrency < 1:
@@ -92,9 +80,7 @@ class CollectOptions:
 
     def sandbox_limits(self) -> SandboxLimits | None:
         """--sandbox's limits, or None without --sandbox."""
-        if not self.sandbox:
-            return None
-        return SandboxLimits(self.sandbox_memory, self.sandbox_pids, self.sandbox_disk, self.keep_workspaces)
+        return sandbox_limits(self)
 
     def resources(self) -> dict[str, float]:
         """--episode-resources as Ray's `resources` mapping."""

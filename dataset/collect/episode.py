@@ -24,9 +24,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
+from lcap.capture.sandbox import release_mounts
 from lcap.capture.trust.redact import redact_text
 from lcap.config import LcapError
-from lcap.dataset.collect.sandbox import release_mounts
 from lcap.dataset.collect.summary import CollectSummary
 from lcap.dataset.collect.verifiers import Verifier, VerifierContext, VerifierError, hash_protected, tampered_files
 from lcap.display import printable
@@ -35,7 +35,7 @@ from lcap.store import Store, now
 
 if TYPE_CHECKING:
     from lcap.capture.proxy.server import Child
-    from lcap.dataset.collect.sandbox import EpisodeSandbox, Sandbox
+    from lcap.capture.sandbox import EpisodeSandbox, Sandbox
 
 log = logging.getLogger("lcap.dataset")
 

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 from lcap.capture.options import ProxyOptions
 from lcap.capture.proxy.server import CaptureProxy
+from lcap.capture.sandbox import Sandbox
+from lcap.capture.sandbox import missing as sandbox_missing
 from lcap.config import LcapError
 from lcap.dataset.collect.episode import (
     CollectResult,
@@ -49,8 +51,6 @@ from lcap.dataset.collect.episode import (
     run_episode,
     start_episode,
 )
-from lcap.dataset.collect.sandbox import Sandbox
-from lcap.dataset.collect.sandbox import missing as sandbox_missing
 from lcap.dataset.collect.summary import summarize
 from lcap.dataset.collect.verifiers import load_verifier, resolve_argv
 from lcap.dataset.options import CollectOptions

@@ -9,15 +9,17 @@ import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
 
 import pytest
 
+from lcap.capture.sandbox import CGROUPS, GROUP, missing
 from lcap.config import LcapError
 from lcap.dataset.collect.episodes import collect
-from lcap.dataset.collect.sandbox import CGROUPS, GROUP, missing
 from lcap.dataset.options import CollectOptions
 from lcap.store import Store
 
@@ -255,3 +257,44 @@ def test_without_bubblewrap_sandbox_is_a_one_line_error(tmp_path, monkeypatch):
             progress=False,
         )
     assert "\n" not in str(err.value)
+
+
+PROXY_AGENT = r"""
+import json, os, sys, urllib.request
+body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+req = urllib.request.Request("http://api.openai.com/v1/chat/completions", body, {"Content-Type": "application/json"})
+json.load(urllib.request.urlopen(req, timeout=30))
+visible = [os.path.join(d, n) for d, _, names in os.walk(os.environ["LCAP_HOME"]) for n in names]
+try:
+    open(sys.argv[1], "w").write("escaped")
+    wrote = True
+except OSError:
+    wrote = False
+print(json.dumps({"visible": visible, "wrote": wrote, "copied": sorted(os.listdir("."))}))
+"""
+
+
+def test_lcap_proxy_runs_its_command_in_a_sandbox(fake_llm):
+    """`lcap proxy --sandbox -- CMD`: CMD in a copy of the current folder (lcap's home and the store left out),
+    its LLM call captured, nothing outside written, lcap's home not visible."""
+    fake_llm.reset()
+    base = Path(tempfile.mkdtemp(prefix="lcap-sandbox-proxy-"))
+    try:
+        base.chmod(0o755)
+        (base / "agent.py").write_text(PROXY_AGENT)
+        home = base / "home"
+        env = {**os.environ, "LCAP_HOME": str(home)}
+        for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "NO_PROXY", "no_proxy"):
+            env.pop(name, None)
+        lcap = str(Path(sys.executable).parent / "lcap")
+        argv = [lcap, "proxy", "--sandbox", "--upstream", fake_llm.url, "--db", str(base / "lcap.duckdb")]
+        argv += ["--", SYSTEM_PYTHON, "agent.py", str(base / "outside.txt")]
+        run = subprocess.run(argv, cwd=base, env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        report = json.loads(run.stdout.strip().splitlines()[-1])
+        assert report == {"visible": [], "wrote": False, "copied": ["agent.py"]}
+        assert not (base / "outside.txt").exists()
+        assert Store(base / "lcap.duckdb").fetchall("SELECT count(*) FROM turns")[0][0] == 1
+        assert not list(Path(tempfile.gettempdir()).glob("lcap-sandbox-*/work"))  # the workspace is gone
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -39,11 +39,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lcap.capture.options import SandboxLimits
 from lcap.capture.proxy.server import CA_VARS, PROXY_VARS, Child, ca_dir
 from lcap.capture.reach.jvm import TRUST_STORE
 from lcap.capture.reach.node_preload import node_dir
 from lcap.config import LcapError, lcap_home
-from lcap.dataset.options import SandboxLimits
 
 if TYPE_CHECKING:
     import subprocess
