@@ -90,13 +90,7 @@ def setup(
 
 
 # Modules whose import registers `lcap doctor` checks (lcap.doctor's registry), listed in the order shown.
-DOCTOR_CHECKS = (
-    "lcap.capture.doctor",
-    "lcap.dataset.doctor",
-    "lcap.serve.doctor",
-    "lcap.doctor_checks",
-    "lcap.ui.doctor",
-)
+DOCTOR_CHECKS = ("lcap.capture.doctor", "lcap.serve.doctor", "lcap.doctor_checks", "lcap.ui.doctor")
 DOCTOR_SECTIONS = ("capture", "serve", "store", "optional")
 
 
