@@ -1,6 +1,6 @@
 """`lcap doctor`'s checks of capture: lcap's CA (there, private, in the bundle children get, trusted by each client
-through that bundle), the Node preload, the spool (its key, what waits in it), what `--transparent` needs, and a
-live round trip through a throwaway proxy.
+through that bundle), the Node preload, the spool (its key, what waits in it), what `--transparent` and `--sandbox`
+need, and a live round trip through a throwaway proxy.
 
 The trust checks run each client against a local TLS server whose certificate lcap's CA signed, with the
 environment lcap gives its children (`trust_env`): a client that does not trust it there would not trust the
