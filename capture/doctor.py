@@ -1,6 +1,6 @@
 """`lcap doctor`'s checks of capture: lcap's CA (there, private, in the bundle children get, trusted by each client
-through that bundle), the Node preload, the spool (its key, what waits in it), what `--transparent` needs, and a
-live round trip through a throwaway proxy.
+through that bundle), the Node preload, the spool (its key, what waits in it), what `--transparent` and `--sandbox`
+need, and a live round trip through a throwaway proxy.
 
 The trust checks run each client against a local TLS server whose certificate lcap's CA signed, with the
 environment lcap gives its children (`trust_env`): a client that does not trust it there would not trust the
@@ -40,6 +40,8 @@ from lcap.capture.proxy.server import (
 )
 from lcap.capture.reach.jvm import TRUST_STORE
 from lcap.capture.reach.node_preload import PACKAGES, PRELOAD, installed_version, node_dir, node_options, preload_env
+from lcap.capture.sandbox import NAMESPACES, PACKAGE
+from lcap.capture.sandbox import missing as sandbox_missing
 from lcap.capture.storage.spool import KEY_NAME, SPOOL_MIN_FREE_BYTES, SPOOL_MIN_FREE_FRACTION, backlogs, spool_disk
 from lcap.capture.trust.certs import LeafCerts
 from lcap.config import LcapError, lcap_home
@@ -512,6 +514,27 @@ def namespaces(ctx: Context) -> Result:
             "run as root, or allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1)",
         )
     return Result.ok("network and mount namespaces can be made" + (" (as root)" if os.geteuid() == 0 else ""))
+
+
+# --- --sandbox's prerequisites ------------------------------------------------------------------------
+
+
+@check("sandbox.bubblewrap", section="optional", required=False)
+def bubblewrap(ctx: Context) -> Result:
+    reason = sandbox_missing()
+    if reason is not None:
+        fix = f"apt-get install {PACKAGE}" if shutil.which("bwrap") is None else "run lcap as root on cgroups v1"
+        return Result.fail(f"{reason} (needed only by collect --sandbox)", fix)
+    argv = ["bwrap", *NAMESPACES, "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc", "true"]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30, env=dict(os.environ))
+    except subprocess.TimeoutExpired:
+        return Result.fail("bwrap did not end within 30 s", "run `bwrap --ro-bind / / true` by hand to see why")
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        return Result.fail(f"bwrap cannot make a sandbox: {last}", "run as root on a kernel with namespaces")
+    version = subprocess.run(["bwrap", "--version"], capture_output=True, text=True, timeout=30).stdout.strip()
+    return Result.ok(f"{version or 'bwrap'}: a sandbox can be made")
 
 
 # --- a live round trip ----------------------------------------------------------------------------------

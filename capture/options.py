@@ -6,9 +6,11 @@ answer the agent can read: the status code of each is in its help, and the user 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from lcap.capture.storage.spool import SPOOL_BACKLOG_BYTES
 from lcap.cli_options import option
+from lcap.config import LcapError
 
 MiB = 1 << 20
 
@@ -21,6 +23,49 @@ def transparent_option() -> bool:
         help="Run the agent in network and mount namespaces of its own where every TCP connection it makes goes "
         "to lcap, proxy settings or not (Linux; root or user namespaces, and iptables).",
     )
+
+
+def sandbox_option() -> bool:
+    """`--sandbox`, one definition for `lcap proxy` and `lcap collect` (capture/sandbox.py)."""
+    return option(
+        False,
+        flag="--sandbox",
+        help="Run the agent (each episode's, in collect) in a bubblewrap sandbox of its own (Linux, root, the "
+        "bubblewrap package, cgroups v1): a tmpfs workspace with the task's files (lcap proxy: a copy of the current "
+        "folder), the host read-only with lcap's home, the store's files and the run folder hidden, the host's "
+        "nobody, its own PID and network namespaces whose only reachable address is the capture proxy, and the "
+        "limits below; collect's --timeout is its wall time.",
+    )
+
+
+def sandbox_memory_option() -> int:
+    return option(2048, help="With --sandbox: MiB of memory an episode's processes may use.")
+
+
+def sandbox_pids_option() -> int:
+    return option(256, help="With --sandbox: processes and threads an episode may have at once.")
+
+
+def sandbox_disk_option() -> int:
+    return option(1024, help="With --sandbox: MiB an episode may write (its workspace; its $TMPDIR too).")
+
+
+def keep_workspaces_option() -> bool:
+    return option(
+        False,
+        flag="--keep-workspaces",
+        help="With --sandbox: keep each episode's workspace on disk after it ended (default: removed once verified).",
+    )
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """What `--sandbox` allows one episode (the flags above)."""
+
+    memory_mb: int
+    pids: int
+    disk_mb: int
+    keep_workspaces: bool = False
 
 
 @dataclass(frozen=True)
@@ -37,6 +82,11 @@ class ProxyOptions:
     host: str = option("127.0.0.1", help="Listen address. A non-loopback one requires episode credentials.")
     port: int = option(0, help="Listen port (0: a free one).")
     transparent: bool = transparent_option()
+    sandbox: bool = sandbox_option()
+    sandbox_memory: int = sandbox_memory_option()
+    sandbox_pids: int = sandbox_pids_option()
+    sandbox_disk: int = sandbox_disk_option()
+    keep_workspaces: bool = keep_workspaces_option()
     require_credentials: bool | None = option(
         None,
         flag="--require-credentials/--anonymous",
@@ -147,6 +197,19 @@ class ProxyOptions:
     max_episodes: int = option(
         100_000, help="Idle episodes whose call numbering is kept (least recently used go; see docs/guide.md)."
     )
+
+    def sandbox_limits(self) -> SandboxLimits | None:
+        """--sandbox's limits, or None without --sandbox."""
+        return sandbox_limits(self)
+
+
+def sandbox_limits(options: Any) -> SandboxLimits | None:
+    """The --sandbox limits of `options` (ProxyOptions or CollectOptions: both take the flags above), or None."""
+    if not options.sandbox:
+        return None
+    if min(options.sandbox_memory, options.sandbox_pids, options.sandbox_disk) < 1:
+        raise LcapError("--sandbox-memory, --sandbox-pids and --sandbox-disk must be at least 1")
+    return SandboxLimits(options.sandbox_memory, options.sandbox_pids, options.sandbox_disk, options.keep_workspaces)
 
 
 # The flags `lcap collect` and `lcap loop` take from ProxyOptions (their proxy's other settings are the defaults).

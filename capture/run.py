@@ -8,19 +8,22 @@ import shlex
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import uuid
 from dataclasses import replace
 from pathlib import Path
 
-from lcap.capture.options import ProxyOptions
+from lcap.capture.options import ProxyOptions, SandboxLimits
 from lcap.capture.proxy.server import CaptureProxy
+from lcap.capture.sandbox import Sandbox
+from lcap.capture.sandbox import missing as sandbox_missing
 from lcap.capture.storage.writer import WriterReport
 from lcap.capture.trust.credentials import records_dir
 from lcap.capture.trust.destinations import is_loopback_host
 from lcap.capture.trust.redact import redact_text
-from lcap.config import LcapError
-from lcap.processes import run_child
+from lcap.config import LcapError, lcap_home
+from lcap.processes import ChildExit, run_child
 from lcap.store import Store
 
 
@@ -38,6 +41,8 @@ def run_proxy(
 ) -> int:
     """Run `command` as one episode behind a fresh proxy; return its exit code. At the end, say on stderr how
     many of its turns were stored (a warning, and a `turns_unstored` flag on the episode, if some were not)."""
+    if options.sandbox and ((reason := sandbox_missing()) or options.transparent):
+        raise LcapError(reason or "--sandbox and --transparent both put the agent in namespaces: choose one")
     store = Store(db)
     proxy = _start(store, options)
     episode_id = episode or str(uuid.uuid4())
@@ -51,10 +56,17 @@ def run_proxy(
     try:
         if options.transparent and not shutil.which(command[0]):  # else the namespace's start says it, exit 127
             raise LcapError(f"cannot run {shlex.join(command)}: command not found")
+        limits = options.sandbox_limits()
         with proxy.episode_child(episode_id, command) as child:
-            ended = run_child(child.argv, child.env, pass_fds=child.pass_fds, on_start=child.on_start)
+            if limits is None:
+                ended = run_child(child.argv, child.env, pass_fds=child.pass_fds, on_start=child.on_start)
+            else:
+                ended, reached = _run_sandboxed(proxy, episode_id, command, child.env, limits, db)
+                if reached:
+                    store.flag_episode(episode_id, "sandbox_limit", reached)
+                    error = f"sandbox: {', '.join(reached)} limit reached"
         code = ended.code
-        status = "interrupted" if ended.signals else ("ok" if code == 0 else "failed")
+        status = "interrupted" if ended.signals else ("ok" if code == 0 and error is None else "failed")
     except BaseException as exc:
         status, error = "error", str(exc) or exc.__class__.__name__
         raise
@@ -70,6 +82,42 @@ def run_proxy(
     return code
 
 
+def _run_sandboxed(
+    proxy: CaptureProxy, episode_id: str, command: list[str], env: dict[str, str], limits: SandboxLimits, db: Path
+) -> tuple[ChildExit, dict[str, object]]:
+    """`lcap proxy --sandbox -- CMD`: CMD in a sandbox whose workspace is a copy of the current folder (lcap's home
+    and the store left out), in a folder of its own that is removed at the end, or kept and printed with
+    --keep-workspaces; (its exit, the limits it reached)."""
+    folder = Path(tempfile.mkdtemp(prefix=f"lcap-sandbox-{episode_id[:8]}-"))
+    folder.chmod(0o755)  # the agent runs as nobody
+    workdir = folder / "work"
+    box = Sandbox(limits, proxy, [], [db]).episode(episode_id, workdir)
+    try:
+        box.prepare()
+        shutil.copytree(Path.cwd(), workdir, symlinks=True, dirs_exist_ok=True, ignore=_not_copied(db))
+        box.own()
+        child, child_env = box.child(command, {**env, "LCAP_WORKDIR": str(workdir)}, proxy.port or 0)
+        ended = run_child(child.argv, child_env, pass_fds=child.pass_fds, on_start=child.on_start, cwd=workdir)
+        return ended, box.limits_reached()
+    finally:
+        box.close()
+        if limits.keep_workspaces:
+            print(f"lcap: the sandbox's workspace is kept in {workdir}", file=sys.stderr, flush=True)
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _not_copied(db: Path):
+    """copytree's `ignore`: what the sandbox hides stays out of its workspace (lcap's home, the store's files)."""
+    home, store = lcap_home().resolve(), Path(db).resolve()
+
+    def ignore(folder: str, names: list[str]) -> set[str]:
+        here = Path(folder).resolve()
+        return {n for n in names if here / n == home or (here == store.parent and n.startswith(store.name))}
+
+    return ignore
+
+
 def _unstored_details(report: WriterReport) -> dict[str, object]:
     return {"unstored": report.unstored, "lost": report.lost, "spooled": report.spooled, "spool": str(report.spool)}
 
@@ -78,6 +126,8 @@ def serve_proxy(*, db: Path, options: ProxyOptions) -> None:
     """Serve until SIGINT/SIGTERM, then write every finished turn and exit. On a loopback address, calls without
     episode credentials are attributed by their session header or conversation (capture/proxy/sessions.py) unless
     `--require-credentials`. Rewards are taken over HTTP (capture/proxy/rewards_api.py) unless --rewards-port -1."""
+    if options.sandbox:
+        raise LcapError("--sandbox runs one command in a sandbox: give it after -- (lcap proxy --sandbox -- CMD)")
     if options.require_credentials is None and is_loopback_host(options.host):
         options = replace(options, require_credentials=False)
     if options.conversations is None:

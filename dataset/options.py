@@ -6,7 +6,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from lcap.capture.options import transparent_option
+from lcap.capture.options import (
+    SandboxLimits,
+    keep_workspaces_option,
+    sandbox_disk_option,
+    sandbox_limits,
+    sandbox_memory_option,
+    sandbox_option,
+    sandbox_pids_option,
+    transparent_option,
+)
 from lcap.cli_options import option
 from lcap.config import LcapError
 
@@ -46,6 +55,11 @@ class CollectOptions:
         (), help="With --ray: a custom Ray resource one episode holds, NAME=AMOUNT (e.g. sandbox=1); repeatable."
     )
     transparent: bool = transparent_option()
+    sandbox: bool = sandbox_option()
+    sandbox_memory: int = sandbox_memory_option()
+    sandbox_pids: int = sandbox_pids_option()
+    sandbox_disk: int = sandbox_disk_option()
+    keep_workspaces: bool = keep_workspaces_option()
 
     def __post_init__(self) -> None:
         if self.group_size < 1 or self.concurrency < 1:
@@ -57,6 +71,16 @@ class CollectOptions:
         self.resources()  # a malformed --episode-resources is an error before anything runs
         if self.transparent and self.ray is not None:
             raise LcapError("--transparent runs episodes on this machine: it does not go with --ray")
+        if self.sandbox and (self.ray is not None or self.transparent):
+            raise LcapError(
+                "--sandbox runs episodes on this machine in namespaces of its own: not with --ray or --transparent"
+            )
+        if min(self.sandbox_memory, self.sandbox_pids, self.sandbox_disk) < 1:
+            raise LcapError("--sandbox-memory, --sandbox-pids and --sandbox-disk must be at least 1")
+
+    def sandbox_limits(self) -> SandboxLimits | None:
+        """--sandbox's limits, or None without --sandbox."""
+        return sandbox_limits(self)
 
     def resources(self) -> dict[str, float]:
         """--episode-resources as Ray's `resources` mapping."""

@@ -149,7 +149,12 @@ class Producer:
             while not self.pool.stopping.is_set():
                 wave += 1
                 tasks = round_tasks(self.config, wave)
-                plan = plan_collect(tasks=tasks, command=self.config.command, options=replace(options, round=wave))
+                plan = plan_collect(
+                    tasks=tasks,
+                    command=self.config.command,
+                    options=replace(options, round=wave),
+                    store=self.pool.store,
+                )
                 with self.lock:
                     if plan.run_id not in self.runs:
                         self.runs.append(plan.run_id)

@@ -2,7 +2,8 @@
 # Idempotent set-up on a fresh machine: the project's venv (.venv, or $LCAP_VENV) with lcap
 # installed editable, the Node preload's npm packages, vLLM in a venv of its own (its pins
 # clash with mitmproxy's), Debian's Chromium for the UI's browser tests, iptables for
-# `--transparent` and a JDK for the JVM tests. Re-running it only checks what is already there.
+# `--transparent`, bubblewrap for `--sandbox` and a JDK for the JVM tests. Re-running it only checks what is
+# already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${LCAP_VENV:-.venv}
@@ -34,6 +35,7 @@ missing=()
 PATH=$PATH:/usr/sbin:/sbin command -v iptables-restore >/dev/null 2>&1 || missing+=(iptables)
 command -v javac >/dev/null 2>&1 || missing+=(default-jdk-headless)
 [ -f /usr/share/java/okhttp.jar ] || missing+=(libokhttp-java)
+command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)   # `collect --sandbox`: each episode in a sandbox
 if [ ${#missing[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
   sudo=$([ "$(id -u)" = 0 ] || echo sudo)
   $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -627,6 +627,21 @@ class CaptureProxy:
                 asyncio.run_coroutine_threadsafe(_close(server), loop).result(30)
             self._forget(episode_id)
 
+    @contextlib.contextmanager
+    def serve_listener(self, episode_id: str, sock: socket.socket) -> Iterator[None]:
+        """Serve `sock`, a listener made in an episode's own network namespace (`--sandbox`), for the block: every
+        connection on it is `episode_id`'s, no credentials needed, since nothing else can reach it."""
+        if self.loop is None or self.front is None:
+            raise LcapError("the capture proxy is not started")
+        loop = self.loop
+        server = asyncio.run_coroutine_threadsafe(self.front.listen_episode(episode_id, sock), loop).result(30)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(RuntimeError, TimeoutError, CancelledError):
+                asyncio.run_coroutine_threadsafe(_close(server), loop).result(30)
+            self._forget(episode_id)
+
     def _forget(self, episode_id: str) -> None:
         """An ended episode makes no more calls: its stitching heads would only crowd out live episodes' heads."""
         if self._calls is not None:

@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
+from lcap.capture.sandbox import release_mounts
 from lcap.capture.trust.redact import redact_text
 from lcap.config import LcapError
 from lcap.dataset.collect.summary import CollectSummary
@@ -34,6 +35,7 @@ from lcap.store import Store, now
 
 if TYPE_CHECKING:
     from lcap.capture.proxy.server import Child
+    from lcap.capture.sandbox import EpisodeSandbox, Sandbox
 
 log = logging.getLogger("lcap.dataset")
 
@@ -127,24 +129,58 @@ def run_episode(
     on_start: Callable[[subprocess.Popen], None] | None = None,
     stopping: Callable[[], bool] = lambda: False,
     agent: Child | None = None,
+    sandbox: Sandbox | None = None,
 ) -> EpisodeOutcome:
     """Run one episode here: set up its working directory, run the agent with `env` (the capture proxy's
     environment for this episode), check the tamper guard and run the verifier. Writes nothing to the store:
     `flush()` must return once the episode's turns are stored (False if they may not be), and the caller
     records the outcome. The local pool and a Ray node run episodes through this one function. `agent`, from
-    `CaptureProxy.episode_child`, says how to start the agent (in namespaces of its own with `--transparent`)."""
+    `CaptureProxy.episode_child`, says how to start the agent (in namespaces of its own with `--transparent`);
+    `sandbox` (`--sandbox`), that it runs in a bubblewrap sandbox of its own, whose limits reached end it."""
     if spec.dir.exists():
+        if sandbox is not None:  # a workspace a killed lcap left mounted
+            release_mounts(spec.dir)
         shutil.rmtree(spec.dir)
     spec.workdir.mkdir(parents=True)
+    box = sandbox.episode(spec.episode_id, spec.workdir) if sandbox is not None else None
+    try:
+        return _run_in(spec, env, rules, files, flush, on_start, stopping, agent, box)
+    finally:
+        if box is not None:
+            box.close()
+
+
+def _run_in(
+    spec: EpisodeSpec,
+    env: Mapping[str, str],
+    rules: EpisodeRules,
+    files: TaskFiles,
+    flush: Callable[[], bool],
+    on_start: Callable[[subprocess.Popen], None] | None,
+    stopping: Callable[[], bool],
+    agent: Child | None,
+    box: EpisodeSandbox | None,
+) -> EpisodeOutcome:
+    if box is not None:
+        box.prepare()
     _populate(spec.workdir, spec.task, files)
+    if box is not None:
+        box.own()
     guard = tuple(rules.guard) + tuple(spec.task.get("protected") or ())
     before = hash_protected(spec.workdir, guard) if guard else {}
 
     child_env = dict(env)
     child_env["LCAP_TASK"] = json.dumps(dict(spec.task), ensure_ascii=False)
     child_env["LCAP_WORKDIR"] = str(spec.workdir)
+    if box is not None:
+        if agent is None:
+            raise LcapError("--sandbox needs the capture proxy's episode child")
+        agent, child_env = box.child(spec.argv, child_env, box.sandbox.proxy.port or 0)
     exit_code, timed_out = _run_agent(spec, child_env, rules.timeout, on_start, agent)
     outcome = EpisodeOutcome("ok", exit_code)
+    reached = box.limits_reached() if box is not None else {}
+    if reached:
+        outcome.flags.append(("sandbox_limit", reached))
     # The episode's turns are in the store before it is verified and marked finished.
     if not flush():
         log.warning("lcap: episode %s: some of its turns are not in the store yet", spec.episode_id)
@@ -154,7 +190,10 @@ def run_episode(
         return outcome
     if timed_out:
         outcome.status, outcome.exit_code = "timeout", None
-        outcome.reason = f"timed out after {rules.timeout:g}s"
+        outcome.reason = f"timed out after {rules.timeout:g}s" + (f"; {_limits_text(reached)}" if reached else "")
+        return outcome
+    if reached:
+        outcome.status, outcome.reason = "failed", f"{_limits_text(reached)} (agent exited {exit_code})"
         return outcome
     if exit_code != 0 and not rules.verify_failed:
         outcome.status, outcome.reason = "failed", f"agent exited {exit_code}: {_tail(spec.dir / 'stderr.txt')}"
@@ -342,6 +381,11 @@ def _populate(workdir: Path, task: Mapping[str, Any], files: TaskFiles) -> None:
             raise LcapError(f"task {task['id']}: file {rel!r} is outside the workdir")
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text if isinstance(text, str) else json.dumps(text))
+
+
+def _limits_text(reached: Mapping[str, Any]) -> str:
+    names = {"memory": "memory limit ({} MiB)", "pids": "process limit ({})", "disk": "disk limit ({} MiB)"}
+    return "sandbox: " + ", ".join(names[k].format(v) for k, v in reached.items()) + " reached"
 
 
 def _tail(path: Path, n: int = 300) -> str:

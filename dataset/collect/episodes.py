@@ -6,10 +6,11 @@ URL's credentials. Episodes run in a local thread pool, each in its own working 
 whole process group killed on timeout. After the agent, the tamper guard and the verifier run
 outside it, and the episode is recorded with its status and reason: never dropped.
 
-Episode ids are deterministic: the collect run's id (a hash of the command template, the tasks
-file and the verifier) plus the key (round, split, task id, sample index). Re-running the same
-collect skips episodes already finished; ones left running or interrupted are run again, their
-partial turns deleted first.
+An episode id is the collect run's id (a hash of the command template, the tasks file and the
+verifier), the key (round, split, task id, sample index) and a random part, so that no agent can
+guess another's. Re-running the same collect finds its earlier episodes in the store by their
+labels (collect, round, split, task, sample) and keeps their ids: it skips the ones finished;
+ones left running or interrupted are run again, their partial turns deleted first.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import hashlib
 import json
 import logging
 import re
+import secrets
 import shlex
 import subprocess
 import sys
@@ -31,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 from lcap.capture.options import ProxyOptions
 from lcap.capture.proxy.server import CaptureProxy
+from lcap.capture.sandbox import Sandbox
+from lcap.capture.sandbox import missing as sandbox_missing
 from lcap.config import LcapError
 from lcap.dataset.collect.episode import (
     CollectResult,
@@ -117,11 +121,24 @@ def collect_run_id(command: Sequence[str], tasks: Path, verifier: str | None) ->
     return hashlib.sha1(key.encode()).hexdigest()[:8]
 
 
-def episode_id(run_id: str, round: int, split: str, task_id: str, sample: int) -> str:
+def episode_id(run_id: str, round: int, split: str, task_id: str, sample: int, nonce: str = "") -> str:
+    """The id of an episode of a collect; `nonce` is its random part (`plan_collect` draws one)."""
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", task_id)
     if safe != task_id or len(safe) > 48:
         safe = safe[:40] + "-" + hashlib.sha1(task_id.encode()).hexdigest()[:7]
-    return f"c{run_id}-r{round}-{split}-{safe}-{sample}"
+    return f"c{run_id}-r{round}-{split}-{safe}-{sample}" + (f"-{nonce}" if nonce else "")
+
+
+def earlier_episodes(store: Store | None, run_id: str, round: int, split: str) -> dict[tuple[str, int], str]:
+    """(task id, sample) -> id of the episode an earlier run of this collect recorded for it (the latest)."""
+    if store is None:
+        return {}
+    rows = store.fetchall(
+        "SELECT labels->>'task', labels->>'sample', episode_id FROM episodes WHERE labels->>'collect' = ? "
+        "AND labels->>'round' = ? AND labels->>'split' = ? ORDER BY started_at",
+        [run_id, str(round), split],
+    )
+    return {(task, int(sample)): eid for task, sample, eid in rows if sample is not None and sample.isdigit()}
 
 
 @dataclass
@@ -137,9 +154,15 @@ class CollectPlan:
 
 
 def plan_collect(
-    *, tasks: Path, command: list[str], options: CollectOptions, labels: Mapping[str, str] = {}
+    *,
+    tasks: Path,
+    command: list[str],
+    options: CollectOptions,
+    labels: Mapping[str, str] = {},
+    store: Store | None = None,
 ) -> CollectPlan:
-    """Every episode of `tasks` x `options.group_size` for `options.round` and `options.split`, in task order."""
+    """Every episode of `tasks` x `options.group_size` for `options.round` and `options.split`, in task order; an
+    episode an earlier run recorded in `store` keeps its id."""
     tasks = Path(tasks)
     task_rows = load_tasks(tasks)
     base = Path.cwd()
@@ -149,11 +172,14 @@ def plan_collect(
     run_id = collect_run_id(command, tasks, options.verifier)
     run_dir = Path(options.run_dir or base / "lcap-runs" / f"collect-{run_id}").resolve()
     round, split = options.round, options.split
+    earlier = earlier_episodes(store, run_id, round, split)
 
     specs = []
     for task in task_rows:
         for sample in range(options.group_size):
-            eid = episode_id(run_id, round, split, task["id"], sample)
+            eid = earlier.get((task["id"], sample)) or episode_id(
+                run_id, round, split, task["id"], sample, secrets.token_hex(8)
+            )
             edir = run_dir / f"round-{round}" / eid
             values = {
                 **task,
@@ -217,7 +243,7 @@ def collect(
         connect(options.ray)
     elif options.episode_resources or options.episode_cpus != 1.0:
         raise LcapError("--episode-cpus and --episode-resources place episodes on a Ray cluster: add --ray ADDRESS")
-    plan = plan_collect(tasks=tasks, command=command, options=options, labels=labels)
+    plan = plan_collect(tasks=tasks, command=command, options=options, labels=labels, store=store)
     tasks, run_id, run_dir, specs = Path(tasks), plan.run_id, plan.run_dir, plan.specs
     round = options.round
 
@@ -238,7 +264,7 @@ def collect(
                 todo, progress=show
             )
         else:
-            _run_local(store, todo, plan.rules, plan.files, tally, proxy_options, options, show)
+            _run_local(store, todo, plan, tally, proxy_options, options, show)
     result.summary = summarize(store, [s.episode_id for s in specs], run_dir, round, options.transparent)
     return result
 
@@ -246,20 +272,34 @@ def collect(
 def _run_local(
     store: Store,
     todo: list[EpisodeSpec],
-    rules: EpisodeRules,
-    files: TaskFiles,
+    plan: CollectPlan,
     tally: Tally,
     proxy_options: ProxyOptions,
     options: CollectOptions,
     show: bool,
 ) -> None:
     """The local pool: one capture proxy in this process, `--concurrency` episodes at a time on threads."""
+    if options.sandbox and (reason := sandbox_missing()):  # before the proxy starts: a one-line error
+        raise LcapError(reason)
     proxy = CaptureProxy(store, proxy_options)
     proxy.start()
     try:
-        _Runner(store, proxy, rules, files, tally).run_all(todo, options.concurrency, progress=show)
+        sandbox = _sandbox(options, proxy, store, plan.run_dir)
+        _Runner(store, proxy, plan.rules, plan.files, tally, sandbox=sandbox).run_all(
+            todo, options.concurrency, progress=show
+        )
     finally:
         proxy.stop()
+
+
+def _sandbox(options: CollectOptions, proxy: CaptureProxy, store: Store, run_dir: Path) -> Sandbox | None:
+    """--sandbox's shared part: what every episode's sandbox hides (lcap's home, the store's folder, the run
+    folder with the other episodes' workspaces, the store's files) and the proxy that serves their listeners."""
+    limits = options.sandbox_limits()
+    if limits is None:
+        return None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return Sandbox(limits, proxy, [run_dir], [Path(store.path)])
 
 
 class _Runner:
@@ -273,8 +313,10 @@ class _Runner:
         files: TaskFiles,
         tally: Tally,
         stopping: threading.Event | None = None,
+        sandbox: Sandbox | None = None,
     ) -> None:
         self.store, self.proxy, self.rules, self.files, self.tally = store, proxy, rules, files, tally
+        self.sandbox = sandbox
         self.running: dict[str, subprocess.Popen] = {}
         self.stopping = stopping or threading.Event()
 
@@ -325,6 +367,7 @@ class _Runner:
                     on_start=started,
                     stopping=self.stopping.is_set,
                     agent=agent,
+                    sandbox=self.sandbox,
                 )
         except Exception as exc:  # lcap's own failure on one episode: recorded, the run goes on
             outcome = EpisodeOutcome("error", None, f"{exc.__class__.__name__}: {exc}")
@@ -346,7 +389,9 @@ class EpisodePool:
     def __init__(
         self, store: Store, options: CollectOptions, proxy_options: ProxyOptions | None, concurrency: int
     ) -> None:
-        self.store, self.concurrency = store, concurrency
+        self.store, self.concurrency, self.options = store, concurrency, options
+        if options.sandbox and (reason := sandbox_missing()):
+            raise LcapError(reason)
         self.proxy = CaptureProxy(store, collect_proxy_options(options, proxy_options))
         self.result = CollectResult()
         self.tally = Tally(self.result)
@@ -375,7 +420,10 @@ class EpisodePool:
         if not todo:
             return 0
         forget_partial(self.store, [s.episode_id for s in todo])
-        runner = _Runner(self.store, self.proxy, plan.rules, plan.files, self.tally, stopping=self.stopping)
+        sandbox = _sandbox(self.options, self.proxy, self.store, plan.run_dir)
+        runner = _Runner(
+            self.store, self.proxy, plan.rules, plan.files, self.tally, stopping=self.stopping, sandbox=sandbox
+        )
         self._runners.append(runner)
         for spec in todo:
             self._pool.submit(self._run, runner, spec)

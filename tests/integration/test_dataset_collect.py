@@ -245,3 +245,18 @@ def test_collect_bad_input_is_one_line(collect_env):
         run.stderr.strip() == "lcap: placeholder {question} in the command is not a task field (fields: cwd, "
         "episode_id, id, round, sample, split, workdir)"
     )
+
+
+def test_episode_ids_are_not_guessable(collect_env):
+    """The same collect into two stores: the same labels, ids that differ in a random part (#33 row 3)."""
+    tasks = _tasks(collect_env / "tasks.jsonl", [{"id": "t1", "mode": "ok"}])
+    options = CollectOptions(group_size=2, concurrency=2, upstream=None, timeout=30)
+    ids = []
+    for name in ("a", "b"):
+        store = Store(collect_env / f"{name}.duckdb")
+        collect(store, tasks=tasks, command=[sys.executable, "agent.py", "ok"], options=options, progress=False)
+        ids.append({r[0]: r[1] for r in store.fetchall("SELECT sample, episode_id FROM episodes")})
+    assert sorted(ids[0]) == sorted(ids[1]) == [0, 1]
+    for sample in (0, 1):
+        assert ids[0][sample] != ids[1][sample]
+        assert ids[0][sample].rsplit("-", 1)[0] == ids[1][sample].rsplit("-", 1)[0]

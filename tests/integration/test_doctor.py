@@ -277,8 +277,10 @@ def test_store_checks(home, tmp_path, monkeypatch):
 def test_optional_tools_pass_where_installed_and_fail_without_them(tmp_path, monkeypatch):
     from lcap.capture import doctor as capture_doctor
 
-    names = ("transparent.iptables", "transparent.netns", "ui.chromium")
+    names = ("transparent.iptables", "transparent.netns", "ui.chromium", "sandbox.bubblewrap")
     here = run_checks(*names)
+    if shutil.which("bwrap") and os.geteuid() == 0:
+        assert here["sandbox.bubblewrap"].status == "ok" and "bubblewrap" in here["sandbox.bubblewrap"].summary
     if capture_doctor._find("iptables"):
         assert here["transparent.iptables"].status == "ok" and "iptables v" in here["transparent.iptables"].summary
     if capture_doctor._find("unshare") and os.geteuid() == 0:
@@ -291,6 +293,7 @@ def test_optional_tools_pass_where_installed_and_fail_without_them(tmp_path, mon
     assert all(bare[n].status == "fail" for n in names), bare
     assert bare["transparent.iptables"].fix == "apt-get install iptables"
     assert "chromium" in bare["ui.chromium"].fix
+    assert bare["sandbox.bubblewrap"].fix == "apt-get install bubblewrap"
 
 
 def test_doctor_cli_exit_codes_and_json(home, tmp_path):
