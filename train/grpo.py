@@ -23,7 +23,16 @@ from typing import Any
 from lcap.config import LcapError
 from lcap.policy import read_policy
 from lcap.store import now
-from lcap.train.fit import FittedRound, PreparedRound, RoundInputs, fit_round, is_main_process, prepare, world_size
+from lcap.train.fit import (
+    FittedRound,
+    PreparedRound,
+    RoundInputs,
+    check_trainable,
+    fit_round,
+    is_main_process,
+    prepare,
+    world_size,
+)
 from lcap.train.options import TrainOptions
 from lcap.train.ray_train import fit_on_ray
 
@@ -116,6 +125,7 @@ def train_round(
     started_at = now()
     inputs = round_inputs(run, round, options, data)
     out_dir = round_dir(run, round)
+    check_trainable(inputs, out_dir, options)  # here, before a Ray or accelerate worker loads a model
     if options.ray is not None:
         fitted = fit_on_ray(inputs, out_dir, options)
     else:

@@ -9,8 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from fixtures_dataset import chat_turns, lost_samples_scenario
 
+from lcap.config import LcapError
 from lcap.dataset.build.builder import BuildOptions, build_dataset
 from lcap.dataset.build.explain import NO_CALLS_FIX, causes, explain
 
@@ -147,3 +149,33 @@ def test_collect_failure_reasons_are_text_not_markup(tmp_path, monkeypatch, caps
     assert result.summary is not None
     assert result.summary.reasons[0].text == "agent exited 1: [/bold] \x1b[31mred"
     assert "failed agent exited 1: [/bold] \\x1b[31mred" in capsys.readouterr().err
+
+
+def test_a_round_whose_every_token_is_masked_is_refused_with_its_causes(builder, dstore, tmp_path):
+    """The issue's round 2: every call hit the token limit, built with --truncated mask: no trainable token. train
+    (and the loop's train step) refuse it before loading any model, naming the cause, its count and the flag."""
+    for i in range(8):
+        turns = chat_turns([10 + i, 11])
+        turns[0]["finish_reason"] = "length"
+        builder.episode(f"ep{i}", sample=i, reward=float(i % 2), turns=turns)
+    out = tmp_path / "data"
+    report = build_dataset(dstore, round=1, out=out, options=BuildOptions(truncated="mask"))
+    assert report.samples == 8 and report.groups["trainable"] == 1
+
+    trained = _lcap("train", "--round", "1", "--run", str(tmp_path / "run"), "--data", str(out), "--model", "unused")
+    assert trained.returncode == 2, trained.stdout + trained.stderr
+    (error,) = trained.stderr.strip().splitlines()
+    assert error.startswith("lcap: round 1: not trained: 0 trainable tokens, fewer than --min-tokens 1: ")
+    assert (
+        "8 of 8 samples hit the token limit and every token of theirs is masked (build-dataset --truncated mask); "
+        "raise the agent's max_tokens" in error
+    )
+    assert "--min-tokens N changes the minimum" in error
+    assert not (tmp_path / "run" / "round-1" / "adapter").exists()
+
+    from lcap.loop.steps import train_step
+    from lcap.train.options import TrainOptions
+
+    with pytest.raises(LcapError, match="round 1: not trained: 0 trainable tokens"):
+        train_step(dstore, tmp_path / "loop-run", 1, TrainOptions(base_model="unused"), out)
+    assert dstore.fetchall("SELECT count(*) FROM deployments")[0][0] == 0
