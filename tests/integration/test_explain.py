@@ -179,3 +179,23 @@ def test_a_round_whose_every_token_is_masked_is_refused_with_its_causes(builder,
     with pytest.raises(LcapError, match="round 1: not trained: 0 trainable tokens"):
         train_step(dstore, tmp_path / "loop-run", 1, TrainOptions(base_model="unused"), out)
     assert dstore.fetchall("SELECT count(*) FROM deployments")[0][0] == 0
+
+
+def test_collect_exits_1_when_no_episode_finished_ok(capture_env, llm, tmp_path):
+    (tmp_path / "agent.py").write_text(COLLECT_AGENT)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": "f", "mode": "fail"}) + "\n")
+    command = [LCAP, "collect", "--tasks", str(tasks), "-g", "2", "--round", "1", "--upstream", llm.url]
+    done = subprocess.run(
+        command + ["--", sys.executable, "agent.py", "{mode}", "{sample}"],
+        env=capture_env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "0 ok, 2 failed" in done.stdout
+    assert done.stderr.strip().splitlines()[-1] == (
+        "lcap: collect: no episode of this run finished ok (2 failed): see the failures above"
+    )
