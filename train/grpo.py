@@ -93,6 +93,8 @@ def round_samples(run: Path, round: int, data: Path | None) -> Path:
 
 def round_inputs(run: Path, round: int, options: TrainOptions, data: Path | None = None) -> RoundInputs:
     run = Path(run)
+    if round < 1:
+        raise LcapError(f"--round must be 1 or more, not {round}")
     base_model = resolve_base_model(run, options.base_model)
     samples = round_samples(run, round, data)
     current = options.current
@@ -100,6 +102,11 @@ def round_inputs(run: Path, round: int, options: TrainOptions, data: Path | None
         policy = read_policy()
         current = policy.current if policy else None
     init_from = round_output(run, round - 1) if round > 1 else None
+    if round > 1 and init_from is None:
+        raise LcapError(
+            f"round {round} continues round {round - 1}'s policy, and {round_dir(run, round - 1)} has no adapter or "
+            f"checkpoint: train round {round - 1} first, or train these samples as --round 1 of a new --run"
+        )
     return RoundInputs(base_model=base_model, samples=samples, init_from=init_from, current=current)
 
 
