@@ -199,3 +199,34 @@ def test_collect_exits_1_when_no_episode_finished_ok(capture_env, llm, tmp_path)
     assert done.stderr.strip().splitlines()[-1] == (
         "lcap: collect: no episode of this run finished ok (2 failed): see the failures above"
     )
+
+
+def test_train_and_the_loop_say_what_build_dataset_lost(builder, dstore, tmp_path):
+    """2 of 3 groups got the same reward for every sample: build-dataset, train and the loop each print `lost:`."""
+    from lcap.loop.rounds import _rounds
+    from lcap.loop.steps import LoopConfig, LoopState, StepRunner
+    from lcap.train.options import TrainOptions
+
+    for g, rewards in enumerate(((1.0, 0.0), (1.0, 1.0), (0.0, 0.0))):
+        for k, reward in enumerate(rewards):
+            builder.episode(f"g{g}-{k}", task=f"t{g}", sample=k, reward=reward, turns=chat_turns([5 + k, 2]))
+    run = tmp_path / "run"
+    data = run / "round-1" / "data"
+    built = _lcap("build-dataset", "--round", "1", "--out", str(data), "--db", str(dstore.path))
+    lost = [line for line in built.stdout.splitlines() if line.startswith("lost: ")]
+    assert len(lost) == 1 and lost[0].startswith("lost: 2 of 3 groups got the same reward for every sample")
+
+    # --min-tokens stops each before any model loads: what they print first is the point here
+    trained = _lcap("train", "--round", "1", "--run", str(run), "--model", "unused", "--min-tokens", "1000")
+    assert trained.returncode == 2 and "fewer than --min-tokens 1000" in trained.stderr
+    assert [line for line in trained.stdout.splitlines() if line.startswith("lost: ")] == lost
+
+    config = LoopConfig(
+        run=run, rounds=1, tasks=tmp_path / "tasks.jsonl", command=["agent"], train=TrainOptions(min_tokens=1000)
+    )
+    state = LoopState(run, config.key())
+    state.finish(1, "collect", {"mean_reward": 0.5, "rewarded": 6})  # collected (by the builder above)
+    said: list[str] = []
+    with pytest.raises(LcapError, match="fewer than --min-tokens 1000"):
+        _rounds(dstore, config, StepRunner(dstore, state, run), said.append, None)
+    assert [line for line in said if line.startswith("lost: ")] == lost
