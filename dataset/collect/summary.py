@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lcap.dataset.build.explain import NO_CALLS_FIX, NO_CALLS_FIX_TRANSPARENT
+from lcap.dataset.collect.verifiers import VERIFIER_OUTPUT
 from lcap.display import num
 from lcap.store import Store
 
@@ -41,7 +42,7 @@ GROUP BY kind ORDER BY n DESC, example LIMIT {REASONS}
 class Reason:
     count: int
     text: str  # the example episode's error
-    example: Path  # its stderr.txt
+    example: Path  # its stderr.txt, or its verifier.txt for a verifier's error
 
 
 @dataclass
@@ -121,7 +122,8 @@ def summarize(
         text = " ".join(str(text).split())
         if len(text) > REASON_CHARS:
             text = text[: REASON_CHARS - 1] + "…"
-        summary.reasons.append(Reason(count, text, Path(run_dir) / f"round-{round}" / example / "stderr.txt"))
+        said = VERIFIER_OUTPUT if text.startswith("verifier: ") else "stderr.txt"  # whose output tells why
+        summary.reasons.append(Reason(count, text, Path(run_dir) / f"round-{round}" / example / said))
     failures = sum(n for status, n in summary.statuses.items() if status != "ok")
     summary.other_failures = failures - sum(r.count for r in summary.reasons)
     return summary
