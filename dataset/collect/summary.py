@@ -72,7 +72,12 @@ class CollectSummary:
         out.append(f"  reward: {reward}")
         if self.episodes:
             out.append(f"  turns per episode: min {self.turns_min}, median {self.turns_median:g}, max {self.turns_max}")
-        if self.no_turns:
+        if self.no_turns and not self.no_turns_ok and self.reasons:
+            out.append(
+                f"  {self.no_turns} episode{'s' if self.no_turns != 1 else ''} with 0 turns, none finished ok: the "
+                "agent ended before any LLM call through lcap: see the failures below"
+            )
+        elif self.no_turns:
             some = f" ({self.no_turns_ok} of them finished ok)" if self.no_turns_ok else ""
             out.append(
                 f"  {self.no_turns} episode{'s' if self.no_turns != 1 else ''} with 0 turns{some}: "
@@ -119,9 +124,7 @@ def summarize(
     summary.turns_min, summary.turns_median, summary.turns_max = turns_min or 0, turns_median or 0, turns_max or 0
     summary.statuses = dict(statuses)
     for _, count, example, text in reasons:
-        text = " ".join(str(text).split())
-        if len(text) > REASON_CHARS:
-            text = text[: REASON_CHARS - 1] + "…"
+        text = _shortened(" ".join(str(text).split()))
         said = VERIFIER_OUTPUT if text.startswith("verifier: ") else "stderr.txt"  # whose output tells why
         summary.reasons.append(Reason(count, text, Path(run_dir) / f"round-{round}" / example / said))
     failures = sum(n for status, n in summary.statuses.items() if status != "ok")
@@ -135,3 +138,12 @@ def _shown(path: Path) -> str:
         return str(path.relative_to(Path.cwd()))
     except ValueError:
         return os.fspath(path)
+
+
+def _shortened(text: str) -> str:
+    """A reason cut to REASON_CHARS: its head ("agent exited 1: ") and its end, where a traceback names the error."""
+    if len(text) <= REASON_CHARS:
+        return text
+    head, sep, _ = text.partition(": ")
+    head = head + sep if sep and len(head) < 40 else ""
+    return head + "…" + text[len(text) - (REASON_CHARS - len(head) - 1) :]

@@ -116,3 +116,38 @@ def test_rounds_that_exist_nowhere_are_refused(tmp_path, monkeypatch):
         "lcap: no policy server is running"
     )
     assert Store(db).fetchall("SELECT count(*) FROM deployments")[0][0] == 0
+
+
+CRASHING_AGENT = """
+import sys
+print("Traceback (most recent call last):\\n" + "  File 'agent.py', line 3, in <module>\\n" * 8, file=sys.stderr)
+print("openai.OpenAIError: Missing credentials. Please pass an `api_key`", file=sys.stderr)
+sys.exit(1)
+"""
+
+
+def test_an_agent_without_an_api_key_runs_and_a_crash_before_any_call_says_why(capture_env, llm, tmp_path):
+    """An openai SDK agent with no OPENAI_API_KEY gets lcap's placeholder (lcap sends the upstream its own); an agent
+    that dies before any call is told so, with the end of its traceback, not a proxy-settings hint."""
+    env = {k: v for k, v in capture_env.items() if k not in ("OPENAI_API_KEY", "ANTHROPIC_API_KEY")}
+    done = _collect(env, tmp_path, llm.url, "--round", "1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 ok, 0 failed" in done.stdout and "turns per episode: min 1, median 1, max 1" in done.stdout
+
+    (tmp_path / "crash.py").write_text(CRASHING_AGENT)
+    crashed = subprocess.run(
+        [LCAP, "collect", "--tasks", str(tmp_path / "tasks.jsonl"), "-g", "1", "--round", "2", "--upstream", llm.url]
+        + ["--", sys.executable, "crash.py"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = crashed.stdout.splitlines()
+    assert (
+        "  1 episode with 0 turns, none finished ok: the agent ended before any LLM call through lcap: see the "
+        "failures below" in lines
+    ), lines
+    (reason,) = [line for line in lines if line.startswith("    1 x agent exited 1: ")]
+    assert reason.endswith("openai.OpenAIError: Missing credentials. Please pass an `api_key`"), reason
