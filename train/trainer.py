@@ -88,6 +88,16 @@ def captured_rollout(groups: Groups):
     return rollout
 
 
+def _without_none(callbacks_on_log):
+    """The callbacks' on_log, given only the figures that exist: TRL logs a figure over no value as None (kept in
+    the log history, which the round's averages skip), and the TensorBoard callback warns of each None it is given."""
+
+    def on_log(args, state, control, logs, **kwargs):
+        return callbacks_on_log(args, state, control, {k: v for k, v in logs.items() if v is not None}, **kwargs)
+
+    return on_log
+
+
 def captured_advantage(prompts, completions, advantage, **kwargs) -> list[float]:
     """Reward function: the builder's advantage for each captured sample (see module docstring)."""
     return [float(a) for a in advantage]
@@ -113,6 +123,7 @@ class CapturedGRPOTrainer(GRPOTrainer):
         self._fused_inputs: dict[str, Any] | None = None
         super().__init__(*args, **kwargs)
         self._is_correction = off_policy_correction and self.vllm_importance_sampling_correction
+        self.callback_handler.on_log = _without_none(self.callback_handler.on_log)  # type: ignore[method-assign]
 
     @property
     def use_vllm(self) -> bool:

@@ -5,6 +5,8 @@ help that cuts flag names. Real stores, the real CLI, a stub upstream."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -151,3 +153,13 @@ def test_an_agent_without_an_api_key_runs_and_a_crash_before_any_call_says_why(c
     ), lines
     (reason,) = [line for line in lines if line.startswith("    1 x agent exited 1: ")]
     assert reason.endswith("openai.OpenAIError: Missing credentials. Please pass an `api_key`"), reason
+
+
+def test_help_read_through_a_pipe_keeps_every_flag_name_whole():
+    env = {k: v for k, v in os.environ.items() if k not in ("TERMINAL_WIDTH", "COLUMNS")}
+    done = _lcap("loop", "--help", env=env)
+    assert done.returncode == 0, done.stderr
+    assert "--eval-group-size" in done.stdout and "--tasks-per-round" in done.stdout
+    assert "--keep-zero-variance" in done.stdout and "--episode-resources" in done.stdout
+    cut = [line for line in done.stdout.splitlines() if re.search(r"--[a-z-]+…", line)]
+    assert not cut, cut

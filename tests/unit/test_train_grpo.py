@@ -87,3 +87,33 @@ def test_importance_ratio_figures_over_no_token_are_nan_not_zero():
     metrics = _round_metrics(history)
     assert (metrics["is_ratio_mean"], metrics["is_ratio_min"], metrics["is_ratio_max"]) == (1.0, 1.0, 1.0)
     assert num(math.nan) == "-" and num(_round_metrics(history[1:])["is_ratio_mean"]) == "-"
+
+
+def test_callbacks_are_not_given_figures_that_do_not_exist():
+    """TRL logs a figure over no value as None; transformers' TensorBoard callback warned of each, every round."""
+    import logging
+    from types import SimpleNamespace
+
+    from transformers import TrainerControl, TrainerState
+    from transformers.integrations import TensorBoardCallback
+    from transformers.trainer_callback import CallbackHandler
+
+    from lcap.train.trainer import _without_none
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    board = TensorBoardCallback.__new__(TensorBoardCallback)  # its writer: what it was given, no event files
+    written: list[str] = []
+    board.tb_writer = SimpleNamespace(add_scalar=lambda k, v, step: written.append(k), flush=lambda: None)
+    try:
+        callbacks = CallbackHandler([board], None, None, None, None)
+        logs = {"loss": 0.5, "sampling/importance_sampling_ratio/mean": None}
+        _without_none(callbacks.on_log)(None, TrainerState(), TrainerControl(), dict(logs))
+        assert written == ["train/loss"] and not [m for m in said if "attempting to log a value" in m], said
+        callbacks.on_log(None, TrainerState(), TrainerControl(), dict(logs))  # unwrapped: the warning this removes
+        assert [m for m in said if "attempting to log a value" in m]
+    finally:
+        logger.removeHandler(handler)
