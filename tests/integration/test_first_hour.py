@@ -163,3 +163,27 @@ def test_help_read_through_a_pipe_keeps_every_flag_name_whole():
     assert "--keep-zero-variance" in done.stdout and "--episode-resources" in done.stdout
     cut = [line for line in done.stdout.splitlines() if re.search(r"--[a-z-]+…", line)]
     assert not cut, cut
+
+
+def test_serve_says_it_installs_vllm_before_it_starts_to(tmp_path, monkeypatch, capsys):
+    """A new LCAP_HOME: the first thing `lcap serve` says is that it installs vLLM, where, how big, and how to do it
+    ahead of time; the install itself (minutes, the network) is stopped at its first step here."""
+    from lcap.serve import vllm_env
+
+    monkeypatch.setenv("LCAP_HOME", str(tmp_path / "home"))
+    steps: list[str] = []
+
+    def first_step(cmd: list[str], what: str) -> None:
+        steps.append(what)
+        raise LcapError(f"stopped before: {what}")
+
+    monkeypatch.setattr(vllm_env, "_run", first_step)
+    with pytest.raises(LcapError, match="stopped before: create the venv"):
+        vllm_env.ensure_vllm_env()
+    said = capsys.readouterr().err.splitlines()
+    assert said == [
+        f"lcap: vLLM is not installed for lcap yet: installing it into {tmp_path / 'home' / 'vllm-venv'}, once "
+        f"(~{vllm_env.INSTALL_SIZE}, minutes; `lcap setup vllm` does it ahead of time, `lcap serve --python PY` uses "
+        "a Python that has vLLM)"
+    ]
+    assert steps == ["create the venv"]
