@@ -67,10 +67,21 @@ def _lcap(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
     return subprocess.run([LCAP, *args], env=env, capture_output=True, text=True, timeout=120)
 
 
-def _error(done: subprocess.CompletedProcess) -> str:
-    assert done.returncode == 2, done.stdout + done.stderr
+def _error(done) -> str:
+    """The one error line of a refused command (a finished process, or a CliRunner result)."""
+    code = done.returncode if isinstance(done, subprocess.CompletedProcess) else done.exit_code
+    assert code == 2, done.stdout + done.stderr
     (line,) = done.stderr.strip().splitlines()
     return line
+
+
+def _cli(*args: str):
+    """`lcap ARGS` in this process (the refusals come before anything starts)."""
+    from typer.testing import CliRunner
+
+    from lcap.cli import app
+
+    return CliRunner().invoke(app, list(args))
 
 
 def test_rounds_that_exist_nowhere_are_refused(tmp_path, monkeypatch):
@@ -80,41 +91,41 @@ def test_rounds_that_exist_nowhere_are_refused(tmp_path, monkeypatch):
     db = tmp_path / "lcap.duckdb"
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text('{"id": "t"}\n')
-    assert _error(_lcap("collect", "--tasks", str(tasks), "--round", "-1", "--db", str(db), "--", "true")) == (
+    assert _error(_cli("collect", "--tasks", str(tasks), "--round", "-1", "--db", str(db), "--", "true")) == (
         "lcap: --round must be 0 or more, not -1 (round N trains on round N's episodes)"
     )
 
     run = tmp_path / "run"
-    trained = _lcap("train", "--round", "2", "--run", str(run), "--data", str(tmp_path), "--model", "unused")
+    trained = _cli("train", "--round", "2", "--run", str(run), "--data", str(tmp_path), "--model", "unused")
     assert _error(trained) == (
         f"lcap: round 2 continues round 1's policy, and {run / 'round-1'} has no adapter or checkpoint: train "
         "round 1 first, or train these samples as --round 1 of a new --run"
     )
 
     missing = tmp_path / "run" / "round-1" / "adapter"
-    assert _error(_lcap("deploy", str(missing), "--db", str(db))) == (
+    assert _error(_cli("deploy", str(missing), "--db", str(db))) == (
         f"lcap: {missing} does not exist: deploy a round's adapter or checkpoint (RUN/round-N/adapter)"
     )
     adapter = tmp_path / "run" / "round-2" / "adapter"
     adapter.mkdir(parents=True)
     (adapter / "adapter_config.json").write_text("{}")
-    assert _error(_lcap("deploy", str(adapter), "--round", "7", "--db", str(db))) == (
+    assert _error(_cli("deploy", str(adapter), "--round", "7", "--db", str(db))) == (
         f"lcap: {adapter} is in round-2: it is that round's output, not round 7's (--round)"
     )
     loose = tmp_path / "mine"
     loose.mkdir()
     (loose / "adapter_config.json").write_text("{}")
-    assert _error(_lcap("deploy", str(loose), "--round", "7", "--db", str(db))) == (
+    assert _error(_cli("deploy", str(loose), "--round", "7", "--db", str(db))) == (
         "lcap: no round 7 anywhere: the store has no episode, training run or deployment of round 7; pass the round "
         "that trained it, or leave --round out"
     )
-    assert _error(_lcap("deploy", str(loose), "--round", "0", "--db", str(db))).startswith(
+    assert _error(_cli("deploy", str(loose), "--round", "0", "--db", str(db))).startswith(
         "lcap: --round must be 1 or more"
     )
     StoreBuilder(Store(db)).episode("e7", round=7, reward=1.0)
-    known = _lcap("deploy", str(loose), "--round", "7", "--db", str(db))  # round 7 exists: on to the deploy itself
+    known = _cli("deploy", str(loose), "--round", "7", "--db", str(db))  # round 7 exists: on to the deploy itself
     assert _error(known).startswith("lcap: no policy server is running")
-    assert _error(_lcap("deploy", str(adapter), "--round", "2", "--db", str(db))).startswith(
+    assert _error(_cli("deploy", str(adapter), "--round", "2", "--db", str(db))).startswith(
         "lcap: no policy server is running"
     )
     assert Store(db).fetchall("SELECT count(*) FROM deployments")[0][0] == 0
