@@ -275,7 +275,8 @@ def test_activation_checkpointing_off_on_cpu_unless_asked(
     assert prepared.trainer.model.get_base_model().is_activation_checkpointing is expected
 
 
-def test_a_step_with_no_token_has_no_figures_and_no_warning(tiny_train_model, captured_samples, tmp_path):
+@pytest.mark.parametrize("is_mode", ["token_truncate", "token_mask"])  # lcap's IS figures, then TRL's own
+def test_a_step_with_no_token_has_no_figures_and_no_warning(tiny_train_model, captured_samples, tmp_path, is_mode):
     """Issue #38: one of two steps trains on a group masked whole (cut by the token limit, --truncated mask). Its IS
     ratio is no figure (the round's min was 0, its mean halved), and the TensorBoard callback gets no None."""
     import logging
@@ -291,7 +292,7 @@ def test_a_step_with_no_token_has_no_figures_and_no_warning(tiny_train_model, ca
     handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("transformers").addHandler(handler)
     try:
-        options = TrainOptions(base_model=str(tiny_train_model), batch_size=4)  # reports to TensorBoard
+        options = TrainOptions(base_model=str(tiny_train_model), batch_size=4, is_mode=is_mode)  # to TensorBoard
         prepared = prepare_round(tmp_path / "run", 1, options, data=data)
         prepared.trainer.train()
     finally:
