@@ -38,6 +38,7 @@ from lcap.loop.steps import (
     RoundSummary,
     StepRunner,
     StopAfter,
+    check_round_is_the_loops,
     collect_split,
     deploy_step,
     round_tasks,
@@ -150,6 +151,7 @@ class Producer:
                 wave += 1
                 tasks = round_tasks(self.config, wave)
                 plan = plan_collect(tasks=tasks, command=self.config.command, options=replace(options, round=wave))
+                check_round_is_the_loops(self.pool.store, plan.run_id, wave, "train")
                 with self.lock:
                     if plan.run_id not in self.runs:
                         self.runs.append(plan.run_id)

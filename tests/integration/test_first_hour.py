@@ -198,3 +198,28 @@ def test_serve_says_it_installs_vllm_before_it_starts_to(tmp_path, monkeypatch, 
         "a Python that has vLLM)"
     ]
     assert steps == ["create the venv"]
+
+
+def test_the_async_loop_refuses_such_a_round_too(tmp_path):
+    """`lcap loop --async`: its producer plans each wave's collect and stops on a round another collect holds."""
+    import threading
+    from types import SimpleNamespace
+
+    from fixtures_dataset import StoreBuilder
+
+    from lcap.loop.options import LoopOptions
+    from lcap.loop.overlap import Producer
+    from lcap.loop.steps import LoopConfig
+
+    store = Store(tmp_path / "lcap.duckdb")
+    StoreBuilder(store).episode("manual", round=1, reward=1.0)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"id": "t0"}\n')
+    config = LoopConfig(
+        run=tmp_path / "run", rounds=2, tasks=tasks, command=["true"], options=LoopOptions(overlap=True)
+    )
+    pool = SimpleNamespace(store=store, stopping=threading.Event(), ended=threading.Condition(), submit=None)
+    producer = Producer(config, pool, group_size=2, per_step=1, wasted=0)
+    producer._run()
+    assert isinstance(producer.error, LcapError)
+    assert str(producer.error).startswith("round 1 (train) already has 1 episodes of another collect in this store")
