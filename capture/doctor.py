@@ -380,6 +380,12 @@ def node_preload(ctx: Context) -> Result:
     if node is None:
         return Result.skip("no node on PATH (Node agents are not used here)")
     wrong = {name: installed_version(name) for name, version in PACKAGES.items() if installed_version(name) != version}
+    if wrong and not any(wrong.values()):  # never installed: a user of Python (or other) agents needs none of it
+        return Result.warn(
+            f"the Node preload is not installed ({node_dir()}): Node agents would call their hosts directly, "
+            "uncaptured; agents in other languages need nothing from it",
+            "lcap setup node, to run Node agents (needs npm and the npm registry, once)",
+        )
     if wrong:
         listing = ", ".join(f"{name} {have or 'missing'} (wants {PACKAGES[name]})" for name, have in wrong.items())
         return Result.fail(

@@ -69,6 +69,10 @@ def collect(
     )
     if result.summary is not None:
         typer.echo("\n".join(printable(line) for line in result.summary.lines()))
+    if result.failed and not result.finished:
+        statuses = ", ".join(f"{n} {status}" for status, n in result.statuses.items())
+        typer.echo(f"lcap: collect: no episode of this run finished ok ({statuses}): see the failures above", err=True)
+        raise typer.Exit(1)
 
 
 @one_line_errors

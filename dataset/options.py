@@ -66,6 +66,8 @@ class CollectOptions:
             raise LcapError("--group-size and --concurrency must be at least 1")
         if self.upstream == "none":
             object.__setattr__(self, "upstream", None)
+        if self.round < 0:
+            raise LcapError(f"--round must be 0 or more, not {self.round} (round N trains on round N's episodes)")
         if self.episode_cpus < 0:
             raise LcapError(f"--episode-cpus must be 0 or more, not {self.episode_cpus:g}")
         self.resources()  # a malformed --episode-resources is an error before anything runs

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
 import sys
 import time
 from typing import Annotated
@@ -23,6 +24,13 @@ from lcap.serve.vllm_env import ensure_vllm_env
 from lcap.sql_output import DEFAULT_MAX_WIDTH, render
 from lcap.train.commands import register as register_train
 from lcap.ui.commands import register as register_ui
+
+# Help read through a pipe or a pager: rich's 80-column default would cut long flag names (`--eval-group-si…`).
+HELP_WIDTH = 140
+if (len(sys.argv) < 2 or "--help" in sys.argv) and not sys.stdout.isatty() and not os.environ.get("TERMINAL_WIDTH"):
+    import typer.rich_utils  # start-up: rich, only to print help
+
+    typer.rich_utils.MAX_WIDTH = HELP_WIDTH
 
 app = typer.Typer(
     name="lcap",

@@ -11,8 +11,8 @@ _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
 def num(x: float | None, digits: int = 3) -> str:
-    """A metric for a line of output: `-` when there is none."""
-    return "-" if x is None else f"{x:.{digits}f}"
+    """A metric for a line of output: `-` when there is none (None, or NaN: a figure over nothing)."""
+    return "-" if x is None or math.isnan(x) else f"{x:.{digits}f}"
 
 
 def rounded(x: float, digits: int = 3) -> float:
@@ -44,4 +44,4 @@ def _escape(match: re.Match) -> str:
 
 def small(x: float | None) -> str:
     """A figure that spans orders of magnitude (a KL near 0, or far from it) in two significant digits."""
-    return "-" if x is None else f"{x:.2g}"
+    return "-" if x is None or math.isnan(x) else f"{x:.2g}"

@@ -38,6 +38,7 @@ from lcap.loop.steps import (
     RoundSummary,
     StepRunner,
     StopAfter,
+    check_round_is_the_loops,
     collect_split,
     deploy_step,
     round_tasks,
@@ -155,6 +156,7 @@ class Producer:
                     options=replace(options, round=wave),
                     store=self.pool.store,
                 )
+                check_round_is_the_loops(self.pool.store, plan.run_id, wave, "train")
                 with self.lock:
                     if plan.run_id not in self.runs:
                         self.runs.append(plan.run_id)

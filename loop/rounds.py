@@ -20,6 +20,7 @@ from typing import Any
 
 from lcap.config import LcapError
 from lcap.dataset.build.builder import build_dataset
+from lcap.dataset.build.explain import lost_lines
 from lcap.display import num
 from lcap.loop.overlap import run_async_loop
 from lcap.loop.steps import (
@@ -100,6 +101,8 @@ def _rounds(
                     ).samples
                 },
             )
+            for line in lost_lines(data):
+                echo(line)
             trained = step(n, "train", lambda: train_step(store, run, n, config.train, data))
             s.train = trained
             deployed = step(n, "deploy", lambda: deploy_step(store, trained["output"], n))

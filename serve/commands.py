@@ -123,14 +123,18 @@ def register(app: typer.Typer) -> None:
         options: DeployOptions,
     ) -> None:
         """Make a new checkpoint the current policy: every routed call is served by it from now on."""
+        from lcap.serve.deploy import check_round  # start-up: httpx
         from lcap.serve.deploy import deploy as deploy_policy  # start-up: httpx
         from lcap.store import Store  # start-up: duckdb
 
+        store = Store(db)
+        if options.round is not None:
+            check_round(path, options.round, store)
         served = deploy_policy(
             path,
             name=options.name,
             round=options.round,
-            store=Store(db),
+            store=store,
             drain_timeout=options.drain_timeout,
             restart=options.restart,
         )

@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -68,6 +69,8 @@ def deploy(
     """Deploy a LoRA adapter (hot-load) or a full checkpoint (reload in place, else restart; `restart`: restart
     anyway) on every replica; return the deployment name now `current`."""
     path = Path(path).expanduser().resolve()
+    if not path.exists():
+        raise LcapError(f"{path} does not exist: deploy a round's adapter or checkpoint (RUN/round-N/adapter)")
     with policy_lock():
         record = read_policy()
         if record is None:
@@ -295,6 +298,31 @@ def _with_tokenizer(record: PolicyServer, path: Path) -> list[str]:
             del args[i : i + (1 if "=" in args[i] else 2)]
         return args
     return args if own else [*args, "--tokenizer", record.base_model]
+
+
+def check_round(path: Path, round: int, store: Store | None) -> None:
+    """Refuse a --round that no round is known by: below 1, another than the round folder the path is in
+    (RUN/round-K/adapter), or, outside a round folder, one the store has no episode, training run or deployment of."""
+    if round < 1:
+        raise LcapError(f"--round must be 1 or more (the training round that produced {path}), not {round}")
+    folder = Path(path).expanduser().resolve().parent.name
+    if re.fullmatch(r"round-\d+", folder):
+        if int(folder.removeprefix("round-")) != round:
+            raise LcapError(f"{path} is in {folder}: it is that round's output, not round {round}'s (--round)")
+        return
+    known = (
+        store is not None
+        and store.fetchall(
+            "SELECT (SELECT count(*) FROM episodes WHERE round = $r) + (SELECT count(*) FROM train_runs WHERE round = $r)"
+            " + (SELECT count(*) FROM deployments WHERE round = $r)",
+            {"r": round},
+        )[0][0]
+    )
+    if not known:
+        raise LcapError(
+            f"no round {round} anywhere: the store has no episode, training run or deployment of round {round}; "
+            "pass the round that trained it, or leave --round out"
+        )
 
 
 def _unique_name(path: Path, round: int | None) -> str:

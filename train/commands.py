@@ -12,6 +12,7 @@ import typer
 
 from lcap.cli_options import DbOption, one_line_errors, with_options
 from lcap.config import LcapError
+from lcap.dataset.build.explain import lost_lines
 from lcap.processes import helper_env
 from lcap.train.accelerate_launch import accelerate_command
 from lcap.train.options import TrainOptions
@@ -52,9 +53,12 @@ def train(
         return
     from lcap.store import Store  # start-up: duckdb
     from lcap.train.fit import is_main_process  # start-up: pyarrow
-    from lcap.train.grpo import train_round  # start-up: pyarrow
+    from lcap.train.grpo import round_samples, train_round  # start-up: pyarrow
     from lcap.train.progress import round_line  # start-up: rich
 
+    if is_main_process():
+        for line in lost_lines(round_samples(run, round, data).parent):
+            typer.echo(line)
     result = train_round(Store(db), run, round, options, data=data, progress=True)
     if is_main_process():
         typer.echo(round_line(round, result.metrics, result.output))

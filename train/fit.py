@@ -21,7 +21,7 @@ from lcap.dataset.build.explain import Cause, explain, plural
 from lcap.train.mismatch import Mismatch, check_mismatch, measure_mismatch
 from lcap.train.options import TrainOptions
 from lcap.train.progress import step_progress
-from lcap.train.samples import make_groups, read_samples
+from lcap.train.samples import Groups, TokenCount, count_tokens, make_groups, read_samples
 
 
 def nothing_to_train(where: str, samples_path: Path, samples: list, groups: Any, current: str | None) -> str:
@@ -59,6 +59,57 @@ def nothing_to_train(where: str, samples_path: Path, samples: list, groups: Any,
     if report is None and not extra:
         return f"{head}: no report.json beside it says why (build it with `lcap build-dataset`)"
     return f"{head}: {explain(report, extra=extra)}"
+
+
+def too_few_tokens(where: str, count: TokenCount, minimum: int) -> str | None:
+    """Why a round must not be trained: fewer trainable tokens than `minimum` (--min-tokens), each cause counted
+    with what changes it; None when it has enough."""
+    if count.trainable >= minimum:
+        return None
+    found = []
+    if count.truncated:
+        found.append(
+            Cause(
+                f"{count.truncated} of {count.samples} samples hit the token limit and every token of theirs is "
+                "masked (build-dataset --truncated mask)",
+                "raise the agent's max_tokens, or build with --truncated keep",
+            )
+        )
+    if count.zero_variance:
+        found.append(
+            Cause(
+                f"{count.zero_variance} of {count.samples} samples have advantage 0 (every sample of their group got "
+                "the same reward, kept by --keep-zero-variance)",
+                "a larger --group-size, tasks of mixed difficulty or a graded verifier",
+            )
+        )
+    if count.masked:
+        found.append(
+            Cause(
+                f"{count.masked} of {count.samples} samples have every completion token masked (tool or environment "
+                "tokens)",
+                "see their env_mask in samples.parquet",
+            )
+        )
+    why = "; ".join(str(c) for c in found) or f"{count.samples} samples give {count.trainable} tokens in all"
+    return (
+        f"{where}: not trained: {plural(count.trainable, 'trainable token')}, fewer than --min-tokens {minimum}: "
+        f"{why}; --min-tokens N changes the minimum"
+    )
+
+
+def check_trainable(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Groups:
+    """The round's samples as GRPO groups, or a one-line error when it has no usable group or too few trainable
+    tokens (before any model is loaded: a round that would train on nothing is neither trained nor deployed)."""
+    samples = read_samples(inputs.samples)
+    groups = make_groups(samples, group_size=options.group_size, stale=options.stale, current=inputs.current)
+    where = out_dir.name.replace("-", " ")
+    if not groups.groups:
+        raise LcapError(nothing_to_train(where, inputs.shown(out_dir).samples, samples, groups, inputs.current))
+    refusal = too_few_tokens(where, count_tokens(groups.samples), options.min_tokens)
+    if refusal:
+        raise LcapError(refusal)
+    return groups
 
 
 def world_size() -> int:
@@ -122,14 +173,7 @@ def prepare(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Prepar
 
     from lcap.train.trainer import CapturedGRPOTrainer, captured_advantage, captured_rollout
 
-    samples = read_samples(inputs.samples)
-    groups = make_groups(samples, group_size=options.group_size, stale=options.stale, current=inputs.current)
-    if not groups.groups:
-        raise LcapError(
-            nothing_to_train(
-                out_dir.name.replace("-", " "), inputs.shown(out_dir).samples, samples, groups, inputs.current
-            )
-        )
+    groups = check_trainable(inputs, out_dir, options)
     size = groups.size
     processes = world_size()
     # A batch is whole groups (an advantage is a group's), split evenly over the processes: DDP's average of

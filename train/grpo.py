@@ -23,7 +23,16 @@ from typing import Any
 from lcap.config import LcapError
 from lcap.policy import read_policy
 from lcap.store import now
-from lcap.train.fit import FittedRound, PreparedRound, RoundInputs, fit_round, is_main_process, prepare, world_size
+from lcap.train.fit import (
+    FittedRound,
+    PreparedRound,
+    RoundInputs,
+    check_trainable,
+    fit_round,
+    is_main_process,
+    prepare,
+    world_size,
+)
 from lcap.train.options import TrainOptions
 from lcap.train.ray_train import fit_on_ray
 
@@ -84,6 +93,8 @@ def round_samples(run: Path, round: int, data: Path | None) -> Path:
 
 def round_inputs(run: Path, round: int, options: TrainOptions, data: Path | None = None) -> RoundInputs:
     run = Path(run)
+    if round < 1:
+        raise LcapError(f"--round must be 1 or more, not {round}")
     base_model = resolve_base_model(run, options.base_model)
     samples = round_samples(run, round, data)
     current = options.current
@@ -91,6 +102,11 @@ def round_inputs(run: Path, round: int, options: TrainOptions, data: Path | None
         policy = read_policy()
         current = policy.current if policy else None
     init_from = round_output(run, round - 1) if round > 1 else None
+    if round > 1 and init_from is None:
+        raise LcapError(
+            f"round {round} continues round {round - 1}'s policy, and {round_dir(run, round - 1)} has no adapter or "
+            f"checkpoint: train round {round - 1} first, or train these samples as --round 1 of a new --run"
+        )
     return RoundInputs(base_model=base_model, samples=samples, init_from=init_from, current=current)
 
 
@@ -116,6 +132,7 @@ def train_round(
     started_at = now()
     inputs = round_inputs(run, round, options, data)
     out_dir = round_dir(run, round)
+    check_trainable(inputs, out_dir, options)  # here, before a Ray or accelerate worker loads a model
     if options.ray is not None:
         fitted = fit_on_ray(inputs, out_dir, options)
     else:

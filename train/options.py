@@ -13,6 +13,8 @@ IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
 # (float32 on both sides here) and the failures the guard must catch on the tiny model; the limit leaves room for
 # the bf16 kernels of a GPU, where vLLM and the trainer differ more (docs/architecture.md, "Train").
 MISMATCH_MAX = 0.02
+# A round's least trainable tokens: below it the round is refused, not trained on (nearly) nothing and deployed.
+MIN_TOKENS = 1
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,11 @@ class TrainOptions:
     is_mode: str = option("token_truncate", help=f"Importance-sampling mode: {', '.join(IS_MODES)} (TRL).")
     is_max: float | None = option(2.0, help="Importance-ratio cap (truncate) or upper bound (mask).")
     is_min: float | None = option(None, help="Importance-ratio lower bound (mask modes).")
+    min_tokens: int = option(
+        MIN_TOKENS,
+        help="Refuse to train (or, in `lcap loop`, deploy) a round with fewer trainable tokens than this: completion "
+        "tokens with loss mask 1 in samples with a nonzero advantage.",
+    )
     mismatch_max: float = option(
         MISMATCH_MAX,
         help="Stop a round before its first step when, for a deployment that served its samples, the trainer's "
@@ -102,5 +109,7 @@ class TrainOptions:
                 "--full with --ray: Ray ships the round's output back to this machine, which suits LoRA adapters, "
                 "not full checkpoints; train those with --accelerate-config on a shared file system"
             )
+        if self.min_tokens < 1:
+            raise LcapError("--min-tokens must be 1 or more (a round with no trainable token trains nothing)")
         if self.mismatch_max < 0 or self.mismatch_samples < 0:
             raise LcapError("--mismatch-max and --mismatch-samples must be 0 or more")

@@ -144,3 +144,32 @@ def _has_behaviour_logprobs(row: dict) -> bool:
     if row.get("rebuilt"):
         return False
     return any(lp != 0.0 for lp, m in zip(row["logprobs"], row["env_mask"]) if m)
+
+
+@dataclass(frozen=True)
+class TokenCount:
+    """What a round's samples give the loss: trainable tokens, and the samples that give none, by cause."""
+
+    trainable: int  # completion tokens with loss mask 1 in samples with a nonzero advantage
+    samples: int
+    truncated: int  # samples cut by the token limit whose every completion token is masked (--truncated mask)
+    masked: int  # other samples whose every completion token is masked
+    zero_variance: int  # samples with advantage 0: their group's rewards were all equal (--keep-zero-variance)
+
+
+def count_tokens(samples: list[Sample]) -> TokenCount:
+    """Count the trainable tokens of `samples` (padding copies excluded) and the samples that add none."""
+    trainable = truncated = masked = zero = 0
+    real = [s for s in samples if not s.padding]
+    for s in real:
+        tokens = sum(1 for m in s.env_mask if m)
+        if not tokens:
+            if s.truncated:
+                truncated += 1
+            else:
+                masked += 1
+        elif s.advantage == 0:
+            zero += 1
+        else:
+            trainable += tokens
+    return TokenCount(trainable=trainable, samples=len(real), truncated=truncated, masked=masked, zero_variance=zero)

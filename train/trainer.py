@@ -88,6 +88,16 @@ def captured_rollout(groups: Groups):
     return rollout
 
 
+def _without_none(callbacks_on_log):
+    """The callbacks' on_log, given only the figures that exist: TRL logs a figure over no value as None (kept in
+    the log history, which the round's averages skip), and the TensorBoard callback warns of each None it is given."""
+
+    def on_log(args, state, control, logs, **kwargs):
+        return callbacks_on_log(args, state, control, {k: v for k, v in logs.items() if v is not None}, **kwargs)
+
+    return on_log
+
+
 def captured_advantage(prompts, completions, advantage, **kwargs) -> list[float]:
     """Reward function: the builder's advantage for each captured sample (see module docstring)."""
     return [float(a) for a in advantage]
@@ -113,6 +123,7 @@ class CapturedGRPOTrainer(GRPOTrainer):
         self._fused_inputs: dict[str, Any] | None = None
         super().__init__(*args, **kwargs)
         self._is_correction = off_policy_correction and self.vllm_importance_sampling_correction
+        self.callback_handler.on_log = _without_none(self.callback_handler.on_log)  # type: ignore[method-assign]
 
     @property
     def use_vllm(self) -> bool:
@@ -140,12 +151,14 @@ class CapturedGRPOTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         assert self.model is not None  # set before training starts (by __init__ or model_init)
-        self._scoring_fused = self.model.training and self.fuses_is_ratio
+        fused = self._scoring_fused = self.model.training and self.fuses_is_ratio
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
             self._scoring_fused = False
         ratio = output.get("importance_sampling_ratio")
+        if ratio is not None and not fused:  # TRL appended this batch's IS figures just now
+            self._no_token_figures(output)
         if ratio is not None and self.vllm_importance_sampling_mode.endswith("_mask"):
             # Rejected tokens (ratio set to 0) leave the denominator too, not only the numerator.
             keep = (ratio > 0).to(output["completion_mask"].dtype).expand_as(output["completion_mask"])
@@ -154,6 +167,21 @@ class CapturedGRPOTrainer(GRPOTrainer):
             loss_mask = output["completion_mask"] * output["tool_mask"]
             output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
         return output
+
+    def _no_token_figures(self, output: dict[str, Any]) -> None:
+        """TRL's own IS figures (the `*_mask` modes, several epochs) count a batch with no loss token as 0: make
+        them NaN, which its log leaves out, so a round's figures are over tokens that exist."""
+        mask = output["completion_mask"] * output.get("tool_mask", torch.ones_like(output["completion_mask"]))
+        if self.accelerator.gather(mask.sum()).sum().item():
+            return
+        metrics = self._metrics["train"]
+        for name in ("sampling_logp_difference/mean", "sampling_logp_difference/max"):
+            if metrics.get(f"sampling/{name}"):
+                metrics[f"sampling/{name}"][-1] = math.nan
+        for name in ("min", "mean", "max"):
+            key = f"sampling/importance_sampling_ratio/{name}"
+            if metrics.get(key):
+                metrics[key][-1] = math.nan
 
     def _compute_loss(self, model, inputs):
         fused = self.use_vllm and "importance_sampling_ratio" not in inputs
@@ -270,8 +298,11 @@ class CapturedGRPOTrainer(GRPOTrainer):
             ("sampling/importance_sampling_ratio/mean", flat, torch.mean),
             ("sampling/importance_sampling_ratio/max", flat, torch.max),
         ):
-            value = reduce(values) if values.numel() else values.new_zeros(())  # this process, then all of them
-            metrics[name].append(reduce(self.accelerator.gather(value)).item())
+            # this process, then all of them; over no token a figure is NaN (shown as `-`), never 0
+            value = reduce(values) if values.numel() else values.new_full((), math.nan)
+            gathered = self.accelerator.gather(value)
+            gathered = gathered[~torch.isnan(gathered)]
+            metrics[name].append(reduce(gathered).item() if gathered.numel() else math.nan)
         return ratio
 
 

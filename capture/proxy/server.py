@@ -177,6 +177,10 @@ def trust_env(bundle: Path, java_options: str | None = None) -> dict[str, str]:
 # --- the proxy ----------------------------------------------------------------------------------
 
 
+# The API keys SDKs refuse to start without; an agent behind a routing proxy gets a placeholder where it has none.
+PLACEHOLDER_KEYS = ("OPENAI_API_KEY", "ANTHROPIC_API_KEY")
+
+
 def probe_models(base_url: str, timeout: float = 5.0, *, key: str | None = None) -> list[dict]:
     """GET {upstream}/v1/models; LcapError when the upstream cannot be reached."""
     import httpx  # start-up: httpx, asked of an upstream only
@@ -583,6 +587,11 @@ class CaptureProxy:
             )
         env["NODE_OPTIONS"] = node_options(env.get("NODE_OPTIONS"))
         env.update(preload_env())
+        if self.options.upstream is not None:
+            # lcap routes the calls and sends the upstream its own key (or none), never the agent's: an SDK that will
+            # not start without a key gets a placeholder
+            for name in PLACEHOLDER_KEYS:
+                env[name] = env.get(name) or "lcap-placeholder"
         env["LCAP_PROXY_URL"] = self.url
         if episode_id:
             env["LCAP_EPISODE_ID"] = episode_id

@@ -9,7 +9,9 @@ line that build-dataset, train and loop print when a round has nothing to train 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 
@@ -172,3 +174,13 @@ def explain(report: Any, *, extra: list[Cause] | tuple[Cause, ...] = ()) -> str:
     if not found:
         return "no loss counted in the report"
     return "; ".join(str(c) for c in found)
+
+
+def lost_lines(data: Any) -> list[str]:
+    """`lost: CAUSE` for each loss counted in the report.json in the folder `data` (the lines build-dataset prints,
+    for train and loop to print too); none when there is no readable report there."""
+    try:
+        report = json.loads((Path(data) / "report.json").read_text())
+    except (OSError, ValueError):
+        return []
+    return [f"lost: {cause}" for cause in causes(report)]

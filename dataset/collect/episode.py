@@ -28,7 +28,14 @@ from lcap.capture.sandbox import release_mounts
 from lcap.capture.trust.redact import redact_text
 from lcap.config import LcapError
 from lcap.dataset.collect.summary import CollectSummary
-from lcap.dataset.collect.verifiers import Verifier, VerifierContext, VerifierError, hash_protected, tampered_files
+from lcap.dataset.collect.verifiers import (
+    VERIFIER_OUTPUT,
+    Verifier,
+    VerifierContext,
+    VerifierError,
+    hash_protected,
+    tampered_files,
+)
 from lcap.display import printable
 from lcap.processes import kill_group, run_child
 from lcap.store import Store, now
@@ -219,6 +226,7 @@ def _run_in(
     try:
         verdict = rules.judge(ctx)
     except VerifierError as exc:
+        (spec.dir / VERIFIER_OUTPUT).write_text(exc.output or str(exc))  # the summary's example for this reason
         outcome.flags.append(("verifier_error", {"error": str(exc)}))
         outcome.status, outcome.reason = "error", f"verifier: {exc}"
         return outcome

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lcap.dataset.build.explain import NO_CALLS_FIX, NO_CALLS_FIX_TRANSPARENT
+from lcap.dataset.collect.verifiers import VERIFIER_OUTPUT
 from lcap.display import num
 from lcap.store import Store
 
@@ -41,7 +42,7 @@ GROUP BY kind ORDER BY n DESC, example LIMIT {REASONS}
 class Reason:
     count: int
     text: str  # the example episode's error
-    example: Path  # its stderr.txt
+    example: Path  # its stderr.txt, or its verifier.txt for a verifier's error
 
 
 @dataclass
@@ -71,7 +72,12 @@ class CollectSummary:
         out.append(f"  reward: {reward}")
         if self.episodes:
             out.append(f"  turns per episode: min {self.turns_min}, median {self.turns_median:g}, max {self.turns_max}")
-        if self.no_turns:
+        if self.no_turns and not self.no_turns_ok and self.reasons:
+            out.append(
+                f"  {self.no_turns} episode{'s' if self.no_turns != 1 else ''} with 0 turns, none finished ok: the "
+                "agent ended before any LLM call through lcap: see the failures below"
+            )
+        elif self.no_turns:
             some = f" ({self.no_turns_ok} of them finished ok)" if self.no_turns_ok else ""
             out.append(
                 f"  {self.no_turns} episode{'s' if self.no_turns != 1 else ''} with 0 turns{some}: "
@@ -118,10 +124,9 @@ def summarize(
     summary.turns_min, summary.turns_median, summary.turns_max = turns_min or 0, turns_median or 0, turns_max or 0
     summary.statuses = dict(statuses)
     for _, count, example, text in reasons:
-        text = " ".join(str(text).split())
-        if len(text) > REASON_CHARS:
-            text = text[: REASON_CHARS - 1] + "…"
-        summary.reasons.append(Reason(count, text, Path(run_dir) / f"round-{round}" / example / "stderr.txt"))
+        text = _shortened(" ".join(str(text).split()))
+        said = VERIFIER_OUTPUT if text.startswith("verifier: ") else "stderr.txt"  # whose output tells why
+        summary.reasons.append(Reason(count, text, Path(run_dir) / f"round-{round}" / example / said))
     failures = sum(n for status, n in summary.statuses.items() if status != "ok")
     summary.other_failures = failures - sum(r.count for r in summary.reasons)
     return summary
@@ -133,3 +138,12 @@ def _shown(path: Path) -> str:
         return str(path.relative_to(Path.cwd()))
     except ValueError:
         return os.fspath(path)
+
+
+def _shortened(text: str) -> str:
+    """A reason cut to REASON_CHARS: its head ("agent exited 1: ") and its end, where a traceback names the error."""
+    if len(text) <= REASON_CHARS:
+        return text
+    head, sep, _ = text.partition(": ")
+    head = head + sep if sep and len(head) < 40 else ""
+    return head + "…" + text[len(text) - (REASON_CHARS - len(head) - 1) :]

@@ -26,6 +26,7 @@ import re
 import shlex
 import subprocess
 import sys
+import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,9 +34,16 @@ from typing import Any
 
 from lcap.config import LcapError
 
+VERIFIER_OUTPUT = "verifier.txt"  # in the episode's folder, beside the agent's stdout.txt and stderr.txt
+
 
 class VerifierError(Exception):
-    """The verifier crashed, timed out or printed no reward."""
+    """The verifier crashed, timed out or printed no reward; `output`: all it said (its stderr and stdout, or the
+    Python verifier's traceback), which collect keeps in the episode's verifier.txt."""
+
+    def __init__(self, message: str, output: str = "") -> None:
+        super().__init__(message)
+        self.output = output
 
 
 @dataclass(frozen=True)
@@ -93,7 +101,8 @@ class CommandVerifier:
         except OSError as exc:
             raise VerifierError(f"cannot run verifier {self.name}: {exc.strerror or exc}") from None
         if proc.returncode != 0:
-            raise VerifierError(f"verifier exited {proc.returncode}: {_tail(proc.stderr or proc.stdout)}")
+            said = f"{self.name} exited {proc.returncode}\n--- stderr\n{proc.stderr}--- stdout\n{proc.stdout}"
+            raise VerifierError(f"verifier exited {proc.returncode}: {_tail(proc.stderr or proc.stdout)}", said)
         lines = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
         if not lines:
             raise VerifierError("verifier printed nothing (expected a float or a JSON object with 'reward')")
@@ -114,7 +123,8 @@ class PythonVerifier:
         try:
             value = self.func(ctx)
         except Exception as exc:
-            raise VerifierError(f"{self.name} raised {exc.__class__.__name__}: {exc}") from exc
+            said = "".join(traceback.format_exception(exc))
+            raise VerifierError(f"{self.name} raised {exc.__class__.__name__}: {exc}", said) from exc
         return to_verdict(value)
 
 

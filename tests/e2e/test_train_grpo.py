@@ -12,6 +12,7 @@ from logps import perturbed_samples, token_logps, train_options
 
 from lcap.store import Store
 from lcap.train.grpo import prepare_round, train_round
+from lcap.train.options import TrainOptions
 from lcap.train.samples import Sample, read_samples
 
 
@@ -272,3 +273,32 @@ def test_activation_checkpointing_off_on_cpu_unless_asked(
     )
     prepared.trainer.train()
     assert prepared.trainer.model.get_base_model().is_activation_checkpointing is expected
+
+
+@pytest.mark.parametrize("is_mode", ["token_truncate", "token_mask"])  # lcap's IS figures, then TRL's own
+def test_a_step_with_no_token_has_no_figures_and_no_warning(tiny_train_model, captured_samples, tmp_path, is_mode):
+    """Issue #38: one of two steps trains on a group masked whole (cut by the token limit, --truncated mask). Its IS
+    ratio is no figure (the round's min was 0, its mean halved), and the TensorBoard callback gets no None."""
+    import logging
+
+    rows = pq.read_table(captured_samples).to_pylist()
+    first = rows[0]["group_id"]
+    for row in rows:
+        if row["group_id"] == first:
+            row.update(env_mask=[0] * len(row["env_mask"]), truncated=True)
+    data = write_samples(tmp_path / "data" / "samples.parquet", rows)
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        options = TrainOptions(base_model=str(tiny_train_model), batch_size=4, is_mode=is_mode)  # to TensorBoard
+        prepared = prepare_round(tmp_path / "run", 1, options, data=data)
+        prepared.trainer.train()
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    steps = [h for h in prepared.trainer.state.log_history if "loss" in h]
+    assert len(steps) == 2
+    ratios = [h["sampling/importance_sampling_ratio/min"] for h in steps]
+    assert ratios.count(None) == 1 and 0 not in ratios, ratios
+    assert not [m for m in said if "attempting to log a value" in m], said

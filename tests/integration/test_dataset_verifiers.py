@@ -60,3 +60,21 @@ def test_command_verifier_sees_its_environment(tmp_path):
 def test_command_verifier_errors(tmp_path, code, message):
     with pytest.raises(VerifierError, match=message):
         load_verifier(f'{sys.executable} -c "{code}"')(verifier_context(tmp_path))
+
+
+def test_a_verifier_error_carries_all_the_verifier_said(tmp_path):
+    """What collect writes to the episode's verifier.txt: a command's whole stderr and stdout (its message keeps only
+    a tail), a Python verifier's traceback."""
+    lines = "".join(f"echo 'trace line {i}' >&2\n" for i in range(40))
+    (tmp_path / "judge.sh").write_text(lines + "echo 'partial output'\nexit 4\n")
+    (tmp_path / "judge.py").write_text(
+        "def judge(ctx):\n    return helper(ctx)\n\ndef helper(ctx):\n    raise KeyError('x')\n"
+    )
+    ctx = verifier_context(tmp_path)
+    with pytest.raises(VerifierError) as crashed:
+        load_verifier(f"sh {tmp_path / 'judge.sh'}", base=tmp_path)(ctx)
+    assert "trace line 0\n" in crashed.value.output and "trace line 39\n" in crashed.value.output
+    assert "--- stdout\npartial output" in crashed.value.output and "trace line 0 " not in str(crashed.value)
+    with pytest.raises(VerifierError) as raised:
+        load_verifier("judge.py:judge", base=tmp_path)(ctx)
+    assert "in helper" in raised.value.output and raised.value.output.rstrip().endswith("KeyError: 'x'")

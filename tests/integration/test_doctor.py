@@ -70,15 +70,22 @@ def test_java_trusts_lcaps_store_and_fails_with_a_broken_one(home, monkeypatch):
     assert run_checks("trust.java")["trust.java"].status == "ok"
 
 
-def test_node_preload_passes_installed_and_fails_without_its_packages(home, node_modules, monkeypatch, tmp_path):
+def test_node_preload_passes_installed_warns_never_installed_and_fails_wrong(home, node_modules, monkeypatch, tmp_path):
+    """Never installed is a warning (a Python-only user's doctor passes: issue #38); a wrong version fails."""
     from fixtures_capture import node_cache_dir
 
     monkeypatch.setenv("LCAP_NODE_DIR", str(node_cache_dir()))
     assert run_checks("node.preload")["node.preload"].status == "ok"
     monkeypatch.setenv("LCAP_NODE_DIR", str(tmp_path / "empty"))
     found = run_checks("node.preload")["node.preload"]
-    assert found.status == "fail" and "undici missing (wants 6.21.3)" in found.summary
+    assert found.status == "warn" and "the Node preload is not installed" in found.summary, found
     assert found.fix.startswith("lcap setup node")
+    stale = tmp_path / "empty" / "node_modules" / "undici"
+    stale.mkdir(parents=True)
+    (stale / "package.json").write_text('{"version": "5.0.0"}')
+    found = run_checks("node.preload")["node.preload"]
+    assert found.status == "fail" and "undici 5.0.0 (wants 6.21.3)" in found.summary, found
+    assert "https-proxy-agent missing" in found.summary and found.fix.startswith("lcap setup node")
 
 
 def _dead_pid() -> int:

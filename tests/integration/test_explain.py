@@ -9,8 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from fixtures_dataset import chat_turns, lost_samples_scenario
 
+from lcap.config import LcapError
 from lcap.dataset.build.builder import BuildOptions, build_dataset
 from lcap.dataset.build.explain import NO_CALLS_FIX, causes, explain
 
@@ -147,3 +149,118 @@ def test_collect_failure_reasons_are_text_not_markup(tmp_path, monkeypatch, caps
     assert result.summary is not None
     assert result.summary.reasons[0].text == "agent exited 1: [/bold] \x1b[31mred"
     assert "failed agent exited 1: [/bold] \\x1b[31mred" in capsys.readouterr().err
+
+
+def test_a_round_whose_every_token_is_masked_is_refused_with_its_causes(builder, dstore, tmp_path):
+    """The issue's round 2: every call hit the token limit, built with --truncated mask: no trainable token. train
+    (and the loop's train step) refuse it before loading any model, naming the cause, its count and the flag."""
+    for i in range(8):
+        turns = chat_turns([10 + i, 11])
+        turns[0]["finish_reason"] = "length"
+        builder.episode(f"ep{i}", sample=i, reward=float(i % 2), turns=turns)
+    out = tmp_path / "data"
+    report = build_dataset(dstore, round=1, out=out, options=BuildOptions(truncated="mask"))
+    assert report.samples == 8 and report.groups["trainable"] == 1
+
+    trained = _lcap("train", "--round", "1", "--run", str(tmp_path / "run"), "--data", str(out), "--model", "unused")
+    assert trained.returncode == 2, trained.stdout + trained.stderr
+    (error,) = trained.stderr.strip().splitlines()
+    assert error.startswith("lcap: round 1: not trained: 0 trainable tokens, fewer than --min-tokens 1: ")
+    assert (
+        "8 of 8 samples hit the token limit and every token of theirs is masked (build-dataset --truncated mask); "
+        "raise the agent's max_tokens" in error
+    )
+    assert "--min-tokens N changes the minimum" in error
+    assert not (tmp_path / "run" / "round-1" / "adapter").exists()
+
+    from lcap.loop.steps import train_step
+    from lcap.train.options import TrainOptions
+
+    with pytest.raises(LcapError, match="round 1: not trained: 0 trainable tokens"):
+        train_step(dstore, tmp_path / "loop-run", 1, TrainOptions(base_model="unused"), out)
+    assert dstore.fetchall("SELECT count(*) FROM deployments")[0][0] == 0
+
+
+def test_collect_exits_1_when_no_episode_finished_ok(capture_env, llm, tmp_path):
+    (tmp_path / "agent.py").write_text(COLLECT_AGENT)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": "f", "mode": "fail"}) + "\n")
+    command = [LCAP, "collect", "--tasks", str(tasks), "-g", "2", "--round", "1", "--upstream", llm.url]
+    done = subprocess.run(
+        command + ["--", sys.executable, "agent.py", "{mode}", "{sample}"],
+        env=capture_env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "0 ok, 2 failed" in done.stdout
+    assert done.stderr.strip().splitlines()[-1] == (
+        "lcap: collect: no episode of this run finished ok (2 failed): see the failures above"
+    )
+
+
+def test_train_and_the_loop_say_what_build_dataset_lost(builder, dstore, tmp_path):
+    """2 of 3 groups got the same reward for every sample: build-dataset, train and the loop each print `lost:`."""
+    from lcap.loop.rounds import _rounds
+    from lcap.loop.steps import LoopConfig, LoopState, StepRunner
+    from lcap.train.options import TrainOptions
+
+    for g, rewards in enumerate(((1.0, 0.0), (1.0, 1.0), (0.0, 0.0))):
+        for k, reward in enumerate(rewards):
+            builder.episode(f"g{g}-{k}", task=f"t{g}", sample=k, reward=reward, turns=chat_turns([5 + k, 2]))
+    run = tmp_path / "run"
+    data = run / "round-1" / "data"
+    built = _lcap("build-dataset", "--round", "1", "--out", str(data), "--db", str(dstore.path))
+    lost = [line for line in built.stdout.splitlines() if line.startswith("lost: ")]
+    assert len(lost) == 1 and lost[0].startswith("lost: 2 of 3 groups got the same reward for every sample")
+
+    # --min-tokens stops each before any model loads: what they print first is the point here
+    trained = _lcap("train", "--round", "1", "--run", str(run), "--model", "unused", "--min-tokens", "1000")
+    assert trained.returncode == 2 and "fewer than --min-tokens 1000" in trained.stderr
+    assert [line for line in trained.stdout.splitlines() if line.startswith("lost: ")] == lost
+
+    config = LoopConfig(
+        run=run, rounds=1, tasks=tmp_path / "tasks.jsonl", command=["agent"], train=TrainOptions(min_tokens=1000)
+    )
+    state = LoopState(run, config.key())
+    state.finish(1, "collect", {"mean_reward": 0.5, "rewarded": 6})  # collected (by the builder above)
+    said: list[str] = []
+    with pytest.raises(LcapError, match="fewer than --min-tokens 1000"):
+        _rounds(dstore, config, StepRunner(dstore, state, run), said.append, None)
+    assert [line for line in said if line.startswith("lost: ")] == lost
+
+
+CRASHING_VERIFIER = """
+def judge(ctx):
+    return helper(ctx)
+
+def helper(ctx):
+    raise KeyError("expected_answer")
+"""
+
+
+def test_a_crashing_verifier_is_shown_its_own_traceback(capture_env, llm, tmp_path):
+    """The summary's example for a verifier's error is its verifier.txt (the whole traceback), not the agent's empty
+    stderr.txt (a command verifier's output: tests/integration/test_dataset_verifiers.py)."""
+    (tmp_path / "agent.py").write_text(COLLECT_AGENT)
+    (tmp_path / "judge.py").write_text(CRASHING_VERIFIER)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": "c", "mode": "call"}) + "\n")
+    done = subprocess.run(
+        [LCAP, "collect", "--tasks", str(tasks), "-g", "1", "--round", "1", "--upstream", llm.url]
+        + ["--verifier", "judge.py:judge", "--", sys.executable, "agent.py", "{mode}", "{sample}"],
+        env=capture_env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = done.stdout.splitlines()
+    i = lines.index("  failures, most common first:")
+    assert lines[i + 1].startswith("    1 x verifier: judge.py:judge raised KeyError"), lines
+    example = lines[i + 2].strip().removeprefix("e.g. ")
+    assert example.endswith("verifier.txt"), example
+    assert "in helper" in (tmp_path / example).read_text()
+    assert (tmp_path / example).with_name("stderr.txt").read_text() == ""  # the agent said nothing

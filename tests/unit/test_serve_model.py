@@ -110,6 +110,9 @@ def test_serve_status_and_deploy_without_a_server(tmp_path, monkeypatch):
     assert deployed.exit_code == 2 and "no policy server is running" in deployed.output
     record_dead_server(pid=2**22 + 1)  # no such process
     deployed = runner.invoke(app, ["deploy", str(tmp_path / "nothing-here"), "--db", str(tmp_path / "s.duckdb")])
+    assert deployed.exit_code == 2 and "nothing-here does not exist" in deployed.output  # issue #38
+    (tmp_path / "empty").mkdir()
+    deployed = runner.invoke(app, ["deploy", str(tmp_path / "empty"), "--db", str(tmp_path / "s.duckdb")])
     assert deployed.exit_code == 2 and "neither a LoRA adapter" in deployed.output
 
 
