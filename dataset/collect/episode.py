@@ -356,8 +356,9 @@ def progress_bar(show: bool):
 
 def report_end(console, spec: EpisodeSpec, outcome: EpisodeOutcome) -> None:
     if outcome.status != "ok":  # the reason quotes the agent: text, not markup
-        console.print(
-            Text.assemble((f"{spec.episode_id}: {outcome.status} ", "yellow"), printable(outcome.reason or ""))
+        console.print(  # one line per episode, however narrow the terminal: logs are read with grep
+            Text.assemble((f"{spec.episode_id}: {outcome.status} ", "yellow"), printable(outcome.reason or "")),
+            soft_wrap=True,
         )
 
 
