@@ -167,3 +167,54 @@ def test_loop_runs_an_sft_round_deploys_it_then_rl(vllm_policy, tmp_path):
         "WHERE e.round = 2 AND e.split = 'train'"
     )
     assert served == [(steps["1:deploy"]["name"],)]
+
+
+def test_lcap_train_sft_reads_the_builders_sft_file(tiny_train_model, captured_samples, tmp_path):
+    """The command line, on a file written as `build-dataset --format sft` writes one (conversation columns beside
+    the sample columns)."""
+    import pyarrow as pa
+
+    from lcap.dataset.build.samples_file import write_samples as write_builder_samples
+
+    table = pq.read_table(captured_samples)
+    conversations = pa.table(
+        {
+            "messages": [json.dumps([{"role": "user", "content": "question"}])] * table.num_rows,
+            "tools": [None] * table.num_rows,
+        },
+        schema=pa.schema([("messages", pa.string()), ("tools", pa.string())]),
+    )
+    (tmp_path / "sft").mkdir()
+    write_builder_samples(table, tmp_path / "sft" / "samples.parquet", conversations)
+    assert "messages" in pq.read_schema(tmp_path / "sft" / "samples.parquet").names
+    db = tmp_path / "lcap.duckdb"
+    lcap = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "lcap"
+    done = subprocess.run(
+        [
+            str(lcap) if lcap.exists() else "lcap",
+            "train",
+            "--sft",
+            "--db",
+            str(db),
+            "--run",
+            str(tmp_path / "run"),
+            "--round",
+            "1",
+            "--data",
+            str(tmp_path / "sft"),
+            "--model",
+            str(tiny_train_model),
+            "--max-steps",
+            "1",
+            "--report-to",
+            "none",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "round 1: 8 sft samples | sft loss" in done.stdout
+    assert Store(db).fetchall("SELECT kind, steps, output FROM train_runs") == [
+        ("lora", 1, str(tmp_path / "run" / "round-1" / "adapter"))
+    ]
