@@ -21,7 +21,7 @@ def register(app: typer.Typer) -> None:
 
 @one_line_errors
 @with_options(LoopOptions, "options")
-@with_options(TrainOptions, "train", exclude=("current",))
+@with_options(TrainOptions, "train", exclude=("current", "sft"))
 @with_options(BuildOptions, "build", exclude=("split", "where", "format"))
 @with_options(CollectOptions, "collect", exclude=("round", "split", "upstream", "model", "run_dir", "ray"))
 @with_options(ProxyOptions, "proxy", exclude=NOT_POLICY_ROUTE_FLAGS)
@@ -76,7 +76,7 @@ def loop(
 
 
 @one_line_errors
-@with_options(LoopOptions, "options", exclude=("groups_per_step",))
+@with_options(LoopOptions, "options", exclude=("groups_per_step", "sft_data"))
 @with_options(DemoOptions, "demo_options")
 def demo(
     out: Annotated[Path, typer.Option("--out", help="Where the demo writes its model, run, store and results.")] = Path(

@@ -28,10 +28,18 @@ class LoopOptions:
     groups_per_step: int = option(
         0, help="--async: complete groups per training step (0: the tasks of a round, the synchronous batch)."
     )
+    sft_data: str | None = option(
+        None,
+        help="Start with an SFT round: round 1 trains on these supervised samples (`lcap build-dataset --format "
+        "sft`'s samples.parquet or its folder, e.g. a teacher's successes) and deploys, then --rounds RL rounds "
+        "(2, 3, ...) collect with that policy.",
+    )
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0 or self.groups_per_step < 0:
             raise LcapError("--max-staleness and --groups-per-step must be 0 or more")
+        if self.overlap and self.sft_data is not None:
+            raise LcapError("--sft-data runs a synchronous SFT round first: drop --async, or run `lcap train --sft`")
 
 
 TaskName = Literal["number", "tools", "calculator"]

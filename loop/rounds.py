@@ -9,6 +9,9 @@ the policy server no longer serves it (e.g. it was restarted).
 Round numbering: round N's samples are collected with the policy trained in round N-1 (round 1
 with the base), train on them, and deploy the result. With --eval-tasks the held-out tasks run
 before round 1 (`eval` of round 0, the base policy) and after each round's deploy.
+
+With --sft-data, round 1 is an SFT round (train on those supervised samples, deploy, eval) and the --rounds RL
+rounds are 2, 3, ...: the first of them collects with the SFT policy.
 """
 
 import json
@@ -32,6 +35,7 @@ from lcap.loop.steps import (
     collect_split,
     deploy_step,
     round_tasks,
+    sft_step,
     train_step,
 )
 from lcap.policy import read_policy
@@ -85,7 +89,11 @@ def _rounds(
             info = step(0, "eval", lambda: collect_step(0, "eval", eval_tasks, config.eval_group_size))
             echo(f"round 0 (base policy): held-out reward {num(info['mean_reward'])} ({info['rewarded']} episodes)")
             summaries.append(RoundSummary(round=0, eval_reward=info["mean_reward"]))
-        for n in range(1, config.rounds + 1):
+        first = 1
+        if config.options.sft_data:
+            summaries.append(_sft_round(store, config, step, collect_step, echo))
+            first = 2
+        for n in range(first, first + config.rounds):
             t0 = time.perf_counter()
             s = RoundSummary(round=n)
             tasks = round_tasks(config, n)
@@ -120,6 +128,28 @@ def _rounds(
     except StopAfter:
         pass
     return summaries
+
+
+def _sft_round(store, config: LoopConfig, step: StepRunner, collect_step, echo: Callable[[str], None]) -> RoundSummary:
+    """Round 1 of `--sft-data`: SFT on the given samples, deploy, and the held-out eval of the result."""
+    t0 = time.perf_counter()
+    run = Path(config.run)
+    data = Path(config.options.sft_data or "")
+    s = RoundSummary(round=1)
+    trained = step(1, "train", lambda: sft_step(store, run, 1, config.train, data))
+    s.train = trained
+    deployed = step(1, "deploy", lambda: deploy_step(store, trained["output"], 1))
+    s.deployed = deployed["name"]
+    if config.eval_tasks:
+        eval_tasks = config.eval_tasks
+        ev = step(1, "eval", lambda: collect_step(1, "eval", eval_tasks, config.eval_group_size))
+        s.eval_reward = ev["mean_reward"]
+    echo(
+        f"round 1 (sft on {data}): {trained['n_samples']} samples"
+        + (f" | held-out {num(s.eval_reward)}" if config.eval_tasks else "")
+        + f" | {training_text(trained)} | deployed {s.deployed} | {time.perf_counter() - t0:.0f}s"
+    )
+    return s
 
 
 def _redeploy_if_lost(state: LoopState, store, echo) -> None:

@@ -31,6 +31,7 @@ from lcap.serve.deploy import deploy
 from lcap.store import now
 from lcap.train.grpo import round_dir, train_round
 from lcap.train.options import TrainOptions
+from lcap.train.sft import sft_round
 
 
 @dataclass
@@ -64,6 +65,8 @@ class LoopConfig:
         ]
         if self.tasks_per_round:
             ident.append(self.tasks_per_round)
+        if self.options.sft_data:  # its round 1 is the SFT round: the RL rounds' numbers shift by one
+            ident.append(["sft", str(Path(self.options.sft_data).resolve())])
         if self.options.overlap:  # an async run's state (batches of groups) is not a synchronous run's (rounds)
             ident.append("async")
         return hashlib.sha1(json.dumps(ident).encode()).hexdigest()[:12]
@@ -77,8 +80,8 @@ class LoopState:
         data = json.loads(self.path.read_text()) if self.path.exists() else {}
         if data and data.get("key") != key:
             raise LcapError(
-                f"{self.path} belongs to a loop with another agent command, tasks, tasks per round, group size or "
-                "verifier: use a new --run folder"
+                f"{self.path} belongs to a loop with another agent command, tasks, tasks per round, group size, "
+                "verifier or --sft-data: use a new --run folder"
             )
         self.data = data or {"key": key, "steps": {}}
         self.lock = threading.RLock()  # the async loop's held-out runs record their steps from a thread of their own
@@ -235,6 +238,15 @@ def train_step(store, run: Path, n: int, options: TrainOptions, data: Path) -> d
         why = explain(report) if report else f"no report.json in {data}"
         raise LcapError(f"round {n}: nothing to train on in {data}: {why}")
     result = train_round(store, run, n, options, data=data, progress=sys.stderr.isatty())
+    return {
+        "output": str(result.output),
+        **{k: v for k, v in result.metrics.items() if isinstance(v, (int, float)) or v is None},
+    }
+
+
+def sft_step(store, run: Path, n: int, options: TrainOptions, data: Path) -> dict:
+    """Train round `n` with SFT on the supervised samples in `data` (`lcap loop --sft-data`)."""
+    result = sft_round(store, run, n, replace(options, sft=True), data=data, progress=sys.stderr.isatty())
     return {
         "output": str(result.output),
         **{k: v for k, v in result.metrics.items() if isinstance(v, (int, float)) or v is None},

@@ -1,4 +1,4 @@
-"""`lcap train`: one GRPO round on captured samples (flags from `TrainOptions`)."""
+"""`lcap train`: one GRPO round (or with --sft one SFT round) on captured samples (flags from `TrainOptions`)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ def train(
         bool, typer.Option("--dry-run", help="Print the accelerate command instead of running it.")
     ] = False,
 ) -> None:
-    """Train one GRPO round (TRL GRPOTrainer) on the round's captured samples; LoRA unless --full."""
+    """Train one GRPO round (TRL GRPOTrainer), or with --sft one SFT round (TRL SFTTrainer), on the round's captured
+    samples; LoRA unless --full."""
     if accelerate_config is not None:
         _accelerate(accelerate_config, options, dry_run)
         return
@@ -55,11 +56,13 @@ def train(
     from lcap.train.fit import is_main_process  # start-up: pyarrow
     from lcap.train.grpo import round_samples, train_round  # start-up: pyarrow
     from lcap.train.progress import round_line  # start-up: rich
+    from lcap.train.sft import sft_round  # start-up: pyarrow
 
     if is_main_process():
         for line in lost_lines(round_samples(run, round, data).parent):
             typer.echo(line)
-    result = train_round(Store(db), run, round, options, data=data, progress=True)
+    trainer = sft_round if options.sft else train_round
+    result = trainer(Store(db), run, round, options, data=data, progress=True)
     if is_main_process():
         typer.echo(round_line(round, result.metrics, result.output))
 

@@ -206,7 +206,7 @@ def prepare(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Prepar
     tokenizer = AutoTokenizer.from_pretrained(inputs.base_model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model, peft_config, kind = _load_policy(inputs.base_model, inputs.init_from, options, dtype)
+    model, peft_config, kind = load_policy(inputs.base_model, inputs.init_from, options, dtype)
 
     args = GRPOConfig(
         output_dir=str(out_dir / "trainer"),
@@ -343,8 +343,9 @@ def guard_round(p: PreparedRound, options: TrainOptions) -> Mismatch:
     return mismatch
 
 
-def _load_policy(base_model: str, init_from: Path | None, options: TrainOptions, dtype):
-    """The model to train: the previous round's policy when there is one, else the base."""
+def load_policy(base_model: str, init_from: Path | None, options: TrainOptions, dtype):
+    """The model to train: the previous round's policy when there is one, else the base; with its LoRA config
+    (None: the model is ready as it is) and its kind, lora or full. GRPO and SFT rounds load it alike."""
     from transformers import AutoModelForCausalLM  # the train extra
 
     if options.full:

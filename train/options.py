@@ -1,4 +1,5 @@
-"""The options of a GRPO round (`lcap train`, `lcap loop`): each flag's default and help, written once."""
+"""The options of a training round, GRPO or SFT (`lcap train`, `lcap loop`): each flag's default and help, written
+once."""
 
 from __future__ import annotations
 
@@ -25,13 +26,22 @@ class TrainOptions:
         None, flag="--model", help="Base model (HF path or name); default: the run's, else the policy server's."
     )
     full: bool = option(False, flag="--full", help="Full fine-tuning instead of a LoRA adapter.")
+    sft: bool = option(
+        False,
+        flag="--sft",
+        help="Supervised fine-tuning (TRL SFTTrainer) on `lcap build-dataset --format sft` samples instead of GRPO: "
+        "cross-entropy on the captured ids where env_mask is 1 (the model's tokens), nothing else; the GRPO flags "
+        "(loss, clip, importance sampling, mismatch guard) do not apply.",
+    )
     loss_type: str = option("dapo", help=f"TRL loss: {', '.join(LOSS_TYPES)}.")
     learning_rate: float = option(1e-5, flag="--lr", help="Learning rate.")
     beta: float = option(0.0, help="KL coefficient against the base model (0: no reference pass).")
     epochs: int = option(
         1, help="Passes over the round's samples, all clipped against the round's starting policy (TRL num_iterations)."
     )
-    batch_size: int = option(0, help="Samples per optimiser step, whole groups (0: two groups).")
+    batch_size: int = option(
+        0, help="Samples per optimiser step, whole groups (0: two groups; --sft: any samples, 0: eight)."
+    )
     grad_accum: int = option(1, help="Gradient accumulation steps.")
     max_steps: int = option(-1, help="Stop after this many optimiser steps (-1: epochs decide).")
     epsilon: float = option(0.2, help="PPO clip range below 1 (and above, unless --epsilon-high).")
@@ -111,5 +121,7 @@ class TrainOptions:
             )
         if self.min_tokens < 1:
             raise LcapError("--min-tokens must be 1 or more (a round with no trainable token trains nothing)")
+        if self.sft and self.ray is not None:
+            raise LcapError("--sft with --ray is not supported: train SFT rounds here or with --accelerate-config")
         if self.mismatch_max < 0 or self.mismatch_samples < 0:
             raise LcapError("--mismatch-max and --mismatch-samples must be 0 or more")

@@ -17,6 +17,8 @@ from lcap.display import num, small
 
 def training_text(metrics: dict[str, Any]) -> str:
     """A round's training figures in one line (shared by `lcap train` and the loop's round line)."""
+    if "n_groups" not in metrics:  # an SFT round (sft.py): no groups, clip, importance sampling or guard
+        return f"sft loss {num(metrics.get('loss'), 4)} | {num(metrics.get('tokens_per_s'), 0)} tok/s"
     return (
         f"loss {num(metrics.get('loss'), 4)} | KL {num(metrics.get('kl'))} | IS ratio {num(metrics.get('is_ratio_mean'))}"
         f" | clip {num(metrics.get('clip_fraction'))} | {num(metrics.get('tokens_per_s'), 0)} tok/s"
@@ -30,6 +32,8 @@ def _unchecked(metrics: dict[str, Any]) -> str:
 
 
 def round_line(round: int, metrics: dict[str, Any], output: Path) -> str:
+    if "n_groups" not in metrics:
+        return f"round {round}: {metrics['n_samples']} sft samples | {training_text(metrics)} -> {output}"
     return (
         f"round {round}: {metrics['n_samples']} samples in {metrics['n_groups']} groups, "
         f"mean reward {num(metrics.get('mean_reward'))} | {training_text(metrics)} -> {output}"

@@ -1,0 +1,177 @@
+"""One SFT round on supervised samples: `lcap train --sft --round N --run RUN`.
+
+The samples are `lcap build-dataset --format sft`'s, already tokenised: a teacher's calls re-rendered with the
+student's template, the policy's own calls with their captured ids. TRL's `SFTTrainer` trains on those ids as they
+are (no chat template applied again): the labels are the completion's ids where `env_mask` is 1 (the tokens the
+model produced) and -100 everywhere else (prompt, tool results, template tokens between calls), so the loss is the
+mean cross-entropy of the model's own tokens only.
+
+A round writes the run layout of a GRPO round (grpo.py) and its train_runs row, so `lcap deploy` serves it and the
+next round, GRPO or SFT, continues from it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lcap.config import LcapError
+from lcap.store import now
+from lcap.train.fit import FittedRound, RoundInputs, is_main_process, load_policy, world_size
+from lcap.train.grpo import TrainResult, record_round, round_dir, round_inputs
+from lcap.train.options import TrainOptions
+from lcap.train.progress import step_progress
+from lcap.train.samples import Sample, read_samples
+
+IGNORE = -100  # the label transformers' cross-entropy leaves out
+
+DEFAULT_BATCH = 8
+
+
+def sft_example(sample: Sample) -> dict[str, list[int]]:
+    """A sample as SFTTrainer's pre-tokenised row: all its ids, and labels on the model's own tokens only."""
+    labels = [IGNORE] * len(sample.prompt_ids) + [
+        token if mask else IGNORE for token, mask in zip(sample.completion_ids, sample.env_mask, strict=True)
+    ]
+    return {"input_ids": list(sample.prompt_ids) + list(sample.completion_ids), "labels": labels}
+
+
+@dataclass
+class PreparedSft:
+    trainer: Any
+    samples: list[Sample]  # the ones with a token to learn
+    skipped: int  # samples with no masked-in token
+    kind: str
+    out_dir: Path
+
+
+def prepare_sft(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> PreparedSft:
+    """Everything up to `trainer.train()`: the samples as labelled ids, the policy, TRL's SFTTrainer."""
+    # the train extra
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from transformers.trainer_callback import PrinterCallback
+    from trl import SFTConfig, SFTTrainer
+
+    every = read_samples(inputs.samples)
+    samples = [s for s in every if any(s.env_mask)]
+    where = out_dir.name.replace("-", " ")
+    if not samples:
+        shown = inputs.shown(out_dir).samples
+        raise LcapError(
+            f"{where}: no sample in {shown} has a token the model produced (env_mask 1) to learn "
+            f"({len(every)} samples): build it with `lcap build-dataset --format sft`"
+        )
+    processes = world_size()
+    batch = options.batch_size or DEFAULT_BATCH
+    batch = max(processes, min(batch, math.ceil(len(samples) / processes) * processes))
+    batch = math.ceil(batch / processes) * processes
+    steps_per_epoch = math.ceil(len(samples) / (batch * options.grad_accum))
+    max_steps = steps_per_epoch * options.epochs
+    if options.max_steps > 0:
+        max_steps = min(max_steps, options.max_steps)
+
+    on_gpu = torch.cuda.is_available()
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(inputs.base_model)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model, peft_config, kind = load_policy(inputs.base_model, inputs.init_from, options, dtype)
+    args = SFTConfig(
+        output_dir=str(out_dir / "trainer"),
+        use_cpu=not on_gpu,
+        bf16=on_gpu,
+        activation_checkpointing=on_gpu
+        if options.activation_checkpointing is None
+        else options.activation_checkpointing,
+        learning_rate=options.learning_rate,
+        max_steps=max_steps,
+        per_device_train_batch_size=batch // processes,
+        gradient_accumulation_steps=options.grad_accum,
+        max_length=None,  # the captured ids as they are: a cut sample would lose its last tokens' labels
+        dataset_kwargs={"skip_prepare_dataset": True},  # ids and labels are ready; no template, no truncation
+        report_to=options.report_to,
+        logging_steps=options.logging_steps,
+        save_strategy="no",
+        seed=options.seed,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        ddp_find_unused_parameters=False,
+        disable_tqdm=True,
+    )
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list([sft_example(s) for s in samples]),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
+    trainer.remove_callback(PrinterCallback)
+    return PreparedSft(trainer, samples, len(every) - len(samples), kind, out_dir)
+
+
+def fit_sft(inputs: RoundInputs, out_dir: Path, options: TrainOptions, *, progress: bool = False) -> FittedRound:
+    """Train the SFT round in this process; rank 0 saves the adapter or checkpoint in OUT_DIR as GRPO's does."""
+    from transformers.utils.logging import disable_progress_bar  # the train extra
+
+    disable_progress_bar()
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    p = prepare_sft(inputs, out_dir, options)
+    if progress:
+        p.trainer.add_callback(step_progress(f"train {out_dir.name.replace('-', ' ')} (sft)"))
+    trainer = p.trainer
+    t0 = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - t0
+    output = out_dir / ("checkpoint" if p.kind == "full" else "adapter")
+    trainer.save_model(str(output))
+    if p.kind == "full" and trainer.accelerator.is_main_process:
+        trainer.processing_class.save_pretrained(str(output))
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h and not math.isnan(h["loss"])]
+    tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in p.samples)
+    passes = trainer.state.global_step * trainer.args.per_device_train_batch_size * trainer.accelerator.num_processes
+    passes = passes * trainer.args.gradient_accumulation_steps / len(p.samples)
+    metrics: dict[str, Any] = dict(
+        n_samples=len(p.samples),
+        mean_reward=sum(s.reward for s in p.samples) / len(p.samples),
+        loss=sum(losses) / len(losses) if losses else None,
+        tokens=int(tokens * passes),
+        train_seconds=seconds,
+        tokens_per_s=tokens * passes / seconds if seconds else None,
+        steps=trainer.state.global_step,
+    )
+    return FittedRound(
+        output=output,
+        kind=p.kind,
+        metrics=metrics,
+        device=str(trainer.accelerator.device),
+        processes=trainer.accelerator.num_processes,
+        mismatch=[],  # the guard compares served logprobs with the trainer's: a teacher's calls have none of ours
+    )
+
+
+def sft_round(
+    store,
+    run: Path,
+    round: int,
+    options: TrainOptions = TrainOptions(sft=True),
+    *,
+    data: Path | None = None,
+    progress: bool = False,
+) -> TrainResult:
+    """Train round `round` with SFT on its samples (RUN/round-N/data or `data`); record it as a GRPO round is."""
+    if options.ray is not None:
+        raise LcapError("--sft with --ray is not supported: train SFT rounds here or with --accelerate-config")
+    run = Path(run)
+    started_at = now()
+    inputs = round_inputs(run, round, options, data)
+    fitted = fit_sft(inputs, round_dir(run, round), options, progress=progress)
+    if is_main_process():
+        record_round(store, run, round, inputs, fitted, options, started_at)
+    return TrainResult(round=round, output=fitted.output, kind=fitted.kind, metrics=fitted.metrics)
