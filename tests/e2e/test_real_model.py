@@ -16,16 +16,23 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
+import pyarrow.parquet as pq
 import pytest
 from fixtures_capture import turns
-from policy_agents import episode_samples, extends_previous, sdk_clients
+from fixtures_vllm import make_lora, perturbed_checkpoint
+from policy_agents import Agents, episode_samples, extends_previous, policy_proxy, sdk_clients
 
 from lcap.capture.options import ProxyOptions
 from lcap.capture.proxy.server import CaptureProxy
+from lcap.config import LcapError
+from lcap.policy import read_policy
 from lcap.store import Store
+from lcap.train.grpo import train_round
+from lcap.train.options import MISMATCH_MAX, TrainOptions
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -198,3 +205,206 @@ def test_bundled_tool_agent_merge_rate(smollm2_policy, tmp_path, capture_home):
         f"\nSmolLM2 bundled tool agent: {len(rows) - samples} of {len(rows) - 1} follow-up calls merged;"
         f" finish {[r['finish_reason'] for r in rows]}"
     )
+
+
+# The demo's verifier (scripts/demo/verify.py) plus a step per sample index: every group has variance, so GRPO
+# trains whatever the model answers. The stored reward is checked against this sum.
+STEPPED_VERIFIER = """
+import sys
+sys.path.insert(0, {demo!r})
+from verify import score
+
+def verify(ctx):
+    scored = score(str(ctx.task["answer"]), ctx.stdout)
+    sample = int(ctx.episode_id.rsplit("-", 2)[1])  # c{{run}}-r{{round}}-{{split}}-{{task}}-{{sample}}-{{random}}
+    return {{**scored, "reward": scored["reward"] + 0.1 * sample}}
+"""
+
+
+def scored_logprobs(server, model: str, row: dict) -> list[float]:
+    """vLLM's logprobs under `model` of a stored call's completion tokens after its prompt (prompt_logprobs)."""
+    prompt, completion = row["prompt_token_ids"], row["completion_token_ids"]
+    body = {"model": model, "prompt": prompt + completion, "max_tokens": 1, "prompt_logprobs": 0}
+    answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=300).json()
+    per_token = answer["choices"][0]["prompt_logprobs"][len(prompt) :]
+    return [position[str(t)]["logprob"] for position, t in zip(per_token, completion, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def calculator_round(smollm2_server, tmp_path_factory):
+    """`lcap loop --async` (run_loop with overlap) on the demo's calculator task and bundled agent, SmolLM2: two
+    steps of 2 training tasks x 2 episodes. --max-staleness 0: step 2's episodes wait for step 1's deploy, so every
+    one of them is served by step 1's adapter. No held-out run: under load, decoding beside training costs minutes."""
+    from lcap.dataset.options import BuildOptions, CollectOptions
+    from lcap.loop.demo import calculator
+    from lcap.loop.demo.number import write_jsonl
+    from lcap.loop.demo.task import demo_dir
+    from lcap.loop.options import LoopOptions
+    from lcap.loop.rounds import run_loop
+    from lcap.loop.steps import LoopConfig
+    from lcap.train.options import TrainOptions
+
+    smollm2_server.use_base()
+    out = tmp_path_factory.mktemp("calculator")
+    train, _ = calculator.make_tasks([], n_train=4, n_eval=0, seed=0)
+    (out / "verify.py").write_text(STEPPED_VERIFIER.format(demo=str(demo_dir())))
+    config = LoopConfig(
+        run=out / "run",
+        rounds=2,
+        tasks=write_jsonl(out / "tasks.jsonl", train),
+        command=calculator.agent_command(),
+        tasks_per_round=2,
+        collect=CollectOptions(group_size=2, concurrency=4, timeout=300, verifier=f"{out / 'verify.py'}:verify"),
+        build=BuildOptions(truncated="keep"),
+        train=TrainOptions(base_model=str(smollm2_server.model_dir), learning_rate=1e-3, report_to="none"),
+        options=LoopOptions(overlap=True, max_staleness=0),
+    )
+    saved = os.environ.get("OPENAI_API_KEY")
+    os.environ["OPENAI_API_KEY"] = "sk-test"
+    lines: list[str] = []
+    try:
+        summaries = run_loop(Store(out / "lcap.duckdb"), config, echo=lines.append)
+    finally:
+        if saved is None:
+            os.environ.pop("OPENAI_API_KEY", None)
+        else:
+            os.environ["OPENAI_API_KEY"] = saved
+    assert [s.round for s in summaries] == [1, 2], lines
+    yield out, json.loads((out / "run" / "state.json").read_text())["steps"], lines
+    smollm2_server.use_base()
+
+
+def test_one_async_calculator_round_end_to_end(smollm2_server, calculator_round):
+    """What lcap guarantees of a real-model loop, whatever the model says: every call has its prompt and completion
+    ids and a logprob per completion token; the dataset's loss mask covers exactly the tokens the model sampled
+    (tool results and the template's joins between merged calls are masked out) with the served logprobs beside
+    them; a reward is stored for every episode and the samples carry it; each step's adapter is hot-loaded into
+    the same vLLM process and names the calls served after it (step 2's episodes), whose logprobs vLLM gives
+    again under the adapter's name and not under the base's."""
+    out, steps, lines = calculator_round
+    store = Store(out / "lcap.duckdb")
+    rows = turns(out / "lcap.duckdb")
+    episodes = {
+        e: (split, n, reward)
+        for e, split, n, reward in store.fetchall("SELECT episode_id, split, round, reward FROM episode_summary")
+    }
+    assert sorted((s, n) for s, n, _ in episodes.values()) == [("train", 1)] * 4 + [("train", 2)] * 4
+    assert {r["episode_id"] for r in rows} == set(episodes)
+    for row in rows:
+        check_tokens(row, row["deployment"])
+        assert len(row["prompt_token_ids"]) > 0
+
+    # rewards: one per episode, the demo's score (0, 0.5 or 1) plus the sample's step
+    for episode, (_, _, reward) in episodes.items():
+        assert reward is not None
+        assert round(reward - 0.1 * int(episode.rsplit("-", 2)[1]), 6) in (0.0, 0.5, 1.0), (episode, reward)
+
+    # the adapters: hot-loaded (no restart), each naming the calls that followed its deploy
+    deployed = {n: steps[f"{n}:deploy"]["name"] for n in (1, 2)}
+    assert read_policy().pid == smollm2_server.record.pid
+    lora = store.fetchall("SELECT name, round FROM deployments WHERE kind = 'lora' ORDER BY round")
+    assert lora == [(deployed[1], 1), (deployed[2], 2)]
+    by_episode: dict[str, list[dict]] = {}
+    for row in rows:
+        by_episode.setdefault(row["episode_id"], []).append(row)
+    served = {(episodes[e][0], episodes[e][1]): {r["deployment"] for r in rs} for e, rs in by_episode.items()}
+    assert served[("train", 1)] == {smollm2_server.served_model} and served[("train", 2)] == {deployed[1]}
+
+    # the adapter's scores of a call it served are its own, not the base's, on the same ids
+    call = next(r for r in rows if r["deployment"] == deployed[1])
+    scored = {m: scored_logprobs(smollm2_server, m, call) for m in (deployed[1], smollm2_server.served_model)}
+    base_shift = max(abs(a - b) for a, b in zip(scored[smollm2_server.served_model], call["completion_logprobs"]))
+    assert max(abs(a - b) for a, b in zip(scored[deployed[1]], call["completion_logprobs"])) < 1e-3 < base_shift
+
+    # the dataset each step trained on: masks over exactly the sampled tokens, the served logprobs, the reward
+    for n in (1, 2):
+        samples = pq.read_table(out / "run" / f"round-{n}" / "data" / "samples.parquet").to_pylist()
+        assert {s["episode_id"] for s in samples} == {e for e, (s, k, _) in episodes.items() if (s, k) == ("train", n)}
+        for episode in {s["episode_id"] for s in samples}:
+            mine = [s for s in samples if s["episode_id"] == episode]
+            sampled = [
+                (t, lp)
+                for s in mine
+                for t, lp, m in zip(s["completion_ids"], s["logprobs"], s["env_mask"], strict=True)
+                if m
+            ]
+            calls = by_episode[episode]
+            assert [t for t, _ in sampled] == [t for r in calls for t in r["completion_token_ids"]]
+            assert [lp for _, lp in sampled] == pytest.approx([lp for r in calls for lp in r["completion_logprobs"]])
+            assert mine[0]["prompt_ids"] == calls[0]["prompt_token_ids"]
+            assert [s["reward"] for s in mine] == pytest.approx([episodes[episode][2]] * len(mine))
+            assert {s["deployment"] for s in mine} == {smollm2_server.served_model if n == 1 else deployed[1]}
+
+    follow_ups = [(a, b) for rs in by_episode.values() for a, b in itertools.pairwise(rs)]
+    could = [b for a, b in follow_ups if a["finish_reason"] in ("stop", "tool_calls")]
+    assert all(b["stitched"] for b in could), [b["stitch_note"] for b in could]
+    print(
+        f"\nSmolLM2 calculator round: {sum(b['stitched'] for _, b in follow_ups)} of {len(could)} follow-up calls "
+        f"that could merge merged ({len(follow_ups)} follow-ups); {len(rows)} calls; "
+        f"rewards {sorted(round(r, 2) for _, _, r in episodes.values())}; " + "; ".join(lines)
+    )
+
+
+def test_mismatch_guard_on_served_lora_samples(smollm2_server, calculator_round, tmp_path):
+    """Step 2 trained on episodes served by step 1's adapter, continuing that adapter: the guard (lcap train's own,
+    in train_round) measured KL ~ 0 and passed. The same samples, trained from another adapter as if it were the
+    one deployed: the guard stops the round before any step."""
+    out, steps, _ = calculator_round
+    (kl, diff, held, details) = Store(out / "lcap.duckdb").fetchall(
+        "SELECT mismatch_kl, mismatch_logp_diff, mismatch_held, mismatch FROM train_runs WHERE round = 2"
+    )[0]
+    (measured,) = json.loads(details)
+    assert held == measured["deployment"] == steps["1:deploy"]["name"] and measured["samples"] == 4
+    assert measured["tokens"] > 0 and 0 <= kl < MISMATCH_MAX / 100 and diff < 0.05
+
+    wrong = tmp_path / "wrong"
+    make_lora(smollm2_server.model_dir, wrong / "round-1" / "adapter", seed=2, scale=0.05)
+    data = out / "run" / "round-2" / "data" / "samples.parquet"
+    options = TrainOptions(base_model=str(smollm2_server.model_dir), report_to="none")
+    with pytest.raises(LcapError, match="adapter being trained is not the one vLLM served") as stopped:
+        train_round(Store(tmp_path / "lcap.duckdb"), wrong, 2, options, data=data)
+    assert f"deployment '{steps['1:deploy']['name']}'" in str(stopped.value)
+    assert not (wrong / "round-2" / "adapter").exists()
+    (wrong_kl,) = [d["kl"] for d in json.loads((wrong / "round-2" / "mismatch.json").read_text())["deployments"]]
+    print(f"\nSmolLM2 mismatch KL: right adapter {kl:.3g}, wrong adapter {wrong_kl:.3g}")
+    assert wrong_kl > MISMATCH_MAX
+
+
+def test_full_checkpoint_reloads_in_place_on_smollm2(smollm2_policy, tmp_path):
+    """A full checkpoint of SmolLM2 (other weights, the same config) deployed while agents call through the proxy,
+    streamed and not: vLLM reloads it in place (the same process), no call fails, the calls after the deploy name
+    it, and vLLM now scores the tokens the checkpoint served as it served them, and the base's tokens otherwise.
+    The base's weights are deployed back after."""
+    from lcap.serve.deploy import deploy
+
+    before = read_policy()
+    base = smollm2_policy.served_model
+    checkpoint = perturbed_checkpoint(smollm2_policy.model_dir, tmp_path / "round-1" / "checkpoint", scale=0.01)
+    db = tmp_path / "lcap.duckdb"
+    try:
+        with policy_proxy(tmp_path) as proxy, Agents(proxy, threads=2, stream_every=2, max_tokens=8) as agents:
+            agents.wait_for(2)
+            name = deploy(checkpoint, name="smollm2-r1", round=1, store=Store(db), drain_timeout=300)
+            deployed_at = time.time()
+            agents.wait_after(time.monotonic(), n=2)
+        after = read_policy()
+        assert after.pid == before.pid and after.current == name and after.served_name(name) == base
+        assert after.base_model == str(checkpoint.resolve())
+        failed = [c for c in agents.calls if not c["ok"]]
+        assert not failed, failed[:3]
+        rows = turns(db)
+        for row in rows:
+            check_tokens(row, row["deployment"])
+        assert {r["deployment"] for r in rows} == {base, name} and {r["model_served"] for r in rows} == {base}
+        assert all(r["deployment"] == name for r in rows if r["started_at"].timestamp() > deployed_at)
+        served = {label: next(r for r in rows if r["deployment"] == label) for label in (base, name)}
+        shift = {
+            label: max(
+                abs(a - b) for a, b in zip(scored_logprobs(smollm2_policy, base, row), row["completion_logprobs"])
+            )
+            for label, row in served.items()
+        }
+        assert shift[name] < 1e-3 < shift[base], shift
+    finally:  # the tests that follow expect SmolLM2's own weights
+        deploy(smollm2_policy.model_dir, name=base)
+    assert read_policy().pid == before.pid and read_policy().base_model == str(smollm2_policy.model_dir.resolve())
