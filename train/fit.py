@@ -165,9 +165,7 @@ def prepare(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Prepar
     and N take the same optimiser steps on the same samples (tests/e2e/test_train_distributed.py).
     """
     # the train extra
-    import torch
     from datasets import Dataset
-    from transformers import AutoTokenizer
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig
 
@@ -200,28 +198,15 @@ def prepare(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Prepar
     if options.max_steps > 0:
         max_steps = min(max_steps, options.max_steps)
 
-    on_gpu = torch.cuda.is_available()
-    dtype = torch.bfloat16 if on_gpu else torch.float32
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(inputs.base_model)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model, peft_config, kind = load_policy(inputs.base_model, inputs.init_from, options, dtype)
-
+    policy = round_policy(inputs, out_dir, options)
+    model, peft_config, kind, tokenizer = policy.model, policy.peft_config, policy.kind, policy.tokenizer
     args = GRPOConfig(
-        output_dir=str(out_dir / "trainer"),
-        use_cpu=not on_gpu,
-        bf16=on_gpu,
-        activation_checkpointing=on_gpu
-        if options.activation_checkpointing is None
-        else options.activation_checkpointing,
-        learning_rate=options.learning_rate,
+        **trainer_args(out_dir, options, policy.on_gpu),
         beta=options.beta,
         loss_type=options.loss_type,
         max_steps=max_steps,
         steps_per_generation=steps_per_generation,
         per_device_train_batch_size=batch // processes,
-        gradient_accumulation_steps=options.grad_accum,
         num_generations=size,
         num_iterations=options.epochs,
         epsilon=options.epsilon,
@@ -232,16 +217,8 @@ def prepare(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Prepar
         vllm_importance_sampling_clip_max=options.is_max,
         vllm_importance_sampling_clip_min=options.is_min,
         max_completion_length=max(len(s.completion_ids) for s in groups.samples),
-        report_to=options.report_to,
-        logging_steps=options.logging_steps,
-        save_strategy="no",
-        seed=options.seed,
         shuffle_dataset=True,
         log_completions=False,
-        remove_unused_columns=False,
-        dataloader_num_workers=0,
-        ddp_find_unused_parameters=False,  # every trainable parameter takes part in every forward
-        disable_tqdm=True,
     )
     trainer = CapturedGRPOTrainer(
         model=model,
@@ -343,9 +320,58 @@ def guard_round(p: PreparedRound, options: TrainOptions) -> Mismatch:
     return mismatch
 
 
+@dataclass
+class RoundPolicy:
+    """What a GRPO or an SFT round trains: the model, its LoRA config (None: ready as it is), its kind (lora or
+    full), its tokenizer, and whether it is on a GPU (bf16 there, fp32 on a CPU)."""
+
+    model: Any
+    peft_config: Any
+    kind: str
+    tokenizer: Any
+    on_gpu: bool
+
+
+def round_policy(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> RoundPolicy:
+    """The round's policy, loaded alike for GRPO and SFT rounds; `out_dir` made."""
+    import torch  # the train extra
+    from transformers import AutoTokenizer
+
+    on_gpu = torch.cuda.is_available()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(inputs.base_model)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    model, peft_config, kind = load_policy(inputs.base_model, inputs.init_from, options, dtype)
+    return RoundPolicy(model, peft_config, kind, tokenizer, on_gpu)
+
+
+def trainer_args(out_dir: Path, options: TrainOptions, on_gpu: bool) -> dict[str, Any]:
+    """The TrainingArguments a GRPO and an SFT round share."""
+    return dict(
+        output_dir=str(out_dir / "trainer"),
+        use_cpu=not on_gpu,
+        bf16=on_gpu,
+        activation_checkpointing=on_gpu
+        if options.activation_checkpointing is None
+        else options.activation_checkpointing,
+        learning_rate=options.learning_rate,
+        gradient_accumulation_steps=options.grad_accum,
+        report_to=options.report_to,
+        logging_steps=options.logging_steps,
+        save_strategy="no",
+        seed=options.seed,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        ddp_find_unused_parameters=False,  # every trainable parameter takes part in every forward
+        disable_tqdm=True,
+    )
+
+
 def load_policy(base_model: str, init_from: Path | None, options: TrainOptions, dtype):
     """The model to train: the previous round's policy when there is one, else the base; with its LoRA config
-    (None: the model is ready as it is) and its kind, lora or full. GRPO and SFT rounds load it alike."""
+    (None: the model is ready as it is) and its kind, lora or full."""
     from transformers import AutoModelForCausalLM  # the train extra
 
     if options.full:

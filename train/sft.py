@@ -21,7 +21,7 @@ from typing import Any
 
 from lcap.config import LcapError
 from lcap.store import now
-from lcap.train.fit import FittedRound, RoundInputs, is_main_process, load_policy, world_size
+from lcap.train.fit import FittedRound, RoundInputs, is_main_process, round_policy, trainer_args, world_size
 from lcap.train.grpo import TrainResult, record_round, round_dir, round_inputs
 from lcap.train.options import TrainOptions
 from lcap.train.progress import step_progress
@@ -52,9 +52,7 @@ class PreparedSft:
 def prepare_sft(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> PreparedSft:
     """Everything up to `trainer.train()`: the samples as labelled ids, the policy, TRL's SFTTrainer."""
     # the train extra
-    import torch
     from datasets import Dataset
-    from transformers import AutoTokenizer
     from transformers.trainer_callback import PrinterCallback
     from trl import SFTConfig, SFTTrainer
 
@@ -76,34 +74,14 @@ def prepare_sft(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Pr
     if options.max_steps > 0:
         max_steps = min(max_steps, options.max_steps)
 
-    on_gpu = torch.cuda.is_available()
-    dtype = torch.bfloat16 if on_gpu else torch.float32
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(inputs.base_model)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model, peft_config, kind = load_policy(inputs.base_model, inputs.init_from, options, dtype)
+    policy = round_policy(inputs, out_dir, options)
+    model, peft_config, kind, tokenizer = policy.model, policy.peft_config, policy.kind, policy.tokenizer
     args = SFTConfig(
-        output_dir=str(out_dir / "trainer"),
-        use_cpu=not on_gpu,
-        bf16=on_gpu,
-        activation_checkpointing=on_gpu
-        if options.activation_checkpointing is None
-        else options.activation_checkpointing,
-        learning_rate=options.learning_rate,
+        **trainer_args(out_dir, options, policy.on_gpu),
         max_steps=max_steps,
         per_device_train_batch_size=batch // processes,
-        gradient_accumulation_steps=options.grad_accum,
         max_length=None,  # the captured ids as they are: a cut sample would lose its last tokens' labels
         dataset_kwargs={"skip_prepare_dataset": True},  # ids and labels are ready; no template, no truncation
-        report_to=options.report_to,
-        logging_steps=options.logging_steps,
-        save_strategy="no",
-        seed=options.seed,
-        remove_unused_columns=False,
-        dataloader_num_workers=0,
-        ddp_find_unused_parameters=False,
-        disable_tqdm=True,
     )
     trainer = SFTTrainer(
         model=model,
