@@ -184,3 +184,16 @@ def test_a_skipped_test_is_not_a_pass(minibugs, tmp_path):
     (ctx.workdir / fix["file"]).write_text("def broken(:\n")
     verdict = load_verifier(VERIFIER)(ctx)
     assert verdict.reward == 0.0 and "SyntaxError" in json.dumps(verdict.details["failures"])
+
+
+def test_a_package_named_as_the_tests_does_not_stand_in_for_them(minibugs, tmp_path):
+    """A package folder named as the test module wins Python's import over the `.py` file the verifier restores
+    (and the tamper guard watches the file only): the task's own tests still run."""
+    ctx, task, fix = _context(minibugs, tmp_path)
+    (tests_file,) = task["tests"]
+    body = "".join(f"    def test_{i}(self):\n        pass\n" for i in range(task["test_count"]))
+    package = ctx.workdir / tests_file[: -len(".py")]
+    package.mkdir()
+    (package / "__init__.py").write_text("import unittest\nclass T(unittest.TestCase):\n" + body)
+    verdict = load_verifier(VERIFIER)(ctx)
+    assert verdict.reward == pytest.approx(_unfixed_reward(task, fix)) and verdict.reward < 1.0
