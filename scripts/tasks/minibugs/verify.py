@@ -1,8 +1,9 @@
 """The minibugs verifier: `lcap collect --verifier scripts/tasks/minibugs/verify.py:verify`.
 
 It writes the task's pristine test files (the task line's `tests`) over whatever the episode left in its working
-directory, runs them in a child Python (isolated: `-I`, the standard library first on its path, then its own copy of
-the tests, the workspace last; no bytecode from the workspace) with a time limit, and rewards the fraction of the task's tests that pass: 1 when all do. Only the
+directory, runs them in a child Python (isolated: `-I`, the standard library first on its path, then its own copy
+of the tests, the workspace last; no bytecode from the workspace; in a PID namespace of its own where bubblewrap is
+installed) with a time limit, and rewards the fraction of the task's tests that pass: 1 when all do. Only the
 tests the task names count (a test file the agent adds does not), and a skipped test is not a pass. A run that
 outlives the limit (`test_timeout` in the task line, else 60 s) or ends without results is a 0 with a reason.
 The task's `protected` list has the tamper guard zero an episode that edits a test file before this runs.
@@ -67,7 +68,7 @@ def verify(ctx):
         for name, text in tests.items():
             (pristine / name).write_text(text)
         out = Path(tmp) / "result.json"
-        argv = [sys.executable, "-I", "-B", "-c", _RUNNER, str(MAX_FILE_BYTES)]
+        argv = [*_confined(), sys.executable, "-I", "-B", "-c", _RUNNER, str(MAX_FILE_BYTES)]
         with open(Path(tmp) / "stderr.txt", "wb") as err:
             proc = subprocess.Popen(
                 [*argv, str(pristine), str(ctx.workdir), str(out), *names],
@@ -113,6 +114,14 @@ def _tail(path: Path) -> str:
         f.seek(max(0, path.stat().st_size - 4096))
         lines = f.read().decode(errors="replace").strip().splitlines()
     return lines[-1][:300] if lines else "(no stderr)"
+
+
+def _confined() -> list[str]:
+    """Where bubblewrap is installed, the tests run in a PID namespace of their own that ends with them (or when
+    this process kills bwrap): a process they start in another session, out of reach of the group kill, ends too.
+    The file system is the same."""
+    bwrap = shutil.which("bwrap")
+    return [bwrap, "--dev-bind", "/", "/", "--unshare-pid", "--die-with-parent", "--"] if bwrap else []
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
