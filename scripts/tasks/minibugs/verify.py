@@ -9,6 +9,7 @@ outlives the limit (`test_timeout` in the task line, else 60 s) or ends without 
 The task's `protected` list has the tamper guard zero an episode that edits a test file before this runs.
 """
 
+import functools
 import json
 import os
 import re
@@ -116,12 +117,20 @@ def _tail(path: Path) -> str:
     return lines[-1][:300] if lines else "(no stderr)"
 
 
+@functools.cache
 def _confined() -> list[str]:
-    """Where bubblewrap is installed, the tests run in a PID namespace of their own that ends with them (or when
-    this process kills bwrap): a process they start in another session, out of reach of the group kill, ends too.
-    The file system is the same."""
+    """Where bubblewrap is installed and may make namespaces, the tests run in a PID namespace of their own that
+    ends with them (or when this process kills bwrap): a process they start in another session, out of reach of
+    the group kill, ends too. The file system is the same."""
     bwrap = shutil.which("bwrap")
-    return [bwrap, "--dev-bind", "/", "/", "--unshare-pid", "--die-with-parent", "--"] if bwrap else []
+    if bwrap is None:
+        return []
+    prefix = [bwrap, "--dev-bind", "/", "/", "--unshare-pid", "--die-with-parent", "--"]
+    try:
+        works = subprocess.run([*prefix, sys.executable, "-I", "-c", ""], capture_output=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return []
+    return prefix if works.returncode == 0 else []
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
