@@ -164,6 +164,8 @@ def export(store: Store, *, format: str, out: Path, where: str | None = None) ->
     """Write the episodes `where` chooses from `episode_selection` (all without it) to `out` in `format`."""
     if format not in FORMATS:
         raise LcapError(f"unknown export format {format!r}: use {', '.join(FORMATS)}")
+    if Path(out).resolve() == store.path.resolve():
+        raise LcapError(f"--out {out} is the store itself: name another file")
     episodes = None if where is None else select_episodes(store, where)
     if where is None:
         with store.connect():  # a store from an older lcap gets the current views

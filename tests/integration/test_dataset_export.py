@@ -269,6 +269,11 @@ def test_an_out_that_cannot_be_written_is_one_line(captured, tmp_path):
         assert str(refused.value).startswith(f"cannot write {out}: ") and "\n" not in str(refused.value), fmt
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file.jsonl", "folder"] and not any(folder.iterdir())
     assert file.read_text() == "keep\n"
+    store_bytes = captured.path.read_bytes()
+    for out in (captured.path, tmp_path / ".." / captured.path.name):  # the store, however it is named
+        with pytest.raises(LcapError, match="is the store itself"):
+            export(captured, format="openai", out=out)
+    assert captured.path.read_bytes() == store_bytes
 
 
 def test_a_link_at_the_temporary_name_is_not_written_through(captured, tmp_path):

@@ -182,3 +182,10 @@ def test_a_condition_that_runs_on_is_stopped_at_the_limit(two_rounds):
     )
     said = "lcap.config.LcapError: bad --where: the condition ran past 1s and was stopped"
     assert child.returncode == 1 and said in child.stderr, child.stderr
+
+
+def test_an_out_that_is_a_file_is_one_line(two_rounds, tmp_path):
+    (tmp_path / "file").write_text("keep\n")
+    with pytest.raises(LcapError, match=f"^cannot write {tmp_path / 'file'}: "):
+        build_dataset(two_rounds, round=None, out=tmp_path / "file", options=BuildOptions(where="true"))
+    assert (tmp_path / "file").read_text() == "keep\n"
