@@ -140,5 +140,3 @@ def export(
 
     report = write(Store(db), format=options.format, out=out, where=options.where)
     typer.echo(report.line())
-    if report.exported == 0:
-        raise LcapError(f"nothing exported: {report.episodes} episodes chosen, none with a chat conversation")

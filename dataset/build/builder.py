@@ -142,7 +142,10 @@ def build_dataset(
     out = Path(out)
     report = BuildReport(round=round, split=options.split, out=str(out), options=asdict(options))
     episodes = None if options.where is None else select_episodes(store, options.where)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LcapError(f"cannot write {out}: {exc.strerror or exc}") from None
     sft = options.format == "sft"
 
     clock = _Clock(report.timings, started)

@@ -19,8 +19,13 @@ each chosen call's JSON into messages. Every record goes through the redaction t
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import tempfile
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,6 +164,8 @@ def export(store: Store, *, format: str, out: Path, where: str | None = None) ->
     """Write the episodes `where` chooses from `episode_selection` (all without it) to `out` in `format`."""
     if format not in FORMATS:
         raise LcapError(f"unknown export format {format!r}: use {', '.join(FORMATS)}")
+    if Path(out).resolve() == store.path.resolve():
+        raise LcapError(f"--out {out} is the store itself: name another file")
     episodes = None if where is None else select_episodes(store, where)
     if where is None:
         with store.connect():  # a store from an older lcap gets the current views
@@ -169,16 +176,24 @@ def export(store: Store, *, format: str, out: Path, where: str | None = None) ->
     report.skipped = dict(skipped)
     report.exported = len(records)
     report.with_token_ids = sum(r["prompt_ids"] is not None for r in records)
+    if not records:  # before writing: an earlier export at `out` stays as it was
+        raise LcapError(
+            f"nothing exported: {report.episodes} episodes chosen, none with a chat conversation "
+            f"(skipped: {', '.join(f'{n} {why}' for why, n in sorted(skipped.items())) or 'none'}); nothing written"
+        )
     out = Path(out)
-    if format == "openai":
-        _write_openai(records, out)
-    elif format == "hf":
-        _write_table(records, HF_SCHEMA, out / HF_DATA_FILE)
-    else:
-        tasks = _verl_tasks(records)
-        report.tasks = len(tasks)
-        _write_table(records, VERL_SFT_SCHEMA, out / VERL_SFT_FILE)
-        _write_table(tasks, VERL_RL_SCHEMA, out / VERL_RL_FILE)
+    try:
+        if format == "openai":
+            _write_openai(records, out)
+        elif format == "hf":
+            _write_table(records, HF_SCHEMA, out / HF_DATA_FILE)
+        else:
+            tasks = _verl_tasks(records)
+            report.tasks = len(tasks)
+            _write_table(records, VERL_SFT_SCHEMA, out / VERL_SFT_FILE)
+            _write_table(tasks, VERL_RL_SCHEMA, out / VERL_RL_FILE)
+    except OSError as exc:
+        raise LcapError(f"cannot write {out}: {exc.strerror or exc}") from None
     return report
 
 
@@ -310,15 +325,29 @@ def _redacted(record: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _write_openai(records: list[dict[str, Any]], out: Path) -> None:
+    if out.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "a folder: openai's export is one file", str(out))
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
+    with _replacing(out) as tmp, tmp.open("w", encoding="utf-8") as f:
         for r in records:
             line: dict[str, Any] = {"messages": [_openai_message(m) for m in r["messages"]]}
             if r["tools"]:
                 line["tools"] = json.loads(r["tools"])
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
-    tmp.replace(out)
+
+
+@contextmanager
+def _replacing(path: Path) -> Iterator[Path]:
+    """A new file of its own beside `path` (not a name a link could already hold) to write, moved over `path` when
+    the block ends, removed if it fails."""
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _openai_message(m: dict[str, Any]) -> dict[str, Any]:
@@ -362,6 +391,5 @@ def _verl_tasks(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _write_table(rows: list[dict[str, Any]], schema: pa.Schema, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     table = pa.Table.from_pylist([{k: r.get(k) for k in schema.names} for r in rows], schema=schema)
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp)
-    tmp.replace(path)
+    with _replacing(path) as tmp:
+        pq.write_table(table, tmp)

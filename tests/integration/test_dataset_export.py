@@ -21,6 +21,7 @@ from openai.types.chat import (
 )
 from pydantic import TypeAdapter
 
+from lcap.config import LcapError
 from lcap.dataset.build.export import export
 
 LCAP = str(Path(sys.executable).parent / "lcap")
@@ -239,3 +240,48 @@ def test_cli_export_and_its_errors(captured, tmp_path):
     assert sql.returncode == 2 and len(sql.stderr.strip().splitlines()) == 1 and "bad --where" in sql.stderr
     none = run("--out", str(tmp_path / "n"), "--where", "reward > 5")
     assert none.returncode == 2 and "nothing exported: 0 episodes chosen" in none.stderr
+
+
+def test_an_empty_selection_leaves_an_earlier_export_as_it_was(captured, tmp_path):
+    """A --where that chooses nothing is an error before anything is written: the file or folder of an earlier
+    export is not replaced by an empty one."""
+    tmp_path = tmp_path / "out"
+    for fmt, out in (("openai", tmp_path / "a.jsonl"), ("hf", tmp_path / "hf"), ("verl", tmp_path / "verl")):
+        export(captured, format=fmt, out=out)
+        before = _all_text(out)
+        with pytest.raises(LcapError, match="nothing exported: 0 episodes chosen"):
+            export(captured, format=fmt, out=out, where="reward > 5")
+        assert _all_text(out) == before and before, fmt
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "hf", "verl"]
+
+
+def test_an_out_that_cannot_be_written_is_one_line(captured, tmp_path):
+    """--out naming a folder for openai's file, or a file for hf's and verl's folder: one line naming it, and no
+    temporary file left beside it."""
+    tmp_path = tmp_path / "out"
+    folder, file = tmp_path / "folder", tmp_path / "file.jsonl"
+    tmp_path.mkdir()
+    folder.mkdir()
+    file.write_text("keep\n")
+    for fmt, out in (("openai", folder), ("hf", file), ("verl", file)):
+        with pytest.raises(LcapError) as refused:
+            export(captured, format=fmt, out=out)
+        assert str(refused.value).startswith(f"cannot write {out}: ") and "\n" not in str(refused.value), fmt
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.jsonl", "folder"] and not any(folder.iterdir())
+    assert file.read_text() == "keep\n"
+    store_bytes = captured.path.read_bytes()
+    for out in (captured.path, tmp_path / ".." / captured.path.name):  # the store, however it is named
+        with pytest.raises(LcapError, match="is the store itself"):
+            export(captured, format="openai", out=out)
+    assert captured.path.read_bytes() == store_bytes
+
+
+def test_a_link_at_the_temporary_name_is_not_written_through(captured, tmp_path):
+    """The file is written beside --out under a name of its own, not at a guessable one a link could hold."""
+    tmp_path = tmp_path / "out"
+    tmp_path.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("mine\n")
+    (tmp_path / "a.jsonl.tmp").symlink_to(victim)
+    export(captured, format="openai", out=tmp_path / "a.jsonl")
+    assert victim.read_text() == "mine\n" and "17*25" in (tmp_path / "a.jsonl").read_text()

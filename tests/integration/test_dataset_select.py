@@ -160,3 +160,32 @@ def test_an_async_steps_groups_are_rebuilt_whatever_the_step_is_called(builder, 
     options = BuildOptions(tokenizer=str(tiny_model_dir))
     report = build_dataset(dstore, round=7, out=tmp_path / "step-7", options=options, groups=["1/train/t0"])
     assert report.turns["rebuilt_now"] == 2 and report.samples == 2
+
+
+ENDLESS = "(SELECT count(*) FROM range(10000000000000)) > 0"  # runs far past the limit
+_SELECT_IN_CHILD = """
+import sys
+from pathlib import Path
+from lcap.dataset.build import select
+from lcap.store import Store
+select.WHERE_TIMEOUT_S = 1.0
+print(select.select_episodes(Store(Path(sys.argv[1])), sys.argv[2]))
+"""
+
+
+def test_a_condition_that_runs_on_is_stopped_at_the_limit(two_rounds):
+    child = subprocess.run(
+        [sys.executable, "-c", _SELECT_IN_CHILD, str(two_rounds.path), ENDLESS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    said = "lcap.config.LcapError: bad --where: the condition ran past 1s and was stopped"
+    assert child.returncode == 1 and said in child.stderr, child.stderr
+
+
+def test_an_out_that_is_a_file_is_one_line(two_rounds, tmp_path):
+    (tmp_path / "file").write_text("keep\n")
+    with pytest.raises(LcapError, match=f"^cannot write {tmp_path / 'file'}: "):
+        build_dataset(two_rounds, round=None, out=tmp_path / "file", options=BuildOptions(where="true"))
+    assert (tmp_path / "file").read_text() == "keep\n"

@@ -6,11 +6,13 @@ tests the agent changed and does not count a skipped test as a pass."""
 from __future__ import annotations
 
 import ast
+import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -184,3 +186,52 @@ def test_a_skipped_test_is_not_a_pass(minibugs, tmp_path):
     (ctx.workdir / fix["file"]).write_text("def broken(:\n")
     verdict = load_verifier(VERIFIER)(ctx)
     assert verdict.reward == 0.0 and "SyntaxError" in json.dumps(verdict.details["failures"])
+
+
+def test_a_package_named_as_the_tests_does_not_stand_in_for_them(minibugs, tmp_path):
+    """A package folder named as the test module wins Python's import over the `.py` file the verifier restores
+    (and the tamper guard watches the file only): the task's own tests still run."""
+    ctx, task, fix = _context(minibugs, tmp_path)
+    (tests_file,) = task["tests"]
+    body = "".join(f"    def test_{i}(self):\n        pass\n" for i in range(task["test_count"]))
+    package = ctx.workdir / tests_file[: -len(".py")]
+    package.mkdir()
+    (package / "__init__.py").write_text("import unittest\nclass T(unittest.TestCase):\n" + body)
+    verdict = load_verifier(VERIFIER)(ctx)
+    assert verdict.reward == pytest.approx(_unfixed_reward(task, fix)) and verdict.reward < 1.0
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="the verifier confines the tests with bubblewrap")
+def test_a_process_the_tests_detach_ends_with_them(minibugs, tmp_path):
+    """A process the module under test starts in a session of its own (out of the process group) ends when the
+    test run does: it holds a lock on a file before the tests go on, and the lock is free once the verifier
+    returns (a bounded wait)."""
+    ctx, _, fix = _context(minibugs, tmp_path)
+    lock = tmp_path / "held"
+    lock.touch()
+    detach = f"""
+import fcntl, os, time
+ready, told = os.pipe()
+middle = os.fork()
+if middle == 0:
+    os.setsid()
+    if os.fork() == 0:
+        held = open({str(lock)!r})
+        fcntl.flock(held, fcntl.LOCK_EX)
+        os.write(told, b"x")
+        time.sleep(180)
+    os._exit(0)
+os.waitpid(middle, 0)
+os.read(ready, 1)
+"""
+    (ctx.workdir / fix["file"]).write_text(fix["original"] + detach)
+    assert load_verifier(VERIFIER)(ctx).reward == 1.0
+    with open(lock) as f:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                assert time.monotonic() < deadline, "the detached process outlived the test run"
+                time.sleep(0.1)

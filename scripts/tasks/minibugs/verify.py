@@ -1,13 +1,15 @@
 """The minibugs verifier: `lcap collect --verifier scripts/tasks/minibugs/verify.py:verify`.
 
 It writes the task's pristine test files (the task line's `tests`) over whatever the episode left in its working
-directory, runs them in a child Python (isolated: `-I`, the standard library first on its path, no bytecode from
-the workspace) with a time limit, and rewards the fraction of the task's tests that pass: 1 when all do. Only the
+directory, runs them in a child Python (isolated: `-I`, the standard library first on its path, then its own copy
+of the tests, the workspace last; no bytecode from the workspace; in a PID namespace of its own where bubblewrap is
+installed) with a time limit, and rewards the fraction of the task's tests that pass: 1 when all do. Only the
 tests the task names count (a test file the agent adds does not), and a skipped test is not a pass. A run that
 outlives the limit (`test_timeout` in the task line, else 60 s) or ends without results is a 0 with a reason.
 The task's `protected` list has the tamper guard zero an episode that edits a test file before this runs.
 """
 
+import functools
 import json
 import os
 import re
@@ -24,13 +26,14 @@ MAX_FILE_BYTES = 16 << 20
 
 _FILE_NAME = re.compile(r"^[A-Za-z_]\w*\.py$")
 
-# Runs in the child. The workspace goes last on sys.path, so no file there stands in for a standard module; files
-# the child writes (its stderr included) are capped in size.
+# Runs in the child. The workspace goes last on sys.path, so no file there stands in for a standard module, and the
+# verifier's own copy of the tests comes before it, so no package or extension module there named as a test module
+# stands in for the tests; files the child writes (its stderr included) are capped in size.
 _RUNNER = r"""
 import json, resource, sys, unittest
 resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), int(sys.argv[1])))
-work, out, names = sys.argv[2], sys.argv[3], sys.argv[4:]
-sys.path.append(work)
+tests, work, out, names = sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:]
+sys.path += [tests, work]
 suite, unloaded = unittest.TestSuite(), []
 for name in names:
     try:
@@ -61,11 +64,15 @@ def verify(ctx):
     _restore(ctx.workdir / "__pycache__", None)  # no bytecode of the agent's stands in for a restored test
     names = [name[: -len(".py")] for name in sorted(tests)]
     with tempfile.TemporaryDirectory(prefix="minibugs-") as tmp:
+        pristine = Path(tmp) / "tests"
+        pristine.mkdir()
+        for name, text in tests.items():
+            (pristine / name).write_text(text)
         out = Path(tmp) / "result.json"
-        argv = [sys.executable, "-I", "-B", "-c", _RUNNER, str(MAX_FILE_BYTES)]
+        argv = [*_confined(), sys.executable, "-I", "-B", "-c", _RUNNER, str(MAX_FILE_BYTES)]
         with open(Path(tmp) / "stderr.txt", "wb") as err:
             proc = subprocess.Popen(
-                [*argv, str(ctx.workdir), str(out), *names],
+                [*argv, str(pristine), str(ctx.workdir), str(out), *names],
                 cwd=ctx.workdir,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -108,6 +115,22 @@ def _tail(path: Path) -> str:
         f.seek(max(0, path.stat().st_size - 4096))
         lines = f.read().decode(errors="replace").strip().splitlines()
     return lines[-1][:300] if lines else "(no stderr)"
+
+
+@functools.cache
+def _confined() -> list[str]:
+    """Where bubblewrap is installed and may make namespaces, the tests run in a PID namespace of their own that
+    ends with them (or when this process kills bwrap): a process they start in another session, out of reach of
+    the group kill, ends too. The file system is the same."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return []
+    prefix = [bwrap, "--dev-bind", "/", "/", "--unshare-pid", "--die-with-parent", "--"]
+    try:
+        works = subprocess.run([*prefix, sys.executable, "-I", "-c", ""], capture_output=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return []
+    return prefix if works.returncode == 0 else []
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
