@@ -156,7 +156,9 @@ class Producer:
                     options=replace(options, round=wave),
                     store=self.pool.store,
                 )
-                check_round_is_the_loops(self.pool.store, plan.run_id, wave, "train")
+                check_round_is_the_loops(
+                    self.pool.store, plan.run_id, wave, "train", replace=self.config.options.replace
+                )
                 with self.lock:
                     if plan.run_id not in self.runs:
                         self.runs.append(plan.run_id)

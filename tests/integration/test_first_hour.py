@@ -56,8 +56,14 @@ def test_the_loop_refuses_a_round_a_manual_collect_already_holds(capture_env, ll
         f"round 1 (train) already has 2 episodes of another collect in this store (collect {run_id}): the loop's "
         "round 1 would supersede them"
     )
-    assert str(refused.value).endswith("give the loop a store of its own (--db)")
+    assert str(refused.value).endswith("give the loop a store of its own (--db), or --replace to supersede them")
     assert store.fetchall("SELECT count(*) FROM episodes")[0][0] == 2  # nothing ran
+    said: list[str] = []
+    check_round_is_the_loops(store, "other", 1, "train", replace=True, echo=said.append)  # asked: goes on, says so
+    assert said == [
+        f"round 1 (train) already has 2 episodes of another collect in this store (collect {run_id}): the loop's "
+        "round 1 supersedes them (--replace)"
+    ]
     check_round_is_the_loops(store, run_id, 1, "train")  # its own collect's episodes: a resume, no refusal
     check_round_is_the_loops(store, "other", 2, "train")  # another round: free
     check_round_is_the_loops(store, "other", 1, "eval")  # another split: free
