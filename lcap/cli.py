@@ -142,8 +142,9 @@ def doctor(
     if json_out:
         typer.echo(json.dumps(registry.as_json(results), indent=2))
     else:
-        console.print(registry.verdict(results), style="bold red" if registry.exit_code(results) else "bold green")
-    raise typer.Exit(registry.exit_code(results))
+        code = registry.exit_code(results, checks or ())
+        console.print(registry.verdict(results), style="bold red" if code else "bold green")
+    raise typer.Exit(registry.exit_code(results, checks or ()))
 
 
 # Modules whose import registers `lcap status` sections (lcap.status's registry), and the order they are shown in.

@@ -108,7 +108,7 @@ def selected(patterns: Iterable[str] = ()) -> list[Check]:
     wanted = list(patterns)
     if not wanted:
         return list(CHECKS)
-    names = {c.name for c in CHECKS if any(c.name == p or c.name.startswith(p + ".") for p in wanted)}
+    names = {c.name for c in CHECKS if any(named_by(c.name, p) for p in wanted)}
     if not names:
         return []
     by_name = {c.name: c for c in CHECKS}
@@ -181,9 +181,18 @@ def failed(results: Iterable[tuple[Check, Result]], *, required: bool) -> list[s
     return [c.name for c, r in results if r.status == "fail" and c.required == required]
 
 
-def exit_code(results: Iterable[tuple[Check, Result]]) -> int:
-    """0 when every required check passed (or did not apply here), else 1."""
-    return 1 if failed(results, required=True) else 0
+def exit_code(results: Iterable[tuple[Check, Result]], named: Iterable[str] = ()) -> int:
+    """0 when every required check passed (or did not apply here), else 1; an optional check the user named (or a
+    section of it: `lcap doctor ray`) counts as required."""
+    results = list(results)
+    wanted = [p.strip() for p in named if p.strip()]
+    asked = [c.name for c, r in results if r.status == "fail" and any(named_by(c.name, p) for p in wanted)]
+    return 1 if failed(results, required=True) or asked else 0
+
+
+def named_by(name: str, pattern: str) -> bool:
+    """Whether `lcap doctor PATTERN` names the check `name`: itself, or a section of it (`transparent`)."""
+    return name == pattern or name.startswith(pattern + ".")
 
 
 def as_json(results: Iterable[tuple[Check, Result]]) -> dict[str, Any]:

@@ -45,6 +45,21 @@ def test_registry_skips_what_a_failed_check_needs_and_bounds_every_check(monkeyp
     assert registry.verdict(results).startswith("1 required check failed: t.broken; optional parts missing: t.hangs")
 
 
+def test_an_optional_part_fails_the_exit_code_only_when_named():
+    def fails(ctx):
+        return Result.fail("missing", "install it")
+
+    required = registry.Check("store.open", "store", True, fails)
+    optional = registry.Check("transparent.iptables", "optional", False, fails)
+    ok = Result.ok("fine")
+    missing = Result.fail("missing", "install it")
+    assert registry.exit_code([(required, ok), (optional, missing)]) == 0  # reported, not failed
+    assert registry.exit_code([(required, ok), (optional, missing)], ["transparent.iptables"]) == 1
+    assert registry.exit_code([(required, ok), (optional, missing)], ["transparent"]) == 1  # its section
+    assert registry.exit_code([(required, ok), (optional, missing)], ["trans"]) == 0  # not a name
+    assert registry.exit_code([(required, missing), (optional, ok)]) == 1
+
+
 def test_ca_is_made_on_a_fresh_home_and_checked(tmp_path, monkeypatch):
     monkeypatch.setenv("LCAP_HOME", str(tmp_path / "fresh"))
     found = run_checks("ca.key", "ca.bundle")
