@@ -65,7 +65,7 @@ def test_sql_cannot_change_the_store_or_touch_the_file_system(tmp_path):
         result = lcap_sql(db, sql)
         assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, sql
         assert "not-for-sql" not in result.stdout + result.stderr
-    written = lcap_sql(db, "--write", "INSERT INTO rewards VALUES ('ep2', 1.0, NULL, 'cli', now())")
+    written = lcap_sql(db, "--write", "INSERT INTO rewards VALUES ('ep2', 1.0, NULL, 'cli', now(), NULL)")
     assert written.returncode == 0, written.stderr
     assert store.fetchall("SELECT count(*) FROM rewards") == [(2,)]
 
