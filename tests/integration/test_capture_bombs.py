@@ -198,7 +198,8 @@ def test_an_answer_bomb_is_stored_as_it_came_and_the_writer_goes_on(capture_env,
                 proc.terminate()
                 _, stderr = proc.communicate(timeout=120)
             assert proc.returncode == 0, stderr[-3000:]
-            bombed, fine = turns(capture_env["LCAP_DB"])
+            # in call order: --serve gives each of the two calls an episode of its own (its conversation)
+            bombed, fine = sorted(turns(capture_env["LCAP_DB"]), key=lambda row: row["started_at"])
             proc, port = serve_proxy(
                 capture_env, "--max-body-bytes", str(LIMIT), "--upstream", upstream.url, "--token-ids",
                 preexec_fn=cgroup.enter,
