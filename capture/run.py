@@ -16,7 +16,7 @@ from pathlib import Path
 
 from lcap.capture.options import ProxyOptions, SandboxLimits
 from lcap.capture.proxy.server import CaptureProxy
-from lcap.capture.sandbox import Sandbox
+from lcap.capture.sandbox import Sandbox, limits_text
 from lcap.capture.sandbox import missing as sandbox_missing
 from lcap.capture.storage.writer import WriterReport
 from lcap.capture.trust.credentials import records_dir
@@ -64,7 +64,7 @@ def run_proxy(
                 ended, reached = _run_sandboxed(proxy, episode_id, command, child.env, limits, db)
                 if reached:
                     store.flag_episode(episode_id, "sandbox_limit", reached)
-                    error = f"sandbox: {', '.join(reached)} limit reached"
+                    error = limits_text(reached)
         code = ended.code
         status = "interrupted" if ended.signals else ("ok" if code == 0 and error is None else "failed")
     except BaseException as exc:

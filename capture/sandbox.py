@@ -257,6 +257,12 @@ class EpisodeSandbox:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+def limits_text(reached: Mapping[str, Any]) -> str:
+    """`EpisodeSandbox.limits_reached` as the reason an episode ended with."""
+    names = {"memory": "memory limit ({} MiB)", "pids": "process limit ({})", "disk": "disk limit ({} MiB)"}
+    return "sandbox: " + ", ".join(names[k].format(v) for k, v in reached.items()) + " reached"
+
+
 def _shown(env: Mapping[str, str]) -> dict[str, str]:
     """What of lcap's home the agent needs, outside -> inside: its CA bundle (never the CA's key), the JVM's trust
     store, Node's preload packages; under /run/lcap, reachable whatever the folders above lcap's home allow."""

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from lcap.capture.sandbox import release_mounts
+from lcap.capture.sandbox import limits_text, release_mounts
 from lcap.capture.trust.redact import redact_text
 from lcap.config import LcapError
 from lcap.dataset.collect.summary import CollectSummary
@@ -197,10 +197,10 @@ def _run_in(
         return outcome
     if timed_out:
         outcome.status, outcome.exit_code = "timeout", None
-        outcome.reason = f"timed out after {rules.timeout:g}s" + (f"; {_limits_text(reached)}" if reached else "")
+        outcome.reason = f"timed out after {rules.timeout:g}s" + (f"; {limits_text(reached)}" if reached else "")
         return outcome
     if reached:
-        outcome.status, outcome.reason = "failed", f"{_limits_text(reached)} (agent exited {exit_code})"
+        outcome.status, outcome.reason = "failed", f"{limits_text(reached)} (agent exited {exit_code})"
         return outcome
     if exit_code != 0 and not rules.verify_failed:
         outcome.status, outcome.reason = "failed", f"agent exited {exit_code}: {_tail(spec.dir / 'stderr.txt')}"
@@ -390,11 +390,6 @@ def _populate(workdir: Path, task: Mapping[str, Any], files: TaskFiles) -> None:
             raise LcapError(f"task {task['id']}: file {rel!r} is outside the workdir")
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text if isinstance(text, str) else json.dumps(text))
-
-
-def _limits_text(reached: Mapping[str, Any]) -> str:
-    names = {"memory": "memory limit ({} MiB)", "pids": "process limit ({})", "disk": "disk limit ({} MiB)"}
-    return "sandbox: " + ", ".join(names[k].format(v) for k, v in reached.items()) + " reached"
 
 
 def _tail(path: Path, n: int = 300) -> str:
