@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
+from lcap.capture.proxy.http1 import BadRequest, parse_request_head
 from lcap.capture.proxy.sessions import session_episode, tenant_of_token
 from lcap.store import Store
 
@@ -141,31 +142,19 @@ class RewardEndpoint:
             raise Refusal(431, "request head too large") from None
         except TimeoutError:
             raise Refusal(408, "request head too slow") from None
-        lines = head.decode("latin-1").split("\r\n")
-        parts = lines[0].split(" ")
-        if len(parts) != 3:
-            raise Refusal(400, "bad request line")
-        method, target, _ = parts
-        fields: dict[str, str] = {}
-        for line in lines[1:]:
-            if line:
-                name, sep, value = line.partition(":")
-                if not sep:
-                    raise Refusal(400, "bad header field")
-                fields[name.strip().lower()] = value.strip()
-        keep = fields.get("connection", "").lower() != "close"
-        if target.split("?", 1)[0] != PATH:
-            raise Refusal(404, f"no such endpoint: POST {PATH}")
-        if method != "POST":
-            raise Refusal(405, f"POST {PATH}")
-        if "transfer-encoding" in fields:
-            raise Refusal(411, "send the body with a Content-Length")
         try:
-            length = int(fields.get("content-length", ""))
-        except ValueError:
-            raise Refusal(411, "a Content-Length is required") from None
-        if length < 0:
-            raise Refusal(400, "bad Content-Length")
+            request = parse_request_head(head)  # the front's strict llhttp reading
+        except BadRequest as exc:
+            raise Refusal(400, f"bad request head: {exc}") from None
+        fields = {name.decode("latin-1").lower(): value.decode("latin-1").strip() for name, value in request.fields}
+        keep = fields.get("connection", "").lower() != "close"
+        if request.target.split(b"?", 1)[0] != PATH.encode():
+            raise Refusal(404, f"no such endpoint: POST {PATH}")
+        if request.method != b"POST":
+            raise Refusal(405, f"POST {PATH}")
+        if request.length is None:  # chunked, or no body length at all
+            raise Refusal(411, "send the body with a Content-Length")
+        length = request.length
         if length > self.max_body:
             raise Refusal(413, f"the body is over {self.max_body} bytes (--max-reward-bytes)")
         scheme, _, token = fields.get("authorization", "").partition(" ")
