@@ -1,10 +1,11 @@
-"""vLLM CPU decode on SmolLM2-135M-Instruct (issue #34's first budget): tokens/s at concurrency 1 and 16, fp32 (what
-`lcap serve` runs on a CPU) beside bf16, in one run.
+"""vLLM CPU decode on SmolLM2-135M-Instruct (issue #34's first budget): tokens/s at concurrency 1 and 16 through
+`lcap serve`, side by side in one run: fp32 (what `lcap serve` runs on a CPU) beside bf16, and the LoRA slots the
+server reserves (`--max-lora-rank`, `--max-loras`: lcap's defaults beside a larger rank, one slot, and no LoRA).
 
 Usage: .venv/bin/python benchmarks/bench_smollm2_decode.py [MAX_TOKENS]
-Converts the model once (lcap's own copy, $LCAP_HOME/models/smollm2), starts `lcap serve` on it with each dtype in
-turn, and times completions that ignore the end token (every request decodes MAX_TOKENS tokens) after one warm-up
-request. Needs `lcap setup smollm2`.
+Converts the model once (lcap's own copy, $LCAP_HOME/models/smollm2), starts `lcap serve` on it with each setting in
+turn (vLLM arguments after lcap's win), and times completions that ignore the end token (every request decodes
+MAX_TOKENS tokens) after one warm-up request. Needs `lcap setup smollm2`.
 """
 
 from __future__ import annotations
@@ -47,18 +48,26 @@ def main(max_tokens: int) -> None:
     work = Path(tempfile.mkdtemp(prefix="lcap-bench-"))
     os.environ["LCAP_POLICY_RECORD"] = str(work / "policy.json")
     rates: dict[str, dict[int, float]] = {}
-    for dtype in ("float32", "bfloat16"):
-        record = start_server(str(model), log_path=work / f"{dtype}.log", timeout=900, extra_args=["--dtype", dtype])
+    for name, args in SETTINGS.items():
+        record = start_server(str(model), log_path=work / f"{len(rates)}.log", timeout=900, extra_args=args)
         try:
-            rates[dtype] = {c: asyncio.run(decode(record.url, record.current, c, max_tokens)) for c in (1, 16)}
+            rates[name] = {c: asyncio.run(decode(record.url, record.current, c, max_tokens)) for c in (1, 16)}
         finally:
             stop_server()
         print(
-            f"{dtype:9s} concurrency 1: {rates[dtype][1]:6.1f} tokens/s, 16: {rates[dtype][16]:6.1f} tokens/s",
-            flush=True,
+            f"{name:28s} concurrency 1: {rates[name][1]:6.1f} tokens/s, 16: {rates[name][16]:6.1f} tokens/s", flush=True
         )
-    for c in (1, 16):
-        print(f"bf16 / fp32 at concurrency {c}: {rates['bfloat16'][c] / rates['float32'][c]:.2f}x")
+    base = next(iter(SETTINGS))
+    for name in list(SETTINGS)[1:]:
+        print(f"{name} / {base}: " + ", ".join(f"{rates[name][c] / rates[base][c]:.2f}x at {c}" for c in (1, 16)))
+
+
+SETTINGS = {
+    "fp32 (lcap's defaults)": ["--dtype", "float32"],
+    "fp32 --max-lora-rank 64": ["--dtype", "float32", "--max-lora-rank", "64"],
+    "fp32 --max-loras 1": ["--dtype", "float32", "--max-loras", "1"],
+    "bf16": ["--dtype", "bfloat16"],
+}
 
 
 if __name__ == "__main__":

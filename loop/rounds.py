@@ -40,7 +40,7 @@ from lcap.loop.steps import (
 )
 from lcap.policy import read_policy
 from lcap.ray_cluster import connect
-from lcap.serve.deploy import deploy
+from lcap.serve.deploy import check_lora_rank, deploy
 from lcap.train.grpo import resolve_base_model, round_dir
 from lcap.train.progress import training_text
 
@@ -55,6 +55,8 @@ def run_loop(
     if policy is None:
         raise LcapError("no policy server is running: start one with `lcap serve --model M` (or run `lcap demo`)")
     resolve_base_model(run, config.train.base_model or policy.base_model)
+    if not config.train.full:  # a round's adapter the server cannot load fails now, not after the first round
+        check_lora_rank(policy, config.train.lora_r, "--lora-r")
     if config.train.ray is not None:  # an unreachable cluster fails now, not after the first collect
         connect(config.train.ray)
     elif config.train.num_workers > 1:

@@ -111,13 +111,20 @@ def deploy(
     return name
 
 
+def check_lora_rank(record: PolicyServer, rank: int, what: str) -> None:
+    """Refuse an adapter of `rank` (`what`: how to name it) that the server has no LoRA slot for."""
+    allowed = int(flag_value(record.vllm_args, "--max-lora-rank") or MAX_LORA_RANK)
+    if rank > allowed:
+        raise LcapError(
+            f"{what} has rank {rank}; the server allows at most {allowed} "
+            f"(restart it with `lcap serve ... -- --max-lora-rank {rank}`)"
+        )
+
+
 def _load_lora(record: PolicyServer, path: Path, name: str) -> PolicyServer:
     config = json.loads((path / "adapter_config.json").read_text())
     rank = max([config.get("r") or 0, *(config.get("rank_pattern") or {}).values()])
-    if rank > MAX_LORA_RANK:
-        raise LcapError(
-            f"adapter {path} has rank {rank}; the server allows at most {MAX_LORA_RANK} (restart `lcap serve` with a larger --max-lora-rank)"
-        )
+    check_lora_rank(record, rank, f"adapter {path}")
     _load_everywhere(record, {name: str(path)})
     record.loras[name] = str(path)
     record.current = name

@@ -26,7 +26,7 @@ from lcap.policy import PolicyServer, bearer
 from lcap.processes import python_helper
 from lcap.serve.vllm_env import ensure_vllm_env, has_gpu, working_vllm_python
 
-MAX_LORA_RANK = 64  # vLLM's default is 16; adapters of rank 32/64 are common. Allowed: 8, 16, 32, 64, 128...
+MAX_LORA_RANK = 16  # the trainer's default rank; every slot of a larger rank slows all decoding
 MAX_LORAS = 2  # adapters resident per batch: the new deployment and the one still finishing calls
 TOOL_PARSER = "hermes"  # <tool_call>{json}</tool_call>: the tiny model's template and Qwen2.5/3's
 HEALTH_TIMEOUT_S = 2.0

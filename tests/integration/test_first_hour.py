@@ -229,3 +229,25 @@ def test_the_async_loop_refuses_such_a_round_too(tmp_path):
     producer._run()
     assert isinstance(producer.error, LcapError)
     assert str(producer.error).startswith("round 1 (train) already has 1 episodes of another collect in this store")
+
+
+def test_a_loop_whose_adapters_the_server_cannot_load_is_refused_before_it_collects(tmp_path, monkeypatch):
+    """A round's LoRA of a rank above the server's `--max-lora-rank` would train and then fail to deploy: the loop
+    says so before its first collect."""
+    from fixtures_vllm import record_dead_server
+
+    from lcap.serve.vllm_process import MAX_LORA_RANK
+
+    monkeypatch.setenv("LCAP_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("LCAP_POLICY_RECORD", str(tmp_path / "policy.json"))
+    record_dead_server(pid=os.getpid())
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"id": "t"}\n')
+    db = tmp_path / "lcap.duckdb"
+    args = ["loop", "--tasks", str(tasks), "--run", str(tmp_path / "run"), "--rounds", "1", "--db", str(db)]
+    refused = _cli(*args, "--lora-r", str(2 * MAX_LORA_RANK), "--", "true")
+    assert _error(refused) == (
+        f"lcap: --lora-r has rank {2 * MAX_LORA_RANK}; the server allows at most {MAX_LORA_RANK} "
+        f"(restart it with `lcap serve ... -- --max-lora-rank {2 * MAX_LORA_RANK}`)"
+    )
+    assert not db.exists() or Store(db).fetchall("SELECT count(*) FROM episodes") == [(0,)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,7 +13,11 @@ from fixtures_vllm import record_dead_server
 from typer.testing import CliRunner
 
 from lcap.cli import app
-from lcap.policy import write_policy
+from lcap.config import LcapError
+from lcap.policy import PolicyServer, write_policy
+from lcap.serve.deploy import deploy
+from lcap.serve.vllm_process import MAX_LORA_RANK
+from lcap.train.options import TrainOptions
 
 
 def test_serve_reports_the_log_when_vllm_dies_on_start(tmp_path, monkeypatch):
@@ -230,3 +235,28 @@ def test_vllm_dev_mode_runs_only_on_loopback(tmp_path, monkeypatch):
     assert "VLLM_SERVER_DEV_MODE" not in (tmp_path / "env-ray").read_text()
     for run in ("local", "ray"):  # the server inherits the socket lcap bound for it
         assert (tmp_path / f"fd-{run}").read_text().startswith("socket:[")
+
+
+def test_a_deploy_checks_the_adapters_rank_against_the_servers_own_limit(tmp_path, monkeypatch):
+    """The server reserves LoRA slots of `--max-lora-rank` (lcap's default: the trainer's default rank; a larger one
+    given after `--`): an adapter of a larger rank is refused with the flag that serves it, before any replica is
+    asked; one within the server's own limit goes on to the replicas (here a closed port)."""
+    assert TrainOptions().lora_r <= MAX_LORA_RANK  # what `lcap train` makes by default, every server takes
+    monkeypatch.setenv("LCAP_POLICY_RECORD", str(tmp_path / "policy.json"))
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 2 * MAX_LORA_RANK}))
+
+    def record(*vllm_args: str) -> None:
+        write_policy(PolicyServer("http://127.0.0.1:9", None, "m", "m", "m", "", "", "", vllm_args=list(vllm_args)))
+
+    record()
+    with pytest.raises(
+        LcapError, match=f"rank {2 * MAX_LORA_RANK}; the server allows at most {MAX_LORA_RANK}"
+    ) as refused:
+        deploy(adapter)
+    assert f"-- --max-lora-rank {2 * MAX_LORA_RANK}" in str(refused.value)
+    record("--max-lora-rank", str(4 * MAX_LORA_RANK))
+    with pytest.raises(Exception) as failed:
+        deploy(adapter)
+    assert "allows at most" not in str(failed.value)
