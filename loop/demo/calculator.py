@@ -81,5 +81,7 @@ TASK = DemoTask(
         "epochs": 1,
         "epsilon_high": 0.28,
         "batch_size": 16,
+        # a pretrained model's activations over a batch of 400-token prompts are most of the trainer's memory
+        "activation_checkpointing": True,
     },
 )

@@ -158,6 +158,7 @@ def run_demo(
             epochs=settings.epochs,
             epsilon_high=settings.epsilon_high,
             batch_size=settings.batch_size,
+            activation_checkpointing=settings.activation_checkpointing,
             report_to="tensorboard",
             seed=settings.seed,
         ),

@@ -41,6 +41,7 @@ class DemoSettings:
     epochs: int = 4  # PPO-style passes over a round's samples, clipped against the round's starting policy
     epsilon_high: float = 0.5  # PPO's clip above 1 (DAPO's clip-higher): right answers gain faster
     batch_size: int = 32
+    activation_checkpointing: bool = False  # recompute activations in the backward pass: less memory, more time
     seed: int = 0
 
 
