@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from lcap.capture.sandbox import missing
-from lcap.dataset.collect.episodes import collect
+from lcap.dataset.collect.episodes import EpisodePool, collect, plan_collect
 from lcap.dataset.options import CollectOptions
 from lcap.store import Store
 
@@ -283,3 +283,43 @@ def test_nothing_is_left_mounted_and_the_lower_layers_are_gone(command_run, pyth
     for _, run_dir, _ in (command_run, python_run):
         assert str(run_dir) not in Path("/proc/self/mountinfo").read_text()
         assert not list(run_dir.glob(".lcap-lowers-*"))
+
+
+NS_AGENT = r"""
+import json, os
+print(json.dumps({"uid": os.getuid(), **{ns: os.readlink(f"/proc/self/ns/{ns}") for ns in ("pid", "net", "mnt")}}))
+"""
+
+
+def test_async_loops_episode_pool_runs_episodes_and_verifiers_sandboxed(world):
+    """`lcap loop --async --sandbox` runs its episodes on an `EpisodePool` with the loop's collect options: each
+    agent in namespaces of its own as nobody, and its verifier (which answers its uid as the reward) sandboxed."""
+    base = world["base"]
+    (base / "ns_agent.py").write_text(NS_AGENT)
+    tasks = base / "ns.jsonl"
+    tasks.write_text('{"id": "ns"}\n')
+    store = Store(base / "db-pool" / "lcap.duckdb")
+    options = CollectOptions(
+        group_size=2,
+        concurrency=2,
+        upstream=None,
+        timeout=60.0,
+        verifier="python3 -c 'import os; print(os.getuid())'",
+        sandbox=True,
+        run_dir=base / "run-pool",
+    )
+    plan = plan_collect(tasks=tasks, command=[SYSTEM_PYTHON, "ns_agent.py"], options=options, store=store)
+    with EpisodePool(store, options, None, 2) as pool:
+        assert pool.submit(plan, plan.specs) == 2
+        with pool.ended:
+            assert pool.ended.wait_for(lambda: pool.result.finished + pool.result.failed >= 2, timeout=120)
+    host = {ns: os.readlink(f"/proc/self/ns/{ns}") for ns in ("pid", "net", "mnt")}
+    rows = store.fetchall(
+        "SELECT e.episode_id, e.status, r.value FROM episodes e LEFT JOIN rewards r USING (episode_id)"
+    )
+    assert len(rows) == 2
+    for eid, status, reward in rows:
+        assert status == "ok" and reward == 65534.0, (eid, status, reward)
+        report = json.loads((plan.run_dir / "round-0" / eid / "stdout.txt").read_text())
+        assert report["uid"] == 65534
+        assert all(report[ns] != host[ns] for ns in host), (report, host)
