@@ -262,7 +262,7 @@ def _verify_in_sandbox(
             raise
     finally:
         checker.close()
-    (spec.dir / VERIFIER_OUTPUT).write_text(str(verdict.details.get("verifier_output", "")))
+    (spec.dir / VERIFIER_OUTPUT).write_text(verdict.output)
     return verdict
 
 

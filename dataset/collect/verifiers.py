@@ -61,6 +61,7 @@ class VerifierError(Exception):
 class Verdict:
     reward: float
     details: dict[str, Any] = field(default_factory=dict)
+    output: str = ""  # all a sandboxed verifier printed (its end is in the details too)
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,7 @@ def _kill(proc: subprocess.Popen) -> None:
 
 def with_output(verdict: Verdict, said: str) -> Verdict:
     """A sandboxed verifier's verdict, with the end of what it printed in its details (`verifier_output`)."""
-    return Verdict(verdict.reward, {**verdict.details, "verifier_output": said[-OUTPUT_DETAIL:]})
+    return Verdict(verdict.reward, {**verdict.details, "verifier_output": said[-OUTPUT_DETAIL:]}, said)
 
 
 def _import_function(target: str, func: str, base: Path) -> Callable:
