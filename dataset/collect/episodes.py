@@ -404,6 +404,7 @@ class EpisodePool:
         self.stopping = threading.Event()
         self.ended = threading.Condition()  # notified whenever an episode ends
         self._runners: list[_Runner] = []
+        self._sandboxes: dict[Path, Sandbox | None] = {}
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="lcap-episode")
         self._busy = 0
         self._idle = 0.0  # slot-seconds with no episode running in the slot
@@ -426,7 +427,9 @@ class EpisodePool:
         if not todo:
             return 0
         forget_partial(self.store, [s.episode_id for s in todo])
-        sandbox = _sandbox(self.options, self.proxy, self.store, plan.run_dir)
+        sandbox = self._sandboxes.get(plan.run_dir)  # one per run folder: its workspaces' lower layers made once
+        if sandbox is None:
+            sandbox = self._sandboxes[plan.run_dir] = _sandbox(self.options, self.proxy, self.store, plan.run_dir)
         runner = _Runner(
             self.store, self.proxy, plan.rules, plan.files, self.tally, stopping=self.stopping, sandbox=sandbox
         )
@@ -447,9 +450,9 @@ class EpisodePool:
         for runner in self._runners:
             runner.kill_all()
         self._pool.shutdown(wait=True, cancel_futures=True)
-        for runner in self._runners:
-            if runner.sandbox is not None:
-                runner.sandbox.close()
+        for sandbox in self._sandboxes.values():
+            if sandbox is not None:
+                sandbox.close()
         self.proxy.stop()
 
     def _tick(self) -> None:

@@ -297,7 +297,7 @@ def test_async_loops_episode_pool_runs_episodes_and_verifiers_sandboxed(world):
     base = world["base"]
     (base / "ns_agent.py").write_text(NS_AGENT)
     tasks = base / "ns.jsonl"
-    tasks.write_text('{"id": "ns"}\n')
+    tasks.write_text('{"id": "ns", "workspace": "ws"}\n')
     store = Store(base / "db-pool" / "lcap.duckdb")
     options = CollectOptions(
         group_size=2,
@@ -310,9 +310,12 @@ def test_async_loops_episode_pool_runs_episodes_and_verifiers_sandboxed(world):
     )
     plan = plan_collect(tasks=tasks, command=[SYSTEM_PYTHON, "ns_agent.py"], options=options, store=store)
     with EpisodePool(store, options, None, 2) as pool:
-        assert pool.submit(plan, plan.specs) == 2
+        assert pool.submit(plan, plan.specs[:1]) == 1
+        assert pool.submit(plan, plan.specs[1:]) == 1  # the loop submits group by group
         with pool.ended:
             assert pool.ended.wait_for(lambda: pool.result.finished + pool.result.failed >= 2, timeout=120)
+        assert len(list(plan.run_dir.glob(".lcap-lowers-*/*"))) == 1  # the workspace's lower layer, made once
+    assert not list(plan.run_dir.glob(".lcap-lowers-*"))  # and removed when the pool stops
     host = {ns: os.readlink(f"/proc/self/ns/{ns}") for ns in ("pid", "net", "mnt")}
     rows = store.fetchall(
         "SELECT e.episode_id, e.status, r.value FROM episodes e LEFT JOIN rewards r USING (episode_id)"
