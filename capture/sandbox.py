@@ -3,9 +3,11 @@
 What one episode gets (`EpisodeSandbox`):
 
 - a workspace: a tmpfs of `--sandbox-disk` MiB mounted at the episode's workdir and filled with the task's files
-  before the agent starts, owned by the agent's user; the agent starts in it, it alone is writable (besides a
-  private $TMPDIR of the same size), and after the episode (verifier included) it is unmounted, copied to disk
-  first with `--keep-workspaces`;
+  before the agent starts, owned by the agent's user; or, where the task brings a directory (`Sandbox.lower`: a
+  copy of it owned by the agent's user, made once per run), an overlay whose lower layer is that directory and
+  whose upper layer is on such a tmpfs, so nothing is copied per episode and the disk limit holds alike; the agent
+  starts in it, it alone is writable (besides a private $TMPDIR of the same size), and after the episode (verifier
+  included) it is unmounted, copied to disk first with `--keep-workspaces`;
 - the host's `nobody` with no capabilities (bubblewrap runs as root, then `setpriv` drops to nobody before the
   agent: root outside is not root inside), in mount, PID, IPC, UTS and network namespaces of its own: the host's
   file system read-only, with lcap's home, the store's files and the collect's run folder hidden (only lcap's CA
@@ -15,6 +17,10 @@ What one episode gets (`EpisodeSandbox`):
   enters the sandbox), so every LLM call is captured and nothing else leaves;
 - a memory cgroup (`--sandbox-memory` MiB) and a pids cgroup (`--sandbox-pids`), cgroups v1; the wall time is
   collect's `--timeout`.
+
+The verifier runs after the agent in a sandbox of its own (`Sandbox.verifier`): the same user, namespaces, hidden
+paths and limits, no network at all, and a workspace that is an overlay over the agent's final one, where the
+task's pristine test files are put before it starts; what it writes there is dropped with it.
 
 bubblewrap blocks before running the agent (`--block-fd`) until lcap has put the sandbox in its cgroups and made
 its listener. A limit reached is read back from the cgroups and the workspace after the agent ends
@@ -33,6 +39,9 @@ import select
 import shutil
 import signal
 import socket
+import stat
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -83,17 +92,51 @@ class Sandbox:
     that serves their listeners."""
 
     def __init__(
-        self, limits: SandboxLimits, proxy: CaptureProxy, hidden: Sequence[Path], hidden_files: Sequence[Path] = ()
+        self,
+        limits: SandboxLimits,
+        proxy: CaptureProxy,
+        hidden: Sequence[Path],
+        hidden_files: Sequence[Path] = (),
+        cache: Path | None = None,
     ) -> None:
         """`hidden`: folders shown empty inside (lcap's home always is); `hidden_files`: files absent inside, and
-        every file beside them whose name starts with theirs (a DuckDB file's WAL)."""
+        every file beside them whose name starts with theirs (a DuckDB file's WAL); `cache`: where the workspaces'
+        lower layers go (a hidden folder; default: a temporary folder), removed by `close`."""
         reason = missing()
         if reason:
             raise LcapError(reason)
         self.limits, self.proxy = limits, proxy
         self.hidden = sorted({Path(p).resolve() for p in (*hidden, lcap_home())}, key=lambda p: len(p.parts))
         self.hidden_files = [Path(p).resolve() for p in hidden_files]
+        self.cache = cache
+        self._lowers: dict[Path, Path] = {}
+        self._lowers_dir: Path | None = None
+        self._lowers_lock = threading.Lock()
         _remove_orphan_cgroups()
+
+    def lower(self, source: Path) -> Path:
+        """The lower layer of an overlay workspace over `source`: a copy owned by the agent's user (an overlay's
+        files keep their owner, and the agent must be able to change them), made on first use and shared by every
+        episode of this sandbox over the same source."""
+        source = Path(source).resolve()
+        with self._lowers_lock:
+            if source not in self._lowers:
+                if self._lowers_dir is None:
+                    if self.cache is not None:
+                        self.cache.mkdir(parents=True, exist_ok=True)
+                    self._lowers_dir = Path(tempfile.mkdtemp(prefix=".lcap-lowers-", dir=self.cache))
+                copy = self._lowers_dir / str(len(self._lowers))
+                shutil.copytree(source, copy, symlinks=True)
+                _chown_tree(copy)
+                self._lowers[source] = copy
+            return self._lowers[source]
+
+    def close(self) -> None:
+        """Remove the lower layers (after the last episode's workspace is unmounted)."""
+        with self._lowers_lock:
+            if self._lowers_dir is not None:
+                shutil.rmtree(self._lowers_dir, ignore_errors=True)
+            self._lowers, self._lowers_dir = {}, None
 
     def mounts(self) -> list[str]:
         """bubblewrap's arguments that hide what the agent must not see: a hidden file's folder becomes a tmpfs
@@ -115,29 +158,68 @@ class Sandbox:
     def episode(self, episode_id: str, workdir: Path) -> EpisodeSandbox:
         return EpisodeSandbox(self, episode_id, workdir)
 
+    def verifier(self, episode_id: str, final: Path, folder: Path, shown: Sequence[Path] = ()) -> EpisodeSandbox:
+        """A fresh sandbox for an episode's verifier: its workspace (mounted at `folder`, seen inside at `final`'s
+        path) an overlay over the agent's `final` workspace, no network at all, this Python's installation and
+        `shown` files readable. `prepare(lower=final)` it like an episode's."""
+        return EpisodeSandbox(self, f"{episode_id}-verify", folder, inside=final, network=False, shown=shown)
+
 
 class EpisodeSandbox:
     """One episode's sandbox: `prepare` (the workspace, before the task's files go in), `own` (after), `child`
     (how to start the agent in it), `limits_reached` (after it ended), `close` (always)."""
 
-    def __init__(self, sandbox: Sandbox, episode_id: str, workdir: Path) -> None:
+    def __init__(
+        self,
+        sandbox: Sandbox,
+        episode_id: str,
+        workdir: Path,
+        *,
+        inside: Path | None = None,
+        network: bool = True,
+        shown: Sequence[Path] = (),
+    ) -> None:
+        """`workdir`: where the workspace is mounted here; `inside`: where the sandbox sees it (default: there);
+        `network`: a listener of the proxy's in its network namespace (else none: only a loopback nothing
+        listens on); `shown`: files shown read-only at their own paths."""
         self.sandbox, self.limits, self.episode_id = sandbox, sandbox.limits, episode_id
         self.workdir = Path(workdir).resolve()
-        self.tmp = self.workdir.parent / "tmp"
+        self.inside = Path(inside).resolve() if inside is not None else self.workdir
+        self.network, self.shown = network, [Path(p) for p in shown]
+        self.tmp = self.inside.parent / "tmp"
         self.cgroups = [CGROUPS / c / GROUP / f"{episode_id}-{os.getpid()}" for c in ("memory", "pids")]
         self.mounted = False
+        self.layer: Path | None = None  # an overlay workspace's tmpfs (its upper layer and overlayfs' work folder)
         self.listening = contextlib.ExitStack()
         self.pipes: list[int] = []
 
     # --- before the agent ---------------------------------------------------------------------
 
-    def prepare(self) -> None:
-        """The workspace's tmpfs at the (empty) workdir, and the cgroups."""
+    def prepare(self, lower: Path | None = None) -> None:
+        """The workspace at the (empty) workdir: a tmpfs, or an overlay over `lower` (a folder the agent's user
+        owns: `Sandbox.lower`) whose upper layer is such a tmpfs; and the cgroups."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.tmp.mkdir(exist_ok=True)
+        if self.inside == self.workdir:
+            self.tmp.mkdir(exist_ok=True)
         size = self.limits.disk_mb << 20
         options = f"size={size},mode=0755,uid={AGENT_UID},gid={AGENT_UID}"
-        _mount("tmpfs", str(self.workdir), "tmpfs", MS_NODEV | MS_NOSUID, options)
+        if lower is None:
+            _mount("tmpfs", str(self.workdir), "tmpfs", MS_NODEV | MS_NOSUID, options)
+        else:
+            self.layer = self.workdir.with_name(self.workdir.name + ".layer")
+            self.layer.mkdir()
+            _mount("tmpfs", str(self.layer), "tmpfs", MS_NODEV | MS_NOSUID, options)
+            (self.layer / "upper").mkdir()
+            (self.layer / "work").mkdir()
+            os.chown(self.layer / "upper", AGENT_UID, AGENT_UID)
+            layers = f"lowerdir={Path(lower).resolve()},upperdir={self.layer / 'upper'},workdir={self.layer / 'work'}"
+            try:
+                _mount("overlay", str(self.workdir), "overlay", MS_NODEV | MS_NOSUID, layers)
+            except LcapError:
+                _umount(str(self.layer))
+                self.layer.rmdir()
+                self.layer = None
+                raise
         self.mounted = True
         memory, pids = self.cgroups
         for group in self.cgroups:
@@ -148,23 +230,23 @@ class EpisodeSandbox:
         (pids / "pids.max").write_text(str(self.limits.pids))
 
     def own(self) -> None:
-        """The task's files, now in the workspace, become the agent's."""
-        for root, dirs, files in os.walk(self.workdir):
-            for name in (root, *(os.path.join(root, n) for n in (*dirs, *files))):
-                os.lchown(name, AGENT_UID, AGENT_UID)
+        """The task's files, now in the workspace, become the agent's (an overlay's: those in its upper layer, the
+        lower one being the agent's already; changing the owner of the whole would copy it up)."""
+        _chown_tree(self.layer / "upper" if self.layer is not None else self.workdir)
 
     def child(self, argv: Sequence[str], env: Mapping[str, str], port: int) -> tuple[Child, dict[str, str]]:
         """How to start `argv` in the sandbox (bubblewrap, blocked until `started` has set it up) and its
         environment: the proxy variables point at the sandbox's own listener, without credentials."""
         env = dict(env)
-        inside = f"http://127.0.0.1:{port}"
-        for name in PROXY_VARS:
-            env[name] = inside
-        if "JAVA_TOOL_OPTIONS" in env:  # the JVM's port (an episode port of the host's loopback) is the listener's
-            env["JAVA_TOOL_OPTIONS"] = JVM_PORT.sub(rf"\g<1>{port}", env["JAVA_TOOL_OPTIONS"])
-        env["LCAP_PROXY_URL"] = inside
+        if self.network:
+            inside = f"http://127.0.0.1:{port}"
+            for name in PROXY_VARS:
+                env[name] = inside
+            if "JAVA_TOOL_OPTIONS" in env:  # the JVM's port (an episode port of the host's loopback): the listener's
+                env["JAVA_TOOL_OPTIONS"] = JVM_PORT.sub(rf"\g<1>{port}", env["JAVA_TOOL_OPTIONS"])
+            env["LCAP_PROXY_URL"] = inside
         env["TMPDIR"] = str(self.tmp)
-        env["HOME"] = str(self.workdir)
+        env["HOME"] = str(self.inside)
         info_r, info_w = os.pipe()
         block_r, block_w = os.pipe()
         self.pipes = [info_r, info_w, block_r, block_w]
@@ -183,14 +265,21 @@ class EpisodeSandbox:
         ]
         args += ["--tmpfs", "/run", "--perms", "0755", "--dir", str(SHOWN)]
         args += self.sandbox.mounts()
+        hidden_above = [h for h in self.sandbox.hidden if self.inside.is_relative_to(h)]
+        if hidden_above:  # bubblewrap would make the folders down to the workspace root's alone
+            args += _folders(hidden_above[-1], self.inside)
+        if not self.network:  # the verifier: this Python, wherever it is installed, and the files it reads
+            args += _reachable(Path(sys.base_prefix))
+            for path in self.shown:
+                args += ["--ro-bind", str(path), str(path)]
         for outside, inside in _shown(env).items():
             args += ["--ro-bind", outside, inside]
             for name, value in env.items():
                 if outside in value:
                     env[name] = value.replace(outside, inside)
-        args += ["--bind", str(self.workdir), str(self.workdir)]
+        args += ["--bind", str(self.workdir), str(self.inside)]
         args += ["--perms", "1777", "--size", str(self.limits.disk_mb << 20), "--tmpfs", str(self.tmp)]
-        args += ["--chdir", str(self.workdir), "--info-fd", str(info_w), "--block-fd", str(block_r), "--"]
+        args += ["--chdir", str(self.inside), "--info-fd", str(info_w), "--block-fd", str(block_r), "--"]
         args += ["setpriv", f"--reuid={AGENT_UID}", f"--regid={AGENT_UID}", "--clear-groups", "--inh-caps=-all"]
         args += ["--bounding-set=-all", "--no-new-privs"]
         return Child([*args, "--", *argv], env, (info_w, block_r), on_start=lambda proc: self.started(proc, port)), env
@@ -205,8 +294,9 @@ class EpisodeSandbox:
             pid = _child_pid(info_r)
             for group in self.cgroups:
                 (group / "cgroup.procs").write_text(str(pid))
-            sock = _listen_in(pid, port)
-            self.listening.enter_context(self.sandbox.proxy.serve_listener(self.episode_id, sock))
+            if self.network:
+                sock = _listen_in(pid, port)
+                self.listening.enter_context(self.sandbox.proxy.serve_listener(self.episode_id, sock))
             os.write(block_w, b"1")
         except BaseException:
             with contextlib.suppress(ProcessLookupError):
@@ -245,12 +335,17 @@ class EpisodeSandbox:
             _remove_cgroup(group)
         if not self.mounted:
             return
+        keep = self.limits.keep_workspaces and self.network  # a verifier's view of the workspace is never kept
         kept = self.workdir.with_name(self.workdir.name + ".kept")
-        if self.limits.keep_workspaces:
+        if keep:
             shutil.copytree(self.workdir, kept, symlinks=True)
         _umount(str(self.workdir))
+        if self.layer is not None:
+            _umount(str(self.layer))
+            self.layer.rmdir()
+            self.layer = None
         self.mounted = False
-        if self.limits.keep_workspaces:
+        if keep:
             self.workdir.rmdir()
             kept.rename(self.workdir)
         else:
@@ -269,6 +364,33 @@ def _shown(env: Mapping[str, str]) -> dict[str, str]:
     paths = {env[name] for name in CA_VARS if name in env}
     paths |= {str(ca_dir() / TRUST_STORE), str(node_dir() / "node_modules")}
     return {p: str(SHOWN / Path(p).name) for p in sorted(paths) if os.path.exists(p)}
+
+
+def _reachable(path: Path) -> list[str]:
+    """bubblewrap's arguments that let the agent's user reach `path` (an installation under /root): the topmost
+    folder above it that others may not enter becomes an empty tmpfs, and `path` alone is bound back into it."""
+    path = path.resolve()
+    for folder in reversed(path.parents):
+        try:
+            mode = folder.stat().st_mode
+        except OSError:
+            return []
+        if not mode & stat.S_IXOTH:
+            return ["--tmpfs", str(folder), *_folders(folder, path), "--ro-bind", str(path), str(path)]
+    return []
+
+
+def _folders(top: Path, path: Path) -> list[str]:
+    """bubblewrap's arguments that make the folders strictly between `top` and `path` (in a tmpfs at `top`) that
+    others may enter: bubblewrap makes the ones a bind mount needs root's alone."""
+    between = [p for p in reversed(path.parents) if p.is_relative_to(top) and p != top]
+    return [arg for p in between for arg in ("--perms", "0755", "--dir", str(p))]
+
+
+def _chown_tree(top: Path) -> None:
+    for root, dirs, files in os.walk(top):
+        for name in (root, *(os.path.join(root, n) for n in (*dirs, *files))):
+            os.lchown(name, AGENT_UID, AGENT_UID)
 
 
 def release_mounts(folder: Path) -> None:

@@ -30,6 +30,9 @@ class CollectOptions:
     concurrency: int = option(8, flag="--concurrency,-j", help="Episodes running at once.")
     verifier: str | None = option(None, help="Command, module:function or file.py:function.")
     timeout: float | None = option(600.0, help="Seconds per episode; its whole process group is killed.")
+    verifier_timeout: float = option(
+        600.0, help="Seconds the verifier may take per episode (a command's or, with --sandbox, any verifier's)."
+    )
     protect: tuple[str, ...] = option((), help="Glob (in the workdir) the agent must not change; repeatable.")
     verify_failed: bool = option(
         False,
@@ -66,6 +69,8 @@ class CollectOptions:
             raise LcapError("--group-size and --concurrency must be at least 1")
         if self.upstream == "none":
             object.__setattr__(self, "upstream", None)
+        if self.verifier_timeout <= 0:
+            raise LcapError(f"--verifier-timeout must be above 0, not {self.verifier_timeout:g}")
         if self.round < 0:
             raise LcapError(f"--round must be 0 or more, not {self.round} (round N trains on round N's episodes)")
         if self.episode_cpus < 0:

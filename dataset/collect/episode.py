@@ -30,12 +30,14 @@ from lcap.config import LcapError
 from lcap.dataset.collect.summary import CollectSummary
 from lcap.dataset.collect.verifiers import (
     VERIFIER_OUTPUT,
+    Verdict,
     Verifier,
     VerifierContext,
     VerifierError,
     hash_protected,
     tampered_files,
 )
+from lcap.dataset.collect.workspaces import place_tests, pristine_tests, source_dir
 from lcap.display import printable
 from lcap.processes import kill_group, run_child
 from lcap.store import Store, now
@@ -168,10 +170,16 @@ def _run_in(
     agent: Child | None,
     box: EpisodeSandbox | None,
 ) -> EpisodeOutcome:
-    if box is not None:
-        box.prepare()
-    _populate(spec.workdir, spec.task, files)
-    if box is not None:
+    if box is None:
+        _populate(spec.workdir, spec.task, files)
+    else:
+        source = source_dir(spec.task, files.tasks_dir) if files.archive is None else None
+        if source is not None:  # copy-on-write over the task's directory, its copy made once per run
+            box.prepare(lower=box.sandbox.lower(source))
+            _write_files(spec.workdir, spec.task)
+        else:
+            box.prepare()
+            _populate(spec.workdir, spec.task, files)
         box.own()
     guard = tuple(rules.guard) + tuple(spec.task.get("protected") or ())
     before = hash_protected(spec.workdir, guard) if guard else {}
@@ -224,7 +232,7 @@ def _run_in(
         status="ok",
     )
     try:
-        verdict = rules.judge(ctx)
+        verdict = rules.judge(ctx) if box is None else _verify_in_sandbox(spec, rules.judge, ctx, box, files)
     except VerifierError as exc:
         (spec.dir / VERIFIER_OUTPUT).write_text(exc.output or str(exc))  # the summary's example for this reason
         outcome.flags.append(("verifier_error", {"error": str(exc)}))
@@ -232,6 +240,30 @@ def _run_in(
         return outcome
     outcome.reward, outcome.details, outcome.source = verdict.reward, dict(verdict.details), rules.judge.name
     return outcome
+
+
+def _verify_in_sandbox(
+    spec: EpisodeSpec, judge: Verifier, ctx: VerifierContext, box: EpisodeSandbox, files: TaskFiles
+) -> Verdict:
+    """The verifier in a fresh sandbox over the agent's final workspace, the task's pristine tests put over it
+    first (the agent never saw this copy of them); all it printed goes to verifier.txt."""
+    tests = pristine_tests(spec.task, files.tasks_dir)
+    checker = box.sandbox.verifier(spec.episode_id, spec.workdir, spec.dir / "verify", shown=[spec.dir / "stdout.txt"])
+    try:
+        checker.prepare(lower=spec.workdir)
+        place_tests(checker.workdir, tests)
+        checker.own()
+        try:
+            verdict = judge(ctx, checker)
+        except VerifierError as exc:
+            reached = checker.limits_reached()
+            if reached:
+                raise VerifierError(f"{exc}; {limits_text(reached)}", exc.output) from None
+            raise
+    finally:
+        checker.close()
+    (spec.dir / VERIFIER_OUTPUT).write_text(verdict.output)
+    return verdict
 
 
 def _run_agent(
@@ -363,27 +395,24 @@ def report_end(console, spec: EpisodeSpec, outcome: EpisodeOutcome) -> None:
 
 
 def template_dir(task: Mapping[str, Any], tasks_dir: Path) -> Path | None:
-    """The task's `workspace` (or by its older name `template`) directory, relative to the tasks file, or None if
-    it has none."""
-    key = "workspace" if task.get("workspace") else "template"
-    template = task.get(key)
-    if not template:
-        return None
-    src = (tasks_dir / template).resolve()
-    if not src.is_dir():
-        raise LcapError(f"task {task['id']}: {key} {src} is not a directory")
-    return src
+    """The directory the task's workspace starts as (`workspace`/`template`, or `repo` at `commit`), or None."""
+    return source_dir(task, tasks_dir)
 
 
 def _populate(workdir: Path, task: Mapping[str, Any], files: TaskFiles) -> None:
-    """A task may bring a `workspace` directory (copied) and `files` ({relative path: text}) into its workdir."""
+    """A task may bring a `workspace` directory or a `repo` at a `commit` (copied) and `files` ({relative path:
+    text}) into its workdir."""
     if files.archive is not None:
         with tarfile.open(fileobj=io.BytesIO(files.archive)) as tar:
             tar.extractall(workdir, filter="tar")  # symlinks kept as they are, as copytree(symlinks=True) does
     else:
-        src = template_dir(task, files.tasks_dir)
+        src = source_dir(task, files.tasks_dir)
         if src is not None:
             shutil.copytree(src, workdir, dirs_exist_ok=True, symlinks=True)
+    _write_files(workdir, task)
+
+
+def _write_files(workdir: Path, task: Mapping[str, Any]) -> None:
     for rel, text in (task.get("files") or {}).items():
         target = (workdir / rel).resolve()
         if workdir.resolve() not in target.parents:

@@ -168,6 +168,8 @@ def plan_collect(
     base = Path.cwd()
     template = resolve_argv(command, base)
     judge = load_verifier(options.verifier, base=base) if options.verifier else None
+    if judge is not None:
+        judge.timeout = options.verifier_timeout
     guard = tuple(options.protect) + (judge.protected if judge else ())
     run_id = collect_run_id(command, tasks, options.verifier)
     run_dir = Path(options.run_dir or base / "lcap-runs" / f"collect-{run_id}").resolve()
@@ -285,9 +287,13 @@ def _run_local(
     proxy.start()
     try:
         sandbox = _sandbox(options, proxy, store, plan.run_dir)
-        _Runner(store, proxy, plan.rules, plan.files, tally, sandbox=sandbox).run_all(
-            todo, options.concurrency, progress=show
-        )
+        try:
+            _Runner(store, proxy, plan.rules, plan.files, tally, sandbox=sandbox).run_all(
+                todo, options.concurrency, progress=show
+            )
+        finally:
+            if sandbox is not None:
+                sandbox.close()
     finally:
         proxy.stop()
 
@@ -299,7 +305,7 @@ def _sandbox(options: CollectOptions, proxy: CaptureProxy, store: Store, run_dir
     if limits is None:
         return None
     run_dir.mkdir(parents=True, exist_ok=True)
-    return Sandbox(limits, proxy, [run_dir], [Path(store.path)])
+    return Sandbox(limits, proxy, [run_dir], [Path(store.path)], cache=run_dir)
 
 
 class _Runner:
@@ -398,6 +404,7 @@ class EpisodePool:
         self.stopping = threading.Event()
         self.ended = threading.Condition()  # notified whenever an episode ends
         self._runners: list[_Runner] = []
+        self._sandboxes: dict[Path, Sandbox | None] = {}
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="lcap-episode")
         self._busy = 0
         self._idle = 0.0  # slot-seconds with no episode running in the slot
@@ -420,7 +427,9 @@ class EpisodePool:
         if not todo:
             return 0
         forget_partial(self.store, [s.episode_id for s in todo])
-        sandbox = _sandbox(self.options, self.proxy, self.store, plan.run_dir)
+        sandbox = self._sandboxes.get(plan.run_dir)  # one per run folder: its workspaces' lower layers made once
+        if sandbox is None:
+            sandbox = self._sandboxes[plan.run_dir] = _sandbox(self.options, self.proxy, self.store, plan.run_dir)
         runner = _Runner(
             self.store, self.proxy, plan.rules, plan.files, self.tally, stopping=self.stopping, sandbox=sandbox
         )
@@ -441,6 +450,9 @@ class EpisodePool:
         for runner in self._runners:
             runner.kill_all()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        for sandbox in self._sandboxes.values():
+            if sandbox is not None:
+                sandbox.close()
         self.proxy.stop()
 
     def _tick(self) -> None:

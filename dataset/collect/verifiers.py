@@ -12,10 +12,15 @@ A verifier is either a command or a Python callable:
   the files it protects from the agent with a `protected` attribute (globs in the workdir).
 
 Either way an exception is an error on that episode, never on the collect run.
+
+With `--sandbox` either kind runs in a sandbox of its own (`Sandbox.verifier`, passed as `box`): a command as it
+is, a Python function in a child Python (`python -m lcap.dataset.collect.verifiers`) that gets the context as
+JSON on stdin and answers the verdict as JSON; what the verifier printed goes to the verdict's details.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -24,17 +29,23 @@ import math
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lcap.config import LcapError
 
+if TYPE_CHECKING:
+    from lcap.capture.sandbox import EpisodeSandbox
+
 VERIFIER_OUTPUT = "verifier.txt"  # in the episode's folder, beside the agent's stdout.txt and stderr.txt
+DEFAULT_TIMEOUT = 600.0
+OUTPUT_DETAIL = 4000  # characters of a sandboxed verifier's output kept in the reward's details (all: verifier.txt)
 
 
 class VerifierError(Exception):
@@ -50,6 +61,7 @@ class VerifierError(Exception):
 class Verdict:
     reward: float
     details: dict[str, Any] = field(default_factory=dict)
+    output: str = ""  # all a sandboxed verifier printed (its end is in the details too)
 
 
 @dataclass(frozen=True)
@@ -69,13 +81,13 @@ class VerifierContext:
 
 
 class CommandVerifier:
-    def __init__(self, argv: Sequence[str], *, timeout: float = 600.0) -> None:
+    def __init__(self, argv: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.argv = list(argv)
         self.name = shlex.join(self.argv)
         self.timeout = timeout
         self.protected: tuple[str, ...] = ()
 
-    def __call__(self, ctx: VerifierContext) -> Verdict:
+    def __call__(self, ctx: VerifierContext, box: EpisodeSandbox | None = None) -> Verdict:
         stdout_file = ctx.workdir.parent / "stdout.txt"
         env = dict(os.environ)
         env.update(
@@ -85,47 +97,68 @@ class CommandVerifier:
             LCAP_AGENT_STDOUT=str(stdout_file),
             LCAP_AGENT_EXIT_CODE="" if ctx.exit_code is None else str(ctx.exit_code),
         )
-        try:
-            proc = subprocess.run(
-                self.argv,
-                input=ctx.stdout,
-                capture_output=True,
-                text=True,
-                env=env,
-                cwd=ctx.workdir,
-                timeout=self.timeout,
-                start_new_session=True,
-            )
-        except subprocess.TimeoutExpired:
-            raise VerifierError(f"verifier timed out after {self.timeout:.0f}s") from None
-        except OSError as exc:
-            raise VerifierError(f"cannot run verifier {self.name}: {exc.strerror or exc}") from None
-        if proc.returncode != 0:
-            said = f"{self.name} exited {proc.returncode}\n--- stderr\n{proc.stderr}--- stdout\n{proc.stdout}"
-            raise VerifierError(f"verifier exited {proc.returncode}: {_tail(proc.stderr or proc.stdout)}", said)
-        lines = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+        code, out, err = run_process(self.argv, env, ctx.workdir, ctx.stdout, self.timeout, box, self.name)
+        said = f"{self.name} exited {code}\n--- stderr\n{err}--- stdout\n{out}"
+        if code != 0:
+            raise VerifierError(f"verifier exited {code}: {_tail(err or out)}", said)
+        lines = [line.strip() for line in out.splitlines() if line.strip()]
         if not lines:
-            raise VerifierError("verifier printed nothing (expected a float or a JSON object with 'reward')")
+            raise VerifierError("verifier printed nothing (expected a float or a JSON object with 'reward')", said)
         try:
             value = json.loads(lines[-1])
         except json.JSONDecodeError:
-            raise VerifierError(f"verifier's last line is not a float or JSON: {lines[-1][:200]!r}") from None
-        return to_verdict(value)
+            raise VerifierError(f"verifier's last line is not a float or JSON: {lines[-1][:200]!r}", said) from None
+        return with_output(to_verdict(value), said) if box is not None else to_verdict(value)
 
 
 class PythonVerifier:
-    def __init__(self, spec: str, func: Callable[[VerifierContext], Any]) -> None:
+    def __init__(
+        self, spec: str, func: Callable[[VerifierContext], Any], *, source: tuple[str, str, Path] | None = None
+    ) -> None:
+        """`source`: (module or file, function, base folder) to load it again in a sandboxed child Python."""
         self.name = spec
         self.func = func
         self.protected = tuple(getattr(func, "protected", ()) or ())
+        self.source = source
+        self.timeout = DEFAULT_TIMEOUT
 
-    def __call__(self, ctx: VerifierContext) -> Verdict:
+    def __call__(self, ctx: VerifierContext, box: EpisodeSandbox | None = None) -> Verdict:
+        if box is not None:
+            return self._in(box, ctx)
         try:
             value = self.func(ctx)
         except Exception as exc:
             said = "".join(traceback.format_exception(exc))
             raise VerifierError(f"{self.name} raised {exc.__class__.__name__}: {exc}", said) from exc
         return to_verdict(value)
+
+    def _in(self, box: EpisodeSandbox, ctx: VerifierContext) -> Verdict:
+        """Call the function in a child Python in `box`."""
+        if self.source is None:
+            raise VerifierError(f"{self.name} cannot be loaded again in a sandbox")
+        target, func, base = self.source
+        request = {
+            "target": target,
+            "func": func,
+            "base": str(base),
+            "task": dict(ctx.task),
+            "episode_id": ctx.episode_id,
+            "workdir": str(ctx.workdir),
+            "stdout": ctx.stdout,
+            "exit_code": ctx.exit_code,
+            "status": ctx.status,
+        }
+        argv = [sys.executable, "-I", "-m", __name__]
+        stdin = json.dumps(request, ensure_ascii=False, default=str)
+        code, out, err = run_process(argv, dict(os.environ), ctx.workdir, stdin, self.timeout, box, self.name)
+        said = f"{self.name} in a sandbox, exited {code}\n--- output\n{err}"
+        try:
+            answer = json.loads(out.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            raise VerifierError(f"{self.name} ended without a verdict (exit {code}): {_tail(err)}", said) from None
+        if "error" in answer:
+            raise VerifierError(str(answer["error"]), said)
+        return with_output(to_verdict((answer["reward"], answer["details"])), said)
 
 
 Verifier = CommandVerifier | PythonVerifier
@@ -141,8 +174,69 @@ def load_verifier(spec: str, *, base: Path | None = None) -> Verifier:
     base = base or Path.cwd()
     match = _PY_SPEC.match(spec)
     if match:
-        return PythonVerifier(spec, _import_function(match["target"], match["func"], base))
+        target = str((base / match["target"]).resolve()) if match["target"].endswith(".py") else match["target"]
+        func = _import_function(match["target"], match["func"], base)
+        return PythonVerifier(spec, func, source=(target, match["func"], base))
     return CommandVerifier(resolve_argv(shlex.split(spec), base))
+
+
+def run_process(
+    argv: Sequence[str],
+    env: dict[str, str],
+    cwd: Path,
+    stdin: str,
+    timeout: float,
+    box: EpisodeSandbox | None,
+    name: str,
+) -> tuple[int, str, str]:
+    """Run a verifier's process (in `box`, a fresh sandbox, when given) to its end: (exit code, stdout, stderr).
+    It leads a process group of its own, killed when it ends or outlives `timeout`."""
+    pass_fds: tuple[int, ...] = ()
+    on_start: Callable[[subprocess.Popen], None] | None = None
+    if box is not None:
+        child, env = box.child(argv, env, 0)
+        argv, pass_fds, on_start, cwd = child.argv, child.pass_fds, child.on_start, box.workdir
+    try:
+        proc = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+            pass_fds=pass_fds,
+        )
+    except OSError as exc:
+        raise VerifierError(f"cannot run verifier {name}: {exc.strerror or exc}") from None
+    try:
+        if on_start is not None:
+            on_start(proc)
+        out, err = proc.communicate(stdin, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+        raise VerifierError(f"verifier timed out after {timeout:.0f}s") from None
+    except BaseException:
+        _kill(proc)
+        raise
+    _kill(proc)
+    return proc.returncode, out, err
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    with contextlib.suppress(subprocess.TimeoutExpired, ValueError, OSError):
+        proc.communicate(timeout=5)
+
+
+def with_output(verdict: Verdict, said: str) -> Verdict:
+    """A sandboxed verifier's verdict, with the end of what it printed in its details (`verifier_output`)."""
+    return Verdict(verdict.reward, {**verdict.details, "verifier_output": said[-OUTPUT_DETAIL:]}, said)
 
 
 def _import_function(target: str, func: str, base: Path) -> Callable:
@@ -233,3 +327,33 @@ def tampered_files(before: Mapping[str, str], after: Mapping[str, str]) -> list[
 def _tail(text: str, n: int = 300) -> str:
     text = " ".join((text or "").strip().splitlines()[-5:])
     return text[-n:] if text else "(no output)"
+
+
+def _child_main() -> None:
+    """A sandboxed Python verifier's child: the request on stdin, the verdict (or the error) as JSON on stdout;
+    whatever the function prints goes to stderr."""
+    request = json.loads(sys.stdin.read())
+    answer_fd = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        func = _import_function(request["target"], request["func"], Path(request["base"]))
+        ctx = VerifierContext(
+            task=request["task"],
+            episode_id=request["episode_id"],
+            workdir=Path(request["workdir"]),
+            stdout=request["stdout"],
+            exit_code=request["exit_code"],
+            status=request["status"],
+        )
+        verdict = to_verdict(func(ctx))
+        answer: dict[str, Any] = {"reward": verdict.reward, "details": verdict.details}
+    except Exception as exc:
+        traceback.print_exc()
+        answer = {"error": f"{request['target']}:{request['func']} raised {exc.__class__.__name__}: {exc}"}
+    with os.fdopen(answer_fd, "w") as out:
+        out.write(json.dumps(answer, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    _child_main()

@@ -1,0 +1,72 @@
+"""dataset/collect/workspaces.py: a task's workspace source (directory, or repo + commit from lcap's cache) and its
+pristine tests, with a real git repository."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from lcap.config import LcapError
+from lcap.dataset.collect.workspaces import place_tests, pristine_tests, source_dir
+
+pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="no git")
+
+
+def _git(repo: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t"}
+    env["GIT_COMMITTER_EMAIL"] = "t@t"
+    return subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True, text=True).stdout
+
+
+def test_repo_commits_come_from_one_mirror_and_a_later_commit_is_fetched(tmp_path, monkeypatch):
+    monkeypatch.setenv("LCAP_HOME", str(tmp_path / "home"))
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / "a.txt").write_text("one")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "one")
+    first = _git(repo, "rev-parse", "HEAD").strip()
+    tree = source_dir({"id": "t", "repo": "repo", "commit": first}, tmp_path)
+    assert tree is not None and (tree / "a.txt").read_text() == "one"
+    assert source_dir({"id": "t", "repo": str(repo), "commit": first}, tmp_path) == tree  # the same cached checkout
+    (repo / "a.txt").write_text("two")
+    _git(repo, "commit", "-q", "-am", "two")
+    second = _git(repo, "rev-parse", "HEAD").strip()
+    later = source_dir({"id": "t", "repo": "repo", "commit": second}, tmp_path)  # not in the mirror yet: fetched
+    assert later is not None and (later / "a.txt").read_text() == "two"
+    assert _git(later, "rev-parse", "HEAD").strip() == second
+    assert len(list((tmp_path / "home" / "cache" / "repos").glob("*.git"))) == 1
+    with pytest.raises(LcapError, match="has no commit"):
+        source_dir({"id": "t", "repo": "repo", "commit": "0" * 40}, tmp_path)
+
+
+def test_a_task_names_one_workspace_source(tmp_path):
+    (tmp_path / "ws").mkdir()
+    assert source_dir({"id": "t", "workspace": "ws"}, tmp_path) == tmp_path / "ws"
+    assert source_dir({"id": "t"}, tmp_path) is None
+    with pytest.raises(LcapError, match="either workspace or repo"):
+        source_dir({"id": "t", "workspace": "ws", "repo": "r", "commit": "c"}, tmp_path)
+    with pytest.raises(LcapError, match="repo needs a commit"):
+        source_dir({"id": "t", "repo": "r"}, tmp_path)
+
+
+def test_pristine_tests_from_a_file_a_directory_or_text_replace_whatever_is_there(tmp_path):
+    (tmp_path / "t" / "sub").mkdir(parents=True)
+    (tmp_path / "t" / "test_a.py").write_text("a")
+    (tmp_path / "t" / "sub" / "test_b.py").write_text("b")
+    assert pristine_tests({"id": "x", "tests": "t/test_a.py"}, tmp_path) == {"test_a.py": b"a"}
+    assert pristine_tests({"id": "x", "tests": "t"}, tmp_path) == {"sub/test_b.py": b"b", "test_a.py": b"a"}
+    assert pristine_tests({"id": "x", "tests": {"test_c.py": "c"}}, tmp_path) == {"test_c.py": b"c"}
+    with pytest.raises(LcapError, match="outside the workspace"):
+        pristine_tests({"id": "x", "tests": {"../escape.py": "c"}}, tmp_path)
+    work = tmp_path / "work"
+    (work / "test_a.py").mkdir(parents=True)  # the agent made a directory where a test file goes
+    (work / "sub").symlink_to("/etc")  # and a link where a test folder goes
+    place_tests(work, pristine_tests({"id": "x", "tests": "t"}, tmp_path))
+    assert (work / "test_a.py").read_text() == "a"
+    assert not (work / "sub").is_symlink() and (work / "sub" / "test_b.py").read_text() == "b"
