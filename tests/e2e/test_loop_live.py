@@ -116,7 +116,7 @@ def _loop(tmp_path: Path, db: Path, env: dict, rounds: int, margin: float) -> su
     return subprocess.run(
         [LCAP, "loop", "--live", "--run", str(tmp_path / "run"), "--rounds", str(rounds), "--db", str(db)]
         + ["--min-samples", "4", "--max-staleness", "1", "--promote-margin", str(margin), "--wait-timeout", "240"]
-        + ["--eval-tasks", str(tmp_path / "eval.jsonl"), "--eval-group-size", "2", "--timeout", "120"]
+        + ["--eval-tasks", str(tmp_path / "eval.jsonl"), "--eval-group-size", "1", "--timeout", "120"]
         + ["--verifier", f"{tmp_path / 'verify.py'}:verify", "--truncated", "keep", "--lr", "1e-3"]
         + ["--report-to", "none", "--", sys.executable, str(tmp_path / "agent.py"), "{q}"],
         env=env,

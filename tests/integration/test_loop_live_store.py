@@ -140,3 +140,39 @@ def test_rollback_to_an_unknown_or_current_deployment_is_one_line(record):
     assert same.returncode == 2 and "is the current deployment already" in same.stderr
     assert read_policy().current == "policy-r2-bb"
     assert Store(record).fetchall("SELECT count(*) FROM deployments WHERE rollback_of IS NOT NULL") == [(0,)]
+
+
+def test_a_reward_posted_before_its_episode_row_is_stored_waits_for_it(tmp_path, monkeypatch):
+    """The serving proxy stores a session's row from a thread of its own; a reward posted before it lands looks
+    again once the rows in flight are stored (`settle`), instead of a 404 (seen under load in the live e2e test)."""
+    import httpx
+
+    from lcap.capture.proxy.rewards_api import RewardEndpoint
+    from lcap.capture.proxy.sessions import session_episode, tenant_of_token
+
+    monkeypatch.setenv("LCAP_HOME", str(tmp_path / "home"))
+    store = Store(tmp_path / "lcap.duckdb")
+    tenant = tenant_of_token("sk-tenant")
+    store.append("episodes", [{"episode_id": "other", "labels": json.dumps({"tenant": tenant})}])
+    episode = session_episode(tenant, "late-row")
+    arrived = []
+
+    def settle() -> None:  # the row the proxy's writer thread had in its queue
+        arrived.append(episode)
+        store.append(
+            "episodes", [{"episode_id": episode, "labels": json.dumps({"tenant": tenant})}], new_by="episode_id"
+        )
+
+    endpoint = RewardEndpoint(store, "proxy-token", settle=settle)
+    endpoint.start()
+    try:
+        post = {"session": "late-row", "value": 1.0, "key": "k1"}
+        answer = httpx.post(endpoint.url, json=post, headers={"Authorization": "Bearer sk-tenant"}, timeout=60)
+        assert answer.status_code == 201 and answer.json()["episode_id"] == episode, answer.text
+        unknown = httpx.post(
+            endpoint.url, json={**post, "session": "never"}, headers={"Authorization": "Bearer sk-tenant"}, timeout=60
+        )
+        assert unknown.status_code == 404  # still unknown after the rows in flight: refused as before
+    finally:
+        endpoint.stop()
+    assert arrived == [episode, episode] and store.fetchall("SELECT episode_id FROM rewards") == [(episode,)]
