@@ -122,7 +122,7 @@ def _loop(tmp_path: Path, db: Path, env: dict, rounds: int, margin: float) -> su
         env=env,
         capture_output=True,
         text=True,
-        timeout=400,
+        timeout=900,
     )
 
 
@@ -159,7 +159,7 @@ def test_live_loop_promotes_rolls_back_and_refuses_while_traffic_flows(vllm_poli
     finally:
         proc.send_signal(signal.SIGINT)
         try:
-            proc.wait(60)
+            proc.wait(120)
         finally:
             if proc.poll() is None:
                 proc.kill()
