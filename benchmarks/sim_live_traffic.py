@@ -59,6 +59,7 @@ class Sim:
         self.failures: list[str] = []
         self.pending: list[dict] = []  # rewards not posted yet
         self.posted: dict[int, int] = {}  # HTTP status -> posts
+        self.post_errors: list[str] = []  # posts that got no answer (timed out), each posted again
         self.done_agents = threading.Event()
         self.enough = threading.Event()
 
@@ -118,9 +119,15 @@ class Sim:
                         self.pending[len(self.pending) // 2 or 1 :],
                     )
             for post in batch:
-                status = httpx.post(
-                    self.rewards_url, json={**post, "source": "sim"}, headers=headers, timeout=120
-                ).status_code
+                try:
+                    status = httpx.post(
+                        self.rewards_url, json={**post, "source": "sim"}, headers=headers, timeout=300
+                    ).status_code
+                except httpx.HTTPError as exc:  # posted again later: its key makes a retry safe
+                    with self.lock:
+                        self.post_errors.append(repr(exc))
+                        self.pending.append(post)
+                    continue
                 with self.lock:
                     self.posted[status] = self.posted.get(status, 0) + 1
             time.sleep(0.5)
@@ -210,6 +217,7 @@ def main() -> None:
         report["calls"] = len(sim.calls)
         report["failed_calls"] = len(sim.failures)
         report["reward_posts"] = {str(k): v for k, v in sorted(sim.posted.items())}
+        report["reward_post_retries"] = len(sim.post_errors)
         report["answered_by_after_loop"] = sim.models_after(loop_done + 1.0)
         report["answered_by_after_rollback"] = sim.models_after(rolled + 1.0)
     finally:
