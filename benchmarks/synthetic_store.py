@@ -36,7 +36,8 @@ def make_store(
     )
     # Every value formatted into the SQL below is an int from this function's signature.
     sql = [
-        "INSERT INTO deployments VALUES ('policy-r1', '/models/tiny', '/models/tiny', 'base', {R}, now())",
+        "INSERT INTO deployments (name, path, base_model, kind, round, created_at) "
+        "VALUES ('policy-r1', '/models/tiny', '/models/tiny', 'base', {R}, now())",
         """INSERT INTO episodes BY NAME
            SELECT 'ep' || e AS episode_id, 'python agent.py' AS command, '/tmp' AS cwd,
                   now() AS started_at, now() AS ended_at, 0 AS exit_code, 'ok' AS status,

@@ -14,7 +14,7 @@ PROMOTED_LABELS = {
 
 # The store's shape. A new store gets TABLES at SCHEMA_VERSION; an older one is brought there by MIGRATIONS
 # (version reached -> statements), in order, inside the unit of work that first opens it for writing.
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     2: (
         "ALTER TABLE episodes RENAME COLUMN group_index TO sample",
@@ -41,6 +41,7 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     ),
     7: ("ALTER TABLE train_runs ADD COLUMN IF NOT EXISTS mismatch_held VARCHAR",),
     8: ("ALTER TABLE rewards ADD COLUMN IF NOT EXISTS key VARCHAR",),
+    9: ("ALTER TABLE deployments ADD COLUMN IF NOT EXISTS rollback_of VARCHAR",),
 }
 
 TABLES = """
@@ -129,7 +130,8 @@ CREATE TABLE IF NOT EXISTS deployments (
     base_model  VARCHAR,
     kind        VARCHAR,   -- base | lora | full
     round       INTEGER,
-    created_at  TIMESTAMPTZ
+    created_at  TIMESTAMPTZ,
+    rollback_of VARCHAR    -- `lcap deploy --rollback`: the deployment this row took out of service (NULL: none)
 );
 -- dataset stage: flags raised on episodes (tampered, verifier_error, ...), one row per flag
 CREATE TABLE IF NOT EXISTS episode_flags (

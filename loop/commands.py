@@ -29,15 +29,22 @@ def loop(
     ctx: typer.Context,
     run: Annotated[Path, typer.Option("--run", help="Run folder (state.json, round-N/...).")],
     rounds: Annotated[int, typer.Option("--rounds", help="Rounds of collect -> build -> train -> deploy.")],
-    tasks: Annotated[Path, typer.Option("--tasks", help="Training tasks (JSONL with 'id').")],
     db: DbOption,
     collect: CollectOptions,
     build: BuildOptions,
     train: TrainOptions,
     proxy: ProxyOptions,
     options: LoopOptions,
+    tasks: Annotated[
+        Path | None, typer.Option("--tasks", help="Training tasks (JSONL with 'id'); not with --live.")
+    ] = None,
     eval_tasks: Annotated[
-        Path | None, typer.Option("--eval-tasks", help="Held-out tasks, run before round 1 and after each deploy.")
+        Path | None,
+        typer.Option(
+            "--eval-tasks",
+            help="Held-out tasks, run before round 1 and after each deploy; with --live, on each candidate (and "
+            "once on each current deployment) before it may be promoted.",
+        ),
     ] = None,
     eval_group_size: Annotated[int, typer.Option("--eval-group-size", help="Samples per held-out task.")] = 1,
     tasks_per_round: Annotated[
@@ -51,7 +58,8 @@ def loop(
     """Alternate collect -> build-dataset -> train -> deploy for --rounds rounds against the served policy.
 
     Resumable: killed anywhere, the same command continues at the first unfinished step. With --async,
-    collection and training overlap (bounded by --max-staleness).
+    collection and training overlap (bounded by --max-staleness). With --live, it trains on a serving proxy's
+    rewarded traffic instead of collecting, and promotes a candidate only after a held-out evaluation.
     The agent command follows `--`, a template as in `lcap collect`.
     """
     from lcap.loop.rounds import run_loop  # start-up: the whole loop's modules
@@ -76,7 +84,11 @@ def loop(
 
 
 @one_line_errors
-@with_options(LoopOptions, "options", exclude=("groups_per_step", "sft_data", "replace"))
+@with_options(
+    LoopOptions,
+    "options",
+    exclude=("groups_per_step", "sft_data", "replace", "live", "min_samples", "promote_margin", "wait_timeout"),
+)
 @with_options(DemoOptions, "demo_options")
 def demo(
     out: Annotated[Path, typer.Option("--out", help="Where the demo writes its model, run, store and results.")] = Path(

@@ -35,6 +35,27 @@ class LoopOptions:
         "(2, 3, ...) collect with that policy.",
     )
 
+    live: bool = option(
+        False,
+        flag="--live",
+        help="Learn from live traffic: no collect of its own; each step waits for --min-samples rewarded episodes "
+        "of a serving proxy (`lcap proxy --serve`) not trained yet, trains on them, evaluates the candidate on "
+        "--eval-tasks beside the current deployment and promotes it only if it is no worse than --promote-margin "
+        "(docs/guide.md, the live loop). --rounds counts steps.",
+    )
+    min_samples: int = option(
+        16,
+        help="--live: rewarded episodes in trainable groups a step waits for (the same first prompt seen at least "
+        "twice with rewards that differ, as GRPO's group advantage needs).",
+    )
+    promote_margin: float = option(
+        0.0,
+        help="--live: promote the candidate when its held-out reward >= the current deployment's - this margin; "
+        "0 promotes one no worse, 0.02 tolerates noise, a negative margin demands a gain.",
+    )
+    wait_timeout: float = option(
+        0.0, help="--live: seconds a step waits for enough samples before the loop ends (0: wait until Ctrl-C)."
+    )
     replace: bool = option(
         False,
         help="Collect a round the store already holds episodes of from another collect (a manual `lcap collect "
@@ -45,6 +66,10 @@ class LoopOptions:
     def __post_init__(self) -> None:
         if self.max_staleness < 0 or self.groups_per_step < 0:
             raise LcapError("--max-staleness and --groups-per-step must be 0 or more")
+        if self.min_samples < 2 or self.wait_timeout < 0:
+            raise LcapError("--min-samples must be at least 2 (one group) and --wait-timeout 0 or more")
+        if self.live and (self.overlap or self.sft_data is not None):
+            raise LcapError("--live trains on live traffic: not with --async or --sft-data")
         if self.overlap and self.sft_data is not None:
             raise LcapError("--sft-data runs a synchronous SFT round first: drop --async, or run `lcap train --sft`")
 

@@ -426,4 +426,5 @@ def _wasted(data: dict) -> int:
 def _wave_size(config: LoopConfig) -> int:
     if config.tasks_per_round:
         return config.tasks_per_round
+    assert config.tasks is not None  # not --live: LoopConfig checks
     return len(load_tasks(config.tasks))

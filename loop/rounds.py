@@ -10,6 +10,9 @@ Round numbering: round N's samples are collected with the policy trained in roun
 with the base), train on them, and deploy the result. With --eval-tasks the held-out tasks run
 before round 1 (`eval` of round 0, the base policy) and after each round's deploy.
 
+With --live, loop/live.py runs the steps instead: trained on a serving proxy's rewarded traffic, each candidate
+evaluated before it is promoted.
+
 With --sft-data, round 1 is an SFT round (train on those supervised samples, deploy, eval) and the --rounds RL
 rounds are 2, 3, ...: the first of them collects with the SFT policy.
 """
@@ -25,6 +28,7 @@ from lcap.config import LcapError
 from lcap.dataset.build.builder import build_dataset
 from lcap.dataset.build.explain import lost_lines
 from lcap.display import num
+from lcap.loop.live import run_live_loop
 from lcap.loop.overlap import run_async_loop
 from lcap.loop.steps import (
     LoopConfig,
@@ -63,6 +67,8 @@ def run_loop(
         raise LcapError(f"--num-workers {config.train.num_workers} trains on a Ray cluster: add --ray ADDRESS")
     (run / "loop.json").write_text(json.dumps({**asdict(config), "key": config.key()}, indent=2, default=str))
     _redeploy_if_lost(state, store, echo)
+    if config.options.live:
+        return run_live_loop(store, config, state, echo=echo, stop_after=stop_after)
     if config.options.overlap:
         return run_async_loop(store, config, state, policy.current, echo=echo, stop_after=stop_after)
 

@@ -29,7 +29,7 @@ from lcap.display import rounded
 from lcap.loop.options import LoopOptions
 from lcap.serve.deploy import deploy
 from lcap.store import now
-from lcap.train.grpo import round_dir, train_round
+from lcap.train.grpo import PREVIOUS_ROUND, PreviousRound, round_dir, train_round
 from lcap.train.options import TrainOptions
 from lcap.train.sft import sft_round
 
@@ -38,7 +38,7 @@ from lcap.train.sft import sft_round
 class LoopConfig:
     run: Path
     rounds: int
-    tasks: Path
+    tasks: Path | None  # None: --live, which collects no training episodes of its own
     command: list[str]
     eval_tasks: Path | None = None
     eval_group_size: int = 1
@@ -52,12 +52,18 @@ class LoopConfig:
     def __post_init__(self) -> None:
         if self.tasks_per_round < 0:
             raise LcapError("--tasks-per-round must be 0 (every task) or more")
+        if (self.tasks is None) != self.options.live:
+            raise LcapError(
+                "--live trains on live traffic, not on --tasks"
+                if self.options.live
+                else "give the training tasks (--tasks FILE)"
+            )
 
     def key(self) -> str:
         """What must not change between a run and its resume (more rounds may be added)."""
         ident = [
             list(self.command),
-            str(Path(self.tasks).resolve()),
+            str(Path(self.tasks).resolve()) if self.tasks else None,
             self.collect.group_size,
             self.collect.verifier,
             str(Path(self.eval_tasks).resolve()) if self.eval_tasks else None,
@@ -69,6 +75,8 @@ class LoopConfig:
             ident.append(["sft", str(Path(self.options.sft_data).resolve())])
         if self.options.overlap:  # an async run's state (batches of groups) is not a synchronous run's (rounds)
             ident.append("async")
+        if self.options.live:  # nor is a live run's (batches of live episodes, candidates)
+            ident.append("live")
         return hashlib.sha1(json.dumps(ident).encode()).hexdigest()[:12]
 
 
@@ -151,10 +159,19 @@ def run_step(store, state: LoopState, run: Path, round: int, name: str, body: Ca
 
 
 def collect_split(
-    store, config: LoopConfig, round: int, split: str, tasks: Path, group_size: int, node_proxies: Any = None
+    store,
+    config: LoopConfig,
+    round: int,
+    split: str,
+    tasks: Path,
+    group_size: int,
+    node_proxies: Any = None,
+    model: str | None = None,
 ) -> dict:
     """One collect of the loop (`lcap collect` against the policy): a round's training episodes, or held-out ones.
-    `node_proxies`: with --ray, the node proxies the loop keeps across its collects (dataset/collect/on_ray.py)."""
+    `node_proxies`: with --ray, the node proxies the loop keeps across its collects (dataset/collect/on_ray.py).
+    `model`: an adapter the replicas serve to send every call to (a candidate `lcap loop --live` evaluates),
+    instead of the current deployment."""
     run_id = collect_run_id(config.command, tasks, config.collect.verifier)
     check_round_is_the_loops(store, run_id, round, split, replace=config.options.replace)
     options = replace(
@@ -163,6 +180,7 @@ def collect_split(
         round=round,
         split=split,
         upstream="policy",
+        model=model,
         run_dir=Path(config.run) / "episodes",
         ray=config.train.ray,  # one --ray: the loop collects and trains on the same cluster
     )
@@ -213,6 +231,7 @@ def check_round_is_the_loops(
 def round_tasks(config: LoopConfig, n: int) -> Path:
     """Round n's training tasks: the whole file, or with `tasks_per_round` k the file's tasks (n-1)k .. nk-1,
     wrapping around at its end, written to RUN/round-n/tasks.jsonl (the same bytes when a round is resumed)."""
+    assert config.tasks is not None  # not --live: LoopConfig checks
     if not config.tasks_per_round:
         return config.tasks
     tasks = load_tasks(config.tasks)
@@ -235,8 +254,11 @@ def _anchored(task: dict[str, Any], tasks_dir: Path) -> dict[str, Any]:
     return out
 
 
-def train_step(store, run: Path, n: int, options: TrainOptions, data: Path) -> dict:
-    """Train round `n` on the samples in `data`; with none, a one-line error that says why (build's report)."""
+def train_step(
+    store, run: Path, n: int, options: TrainOptions, data: Path, init_from: Path | PreviousRound | None = PREVIOUS_ROUND
+) -> dict:
+    """Train round `n` on the samples in `data`, from `init_from` (default: round n-1's output); with none, a
+    one-line error that says why (build's report)."""
     samples = data / "samples.parquet"
     if not samples.exists() or _parquet_rows(samples) == 0:
         try:
@@ -245,7 +267,7 @@ def train_step(store, run: Path, n: int, options: TrainOptions, data: Path) -> d
             report = None
         why = explain(report) if report else f"no report.json in {data}"
         raise LcapError(f"round {n}: nothing to train on in {data}: {why}")
-    result = train_round(store, run, n, options, data=data, progress=sys.stderr.isatty())
+    result = train_round(store, run, n, options, data=data, progress=sys.stderr.isatty(), init_from=init_from)
     return {
         "output": str(result.output),
         **{k: v for k, v in result.metrics.items() if isinstance(v, (int, float)) or v is None},

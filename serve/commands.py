@@ -112,26 +112,39 @@ def register(app: typer.Typer) -> None:
     @one_line_errors
     @with_options(DeployOptions, "options")
     def deploy(
-        path: Annotated[
-            Path,
-            typer.Argument(
-                help="A PEFT LoRA adapter dir (hot-loaded into every replica) or a full checkpoint dir (reloaded "
-                "into the replicas in place one at a time, or, when its config or tokenizer changed, restarted on)."
-            ),
-        ],
         db: DbOption,
         options: DeployOptions,
+        path: Annotated[
+            str | None,
+            typer.Argument(
+                help="A PEFT LoRA adapter dir (hot-loaded into every replica) or a full checkpoint dir (reloaded "
+                "into the replicas in place one at a time, or, when its config or tokenizer changed, restarted on); "
+                "with --rollback, the NAME of an earlier deployment (optional)."
+            ),
+        ] = None,
     ) -> None:
-        """Make a new checkpoint the current policy: every routed call is served by it from now on."""
+        """Make a new checkpoint the current policy: every routed call is served by it from now on. With
+        --rollback, make an earlier deployment current again."""
         from lcap.serve.deploy import check_round  # start-up: httpx
         from lcap.serve.deploy import deploy as deploy_policy  # start-up: httpx
+        from lcap.serve.rollback import rollback  # start-up: httpx
         from lcap.store import Store  # start-up: duckdb
 
         store = Store(db)
+        if options.rollback:
+            if options.name is not None:
+                raise LcapError("--rollback restores a deployment under its own name: give it as NAME, not --name")
+            restored, replaced = rollback(
+                store, path, round=options.round, drain_timeout=options.drain_timeout, restart=options.restart
+            )
+            typer.echo(f"{restored} (rolled back from {replaced})")
+            return
+        if path is None:
+            raise LcapError("give the adapter or checkpoint to deploy (RUN/round-N/adapter), or --rollback")
         if options.round is not None:
-            check_round(path, options.round, store)
+            check_round(Path(path), options.round, store)
         served = deploy_policy(
-            path,
+            Path(path),
             name=options.name,
             round=options.round,
             store=store,

@@ -23,6 +23,10 @@ answered late by the new deployment instead of failing. A replica that fails to 
 replica back on the previous policy, adapters included; if that fails too, no replica stays marked
 draining (the proxy would hold calls for a server that is not coming back).
 
+An adapter can also be loaded beside the current deployment without becoming current (`load_candidate`: what
+`lcap loop --live` evaluates before it promotes it with `make_current`); `lcap deploy --rollback`
+(serve/rollback.py) makes an earlier deployment current again.
+
 Every deployment is a row in the store's `deployments` table, so each captured turn's `deployment`
 says which policy produced it, and its `replica` which server.
 """
@@ -95,19 +99,7 @@ def deploy(
         else:
             raise LcapError(f"{path} is neither a LoRA adapter (adapter_config.json) nor a checkpoint (config.json)")
     if store is not None:
-        store.append(
-            "deployments",
-            [
-                {
-                    "name": name,
-                    "path": str(path),
-                    "base_model": record.base_model,
-                    "kind": kind,
-                    "round": round,
-                    "created_at": now(),
-                }
-            ],
-        )
+        record_deployment(store, record, name, str(path), kind, round)
     return name
 
 
@@ -121,15 +113,76 @@ def check_lora_rank(record: PolicyServer, rank: int, what: str) -> None:
         )
 
 
-def _load_lora(record: PolicyServer, path: Path, name: str) -> PolicyServer:
+def _load_lora(record: PolicyServer, path: Path, name: str, *, current: bool = True) -> PolicyServer:
     config = json.loads((path / "adapter_config.json").read_text())
     rank = max([config.get("r") or 0, *(config.get("rank_pattern") or {}).values()])
     check_lora_rank(record, rank, f"adapter {path}")
     _load_everywhere(record, {name: str(path)})
     record.loras[name] = str(path)
-    record.current = name
+    if current:
+        record.current = name
     write_policy(record)
     return record
+
+
+def load_candidate(path: Path, *, round: int | None = None) -> str:
+    """Hot-load a LoRA adapter into every replica under a new name without making it current: calls that ask for
+    that name (an evaluation's proxy, `--model NAME`) reach it, routed calls keep the current deployment. Returns
+    the name; `make_current` promotes it, `forget_candidate` drops it from the record."""
+    path = Path(path).expanduser().resolve()
+    if not (path / "adapter_config.json").is_file():
+        raise LcapError(
+            f"{path} is not a LoRA adapter (adapter_config.json): only an adapter can be served beside the policy"
+        )
+    with policy_lock():
+        record = read_policy()
+        if record is None:
+            raise LcapError("no policy server is running: start one with `lcap serve --model M`")
+        name = _unique_name(path, round)
+        _load_lora(record, path, name, current=False)
+    return name
+
+
+def make_current(name: str) -> PolicyServer:
+    """Make `name`, a deployment the replicas already serve (a loaded adapter, the base model, or the weights
+    reloaded in place), the current one: routed calls ask for it from the proxies' next read of the record."""
+    with policy_lock():
+        record = read_policy()
+        if record is None:
+            raise LcapError("no policy server is running: start one with `lcap serve --model M`")
+        if not servable(record, name):
+            raise LcapError(f"the policy server does not serve {name!r}: deploy its adapter or checkpoint again")
+        record.current = name
+        write_policy(record)
+    return record
+
+
+def servable(record: PolicyServer, name: str) -> bool:
+    """Whether the replicas serve deployment `name` now, without loading anything."""
+    return name in record.loras or name == record.served_model or name in record.served_as
+
+
+def forget_candidate(name: str) -> None:
+    """Drop a candidate that was not promoted from the record (a restarted replica does not load it again)."""
+    with policy_lock():
+        record = read_policy()
+        if record is not None and name in record.loras and name != record.current:
+            del record.loras[name]
+            write_policy(record)
+
+
+def record_deployment(
+    store: Store,
+    record: PolicyServer,
+    name: str,
+    path: str,
+    kind: str,
+    round: int | None,
+    rollback_of: str | None = None,
+) -> None:
+    """The `deployments` row of a deployment made current."""
+    row = {"name": name, "path": path, "base_model": record.base_model, "kind": kind, "round": round}
+    store.append("deployments", [{**row, "created_at": now(), "rollback_of": rollback_of}])
 
 
 def _load_everywhere(record: PolicyServer, loras: dict[str, str], only: str | None = None) -> None:

@@ -114,7 +114,9 @@ class DeployOptions:
     """How `lcap deploy` makes a checkpoint the policy on every replica."""
 
     name: str | None = option(None, help="Served name (default: policy-r{round}-{hash}).")
-    round: int | None = option(None, help="Training round that produced it.")
+    round: int | None = option(
+        None, help="Training round that produced it; with --rollback, restore that round's latest deployment."
+    )
     drain_timeout: float = option(
         600.0,
         help="A full checkpoint replaces the replicas one at a time: seconds to wait for one's calls in flight to "
@@ -124,4 +126,10 @@ class DeployOptions:
         False,
         flag="--restart",
         help="Restart vLLM on a full checkpoint even when it could reload it in place (same config and tokenizer).",
+    )
+    rollback: bool = option(
+        False,
+        flag="--rollback",
+        help="Make an earlier deployment of the store current again: NAME, the latest of --round N, or by default "
+        "the one the current deployment replaced; recorded as a new deployments row (rollback_of).",
     )

@@ -380,7 +380,7 @@ def load_policy(base_model: str, init_from: Path | None, options: TrainOptions, 
     from peft import LoraConfig, PeftModel  # the train extra
 
     base = AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype)
-    if init_from is not None and init_from.name == "adapter":
+    if init_from is not None and (init_from.name == "adapter" or (init_from / "adapter_config.json").is_file()):
         return PeftModel.from_pretrained(base, str(init_from), is_trainable=True), None, "lora"
     config = LoraConfig(
         r=options.lora_r,

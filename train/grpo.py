@@ -91,7 +91,23 @@ def round_samples(run: Path, round: int, data: Path | None) -> Path:
     return out / "samples.parquet"
 
 
-def round_inputs(run: Path, round: int, options: TrainOptions, data: Path | None = None) -> RoundInputs:
+class PreviousRound:
+    """`init_from`'s default: continue the previous round's output (the base model for round 1)."""
+
+
+PREVIOUS_ROUND = PreviousRound()
+
+
+def round_inputs(
+    run: Path,
+    round: int,
+    options: TrainOptions,
+    data: Path | None = None,
+    init_from: Path | PreviousRound | None = PREVIOUS_ROUND,
+) -> RoundInputs:
+    """`init_from`: the adapter or checkpoint the round continues (None: the base model), where it is not the
+    previous round's (`lcap loop --live` continues the deployment that is current, which a refused candidate or a
+    rollback makes another than round N-1's)."""
     run = Path(run)
     if round < 1:
         raise LcapError(f"--round must be 1 or more, not {round}")
@@ -101,6 +117,8 @@ def round_inputs(run: Path, round: int, options: TrainOptions, data: Path | None
     if current is None:
         policy = read_policy()
         current = policy.current if policy else None
+    if not isinstance(init_from, PreviousRound):
+        return RoundInputs(base_model=base_model, samples=samples, init_from=init_from, current=current)
     init_from = round_output(run, round - 1) if round > 1 else None
     if round > 1 and init_from is None:
         raise LcapError(
@@ -123,14 +141,16 @@ def train_round(
     *,
     data: Path | None = None,
     progress: bool = False,
+    init_from: Path | PreviousRound | None = PREVIOUS_ROUND,
 ) -> TrainResult:
     """Train round `round` on its captured samples; write the adapter/checkpoint, config and metrics.
 
     Here (alone, or as one process of an `accelerate launch`), or on a Ray cluster with `options.ray`.
+    `init_from`: what the round continues, when not the previous round's output (`round_inputs`).
     """
     run = Path(run)
     started_at = now()
-    inputs = round_inputs(run, round, options, data)
+    inputs = round_inputs(run, round, options, data, init_from)
     out_dir = round_dir(run, round)
     check_trainable(inputs, out_dir, options)  # here, before a Ray or accelerate worker loads a model
     if options.ray is not None:

@@ -10,6 +10,8 @@ tenant's episode is answered as an unknown one (404). The body is a JSON object:
 
 `key` makes the post idempotent: a reward with that key already stored is not stored again (200, `stored: false`).
 Rewards are stored one at a time by one thread; past `max_pending` waiting, a post gets 429 with Retry-After.
+A post naming an episode the store does not hold looks again once the episode rows the proxy has opened so far
+are stored (`settle`): a reward posted right after its session's first call is not refused for arriving first.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import logging
 import math
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -61,8 +64,11 @@ class RewardEndpoint:
         port: int = 0,
         max_pending: int = 256,
         max_body: int = 64 * 1024,
+        settle: Callable[[], None] = lambda: None,
     ) -> None:
-        self.store, self.token = store, token
+        """`settle`: waits until the rows of the episodes the proxy opened so far are stored (a post naming none
+        that the store knows looks again after it)."""
+        self.store, self.token, self.settle = store, token, settle
         self.host, self.port = host, port
         self.max_pending, self.max_body = max_pending, max_body
         self.pending = 0  # posts read and waiting for, or in, the store thread
@@ -185,7 +191,13 @@ class RewardEndpoint:
         """One reward, in the store thread. `token`: a tenant's credential, or None for the proxy's reward token."""
         tenant = tenant_of_token(token) if token is not None else None
         try:
-            episode = self._episode(post, tenant)
+            try:
+                episode = self._episode(post, tenant)
+            except Refusal as exc:
+                if exc.status not in (401, 404):
+                    raise
+                self.settle()  # a session opened a moment ago: its row may still be on its way to the store
+                episode = self._episode(post, tenant)
         except Refusal as exc:
             return Answer(exc.status, {"error": str(exc)})
         stored = self.store.add_reward(

@@ -330,6 +330,7 @@ class CaptureProxy:
                 port=self.options.rewards_port,
                 max_pending=self.options.max_pending_rewards,
                 max_body=self.options.max_reward_bytes,
+                settle=self._episode_rows.settle if self._episode_rows is not None else (lambda: None),
             )
             try:
                 self.rewards.start()

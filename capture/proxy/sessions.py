@@ -192,7 +192,7 @@ class EpisodeRows:
 
     def __init__(self, store: Store, *, backlog: int = 10_000) -> None:
         self.store = store
-        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(backlog)
+        self._queue: queue.Queue[dict[str, Any] | threading.Event | None] = queue.Queue(backlog)
         self._thread = threading.Thread(target=self._run, name="lcap-episode-rows", daemon=True)
         self.dropped = 0
 
@@ -206,6 +206,18 @@ class EpisodeRows:
         except queue.Full:
             self.dropped += 1
             log.warning("lcap: the row of episode %s was not stored (too many new episodes at once)", episode)
+
+    def settle(self, timeout: float = 10.0) -> None:
+        """Wait until the rows of every episode opened so far are stored (or `timeout` passes): a reward posted
+        right after its session's first call names an episode whose row may still be on its way."""
+        if not self._thread.is_alive():
+            return
+        done = threading.Event()
+        try:
+            self._queue.put(done, timeout=timeout)
+        except queue.Full:
+            return
+        done.wait(timeout)
 
     def stop(self, timeout: float = 30.0) -> None:
         if self._thread.is_alive():
@@ -222,9 +234,12 @@ class EpisodeRows:
                 except queue.Empty:
                     break
             done = None in rows
-            batch = list({row["episode_id"]: row for row in rows if row is not None}.values())
+            batch = list({row["episode_id"]: row for row in rows if isinstance(row, dict)}.values())
             if batch:
                 try:
                     self.store.append("episodes", batch, new_by="episode_id")
                 except Exception as exc:  # the proxy goes on; its turns are stored without the row
                     log.warning("lcap: %d episode rows were not stored: %s", len(batch), exc)
+            for row in rows:
+                if isinstance(row, threading.Event):
+                    row.set()

@@ -18,7 +18,9 @@ going away.
 
 A call asks vLLM for the name its deployment is served under (the record's `served_as`: a full
 checkpoint reloaded in place keeps the name vLLM started with) and its turn stores the deployment,
-settled when the call ends (`Router.settle`).
+settled when the call ends (`Router.settle`). A proxy given a model that is one of the policy's
+adapters (one loaded beside the current deployment, as `lcap loop --live` evaluates a candidate) sends
+every call to it and labels the turns with it.
 """
 
 from __future__ import annotations
@@ -331,11 +333,12 @@ class Router:
             draining: set[str] = set()
             if record is not None:
                 key = self.policy_key if self.policy_key is not None else record.api_key()
+                pinned = self.model if self.model is not None and _deployment_of(record, self.model) else None
                 routes = tuple(
                     parse_upstream(
                         r.url,
                         self.model or record.served_name(r.serving(record)),
-                        r.serving(record),
+                        pinned or r.serving(record),
                         replica=r.name,
                         key=key,
                         lcap=record.lcap_endpoints,
@@ -371,6 +374,12 @@ class Router:
             self._prober = threading.Thread(target=self._probe_loop, name="lcap-replica-health", daemon=True)
             self._prober.start()
         self._wake.set()
+
+
+def _deployment_of(record, model: str) -> bool:
+    """Whether `model`, the name a proxy asks every call for, is an adapter the replicas serve (beside the current
+    deployment, or as it): its calls are then labelled with it."""
+    return model in record.loras
 
 
 def _serving(client, route: Route) -> bool:

@@ -297,3 +297,17 @@ def test_turns_wait_while_another_process_holds_the_store(tmp_path, capture_home
     (row,) = turns(db)
     assert row["episode_id"] == "waited" and row["completion_text"] == "hi"
     assert [p.name for p in (tmp_path / "spool").iterdir()] == ["key"]  # all stored: the spool is gone
+
+
+def test_a_proxy_whose_model_is_a_loaded_adapter_sends_and_labels_calls_to_it(tmp_path, policy_record, vllm_like):
+    """`lcap loop --live` evaluates a candidate through a proxy asking for it while routed calls keep the current
+    deployment: the candidate's turns are labelled with it, and a model that is no adapter keeps today's label."""
+    policy_record.loras = {"candidate": str(tmp_path / "adapter")}
+    write_policy(policy_record)
+    store = Store(tmp_path / "lcap.duckdb")
+    for model in ("candidate", "tiny"):
+        pinned = ProxyOptions(upstream="policy", model=model, token_ids=False, require_credentials=False)
+        with CaptureProxy(store, pinned) as proxy, _client(proxy, None) as client:
+            assert client.post("https://api.openai.com/v1/chat/completions", json=CHAT).status_code == 200
+    assert [c["body"]["model"] for c in vllm_like.calls()] == ["candidate", "tiny"]
+    assert [r["deployment"] for r in turns(tmp_path / "lcap.duckdb")] == ["candidate", "lora-1"]

@@ -1,0 +1,270 @@
+"""Live traffic end to end (issue #37 requirement 6): many sessions through one serving proxy while `lcap loop
+--live` trains, promotes twice, and a forced rollback moves the policy back; then every check from the store.
+
+    .venv/bin/python benchmarks/sim_live_traffic.py [--out sim-live] [--sessions 500] [--agents 8]
+        [--min-samples 32] [--seed 0]
+
+The tiny model on one vLLM CPU server (`lcap serve`), one `lcap proxy --serve --upstream policy`, and `--agents`
+threads that call it with no per-episode set-up: each session is one or two chat calls under an
+`X-Lcap-Session` header (the second extends the first), its prompt one of a few. Every reward goes to a
+rewarder thread that posts it to the proxy's reward endpoint late and in random order; one in ten is posted
+twice (the same key: 200, not stored again) and one in twenty names a session that never ran (404). The live
+loop runs two steps with a margin every candidate passes (two promotions); once it is done, `lcap deploy
+--rollback` restores the first promotion while the agents keep calling. Checks, from the store: no failed
+call, every call stored in its session's episode, every reward stored once, the answers to the 4xx posts,
+the deployments rows (two promotions, one rollback), which deployment served the calls after each change,
+and how late the rewards came (`reward_delays`). Prints one JSON object; exits 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+LCAP = str(Path(sys.executable).parent / "lcap")
+KEY = "sk-sim-tenant-0123456789"
+PROMPTS = ("Which is a number: code seven tool", "Which is a number: list two text", "Name a file.", "Sort it.")
+AGENT = """
+import sys
+from openai import OpenAI
+reply = OpenAI().chat.completions.create(model="gpt-4o-mini", max_tokens=8, temperature=1.0, stop=[" "],
+                                         messages=[{"role": "user", "content": sys.argv[1]}])
+print(reply.choices[0].message.content or "")
+"""
+VERIFIER = """
+def verify(ctx):
+    said = ctx.stdout.strip()
+    return sum(c.islower() for c in said) / max(len(said), 1)
+"""
+
+
+class Sim:
+    def __init__(self, proxy: str, rewards_url: str, sessions: int, seed: int) -> None:
+        self.proxy, self.rewards_url, self.sessions = proxy, rewards_url, sessions
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.next = 0
+        self.calls: list[dict] = []  # session, seq, started, model
+        self.failures: list[str] = []
+        self.pending: list[dict] = []  # rewards not posted yet
+        self.posted: dict[int, int] = {}  # HTTP status -> posts
+        self.post_errors: list[str] = []  # posts that got no answer (timed out), each posted again
+        self.done_agents = threading.Event()
+        self.enough = threading.Event()
+
+    def take(self) -> int | None:
+        """The next session's number; past --sessions, sessions go on until `enough` (the rollback has been seen)."""
+        with self.lock:
+            if self.next >= self.sessions and self.enough.is_set():
+                return None
+            self.next += 1
+            return self.next - 1
+
+    def agent(self, pace: float) -> None:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        with httpx.Client(proxy=self.proxy, timeout=600) as client:
+            while (i := self.take()) is not None:
+                session = f"sim-{i}"
+                messages = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+                for seq in range(1 + i % 2):
+                    body = {"model": "gpt-4o-mini", "messages": messages, "max_tokens": 8, "stop": [" "]}
+                    started = time.monotonic()
+                    try:
+                        answer = client.post(
+                            "http://api.openai.com/v1/chat/completions",
+                            json=body,
+                            headers={**headers, "X-Lcap-Session": session},
+                        )
+                        answer.raise_for_status()
+                        reply = answer.json()
+                    except Exception as exc:
+                        with self.lock:
+                            self.failures.append(f"{session}/{seq}: {exc!r}")
+                        break
+                    with self.lock:
+                        self.calls.append({"session": session, "seq": seq, "started": started, "model": reply["model"]})
+                    said = reply["choices"][0]["message"]["content"] or ""
+                    messages = [*messages, {"role": "assistant", "content": said}, {"role": "user", "content": "More."}]
+                with self.lock:
+                    self.pending.append({"session": session, "value": float(self.rng.random() < 0.5), "key": session})
+                    if self.rng.random() < 0.1:  # posted twice
+                        self.pending.append({"session": session, "value": 1.0, "key": session})
+                    if self.rng.random() < 0.05:  # a session that never ran
+                        self.pending.append({"session": f"ghost-{i}", "value": 1.0, "key": f"ghost-{i}"})
+                time.sleep(pace)
+
+    def rewarder(self) -> None:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        while True:
+            with self.lock:
+                ready = len(self.pending) >= 8 or (self.done_agents.is_set() and self.pending)
+                if self.done_agents.is_set() and not self.pending:
+                    return
+                batch = []
+                if ready:
+                    self.rng.shuffle(self.pending)
+                    batch, self.pending = (
+                        self.pending[: len(self.pending) // 2 or 1],
+                        self.pending[len(self.pending) // 2 or 1 :],
+                    )
+            for post in batch:
+                try:
+                    status = httpx.post(
+                        self.rewards_url, json={**post, "source": "sim"}, headers=headers, timeout=300
+                    ).status_code
+                except httpx.HTTPError as exc:  # posted again later: its key makes a retry safe
+                    with self.lock:
+                        self.post_errors.append(repr(exc))
+                        self.pending.append(post)
+                    continue
+                with self.lock:
+                    self.posted[status] = self.posted.get(status, 0) + 1
+            time.sleep(0.5)
+
+    def models_after(self, since: float) -> dict[str, int]:
+        with self.lock:
+            out: dict[str, int] = {}
+            for call in self.calls:
+                if call["started"] > since:
+                    out[call["model"]] = out.get(call["model"], 0) + 1
+            return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("sim-live"))
+    ap.add_argument("--sessions", type=int, default=500)
+    ap.add_argument("--agents", type=int, default=8)
+    ap.add_argument("--min-samples", type=int, default=32)
+    ap.add_argument("--pace", type=float, default=0.2, help="seconds an agent waits between two sessions")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    from lcap.serve.vllm_process import resolve_python
+
+    python = resolve_python()
+    home = out / "home"
+    home.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENAI_BASE_URL", "NO_PROXY", "no_proxy")}
+    env.update(LCAP_HOME=str(home), LCAP_POLICY_RECORD=str(home / "policy.json"), LCAP_DB=str(out / "lcap.duckdb"))
+    env.update(OPENAI_API_KEY="sk-eval-not-a-real-key", PYTHONUNBUFFERED="1")
+    os.environ.update(LCAP_HOME=env["LCAP_HOME"], LCAP_POLICY_RECORD=env["LCAP_POLICY_RECORD"])
+    (out / "agent.py").write_text(AGENT)
+    (out / "verify.py").write_text(VERIFIER)
+    (out / "eval.jsonl").write_text(json.dumps({"id": "held", "q": "Which is a number: one file list"}) + "\n")
+    model = out / "tiny"
+    if not (model / "config.json").exists():
+        subprocess.run([LCAP, "init-model", str(model), "--seed", str(args.seed)], env=env, check=True)
+    t0 = time.monotonic()
+    subprocess.run([LCAP, "serve", "--model", str(model), "--name", "tiny", "--python", python], env=env, check=True)
+    proxy = subprocess.Popen(
+        [LCAP, "proxy", "--serve", "--upstream", "policy"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    report: dict = {"agents": args.agents, "serve_s": round(time.monotonic() - t0, 1)}
+    try:
+        line = proxy.stdout.readline()
+        port = int(line.split("listening on http://127.0.0.1:", 1)[1].split()[0])
+        record = json.loads((home / "proxies" / f"{port}.json").read_text())
+        sim = Sim(f"http://127.0.0.1:{port}", record["rewards_url"], args.sessions, args.seed)
+        agents = [threading.Thread(target=sim.agent, args=(args.pace,), daemon=True) for _ in range(args.agents)]
+        rewarder = threading.Thread(target=sim.rewarder, daemon=True)
+        started = time.monotonic()
+        for thread in [*agents, rewarder]:
+            thread.start()
+        loop = subprocess.run(
+            [LCAP, "loop", "--live", "--run", str(out / "run"), "--rounds", "2", "--min-samples", str(args.min_samples)]
+            + ["--max-staleness", "1", "--promote-margin", "10", "--wait-timeout", "900", "--eval-tasks"]
+            + [str(out / "eval.jsonl"), "--eval-group-size", "2", "--verifier", f"{out / 'verify.py'}:verify"]
+            + ["--truncated", "keep", "--lr", "1e-3", "--report-to", "none", "--", sys.executable]
+            + [str(out / "agent.py"), "{q}"],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        report["loop_lines"] = [line for line in loop.stdout.splitlines() if line.startswith("step ")]
+        report["loop_rc"] = loop.returncode
+        loop_done = time.monotonic()
+        back = subprocess.run([LCAP, "deploy", "--rollback", "--round", "1"], env=env, capture_output=True, text=True)
+        report["rollback"] = (back.stdout or back.stderr).strip()
+        rolled = time.monotonic()
+        deadline = rolled + 300
+        while len(sim.models_after(rolled + 1.0)) == 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        time.sleep(5)
+        sim.enough.set()
+        for thread in agents:
+            thread.join()
+        sim.done_agents.set()
+        rewarder.join()
+        report["traffic_s"] = round(time.monotonic() - started, 1)
+        report["sessions"] = sessions = sim.next
+        report["calls"] = len(sim.calls)
+        report["failed_calls"] = len(sim.failures)
+        report["reward_posts"] = {str(k): v for k, v in sorted(sim.posted.items())}
+        report["reward_post_retries"] = len(sim.post_errors)
+        report["answered_by_after_loop"] = sim.models_after(loop_done + 1.0)
+        report["answered_by_after_rollback"] = sim.models_after(rolled + 1.0)
+    finally:
+        proxy.send_signal(signal.SIGINT)
+        proxy.wait(120)
+        subprocess.run([LCAP, "serve", "--stop"], env=env, capture_output=True)
+
+    from lcap.store import Store
+
+    store = Store(out / "lcap.duckdb")
+    one = lambda sql: store.fetchall(sql)[0]  # noqa: E731
+    report["store"] = {
+        "sessions": one("SELECT count(*) FROM episodes WHERE labels->>'session' LIKE 'sim-%'")[0],
+        "turns": one(
+            "SELECT count(*) FROM turns t JOIN episodes e USING (episode_id) WHERE e.labels->>'session' LIKE 'sim-%'"
+        )[0],
+        "failed_turns": one("SELECT count(*) FROM turns WHERE error IS NOT NULL OR status_code >= 400")[0],
+        "rewards": one("SELECT count(*), count(DISTINCT episode_id) FROM rewards WHERE source = 'sim'"),
+        "deployments": store.fetchall("SELECT name, kind, round, rollback_of FROM deployments ORDER BY created_at"),
+        "trained_per_step": store.fetchall(
+            "SELECT round, count(*) FROM episodes WHERE split = 'live' GROUP BY 1 ORDER BY 1"
+        ),
+        "late_s": [
+            round(x, 2)
+            for x in one("SELECT min(late_s), median(late_s), max(late_s) FROM reward_delays WHERE source = 'sim'")
+        ],
+    }
+    s = report["store"]
+    lora = [d for d in s["deployments"] if d[1] == "lora" and d[3] is None]
+    rollbacks = [d for d in s["deployments"] if d[3] is not None]
+    checks = {
+        "no failed call": report["failed_calls"] == 0 and s["failed_turns"] == 0,
+        "at least --sessions sessions": sessions >= args.sessions,
+        "every session stored": s["sessions"] == sessions,
+        "every call stored": s["turns"] == report["calls"],
+        "every reward once": s["rewards"][0] == s["rewards"][1] == sessions,
+        "duplicates 200, ghosts 404, rest 201": set(report["reward_posts"]) <= {"200", "201", "404"}
+        and report["reward_posts"].get("201") == sessions,
+        "two promotions": len(lora) == 2,
+        "one rollback to step 1's": len(rollbacks) == 1 and bool(lora) and rollbacks[0][0] == lora[0][0],
+        "calls after the rollback served by it": bool(lora)
+        and set(report["answered_by_after_rollback"]) == {lora[0][0]},
+    }
+    report["checks"] = checks
+    print(json.dumps(report, indent=2, default=str))
+    sys.exit(0 if all(checks.values()) else 1)
+
+
+if __name__ == "__main__":
+    main()

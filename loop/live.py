@@ -1,0 +1,339 @@
+"""`lcap loop --live`: learn from the traffic of a serving proxy, guarded by a held-out evaluation.
+
+The loop collects nothing to train on. Each step:
+
+1. **batch**: waits (re-reading the store every POLL_S, at most --wait-timeout) until the store holds
+   --min-samples *ready* live episodes: rewarded, never trained, not from a collect, every call served by a
+   deployment within --max-staleness of the current one, in a trainable group. Their ids are recorded (store,
+   then RUN/state.json), then the episodes are *adopted* by the step: their rows get round N, split `live`,
+   task = their group key and a sample index, status ok, so build-dataset and every view read them as a round.
+2. **build** and **train**: build-dataset of round N's `live` split; the same trainer and run layout as a loop
+   round (RUN/round-N/adapter), continuing the deployment that is current (not round N-1's output: a refused
+   candidate or a rollback makes those differ).
+3. **eval**: the candidate adapter is hot-loaded beside the current deployment (serve/deploy.py
+   `load_candidate`: routed calls do not see it) and the held-out tasks run against it through a proxy of
+   their own that asks for it; **eval-current**: the same tasks against the current deployment, unless that
+   deployment's score is recorded already (`scores` in RUN/state.json).
+4. **promote**: the candidate becomes current (a `deployments` row) if its held-out reward >= the current
+   one's - --promote-margin, and the current deployment is still the one it was compared with; else it is
+   refused, with the reason in `loop_steps`, and dropped from the policy record.
+
+Traffic keeps flowing throughout: the serving proxy routes to the record's current deployment, which only a
+promotion (or `lcap deploy --rollback`) moves; an adapter is hot-loaded, so calls in flight finish on the one
+they started on. Killed anywhere, the same command resumes at the first unfinished step (as `lcap loop`).
+
+Staleness counts deployment changes the loop has seen (`lineage` in RUN/state.json: the deployment current
+when it started, then each one made current, a rollback included); a call served by a deployment the loop has
+not seen keeps its episode out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from lcap.config import LcapError
+from lcap.dataset.build.builder import build_dataset
+from lcap.dataset.build.explain import lost_lines
+from lcap.display import num
+from lcap.loop.steps import LoopConfig, LoopState, RoundSummary, StepRunner, StopAfter, collect_split, train_step
+from lcap.policy import read_policy
+from lcap.serve.deploy import forget_candidate, load_candidate, make_current, record_deployment
+from lcap.train.grpo import round_dir
+from lcap.train.progress import training_text
+
+LIVE_SPLIT = "live"  # the split adopted live episodes get: build-dataset --split live reads them
+POLL_S = 2.0
+
+# Live episodes ready to train: rewarded, never adopted, not a collect's, with at least one call that has token
+# ids, every call served by a deployment in $fresh. Each with its group key and the deployment that served most.
+#
+# The group key is the seam of the advantage. Today's GRPO group advantage (build-dataset's, lcap.schema
+# `advantages_over`) compares episodes of one task: here, of one first prompt (its token ids), and a group is
+# trainable when two or more of its episodes are rewarded and (unless --keep-zero-variance) their rewards
+# differ. An advantage over the batch, for prompts that never repeat, would make every ready episode trainable:
+# `ready_groups` is where that rule goes.
+_READY = """
+WITH live AS (
+    SELECT e.episode_id, r.reward
+    FROM episodes e JOIN latest_rewards r USING (episode_id)
+    WHERE e.round IS NULL AND e.labels->>'collect' IS NULL AND coalesce(e.status, 'running') IN ('running', 'ok')
+      AND r.reward IS NOT NULL),
+calls AS (
+    SELECT t.episode_id,
+           arg_min(t.prompt_token_ids, t.seq) FILTER (WHERE t.prompt_token_ids IS NOT NULL) AS first_prompt,
+           bool_and(coalesce(list_contains($fresh::VARCHAR[], t.deployment), false)) AS fresh,
+           count(*) FILTER (WHERE t.completion_token_ids IS NOT NULL) AS with_ids,
+           mode(t.deployment) AS deployment, max(t.ended_at) AS last_call
+    FROM turns t SEMI JOIN live USING (episode_id)
+    WHERE t.error IS NULL AND coalesce(t.status_code, 200) < 400
+    GROUP BY t.episode_id)
+SELECT live.episode_id, live.reward, 'p-' || left(md5(calls.first_prompt::VARCHAR), 12) AS key,
+       calls.deployment, calls.last_call
+FROM live JOIN calls USING (episode_id)
+WHERE calls.fresh AND calls.with_ids > 0 AND calls.first_prompt IS NOT NULL
+ORDER BY calls.last_call, live.episode_id
+"""
+
+# The step adopts its batch: the episodes read as round N of the `live` split from now on (idempotent).
+_ADOPT = """
+UPDATE episodes SET round = b.round, split = $split, task_id = b.task, sample = b.sample, status = 'ok',
+       ended_at = coalesce(episodes.ended_at, b.ended_at),
+       labels = json_merge_patch(coalesce(episodes.labels, '{}'), json_object(
+           'round', b.round::VARCHAR, 'split', $split, 'task', b.task, 'sample', b.sample::VARCHAR, 'live', $run))
+FROM (SELECT unnest($ids::VARCHAR[]) AS episode_id, unnest($tasks::VARCHAR[]) AS task,
+             unnest($samples::INTEGER[]) AS sample, unnest($ended::TIMESTAMPTZ[]) AS ended_at, $n::INTEGER AS round) b
+WHERE episodes.episode_id = b.episode_id
+"""
+
+_CURRENT_PATH = "SELECT kind, path FROM deployments WHERE name = ? ORDER BY created_at DESC, rowid DESC LIMIT 1"
+
+
+class _NoBatch(Exception):
+    """--wait-timeout passed without enough ready episodes."""
+
+
+def ready_episodes(store, fresh: list[str], keep_zero_variance: bool = False) -> list[tuple]:
+    """The ready live episodes (id, reward, group key, deployment, last call) whose calls were all served by the
+    deployments `fresh`, in groups GRPO can learn from; the first finished first."""
+    return ready_groups(store.fetchall(_READY, {"fresh": list(fresh)}), keep_zero_variance)
+
+
+def ready_groups(rows: list[tuple], keep_zero_variance: bool) -> list[tuple]:
+    """The ready episodes (id, reward, key, deployment, last call) in groups GRPO can learn from."""
+    by_key: dict[str, list[tuple]] = {}
+    for row in rows:
+        by_key.setdefault(row[2], []).append(row)
+    kept = [
+        group
+        for group in by_key.values()
+        if len(group) >= 2 and (keep_zero_variance or max(r[1] for r in group) > min(r[1] for r in group))
+    ]
+    return sorted((row for group in kept for row in group), key=lambda r: (str(r[4]), r[0]))
+
+
+def run_live_loop(
+    store,
+    config: LoopConfig,
+    state: LoopState,
+    *,
+    echo: Callable[[str], None] = print,
+    stop_after: tuple[int, str] | None = None,
+) -> list[RoundSummary]:
+    """Run (or resume) `lcap loop --live` for `config.rounds` steps; see the module's docstring."""
+    if config.eval_tasks is None or not config.command:
+        raise LcapError(
+            "--live evaluates each candidate before promoting it: give --eval-tasks FILE, --verifier and the agent "
+            "command after `--`"
+        )
+    if config.train.full or config.train.ray is not None or config.train.num_workers > 1:
+        raise LcapError("--live trains a LoRA adapter in this process: not with --full, --ray or --num-workers")
+    run = Path(config.run)
+    data = state.data
+    data.setdefault("lineage", [])
+    data.setdefault("scores", {})
+    step = StepRunner(store, state, run, stop_after)
+    first = next((n for n in range(1, config.rounds + 1) if not state.done(n, "promote")), config.rounds + 1)
+    summaries: list[RoundSummary] = []
+    try:
+        for n in range(first, config.rounds + 1):
+            summaries.append(_step(store, config, state, step, n, echo))
+    except StopAfter:
+        pass
+    except _NoBatch as exc:
+        echo(str(exc))
+    except KeyboardInterrupt:
+        echo("interrupted: the same command resumes at the first unfinished step")
+    return summaries
+
+
+def _step(
+    store, config: LoopConfig, state: LoopState, step: StepRunner, n: int, echo: Callable[[str], None]
+) -> RoundSummary:
+    t0 = time.perf_counter()
+    run = Path(config.run)
+    current = _observe(state)
+    batch = step(n, "batch", lambda: _take_batch(store, config, state, n, current))
+    adopt(store, run, n, batch["episodes"])
+    out = round_dir(run, n) / "data"
+    step(
+        n,
+        "build",
+        lambda: {
+            "samples": build_dataset(store, round=n, out=out, options=replace(config.build, split=LIVE_SPLIT)).samples
+        },
+    )
+    for line in lost_lines(out):
+        echo(line)
+    trained_from = batch["current"]
+    train_options = replace(config.train, current=trained_from, mismatch_current_only=True)
+    init = _policy_path(store, trained_from)
+    trained = step(n, "train", lambda: train_step(store, run, n, train_options, out, init_from=init))
+    candidate = step(n, "eval", lambda: _evaluate_candidate(store, config, n, trained["output"]))
+    scores = state.data["scores"]
+    against = read_policy_current()
+    if against not in scores:  # the current deployment's held-out reward, measured once per deployment
+        measured = step(n, "eval-current", lambda: _evaluate(store, config, n, "eval-current", against))
+        against = measured["deployment"]  # after a resume: the deployment the recorded step measured
+        with state.lock:
+            scores[against] = {"mean_reward": measured["mean_reward"], "round": n}
+            state.save()
+    verdict = step(
+        n, "promote", lambda: _promote(store, config, n, candidate, against, scores[against]["mean_reward"], trained)
+    )
+    if verdict["promoted"]:
+        with state.lock:
+            scores[candidate["name"]] = {"mean_reward": candidate["mean_reward"], "round": n}
+            state.save()
+        _observe(state)
+    s = RoundSummary(round=n, train=trained, eval_reward=candidate["mean_reward"])
+    s.deployed = candidate["name"] if verdict["promoted"] else None
+    hist = " ".join(f"{k}:{v}" for k, v in batch["staleness"].items())
+    outcome = f"promoted {candidate['name']}" if verdict["promoted"] else f"refused: {verdict['reason']}"
+    echo(
+        f"step {n}: {len(batch['episodes'])} episodes ({batch['groups']} groups) | staleness {hist}"
+        f" | {training_text(trained)} | held-out {num(candidate['mean_reward'])} vs {against}"
+        f" {num(scores[against]['mean_reward'])} | {outcome} | {time.perf_counter() - t0:.0f}s"
+    )
+    return s
+
+
+def read_policy_current() -> str:
+    record = read_policy()
+    if record is None:
+        raise LcapError("the policy server stopped (its record is gone): start it again and rerun the loop")
+    return record.current
+
+
+def _observe(state: LoopState) -> str:
+    """The current deployment, appended to the lineage when it is not the last one there (a promotion, a
+    rollback, a deploy by hand)."""
+    current = read_policy_current()
+    with state.lock:
+        lineage = state.data["lineage"]
+        if not lineage or lineage[-1] != current:
+            lineage.append(current)
+            state.save()
+    return current
+
+
+def _fresh(lineage: list[str], max_staleness: int) -> dict[str, int]:
+    """Deployment -> staleness (deployment changes since it was last current), for those within the bound."""
+    last = len(lineage) - 1
+    behind = {name: last - i for i, name in enumerate(lineage)}
+    return {name: k for name, k in behind.items() if k <= max_staleness}
+
+
+def _take_batch(store, config: LoopConfig, state: LoopState, n: int, current: str) -> dict[str, Any]:
+    """Wait for --min-samples ready episodes in trainable groups; the batch is all of them."""
+    options = config.options
+    started = time.monotonic()
+    while True:
+        fresh = _fresh(state.data["lineage"], options.max_staleness)
+        rows = ready_episodes(store, list(fresh), config.build.keep_zero_variance)
+        if len(rows) >= options.min_samples:
+            break
+        waited = time.monotonic() - started
+        if options.wait_timeout and waited >= options.wait_timeout:
+            raise _NoBatch(
+                f"step {n}: {len(rows)} ready episodes after {waited:.0f}s, fewer than --min-samples "
+                f"{options.min_samples}: stopping (the same command waits again)"
+            )
+        time.sleep(POLL_S)
+    staleness: dict[str, int] = {}
+    samples: dict[str, int] = {}
+    episodes = []
+    for episode, _, key, deployment, last_call in rows:
+        behind = str(fresh.get(deployment, "?"))
+        staleness[behind] = staleness.get(behind, 0) + 1
+        samples[key] = samples.get(key, -1) + 1
+        episodes.append({"id": episode, "group": key, "sample": samples[key], "ended_at": str(last_call)})
+    return {
+        "episodes": episodes,
+        "groups": len(samples),
+        "staleness": dict(sorted(staleness.items())),
+        "current": current,
+        "waited_s": round(time.monotonic() - started, 3),
+    }
+
+
+def adopt(store, run: Path, n: int, episodes: list[dict[str, Any]]) -> None:
+    """Make a step's batch (`{id, group, sample, ended_at}` each) round `n` of the `live` split (idempotent)."""
+    store.execute(
+        _ADOPT,
+        {
+            "ids": [e["id"] for e in episodes],
+            "tasks": [e["group"] for e in episodes],
+            "samples": [e["sample"] for e in episodes],
+            "ended": [e["ended_at"] for e in episodes],
+            "n": n,
+            "split": LIVE_SPLIT,
+            "run": hashlib.sha1(str(Path(run).resolve()).encode()).hexdigest()[:12],
+        },
+    )
+
+
+def _policy_path(store, name: str) -> Path | None:
+    """What training continues: the current deployment's adapter, or None for the base model."""
+    record = read_policy()
+    rows = store.fetchall(_CURRENT_PATH, [name])
+    kind, path = rows[0] if rows else (None, None)
+    if record is not None and name in record.loras:
+        return Path(record.loras[name])
+    if kind == "lora" and path:
+        return Path(path)
+    if kind == "base" or (record is not None and name == record.served_model and not record.served_as):
+        return None
+    raise LcapError(
+        f"the current deployment {name!r} is not a LoRA adapter or the base model: --live trains adapters on the "
+        "base model; deploy one (or roll back to one) first"
+    )
+
+
+def _evaluate(store, config: LoopConfig, n: int, split: str, model: str | None) -> dict:
+    assert config.eval_tasks is not None
+    record = read_policy()
+    pinned = model if record is not None and model in record.loras else None
+    return {
+        **collect_split(store, config, n, split, config.eval_tasks, config.eval_group_size, model=pinned),
+        "deployment": model,
+    }
+
+
+def _evaluate_candidate(store, config: LoopConfig, n: int, output: str) -> dict:
+    """Load the round's adapter beside the current deployment (again, after a resume: the same name) and run the
+    held-out tasks against it."""
+    name = load_candidate(Path(output), round=n)
+    return {**_evaluate(store, config, n, "eval", name), "name": name, "path": output}
+
+
+def _promote(
+    store, config: LoopConfig, n: int, candidate: dict, against: str, current_reward: float | None, trained: dict
+) -> dict:
+    margin = config.options.promote_margin
+    reward = candidate["mean_reward"]
+    base = {
+        "candidate": candidate["name"],
+        "candidate_reward": reward,
+        "current": against,
+        "current_reward": current_reward,
+        "margin": margin,
+        "train_output": trained["output"],
+    }
+    now_current = read_policy_current()
+    if reward is None or current_reward is None:
+        why = "no held-out episode was rewarded (" + ("candidate" if reward is None else "current") + ")"
+    elif now_current != against:
+        why = f"the current deployment changed to {now_current} during the evaluation (a rollback?)"
+    elif reward >= current_reward - margin:
+        record = make_current(candidate["name"])
+        record_deployment(store, record, candidate["name"], candidate["path"], "lora", n)
+        return {**base, "promoted": True, "mean_reward": reward}
+    else:
+        why = f"held-out reward {num(reward)} < {num(current_reward)} - margin {margin:g}"
+    forget_candidate(candidate["name"])
+    return {**base, "promoted": False, "reason": why, "mean_reward": reward}
