@@ -165,7 +165,7 @@ class Bench:
             "--concurrency",
             str(self.args.concurrency),
             "--timeout",
-            "120",
+            str(self.args.timeout),
             "--verifier",
             self.verifier,
             "--round",
@@ -215,7 +215,7 @@ class Bench:
             "--concurrency",
             str(self.args.concurrency),
             "--timeout",
-            "120",
+            str(self.args.timeout),
             "--verifier",
             self.verifier,
             "--truncated",
@@ -321,6 +321,7 @@ def main() -> None:
     ap.add_argument("--sft-epochs", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-4, help="the demo's LoRA rate, for SFT and GRPO alike")
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per episode (a loaded machine needs minutes)")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", type=Path, default=None, help="default: lcap's SmolLM2 conversion")
