@@ -255,8 +255,7 @@ def _conversations(store: Store, samples: pa.Table) -> pa.Table:
     """Each sample's episode's conversation (messages, tools), as `lcap export` writes it."""
     episodes = samples["episode_id"].to_pylist()
     with store.connect(read_only=True) as con:
-        records, _ = conversations(con, sorted(set(episodes)), tokens=False)
-    by_episode = {r["episode_id"]: r for r in records}
+        by_episode = {r["episode_id"]: r for r in conversations(con, sorted(set(episodes)), tokens=False)}
     return pa.table(
         {
             "messages": pa.array([(by_episode.get(e) or {}).get("messages") for e in episodes], pa.list_(MESSAGE)),

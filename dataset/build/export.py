@@ -2,8 +2,10 @@
 
 One conversation per episode: the messages of its call whose prompt holds the most messages, and that call's
 answer (from the parsed columns capture fills for every dialect: text, tool calls, reasoning). Chat calls are
-read as they are, Anthropic Messages calls as build-dataset's re-rendering reads them (`chat_from_anthropic`:
-text, tool uses and tool results); Responses and legacy completions calls are skipped and counted. Formats:
+read as they are, Anthropic Messages and Responses calls as build-dataset's re-rendering reads them
+(`chat_from_anthropic`, `chat_from_responses`: text, tool calls and their results); a Responses call whose request
+does not hold its conversation (it continues another by `previous_response_id`) and legacy completions calls (a
+prompt string with no roles: a conversation would have to be invented) are skipped and counted. Formats:
 
 - `openai`: OpenAI's chat fine-tuning JSONL, one `{"messages", "tools"}` object a line.
 - `hf`: a Hugging Face dataset folder (`data/train-00000-of-00001.parquet`) that `datasets.load_dataset(PATH)`
@@ -13,7 +15,9 @@ text, tool uses and tool results); Responses and legacy completions calls are sk
   data, one row a task: `data_source`, `prompt`, `ability`, `reward_model`, `extra_info`).
 
 The selection, the joins and the choice of each episode's call are SQL over the store's views; Python shapes
-each chosen call's JSON into messages. Every record goes through the redaction the store's writer applies
+each chosen call's JSON into messages. Nothing holds the whole selection: the rows come from DuckDB in batches of
+`BATCH_ROWS`, each written as it comes (a JSONL line, a Parquet row group) under a temporary name that replaces the
+file at the end; verl's task prompts are a second pass over each task's first episode. Every record goes through the redaction the store's writer applies
 (`redact_json`, then `redact_keys` over the text), so no secret leaves, whatever wrote the store.
 """
 
@@ -31,11 +35,12 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from lcap.capture.trust.redact import redact_json, redact_keys
 from lcap.config import LcapError
-from lcap.dataset.build.rebuild import chat_from_anthropic
+from lcap.dataset.build.rebuild import chat_from_anthropic, chat_from_responses
 from lcap.dataset.build.select import select_episodes
 from lcap.store import Store
 
@@ -44,38 +49,48 @@ HF_DATA_FILE = "data/train-00000-of-00001.parquet"
 VERL_SFT_FILE = "sft.parquet"
 VERL_RL_FILE = "rl.parquet"
 VERL_DATA_SOURCE = "lcap"
-_DIALECTS = ("chat", "messages")  # OpenAI chat completions, Anthropic Messages (read as chat)
+_DIALECTS = ("chat", "messages", "responses")  # OpenAI chat completions, Anthropic Messages, Responses (read as chat)
+BATCH_ROWS = 256  # episodes fetched from DuckDB at once, and rows per Parquet row group
 
 # The episodes chosen, each with its conversation's call (successful, a dialect export reads preferred: the call
 # whose request holds the most messages, the latest of equals) and, where its calls stitch into one sample of
 # captured ids, that sample's tokens.
+# The episodes chosen, oldest first, each with the turn of its conversation's call (successful, a dialect export reads
+# preferred: the call whose request holds the most messages, the latest of equals). Keys only: sorting the calls'
+# text would hold the whole selection in DuckDB's memory.
 _EPISODES = """
 WITH chosen AS (
     SELECT * FROM episode_selection
     WHERE $episodes::VARCHAR[] IS NULL OR episode_id IN (SELECT unnest($episodes::VARCHAR[]))),
 call AS (
-    SELECT t.episode_id, t.dialect, t.request,
-           t.completion_text, t.tool_calls, t.reasoning, cut_by_token_limit(t.finish_reason) AS truncated
+    SELECT t.episode_id, t.turn_id
     FROM turns t SEMI JOIN chosen USING (episode_id)
     WHERE t.error IS NULL AND coalesce(t.status_code, 200) < 400 AND t.request IS NOT NULL
     QUALIFY row_number() OVER (
         PARTITION BY t.episode_id
-        ORDER BY t.dialect IN ('chat', 'messages') DESC, coalesce(json_array_length(t.request->'messages'), 0) DESC,
+        ORDER BY t.dialect IN ('chat', 'messages', 'responses') DESC,
+                 coalesce(json_array_length(t.request->'messages'), json_array_length(t.request->'input'), 0) DESC,
                  t.seq DESC) = 1)
 SELECT c.episode_id, c.task_id, c.round, c.split, c.run, c.model, c.deployment, c.reward, c.reward_source,
-       c.status, call.dialect, call.request::VARCHAR AS request,
-       call.completion_text, call.tool_calls::VARCHAR AS tool_calls, call.reasoning, call.truncated
+       call.turn_id
 FROM chosen c LEFT JOIN call USING (episode_id)
 ORDER BY c.started_at, c.episode_id
 """
-
+# A batch of those calls, with their text.
+_CALLS = """
+SELECT turn_id, dialect, request::VARCHAR AS request, completion_text, tool_calls::VARCHAR AS tool_calls, reasoning,
+       cut_by_token_limit(finish_reason) AS truncated
+FROM turns WHERE turn_id IN (SELECT unnest($turns::VARCHAR[]))
+"""
+# Where a batch's episodes' calls stitch into one sample of captured ids, that sample's tokens.
 _TOKENS = """
 SELECT episode_id, any_value(prompt_ids) AS prompt_ids, any_value(completion_ids) AS completion_ids,
        any_value(env_mask) AS loss_mask, any_value(logprobs) AS logprobs
 FROM samples
-WHERE $episodes::VARCHAR[] IS NULL OR episode_id IN (SELECT unnest($episodes::VARCHAR[]))
+WHERE episode_id IN (SELECT unnest($episodes::VARCHAR[]))
 GROUP BY episode_id HAVING count(*) = 1 AND NOT bool_or(rebuilt)
 """
+_TOKEN_COLUMNS = ("prompt_ids", "completion_ids", "loss_mask", "logprobs")
 
 _TOOL_CALL = pa.struct(
     [
@@ -160,8 +175,15 @@ class ExportReport:
         )
 
 
-def export(store: Store, *, format: str, out: Path, where: str | None = None) -> ExportReport:
-    """Write the episodes `where` chooses from `episode_selection` (all without it) to `out` in `format`."""
+class _Nothing(Exception):
+    """No record reached a file: it is not moved into place (an earlier export there stays)."""
+
+
+def export(
+    store: Store, *, format: str, out: Path, where: str | None = None, batch_rows: int = BATCH_ROWS
+) -> ExportReport:
+    """Write the episodes `where` chooses from `episode_selection` (all without it) to `out` in `format`, streaming
+    them from the store `batch_rows` episodes at a time."""
     if format not in FORMATS:
         raise LcapError(f"unknown export format {format!r}: use {', '.join(FORMATS)}")
     if Path(out).resolve() == store.path.resolve():
@@ -170,88 +192,114 @@ def export(store: Store, *, format: str, out: Path, where: str | None = None) ->
     if where is None:
         with store.connect():  # a store from an older lcap gets the current views
             pass
-    with store.connect(read_only=True) as con:
-        records, skipped = conversations(con, episodes, tokens=format == "hf")
-        report = ExportReport(format=format, out=str(out), episodes=len(records) + sum(skipped.values()))
-    report.skipped = dict(skipped)
-    report.exported = len(records)
-    report.with_token_ids = sum(r["prompt_ids"] is not None for r in records)
-    if not records:  # before writing: an earlier export at `out` stays as it was
-        raise LcapError(
-            f"nothing exported: {report.episodes} episodes chosen, none with a chat conversation "
-            f"(skipped: {', '.join(f'{n} {why}' for why, n in sorted(skipped.items())) or 'none'}); nothing written"
-        )
+    report = ExportReport(format=format, out=str(out))
+    skipped: Counter[str] = Counter()
     out = Path(out)
+    made: list[Path] = []
     try:
-        if format == "openai":
-            _write_openai(records, out)
-        elif format == "hf":
-            _write_table(records, HF_SCHEMA, out / HF_DATA_FILE)
-        else:
-            tasks = _verl_tasks(records)
-            report.tasks = len(tasks)
-            _write_table(records, VERL_SFT_SCHEMA, out / VERL_SFT_FILE)
-            _write_table(tasks, VERL_RL_SCHEMA, out / VERL_RL_FILE)
+        with store.connect(read_only=True) as con:
+            records = _counted(
+                conversations(con, episodes, tokens=format == "hf", skipped=skipped, batch_rows=batch_rows), report
+            )
+            if format == "openai":
+                _write_openai(records, out)
+            elif format == "hf":
+                _write_parquet(records, HF_SCHEMA, out / HF_DATA_FILE, batch_rows, made)
+            else:
+                tasks = _Tasks()
+                _write_parquet(tasks.seen(records), VERL_SFT_SCHEMA, out / VERL_SFT_FILE, batch_rows, made)
+                firsts = conversations(con, episodes, tokens=False, batch_rows=batch_rows, only=tasks.first_episodes())
+                report.tasks = len(tasks.first)
+                _write_parquet(tasks.prompts(firsts), VERL_RL_SCHEMA, out / VERL_RL_FILE, batch_rows, made)
+    except _Nothing:
+        for folder in reversed(made):  # the folders this export made, now empty
+            folder.rmdir()
+        report.episodes = sum(skipped.values())
+        raise LcapError(
+            f"nothing exported: {report.episodes} episodes chosen, none with a conversation "
+            f"(skipped: {', '.join(f'{n} {why}' for why, n in sorted(skipped.items())) or 'none'}); nothing written"
+        ) from None
     except OSError as exc:
         raise LcapError(f"cannot write {out}: {exc.strerror or exc}") from None
+    report.skipped = dict(skipped)
+    report.episodes = report.exported + sum(skipped.values())
     return report
 
 
-def conversations(con: Any, episodes: list[str] | None, *, tokens: bool) -> tuple[list[dict[str, Any]], Counter[str]]:
-    """The chosen episodes (None: all) as redacted records, oldest first, with the token columns when `tokens`
-    (else None), and the count of those skipped, by why."""
-    rows = con.sql(_EPISODES, params={"episodes": episodes}).to_arrow_table().to_pylist()
-    ids: dict[str, dict[str, Any]] = {}
-    if tokens:
-        ids = {r["episode_id"]: r for r in con.sql(_TOKENS, params={"episodes": episodes}).to_arrow_table().to_pylist()}
-    skipped: Counter[str] = Counter()
-    records = []
-    for row in rows:
-        why = _unusable(row)
-        if why:
-            skipped[why] += 1
-            continue
-        row.update(
-            ids.get(row["episode_id"]) or dict.fromkeys(("prompt_ids", "completion_ids", "loss_mask", "logprobs"))
-        )
-        record = _redacted(_record(row))
-        if record is None:
-            skipped["not text"] += 1
-            continue
-        records.append(record)
-    return records, skipped
+def _counted(records: Iterator[dict[str, Any]], report: ExportReport) -> Iterator[dict[str, Any]]:
+    for r in records:
+        report.exported += 1
+        report.with_token_ids += r["prompt_ids"] is not None
+        yield r
 
 
-def _unusable(row: dict[str, Any]) -> str | None:
+def conversations(
+    con: Any,
+    episodes: list[str] | None,
+    *,
+    tokens: bool,
+    skipped: Counter[str] | None = None,
+    batch_rows: int = BATCH_ROWS,
+    only: list[str] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """The chosen episodes (None: all; of them, `only` these) as redacted records, oldest first, fetched `batch_rows`
+    at a time, with the token columns when `tokens` (else None); those skipped are counted in `skipped`, by why."""
+    skipped = Counter() if skipped is None else skipped
+    # The keys as one Arrow table (a few columns of labels an episode); the calls' text a batch at a time.
+    keys = con.sql(_EPISODES, params={"episodes": episodes}).to_arrow_table()
+    if only is not None:  # of the selection, these episodes (a long list in SQL's IN is slow)
+        keys = keys.filter(pc.is_in(keys["episode_id"], pa.array(only, pa.string())))
+    for start in range(0, keys.num_rows, batch_rows):
+        rows = keys.slice(start, batch_rows).to_pylist()
+        turns = [r["turn_id"] for r in rows if r["turn_id"] is not None]
+        calls = {c["turn_id"]: c for c in con.sql(_CALLS, params={"turns": turns}).to_arrow_table().to_pylist()}
+        ids: dict[str, dict[str, Any]] = {}
+        if tokens:
+            chosen = [r["episode_id"] for r in rows]
+            ids = {
+                t["episode_id"]: t for t in con.sql(_TOKENS, params={"episodes": chosen}).to_arrow_table().to_pylist()
+            }
+        for row in rows:
+            row.update(calls.get(row["turn_id"]) or {"dialect": None})
+            row.update(ids.get(row["episode_id"]) or dict.fromkeys(_TOKEN_COLUMNS))
+            record = _record(row)
+            if isinstance(record, str):
+                skipped[record] += 1
+                continue
+            yield _redacted(record)
+
+
+def _record(row: dict[str, Any]) -> dict[str, Any] | str:
+    """The episode as one record (labels, messages in OpenAI's chat form, tools as JSON text, the token columns),
+    or why it is skipped."""
     if row["dialect"] is None:
         return "no successful call"
     if row["dialect"] not in _DIALECTS:
-        return f"{row['dialect']} dialect (chat and messages only)"
+        return f"{row['dialect']} dialect (a prompt with no roles)"
     if row["truncated"]:
         return "answer cut by the token limit"
     if not row["completion_text"] and not row["tool_calls"]:
         return "empty answer"
-    return None
-
-
-def _record(row: dict[str, Any]) -> dict[str, Any] | None:
-    """The episode as one record: labels, messages in OpenAI's chat form (None: a part that is not text), tools
-    as JSON text, and the token columns."""
     request = json.loads(row["request"])
     if row["dialect"] == "messages":
         prompt, tools = chat_from_anthropic(request)
+    elif row["dialect"] == "responses":
+        conversation = chat_from_responses(request)
+        if conversation is None:
+            return "responses call whose request does not hold its conversation"
+        prompt, tools = conversation
     else:
         prompt, tools = request.get("messages") or [], request.get("tools")
     messages = [_message(m) for m in prompt if isinstance(m, dict)]
     if any(m is None for m in messages):
-        return None
+        return "not text"
     messages.append(_answer(row))
     return {
         **{k: row[k] for k in ("episode_id", "task_id", "round", "split", "run", "model", "deployment", "reward")},
         "reward_source": row["reward_source"],
         "messages": messages,
         "tools": json.dumps(tools, ensure_ascii=False) if tools else None,
-        **{k: row[k] for k in ("prompt_ids", "completion_ids", "loss_mask", "logprobs")},
+        **{k: row[k] for k in _TOKEN_COLUMNS},
     }
 
 
@@ -315,25 +363,53 @@ def _answer(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _redacted(record: dict[str, Any] | None) -> dict[str, Any] | None:
+def _redacted(record: dict[str, Any]) -> dict[str, Any]:
     """The store's redaction over a whole record: credential-named fields blanked, key-shaped strings replaced."""
-    if record is None:
-        return None
     text = redact_keys(json.dumps(redact_json(record), ensure_ascii=False)) or "{}"
     out: dict[str, Any] = json.loads(text)
     return out
 
 
-def _write_openai(records: list[dict[str, Any]], out: Path) -> None:
+def _write_openai(records: Iterator[dict[str, Any]], out: Path) -> None:
     if out.is_dir():
         raise IsADirectoryError(errno.EISDIR, "a folder: openai's export is one file", str(out))
     out.parent.mkdir(parents=True, exist_ok=True)
     with _replacing(out) as tmp, tmp.open("w", encoding="utf-8") as f:
+        lines = 0
         for r in records:
             line: dict[str, Any] = {"messages": [_openai_message(m) for m in r["messages"]]}
             if r["tools"]:
                 line["tools"] = json.loads(r["tools"])
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
+            lines += 1
+        if not lines:
+            raise _Nothing
+
+
+def _write_parquet(
+    rows: Iterator[dict[str, Any]], schema: pa.Schema, path: Path, batch_rows: int, made: list[Path]
+) -> None:
+    """`rows` as one Parquet file, a row group per `batch_rows` rows; `made` gets the folders it creates."""
+    made.extend(reversed([p for p in (path.parent, *path.parent.parents) if not p.exists()]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _replacing(path) as tmp:
+        writer = None
+        try:
+            batch: list[dict[str, Any]] = []
+            for row in rows:
+                batch.append({k: row.get(k) for k in schema.names})
+                if len(batch) >= batch_rows:
+                    writer = writer or pq.ParquetWriter(tmp, schema)
+                    writer.write_table(pa.Table.from_pylist(batch, schema=schema))
+                    batch = []
+            if batch:
+                writer = writer or pq.ParquetWriter(tmp, schema)
+                writer.write_table(pa.Table.from_pylist(batch, schema=schema))
+        finally:
+            if writer is not None:
+                writer.close()
+        if writer is None:
+            raise _Nothing
 
 
 @contextmanager
@@ -359,37 +435,55 @@ def _openai_message(m: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _verl_tasks(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """verl's RL prompts: one row a task, its first episode's messages before the first answer."""
-    by_task: dict[str, list[dict[str, Any]]] = {}
-    for r in records:
-        by_task.setdefault(r["task_id"] or r["episode_id"], []).append(r)
-    tasks = []
-    for index, (task, episodes) in enumerate(by_task.items()):
-        first = episodes[0]["messages"]
-        end = next((i for i, m in enumerate(first) if m["role"] == "assistant"), len(first))
-        rewards = [e["reward"] for e in episodes if e["reward"] is not None]
-        tasks.append(
-            {
+@dataclass
+class _Task:
+    index: int
+    first: str  # its first exported episode
+    split: str | None
+    episodes: int = 0
+    rewarded: int = 0
+    reward_sum: float = 0.0
+
+
+class _Tasks:
+    """verl's RL prompts, one row a task: counted while the SFT rows stream past, then each task's first episode's
+    messages before its first answer, read again."""
+
+    def __init__(self) -> None:
+        self.first: dict[str, _Task] = {}
+
+    def seen(self, records: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        for r in records:
+            key = r["task_id"] or r["episode_id"]
+            task = self.first.get(key)
+            if task is None:
+                task = self.first[key] = _Task(len(self.first), r["episode_id"], r["split"])
+            task.episodes += 1
+            if r["reward"] is not None:
+                task.rewarded += 1
+                task.reward_sum += r["reward"]
+            yield r
+
+    def first_episodes(self) -> list[str]:
+        return [t.first for t in self.first.values()]
+
+    def prompts(self, firsts: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        for r in firsts:
+            key = r["task_id"] or r["episode_id"]
+            task = self.first[key]
+            messages = r["messages"]
+            end = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+            yield {
                 "data_source": VERL_DATA_SOURCE,
-                "prompt": first[:end],
+                "prompt": messages[:end],
                 "ability": "agent",
-                "reward_model": {"style": "lcap", "ground_truth": task},
+                "reward_model": {"style": "lcap", "ground_truth": key},
                 "extra_info": {
-                    "split": episodes[0]["split"],
-                    "index": index,
-                    "task_id": task,
-                    "episodes": len(episodes),
-                    "mean_reward": sum(rewards) / len(rewards) if rewards else None,
-                    "tools": episodes[0]["tools"],
+                    "split": task.split,
+                    "index": task.index,
+                    "task_id": key,
+                    "episodes": task.episodes,
+                    "mean_reward": task.reward_sum / task.rewarded if task.rewarded else None,
+                    "tools": r["tools"],
                 },
             }
-        )
-    return tasks
-
-
-def _write_table(rows: list[dict[str, Any]], schema: pa.Schema, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    table = pa.Table.from_pylist([{k: r.get(k) for k in schema.names} for r in rows], schema=schema)
-    with _replacing(path) as tmp:
-        pq.write_table(table, tmp)

@@ -98,6 +98,8 @@ def rebuild_turn(
         messages, tools = chat_from_anthropic(request)
     elif dialect in (None, "chat") and isinstance(request.get("messages"), list):
         messages, tools = request["messages"], request.get("tools") or None
+    elif dialect == "responses" and (conversation := chat_from_responses(request)) is not None:
+        messages, tools = conversation
     else:
         return None
     prompt_text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
@@ -162,6 +164,85 @@ def chat_from_anthropic(request: dict) -> tuple[list[dict], list[dict] | None]:
         if t.get("name")
     ]
     return messages, tools or None
+
+
+_RESPONSES_TEXT = ("input_text", "output_text", "text")
+
+
+def chat_from_responses(request: dict) -> tuple[list[dict], list[dict] | None] | None:
+    """A Responses request as chat-template messages and tools, or None where the request alone does not hold its
+    conversation: it continues another (`previous_response_id`, `conversation`), or its input holds an item that is
+    not a message, a function call, a function call's output or reasoning (a stored item's reference, a built-in
+    tool's call). `instructions` and developer messages are system messages; a function call joins the assistant
+    message before it; reasoning summaries go to the next assistant message's `reasoning_content`. Content that is
+    all text becomes a string; other parts (images, files) are kept as they are."""
+    if request.get("previous_response_id") or request.get("conversation"):
+        return None
+    given = request.get("input")
+    if isinstance(given, str):
+        given = [{"role": "user", "content": given}]
+    if not isinstance(given, list):
+        return None
+    messages: list[dict[str, Any]] = []
+    instructions = request.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        messages.append({"role": "system", "content": instructions})
+    reasoning: str | None = None
+    for item in given:
+        if not isinstance(item, dict):
+            return None
+        kind = item.get("type") or ("message" if "role" in item else None)
+        if kind == "message":
+            role = "system" if item.get("role") == "developer" else item.get("role")
+            message: dict[str, Any] = {"role": role, "content": _responses_content(item.get("content"))}
+            if role == "assistant" and reasoning:
+                message["reasoning_content"], reasoning = reasoning, None
+            messages.append(message)
+        elif kind == "function_call":
+            call = {
+                "id": item.get("call_id") or item.get("id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"},
+            }
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                if reasoning:
+                    messages[-1]["reasoning_content"], reasoning = reasoning, None
+        elif kind == "function_call_output":
+            output = _responses_content(item.get("output"))
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
+        elif kind == "reasoning":
+            parts = [*(item.get("summary") or ()), *(item.get("content") or ())]
+            texts = [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
+            reasoning = "\n".join(texts) or None
+        else:
+            return None
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": t["name"],
+                "description": t.get("description") or "",
+                "parameters": t.get("parameters") or {},
+            },
+        }
+        for t in request.get("tools") or ()
+        if isinstance(t, dict) and t.get("type") == "function" and t.get("name")
+    ]
+    return messages, tools or None
+
+
+def _responses_content(content: Any) -> Any:
+    """Responses content parts as chat content: one string when every part is text, else the parts as they are."""
+    if not isinstance(content, list):
+        return content
+    if all(
+        isinstance(p, dict) and p.get("type") in _RESPONSES_TEXT and isinstance(p.get("text"), str) for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    return content
 
 
 def _encode(tokenizer, text: str) -> list[int]:

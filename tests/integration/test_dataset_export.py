@@ -22,7 +22,7 @@ from openai.types.chat import (
 from pydantic import TypeAdapter
 
 from lcap.config import LcapError
-from lcap.dataset.build.export import export
+from lcap.dataset.build.export import HF_DATA_FILE, ExportReport, export
 
 LCAP = str(Path(sys.executable).parent / "lcap")
 SECRET = "sk-proj-4f9Qx7Lm2Rt8Vb3Nc6Kd1Hs5Jw0Pz"  # key-shaped: the store's redaction replaces it
@@ -128,13 +128,39 @@ def captured(builder, dstore):
         reward=0.0,
         turns=_stored([{"request": {"messages": [SYSTEM]}, "completion_text": "42 and", "finish_reason": "length"}]),
     )
-    builder.episode(
-        "responses",
-        task="mul-4",
-        reward=1.0,
-        turns=_stored([{"dialect": "responses", "request": {"input": "2*3?"}, "completion_text": "6"}]),
-    )
+    builder.episode("responses", task="mul-4", reward=1.0, turns=_stored([{"dialect": "responses", **RESPONSES}]))
+    chained = {"dialect": "responses", "request": {"previous_response_id": "resp_1", "input": "and 3*4?"}}
+    builder.episode("chained", task="mul-5", reward=0.0, turns=_stored([{**chained, "completion_text": "12"}]))
+    completion = {"dialect": "completions", "request": {"prompt": "2*3="}, "completion_text": "6"}
+    builder.episode("completions", task="mul-6", reward=0.0, turns=_stored([completion]))
     return dstore
+
+
+# A Responses call whose request holds its whole conversation: instructions, a developer message, a function call
+# and its output, a reasoning summary; a built-in tool beside the function tool.
+RESPONSES = {
+    "request": {
+        "instructions": "You multiply.",
+        "input": [
+            {"role": "developer", "content": "Use the calculator."},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "2*3?"}]},
+            {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "call it"}]},
+            {
+                "type": "function_call",
+                "id": "fc_a",
+                "call_id": "fc_1",
+                "name": "calculator",
+                "arguments": '{"expr": "2*3"}',
+            },
+            {"type": "function_call_output", "call_id": "fc_1", "output": "6"},
+        ],
+        "tools": [
+            {"type": "function", "name": "calculator", "description": "Multiply.", "parameters": {"type": "object"}},
+            {"type": "web_search"},
+        ],
+    },
+    "completion_text": "6",
+}
 
 
 def _all_text(path: Path) -> str:
@@ -156,8 +182,12 @@ _ROLES = {
 def test_openai_jsonl_reads_as_the_openai_packages_types(captured, tmp_path):
     out = tmp_path / "ft.jsonl"
     report = export(captured, format="openai", out=out)
-    assert report.episodes == 6 and report.exported == 4
-    assert report.skipped == {"responses dialect (chat and messages only)": 1, "answer cut by the token limit": 1}
+    assert report.episodes == 8 and report.exported == 5
+    assert report.skipped == {
+        "answer cut by the token limit": 1,
+        "responses call whose request does not hold its conversation": 1,
+        "completions dialect (a prompt with no roles)": 1,
+    }
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     messages_type = TypeAdapter(list[ChatCompletionMessageParam])
     tools_type = TypeAdapter(list[ChatCompletionToolParam])
@@ -180,6 +210,26 @@ def test_openai_jsonl_reads_as_the_openai_packages_types(captured, tmp_path):
     assert anthropic["messages"][2]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 2, "b": 2}'}
     assert anthropic["messages"][3] == {"role": "tool", "tool_call_id": "tu_1", "content": "4"}
     assert anthropic["tools"][0]["function"]["name"] == "add"
+    responses = lines[4]  # Responses, read as chat: instructions and developer as system, the function call and output
+    assert responses["messages"] == [
+        {"role": "system", "content": "You multiply."},
+        {"role": "system", "content": "Use the calculator."},
+        {"role": "user", "content": "2*3?"},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {"id": "fc_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expr": "2*3"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "fc_1", "content": "6"},
+        {"role": "assistant", "content": "6"},
+    ]
+    assert responses["tools"] == [
+        {
+            "type": "function",
+            "function": {"name": "calculator", "description": "Multiply.", "parameters": {"type": "object"}},
+        }
+    ]
 
 
 def test_hf_folder_opens_with_load_dataset(captured, tmp_path, monkeypatch):
@@ -233,7 +283,7 @@ def test_cli_export_and_its_errors(captured, tmp_path):
     run = lambda *a: subprocess.run([LCAP, "export", "--db", db, *a], capture_output=True, text=True, timeout=120)  # noqa: E731
     ok = run("--format", "openai", "--out", str(tmp_path / "x.jsonl"), "--where", "reward = 1")
     assert ok.returncode == 0, ok.stderr
-    assert ok.stdout.startswith("exported 3 of 4 episodes as openai")
+    assert ok.stdout.startswith("exported 4 of 4 episodes as openai")
     bad = run("--format", "csv", "--out", str(tmp_path / "y"))
     assert bad.returncode == 2 and bad.stderr.strip() == "lcap: --format must be openai, hf or verl, not 'csv'"
     sql = run("--out", str(tmp_path / "z"), "--where", "reward >")
@@ -285,3 +335,33 @@ def test_a_link_at_the_temporary_name_is_not_written_through(captured, tmp_path)
     (tmp_path / "a.jsonl.tmp").symlink_to(victim)
     export(captured, format="openai", out=tmp_path / "a.jsonl")
     assert victim.read_text() == "mine\n" and "17*25" in (tmp_path / "a.jsonl").read_text()
+
+
+def test_batches_stream_into_the_same_files(captured, tmp_path, monkeypatch):
+    """Streamed a row at a time, each format holds what one batch gives: the same lines, the same rows (a Parquet row
+    group per batch), verl's task prompts from the second pass with their indexes and counts."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    for fmt, name in (("openai", "a.jsonl"), ("hf", "hf"), ("verl", "verl")):
+        whole, streamed = tmp_path / "whole" / name, tmp_path / "streamed" / name
+        one = export(captured, format=fmt, out=whole)
+        many = export(captured, format=fmt, out=streamed, batch_rows=1)
+        assert one == ExportReport(**{**vars(many), "out": str(whole)}), fmt
+        assert _all_text(whole) == _all_text(streamed), fmt
+    assert pq.ParquetFile(tmp_path / "streamed/hf" / HF_DATA_FILE).num_row_groups == 5
+    assert pq.ParquetFile(tmp_path / "whole/hf" / HF_DATA_FILE).num_row_groups == 1
+    rl = pq.read_table(tmp_path / "streamed/verl/rl.parquet").to_pylist()
+    assert [(r["extra_info"]["index"], r["extra_info"]["task_id"], r["extra_info"]["episodes"]) for r in rl] == [
+        (0, "mul-1", 2),
+        (1, "hello", 1),
+        (2, "mul-2", 1),
+        (3, "mul-4", 1),
+    ]
+    ds = datasets.load_dataset(str(tmp_path / "streamed/hf"), cache_dir=str(tmp_path / "cache"))["train"]
+    assert ds.num_rows == 5
+
+
+def test_nothing_exported_leaves_no_folder(captured, tmp_path):
+    for fmt in ("hf", "verl"):
+        with pytest.raises(LcapError, match="nothing exported: 0 episodes chosen"):
+            export(captured, format=fmt, out=tmp_path / "new" / fmt, where="reward > 5")
+    assert not (tmp_path / "new").exists()
