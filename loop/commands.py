@@ -76,7 +76,7 @@ def loop(
 
 
 @one_line_errors
-@with_options(LoopOptions, "options", exclude=("groups_per_step", "sft_data", "replace"))
+@with_options(LoopOptions, "options", exclude=("groups_per_step", "sft_data"))
 @with_options(DemoOptions, "demo_options")
 def demo(
     out: Annotated[Path, typer.Option("--out", help="Where the demo writes its model, run, store and results.")] = Path(

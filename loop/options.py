@@ -35,13 +35,6 @@ class LoopOptions:
         "(2, 3, ...) collect with that policy.",
     )
 
-    replace: bool = option(
-        False,
-        help="Collect a round the store already holds episodes of from another collect (a manual `lcap collect "
-        "--round N`, another loop) all the same: the loop's episodes supersede those (the latest of a task and "
-        "sample trains). Without it such a round is refused.",
-    )
-
     def __post_init__(self) -> None:
         if self.max_staleness < 0 or self.groups_per_step < 0:
             raise LcapError("--max-staleness and --groups-per-step must be 0 or more")
