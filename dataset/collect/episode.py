@@ -222,6 +222,7 @@ def _run_in(
         stdout=(spec.dir / "stdout.txt").read_text(errors="replace"),
         exit_code=exit_code,
         status="ok",
+        sample=spec.sample,
     )
     try:
         verdict = rules.judge(ctx)
