@@ -63,6 +63,12 @@ class CollectOptions:
     sandbox_pids: int = sandbox_pids_option()
     sandbox_disk: int = sandbox_disk_option()
     keep_workspaces: bool = keep_workspaces_option()
+    replace: bool = option(
+        False,
+        help="Collect a --round and --split the store already holds episodes of from another collect (another "
+        "command, tasks file or verifier: a manual round beside a loop) all the same: these supersede those (the "
+        "latest of a task and sample trains). Without it such a round is refused, saying how many it would supersede.",
+    )
 
     def __post_init__(self) -> None:
         if self.group_size < 1 or self.concurrency < 1:

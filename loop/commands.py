@@ -87,7 +87,7 @@ def loop(
 @with_options(
     LoopOptions,
     "options",
-    exclude=("groups_per_step", "sft_data", "replace", "live", "min_samples", "promote_margin", "wait_timeout"),
+    exclude=("groups_per_step", "sft_data", "live", "min_samples", "promote_margin", "wait_timeout"),
 )
 @with_options(DemoOptions, "demo_options")
 def demo(

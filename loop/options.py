@@ -56,12 +56,6 @@ class LoopOptions:
     wait_timeout: float = option(
         0.0, help="--live: seconds a step waits for enough samples before the loop ends (0: wait until Ctrl-C)."
     )
-    replace: bool = option(
-        False,
-        help="Collect a round the store already holds episodes of from another collect (a manual `lcap collect "
-        "--round N`, another loop) all the same: the loop's episodes supersede those (the latest of a task and "
-        "sample trains). Without it such a round is refused.",
-    )
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0 or self.groups_per_step < 0:

@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 from lcap.config import LcapError
 from lcap.dataset.build.builder import build_dataset
 from lcap.dataset.build.samples_file import read_samples_table, write_samples
-from lcap.dataset.collect.episodes import EpisodePool, load_tasks, plan_collect
+from lcap.dataset.collect.episodes import EpisodePool, check_round_is_free, load_tasks, plan_collect
 from lcap.display import num
 from lcap.loop.steps import (
     LoopConfig,
@@ -38,7 +38,6 @@ from lcap.loop.steps import (
     RoundSummary,
     StepRunner,
     StopAfter,
-    check_round_is_the_loops,
     collect_split,
     deploy_step,
     round_tasks,
@@ -156,9 +155,7 @@ class Producer:
                     options=replace(options, round=wave),
                     store=self.pool.store,
                 )
-                check_round_is_the_loops(
-                    self.pool.store, plan.run_id, wave, "train", replace=self.config.options.replace
-                )
+                check_round_is_free(self.pool.store, plan.run_id, wave, "train", replace=self.config.collect.replace)
                 with self.lock:
                     if plan.run_id not in self.runs:
                         self.runs.append(plan.run_id)

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 from lcap.capture.options import ProxyOptions
 from lcap.config import LcapError
 from lcap.dataset.build.explain import explain
-from lcap.dataset.collect.episodes import collect, collect_run_id, load_tasks
+from lcap.dataset.collect.episodes import collect, load_tasks
 from lcap.dataset.options import BuildOptions, CollectOptions
 from lcap.display import rounded
 from lcap.loop.options import LoopOptions
@@ -172,8 +172,6 @@ def collect_split(
     `node_proxies`: with --ray, the node proxies the loop keeps across its collects (dataset/collect/on_ray.py).
     `model`: an adapter the replicas serve to send every call to (a candidate `lcap loop --live` evaluates),
     instead of the current deployment."""
-    run_id = collect_run_id(config.command, tasks, config.collect.verifier)
-    check_round_is_the_loops(store, run_id, round, split, replace=config.options.replace)
     options = replace(
         config.collect,
         group_size=group_size,
@@ -201,31 +199,6 @@ def collect_split(
         "skipped": result.skipped,
         "collect_run": result.run_id,
     }
-
-
-def check_round_is_the_loops(
-    store, run_id: str, round: int, split: str, *, replace: bool = False, echo: Callable[[str], None] = print
-) -> None:
-    """Refuse to collect a round the store already holds episodes of from another collect (a manual `lcap collect
-    --round N`, another loop): the loop's would supersede them (the latest episode of a task and sample trains).
-    With `replace` (`--replace`), say how many it supersedes and go on."""
-    rows = store.fetchall(
-        "SELECT count(*), any_value(collect_run) FROM episode_summary "
-        "WHERE round = ? AND split = ? AND collect_run IS DISTINCT FROM ?",
-        [round, split, run_id],
-    )
-    count, other = rows[0] if rows else (0, None)
-    if not count:
-        return
-    source = f"collect {other}" if other else "not from `lcap collect`"
-    held = f"round {round} ({split}) already has {count} episodes of another collect in this store ({source})"
-    if replace:
-        echo(f"{held}: the loop's round {round} supersedes them (--replace)")
-        return
-    raise LcapError(
-        f"{held}: the loop's round {round} would supersede them and the round would mix two runs; "
-        "give the loop a store of its own (--db), or --replace to supersede them"
-    )
 
 
 def round_tasks(config: LoopConfig, n: int) -> Path:

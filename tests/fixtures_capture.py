@@ -772,3 +772,45 @@ def dns_query(name: str, qtype: int = 1, ident: int = 0x1234) -> bytes:
     """A DNS query for NAME (type QTYPE), as a resolver sends it."""
     labels = b"".join(bytes([len(p)]) + p.encode() for p in name.split("."))
     return struct.pack("!HHHHHH", ident, 0x0100, 1, 0, 0, 0) + labels + b"\x00" + struct.pack("!HH", qtype, 1)
+
+
+class SocketServer:
+    """A raw loopback TCP server on a port the kernel picks (port 0): a thread accepts connections until `close()`
+    and hands each to `handle(conn)`, in the accept thread (one connection at a time) or, with `threaded`, on a
+    thread of its own. The test upstreams and listeners that speak bytes, not HTTP, are built on it."""
+
+    def __init__(
+        self, handle: Callable[[socket.socket], None], *, threaded: bool = False, backlog: int | None = None
+    ) -> None:
+        self.handle, self.threaded = handle, threaded
+        self.sock = socket.create_server(("127.0.0.1", 0), backlog=backlog)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self._accept, name=f"socket-server-{self.port}", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            if self.threaded:
+                threading.Thread(target=self.handle, args=(conn,), daemon=True).start()
+            else:
+                self.handle(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> SocketServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_head(conn: socket.socket, data: bytes = b"") -> bytes:
+    """What `conn` sends up to and including its first blank line (its head), or until it closes."""
+    while b"\r\n\r\n" not in data and (chunk := conn.recv(65536)):
+        data += chunk
+    return data

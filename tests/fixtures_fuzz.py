@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
 import httptools
+from fixtures_capture import SocketServer
 
 CASE_HEADER = b"x-fuzz-case"
 UPSTREAM_MARK = b"x-fuzz-upstream"  # on every answer the upstream writes: the agent can tell it from the proxy's
@@ -152,9 +153,6 @@ class ScriptedUpstream:
     normal chat completion naming the case when unscripted); `release` ends every hung answer."""
 
     def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0), backlog=1024)
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
         self.answers: dict[str, Answer] = {}
         self.received: defaultdict[str, list[Received]] = defaultdict(list)
         self.sent: dict[str, Sent] = {}  # the first answer written under each call id
@@ -164,25 +162,24 @@ class ScriptedUpstream:
         self._lock = threading.Lock()
         self._closing = False
         self._conns: set[socket.socket] = set()
-        threading.Thread(target=self._accept, name="fuzz-upstream", daemon=True).start()
+        self.server = SocketServer(self._take, backlog=1024)
+        self.port, self.url = self.server.port, self.server.url
 
     def close(self) -> None:
         self._closing = True
         self.release.set()
-        self.sock.close()
+        self.server.close()
         with self._lock:
             for conn in list(self._conns):
                 _close_quietly(conn)
 
-    def _accept(self) -> None:
-        while not self._closing:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+    def _take(self, conn: socket.socket) -> None:
+        if self._closing:
+            _close_quietly(conn)
+            return
+        with self._lock:
+            self._conns.add(conn)
+        threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         parts = _RequestParts()
@@ -301,22 +298,13 @@ class Canary:
     request it cannot read (the proxy does not trust it). Answers plain HTTP with 200 and its mark."""
 
     def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0), backlog=1024)
-        self.port = self.sock.getsockname()[1]
         self.hits: list[tuple[str, bytes | None, bytes | None]] = []
         self._lock = threading.Lock()
-        threading.Thread(target=self._accept, name="fuzz-canary", daemon=True).start()
+        self.server = SocketServer(self._serve, threaded=True, backlog=1024)
+        self.port = self.server.port
 
     def close(self) -> None:
-        self.sock.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        self.server.close()
 
     def _serve(self, conn: socket.socket) -> None:
         from mitmproxy.proxy.layers.tls import parse_client_hello

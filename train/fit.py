@@ -11,13 +11,13 @@ import json
 import math
 import os
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lcap.config import LcapError
 from lcap.dataset.build.explain import Cause, explain, plural
+from lcap.noise import quiet_noise
 from lcap.train.mismatch import Mismatch, check_mismatch, measure_mismatch
 from lcap.train.options import TrainOptions
 from lcap.train.progress import step_progress
@@ -255,8 +255,7 @@ def fit_round(inputs: RoundInputs, out_dir: Path, options: TrainOptions, *, prog
     from transformers.utils.logging import disable_progress_bar  # the train extra
 
     disable_progress_bar()  # transformers' bars over loading and saving weights; the round has its own bar
-    # TRL reads a property transformers deprecated: a warning the user can do nothing about, amid the round's line
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    quiet_noise()
     p = prepare(inputs, out_dir, options)
     mismatch = guard_round(p, options)
     if progress:

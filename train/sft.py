@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lcap.config import LcapError
+from lcap.noise import quiet_noise
 from lcap.store import now
 from lcap.train.fit import FittedRound, RoundInputs, is_main_process, round_policy, trainer_args, world_size
 from lcap.train.grpo import TrainResult, record_round, round_dir, round_inputs
@@ -99,7 +99,7 @@ def fit_sft(inputs: RoundInputs, out_dir: Path, options: TrainOptions, *, progre
     from transformers.utils.logging import disable_progress_bar  # the train extra
 
     disable_progress_bar()
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    quiet_noise()
     p = prepare_sft(inputs, out_dir, options)
     if progress:
         p.trainer.add_callback(step_progress(f"train {out_dir.name.replace('-', ' ')} (sft)"))

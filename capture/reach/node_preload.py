@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
-from lcap.config import lcap_home
+from lcap.config import LcapError, lcap_home
+from lcap.installs import announce, run_install
 
 # undici 6.x matches Node 20's built-in fetch dispatcher interface; the 7.x proxy agents are CommonJS.
 PACKAGES = {"undici": "6.21.3", "https-proxy-agent": "7.0.6", "http-proxy-agent": "7.0.2"}
@@ -49,23 +49,25 @@ def install_node_preload() -> str:
         return "npm not found: Node agents will not go through the proxy (install Node 18+ and rerun)"
     target = node_dir()
     target.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(
-        [
-            npm,
-            "install",
-            "--prefix",
-            str(target),
-            "--no-audit",
-            "--no-fund",
-            "--loglevel=error",
-            *(f"{name}@{version}" for name, version in PACKAGES.items()),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    if result.returncode != 0 or not _all_installed():
-        last = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
-        return f"npm could not install {wanted} (offline?): {last[0]}"
+    announce(f"installing {wanted} into {target} with npm", "a few MB", "seconds")
+    try:
+        run_install(
+            [
+                npm,
+                "install",
+                "--prefix",
+                str(target),
+                "--no-audit",
+                "--no-fund",
+                "--loglevel=error",
+                *(f"{name}@{version}" for name, version in PACKAGES.items()),
+            ],
+            "install the Node preload's packages",
+        )
+    except LcapError:
+        return f"npm could not install {wanted} (offline?): its last lines are above"
+    if not _all_installed():
+        return f"npm could not install {wanted}: {target} does not hold them afterwards"
     return f"installed {wanted} into {target}"
 
 

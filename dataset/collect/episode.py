@@ -230,6 +230,7 @@ def _run_in(
         stdout=(spec.dir / "stdout.txt").read_text(errors="replace"),
         exit_code=exit_code,
         status="ok",
+        sample=spec.sample,
     )
     try:
         verdict = rules.judge(ctx) if box is None else _verify_in_sandbox(spec, rules.judge, ctx, box, files)

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -141,6 +141,33 @@ def earlier_episodes(store: Store | None, run_id: str, round: int, split: str) -
     return {(task, int(sample)): eid for task, sample, eid in rows if sample is not None and sample.isdigit()}
 
 
+def check_round_is_free(
+    store: Store, run_id: str, round: int, split: str, *, replace: bool = False, echo: Callable[[str], None] = print
+) -> None:
+    """Refuse to collect a round and split the store already holds episodes of from another collect (another
+    command, tasks file or verifier; a manual `lcap collect --round N` beside a loop): this one's episodes would
+    supersede them (the latest episode of a task and sample trains) and the round would mix two runs. The same
+    collect run again (its run id) resumes and is never refused. With `replace` (`--replace`), say how many it
+    supersedes and go on. `lcap collect` and both loops collect through here."""
+    rows = store.fetchall(
+        "SELECT count(*), any_value(collect_run) FROM episode_summary "
+        "WHERE round = ? AND split = ? AND collect_run IS DISTINCT FROM ?",
+        [round, split, run_id],
+    )
+    count, other = rows[0] if rows else (0, None)
+    if not count:
+        return
+    source = f"collect {other}" if other else "not from `lcap collect`"
+    held = f"round {round} ({split}) already has {count} episodes of another collect in this store ({source})"
+    if replace:
+        echo(f"{held}: collect {run_id} supersedes them (--replace)")
+        return
+    raise LcapError(
+        f"{held}: collect {run_id} would supersede them and the round would mix two runs; collect into a store of "
+        "its own (--db), or add --replace to supersede them"
+    )
+
+
 @dataclass
 class CollectPlan:
     """A collect's episodes, before any runs: what `collect` runs at once and the async loop's pool runs as they
@@ -246,6 +273,7 @@ def collect(
     elif options.episode_resources or options.episode_cpus != 1.0:
         raise LcapError("--episode-cpus and --episode-resources place episodes on a Ray cluster: add --ray ADDRESS")
     plan = plan_collect(tasks=tasks, command=command, options=options, labels=labels, store=store)
+    check_round_is_free(store, plan.run_id, options.round, options.split, replace=options.replace)
     tasks, run_id, run_dir, specs = Path(tasks), plan.run_id, plan.run_dir, plan.specs
     round = options.round
 

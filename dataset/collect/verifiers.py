@@ -74,6 +74,7 @@ class VerifierContext:
     stdout: str
     exit_code: int | None
     status: str
+    sample: int = 0  # the episode's place in its task's group (0 .. group_size-1), as its `sample` label
 
     @property
     def task_id(self) -> str:
@@ -93,6 +94,7 @@ class CommandVerifier:
         env.update(
             LCAP_TASK=json.dumps(dict(ctx.task), ensure_ascii=False),
             LCAP_EPISODE_ID=ctx.episode_id,
+            LCAP_SAMPLE=str(ctx.sample),
             LCAP_WORKDIR=str(ctx.workdir),
             LCAP_AGENT_STDOUT=str(stdout_file),
             LCAP_AGENT_EXIT_CODE="" if ctx.exit_code is None else str(ctx.exit_code),

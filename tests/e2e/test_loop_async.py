@@ -49,8 +49,7 @@ print(reply.choices[0].message.content or "")
 VERIFIER = """
 def verify(ctx):
     said = ctx.stdout.strip()
-    sample = int(ctx.episode_id.rsplit("-", 2)[1])  # c{run}-r{round}-{split}-{task}-{sample}-{random}
-    return 0.8 * sum(c.islower() for c in said) / max(len(said), 1) + 0.1 * sample
+    return 0.8 * sum(c.islower() for c in said) / max(len(said), 1) + 0.1 * ctx.sample
 """
 
 

@@ -216,8 +216,7 @@ from verify import score
 
 def verify(ctx):
     scored = score(str(ctx.task["answer"]), ctx.stdout)
-    sample = int(ctx.episode_id.rsplit("-", 2)[1])  # c{{run}}-r{{round}}-{{split}}-{{task}}-{{sample}}-{{random}}
-    return {{**scored, "reward": scored["reward"] + 0.1 * sample}}
+    return {{**scored, "reward": scored["reward"] + 0.1 * ctx.sample}}
 """
 
 
@@ -285,19 +284,21 @@ def test_one_async_calculator_round_end_to_end(smollm2_server, calculator_round)
     store = Store(out / "lcap.duckdb")
     rows = turns(out / "lcap.duckdb")
     episodes = {
-        e: (split, n, reward)
-        for e, split, n, reward in store.fetchall("SELECT episode_id, split, round, reward FROM episode_summary")
+        e: (split, n, reward, sample)
+        for e, split, n, reward, sample in store.fetchall(
+            "SELECT episode_id, split, round, reward, sample FROM episode_summary"
+        )
     }
-    assert sorted((s, n) for s, n, _ in episodes.values()) == [("train", 1)] * 4 + [("train", 2)] * 4
+    assert sorted((s, n) for s, n, _, _ in episodes.values()) == [("train", 1)] * 4 + [("train", 2)] * 4
     assert {r["episode_id"] for r in rows} == set(episodes)
     for row in rows:
         check_tokens(row, row["deployment"])
         assert len(row["prompt_token_ids"]) > 0
 
     # rewards: one per episode, the demo's score (0, 0.5 or 1) plus the sample's step
-    for episode, (_, _, reward) in episodes.items():
+    for episode, (_, _, reward, sample) in episodes.items():
         assert reward is not None
-        assert round(reward - 0.1 * int(episode.rsplit("-", 2)[1]), 6) in (0.0, 0.5, 1.0), (episode, reward)
+        assert round(reward - 0.1 * sample, 6) in (0.0, 0.5, 1.0), (episode, reward)
 
     # the adapters: hot-loaded (no restart), each naming the calls that followed its deploy
     deployed = {n: steps[f"{n}:deploy"]["name"] for n in (1, 2)}
@@ -319,7 +320,9 @@ def test_one_async_calculator_round_end_to_end(smollm2_server, calculator_round)
     # the dataset each step trained on: masks over exactly the sampled tokens, the served logprobs, the reward
     for n in (1, 2):
         samples = pq.read_table(out / "run" / f"round-{n}" / "data" / "samples.parquet").to_pylist()
-        assert {s["episode_id"] for s in samples} == {e for e, (s, k, _) in episodes.items() if (s, k) == ("train", n)}
+        assert {s["episode_id"] for s in samples} == {
+            e for e, (s, k, _, _) in episodes.items() if (s, k) == ("train", n)
+        }
         for episode in {s["episode_id"] for s in samples}:
             mine = [s for s in samples if s["episode_id"] == episode]
             sampled = [
@@ -341,7 +344,7 @@ def test_one_async_calculator_round_end_to_end(smollm2_server, calculator_round)
     print(
         f"\nSmolLM2 calculator round: {sum(b['stitched'] for _, b in follow_ups)} of {len(could)} follow-up calls "
         f"that could merge merged ({len(follow_ups)} follow-ups); {len(rows)} calls; "
-        f"rewards {sorted(round(r, 2) for _, _, r in episodes.values())}; " + "; ".join(lines)
+        f"rewards {sorted(round(r, 2) for _, _, r, _ in episodes.values())}; " + "; ".join(lines)
     )
 
 

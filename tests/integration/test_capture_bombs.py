@@ -22,7 +22,7 @@ import brotli
 import httpx
 import pytest
 import zstandard
-from fixtures_capture import serve_proxy, turns
+from fixtures_capture import SocketServer, read_head, serve_proxy, turns
 from fixtures_memory import FILL, PREFIX, SUFFIX, json_bomb, memory_cgroup
 
 from lcap.capture.options import ProxyOptions
@@ -132,38 +132,30 @@ class BombUpstream:
             b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-encoding: gzip\r\n"
             b"content-length: %d\r\n\r\n%s" % (len(body), body)
         )
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._serve, daemon=True).start()
+        self.server = SocketServer(self._serve)
+        self.url = self.server.url
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            head = read_head(conn)
+            if head.startswith(b"GET"):
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 30\r\n\r\n" + b'{"object": "list", "data": []}')
                 return
-            with conn:
-                head = b""
-                while b"\r\n\r\n" not in head and (chunk := conn.recv(65536)):
-                    head += chunk
-                if head.startswith(b"GET"):
-                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 30\r\n\r\n" + b'{"object": "list", "data": []}')
-                    continue
-                head, _, body = head.partition(b"\r\n\r\n")
-                head = head.lower()
-                if b"content-length:" in head:
-                    length = int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
-                    while len(body) < length and (chunk := conn.recv(65536)):
-                        body += chunk
-                else:  # chunked
-                    while not body.endswith(b"0\r\n\r\n") and (chunk := conn.recv(65536)):
-                        body += chunk
-                    body = _unchunk(body)
-                self.requests.append((head, body))
-                conn.sendall(self.answer)
+            head, _, body = head.partition(b"\r\n\r\n")
+            head = head.lower()
+            if b"content-length:" in head:
+                length = int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+                while len(body) < length and (chunk := conn.recv(65536)):
+                    body += chunk
+            else:  # chunked
+                while not body.endswith(b"0\r\n\r\n") and (chunk := conn.recv(65536)):
+                    body += chunk
+                body = _unchunk(body)
+            self.requests.append((head, body))
+            conn.sendall(self.answer)
 
     def close(self) -> None:
-        self.sock.close()
+        self.server.close()
 
 
 def _unchunk(data: bytes) -> bytes:

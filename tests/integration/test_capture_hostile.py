@@ -32,7 +32,7 @@ import h2.connection
 import h2.events
 import httpx
 import pytest
-from fixtures_capture import LCAP, turns, wait_until
+from fixtures_capture import LCAP, SocketServer, read_head, turns, wait_until
 from fixtures_memory import memory_cgroup
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
@@ -53,30 +53,19 @@ class Hostile:
 
     def __init__(self, serve: Callable[[socket.socket, bytes], None]) -> None:
         self.serve = serve
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+        self.server = SocketServer(self._one, threaded=True)
+        self.url = self.server.url
 
     def _one(self, conn: socket.socket) -> None:
         with conn, contextlib.suppress(OSError):
-            data = b""
-            while b"\r\n\r\n" not in data and (chunk := conn.recv(65536)):
-                data += chunk
+            data = read_head(conn)
             if data.startswith(b"GET /v1/models"):
                 conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(MODELS), MODELS))
                 return
             self.serve(conn, data)
 
     def close(self) -> None:
-        self.sock.close()
+        self.server.close()
 
 
 def accept_websocket(conn: socket.socket, head: bytes) -> tuple[int, bytes] | None:

@@ -17,11 +17,10 @@ import resource
 import socket
 import ssl
 import subprocess
-import threading
 import time
 
 import httpx
-from fixtures_capture import LCAP, turns, wait_until
+from fixtures_capture import LCAP, SocketServer, turns, wait_until
 
 from lcap.capture.options import ProxyOptions
 from lcap.capture.proxy import connections
@@ -212,29 +211,21 @@ def test_answers_past_the_limit(store):
     event = b'data: {"choices":[{"index":0,"delta":{"content":"%s"}}]}\n\n' % (b"y" * 1000)
     huge = b"{" + b'"pad": "' + b"z" * 200_000 + b'"}'
 
-    def serve(sock: socket.socket) -> None:
-        while True:
-            try:
-                conn, _ = sock.accept()
-            except OSError:
-                return
-            with conn:
-                request = conn.recv(65536)
-                if b'"stream": true' in request:
-                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n")
-                    for _ in range(300):
-                        conn.sendall(event)
-                else:
-                    conn.sendall(
-                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                        % (len(huge), huge)
-                    )
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            request = conn.recv(65536)
+            if b'"stream": true' in request:
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n")
+                for _ in range(300):
+                    conn.sendall(event)
+            else:
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                    % (len(huge), huge)
+                )
 
-    with socket.socket() as upstream:
-        upstream.bind(("127.0.0.1", 0))
-        upstream.listen()
-        threading.Thread(target=serve, args=(upstream,), daemon=True).start()
-        url = f"http://127.0.0.1:{upstream.getsockname()[1]}"
+    with SocketServer(serve) as upstream:
+        url = upstream.url
         options = ProxyOptions(require_credentials=False, max_body_bytes=100_000)
         with CaptureProxy(store, options) as proxy:
             with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as agent:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import socket
 import ssl
-import threading
 
 import httpx
 import pytest
+from fixtures_capture import SocketServer, read_head
 
 from lcap.capture.options import ProxyOptions
 from lcap.capture.proxy.server import CaptureProxy
@@ -28,27 +28,18 @@ class RawUpstream:
 
     def __init__(self, answer: bytes) -> None:
         self.answer = answer
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._serve, daemon=True).start()
+        self.server = SocketServer(self._serve)
+        self.url = self.server.url
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                data = b""
-                while b"\r\n\r\n" not in data and (chunk := conn.recv(65536)):
-                    data += chunk
-                if data.startswith(b"GET"):
-                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(MODELS), MODELS))
-                else:
-                    conn.sendall(self.answer)
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            if read_head(conn).startswith(b"GET"):
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(MODELS), MODELS))
+            else:
+                conn.sendall(self.answer)
 
     def close(self) -> None:
-        self.sock.close()
+        self.server.close()
 
 
 def call(proxy: CaptureProxy, body: bytes, chunked: bool) -> httpx.Response:

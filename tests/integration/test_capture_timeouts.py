@@ -13,13 +13,12 @@ import asyncio
 import json
 import os
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from fixtures_capture import turns
+from fixtures_capture import SocketServer, read_head, turns
 
 from lcap.capture.options import ProxyOptions
 from lcap.capture.proxy.server import CaptureProxy
@@ -36,30 +35,14 @@ class Hung:
 
     def __init__(self, prefix: bytes = b"") -> None:
         self.prefix = prefix
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen()
         self.closed_at: list[float] = []
         self.requests = 0
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._hold, args=(conn,), daemon=True).start()
+        self.url = SocketServer(self._hold, threaded=True).url
 
     def _hold(self, conn: socket.socket) -> None:
         with conn:
-            data = b""
-            while b"\r\n\r\n" not in data:
-                data += conn.recv(65536)
+            if b"\r\n\r\n" not in read_head(conn):
+                return
             self.requests += 1
             conn.sendall(self.prefix)
             while conn.recv(65536):

@@ -12,10 +12,10 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 import pytest
+from fixtures_capture import SocketServer
 
 from lcap.capture.sandbox import CGROUPS, GROUP, missing
 from lcap.config import LcapError
@@ -92,23 +92,16 @@ elif mode == "secrets":
 """
 
 
-class Listener:
+class Listener(SocketServer):
     """A host loopback port that counts the connections it gets."""
 
     def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
         self.accepted = 0
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__(self._count)
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            conn.close()
+    def _count(self, conn: socket.socket) -> None:
+        self.accepted += 1
+        conn.close()
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +163,7 @@ def sandboxed(fake_llm):
         )
     }
     yield store, episodes, target, listener, Path(result.run_dir)
-    listener.sock.close()
+    listener.close()
     shutil.rmtree(base, ignore_errors=True)
 
 

