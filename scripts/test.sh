@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The README's test command: set up (idempotent), lint and type-check, then run the suite (every tier unless
-# arguments name tests: `scripts/test.sh tests/unit`). The whole suite runs in two phases: tests/unit and
-# tests/integration one test at a time (their timing bounds, a handshake or a writer's restart within seconds,
-# failed now and then with two workers on the two cores), then tests/e2e on two pytest-xdist workers, one per core
-# here, each file on one worker (its module fixtures, a vLLM server or Ray cluster its tests share, are set up
-# once), handed out in collection order (xdist's default would order them by their count of tests, leaving a
-# one-test file of minutes to the end). Tests named as arguments run on two workers; `-n 0` among the arguments
-# runs them serially. The whole suite first installs the harnesses of tests/e2e/test_harnesses.py (their fixture
-# only checks them then).
+# arguments name tests: `scripts/test.sh tests/unit`; the unit tier alone, without set-up or lint, is
+# `.venv/bin/python -m pytest tests/unit`). The whole suite runs in two phases, each on two pytest-xdist workers,
+# one per core here: tests/unit and tests/integration, then tests/e2e (whose vLLM training and decoding would
+# starve an integration test's proxy beside it); between them, the tests marked `serial` run alone. Each file
+# runs on one worker (its module fixtures, a vLLM server or Ray cluster its tests share, are set up once), files
+# handed out in collection order (xdist's default would order them by their count of tests, leaving a one-test
+# file of minutes to the end). Tests named as arguments run on two workers; `-n 0` among the arguments runs them
+# serially. The whole suite first installs the harnesses of tests/e2e/test_harnesses.py (their fixture only
+# checks them then).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -20,6 +21,7 @@ for arg in "$@"; do
 done
 scripts/harnesses/install.sh  # the real harnesses tests/e2e/test_harnesses.py runs (idempotent): set-up, not test time
 status=0
-.venv/bin/python -m pytest tests/unit tests/integration "$@" || status=$?
+"${pytest[@]}" tests/unit tests/integration -m "not serial" "$@" || status=$?
+.venv/bin/python -m pytest tests/unit tests/integration -m serial "$@" || status=$?
 "${pytest[@]}" tests/e2e "$@" || status=$?
 exit "$status"

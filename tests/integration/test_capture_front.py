@@ -281,6 +281,10 @@ def _sse_upstream(gap: float) -> tuple[socket.socket, threading.Thread]:
     return sock, thread
 
 
+# asyncio runs a timer as soon as it is within its clock resolution of due: a hold can end that much early
+CLOCK = 0.01
+
+
 @pytest.mark.parametrize(
     "gap, hold, token_ids, first_write",
     [
@@ -318,7 +322,7 @@ def test_a_stream_head_waits_briefly_for_its_first_event(store, monkeypatch, gap
         assert proxy.flush(timeout=10)
     assert first.startswith(b"HTTP/1.1 200")
     if first_write is None:
-        assert b"data:" not in first and hold <= waited < gap  # the head came alone, when the hold ran out
+        assert b"data:" not in first and hold - CLOCK <= waited < gap  # the head came alone, when the hold ran out
     else:
         assert first_write in first  # not the head alone (a slow reader may find more behind it)
     assert b"data: [DONE]" in received

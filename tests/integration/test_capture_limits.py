@@ -20,6 +20,7 @@ import subprocess
 import time
 
 import httpx
+import pytest
 from fixtures_capture import LCAP, SocketServer, turns, wait_until
 
 from lcap.capture.options import ProxyOptions
@@ -245,6 +246,7 @@ def test_answers_past_the_limit(store):
     assert 90_000 < len(stream_row["completion_text"]) <= 100_000  # its first 100,000 bytes, the last event cut
 
 
+@pytest.mark.serial  # failed each time a second worker ran beside it, passed each time alone: not yet explained
 def test_memory_returns_to_baseline_after_a_big_body(capture_env, llm):
     """A 40 MB call (under the default limit) and 200 MB offered past it, on the front and on mitmproxy: the proxy's
     resident memory comes back to where it was."""

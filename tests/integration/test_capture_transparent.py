@@ -444,7 +444,13 @@ def test_kill_9_leaves_nothing_behind(capture_env, llm, transparent_ok):
     assert subprocess.run(["iptables-save"], capture_output=True, text=True).stdout.count("REDIRECT") == (
         host_rules.count("REDIRECT")
     )
-    assert Path("/proc/self/mountinfo").read_text() == host_mounts
+    added = set(Path("/proc/self/mountinfo").read_text().splitlines()) - set(host_mounts.splitlines())
+    assert not [m for m in added if not _sandbox_work(m)], added
+
+
+def _sandbox_work(mount: str) -> bool:
+    """An episode's work folder that `lcap collect --sandbox`, on another worker or another run, mounted meanwhile."""
+    return mount.split()[4].endswith("/work") and "uid=65534,gid=65534" in mount
 
 
 def _inode(path: str) -> int | None:

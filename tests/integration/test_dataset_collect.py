@@ -104,7 +104,7 @@ def test_collect_records_every_outcome(collect_env):
     result = collect(
         store, tasks=tasks, command=[sys.executable, "agent.py", "{mode}"], options=options, labels={"exp": "unit"}
     )
-    assert time.monotonic() - started < 60
+    assert time.monotonic() - started < 120  # under the hung agent's own sleep: it ended at its timeout
     assert (result.episodes, result.finished, result.failed, result.skipped) == (12, 4, 8, 0)
     assert result.statuses == {"ok": 4, "failed": 2, "timeout": 2, "error": 4} and result.tampered == 2
     assert result.mean_reward == pytest.approx(0.5)  # 1.0, 1.0 (len 4 % 3) and 0.0, 0.0 (tampered)
