@@ -112,6 +112,19 @@ class Sandbox:
                 args += ["--tmpfs", str(path)]
         return args
 
+    def path_to(self, workdir: Path) -> list[str]:
+        """bubblewrap's arguments that let the agent reach its workspace by its path: the folders between a hidden
+        folder and the workspace, made in the hidden folder's tmpfs, open to every user (bubblewrap would copy the
+        modes of the host's folders, lcap's private run folders among them)."""
+        above = [h for h in self.hidden if workdir.is_relative_to(h)]
+        if not above:
+            return []
+        args: list[str] = []
+        for folder in reversed(workdir.parents):
+            if folder != above[-1] and folder.is_relative_to(above[-1]):
+                args += ["--perms", "0755", "--dir", str(folder)]
+        return args
+
     def episode(self, episode_id: str, workdir: Path) -> EpisodeSandbox:
         return EpisodeSandbox(self, episode_id, workdir)
 
@@ -188,6 +201,7 @@ class EpisodeSandbox:
             for name, value in env.items():
                 if outside in value:
                     env[name] = value.replace(outside, inside)
+        args += self.sandbox.path_to(self.workdir)
         args += ["--bind", str(self.workdir), str(self.workdir)]
         args += ["--perms", "1777", "--size", str(self.limits.disk_mb << 20), "--tmpfs", str(self.tmp)]
         args += ["--chdir", str(self.workdir), "--info-fd", str(info_w), "--block-fd", str(block_r), "--"]
