@@ -76,6 +76,7 @@ def serve(model: str, out: Path, env: dict[str, str], context: int | None) -> No
         source = [] if model == "tiny" else ["--from", model]
         subprocess.run([LCAP, "init-model", str(model_dir), *source], env=env, check=True)
     args = [LCAP, "serve", "--model", str(model_dir), "--name", model, "--db", str(home / "serve.duckdb")]
+    args += ["--timeout", "1800"]  # a loaded machine starts vLLM slowly
     if context:
         args += ["--", "--max-model-len", str(context)]
     t0 = time.perf_counter()
