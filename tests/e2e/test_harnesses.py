@@ -134,16 +134,16 @@ class Matrix:
         return "\n".join(out)
 
 
-def install(names: list[str]) -> dict[str, str]:
-    """Install each harness (idempotent); the error of each that could not be, by install name."""
+def install(names: list[str], directory: Path | None = None, python: str | None = None) -> dict[str, str]:
+    """Install each harness (idempotent) into `directory` (default harness_dir()), the Python ones in venvs of
+    `python` (default install.sh's); the error of each that could not be, by install name."""
     failed = {}
+    env = dict(os.environ, LCAP_HARNESS_DIR=str(directory or harness_dir()))
+    if python:
+        env["LCAP_HARNESS_PYTHON"] = python
     for name in names:
         done = subprocess.run(
-            [str(HARNESSES / "install.sh"), name],
-            env=dict(os.environ, LCAP_HARNESS_DIR=str(harness_dir())),
-            capture_output=True,
-            text=True,
-            timeout=1200,
+            [str(HARNESSES / "install.sh"), name], env=env, capture_output=True, text=True, timeout=1200
         )
         if done.returncode != 0:
             failed[name] = done.stderr.strip()[-1500:] or f"install.sh exited {done.returncode}"
