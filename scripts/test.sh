@@ -20,6 +20,9 @@ for arg in "$@"; do
   fi
 done
 scripts/harnesses/install.sh  # the real harnesses tests/e2e/test_harnesses.py runs (idempotent): set-up, not test time
+# ...and the two tests/e2e/test_coding_sandbox.py runs under --sandbox, where the sandbox's user can reach them
+LCAP_HARNESS_DIR=${LCAP_SANDBOX_HARNESS_DIR:-/var/cache/lcap-harnesses} LCAP_HARNESS_PYTHON=/usr/bin/python3 \
+  scripts/harnesses/install.sh codex mini
 status=0
 "${pytest[@]}" tests/unit tests/integration -m "not serial" "$@" || status=$?
 .venv/bin/python -m pytest tests/unit tests/integration -m serial "$@" || status=$?
