@@ -19,15 +19,19 @@ import hashlib
 import importlib
 import importlib.metadata
 import json
+import shutil
 import sys
-from dataclasses import asdict, dataclass
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from lcap.config import LcapError, lcap_home
 from lcap.installs import announce, run_install
+from lcap.locks import file_lock
 from lcap.serve.tiny_model import CHAT_TEMPLATE, portable_tokenizer_config
 
 STAMP = "lcap-model.json"
+CONVERT_WAIT = 900.0  # seconds to wait for another process converting the same checkpoint
 
 
 @dataclass(frozen=True)
@@ -137,19 +141,30 @@ def init_pretrained(out: Path, name: str) -> Path:
         raise LcapError(f"--from {name}: choose tiny or one of {', '.join(SOURCES)}")
     gguf = find_gguf(source)
     template = chat_template(source.default_system)
-    stamp = {
-        **asdict(source),
+    stamp = {  # what the checkpoint is made from: a change of any converts again
+        "name": source.name,
+        "distribution": source.distribution,
+        "version": source.version,
+        "file": source.file,
+        "default_system": source.default_system,
         "gguf_sha256": file_sha256(gguf),
         "template_sha256": hashlib.sha256(template.encode()).hexdigest(),
     }
-    out = Path(out)
-    stamp_path = out / STAMP
-    if stamp_path.is_file() and json.loads(stamp_path.read_text()) == stamp:
-        return out
-    if out.exists() and any(out.iterdir()) and not stamp_path.is_file():
-        raise LcapError(f"{out} exists, is not empty and holds no checkpoint lcap made")
-    convert_gguf(gguf, out, template=template)
-    stamp_path.write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
+    out = Path(out).absolute()
+    with file_lock(out.parent / f".{out.name}.lock", wait=CONVERT_WAIT, what=f"the checkpoint {out}"):
+        if (out / STAMP).is_file() and json.loads((out / STAMP).read_text()) == stamp:
+            return out
+        if out.exists() and any(out.iterdir()) and not (out / STAMP).is_file():
+            raise LcapError(f"{out} exists, is not empty and holds no checkpoint lcap made")
+        made = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+        try:
+            convert_gguf(gguf, made, template=template)
+            (made / STAMP).write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
+            if out.exists():
+                shutil.rmtree(out)
+            made.rename(out)
+        finally:
+            shutil.rmtree(made, ignore_errors=True)
     return out
 
 

@@ -11,19 +11,20 @@ collects too. `tests` names the task's pristine test files: a file or directory 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from lcap.config import LcapError, lcap_home
+from lcap.locks import file_lock
 
 GIT_TIMEOUT = 1800.0  # seconds one git command may take (a large repository's first clone)
+CHECKOUT_WAIT = 2 * GIT_TIMEOUT  # for another process's clone and checkout of the same repository
 
 
 def source_dir(task: Mapping[str, Any], tasks_dir: Path) -> Path | None:
@@ -53,7 +54,7 @@ def checkout(repo: str, commit: str, tasks_dir: Path) -> Path:
     key = hashlib.sha256(url.encode()).hexdigest()[:16]
     cache = lcap_home() / "cache" / "repos"
     mirror = cache / f"{key}.git"
-    with _locked(cache / f"{key}.lock"):
+    with file_lock(cache / f"{key}.lock", wait=CHECKOUT_WAIT, what=f"the checkout of {repo}"):
         if not mirror.exists():
             tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=cache))
             _git(["clone", "--quiet", "--mirror", url, str(tmp)], f"cannot clone {repo}")
@@ -142,14 +143,3 @@ def _git(args: list[str], what: str) -> None:
     if proc.returncode != 0:
         tail = " ".join(proc.stderr.strip().splitlines()[-2:])
         raise LcapError(f"{what}: git {args[0] if args[0] != '-C' else args[2]} exited {proc.returncode}: {tail}")
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)

@@ -7,6 +7,9 @@ out (its q/k rows permuted for its rope), so the converted checkpoint can be com
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -180,6 +183,34 @@ def test_init_model_from_a_source_is_made_once_and_leaves_other_directories_alon
         init_pretrained(other, "smollm2")
     with pytest.raises(LcapError, match="choose tiny or one of smollm2"):
         init_pretrained(tmp_path / "x", "gpt-5")
+
+
+def test_a_checkpoint_is_converted_once_by_processes_that_ask_at_once_and_appears_whole(
+    small_gguf, tmp_path, monkeypatch
+):
+    """Two `lcap demo` runs started together on a fresh home: one converts, the other waits and finds the
+    checkpoint; the folder never holds a half-written one. What only announces an install (its size) is not part
+    of what the checkpoint is made from."""
+    path, _, _ = small_gguf
+    monkeypatch.setattr(pretrained, "find_gguf", lambda source: path)
+    out = tmp_path / "model"
+    converted: list[Path] = []
+    convert = pretrained.convert_gguf
+
+    def slow_convert(gguf: Path, into: Path, *, template: str) -> Path:
+        converted.append(into)
+        time.sleep(0.5)
+        assert not out.exists()  # the other caller waits; nothing is at `out` until the checkpoint is whole
+        return convert(gguf, into, template=template)
+
+    monkeypatch.setattr(pretrained, "convert_gguf", slow_convert)
+    with ThreadPoolExecutor(2) as pool:
+        made = list(pool.map(lambda _: init_pretrained(out, "smollm2"), range(2)))
+    assert made == [out, out] and len(converted) == 1 and converted[0] != out
+    assert (out / STAMP).is_file() and not [p for p in tmp_path.iterdir() if p.name.startswith(".model-")]
+    monkeypatch.setitem(pretrained.SOURCES, "smollm2", replace(pretrained.SOURCES["smollm2"], size="1 TB"))
+    init_pretrained(out, "smollm2")
+    assert len(converted) == 1
 
 
 def test_without_the_wheel_the_error_says_how_to_install_it():
