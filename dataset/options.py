@@ -18,6 +18,7 @@ from lcap.capture.options import (
 )
 from lcap.cli_options import option
 from lcap.config import LcapError
+from lcap.schema import ADVANTAGE_METHODS
 
 UPSTREAM_HELP = "'policy' (the deployed vLLM), a URL, or 'none' (the agent's own host)."
 
@@ -136,10 +137,28 @@ class BuildOptions:
         "reward_source, age, ...; see the guide) choosing the episodes, of every round unless --round is given. "
         "Read-only, as in `lcap sql`. Groups and advantages are computed over the chosen episodes.",
     )
+    reward_source: str | None = option(
+        None,
+        help="Train on each episode's latest reward from this source (a verifier, `lcap rescore --source`, 'cli', "
+        "a reward poster's); episodes without one are left out. Default: the latest reward of any source.",
+    )
+    advantage: Literal["group", "batch", "rloo"] = option(
+        "group",
+        help="The baseline: group (GRPO: each task's samples of a round), batch (REINFORCE++: mean and std over "
+        "every chosen episode) or rloo (leave-one-out mean over the chosen episodes). batch and rloo need no "
+        "repeated prompt: live traffic, where a task is rarely run twice.",
+    )
 
     def __post_init__(self) -> None:
         if self.truncated not in ("drop", "mask", "keep"):
             raise LcapError(f"--truncated must be drop, mask or keep, not {self.truncated!r}")
+        if self.advantage not in ADVANTAGE_METHODS:
+            raise LcapError(
+                f"--advantage must be {', '.join(ADVANTAGE_METHODS[:-1])} or {ADVANTAGE_METHODS[-1]}, "
+                f"not {self.advantage!r}"
+            )
+        if self.reward_source is not None and not self.reward_source.strip():
+            raise LcapError("--reward-source must name a source")
         if self.format not in ("grpo", "sft"):
             raise LcapError(f"--format must be grpo or sft, not {self.format!r}")
 
