@@ -181,3 +181,43 @@ class ExportOptions:
     def __post_init__(self) -> None:
         if self.format not in ("openai", "hf", "verl"):
             raise LcapError(f"--format must be openai, hf or verl, not {self.format!r}")
+
+
+@dataclass(frozen=True)
+class RescoreOptions:
+    """What `lcap rescore` scores and how; flags, defaults and help come from here."""
+
+    verifier: str | None = option(
+        None, help="Command, module:function or file.py:function: collect's verifier protocol, plus the transcript."
+    )
+    where: str | None = option(
+        None,
+        help="SQL condition over the view episode_selection choosing the episodes to score (as build-dataset "
+        "--where: read-only, as in `lcap sql`); `true` for all.",
+    )
+    source: str | None = option(
+        None,
+        help="The rewards' source, which `build-dataset --reward-source` names (default: rescore: and the verifier). "
+        "An episode this source scored already is skipped, so a rerun resumes.",
+    )
+    concurrency: int = option(8, flag="--concurrency,-j", help="Verifiers running at once.")
+    timeout: float = option(600.0, help="Seconds per verifier run; past them its episode fails (flag rescore_error).")
+    tasks: Path | None = option(
+        None, help="The tasks JSONL the episodes ran: a verifier gets its episode's task (else only its id)."
+    )
+
+    def __post_init__(self) -> None:
+        if not (self.verifier or "").strip():
+            raise LcapError("lcap rescore needs --verifier")
+        if not (self.where or "").strip():
+            raise LcapError("lcap rescore needs --where (`--where true` scores every episode)")
+        if self.source is not None and not self.source.strip():
+            raise LcapError("--source must name a source")
+        if self.concurrency < 1:
+            raise LcapError("--concurrency must be at least 1")
+        if self.timeout <= 0:
+            raise LcapError("--timeout must be above 0")
+
+    def source_name(self) -> str:
+        """The source its rewards are stored under."""
+        return self.source or f"rescore:{(self.verifier or '').strip()}"

@@ -222,6 +222,39 @@ def conversations(con: Any, episodes: list[str] | None, *, tokens: bool) -> tupl
     return records, skipped
 
 
+def transcripts(con: Any, episodes: list[str]) -> dict[str, dict[str, Any]]:
+    """What `lcap rescore` hands a verifier for each episode: the export's record in the OpenAI chat form (the
+    messages of its call with the longest prompt and that call's answer, redacted), its `status`, `labels` and
+    `truncated` (the answer was cut by the token limit), `tools` as a list; `messages` None with `no_messages`
+    saying why where the export has no conversation for it."""
+    rows = con.sql(_EPISODES, params={"episodes": episodes}).to_arrow_table().to_pylist()
+    labels = dict(
+        con.execute(
+            "SELECT episode_id, labels::VARCHAR FROM episodes WHERE episode_id IN (SELECT unnest(?::VARCHAR[]))",
+            [episodes],
+        ).fetchall()
+    )
+    out = {}
+    for row in rows:
+        base = {k: row[k] for k in ("episode_id", "task_id", "round", "split", "run", "model", "deployment")}
+        base.update(status=row["status"], labels=json.loads(labels.get(row["episode_id"]) or "{}"))
+        base.update(truncated=bool(row["truncated"]), messages=None, tools=None, no_messages=None)
+        why = "no successful call" if row["dialect"] is None else None
+        if why is None and row["dialect"] not in _DIALECTS:
+            why = f"{row['dialect']} dialect (chat and messages only)"
+        record = (
+            None
+            if why
+            else _redacted(_record(row | dict.fromkeys(("prompt_ids", "completion_ids", "loss_mask", "logprobs"))))
+        )
+        if record is None:
+            base["no_messages"] = why or "not text"
+        else:
+            base.update(messages=record["messages"], tools=json.loads(record["tools"]) if record["tools"] else None)
+        out[row["episode_id"]] = base
+    return out
+
+
 def _unusable(row: dict[str, Any]) -> str | None:
     if row["dialect"] is None:
         return "no successful call"

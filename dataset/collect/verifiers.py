@@ -6,7 +6,9 @@ A verifier is either a command or a Python callable:
   task as JSON in `LCAP_TASK`, the episode id in `LCAP_EPISODE_ID`, the working directory in
   `LCAP_WORKDIR`, the agent's exit code in `LCAP_AGENT_EXIT_CODE` and its stdout both on stdin
   and in the file named by `LCAP_AGENT_STDOUT`. It prints a float, or a JSON object with
-  `reward` and any details, as its last line. A non-zero exit is a verifier error.
+  `reward` and any details, as its last line. A non-zero exit is a verifier error. Under `lcap rescore` it
+  also gets the episode's transcript (`lcap.dataset.build.export.transcripts`) as JSON in the file named by
+  `LCAP_TRANSCRIPT`, and runs in the episode's kept workspace, else in an empty folder.
 * `module:function` or `path/to/file.py:function`: called with a `VerifierContext`; returns a
   float, a `(reward, details)` pair, a dict with `reward`, or a `Verdict`. A function may declare
   the files it protects from the agent with a `protected` attribute (globs in the workdir).
@@ -62,6 +64,8 @@ class VerifierContext:
     stdout: str
     exit_code: int | None
     status: str
+    transcript: Mapping[str, Any] | None = None  # `lcap rescore`: the episode's transcript
+    transcript_file: Path | None = None  # the same as JSON, for a command (LCAP_TRANSCRIPT)
 
     @property
     def task_id(self) -> str:
@@ -85,6 +89,8 @@ class CommandVerifier:
             LCAP_AGENT_STDOUT=str(stdout_file),
             LCAP_AGENT_EXIT_CODE="" if ctx.exit_code is None else str(ctx.exit_code),
         )
+        if ctx.transcript_file is not None:
+            env["LCAP_TRANSCRIPT"] = str(ctx.transcript_file)
         try:
             proc = subprocess.run(
                 self.argv,
