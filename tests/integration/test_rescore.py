@@ -219,3 +219,18 @@ def test_a_killed_rescore_resumes_and_scores_no_episode_twice(tmp_path, verifier
     assert done.returncode == 0, done.stderr
     assert f"16 episodes chosen, {len(stored)} scored before (skipped), {16 - len(stored)} scored" in done.stdout
     assert {e: len(r) for e, r in _rewards(store, source).items()} == dict.fromkeys(episodes, 1)
+
+
+def test_two_rescores_of_one_source_at_once_store_each_reward_once(tmp_path, verifier):
+    folder, command = verifier
+    store = Store(tmp_path / "lcap.duckdb")
+    for n in range(4):
+        _episode(store, f"e{n}", "Paris", session=True)
+    args = [LCAP, "rescore", "--db", str(store.path), "--verifier", command, "--where", "true", "--source", "twice"]
+    env = {**os.environ, "VERIFY_SLEEP": "1"}
+    procs = [subprocess.Popen(args, env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    for proc in procs:
+        assert proc.wait(timeout=120) == 0
+    logged = [json.loads(line)["episode"] for line in (folder / "log.jsonl").read_text().splitlines()]
+    assert len(logged) > 4  # both scored some episode: only the key kept a second reward out
+    assert {e: len(r) for e, r in _rewards(store, "twice").items()} == {f"e{n}": 1 for n in range(4)}
