@@ -28,10 +28,15 @@ transcript = json.load(open(os.environ["LCAP_TRANSCRIPT"]))
 episode = os.environ["LCAP_EPISODE_ID"]
 running = os.path.join(here, "running")
 os.makedirs(running, exist_ok=True)
-open(os.path.join(running, episode), "w").close()
+marker = os.path.join(running, f"{episode}-{os.getpid()}")
+open(marker, "w").close()
 at_once = len(os.listdir(running))
 time.sleep(float(os.environ.get("VERIFY_SLEEP", "0")))
-os.remove(os.path.join(running, episode))
+gate, waited = os.environ.get("VERIFY_GATE"), 0
+while gate and not os.path.exists(gate) and waited < 2400:
+    time.sleep(0.1)
+    waited += 1
+os.remove(marker)
 with open(os.path.join(here, "log.jsonl"), "a") as log:
     log.write(json.dumps({"episode": episode, "at_once": at_once}) + "\n")
 if os.path.exists(os.path.join(here, "fail")) and open(os.path.join(here, "fail")).read() == episode:
@@ -222,15 +227,22 @@ def test_a_killed_rescore_resumes_and_scores_no_episode_twice(tmp_path, verifier
 
 
 def test_two_rescores_of_one_source_at_once_store_each_reward_once(tmp_path, verifier):
+    """Both processes score every episode (each verifier waits until all eight run): only the key keeps the second
+    verdict of an episode out."""
     folder, command = verifier
     store = Store(tmp_path / "lcap.duckdb")
     for n in range(4):
         _episode(store, f"e{n}", "Paris", session=True)
     args = [LCAP, "rescore", "--db", str(store.path), "--verifier", command, "--where", "true", "--source", "twice"]
-    env = {**os.environ, "VERIFY_SLEEP": "1"}
+    env = {**os.environ, "VERIFY_GATE": str(tmp_path / "go")}
     procs = [subprocess.Popen(args, env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and len(list((folder / "running").glob("e*"))) < 8:
+            time.sleep(0.2)
+        assert len(list((folder / "running").glob("e*"))) == 8
+    finally:
+        (tmp_path / "go").touch()
     for proc in procs:
-        assert proc.wait(timeout=120) == 0
-    logged = [json.loads(line)["episode"] for line in (folder / "log.jsonl").read_text().splitlines()]
-    assert len(logged) > 4  # both scored some episode: only the key kept a second reward out
+        assert proc.wait(timeout=240) == 0
     assert {e: len(r) for e, r in _rewards(store, "twice").items()} == {f"e{n}": 1 for n in range(4)}
