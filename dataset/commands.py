@@ -1,5 +1,5 @@
-"""`lcap collect`, `lcap reward`, `lcap build-dataset`, `lcap export` (flags from `CollectOptions`, `BuildOptions`,
-`ExportOptions`)."""
+"""`lcap collect`, `lcap reward`, `lcap rescore`, `lcap build-dataset`, `lcap export` (flags from `CollectOptions`,
+`RescoreOptions`, `BuildOptions`, `ExportOptions`)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ from lcap.capture.options import NOT_POLICY_ROUTE_FLAGS, ProxyOptions
 from lcap.cli_options import DbOption, one_line_errors, parse_labels, with_options
 from lcap.config import LcapError
 from lcap.dataset.build.explain import causes, explain
-from lcap.dataset.options import BuildOptions, CollectOptions, ExportOptions
+from lcap.dataset.options import BuildOptions, CollectOptions, ExportOptions, RescoreOptions
 from lcap.display import printable
 
 
 def register(app: typer.Typer) -> None:
     app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(collect)
     app.command()(reward)
+    app.command()(rescore)
     app.command("build-dataset")(build_dataset)
     app.command("export")(export)
 
@@ -96,6 +97,38 @@ def reward(
         typer.echo(f"reward {value:g} -> {episode}")
     else:
         typer.echo(f"reward with key {key!r} stored already: {episode} left as it was")
+
+
+@one_line_errors
+@with_options(RescoreOptions, "options")
+def rescore(db: DbOption, options: RescoreOptions) -> None:
+    """Run a verifier again over stored episodes (--where) and store its verdicts as rewards of a source of their
+    own (--source), which `build-dataset --reward-source` trains on. Parallel (--concurrency); a rerun after a crash
+    or Ctrl-C skips the episodes already scored, and no episode gets two rewards of one source."""
+    from lcap.dataset.collect.rescore import rescore as run_rescore  # start-up: duckdb
+    from lcap.store import Store  # start-up: duckdb
+
+    def stop(*_: object) -> None:  # SIGTERM ends rescore like Ctrl-C: verdicts in hand are stored
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        result = run_rescore(Store(db), options)
+    except KeyboardInterrupt:
+        typer.echo(
+            "lcap rescore: interrupted; verdicts in hand are stored, re-run the same command to resume", err=True
+        )
+        raise typer.Exit(130) from None
+    typer.echo(result.line())
+    for error in result.errors:
+        typer.echo(f"lcap: rescore: {printable(error)}", err=True)
+    if result.failed:
+        typer.echo(
+            f"lcap: rescore: {result.failed} episodes' verifier failed (flag rescore_error, with what it said); "
+            "re-run the same command to score them",
+            err=True,
+        )
+        raise typer.Exit(1)
 
 
 @one_line_errors

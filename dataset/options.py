@@ -18,6 +18,7 @@ from lcap.capture.options import (
 )
 from lcap.cli_options import option
 from lcap.config import LcapError
+from lcap.schema import ADVANTAGE_METHODS
 
 UPSTREAM_HELP = "'policy' (the deployed vLLM), a URL, or 'none' (the agent's own host)."
 
@@ -147,10 +148,28 @@ class BuildOptions:
         "reward_source, age, ...; see the guide) choosing the episodes, of every round unless --round is given. "
         "Read-only, as in `lcap sql`. Groups and advantages are computed over the chosen episodes.",
     )
+    reward_source: str | None = option(
+        None,
+        help="Train on each episode's latest reward from this source (a verifier, `lcap rescore --source`, 'cli', "
+        "a reward poster's); episodes without one are left out. Default: the latest reward of any source.",
+    )
+    advantage: Literal["group", "batch", "rloo"] = option(
+        "group",
+        help="The baseline: group (GRPO: each task's samples of a round), batch (REINFORCE++: mean and std over "
+        "every chosen episode) or rloo (leave-one-out mean over the chosen episodes). batch and rloo need no "
+        "repeated prompt: live traffic, where a task is rarely run twice.",
+    )
 
     def __post_init__(self) -> None:
         if self.truncated not in ("drop", "mask", "keep"):
             raise LcapError(f"--truncated must be drop, mask or keep, not {self.truncated!r}")
+        if self.advantage not in ADVANTAGE_METHODS:
+            raise LcapError(
+                f"--advantage must be {', '.join(ADVANTAGE_METHODS[:-1])} or {ADVANTAGE_METHODS[-1]}, "
+                f"not {self.advantage!r}"
+            )
+        if self.reward_source is not None and not self.reward_source.strip():
+            raise LcapError("--reward-source must name a source")
         if self.format not in ("grpo", "sft"):
             raise LcapError(f"--format must be grpo or sft, not {self.format!r}")
 
@@ -173,3 +192,43 @@ class ExportOptions:
     def __post_init__(self) -> None:
         if self.format not in ("openai", "hf", "verl"):
             raise LcapError(f"--format must be openai, hf or verl, not {self.format!r}")
+
+
+@dataclass(frozen=True)
+class RescoreOptions:
+    """What `lcap rescore` scores and how; flags, defaults and help come from here."""
+
+    verifier: str | None = option(
+        None, help="Command, module:function or file.py:function: collect's verifier protocol, plus the transcript."
+    )
+    where: str | None = option(
+        None,
+        help="SQL condition over the view episode_selection choosing the episodes to score (as build-dataset "
+        "--where: read-only, as in `lcap sql`); `true` for all.",
+    )
+    source: str | None = option(
+        None,
+        help="The rewards' source, which `build-dataset --reward-source` names (default: rescore: and the verifier). "
+        "An episode this source scored already is skipped, so a rerun resumes.",
+    )
+    concurrency: int = option(8, flag="--concurrency,-j", help="Verifiers running at once.")
+    timeout: float = option(600.0, help="Seconds per verifier run; past them its episode fails (flag rescore_error).")
+    tasks: Path | None = option(
+        None, help="The tasks JSONL the episodes ran: a verifier gets its episode's task (else only its id)."
+    )
+
+    def __post_init__(self) -> None:
+        if not (self.verifier or "").strip():
+            raise LcapError("lcap rescore needs --verifier")
+        if not (self.where or "").strip():
+            raise LcapError("lcap rescore needs --where (`--where true` scores every episode)")
+        if self.source is not None and not self.source.strip():
+            raise LcapError("--source must name a source")
+        if self.concurrency < 1:
+            raise LcapError("--concurrency must be at least 1")
+        if self.timeout <= 0:
+            raise LcapError("--timeout must be above 0")
+
+    def source_name(self) -> str:
+        """The source its rewards are stored under."""
+        return self.source or f"rescore:{(self.verifier or '').strip()}"

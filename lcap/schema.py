@@ -230,16 +230,21 @@ CREATE TABLE IF NOT EXISTS dataset_reports (
 # Messages 'max_tokens', Responses 'max_output_tokens'. SQL asks `cut_by_token_limit(finish_reason)`.
 TRUNCATED_REASONS = ("length", "max_tokens", "max_output_tokens")
 
-VIEWS = (
-    f"""
+# The baselines `advantages_by` knows (`build-dataset --advantage`), and how many episodes the batch ones put in
+# one of the trainer's groups (TRL lays a batch out in groups; the advantage stays the batch's).
+ADVANTAGE_METHODS = ("group", "batch", "rloo")
+BATCH_LAYOUT = 8
+
+VIEWS = f"""
 CREATE OR REPLACE MACRO cut_by_token_limit(reason) AS
     coalesce(reason IN ({", ".join(f"'{r}'" for r in TRUNCATED_REASONS)}), false);
-"""
-    + """
-CREATE OR REPLACE VIEW latest_rewards AS
+""" + """
+-- each episode's latest reward from one source (`lcap rescore --source`, a verifier, 'cli', ...; NULL: any source)
+CREATE OR REPLACE MACRO rewards_from(source_) AS TABLE
     SELECT episode_id, arg_max(value, created_at) AS reward,
            arg_max(details, created_at) AS details, arg_max(source, created_at) AS source
-    FROM rewards GROUP BY episode_id;
+    FROM rewards WHERE source_ IS NULL OR source = source_ GROUP BY episode_id;
+CREATE OR REPLACE VIEW latest_rewards AS SELECT * FROM rewards_from(NULL::VARCHAR);
 -- every reward with how late it came: seconds after its episode ended (its last turn, for an episode never ended)
 CREATE OR REPLACE VIEW reward_delays AS
     WITH last_turn AS (SELECT episode_id, max(ended_at) AS ended_at FROM turns GROUP BY episode_id)
@@ -269,23 +274,51 @@ CREATE OR REPLACE VIEW episode_summary AS
     FROM episodes e LEFT JOIN t USING (episode_id) LEFT JOIN latest_rewards r USING (episode_id)
     LEFT JOIN f USING (episode_id);
 
--- Episodes that can train: finished ok, rewarded, one per key (the latest), with the group's
--- statistics and the GRPO advantage (reward - group mean) / (sample std + 1e-4), as TRL computes it.
--- `advantages_over(ids)` computes them over the episodes `ids` only (NULL: all), so that a selection
--- (`build-dataset --where`) is the population its groups and advantages come from.
-CREATE OR REPLACE MACRO advantages_over(ids) AS TABLE
-    WITH eligible AS (
-        SELECT *, row_number() OVER (PARTITION BY round, split, task_id, sample ORDER BY started_at DESC) AS key_rank
-        FROM episode_summary
-        WHERE round IS NOT NULL AND task_id IS NOT NULL AND status = 'ok' AND reward IS NOT NULL
+-- Episodes that can train, one per key (the latest), with their baseline's statistics and advantage.
+-- `advantages_by(ids, method, source_)`: over the episodes `ids` only (NULL: all), so that a selection
+-- (`build-dataset --where`) is the population its groups and advantages come from; the reward is each
+-- episode's latest from `source_` (NULL: any source). An episode can train when it is rewarded and finished ok,
+-- or is a session of a serving proxy (labels.attributed_by; it never ends, its reward is its verdict) that is
+-- still running. `method` (`build-dataset --advantage`) names the baseline:
+--   group  GRPO (Shao et al. 2024, arXiv 2402.03300), as TRL computes it: (reward - group mean) /
+--          (group sample std + 1e-4) over one task's samples of one round and split; an episode needs a task
+--          and a round (its key: round, split, task, sample).
+--   batch  REINFORCE++'s global normalisation (Hu 2025, arXiv 2501.03262): (reward - batch mean) /
+--          (batch sample std + 1e-4) over every chosen episode of the split, tasks or none.
+--   rloo   RLOO (Kool et al. 2019; Ahmadian et al. 2024, arXiv 2402.14740) over the batch: reward minus the mean
+--          of the split's other chosen episodes, unscaled; 0 for a batch of one.
+-- An episode without a task or a round (live traffic) is its own key. Under batch and rloo the baseline's
+-- population is the split; group_id then lays the batch out for the trainer in groups of about
+-- BATCH_LAYOUT episodes (the advantage is the batch's, not the layout group's).
+CREATE OR REPLACE MACRO advantages_by(ids, method, source_) AS TABLE
+    WITH r AS (SELECT episode_id, reward FROM rewards_from(source_)),
+    s AS (
+        SELECT s.* EXCLUDE (reward), r.reward, e.labels->>'attributed_by' AS attributed_by
+        FROM episode_summary s JOIN episodes e USING (episode_id) LEFT JOIN r USING (episode_id)),
+    eligible AS (
+        SELECT *, row_number() OVER (
+                   PARTITION BY round, split, task_id, sample,
+                                CASE WHEN round IS NULL OR task_id IS NULL THEN episode_id END
+                   ORDER BY started_at DESC) AS key_rank,
+               CASE WHEN method = 'group' THEN group_id ELSE split END AS baseline
+        FROM s
+        WHERE reward IS NOT NULL AND (status = 'ok' OR (status = 'running' AND attributed_by IS NOT NULL))
+          AND (method <> 'group' OR (round IS NOT NULL AND task_id IS NOT NULL))
           AND (ids IS NULL OR episode_id IN (SELECT unnest(ids)))),
-    kept AS (SELECT * FROM eligible WHERE key_rank = 1)
-    SELECT episode_id, task_id, round, split, sample, group_id, reward, list_contains(flags, 'tampered') AS tampered,
-           count(*) OVER g AS group_size, avg(reward) OVER g AS group_mean,
-           coalesce(stddev_samp(reward) OVER g, 0) AS group_std,
-           (reward - avg(reward) OVER g) / (coalesce(stddev_samp(reward) OVER g, 0) + 1e-4) AS advantage,
-           max(reward) OVER g = min(reward) OVER g AS zero_variance
-    FROM kept WINDOW g AS (PARTITION BY group_id);
+    kept AS (
+        SELECT *, count(*) OVER g AS n, avg(reward) OVER g AS mean, coalesce(stddev_samp(reward) OVER g, 0) AS std,
+               row_number() OVER (PARTITION BY baseline ORDER BY episode_id) - 1 AS position
+        FROM eligible WHERE key_rank = 1 WINDOW g AS (PARTITION BY baseline))
+    SELECT episode_id, task_id, round, split, sample,
+           CASE WHEN method = 'group' THEN group_id
+                ELSE concat_ws('/', split, 'batch', position % greatest(n // BATCH_LAYOUT, 1)) END AS group_id,
+           reward, list_contains(flags, 'tampered') AS tampered, status,
+           n AS group_size, mean AS group_mean, std AS group_std,
+           CASE WHEN method = 'rloo' THEN CASE WHEN n > 1 THEN reward - (mean * n - reward) / (n - 1) ELSE 0 END
+                ELSE (reward - mean) / (std + 1e-4) END AS advantage,
+           max(reward) OVER (PARTITION BY baseline) = min(reward) OVER (PARTITION BY baseline) AS zero_variance
+    FROM kept;
+CREATE OR REPLACE MACRO advantages_over(ids) AS TABLE SELECT * FROM advantages_by(ids, 'group', NULL::VARCHAR);
 CREATE OR REPLACE VIEW episode_advantages AS SELECT * FROM advantages_over(NULL::VARCHAR[]);
 
 -- What `build-dataset --where` and `lcap export --where` select from: one row per episode, with what its
@@ -332,8 +365,7 @@ CREATE OR REPLACE VIEW turn_tokens AS
                 THEN list_transform(CASE WHEN rebuilt THEN rb_completion ELSE cap_completion END, lambda x: 0.0)
                 ELSE cap_logprobs END AS logprobs
     FROM j;
-"""
-)
+""".replace("BATCH_LAYOUT", str(BATCH_LAYOUT))
 
 # Training samples (dataset stage). Consecutive calls of an episode merge into one sequence when
 # the next prompt's token ids start with the previous prompt + completion (checked on ids, never

@@ -60,6 +60,28 @@ class StoreBuilder:
                 }
             ],
         )
+        self.turns(episode_id, turns)
+        if reward is not None:
+            self.reward(episode_id, reward)
+        for flag in flags:
+            self.store.append(
+                "episode_flags", [{"episode_id": episode_id, "flag": flag, "details": "{}", "created_at": self._tick()}]
+            )
+        return episode_id
+
+    def session(self, episode_id: str, *, reward: float | None = None, turns: list[dict] = ()) -> str:
+        """An episode a serving proxy opened for live traffic (sessions.py's row): no task, no round, still running."""
+        labels = {"session": episode_id, "tenant": "t" * 32, "attributed_by": "header"}
+        self.store.append(
+            "episodes",
+            [{"episode_id": episode_id, "started_at": self._tick(), "status": "running", "labels": json.dumps(labels)}],
+        )
+        self.turns(episode_id, turns)
+        if reward is not None:
+            self.reward(episode_id, reward)
+        return episode_id
+
+    def turns(self, episode_id: str, turns: list[dict]) -> None:
         rows = []
         for seq, turn in enumerate(turns):
             row = {
@@ -79,13 +101,6 @@ class StoreBuilder:
                 row["completion_logprobs"] = [-0.25] * len(row["completion_token_ids"])
             rows.append(row)
         self.store.append("turns", rows)
-        if reward is not None:
-            self.reward(episode_id, reward)
-        for flag in flags:
-            self.store.append(
-                "episode_flags", [{"episode_id": episode_id, "flag": flag, "details": "{}", "created_at": self._tick()}]
-            )
-        return episode_id
 
     def reward(self, episode_id: str, value: float, source: str = "test", details: dict | None = None) -> None:
         row = {"episode_id": episode_id, "value": value, "details": json.dumps(details or {}), "source": source}

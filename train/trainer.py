@@ -36,9 +36,11 @@ Four small, named departures from stock TRL, each tested:
    fixes before its forward.
 
 Advantages: the reward function hands TRL the advantage the episode builder computed (one
-definition of advantage for the whole product: the builder's group normalisation, its filters and
-its handling of short groups) and TRL runs with `scale_rewards="none"`, so its own group centring
-is a no-op on already-centred values (padding members carry 0 and no loss).
+definition of advantage for the whole product: the builder's baseline, `--advantage group|batch|rloo`,
+its filters and its handling of short groups) and TRL runs with `scale_rewards="none"`; TRL then
+centres each group again, which leaves a GRPO group's advantages as they were but would re-centre a
+batch baseline's layout group, so `_generate_and_score_completions` puts the builder's advantages back
+(padding members carry 0 and no loss).
 """
 
 from __future__ import annotations
@@ -156,6 +158,12 @@ class CapturedGRPOTrainer(GRPOTrainer):
             output = super()._generate_and_score_completions(inputs)
         finally:
             self._scoring_fused = False
+        captured = [row.get("advantage") for row in inputs]  # the rollout's fields, merged into this process's rows
+        if captured and None not in captured:
+            before = output["advantages"]
+            output["advantages"] = torch.tensor(captured, dtype=before.dtype, device=before.device).reshape(
+                before.shape
+            )
         ratio = output.get("importance_sampling_ratio")
         if ratio is not None and not fused:  # TRL appended this batch's IS figures just now
             self._no_token_figures(output)

@@ -33,7 +33,13 @@ from lcap.dataset.options import BuildOptions
 from lcap.display import rounded
 from lcap.store import Store, now
 
-ADVANTAGE = "(reward - group mean) / (group sample std, ddof=1, + 1e-4): TRL's GRPO scaling"
+# What each --advantage computes, as the report says it (the SQL is `advantages_by` in lcap.schema).
+ADVANTAGES = {
+    "group": "(reward - group mean) / (group sample std, ddof=1, + 1e-4): TRL's GRPO scaling",
+    "batch": "(reward - batch mean) / (batch sample std, ddof=1, + 1e-4): REINFORCE++'s global normalisation",
+    "rloo": "reward - mean reward of the batch's other episodes: RLOO's leave-one-out baseline over the batch",
+}
+ADVANTAGE = ADVANTAGES["group"]
 
 # One row per successful call of the round's trainable episodes, with its episode's reward and
 # advantage; lcap.dataset.build.merge turns them into samples (the rule the `samples` view states).
@@ -140,8 +146,13 @@ def build_dataset(
         raise LcapError("build-dataset needs --round, --where or both")
     round = None if round is None else int(round)
     out = Path(out)
-    report = BuildReport(round=round, split=options.split, out=str(out), options=asdict(options))
+    report = BuildReport(
+        round=round, split=options.split, out=str(out), options=asdict(options), advantage=ADVANTAGES[options.advantage]
+    )
     episodes = None if options.where is None else select_episodes(store, options.where)
+    by_population = episodes is None and (options.advantage != "group" or options.reward_source is not None)
+    if by_population:  # the baseline's population and the reward source need the chosen episodes named
+        episodes = _population(store, round, groups, options.split)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -165,7 +176,10 @@ def build_dataset(
         rebuilt = unrebuildable = 0
     clock("rebuild")
 
-    chosen = _Chosen(round, groups, episodes)
+    if by_population and groups is not None:  # the groups' episodes, of any round (`round` names the async step)
+        chosen = _Chosen(None, None, episodes, options.advantage, options.reward_source)
+    else:
+        chosen = _Chosen(round, groups, episodes, options.advantage, options.reward_source)
     params = chosen.params(options.split)
     with store.connect() as con:
         turns = con.sql(chosen(_SFT_TURNS if sft else _TURNS), params=params).to_arrow_table()
@@ -272,6 +286,8 @@ class _Chosen:
     round: int | None
     groups: Sequence[str] | None
     episodes: Sequence[str] | None
+    method: str = "group"
+    source: str | None = None
 
     def params(self, split: str) -> dict[str, Any]:
         params: dict[str, Any] = {"split": split}
@@ -293,10 +309,28 @@ class _Chosen:
         advantages = "episode_advantages"
         if self.episodes is not None:
             conditions.append("episode_id IN (SELECT unnest($episodes::VARCHAR[]))")
-            advantages = "advantages_over($episodes::VARCHAR[])"
+            advantages = f"advantages_by($episodes::VARCHAR[], '{self.method}', {_literal(self.source)})"
         return sql.format(
-            chosen=" AND ".join(conditions), a_chosen=" AND ".join(f"a.{c}" for c in conditions), advantages=advantages
+            chosen=" AND ".join(conditions),
+            a_chosen=" AND ".join(f"a.{c}" for c in conditions),
+            advantages=advantages,
+            rewards=f"rewards_from({_literal(self.source)})",
         )
+
+
+def _literal(text: str | None) -> str:
+    """`text` as a SQL string literal (NULL for None)."""
+    return "NULL::VARCHAR" if text is None else "'" + text.replace("'", "''") + "'"
+
+
+def _population(store: Store, round: int | None, groups: Sequence[str] | None, split: str) -> list[str]:
+    """The episodes of `round` (or of `groups`) and `split`: the population a batch baseline or a reward source
+    is computed over when no --where names it."""
+    chosen = _Chosen(round, groups, None)
+    return [
+        r[0]
+        for r in store.fetchall(chosen("SELECT episode_id FROM episode_summary WHERE {chosen}"), chosen.params(split))
+    ]
 
 
 def _source_rounds(
@@ -331,17 +365,18 @@ def _one(con, sql: str, params: dict[str, Any]) -> dict[str, int]:
 
 # Every episode of the round and split, by why it does or does not train.
 _EPISODE_COUNTS = """
-WITH e AS (SELECT * FROM episode_summary WHERE {chosen}),
+WITH e AS (SELECT *, episode_id IN (SELECT episode_id FROM {rewards}) AS rewarded FROM episode_summary WHERE {chosen}),
      a AS (SELECT * FROM {advantages} WHERE {chosen})
 SELECT (SELECT count(*) FROM e) AS total,
        (SELECT count(*) FILTER (WHERE status = 'failed') FROM e) AS failed,
        (SELECT count(*) FILTER (WHERE status = 'timeout') FROM e) AS timeout,
        (SELECT count(*) FILTER (WHERE status = 'error') FROM e) AS error,
        (SELECT count(*) FILTER (WHERE status NOT IN ('ok', 'failed', 'timeout', 'error') OR status IS NULL) FROM e)
-           AS unfinished,
-       (SELECT count(*) FILTER (WHERE status = 'ok' AND reward IS NULL) FROM e) AS no_reward,
-       (SELECT count(*) FILTER (WHERE status = 'ok' AND reward IS NOT NULL) FROM e) - (SELECT count(*) FROM a)
-           AS duplicate,
+           - (SELECT count(*) FROM a WHERE status = 'running') AS unfinished,
+       (SELECT count(*) FROM a WHERE status = 'running') AS live_sessions,
+       (SELECT count(*) FILTER (WHERE status = 'ok' AND NOT rewarded) FROM e) AS no_reward,
+       (SELECT count(*) FILTER (WHERE status = 'ok' AND rewarded) FROM e) + (SELECT count(*) FROM a WHERE status = 'running')
+           - (SELECT count(*) FROM a) AS duplicate,
        (SELECT count(*) FILTER (WHERE list_contains(flags, 'tampered')) FROM e) AS tampered,
        (SELECT count(*) FILTER (WHERE zero_variance) FROM a) AS zero_variance,
        (SELECT count(*) FROM a) AS rewarded

@@ -97,7 +97,15 @@ def causes(report: Any) -> list[Cause]:
 
     finished = total - failed - timeout - error - unfinished
     no_reward = episodes.get("no_reward", 0)
-    if no_reward:
+    source = options.get("reward_source")
+    if no_reward and source:
+        out.append(
+            Cause(
+                f"{no_reward} of {finished} finished episodes have no reward from --reward-source {source}",
+                f"score them with `lcap rescore --source {source} --verifier CMD --where ...`",
+            )
+        )
+    elif no_reward:
         out.append(
             Cause(
                 f"{no_reward} of {finished} finished episodes have no reward",
@@ -132,7 +140,8 @@ def causes(report: Any) -> list[Cause]:
         out.append(
             Cause(
                 f"{singleton} of {group_total} groups have a single rewarded episode (GRPO compares samples of one task)",
-                "collect with --group-size 2 or more",
+                "collect with --group-size 2 or more, or build with --advantage batch or rloo (a baseline over "
+                "every chosen episode: no repeated prompt needed)",
             )
         )
     equal = groups.get("zero_variance", 0) - singleton

@@ -52,9 +52,6 @@ VERL_DATA_SOURCE = "lcap"
 _DIALECTS = ("chat", "messages", "responses")  # OpenAI chat completions, Anthropic Messages, Responses (read as chat)
 BATCH_ROWS = 256  # episodes fetched from DuckDB at once, and rows per Parquet row group
 
-# The episodes chosen, each with its conversation's call (successful, a dialect export reads preferred: the call
-# whose request holds the most messages, the latest of equals) and, where its calls stitch into one sample of
-# captured ids, that sample's tokens.
 # The episodes chosen, oldest first, each with the turn of its conversation's call (successful, a dialect export reads
 # preferred: the call whose request holds the most messages, the latest of equals). Keys only: sorting the calls'
 # text would hold the whole selection in DuckDB's memory.
@@ -81,6 +78,12 @@ _CALLS = """
 SELECT turn_id, dialect, request::VARCHAR AS request, completion_text, tool_calls::VARCHAR AS tool_calls, reasoning,
        cut_by_token_limit(finish_reason) AS truncated
 FROM turns WHERE turn_id IN (SELECT unnest($turns::VARCHAR[]))
+"""
+# What a re-scoring verifier is told of each episode besides its conversation.
+_STATUS_AND_LABELS = """
+SELECT s.episode_id, s.status, e.labels::VARCHAR
+FROM episode_selection s JOIN episodes e USING (episode_id)
+WHERE s.episode_id IN (SELECT unnest(?::VARCHAR[]))
 """
 # Where a batch's episodes' calls stitch into one sample of captured ids, that sample's tokens.
 _TOKENS = """
@@ -267,6 +270,35 @@ def conversations(
                 skipped[record] += 1
                 continue
             yield _redacted(record)
+
+
+def transcripts(con: Any, episodes: list[str]) -> dict[str, dict[str, Any]]:
+    """What `lcap rescore` hands a verifier for each episode: the export's record in the OpenAI chat form (the
+    messages of its conversation's call and that call's answer, redacted, an answer cut by the token limit
+    included), its `status`, `labels` and `truncated` (the answer was cut by the token limit), `tools` as a list;
+    `messages` None with `no_messages` saying why where the export has no conversation for it."""
+    keys = con.sql(_EPISODES, params={"episodes": episodes}).to_arrow_table().to_pylist()
+    turns = [r["turn_id"] for r in keys if r["turn_id"] is not None]
+    calls = {c["turn_id"]: c for c in con.sql(_CALLS, params={"turns": turns}).to_arrow_table().to_pylist()}
+    facts = {
+        episode: (status, json.loads(labels or "{}"))
+        for episode, status, labels in con.execute(_STATUS_AND_LABELS, [episodes]).fetchall()
+    }
+    out = {}
+    for row in keys:
+        row.update(calls.get(row["turn_id"]) or {"dialect": None, "truncated": False})
+        status, labels = facts.get(row["episode_id"], (None, {}))
+        base = {k: row[k] for k in ("episode_id", "task_id", "round", "split", "run", "model", "deployment")}
+        base.update(status=status, labels=labels, truncated=bool(row["truncated"]), messages=None, tools=None)
+        record = _record({**row, "truncated": False, **dict.fromkeys(_TOKEN_COLUMNS)})
+        if isinstance(record, str):
+            base["no_messages"] = record
+        else:
+            record = _redacted(record)
+            base.update(messages=record["messages"], tools=json.loads(record["tools"]) if record["tools"] else None)
+            base["no_messages"] = None
+        out[row["episode_id"]] = base
+    return out
 
 
 def _record(row: dict[str, Any]) -> dict[str, Any] | str:

@@ -6,7 +6,9 @@ A verifier is either a command or a Python callable:
   task as JSON in `LCAP_TASK`, the episode id in `LCAP_EPISODE_ID`, the working directory in
   `LCAP_WORKDIR`, the agent's exit code in `LCAP_AGENT_EXIT_CODE` and its stdout both on stdin
   and in the file named by `LCAP_AGENT_STDOUT`. It prints a float, or a JSON object with
-  `reward` and any details, as its last line. A non-zero exit is a verifier error.
+  `reward` and any details, as its last line. A non-zero exit is a verifier error. Under `lcap rescore` it
+  also gets the episode's transcript (`lcap.dataset.build.export.transcripts`) as JSON in the file named by
+  `LCAP_TRANSCRIPT`, and runs in the episode's kept workspace, else in an empty folder.
 * `module:function` or `path/to/file.py:function`: called with a `VerifierContext`; returns a
   float, a `(reward, details)` pair, a dict with `reward`, or a `Verdict`. A function may declare
   the files it protects from the agent with a `protected` attribute (globs in the workdir).
@@ -34,7 +36,7 @@ import subprocess
 import sys
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -75,10 +77,26 @@ class VerifierContext:
     exit_code: int | None
     status: str
     sample: int = 0  # the episode's place in its task's group (0 .. group_size-1), as its `sample` label
+    transcript: Mapping[str, Any] | None = None  # `lcap rescore`: the episode's transcript
+    transcript_file: Path | None = None  # the same as JSON, for a command (LCAP_TRANSCRIPT)
 
     @property
     def task_id(self) -> str:
         return str(self.task["id"])
+
+    def to_json(self) -> dict[str, Any]:
+        """The context as JSON, for a verifier called in a child Python (`from_json`)."""
+        return {
+            f.name: str(v) if isinstance(v, Path) else dict(v) if isinstance(v, Mapping) else v
+            for f in fields(self)
+            for v in [getattr(self, f.name)]
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> VerifierContext:
+        paths = {"workdir", "transcript_file"}
+        values: dict[str, Any] = {k: Path(v) if k in paths and v is not None else v for k, v in data.items()}
+        return cls(**values)
 
 
 class CommandVerifier:
@@ -99,6 +117,8 @@ class CommandVerifier:
             LCAP_AGENT_STDOUT=str(stdout_file),
             LCAP_AGENT_EXIT_CODE="" if ctx.exit_code is None else str(ctx.exit_code),
         )
+        if ctx.transcript_file is not None:
+            env["LCAP_TRANSCRIPT"] = str(ctx.transcript_file)
         code, out, err = run_process(self.argv, env, ctx.workdir, ctx.stdout, self.timeout, box, self.name)
         said = f"{self.name} exited {code}\n--- stderr\n{err}--- stdout\n{out}"
         if code != 0:
@@ -139,17 +159,7 @@ class PythonVerifier:
         if self.source is None:
             raise VerifierError(f"{self.name} cannot be loaded again in a sandbox")
         target, func, base = self.source
-        request = {
-            "target": target,
-            "func": func,
-            "base": str(base),
-            "task": dict(ctx.task),
-            "episode_id": ctx.episode_id,
-            "workdir": str(ctx.workdir),
-            "stdout": ctx.stdout,
-            "exit_code": ctx.exit_code,
-            "status": ctx.status,
-        }
+        request = {"target": target, "func": func, "base": str(base), "context": ctx.to_json()}
         argv = [sys.executable, "-I", "-m", __name__]
         stdin = json.dumps(request, ensure_ascii=False, default=str)
         code, out, err = run_process(argv, dict(os.environ), ctx.workdir, stdin, self.timeout, box, self.name)
@@ -340,14 +350,7 @@ def _child_main() -> None:
     sys.stdout = sys.stderr
     try:
         func = _import_function(request["target"], request["func"], Path(request["base"]))
-        ctx = VerifierContext(
-            task=request["task"],
-            episode_id=request["episode_id"],
-            workdir=Path(request["workdir"]),
-            stdout=request["stdout"],
-            exit_code=request["exit_code"],
-            status=request["status"],
-        )
+        ctx = VerifierContext.from_json(request["context"])
         verdict = to_verdict(func(ctx))
         answer: dict[str, Any] = {"reward": verdict.reward, "details": verdict.details}
     except Exception as exc:

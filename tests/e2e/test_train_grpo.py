@@ -7,7 +7,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from fixtures_train import write_samples
+from fixtures_train import make_captured_samples, write_samples
 from logps import perturbed_samples, token_logps, train_options
 
 from lcap.store import Store
@@ -302,3 +302,21 @@ def test_a_step_with_no_token_has_no_figures_and_no_warning(tiny_train_model, ca
     ratios = [h["sampling/importance_sampling_ratio/min"] for h in steps]
     assert ratios.count(None) == 1 and 0 not in ratios, ratios
     assert not [m for m in said if "attempting to log a value" in m], said
+
+
+def test_the_builders_advantage_is_trained_as_is_not_recentred_per_group(tiny_train_model, tmp_path):
+    """A batch baseline (`build-dataset --advantage batch`) can give one layout group advantages that are all
+    positive; TRL's group centring would turn half of them negative. Every sample's log-prob must rise."""
+    source = make_captured_samples(tiny_train_model, tmp_path / "src", n_groups=1, group_size=4, multi_turn=False)
+    rows = pq.read_table(source).to_pylist()
+    for row, advantage in zip(rows, (1.0, 0.6, 0.3, 0.2)):
+        row.update(advantage=advantage, group_id="train/batch/0")
+    data = write_samples(tmp_path / "data" / "samples.parquet", rows)
+    prepared = prepare_round(tmp_path / "run", 1, train_options(tiny_train_model, learning_rate=3e-3), data=data)
+    samples = prepared.groups.real_samples
+    model = prepared.trainer.model
+    before = [model_token_logp(model, s) for s in samples]
+    prepared.trainer.train()
+    model.eval()
+    after = [model_token_logp(model, s) for s in samples]
+    assert all(a > b for a, b in zip(after, before)), list(zip(after, before, [s.advantage for s in samples]))

@@ -1,0 +1,258 @@
+"""`lcap rescore`: a verifier run again over stored episodes, its verdicts stored as rewards of a source of their own.
+
+The episodes are a `--where` selection (`lcap.dataset.build.select`, build-dataset's guard). Each is scored by
+collect's verifier protocol (`verifiers.py`) with its transcript (`lcap.dataset.build.export.transcripts`, as JSON
+in `LCAP_TRANSCRIPT` or `ctx.transcript`) and the agent's stdout when collect kept it, in the episode's workspace
+when collect's workdir is still on disk, else in an empty folder of its own. `--concurrency` verifiers run at once,
+each bounded by `--timeout`. Every reward carries an idempotency key per (source, episode): a rerun skips the
+episodes the source scored, and a verdict written twice (a crash between a verifier and the write) is stored once.
+A failing verifier is an episode flag `rescore_error` (its source, the error, the end of what it said); an episode
+collect's tamper guard flagged gets reward 0 from the guard, unscored, as collect gives it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lcap.dataset.build.export import transcripts
+from lcap.dataset.build.select import select_episodes
+from lcap.dataset.collect.episodes import load_tasks
+from lcap.dataset.collect.verifiers import (
+    CommandVerifier,
+    Verdict,
+    Verifier,
+    VerifierContext,
+    VerifierError,
+    load_verifier,
+)
+from lcap.dataset.options import RescoreOptions
+from lcap.store import Store, now
+
+FLAG = "rescore_error"
+WRITE_EVERY = 64  # verdicts per write of the store
+WRITE_AFTER_S = 2.0  # a verdict waits at most this long for its write
+LOAD_CHUNK = 64  # episodes whose transcripts one read of the store loads
+OUTPUT_KEPT = 4000  # characters of a failing verifier's output kept in its flag
+
+_EPISODES = """
+SELECT s.episode_id, s.task_id, s.status, s.exit_code, s.flags, e.cwd, e.labels->>'collect' AS collect
+FROM episode_summary s JOIN episodes e USING (episode_id)
+WHERE s.episode_id IN (SELECT unnest(?::VARCHAR[]))
+"""
+
+_STORE_VERDICTS = """
+INSERT INTO rewards (episode_id, value, details, source, created_at, key)
+SELECT b.* FROM (
+    SELECT unnest($episodes::VARCHAR[]), unnest($values::DOUBLE[]), unnest($details::VARCHAR[])::JSON, $source,
+           $at::TIMESTAMPTZ, unnest($keys::VARCHAR[])) b(episode_id, value, details, source, created_at, key)
+WHERE NOT EXISTS (SELECT 1 FROM rewards r WHERE r.key = b.key)
+"""
+
+
+def reward_key(source: str, episode_id: str) -> str:
+    """The idempotency key of `source`'s reward of an episode."""
+    return "rescore:" + hashlib.sha256(f"{source}\0{episode_id}".encode()).hexdigest()[:32]
+
+
+@dataclass
+class RescoreResult:
+    source: str
+    chosen: int = 0
+    skipped: int = 0  # scored by this source before (a rerun)
+    scored: int = 0
+    failed: int = 0
+    tampered: int = 0
+    rewards: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # `EPISODE: error` of the first failures
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        mean = f"{statistics.fmean(self.rewards):.4f}" if self.rewards else "-"
+        return (
+            f"rescore {self.source}: {self.chosen} episodes chosen, {self.skipped} scored before (skipped), "
+            f"{self.scored} scored, {self.failed} failed (flag {FLAG}), {self.tampered} tampered (reward 0), "
+            f"mean reward {mean}  [{self.seconds:.1f}s]"
+        )
+
+
+@dataclass(frozen=True)
+class _Episode:
+    episode_id: str
+    task: dict[str, Any]
+    status: str
+    exit_code: int | None
+    tampered: bool
+    workspace: Path | None  # collect's workdir, still on disk
+    transcript: dict[str, Any]
+
+
+@dataclass
+class _Verdict:
+    episode_id: str
+    reward: float | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    output: str = ""
+    tampered: bool = False
+
+
+def rescore(store: Store, options: RescoreOptions, *, base: Path | None = None) -> RescoreResult:
+    """Score the episodes `options.where` picks with `options.verifier`; see the module docstring."""
+    started = time.perf_counter()
+    verifier = load_verifier(options.verifier or "", base=base)
+    if isinstance(verifier, CommandVerifier):
+        verifier.timeout = options.timeout
+    source = options.source_name()
+    tasks = {t["id"]: t for t in load_tasks(options.tasks)} if options.tasks else {}
+    chosen = select_episodes(store, options.where or "")
+    keys = {episode: reward_key(source, episode) for episode in chosen}
+    stored = {
+        row[0]
+        for row in store.fetchall(
+            "SELECT key FROM rewards WHERE key IN (SELECT unnest(?::VARCHAR[]))", [list(keys.values())]
+        )
+    }
+    pending = [episode for episode in chosen if keys[episode] not in stored]
+    result = RescoreResult(source=source, chosen=len(chosen), skipped=len(chosen) - len(pending))
+    writer = _Writer(store, source, keys, result)
+    episodes = _episodes(store, pending, tasks)
+    with ThreadPoolExecutor(options.concurrency, thread_name_prefix="lcap-rescore") as pool:
+        running: set[Future[_Verdict]] = set()
+        try:
+            for episode in episodes:
+                while len(running) >= options.concurrency:
+                    running = _collect(running, writer)
+                running.add(pool.submit(_score, verifier, episode))
+            while running:
+                running = _collect(running, writer)
+        finally:  # an interrupt: what finished is stored, what did not start never starts
+            for future in running:
+                future.cancel()
+            writer.flush()
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _collect(running: set[Future[_Verdict]], writer: _Writer) -> set[Future[_Verdict]]:
+    done, rest = wait(running, timeout=WRITE_AFTER_S, return_when=FIRST_COMPLETED)
+    for future in done:
+        writer.add(future.result())
+    writer.flush_if_due()
+    return rest
+
+
+def _episodes(store: Store, ids: list[str], tasks: dict[str, dict[str, Any]]) -> Iterator[_Episode]:
+    """The episodes to score with their transcripts, read a chunk at a time."""
+    for start in range(0, len(ids), LOAD_CHUNK):
+        chunk = ids[start : start + LOAD_CHUNK]
+        with store.connect(read_only=True) as con:
+            rows = con.execute(_EPISODES, [chunk]).fetchall()
+            said = transcripts(con, chunk)
+        by_id = {row[0]: row for row in rows}
+        for episode_id in chunk:
+            _, task_id, status, exit_code, flags, cwd, collect = by_id[episode_id]
+            workspace = Path(cwd) if collect is not None and cwd and Path(cwd).is_dir() else None
+            yield _Episode(
+                episode_id=episode_id,
+                task=tasks.get(str(task_id)) or {"id": task_id},
+                status=status,
+                exit_code=exit_code,
+                tampered="tampered" in (flags or []),
+                workspace=workspace,
+                transcript=said[episode_id],
+            )
+
+
+def _score(verifier: Verifier, episode: _Episode) -> _Verdict:
+    if episode.tampered:
+        return _Verdict(episode.episode_id, 0.0, {"tampered": True, "by": "tamper-guard"}, tampered=True)
+    with tempfile.TemporaryDirectory(prefix="lcap-rescore-") as scratch:
+        transcript_file = Path(scratch) / "transcript.json"
+        transcript_file.write_text(json.dumps(episode.transcript, ensure_ascii=False, default=str))
+        if episode.workspace is not None:
+            workdir = episode.workspace
+            stdout_file = workdir.parent / "stdout.txt"
+            stdout = stdout_file.read_text(errors="replace") if stdout_file.is_file() else ""
+        else:
+            workdir = Path(scratch) / "work"
+            workdir.mkdir()
+            (Path(scratch) / "stdout.txt").write_text("")
+            stdout = ""
+        ctx = VerifierContext(
+            task=episode.task,
+            episode_id=episode.episode_id,
+            workdir=workdir,
+            stdout=stdout,
+            exit_code=episode.exit_code,
+            status=episode.status,
+            transcript=episode.transcript,
+            transcript_file=transcript_file,
+        )
+        try:
+            verdict: Verdict = verifier(ctx)
+        except VerifierError as exc:
+            return _Verdict(episode.episode_id, error=str(exc), output=exc.output)
+        except Exception as exc:  # a verifier's own failure is the episode's, never the run's
+            return _Verdict(episode.episode_id, error=f"{exc.__class__.__name__}: {exc}")
+    return _Verdict(episode.episode_id, verdict.reward, dict(verdict.details))
+
+
+class _Writer:
+    """Verdicts to the store in batches, one unit of work each: rewards (each with its key) and failure flags."""
+
+    def __init__(self, store: Store, source: str, keys: dict[str, str], result: RescoreResult) -> None:
+        self.store, self.source, self.keys, self.result = store, source, keys, result
+        self.pending: list[_Verdict] = []
+        self.since = time.monotonic()
+
+    def add(self, verdict: _Verdict) -> None:
+        if not self.pending:
+            self.since = time.monotonic()
+        self.pending.append(verdict)
+        if len(self.pending) >= WRITE_EVERY:
+            self.flush()
+
+    def flush_if_due(self) -> None:
+        if self.pending and time.monotonic() - self.since >= WRITE_AFTER_S:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        batch, self.pending = self.pending, []
+        scored = [v for v in batch if v.error is None]
+        with self.store.connect() as con:
+            if scored:
+                con.execute(
+                    _STORE_VERDICTS,
+                    {
+                        "episodes": [v.episode_id for v in scored],
+                        "values": [float(v.reward or 0.0) for v in scored],
+                        "details": [json.dumps(v.details, default=str) for v in scored],
+                        "source": self.source,
+                        "at": now(),
+                        "keys": [self.keys[v.episode_id] for v in scored],
+                    },
+                )
+            for v in batch:
+                if v.error is not None:
+                    details = {"source": self.source, "error": v.error, "output": v.output[-OUTPUT_KEPT:]}
+                    self.store.flag_episode(v.episode_id, FLAG, details)
+        for v in batch:
+            if v.error is not None:
+                self.result.failed += 1
+                if len(self.result.errors) < 5:
+                    self.result.errors.append(f"{v.episode_id}: {v.error}")
+            else:
+                self.result.scored += 1
+                self.result.tampered += v.tampered
+                self.result.rewards.append(float(v.reward or 0.0))
