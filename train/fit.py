@@ -309,9 +309,12 @@ def guard_round(p: PreparedRound, options: TrainOptions) -> Mismatch:
         held=p.inputs.current if options.mismatch_current_only else None,
     )
     path = p.out_dir / "mismatch.json"
-    if p.trainer.accelerator.is_main_process:
-        report = {"limit": options.mismatch_max, "held": mismatch.held, "unchecked": mismatch.unchecked()}
-        path.write_text(json.dumps({**report, "deployments": mismatch.details()}, indent=2))
+    # Every process writes it, whole or not at all: on Ray each worker has a folder of its own, and the driver
+    # gets the figures from whichever worker's error reaches it first.
+    report = {"limit": options.mismatch_max, "held": mismatch.held, "unchecked": mismatch.unchecked()}
+    written = path.with_name(f".{path.name}.{os.getpid()}")
+    written.write_text(json.dumps({**report, "deployments": mismatch.details()}, indent=2))
+    written.replace(path)
     shown = p.inputs.shown(p.out_dir)
     policy = str(shown.init_from) if shown.init_from else f"the base model {p.inputs.base_model}"
     where = p.out_dir.name.replace("-", " ")

@@ -127,7 +127,7 @@ def _train_worker(config: dict[str, Any]) -> dict[str, Any] | None:
         out_dir = scratch / config["round_name"]
         try:
             fitted = fit_round(inputs, out_dir, options)
-        except LcapError as exc:  # the guard's figures (rank 0 writes them) go where its error says they are
+        except LcapError as exc:  # the guard's figures (each worker writes them) go where its error says they are
             report = out_dir / "mismatch.json"
             raise _RoundStopped(str(exc), {report.name: report.read_bytes()} if report.exists() else {}) from None
         if ray.train.get_context().get_world_rank() != 0:
