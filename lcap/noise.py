@@ -14,6 +14,8 @@ NOISE: tuple[tuple[type[Warning], str, str], ...] = (
     (DeprecationWarning, r"'crypt' is deprecated", r"passlib\."),
     # TRL reads a property transformers deprecated, once per round, amid the round's progress line
     (FutureWarning, r".*is_gradient_checkpointing", r""),
+    # TRL and PEFT turn activation checkpointing on and off by transformers' deprecated names, around each round
+    (FutureWarning, r"`gradient_checkpointing_(enable|disable)` is deprecated", r""),
 )
 
 

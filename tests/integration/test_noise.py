@@ -33,3 +33,22 @@ def test_a_proxy_run_says_nothing_of_it(capture_env):
     done = subprocess.run([LCAP, "proxy", "--", sys.executable, "-c", "pass"], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert not [line for line in NOISE if line in done.stderr], done.stderr
+
+
+CHECKPOINTING = (
+    "from transformers import LlamaConfig, LlamaForCausalLM\n"
+    "config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, "
+    "num_key_value_heads=2, vocab_size=64)\n"
+    "model = LlamaForCausalLM(config)\n"
+    "model.gradient_checkpointing_enable()\n"
+    "model.gradient_checkpointing_disable()\n"
+)
+
+
+def test_the_checkpointing_names_trl_and_peft_call_say_nothing():
+    """A round with activation checkpointing (`lcap demo --model smollm2`) printed transformers' deprecation of the
+    names TRL and PEFT call, twice a round."""
+    said = ("`gradient_checkpointing_enable` is deprecated", "`gradient_checkpointing_disable` is deprecated")
+    without = _stderr(CHECKPOINTING)
+    assert all(line in without for line in said), without
+    assert not [line for line in said if line in _stderr("import lcap\n" + CHECKPOINTING)]
