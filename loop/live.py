@@ -52,15 +52,14 @@ POLL_S = 2.0
 # Live episodes ready to train: rewarded, never adopted, not a collect's, with at least one call that has token
 # ids, every call served by a deployment in $fresh. Each with its group key and the deployment that served most.
 #
-# The group key is the seam of the advantage. Today's GRPO group advantage (build-dataset's, lcap.schema
-# `advantages_over`) compares episodes of one task: here, of one first prompt (its token ids), and a group is
-# trainable when two or more of its episodes are rewarded and (unless --keep-zero-variance) their rewards
-# differ. An advantage over the batch, for prompts that never repeat, would make every ready episode trainable:
-# `ready_groups` is where that rule goes.
+# The group key follows build-dataset's --advantage. GRPO's group advantage (`group`) compares episodes of one
+# task: here, of one first prompt (its token ids), and a group is trainable when two or more of its episodes are
+# rewarded and (unless --keep-zero-variance) their rewards differ. A baseline over the batch (`batch`, `rloo`),
+# for prompts that never repeat, makes every ready episode trainable (`ready_groups`).
 _READY = """
 WITH live AS (
     SELECT e.episode_id, r.reward
-    FROM episodes e JOIN latest_rewards r USING (episode_id)
+    FROM episodes e JOIN rewards_from($source::VARCHAR) r USING (episode_id)
     WHERE e.round IS NULL AND e.labels->>'collect' IS NULL AND coalesce(e.status, 'running') IN ('running', 'ok')
       AND r.reward IS NOT NULL),
 calls AS (
@@ -97,14 +96,26 @@ class _NoBatch(Exception):
     """--wait-timeout passed without enough ready episodes."""
 
 
-def ready_episodes(store, fresh: list[str], keep_zero_variance: bool = False) -> list[tuple]:
+def ready_episodes(
+    store,
+    fresh: list[str],
+    keep_zero_variance: bool = False,
+    *,
+    advantage: str = "group",
+    reward_source: str | None = None,
+) -> list[tuple]:
     """The ready live episodes (id, reward, group key, deployment, last call) whose calls were all served by the
-    deployments `fresh`, in groups GRPO can learn from; the first finished first."""
-    return ready_groups(store.fetchall(_READY, {"fresh": list(fresh)}), keep_zero_variance)
+    deployments `fresh`, rewarded from `reward_source` (None: any), that `advantage` can learn from; the first
+    finished first."""
+    rows = store.fetchall(_READY, {"fresh": list(fresh), "source": reward_source})
+    return ready_groups(rows, keep_zero_variance, advantage)
 
 
-def ready_groups(rows: list[tuple], keep_zero_variance: bool) -> list[tuple]:
-    """The ready episodes (id, reward, key, deployment, last call) in groups GRPO can learn from."""
+def ready_groups(rows: list[tuple], keep_zero_variance: bool, advantage: str = "group") -> list[tuple]:
+    """The ready episodes (id, reward, key, deployment, last call) that `advantage` can learn from: under `group`,
+    those in groups of one first prompt with rewards that differ; under a batch baseline, every one."""
+    if advantage != "group":
+        return sorted(rows, key=lambda r: (str(r[4]), r[0]))
     by_key: dict[str, list[tuple]] = {}
     for row in rows:
         by_key.setdefault(row[2], []).append(row)
@@ -234,7 +245,13 @@ def _take_batch(store, config: LoopConfig, state: LoopState, n: int, current: st
     started = time.monotonic()
     while True:
         fresh = _fresh(state.data["lineage"], options.max_staleness)
-        rows = ready_episodes(store, list(fresh), config.build.keep_zero_variance)
+        rows = ready_episodes(
+            store,
+            list(fresh),
+            config.build.keep_zero_variance,
+            advantage=config.build.advantage,
+            reward_source=config.build.reward_source,
+        )
         if len(rows) >= options.min_samples:
             break
         waited = time.monotonic() - started

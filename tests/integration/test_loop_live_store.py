@@ -60,6 +60,20 @@ def test_a_step_takes_rewarded_fresh_episodes_of_trainable_groups_and_adopts_the
         "s-b2",
     }
 
+    # A baseline over the batch needs no repeated prompt: every rewarded, fresh session is ready.
+    assert {r[0] for r in ready_episodes(dstore, ["base", "r1"], advantage="batch")} == {
+        "s-a1",
+        "s-a2",
+        "s-a3",
+        "s-b1",
+        "s-b2",
+        "s-c1",
+    }
+    builder.reward("s-c1", 0.5, source="judge")
+    assert [r[:2] for r in ready_episodes(dstore, ["base", "r1"], advantage="rloo", reward_source="judge")] == [
+        ("s-c1", 0.5)
+    ]
+
     batch = [{"id": r[0], "group": r[2], "sample": i, "ended_at": str(r[4])} for i, r in enumerate(ready)]
     adopt(dstore, tmp_path / "run", 1, batch)
     adopt(dstore, tmp_path / "run", 1, batch)  # a resumed step adopts again: the same rows
