@@ -87,9 +87,9 @@ class _Status:
             size = f"{done / 1e6:.0f} of {total / 1e6:.0f} MB" if total else f"{done / 1e6:.0f} MB"
             self.phase("collecting packages", f"downloading {self.file}: {size}")
         elif m := _INSTALLING.match(line):
-            self.phase(f"installing {len(m.group(1).split(','))} packages")
+            self.phase(f"installing {_packages(len(m.group(1).split(',')))}")
         elif m := _INSTALLED.match(line):
-            self.phase(f"installed {len(m.group(1).split())} packages")
+            self.phase(f"installed {_packages(len(m.group(1).split()))}")
         elif m := _NPM_ADDED.match(line):
             self.phase(m.group(1))
 
@@ -111,3 +111,7 @@ class _Status:
 
     def _elapsed(self) -> str:
         return f"{time.monotonic() - self.start:.0f} s"
+
+
+def _packages(n: int) -> str:
+    return f"{n} package" if n == 1 else f"{n} packages"
