@@ -1,5 +1,5 @@
-"""A lock between processes on a file, held while one of them makes something others wait for (a model
-conversion, a repository checkout), with a bounded wait."""
+"""A lock between processes on a file, held while one of them does what others must wait for (a change of the
+policy server, a model conversion, a repository checkout), with a bounded wait."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from lcap.config import LcapError
 
 
 @contextlib.contextmanager
-def file_lock(path: Path, *, wait: float, what: str) -> Iterator[None]:
+def file_lock(path: Path, *, wait: float, doing: str) -> Iterator[None]:
     """Hold an exclusive lock on `path` (made if missing); another holder is waited for up to `wait` seconds, then
-    refused with `what` (what the holder is making) and its pid."""
+    refused with its pid and `doing` (what a holder does)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -28,10 +28,7 @@ def file_lock(path: Path, *, wait: float, what: str) -> Iterator[None]:
             except BlockingIOError:
                 if time.monotonic() >= deadline:
                     holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-                    raise LcapError(
-                        f"another lcap (pid {holder}) is still making {what} after {wait:.0f} s: try again when it "
-                        f"is done (its lock: {path})"
-                    ) from None
+                    raise LcapError(f"another lcap (pid {holder}) is {doing}: try again when it is done") from None
                 time.sleep(0.1)
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)

@@ -11,16 +11,15 @@ it reads as one replica, `r0`.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from lcap.config import LcapError, lcap_home
+from lcap.config import lcap_home
+from lcap.locks import file_lock
 
 
 @dataclass
@@ -119,24 +118,5 @@ def policy_lock(wait: float = 10.0) -> Iterator[None]:
     """Held by whatever changes the running policy (`lcap deploy`, `lcap serve`): one at a time, so two deploys
     never interleave their steps on the replicas or their writes of the record. Waits up to `wait` seconds for
     another holder (a rolling deploy can take minutes), then says who holds it."""
-    path = record_path().with_suffix(".lock")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-                    raise LcapError(
-                        f"another lcap (pid {holder}) is changing the policy server (a deploy?): try again when it is done"
-                    ) from None
-                time.sleep(0.1)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
+    with file_lock(record_path().with_suffix(".lock"), wait=wait, doing="changing the policy server (a deploy?)"):
         yield
-    finally:
-        os.close(fd)

@@ -151,7 +151,7 @@ def init_pretrained(out: Path, name: str) -> Path:
         "template_sha256": hashlib.sha256(template.encode()).hexdigest(),
     }
     out = Path(out).absolute()
-    with file_lock(out.parent / f".{out.name}.lock", wait=CONVERT_WAIT, what=f"the checkpoint {out}"):
+    with file_lock(out.parent / f".{out.name}.lock", wait=CONVERT_WAIT, doing=f"converting {out}"):
         if (out / STAMP).is_file() and json.loads((out / STAMP).read_text()) == stamp:
             return out
         if out.exists() and any(out.iterdir()) and not (out / STAMP).is_file():

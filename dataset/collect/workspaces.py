@@ -54,7 +54,7 @@ def checkout(repo: str, commit: str, tasks_dir: Path) -> Path:
     key = hashlib.sha256(url.encode()).hexdigest()[:16]
     cache = lcap_home() / "cache" / "repos"
     mirror = cache / f"{key}.git"
-    with file_lock(cache / f"{key}.lock", wait=CHECKOUT_WAIT, what=f"the checkout of {repo}"):
+    with file_lock(cache / f"{key}.lock", wait=CHECKOUT_WAIT, doing=f"checking out {repo}"):
         if not mirror.exists():
             tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=cache))
             _git(["clone", "--quiet", "--mirror", url, str(tmp)], f"cannot clone {repo}")
