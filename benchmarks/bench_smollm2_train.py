@@ -2,13 +2,15 @@
 fine-tuning, seconds per 1k completion tokens and each trainer process's peak RSS, in one run.
 
     .venv/bin/python benchmarks/bench_smollm2_train.py [--groups 4] [--group-size 8] [--steps 4] [--repeats 2]
+        [--modes lora,full] [--threads 2] [--activation-checkpointing]
 
 The samples are shaped as the calculator demo's (`lcap demo --model smollm2`): its agent's own first request (the
 system prompt, the `calculator` tool, two worked examples and a question) rendered by the model's template, and
 completions the model samples at temperature 1 with their log-probs, so the IS ratio is the real one. Each mode
 trains `--steps` optimiser steps of `lcap train`'s round (prepare_round + Trainer.train) in a child process of its
 own, the modes alternated (LoRA, full, LoRA, full...) so that a busy machine slows both alike and each peak RSS is
-that mode's. Needs `lcap setup smollm2`.
+that mode's. `--threads 1,2` runs each mode at each torch thread count (the demo's synchronous loop trains on every
+core, its `--async` loop on one). Needs `lcap setup smollm2`.
 """
 
 from __future__ import annotations
@@ -96,8 +98,9 @@ def make_samples(model_dir: Path, out: Path, groups: int, group_size: int, max_n
     return out
 
 
-def child(mode: str, model_dir: str, data: str, steps: int, batch: int) -> None:
+def child(mode: str, model_dir: str, data: str, steps: int, batch: int, threads: int, checkpointing: bool) -> None:
     """One mode's round: prints seconds per optimiser step, completion tokens per step and peak RSS as JSON."""
+    torch.set_num_threads(threads)
     options = TrainOptions(
         base_model=model_dir,
         full=MODES[mode],
@@ -107,6 +110,7 @@ def child(mode: str, model_dir: str, data: str, steps: int, batch: int) -> None:
         epochs=100,
         report_to="none",
         logging_steps=10**6,
+        activation_checkpointing=checkpointing,
     )
     run = Path(tempfile.mkdtemp(prefix=f"lcap-bench-{mode}-"))
     prepared = prepare_round(run, 1, options, Path(data))
@@ -141,11 +145,23 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="samples per optimiser step (the demo's)")
     parser.add_argument("--max-new-tokens", type=int, default=40, help="the agent's max_tokens per call")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--modes", default="lora,full", help="comma-separated: lora, full")
+    parser.add_argument("--threads", default="2", help="comma-separated torch thread counts, each mode at each")
+    parser.add_argument("--activation-checkpointing", action="store_true", help="as the calculator demo trains")
+    parser.add_argument("--child-threads", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--child", nargs=2, metavar=("MODE", "DATA"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child[0], args.model, args.child[1], args.steps, args.batch)
+        child(
+            args.child[0],
+            args.model,
+            args.child[1],
+            args.steps,
+            args.batch,
+            args.child_threads,
+            args.activation_checkpointing,
+        )
         return
 
     model_dir = init_pretrained(pretrained_dir("smollm2"), "smollm2")
@@ -153,29 +169,35 @@ def main() -> None:
     t0 = time.perf_counter()
     data = make_samples(model_dir, tmp / "samples.parquet", args.groups, args.group_size, args.max_new_tokens)
     print(f"samples sampled from the model in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    results: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    configs = [(mode, int(n)) for mode in args.modes.split(",") for n in args.threads.split(",")]
+    results: dict[tuple[str, int], list[dict]] = {config: [] for config in configs}
     for _ in range(args.repeats):
-        for mode in MODES:
+        for mode, threads in configs:
             command = [sys.executable, __file__, "--child", mode, str(data), "--model", str(model_dir)]
-            command += ["--steps", str(args.steps), "--batch", str(args.batch)]
+            command += ["--steps", str(args.steps), "--batch", str(args.batch), "--child-threads", str(threads)]
+            command += ["--activation-checkpointing"] if args.activation_checkpointing else []
             done = subprocess.run(command, capture_output=True, text=True, check=True)
-            results[mode].append(json.loads(done.stdout.strip().splitlines()[-1]))
-            print(f"{mode}: {results[mode][-1]}", file=sys.stderr)
+            results[mode, threads].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"{mode} x{threads}: {results[mode, threads][-1]}", file=sys.stderr)
     print(
-        f"SmolLM2-135M-Instruct, fp32 on CPU, torch threads {torch.get_num_threads()}; batch {args.batch} samples, "
-        f"{args.steps} timed steps x {args.repeats} repeats per mode, alternated; load {open('/proc/loadavg').read().split()[0]}"
+        f"SmolLM2-135M-Instruct, fp32 on CPU; batch {args.batch} samples, activation checkpointing "
+        f"{'on' if args.activation_checkpointing else 'off'}, {args.steps} timed steps x {args.repeats} repeats per "
+        f"configuration, alternated; load {open('/proc/loadavg').read().split()[0]}"
     )
     per_1k = {}
-    for mode, runs in results.items():
-        per_1k[mode] = statistics.median(r["step_s"] / r["completion_tokens"] * 1000 for r in runs)
+    for (mode, threads), runs in results.items():
+        per_1k[mode, threads] = statistics.median(r["step_s"] / r["completion_tokens"] * 1000 for r in runs)
         tokens = statistics.median(r["completion_tokens"] for r in runs)
         step = statistics.median(r["step_s"] for r in runs)
         peak = max(r["peak_mib"] for r in runs)
         print(
-            f"{mode:4}: {step:6.2f} s/step ({tokens:.0f} completion tokens/step, prompts {runs[0]['prompt']:.0f} tokens), "
-            f"{per_1k[mode]:6.2f} s per 1k completion tokens, peak RSS {peak:.0f} MiB"
+            f"{mode:4} x{threads} threads: {step:6.2f} s/step ({tokens:.0f} completion tokens/step, prompts "
+            f"{runs[0]['prompt']:.0f} tokens), {per_1k[mode, threads]:6.2f} s per 1k completion tokens, "
+            f"peak RSS {peak:.0f} MiB"
         )
-    print(f"full / LoRA step time: {per_1k['full'] / per_1k['lora']:.2f}x")
+    first = configs[0]
+    for config in configs[1:]:
+        print(f"{config[0]} x{config[1]} / {first[0]} x{first[1]} step time: {per_1k[config] / per_1k[first]:.2f}x")
 
 
 if __name__ == "__main__":

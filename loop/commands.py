@@ -94,7 +94,12 @@ def demo(
     out: Annotated[Path, typer.Option("--out", help="Where the demo writes its model, run, store and results.")] = Path(
         "lcap-demo"
     ),
-    rounds: Annotated[int, typer.Option("--rounds", help="Training rounds.")] = 5,
+    rounds: Annotated[
+        int | None,
+        typer.Option(
+            "--rounds", help="Training rounds (default: the task's own, 3 for calculator and 5 for the tiny tasks)."
+        ),
+    ] = None,
     fresh: Annotated[
         bool, typer.Option("--fresh", help="Start over instead of resuming an earlier demo in --out.")
     ] = False,
@@ -105,7 +110,8 @@ def demo(
     options: LoopOptions,
     demo_options: DemoOptions,
 ) -> None:
-    """Make a tiny model, serve it with vLLM, and train it with GRPO on a bundled agent and task set.
+    """Serve a policy with vLLM and train it with GRPO on a bundled agent and task set: SmolLM2-135M-Instruct, a
+    real pretrained model, learning to use a calculator tool (the default), or a tiny model made here (a quick look).
 
     Prints one line per round (training and held-out reward), then where the results are.
     """

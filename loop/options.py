@@ -78,20 +78,21 @@ DEMO_MODELS: tuple[str, ...] = get_args(ModelName)
 class DemoOptions:
     """What `lcap demo` runs (its flags beyond --out, --rounds, --fresh and --seed)."""
 
-    model: ModelName = option(
-        "tiny",
-        help="The policy: 'tiny' (a two-layer model made and warm-started here in seconds, a quick look) or "
-        "'smollm2' (SmolLM2-135M-Instruct, a real pretrained model: `lcap setup smollm2` installs it).",
+    model: ModelName | None = option(
+        None,
+        help="The policy: 'smollm2' (SmolLM2-135M-Instruct, a real pretrained model: `lcap setup smollm2` installs "
+        "it; the default unless --task names a tiny task) or 'tiny' (a two-layer model made and warm-started here in "
+        "seconds, a quick look).",
     )
     task: TaskName | None = option(
         None,
-        help="The demo's task: for tiny, 'number' (the default; one call: which word is a number) or 'tools' (three "
+        help="The demo's task: for tiny, 'number' (tiny's default; one call: which word is a number) or 'tools' (three "
         "calls of a tool agent: look the number up, answer with what the tool said); for smollm2, 'calculator' (a "
         "tool agent multiplies two-digit numbers).",
     )
 
     def __post_init__(self) -> None:
-        if self.model not in DEMO_MODELS:
+        if self.model is not None and self.model not in DEMO_MODELS:
             raise LcapError(f"--model {self.model!r}: choose one of {', '.join(DEMO_MODELS)}")
         if self.task is not None and self.task not in DEMO_TASKS:
             raise LcapError(f"--task {self.task!r}: choose one of {', '.join(DEMO_TASKS)}")

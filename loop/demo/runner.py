@@ -54,10 +54,11 @@ MODEL = TinyModelOptions(hidden_size=128, num_layers=2, num_heads=2)
 
 
 def demo_task(name: str | None, model: str | None = None) -> DemoTask:
-    """The task `--task` names (for `--model`, when given), or the first of `--model`'s when it names none."""
+    """The task `--task` names (for `--model`, when given), or the first of `--model`'s when it names none (of
+    smollm2's, the main demo, when neither is given)."""
     tasks = {task.name: task for task in (number.TASK, tools.TASK, calculator.TASK)}
     if name is None:
-        name = next((t.name for t in tasks.values() if t.model == (model or "tiny")), None)
+        name = next((t.name for t in tasks.values() if t.model == (model or "smollm2")), None)
     if name not in tasks:
         raise LcapError(f"no demo task {name!r}: choose one of {', '.join(DEMO_TASKS)}")
     if model is not None and tasks[name].model != model:
@@ -69,7 +70,7 @@ def demo_task(name: str | None, model: str | None = None) -> DemoTask:
 def run_demo(
     out: Path,
     *,
-    rounds: int = 5,
+    rounds: int | None = None,
     fresh: bool = False,
     task: str = "number",
     settings: DemoSettings | None = None,
@@ -83,8 +84,10 @@ def run_demo(
     kind = demo_task(task)
     settings = settings or kind.settings()
     disable_progress_bar()  # transformers' bars over loading and saving weights: the demo prints a line a round
-    if (os.cpu_count() or 1) <= 2:
-        torch.set_num_threads(1)  # two busy threads on two cores thrash (vLLM, the proxy and agents share them)
+    if (os.cpu_count() or 1) <= 2 and loop is not None and loop.overlap:
+        # training overlaps collection: a second busy thread on two cores thrashes with vLLM and the agents; the
+        # synchronous loop trains while nothing else runs, on every core (benchmarks/bench_smollm2_train.py --threads)
+        torch.set_num_threads(1)
     t0 = time.perf_counter()
     out = Path(out).resolve()
     if fresh and out.exists():
@@ -137,7 +140,7 @@ def run_demo(
     os.environ.setdefault("OPENAI_API_KEY", "demo-placeholder")  # the agent wants one; the proxy drops it
     config = LoopConfig(
         run=out / "run",
-        rounds=rounds,
+        rounds=settings.rounds if rounds is None else rounds,
         tasks=tasks,
         command=kind.command(),
         eval_tasks=eval_tasks,

@@ -22,6 +22,7 @@ class DemoSettings:
     """The demo's task sizes and training knobs (each task's module explains its task and warm start; a task may
     change these defaults, `DemoTask.defaults`)."""
 
+    rounds: int = 5  # training rounds (`lcap demo --rounds`)
     n_train: int = 65  # distinct training tasks...
     tasks_per_round: int = 13  # ...the next 13 each round: five rounds meet each once, none is learnt by heart
     group_size: int = 8  # ...x 8 samples: 104 episodes a round

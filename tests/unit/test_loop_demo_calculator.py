@@ -35,7 +35,8 @@ def test_the_agents_calculator_evaluates_arithmetic_and_nothing_else():
 
 
 def test_each_model_runs_its_own_task():
-    assert demo_task(None).name == "number" and demo_task(None, "tiny").name == "number"
+    assert demo_task(None).name == "calculator" and demo_task(None, "tiny").name == "number"
+    assert demo_task(None).settings().rounds == 3 and demo_task(None, "tiny").settings().rounds == 5
     assert demo_task(None, "smollm2").name == "calculator" and demo_task("calculator").model == "smollm2"
     with pytest.raises(LcapError, match="--task tools trains the tiny model: with --model smollm2, choose calculator"):
         demo_task("tools", "smollm2")
