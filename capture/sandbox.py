@@ -40,6 +40,7 @@ import shutil
 import signal
 import socket
 import stat
+import subprocess
 import sys
 import tempfile
 import threading
@@ -55,8 +56,6 @@ from lcap.capture.reach.node_preload import node_dir
 from lcap.config import LcapError, lcap_home
 
 if TYPE_CHECKING:
-    import subprocess
-
     from lcap.capture.proxy.server import CaptureProxy
 
 PACKAGE = "bubblewrap"
@@ -85,6 +84,28 @@ def missing() -> str | None:
         if not os.access(CGROUPS / controller, os.W_OK):
             return f"--sandbox needs a writable cgroup v1 {controller} hierarchy at {CGROUPS / controller}"
     return None
+
+
+def closed_folder(folders: Sequence[Path]) -> Path | None:
+    """The first folder on the way to one of `folders` (each folder above it, then it) that the agent's user may not
+    enter, or None. Asked of the kernel as that user, so that ACLs and group bits count as they will in the
+    sandbox; the folders must exist."""
+    way: dict[str, None] = {}
+    for folder in folders:
+        folder = Path(folder).resolve()
+        for step in (*reversed(folder.parents), folder):
+            way[str(step)] = None
+    probe = 'for d; do [ -x "$d" ] || { printf %s "$d"; exit 0; }; done'
+    as_agent = ["setpriv", f"--reuid={AGENT_UID}", f"--regid={AGENT_UID}", "--clear-groups", "--"]
+    try:
+        done = subprocess.run(
+            [*as_agent, "/bin/sh", "-c", probe, "sh", *way], capture_output=True, text=True, timeout=START_TIMEOUT
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LcapError(f"--sandbox: cannot check which folders its user may enter: {exc}") from None
+    if done.returncode != 0:
+        raise LcapError(f"--sandbox: cannot check which folders its user may enter: {done.stderr.strip()}")
+    return Path(done.stdout) if done.stdout else None
 
 
 class Sandbox:

@@ -350,7 +350,7 @@ class CaptureAddon:
                 limit = self.options.max_body_bytes
                 turn.error = f"capture: a stream over {limit} bytes (--max-body-bytes); the turn has its start"
         if kind in ("response.completed", "response.incomplete", "response.failed", "error"):
-            turn.status_code = 200 if kind != "error" else None
+            turn.status_code = 200 if kind != "error" else _error_status(frame)
             state["turn"] = None
             self.calls.close_call(turn)
 
@@ -420,6 +420,12 @@ class CaptureAddon:
 
 
 _AUTHENTICATE = {"proxy-authenticate": 'Basic realm="lcap"'}
+
+
+def _error_status(event: dict) -> int | None:
+    """The HTTP status a Responses WebSocket `error` event carries (the same call's status over HTTP), if any."""
+    status = event.get("status")
+    return status if type(status) is int and 400 <= status < 600 else None
 
 
 def _retarget(req: http.Request, scheme: str, host: str, port: int, path: str) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 import secrets
 import shlex
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from lcap.capture.options import ProxyOptions
 from lcap.capture.proxy.server import CaptureProxy
-from lcap.capture.sandbox import Sandbox
+from lcap.capture.sandbox import Sandbox, closed_folder
 from lcap.capture.sandbox import missing as sandbox_missing
 from lcap.config import LcapError
 from lcap.dataset.collect.episode import (
@@ -314,7 +315,7 @@ def _run_local(
     proxy = CaptureProxy(store, proxy_options)
     proxy.start()
     try:
-        sandbox = _sandbox(options, proxy, store, plan.run_dir)
+        sandbox = _sandbox(options, proxy, store, plan)
         try:
             _Runner(store, proxy, plan.rules, plan.files, tally, sandbox=sandbox).run_all(
                 todo, options.concurrency, progress=show
@@ -326,14 +327,41 @@ def _run_local(
         proxy.stop()
 
 
-def _sandbox(options: CollectOptions, proxy: CaptureProxy, store: Store, run_dir: Path) -> Sandbox | None:
+def _sandbox(options: CollectOptions, proxy: CaptureProxy, store: Store, plan: CollectPlan) -> Sandbox | None:
     """--sandbox's shared part: what every episode's sandbox hides (lcap's home, the store's folder, the run
-    folder with the other episodes' workspaces, the store's files) and the proxy that serves their listeners."""
+    folder with the other episodes' workspaces, the store's files) and the proxy that serves their listeners.
+    Refused when the sandbox's user cannot reach the run folder or the agent's command."""
     limits = options.sandbox_limits()
     if limits is None:
         return None
+    run_dir = plan.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
+    _check_reachable(plan)
     return Sandbox(limits, proxy, [run_dir], [Path(store.path)], cache=run_dir)
+
+
+def _check_reachable(plan: CollectPlan) -> None:
+    """A one-line error naming the first folder the sandbox's user (nobody) cannot enter on the way to the run
+    folder (the workspaces are in it), to a file the agent's command names, or to $LCAP_HARNESS_DIR when set
+    (scripts/harnesses/); else every episode would fail on its own, unable to start in its workspace."""
+    ways: dict[Path, tuple[str, str]] = {
+        plan.run_dir.parent: (f"the run folder {plan.run_dir}", "use a --run-dir elsewhere")
+    }
+    named = {arg for spec in plan.specs for arg in spec.argv if os.path.isabs(arg) and os.path.isfile(arg)}
+    for arg in sorted(named):
+        real = Path(arg).resolve()
+        shown = arg if str(real) == arg else f"{arg} ({real})"
+        ways.setdefault(real.parent, (f"{shown}, in the agent's command", "put it elsewhere"))
+    harnesses = os.environ.get("LCAP_HARNESS_DIR")
+    if harnesses and os.path.isdir(harnesses):
+        ways.setdefault(Path(harnesses).resolve(), (f"LCAP_HARNESS_DIR {harnesses}", "install the harnesses elsewhere"))
+    closed = closed_folder(list(ways))
+    if closed is None:
+        return
+    what, fix = next(way for folder, way in ways.items() if folder == closed or closed in folder.parents)
+    raise LcapError(
+        f"--sandbox runs the agent as nobody, who cannot enter {closed} on the way to {what}: {fix}, or chmod o+x {closed}"
+    )
 
 
 class _Runner:
@@ -457,7 +485,7 @@ class EpisodePool:
         forget_partial(self.store, [s.episode_id for s in todo])
         sandbox = self._sandboxes.get(plan.run_dir)  # one per run folder: its workspaces' lower layers made once
         if sandbox is None:
-            sandbox = self._sandboxes[plan.run_dir] = _sandbox(self.options, self.proxy, self.store, plan.run_dir)
+            sandbox = self._sandboxes[plan.run_dir] = _sandbox(self.options, self.proxy, self.store, plan)
         runner = _Runner(
             self.store, self.proxy, plan.rules, plan.files, self.tally, stopping=self.stopping, sandbox=sandbox
         )

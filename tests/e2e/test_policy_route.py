@@ -38,6 +38,9 @@ TOOLS = [
 ]
 
 
+_WS_ENDS = ("response.completed", "response.incomplete", "response.failed", "error")
+
+
 def _stop_id(server) -> int:
     from transformers import AutoTokenizer
 
@@ -321,3 +324,36 @@ def test_an_empty_responses_answer_comes_back_as_an_empty_message(vllm_policy, t
     assert [r["completion_token_ids"] for r in rows] == [[_stop_id(server)]] * 3
     assert [r["stitched"] for r in rows] == [False, True, True], [r["stitch_note"] for r in rows]
     assert extends_previous(rows) == [True, True]
+
+
+def test_a_websocket_call_past_the_context_gets_the_policys_reason(vllm_policy, tmp_path, capture_home):
+    """Codex over its WebSocket with a prompt past the model's context: vLLM refuses it as it refuses the same call
+    over HTTP (a 400), so the agent gets a Responses `error` event with that status and reason, the turn is stored
+    with them (a failed call), and the socket goes on serving the next call."""
+    import ssl
+
+    from websockets.sync.client import connect
+
+    server = vllm_policy
+    max_model_len = httpx.get(f"{server.url}/lcap/v1/info", timeout=10).json()["max_model_len"]
+    words = " ".join(f"w{i % 97}" for i in range(max_model_len + 1))  # each word is a token at least
+    db = tmp_path / "lcap.duckdb"
+    with CaptureProxy(Store(db), ProxyOptions(upstream="policy")) as proxy:
+        env = proxy.child_env("too-long-ep", base={})
+        tls = ssl.create_default_context(cafile=env["SSL_CERT_FILE"])
+        with connect("wss://api.openai.com/v1/responses", proxy=env["HTTPS_PROXY"], ssl=tls, max_size=None) as ws:
+            answers = []
+            for text in (words, "Hi"):
+                request = {"model": "gpt-5-codex", "input": [_user_item(text)], "max_output_tokens": 4, "store": False}
+                ws.send(json.dumps({"type": "response.create", **request}))
+                while (event := json.loads(ws.recv(timeout=300)))["type"] not in _WS_ENDS:
+                    pass
+                answers.append(event)
+    refused, next_one = answers
+    assert refused["type"] == "error" and refused["status"] == 400, refused
+    assert "context" in refused["error"]["message"].lower() and "length" in refused["error"]["message"].lower()
+    assert next_one["type"] in ("response.completed", "response.incomplete"), next_one
+
+    rows = turns(db)
+    assert [(r["transport"], r["status_code"]) for r in rows] == [("websocket", 400), ("websocket", 200)]
+    assert rows[0]["error"] == refused["error"]["message"]

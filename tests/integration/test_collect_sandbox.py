@@ -252,6 +252,46 @@ def test_without_bubblewrap_sandbox_is_a_one_line_error(tmp_path, monkeypatch):
     assert "\n" not in str(err.value)
 
 
+def test_a_folder_nobody_cannot_enter_is_refused_before_any_episode(monkeypatch):
+    """The sandbox runs the agent as nobody: a run folder, or a file of the agent's command, under a folder nobody
+    may not enter is a one-line error naming that folder and the fix, before any episode; once nobody may pass
+    through it (0711: enter, not list), the episode runs."""
+    base = Path(tempfile.mkdtemp(prefix="lcap-sandbox-reach-"))  # 0700, as a folder under /root is
+    try:
+        private = base / "private"
+        private.mkdir(mode=0o700)
+        for folder in (base, private):
+            (folder / "agent.py").write_text("open('done.txt', 'w').write('ran')\n")
+        (base / "tasks.jsonl").write_text('{"id": "t"}\n')
+        monkeypatch.setenv("LCAP_HOME", str(base / "home"))
+        monkeypatch.delenv("LCAP_HARNESS_DIR", raising=False)
+        monkeypatch.chdir(base)
+        store = Store(base / "db" / "lcap.duckdb")
+        options = CollectOptions(group_size=1, upstream=None, sandbox=True, run_dir=base / "run", timeout=60.0)
+
+        def run(agent: Path):
+            return collect(
+                store, tasks=base / "tasks.jsonl", command=[SYSTEM_PYTHON, str(agent)], options=options, progress=False
+            )
+
+        with pytest.raises(LcapError) as closed_run_dir:
+            run(base / "agent.py")
+        base.chmod(0o711)
+        with pytest.raises(LcapError) as closed_agent:
+            run(private / "agent.py")
+        assert store.fetchall("SELECT count(*) FROM episodes")[0][0] == 0
+        assert not (base / "run" / "round-0").exists()
+        result = run(base / "agent.py")
+        status = store.fetchall("SELECT status, error FROM episodes")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    first, second = str(closed_run_dir.value), str(closed_agent.value)
+    assert f"cannot enter {base} " in first and f"chmod o+x {base}" in first and "--run-dir" in first, first
+    assert f"cannot enter {private} " in second and f"chmod o+x {private}" in second, second
+    assert "\n" not in first + second
+    assert result.failed == 0 and status == [("ok", None)], status
+
+
 PROXY_AGENT = r"""
 import json, os, sys, urllib.request
 body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()

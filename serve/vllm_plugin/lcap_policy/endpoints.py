@@ -627,7 +627,7 @@ async def responses_socket(socket: WebSocket) -> None:
             try:
                 frame = json.loads(await socket.receive_text())
             except ValueError:
-                await socket.send_text(_dumps(_ws_error("invalid_request_error", "a frame that is not JSON")))
+                await socket.send_text(_ws_error(_invalid("a frame that is not JSON")))
                 continue
             if not isinstance(frame, dict) or frame.get("type") != "response.create":
                 continue
@@ -640,7 +640,7 @@ async def responses_socket(socket: WebSocket) -> None:
                 body.pop(wire.REQUEST_KEY, None)
                 _, missing = policy.resolve_previous(body)  # a warm-up may continue a conversation too
                 if missing is not None:
-                    await socket.send_text(_dumps(_ws_error(missing.error.type, missing.error.message)))
+                    await socket.send_text(_ws_error(missing.error))
                     continue
                 events = _empty_response(body)
                 if policy.stored is not None:  # a later call may continue it: what it was sent, no output
@@ -652,27 +652,45 @@ async def responses_socket(socket: WebSocket) -> None:
                 continue
             body["stream"] = True
             try:
-                turn, started = await policy.responses_result(body, None)
-            except RequestValidationError as exc:
-                await socket.send_text(_dumps(_ws_error("invalid_request_error", str(exc.errors()))))
-                continue
-            if isinstance(started.result, ErrorResponse):
-                error = started.result.error
-                await socket.send_text(_dumps(_ws_error(error.type, error.message)))
-                continue
-            async for kind, data in policy.response_events(turn, started):
-                if kind == wire.HEAD_EVENT:
-                    await socket.send_text(f'{{"type":"{wire.HEAD_EVENT}","head":{data}}}')
-                elif kind == wire.RECORD_EVENT:
-                    await socket.send_text(f'{{"type":"{wire.RECORD_EVENT}",{data[1:]}')
-                else:
-                    await socket.send_text(data)
+                await _ws_respond(socket, policy, body)
+            except WebSocketDisconnect:
+                raise
+            except Exception as exc:  # what vLLM's HTTP handlers answer with a 400 (a prompt past the context)
+                error = create_error_response(exc).error
+                log.warning("lcap: a Responses WebSocket call got an error event (%s): %s", error.code, error.message)
+                await socket.send_text(_ws_error(error))
     except WebSocketDisconnect:
         return
 
 
-def _ws_error(kind: str, message: str) -> dict:
-    return {"type": "error", "error": {"type": kind, "message": message}}
+async def _ws_respond(socket: WebSocket, policy: Policy, body: dict) -> None:
+    """One `response.create` frame's answer: its events as frames, lcap's two parts among them, or an error event."""
+    try:
+        turn, started = await policy.responses_result(body, None)
+    except RequestValidationError as exc:
+        await socket.send_text(_ws_error(_invalid(str(exc.errors()))))
+        return
+    if isinstance(started.result, ErrorResponse):
+        await socket.send_text(_ws_error(started.result.error))
+        return
+    async for kind, data in policy.response_events(turn, started):
+        if kind == wire.HEAD_EVENT:
+            await socket.send_text(f'{{"type":"{wire.HEAD_EVENT}","head":{data}}}')
+        elif kind == wire.RECORD_EVENT:
+            await socket.send_text(f'{{"type":"{wire.RECORD_EVENT}",{data[1:]}')
+        else:
+            await socket.send_text(data)
+
+
+def _ws_error(error: Any) -> str:
+    """A Responses WebSocket `error` event (OpenAI's shape) of vLLM's error: the HTTP status the same call gets over
+    HTTP, and the error itself."""
+    body = {"type": error.type, "code": None, "message": error.message, "param": error.param}
+    return _dumps({"type": "error", "status": error.code, "error": body})
+
+
+def _invalid(message: str) -> Any:
+    return create_error_response(message, "invalid_request_error", HTTPStatus.BAD_REQUEST).error
 
 
 def _empty_response(body: dict) -> list[dict]:
