@@ -375,6 +375,6 @@ def _write(writer: asyncio.StreamWriter, answer: Answer, keep: bool) -> None:
         f"Content-Length: {len(body)}",
         "Connection: " + ("keep-alive" if keep else "close"),
     ]
-    if answer.status == 429:
+    if answer.status in (429, 503):
         head.append("Retry-After: 1")
     writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
