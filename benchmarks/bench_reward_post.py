@@ -9,7 +9,9 @@ episodes every 2 s, as `lcap loop --live` does while it waits for a batch (`read
 post one reward per finished session (and one for a session that never ran, in ten) to the reward endpoint.
 Printed: the posts' latency (median, 90th percentile, longest) by answer, and the reward store thread's time
 per phase (the lookup of the episode, the wait for the episode rows in flight before a 404, the reward's
-insert) with, inside them, the time spent waiting to attach the store file.
+insert) with, inside them, the time spent waiting to attach the store file. With --hold S, one more process
+attaches the store and holds it S seconds, again and again: a turn writer whose batches a loaded machine slows
+(the writer runs niced).
 """
 
 from __future__ import annotations
@@ -47,6 +49,18 @@ def poller(db: str, stop, out) -> None:
     out.put(took)
 
 
+def holder(db: str, hold: float, stop, out) -> None:
+    """A turn writer starved of CPU: it holds the store file HOLD seconds a batch, and attaches again at once."""
+    from lcap.store import Store
+
+    store, holds = Store(db), 0
+    while not stop.is_set():
+        with store.connect():
+            time.sleep(hold)
+        holds += 1
+    out.put(holds)
+
+
 def _q(values: list[float]) -> dict[str, float]:
     if not values:
         return {}
@@ -65,6 +79,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--agents", type=int, default=4)
     ap.add_argument("--posters", type=int, default=2)
+    ap.add_argument("--hold", type=float, default=0.0, help="a process holds the store this long, again and again")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="lcap-bench-rewards-"))
     os.environ["LCAP_HOME"] = str(tmp / "home")
@@ -158,6 +173,9 @@ def main() -> None:
     poll_stop, poll_out = ctx.Event(), ctx.Queue()
     polling = ctx.Process(target=poller, args=(str(db), poll_stop, poll_out))
     polling.start()
+    holding = ctx.Process(target=holder, args=(str(db), args.hold, poll_stop, poll_out)) if args.hold else None
+    if holding is not None:
+        holding.start()
     threads = [threading.Thread(target=agent, args=(a,)) for a in range(args.agents)]
     threads += [threading.Thread(target=poster) for _ in range(args.posters)]
     for thread in threads:
@@ -169,13 +187,17 @@ def main() -> None:
     for thread in threads[args.agents :]:
         thread.join()
     poll_stop.set()
-    polls = poll_out.get(timeout=120)
+    got = [poll_out.get(timeout=120) for _ in range(2 if holding is not None else 1)]
+    polls = next(g for g in got if isinstance(g, list))
     polling.join()
+    if holding is not None:
+        holding.join()
     proxy.stop()
     report = {
         "seconds": args.seconds,
         "agents": args.agents,
         "posters": args.posters,
+        "hold_s": args.hold,
         "load": os.getloadavg()[0],
         "post_latency_s": {str(k): _q(v) for k, v in sorted(latency.items())},
         "store_thread_phases_s": {k: _q(v) for k, v in sorted(phases.items())},
