@@ -6,14 +6,19 @@
 
 The tiny model on one vLLM CPU server (`lcap serve`), one `lcap proxy --serve --upstream policy`, and `--agents`
 threads that call it with no per-episode set-up: each session is one or two chat calls under an
-`X-Lcap-Session` header (the second extends the first), its prompt one of a few. Every reward goes to a
-rewarder thread that posts it to the proxy's reward endpoint late and in random order; one in ten is posted
-twice (the same key: 200, not stored again) and one in twenty names a session that never ran (404). The live
-loop runs two steps with a margin every candidate passes (two promotions); once it is done, `lcap deploy
---rollback` restores the first promotion while the agents keep calling. Checks, from the store: no failed
-call, every call stored in its session's episode, every reward stored once, the answers to the 4xx posts,
-the deployments rows (two promotions, one rollback), which deployment served the calls after each change,
-and how late the rewards came (`reward_delays`). Prints one JSON object; exits 1 when a check fails.
+`X-Lcap-Session` header (the second extends the first), its prompt one of a few. Each finished session's reward
+is due 1 s to 10 min after it, scaled by DELAY_SCALE (0.05: 0.05 s to 30 s, so that the run fits minutes), and
+POSTERS threads post the due ones to the proxy's reward endpoint: late, in an order the random delays shuffle. One
+session in ten gets a second post of its key with the other value (200, not stored), and one in twenty a post for
+a session that never ran (404). The live loop runs two steps with --promote-margin 10, a margin every candidate
+passes: both promotions are forced, whatever the held-out rewards say; once it is done, `lcap deploy --rollback`
+restores the first promotion while the agents keep calling. Checks, from the store: no failed call, every call
+stored in its session's episode (the sim counts each session's calls), every reward stored once on its session's
+episode with the value of the post answered 201, as many 200s as duplicates and 404s as unknown sessions, the
+deployments rows (two promotions, one rollback), which deployment served the calls after the rollback, and how
+late the rewards came (`reward_delays`). Reported beside them: the reward posts' latency and the held-out mean
+reward (HELD_OUT, `loop_steps`) of the base before the loop, of the last promoted candidate and of the one
+rolled back to. Prints one JSON object; exits 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -34,6 +39,18 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 LCAP = str(Path(sys.executable).parent / "lcap")
 KEY = "sk-sim-tenant-0123456789"
+DELAY_SCALE = 0.05  # rewards come 1 s to 10 min late in production; here 0.05 s to 30 s (x DELAY_SCALE)
+POSTERS = 4
+HELD_OUT = (
+    "Which is a number: one file list",
+    "Which is a number: red five cat",
+    "Name a dog.",
+    "Sort them.",
+    "Which is a number: tree nine box",
+    "Name a town.",
+    "Which is a number: six pen cup",
+    "Count it.",
+)
 PROMPTS = ("Which is a number: code seven tool", "Which is a number: list two text", "Name a file.", "Sort it.")
 AGENT = """
 import sys
@@ -59,8 +76,13 @@ class Sim:
         self.failures: list[str] = []
         self.pending: list[dict] = []  # rewards not posted yet
         self.posted: dict[int, int] = {}  # HTTP status -> posts
-        self.post_errors: list[str] = []  # posts that got no answer (timed out), each posted again
+        self.post_errors: list[str] = []
+        self.post_s: list[float] = []  # posts that got no answer (timed out), each posted again
         self.done_agents = threading.Event()
+        self.values: dict[str, float] = {}  # session -> the value of the post answered 201 (stored)
+        self.duplicates = 0  # second posts of a key
+        self.ghosts = 0  # posts for sessions that never ran
+        self.calls_of: dict[str, int] = {}  # session -> calls answered
         self.enough = threading.Event()
 
     def take(self) -> int | None:
@@ -94,43 +116,56 @@ class Sim:
                         break
                     with self.lock:
                         self.calls.append({"session": session, "seq": seq, "started": started, "model": reply["model"]})
+                        self.calls_of[session] = self.calls_of.get(session, 0) + 1
                     said = reply["choices"][0]["message"]["content"] or ""
                     messages = [*messages, {"role": "assistant", "content": said}, {"role": "user", "content": "More."}]
                 with self.lock:
-                    self.pending.append({"session": session, "value": float(self.rng.random() < 0.5), "key": session})
-                    if self.rng.random() < 0.1:  # posted twice
-                        self.pending.append({"session": session, "value": 1.0, "key": session})
+                    if session not in self.calls_of:
+                        continue
+                    due = time.monotonic() + self.rng.uniform(1, 600) * DELAY_SCALE
+                    value = float(self.rng.random() < 0.5)
+                    self.pending.append({"due": due, "session": session, "value": value, "key": session})
+                    if self.rng.random() < 0.1:  # posted twice, with another value: the later one is not stored
+                        self.duplicates += 1
+                        later = time.monotonic() + self.rng.uniform(1, 600) * DELAY_SCALE
+                        self.pending.append(
+                            {"due": max(due, later), "session": session, "value": 1 - value, "key": session}
+                        )
                     if self.rng.random() < 0.05:  # a session that never ran
-                        self.pending.append({"session": f"ghost-{i}", "value": 1.0, "key": f"ghost-{i}"})
+                        self.ghosts += 1
+                        self.pending.append({"due": due, "session": f"ghost-{i}", "value": 1.0, "key": f"ghost-{i}"})
                 time.sleep(pace)
 
     def rewarder(self) -> None:
+        """Posts each reward once it is due: late, in an order that is not the sessions' (random delays)."""
         headers = {"Authorization": f"Bearer {KEY}"}
-        while True:
-            with self.lock:
-                ready = len(self.pending) >= 8 or (self.done_agents.is_set() and self.pending)
-                if self.done_agents.is_set() and not self.pending:
-                    return
-                batch = []
-                if ready:
-                    self.rng.shuffle(self.pending)
-                    batch, self.pending = (
-                        self.pending[: len(self.pending) // 2 or 1],
-                        self.pending[len(self.pending) // 2 or 1 :],
-                    )
-            for post in batch:
+        with httpx.Client(timeout=300) as client:
+            while True:
+                with self.lock:
+                    if self.done_agents.is_set() and not self.pending:
+                        return
+                    now = time.monotonic()
+                    due = [p for p in self.pending if p["due"] <= now or self.done_agents.is_set()]
+                    post = min(due, key=lambda p: p["due"]) if due else None
+                    if post is not None:
+                        self.pending.remove(post)
+                if post is None:
+                    time.sleep(0.05)
+                    continue
+                body = {k: post[k] for k in ("session", "value", "key")}
+                t = time.monotonic()
                 try:
-                    status = httpx.post(
-                        self.rewards_url, json={**post, "source": "sim"}, headers=headers, timeout=300
-                    ).status_code
+                    answer = client.post(self.rewards_url, json={**body, "source": "sim"}, headers=headers)
                 except httpx.HTTPError as exc:  # posted again later: its key makes a retry safe
                     with self.lock:
                         self.post_errors.append(repr(exc))
                         self.pending.append(post)
                     continue
                 with self.lock:
-                    self.posted[status] = self.posted.get(status, 0) + 1
-            time.sleep(0.5)
+                    self.posted[answer.status_code] = self.posted.get(answer.status_code, 0) + 1
+                    if answer.status_code == 201:
+                        self.values[post["session"]] = post["value"]
+                    self.post_s.append(time.monotonic() - t)
 
     def models_after(self, since: float) -> dict[str, int]:
         with self.lock:
@@ -163,7 +198,9 @@ def main() -> None:
     os.environ.update(LCAP_HOME=env["LCAP_HOME"], LCAP_POLICY_RECORD=env["LCAP_POLICY_RECORD"])
     (out / "agent.py").write_text(AGENT)
     (out / "verify.py").write_text(VERIFIER)
-    (out / "eval.jsonl").write_text(json.dumps({"id": "held", "q": "Which is a number: one file list"}) + "\n")
+    (out / "eval.jsonl").write_text(
+        "".join(json.dumps({"id": f"held-{k}", "q": q}) + "\n" for k, q in enumerate(HELD_OUT))
+    )
     model = out / "tiny"
     if not (model / "config.json").exists():
         subprocess.run([LCAP, "init-model", str(model), "--seed", str(args.seed)], env=env, check=True)
@@ -183,9 +220,9 @@ def main() -> None:
         record = json.loads((home / "proxies" / f"{port}.json").read_text())
         sim = Sim(f"http://127.0.0.1:{port}", record["rewards_url"], args.sessions, args.seed)
         agents = [threading.Thread(target=sim.agent, args=(args.pace,), daemon=True) for _ in range(args.agents)]
-        rewarder = threading.Thread(target=sim.rewarder, daemon=True)
+        rewarders = [threading.Thread(target=sim.rewarder, daemon=True) for _ in range(POSTERS)]
         started = time.monotonic()
-        for thread in [*agents, rewarder]:
+        for thread in [*agents, *rewarders]:
             thread.start()
         loop = subprocess.run(
             [LCAP, "loop", "--live", "--run", str(out / "run"), "--rounds", "2", "--min-samples", str(args.min_samples)]
@@ -211,13 +248,25 @@ def main() -> None:
         for thread in agents:
             thread.join()
         sim.done_agents.set()
-        rewarder.join()
+        for thread in rewarders:
+            thread.join()
         report["traffic_s"] = round(time.monotonic() - started, 1)
         report["sessions"] = sessions = sim.next
         report["calls"] = len(sim.calls)
         report["failed_calls"] = len(sim.failures)
         report["reward_posts"] = {str(k): v for k, v in sorted(sim.posted.items())}
         report["reward_post_retries"] = len(sim.post_errors)
+        report["duplicates_posted"], report["ghosts_posted"] = sim.duplicates, sim.ghosts
+        took = sorted(sim.post_s)
+        report["reward_post_s"] = (
+            {
+                "p50": round(took[len(took) // 2], 3),
+                "p90": round(took[int(0.9 * len(took))], 3),
+                "max": round(took[-1], 3),
+            }
+            if took
+            else {}
+        )
         report["answered_by_after_loop"] = sim.models_after(loop_done + 1.0)
         report["answered_by_after_rollback"] = sim.models_after(rolled + 1.0)
     finally:
@@ -245,6 +294,36 @@ def main() -> None:
             for x in one("SELECT min(late_s), median(late_s), max(late_s) FROM reward_delays WHERE source = 'sim'")
         ],
     }
+    stored_calls = dict(
+        store.fetchall(
+            "SELECT e.labels->>'session', count(t.turn_id) FROM episodes e LEFT JOIN turns t USING (episode_id) "
+            "WHERE e.labels->>'session' LIKE 'sim-%' GROUP BY 1"
+        )
+    )
+    stored_values = dict(
+        store.fetchall(
+            "SELECT e.labels->>'session', r.value FROM rewards r JOIN episodes e USING (episode_id) WHERE r.source = 'sim'"
+        )
+    )
+    report["store"]["calls_in_the_right_session"] = sum(stored_calls.get(k) == v for k, v in sim.calls_of.items())
+    report["store"]["rewards_with_the_posted_value"] = sum(stored_values.get(k) == v for k, v in sim.values.items())
+    steps = store.fetchall("SELECT round, step, mean_reward, details FROM loop_steps ORDER BY created_at")
+    before = [r[2] for r in steps if r[1] == "eval-current" and r[0] == 1]
+    promoted = [json.loads(r[3]) for r in steps if r[1] == "promote"]
+    after = [p["candidate_reward"] for p in promoted if p.get("promoted")]
+    first = [p["candidate_reward"] for p in promoted[:1] if p.get("promoted")]
+    report["held_out"] = {
+        "before (base, step 1 eval-current)": before[0] if before else None,
+        "after the loop (last promoted candidate)": after[-1] if after else None,
+        "after the rollback (step 1's candidate)": first[0] if first else None,
+        "promotions": [
+            {
+                k: p.get(k)
+                for k in ("candidate", "candidate_reward", "current", "current_reward", "margin", "promoted", "reason")
+            }
+            for p in promoted
+        ],
+    }
     s = report["store"]
     lora = [d for d in s["deployments"] if d[1] == "lora" and d[3] is None]
     rollbacks = [d for d in s["deployments"] if d[3] is not None]
@@ -253,8 +332,13 @@ def main() -> None:
         "at least --sessions sessions": sessions >= args.sessions,
         "every session stored": s["sessions"] == sessions,
         "every call stored": s["turns"] == report["calls"],
+        "every call in its session's episode": s["calls_in_the_right_session"] == len(sim.calls_of),
+        "every reward on its session's episode, the stored post's value": s["rewards_with_the_posted_value"]
+        == len(sim.values),
         "every reward once": s["rewards"][0] == s["rewards"][1] == sessions,
         "duplicates 200, ghosts 404, rest 201": set(report["reward_posts"]) <= {"200", "201", "404"}
+        and report["reward_posts"].get("200", 0) == sim.duplicates
+        and report["reward_posts"].get("404", 0) == sim.ghosts
         and report["reward_posts"].get("201") == sessions,
         "two promotions": len(lora) == 2,
         "one rollback to step 1's": len(rollbacks) == 1 and bool(lora) and rollbacks[0][0] == lora[0][0],

@@ -9,9 +9,13 @@ tenant's episode is answered as an unknown one (404). The body is a JSON object:
      "value": NUMBER, "source": TEXT, "details": OBJECT, "key": TEXT}
 
 `key` makes the post idempotent: a reward with that key already stored is not stored again (200, `stored: false`).
-Rewards are stored one at a time by one thread; past `max_pending` waiting, a post gets 429 with Retry-After.
-A post naming an episode the store does not hold looks again once the episode rows the proxy has opened so far
-are stored (`settle`): a reward posted right after its session's first call is not refused for arriving first.
+Rewards are stored by one thread, in batches: the posts waiting when it turns to them share one attach of the store
+file (which a writer process or `lcap loop --live` may hold for a while: each post attaching it alone queued
+behind every hold, benchmarks/bench_reward_post.py), and each is answered once its row is in the store. Past
+`max_pending` waiting, a post gets 429 with Retry-After; a store that stays locked past its timeout, 503. An
+episode this proxy opened is placed from memory (`KnownEpisodes`), its row stored or not yet; a post naming one
+the store does not hold either looks again once the episode rows the proxy has opened so far are stored
+(`settle`): a reward posted right after its session's first call is not refused for arriving first.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ import hmac
 import json
 import logging
 import math
+import queue
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -52,6 +57,51 @@ class Refusal(Exception):
         self.status = status
 
 
+class KnownEpisodes:
+    """The episodes this proxy run opened, by id, with their tenant: a post naming one by id, or by a tenant's
+    session, is placed without the store. Bounded: the oldest are forgotten (the store still knows them)."""
+
+    def __init__(self, limit: int = 100_000) -> None:
+        self.limit = limit
+        self._tenants: OrderedDict[str, str | None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, episode: str, labels: dict[str, str]) -> None:
+        with self._lock:
+            self._tenants[episode] = labels.get("tenant")
+            while len(self._tenants) > self.limit:
+                self._tenants.popitem(last=False)
+
+    def find(self, post: dict[str, Any], tenant: str | None) -> str | None:
+        """The episode `post` names, when this proxy opened it and `tenant` (None: the proxy's token) may reward it."""
+        if "episode_id" in post:
+            episode = post["episode_id"]
+        elif "session" in post and tenant is not None:
+            episode = session_episode(tenant, post["session"])
+        else:  # a session under the proxy's token may be several tenants', a label any episode's: the store says
+            return None
+        with self._lock:
+            if episode not in self._tenants or (tenant is not None and self._tenants[episode] != tenant):
+                return None
+        return episode
+
+
+class _Post:
+    def __init__(self, post: dict[str, Any], token: str | None, loop: asyncio.AbstractEventLoop) -> None:
+        self.post, self.token, self.loop = post, token, loop
+        self.answer: asyncio.Future[Answer] = loop.create_future()
+
+    def reply(self, answer: Answer) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._set, answer)
+        except RuntimeError:  # the endpoint stopped: nobody waits for the answer
+            pass
+
+    def _set(self, answer: Answer) -> None:
+        if not self.answer.done():  # a post whose connection went away
+            self.answer.set_result(answer)
+
+
 class RewardEndpoint:
     """An asyncio HTTP/1.1 listener on a thread of its own; `start` returns once it accepts connections."""
 
@@ -65,16 +115,19 @@ class RewardEndpoint:
         max_pending: int = 256,
         max_body: int = 64 * 1024,
         settle: Callable[[], None] = lambda: None,
+        known: KnownEpisodes | None = None,
     ) -> None:
         """`settle`: waits until the rows of the episodes the proxy opened so far are stored (a post naming none
-        that the store knows looks again after it)."""
+        that the store knows looks again after it). `known`: the episodes the proxy opened."""
         self.store, self.token, self.settle = store, token, settle
+        self.known = known if known is not None else KnownEpisodes()
         self.host, self.port = host, port
         self.max_pending, self.max_body = max_pending, max_body
         self.pending = 0  # posts read and waiting for, or in, the store thread
         self.connections = 0
         self.counts = {"stored": 0, "duplicate": 0, "refused": 0, "busy": 0}
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="lcap-rewards")
+        self._queue: queue.Queue[_Post | None] = queue.Queue()
+        self._worker = threading.Thread(target=self._work, name="lcap-rewards", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
         self._thread: threading.Thread | None = None
@@ -86,6 +139,7 @@ class RewardEndpoint:
         return f"http://{host}:{self.port}{PATH}"
 
     def start(self) -> None:
+        self._worker.start()
         self._thread = threading.Thread(target=self._run, name="lcap-reward-endpoint", daemon=True)
         self._thread.start()
         if not self._ready.wait(30) or self._server is None:
@@ -96,7 +150,9 @@ class RewardEndpoint:
         if loop is not None and self._thread is not None:
             loop.call_soon_threadsafe(loop.stop)
             self._thread.join(10)
-        self._executor.shutdown(wait=True)
+        if self._worker.is_alive():
+            self._queue.put(None)
+            self._worker.join(120)
 
     def _run(self) -> None:
         loop = self._loop = asyncio.new_event_loop()
@@ -177,8 +233,9 @@ class RewardEndpoint:
             return Answer(429, {"error": "too many rewards waiting to be stored: retry later"}), keep
         self.pending += 1
         try:
-            loop = asyncio.get_running_loop()
-            answer = await loop.run_in_executor(self._executor, self._store, post, None if admin else token.strip())
+            waiting = _Post(post, None if admin else token.strip(), asyncio.get_running_loop())
+            self._queue.put(waiting)
+            answer = await waiting.answer
         finally:
             self.pending -= 1
         if answer.status >= 400:
@@ -187,23 +244,61 @@ class RewardEndpoint:
             self.counts["stored" if answer.body.get("stored") else "duplicate"] += 1
         return answer, keep
 
-    def _store(self, post: dict[str, Any], token: str | None) -> Answer:
-        """One reward, in the store thread. `token`: a tenant's credential, or None for the proxy's reward token."""
-        tenant = tenant_of_token(token) if token is not None else None
-        try:
+    def _work(self) -> None:
+        """The store thread: every post waiting, in one batch."""
+        done = False
+        while not done:
+            posts = [self._queue.get()]
+            while True:
+                try:
+                    posts.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            done = None in posts
+            batch = [post for post in posts if post is not None]
+            if not batch:
+                continue
             try:
-                episode = self._episode(post, tenant)
-            except Refusal as exc:
-                if exc.status not in (401, 404):
-                    raise
+                answers = self._store(batch)
+            except Exception as exc:  # the store stayed locked past its timeout, or broke
+                log.warning("lcap: %d rewards were not stored: %s", len(batch), exc)
+                answers = [Answer(503, {"error": f"the store is unavailable, retry later: {exc}"})] * len(batch)
+            for post, answer in zip(batch, answers, strict=True):
+                post.reply(answer)
+
+    def _store(self, batch: list[_Post]) -> list[Answer]:
+        """Place and store a batch of rewards: one attach, and one more (after `settle`) for those that name an
+        episode the store does not hold yet."""
+        answers: list[Answer | None] = [None] * len(batch)
+        tenants = [tenant_of_token(p.token) if p.token is not None else None for p in batch]
+        todo = list(range(len(batch)))
+        for attempt in range(2):
+            if attempt:
                 self.settle()  # a session opened a moment ago: its row may still be on its way to the store
-                episode = self._episode(post, tenant)
-        except Refusal as exc:
-            return Answer(exc.status, {"error": str(exc)})
-        stored = self.store.add_reward(
-            episode, post["value"], details=json.dumps(post["details"]), source=post["source"], key=post["key"]
-        )
-        return Answer(201 if stored else 200, {"episode_id": episode, "stored": stored})
+            again = []
+            with self.store.connect():
+                for i in todo:
+                    post, tenant = batch[i].post, tenants[i]
+                    try:
+                        episode = self.known.find(post, tenant) or self._episode(post, tenant)
+                    except Refusal as exc:
+                        if attempt == 0 and exc.status in (401, 404):
+                            again.append(i)
+                        else:
+                            answers[i] = Answer(exc.status, {"error": str(exc)})
+                        continue
+                    stored = self.store.add_reward(
+                        episode,
+                        post["value"],
+                        details=json.dumps(post["details"]),
+                        source=post["source"],
+                        key=post["key"],
+                    )
+                    answers[i] = Answer(201 if stored else 200, {"episode_id": episode, "stored": stored})
+            if not again:
+                break
+            todo = again
+        return [a if a is not None else Answer(500, {"error": "not answered"}) for a in answers]
 
     def _episode(self, post: dict[str, Any], tenant: str | None) -> str:
         where, params = [], []
@@ -280,6 +375,6 @@ def _write(writer: asyncio.StreamWriter, answer: Answer, keep: bool) -> None:
         f"Content-Length: {len(body)}",
         "Connection: " + ("keep-alive" if keep else "close"),
     ]
-    if answer.status == 429:
+    if answer.status in (429, 503):
         head.append("Retry-After: 1")
     writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)

@@ -50,7 +50,7 @@ from lcap.capture.proxy.mitm_guards import (
     install_reset_limit,
     install_websocket_limits,
 )
-from lcap.capture.proxy.rewards_api import RewardEndpoint
+from lcap.capture.proxy.rewards_api import KnownEpisodes, RewardEndpoint
 from lcap.capture.proxy.sessions import EpisodeRows, Sessions
 from lcap.capture.reach.jvm import java_proxy_options, java_tool_options, non_proxy_hosts, trust_store
 from lcap.capture.reach.names import Names
@@ -248,6 +248,7 @@ class CaptureProxy:
         self._master: Any = None
         self._calls: Calls | None = None
         self._episode_rows: EpisodeRows | None = None
+        self._known = KnownEpisodes()
         self.rewards: RewardEndpoint | None = None
         self._bundle: Path | None = None
         self._java_store: Path | None = None
@@ -286,11 +287,12 @@ class CaptureProxy:
         if self.store is not None:
             self._episode_rows = EpisodeRows(self.store)
             self._episode_rows.start()
+        self._known = KnownEpisodes(self.options.max_episodes)
         sessions = Sessions(
             header=self.options.session_header,
             conversations=bool(self.options.conversations),
             limit=self.options.max_episodes,
-            opened=self._episode_rows.put if self._episode_rows is not None else (lambda episode, labels: None),
+            opened=self._opened,
         )
         calls = Calls(
             self.writer,
@@ -331,6 +333,7 @@ class CaptureProxy:
                 max_pending=self.options.max_pending_rewards,
                 max_body=self.options.max_reward_bytes,
                 settle=self._episode_rows.settle if self._episode_rows is not None else (lambda: None),
+                known=self._known,
             )
             try:
                 self.rewards.start()
@@ -408,6 +411,12 @@ class CaptureProxy:
         if self.token_ids is None:
             return vllm
         return self.token_ids
+
+    def _opened(self, episode: str, labels: dict[str, str]) -> None:
+        """A session's episode: its row goes to the store, and the reward endpoint knows it at once."""
+        self._known.add(episode, labels)
+        if self._episode_rows is not None:
+            self._episode_rows.put(episode, labels)
 
     def _serve(self, calls: Calls) -> None:
         try:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from fixtures_capture import wait_until
 
 from lcap.dataset.build.builder import build_dataset
 from lcap.dataset.options import BuildOptions
@@ -190,3 +191,55 @@ def test_a_reward_posted_before_its_episode_row_is_stored_waits_for_it(tmp_path,
     finally:
         endpoint.stop()
     assert arrived == [episode, episode] and store.fetchall("SELECT episode_id FROM rewards") == [(episode,)]
+
+
+def test_rewards_waiting_on_a_held_store_share_one_attach_and_need_no_episode_row(tmp_path, monkeypatch):
+    """Posts that arrive while another unit of work holds the store file are stored together once it is free, in one
+    attach, and a session the proxy opened is placed from memory, its row not stored yet (each post attaching the
+    store two or three times, settle included, queued behind every writer batch: ~14 s a post in the live sim)."""
+    import threading
+
+    import httpx
+
+    from lcap.capture.proxy.rewards_api import KnownEpisodes, RewardEndpoint
+    from lcap.capture.proxy.sessions import session_episode, tenant_of_token
+
+    monkeypatch.setenv("LCAP_HOME", str(tmp_path / "home"))
+    store = Store(tmp_path / "lcap.duckdb")
+    tenant = tenant_of_token("sk-tenant")
+    known, posts = KnownEpisodes(), 8
+    for k in range(posts):
+        known.add(session_episode(tenant, f"s{k}"), {"tenant": tenant, "session": f"s{k}"})
+    attaches: list[str] = []
+    attach = Store._attach
+
+    def counted(self, con, read_only):
+        attaches.append(threading.current_thread().name)
+        return attach(self, con, read_only)
+
+    monkeypatch.setattr(Store, "_attach", counted)
+    settled: list[int] = []
+    endpoint = RewardEndpoint(store, "proxy-token", known=known, settle=lambda: settled.append(1))
+    endpoint.start()
+    answers: list[httpx.Response] = []
+
+    def post(k: int) -> None:
+        body = {"session": f"s{k}", "value": 1.0, "key": f"k{k}"}
+        answers.append(httpx.post(endpoint.url, json=body, headers={"Authorization": "Bearer sk-tenant"}, timeout=120))
+
+    try:
+        with store.connect():  # held, as a writer's batch or the loop's build holds it
+            threads = [threading.Thread(target=post, args=(k,)) for k in range(posts)]
+            for thread in threads:
+                thread.start()
+            wait_until(lambda: endpoint.pending == posts, timeout=60)
+        for thread in threads:
+            thread.join(120)
+    finally:
+        endpoint.stop()
+    assert sorted(a.status_code for a in answers) == [201] * posts, [a.text for a in answers]
+    rewards_attaches = attaches.count("lcap-rewards")
+    assert rewards_attaches <= 2, rewards_attaches  # the first post alone at most, then the rest together
+    assert settled == []
+    stored = store.fetchall("SELECT count(*), count(DISTINCT episode_id) FROM rewards")
+    assert stored == [(posts, posts)]
