@@ -28,7 +28,7 @@ from pathlib import Path
 from lcap.config import LcapError, lcap_home
 from lcap.installs import announce, run_install
 from lcap.locks import file_lock
-from lcap.serve.tiny_model import CHAT_TEMPLATE, portable_tokenizer_config
+from lcap.serve.tiny_model import CHAT_TEMPLATE, save_checkpoint
 
 STAMP = "lcap-model.json"
 CONVERT_WAIT = 900.0  # seconds to wait for another process converting the same checkpoint
@@ -127,11 +127,7 @@ def convert_gguf(gguf: Path, out: Path, *, template: str) -> Path:
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
     tokenizer.chat_template = template
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    portable_tokenizer_config(out / "tokenizer_config.json")
-    return out
+    return save_checkpoint(model, tokenizer, out)
 
 
 def init_pretrained(out: Path, name: str) -> Path:

@@ -483,16 +483,18 @@ def init_model(out: Path, options: TinyModelOptions = TinyModelOptions()) -> Pat
         pad_token_id=config.pad_token_id,
         max_new_tokens=options.max_new_tokens,
     )
+    return save_checkpoint(model, tokenizer, out)
+
+
+def save_checkpoint(model: Any, tokenizer: Any, out: Path) -> Path:
+    """Write a model and its tokenizer to `out`, the tokenizer's class named as every transformers release knows
+    it (v5 writes its new `TokenizersBackend`)."""
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    portable_tokenizer_config(out / "tokenizer_config.json")
-    return out
-
-
-def portable_tokenizer_config(path: Path) -> None:
-    """Name the class every transformers release knows (v5 writes its new `TokenizersBackend`)."""
+    path = out / "tokenizer_config.json"
     config = json.loads(path.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config.pop("backend", None)
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out

@@ -34,7 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lcap.config import LcapError
 from lcap.ui import queries
-from lcap.ui.conversation import conversation
+from lcap.ui.conversation import conversation, pretty
 from lcap.ui.options import UiOptions
 from lcap.ui.reader import Reader, Watch
 from lcap.ui.tokens import Tokenizers, token_view
@@ -345,7 +345,7 @@ def _environment() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters.update(num=_num, ms=_ms, when=_when, secs=_secs, pretty=_pretty, qs=_qs, short=_short)
+    env.filters.update(num=_num, ms=_ms, when=_when, secs=_secs, pretty=pretty, qs=_qs, short=_short)
     return env
 
 
@@ -379,15 +379,6 @@ def _when(value: Any) -> str:
     return "–" if value is None else str(value)
 
 
-def _pretty(value: Any) -> str:
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            return value
-    return json.dumps(value, indent=1, ensure_ascii=False, default=str)
-
-
 def _qs(items: dict[str, Any]) -> str:
     return urlencode({k: v for k, v in items.items() if v is not None and v != ""})
 
@@ -403,62 +394,26 @@ def _short(value: Any, n: int = 80) -> str:
 def _overview_charts(o: dict[str, Any]) -> list[dict[str, Any]]:
     """Chart specs (labels and series) for the overview; the browser draws them with Chart.js."""
     charts: list[dict[str, Any]] = []
+
+    def chart(id: str, title: str, type: str, labels: list, series: list, stacked: bool = False) -> None:
+        spec = {"id": id, "title": title, "type": type, "labels": labels, "series": series}
+        charts.append({**spec, "stacked": True} if stacked else spec)
+
     if o["rewards"]:
-        rounds, series = _by_round(o["rewards"], "split", "mean")
-        charts.append(
-            {"id": "reward", "title": "Mean reward per round", "type": "line", "labels": rounds, "series": series}
-        )
+        chart("reward", "Mean reward per round", "line", *_by_round(o["rewards"], "split", "mean"))
     if o["statuses"]:
-        rounds, series = _by_round(o["statuses"], "status", "n", missing=0)
-        charts.append(
-            {
-                "id": "status",
-                "title": "Episodes by status",
-                "type": "bar",
-                "stacked": True,
-                "labels": rounds,
-                "series": series,
-            }
-        )
+        chart("status", "Episodes by status", "bar", *_by_round(o["statuses"], "status", "n", missing=0), stacked=True)
     if o["turns"]:
-        charts.append(
-            {
-                "id": "tokens",
-                "title": "Tokens per round",
-                "type": "bar",
-                "stacked": True,
-                "labels": [r["round"] for r in o["turns"]],
-                "series": [
-                    {"label": "prompt", "data": [r["prompt_tokens"] for r in o["turns"]]},
-                    {"label": "completion", "data": [r["completion_tokens"] for r in o["turns"]]},
-                ],
-            }
-        )
+        rounds = [r["round"] for r in o["turns"]]
+        series = [{"label": k, "data": [r[f"{k}_tokens"] for r in o["turns"]]} for k in ("prompt", "completion")]
+        chart("tokens", "Tokens per round", "bar", rounds, series, stacked=True)
     if o["train"]:
         metrics = ["kl", "is_ratio_mean", "clip_fraction", *o["mismatch"]]
-        charts.append(
-            {
-                "id": "train",
-                "title": "Training per round",
-                "type": "line",
-                "labels": [r["round"] for r in o["train"]],
-                "series": [{"label": m, "data": [r.get(m) for r in o["train"]]} for m in metrics],
-            }
-        )
+        series = [{"label": m, "data": [r.get(m) for r in o["train"]]} for m in metrics]
+        chart("train", "Training per round", "line", [r["round"] for r in o["train"]], series)
     if o["phases"]:
-        rounds, series = _by_round(
-            o["phases"], "step", "seconds", order=("collect", "build", "train", "deploy", "eval")
-        )
-        charts.append(
-            {
-                "id": "phases",
-                "title": "Seconds per loop phase",
-                "type": "bar",
-                "stacked": True,
-                "labels": rounds,
-                "series": series,
-            }
-        )
+        phases = _by_round(o["phases"], "step", "seconds", order=("collect", "build", "train", "deploy", "eval"))
+        chart("phases", "Seconds per loop phase", "bar", *phases, stacked=True)
     return charts
 
 

@@ -49,14 +49,14 @@ def _part(kind: str, text: Any, **kw: Any) -> Part:
     return Part(kind, text[:MAX_TEXT] if hidden else text, hidden=hidden, **kw)
 
 
-def _arguments(value: Any) -> str:
-    """Tool-call arguments pretty-printed when they are JSON (as most are), else as sent."""
+def pretty(value: Any) -> str:
+    """A value (tool-call arguments, reward details) pretty-printed when it is JSON, else as sent."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except ValueError:
             return value
-    return json.dumps(value, ensure_ascii=False, indent=1)
+    return json.dumps(value, indent=1, ensure_ascii=False, default=str)
 
 
 def _content_parts(content: Any) -> list[Part]:
@@ -82,7 +82,7 @@ def _content_parts(content: Any) -> list[Part]:
             parts.append(_part("reasoning", block.get("thinking") or block.get("text") or ""))
         elif kind == "tool_use":
             parts.append(
-                _part("tool_call", _arguments(block.get("input")), name=block.get("name"), call_id=block.get("id"))
+                _part("tool_call", pretty(block.get("input")), name=block.get("name"), call_id=block.get("id"))
             )
         elif kind == "tool_result":
             inner = block.get("content")
@@ -115,9 +115,7 @@ def _chat(request: dict) -> list[Message]:
             parts.extend(_content_parts(m.get("content")))
         for call in m.get("tool_calls") or ():
             fn = (call or {}).get("function") or {}
-            parts.append(
-                _part("tool_call", _arguments(fn.get("arguments")), name=fn.get("name"), call_id=call.get("id"))
-            )
+            parts.append(_part("tool_call", pretty(fn.get("arguments")), name=fn.get("name"), call_id=call.get("id")))
         messages.append(Message(role, parts))
     return messages
 
@@ -146,7 +144,7 @@ def _responses(request: dict) -> list[Message]:
             messages.append(Message(str(item.get("role") or "user"), _content_parts(item.get("content"))))
         elif kind in ("function_call", "custom_tool_call"):
             args = item.get("arguments") if kind == "function_call" else item.get("input")
-            part = _part("tool_call", _arguments(args), name=item.get("name"), call_id=item.get("call_id"))
+            part = _part("tool_call", pretty(args), name=item.get("name"), call_id=item.get("call_id"))
             messages.append(Message("assistant", [part]))
         elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output")
@@ -222,7 +220,7 @@ def answer_message(turn: dict[str, Any]) -> Message:
     for call in calls or ():
         if isinstance(call, dict):
             parts.append(
-                _part("tool_call", _arguments(call.get("arguments")), name=call.get("name"), call_id=call.get("id"))
+                _part("tool_call", pretty(call.get("arguments")), name=call.get("name"), call_id=call.get("id"))
             )
     return Message("assistant", parts)
 

@@ -43,7 +43,6 @@ class MemoryTrimmer:
         except (OSError, AttributeError):
             self._trim = None
         self.floor = resident_bytes()
-        self.trims = 0
         self._wait = TRIM_EVERY  # before the next trim
         self._next_trim = 0.0
         self._timer: asyncio.TimerHandle | None = None
@@ -63,7 +62,6 @@ class MemoryTrimmer:
             if resident > self.floor + TRIM_GROWTH and loop.time() >= self._next_trim:
                 gc.collect()
                 self._trim(0)
-                self.trims += 1
                 freed = resident - (resident_bytes() or resident)
                 self._wait = TRIM_EVERY if freed >= TRIM_GROWTH // 4 else min(2 * self._wait, TRIM_BACKOFF_MAX)
                 self._next_trim = loop.time() + self._wait
