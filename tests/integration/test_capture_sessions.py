@@ -8,6 +8,8 @@ import itertools
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -15,11 +17,19 @@ import httpx
 import pytest
 from fixtures_capture import SECRET, FakeLLM, node_cache_dir, serve_proxy, wait_until
 
+from lcap.capture.proxy.rewards_api import RewardEndpoint
 from lcap.store import Store
 
 KEY_A, KEY_B = "sk-tenant-a-0123456789", "sk-tenant-b-9876543210"
 MAX_PENDING = 1
 MAX_BODY = 2048
+HOLD = """
+import sys, time
+from lcap.store import Store
+with Store(sys.argv[1]).connect():
+    print("held", flush=True)
+    time.sleep(120)
+"""
 
 
 class Served:
@@ -198,3 +208,30 @@ def test_a_flood_of_rewards_meets_a_bounded_queue(served):
     assert sorted(a.status_code for a in answers) == [201] * MAX_PENDING + [429] * (posts - MAX_PENDING)
     stored = served.rows("SELECT count(*) FROM rewards WHERE key LIKE 'flood-%'")[0][0]
     assert stored == MAX_PENDING
+
+
+def test_a_store_locked_past_its_timeout_answers_503_and_the_retry_is_stored_once(tmp_path):
+    """A post that cannot reach the store within the store's timeout gets 503 with Retry-After and is not stored;
+    the same post retried once the store is free is stored, once."""
+    db = tmp_path / "lcap.duckdb"
+    store = Store(db, timeout=1.0)
+    store.start_episode("ep-locked", command=None, cwd=None, labels={})
+    endpoint = RewardEndpoint(store, "reward-token")
+    endpoint.start()
+    headers = {"Authorization": "Bearer reward-token"}
+    post = {"episode_id": "ep-locked", "value": 1.0, "source": "ci", "key": "locked-1"}
+    with subprocess.Popen([sys.executable, "-c", HOLD, str(db)], stdout=subprocess.PIPE, text=True) as holder:
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+            refused = httpx.post(endpoint.url, json=post, headers=headers, timeout=30)
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+            assert "stayed locked" in refused.json()["error"]
+        finally:
+            holder.kill()
+    try:
+        retried = httpx.post(endpoint.url, json=post, headers=headers, timeout=30)
+        assert retried.status_code == 201 and retried.json() == {"episode_id": "ep-locked", "stored": True}
+        assert httpx.post(endpoint.url, json=post, headers=headers, timeout=30).json()["stored"] is False
+    finally:
+        endpoint.stop()
+    assert store.fetchall("SELECT count(*) FROM rewards WHERE key = 'locked-1'") == [(1,)]
