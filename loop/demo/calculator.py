@@ -76,7 +76,7 @@ TASK = DemoTask(
         "tasks_per_round": 8,
         "group_size": 8,
         "n_eval": 64,
-        "eval_group_size": 2,
+        "eval_group_size": 1,  # once each: the held-out episodes are the largest part of a round's time
         "concurrency": 8,
         "lr": 1e-4,
         "epochs": 1,

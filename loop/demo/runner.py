@@ -374,6 +374,7 @@ def _plot(rows: list[dict], png: Path) -> None:
     if tr:
         ax.plot(*zip(*tr), marker="s", linestyle="--", label="training episodes' mean reward (collected in the round)")
     ax.set_xlabel("round")
+    ax.set_xticks([r["round"] for r in rows])
     ax.set_ylabel("mean reward / share right")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
