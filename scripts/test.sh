@@ -26,5 +26,7 @@ LCAP_HARNESS_DIR=${LCAP_SANDBOX_HARNESS_DIR:-/var/cache/lcap-harnesses} LCAP_HAR
 status=0
 "${pytest[@]}" tests/unit tests/integration -m "not serial" "$@" || status=$?
 .venv/bin/python -m pytest tests/unit tests/integration -m serial "$@" || status=$?
-"${pytest[@]}" tests/e2e "$@" || status=$?
+# One OpenMP thread per process in e2e: its trainers and vLLM servers otherwise run a spinning thread per core
+# each, beside the other worker's (docs/benchmarks.md, the whole test suite).
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "${pytest[@]}" tests/e2e "$@" || status=$?
 exit "$status"
