@@ -1,6 +1,7 @@
 """`lcap proxy --serve` without per-episode set-up: sessions by header, Responses chain and conversation, and the
-reward endpoint (POST /lcap/v1/rewards) with its token, tenants, body limit and bounded queue. One proxy serves
-the whole module; each test uses session names, conversations and keys of its own."""
+reward endpoint (POST /lcap/v1/rewards) with its token, tenants, body limit, bounded queue and a locked store. One
+proxy serves the module's tests but the last (an endpoint of its own, on a store with a short timeout); each test
+uses session names, conversations and keys of its own."""
 
 from __future__ import annotations
 
@@ -220,15 +221,15 @@ def test_a_store_locked_past_its_timeout_answers_503_and_the_retry_is_stored_onc
     endpoint.start()
     headers = {"Authorization": "Bearer reward-token"}
     post = {"episode_id": "ep-locked", "value": 1.0, "source": "ci", "key": "locked-1"}
-    with subprocess.Popen([sys.executable, "-c", HOLD, str(db)], stdout=subprocess.PIPE, text=True) as holder:
-        try:
-            assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-            refused = httpx.post(endpoint.url, json=post, headers=headers, timeout=30)
-            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
-            assert "stayed locked" in refused.json()["error"]
-        finally:
-            holder.kill()
     try:
+        with subprocess.Popen([sys.executable, "-c", HOLD, str(db)], stdout=subprocess.PIPE, text=True) as holder:
+            try:
+                assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+                refused = httpx.post(endpoint.url, json=post, headers=headers, timeout=30)
+                assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+                assert "stayed locked" in refused.json()["error"]
+            finally:
+                holder.kill()
         retried = httpx.post(endpoint.url, json=post, headers=headers, timeout=30)
         assert retried.status_code == 201 and retried.json() == {"episode_id": "ep-locked", "stored": True}
         assert httpx.post(endpoint.url, json=post, headers=headers, timeout=30).json()["stored"] is False
