@@ -22,7 +22,7 @@ import brotli
 import httpx
 import pytest
 import zstandard
-from fixtures_capture import SocketServer, read_head, serve_proxy, turns
+from fixtures_capture import SocketServer, read_head, serve_proxy, turns, wait_until
 from fixtures_memory import FILL, PREFIX, SUFFIX, json_bomb, memory_cgroup
 
 from lcap.capture.options import ProxyOptions
@@ -96,9 +96,8 @@ def test_request_bombs_are_413_on_both_transports_while_other_calls_are_served(c
                     client.post(url, content=iter([small]) if chunked else small, headers={"content-encoding": "gzip"})
                     for chunked in (False, True)
                 ]
-            deadline = time.monotonic() + 60  # bombs refused fast leave the other agent few calls to make
-            while len(latencies) < 3 and not failures and other.is_alive() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            # bombs refused fast leave the other agent few calls to make
+            wait_until(lambda: len(latencies) >= 3 or failures or not other.is_alive(), timeout=60)
             stop.set()
             other.join(120)
         finally:
