@@ -152,7 +152,10 @@ class Bench:
             flush=True,
         )
 
-    def collect(self, arm: Arm, tasks: list[dict], *, round: int, split: str, group: int, name: str) -> None:
+    def collect(
+        self, arm: Arm, tasks: list[dict], *, round: int, split: str, group: int, name: str, more: bool = False
+    ) -> None:
+        """Collect `tasks` into `round`; `more`: a further chunk of new questions into a round collected before."""
         path = write_jsonl(self.out / arm.name / f"{name}.jsonl", tasks)
         self.step(
             arm,
@@ -172,6 +175,7 @@ class Bench:
             str(round),
             "--split",
             split,
+            *(["--replace"] if more else []),
             "--",
             *self.agent,
         )
@@ -188,7 +192,8 @@ class Bench:
         """RFT's sampling: the base policy, group 8, a chunk of questions a step while the budget lasts."""
         chunks = 0
         while arm.cpu < budget:
-            self.collect(arm, self.chunk(chunks), round=1, split="train", group=8, name=f"sample-{chunks + 1}")
+            chunk = self.chunk(chunks)
+            self.collect(arm, chunk, round=1, split="train", group=8, name=f"sample-{chunks + 1}", more=chunks > 0)
             chunks += 1
         sft = self.out / arm.name / "sft"
         self.step(arm, "build sft", "build-dataset", "--format", "sft", "--where", "reward = 1", "--out", str(sft))
