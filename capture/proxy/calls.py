@@ -119,6 +119,7 @@ class Calls:
         hold_timeout: float = 600.0,
         max_held: int = 512,
         sessions: Sessions | None = None,
+        session_floor: int = 0,
     ) -> None:
         self.writer = writer
         self.router = router
@@ -138,6 +139,7 @@ class Calls:
         self.in_flight: dict[str | None, int] = {}
         self._idle: OrderedDict[str | None, None] = OrderedDict()
         self._floor = 0
+        self.session_floor = session_floor  # a header session's first seq here: above an earlier run's (a restart)
         self._seq_lock = threading.Lock()
         self.numbered = 0  # calls numbered since the start
         self.hold_timeout, self.max_held = hold_timeout, max_held
@@ -154,6 +156,8 @@ class Calls:
             session, fields = self.sessions.take_header(fields)
             if episode is None and session is not None and not self.require_credentials:
                 episode = self.sessions.by_header(session, fields)
+                with self._seq_lock:
+                    self._next.setdefault(episode, max(self._floor, self.session_floor))
         if episode is None and self.require_credentials:
             raise Unauthorized
         return episode, fields

@@ -51,7 +51,7 @@ from lcap.capture.proxy.mitm_guards import (
     install_websocket_limits,
 )
 from lcap.capture.proxy.rewards_api import KnownEpisodes, RewardEndpoint
-from lcap.capture.proxy.sessions import EpisodeRows, Sessions
+from lcap.capture.proxy.sessions import EpisodeRows, Sessions, session_floor
 from lcap.capture.reach.jvm import java_proxy_options, java_tool_options, non_proxy_hosts, trust_store
 from lcap.capture.reach.names import Names
 from lcap.capture.reach.node_preload import node_options, preload_env
@@ -309,6 +309,7 @@ class CaptureProxy:
             hold_timeout=self.options.hold_timeout,
             max_held=self.options.max_held_calls,
             sessions=sessions,
+            session_floor=session_floor(self.store) if self.store is not None and self.options.session_header else 0,
         )
         self._calls = calls
         self.writer.start()

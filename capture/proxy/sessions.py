@@ -12,7 +12,9 @@ these rules that applies:
 Every key is scoped to the call's tenant, a digest of the credential it carries for its upstream (`Authorization`,
 `x-api-key`, `api-key`; a call with none is a tenant of its own): one tenant's session names, response ids and
 conversations never reach another tenant's episodes. A header session's episode id is a digest of (tenant, name),
-so it is the same after a restart and cannot be reached without the tenant's credential.
+so it is the same after a restart and cannot be reached without the tenant's credential; a new proxy run numbers
+its calls above the seqs the store holds (`session_floor`). Conversations and Responses chains are known to the run
+that saw them: one that goes on after a restart starts a new episode.
 """
 
 from __future__ import annotations
@@ -51,6 +53,17 @@ def tenant_of(fields: Fields) -> str:
 def tenant_of_token(token: str) -> str:
     """The tenant a reward poster proves with `Authorization: Bearer TOKEN`: the one its agents' calls carry."""
     return tenant_of(((b"authorization", f"Bearer {token}".encode()),))
+
+
+def session_floor(store: Store) -> int:
+    """The seq a header session's calls start from in a new proxy run: above every seq the header sessions of
+    the store reached, so that a session going on after a restart (the same episode) keeps its turns in order."""
+    rows = store.fetchall(
+        "SELECT max(t.seq) FROM turns t SEMI JOIN episodes e ON e.episode_id = t.episode_id "
+        "AND e.labels->>'attributed_by' = 'header'"
+    )
+    top = rows[0][0] if rows else None
+    return 0 if top is None else int(top) + 1
 
 
 def session_episode(tenant: str, name: str) -> str:

@@ -1,7 +1,7 @@
 """`lcap proxy --serve` without per-episode set-up: sessions by header, Responses chain and conversation, and the
 reward endpoint (POST /lcap/v1/rewards) with its token, tenants, body limit, bounded queue and a locked store. One
-proxy serves the module's tests but the last (an endpoint of its own, on a store with a short timeout); each test
-uses session names, conversations and keys of its own."""
+proxy serves the module's tests but the last (an endpoint of its own, on a store with a short timeout); the restart
+test starts a second proxy on the module's store; each test uses session names, conversations and keys of its own."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ with Store(sys.argv[1]).connect():
 
 
 class Served:
-    def __init__(self, proc, port: int, db: Path, record: dict, llm: FakeLLM) -> None:
-        self.proc, self.port, self.db, self.record, self.llm = proc, port, db, record, llm
+    def __init__(self, proc, port: int, db: Path, record: dict, llm: FakeLLM, env: dict[str, str]) -> None:
+        self.proc, self.port, self.db, self.record, self.llm, self.env = proc, port, db, record, llm, env
         self.proxy = f"http://127.0.0.1:{port}"
 
     def call(self, body: dict, *, key: str, session: str | None = None, chunked: bool = False, path: str = "chat"):
@@ -71,7 +71,7 @@ def served(capture_home, tmp_path_factory, fake_llm):
     proc, port = serve_proxy(env, *args)
     try:
         record = json.loads((capture_home / "proxies" / f"{port}.json").read_text())
-        yield Served(proc, port, db, record, fake_llm)
+        yield Served(proc, port, db, record, fake_llm, env)
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -123,6 +123,22 @@ def test_session_header_on_both_transports_scoped_to_the_tenant_and_never_sent_u
         served.rows("SELECT episode_id, labels->>'session' FROM episodes WHERE episode_id IN (?, ?)", [a[0][0], other])
     )
     assert labels == {a[0][0]: "pr-101", other: "pr-101"}
+
+
+def test_a_header_session_going_on_after_a_restart_keeps_its_episode_and_numbers_its_calls_after_the_stored(served):
+    served.call(_chat("restart-1 first"), key=KEY_A, session="pr-303")
+    served.call(_chat("restart-1 second"), key=KEY_A, session="pr-303")
+    before = _stored(served, "restart-1", 2)
+    proc, port = serve_proxy(served.env, "--upstream", served.llm.url)  # a new run: nothing of the first in memory
+    try:
+        restarted = Served(proc, port, served.db, served.record, served.llm, served.env)
+        restarted.call(_chat("restart-1 after"), key=KEY_A, session="pr-303")
+        after = _stored(served, "restart-1 after", 1)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    assert {episode for episode, _ in before} == {after[0][0]}  # the same episode
+    assert sorted(seq for _, seq in before) == [0, 1] and after[0][1] > 1  # its turns still sort
 
 
 def _episode_of(served: Served, marker: str) -> str:
