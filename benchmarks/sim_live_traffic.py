@@ -1,24 +1,32 @@
 """Live traffic end to end (issue #37 requirement 6): many sessions through one serving proxy while `lcap loop
---live` trains, promotes twice, and a forced rollback moves the policy back; then every check from the store.
+--live` trains and promotes twice on held-out evidence, and a forced rollback moves the policy back; then every
+check from the store.
 
     .venv/bin/python benchmarks/sim_live_traffic.py [--out sim-live] [--sessions 500] [--agents 8]
-        [--min-samples 32] [--seed 0]
+        [--min-samples 64] [--seed 0]
 
-The tiny model on one vLLM CPU server (`lcap serve`), one `lcap proxy --serve --upstream policy`, and `--agents`
-threads that call it with no per-episode set-up: each session is one or two chat calls under an
-`X-Lcap-Session` header (the second extends the first), its prompt one of a few. Each finished session's reward
-is due 1 s to 10 min after it, scaled by DELAY_SCALE (0.05: 0.05 s to 30 s, so that the run fits minutes), and
-POSTERS threads post the due ones to the proxy's reward endpoint: late, in an order the random delays shuffle. One
-session in ten gets a second post of its key with the other value (200, not stored), and one in twenty a post for
-a session that never ran (404). The live loop runs two steps with --promote-margin 10, a margin every candidate
-passes: both promotions are forced, whatever the held-out rewards say; once it is done, `lcap deploy --rollback`
-restores the first promotion while the agents keep calling. Checks, from the store: no failed call, every call
-stored in its session's episode (the sim counts each session's calls), every reward stored once on its session's
-episode with the value of the post answered 201, as many 200s as duplicates and 404s as unknown sessions, the
-deployments rows (two promotions, one rollback), which deployment served the calls after the rollback, and how
-late the rewards came (`reward_delays`). Reported beside them: the reward posts' latency and the held-out mean
-reward (HELD_OUT, `loop_steps`) of the base before the loop, of the last promoted candidate and of the one
-rolled back to. Prints one JSON object; exits 1 when a check fails.
+The task is `lcap demo`'s number task (loop/demo/number.py: "Which is a number: code seven tool" -> "Answer:
+seven"), its tiny model warm-started as the demo does, on one vLLM CPU server (`lcap serve`), behind one `lcap proxy
+--serve --upstream policy`. `--agents` threads call it with no per-episode set-up: each session asks one training
+question the way the demo's agent does (scripts/demo/agent.py), under an `X-Lcap-Session` header, and every second
+session asks it again in the same conversation. A session's reward is the demo verifier's score of its last answer
+(scripts/demo/verify.py: 1 right, 0.5 well-formed, else 0), due 1 s to 10 min after it (times --delay-scale, 1 by
+default), and POSTERS threads post each to the proxy's reward endpoint when it is due: late, in an order the random
+delays shuffle (the last up to 10 min after the agents stop). One session in ten gets a second post of its key with
+another value (200, not stored), and one in twenty a post for a session that never ran (404).
+
+The live loop runs two steps with the demo's training settings and a batch baseline (`--advantage batch`: no
+question repeats), --max-staleness (0: a step trains on sessions the current deployment served) and
+--promote-margin (the loop's default, 0: a candidate is promoted only when its held-out reward is no worse than
+the current deployment's), each candidate and deployment evaluated on the demo's 64 held-out questions x
+--eval-group-size. Once it is done, `lcap deploy --rollback --round 1` restores the first promotion while the
+agents keep calling. Checks, from the store: no failed call, every call stored in its session's episode (the sim
+counts each session's calls), every reward stored once on its session's episode with the value of the post
+answered 201, as many 200s as duplicates and 404s as unknown sessions, the deployments rows (two promotions, one
+rollback), which deployment served the calls after the rollback, and how late the rewards came (`reward_delays`).
+Reported beside them: the reward posts' latency and the held-out mean reward (`loop_steps`) of the base before the
+loop, of the last promoted candidate and of the one rolled back to. Prints one JSON object; exits 1 when a check
+fails.
 """
 
 from __future__ import annotations
@@ -32,43 +40,31 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+from lcap.loop.demo import number
+from lcap.loop.demo.number import write_jsonl
+from lcap.loop.demo.runner import MODEL
+from lcap.loop.demo.task import demo_dir, load_script, words
+from lcap.serve.tiny_model import init_model
+from lcap.serve.vllm_process import resolve_python
+from lcap.store import Store
+
 LCAP = str(Path(sys.executable).parent / "lcap")
 KEY = "sk-sim-tenant-0123456789"
-DELAY_SCALE = 0.05  # rewards come 1 s to 10 min late in production; here 0.05 s to 30 s (x DELAY_SCALE)
 POSTERS = 4
-HELD_OUT = (
-    "Which is a number: one file list",
-    "Which is a number: red five cat",
-    "Name a dog.",
-    "Sort them.",
-    "Which is a number: tree nine box",
-    "Name a town.",
-    "Which is a number: six pen cup",
-    "Count it.",
-)
-PROMPTS = ("Which is a number: code seven tool", "Which is a number: list two text", "Name a file.", "Sort it.")
-AGENT = """
-import sys
-from openai import OpenAI
-reply = OpenAI().chat.completions.create(model="gpt-4o-mini", max_tokens=8, temperature=1.0, stop=[" "],
-                                         messages=[{"role": "user", "content": sys.argv[1]}])
-print(reply.choices[0].message.content or "")
-"""
-VERIFIER = """
-def verify(ctx):
-    said = ctx.stdout.strip()
-    return sum(c.islower() for c in said) / max(len(said), 1)
-"""
+VERIFY = load_script(demo_dir() / "verify.py", "demo_verify")
 
 
 class Sim:
-    def __init__(self, proxy: str, rewards_url: str, sessions: int, seed: int) -> None:
-        self.proxy, self.rewards_url, self.sessions = proxy, rewards_url, sessions
+    def __init__(
+        self, proxy: str, rewards_url: str, tasks: list[dict], sessions: int, seed: int, delay_scale: float
+    ) -> None:
+        self.proxy, self.rewards_url, self.tasks, self.sessions = proxy, rewards_url, tasks, sessions
+        self.delay_scale = delay_scale
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.next = 0
@@ -98,9 +94,11 @@ class Sim:
         with httpx.Client(proxy=self.proxy, timeout=600) as client:
             while (i := self.take()) is not None:
                 session = f"sim-{i}"
-                messages = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+                task = self.tasks[i % len(self.tasks)]
+                said = ""
+                messages = [{"role": "user", "content": task["question"]}]
                 for seq in range(1 + i % 2):
-                    body = {"model": "gpt-4o-mini", "messages": messages, "max_tokens": 8, "stop": [" "]}
+                    body = {"model": "gpt-4o-mini", "messages": messages, "max_tokens": 8, "temperature": 1.0}
                     started = time.monotonic()
                     try:
                         answer = client.post(
@@ -118,18 +116,18 @@ class Sim:
                         self.calls.append({"session": session, "seq": seq, "started": started, "model": reply["model"]})
                         self.calls_of[session] = self.calls_of.get(session, 0) + 1
                     said = reply["choices"][0]["message"]["content"] or ""
-                    messages = [*messages, {"role": "assistant", "content": said}, {"role": "user", "content": "More."}]
+                    messages = [*messages, {"role": "assistant", "content": said}, messages[0]]
                 with self.lock:
                     if session not in self.calls_of:
                         continue
-                    due = time.monotonic() + self.rng.uniform(1, 600) * DELAY_SCALE
-                    value = float(self.rng.random() < 0.5)
+                    due = time.monotonic() + self.rng.uniform(1, 600) * self.delay_scale
+                    value = VERIFY.score(task["answer"], said)["reward"]
                     self.pending.append({"due": due, "session": session, "value": value, "key": session})
                     if self.rng.random() < 0.1:  # posted twice, with another value: the later one is not stored
                         self.duplicates += 1
-                        later = time.monotonic() + self.rng.uniform(1, 600) * DELAY_SCALE
+                        later = time.monotonic() + self.rng.uniform(1, 600) * self.delay_scale
                         self.pending.append(
-                            {"due": max(due, later), "session": session, "value": 1 - value, "key": session}
+                            {"due": max(due, later), "session": session, "value": value + 1, "key": session}
                         )
                     if self.rng.random() < 0.05:  # a session that never ran
                         self.ghosts += 1
@@ -145,7 +143,7 @@ class Sim:
                     if self.done_agents.is_set() and not self.pending:
                         return
                     now = time.monotonic()
-                    due = [p for p in self.pending if p["due"] <= now or self.done_agents.is_set()]
+                    due = [p for p in self.pending if p["due"] <= now]
                     post = min(due, key=lambda p: p["due"]) if due else None
                     if post is not None:
                         self.pending.remove(post)
@@ -181,14 +179,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("sim-live"))
     ap.add_argument("--sessions", type=int, default=500)
     ap.add_argument("--agents", type=int, default=8)
-    ap.add_argument("--min-samples", type=int, default=32)
+    ap.add_argument("--min-samples", type=int, default=64)
     ap.add_argument("--pace", type=float, default=0.2, help="seconds an agent waits between two sessions")
+    ap.add_argument("--delay-scale", type=float, default=1.0, help="times each reward's delay (1 s to 10 min)")
+    ap.add_argument("--promote-margin", type=float, default=0.0, help="the live loop's; 10 forces both promotions")
+    ap.add_argument("--max-staleness", type=int, default=0, help="the live loop's")
+    ap.add_argument("--eval-group-size", type=int, default=1, help="episodes per held-out question")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    from lcap.serve.vllm_process import resolve_python
-
     python = resolve_python()
     home = out / "home"
     home.mkdir(exist_ok=True)
@@ -196,16 +196,15 @@ def main() -> None:
     env.update(LCAP_HOME=str(home), LCAP_POLICY_RECORD=str(home / "policy.json"), LCAP_DB=str(out / "lcap.duckdb"))
     env.update(OPENAI_API_KEY="sk-eval-not-a-real-key", PYTHONUNBUFFERED="1")
     os.environ.update(LCAP_HOME=env["LCAP_HOME"], LCAP_POLICY_RECORD=env["LCAP_POLICY_RECORD"])
-    (out / "agent.py").write_text(AGENT)
-    (out / "verify.py").write_text(VERIFIER)
-    (out / "eval.jsonl").write_text(
-        "".join(json.dumps({"id": f"held-{k}", "q": q}) + "\n" for k, q in enumerate(HELD_OUT))
-    )
-    model = out / "tiny"
-    if not (model / "config.json").exists():
-        subprocess.run([LCAP, "init-model", str(model), "--seed", str(args.seed)], env=env, check=True)
+    settings = number.TASK.settings(args.seed)
+    train, held_out = number.make_tasks(words(), n_train=4000, n_eval=settings.n_eval, seed=args.seed)
+    eval_tasks = write_jsonl(out / "heldout.jsonl", held_out)
+    model = out / "model"
+    if not (model / "warm_start.json").exists():
+        init_model(model, replace(MODEL, seed=args.seed))
+        (model / "warm_start.json").write_text(json.dumps(number.TASK.warm_start(model, settings)))
     t0 = time.monotonic()
-    subprocess.run([LCAP, "serve", "--model", str(model), "--name", "tiny", "--python", python], env=env, check=True)
+    subprocess.run([LCAP, "serve", "--model", str(model), "--name", "base", "--python", python], env=env, check=True)
     proxy = subprocess.Popen(
         [LCAP, "proxy", "--serve", "--upstream", "policy"],
         env=env,
@@ -218,7 +217,7 @@ def main() -> None:
         line = proxy.stdout.readline()
         port = int(line.split("listening on http://127.0.0.1:", 1)[1].split()[0])
         record = json.loads((home / "proxies" / f"{port}.json").read_text())
-        sim = Sim(f"http://127.0.0.1:{port}", record["rewards_url"], args.sessions, args.seed)
+        sim = Sim(f"http://127.0.0.1:{port}", record["rewards_url"], train, args.sessions, args.seed, args.delay_scale)
         agents = [threading.Thread(target=sim.agent, args=(args.pace,), daemon=True) for _ in range(args.agents)]
         rewarders = [threading.Thread(target=sim.rewarder, daemon=True) for _ in range(POSTERS)]
         started = time.monotonic()
@@ -226,10 +225,11 @@ def main() -> None:
             thread.start()
         loop = subprocess.run(
             [LCAP, "loop", "--live", "--run", str(out / "run"), "--rounds", "2", "--min-samples", str(args.min_samples)]
-            + ["--max-staleness", "1", "--promote-margin", "10", "--wait-timeout", "900", "--eval-tasks"]
-            + [str(out / "eval.jsonl"), "--eval-group-size", "2", "--verifier", f"{out / 'verify.py'}:verify"]
-            + ["--truncated", "keep", "--lr", "1e-3", "--report-to", "none", "--", sys.executable]
-            + [str(out / "agent.py"), "{q}"],
+            + ["--max-staleness", str(args.max_staleness), "--promote-margin", str(args.promote_margin)]
+            + ["--wait-timeout", "900", "--eval-tasks", str(eval_tasks), "--eval-group-size", str(args.eval_group_size)]
+            + ["--verifier", f"{demo_dir() / 'verify.py'}:verify", "--advantage", "batch", "--truncated", "keep"]
+            + ["--lr", str(settings.lr), "--epochs", str(settings.epochs), "--epsilon-high", str(settings.epsilon_high)]
+            + ["--batch-size", str(settings.batch_size), "--report-to", "none", "--", *number.agent_command()],
             env=env,
             capture_output=True,
             text=True,
@@ -273,8 +273,6 @@ def main() -> None:
         proxy.send_signal(signal.SIGINT)
         proxy.wait(120)
         subprocess.run([LCAP, "serve", "--stop"], env=env, capture_output=True)
-
-    from lcap.store import Store
 
     store = Store(out / "lcap.duckdb")
     one = lambda sql: store.fetchall(sql)[0]  # noqa: E731

@@ -13,7 +13,7 @@ Every key is scoped to the call's tenant, a digest of the credential it carries 
 `x-api-key`, `api-key`; a call with none is a tenant of its own): one tenant's session names, response ids and
 conversations never reach another tenant's episodes. A header session's episode id is a digest of (tenant, name),
 so it is the same after a restart and cannot be reached without the tenant's credential; a new proxy run numbers
-its calls above the seqs the store holds (`session_floor`). Conversations and Responses chains are known to the run
+a header session's calls above the seqs the store holds (`session_floor`). Conversations and Responses chains are known to the run
 that saw them: one that goes on after a restart starts a new episode.
 """
 
