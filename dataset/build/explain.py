@@ -134,7 +134,8 @@ def causes(report: Any) -> list[Cause]:
             )
         )
 
-    singleton = groups.get("singleton", 0)
+    grouped = options.get("format", "grpo") != "sft"  # an SFT sample needs no group: none is lost for want of one
+    singleton = groups.get("singleton", 0) if grouped else 0
     group_total = groups.get("total", 0)
     if singleton:
         out.append(
@@ -145,7 +146,7 @@ def causes(report: Any) -> list[Cause]:
             )
         )
     equal = groups.get("zero_variance", 0) - singleton
-    if equal > 0 and not options.get("keep_zero_variance"):
+    if grouped and equal > 0 and not options.get("keep_zero_variance"):
         out.append(
             Cause(
                 f"{equal} of {group_total} groups got the same reward for every sample and were dropped "

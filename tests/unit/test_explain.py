@@ -64,6 +64,14 @@ def test_each_nothing_to_train_names_counts_and_the_option(name, builder, dstore
     assert explain(json.loads((tmp_path / "data" / "report.json").read_text())) == line
 
 
+@pytest.mark.parametrize("name", ["singleton", "equal_rewards"])
+def test_an_sft_build_keeps_what_grpo_loses_for_its_groups_and_says_nothing_of_them(name, builder, dstore, tmp_path):
+    options = lost_samples_scenario(builder, name)
+    report = build_dataset(dstore, round=1, out=tmp_path / "data", options=BuildOptions(**options, format="sft"))
+    assert report.samples == report.sample_counts["built"] > 0
+    assert explain(report) == "no loss counted in the report"
+
+
 def test_train_names_stale_samples_dropped(tmp_path):
     from lcap.train.fit import nothing_to_train
     from lcap.train.samples import Sample, make_groups
