@@ -30,6 +30,16 @@ from lcap.train.samples import Sample, read_samples
 IGNORE = -100  # the label transformers' cross-entropy leaves out
 
 DEFAULT_BATCH = 8
+# The most one forward's logits may hold (rows x longest sample x vocabulary, float32): past it a step's samples go
+# through in micro-batches whose gradients accumulate, so a step's memory does not grow with its batch.
+LOGITS_BYTES = 128 << 20
+
+
+def micro_batch(rows: int, longest: int, vocab: int, budget: int) -> int:
+    """The largest divisor of `rows` (a step's samples on one process) whose logits fit in `budget` bytes; 1 at
+    least."""
+    fits = max(1, budget // max(1, longest * vocab * 4))
+    return max(d for d in range(1, rows + 1) if rows % d == 0 and d <= fits)
 
 
 def sft_example(sample: Sample) -> dict[str, list[int]]:
@@ -76,10 +86,14 @@ def prepare_sft(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Pr
 
     policy = round_policy(inputs, out_dir, options)
     model, peft_config, kind, tokenizer = policy.model, policy.peft_config, policy.kind, policy.tokenizer
+    rows = batch // processes
+    longest = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    micro = micro_batch(rows, longest, model.config.vocab_size, LOGITS_BYTES)
+    shared = trainer_args(out_dir, options, policy.on_gpu)
     args = SFTConfig(
-        **trainer_args(out_dir, options, policy.on_gpu),
+        **{**shared, "gradient_accumulation_steps": shared["gradient_accumulation_steps"] * (rows // micro)},
         max_steps=max_steps,
-        per_device_train_batch_size=batch // processes,
+        per_device_train_batch_size=micro,
         max_length=None,  # the captured ids as they are: a cut sample would lose its last tokens' labels
         dataset_kwargs={"skip_prepare_dataset": True},  # ids and labels are ready; no template, no truncation
     )

@@ -14,9 +14,10 @@ from fixtures_train import make_captured_samples, write_samples
 from logps import train_options
 
 from lcap.store import Store
+from lcap.train import sft
 from lcap.train.fit import RoundInputs
 from lcap.train.samples import read_samples
-from lcap.train.sft import IGNORE, prepare_sft, sft_round
+from lcap.train.sft import IGNORE, micro_batch, prepare_sft, sft_round
 
 from .test_train_loop import loop_command
 
@@ -98,6 +99,22 @@ def test_a_sample_with_no_model_token_is_skipped_and_none_at_all_is_one_line(
         sft_round(
             Store(tmp_path / "x.duckdb"), tmp_path / "run", 1, train_options(tiny_train_model, sft=True), data=path
         )
+
+
+def test_a_step_whose_logits_would_pass_the_bound_goes_through_in_micro_batches(
+    tiny_train_model, captured_samples, tmp_path, monkeypatch
+):
+    inputs = RoundInputs(base_model=str(tiny_train_model), samples=captured_samples, init_from=None, current=None)
+    options = train_options(tiny_train_model, sft=True, batch_size=4, grad_accum=2)
+    whole = prepare_sft(inputs, tmp_path / "a", options).trainer.args
+    assert (whole.per_device_train_batch_size, whole.gradient_accumulation_steps) == (4, 2)
+    monkeypatch.setattr(sft, "LOGITS_BYTES", 1)  # no two samples' logits fit: one at a time, a step still 4 x 2
+    split = prepare_sft(inputs, tmp_path / "b", options).trainer.args
+    assert (split.per_device_train_batch_size, split.gradient_accumulation_steps) == (1, 8)
+    assert split.max_steps == whole.max_steps
+    # the largest divisor of a step's rows that fits
+    assert [micro_batch(16, 1000, 50_000, budget) for budget in (1, 4 * 200_000_000, 7 * 200_000_000)] == [1, 4, 4]
+    assert micro_batch(16, 1000, 50_000, 16 * 200_000_000) == 16
 
 
 @pytest.mark.parametrize("full", [False, True], ids=["lora", "full"])
