@@ -205,12 +205,9 @@ def main() -> None:
         (model / "warm_start.json").write_text(json.dumps(number.TASK.warm_start(model, settings)))
     t0 = time.monotonic()
     subprocess.run([LCAP, "serve", "--model", str(model), "--name", "base", "--python", python], env=env, check=True)
+    proxy_log = (out / "proxy.log").open("w")  # its warnings (a row not stored yet, ...) for reading afterwards
     proxy = subprocess.Popen(
-        [LCAP, "proxy", "--serve", "--upstream", "policy"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        [LCAP, "proxy", "--serve", "--upstream", "policy"], env=env, stdout=subprocess.PIPE, stderr=proxy_log, text=True
     )
     report: dict = {"agents": args.agents, "serve_s": round(time.monotonic() - t0, 1)}
     try:
@@ -272,6 +269,7 @@ def main() -> None:
     finally:
         proxy.send_signal(signal.SIGINT)
         proxy.wait(120)
+        proxy_log.close()
         subprocess.run([LCAP, "serve", "--stop"], env=env, capture_output=True)
 
     store = Store(out / "lcap.duckdb")

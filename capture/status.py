@@ -44,6 +44,11 @@ def proxies(view: View) -> Section:
                 f"the proxy on port {record.port} holds {held} (calls, and Responses WebSocket openings) until a "
                 "restarting policy replica serves again; its --hold-timeout answers them 503"
             )
+        if dropped := c.get("episode_rows_dropped", 0):
+            s.notes.append(
+                f"the proxy on port {record.port} lost the rows of {dropped} session episodes (their turns are stored; "
+                "see its log)"
+            )
         entry = {k: v for k, v in asdict(record).items() if k != "key"}  # the key stays in its 0600 file
         data.append(entry)
     s.data = data

@@ -508,11 +508,15 @@ class CaptureProxy:
 
     def counters(self) -> dict[str, Any]:
         """What this proxy is doing now, as its record tells `lcap status`: calls and episodes (in flight), agent
-        connections, credentials refused, and where its turns are (spooled, stored, the writer process)."""
+        connections, credentials refused, session rows not written yet, and where its turns are (spooled, stored,
+        the writer process)."""
         out: dict[str, Any] = dict(self._calls.counts()) if self._calls is not None else {}
         out["connections"] = self.front.admission.open if self.front is not None else 0
         out["connections_shed"] = self.front.admission.shed if self.front is not None else 0
         out["refused_credentials"] = self.keys.refused
+        if self._episode_rows is not None:  # sessions' episode rows: writes tried again, rows never stored
+            out["episode_rows_failed_writes"] = self._episode_rows.failed_writes
+            out["episode_rows_dropped"] = self._episode_rows.dropped
         out.update(self.writer.counters())
         return out
 

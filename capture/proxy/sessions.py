@@ -200,14 +200,20 @@ def _prefix_digests(tenant: str, dialect: str, items: list[Any]) -> list[bytes]:
 
 class EpisodeRows:
     """Writes the row of each episode `Sessions` opens, off the proxy's event loop, in batches; an id the store
-    holds already (a session seen before a restart) is left as it is. Past `backlog` rows waiting, a row is
-    dropped with a warning: its turns are still stored."""
+    holds already (a session seen before a restart) is left as it is. A write that fails (the store locked past
+    its timeout) is tried again, the rows kept, after RETRY_S doubling up to RETRY_MAX_S, until the proxy stops.
+    Past `backlog` rows waiting, a row is dropped with a warning: its turns are still stored."""
+
+    RETRY_S = 1.0
+    RETRY_MAX_S = 30.0
 
     def __init__(self, store: Store, *, backlog: int = 10_000) -> None:
         self.store = store
+        self.backlog = backlog
         self._queue: queue.Queue[dict[str, Any] | threading.Event | None] = queue.Queue(backlog)
         self._thread = threading.Thread(target=self._run, name="lcap-episode-rows", daemon=True)
-        self.dropped = 0
+        self.dropped = 0  # rows never stored: past the backlog, or still failing when the proxy stopped
+        self.failed_writes = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -238,21 +244,50 @@ class EpisodeRows:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        done = False
-        while not done:
-            rows = [self._queue.get()]
-            while True:
+        waiting: dict[str, dict[str, Any]] = {}  # rows not stored yet, by episode id
+        settles: list[threading.Event] = []
+        stopping = False
+        retry = self.RETRY_S
+        while not stopping or waiting:
+            for item in self._take(retry if waiting else None, room=self.backlog - len(waiting)):
+                if item is None:
+                    stopping = True
+                elif isinstance(item, threading.Event):
+                    settles.append(item)
+                else:
+                    waiting[item["episode_id"]] = item
+            if waiting:
                 try:
-                    rows.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            done = None in rows
-            batch = list({row["episode_id"]: row for row in rows if isinstance(row, dict)}.values())
-            if batch:
-                try:
-                    self.store.append("episodes", batch, new_by="episode_id")
-                except Exception as exc:  # the proxy goes on; its turns are stored without the row
-                    log.warning("lcap: %d episode rows were not stored: %s", len(batch), exc)
-            for row in rows:
-                if isinstance(row, threading.Event):
-                    row.set()
+                    self.store.append("episodes", list(waiting.values()), new_by="episode_id")
+                    waiting.clear()
+                    retry = self.RETRY_S
+                except Exception as exc:  # the proxy goes on; the rows wait for the next try
+                    self.failed_writes += 1
+                    if stopping:
+                        self.dropped += len(waiting)
+                        log.warning("lcap: %d episode rows were not stored: %s", len(waiting), exc)
+                        waiting.clear()
+                    else:
+                        log.warning(
+                            "lcap: %d episode rows not stored yet, next try in %.0fs: %s", len(waiting), retry, exc
+                        )
+                        retry = min(2 * retry, self.RETRY_MAX_S)
+            if not waiting:
+                for event in settles:
+                    event.set()
+                settles.clear()
+
+    def _take(self, timeout: float | None, room: int) -> list[dict[str, Any] | threading.Event | None]:
+        """What the queue holds: the first item within `timeout` (None: wait for it), then all that is there, rows
+        up to `room`."""
+        try:
+            items = [self._queue.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while room > 0:
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+            room -= 1
+        return items

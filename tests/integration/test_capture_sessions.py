@@ -19,6 +19,7 @@ import pytest
 from fixtures_capture import SECRET, FakeLLM, node_cache_dir, serve_proxy, wait_until
 
 from lcap.capture.proxy.rewards_api import RewardEndpoint
+from lcap.capture.proxy.sessions import EpisodeRows
 from lcap.store import Store
 
 KEY_A, KEY_B = "sk-tenant-a-0123456789", "sk-tenant-b-9876543210"
@@ -252,3 +253,29 @@ def test_a_store_locked_past_its_timeout_answers_503_and_the_retry_is_stored_onc
     finally:
         endpoint.stop()
     assert store.fetchall("SELECT count(*) FROM rewards WHERE key = 'locked-1'") == [(1,)]
+
+
+def test_episode_rows_a_locked_store_refused_are_kept_and_stored_once_it_is_free(tmp_path, monkeypatch):
+    """A session's episode row whose write fails (the store held past its timeout by another process) is written
+    on a later try, not dropped: its labels (session, tenant) are what the reward endpoint and the views read."""
+    monkeypatch.setattr(EpisodeRows, "RETRY_S", 0.2)
+    db = tmp_path / "lcap.duckdb"
+    store = Store(db, timeout=0.5)
+    store.execute("SELECT 1")  # the schema
+    rows = EpisodeRows(store)
+    rows.start()
+    try:
+        with subprocess.Popen([sys.executable, "-c", HOLD, str(db)], stdout=subprocess.PIPE, text=True) as holder:
+            try:
+                assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+                rows.put("s-held-1", {"session": "held-1", "attributed_by": "header"})
+                rows.put("s-held-2", {"session": "held-2", "attributed_by": "header"})
+                wait_until(lambda: rows.failed_writes >= 2, timeout=30)
+            finally:
+                holder.kill()
+        rows.settle(timeout=30)
+    finally:
+        rows.stop()
+    assert rows.dropped == 0
+    stored = store.fetchall("SELECT episode_id, labels->>'session' FROM episodes ORDER BY 1")
+    assert stored == [("s-held-1", "held-1"), ("s-held-2", "held-2")]
