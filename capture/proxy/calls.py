@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from lcap.capture.proxy.sessions import Sessions, tenant_of
+from lcap.capture.proxy.sessions import Sessions, is_session_episode, tenant_of
 from lcap.capture.routing import policy_wire
 from lcap.capture.routing.routes import Route, Router
 from lcap.capture.routing.stitching import Head, Heads
@@ -156,15 +156,14 @@ class Calls:
             session, fields = self.sessions.take_header(fields)
             if episode is None and session is not None and not self.require_credentials:
                 episode = self.sessions.by_header(session, fields)
-                with self._seq_lock:
-                    self._next.setdefault(episode, max(self._floor, self.session_floor))
         if episode is None and self.require_credentials:
             raise Unauthorized
         return episode, fields
 
     def next_seq(self, episode: str | None) -> int:
         with self._seq_lock:
-            seq = self._next.get(episode, self._floor)
+            first = max(self._floor, self.session_floor) if is_session_episode(episode) else self._floor
+            seq = self._next.get(episode, first)
             self._next[episode] = seq + 1
             self.numbered += 1
             running = self.in_flight.get(episode, 0)

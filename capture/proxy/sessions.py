@@ -13,8 +13,8 @@ Every key is scoped to the call's tenant, a digest of the credential it carries 
 `x-api-key`, `api-key`; a call with none is a tenant of its own): one tenant's session names, response ids and
 conversations never reach another tenant's episodes. A header session's episode id is a digest of (tenant, name),
 so it is the same after a restart and cannot be reached without the tenant's credential; a new proxy run numbers
-a header session's calls above the seqs the store holds (`session_floor`). Conversations and Responses chains are known to the run
-that saw them: one that goes on after a restart starts a new episode.
+a header session's calls above the seqs the store holds (`session_floor`). Conversations and Responses chains are
+known to the run that saw them: one that goes on after a restart starts a new episode.
 """
 
 from __future__ import annotations
@@ -55,6 +55,10 @@ def tenant_of_token(token: str) -> str:
     return tenant_of(((b"authorization", f"Bearer {token}".encode()),))
 
 
+def is_session_episode(episode: str | None) -> bool:
+    return episode is not None and episode.startswith(SESSION_PREFIX)
+
+
 def session_floor(store: Store) -> int:
     """The seq a header session's calls start from in a new proxy run: above every seq the header sessions of
     the store reached, so that a session going on after a restart (the same episode) keeps its turns in order."""
@@ -66,8 +70,11 @@ def session_floor(store: Store) -> int:
     return 0 if top is None else int(top) + 1
 
 
+SESSION_PREFIX = "s-"  # of a header session's episode id
+
+
 def session_episode(tenant: str, name: str) -> str:
-    return "s-" + hashlib.sha256(f"{tenant}\0{name}".encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return SESSION_PREFIX + hashlib.sha256(f"{tenant}\0{name}".encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 class Sessions:
