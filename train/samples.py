@@ -4,7 +4,8 @@ The episode builder writes one row per sample (see `lcap.dataset.build.builder`)
 of samples of one task; TRL wants every group to have exactly `num_generations` members, while a
 captured group can be short (an episode failed, a stale sample was dropped). Short groups are
 padded with copies whose loss mask is all zero and whose advantage is zero: they take a slot in
-the batch but move nothing.
+the batch but move nothing, so each keeps one prompt and one completion token (a full copy would cost a
+sample's whole forward and backward for nothing).
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ class Sample:
         return Sample(
             sample_id=f"{self.sample_id}#pad",
             group_id=self.group_id,
-            prompt_ids=self.prompt_ids,
-            completion_ids=self.completion_ids,
-            logprobs=self.logprobs,
-            env_mask=[0] * len(self.env_mask),
+            prompt_ids=self.prompt_ids[-1:],
+            completion_ids=self.completion_ids[:1],
+            logprobs=self.logprobs[:1],
+            env_mask=[0] * len(self.completion_ids[:1]),
             reward=self.reward,
             advantage=0.0,
             deployment=self.deployment,

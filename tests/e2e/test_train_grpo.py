@@ -66,6 +66,36 @@ def test_round_saves_changed_lora_and_metrics(tiny_train_model, captured_samples
     assert (tmp_path / "run" / "round-1" / "config.json").exists()
 
 
+def test_a_short_group_is_filled_with_one_token_copies_that_change_nothing(
+    tiny_train_model, captured_samples, tmp_path
+):
+    """A group shorter than the round's largest is filled with zero-weight copies of one token each: the round trains
+    as it does with full-length masked samples in their place, on fewer tokens."""
+    from safetensors.torch import load_file
+
+    rows = pq.read_table(captured_samples).to_pylist()
+    dropped = ("s1-2", "s1-3")  # two of group r1-t1's four
+    short = [r for r in rows if r["sample_id"] not in dropped]
+    masked = [
+        {**r, "env_mask": [0] * len(r["env_mask"]), "advantage": 0.0} if r["sample_id"] in dropped else r for r in rows
+    ]
+    runs = {}
+    for name, data in (("padded", short), ("masked", masked)):
+        store = Store(tmp_path / f"{name}.duckdb")
+        samples = write_samples(tmp_path / name / "samples.parquet", data)
+        result = train_round(
+            store, tmp_path / name, 1, train_options(tiny_train_model, learning_rate=1e-3), data=samples
+        )
+        ((loss, tokens, padded),) = store.fetchall("SELECT loss, tokens, padded FROM train_runs")
+        runs[name] = (loss, tokens, padded, load_file(result.output / "adapter_model.safetensors"))
+    (loss, tokens, padded, adapter), (loss_m, tokens_m, padded_m, adapter_m) = runs["padded"], runs["masked"]
+    assert (padded, padded_m) == (2, 0)
+    assert tokens == sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in short) + 2 * 2 < tokens_m
+    assert loss == pytest.approx(loss_m, rel=1e-4) and adapter.keys() == adapter_m.keys()
+    for key in adapter:
+        torch.testing.assert_close(adapter[key], adapter_m[key], rtol=1e-4, atol=1e-6)
+
+
 def loss_inputs(monkeypatch) -> tuple[list[dict], list[bool]]:
     """Spies: the inputs of every loss TRL computes, as the loss left them (IS ratio included), and
     whether each log-prob forward ran with grad (False: a forward made only to score)."""
