@@ -249,7 +249,7 @@ class CaptureAddon:
             if message == "Client disconnected.":  # in the front's words, so both transports read alike
                 message = agent_left(flow.response is not None)
             else:
-                self.calls.upstream_failed(pending, message)
+                self.calls.router.failed(pending.replica, message)
             self.calls.close_call(pending, flow.metadata.pop(_TIMED_OUT, None) or message)
 
     def body_limit(self, flow: http.HTTPFlow, request: bool) -> int | None:
@@ -292,9 +292,7 @@ class CaptureAddon:
 
     def _route_websocket(self, flow: http.HTTPFlow) -> None:
         state = flow.metadata[_WS_KEY]
-        route = self.calls.router.route(state["episode"])
-        if route is None and self.calls.router.upstream is not None:
-            raise NoRoute(f"--upstream {self.calls.router.upstream}: no server to send the call to")
+        route = self.calls.route_for(state["episode"])
         req = flow.request
         state["upstream"] = f"{req.scheme}://{req.host}:{req.port}"
         if route is not None:
@@ -316,9 +314,7 @@ class CaptureAddon:
 
     def _ws_message(self, flow: http.HTTPFlow, message: Any) -> None:
         state = flow.metadata.get(_WS_KEY)
-        if state is None:
-            return
-        if not message.is_text:
+        if state is None or not message.is_text:
             return
         turn: PendingTurn | None = state["turn"]
         if not message.from_client and turn is not None and turn.policy:
@@ -369,8 +365,7 @@ class CaptureAddon:
             forward = with_route_model(request, route)
             outer = {**frame, "response": forward} if request is not frame else forward
             if started.policy:
-                body = json.dumps(outer, ensure_ascii=False, separators=(",", ":")).encode()
-                message.content = self.calls.policy_request(started, request, body, stitch=not warm_up)
+                message.content = self.calls.policy_request(started, request, outer, stitch=not warm_up)
             elif forward != request:
                 message.content = json.dumps(outer, ensure_ascii=False).encode()
         if warm_up:

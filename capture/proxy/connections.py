@@ -118,13 +118,12 @@ class AgentReader(asyncio.StreamReader):
 
 class Seat:
     """One agent connection's place in `Admission`: its group (the address it came from while it has proved no
-    episode, then its episode), since when it waits idle for its next request, and how to close it."""
+    episode, then its episode), and how to close it."""
 
-    __slots__ = ("close", "group", "idle_since", "left")
+    __slots__ = ("close", "group", "left")
 
     def __init__(self, group: tuple[str, str], close: Callable[[], None]) -> None:
         self.group, self.close = group, close
-        self.idle_since: float | None = None
         self.left = False
 
     @property
@@ -173,11 +172,9 @@ class Admission:
     def waiting(self, seat: Seat) -> None:
         """The connection waits idle for its next request."""
         if not seat.left:
-            seat.idle_since = time.monotonic()
             self.idle[seat] = None
 
     def busy(self, seat: Seat) -> None:
-        seat.idle_since = None
         self.idle.pop(seat, None)
 
     def leave(self, seat: Seat) -> None:

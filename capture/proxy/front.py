@@ -27,7 +27,7 @@ import socket
 import ssl
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -249,11 +249,7 @@ class Front:
 
     async def start(self, host: str, port: int) -> int:
         loop = asyncio.get_running_loop()
-
-        def protocol() -> asyncio.StreamReaderProtocol:
-            return asyncio.StreamReaderProtocol(AgentReader(limit=READ_SIZE, loop=loop), self._connection, loop=loop)
-
-        self.server = await loop.create_server(protocol, host, port, backlog=512)
+        self.server = await loop.create_server(_agent_protocol(loop, self._connection), host, port, backlog=512)
         self.watches.start(loop)
         return self.server.sockets[0].getsockname()[1]
 
@@ -272,10 +268,7 @@ class Front:
         SO_ORIGINAL_DST)."""
         loop = asyncio.get_running_loop()
         handle = functools.partial(self._connection, episode=episode, redirected=redirected, admit=admit)
-
-        def protocol() -> asyncio.StreamReaderProtocol:
-            return asyncio.StreamReaderProtocol(AgentReader(limit=READ_SIZE, loop=loop), handle, loop=loop)
-
+        protocol = _agent_protocol(loop, handle)
         if sock is None:
             return await loop.create_server(protocol, "127.0.0.1", 0, backlog=512)
         return await loop.create_server(protocol, sock=sock, backlog=512)
@@ -548,7 +541,7 @@ class Front:
             if isinstance(exc, Forbidden):
                 status, why = 403, str(exc)
             else:
-                self.calls.upstream_failed(call.pending, f"{exc.__class__.__name__}: {exc}")
+                self.calls.router.failed(call.pending.replica, f"{exc.__class__.__name__}: {exc}")
                 status = 504 if isinstance(exc, _UpstreamTimeout) else 502
                 why = f"upstream {call.scheme}://{call.host}:{call.port}: {exc.__class__.__name__}: {exc}"
                 if isinstance(exc, (_UpstreamTimeout, _AnswerRefused)):
@@ -767,9 +760,7 @@ class Front:
             with client.deadline(self.options.head_timeout, "tunnel"):
                 data, hello = await self._client_hello(client, buf)
                 tls = await self._terminate(client, tunnel, data, hello) if hello is not None else None
-        except Expired:
-            return  # a tunnel that does not say what it carries in time
-        except EOFError:
+        except (Expired, EOFError):  # a tunnel that does not say what it carries in time, or the agent left
             return
         if tls is not None:
             return await self._serve(tls, tunnel, b"")
@@ -893,6 +884,13 @@ class Front:
             ctx.set_alpn_protocols(["http/1.1"])
             self._peer_tls = ctx
         return self._peer_tls
+
+
+def _agent_protocol(
+    loop: asyncio.AbstractEventLoop, handle: Callable[..., Awaitable[None]]
+) -> Callable[[], asyncio.StreamReaderProtocol]:
+    """The protocol factory of a listener for agents: each connection's reader is an `AgentReader`."""
+    return lambda: asyncio.StreamReaderProtocol(AgentReader(limit=READ_SIZE, loop=loop), handle, loop=loop)
 
 
 async def _admitted(admit: Callable[[tuple[str, int], tuple[str, int]], bool], writer: asyncio.StreamWriter) -> bool:

@@ -34,7 +34,7 @@ from http import HTTPStatus
 from typing import Any
 
 from lcap.capture.proxy.http1 import BadRequest, parse_request_head
-from lcap.capture.proxy.sessions import session_episode, tenant_of_token
+from lcap.capture.proxy.sessions import session_episode, take_batch, tenant_of_token
 from lcap.store import Store
 
 log = logging.getLogger("lcap.capture")
@@ -248,12 +248,7 @@ class RewardEndpoint:
         """The store thread: every post waiting, in one batch."""
         done = False
         while not done:
-            posts = [self._queue.get()]
-            while True:
-                try:
-                    posts.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
+            posts = take_batch(self._queue)
             done = None in posts
             batch = [post for post in posts if post is not None]
             if not batch:
@@ -358,8 +353,7 @@ def _read_post(body: bytes) -> dict[str, Any]:
     key = post.get("key")
     if not _text(source) or (key is not None and not _text(key)):
         raise Refusal(400, "source and key must be text")
-    out = {named[0]: post[named[0]], "value": float(value), "details": details, "source": source, "key": key}
-    return out
+    return {named[0]: post[named[0]], "value": float(value), "details": details, "source": source, "key": key}
 
 
 def _text(value: Any) -> bool:

@@ -145,8 +145,8 @@ def _system_roots() -> str | None:
         paths.openssl_cafile,
         "/etc/ssl/certs/ca-certificates.crt",
         "/etc/pki/tls/certs/ca-bundle.crt",
+        certifi.where(),
     ]
-    candidates.append(certifi.where())
     return next((c for c in candidates if c and os.path.isfile(c)), None)
 
 
@@ -257,9 +257,7 @@ class CaptureProxy:
 
     @property
     def url(self) -> str:
-        if self.port is None:
-            raise LcapError("the capture proxy is not started")
-        return f"http://{self.options.host}:{self.port}"
+        return f"http://{self.options.host}:{self._port()}"
 
     # --- start / stop ------------------------------------------------------------------------
 
@@ -570,9 +568,7 @@ class CaptureProxy:
         """The proxy URL whose credentials write calls into `episode_id` (`http://EPISODE:SECRET@host:port`)."""
         if not episode_id:
             return self.url
-        if self.port is None:
-            raise LcapError("the capture proxy is not started")
-        return self.keys.proxy_url(episode_id, self.options.host, self.port)
+        return self.keys.proxy_url(episode_id, self.options.host, self._port())
 
     def episode_header(self, episode_id: str) -> str:
         """The value of an `X-Lcap-Episode` header that writes a request into `episode_id`."""
@@ -647,8 +643,7 @@ class CaptureProxy:
             env = self.child_env(episode_id, base, jvm_port=port)
             yield Child(list(argv), env, on_start=lambda child: started.append(child.pid))
         finally:
-            with contextlib.suppress(RuntimeError, TimeoutError, CancelledError):  # else the loop, stopping, closes it
-                asyncio.run_coroutine_threadsafe(_close(server), loop).result(30)
+            _close_listener(server, loop)
             self._forget(episode_id)
 
     @contextlib.contextmanager
@@ -662,8 +657,7 @@ class CaptureProxy:
         try:
             yield
         finally:
-            with contextlib.suppress(RuntimeError, TimeoutError, CancelledError):
-                asyncio.run_coroutine_threadsafe(_close(server), loop).result(30)
+            _close_listener(server, loop)
             self._forget(episode_id)
 
     def _forget(self, episode_id: str) -> None:
@@ -675,6 +669,12 @@ class CaptureProxy:
 async def _close(server: asyncio.AbstractServer) -> None:
     """Close `server` on its own loop (its sockets are the loop's), returning once they are closed."""
     server.close()
+
+
+def _close_listener(server: asyncio.AbstractServer, loop: asyncio.AbstractEventLoop) -> None:
+    """Close an episode's listener from another thread (on a loop that stopped, the loop closes it)."""
+    with contextlib.suppress(RuntimeError, TimeoutError, CancelledError):
+        asyncio.run_coroutine_threadsafe(_close(server), loop).result(30)
 
 
 def _loop_factory():
