@@ -56,11 +56,7 @@ def _guarded(hook: Callable) -> Callable:
 
 class CaptureAddon:
     def __init__(
-        self,
-        calls: Calls,
-        options: ProxyOptions = ProxyOptions(),
-        proxyserver: Any = None,
-        front_episode: Callable[[Any], str | None] = lambda client: None,
+        self, calls: Calls, options: ProxyOptions, proxyserver: Any, front_episode: Callable[[Any], str | None]
     ) -> None:
         self.calls = calls
         self.options = options
@@ -113,7 +109,6 @@ class CaptureAddon:
                 "path": req.path,
                 "route": None,
                 "upstream": None,
-                "replica": None,
             }
         else:
             req.stream = True  # not an LLM call: passed through as it comes, never held in memory
@@ -266,9 +261,7 @@ class CaptureAddon:
 
     def _arm(self, flow: http.HTTPFlow, seconds: float, why: str) -> None:
         """(Re)start the call's deadline: past it, its server connection is cut and the turn says `why`."""
-        timer = flow.metadata.get(_TIMER)
-        if timer is not None:
-            timer.cancel()
+        self._disarm(flow)
         flow.metadata[_TIMER] = asyncio.get_running_loop().call_later(seconds, self._expire, flow, why.format(seconds))
 
     def _disarm(self, flow: http.HTTPFlow) -> None:
@@ -279,7 +272,7 @@ class CaptureAddon:
     def _expire(self, flow: http.HTTPFlow, why: str) -> None:
         flow.metadata.pop(_TIMER, None)
         pending: PendingTurn | None = flow.metadata.get(_KEY)
-        handler = self.proxyserver.connections.get(flow.client_conn.id) if self.proxyserver is not None else None
+        handler = self.proxyserver.connections.get(flow.client_conn.id)
         if pending is None or pending.done or handler is None:
             return
         flow.metadata[_TIMED_OUT] = f"upstream {pending.upstream}: {why}"
@@ -301,7 +294,6 @@ class CaptureAddon:
             _retarget(req, route.scheme, route.host, route.port, path)
             state["route"] = route
             state["upstream"] = route.url
-            state["replica"] = route.replica
 
     @_guarded
     def websocket_message(self, flow: http.HTTPFlow) -> None:
@@ -374,7 +366,7 @@ class CaptureAddon:
         started.model_requested = request.get("model")
         started.upstream = state["upstream"]
         started.deployment = route.deployment if route is not None else None
-        started.replica = state["replica"]
+        started.replica = route.replica if route is not None else None
         started.streamed = True
         started.events = []
         state["turn"] = started

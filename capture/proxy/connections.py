@@ -12,6 +12,7 @@ cancelling the task of one that ran out, which `Watch.within` turns into `Expire
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 import ssl
 import struct
@@ -257,8 +258,8 @@ class TlsServerSide(Plain):
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         context: ssl.SSLContext,
-        watch: Watch | None = None,
-        seat: Seat | None = None,
+        watch: Watch | None,
+        seat: Seat | None,
     ) -> None:
         super().__init__(reader, writer, watch)
         self.seat = seat
@@ -313,7 +314,6 @@ class UpstreamPool:
     def __init__(self) -> None:
         self.idle: OrderedDict[tuple[str, str, int], list[Plain]] = OrderedDict()
         self.count = 0
-        self._tls: ssl.SSLContext | None = None
         self._pruning: asyncio.TimerHandle | None = None
 
     def take(self, key: tuple[str, str, int]) -> Plain | None:
@@ -334,7 +334,7 @@ class UpstreamPool:
 
     async def open(self, key: tuple[str, str, int], address: str) -> Plain:
         scheme, host, port = key
-        tls = self._tls_context() if scheme == "https" else None
+        tls = self._tls if scheme == "https" else None
         reader, writer = await asyncio.open_connection(
             address, port, ssl=tls, server_hostname=host if tls else None, limit=READ_SIZE
         )
@@ -374,12 +374,12 @@ class UpstreamPool:
             oldest = min(conn.idle_since for conns in self.idle.values() for conn in conns)
             self._pruning = asyncio.get_running_loop().call_later(oldest + POOL_AGE - now, self._prune)
 
-    def _tls_context(self) -> ssl.SSLContext:
+    @functools.cached_property
+    def _tls(self) -> ssl.SSLContext:
         """Verified against certifi's roots, as mitmproxy verifies upstreams: one trust store for both paths."""
-        if self._tls is None:
-            self._tls = ssl.create_default_context(cafile=certifi.where())
-            self._tls.set_alpn_protocols(["http/1.1"])
-        return self._tls
+        context = ssl.create_default_context(cafile=certifi.where())
+        context.set_alpn_protocols(["http/1.1"])
+        return context
 
     def close(self) -> None:
         if self._pruning is not None:

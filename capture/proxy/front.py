@@ -223,16 +223,16 @@ class Front:
         calls: Calls,
         mitm_port: int,
         certs: LeafCerts,
-        options: ProxyOptions = ProxyOptions(),
-        destinations: Destinations | None = None,
-        handoff_ports: dict[int, str | None] | None = None,
-        names: Names | None = None,
+        options: ProxyOptions,
+        destinations: Destinations,
+        handoff_ports: dict[int, str | None],
+        names: Names,
     ) -> None:
         self.calls = calls
         self.mitm_port = mitm_port
         self.certs = certs
         self.options = options
-        self.destinations = destinations or Destinations(restricted=False)
+        self.destinations = destinations
         self.admission = Admission(
             options.max_connections, options.max_client_connections, options.max_episode_connections
         )
@@ -240,12 +240,11 @@ class Front:
         self.server: asyncio.Server | None = None
         # local ports of the front's own connections to mitmproxy, the only ones it serves (`FrontOnly`), and the
         # episode each connection is known to belong to (its listener's, or its tunnel's) if any
-        self.handoff_ports: dict[int, str | None] = {} if handoff_ports is None else handoff_ports
-        self.names = names or Names()  # the names lcap's DNS answered, for redirected connections
+        self.handoff_ports = handoff_ports
+        self.names = names  # the names lcap's DNS answered, for redirected connections
         self.answered: Counter[int] = Counter()  # lcap's own answers, by status
         self.watches = Watches()  # the deadlines of every agent connection's waits
         self._lingering = 0
-        self._peer_tls: ssl.SSLContext | None = None
 
     async def start(self, host: str, port: int) -> int:
         loop = asyncio.get_running_loop()
@@ -863,7 +862,7 @@ class Front:
                 if b" 200 " not in answer.split(b"\r\n", 1)[0] + b" ":
                     raise ConnectionError(f"mitmproxy refused the tunnel: {answer[:80]!r}")
                 if tunnel.tls:
-                    await writer.start_tls(self._peer_context(), server_hostname=tunnel.sni)
+                    await writer.start_tls(self._peer_tls, server_hostname=tunnel.sni)
             if data:
                 mitm.send(data)
             await _splice(client, mitm)
@@ -875,15 +874,14 @@ class Front:
             else:
                 sock.close()
 
-    def _peer_context(self) -> ssl.SSLContext:
+    @functools.cached_property
+    def _peer_tls(self) -> ssl.SSLContext:
         """TLS from the front to mitmproxy over loopback: mitmproxy's certificate is lcap's own."""
-        if self._peer_tls is None:
-            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-            ctx.check_hostname = False
-            ctx.verify_mode = ssl.CERT_NONE
-            ctx.set_alpn_protocols(["http/1.1"])
-            self._peer_tls = ctx
-        return self._peer_tls
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        ctx.set_alpn_protocols(["http/1.1"])
+        return ctx
 
 
 def _agent_protocol(

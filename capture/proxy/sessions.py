@@ -135,11 +135,8 @@ class Sessions:
             return self._new_conversation(tenant) if isinstance(previous, str) else None
         digests = _prefix_digests(tenant, dialect, items)
         with self._lock:
-            found = None
-            for digest in reversed(digests[1:-1]):
-                if digest in self._prefixes:
-                    found = self._prefixes[digest]
-                    break
+            earlier = (self._prefixes[digest] for digest in reversed(digests[1:-1]) if digest in self._prefixes)
+            found = next(earlier, None)
             fresh = found is None
             episode = found if found is not None else _conversation_id()
             whole = digests[-1]
