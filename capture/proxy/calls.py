@@ -488,7 +488,7 @@ class Calls:
             return _PolicyStream(self, pending, self.max_body_bytes)
         if pending.added is not None and status < 400:
             return _SseRewriter(pending, self.max_body_bytes)
-        return _collector(pending, self.max_body_bytes)
+        return _Copy(pending, self.max_body_bytes)
 
     async def read_answer(self, pending: PendingTurn, body: bytes) -> bytes:
         """A whole answer as it came, decoded when lcap must rewrite it (the policy route, `--token-ids`) and it came
@@ -580,12 +580,18 @@ def with_route_model(request: dict, route: Route) -> dict:
 
 class _Copy:
     """The turn's copy of a stream, its first `limit` bytes: past them the stream still flows to the agent whole, and
-    the turn keeps its start and says it was cut."""
+    the turn keeps its start and says it was cut. Called with each chunk, it forwards the chunk as it is: the stream
+    is never buffered."""
 
     __slots__ = ("kept", "limit", "pending")
 
     def __init__(self, pending: PendingTurn, limit: int) -> None:
         self.pending, self.limit, self.kept = pending, limit, 0
+
+    def __call__(self, data: bytes) -> bytes:
+        if data:
+            self.add(data)
+        return data
 
     def add(self, data: bytes) -> None:
         pending = self.pending
@@ -603,18 +609,6 @@ class _Copy:
             return
         self.kept += len(data)
         chunks.append(data)
-
-
-def _collector(pending: PendingTurn, limit: int) -> Callable[[bytes], bytes]:
-    """Forward each chunk as it comes, keeping a copy: the stream is never buffered."""
-    copy = _Copy(pending, limit)
-
-    def stream(data: bytes) -> bytes:
-        if data:
-            copy.add(data)
-        return data
-
-    return stream
 
 
 class _PolicyStream:

@@ -10,11 +10,10 @@ tenant's episode is answered as an unknown one (404). The body is a JSON object:
 
 `key` makes the post idempotent: a reward with that key already stored is not stored again (200, `stored: false`).
 Rewards are stored by one thread, in batches: the posts waiting when it turns to them share one attach of the store
-file (which a writer process or `lcap loop --live` may hold for a while: each post attaching it alone queued
-behind every hold, benchmarks/bench_reward_post.py), and each is answered once its row is in the store. Past
-`max_pending` waiting, a post gets 429 with Retry-After; a store that stays locked past its timeout, 503. An
-episode this proxy opened is placed from memory (`KnownEpisodes`), its row stored or not yet; a post naming one
-the store does not hold either looks again once the episode rows the proxy has opened so far are stored
+file (which a writer process or `lcap loop --live` may hold for a while), and each is answered once its row is in
+the store. Past `max_pending` waiting, a post gets 429 with Retry-After; a store that stays locked past its timeout,
+503. An episode this proxy opened is placed from memory (`KnownEpisodes`), its row stored or not yet; a post naming
+one the store does not hold either looks again once the episode rows the proxy has opened so far are stored
 (`settle`): a reward posted right after its session's first call is not refused for arriving first.
 """
 
