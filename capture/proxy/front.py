@@ -26,7 +26,6 @@ import logging
 import socket
 import ssl
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -242,7 +241,6 @@ class Front:
         # episode each connection is known to belong to (its listener's, or its tunnel's) if any
         self.handoff_ports = handoff_ports
         self.names = names  # the names lcap's DNS answered, for redirected connections
-        self.answered: Counter[int] = Counter()  # lcap's own answers, by status
         self.watches = Watches()  # the deadlines of every agent connection's waits
         self._lingering = 0
 
@@ -324,7 +322,6 @@ class Front:
         """Answer with lcap's own refusal and end the connection. The agent may still be writing (a body past the
         limit): its side is read and dropped for up to `LINGER` seconds, so its kernel does not reset the
         connection before it has read the answer."""
-        self.answered[refused.status] += 1
         client.send(refusal(refused.status, refused.message, refused.fields))
         if self._lingering >= MAX_LINGERING:
             return
@@ -512,13 +509,11 @@ class Front:
             upstream, parts = await self._send(client, call, upstream_head, exchange)
             reuse = await self._answer(client, call, upstream, parts, client_close, exchange)
         except HoldRefused as refused:  # its turn is stored and counted already
-            self.answered[503] += 1
             client.send(refusal(503, str(refused), close=False))
             return True
         except AnswerRefused as refused:  # its turn is stored already
             if exchange.upstream is not None:
                 exchange.upstream.close()
-            self.answered[502] += 1
             client.send(refusal(502, str(refused), close=False))
             return True
         except BaseException as exc:
@@ -548,7 +543,6 @@ class Front:
             self.calls.close_call(call.pending, why)
             if call.pending.chunks is not None:  # a stream: the agent may have part of it, cut it off
                 return False
-            self.answered[status] += 1
             client.send(refusal(status, why, close=False))
             return True
         finally:

@@ -124,7 +124,6 @@ class RewardEndpoint:
         self.max_pending, self.max_body = max_pending, max_body
         self.pending = 0  # posts read and waiting for, or in, the store thread
         self.connections = 0
-        self.counts = {"stored": 0, "duplicate": 0, "refused": 0, "busy": 0}
         self._queue: queue.Queue[_Post | None] = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="lcap-rewards", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -178,7 +177,6 @@ class RewardEndpoint:
                 try:
                     answer, keep = await self._one(reader)
                 except Refusal as exc:
-                    self.counts["refused"] += 1
                     answer, keep = Answer(exc.status, {"error": str(exc)}), False
                 if answer is None:
                     return
@@ -228,7 +226,6 @@ class RewardEndpoint:
         admin = hmac.compare_digest(token.strip().encode(), self.token.encode())
         post = _read_post(body)
         if self.pending >= self.max_pending:
-            self.counts["busy"] += 1
             return Answer(429, {"error": "too many rewards waiting to be stored: retry later"}), keep
         self.pending += 1
         try:
@@ -237,10 +234,6 @@ class RewardEndpoint:
             answer = await waiting.answer
         finally:
             self.pending -= 1
-        if answer.status >= 400:
-            self.counts["refused"] += 1
-        else:
-            self.counts["stored" if answer.body.get("stored") else "duplicate"] += 1
         return answer, keep
 
     def _work(self) -> None:

@@ -248,7 +248,7 @@ class CaptureProxy:
         self._master: Any = None
         self._calls: Calls | None = None
         self._episode_rows: EpisodeRows | None = None
-        self._known = KnownEpisodes()
+        self._known = KnownEpisodes(options.max_episodes)
         self.rewards: RewardEndpoint | None = None
         self._bundle: Path | None = None
         self._java_store: Path | None = None
@@ -285,7 +285,6 @@ class CaptureProxy:
         if self.store is not None:
             self._episode_rows = EpisodeRows(self.store)
             self._episode_rows.start()
-        self._known = KnownEpisodes(self.options.max_episodes)
         sessions = Sessions(
             header=self.options.session_header,
             conversations=bool(self.options.conversations),
