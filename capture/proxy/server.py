@@ -187,9 +187,8 @@ def probe_models(base_url: str, timeout: float = 5.0, *, key: str | None = None)
 
     route = parse_upstream(base_url, None)
     url = f"{route.scheme}://{route.host}:{route.port}{route.base_path or '/v1'}/models"
-    headers = bearer(key)
     try:
-        resp = httpx.get(url, timeout=timeout, trust_env=False, headers=headers)
+        resp = httpx.get(url, timeout=timeout, trust_env=False, headers=bearer(key))
     except httpx.HTTPError as exc:
         raise LcapError(f"upstream {base_url} is unreachable: {exc.__class__.__name__}: {exc}") from None
     try:
