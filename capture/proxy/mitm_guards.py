@@ -168,11 +168,7 @@ def install_body_limits(limit_for: Callable[[Any, bool], int | None]) -> None:
     mhttp.HttpStream.check_body_size = check_body_size  # type: ignore[method-assign]  # a deliberate patch
 
 
-def _no_limit(flow: Any, request: bool) -> int | None:
-    return None
-
-
-_limit_for: Callable[[Any, bool], int | None] = _no_limit
+_limit_for: Callable[[Any, bool], int | None]  # set by `install_body_limits` before its patch is in place
 
 
 _INTERIM = re.compile(rb"HTTP/1\.[01] 1(?!01)[0-9][0-9][ \r\n]")  # a 1xx head other than 101 Switching Protocols
