@@ -56,11 +56,7 @@ def _guarded(hook: Callable) -> Callable:
 
 class CaptureAddon:
     def __init__(
-        self,
-        calls: Calls,
-        options: ProxyOptions = ProxyOptions(),
-        proxyserver: Any = None,
-        front_episode: Callable[[Any], str | None] = lambda client: None,
+        self, calls: Calls, options: ProxyOptions, proxyserver: Any, front_episode: Callable[[Any], str | None]
     ) -> None:
         self.calls = calls
         self.options = options
@@ -113,7 +109,6 @@ class CaptureAddon:
                 "path": req.path,
                 "route": None,
                 "upstream": None,
-                "replica": None,
             }
         else:
             req.stream = True  # not an LLM call: passed through as it comes, never held in memory
@@ -249,7 +244,7 @@ class CaptureAddon:
             if message == "Client disconnected.":  # in the front's words, so both transports read alike
                 message = agent_left(flow.response is not None)
             else:
-                self.calls.upstream_failed(pending, message)
+                self.calls.router.failed(pending.replica, message)
             self.calls.close_call(pending, flow.metadata.pop(_TIMED_OUT, None) or message)
 
     def body_limit(self, flow: http.HTTPFlow, request: bool) -> int | None:
@@ -266,9 +261,7 @@ class CaptureAddon:
 
     def _arm(self, flow: http.HTTPFlow, seconds: float, why: str) -> None:
         """(Re)start the call's deadline: past it, its server connection is cut and the turn says `why`."""
-        timer = flow.metadata.get(_TIMER)
-        if timer is not None:
-            timer.cancel()
+        self._disarm(flow)
         flow.metadata[_TIMER] = asyncio.get_running_loop().call_later(seconds, self._expire, flow, why.format(seconds))
 
     def _disarm(self, flow: http.HTTPFlow) -> None:
@@ -279,7 +272,7 @@ class CaptureAddon:
     def _expire(self, flow: http.HTTPFlow, why: str) -> None:
         flow.metadata.pop(_TIMER, None)
         pending: PendingTurn | None = flow.metadata.get(_KEY)
-        handler = self.proxyserver.connections.get(flow.client_conn.id) if self.proxyserver is not None else None
+        handler = self.proxyserver.connections.get(flow.client_conn.id)
         if pending is None or pending.done or handler is None:
             return
         flow.metadata[_TIMED_OUT] = f"upstream {pending.upstream}: {why}"
@@ -292,9 +285,7 @@ class CaptureAddon:
 
     def _route_websocket(self, flow: http.HTTPFlow) -> None:
         state = flow.metadata[_WS_KEY]
-        route = self.calls.router.route(state["episode"])
-        if route is None and self.calls.router.upstream is not None:
-            raise NoRoute(f"--upstream {self.calls.router.upstream}: no server to send the call to")
+        route = self.calls.route_for(state["episode"])
         req = flow.request
         state["upstream"] = f"{req.scheme}://{req.host}:{req.port}"
         if route is not None:
@@ -303,7 +294,6 @@ class CaptureAddon:
             _retarget(req, route.scheme, route.host, route.port, path)
             state["route"] = route
             state["upstream"] = route.url
-            state["replica"] = route.replica
 
     @_guarded
     def websocket_message(self, flow: http.HTTPFlow) -> None:
@@ -316,9 +306,7 @@ class CaptureAddon:
 
     def _ws_message(self, flow: http.HTTPFlow, message: Any) -> None:
         state = flow.metadata.get(_WS_KEY)
-        if state is None:
-            return
-        if not message.is_text:
+        if state is None or not message.is_text:
             return
         turn: PendingTurn | None = state["turn"]
         if not message.from_client and turn is not None and turn.policy:
@@ -369,8 +357,7 @@ class CaptureAddon:
             forward = with_route_model(request, route)
             outer = {**frame, "response": forward} if request is not frame else forward
             if started.policy:
-                body = json.dumps(outer, ensure_ascii=False, separators=(",", ":")).encode()
-                message.content = self.calls.policy_request(started, request, body, stitch=not warm_up)
+                message.content = self.calls.policy_request(started, request, outer, stitch=not warm_up)
             elif forward != request:
                 message.content = json.dumps(outer, ensure_ascii=False).encode()
         if warm_up:
@@ -379,7 +366,7 @@ class CaptureAddon:
         started.model_requested = request.get("model")
         started.upstream = state["upstream"]
         started.deployment = route.deployment if route is not None else None
-        started.replica = state["replica"]
+        started.replica = route.replica if route is not None else None
         started.streamed = True
         started.events = []
         state["turn"] = started

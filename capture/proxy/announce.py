@@ -31,10 +31,10 @@ def command_line() -> str:
 
 
 class Announcer:
-    """Rewrites `record` with fresh `counters()` every `interval` seconds while they change, until `stop`."""
+    """Rewrites `record` with fresh `counters()` every `INTERVAL` seconds while they change, until `stop`."""
 
-    def __init__(self, record: ProxyRecord, counters: Callable[[], dict[str, Any]], interval: float = INTERVAL) -> None:
-        self.record, self.counters, self.interval = record, counters, interval
+    def __init__(self, record: ProxyRecord, counters: Callable[[], dict[str, Any]]) -> None:
+        self.record, self.counters = record, counters
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last: dict[str, Any] | None = None
@@ -56,7 +56,7 @@ class Announcer:
             self._thread = None
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._stop.wait(INTERVAL):
             self._write()
 
     def _write(self) -> None:

@@ -210,17 +210,22 @@ class Calls:
     ) -> Call:
         """A request to an LLM path, from its head alone: its route, its header fields for that route, and a
         turn not recorded yet. Clients often write the body separately: this work is then done while it comes."""
-        route = self.router.route(episode)
-        if route is None and self.router.upstream is not None:
-            raise NoRoute(f"--upstream {self.router.upstream}: no server to send the call to")
+        route = self.route_for(episode)
         pending = PendingTurn(episode_id=episode, seq=None, host=host, path=path, dialect=dialect)
         pending.body_limit = self.max_body_bytes
         call = Call(pending, route, scheme, host, port, path, fields, fields)
         if route is None:
             pending.upstream = f"{scheme}://{host}:{port}"
-            return call
-        self._point(call, route)
+        else:
+            self._point(call, route)
         return call
+
+    def route_for(self, episode: str | None) -> Route | None:
+        """Where `episode`'s call goes: None to its own host; `NoRoute` when `--upstream` has no server now."""
+        route = self.router.route(episode)
+        if route is None and self.router.upstream is not None:
+            raise NoRoute(f"--upstream {self.router.upstream}: no server to send the call to")
+        return route
 
     def _point(self, call: Call, route: Route) -> None:
         """Send `call` along `route`: its upstream, its fields for that upstream, and what its turn says of it."""
@@ -323,10 +328,6 @@ class Calls:
         log.warning("lcap: a Responses WebSocket got a 503: %s", why)
         raise HoldRefused(why)
 
-    def upstream_failed(self, pending: PendingTurn, why: str) -> None:
-        """A call to a replica failed after it was sent: the replica leaves the rotation until it serves again."""
-        self.router.failed(pending.replica, why)
-
     async def read_body(self, call: Call, body: bytes, content_encoding: str | None) -> bytes:
         """The request's body as it came, decoded by its `content_encoding` for `take_body` to read (an unknown
         coding is left to the upstream: returned as it is). The inflate runs off the event loop and stops at
@@ -396,9 +397,10 @@ class Calls:
         if call.encoding is not None and call.body is not call.raw:
             call.fields = tuple(field for field in call.fields if field[0].lower() != b"content-encoding")
 
-    def policy_request(self, pending: PendingTurn, request: dict, forward: bytes, *, stitch: bool = True) -> bytes:
+    def policy_request(self, pending: PendingTurn, request: dict, forward: dict, *, stitch: bool = True) -> bytes:
         """The request for lcap's endpoints: `forward` (the agent's request, the deployment's model) with lcap's
         options and the head of the conversation it may extend."""
+        body = json.dumps(forward, ensure_ascii=False, separators=(",", ":")).encode()
         pending.token_ids = True
         head = None
         if self.stitch and stitch:
@@ -407,7 +409,7 @@ class Calls:
             if head is not None:
                 pending.offered_turn, pending.offered_thread = head.turn_id, head.thread_seq
         blob = head.blob if head is not None else None
-        return policy_wire.request_body(forward, adapt=self.adapt, stitch=self.stitch, head=blob)
+        return policy_wire.request_body(body, adapt=self.adapt, stitch=self.stitch, head=blob)
 
     def policy_parts(self, pending: PendingTurn, record: bytes | None, head: bytes | None) -> None:
         """lcap's parts of an answer from its endpoints, as they arrive: the record, then the head, which becomes
@@ -437,8 +439,7 @@ class Calls:
                 {"field": "model", "action": "mapped", "from": request.get("model"), "to": forward["model"], "why": why}
             ]
         if pending.policy:
-            body = json.dumps(forward, ensure_ascii=False, separators=(",", ":")).encode()
-            return self.policy_request(pending, request, body)
+            return self.policy_request(pending, request, forward)
         pending.added = None
         if self.token_ids:
             pending.added = dialects.ask_token_ids(pending.dialect, forward)
@@ -487,7 +488,7 @@ class Calls:
             return _PolicyStream(self, pending, self.max_body_bytes)
         if pending.added is not None and status < 400:
             return _SseRewriter(pending, self.max_body_bytes)
-        return _collector(pending, self.max_body_bytes)
+        return _Copy(pending, self.max_body_bytes)
 
     async def read_answer(self, pending: PendingTurn, body: bytes) -> bytes:
         """A whole answer as it came, decoded when lcap must rewrite it (the policy route, `--token-ids`) and it came
@@ -513,16 +514,15 @@ class Calls:
         asked for), else None."""
         pending.response_body = body
         out = None
-        if pending.policy and (pending.status_code or 500) < 400 and pending.encoding in (None, "identity"):
+        readable = (pending.status_code or 500) < 400 and pending.encoding in (None, "identity")
+        if readable and pending.policy:
             parts = policy_wire.split_whole(body)
             if parts is not None:
                 out, record, head = parts
                 pending.response_body = out
                 self.policy_parts(pending, record, None)
                 self.policy_parts(pending, None, head)
-        elif (
-            pending.added is not None and (pending.status_code or 500) < 400 and pending.encoding in (None, "identity")
-        ):
+        elif readable and pending.added is not None:
             try:
                 answer = json.loads(body)
             except ValueError:
@@ -580,12 +580,18 @@ def with_route_model(request: dict, route: Route) -> dict:
 
 class _Copy:
     """The turn's copy of a stream, its first `limit` bytes: past them the stream still flows to the agent whole, and
-    the turn keeps its start and says it was cut."""
+    the turn keeps its start and says it was cut. Called with each chunk, it forwards the chunk as it is: the stream
+    is never buffered."""
 
     __slots__ = ("kept", "limit", "pending")
 
     def __init__(self, pending: PendingTurn, limit: int) -> None:
         self.pending, self.limit, self.kept = pending, limit, 0
+
+    def __call__(self, data: bytes) -> bytes:
+        if data:
+            self.add(data)
+        return data
 
     def add(self, data: bytes) -> None:
         pending = self.pending
@@ -603,18 +609,6 @@ class _Copy:
             return
         self.kept += len(data)
         chunks.append(data)
-
-
-def _collector(pending: PendingTurn, limit: int) -> Callable[[bytes], bytes]:
-    """Forward each chunk as it comes, keeping a copy: the stream is never buffered."""
-    copy = _Copy(pending, limit)
-
-    def stream(data: bytes) -> bytes:
-        if data:
-            copy.add(data)
-        return data
-
-    return stream
 
 
 class _PolicyStream:
@@ -665,11 +659,6 @@ class _SseRewriter:
             except ValueError:
                 continue
             assert self.pending.added is not None
-            lines[i] = (
-                b"data: "
-                + json.dumps(
-                    dialects.strip_added(obj, self.pending.added), ensure_ascii=False, separators=(",", ":")
-                ).encode()
-                + ending
-            )
+            stripped = dialects.strip_added(obj, self.pending.added)
+            lines[i] = b"data: " + json.dumps(stripped, ensure_ascii=False, separators=(",", ":")).encode() + ending
         return b"\n".join(lines)

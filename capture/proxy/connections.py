@@ -12,6 +12,7 @@ cancelling the task of one that ran out, which `Watch.within` turns into `Expire
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 import ssl
 import struct
@@ -118,13 +119,12 @@ class AgentReader(asyncio.StreamReader):
 
 class Seat:
     """One agent connection's place in `Admission`: its group (the address it came from while it has proved no
-    episode, then its episode), since when it waits idle for its next request, and how to close it."""
+    episode, then its episode), and how to close it."""
 
-    __slots__ = ("close", "group", "idle_since", "left")
+    __slots__ = ("close", "group", "left")
 
     def __init__(self, group: tuple[str, str], close: Callable[[], None]) -> None:
         self.group, self.close = group, close
-        self.idle_since: float | None = None
         self.left = False
 
     @property
@@ -173,11 +173,9 @@ class Admission:
     def waiting(self, seat: Seat) -> None:
         """The connection waits idle for its next request."""
         if not seat.left:
-            seat.idle_since = time.monotonic()
             self.idle[seat] = None
 
     def busy(self, seat: Seat) -> None:
-        seat.idle_since = None
         self.idle.pop(seat, None)
 
     def leave(self, seat: Seat) -> None:
@@ -260,8 +258,8 @@ class TlsServerSide(Plain):
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         context: ssl.SSLContext,
-        watch: Watch | None = None,
-        seat: Seat | None = None,
+        watch: Watch | None,
+        seat: Seat | None,
     ) -> None:
         super().__init__(reader, writer, watch)
         self.seat = seat
@@ -316,7 +314,6 @@ class UpstreamPool:
     def __init__(self) -> None:
         self.idle: OrderedDict[tuple[str, str, int], list[Plain]] = OrderedDict()
         self.count = 0
-        self._tls: ssl.SSLContext | None = None
         self._pruning: asyncio.TimerHandle | None = None
 
     def take(self, key: tuple[str, str, int]) -> Plain | None:
@@ -337,7 +334,7 @@ class UpstreamPool:
 
     async def open(self, key: tuple[str, str, int], address: str) -> Plain:
         scheme, host, port = key
-        tls = self._tls_context() if scheme == "https" else None
+        tls = self._tls if scheme == "https" else None
         reader, writer = await asyncio.open_connection(
             address, port, ssl=tls, server_hostname=host if tls else None, limit=READ_SIZE
         )
@@ -377,12 +374,12 @@ class UpstreamPool:
             oldest = min(conn.idle_since for conns in self.idle.values() for conn in conns)
             self._pruning = asyncio.get_running_loop().call_later(oldest + POOL_AGE - now, self._prune)
 
-    def _tls_context(self) -> ssl.SSLContext:
+    @functools.cached_property
+    def _tls(self) -> ssl.SSLContext:
         """Verified against certifi's roots, as mitmproxy verifies upstreams: one trust store for both paths."""
-        if self._tls is None:
-            self._tls = ssl.create_default_context(cafile=certifi.where())
-            self._tls.set_alpn_protocols(["http/1.1"])
-        return self._tls
+        context = ssl.create_default_context(cafile=certifi.where())
+        context.set_alpn_protocols(["http/1.1"])
+        return context
 
     def close(self) -> None:
         if self._pruning is not None:

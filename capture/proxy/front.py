@@ -26,8 +26,7 @@ import logging
 import socket
 import ssl
 import time
-from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -223,16 +222,16 @@ class Front:
         calls: Calls,
         mitm_port: int,
         certs: LeafCerts,
-        options: ProxyOptions = ProxyOptions(),
-        destinations: Destinations | None = None,
-        handoff_ports: dict[int, str | None] | None = None,
-        names: Names | None = None,
+        options: ProxyOptions,
+        destinations: Destinations,
+        handoff_ports: dict[int, str | None],
+        names: Names,
     ) -> None:
         self.calls = calls
         self.mitm_port = mitm_port
         self.certs = certs
         self.options = options
-        self.destinations = destinations or Destinations(restricted=False)
+        self.destinations = destinations
         self.admission = Admission(
             options.max_connections, options.max_client_connections, options.max_episode_connections
         )
@@ -240,20 +239,14 @@ class Front:
         self.server: asyncio.Server | None = None
         # local ports of the front's own connections to mitmproxy, the only ones it serves (`FrontOnly`), and the
         # episode each connection is known to belong to (its listener's, or its tunnel's) if any
-        self.handoff_ports: dict[int, str | None] = {} if handoff_ports is None else handoff_ports
-        self.names = names or Names()  # the names lcap's DNS answered, for redirected connections
-        self.answered: Counter[int] = Counter()  # lcap's own answers, by status
+        self.handoff_ports = handoff_ports
+        self.names = names  # the names lcap's DNS answered, for redirected connections
         self.watches = Watches()  # the deadlines of every agent connection's waits
         self._lingering = 0
-        self._peer_tls: ssl.SSLContext | None = None
 
     async def start(self, host: str, port: int) -> int:
         loop = asyncio.get_running_loop()
-
-        def protocol() -> asyncio.StreamReaderProtocol:
-            return asyncio.StreamReaderProtocol(AgentReader(limit=READ_SIZE, loop=loop), self._connection, loop=loop)
-
-        self.server = await loop.create_server(protocol, host, port, backlog=512)
+        self.server = await loop.create_server(_agent_protocol(loop, self._connection), host, port, backlog=512)
         self.watches.start(loop)
         return self.server.sockets[0].getsockname()[1]
 
@@ -272,10 +265,7 @@ class Front:
         SO_ORIGINAL_DST)."""
         loop = asyncio.get_running_loop()
         handle = functools.partial(self._connection, episode=episode, redirected=redirected, admit=admit)
-
-        def protocol() -> asyncio.StreamReaderProtocol:
-            return asyncio.StreamReaderProtocol(AgentReader(limit=READ_SIZE, loop=loop), handle, loop=loop)
-
+        protocol = _agent_protocol(loop, handle)
         if sock is None:
             return await loop.create_server(protocol, "127.0.0.1", 0, backlog=512)
         return await loop.create_server(protocol, sock=sock, backlog=512)
@@ -332,7 +322,6 @@ class Front:
         """Answer with lcap's own refusal and end the connection. The agent may still be writing (a body past the
         limit): its side is read and dropped for up to `LINGER` seconds, so its kernel does not reset the
         connection before it has read the answer."""
-        self.answered[refused.status] += 1
         client.send(refusal(refused.status, refused.message, refused.fields))
         if self._lingering >= MAX_LINGERING:
             return
@@ -520,13 +509,11 @@ class Front:
             upstream, parts = await self._send(client, call, upstream_head, exchange)
             reuse = await self._answer(client, call, upstream, parts, client_close, exchange)
         except HoldRefused as refused:  # its turn is stored and counted already
-            self.answered[503] += 1
             client.send(refusal(503, str(refused), close=False))
             return True
         except AnswerRefused as refused:  # its turn is stored already
             if exchange.upstream is not None:
                 exchange.upstream.close()
-            self.answered[502] += 1
             client.send(refusal(502, str(refused), close=False))
             return True
         except BaseException as exc:
@@ -548,7 +535,7 @@ class Front:
             if isinstance(exc, Forbidden):
                 status, why = 403, str(exc)
             else:
-                self.calls.upstream_failed(call.pending, f"{exc.__class__.__name__}: {exc}")
+                self.calls.router.failed(call.pending.replica, f"{exc.__class__.__name__}: {exc}")
                 status = 504 if isinstance(exc, _UpstreamTimeout) else 502
                 why = f"upstream {call.scheme}://{call.host}:{call.port}: {exc.__class__.__name__}: {exc}"
                 if isinstance(exc, (_UpstreamTimeout, _AnswerRefused)):
@@ -556,7 +543,6 @@ class Front:
             self.calls.close_call(call.pending, why)
             if call.pending.chunks is not None:  # a stream: the agent may have part of it, cut it off
                 return False
-            self.answered[status] += 1
             client.send(refusal(status, why, close=False))
             return True
         finally:
@@ -767,9 +753,7 @@ class Front:
             with client.deadline(self.options.head_timeout, "tunnel"):
                 data, hello = await self._client_hello(client, buf)
                 tls = await self._terminate(client, tunnel, data, hello) if hello is not None else None
-        except Expired:
-            return  # a tunnel that does not say what it carries in time
-        except EOFError:
+        except (Expired, EOFError):  # a tunnel that does not say what it carries in time, or the agent left
             return
         if tls is not None:
             return await self._serve(tls, tunnel, b"")
@@ -872,7 +856,7 @@ class Front:
                 if b" 200 " not in answer.split(b"\r\n", 1)[0] + b" ":
                     raise ConnectionError(f"mitmproxy refused the tunnel: {answer[:80]!r}")
                 if tunnel.tls:
-                    await writer.start_tls(self._peer_context(), server_hostname=tunnel.sni)
+                    await writer.start_tls(self._peer_tls, server_hostname=tunnel.sni)
             if data:
                 mitm.send(data)
             await _splice(client, mitm)
@@ -884,15 +868,21 @@ class Front:
             else:
                 sock.close()
 
-    def _peer_context(self) -> ssl.SSLContext:
+    @functools.cached_property
+    def _peer_tls(self) -> ssl.SSLContext:
         """TLS from the front to mitmproxy over loopback: mitmproxy's certificate is lcap's own."""
-        if self._peer_tls is None:
-            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-            ctx.check_hostname = False
-            ctx.verify_mode = ssl.CERT_NONE
-            ctx.set_alpn_protocols(["http/1.1"])
-            self._peer_tls = ctx
-        return self._peer_tls
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        ctx.set_alpn_protocols(["http/1.1"])
+        return ctx
+
+
+def _agent_protocol(
+    loop: asyncio.AbstractEventLoop, handle: Callable[..., Awaitable[None]]
+) -> Callable[[], asyncio.StreamReaderProtocol]:
+    """The protocol factory of a listener for agents: each connection's reader is an `AgentReader`."""
+    return lambda: asyncio.StreamReaderProtocol(AgentReader(limit=READ_SIZE, loop=loop), handle, loop=loop)
 
 
 async def _admitted(admit: Callable[[tuple[str, int], tuple[str, int]], bool], writer: asyncio.StreamWriter) -> bool:

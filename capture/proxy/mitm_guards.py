@@ -10,7 +10,7 @@
   early by their Content-Length or as soon as a chunked body passes the limit. mitmproxy's own
   `body_size_limit` applies to every flow, downloads and uploads the agent makes included, so lcap
   replaces its check with one that asks `limit_for(flow, request)`; everything else streams, unbounded
-  and unbuffered, as before.
+  and unbuffered.
 - `install_http1_guards`: where mitmproxy's HTTP/1 layer would hang or close without a word, an answer.
   A chunk size past 2^64 (which the front's parser, llhttp, refuses too) is a protocol error, and a
   request body mitmproxy cannot read gets its 400 before the connection closes (mitmproxy closed it
@@ -149,10 +149,8 @@ def install_body_limits(limit_for: Callable[[Any, bool], int | None]) -> None:
                 size = None
         if size is None or size <= limit:
             return False
-        if request and not buffered:
-            yield mhttp.HttpRequestHeadersHook(self.flow)
-        if not request and not buffered:
-            yield mhttp.HttpResponseHeadersHook(self.flow)
+        if not buffered:
+            yield mhttp.HttpRequestHeadersHook(self.flow) if request else mhttp.HttpResponseHeadersHook(self.flow)
         what = "request body" if request else "answer"
         message = f"lcap: {what} over the limit of {limit} bytes (--max-body-bytes)"
         status = 413 if request else 502
@@ -170,11 +168,7 @@ def install_body_limits(limit_for: Callable[[Any, bool], int | None]) -> None:
     mhttp.HttpStream.check_body_size = check_body_size  # type: ignore[method-assign]  # a deliberate patch
 
 
-def _no_limit(flow: Any, request: bool) -> int | None:
-    return None
-
-
-_limit_for: Callable[[Any, bool], int | None] = _no_limit
+_limit_for: Callable[[Any, bool], int | None]  # set by `install_body_limits` before its patch is in place
 
 
 _INTERIM = re.compile(rb"HTTP/1\.[01] 1(?!01)[0-9][0-9][ \r\n]")  # a 1xx head other than 101 Switching Protocols

@@ -10,11 +10,10 @@ tenant's episode is answered as an unknown one (404). The body is a JSON object:
 
 `key` makes the post idempotent: a reward with that key already stored is not stored again (200, `stored: false`).
 Rewards are stored by one thread, in batches: the posts waiting when it turns to them share one attach of the store
-file (which a writer process or `lcap loop --live` may hold for a while: each post attaching it alone queued
-behind every hold, benchmarks/bench_reward_post.py), and each is answered once its row is in the store. Past
-`max_pending` waiting, a post gets 429 with Retry-After; a store that stays locked past its timeout, 503. An
-episode this proxy opened is placed from memory (`KnownEpisodes`), its row stored or not yet; a post naming one
-the store does not hold either looks again once the episode rows the proxy has opened so far are stored
+file (which a writer process or `lcap loop --live` may hold for a while), and each is answered once its row is in
+the store. Past `max_pending` waiting, a post gets 429 with Retry-After; a store that stays locked past its timeout,
+503. An episode this proxy opened is placed from memory (`KnownEpisodes`), its row stored or not yet; a post naming
+one the store does not hold either looks again once the episode rows the proxy has opened so far are stored
 (`settle`): a reward posted right after its session's first call is not refused for arriving first.
 """
 
@@ -34,7 +33,7 @@ from http import HTTPStatus
 from typing import Any
 
 from lcap.capture.proxy.http1 import BadRequest, parse_request_head
-from lcap.capture.proxy.sessions import session_episode, tenant_of_token
+from lcap.capture.proxy.sessions import session_episode, take_batch, tenant_of_token
 from lcap.store import Store
 
 log = logging.getLogger("lcap.capture")
@@ -125,7 +124,6 @@ class RewardEndpoint:
         self.max_pending, self.max_body = max_pending, max_body
         self.pending = 0  # posts read and waiting for, or in, the store thread
         self.connections = 0
-        self.counts = {"stored": 0, "duplicate": 0, "refused": 0, "busy": 0}
         self._queue: queue.Queue[_Post | None] = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="lcap-rewards", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -179,7 +177,6 @@ class RewardEndpoint:
                 try:
                     answer, keep = await self._one(reader)
                 except Refusal as exc:
-                    self.counts["refused"] += 1
                     answer, keep = Answer(exc.status, {"error": str(exc)}), False
                 if answer is None:
                     return
@@ -229,7 +226,6 @@ class RewardEndpoint:
         admin = hmac.compare_digest(token.strip().encode(), self.token.encode())
         post = _read_post(body)
         if self.pending >= self.max_pending:
-            self.counts["busy"] += 1
             return Answer(429, {"error": "too many rewards waiting to be stored: retry later"}), keep
         self.pending += 1
         try:
@@ -238,22 +234,13 @@ class RewardEndpoint:
             answer = await waiting.answer
         finally:
             self.pending -= 1
-        if answer.status >= 400:
-            self.counts["refused"] += 1
-        else:
-            self.counts["stored" if answer.body.get("stored") else "duplicate"] += 1
         return answer, keep
 
     def _work(self) -> None:
         """The store thread: every post waiting, in one batch."""
         done = False
         while not done:
-            posts = [self._queue.get()]
-            while True:
-                try:
-                    posts.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
+            posts = take_batch(self._queue)
             done = None in posts
             batch = [post for post in posts if post is not None]
             if not batch:
@@ -358,8 +345,7 @@ def _read_post(body: bytes) -> dict[str, Any]:
     key = post.get("key")
     if not _text(source) or (key is not None and not _text(key)):
         raise Refusal(400, "source and key must be text")
-    out = {named[0]: post[named[0]], "value": float(value), "details": details, "source": source, "key": key}
-    return out
+    return {named[0]: post[named[0]], "value": float(value), "details": details, "source": source, "key": key}
 
 
 def _text(value: Any) -> bool:

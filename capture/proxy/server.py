@@ -145,8 +145,8 @@ def _system_roots() -> str | None:
         paths.openssl_cafile,
         "/etc/ssl/certs/ca-certificates.crt",
         "/etc/pki/tls/certs/ca-bundle.crt",
+        certifi.where(),
     ]
-    candidates.append(certifi.where())
     return next((c for c in candidates if c and os.path.isfile(c)), None)
 
 
@@ -187,9 +187,8 @@ def probe_models(base_url: str, timeout: float = 5.0, *, key: str | None = None)
 
     route = parse_upstream(base_url, None)
     url = f"{route.scheme}://{route.host}:{route.port}{route.base_path or '/v1'}/models"
-    headers = bearer(key)
     try:
-        resp = httpx.get(url, timeout=timeout, trust_env=False, headers=headers)
+        resp = httpx.get(url, timeout=timeout, trust_env=False, headers=bearer(key))
     except httpx.HTTPError as exc:
         raise LcapError(f"upstream {base_url} is unreachable: {exc.__class__.__name__}: {exc}") from None
     try:
@@ -248,7 +247,7 @@ class CaptureProxy:
         self._master: Any = None
         self._calls: Calls | None = None
         self._episode_rows: EpisodeRows | None = None
-        self._known = KnownEpisodes()
+        self._known = KnownEpisodes(options.max_episodes)
         self.rewards: RewardEndpoint | None = None
         self._bundle: Path | None = None
         self._java_store: Path | None = None
@@ -257,9 +256,7 @@ class CaptureProxy:
 
     @property
     def url(self) -> str:
-        if self.port is None:
-            raise LcapError("the capture proxy is not started")
-        return f"http://{self.options.host}:{self.port}"
+        return f"http://{self.options.host}:{self._port()}"
 
     # --- start / stop ------------------------------------------------------------------------
 
@@ -287,7 +284,6 @@ class CaptureProxy:
         if self.store is not None:
             self._episode_rows = EpisodeRows(self.store)
             self._episode_rows.start()
-        self._known = KnownEpisodes(self.options.max_episodes)
         sessions = Sessions(
             header=self.options.session_header,
             conversations=bool(self.options.conversations),
@@ -570,9 +566,7 @@ class CaptureProxy:
         """The proxy URL whose credentials write calls into `episode_id` (`http://EPISODE:SECRET@host:port`)."""
         if not episode_id:
             return self.url
-        if self.port is None:
-            raise LcapError("the capture proxy is not started")
-        return self.keys.proxy_url(episode_id, self.options.host, self.port)
+        return self.keys.proxy_url(episode_id, self.options.host, self._port())
 
     def episode_header(self, episode_id: str) -> str:
         """The value of an `X-Lcap-Episode` header that writes a request into `episode_id`."""
@@ -647,8 +641,7 @@ class CaptureProxy:
             env = self.child_env(episode_id, base, jvm_port=port)
             yield Child(list(argv), env, on_start=lambda child: started.append(child.pid))
         finally:
-            with contextlib.suppress(RuntimeError, TimeoutError, CancelledError):  # else the loop, stopping, closes it
-                asyncio.run_coroutine_threadsafe(_close(server), loop).result(30)
+            _close_listener(server, loop)
             self._forget(episode_id)
 
     @contextlib.contextmanager
@@ -662,8 +655,7 @@ class CaptureProxy:
         try:
             yield
         finally:
-            with contextlib.suppress(RuntimeError, TimeoutError, CancelledError):
-                asyncio.run_coroutine_threadsafe(_close(server), loop).result(30)
+            _close_listener(server, loop)
             self._forget(episode_id)
 
     def _forget(self, episode_id: str) -> None:
@@ -675,6 +667,12 @@ class CaptureProxy:
 async def _close(server: asyncio.AbstractServer) -> None:
     """Close `server` on its own loop (its sockets are the loop's), returning once they are closed."""
     server.close()
+
+
+def _close_listener(server: asyncio.AbstractServer, loop: asyncio.AbstractEventLoop) -> None:
+    """Close an episode's listener from another thread (on a loop that stopped, the loop closes it)."""
+    with contextlib.suppress(RuntimeError, TimeoutError, CancelledError):
+        asyncio.run_coroutine_threadsafe(_close(server), loop).result(30)
 
 
 def _loop_factory():

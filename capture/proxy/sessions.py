@@ -24,17 +24,19 @@ import json
 import logging
 import queue
 import re
+import sys
 import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from lcap.store import Store, now
 
 log = logging.getLogger("lcap.capture")
 
 Fields = Sequence[tuple[bytes, bytes]]
+T = TypeVar("T")
 SESSION_HEADER = "X-Lcap-Session"
 TENANT_FIELDS = (b"authorization", b"x-api-key", b"api-key")
 MAX_SESSION_LABEL = 256  # characters of a session name kept as its episode's label (the id digests all of it)
@@ -133,11 +135,8 @@ class Sessions:
             return self._new_conversation(tenant) if isinstance(previous, str) else None
         digests = _prefix_digests(tenant, dialect, items)
         with self._lock:
-            found = None
-            for digest in reversed(digests[1:-1]):
-                if digest in self._prefixes:
-                    found = self._prefixes[digest]
-                    break
+            earlier = (self._prefixes[digest] for digest in reversed(digests[1:-1]) if digest in self._prefixes)
+            found = next(earlier, None)
             fresh = found is None
             episode = found if found is not None else _conversation_id()
             whole = digests[-1]
@@ -256,7 +255,7 @@ class EpisodeRows:
         stopping = False
         retry = self.RETRY_S
         while not stopping or waiting:
-            for item in self._take(retry if waiting else None, room=self.backlog - len(waiting)):
+            for item in take_batch(self._queue, retry if waiting else None, room=self.backlog - len(waiting)):
                 if item is None:
                     stopping = True
                 elif isinstance(item, threading.Event):
@@ -284,17 +283,18 @@ class EpisodeRows:
                     event.set()
                 settles.clear()
 
-    def _take(self, timeout: float | None, room: int) -> list[dict[str, Any] | threading.Event | None]:
-        """What the queue holds: the first item within `timeout` (None: wait for it), then all that is there, rows
-        up to `room`."""
+
+def take_batch(source: queue.Queue[T], timeout: float | None = None, room: int = sys.maxsize) -> list[T]:
+    """What `source` holds: its first item within `timeout` (None: wait for it; [] when none came), then all that
+    is there, up to `room` more."""
+    try:
+        items = [source.get(timeout=timeout)]
+    except queue.Empty:
+        return []
+    while room > 0:
         try:
-            items = [self._queue.get(timeout=timeout)]
+            items.append(source.get_nowait())
         except queue.Empty:
-            return []
-        while room > 0:
-            try:
-                items.append(self._queue.get_nowait())
-            except queue.Empty:
-                break
-            room -= 1
-        return items
+            break
+        room -= 1
+    return items
