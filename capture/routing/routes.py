@@ -333,7 +333,8 @@ class Router:
             draining: set[str] = set()
             if record is not None:
                 key = self.policy_key if self.policy_key is not None else record.api_key()
-                pinned = self.model if self.model is not None and _deployment_of(record, self.model) else None
+                # a model that is one of the adapters the replicas serve: its calls are labelled with it
+                pinned = self.model if self.model is not None and self.model in record.loras else None
                 routes = tuple(
                     parse_upstream(
                         r.url,
@@ -374,12 +375,6 @@ class Router:
             self._prober = threading.Thread(target=self._probe_loop, name="lcap-replica-health", daemon=True)
             self._prober.start()
         self._wake.set()
-
-
-def _deployment_of(record, model: str) -> bool:
-    """Whether `model`, the name a proxy asks every call for, is an adapter the replicas serve (beside the current
-    deployment, or as it): its calls are then labelled with it."""
-    return model in record.loras
 
 
 def _serving(client, route: Route) -> bool:

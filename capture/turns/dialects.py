@@ -449,14 +449,11 @@ def _messages_stream(events: list[Any]) -> Turn:
             block = blocks.setdefault(ev.get("index", 0), {"type": "text", "text": ""})
             delta = ev.get("delta") or {}
             dtype = delta.get("type")
-            if dtype == "text_delta":
-                block["text"] = (block.get("text") or "") + delta.get("text", "")
-            elif dtype == "input_json_delta":
+            if dtype == "input_json_delta":
                 partial.setdefault(ev.get("index", 0), []).append(delta.get("partial_json", ""))
-            elif dtype == "thinking_delta":
-                block["thinking"] = (block.get("thinking") or "") + delta.get("thinking", "")
-            elif dtype == "signature_delta":
-                block["signature"] = (block.get("signature") or "") + delta.get("signature", "")
+            elif dtype in ("text_delta", "thinking_delta", "signature_delta"):
+                key = dtype.removesuffix("_delta")  # the block's field that the delta's same-named field extends
+                block[key] = (block.get(key) or "") + delta.get(key, "")
         elif kind == "message_delta":
             message.update({k: v for k, v in (ev.get("delta") or {}).items()})
             if ev.get("usage"):
