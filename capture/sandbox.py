@@ -470,14 +470,12 @@ def _libc() -> ctypes.CDLL:
 
 def _mount(source: str, target: str, fstype: str, flags: int, data: str) -> None:
     if _libc().mount(source.encode(), target.encode(), fstype.encode(), flags, data.encode()) != 0:
-        errno = ctypes.get_errno()
-        raise LcapError(f"cannot mount the sandbox's workspace at {target}: {os.strerror(errno)}")
+        raise LcapError(f"cannot mount the sandbox's workspace at {target}: {os.strerror(ctypes.get_errno())}")
 
 
 def _umount(target: str) -> None:
     if _libc().umount2(target.encode(), MNT_DETACH) != 0:
-        errno = ctypes.get_errno()
-        raise LcapError(f"cannot unmount the sandbox's workspace at {target}: {os.strerror(errno)}")
+        raise LcapError(f"cannot unmount the sandbox's workspace at {target}: {os.strerror(ctypes.get_errno())}")
 
 
 def _fields(path: Path) -> dict[str, int]:
