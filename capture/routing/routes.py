@@ -117,17 +117,15 @@ def rank(episode: str, replica: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{replica}\0{episode}".encode(), digest_size=8).digest(), "big")
 
 
+@dataclass(slots=True)
 class _Health:
     """A replica's standing with this router: out of the rotation or not, and when to probe it next."""
 
-    __slots__ = ("delay", "due", "failures", "out", "url")
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.out = False
-        self.failures = 0  # consecutive failed periodic probes
-        self.delay = BACKOFF_FIRST_S
-        self.due = 0.0
+    url: str
+    out: bool = False
+    failures: int = 0  # consecutive failed periodic probes
+    delay: float = BACKOFF_FIRST_S
+    due: float = 0.0
 
 
 class Router:
