@@ -158,14 +158,14 @@ def ca_bundle_check(ctx: Context) -> Result:
 # --- trust, client by client ------------------------------------------------------------------
 
 
-class _Quiet(BaseHTTPRequestHandler):
+class _QuietHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def log_message(self, *args: Any) -> None:
         pass
 
 
-class _Page(_Quiet):
+class _Page(_QuietHandler):
     def do_GET(self) -> None:
         self.send_response(200)
         self.send_header("Content-Length", "2")
@@ -551,7 +551,7 @@ def bubblewrap(ctx: Context) -> Result:
 _ANSWER = "lcap doctor's stand-in answers"
 
 
-class _StandIn(_Quiet):
+class _StandIn(_QuietHandler):
     """The smallest OpenAI-style server: a model list and one chat completion."""
 
     def do_GET(self) -> None:
