@@ -12,6 +12,8 @@ from lcap.capture.options import ProxyOptions
 from lcap.cli_options import DbOption, one_line_errors, parse_labels, with_options
 from lcap.config import LcapError
 
+LabelOption = Annotated[list[str] | None, typer.Option(help="Episode label key=value (repeatable), e.g. task=17.")]
+
 
 def register(app: typer.Typer) -> None:
     """Add this stage's commands to `app`. Keep module-level imports light: the CLI loads this at start."""
@@ -23,9 +25,7 @@ def register(app: typer.Typer) -> None:
         db: DbOption,
         options: ProxyOptions,
         command: Annotated[list[str] | None, typer.Argument(help="The agent command, after --.")] = None,
-        label: Annotated[
-            list[str] | None, typer.Option(help="Episode label key=value (repeatable), e.g. task=17.")
-        ] = None,
+        label: LabelOption = None,
         episode: Annotated[str | None, typer.Option(help="Episode id (default: a new uuid).")] = None,
         serve: Annotated[bool, typer.Option(help="Run for many agents until Ctrl-C, without a command.")] = False,
     ) -> None:
@@ -55,9 +55,7 @@ def register(app: typer.Typer) -> None:
     @episode_app.command("new")
     @one_line_errors
     def episode_new(
-        label: Annotated[
-            list[str] | None, typer.Option(help="Episode label key=value (repeatable), e.g. task=17.")
-        ] = None,
+        label: LabelOption = None,
         port: Annotated[
             int | None, typer.Option(help="The proxy's port (default: the only proxy of this LCAP_HOME running).")
         ] = None,

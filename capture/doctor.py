@@ -158,17 +158,19 @@ def ca_bundle_check(ctx: Context) -> Result:
 # --- trust, client by client ------------------------------------------------------------------
 
 
-class _Page(BaseHTTPRequestHandler):
+class _QuietHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+class _Page(_QuietHandler):
     def do_GET(self) -> None:
         self.send_response(200)
         self.send_header("Content-Length", "2")
         self.end_headers()
         self.wfile.write(b"ok")
-
-    def log_message(self, *args: Any) -> None:
-        pass
 
 
 class _QuietServer(ThreadingHTTPServer):
@@ -549,10 +551,8 @@ def bubblewrap(ctx: Context) -> Result:
 _ANSWER = "lcap doctor's stand-in answers"
 
 
-class _StandIn(BaseHTTPRequestHandler):
+class _StandIn(_QuietHandler):
     """The smallest OpenAI-style server: a model list and one chat completion."""
-
-    protocol_version = "HTTP/1.1"
 
     def do_GET(self) -> None:
         self._json({"object": "list", "data": [{"id": "stand-in", "object": "model", "owned_by": "lcap-doctor"}]})
@@ -579,9 +579,6 @@ class _StandIn(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
-
-    def log_message(self, *args: Any) -> None:
-        pass
 
 
 @contextmanager

@@ -198,10 +198,6 @@ class ProxyOptions:
         100_000, help="Idle episodes whose call numbering is kept (least recently used go; see docs/guide.md)."
     )
 
-    def sandbox_limits(self) -> SandboxLimits | None:
-        """--sandbox's limits, or None without --sandbox."""
-        return sandbox_limits(self)
-
 
 def sandbox_limits(options: Any) -> SandboxLimits | None:
     """The --sandbox limits of `options` (ProxyOptions or CollectOptions: both take the flags above), or None."""

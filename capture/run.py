@@ -14,7 +14,7 @@ import uuid
 from dataclasses import replace
 from pathlib import Path
 
-from lcap.capture.options import ProxyOptions, SandboxLimits
+from lcap.capture.options import ProxyOptions, SandboxLimits, sandbox_limits
 from lcap.capture.proxy.server import CaptureProxy
 from lcap.capture.sandbox import Sandbox, limits_text
 from lcap.capture.sandbox import missing as sandbox_missing
@@ -56,7 +56,7 @@ def run_proxy(
     try:
         if options.transparent and not shutil.which(command[0]):  # else the namespace's start says it, exit 127
             raise LcapError(f"cannot run {shlex.join(command)}: command not found")
-        limits = options.sandbox_limits()
+        limits = sandbox_limits(options)
         with proxy.episode_child(episode_id, command) as child:
             if limits is None:
                 ended = run_child(child.argv, child.env, pass_fds=child.pass_fds, on_start=child.on_start)

@@ -62,6 +62,7 @@ PACKAGE = "bubblewrap"
 CGROUPS = Path("/sys/fs/cgroup")
 GROUP = "lcap-sandbox"  # the parent of every episode's cgroups, in each controller
 AGENT_UID = 65534  # the host's nobody
+AS_AGENT = ("setpriv", f"--reuid={AGENT_UID}", f"--regid={AGENT_UID}", "--clear-groups")
 NAMESPACES = ("--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try")
 SHOWN = Path("/run/lcap")  # where the sandbox sees the few files of lcap's home it needs
 CLONE_NEWNET = 0x40000000
@@ -96,10 +97,9 @@ def closed_folder(folders: Sequence[Path]) -> Path | None:
         for step in (*reversed(folder.parents), folder):
             way[str(step)] = None
     probe = 'for d; do [ -x "$d" ] || { printf %s "$d"; exit 0; }; done'
-    as_agent = ["setpriv", f"--reuid={AGENT_UID}", f"--regid={AGENT_UID}", "--clear-groups", "--"]
     try:
         done = subprocess.run(
-            [*as_agent, "/bin/sh", "-c", probe, "sh", *way], capture_output=True, text=True, timeout=START_TIMEOUT
+            [*AS_AGENT, "--", "/bin/sh", "-c", probe, "sh", *way], capture_output=True, text=True, timeout=START_TIMEOUT
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise LcapError(f"--sandbox: cannot check which folders its user may enter: {exc}") from None
@@ -271,19 +271,8 @@ class EpisodeSandbox:
         info_r, info_w = os.pipe()
         block_r, block_w = os.pipe()
         self.pipes = [info_r, info_w, block_r, block_w]
-        args = [
-            "bwrap",
-            *NAMESPACES,
-            "--die-with-parent",
-            "--new-session",
-            "--ro-bind",
-            "/",
-            "/",
-            "--dev",
-            "/dev",
-            "--proc",
-            "/proc",
-        ]
+        args = ["bwrap", *NAMESPACES, "--die-with-parent", "--new-session"]
+        args += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
         args += ["--tmpfs", "/run", "--perms", "0755", "--dir", str(SHOWN)]
         args += self.sandbox.mounts()
         hidden_above = [h for h in self.sandbox.hidden if self.inside.is_relative_to(h)]
@@ -301,8 +290,7 @@ class EpisodeSandbox:
         args += ["--bind", str(self.workdir), str(self.inside)]
         args += ["--perms", "1777", "--size", str(self.limits.disk_mb << 20), "--tmpfs", str(self.tmp)]
         args += ["--chdir", str(self.inside), "--info-fd", str(info_w), "--block-fd", str(block_r), "--"]
-        args += ["setpriv", f"--reuid={AGENT_UID}", f"--regid={AGENT_UID}", "--clear-groups", "--inh-caps=-all"]
-        args += ["--bounding-set=-all", "--no-new-privs"]
+        args += [*AS_AGENT, "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
         return Child([*args, "--", *argv], env, (info_w, block_r), on_start=lambda proc: self.started(proc, port)), env
 
     def started(self, proc: subprocess.Popen, port: int) -> None:
@@ -482,14 +470,12 @@ def _libc() -> ctypes.CDLL:
 
 def _mount(source: str, target: str, fstype: str, flags: int, data: str) -> None:
     if _libc().mount(source.encode(), target.encode(), fstype.encode(), flags, data.encode()) != 0:
-        errno = ctypes.get_errno()
-        raise LcapError(f"cannot mount the sandbox's workspace at {target}: {os.strerror(errno)}")
+        raise LcapError(f"cannot mount the sandbox's workspace at {target}: {os.strerror(ctypes.get_errno())}")
 
 
 def _umount(target: str) -> None:
     if _libc().umount2(target.encode(), MNT_DETACH) != 0:
-        errno = ctypes.get_errno()
-        raise LcapError(f"cannot unmount the sandbox's workspace at {target}: {os.strerror(errno)}")
+        raise LcapError(f"cannot unmount the sandbox's workspace at {target}: {os.strerror(ctypes.get_errno())}")
 
 
 def _fields(path: Path) -> dict[str, int]:

@@ -49,8 +49,7 @@ def proxies(view: View) -> Section:
                 f"the proxy on port {record.port} lost the rows of {dropped} session episodes (their turns are stored; "
                 "see its log)"
             )
-        entry = {k: v for k, v in asdict(record).items() if k != "key"}  # the key stays in its 0600 file
-        data.append(entry)
+        data.append({k: v for k, v in asdict(record).items() if k != "key"})  # the key stays in its 0600 file
     s.data = data
     return s
 

@@ -143,17 +143,9 @@ def java_proxy_options(proxy: tuple[str, int], non_proxy: Sequence[str] = DEFAUL
     """The properties that send a JVM's HTTP and HTTPS connections through `proxy` (host, port), to add to
     `JAVA_TOOL_OPTIONS`."""
     host, port = proxy
-    return " ".join(
-        _quoted(
-            [
-                f"-Dhttp.proxyHost={host}",
-                f"-Dhttp.proxyPort={port}",
-                f"-Dhttps.proxyHost={host}",
-                f"-Dhttps.proxyPort={port}",
-                f"-Dhttp.nonProxyHosts={'|'.join(non_proxy)}",
-            ]
-        )
-    )
+    options = [f"-Dhttp.proxyHost={host}", f"-Dhttp.proxyPort={port}", f"-Dhttps.proxyHost={host}"]
+    options += [f"-Dhttps.proxyPort={port}", f"-Dhttp.nonProxyHosts={'|'.join(non_proxy)}"]
+    return " ".join(_quoted(options))
 
 
 def _quoted(options: list[str]) -> list[str]:

@@ -290,13 +290,10 @@ class Namespaces:
     def check(self) -> None:
         """Set up one namespace for `true`, as an agent's would be: a one-line LcapError saying why it cannot be."""
         with self.launch(CHECK_EPISODE, os.environ.get("PATH")) as launch:
+            argv = launch.argv(["true"])
             try:
                 done = subprocess.run(
-                    launch.argv(["true"]),
-                    pass_fds=launch.pass_fds,
-                    capture_output=True,
-                    text=True,
-                    timeout=START_TIMEOUT,
+                    argv, pass_fds=launch.pass_fds, capture_output=True, text=True, timeout=START_TIMEOUT
                 )
             except subprocess.TimeoutExpired:
                 raise LcapError(

@@ -31,16 +31,8 @@ import sys
 
 SETUP_FAILED = 125  # as env(1), timeout(1) and unshare(1): the command itself never ran
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
-    1,
-    2,
-    4,
-    8,
-    32,
-    4096,
-    16384,
-    1 << 18,
-)
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
 # statvfs flags of the mount that a read-only remount must keep (a user namespace may not drop them)
 KEPT_FLAGS = ((2, MS_NOSUID), (4, MS_NODEV), (8, MS_NOEXEC), (1024, MS_NOATIME), (2048, MS_NODIRATIME))

@@ -50,20 +50,10 @@ def install_node_preload() -> str:
     target = node_dir()
     target.mkdir(parents=True, exist_ok=True)
     announce(f"installing {wanted} into {target} with npm", "a few MB", "seconds")
+    argv = [npm, "install", "--prefix", str(target), "--no-audit", "--no-fund", "--loglevel=error"]
+    argv += [f"{name}@{version}" for name, version in PACKAGES.items()]
     try:
-        run_install(
-            [
-                npm,
-                "install",
-                "--prefix",
-                str(target),
-                "--no-audit",
-                "--no-fund",
-                "--loglevel=error",
-                *(f"{name}@{version}" for name, version in PACKAGES.items()),
-            ],
-            "install the Node preload's packages",
-        )
+        run_install(argv, "install the Node preload's packages")
     except LcapError:
         return f"npm could not install {wanted} (offline?): its last lines are above"
     if not _all_installed():

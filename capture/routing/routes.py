@@ -117,17 +117,15 @@ def rank(episode: str, replica: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{replica}\0{episode}".encode(), digest_size=8).digest(), "big")
 
 
+@dataclass(slots=True)
 class _Health:
     """A replica's standing with this router: out of the rotation or not, and when to probe it next."""
 
-    __slots__ = ("delay", "due", "failures", "out", "url")
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.out = False
-        self.failures = 0  # consecutive failed periodic probes
-        self.delay = BACKOFF_FIRST_S
-        self.due = 0.0
+    url: str
+    out: bool = False
+    failures: int = 0  # consecutive failed periodic probes
+    delay: float = BACKOFF_FIRST_S
+    due: float = 0.0
 
 
 class Router:
@@ -333,7 +331,8 @@ class Router:
             draining: set[str] = set()
             if record is not None:
                 key = self.policy_key if self.policy_key is not None else record.api_key()
-                pinned = self.model if self.model is not None and _deployment_of(record, self.model) else None
+                # a model that is one of the adapters the replicas serve: its calls are labelled with it
+                pinned = self.model if self.model is not None and self.model in record.loras else None
                 routes = tuple(
                     parse_upstream(
                         r.url,
@@ -374,12 +373,6 @@ class Router:
             self._prober = threading.Thread(target=self._probe_loop, name="lcap-replica-health", daemon=True)
             self._prober.start()
         self._wake.set()
-
-
-def _deployment_of(record, model: str) -> bool:
-    """Whether `model`, the name a proxy asks every call for, is an adapter the replicas serve (beside the current
-    deployment, or as it): its calls are then labelled with it."""
-    return model in record.loras
 
 
 def _serving(client, route: Route) -> bool:

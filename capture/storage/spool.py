@@ -31,9 +31,10 @@ import struct
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
@@ -59,6 +60,19 @@ def segment_path(directory: Path, number: int) -> Path:
 
 def segments(directory: Path) -> list[int]:
     return sorted(int(p.name[: -len(_SUFFIX)]) for p in directory.glob(f"*{_SUFFIX}"))
+
+
+def _frames(fh: BinaryIO, pos: int) -> Iterator[tuple[int, int]]:
+    """(offset, length) of each whole record of an open segment from `pos`, hopping from one length prefix to the
+    next; the file is left at the record's payload. Stops before a record being written, or cut by a crash."""
+    end = os.fstat(fh.fileno()).st_size
+    while pos + _LENGTH.size <= end:
+        fh.seek(pos)
+        (length,) = _LENGTH.unpack(fh.read(_LENGTH.size))
+        if pos + _LENGTH.size + length > end:
+            return
+        yield pos, length
+        pos += _LENGTH.size + length
 
 
 def spool_store(directory: Path) -> str | None:
@@ -105,15 +119,23 @@ def spool_key(root: Path) -> AESGCM:
     return AESGCM(key)
 
 
-def seal(cipher: AESGCM, record: Any) -> bytes:
+def _encrypt(cipher: AESGCM, plain: bytes) -> bytes:
     nonce = os.urandom(_NONCE)
-    return _ENCRYPTED + nonce + cipher.encrypt(nonce, pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL), None)
+    return _ENCRYPTED + nonce + cipher.encrypt(nonce, plain, None)
+
+
+def _decrypt(cipher: AESGCM, payload: bytes) -> bytes:
+    return cipher.decrypt(payload[1 : 1 + _NONCE], payload[1 + _NONCE :], None)
+
+
+def seal(cipher: AESGCM, record: Any) -> bytes:
+    return _encrypt(cipher, pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def unseal(cipher: AESGCM, payload: bytes) -> Any:
     """The record a spool payload holds (raises on a damaged one)."""
     if payload[:1] == _ENCRYPTED:
-        payload = cipher.decrypt(payload[1 : 1 + _NONCE], payload[1 + _NONCE :], None)
+        payload = _decrypt(cipher, payload)
     return pickle.loads(payload)
 
 
@@ -123,11 +145,10 @@ def reseal(source: AESGCM, target: AESGCM, payload: bytes) -> bytes:
     if payload[:1] != _ENCRYPTED:
         return payload
     try:
-        plain = source.decrypt(payload[1 : 1 + _NONCE], payload[1 + _NONCE :], None)
+        plain = _decrypt(source, payload)
     except Exception:
         return payload
-    nonce = os.urandom(_NONCE)
-    return _ENCRYPTED + nonce + target.encrypt(nonce, plain, None)
+    return _encrypt(target, plain)
 
 
 class SpoolAppender:
@@ -370,17 +391,14 @@ class SpoolReader:
             fh = open(segment_path(self.directory, self.segment), "rb")
         except FileNotFoundError:
             return 0
+        pos = self.offset
         with fh:
-            end = os.fstat(fh.fileno()).st_size
-            pos = self.offset
-            while pos + _LENGTH.size <= end and len(entries) < limit and pos - self.offset < max_bytes:
-                fh.seek(pos)
-                (length,) = _LENGTH.unpack(fh.read(_LENGTH.size))
-                if pos + _LENGTH.size + length > end:
-                    break  # being written, or cut by a crash: the rest comes with the next read
+            for at, length in _frames(fh, self.offset):
+                if len(entries) >= limit or pos - self.offset >= max_bytes:
+                    break
                 payload = fh.read(length) if payloads else b""
-                entries.append(Entry(self.segment, pos, payload, length))
-                pos += _LENGTH.size + length
+                entries.append(Entry(self.segment, at, payload, length))
+                pos = at + _LENGTH.size + length
         read, self.offset = pos - self.offset, pos
         return read
 
@@ -450,18 +468,9 @@ class Progress:
             return cls()
 
     def save(self, directory: Path) -> None:
-        data = {
-            "position": self.position,
-            "stored": self.stored,
-            "degraded": self.degraded,
-            "dead": self.dead,
-            "attempt_at": self.attempt_at,
-            "attempt_end": self.attempt_end,
-            "attempts": self.attempts,
-        }
         # One page rewritten in place and synced: a kill cannot tear it, and a full disk cannot refuse it once the
         # file exists (the writer notes an attempt here before it makes it).
-        text = json.dumps(data).encode()
+        text = json.dumps(asdict(self)).encode()
         fd = os.open(directory / "progress", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             os.pwrite(fd, text.ljust(max(PROGRESS_BYTES, len(text))), 0)
@@ -555,20 +564,13 @@ def backlog(directory: Path) -> Backlog:
 
 
 def _records_from(path: Path, offset: int) -> tuple[int, int]:
-    """(complete records, their bytes) in a segment from `offset`, hopping from one length prefix to the next."""
+    """(complete records, their bytes) in a segment from `offset`."""
     count = size = 0
     try:
         with open(path, "rb") as fh:
-            end = os.fstat(fh.fileno()).st_size
-            pos = offset
-            while pos + _LENGTH.size <= end:
-                fh.seek(pos)
-                (length,) = _LENGTH.unpack(fh.read(_LENGTH.size))
-                if pos + _LENGTH.size + length > end:
-                    break  # being written
+            for _at, length in _frames(fh, offset):
                 count += 1
                 size += _LENGTH.size + length
-                pos += _LENGTH.size + length
     except FileNotFoundError:  # stored and deleted meanwhile
         pass
     return count, size

@@ -48,7 +48,7 @@ from lcap.capture.storage.spool import (
 )
 from lcap.capture.turns.turn import PendingTurn
 from lcap.config import lcap_home
-from lcap.processes import python_helper
+from lcap.processes import alive, python_helper
 from lcap.store import Store
 
 log = logging.getLogger("lcap.capture")
@@ -178,17 +178,9 @@ class TurnWriter:
 
     def _spawn(self) -> subprocess.Popen:
         assert self._spool is not None
-        argv = python_helper(
-            sys.executable,
-            "-m",
-            "lcap.capture.storage.writer",
-            str(self._spool.directory),
-            str(self.store.path),
-            "--interval",
-            str(self.interval),
-            "--timeout",
-            str(self.store.timeout),
-        )
+        args = [str(self._spool.directory), str(self.store.path)]
+        args += ["--interval", str(self.interval), "--timeout", str(self.store.timeout)]
+        argv = python_helper(sys.executable, "-m", "lcap.capture.storage.writer", *args)
         return subprocess.Popen(
             argv,
             stdin=subprocess.PIPE,
@@ -252,12 +244,7 @@ class TurnWriter:
 
     def _end_input(self, proc: subprocess.Popen) -> None:
         """Tell a writer to store what is left and exit (also what closing its stdin says)."""
-        try:
-            if proc.stdin is not None:
-                proc.stdin.write(b"stop\n")
-                proc.stdin.flush()
-        except (OSError, ValueError):
-            pass
+        _tell(proc, b"stop\n")
         try:
             if proc.stdin is not None:
                 proc.stdin.close()
@@ -267,13 +254,7 @@ class TurnWriter:
     def _send(self, command: bytes) -> None:
         with self._progress:
             proc = self._proc
-        stdin = proc.stdin if proc is not None else None
-        try:
-            if stdin is not None:
-                stdin.write(command)
-                stdin.flush()
-        except (OSError, ValueError):  # the writer is gone: `flush` reports it by timing out
-            pass
+        _tell(proc, command)
 
     def _supervise(self) -> None:
         """Follow the writer's progress; start a new writer on the same spool when one dies."""
@@ -321,6 +302,17 @@ class TurnWriter:
                     self._committed = (int(parts[1]), int(parts[2]))
                     self.stored, self.degraded, self.dead = int(parts[3]), int(parts[4]), int(parts[5])
                     self._progress.notify_all()
+
+
+def _tell(proc: subprocess.Popen | None, command: bytes) -> None:
+    """Write `command` to a writer's stdin; a writer that is gone hears nothing (`flush` reports it by timing out)."""
+    stdin = proc.stdin if proc is not None else None
+    try:
+        if stdin is not None:
+            stdin.write(command)
+            stdin.flush()
+    except (OSError, ValueError):
+        pass
 
 
 def _death(code: int) -> str:
@@ -465,16 +457,6 @@ class Drain:
             pass
 
 
-def _pid_alive(pid: str) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _lock(directory: Path) -> int | None:
     """Hold the spool's writer lock (until this process ends); None if another writer holds it."""
     fd = os.open(directory / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
@@ -491,7 +473,8 @@ def replay_dead_spools(store: Store, root: Path, *, skip: Path | None = None) ->
     mine = str(store.path.resolve())
     recovered = 0
     for directory in sorted(p for p in root.glob("*-*") if p.is_dir() and p != skip):
-        if _pid_alive(directory.name.split("-", 1)[0]) or spool_store(directory) != mine:
+        owner = directory.name.split("-", 1)[0]
+        if (owner.isdigit() and alive(int(owner))) or spool_store(directory) != mine:
             continue
         fd = _lock(directory)
         if fd is None:

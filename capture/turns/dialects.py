@@ -247,10 +247,8 @@ def _chat_stream(events: list[Any]) -> Turn:
             continue
         if not head and ev.get("id"):
             head = {k: ev.get(k) for k in ("id", "created", "model", "system_fingerprint")}
-        if ev.get("usage"):
-            usage = ev["usage"]
-        if ev.get("prompt_token_ids"):
-            prompt_ids = ev["prompt_token_ids"]
+        usage = ev.get("usage") or usage
+        prompt_ids = ev.get("prompt_token_ids") or prompt_ids
         for choice in ev.get("choices") or ():
             if choice.get("index", 0) != 0:
                 continue
@@ -267,13 +265,10 @@ def _chat_stream(events: list[Any]) -> Turn:
                 )
                 slot["id"] = tc.get("id") or slot["id"]
                 fn = tc.get("function") or {}
-                if fn.get("name"):
-                    slot["function"]["name"] = fn["name"]
+                slot["function"]["name"] = fn.get("name") or slot["function"]["name"]
                 slot["function"]["arguments"] += fn.get("arguments") or ""
-            if choice.get("token_ids"):
-                token_ids.extend(choice["token_ids"])
-            if choice.get("prompt_token_ids"):
-                prompt_ids = choice["prompt_token_ids"]
+            token_ids.extend(choice.get("token_ids") or ())
+            prompt_ids = choice.get("prompt_token_ids") or prompt_ids
             if isinstance(choice.get("logprobs"), dict):
                 logprobs.extend(choice["logprobs"].get("content") or ())
             finish = choice.get("finish_reason") or finish
@@ -449,14 +444,11 @@ def _messages_stream(events: list[Any]) -> Turn:
             block = blocks.setdefault(ev.get("index", 0), {"type": "text", "text": ""})
             delta = ev.get("delta") or {}
             dtype = delta.get("type")
-            if dtype == "text_delta":
-                block["text"] = (block.get("text") or "") + delta.get("text", "")
-            elif dtype == "input_json_delta":
+            if dtype == "input_json_delta":
                 partial.setdefault(ev.get("index", 0), []).append(delta.get("partial_json", ""))
-            elif dtype == "thinking_delta":
-                block["thinking"] = (block.get("thinking") or "") + delta.get("thinking", "")
-            elif dtype == "signature_delta":
-                block["signature"] = (block.get("signature") or "") + delta.get("signature", "")
+            elif dtype in ("text_delta", "thinking_delta", "signature_delta"):
+                key = dtype.removesuffix("_delta")  # the block's field that the delta's same-named field extends
+                block[key] = (block.get(key) or "") + delta.get(key, "")
         elif kind == "message_delta":
             message.update({k: v for k, v in (ev.get("delta") or {}).items()})
             if ev.get("usage"):
