@@ -160,8 +160,8 @@ def build_dataset(
     sft = options.format == "sft"
 
     clock = _Clock(report.timings, started)
+    rebuilt = unrebuildable = 0
     if options.rebuild:
-        rebuilt = unrebuildable = 0
         for source in _source_rounds(store, round, groups, episodes):
             done, failed = rebuild_missing_tokens(
                 store,
@@ -172,8 +172,6 @@ def build_dataset(
                 episodes=None if episodes is None else list(episodes),
             )
             rebuilt, unrebuildable = rebuilt + done, unrebuildable + failed
-    else:
-        rebuilt = unrebuildable = 0
     clock("rebuild")
 
     if by_population and groups is not None:  # the groups' episodes, of any round (`round` names the async step)

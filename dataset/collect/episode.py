@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import tarfile
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -93,6 +93,15 @@ def forget_partial(store: Store, ids: list[str]) -> None:
     with store.connect() as con:
         for table in ("turns", "rewards", "episode_flags"):
             con.execute(f"DELETE FROM {table} WHERE episode_id IN (SELECT unnest(?))", [ids])
+
+
+def unfinished(store: Store, specs: Sequence[EpisodeSpec]) -> list[EpisodeSpec]:
+    """The episodes of `specs` to run: those no earlier run finished, an interrupted attempt's turns forgotten."""
+    done = finished_episodes(store, [s.episode_id for s in specs])
+    todo = [s for s in specs if s.episode_id not in done]
+    if todo:
+        forget_partial(store, [s.episode_id for s in todo])
+    return todo
 
 
 @dataclass(frozen=True)
@@ -371,33 +380,42 @@ class Tally:
         return f"ok {r.finished} failed {r.failed} running {self.running} reward {mean}"
 
 
-def progress_bar(show: bool):
-    """The console and progress bar both pools draw on stderr."""
-    console = Console(stderr=True)
-    bar = Progress(
-        TextColumn("collect"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.description}"),
-        TimeElapsedColumn(),
-        console=console,
-        disable=not show,
-        transient=False,
-    )
-    return console, bar
+class RunProgress:
+    """Both pools' progress bar on stderr with the tally's counts, and one line for each episode that did not end ok."""
 
-
-def report_end(console, spec: EpisodeSpec, outcome: EpisodeOutcome) -> None:
-    if outcome.status != "ok":  # the reason quotes the agent: text, not markup
-        console.print(  # one line per episode, however narrow the terminal: logs are read with grep
-            Text.assemble((f"{spec.episode_id}: {outcome.status} ", "yellow"), printable(outcome.reason or "")),
-            soft_wrap=True,
+    def __init__(self, show: bool, tally: Tally, total: int) -> None:
+        self.console = Console(stderr=True)
+        self.bar = Progress(
+            TextColumn("collect"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.description}"),
+            TimeElapsedColumn(),
+            console=self.console,
+            disable=not show,
+            transient=False,
         )
+        self.tally, self.total = tally, total
 
+    def __enter__(self) -> RunProgress:
+        self.bar.__enter__()
+        self.job = self.bar.add_task(self.tally.describe(), total=self.total)
+        return self
 
-def template_dir(task: Mapping[str, Any], tasks_dir: Path) -> Path | None:
-    """The directory the task's workspace starts as (`workspace`/`template`, or `repo` at `commit`), or None."""
-    return source_dir(task, tasks_dir)
+    def __exit__(self, *exc: Any) -> None:
+        self.bar.__exit__(*exc)
+
+    def refresh(self) -> None:
+        self.bar.update(self.job, description=self.tally.describe())
+
+    def ended(self, spec: EpisodeSpec, outcome: EpisodeOutcome | None) -> None:
+        """An episode ended (`outcome` None: it never ran)."""
+        if outcome is not None and outcome.status != "ok":  # the reason quotes the agent: text, not markup
+            self.console.print(  # one line per episode, however narrow the terminal: logs are read with grep
+                Text.assemble((f"{spec.episode_id}: {outcome.status} ", "yellow"), printable(outcome.reason or "")),
+                soft_wrap=True,
+            )
+        self.bar.update(self.job, advance=1, description=self.tally.describe())
 
 
 def _populate(workdir: Path, task: Mapping[str, Any], files: TaskFiles) -> None:
