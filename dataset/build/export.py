@@ -170,13 +170,17 @@ class ExportReport:
     skipped: dict[str, int] = field(default_factory=dict)
 
     def line(self) -> str:
-        skipped = ", ".join(f"{n} {why}" for why, n in sorted(self.skipped.items())) or "none"
+        skipped = _skipped_text(self.skipped)
         extra = f", {self.tasks} task prompts" if self.format == "verl" else ""
         ids = f", {self.with_token_ids} with token ids" if self.format == "hf" else ""
         return (
             f"exported {self.exported} of {self.episodes} episodes as {self.format}{extra}{ids} -> {self.out} "
             f"(skipped: {skipped})"
         )
+
+
+def _skipped_text(skipped: dict[str, int]) -> str:
+    return ", ".join(f"{n} {why}" for why, n in sorted(skipped.items())) or "none"
 
 
 class _Nothing(Exception):
@@ -221,7 +225,7 @@ def export(
         report.episodes = sum(skipped.values())
         raise LcapError(
             f"nothing exported: {report.episodes} episodes chosen, none with a conversation "
-            f"(skipped: {', '.join(f'{n} {why}' for why, n in sorted(skipped.items())) or 'none'}); nothing written"
+            f"(skipped: {_skipped_text(skipped)}); nothing written"
         ) from None
     except OSError as exc:
         raise LcapError(f"cannot write {out}: {exc.strerror or exc}") from None

@@ -35,12 +35,13 @@ from lcap.dataset.collect.verifiers import (
     VerifierContext,
     VerifierError,
     hash_protected,
+    tail,
     tampered_files,
 )
 from lcap.dataset.collect.workspaces import place_tests, pristine_tests, source_dir
 from lcap.display import printable
 from lcap.processes import kill_group, run_child
-from lcap.store import Store, now
+from lcap.store import Store
 
 if TYPE_CHECKING:
     from lcap.capture.proxy.server import Child
@@ -193,9 +194,7 @@ def _run_in(
     guard = tuple(rules.guard) + tuple(spec.task.get("protected") or ())
     before = hash_protected(spec.workdir, guard) if guard else {}
 
-    child_env = dict(env)
-    child_env["LCAP_TASK"] = json.dumps(dict(spec.task), ensure_ascii=False)
-    child_env["LCAP_WORKDIR"] = str(spec.workdir)
+    child_env = {**env, "LCAP_TASK": json.dumps(dict(spec.task), ensure_ascii=False), "LCAP_WORKDIR": str(spec.workdir)}
     if box is not None:
         if agent is None:
             raise LcapError("--sandbox needs the capture proxy's episode child")
@@ -325,18 +324,9 @@ def record_outcome(store: Store, spec: EpisodeSpec, outcome: EpisodeOutcome) -> 
         for flag, details in outcome.flags:
             store.flag_episode(spec.episode_id, flag, details)
         if outcome.reward is not None:
-            store.append(
-                "rewards",
-                [
-                    {
-                        "episode_id": spec.episode_id,
-                        "value": float(outcome.reward),
-                        "details": json.dumps(outcome.details, default=str),
-                        "source": outcome.source,
-                        "created_at": now(),
-                    }
-                ],
-            )
+            assert outcome.source is not None  # a reward always names its source
+            verdict = json.dumps(outcome.details, default=str)
+            store.add_reward(spec.episode_id, float(outcome.reward), details=verdict, source=outcome.source)
         store.end_episode(spec.episode_id, status=outcome.status, exit_code=outcome.exit_code, error=outcome.reason)
 
 
@@ -368,8 +358,7 @@ class Tally:
                 r.finished += 1
             else:
                 r.failed += 1
-            if outcome.tampered:
-                r.tampered += 1
+            r.tampered += outcome.tampered
             if outcome.reward is not None:
                 self.rewards.append(float(outcome.reward))
             r.mean_reward = sum(self.rewards) / len(self.rewards) if self.rewards else None
@@ -440,10 +429,8 @@ def _write_files(workdir: Path, task: Mapping[str, Any]) -> None:
         target.write_text(text if isinstance(text, str) else json.dumps(text))
 
 
-def _tail(path: Path, n: int = 300) -> str:
+def _tail(path: Path) -> str:
     try:
-        text = path.read_text(errors="replace").strip()
+        return tail(path.read_text(errors="replace"), 3, "(no stderr)")
     except OSError:
         return ""
-    text = " ".join(text.splitlines()[-3:])
-    return text[-n:] if text else "(no stderr)"

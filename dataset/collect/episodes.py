@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lcap.capture.options import ProxyOptions
+from lcap.capture.options import ProxyOptions, sandbox_limits
 from lcap.capture.proxy.server import CaptureProxy
 from lcap.capture.sandbox import Sandbox, closed_folder
 from lcap.capture.sandbox import missing as sandbox_missing
@@ -324,7 +324,7 @@ def _sandbox(options: CollectOptions, proxy: CaptureProxy, store: Store, plan: C
     """--sandbox's shared part: what every episode's sandbox hides (lcap's home, the store's folder, the run
     folder with the other episodes' workspaces, the store's files) and the proxy that serves their listeners.
     Refused when the sandbox's user cannot reach the run folder or the agent's command."""
-    limits = options.sandbox_limits()
+    limits = sandbox_limits(options)
     if limits is None:
         return None
     run_dir = plan.run_dir

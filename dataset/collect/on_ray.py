@@ -404,7 +404,6 @@ class _Source:
     proxy: Any
     after: Position | None = None  # appended up to here (what the next take acknowledges)
     taking: Any = None  # the take in flight
-    records: int = 0
     dead: bool = False
 
 
@@ -416,9 +415,8 @@ class _Ingest:
         self.source_cipher = AESGCM(key)
         self.sources: dict[str, _Source] = {}
         self.appending = threading.Lock()  # held while a batch is appended: `settle` waits for it
-        self.moved = threading.Condition()
+        self.lock = threading.Lock()  # over `sources`, which the driver's threads read
         self.records = 0
-        self.lost: list[str] = []  # node proxies found dead
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lcap-ray-ingest", daemon=True)
         self.error: BaseException | None = None
@@ -431,7 +429,7 @@ class _Ingest:
         self._thread.join(CALL_S)
 
     def live(self) -> dict[str, Any]:
-        with self.moved:
+        with self.lock:
             return {node: s.proxy for node, s in self.sources.items() if not s.dead}
 
     def settle(self, timeout: float = FLUSH_S + 30) -> bool:
@@ -465,7 +463,7 @@ class _Ingest:
 
     def _refresh(self) -> None:
         known = self.proxies.known()
-        with self.moved:
+        with self.lock:
             for key, proxy in known.items():
                 self.sources.setdefault(key, _Source(proxy))
 
@@ -476,20 +474,15 @@ class _Ingest:
             taken: Taken = ray.get(ref, timeout=CALL_S)
         except ray.exceptions.RayError as exc:
             log.warning("lcap: lost the capture proxy of node %s: %s", node[:8], _first_line(exc))
-            with self.moved:
+            with self.lock:
                 source.dead = True
-                self.lost.append(node)
-                self.moved.notify_all()
             self.proxies.forget(node)
             return
         with self.appending:
             for payload in taken.records:
                 self.writer.put_sealed(reseal(self.source_cipher, self.writer.cipher, payload))
-            with self.moved:
-                source.after = taken.end
-                source.records += len(taken.records)
-                self.records += len(taken.records)
-                self.moved.notify_all()
+            source.after = taken.end
+            self.records += len(taken.records)
 
 
 class NodeProxies:
@@ -730,38 +723,38 @@ class _Run:
         queue = deque(
             _Attempt(spec, pin=self.pins[i % len(self.pins)] if self.pins else None) for i, spec in enumerate(specs)
         )
-        with RunProgress(progress, self.tally, len(specs)) as shown:
-            ended = shown.ended
+        self.shown = RunProgress(progress, self.tally, len(specs))
+        with self.shown:
             try:
                 while queue or self.inflight:
-                    self._fill(queue, ended)
+                    self._fill(queue)
                     self.tally.running = len(self.inflight)
-                    shown.refresh()
+                    self.shown.refresh()
                     if self.ingest.error is not None:
                         raise LcapError(f"the turns of the nodes cannot reach the store: {self.ingest.error}")
                     finished, lost, moved = self._collect()
                     for attempt, report in moved:
-                        self._move(attempt, report, queue, ended)
-                    self._fill(queue, ended)  # the slots of the episodes that ended, before waiting for their turns
-                    self._record(finished, ended)
+                        self._move(attempt, report, queue)
+                    self._fill(queue)  # the slots of the episodes that ended, before waiting for their turns
+                    self._record(finished)
                     for attempt, why in lost:
-                        self._retry(attempt, why, queue, ended)
+                        self._retry(attempt, why, queue)
                     self._warn_if_stuck()
             except BaseException:
-                self._interrupt(ended)
+                self._interrupt()
                 raise
 
-    def _fill(self, queue: deque[_Attempt], ended) -> None:
+    def _fill(self, queue: deque[_Attempt]) -> None:
         while queue and len(self.inflight) < self.pool.options.concurrency:
-            self._submit(queue.popleft(), ended)
+            self._submit(queue.popleft())
 
-    def _submit(self, attempt: _Attempt, ended) -> None:
+    def _submit(self, attempt: _Attempt) -> None:
         spec = attempt.spec
         try:
             archive = self.templates.ref(spec, again=attempt.number > 1 or attempt.moves > 0)
         except LcapError as exc:  # as the local pool: an episode whose workdir cannot be set up is an error
             start_episode(self.store, spec)
-            self._finish(spec, EpisodeOutcome("error", None, f"{exc.__class__.__name__}: {exc}"), ended)
+            self._finish(spec, EpisodeOutcome("error", None, f"{exc.__class__.__name__}: {exc}"))
             return
         start_episode(self.store, spec)
         pin = attempt.pin
@@ -810,7 +803,7 @@ class _Run:
             finished.append((attempt, report))
         return finished, lost, moved
 
-    def _record(self, finished: list[tuple[_Attempt, _Report]], ended) -> None:
+    def _record(self, finished: list[tuple[_Attempt, _Report]]) -> None:
         if not finished:
             return
         # Each task's node flushed its turns to this process before it returned: once the writer has them all,
@@ -821,26 +814,26 @@ class _Run:
             assert outcome is not None
             if not stored:
                 outcome.flags.append(("turns_unstored", {"reason": "the store writer did not keep up"}))
-            self._finish(attempt.spec, outcome, ended)
+            self._finish(attempt.spec, outcome)
 
-    def _finish(self, spec: EpisodeSpec, outcome: EpisodeOutcome, ended) -> None:
+    def _finish(self, spec: EpisodeSpec, outcome: EpisodeOutcome) -> None:
         record_outcome(self.store, spec, outcome)
         self.tally.add(outcome)
-        ended(spec, outcome)
+        self.shown.ended(spec, outcome)
 
-    def _move(self, attempt: _Attempt, report: _Report, queue: deque[_Attempt], ended) -> None:
+    def _move(self, attempt: _Attempt, report: _Report, queue: deque[_Attempt]) -> None:
         """An episode that found no live proxy on its node (nothing of it ran): a proxy started there, and the
         episode sent back to that node, first in line."""
         attempt.moves += 1
         if attempt.moves > MAX_MOVES:
             reason = f"no capture proxy could be started on node {report.node} for it ({MAX_MOVES} tries)"
-            self._finish(attempt.spec, EpisodeOutcome("error", None, reason), ended)
+            self._finish(attempt.spec, EpisodeOutcome("error", None, reason))
             return
         self.proxies.replace(report.node_id, report.no_proxy or None)
         attempt.pin = report.node_id
         queue.appendleft(attempt)
 
-    def _retry(self, attempt: _Attempt, why: str, queue: deque[_Attempt], ended) -> None:
+    def _retry(self, attempt: _Attempt, why: str, queue: deque[_Attempt]) -> None:
         """An episode whose node (or runner) was lost: its partial turns removed, run again or given up."""
         spec = attempt.spec
         attempt.errors.append(why)
@@ -848,7 +841,7 @@ class _Run:
         self._fence([spec.episode_id])
         if attempt.number >= MAX_ATTEMPTS:
             reason = f"lost {attempt.number} times with its node: {'; '.join(attempt.errors)}"
-            self._finish(spec, EpisodeOutcome("error", None, reason), ended)
+            self._finish(spec, EpisodeOutcome("error", None, reason))
             return
         forget_partial(self.store, [spec.episode_id])
         queue.appendleft(_Attempt(spec, attempt.number + 1, attempt.errors))
@@ -881,7 +874,7 @@ class _Run:
                 _resources_text(self.pool.need),
             )
 
-    def _interrupt(self, ended) -> None:
+    def _interrupt(self) -> None:
         """Ctrl-C (or a failure of the run): the node proxies end the agents' process groups, the tasks are cancelled
         (their workers killed), and the episodes in flight are recorded as interrupted."""
         refs = list(self.inflight)
@@ -893,7 +886,7 @@ class _Run:
                 ray.cancel(ref, force=True, recursive=True)
             self.ingest.settle(timeout=10)
             for attempt in self.inflight.values():
-                self._finish(attempt.spec, EpisodeOutcome("interrupted", None, "collect was interrupted"), ended)
+                self._finish(attempt.spec, EpisodeOutcome("interrupted", None, "collect was interrupted"))
             self.inflight.clear()
 
 
