@@ -723,38 +723,38 @@ class _Run:
         queue = deque(
             _Attempt(spec, pin=self.pins[i % len(self.pins)] if self.pins else None) for i, spec in enumerate(specs)
         )
-        self.shown = RunProgress(progress, self.tally, len(specs))
-        with self.shown:
+        with RunProgress(progress, self.tally, len(specs)) as shown:
+            ended = shown.ended
             try:
                 while queue or self.inflight:
-                    self._fill(queue)
+                    self._fill(queue, ended)
                     self.tally.running = len(self.inflight)
-                    self.shown.refresh()
+                    shown.refresh()
                     if self.ingest.error is not None:
                         raise LcapError(f"the turns of the nodes cannot reach the store: {self.ingest.error}")
                     finished, lost, moved = self._collect()
                     for attempt, report in moved:
-                        self._move(attempt, report, queue)
-                    self._fill(queue)  # the slots of the episodes that ended, before waiting for their turns
-                    self._record(finished)
+                        self._move(attempt, report, queue, ended)
+                    self._fill(queue, ended)  # the slots of the episodes that ended, before waiting for their turns
+                    self._record(finished, ended)
                     for attempt, why in lost:
-                        self._retry(attempt, why, queue)
+                        self._retry(attempt, why, queue, ended)
                     self._warn_if_stuck()
             except BaseException:
-                self._interrupt()
+                self._interrupt(ended)
                 raise
 
-    def _fill(self, queue: deque[_Attempt]) -> None:
+    def _fill(self, queue: deque[_Attempt], ended) -> None:
         while queue and len(self.inflight) < self.pool.options.concurrency:
-            self._submit(queue.popleft())
+            self._submit(queue.popleft(), ended)
 
-    def _submit(self, attempt: _Attempt) -> None:
+    def _submit(self, attempt: _Attempt, ended) -> None:
         spec = attempt.spec
         try:
             archive = self.templates.ref(spec, again=attempt.number > 1 or attempt.moves > 0)
         except LcapError as exc:  # as the local pool: an episode whose workdir cannot be set up is an error
             start_episode(self.store, spec)
-            self._finish(spec, EpisodeOutcome("error", None, f"{exc.__class__.__name__}: {exc}"))
+            self._finish(spec, EpisodeOutcome("error", None, f"{exc.__class__.__name__}: {exc}"), ended)
             return
         start_episode(self.store, spec)
         pin = attempt.pin
@@ -803,7 +803,7 @@ class _Run:
             finished.append((attempt, report))
         return finished, lost, moved
 
-    def _record(self, finished: list[tuple[_Attempt, _Report]]) -> None:
+    def _record(self, finished: list[tuple[_Attempt, _Report]], ended) -> None:
         if not finished:
             return
         # Each task's node flushed its turns to this process before it returned: once the writer has them all,
@@ -814,26 +814,26 @@ class _Run:
             assert outcome is not None
             if not stored:
                 outcome.flags.append(("turns_unstored", {"reason": "the store writer did not keep up"}))
-            self._finish(attempt.spec, outcome)
+            self._finish(attempt.spec, outcome, ended)
 
-    def _finish(self, spec: EpisodeSpec, outcome: EpisodeOutcome) -> None:
+    def _finish(self, spec: EpisodeSpec, outcome: EpisodeOutcome, ended) -> None:
         record_outcome(self.store, spec, outcome)
         self.tally.add(outcome)
-        self.shown.ended(spec, outcome)
+        ended(spec, outcome)
 
-    def _move(self, attempt: _Attempt, report: _Report, queue: deque[_Attempt]) -> None:
+    def _move(self, attempt: _Attempt, report: _Report, queue: deque[_Attempt], ended) -> None:
         """An episode that found no live proxy on its node (nothing of it ran): a proxy started there, and the
         episode sent back to that node, first in line."""
         attempt.moves += 1
         if attempt.moves > MAX_MOVES:
             reason = f"no capture proxy could be started on node {report.node} for it ({MAX_MOVES} tries)"
-            self._finish(attempt.spec, EpisodeOutcome("error", None, reason))
+            self._finish(attempt.spec, EpisodeOutcome("error", None, reason), ended)
             return
         self.proxies.replace(report.node_id, report.no_proxy or None)
         attempt.pin = report.node_id
         queue.appendleft(attempt)
 
-    def _retry(self, attempt: _Attempt, why: str, queue: deque[_Attempt]) -> None:
+    def _retry(self, attempt: _Attempt, why: str, queue: deque[_Attempt], ended) -> None:
         """An episode whose node (or runner) was lost: its partial turns removed, run again or given up."""
         spec = attempt.spec
         attempt.errors.append(why)
@@ -841,7 +841,7 @@ class _Run:
         self._fence([spec.episode_id])
         if attempt.number >= MAX_ATTEMPTS:
             reason = f"lost {attempt.number} times with its node: {'; '.join(attempt.errors)}"
-            self._finish(spec, EpisodeOutcome("error", None, reason))
+            self._finish(spec, EpisodeOutcome("error", None, reason), ended)
             return
         forget_partial(self.store, [spec.episode_id])
         queue.appendleft(_Attempt(spec, attempt.number + 1, attempt.errors))
@@ -874,7 +874,7 @@ class _Run:
                 _resources_text(self.pool.need),
             )
 
-    def _interrupt(self) -> None:
+    def _interrupt(self, ended) -> None:
         """Ctrl-C (or a failure of the run): the node proxies end the agents' process groups, the tasks are cancelled
         (their workers killed), and the episodes in flight are recorded as interrupted."""
         refs = list(self.inflight)
@@ -886,7 +886,7 @@ class _Run:
                 ray.cancel(ref, force=True, recursive=True)
             self.ingest.settle(timeout=10)
             for attempt in self.inflight.values():
-                self._finish(attempt.spec, EpisodeOutcome("interrupted", None, "collect was interrupted"))
+                self._finish(attempt.spec, EpisodeOutcome("interrupted", None, "collect was interrupted"), ended)
             self.inflight.clear()
 
 
