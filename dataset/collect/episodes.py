@@ -128,10 +128,8 @@ def episode_id(run_id: str, round: int, split: str, task_id: str, sample: int, n
     return f"c{run_id}-r{round}-{split}-{safe}-{sample}" + (f"-{nonce}" if nonce else "")
 
 
-def earlier_episodes(store: Store | None, run_id: str, round: int, split: str) -> dict[tuple[str, int], str]:
+def earlier_episodes(store: Store, run_id: str, round: int, split: str) -> dict[tuple[str, int], str]:
     """(task id, sample) -> id of the episode an earlier run of this collect recorded for it (the latest)."""
-    if store is None:
-        return {}
     rows = store.fetchall(
         "SELECT labels->>'task', labels->>'sample', episode_id FROM episodes WHERE labels->>'collect' = ? "
         "AND labels->>'round' = ? AND labels->>'split' = ? ORDER BY started_at",
@@ -180,12 +178,7 @@ class CollectPlan:
 
 
 def plan_collect(
-    *,
-    tasks: Path,
-    command: list[str],
-    options: CollectOptions,
-    labels: Mapping[str, str] = {},
-    store: Store | None = None,
+    *, tasks: Path, command: list[str], options: CollectOptions, labels: Mapping[str, str] = {}, store: Store
 ) -> CollectPlan:
     """Every episode of `tasks` x `options.group_size` for `options.round` and `options.split`, in task order; an
     episode an earlier run recorded in `store` keeps its id."""
