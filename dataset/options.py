@@ -7,10 +7,8 @@ from pathlib import Path
 from typing import Literal
 
 from lcap.capture.options import (
-    SandboxLimits,
     keep_workspaces_option,
     sandbox_disk_option,
-    sandbox_limits,
     sandbox_memory_option,
     sandbox_option,
     sandbox_pids_option,
@@ -91,10 +89,6 @@ class CollectOptions:
             )
         if min(self.sandbox_memory, self.sandbox_pids, self.sandbox_disk) < 1:
             raise LcapError("--sandbox-memory, --sandbox-pids and --sandbox-disk must be at least 1")
-
-    def sandbox_limits(self) -> SandboxLimits | None:
-        """--sandbox's limits, or None without --sandbox."""
-        return sandbox_limits(self)
 
     def resources(self) -> dict[str, float]:
         """--episode-resources as Ray's `resources` mapping."""

@@ -102,9 +102,6 @@ class BuildReport:
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase
     sft: dict[str, Any] = field(default_factory=dict)  # --format sft: turns by kind, what re-rendering changed
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
     def title(self) -> str:
         """What was built: `round N (split)`, with the --where condition when there is one."""
         where = self.options.get("where")
@@ -160,8 +157,8 @@ def build_dataset(
     sft = options.format == "sft"
 
     clock = _Clock(report.timings, started)
+    rebuilt = unrebuildable = 0
     if options.rebuild:
-        rebuilt = unrebuildable = 0
         for source in _source_rounds(store, round, groups, episodes):
             done, failed = rebuild_missing_tokens(
                 store,
@@ -172,8 +169,6 @@ def build_dataset(
                 episodes=None if episodes is None else list(episodes),
             )
             rebuilt, unrebuildable = rebuilt + done, unrebuildable + failed
-    else:
-        rebuilt = unrebuildable = 0
     clock("rebuild")
 
     if by_population and groups is not None:  # the groups' episodes, of any round (`round` names the async step)
@@ -234,9 +229,9 @@ def build_dataset(
     report.seconds = rounded(time.perf_counter() - started)
     store.execute(
         "INSERT INTO dataset_reports (round, split, out, report, created_at) VALUES (?, ?, ?, ?, ?)",
-        [round, options.split, str(out), json.dumps(report.to_dict()), now()],
+        [round, options.split, str(out), json.dumps(asdict(report)), now()],
     )
-    (out / "report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    (out / "report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report
 
 

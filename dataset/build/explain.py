@@ -52,22 +52,20 @@ def causes(report: Any) -> list[Cause]:
     total = episodes.get("total", 0)
     if not total and options.get("where"):
         chosen = f"of round {rnd} " if rnd is not None else ""
-        out.append(
+        return [
             Cause(
                 f"no {split} episode {chosen}matches --where {options['where']}",
                 'check the condition with `lcap sql "SELECT * FROM episode_selection WHERE ..."` '
                 "(build-dataset also reads --split)",
             )
-        )
-        return out
+        ]
     if not total:
-        out.append(
+        return [
             Cause(
                 f"the store has no {split} episode of round {rnd}",
                 f"collect them with `lcap collect --round {rnd}` (build-dataset reads --round and --split)",
             )
-        )
-        return out
+        ]
 
     failed, timeout, error, unfinished = (episodes.get(k, 0) for k in ("failed", "timeout", "error", "unfinished"))
     if failed + timeout + error + unfinished:

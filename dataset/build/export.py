@@ -24,6 +24,7 @@ file at the end; verl's task prompts are a second pass over each task's first ep
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import tempfile
@@ -169,13 +170,17 @@ class ExportReport:
     skipped: dict[str, int] = field(default_factory=dict)
 
     def line(self) -> str:
-        skipped = ", ".join(f"{n} {why}" for why, n in sorted(self.skipped.items())) or "none"
+        skipped = _skipped_text(self.skipped)
         extra = f", {self.tasks} task prompts" if self.format == "verl" else ""
         ids = f", {self.with_token_ids} with token ids" if self.format == "hf" else ""
         return (
             f"exported {self.exported} of {self.episodes} episodes as {self.format}{extra}{ids} -> {self.out} "
             f"(skipped: {skipped})"
         )
+
+
+def _skipped_text(skipped: dict[str, int]) -> str:
+    return ", ".join(f"{n} {why}" for why, n in sorted(skipped.items())) or "none"
 
 
 class _Nothing(Exception):
@@ -220,7 +225,7 @@ def export(
         report.episodes = sum(skipped.values())
         raise LcapError(
             f"nothing exported: {report.episodes} episodes chosen, none with a conversation "
-            f"(skipped: {', '.join(f'{n} {why}' for why, n in sorted(skipped.items())) or 'none'}); nothing written"
+            f"(skipped: {_skipped_text(skipped)}); nothing written"
         ) from None
     except OSError as exc:
         raise LcapError(f"cannot write {out}: {exc.strerror or exc}") from None
@@ -254,8 +259,7 @@ def conversations(
         keys = keys.filter(pc.is_in(keys["episode_id"], pa.array(only, pa.string())))
     for start in range(0, keys.num_rows, batch_rows):
         rows = keys.slice(start, batch_rows).to_pylist()
-        turns = [r["turn_id"] for r in rows if r["turn_id"] is not None]
-        calls = {c["turn_id"]: c for c in con.sql(_CALLS, params={"turns": turns}).to_arrow_table().to_pylist()}
+        calls = _calls(con, rows)
         ids: dict[str, dict[str, Any]] = {}
         if tokens:
             chosen = [r["episode_id"] for r in rows]
@@ -278,8 +282,7 @@ def transcripts(con: Any, episodes: list[str]) -> dict[str, dict[str, Any]]:
     included), its `status`, `labels` and `truncated` (the answer was cut by the token limit), `tools` as a list;
     `messages` None with `no_messages` saying why where the export has no conversation for it."""
     keys = con.sql(_EPISODES, params={"episodes": episodes}).to_arrow_table().to_pylist()
-    turns = [r["turn_id"] for r in keys if r["turn_id"] is not None]
-    calls = {c["turn_id"]: c for c in con.sql(_CALLS, params={"turns": turns}).to_arrow_table().to_pylist()}
+    calls = _calls(con, keys)
     facts = {
         episode: (status, json.loads(labels or "{}"))
         for episode, status, labels in con.execute(_STATUS_AND_LABELS, [episodes]).fetchall()
@@ -299,6 +302,12 @@ def transcripts(con: Any, episodes: list[str]) -> dict[str, dict[str, Any]]:
             base["no_messages"] = None
         out[row["episode_id"]] = base
     return out
+
+
+def _calls(con: Any, keys: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The text of the calls `keys` (rows of `_EPISODES`) chose, by turn id."""
+    turns = [r["turn_id"] for r in keys if r["turn_id"] is not None]
+    return {c["turn_id"]: c for c in con.sql(_CALLS, params={"turns": turns}).to_arrow_table().to_pylist()}
 
 
 def _record(row: dict[str, Any]) -> dict[str, Any] | str:
@@ -354,18 +363,11 @@ def _text(content: Any) -> str | bool | None:
     """A message's content as text; False when it holds a part that is not text (an image, audio)."""
     if content is None or isinstance(content, str):
         return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if (
-                isinstance(part, dict)
-                and part.get("type") in ("text", "input_text")
-                and isinstance(part.get("text"), str)
-            ):
-                texts.append(part["text"])
-            else:
-                return False
-        return "".join(texts)
+    if isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") in ("text", "input_text") and isinstance(part.get("text"), str)
+        for part in content
+    ):
+        return "".join(part["text"] for part in content)
     return False
 
 
@@ -427,14 +429,8 @@ def _write_parquet(
     with _replacing(path) as tmp:
         writer = None
         try:
-            batch: list[dict[str, Any]] = []
-            for row in rows:
-                batch.append({k: row.get(k) for k in schema.names})
-                if len(batch) >= batch_rows:
-                    writer = writer or pq.ParquetWriter(tmp, schema)
-                    writer.write_table(pa.Table.from_pylist(batch, schema=schema))
-                    batch = []
-            if batch:
+            rows = iter(rows)
+            while batch := [{k: row.get(k) for k in schema.names} for row in itertools.islice(rows, batch_rows)]:
                 writer = writer or pq.ParquetWriter(tmp, schema)
                 writer.write_table(pa.Table.from_pylist(batch, schema=schema))
         finally:

@@ -152,18 +152,16 @@ def chat_from_anthropic(request: dict) -> tuple[list[dict], list[dict] | None]:
                 {"role": message["role"], "content": "".join(texts), **({"tool_calls": calls} if calls else {})}
             )
     tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": t.get("name"),
-                "description": t.get("description", ""),
-                "parameters": t.get("input_schema") or {},
-            },
-        }
+        _function_tool(t.get("name"), t.get("description", ""), t.get("input_schema"))
         for t in request.get("tools") or []
         if t.get("name")
     ]
     return messages, tools or None
+
+
+def _function_tool(name: Any, description: Any, parameters: Any) -> dict[str, Any]:
+    """A tool as chat templates read it."""
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters or {}}}
 
 
 _RESPONSES_TEXT = ("input_text", "output_text", "text")
@@ -220,14 +218,7 @@ def chat_from_responses(request: dict) -> tuple[list[dict], list[dict] | None] |
         else:
             return None
     tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": t["name"],
-                "description": t.get("description") or "",
-                "parameters": t.get("parameters") or {},
-            },
-        }
+        _function_tool(t["name"], t.get("description") or "", t.get("parameters"))
         for t in request.get("tools") or ()
         if isinstance(t, dict) and t.get("type") == "function" and t.get("name")
     ]
@@ -267,15 +258,10 @@ def rerender_changes(decoded: str, text: str | None, tool_calls: Any) -> list[st
     the model wrote them, are not there as written: the template re-serialised them)."""
     changes = []
     if text and text not in decoded:
-        if _collapsed(text) in _collapsed(decoded):
-            changes.append("whitespace")
-        else:
-            changes.append("text")
-    for call in tool_calls or ():
-        arguments = call.get("arguments") if isinstance(call, dict) else None
-        if isinstance(arguments, str) and arguments not in decoded:
-            changes.append("tool JSON")
-            break
+        changes.append("whitespace" if _collapsed(text) in _collapsed(decoded) else "text")
+    arguments = [call.get("arguments") if isinstance(call, dict) else None for call in tool_calls or ()]
+    if any(isinstance(written, str) and written not in decoded for written in arguments):
+        changes.append("tool JSON")
     return changes
 
 

@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import tarfile
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,12 +35,13 @@ from lcap.dataset.collect.verifiers import (
     VerifierContext,
     VerifierError,
     hash_protected,
+    tail,
     tampered_files,
 )
 from lcap.dataset.collect.workspaces import place_tests, pristine_tests, source_dir
 from lcap.display import printable
 from lcap.processes import kill_group, run_child
-from lcap.store import Store, now
+from lcap.store import Store
 
 if TYPE_CHECKING:
     from lcap.capture.proxy.server import Child
@@ -93,6 +94,15 @@ def forget_partial(store: Store, ids: list[str]) -> None:
     with store.connect() as con:
         for table in ("turns", "rewards", "episode_flags"):
             con.execute(f"DELETE FROM {table} WHERE episode_id IN (SELECT unnest(?))", [ids])
+
+
+def unfinished(store: Store, specs: Sequence[EpisodeSpec]) -> list[EpisodeSpec]:
+    """The episodes of `specs` to run: those no earlier run finished, an interrupted attempt's turns forgotten."""
+    done = finished_episodes(store, [s.episode_id for s in specs])
+    todo = [s for s in specs if s.episode_id not in done]
+    if todo:
+        forget_partial(store, [s.episode_id for s in todo])
+    return todo
 
 
 @dataclass(frozen=True)
@@ -184,9 +194,7 @@ def _run_in(
     guard = tuple(rules.guard) + tuple(spec.task.get("protected") or ())
     before = hash_protected(spec.workdir, guard) if guard else {}
 
-    child_env = dict(env)
-    child_env["LCAP_TASK"] = json.dumps(dict(spec.task), ensure_ascii=False)
-    child_env["LCAP_WORKDIR"] = str(spec.workdir)
+    child_env = {**env, "LCAP_TASK": json.dumps(dict(spec.task), ensure_ascii=False), "LCAP_WORKDIR": str(spec.workdir)}
     if box is not None:
         if agent is None:
             raise LcapError("--sandbox needs the capture proxy's episode child")
@@ -316,18 +324,9 @@ def record_outcome(store: Store, spec: EpisodeSpec, outcome: EpisodeOutcome) -> 
         for flag, details in outcome.flags:
             store.flag_episode(spec.episode_id, flag, details)
         if outcome.reward is not None:
-            store.append(
-                "rewards",
-                [
-                    {
-                        "episode_id": spec.episode_id,
-                        "value": float(outcome.reward),
-                        "details": json.dumps(outcome.details, default=str),
-                        "source": outcome.source,
-                        "created_at": now(),
-                    }
-                ],
-            )
+            assert outcome.source is not None  # a reward always names its source
+            verdict = json.dumps(outcome.details, default=str)
+            store.add_reward(spec.episode_id, float(outcome.reward), details=verdict, source=outcome.source)
         store.end_episode(spec.episode_id, status=outcome.status, exit_code=outcome.exit_code, error=outcome.reason)
 
 
@@ -359,8 +358,7 @@ class Tally:
                 r.finished += 1
             else:
                 r.failed += 1
-            if outcome.tampered:
-                r.tampered += 1
+            r.tampered += outcome.tampered
             if outcome.reward is not None:
                 self.rewards.append(float(outcome.reward))
             r.mean_reward = sum(self.rewards) / len(self.rewards) if self.rewards else None
@@ -371,33 +369,42 @@ class Tally:
         return f"ok {r.finished} failed {r.failed} running {self.running} reward {mean}"
 
 
-def progress_bar(show: bool):
-    """The console and progress bar both pools draw on stderr."""
-    console = Console(stderr=True)
-    bar = Progress(
-        TextColumn("collect"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.description}"),
-        TimeElapsedColumn(),
-        console=console,
-        disable=not show,
-        transient=False,
-    )
-    return console, bar
+class RunProgress:
+    """Both pools' progress bar on stderr with the tally's counts, and one line for each episode that did not end ok."""
 
-
-def report_end(console, spec: EpisodeSpec, outcome: EpisodeOutcome) -> None:
-    if outcome.status != "ok":  # the reason quotes the agent: text, not markup
-        console.print(  # one line per episode, however narrow the terminal: logs are read with grep
-            Text.assemble((f"{spec.episode_id}: {outcome.status} ", "yellow"), printable(outcome.reason or "")),
-            soft_wrap=True,
+    def __init__(self, show: bool, tally: Tally, total: int) -> None:
+        self.console = Console(stderr=True)
+        self.bar = Progress(
+            TextColumn("collect"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.description}"),
+            TimeElapsedColumn(),
+            console=self.console,
+            disable=not show,
+            transient=False,
         )
+        self.tally, self.total = tally, total
 
+    def __enter__(self) -> RunProgress:
+        self.bar.__enter__()
+        self.job = self.bar.add_task(self.tally.describe(), total=self.total)
+        return self
 
-def template_dir(task: Mapping[str, Any], tasks_dir: Path) -> Path | None:
-    """The directory the task's workspace starts as (`workspace`/`template`, or `repo` at `commit`), or None."""
-    return source_dir(task, tasks_dir)
+    def __exit__(self, *exc: Any) -> None:
+        self.bar.__exit__(*exc)
+
+    def refresh(self) -> None:
+        self.bar.update(self.job, description=self.tally.describe())
+
+    def ended(self, spec: EpisodeSpec, outcome: EpisodeOutcome | None) -> None:
+        """An episode ended (`outcome` None: it never ran)."""
+        if outcome is not None and outcome.status != "ok":  # the reason quotes the agent: text, not markup
+            self.console.print(  # one line per episode, however narrow the terminal: logs are read with grep
+                Text.assemble((f"{spec.episode_id}: {outcome.status} ", "yellow"), printable(outcome.reason or "")),
+                soft_wrap=True,
+            )
+        self.bar.update(self.job, advance=1, description=self.tally.describe())
 
 
 def _populate(workdir: Path, task: Mapping[str, Any], files: TaskFiles) -> None:
@@ -422,10 +429,8 @@ def _write_files(workdir: Path, task: Mapping[str, Any]) -> None:
         target.write_text(text if isinstance(text, str) else json.dumps(text))
 
 
-def _tail(path: Path, n: int = 300) -> str:
+def _tail(path: Path) -> str:
     try:
-        text = path.read_text(errors="replace").strip()
+        return tail(path.read_text(errors="replace"), 3, "(no stderr)")
     except OSError:
         return ""
-    text = " ".join(text.splitlines()[-3:])
-    return text[-n:] if text else "(no stderr)"

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lcap.capture.options import ProxyOptions
+from lcap.capture.options import ProxyOptions, sandbox_limits
 from lcap.capture.proxy.server import CaptureProxy
 from lcap.capture.sandbox import Sandbox, closed_folder
 from lcap.capture.sandbox import missing as sandbox_missing
@@ -42,15 +42,13 @@ from lcap.dataset.collect.episode import (
     EpisodeOutcome,
     EpisodeRules,
     EpisodeSpec,
+    RunProgress,
     Tally,
     TaskFiles,
-    finished_episodes,
-    forget_partial,
-    progress_bar,
     record_outcome,
-    report_end,
     run_episode,
     start_episode,
+    unfinished,
 )
 from lcap.dataset.collect.summary import summarize
 from lcap.dataset.collect.verifiers import load_verifier, resolve_argv
@@ -130,10 +128,8 @@ def episode_id(run_id: str, round: int, split: str, task_id: str, sample: int, n
     return f"c{run_id}-r{round}-{split}-{safe}-{sample}" + (f"-{nonce}" if nonce else "")
 
 
-def earlier_episodes(store: Store | None, run_id: str, round: int, split: str) -> dict[tuple[str, int], str]:
+def earlier_episodes(store: Store, run_id: str, round: int, split: str) -> dict[tuple[str, int], str]:
     """(task id, sample) -> id of the episode an earlier run of this collect recorded for it (the latest)."""
-    if store is None:
-        return {}
     rows = store.fetchall(
         "SELECT labels->>'task', labels->>'sample', episode_id FROM episodes WHERE labels->>'collect' = ? "
         "AND labels->>'round' = ? AND labels->>'split' = ? ORDER BY started_at",
@@ -182,12 +178,7 @@ class CollectPlan:
 
 
 def plan_collect(
-    *,
-    tasks: Path,
-    command: list[str],
-    options: CollectOptions,
-    labels: Mapping[str, str] = {},
-    store: Store | None = None,
+    *, tasks: Path, command: list[str], options: CollectOptions, labels: Mapping[str, str] = {}, store: Store
 ) -> CollectPlan:
     """Every episode of `tasks` x `options.group_size` for `options.round` and `options.split`, in task order; an
     episode an earlier run recorded in `store` keeps its id."""
@@ -275,28 +266,23 @@ def collect(
         raise LcapError("--episode-cpus and --episode-resources place episodes on a Ray cluster: add --ray ADDRESS")
     plan = plan_collect(tasks=tasks, command=command, options=options, labels=labels, store=store)
     check_round_is_free(store, plan.run_id, options.round, options.split, replace=options.replace)
-    tasks, run_id, run_dir, specs = Path(tasks), plan.run_id, plan.run_dir, plan.specs
-    round = options.round
-
-    result = CollectResult(episodes=len(specs), run_id=run_id, run_dir=str(run_dir))
-    done = finished_episodes(store, [s.episode_id for s in specs])
-    todo = [s for s in specs if s.episode_id not in done]
+    specs = plan.specs
+    result = CollectResult(episodes=len(specs), run_id=plan.run_id, run_dir=str(plan.run_dir))
+    todo = unfinished(store, specs)
     result.skipped = len(specs) - len(todo)
     if todo:
-        forget_partial(store, [s.episode_id for s in todo])
-
         proxy_options = collect_proxy_options(options, proxy_options)
         tally = Tally(result)
         show = sys.stderr.isatty() if progress is None else progress
         if options.ray is not None:
             from lcap.dataset.collect.on_ray import RayPool  # the ray extra
 
-            RayPool(store, plan.rules, tasks.parent.resolve(), options, proxy_options, tally, node_proxies).run_all(
+            RayPool(store, plan.rules, plan.files.tasks_dir, options, proxy_options, tally, node_proxies).run_all(
                 todo, progress=show
             )
         else:
             _run_local(store, todo, plan, tally, proxy_options, options, show)
-    result.summary = summarize(store, [s.episode_id for s in specs], run_dir, round, options.transparent)
+    result.summary = summarize(store, [s.episode_id for s in specs], plan.run_dir, options.round, options.transparent)
     return result
 
 
@@ -331,7 +317,7 @@ def _sandbox(options: CollectOptions, proxy: CaptureProxy, store: Store, plan: C
     """--sandbox's shared part: what every episode's sandbox hides (lcap's home, the store's folder, the run
     folder with the other episodes' workspaces, the store's files) and the proxy that serves their listeners.
     Refused when the sandbox's user cannot reach the run folder or the agent's command."""
-    limits = options.sandbox_limits()
+    limits = sandbox_limits(options)
     if limits is None:
         return None
     run_dir = plan.run_dir
@@ -383,16 +369,14 @@ class _Runner:
         self.stopping = stopping or threading.Event()
 
     def run_all(self, specs: list[EpisodeSpec], concurrency: int, *, progress: bool) -> None:
-        console, bar = progress_bar(progress)
-        with bar, ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="lcap-episode") as pool:
-            job = bar.add_task(self.tally.describe(), total=len(specs))
+        with (
+            RunProgress(progress, self.tally, len(specs)) as shown,
+            ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="lcap-episode") as pool,
+        ):
             futures = {pool.submit(self.run_one, spec): spec for spec in specs}
             try:
                 for future in as_completed(futures):
-                    outcome = future.result()
-                    if outcome is not None:
-                        report_end(console, futures[future], outcome)
-                    bar.update(job, advance=1, description=self.tally.describe())
+                    shown.ended(futures[future], future.result())
             except KeyboardInterrupt:
                 self.stopping.set()
                 for f in futures:
@@ -478,11 +462,9 @@ class EpisodePool:
     def submit(self, plan: CollectPlan, specs: Sequence[EpisodeSpec]) -> int:
         """Queue `specs` (of `plan`) that have not finished yet, an interrupted attempt's turns forgotten first;
         returns how many were queued."""
-        done = finished_episodes(self.store, [s.episode_id for s in specs])
-        todo = [s for s in specs if s.episode_id not in done]
+        todo = unfinished(self.store, specs)
         if not todo:
             return 0
-        forget_partial(self.store, [s.episode_id for s in todo])
         sandbox = self._sandboxes.get(plan.run_dir)  # one per run folder: its workspaces' lower layers made once
         if sandbox is None:
             sandbox = self._sandboxes[plan.run_dir] = _sandbox(self.options, self.proxy, self.store, plan)

@@ -42,7 +42,7 @@ import signal
 import tarfile
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -63,16 +63,15 @@ from lcap.dataset.collect.episode import (
     EpisodeOutcome,
     EpisodeRules,
     EpisodeSpec,
+    RunProgress,
     Tally,
     TaskFiles,
     forget_partial,
-    progress_bar,
     record_outcome,
-    report_end,
     run_episode,
     start_episode,
-    template_dir,
 )
+from lcap.dataset.collect.workspaces import source_dir
 from lcap.dataset.options import CollectOptions
 from lcap.policy import read_policy, record_path
 from lcap.processes import alive, kill_group
@@ -140,10 +139,8 @@ class NodeProxy:
             _remove_dead_spools(root)
             directory = root / f"{os.getpid()}-{config.run}"
             if config.policy is not None:
-                record = directory.with_name(directory.name + ".policy.json")
-                fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it may hold the replicas' key
-                with os.fdopen(fd, "w") as f:
-                    f.write(config.policy)
+                record = _policy_file(directory)
+                _write_private(record, config.policy)
                 os.environ["LCAP_POLICY_RECORD"] = str(record)  # this actor's process: what its Router reads
             self.outbox = Outbox(directory, AESGCM(config.key))
             self.proxy = CaptureProxy(None, config.options, writer=self.outbox, policy_key=config.policy_key)
@@ -172,12 +169,9 @@ class NodeProxy:
         """A new policy record (a deploy between two collects of a loop): written over this proxy's copy, which its
         Router reads again when the file changes. Returns once any call routed from now on is routed by it: the
         Router looks at the file at most `REFRESH_S` after its last look."""
-        outbox = self._outbox()
-        record = outbox.directory.with_name(outbox.directory.name + ".policy.json")
+        record = _policy_file(self._outbox().directory)
         tmp = record.with_name(record.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(policy)
+        _write_private(tmp, policy)
         tmp.replace(record)
         time.sleep(REFRESH_S)
 
@@ -231,8 +225,19 @@ class NodeProxy:
         report = self.proxy.stop(drain=min(timeout, 10.0)) if self.proxy is not None and self.error is None else None
         if self.outbox is not None:
             self.outbox.remove()
-            self.outbox.directory.with_name(self.outbox.directory.name + ".policy.json").unlink(missing_ok=True)
+            _policy_file(self.outbox.directory).unlink(missing_ok=True)
         return report.unstored if report is not None else 0
+
+
+def _policy_file(spool: Path) -> Path:
+    """The node proxy's copy of the policy record, beside its spool."""
+    return spool.with_name(spool.name + ".policy.json")
+
+
+def _write_private(path: Path, text: str) -> None:
+    """`text` in a file only this user reads: a policy record may hold the replicas' key."""
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(text)
 
 
 def _remove_dead_spools(root: Path) -> None:
@@ -399,7 +404,6 @@ class _Source:
     proxy: Any
     after: Position | None = None  # appended up to here (what the next take acknowledges)
     taking: Any = None  # the take in flight
-    records: int = 0
     dead: bool = False
 
 
@@ -411,9 +415,8 @@ class _Ingest:
         self.source_cipher = AESGCM(key)
         self.sources: dict[str, _Source] = {}
         self.appending = threading.Lock()  # held while a batch is appended: `settle` waits for it
-        self.moved = threading.Condition()
+        self.lock = threading.Lock()  # over `sources`, which the driver's threads read
         self.records = 0
-        self.lost: list[str] = []  # node proxies found dead
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lcap-ray-ingest", daemon=True)
         self.error: BaseException | None = None
@@ -426,7 +429,7 @@ class _Ingest:
         self._thread.join(CALL_S)
 
     def live(self) -> dict[str, Any]:
-        with self.moved:
+        with self.lock:
             return {node: s.proxy for node, s in self.sources.items() if not s.dead}
 
     def settle(self, timeout: float = FLUSH_S + 30) -> bool:
@@ -460,7 +463,7 @@ class _Ingest:
 
     def _refresh(self) -> None:
         known = self.proxies.known()
-        with self.moved:
+        with self.lock:
             for key, proxy in known.items():
                 self.sources.setdefault(key, _Source(proxy))
 
@@ -471,20 +474,15 @@ class _Ingest:
             taken: Taken = ray.get(ref, timeout=CALL_S)
         except ray.exceptions.RayError as exc:
             log.warning("lcap: lost the capture proxy of node %s: %s", node[:8], _first_line(exc))
-            with self.moved:
+            with self.lock:
                 source.dead = True
-                self.lost.append(node)
-                self.moved.notify_all()
             self.proxies.forget(node)
             return
         with self.appending:
             for payload in taken.records:
                 self.writer.put_sealed(reseal(self.source_cipher, self.writer.cipher, payload))
-            with self.moved:
-                source.after = taken.end
-                source.records += len(taken.records)
-                self.records += len(taken.records)
-                self.moved.notify_all()
+            source.after = taken.end
+            self.records += len(taken.records)
 
 
 class NodeProxies:
@@ -722,22 +720,16 @@ class _Run:
         self.waiting_since: float | None = None
 
     def schedule(self, specs: list[EpisodeSpec], progress: bool) -> None:
-        console, bar = progress_bar(progress)
         queue = deque(
             _Attempt(spec, pin=self.pins[i % len(self.pins)] if self.pins else None) for i, spec in enumerate(specs)
         )
-        with bar:
-            job = bar.add_task(self.tally.describe(), total=len(specs))
-
-            def ended(spec: EpisodeSpec, outcome: EpisodeOutcome) -> None:
-                report_end(console, spec, outcome)
-                bar.update(job, advance=1, description=self.tally.describe())
-
+        with RunProgress(progress, self.tally, len(specs)) as shown:
+            ended = shown.ended
             try:
                 while queue or self.inflight:
                     self._fill(queue, ended)
                     self.tally.running = len(self.inflight)
-                    bar.update(job, description=self.tally.describe())
+                    shown.refresh()
                     if self.ingest.error is not None:
                         raise LcapError(f"the turns of the nodes cannot reach the store: {self.ingest.error}")
                     finished, lost, moved = self._collect()
@@ -918,14 +910,11 @@ class _Templates:
 
     def __init__(self, tasks_dir: Path, specs: Iterable[EpisodeSpec]) -> None:
         self.tasks_dir = tasks_dir
-        self.left: dict[str, int] = {}
-        for spec in specs:
-            tid = spec.task["id"]
-            self.left[tid] = self.left.get(tid, 0) + 1
+        self.left = Counter(spec.task["id"] for spec in specs)
         self.refs: dict[str, Any] = {}
 
     def ref(self, spec: EpisodeSpec, *, again: bool = False) -> Any:
-        src = template_dir(spec.task, self.tasks_dir)
+        src = source_dir(spec.task, self.tasks_dir)
         if src is None:
             return None
         tid = spec.task["id"]
@@ -966,8 +955,8 @@ def _fits(have: Mapping[str, float], need: Mapping[str, float]) -> bool:
 
 
 def _resources_text(resources: Mapping[str, float]) -> str:
-    shown = {k: v for k, v in resources.items() if not k.startswith(("node:", "accelerator_type:")) and k != "memory"}
-    shown = {k: v for k, v in shown.items() if k != "object_store_memory"}
+    hidden = ("memory", "object_store_memory")
+    shown = {k: v for k, v in resources.items() if not k.startswith(("node:", "accelerator_type:")) and k not in hidden}
     return ", ".join(f"{k}={v:g}" for k, v in sorted(shown.items())) or "nothing"
 
 

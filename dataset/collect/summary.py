@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lcap.dataset.build.explain import NO_CALLS_FIX, NO_CALLS_FIX_TRANSPARENT
+from lcap.dataset.build.explain import NO_CALLS_FIX, NO_CALLS_FIX_TRANSPARENT, plural
 from lcap.dataset.collect.verifiers import VERIFIER_OUTPUT
 from lcap.display import num
 from lcap.store import Store
@@ -74,13 +74,13 @@ class CollectSummary:
             out.append(f"  turns per episode: min {self.turns_min}, median {self.turns_median:g}, max {self.turns_max}")
         if self.no_turns and not self.no_turns_ok and self.reasons:
             out.append(
-                f"  {self.no_turns} episode{'s' if self.no_turns != 1 else ''} with 0 turns, none finished ok: the "
+                f"  {plural(self.no_turns, 'episode')} with 0 turns, none finished ok: the "
                 "agent ended before any LLM call through lcap: see the failures below"
             )
         elif self.no_turns:
             some = f" ({self.no_turns_ok} of them finished ok)" if self.no_turns_ok else ""
             out.append(
-                f"  {self.no_turns} episode{'s' if self.no_turns != 1 else ''} with 0 turns{some}: "
+                f"  {plural(self.no_turns, 'episode')} with 0 turns{some}: "
                 f"the agent made no LLM call through lcap: "
                 f"{NO_CALLS_FIX_TRANSPARENT if self.transparent else NO_CALLS_FIX}"
             )

@@ -122,7 +122,7 @@ class CommandVerifier:
         code, out, err = run_process(self.argv, env, ctx.workdir, ctx.stdout, self.timeout, box, self.name)
         said = f"{self.name} exited {code}\n--- stderr\n{err}--- stdout\n{out}"
         if code != 0:
-            raise VerifierError(f"verifier exited {code}: {_tail(err or out)}", said)
+            raise VerifierError(f"verifier exited {code}: {tail(err or out)}", said)
         lines = [line.strip() for line in out.splitlines() if line.strip()]
         if not lines:
             raise VerifierError("verifier printed nothing (expected a float or a JSON object with 'reward')", said)
@@ -167,7 +167,7 @@ class PythonVerifier:
         try:
             answer = json.loads(out.strip().splitlines()[-1])
         except (IndexError, json.JSONDecodeError):
-            raise VerifierError(f"{self.name} ended without a verdict (exit {code}): {_tail(err)}", said) from None
+            raise VerifierError(f"{self.name} ended without a verdict (exit {code}): {tail(err)}", said) from None
         if "error" in answer:
             raise VerifierError(str(answer["error"]), said)
         return with_output(to_verdict((answer["reward"], answer["details"])), said)
@@ -304,13 +304,12 @@ def resolve_argv(argv: Sequence[str], base: Path) -> list[str]:
     Episodes run in their own working directory, so `python agent.py` typed in the project
     directory must still find agent.py. Nothing else about the arguments changes.
     """
-    out = []
-    for arg in argv:
-        if arg and not arg.startswith("-") and not os.path.isabs(arg) and "{" not in arg and (base / arg).is_file():
-            out.append(str((base / arg).resolve()))
-        else:
-            out.append(arg)
-    return out
+    return [
+        str((base / arg).resolve())
+        if arg and not arg.startswith("-") and not os.path.isabs(arg) and "{" not in arg and (base / arg).is_file()
+        else arg
+        for arg in argv
+    ]
 
 
 # --- tamper guard ---------------------------------------------------------------------------
@@ -336,9 +335,10 @@ def tampered_files(before: Mapping[str, str], after: Mapping[str, str]) -> list[
     return sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
 
 
-def _tail(text: str, n: int = 300) -> str:
-    text = " ".join((text or "").strip().splitlines()[-5:])
-    return text[-n:] if text else "(no output)"
+def tail(text: str, lines: int = 5, empty: str = "(no output)", n: int = 300) -> str:
+    """The end of what a process said, on one line: its last `lines` lines, at most `n` characters."""
+    text = " ".join((text or "").strip().splitlines()[-lines:])
+    return text[-n:] if text else empty
 
 
 def _child_main() -> None:

@@ -47,8 +47,8 @@ def test_tasks_per_round_takes_the_next_tasks_each_round(tmp_path):
 def test_a_rounds_tasks_keep_their_templates(tmp_path):
     """A task's `template` (or `workspace`) folder is relative to the user's tasks file; the round's own file points
     at the same one."""
-    from lcap.dataset.collect.episode import template_dir
     from lcap.dataset.collect.episodes import load_tasks
+    from lcap.dataset.collect.workspaces import source_dir as template_dir
     from lcap.loop.steps import round_tasks
 
     project = tmp_path / "project"
