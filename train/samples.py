@@ -9,7 +9,7 @@ the batch but move nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lcap.dataset.build.samples_file import read_samples_table
@@ -33,19 +33,8 @@ class Sample:
     behaviour: bool = True
 
     def pad_copy(self) -> Sample:
-        return Sample(
-            sample_id=f"{self.sample_id}#pad",
-            group_id=self.group_id,
-            prompt_ids=self.prompt_ids,
-            completion_ids=self.completion_ids,
-            logprobs=self.logprobs,
-            env_mask=[0] * len(self.env_mask),
-            reward=self.reward,
-            advantage=0.0,
-            deployment=self.deployment,
-            truncated=self.truncated,
-            padding=True,
-            behaviour=self.behaviour,
+        return replace(
+            self, sample_id=f"{self.sample_id}#pad", env_mask=[0] * len(self.env_mask), advantage=0.0, padding=True
         )
 
 
