@@ -53,9 +53,8 @@ from lcap.store import Store, now
 
 log = logging.getLogger("lcap.serve")
 
-DRAIN_GRACE_S = (
-    2.0  # after marking a replica draining: proxies re-read the record (capture/routing/routes.py REFRESH_S)
-)
+# after marking a replica draining: proxies re-read the record (capture/routing/routes.py REFRESH_S)
+DRAIN_GRACE_S = 2.0
 DRAIN_POLL_S = 0.5
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 SERVED_AS_KEPT = 64  # deployment -> vLLM name entries the record keeps (turns in flight may carry an older label)
@@ -76,9 +75,7 @@ def deploy(
     if not path.exists():
         raise LcapError(f"{path} does not exist: deploy a round's adapter or checkpoint (RUN/round-N/adapter)")
     with policy_lock():
-        record = read_policy()
-        if record is None:
-            raise LcapError("no policy server is running: start one with `lcap serve --model M`")
+        record = running_policy()
         if (path / "adapter_config.json").is_file():
             kind = "lora"
             name = name or _unique_name(path, round)
@@ -101,6 +98,14 @@ def deploy(
     if store is not None:
         record_deployment(store, record, name, str(path), kind, round)
     return name
+
+
+def running_policy() -> PolicyServer:
+    """The policy record; LcapError when no policy server is running."""
+    record = read_policy()
+    if record is None:
+        raise LcapError("no policy server is running: start one with `lcap serve --model M`")
+    return record
 
 
 def check_lora_rank(record: PolicyServer, rank: int, what: str) -> None:
@@ -135,9 +140,7 @@ def load_candidate(path: Path, *, round: int | None = None) -> str:
             f"{path} is not a LoRA adapter (adapter_config.json): only an adapter can be served beside the policy"
         )
     with policy_lock():
-        record = read_policy()
-        if record is None:
-            raise LcapError("no policy server is running: start one with `lcap serve --model M`")
+        record = running_policy()
         name = _unique_name(path, round)
         _load_lora(record, path, name, current=False)
     return name
@@ -147,9 +150,7 @@ def make_current(name: str) -> PolicyServer:
     """Make `name`, a deployment the replicas already serve (a loaded adapter, the base model, or the weights
     reloaded in place), the current one: routed calls ask for it from the proxies' next read of the record."""
     with policy_lock():
-        record = read_policy()
-        if record is None:
-            raise LcapError("no policy server is running: start one with `lcap serve --model M`")
+        record = running_policy()
         if not servable(record, name):
             raise LcapError(f"the policy server does not serve {name!r}: deploy its adapter or checkpoint again")
         record.current = name

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from lcap.config import LcapError
 from lcap.policy import read_policy
-from lcap.serve.deploy import deploy, make_current, record_deployment, servable
+from lcap.serve.deploy import deploy, make_current, record_deployment, running_policy, servable
 from lcap.store import Store
 
 _ROWS = """
@@ -47,9 +47,7 @@ def rollback(
 ) -> tuple[str, str]:
     """Make an earlier deployment current again (`name`, the latest of `round`, or the one before the current);
     returns (the deployment now current, the one it replaced)."""
-    record = read_policy()
-    if record is None:
-        raise LcapError("no policy server is running: start one with `lcap serve --model M`")
+    record = running_policy()
     current = record.current
     target = earlier_deployment(store, current, name=name, round=round, served_model=record.served_model)
     if target.name == current:

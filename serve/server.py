@@ -74,24 +74,14 @@ class LocalReplicas:
         replicas = []
         try:
             for i, name in enumerate(names):
-                env = dict(os.environ)
-                if devices is not None:
-                    env["CUDA_VISIBLE_DEVICES"] = devices[i]
+                visible = devices[i] if devices is not None else None
                 with listen_socket(HOST, port + i if port else 0) as listener:
                     replica_port = listener.getsockname()[1]
                     log = _replica_log(log_path, i, replica_port)
-                    proc = launch(spec, python=self.python, listener=listener, log_path=log, env=env)
+                    proc = launch(spec, python=self.python, listener=listener, log_path=log, env=_replica_env(visible))
                 url = f"http://{HOST}:{replica_port}"
                 started.append((proc, url, log))
-                replicas.append(
-                    Replica(
-                        name=name,
-                        url=url,
-                        pid=proc.pid,
-                        log_path=str(log),
-                        devices=devices[i] if devices is not None else None,
-                    )
-                )
+                replicas.append(Replica(name=name, url=url, pid=proc.pid, log_path=str(log), devices=visible))
             wait_healthy(started, spec.timeout, progress)
         except BaseException:
             for proc, _, _ in started:
@@ -102,12 +92,10 @@ class LocalReplicas:
     def restart(self, replica: Replica, spec: VllmSpec) -> Replica:
         """Stop the replica and start `spec` in its place, on the same port, with the same GPUs."""
         self.stop(replica)
-        env = dict(os.environ)
-        if replica.devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = replica.devices
         port = int(replica.url.rsplit(":", 1)[1])
         log = Path(replica.log_path or lcap_home() / "logs" / f"vllm-{port}.log")
         with listen_socket(HOST, port) as listener:
+            env = _replica_env(replica.devices)
             proc = launch(spec, python=self.python, listener=listener, log_path=log, env=env)
         try:
             wait_healthy([(proc, replica.url, log)], spec.timeout, progress=False)
@@ -128,6 +116,14 @@ class LocalReplicas:
 
     def log_tail(self, replica: Replica) -> str:
         return tail(Path(replica.log_path))
+
+
+def _replica_env(devices: str | None) -> dict[str, str]:
+    """This process's environment, with the replica's GPUs (`devices`) as the only ones visible when it has its own."""
+    env = dict(os.environ)
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = devices
+    return env
 
 
 def _replica_log(log_path: Path | None, index: int, port: int) -> Path:
@@ -243,19 +239,8 @@ def start_server(
             backend.stop(replica, 30)
         raise
     if store is not None:
-        store.append(
-            "deployments",
-            [
-                {
-                    "name": served_name,
-                    "path": model,
-                    "base_model": model,
-                    "kind": "base",
-                    "round": None,
-                    "created_at": now(),
-                }
-            ],
-        )
+        row = {"name": served_name, "path": model, "base_model": model, "kind": "base", "round": None}
+        store.append("deployments", [{**row, "created_at": now()}])
     return record
 
 
