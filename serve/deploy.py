@@ -242,14 +242,7 @@ def _reload(record: PolicyServer, path: Path, name: str, drain_timeout: float) -
         reload_in_place(
             replica.url, key, path, drain_timeout=drain_timeout, switch=partial(switch, replica.name), name=replica.name
         )
-    reloaded = read_policy() or record
-    reloaded.vllm_args = _with_tokenizer(reloaded, path)
-    reloaded.base_model, reloaded.current = str(path), name  # a replica restarted later starts on these weights
-    reloaded.loras = {}  # vLLM drops its adapters on a reload
-    for replica in reloaded.replicas:
-        replica.current = None
-    write_policy(reloaded)
-    return reloaded
+    return _serving_checkpoint(record, path, name)
 
 
 def _served_as(mapping: dict[str, str], name: str, served: str) -> dict[str, str]:
@@ -284,13 +277,21 @@ def _roll(record: PolicyServer, path: Path, name: str, drain_timeout: float) -> 
     except BaseException:  # interrupted (Ctrl-C) mid-roll
         _undrain()
         raise
-    rolled = read_policy() or record
-    rolled.base_model, rolled.served_model, rolled.current = str(path), name, name
-    rolled.loras, rolled.vllm_args = {}, args
-    for replica in rolled.replicas:
+    return _serving_checkpoint(record, path, name, served_model=name)
+
+
+def _serving_checkpoint(record: PolicyServer, path: Path, name: str, served_model: str | None = None) -> PolicyServer:
+    """Record every replica serving the checkpoint at `path` as deployment `name` (vLLM under `served_model`, when
+    it restarted on it): a replica restarted later starts on these weights, with no adapter (a reload drops them)."""
+    serving = read_policy() or record
+    serving.vllm_args = _with_tokenizer(serving, path)
+    serving.base_model, serving.current, serving.loras = str(path), name, {}
+    if served_model is not None:
+        serving.served_model = served_model
+    for replica in serving.replicas:
         replica.current = None
-    write_policy(rolled)
-    return rolled
+    write_policy(serving)
+    return serving
 
 
 def _replace(name: str, spec: VllmSpec, *, drain_timeout: float, loras: dict[str, str] | None = None) -> None:

@@ -196,20 +196,16 @@ def start_server(
     gpus_per_server(extra_args)  # a malformed parallel size is an error before anything starts
     names = [f"r{i}" for i in range(replicas)]
     key_file = key = None
+    spec = VllmSpec(model, served_name, python, tool_parser, tuple(extra_args), timeout, tuple(endpoint_env.items()))
     if ray is not None:
         ray_backend = RayReplicas(ray, python)  # joins the cluster: an unreachable one is an error before anything
         key_file = new_key()
         key = key_file.read_text().strip()
-        spec = VllmSpec(
-            model, served_name, python, tool_parser, tuple(extra_args), timeout, tuple(endpoint_env.items())
-        )
         started = ray_backend.start(names, spec, key, gpus_per_replica)
         python_recorded = python or ""
     else:
         python_recorded = resolve_python(python)
-        spec = VllmSpec(
-            model, served_name, python_recorded, tool_parser, tuple(extra_args), timeout, tuple(endpoint_env.items())
-        )
+        spec = replace(spec, python=python_recorded)
         started = LocalReplicas(python_recorded).start(
             names, spec, port=port, log_path=log_path, gpus_per_replica=gpus_per_replica, progress=progress
         )

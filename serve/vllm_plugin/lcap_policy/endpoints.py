@@ -273,15 +273,8 @@ class Policy:
         assert head.stop is not None
         if head.stop not in self.stop_ids:
             return f"token {head.stop} is not a stop token of this model"
-        prefix_params = replace(
-            params,
-            chat_template_kwargs={
-                **params.chat_template_kwargs,
-                "add_generation_prompt": False,
-                "continue_final_message": False,
-            },
-        )
-        prefix_text = await self._render(messages[:end], prefix_params)
+        prefix_kwargs = {**params.chat_template_kwargs, "add_generation_prompt": False, "continue_final_message": False}
+        prefix_text = await self._render(messages[:end], replace(params, chat_template_kwargs=prefix_kwargs))
         full_text = await self._render(messages, params)
         # The token the template ends a message with: the model's own stop token, or (when the model stopped on
         # another of its stop tokens, e.g. <|endoftext|>) the stop token the template writes in its place.
@@ -320,14 +313,8 @@ class Policy:
         request = _validate(ChatCompletionRequest, body)
         asked_ids, asked_logprobs = bool(request.return_token_ids), bool(request.logprobs)
         request.return_token_ids, request.logprobs = True, True
-        await self.prepare(
-            turn,
-            request,
-            request.messages,
-            self._tool_dicts(request),
-            self.renderer.default_chat_template_kwargs,
-            options,
-        )
+        tools = self._tool_dicts(request)
+        await self.prepare(turn, request, request.messages, tools, self.renderer.default_chat_template_kwargs, options)
         result = await self.chat.create_chat_completion(request, raw_request)
         if isinstance(result, ErrorResponse):
             return JSONResponse(result.model_dump(), status_code=result.error.code)
