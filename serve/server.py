@@ -95,8 +95,7 @@ class LocalReplicas:
         port = int(replica.url.rsplit(":", 1)[1])
         log = Path(replica.log_path or lcap_home() / "logs" / f"vllm-{port}.log")
         with listen_socket(HOST, port) as listener:
-            env = _replica_env(replica.devices)
-            proc = launch(spec, python=self.python, listener=listener, log_path=log, env=env)
+            proc = launch(spec, python=self.python, listener=listener, log_path=log, env=_replica_env(replica.devices))
         try:
             wait_healthy([(proc, replica.url, log)], spec.timeout, progress=False)
         except BaseException:
