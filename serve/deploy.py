@@ -5,23 +5,21 @@ new, unique name, and only then does the record's `current` name it: the proxy a
 reads there, so no call can reach a replica that lacks the adapter. Nothing restarts; calls in
 flight finish on the old deployment. If one replica refuses the adapter, `current` stays as it was.
 
-A full checkpoint (config.json + weights) that changes nothing but the weights (serve/same_model.py) is
-reloaded into each local replica in place, one replica at a time (serve/reload.py): the replica pauses
-(new calls wait in vLLM, calls in flight finish on the old weights, `drain_timeout` at most), reloads
-the weights, and the record maps the new deployment to the name vLLM keeps serving (`served_as`) before
-the replica resumes. No call fails, and each turn is labelled with the weights that served it (capture's
-Router.settle). Where that is not possible (another config or tokenizer, Ray replicas, a server started
-without the reload endpoints, a reload vLLM refuses, or `restart=True`) each vLLM is restarted on the
-checkpoint instead, with one log line saying why. The replicas
-roll one at a time: the replica is marked draining in the record (the proxy routes its episodes to
-their next replica), its calls in flight finish (vLLM's own request gauges reach zero, or
-`drain_timeout` passes), it restarts on the checkpoint on the same address, and once healthy it
-rejoins the rotation serving the new deployment (its entry in the record says so until all have
-rolled). One replica alone drains and restarts the same way: with every replica draining, the proxy
-holds new calls until it serves again (capture/proxy/calls.py `Calls.hold`, `--hold-timeout`), so they are
-answered late by the new deployment instead of failing. A replica that fails to start puts every
-replica back on the previous policy, adapters included; if that fails too, no replica stays marked
-draining (the proxy would hold calls for a server that is not coming back).
+A full checkpoint (config.json + weights) that changes nothing but the weights (serve/same_model.py) is reloaded
+into each local replica in place, one replica at a time (serve/reload.py): the replica pauses (new calls wait in
+vLLM, calls in flight finish on the old weights, `drain_timeout` at most), reloads the weights, and the record maps
+the new deployment to the name vLLM keeps serving (`served_as`) before the replica resumes. No call fails, and each
+turn is labelled with the weights that served it (capture's Router.settle). Where that is not possible (another
+config or tokenizer, Ray replicas, a server started without the reload endpoints, a reload vLLM refuses, or
+`restart=True`) each vLLM is restarted on the checkpoint instead, with one log line saying why. The replicas roll
+one at a time: the replica is marked draining in the record (the proxy routes its episodes to their next replica),
+its calls in flight finish (vLLM's own request gauges reach zero, or `drain_timeout` passes), it restarts on the
+checkpoint on the same address, and once healthy it rejoins the rotation serving the new deployment (its entry in
+the record says so until all have rolled). One replica alone drains and restarts the same way: with every replica
+draining, the proxy holds new calls until it serves again (capture/proxy/calls.py `Calls.hold`, `--hold-timeout`),
+so they are answered late by the new deployment instead of failing. A replica that fails to start puts every replica
+back on the previous policy, adapters included; if that fails too, no replica stays marked draining (the proxy would
+hold calls for a server that is not coming back).
 
 An adapter can also be loaded beside the current deployment without becoming current (`load_candidate`: what
 `lcap loop --live` evaluates before it promotes it with `make_current`); `lcap deploy --rollback`

@@ -1,16 +1,14 @@
 """`lcap serve`: run vLLM's OpenAI server on the policy, as one replica or several, and record it for the other commands.
 
-Each replica is one vLLM server with LoRA enabled and runtime adapter loading allowed: `lcap deploy`
-hot-loads each new round's adapter without restarting anything. A local replica also runs in vLLM's dev
-mode, so that `lcap deploy` can reload a full checkpoint into it in place (serve/reload.py). Local replicas are processes of
-their own process group (so stopping one also stops its engine workers) on 127.0.0.1, from the
-interpreter of lcap's vLLM venv; on a GPU machine each gets its own GPUs. Under `--ray` each
-replica is a Ray actor that runs vLLM on its node (serve/ray_replicas.py). A local
-replica starts through vllm_plugin/launch.py, which adds lcap's policy endpoints (exact tokens in
-every dialect, stitched prompts, request adaptation: vllm_plugin/lcap_policy); a Ray replica starts the
-same way behind vllm_guard.py, which requires its key on every path but /health. The record
-(`lcap.policy`) is written only once every replica's /health answers, so a reader that finds one
-can send requests.
+Each replica is one vLLM server with LoRA enabled and runtime adapter loading allowed: `lcap deploy` hot-loads each
+new round's adapter without restarting anything. A local replica also runs in vLLM's dev mode, so that `lcap deploy`
+can reload a full checkpoint into it in place (serve/reload.py). Local replicas are processes of their own process
+group (so stopping one also stops its engine workers) on 127.0.0.1, from the interpreter of lcap's vLLM venv; on a
+GPU machine each gets its own GPUs. Under `--ray` each replica is a Ray actor that runs vLLM on its node
+(serve/ray_replicas.py). A local replica starts through vllm_plugin/launch.py, which adds lcap's policy endpoints
+(exact tokens in every dialect, stitched prompts, request adaptation: vllm_plugin/lcap_policy); a Ray replica starts
+the same way behind vllm_guard.py, which requires its key on every path but /health. The record (`lcap.policy`) is
+written only once every replica's /health answers, so a reader that finds one can send requests.
 """
 
 from __future__ import annotations

@@ -135,7 +135,7 @@ def fit_sft(inputs: RoundInputs, out_dir: Path, options: TrainOptions, *, progre
         loss=sum(losses) / len(losses) if losses else None,
         **throughput(trainer, tokens, passes, seconds),
     )
-    # no mismatch figures: the guard compares served logprobs with the trainer's, and a teacher's calls have none of ours
+    # no mismatch figures: the guard compares served logprobs with the trainer's; a teacher's calls have none of ours
     return FittedRound.of(trainer, output, p.kind, metrics, [])
 
 
