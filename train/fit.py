@@ -204,7 +204,6 @@ def prepare(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Prepar
         max_steps = min(max_steps, options.max_steps)
 
     policy = round_policy(inputs, out_dir, options)
-    model, peft_config, kind, tokenizer = policy.model, policy.peft_config, policy.kind, policy.tokenizer
     args = GRPOConfig(
         **trainer_args(out_dir, options, policy.on_gpu),
         beta=options.beta,
@@ -226,12 +225,12 @@ def prepare(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Prepar
         log_completions=False,
     )
     trainer = CapturedGRPOTrainer(
-        model=model,
+        model=policy.model,
         reward_funcs=[captured_advantage],
         args=args,
         train_dataset=Dataset.from_dict({"prompt": list(groups.groups)}),
-        processing_class=tokenizer,
-        peft_config=peft_config,
+        processing_class=policy.tokenizer,
+        peft_config=policy.peft_config,
         rollout_func=captured_rollout(groups),
         off_policy_correction=options.is_correction,
     )
@@ -240,7 +239,7 @@ def prepare(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Prepar
             f"accelerate sees {trainer.accelerator.num_processes} processes, the launcher WORLD_SIZE={processes}"
         )
     trainer.remove_callback(PrinterCallback)  # its per-step dicts go to TensorBoard and train_runs, not the terminal
-    return PreparedRound(trainer, groups, inputs, kind, batch, out_dir)
+    return PreparedRound(trainer, groups, inputs, policy.kind, batch, out_dir)
 
 
 @dataclass

@@ -94,10 +94,9 @@ def prepare_sft(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Pr
         max_steps = min(max_steps, options.max_steps)
 
     policy = round_policy(inputs, out_dir, options)
-    model, peft_config, kind, tokenizer = policy.model, policy.peft_config, policy.kind, policy.tokenizer
     rows = batch // processes
     longest = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
-    micro = micro_batch(rows, longest, model.config.vocab_size, LOGITS_BYTES)
+    micro = micro_batch(rows, longest, policy.model.config.vocab_size, LOGITS_BYTES)
     shared = trainer_args(out_dir, options, policy.on_gpu)
     args = SFTConfig(
         **{**shared, "gradient_accumulation_steps": shared["gradient_accumulation_steps"] * (rows // micro)},
@@ -107,14 +106,14 @@ def prepare_sft(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Pr
         dataset_kwargs={"skip_prepare_dataset": True},  # ids and labels are ready; no template, no truncation
     )
     trainer = SFTTrainer(
-        model=model,
+        model=policy.model,
         args=args,
         train_dataset=Dataset.from_list([sft_example(s) for s in samples]),
-        processing_class=tokenizer,
-        peft_config=peft_config,
+        processing_class=policy.tokenizer,
+        peft_config=policy.peft_config,
     )
     trainer.remove_callback(PrinterCallback)
-    return PreparedSft(trainer, samples, len(every) - len(samples), kind, out_dir)
+    return PreparedSft(trainer, samples, len(every) - len(samples), policy.kind, out_dir)
 
 
 def fit_sft(inputs: RoundInputs, out_dir: Path, options: TrainOptions, *, progress: bool = False) -> FittedRound:
