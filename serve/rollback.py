@@ -1,14 +1,14 @@
 """`lcap deploy --rollback`: make an earlier deployment current again, in one command.
 
-The earlier deployment comes from the store's `deployments` table: one named, the latest of a round, or by
-default the one the current deployment replaced when it was deployed (for a deployment made current by a
-rollback, when it was first deployed: rolling back twice walks two deployments back), or the base model the
-server runs when the store has nothing before (a server started with another --db). What the replicas still serve is made current
-at once: a LoRA adapter the record lists, the base model or full checkpoint whose weights are the running ones
-(with an adapter on top now). Anything else is deployed again as `lcap deploy` would, under its old name: an
-adapter hot-loaded, a full checkpoint reloaded in place (or restarted on). Calls in flight finish on what they
-started on. The rollback is a new `deployments` row: the restored deployment's name, path and kind, with
-`rollback_of` naming the deployment it took out of service.
+The earlier deployment comes from the store's `deployments` table: one named, the latest of a round, or by default
+the one the current deployment replaced when it was deployed (for a deployment made current by a rollback, when it
+was first deployed: rolling back twice walks two deployments back), or the base model the server runs when the store
+has nothing before (a server started with another --db). What the replicas still serve is made current at once: a
+LoRA adapter the record lists, the base model or full checkpoint whose weights are the running ones (with an adapter
+on top now). Anything else is deployed again as `lcap deploy` would, under its old name: an adapter hot-loaded, a
+full checkpoint reloaded in place (or restarted on). Calls in flight finish on what they started on. The rollback is
+a new `deployments` row: the restored deployment's name, path and kind, with `rollback_of` naming the deployment it
+took out of service.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from lcap.config import LcapError
 from lcap.policy import read_policy
-from lcap.serve.deploy import deploy, make_current, record_deployment, servable
+from lcap.serve.deploy import deploy, make_current, record_deployment, running_policy, servable
 from lcap.store import Store
 
 _ROWS = """
@@ -47,9 +47,7 @@ def rollback(
 ) -> tuple[str, str]:
     """Make an earlier deployment current again (`name`, the latest of `round`, or the one before the current);
     returns (the deployment now current, the one it replaced)."""
-    record = read_policy()
-    if record is None:
-        raise LcapError("no policy server is running: start one with `lcap serve --model M`")
+    record = running_policy()
     current = record.current
     target = earlier_deployment(store, current, name=name, round=round, served_model=record.served_model)
     if target.name == current:

@@ -1,10 +1,10 @@
 """Whether a full checkpoint differs from the running policy in anything but its weights' values.
 
-An in-place reload (serve/reload.py) replaces weights only: vLLM keeps the model config, the
-generation defaults and the tokenizer it started with. So a checkpoint whose tensors (names and
-shapes, from the safetensors headers), config, generation config or tokenizer differs needs a restart. Trainers write these files again when they save
-(another transformers version adds or renames fields, a tokenizer is re-serialised with `null`
-spelled `""`), so they are compared for what vLLM reads from them, not byte for byte.
+An in-place reload (serve/reload.py) replaces weights only: vLLM keeps the model config, the generation defaults and
+the tokenizer it started with. So a checkpoint whose tensors (names and shapes, from the safetensors headers),
+config, generation config or tokenizer differs needs a restart. Trainers write these files again when they save
+(another transformers version adds or renames fields, a tokenizer is re-serialised with `null` spelled `""`), so
+they are compared for what vLLM reads from them, not byte for byte.
 """
 
 from __future__ import annotations

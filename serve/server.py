@@ -1,16 +1,14 @@
 """`lcap serve`: run vLLM's OpenAI server on the policy, as one replica or several, and record it for the other commands.
 
-Each replica is one vLLM server with LoRA enabled and runtime adapter loading allowed: `lcap deploy`
-hot-loads each new round's adapter without restarting anything. A local replica also runs in vLLM's dev
-mode, so that `lcap deploy` can reload a full checkpoint into it in place (serve/reload.py). Local replicas are processes of
-their own process group (so stopping one also stops its engine workers) on 127.0.0.1, from the
-interpreter of lcap's vLLM venv; on a GPU machine each gets its own GPUs. Under `--ray` each
-replica is a Ray actor that runs vLLM on its node (serve/ray_replicas.py). A local
-replica starts through vllm_plugin/launch.py, which adds lcap's policy endpoints (exact tokens in
-every dialect, stitched prompts, request adaptation: vllm_plugin/lcap_policy); a Ray replica starts the
-same way behind vllm_guard.py, which requires its key on every path but /health. The record
-(`lcap.policy`) is written only once every replica's /health answers, so a reader that finds one
-can send requests.
+Each replica is one vLLM server with LoRA enabled and runtime adapter loading allowed: `lcap deploy` hot-loads each
+new round's adapter without restarting anything. A local replica also runs in vLLM's dev mode, so that `lcap deploy`
+can reload a full checkpoint into it in place (serve/reload.py). Local replicas are processes of their own process
+group (so stopping one also stops its engine workers) on 127.0.0.1, from the interpreter of lcap's vLLM venv; on a
+GPU machine each gets its own GPUs. Under `--ray` each replica is a Ray actor that runs vLLM on its node
+(serve/ray_replicas.py). A local replica starts through vllm_plugin/launch.py, which adds lcap's policy endpoints
+(exact tokens in every dialect, stitched prompts, request adaptation: vllm_plugin/lcap_policy); a Ray replica starts
+the same way behind vllm_guard.py, which requires its key on every path but /health. The record (`lcap.policy`) is
+written only once every replica's /health answers, so a reader that finds one can send requests.
 """
 
 from __future__ import annotations
@@ -74,24 +72,14 @@ class LocalReplicas:
         replicas = []
         try:
             for i, name in enumerate(names):
-                env = dict(os.environ)
-                if devices is not None:
-                    env["CUDA_VISIBLE_DEVICES"] = devices[i]
+                visible = devices[i] if devices is not None else None
                 with listen_socket(HOST, port + i if port else 0) as listener:
                     replica_port = listener.getsockname()[1]
                     log = _replica_log(log_path, i, replica_port)
-                    proc = launch(spec, python=self.python, listener=listener, log_path=log, env=env)
+                    proc = launch(spec, python=self.python, listener=listener, log_path=log, env=_replica_env(visible))
                 url = f"http://{HOST}:{replica_port}"
                 started.append((proc, url, log))
-                replicas.append(
-                    Replica(
-                        name=name,
-                        url=url,
-                        pid=proc.pid,
-                        log_path=str(log),
-                        devices=devices[i] if devices is not None else None,
-                    )
-                )
+                replicas.append(Replica(name=name, url=url, pid=proc.pid, log_path=str(log), devices=visible))
             wait_healthy(started, spec.timeout, progress)
         except BaseException:
             for proc, _, _ in started:
@@ -102,13 +90,10 @@ class LocalReplicas:
     def restart(self, replica: Replica, spec: VllmSpec) -> Replica:
         """Stop the replica and start `spec` in its place, on the same port, with the same GPUs."""
         self.stop(replica)
-        env = dict(os.environ)
-        if replica.devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = replica.devices
         port = int(replica.url.rsplit(":", 1)[1])
         log = Path(replica.log_path or lcap_home() / "logs" / f"vllm-{port}.log")
         with listen_socket(HOST, port) as listener:
-            proc = launch(spec, python=self.python, listener=listener, log_path=log, env=env)
+            proc = launch(spec, python=self.python, listener=listener, log_path=log, env=_replica_env(replica.devices))
         try:
             wait_healthy([(proc, replica.url, log)], spec.timeout, progress=False)
         except BaseException:
@@ -128,6 +113,14 @@ class LocalReplicas:
 
     def log_tail(self, replica: Replica) -> str:
         return tail(Path(replica.log_path))
+
+
+def _replica_env(devices: str | None) -> dict[str, str]:
+    """This process's environment, with the replica's GPUs (`devices`) as the only ones visible when it has its own."""
+    env = dict(os.environ)
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = devices
+    return env
 
 
 def _replica_log(log_path: Path | None, index: int, port: int) -> Path:
@@ -200,20 +193,16 @@ def start_server(
     gpus_per_server(extra_args)  # a malformed parallel size is an error before anything starts
     names = [f"r{i}" for i in range(replicas)]
     key_file = key = None
+    spec = VllmSpec(model, served_name, python, tool_parser, tuple(extra_args), timeout, tuple(endpoint_env.items()))
     if ray is not None:
         ray_backend = RayReplicas(ray, python)  # joins the cluster: an unreachable one is an error before anything
         key_file = new_key()
         key = key_file.read_text().strip()
-        spec = VllmSpec(
-            model, served_name, python, tool_parser, tuple(extra_args), timeout, tuple(endpoint_env.items())
-        )
         started = ray_backend.start(names, spec, key, gpus_per_replica)
         python_recorded = python or ""
     else:
         python_recorded = resolve_python(python)
-        spec = VllmSpec(
-            model, served_name, python_recorded, tool_parser, tuple(extra_args), timeout, tuple(endpoint_env.items())
-        )
+        spec = replace(spec, python=python_recorded)
         started = LocalReplicas(python_recorded).start(
             names, spec, port=port, log_path=log_path, gpus_per_replica=gpus_per_replica, progress=progress
         )
@@ -243,19 +232,8 @@ def start_server(
             backend.stop(replica, 30)
         raise
     if store is not None:
-        store.append(
-            "deployments",
-            [
-                {
-                    "name": served_name,
-                    "path": model,
-                    "base_model": model,
-                    "kind": "base",
-                    "round": None,
-                    "created_at": now(),
-                }
-            ],
-        )
+        row = {"name": served_name, "path": model, "base_model": model, "kind": "base", "round": None}
+        store.append("deployments", [{**row, "created_at": now()}])
     return record
 
 

@@ -146,27 +146,11 @@ def server_command(
     """vLLM's OpenAI server on `model` with lcap's policy endpoints (LAUNCHER); `guarded`: behind the replica key
     on every path but /health (GUARD, which then runs LAUNCHER), for a replica reachable from the network."""
     start = python_helper(python, str(GUARD if guarded else LAUNCHER))
-    cmd = [
-        *start,
-        "--model",
-        model,
-        "--served-model-name",
-        served_name,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        # GPU: the checkpoint's dtype (bf16 for fp32 weights); CPU: fp32, the path vLLM's CPU backend tests.
-        "--dtype",
-        "auto" if gpu else "float32",
-        "--enable-lora",
-        "--max-lora-rank",
-        str(MAX_LORA_RANK),
-        "--max-loras",
-        str(MAX_LORAS),
-        "--worker-extension-cls",
-        RELOAD_EXTENSION,
-    ]
+    cmd = [*start, "--model", model, "--served-model-name", served_name, "--host", host, "--port", str(port)]
+    # GPU: the checkpoint's dtype (bf16 for fp32 weights); CPU: fp32, the path vLLM's CPU backend tests.
+    cmd += ["--dtype", "auto" if gpu else "float32"]
+    cmd += ["--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK), "--max-loras", str(MAX_LORAS)]
+    cmd += ["--worker-extension-cls", RELOAD_EXTENSION]
     if tool_parser:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", tool_parser]
     return cmd + list(extra_args)

@@ -103,13 +103,18 @@ def check_trainable(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -
     tokens (before any model is loaded: a round that would train on nothing is neither trained nor deployed)."""
     samples = read_samples(inputs.samples)
     groups = make_groups(samples, group_size=options.group_size, stale=options.stale, current=inputs.current)
-    where = out_dir.name.replace("-", " ")
+    where = round_name(out_dir)
     if not groups.groups:
         raise LcapError(nothing_to_train(where, inputs.shown(out_dir).samples, samples, groups, inputs.current))
     refusal = too_few_tokens(where, count_tokens(groups.samples), options.min_tokens)
     if refusal:
         raise LcapError(refusal)
     return groups
+
+
+def round_name(out_dir: Path) -> str:
+    """How messages name the round written to `out_dir` (RUN/round-3: "round 3")."""
+    return out_dir.name.replace("-", " ")
 
 
 def world_size() -> int:
@@ -199,7 +204,6 @@ def prepare(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Prepar
         max_steps = min(max_steps, options.max_steps)
 
     policy = round_policy(inputs, out_dir, options)
-    model, peft_config, kind, tokenizer = policy.model, policy.peft_config, policy.kind, policy.tokenizer
     args = GRPOConfig(
         **trainer_args(out_dir, options, policy.on_gpu),
         beta=options.beta,
@@ -221,12 +225,12 @@ def prepare(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Prepar
         log_completions=False,
     )
     trainer = CapturedGRPOTrainer(
-        model=model,
+        model=policy.model,
         reward_funcs=[captured_advantage],
         args=args,
         train_dataset=Dataset.from_dict({"prompt": list(groups.groups)}),
-        processing_class=tokenizer,
-        peft_config=peft_config,
+        processing_class=policy.tokenizer,
+        peft_config=policy.peft_config,
         rollout_func=captured_rollout(groups),
         off_policy_correction=options.is_correction,
     )
@@ -235,7 +239,7 @@ def prepare(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Prepar
             f"accelerate sees {trainer.accelerator.num_processes} processes, the launcher WORLD_SIZE={processes}"
         )
     trainer.remove_callback(PrinterCallback)  # its per-step dicts go to TensorBoard and train_runs, not the terminal
-    return PreparedRound(trainer, groups, inputs, kind, batch, out_dir)
+    return PreparedRound(trainer, groups, inputs, policy.kind, batch, out_dir)
 
 
 @dataclass
@@ -249,25 +253,22 @@ class FittedRound:
     processes: int
     mismatch: list[dict[str, Any]]  # the guard's figures per deployment (lcap.train.mismatch)
 
+    @classmethod
+    def of(cls, trainer: Any, output: Path, kind: str, metrics: dict[str, Any], mismatch: list) -> FittedRound:
+        """What `trainer` left in `output`, with the device and processes it trained on."""
+        device, processes = str(trainer.accelerator.device), trainer.accelerator.num_processes
+        return cls(output, kind, metrics, device, processes, mismatch)
+
 
 def fit_round(inputs: RoundInputs, out_dir: Path, options: TrainOptions, *, progress: bool = False) -> FittedRound:
     """Train the round in this process (one of `world_size()`); rank 0 saves the adapter or checkpoint in OUT_DIR."""
-    from transformers.utils.logging import disable_progress_bar  # the train extra
-
-    disable_progress_bar()  # transformers' bars over loading and saving weights; the round has its own bar
-    quiet_noise()
+    quiet_training()
     p = prepare(inputs, out_dir, options)
     mismatch = guard_round(p, options)
     if progress:
-        p.trainer.add_callback(step_progress(f"train {out_dir.name.replace('-', ' ')}"))
-    trainer, groups, kind = p.trainer, p.groups, p.kind
-    t0 = time.perf_counter()
-    trainer.train()
-    seconds = time.perf_counter() - t0
-    output = out_dir / ("checkpoint" if kind == "full" else "adapter")
-    trainer.save_model(str(output))  # every process calls it (a collective under FSDP and ZeRO-3); rank 0 writes
-    if kind == "full" and trainer.accelerator.is_main_process:
-        trainer.processing_class.save_pretrained(str(output))
+        p.trainer.add_callback(step_progress(f"train {round_name(out_dir)}"))
+    trainer, groups = p.trainer, p.groups
+    output, seconds = train_and_save(trainer, out_dir, p.kind)
 
     tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in groups.samples)
     passes = (
@@ -282,19 +283,39 @@ def fit_round(inputs: RoundInputs, out_dir: Path, options: TrainOptions, *, prog
         dropped_stale=groups.dropped_stale,
         padded=groups.padded,
         mean_reward=groups.mean_reward(),
+        **throughput(trainer, tokens, passes, seconds),
+    )
+    metrics.update(mismatch.metrics())
+    return FittedRound.of(trainer, output, p.kind, metrics, mismatch.details())
+
+
+def quiet_training() -> None:
+    """No transformers bars over loading and saving weights (the round has its own bar), nor library noise."""
+    from transformers.utils.logging import disable_progress_bar  # the train extra
+
+    disable_progress_bar()
+    quiet_noise()
+
+
+def train_and_save(trainer: Any, out_dir: Path, kind: str) -> tuple[Path, float]:
+    """Train, then save the adapter or checkpoint (`kind` full) in OUT_DIR: (where it went, seconds trained)."""
+    t0 = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - t0
+    output = out_dir / ("checkpoint" if kind == "full" else "adapter")
+    trainer.save_model(str(output))  # every process calls it (a collective under FSDP and ZeRO-3); rank 0 writes
+    if kind == "full" and trainer.accelerator.is_main_process:
+        trainer.processing_class.save_pretrained(str(output))
+    return output, seconds
+
+
+def throughput(trainer: Any, tokens: int, passes: float, seconds: float) -> dict[str, Any]:
+    """A round's last figures: the tokens trained on (`tokens` over `passes` passes), time, rate and steps."""
+    return dict(
         tokens=int(tokens * passes),
         train_seconds=seconds,
         tokens_per_s=tokens * passes / seconds if seconds else None,
         steps=trainer.state.global_step,
-    )
-    metrics.update(mismatch.metrics())
-    return FittedRound(
-        output=output,
-        kind=kind,
-        metrics=metrics,
-        device=str(trainer.accelerator.device),
-        processes=trainer.accelerator.num_processes,
-        mismatch=mismatch.details(),
     )
 
 
@@ -317,7 +338,7 @@ def guard_round(p: PreparedRound, options: TrainOptions) -> Mismatch:
     written.replace(path)
     shown = p.inputs.shown(p.out_dir)
     policy = str(shown.init_from) if shown.init_from else f"the base model {p.inputs.base_model}"
-    where = p.out_dir.name.replace("-", " ")
+    where = round_name(p.out_dir)
     check_mismatch(mismatch, options.mismatch_max, where=where, policy=policy, details=str(shown.round_dir / path.name))
     return mismatch
 

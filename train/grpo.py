@@ -117,14 +117,13 @@ def round_inputs(
     if current is None:
         policy = read_policy()
         current = policy.current if policy else None
-    if not isinstance(init_from, PreviousRound):
-        return RoundInputs(base_model=base_model, samples=samples, init_from=init_from, current=current)
-    init_from = round_output(run, round - 1) if round > 1 else None
-    if round > 1 and init_from is None:
-        raise LcapError(
-            f"round {round} continues round {round - 1}'s policy, and {round_dir(run, round - 1)} has no adapter or "
-            f"checkpoint: train round {round - 1} first, or train these samples as --round 1 of a new --run"
-        )
+    if isinstance(init_from, PreviousRound):
+        init_from = round_output(run, round - 1) if round > 1 else None
+        if round > 1 and init_from is None:
+            raise LcapError(
+                f"round {round} continues round {round - 1}'s policy, and {round_dir(run, round - 1)} has no adapter "
+                f"or checkpoint: train round {round - 1} first, or train these samples as --round 1 of a new --run"
+            )
     return RoundInputs(base_model=base_model, samples=samples, init_from=init_from, current=current)
 
 

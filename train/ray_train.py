@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, cast
 
@@ -84,14 +85,7 @@ def fit_on_ray(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Fit
         raise RuntimeError(f"Ray Train finished without rank 0's output: {result.error!r}")
     _unpack(returned["files"], out_dir)
     fitted = returned["fitted"]
-    return FittedRound(
-        output=out_dir / fitted["output"],
-        kind=fitted["kind"],
-        metrics=fitted["metrics"],
-        device=fitted["device"],
-        processes=fitted["processes"],
-        mismatch=fitted["mismatch"],
-    )
+    return FittedRound(**{**fitted, "output": out_dir / fitted["output"]})
 
 
 def _train_worker(config: dict[str, Any]) -> dict[str, Any] | None:
@@ -132,17 +126,7 @@ def _train_worker(config: dict[str, Any]) -> dict[str, Any] | None:
             raise _RoundStopped(str(exc), {report.name: report.read_bytes()} if report.exists() else {}) from None
         if ray.train.get_context().get_world_rank() != 0:
             return None
-        return {
-            "files": _pack(out_dir),
-            "fitted": {
-                "output": fitted.output.name,
-                "kind": fitted.kind,
-                "metrics": fitted.metrics,
-                "device": fitted.device,
-                "processes": fitted.processes,
-                "mismatch": fitted.mismatch,
-            },
-        }
+        return {"files": _pack(out_dir), "fitted": {**asdict(fitted), "output": fitted.output.name}}
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

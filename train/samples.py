@@ -10,7 +10,7 @@ sample's whole forward and backward for nothing).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lcap.dataset.build.samples_file import read_samples_table
@@ -34,19 +34,15 @@ class Sample:
     behaviour: bool = True
 
     def pad_copy(self) -> Sample:
-        return Sample(
+        return replace(
+            self,
             sample_id=f"{self.sample_id}#pad",
-            group_id=self.group_id,
             prompt_ids=self.prompt_ids[-1:],
             completion_ids=self.completion_ids[:1],
             logprobs=self.logprobs[:1],
             env_mask=[0] * len(self.completion_ids[:1]),
-            reward=self.reward,
             advantage=0.0,
-            deployment=self.deployment,
-            truncated=self.truncated,
             padding=True,
-            behaviour=self.behaviour,
         )
 
 

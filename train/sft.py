@@ -13,15 +13,24 @@ next round, GRPO or SFT, continues from it.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lcap.config import LcapError
-from lcap.noise import quiet_noise
 from lcap.store import now
-from lcap.train.fit import FittedRound, RoundInputs, is_main_process, round_policy, trainer_args, world_size
+from lcap.train.fit import (
+    FittedRound,
+    RoundInputs,
+    is_main_process,
+    quiet_training,
+    round_name,
+    round_policy,
+    throughput,
+    train_and_save,
+    trainer_args,
+    world_size,
+)
 from lcap.train.grpo import TrainResult, record_round, round_dir, round_inputs
 from lcap.train.options import TrainOptions
 from lcap.train.progress import step_progress
@@ -68,7 +77,7 @@ def prepare_sft(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Pr
 
     every = read_samples(inputs.samples)
     samples = [s for s in every if any(s.env_mask)]
-    where = out_dir.name.replace("-", " ")
+    where = round_name(out_dir)
     if not samples:
         shown = inputs.shown(out_dir).samples
         raise LcapError(
@@ -85,10 +94,9 @@ def prepare_sft(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Pr
         max_steps = min(max_steps, options.max_steps)
 
     policy = round_policy(inputs, out_dir, options)
-    model, peft_config, kind, tokenizer = policy.model, policy.peft_config, policy.kind, policy.tokenizer
     rows = batch // processes
     longest = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
-    micro = micro_batch(rows, longest, model.config.vocab_size, LOGITS_BYTES)
+    micro = micro_batch(rows, longest, policy.model.config.vocab_size, LOGITS_BYTES)
     shared = trainer_args(out_dir, options, policy.on_gpu)
     args = SFTConfig(
         **{**shared, "gradient_accumulation_steps": shared["gradient_accumulation_steps"] * (rows // micro)},
@@ -98,33 +106,24 @@ def prepare_sft(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Pr
         dataset_kwargs={"skip_prepare_dataset": True},  # ids and labels are ready; no template, no truncation
     )
     trainer = SFTTrainer(
-        model=model,
+        model=policy.model,
         args=args,
         train_dataset=Dataset.from_list([sft_example(s) for s in samples]),
-        processing_class=tokenizer,
-        peft_config=peft_config,
+        processing_class=policy.tokenizer,
+        peft_config=policy.peft_config,
     )
     trainer.remove_callback(PrinterCallback)
-    return PreparedSft(trainer, samples, len(every) - len(samples), kind, out_dir)
+    return PreparedSft(trainer, samples, len(every) - len(samples), policy.kind, out_dir)
 
 
 def fit_sft(inputs: RoundInputs, out_dir: Path, options: TrainOptions, *, progress: bool = False) -> FittedRound:
     """Train the SFT round in this process; rank 0 saves the adapter or checkpoint in OUT_DIR as GRPO's does."""
-    from transformers.utils.logging import disable_progress_bar  # the train extra
-
-    disable_progress_bar()
-    quiet_noise()
+    quiet_training()
     p = prepare_sft(inputs, out_dir, options)
     if progress:
-        p.trainer.add_callback(step_progress(f"train {out_dir.name.replace('-', ' ')} (sft)"))
+        p.trainer.add_callback(step_progress(f"train {round_name(out_dir)} (sft)"))
     trainer = p.trainer
-    t0 = time.perf_counter()
-    trainer.train()
-    seconds = time.perf_counter() - t0
-    output = out_dir / ("checkpoint" if p.kind == "full" else "adapter")
-    trainer.save_model(str(output))
-    if p.kind == "full" and trainer.accelerator.is_main_process:
-        trainer.processing_class.save_pretrained(str(output))
+    output, seconds = train_and_save(trainer, out_dir, p.kind)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h and not math.isnan(h["loss"])]
     tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in p.samples)
     passes = trainer.state.global_step * trainer.args.per_device_train_batch_size * trainer.accelerator.num_processes
@@ -133,19 +132,10 @@ def fit_sft(inputs: RoundInputs, out_dir: Path, options: TrainOptions, *, progre
         n_samples=len(p.samples),
         mean_reward=sum(s.reward for s in p.samples) / len(p.samples),
         loss=sum(losses) / len(losses) if losses else None,
-        tokens=int(tokens * passes),
-        train_seconds=seconds,
-        tokens_per_s=tokens * passes / seconds if seconds else None,
-        steps=trainer.state.global_step,
+        **throughput(trainer, tokens, passes, seconds),
     )
-    return FittedRound(
-        output=output,
-        kind=p.kind,
-        metrics=metrics,
-        device=str(trainer.accelerator.device),
-        processes=trainer.accelerator.num_processes,
-        mismatch=[],  # the guard compares served logprobs with the trainer's: a teacher's calls have none of ours
-    )
+    # no mismatch figures: the guard compares served logprobs with the trainer's; a teacher's calls have none of ours
+    return FittedRound.of(trainer, output, p.kind, metrics, [])
 
 
 def sft_round(

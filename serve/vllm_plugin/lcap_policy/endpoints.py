@@ -198,16 +198,14 @@ class Policy:
         tok = self.tokenizer
         special = set(getattr(tok, "all_special_ids", ()) or ()) | set((tok.get_added_vocab() or {}).values())
         eos = self.renderer.model_config.hf_config
-        ids: set[int] = set()
-        for source in (getattr(tok, "eos_token_id", None), getattr(eos, "eos_token_id", None)):
-            ids.update(source if isinstance(source, list) else [source] if isinstance(source, int) else [])
+        ids = {*_ids(getattr(tok, "eos_token_id", None)), *_ids(getattr(eos, "eos_token_id", None))}
         generation = self.renderer.model_config.get_diff_sampling_param().get("stop_token_ids") or ()
         ids.update(generation)
         try:  # the generation config's eos ids, which vLLM stops on too (e.g. <|endoftext|> beside <|im_end|>)
             gen_eos = self.renderer.model_config.try_get_generation_config().get("eos_token_id")
         except Exception:  # a config that cannot be read: only the tokenizer's and the model's eos then
             gen_eos = None
-        ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if isinstance(gen_eos, int) else [])
+        ids.update(_ids(gen_eos))
         return frozenset(i for i in ids if i in special)
 
     def new_turn(self, dialect: str) -> Turn:
@@ -275,15 +273,8 @@ class Policy:
         assert head.stop is not None
         if head.stop not in self.stop_ids:
             return f"token {head.stop} is not a stop token of this model"
-        prefix_params = replace(
-            params,
-            chat_template_kwargs={
-                **params.chat_template_kwargs,
-                "add_generation_prompt": False,
-                "continue_final_message": False,
-            },
-        )
-        prefix_text = await self._render(messages[:end], prefix_params)
+        prefix_kwargs = {**params.chat_template_kwargs, "add_generation_prompt": False, "continue_final_message": False}
+        prefix_text = await self._render(messages[:end], replace(params, chat_template_kwargs=prefix_kwargs))
         full_text = await self._render(messages, params)
         # The token the template ends a message with: the model's own stop token, or (when the model stopped on
         # another of its stop tokens, e.g. <|endoftext|>) the stop token the template writes in its place.
@@ -322,14 +313,8 @@ class Policy:
         request = _validate(ChatCompletionRequest, body)
         asked_ids, asked_logprobs = bool(request.return_token_ids), bool(request.logprobs)
         request.return_token_ids, request.logprobs = True, True
-        await self.prepare(
-            turn,
-            request,
-            request.messages,
-            self._tool_dicts(request),
-            self.renderer.default_chat_template_kwargs,
-            options,
-        )
+        tools = self._tool_dicts(request)
+        await self.prepare(turn, request, request.messages, tools, self.renderer.default_chat_template_kwargs, options)
         result = await self.chat.create_chat_completion(request, raw_request)
         if isinstance(result, ErrorResponse):
             return JSONResponse(result.model_dump(), status_code=result.error.code)
@@ -465,6 +450,13 @@ class Policy:
             self.taps.pop(request.request_id, None)
         return turn, _Started(request.request_id, result)
 
+    def finish(self, turn: Turn, response: Any) -> tuple[str, str]:
+        """A finished Responses answer: its turn's record and head, the response kept for `previous_response_id`."""
+        self.produced(turn, response)
+        record, head = turn.trailer()
+        self.keep(turn, response, head)
+        return record, head
+
     def produced(self, turn: Turn, response: Any) -> None:
         """The assistant message(s) the agent got, as the Responses handler reads them back into chat messages."""
         try:
@@ -491,10 +483,7 @@ class Policy:
                         yield extra["type"], _dumps(extra)
                     sequence = payload.get("sequence_number", 0) + len(added)
                     data = _dumps({**payload, "response": answered, "sequence_number": sequence})
-                    response = getattr(event, "response", None)
-                    self.produced(turn, response)
-                    record, head = turn.trailer()
-                    self.keep(turn, response, head)
+                    record, head = self.finish(turn, getattr(event, "response", None))
                     yield wire.RECORD_EVENT, record
                     yield wire.HEAD_EVENT, head
                 elif getattr(event, "response", None) is not None:
@@ -503,6 +492,11 @@ class Policy:
                 yield kind, data
         finally:
             self.taps.pop(started.request_id, None)
+
+
+def _ids(value: Any) -> list[int]:
+    """A config's token id or list of ids (or neither) as a list."""
+    return value if isinstance(value, list) else [value] if isinstance(value, int) else []
 
 
 @dataclass
@@ -604,10 +598,8 @@ async def responses(body: dict = Body(...), *, raw_request: Request):  # noqa: B
     if isinstance(result, ErrorResponse):
         return JSONResponse(result.model_dump(mode="json", by_alias=True), status_code=result.error.code)
     if isinstance(result, ResponsesResponse):
-        policy.produced(turn, result)
-        record, head = turn.trailer()
-        policy.keep(turn, result, head)
-        return _whole(_dumps(_answered(_public(result.model_dump(mode="json", by_alias=True)))), turn, (record, head))
+        parts = policy.finish(turn, result)
+        return _whole(_dumps(_answered(_public(result.model_dump(mode="json", by_alias=True)))), turn, parts)
 
     async def events() -> AsyncIterator[str]:
         async for kind, data in policy.response_events(turn, started):
