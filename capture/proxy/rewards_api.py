@@ -165,6 +165,11 @@ class RewardEndpoint:
             loop.run_forever()
         finally:
             self._server.close()
+            # A client's kept-alive connection still waits on its next request: end it, closing its socket.
+            handlers = asyncio.all_tasks(loop)
+            for handler in handlers:
+                handler.cancel()
+            loop.run_until_complete(asyncio.gather(*handlers, return_exceptions=True))
             loop.close()
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -82,6 +82,12 @@ def _counters(env: dict[str, str], db: Path) -> dict:
     return proxy["counters"]
 
 
+def _settled(env: dict[str, str], db: Path, calls: int) -> bool:
+    """The proxy's record shows CALLS calls, none of them in flight."""
+    counters = _counters(env, db)
+    return (counters["calls"], counters["calls_in_flight"]) == (calls, 0)
+
+
 def _stop(proxy: subprocess.Popen) -> str:
     proxy.send_signal(signal.SIGINT)
     _, err = proxy.communicate(timeout=120)
@@ -125,8 +131,9 @@ def test_a_full_spool_disk_answers_every_call_and_stores_every_turn(full_env, ll
             wait_until(lambda: _counters(env, db)["turns_stored"] == 5, timeout=60)
             filler = fill(spool, leave=8192)
             answered += [call(i) for i in range(5, 25)]
-            # the proxy's record shows its counters at most a second late
-            wait_until(lambda: _counters(env, db)["calls"] == 25, timeout=30)
+            # The proxy's record shows its counters at most a second late, and a call leaves the in-flight count
+            # just after its agent has the answer: wait for the record that shows the last call closed.
+            wait_until(lambda: _settled(env, db, 25), timeout=30)
             full = _counters(env, db)
             assert full["turns_held"] > 0 and full["calls_in_flight"] == 0, full
             assert full["turns_lost"] == 0
@@ -158,7 +165,7 @@ def test_a_disk_full_to_the_end_says_what_was_lost(full_env, llm):
             wait_until(lambda: _counters(env, db)["turns_stored"] == 1, timeout=60)
             fill(spool)
             assert [call(i) for i in range(1, 4)] == [200] * 3
-            wait_until(lambda: _counters(env, db)["calls"] == 4, timeout=30)  # its record lags by up to a second
+            wait_until(lambda: _settled(env, db, 4), timeout=30)
             counters = _counters(env, db)
             assert (counters["calls_in_flight"], counters["turns_held"]) == (0, 3), counters
     finally:

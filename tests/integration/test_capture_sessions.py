@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -173,9 +174,13 @@ def test_conversations_and_the_responses_chain_make_episodes_without_set_up(serv
 
 
 def test_rewards_by_session_label_and_id_idempotent_and_late(served):
+    served.call(_chat("rw-1 other tenant"), key=KEY_B, session="pr-203")  # B's token is a tenant's: B has episodes
     served.call(_chat("rw-1 work"), key=KEY_A, session="pr-202")
-    episode = _episode_of(served, "rw-1 work")
-    wait_until(lambda: served.rows("SELECT count(*) FROM episodes WHERE episode_id = ?", [episode])[0][0] == 1, 60)
+    episodes = [_episode_of(served, "rw-1 other tenant"), episode := _episode_of(served, "rw-1 work")]
+    wait_until(
+        lambda: served.rows("SELECT count(*) FROM episodes WHERE list_contains(?, episode_id)", [episodes])[0][0] == 2,
+        60,
+    )
     post = {"session": "pr-202", "value": 1.0, "source": "ci", "details": {"run": 7}, "key": "ci-run-7"}
     first = served.reward(post, KEY_A)
     assert first.status_code == 201 and first.json() == {"episode_id": episode, "stored": True}
@@ -253,6 +258,21 @@ def test_a_store_locked_past_its_timeout_answers_503_and_the_retry_is_stored_onc
     finally:
         endpoint.stop()
     assert store.fetchall("SELECT count(*) FROM rewards WHERE key = 'locked-1'") == [(1,)]
+
+
+def test_stopping_the_reward_endpoint_closes_the_connections_it_holds(tmp_path, caplog):
+    """A client that keeps its connection open past the proxy's end sees it closed, and no task is left pending."""
+    store = Store(tmp_path / "lcap.duckdb")
+    endpoint = RewardEndpoint(store, "reward-token")
+    endpoint.start()
+    held = socket.create_connection(("127.0.0.1", endpoint.port), timeout=10)
+    try:
+        wait_until(lambda: endpoint.connections == 1, timeout=10)
+    finally:
+        endpoint.stop()
+    with held:
+        assert held.recv(1) == b""
+    assert not [r for r in caplog.records if "destroyed" in r.getMessage()]
 
 
 def test_episode_rows_a_locked_store_refused_are_kept_and_stored_once_it_is_free(tmp_path, monkeypatch):
