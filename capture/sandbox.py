@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import json
 import os
 import re
@@ -304,7 +305,7 @@ class EpisodeSandbox:
             for group in self.cgroups:
                 (group / "cgroup.procs").write_text(str(pid))
             if self.network:
-                sock = _listen_in(pid, port)
+                sock = listen_in(pid, port)
                 self.listening.enter_context(self.sandbox.proxy.serve_listener(self.episode_id, sock))
             os.write(block_w, b"1")
         except BaseException:
@@ -439,9 +440,11 @@ def _child_pid(fd: int) -> int:
         data += chunk
 
 
-def _listen_in(pid: int, port: int) -> socket.socket:
+def listen_in(pid: int, port: int, timeout: float = START_TIMEOUT) -> socket.socket:
     """A listener on 127.0.0.1:`port` in `pid`'s network namespace: made on a thread of its own that enters the
-    namespace and ends there (a thread's network namespace is its own; lcap's other threads stay outside)."""
+    namespace and ends there (a thread's network namespace is its own; lcap's other threads stay outside).
+    bubblewrap reports its sandbox's pid before the sandbox has brought its loopback up: until then (at most
+    `timeout` seconds) 127.0.0.1 cannot be bound there, and the bind is tried again."""
     made: list[socket.socket | BaseException] = []
 
     def enter() -> None:
@@ -452,7 +455,15 @@ def _listen_in(pid: int, port: int) -> socket.socket:
                     raise OSError(ctypes.get_errno(), f"setns: {os.strerror(ctypes.get_errno())}")
             finally:
                 os.close(ns)
-            made.append(socket.create_server(("127.0.0.1", port), backlog=512))
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    made.append(socket.create_server(("127.0.0.1", port), backlog=512))
+                    return
+                except OSError as exc:
+                    if exc.errno != errno.EADDRNOTAVAIL or time.monotonic() > deadline:
+                        raise
+                time.sleep(0.01)
         except BaseException as exc:
             made.append(exc)
 

@@ -109,19 +109,24 @@ def pristine_tests(task: Mapping[str, Any], tasks_dir: Path) -> dict[str, bytes]
 
 
 def place_tests(workdir: Path, tests: Mapping[str, bytes]) -> None:
-    """Write `tests` over whatever is at their paths in `workdir` (a file, a link, a directory)."""
+    """Write `tests` over whatever is at their paths in `workdir` (a file, a link, a directory), readable by the
+    sandbox's user: their modes are set, not left to the process's umask, which is 077 while another thread
+    writes to the store (lcap.private_files)."""
     for rel, data in tests.items():
         target = workdir / rel
         for parent in reversed(target.relative_to(workdir).parents[:-1]):
             folder = workdir / parent
             if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
                 folder.unlink()
-        target.parent.mkdir(parents=True, exist_ok=True)
+            if not folder.exists():
+                folder.mkdir()
+                folder.chmod(0o755)
         if target.is_dir() and not target.is_symlink():
             shutil.rmtree(target)
         elif target.exists() or target.is_symlink():
             target.unlink()
         target.write_bytes(data)
+        target.chmod(0o644)
 
 
 def _resolve(mirror: Path, rev: str) -> str | None:

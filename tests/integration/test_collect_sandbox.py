@@ -12,12 +12,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
-from fixtures_capture import SocketServer
+from fixtures_capture import SocketServer, wait_until
 
-from lcap.capture.sandbox import CGROUPS, GROUP, missing
+from lcap.capture.sandbox import CGROUPS, GROUP, listen_in, missing
 from lcap.config import LcapError
 from lcap.dataset.collect.episodes import collect
 from lcap.dataset.options import CollectOptions
@@ -233,6 +235,33 @@ def test_host_is_left_as_it_was(sandboxed):
     for controller in ("memory", "pids"):
         left = [p.name for p in (CGROUPS / controller / GROUP).glob(f"*-{os.getpid()}")]
         assert left == []
+
+
+def test_the_listener_waits_for_a_sandbox_loopback_address_that_comes_late():
+    """bubblewrap reports its sandbox's pid while the sandbox may still be setting its loopback up, its interface up
+    before 127.0.0.1 is on it (bind: EADDRNOTAVAIL, seen about once in 400 sandboxes under load): the proxy's
+    listener there is made once the address is, not refused."""
+    with subprocess.Popen(["unshare", "--net", "sleep", "60"]) as namespace:
+        try:
+            wait_until(lambda: os.readlink(f"/proc/{namespace.pid}/ns/net") != os.readlink("/proc/self/ns/net"))
+
+            def loopback(*change: str) -> None:
+                subprocess.run(["nsenter", "-t", str(namespace.pid), "-n", "ip", *change], check=True)
+
+            loopback("link", "set", "lo", "up")
+            loopback("addr", "del", "127.0.0.1/8", "dev", "lo")
+            made: list[socket.socket] = []
+            listening = threading.Thread(target=lambda: made.append(listen_in(namespace.pid, 8080, timeout=30)))
+            listening.start()
+            time.sleep(0.5)  # the listener tries, and is refused
+            assert not made
+            loopback("addr", "add", "127.0.0.1/8", "dev", "lo")
+            listening.join(30)
+            (listener,) = made
+            with listener:
+                assert listener.getsockname() == ("127.0.0.1", 8080)
+        finally:
+            namespace.kill()
 
 
 def test_without_bubblewrap_sandbox_is_a_one_line_error(tmp_path, monkeypatch):

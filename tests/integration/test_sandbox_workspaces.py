@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import tempfile
 import threading
@@ -20,7 +21,9 @@ import pytest
 
 from lcap.capture.sandbox import missing
 from lcap.dataset.collect.episodes import EpisodePool, collect, plan_collect
+from lcap.dataset.collect.workspaces import place_tests
 from lcap.dataset.options import CollectOptions
+from lcap.private_files import private_files
 from lcap.store import Store
 
 SYSTEM_PYTHON = "/usr/bin/python3"
@@ -240,6 +243,17 @@ def test_agent_that_edits_the_tests_is_scored_on_the_pristine_ones(command_run):
         assert episode["status"] == "ok" and episode["reward"] == 1.0, episode["details"]
         assert "Ran 2 tests" in episode["details"]["verifier_output"]  # the pristine file's two tests, not one
         assert "Ran 2 tests" in (episode["dir"] / "verifier.txt").read_text()
+
+
+def test_pristine_tests_are_readable_whatever_the_umask_of_a_store_write_beside_them(tmp_path):
+    """A store write on another thread holds the process's umask at 077: the pristine tests placed meanwhile are
+    still readable by the sandbox's user, or its verifier scores a fixed bug 0 (permission denied)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    with private_files():
+        place_tests(work, {"test_calc.py": TESTS.encode(), "tests/unit/test_more.py": b"pass\n"})
+    modes = {str(p.relative_to(work)): stat.S_IMODE(p.stat().st_mode) for p in sorted(work.rglob("*"))}
+    assert modes == {"test_calc.py": 0o644, "tests": 0o755, "tests/unit": 0o755, "tests/unit/test_more.py": 0o644}
 
 
 def test_the_verifier_leaves_the_agents_workspace_as_the_agent_left_it(command_run):
