@@ -37,10 +37,17 @@ from pathlib import Path
 from typing import Any
 
 from lcap.config import LcapError
-from lcap.dataset.build.builder import build_dataset
-from lcap.dataset.build.explain import lost_lines
 from lcap.display import num
-from lcap.loop.steps import LoopConfig, LoopState, RoundSummary, StepRunner, StopAfter, collect_split, train_step
+from lcap.loop.steps import (
+    LoopConfig,
+    LoopState,
+    RoundSummary,
+    StepRunner,
+    StopAfter,
+    build_step,
+    collect_split,
+    train_step,
+)
 from lcap.policy import read_policy
 from lcap.serve.deploy import forget_candidate, load_candidate, make_current, record_deployment
 from lcap.train.grpo import round_dir
@@ -171,15 +178,7 @@ def _step(
     batch = step(n, "batch", lambda: _take_batch(store, config, state, n, current))
     adopt(store, run, n, batch["episodes"])
     out = round_dir(run, n) / "data"
-    step(
-        n,
-        "build",
-        lambda: {
-            "samples": build_dataset(store, round=n, out=out, options=replace(config.build, split=LIVE_SPLIT)).samples
-        },
-    )
-    for line in lost_lines(out):
-        echo(line)
+    build_step(step, config, n, LIVE_SPLIT, out, echo)
     trained_from = batch["current"]
     train_options = replace(config.train, current=trained_from, mismatch_current_only=True)
     init = _policy_path(store, trained_from)

@@ -115,9 +115,6 @@ class Producer:
         self.lock = threading.Condition()
         self.thread = threading.Thread(target=self._run, name="lcap-producer", daemon=True)
 
-    def start(self) -> None:
-        self.thread.start()
-
     def advance(self, version: int, wasted: int) -> None:
         with self.lock:
             self.version, self.wasted = version, wasted
@@ -211,7 +208,7 @@ def run_async_loop(
     idle_before = 0.0
     held_out = _Background()
     with pool:
-        producer.start()
+        producer.thread.start()
         try:
             for n in range(first, config.rounds + 1):
                 t0 = time.perf_counter()
@@ -238,7 +235,8 @@ def run_async_loop(
                     )
                     producer.advance(n - 1, _wasted(data))
                     echo(f"step {n}: every sample of {len(batch['groups'])} groups was stale, taking the next ones")
-                train_options = replace(config.train, current=_name_of(versions, n - 1), mismatch_current_only=True)
+                current = next(name for name, v in versions.items() if v == n - 1)  # the policy step n trains from
+                train_options = replace(config.train, current=current, mismatch_current_only=True)
                 trained = step(n, "train", lambda: {**train_step(store, run, n, train_options, out), **_as(staleness)})
                 held_out.wait()  # the previous step's held-out episodes are all served by the policy they measure
                 deployed = step(n, "deploy", lambda: deploy_step(store, trained["output"], n))
@@ -401,10 +399,6 @@ def _versions(state: LoopState, n: int) -> dict[str, int]:
         if deployed:
             versions[deployed["name"]] = k
     return versions
-
-
-def _name_of(versions: dict[str, int], version: int) -> str:
-    return next(name for name, v in versions.items() if v == version)
 
 
 def _taken(state: LoopState) -> set[str]:

@@ -22,7 +22,8 @@ import pyarrow.parquet as pq
 
 from lcap.capture.options import ProxyOptions
 from lcap.config import LcapError
-from lcap.dataset.build.explain import explain
+from lcap.dataset.build.builder import build_dataset
+from lcap.dataset.build.explain import explain, lost_lines
 from lcap.dataset.collect.episodes import collect, load_tasks
 from lcap.dataset.options import BuildOptions, CollectOptions
 from lcap.display import rounded
@@ -233,7 +234,7 @@ def train_step(
     """Train round `n` on the samples in `data`, from `init_from` (default: round n-1's output); with none, a
     one-line error that says why (build's report)."""
     samples = data / "samples.parquet"
-    if not samples.exists() or _parquet_rows(samples) == 0:
+    if not samples.exists() or pq.ParquetFile(samples).metadata.num_rows == 0:
         try:
             report = json.loads((data / "report.json").read_text())
         except (OSError, ValueError):
@@ -241,23 +242,28 @@ def train_step(
         why = explain(report) if report else f"no report.json in {data}"
         raise LcapError(f"round {n}: nothing to train on in {data}: {why}")
     result = train_round(store, run, n, options, data=data, progress=sys.stderr.isatty(), init_from=init_from)
-    return {
-        "output": str(result.output),
-        **{k: v for k, v in result.metrics.items() if isinstance(v, (int, float)) or v is None},
-    }
+    return _trained(result.output, result.metrics)
 
 
 def sft_step(store, run: Path, n: int, options: TrainOptions, data: Path) -> dict:
     """Train round `n` with SFT on the supervised samples in `data` (`lcap loop --sft-data`)."""
     result = sft_round(store, run, n, replace(options, sft=True), data=data, progress=sys.stderr.isatty())
-    return {
-        "output": str(result.output),
-        **{k: v for k, v in result.metrics.items() if isinstance(v, (int, float)) or v is None},
-    }
+    return _trained(result.output, result.metrics)
 
 
-def _parquet_rows(path: Path) -> int:
-    return pq.ParquetFile(path).metadata.num_rows
+def _trained(output: Path, metrics: dict[str, Any]) -> dict:
+    """A training step's record: its output and the metrics that are numbers."""
+    return {"output": str(output), **{k: v for k, v in metrics.items() if isinstance(v, (int, float)) or v is None}}
+
+
+def build_step(
+    step: StepRunner, config: LoopConfig, n: int, split: str, out: Path, echo: Callable[[str], None]
+) -> None:
+    """Build round `n`'s samples of `split` into `out` (once), then say what build-dataset lost."""
+    options = replace(config.build, split=split)
+    step(n, "build", lambda: {"samples": build_dataset(step.store, round=n, out=out, options=options).samples})
+    for line in lost_lines(out):
+        echo(line)
 
 
 def deploy_step(store, output: str, n: int) -> dict:

@@ -40,6 +40,16 @@ TURN_FLAGS = {
 }
 OPTIONAL_TURN_FLAGS = {"stitched": "stitched"}  # columns a newer capture adds; offered when the store has them
 MISMATCH_FIGURES = ("mismatch_kl", "mismatch_logp_diff", "mismatch_seconds")  # train_runs: the guard's charted figures
+# The list's filters: a field of `EpisodeFilter` -> its condition on the episodes `e` and rewards `r` when it is set.
+FILTERS = {
+    "round": "e.round = $round",
+    "split": "coalesce(e.split, 'train') = $split",
+    "task": "e.task_id = $task",
+    "q": "(contains(lower(e.episode_id), lower($q)) OR contains(lower(coalesce(e.task_id, '')), lower($q)))",
+    "status": "e.status = $status",
+    "reward_min": "r.reward >= $reward_min",
+    "reward_max": "r.reward <= $reward_max",
+}
 
 
 def columns(con: duckdb.DuckDBPyConnection) -> dict[str, set[str]]:
@@ -51,6 +61,11 @@ def columns(con: duckdb.DuckDBPyConnection) -> dict[str, set[str]]:
     for table, column in rows:
         found.setdefault(table, set()).add(column)
     return found
+
+
+def optional_turn_flags(cols: dict[str, set[str]]) -> list[str]:
+    """The flags of `OPTIONAL_TURN_FLAGS` whose column this store's `turns` has."""
+    return [name for name, column in OPTIONAL_TURN_FLAGS.items() if column in cols.get("turns", set())]
 
 
 def _dicts(cursor: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
@@ -159,53 +174,25 @@ class EpisodeFilter:
 def flag_names(con: duckdb.DuckDBPyConnection, cols: dict[str, set[str]]) -> list[str]:
     """Every flag the list can filter by on this store: the dataset stage's raised ones and the turn conditions."""
     raised = [r[0] for r in con.execute("SELECT DISTINCT flag FROM episode_flags ORDER BY flag").fetchall()]
-    optional = [name for name, column in OPTIONAL_TURN_FLAGS.items() if column in cols.get("turns", set())]
-    return sorted(set(raised) | set(TURN_FLAGS) | set(optional) | {"no_reward"})
-
-
-def _turn_flag_sql(flag: str) -> str | None:
-    return TURN_FLAGS.get(flag) or OPTIONAL_TURN_FLAGS.get(flag)
+    return sorted(set(raised) | set(TURN_FLAGS) | set(optional_turn_flags(cols)) | {"no_reward"})
 
 
 def episode_page(
     con: duckdb.DuckDBPyConnection, f: EpisodeFilter, cols: dict[str, set[str]]
 ) -> tuple[list[dict[str, Any]], int]:
     """One page of the filtered, sorted episode list and the number of episodes that match."""
-    where: list[str] = ["true"]
-    params: dict[str, Any] = {}
-    if f.round is not None:
-        where.append("e.round = $round")
-        params["round"] = f.round
-    if f.split:
-        where.append("coalesce(e.split, 'train') = $split")
-        params["split"] = f.split
-    if f.task:
-        where.append("e.task_id = $task")
-        params["task"] = f.task
-    if f.q:
-        where.append(
-            "(contains(lower(e.episode_id), lower($q)) OR contains(lower(coalesce(e.task_id, '')), lower($q)))"
-        )
-        params["q"] = f.q
-    if f.status:
-        where.append("e.status = $status")
-        params["status"] = f.status
-    if f.reward_min is not None:
-        where.append("r.reward >= $reward_min")
-        params["reward_min"] = f.reward_min
-    if f.reward_max is not None:
-        where.append("r.reward <= $reward_max")
-        params["reward_max"] = f.reward_max
+    params: dict[str, Any] = {name: getattr(f, name) for name in FILTERS if getattr(f, name) not in (None, "")}
+    where = ["true", *(FILTERS[name] for name in params)]
     if f.flag == "no_reward":
         where.append("r.reward IS NULL")
-    elif f.flag and (condition := _turn_flag_sql(f.flag)):
+    elif f.flag and (condition := TURN_FLAGS.get(f.flag) or OPTIONAL_TURN_FLAGS.get(f.flag)):
         where.append(f"e.episode_id IN (SELECT episode_id FROM turns WHERE {condition})")
     elif f.flag:
         where.append("e.episode_id IN (SELECT episode_id FROM episode_flags WHERE flag = $flag)")
         params["flag"] = f.flag
     direction = "DESC" if f.order == "desc" else "ASC"
     params |= {"limit": f.per_page, "offset": (f.page - 1) * f.per_page}
-    optional = [name for name, column in OPTIONAL_TURN_FLAGS.items() if column in cols.get("turns", set())]
+    optional = optional_turn_flags(cols)
     optional_sql = "".join(f", bool_or(coalesce({OPTIONAL_TURN_FLAGS[n]}, false)) AS {n}" for n in optional)
     sql = f"""
     WITH f AS (
