@@ -274,6 +274,13 @@ _USER_SQL_SETTINGS = (
 )
 
 
+def table_names(con: duckdb.DuckDBPyConnection) -> set[str]:
+    """The tables a unit of work on the store sees."""
+    return {
+        row[0] for row in con.execute("SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main'").fetchall()
+    }
+
+
 def _one_row(con: duckdb.DuckDBPyConnection) -> tuple[Any, ...]:
     """The row of a statement that always returns exactly one (an aggregate, or INSERT's row count)."""
     row = con.fetchone()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -260,12 +261,10 @@ def _take_batch(store, config: LoopConfig, state: LoopState, n: int, current: st
                 f"{options.min_samples}: stopping (the same command waits again)"
             )
         time.sleep(POLL_S)
-    staleness: dict[str, int] = {}
+    staleness = Counter(str(fresh.get(deployment, "?")) for _, _, _, deployment, _ in rows)
     samples: dict[str, int] = {}
     episodes = []
-    for episode, _, key, deployment, last_call in rows:
-        behind = str(fresh.get(deployment, "?"))
-        staleness[behind] = staleness.get(behind, 0) + 1
+    for episode, _, key, _, last_call in rows:
         samples[key] = samples.get(key, -1) + 1
         episodes.append({"id": episode, "group": key, "sample": samples[key], "ended_at": str(last_call)})
     return {
