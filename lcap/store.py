@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import duckdb
 
 from lcap.config import LcapError
+from lcap.locks import flock_within
 from lcap.private_files import private_files
 from lcap.schema import MIGRATIONS, PROMOTED_LABELS, SCHEMA_VERSION, TABLES, VIEWS
 
@@ -311,7 +312,7 @@ class _Waiters:
         except OSError:  # nobody has waited for this store yet
             return
         try:
-            _flock(fd, fcntl.LOCK_EX, LET_IN_S)
+            flock_within(fd, fcntl.LOCK_EX, LET_IN_S)
         finally:
             os.close(fd)  # (and its lock with it)
 
@@ -323,7 +324,7 @@ class _Waiters:
             fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o600)
         except OSError:
             return
-        if _flock(fd, fcntl.LOCK_SH, LET_IN_S):
+        if flock_within(fd, fcntl.LOCK_SH, LET_IN_S):
             self.fd = fd
         else:
             os.close(fd)
@@ -332,19 +333,6 @@ class _Waiters:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-
-
-def _flock(fd: int, kind: int, timeout: float) -> bool:
-    """Take a `kind` lock on `fd` (False after `timeout`)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            fcntl.flock(fd, kind | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
 
 
 def _detach(con: duckdb.DuckDBPyConnection) -> None:
