@@ -122,17 +122,17 @@ def ready_episodes(
 def ready_groups(rows: list[tuple], keep_zero_variance: bool, advantage: str = "group") -> list[tuple]:
     """The ready episodes (id, reward, key, deployment, last call) that `advantage` can learn from: under `group`,
     those in groups of one first prompt with rewards that differ; under a batch baseline, every one."""
-    if advantage != "group":
-        return sorted(rows, key=lambda r: (str(r[4]), r[0]))
-    by_key: dict[str, list[tuple]] = {}
-    for row in rows:
-        by_key.setdefault(row[2], []).append(row)
-    kept = [
-        group
-        for group in by_key.values()
-        if len(group) >= 2 and (keep_zero_variance or max(r[1] for r in group) > min(r[1] for r in group))
-    ]
-    return sorted((row for group in kept for row in group), key=lambda r: (str(r[4]), r[0]))
+    if advantage == "group":
+        by_key: dict[str, list[tuple]] = {}
+        for row in rows:
+            by_key.setdefault(row[2], []).append(row)
+        rows = [
+            row
+            for group in by_key.values()
+            if len(group) >= 2 and (keep_zero_variance or max(r[1] for r in group) > min(r[1] for r in group))
+            for row in group
+        ]
+    return sorted(rows, key=lambda r: (str(r[4]), r[0]))
 
 
 def run_live_loop(

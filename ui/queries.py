@@ -156,17 +156,13 @@ class EpisodeFilter:
     def query(self, **changes: Any) -> dict[str, str]:
         """This filter as query-string items (defaults left out), with `changes` applied: for links."""
         f = replace(self, **changes)
+        default_sort = (f.sort, f.order) == DEFAULT_SORT
         items = {
-            "round": f.round,
-            "split": f.split,
-            "task": f.task,
-            "q": f.q,
-            "status": f.status,
-            "flag": f.flag,
-            "reward_min": f.reward_min,
-            "reward_max": f.reward_max,
-            "sort": None if f.sort == DEFAULT_SORT[0] and f.order == DEFAULT_SORT[1] else f.sort,
-            "order": None if f.sort == DEFAULT_SORT[0] and f.order == DEFAULT_SORT[1] else f.order,
+            k: getattr(f, k) for k in ("round", "split", "task", "q", "status", "flag", "reward_min", "reward_max")
+        }
+        items |= {
+            "sort": None if default_sort else f.sort,
+            "order": None if default_sort else f.order,
             "page": f.page if f.page != 1 else None,
             "per_page": f.per_page if f.per_page != 50 else None,
         }
