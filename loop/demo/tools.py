@@ -37,13 +37,12 @@ from __future__ import annotations
 import functools
 import json
 import random
-import sys
 from pathlib import Path
 from types import ModuleType
 
 from lcap.loop.demo.number import FORMATS, make_tasks, make_triple
 from lcap.loop.demo.number import demo_corpus as number_corpus
-from lcap.loop.demo.task import DemoSettings, DemoTask, bundled_agent, load_script
+from lcap.loop.demo.task import DemoSettings, DemoTask, bundled_agent, load_script, script_command
 from lcap.loop.demo.warm import Corpus, Example, answer_weights
 
 QUESTION = "Which word is a number?"  # names none of the words, nor the key the tool knows
@@ -70,18 +69,7 @@ def agent_module() -> ModuleType:
 
 
 def agent_command() -> list[str]:
-    return [
-        sys.executable,
-        str(agent_path()),
-        "--question",
-        "{question}",
-        "--facts",
-        "{facts}",
-        "--turns",
-        str(TURNS),
-        "--max-tokens",
-        str(MAX_TOKENS),
-    ]
+    return script_command(agent_path(), question="{question}", facts="{facts}", turns=TURNS, max_tokens=MAX_TOKENS)
 
 
 def lookups_by_round(store) -> dict[int, dict]:
