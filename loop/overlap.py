@@ -223,16 +223,13 @@ def run_async_loop(
                     with state.lock:
                         data["void"] = sorted(set(data["void"]) | set(batch["groups"]))
                         del data["steps"][f"{n}:batch"]
-                    void = state.done(n, "void") or {"groups": [], "staleness": {}, "dropped": 0}
-                    state.finish(
-                        n,
-                        "void",
-                        {
-                            "groups": void["groups"] + batch["groups"],
-                            "staleness": _merged(void["staleness"], staleness.histogram),
-                            "dropped": void["dropped"] + staleness.dropped,
-                        },
-                    )
+                    before = state.done(n, "void") or {"groups": [], "staleness": {}, "dropped": 0}
+                    void = {
+                        "groups": before["groups"] + batch["groups"],
+                        "staleness": _merged(before["staleness"], staleness.histogram),
+                        "dropped": before["dropped"] + staleness.dropped,
+                    }
+                    state.finish(n, "void", void)
                     producer.advance(n - 1, _wasted(data))
                     echo(f"step {n}: every sample of {len(batch['groups'])} groups was stale, taking the next ones")
                 current = next(name for name, v in versions.items() if v == n - 1)  # the policy step n trains from

@@ -13,6 +13,7 @@ import asyncio
 import json
 import math
 import secrets
+import threading
 import time
 from datetime import datetime
 from http.cookies import SimpleCookie
@@ -56,7 +57,7 @@ def create_app(db: Path, options: UiOptions, *, token: str | None, max_listeners
     watch = Watch(reader, options.poll)
     tokenizers = Tokenizers(options.tokenizer)
     templates = Jinja2Templates(env=_environment())
-    listeners = _Listeners(max_listeners)
+    listeners = threading.BoundedSemaphore(max_listeners)  # taken without waiting: the app's one event loop
 
     def page(request: Request, name: str, context: dict[str, Any], status: int = 200) -> Response:
         context = {"db": str(db), "poll_ms": int(options.poll * 1000), **context}
@@ -197,7 +198,7 @@ def create_app(db: Path, options: UiOptions, *, token: str | None, max_listeners
 
     async def events(request: Request) -> Response:
         """Server-sent events: `change` with the store's fingerprint whenever it moves, `busy` when unreadable."""
-        if not listeners.enter():
+        if not listeners.acquire(blocking=False):
             return PlainTextResponse("too many live pages open; retrying", 503, headers={"Retry-After": "5"})
 
         async def stream():
@@ -219,7 +220,7 @@ def create_app(db: Path, options: UiOptions, *, token: str | None, max_listeners
                         beat = time.monotonic()
                     await asyncio.sleep(options.poll)  # a client that leaves cancels this (Starlette watches)
             finally:
-                listeners.leave()
+                listeners.release()
 
         return StreamingResponse(
             stream(), media_type="text/event-stream", headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
@@ -249,20 +250,6 @@ def create_app(db: Path, options: UiOptions, *, token: str | None, max_listeners
         return error(request, "Store error", message, 500)
 
     return Starlette(routes=routes, middleware=middleware, exception_handlers={duckdb.Error: store_error})
-
-
-class _Listeners:
-    def __init__(self, limit: int) -> None:
-        self.limit, self.n = limit, 0
-
-    def enter(self) -> bool:
-        if self.n >= self.limit:
-            return False
-        self.n += 1
-        return True
-
-    def leave(self) -> None:
-        self.n -= 1
 
 
 class _Headers:
