@@ -298,8 +298,8 @@ class _Waiters:
     """The processes waiting for a store file, seen through a lock file beside it (STORE.waiters): each whose attach
     found the file locked holds a shared lock on it until it attaches. A process about to attach first waits until
     nobody holds one (an exclusive lock it can take), for `LET_IN_S` at most, so that the file, once released, goes
-    to those already waiting rather than back to the process that held it. A directory where the lock file cannot
-    be made leaves processes to wait unseen, as they did before it."""
+    to those already waiting rather than back to the process that held it. Where the lock file cannot be made,
+    processes wait unseen."""
 
     def __init__(self, store: Path) -> None:
         self.path = store.with_name(store.name + ".waiters")

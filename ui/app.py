@@ -102,7 +102,6 @@ def create_app(db: Path, options: UiOptions, *, token: str | None, max_listeners
                 "optional": queries.optional_turn_flags(cols),
                 "choices": choices,
                 "statuses": queries.STATUSES,
-                "sorts": queries.SORTS,
                 "page_sizes": queries.PAGE_SIZES,
             },
             400 if f.errors else 200,
