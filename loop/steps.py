@@ -134,31 +134,6 @@ def split_reward(store, run_id: str, round: int, split: str) -> tuple[float | No
     return (rows[0][0], rows[0][1]) if rows else (None, 0)
 
 
-def run_step(store, state: LoopState, run: Path, round: int, name: str, body: Callable[[], dict]) -> dict:
-    """A step of the loop, once: its recorded result, or `body()`'s, recorded (store first, then state.json)."""
-    info = state.done(round, name)
-    if info is None:
-        t0 = time.perf_counter()
-        info = {**body(), "seconds": rounded(time.perf_counter() - t0)}
-        # The store's record first: a kill between the two reruns the step (and records it twice),
-        # rather than resuming past a step the store never heard of.
-        store.append(
-            "loop_steps",
-            [
-                {
-                    "run": str(run.resolve()),
-                    "round": round,
-                    "step": name,
-                    "mean_reward": info.get("mean_reward"),
-                    "details": json.dumps(info, default=str),
-                    "created_at": now(),
-                }
-            ],
-        )
-        state.finish(round, name, info)
-    return info
-
-
 def collect_split(
     store,
     config: LoopConfig,
@@ -277,8 +252,8 @@ class StopAfter(Exception):
 
 @dataclass
 class StepRunner:
-    """A loop's steps: each runs once (`run_step`), and the loop stops after `stop_after` (tests stage a kill
-    there). Both loops call it as `step(round, name, body)`."""
+    """A loop's steps, each run once: `step(round, name, body)` is the step's recorded result, or `body()`'s,
+    recorded (store first, then state.json). The loop stops after `stop_after` (tests stage a kill there)."""
 
     store: Any
     state: LoopState
@@ -286,7 +261,26 @@ class StepRunner:
     stop_after: tuple[int, str] | None = None
 
     def __call__(self, round: int, name: str, body: Callable[[], dict]) -> dict:
-        info = run_step(self.store, self.state, self.run, round, name, body)
+        info = self.state.done(round, name)
+        if info is None:
+            t0 = time.perf_counter()
+            info = {**body(), "seconds": rounded(time.perf_counter() - t0)}
+            # The store's record first: a kill between the two reruns the step (and records it twice),
+            # rather than resuming past a step the store never heard of.
+            self.store.append(
+                "loop_steps",
+                [
+                    {
+                        "run": str(self.run.resolve()),
+                        "round": round,
+                        "step": name,
+                        "mean_reward": info.get("mean_reward"),
+                        "details": json.dumps(info, default=str),
+                        "created_at": now(),
+                    }
+                ],
+            )
+            self.state.finish(round, name, info)
         if self.stop_after == (round, name):
             raise StopAfter()
         return info
