@@ -234,7 +234,8 @@ def run_async_loop(
                     echo(f"step {n}: every sample of {len(batch['groups'])} groups was stale, taking the next ones")
                 current = next(name for name, v in versions.items() if v == n - 1)  # the policy step n trains from
                 train_options = replace(config.train, current=current, mismatch_current_only=True)
-                trained = step(n, "train", lambda: {**train_step(store, run, n, train_options, out), **_as(staleness)})
+                stale = {"staleness": staleness.histogram, "dropped_stale_async": staleness.dropped}
+                trained = step(n, "train", lambda: {**train_step(store, run, n, train_options, out), **stale})
                 held_out.wait()  # the previous step's held-out episodes are all served by the policy they measure
                 deployed = step(n, "deploy", lambda: deploy_step(store, trained["output"], n))
                 producer.advance(n, _wasted(data))
@@ -382,10 +383,6 @@ def _merged(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     """Two staleness histograms as one, in order (versions behind, then unknown)."""
     both = {k: a.get(k, 0) + b.get(k, 0) for k in {*a, *b}}
     return dict(sorted(both.items(), key=lambda kv: (not kv[0].isdigit(), int(kv[0]) if kv[0].isdigit() else 0)))
-
-
-def _as(staleness: Staleness) -> dict[str, Any]:
-    return {"staleness": staleness.histogram, "dropped_stale_async": staleness.dropped}
 
 
 def _versions(state: LoopState, n: int) -> dict[str, int]:
