@@ -139,12 +139,12 @@ def doctor(
         console.print(f"lcap doctor: LCAP_HOME {lcap_home()}, store {db}", style="dim")
     with registry.context(db) as ctx:
         results = registry.run_checks(ctx, chosen, on_result=None if json_out else show)
+    code = registry.exit_code(results, checks or ())
     if json_out:
         typer.echo(json.dumps(registry.as_json(results), indent=2))
     else:
-        code = registry.exit_code(results, checks or ())
         console.print(registry.verdict(results), style="bold red" if code else "bold green")
-    raise typer.Exit(registry.exit_code(results, checks or ()))
+    raise typer.Exit(code)
 
 
 # Modules whose import registers `lcap status` sections (lcap.status's registry), and the order they are shown in.
@@ -202,11 +202,6 @@ def status(
         pass
 
 
-def _register_stages() -> None:
-    for register in (register_capture, register_dataset, register_serve, register_train, register_loop, register_ui):
-        register(app)
-
-
 def _log_to_stderr() -> None:
     """lcap's warnings go to stderr. Its own handler: the embedded mitmproxy routes the root logger into its
     event log, which `lcap` does not display, and a capture failure must never go unseen."""
@@ -219,4 +214,5 @@ def _log_to_stderr() -> None:
 
 
 _log_to_stderr()
-_register_stages()
+for register in (register_capture, register_dataset, register_serve, register_train, register_loop, register_ui):
+    register(app)

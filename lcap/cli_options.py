@@ -85,9 +85,8 @@ def with_options(cls: type, param: str, *, exclude: Iterable[str] = ()) -> Calla
 
     def decorate(func: F) -> F:
         signature = inspect.signature(func)
-        own = typing.get_type_hints(
-            func, include_extras=True
-        )  # real types, also under `from __future__ import annotations`
+        # real types, also under `from __future__ import annotations`
+        own = typing.get_type_hints(func, include_extras=True)
         kept = [
             p.replace(annotation=own.get(p.name, p.annotation))
             for p in signature.parameters.values()

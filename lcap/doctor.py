@@ -14,7 +14,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -109,8 +109,6 @@ def selected(patterns: Iterable[str] = ()) -> list[Check]:
     if not wanted:
         return list(CHECKS)
     names = {c.name for c in CHECKS if any(named_by(c.name, p) for p in wanted)}
-    if not names:
-        return []
     by_name = {c.name: c for c in CHECKS}
     todo = list(names)
     while todo:
@@ -173,8 +171,7 @@ def _timed(item: Check, ctx: Context) -> Result:
             "something it waits on hangs: run `lcap doctor " + item.name + "` again, or look at what it checks",
             seconds=seconds,
         )
-    result = box[0]
-    return Result(result.status, result.summary, result.fix, result.details, seconds)
+    return replace(box[0], seconds=seconds)
 
 
 def failed(results: Iterable[tuple[Check, Result]], *, required: bool) -> list[str]:

@@ -10,7 +10,7 @@ from typing import Any
 from lcap.config import LcapError
 from lcap.doctor import Context, Result, check
 from lcap.schema import SCHEMA_VERSION
-from lcap.store import Store
+from lcap.store import Store, table_names
 
 STORE_TIMEOUT = 5.0  # seconds the doctor waits for a store another process holds
 
@@ -21,10 +21,7 @@ def _store_facts(ctx: Context) -> dict[str, Any]:
     def read() -> dict[str, Any]:
         store = Store(ctx.db, timeout=STORE_TIMEOUT)
         with store.connect(read_only=True) as con:
-            tables = {
-                r[0]
-                for r in con.execute("SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main'").fetchall()
-            }
+            tables = table_names(con)
 
             def count(sql: str, table: str) -> int:
                 if table not in tables:

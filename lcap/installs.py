@@ -69,7 +69,6 @@ class _Status:
     def __init__(self, what: str, out: TextIO, tty: bool) -> None:
         self.what, self.out, self.tty = what, out, tty
         self.start = time.monotonic()
-        self.current = ""
         self.shown_phase = ""
         self.collected = 0
         self.file = ""
@@ -99,7 +98,6 @@ class _Status:
             text = f"lcap: {self.what}: {phase}" + (f": {detail}" if detail else "") + f" [{self._elapsed()}]"
             self.out.write("\r\x1b[K" + text[:WIDTH])
             self.out.flush()
-            self.current = text
         elif phase != self.shown_phase:
             print(f"lcap: {self.what}: {phase} [{self._elapsed()}]", file=self.out, flush=True)
         self.shown_phase = phase

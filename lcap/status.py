@@ -20,7 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from lcap.config import LcapError
-from lcap.store import Store
+from lcap.store import Store, table_names
 
 STORE_TIMEOUT = 2.0  # seconds a section waits for a store a writer holds
 
@@ -126,11 +126,7 @@ def store_section(view: View) -> Section:
         return s
     try:
         with Store(view.db, timeout=STORE_TIMEOUT).connect(read_only=True) as con:
-            tables = {
-                r[0]
-                for r in con.execute("SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main'").fetchall()
-            }
-            if not {"episodes", "turns"} <= tables:
+            if not {"episodes", "turns"} <= table_names(con):
                 s.empty = "not an lcap store yet (no episodes or turns table)"
                 return s
             row = con.execute(

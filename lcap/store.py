@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import duckdb
 
 from lcap.config import LcapError
+from lcap.locks import flock_within
 from lcap.private_files import private_files
 from lcap.schema import MIGRATIONS, PROMOTED_LABELS, SCHEMA_VERSION, TABLES, VIEWS
 
@@ -274,6 +275,13 @@ _USER_SQL_SETTINGS = (
 )
 
 
+def table_names(con: duckdb.DuckDBPyConnection) -> set[str]:
+    """The tables a unit of work on the store sees."""
+    return {
+        row[0] for row in con.execute("SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main'").fetchall()
+    }
+
+
 def _one_row(con: duckdb.DuckDBPyConnection) -> tuple[Any, ...]:
     """The row of a statement that always returns exactly one (an aggregate, or INSERT's row count)."""
     row = con.fetchone()
@@ -290,8 +298,8 @@ class _Waiters:
     """The processes waiting for a store file, seen through a lock file beside it (STORE.waiters): each whose attach
     found the file locked holds a shared lock on it until it attaches. A process about to attach first waits until
     nobody holds one (an exclusive lock it can take), for `LET_IN_S` at most, so that the file, once released, goes
-    to those already waiting rather than back to the process that held it. A directory where the lock file cannot
-    be made leaves processes to wait unseen, as they did before it."""
+    to those already waiting rather than back to the process that held it. Where the lock file cannot be made,
+    processes wait unseen."""
 
     def __init__(self, store: Path) -> None:
         self.path = store.with_name(store.name + ".waiters")
@@ -304,7 +312,7 @@ class _Waiters:
         except OSError:  # nobody has waited for this store yet
             return
         try:
-            _flock(fd, fcntl.LOCK_EX, LET_IN_S)
+            flock_within(fd, fcntl.LOCK_EX, LET_IN_S)
         finally:
             os.close(fd)  # (and its lock with it)
 
@@ -316,7 +324,7 @@ class _Waiters:
             fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o600)
         except OSError:
             return
-        if _flock(fd, fcntl.LOCK_SH, LET_IN_S):
+        if flock_within(fd, fcntl.LOCK_SH, LET_IN_S):
             self.fd = fd
         else:
             os.close(fd)
@@ -325,19 +333,6 @@ class _Waiters:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-
-
-def _flock(fd: int, kind: int, timeout: float) -> bool:
-    """Take a `kind` lock on `fd` (False after `timeout`)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            fcntl.flock(fd, kind | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
 
 
 def _detach(con: duckdb.DuckDBPyConnection) -> None:

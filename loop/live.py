@@ -31,16 +31,24 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from lcap.config import LcapError
-from lcap.dataset.build.builder import build_dataset
-from lcap.dataset.build.explain import lost_lines
 from lcap.display import num
-from lcap.loop.steps import LoopConfig, LoopState, RoundSummary, StepRunner, StopAfter, collect_split, train_step
+from lcap.loop.steps import (
+    LoopConfig,
+    LoopState,
+    RoundSummary,
+    StepRunner,
+    StopAfter,
+    build_step,
+    collect_split,
+    train_step,
+)
 from lcap.policy import read_policy
 from lcap.serve.deploy import forget_candidate, load_candidate, make_current, record_deployment
 from lcap.train.grpo import round_dir
@@ -114,17 +122,17 @@ def ready_episodes(
 def ready_groups(rows: list[tuple], keep_zero_variance: bool, advantage: str = "group") -> list[tuple]:
     """The ready episodes (id, reward, key, deployment, last call) that `advantage` can learn from: under `group`,
     those in groups of one first prompt with rewards that differ; under a batch baseline, every one."""
-    if advantage != "group":
-        return sorted(rows, key=lambda r: (str(r[4]), r[0]))
-    by_key: dict[str, list[tuple]] = {}
-    for row in rows:
-        by_key.setdefault(row[2], []).append(row)
-    kept = [
-        group
-        for group in by_key.values()
-        if len(group) >= 2 and (keep_zero_variance or max(r[1] for r in group) > min(r[1] for r in group))
-    ]
-    return sorted((row for group in kept for row in group), key=lambda r: (str(r[4]), r[0]))
+    if advantage == "group":
+        by_key: dict[str, list[tuple]] = {}
+        for row in rows:
+            by_key.setdefault(row[2], []).append(row)
+        rows = [
+            row
+            for group in by_key.values()
+            if len(group) >= 2 and (keep_zero_variance or max(r[1] for r in group) > min(r[1] for r in group))
+            for row in group
+        ]
+    return sorted(rows, key=lambda r: (str(r[4]), r[0]))
 
 
 def run_live_loop(
@@ -171,15 +179,7 @@ def _step(
     batch = step(n, "batch", lambda: _take_batch(store, config, state, n, current))
     adopt(store, run, n, batch["episodes"])
     out = round_dir(run, n) / "data"
-    step(
-        n,
-        "build",
-        lambda: {
-            "samples": build_dataset(store, round=n, out=out, options=replace(config.build, split=LIVE_SPLIT)).samples
-        },
-    )
-    for line in lost_lines(out):
-        echo(line)
+    build_step(step, config, n, LIVE_SPLIT, out, echo)
     trained_from = batch["current"]
     train_options = replace(config.train, current=trained_from, mismatch_current_only=True)
     init = _policy_path(store, trained_from)
@@ -261,12 +261,10 @@ def _take_batch(store, config: LoopConfig, state: LoopState, n: int, current: st
                 f"{options.min_samples}: stopping (the same command waits again)"
             )
         time.sleep(POLL_S)
-    staleness: dict[str, int] = {}
+    staleness = Counter(str(fresh.get(deployment, "?")) for _, _, _, deployment, _ in rows)
     samples: dict[str, int] = {}
     episodes = []
-    for episode, _, key, deployment, last_call in rows:
-        behind = str(fresh.get(deployment, "?"))
-        staleness[behind] = staleness.get(behind, 0) + 1
+    for episode, _, key, _, last_call in rows:
         samples[key] = samples.get(key, -1) + 1
         episodes.append({"id": episode, "group": key, "sample": samples[key], "ended_at": str(last_call)})
     return {

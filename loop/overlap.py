@@ -115,9 +115,6 @@ class Producer:
         self.lock = threading.Condition()
         self.thread = threading.Thread(target=self._run, name="lcap-producer", daemon=True)
 
-    def start(self) -> None:
-        self.thread.start()
-
     def advance(self, version: int, wasted: int) -> None:
         with self.lock:
             self.version, self.wasted = version, wasted
@@ -211,7 +208,7 @@ def run_async_loop(
     idle_before = 0.0
     held_out = _Background()
     with pool:
-        producer.start()
+        producer.thread.start()
         try:
             for n in range(first, config.rounds + 1):
                 t0 = time.perf_counter()
@@ -226,20 +223,19 @@ def run_async_loop(
                     with state.lock:
                         data["void"] = sorted(set(data["void"]) | set(batch["groups"]))
                         del data["steps"][f"{n}:batch"]
-                    void = state.done(n, "void") or {"groups": [], "staleness": {}, "dropped": 0}
-                    state.finish(
-                        n,
-                        "void",
-                        {
-                            "groups": void["groups"] + batch["groups"],
-                            "staleness": _merged(void["staleness"], staleness.histogram),
-                            "dropped": void["dropped"] + staleness.dropped,
-                        },
-                    )
+                    before = state.done(n, "void") or {"groups": [], "staleness": {}, "dropped": 0}
+                    void = {
+                        "groups": before["groups"] + batch["groups"],
+                        "staleness": _merged(before["staleness"], staleness.histogram),
+                        "dropped": before["dropped"] + staleness.dropped,
+                    }
+                    state.finish(n, "void", void)
                     producer.advance(n - 1, _wasted(data))
                     echo(f"step {n}: every sample of {len(batch['groups'])} groups was stale, taking the next ones")
-                train_options = replace(config.train, current=_name_of(versions, n - 1), mismatch_current_only=True)
-                trained = step(n, "train", lambda: {**train_step(store, run, n, train_options, out), **_as(staleness)})
+                current = next(name for name, v in versions.items() if v == n - 1)  # the policy step n trains from
+                train_options = replace(config.train, current=current, mismatch_current_only=True)
+                stale = {"staleness": staleness.histogram, "dropped_stale_async": staleness.dropped}
+                trained = step(n, "train", lambda: {**train_step(store, run, n, train_options, out), **stale})
                 held_out.wait()  # the previous step's held-out episodes are all served by the policy they measure
                 deployed = step(n, "deploy", lambda: deploy_step(store, trained["output"], n))
                 producer.advance(n, _wasted(data))
@@ -389,10 +385,6 @@ def _merged(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     return dict(sorted(both.items(), key=lambda kv: (not kv[0].isdigit(), int(kv[0]) if kv[0].isdigit() else 0)))
 
 
-def _as(staleness: Staleness) -> dict[str, Any]:
-    return {"staleness": staleness.histogram, "dropped_stale_async": staleness.dropped}
-
-
 def _versions(state: LoopState, n: int) -> dict[str, int]:
     """Deployment name -> version for the steps before `n`: the policy the loop started on is 0."""
     versions = {state.data["base_deployment"]: 0}
@@ -401,10 +393,6 @@ def _versions(state: LoopState, n: int) -> dict[str, int]:
         if deployed:
             versions[deployed["name"]] = k
     return versions
-
-
-def _name_of(versions: dict[str, int], version: int) -> str:
-    return next(name for name, v in versions.items() if v == version)
 
 
 def _taken(state: LoopState) -> set[str]:

@@ -20,13 +20,11 @@ rounds are 2, 3, ...: the first of them collects with the SFT policy.
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from lcap.config import LcapError
-from lcap.dataset.build.builder import build_dataset
-from lcap.dataset.build.explain import lost_lines
 from lcap.display import num
 from lcap.loop.live import run_live_loop
 from lcap.loop.overlap import run_async_loop
@@ -36,6 +34,7 @@ from lcap.loop.steps import (
     RoundSummary,
     StepRunner,
     StopAfter,
+    build_step,
     collect_split,
     deploy_step,
     round_tasks,
@@ -108,30 +107,14 @@ def _rounds(
             got = step(n, "collect", lambda: collect_step(n, "train", tasks, config.collect.group_size))
             s.train_reward = got["mean_reward"]
             data = round_dir(run, n) / "data"
-            step(
-                n,
-                "build",
-                lambda: {
-                    "samples": build_dataset(
-                        store, round=n, out=data, options=replace(config.build, split="train")
-                    ).samples
-                },
+            build_step(step, config, n, "train", data, echo)
+            said = _train_deploy_eval(
+                step, config, collect_step, s, lambda: train_step(store, run, n, config.train, data)
             )
-            for line in lost_lines(data):
-                echo(line)
-            trained = step(n, "train", lambda: train_step(store, run, n, config.train, data))
-            s.train = trained
-            deployed = step(n, "deploy", lambda: deploy_step(store, trained["output"], n))
-            s.deployed = deployed["name"]
-            if eval_tasks:
-                ev = step(n, "eval", lambda: collect_step(n, "eval", eval_tasks, config.eval_group_size))
-                s.eval_reward = ev["mean_reward"]
             summaries.append(s)
             echo(
-                f"round {n}: train reward {num(s.train_reward)} ({got['rewarded']} episodes)"
-                + (f" | held-out {num(s.eval_reward)}" if config.eval_tasks else "")
-                + f" | {training_text(trained)}"
-                + f" | deployed {s.deployed} | {time.perf_counter() - t0:.0f}s"
+                f"round {n}: train reward {num(s.train_reward)} ({got['rewarded']} episodes){said}"
+                f" | {time.perf_counter() - t0:.0f}s"
             )
     except StopAfter:
         pass
@@ -144,20 +127,23 @@ def _sft_round(store, config: LoopConfig, step: StepRunner, collect_step, echo: 
     run = Path(config.run)
     data = Path(config.options.sft_data or "")
     s = RoundSummary(round=1)
-    trained = step(1, "train", lambda: sft_step(store, run, 1, config.train, data))
-    s.train = trained
-    deployed = step(1, "deploy", lambda: deploy_step(store, trained["output"], 1))
-    s.deployed = deployed["name"]
-    if config.eval_tasks:
-        eval_tasks = config.eval_tasks
-        ev = step(1, "eval", lambda: collect_step(1, "eval", eval_tasks, config.eval_group_size))
-        s.eval_reward = ev["mean_reward"]
-    echo(
-        f"round 1 (sft on {data}): {trained['n_samples']} samples"
-        + (f" | held-out {num(s.eval_reward)}" if config.eval_tasks else "")
-        + f" | {training_text(trained)} | deployed {s.deployed} | {time.perf_counter() - t0:.0f}s"
-    )
+    said = _train_deploy_eval(step, config, collect_step, s, lambda: sft_step(store, run, 1, config.train, data))
+    echo(f"round 1 (sft on {data}): {s.train['n_samples']} samples{said} | {time.perf_counter() - t0:.0f}s")
     return s
+
+
+def _train_deploy_eval(
+    step: StepRunner, config: LoopConfig, collect_step, s: RoundSummary, train: Callable[[], dict]
+) -> str:
+    """A round's training (`train`), deploy and held-out eval, recorded in `s`; what its line says of them."""
+    n = s.round
+    s.train = step(n, "train", train)
+    s.deployed = step(n, "deploy", lambda: deploy_step(step.store, s.train["output"], n))["name"]
+    if config.eval_tasks:
+        tasks = config.eval_tasks
+        s.eval_reward = step(n, "eval", lambda: collect_step(n, "eval", tasks, config.eval_group_size))["mean_reward"]
+    held_out = f" | held-out {num(s.eval_reward)}" if config.eval_tasks else ""
+    return f"{held_out} | {training_text(s.train)} | deployed {s.deployed}"
 
 
 def _redeploy_if_lost(state: LoopState, store, echo) -> None:

@@ -7,7 +7,7 @@ import json
 from lcap.config import LcapError
 from lcap.display import num
 from lcap.status import STORE_TIMEOUT, Section, View, age, section
-from lcap.store import Store
+from lcap.store import Store, table_names
 
 RUNS = 3  # runs shown, the most recent first
 
@@ -27,8 +27,7 @@ def loop(view: View) -> Section:
         return s
     try:
         with Store(view.db, timeout=STORE_TIMEOUT).connect(read_only=True) as con:
-            has = con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'loop_steps'").fetchone()
-            rows = con.execute(_LAST_STEPS).fetchall() if has and has[0] else []
+            rows = con.execute(_LAST_STEPS).fetchall() if "loop_steps" in table_names(con) else []
     except LcapError as exc:
         s.empty = f"store not readable now ({exc})"
         return s

@@ -22,7 +22,8 @@ import pyarrow.parquet as pq
 
 from lcap.capture.options import ProxyOptions
 from lcap.config import LcapError
-from lcap.dataset.build.explain import explain
+from lcap.dataset.build.builder import build_dataset
+from lcap.dataset.build.explain import explain, lost_lines
 from lcap.dataset.collect.episodes import collect, load_tasks
 from lcap.dataset.options import BuildOptions, CollectOptions
 from lcap.display import rounded
@@ -133,31 +134,6 @@ def split_reward(store, run_id: str, round: int, split: str) -> tuple[float | No
     return (rows[0][0], rows[0][1]) if rows else (None, 0)
 
 
-def run_step(store, state: LoopState, run: Path, round: int, name: str, body: Callable[[], dict]) -> dict:
-    """A step of the loop, once: its recorded result, or `body()`'s, recorded (store first, then state.json)."""
-    info = state.done(round, name)
-    if info is None:
-        t0 = time.perf_counter()
-        info = {**body(), "seconds": rounded(time.perf_counter() - t0)}
-        # The store's record first: a kill between the two reruns the step (and records it twice),
-        # rather than resuming past a step the store never heard of.
-        store.append(
-            "loop_steps",
-            [
-                {
-                    "run": str(run.resolve()),
-                    "round": round,
-                    "step": name,
-                    "mean_reward": info.get("mean_reward"),
-                    "details": json.dumps(info, default=str),
-                    "created_at": now(),
-                }
-            ],
-        )
-        state.finish(round, name, info)
-    return info
-
-
 def collect_split(
     store,
     config: LoopConfig,
@@ -233,7 +209,7 @@ def train_step(
     """Train round `n` on the samples in `data`, from `init_from` (default: round n-1's output); with none, a
     one-line error that says why (build's report)."""
     samples = data / "samples.parquet"
-    if not samples.exists() or _parquet_rows(samples) == 0:
+    if not samples.exists() or pq.ParquetFile(samples).metadata.num_rows == 0:
         try:
             report = json.loads((data / "report.json").read_text())
         except (OSError, ValueError):
@@ -241,23 +217,28 @@ def train_step(
         why = explain(report) if report else f"no report.json in {data}"
         raise LcapError(f"round {n}: nothing to train on in {data}: {why}")
     result = train_round(store, run, n, options, data=data, progress=sys.stderr.isatty(), init_from=init_from)
-    return {
-        "output": str(result.output),
-        **{k: v for k, v in result.metrics.items() if isinstance(v, (int, float)) or v is None},
-    }
+    return _trained(result.output, result.metrics)
 
 
 def sft_step(store, run: Path, n: int, options: TrainOptions, data: Path) -> dict:
     """Train round `n` with SFT on the supervised samples in `data` (`lcap loop --sft-data`)."""
     result = sft_round(store, run, n, replace(options, sft=True), data=data, progress=sys.stderr.isatty())
-    return {
-        "output": str(result.output),
-        **{k: v for k, v in result.metrics.items() if isinstance(v, (int, float)) or v is None},
-    }
+    return _trained(result.output, result.metrics)
 
 
-def _parquet_rows(path: Path) -> int:
-    return pq.ParquetFile(path).metadata.num_rows
+def _trained(output: Path, metrics: dict[str, Any]) -> dict:
+    """A training step's record: its output and the metrics that are numbers."""
+    return {"output": str(output), **{k: v for k, v in metrics.items() if isinstance(v, (int, float)) or v is None}}
+
+
+def build_step(
+    step: StepRunner, config: LoopConfig, n: int, split: str, out: Path, echo: Callable[[str], None]
+) -> None:
+    """Build round `n`'s samples of `split` into `out` (once), then say what build-dataset lost."""
+    options = replace(config.build, split=split)
+    step(n, "build", lambda: {"samples": build_dataset(step.store, round=n, out=out, options=options).samples})
+    for line in lost_lines(out):
+        echo(line)
 
 
 def deploy_step(store, output: str, n: int) -> dict:
@@ -271,8 +252,8 @@ class StopAfter(Exception):
 
 @dataclass
 class StepRunner:
-    """A loop's steps: each runs once (`run_step`), and the loop stops after `stop_after` (tests stage a kill
-    there). Both loops call it as `step(round, name, body)`."""
+    """A loop's steps, each run once: `step(round, name, body)` is the step's recorded result, or `body()`'s,
+    recorded (store first, then state.json). The loop stops after `stop_after` (tests stage a kill there)."""
 
     store: Any
     state: LoopState
@@ -280,7 +261,26 @@ class StepRunner:
     stop_after: tuple[int, str] | None = None
 
     def __call__(self, round: int, name: str, body: Callable[[], dict]) -> dict:
-        info = run_step(self.store, self.state, self.run, round, name, body)
+        info = self.state.done(round, name)
+        if info is None:
+            t0 = time.perf_counter()
+            info = {**body(), "seconds": rounded(time.perf_counter() - t0)}
+            # The store's record first: a kill between the two reruns the step (and records it twice),
+            # rather than resuming past a step the store never heard of.
+            self.store.append(
+                "loop_steps",
+                [
+                    {
+                        "run": str(self.run.resolve()),
+                        "round": round,
+                        "step": name,
+                        "mean_reward": info.get("mean_reward"),
+                        "details": json.dumps(info, default=str),
+                        "created_at": now(),
+                    }
+                ],
+            )
+            self.state.finish(round, name, info)
         if self.stop_after == (round, name):
             raise StopAfter()
         return info

@@ -13,6 +13,7 @@ import asyncio
 import json
 import math
 import secrets
+import threading
 import time
 from datetime import datetime
 from http.cookies import SimpleCookie
@@ -56,14 +57,17 @@ def create_app(db: Path, options: UiOptions, *, token: str | None, max_listeners
     watch = Watch(reader, options.poll)
     tokenizers = Tokenizers(options.tokenizer)
     templates = Jinja2Templates(env=_environment())
-    listeners = _Listeners(max_listeners)
+    listeners = threading.BoundedSemaphore(max_listeners)  # taken without waiting: the app's one event loop
 
     def page(request: Request, name: str, context: dict[str, Any], status: int = 200) -> Response:
         context = {"db": str(db), "poll_ms": int(options.poll * 1000), **context}
         return templates.TemplateResponse(request, name, context, status_code=status)
 
+    def error(request: Request, title: str, message: str, status: int) -> Response:
+        return page(request, "error.html", {"title": title, "message": message}, status)
+
     def failed(request: Request, exc: Exception, status: int = 503) -> Response:
-        return page(request, "error.html", {"title": "Store unavailable", "message": str(exc)}, status)
+        return error(request, "Store unavailable", str(exc), status)
 
     def overview(request: Request) -> Response:
         try:
@@ -85,7 +89,6 @@ def create_app(db: Path, options: UiOptions, *, token: str | None, max_listeners
             return failed(request, exc)
         queried = time.perf_counter()
         pages = max(1, math.ceil(total / f.per_page))
-        optional = [n for n, c in queries.OPTIONAL_TURN_FLAGS.items() if c in cols.get("turns", set())]
         response = page(
             request,
             "episodes.html",
@@ -96,10 +99,9 @@ def create_app(db: Path, options: UiOptions, *, token: str | None, max_listeners
                 "total": total,
                 "pages": pages,
                 "flags": flags,
-                "optional": optional,
+                "optional": queries.optional_turn_flags(cols),
                 "choices": choices,
                 "statuses": queries.STATUSES,
-                "sorts": queries.SORTS,
                 "page_sizes": queries.PAGE_SIZES,
             },
             400 if f.errors else 200,
@@ -116,12 +118,7 @@ def create_app(db: Path, options: UiOptions, *, token: str | None, max_listeners
             with reader.read() as (con, cols):
                 ep = queries.episode(con, episode_id)
                 if ep is None:
-                    return page(
-                        request,
-                        "error.html",
-                        {"title": "No such episode", "message": f"no episode {episode_id!r} in this store"},
-                        404,
-                    )
+                    return error(request, "No such episode", f"no episode {episode_id!r} in this store", 404)
                 extras = queries.episode_extras(con, episode_id)
                 turns, n_turns = queries.episode_turns(con, episode_id, cols)
                 tokens = queries.episode_tokens(con, episode_id)
@@ -132,7 +129,6 @@ def create_app(db: Path, options: UiOptions, *, token: str | None, max_listeners
                 )
         except LcapError as exc:
             return failed(request, exc)
-        optional = [n for n, c in queries.OPTIONAL_TURN_FLAGS.items() if c in cols.get("turns", set())]
         return page(
             request,
             "episode.html",
@@ -145,7 +141,7 @@ def create_app(db: Path, options: UiOptions, *, token: str | None, max_listeners
                 "max_turns": queries.MAX_TURNS,
                 "tokens": token_view(tokens, tokenizers, bases),
                 "members": members,
-                "optional": optional,
+                "optional": queries.optional_turn_flags(cols),
                 "live": ep.get("status") == "running" or ep.get("reward") is None,
             },
         )
@@ -155,17 +151,17 @@ def create_app(db: Path, options: UiOptions, *, token: str | None, max_listeners
         try:
             round_ = int(q["round"]) if q.get("round") else None
         except ValueError:
-            return page(request, "error.html", {"title": "Bad group", "message": "round must be a number"}, 400)
+            return error(request, "Bad group", "round must be a number", 400)
         split, task = q.get("split") or "train", q.get("task") or ""
         try:
             with reader.read() as (con, cols):
                 members = queries.group(con, round_, split, task)
                 rewarded = [m for m in members if m["reward"] is not None]
-                best = worst = None
-                if len(rewarded) >= 2:
-                    best, worst = rewarded[0], rewarded[-1]
-                    best = {**best, "views": conversation(queries.episode_turns(con, best["episode_id"], cols)[0])}
-                    worst = {**worst, "views": conversation(queries.episode_turns(con, worst["episode_id"], cols)[0])}
+
+                def viewed(m: dict[str, Any]) -> dict[str, Any]:
+                    return {**m, "views": conversation(queries.episode_turns(con, m["episode_id"], cols)[0])}
+
+                best, worst = (viewed(rewarded[0]), viewed(rewarded[-1])) if len(rewarded) >= 2 else (None, None)
         except LcapError as exc:
             return failed(request, exc)
         rewards = [m["reward"] for m in rewarded]
@@ -201,7 +197,7 @@ def create_app(db: Path, options: UiOptions, *, token: str | None, max_listeners
 
     async def events(request: Request) -> Response:
         """Server-sent events: `change` with the store's fingerprint whenever it moves, `busy` when unreadable."""
-        if not listeners.enter():
+        if not listeners.acquire(blocking=False):
             return PlainTextResponse("too many live pages open; retrying", 503, headers={"Retry-After": "5"})
 
         async def stream():
@@ -223,7 +219,7 @@ def create_app(db: Path, options: UiOptions, *, token: str | None, max_listeners
                         beat = time.monotonic()
                     await asyncio.sleep(options.poll)  # a client that leaves cancels this (Starlette watches)
             finally:
-                listeners.leave()
+                listeners.release()
 
         return StreamingResponse(
             stream(), media_type="text/event-stream", headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
@@ -250,23 +246,9 @@ def create_app(db: Path, options: UiOptions, *, token: str | None, max_listeners
     async def store_error(request: Request, exc: Exception) -> Response:
         """A query the store cannot answer (a store from an lcap without some table): the page says which."""
         message = f"the store could not answer this page: {str(exc).splitlines()[0]}"
-        return page(request, "error.html", {"title": "Store error", "message": message}, 500)
+        return error(request, "Store error", message, 500)
 
     return Starlette(routes=routes, middleware=middleware, exception_handlers={duckdb.Error: store_error})
-
-
-class _Listeners:
-    def __init__(self, limit: int) -> None:
-        self.limit, self.n = limit, 0
-
-    def enter(self) -> bool:
-        if self.n >= self.limit:
-            return False
-        self.n += 1
-        return True
-
-    def leave(self) -> None:
-        self.n -= 1
 
 
 class _Headers:

@@ -59,6 +59,16 @@ def pretty(value: Any) -> str:
     return json.dumps(value, indent=1, ensure_ascii=False, default=str)
 
 
+def _call(arguments: Any, name: Any, call_id: Any) -> Part:
+    """A tool call: its arguments pretty-printed."""
+    return _part("tool_call", pretty(arguments), name=name, call_id=call_id)
+
+
+def _text(content: Any) -> str:
+    """A tool result's content (a string, or content blocks) as one text."""
+    return content if isinstance(content, str) else "\n".join(p.text for p in _content_parts(content))
+
+
 def _content_parts(content: Any) -> list[Part]:
     """Chat / Responses / Anthropic content: a string or a list of typed blocks."""
     if content is None:
@@ -81,13 +91,9 @@ def _content_parts(content: Any) -> list[Part]:
         elif kind in ("thinking", "redacted_thinking", "reasoning_text", "summary_text"):
             parts.append(_part("reasoning", block.get("thinking") or block.get("text") or ""))
         elif kind == "tool_use":
-            parts.append(
-                _part("tool_call", pretty(block.get("input")), name=block.get("name"), call_id=block.get("id"))
-            )
+            parts.append(_call(block.get("input"), block.get("name"), block.get("id")))
         elif kind == "tool_result":
-            inner = block.get("content")
-            text = inner if isinstance(inner, str) else "\n".join(p.text for p in _content_parts(inner))
-            parts.append(_part("tool_result", text, call_id=block.get("tool_use_id")))
+            parts.append(_part("tool_result", _text(block.get("content")), call_id=block.get("tool_use_id")))
         elif kind in ("image", "image_url", "input_image", "input_audio", "input_file", "document"):
             parts.append(Part("image", f"[{kind}]"))
         else:
@@ -105,17 +111,14 @@ def _chat(request: dict) -> list[Message]:
         if thought := m.get("reasoning_content") or m.get("reasoning"):
             parts.append(_part("reasoning", thought))
         if role == "tool":
-            text = (
-                m.get("content")
-                if isinstance(m.get("content"), str)
-                else "\n".join(p.text for p in _content_parts(m.get("content")))
+            parts.append(
+                _part("tool_result", _text(m.get("content")), name=m.get("name"), call_id=m.get("tool_call_id"))
             )
-            parts.append(_part("tool_result", text, name=m.get("name"), call_id=m.get("tool_call_id")))
         else:
             parts.extend(_content_parts(m.get("content")))
         for call in m.get("tool_calls") or ():
             fn = (call or {}).get("function") or {}
-            parts.append(_part("tool_call", pretty(fn.get("arguments")), name=fn.get("name"), call_id=call.get("id")))
+            parts.append(_call(fn.get("arguments"), fn.get("name"), call.get("id")))
         messages.append(Message(role, parts))
     return messages
 
@@ -144,12 +147,10 @@ def _responses(request: dict) -> list[Message]:
             messages.append(Message(str(item.get("role") or "user"), _content_parts(item.get("content"))))
         elif kind in ("function_call", "custom_tool_call"):
             args = item.get("arguments") if kind == "function_call" else item.get("input")
-            part = _part("tool_call", pretty(args), name=item.get("name"), call_id=item.get("call_id"))
-            messages.append(Message("assistant", [part]))
+            messages.append(Message("assistant", [_call(args, item.get("name"), item.get("call_id"))]))
         elif kind in ("function_call_output", "custom_tool_call_output"):
-            output = item.get("output")
-            text = output if isinstance(output, str) else "\n".join(p.text for p in _content_parts(output))
-            messages.append(Message("tool", [_part("tool_result", text, call_id=item.get("call_id"))]))
+            result = _part("tool_result", _text(item.get("output")), call_id=item.get("call_id"))
+            messages.append(Message("tool", [result]))
         elif kind == "reasoning":
             blocks = (item.get("summary") or []) + (item.get("content") or [])
             text = "\n".join(b.get("text") or "" for b in blocks if isinstance(b, dict))
@@ -219,9 +220,7 @@ def answer_message(turn: dict[str, Any]) -> Message:
             calls = [{"name": "?", "arguments": calls}]
     for call in calls or ():
         if isinstance(call, dict):
-            parts.append(
-                _part("tool_call", pretty(call.get("arguments")), name=call.get("name"), call_id=call.get("id"))
-            )
+            parts.append(_call(call.get("arguments"), call.get("name"), call.get("id")))
     return Message("assistant", parts)
 
 

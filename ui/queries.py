@@ -40,6 +40,16 @@ TURN_FLAGS = {
 }
 OPTIONAL_TURN_FLAGS = {"stitched": "stitched"}  # columns a newer capture adds; offered when the store has them
 MISMATCH_FIGURES = ("mismatch_kl", "mismatch_logp_diff", "mismatch_seconds")  # train_runs: the guard's charted figures
+# The list's filters: a field of `EpisodeFilter` -> its condition on the episodes `e` and rewards `r` when it is set.
+FILTERS = {
+    "round": "e.round = $round",
+    "split": "coalesce(e.split, 'train') = $split",
+    "task": "e.task_id = $task",
+    "q": "(contains(lower(e.episode_id), lower($q)) OR contains(lower(coalesce(e.task_id, '')), lower($q)))",
+    "status": "e.status = $status",
+    "reward_min": "r.reward >= $reward_min",
+    "reward_max": "r.reward <= $reward_max",
+}
 
 
 def columns(con: duckdb.DuckDBPyConnection) -> dict[str, set[str]]:
@@ -53,13 +63,20 @@ def columns(con: duckdb.DuckDBPyConnection) -> dict[str, set[str]]:
     return found
 
 
-def _dicts(cursor: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
+def optional_turn_flags(cols: dict[str, set[str]]) -> list[str]:
+    """The flags of `OPTIONAL_TURN_FLAGS` whose column this store's `turns` has."""
+    return [name for name, column in OPTIONAL_TURN_FLAGS.items() if column in cols.get("turns", set())]
+
+
+def _dicts(con: duckdb.DuckDBPyConnection, sql: str, params: Any = None) -> list[dict[str, Any]]:
+    """`sql`'s rows, each a dict by column name."""
+    cursor = con.execute(sql, params)
     names = [d[0] for d in cursor.description or ()]
     return [dict(zip(names, row)) for row in cursor.fetchall()]
 
 
-def _one(cursor: duckdb.DuckDBPyConnection) -> dict[str, Any] | None:
-    rows = _dicts(cursor)
+def _one(con: duckdb.DuckDBPyConnection, sql: str, params: Any = None) -> dict[str, Any] | None:
+    rows = _dicts(con, sql, params)
     return rows[0] if rows else None
 
 
@@ -139,17 +156,13 @@ class EpisodeFilter:
     def query(self, **changes: Any) -> dict[str, str]:
         """This filter as query-string items (defaults left out), with `changes` applied: for links."""
         f = replace(self, **changes)
+        default_sort = (f.sort, f.order) == DEFAULT_SORT
         items = {
-            "round": f.round,
-            "split": f.split,
-            "task": f.task,
-            "q": f.q,
-            "status": f.status,
-            "flag": f.flag,
-            "reward_min": f.reward_min,
-            "reward_max": f.reward_max,
-            "sort": None if f.sort == DEFAULT_SORT[0] and f.order == DEFAULT_SORT[1] else f.sort,
-            "order": None if f.sort == DEFAULT_SORT[0] and f.order == DEFAULT_SORT[1] else f.order,
+            k: getattr(f, k) for k in ("round", "split", "task", "q", "status", "flag", "reward_min", "reward_max")
+        }
+        items |= {
+            "sort": None if default_sort else f.sort,
+            "order": None if default_sort else f.order,
             "page": f.page if f.page != 1 else None,
             "per_page": f.per_page if f.per_page != 50 else None,
         }
@@ -159,53 +172,25 @@ class EpisodeFilter:
 def flag_names(con: duckdb.DuckDBPyConnection, cols: dict[str, set[str]]) -> list[str]:
     """Every flag the list can filter by on this store: the dataset stage's raised ones and the turn conditions."""
     raised = [r[0] for r in con.execute("SELECT DISTINCT flag FROM episode_flags ORDER BY flag").fetchall()]
-    optional = [name for name, column in OPTIONAL_TURN_FLAGS.items() if column in cols.get("turns", set())]
-    return sorted(set(raised) | set(TURN_FLAGS) | set(optional) | {"no_reward"})
-
-
-def _turn_flag_sql(flag: str) -> str | None:
-    return TURN_FLAGS.get(flag) or OPTIONAL_TURN_FLAGS.get(flag)
+    return sorted(set(raised) | set(TURN_FLAGS) | set(optional_turn_flags(cols)) | {"no_reward"})
 
 
 def episode_page(
     con: duckdb.DuckDBPyConnection, f: EpisodeFilter, cols: dict[str, set[str]]
 ) -> tuple[list[dict[str, Any]], int]:
     """One page of the filtered, sorted episode list and the number of episodes that match."""
-    where: list[str] = ["true"]
-    params: dict[str, Any] = {}
-    if f.round is not None:
-        where.append("e.round = $round")
-        params["round"] = f.round
-    if f.split:
-        where.append("coalesce(e.split, 'train') = $split")
-        params["split"] = f.split
-    if f.task:
-        where.append("e.task_id = $task")
-        params["task"] = f.task
-    if f.q:
-        where.append(
-            "(contains(lower(e.episode_id), lower($q)) OR contains(lower(coalesce(e.task_id, '')), lower($q)))"
-        )
-        params["q"] = f.q
-    if f.status:
-        where.append("e.status = $status")
-        params["status"] = f.status
-    if f.reward_min is not None:
-        where.append("r.reward >= $reward_min")
-        params["reward_min"] = f.reward_min
-    if f.reward_max is not None:
-        where.append("r.reward <= $reward_max")
-        params["reward_max"] = f.reward_max
+    params: dict[str, Any] = {name: getattr(f, name) for name in FILTERS if getattr(f, name) not in (None, "")}
+    where = ["true", *(FILTERS[name] for name in params)]
     if f.flag == "no_reward":
         where.append("r.reward IS NULL")
-    elif f.flag and (condition := _turn_flag_sql(f.flag)):
+    elif f.flag and (condition := TURN_FLAGS.get(f.flag) or OPTIONAL_TURN_FLAGS.get(f.flag)):
         where.append(f"e.episode_id IN (SELECT episode_id FROM turns WHERE {condition})")
     elif f.flag:
         where.append("e.episode_id IN (SELECT episode_id FROM episode_flags WHERE flag = $flag)")
         params["flag"] = f.flag
     direction = "DESC" if f.order == "desc" else "ASC"
     params |= {"limit": f.per_page, "offset": (f.page - 1) * f.per_page}
-    optional = [name for name, column in OPTIONAL_TURN_FLAGS.items() if column in cols.get("turns", set())]
+    optional = optional_turn_flags(cols)
     optional_sql = "".join(f", bool_or(coalesce({OPTIONAL_TURN_FLAGS[n]}, false)) AS {n}" for n in optional)
     sql = f"""
     WITH f AS (
@@ -233,7 +218,7 @@ def episode_page(
     FROM page LEFT JOIN t USING (episode_id) LEFT JOIN fl USING (episode_id)
     ORDER BY {SORTS[f.sort].replace("f.", "page.")} {direction} NULLS LAST, page.episode_id
     """
-    rows = _dicts(con.execute(sql, params))
+    rows = _dicts(con, sql, params)
     if rows:
         return rows, int(rows[0]["matching"])
     if f.page > 1:  # past the end: say how many match
@@ -260,55 +245,48 @@ def filter_choices(con: duckdb.DuckDBPyConnection) -> dict[str, list[Any]]:
 def overview(con: duckdb.DuckDBPyConnection, cols: dict[str, set[str]]) -> dict[str, Any]:
     """Per round: rewards by split, episodes by status, turns and tokens, training metrics, loop phase times."""
     totals = _one(
-        con.execute(
-            """SELECT (SELECT count(*) FROM episodes) AS episodes,
-                      (SELECT count(*) FROM episodes WHERE status = 'running') AS running,
-                      (SELECT count(*) FROM turns) AS turns,
-                      (SELECT count(*) FROM rewards) AS rewards,
-                      (SELECT count(DISTINCT episode_id) FROM episode_flags) AS flagged,
-                      (SELECT count(*) FROM deployments) AS deployments,
-                      (SELECT max(started_at) FROM turns) AS last_turn"""
-        )
+        con,
+        """SELECT (SELECT count(*) FROM episodes) AS episodes,
+                  (SELECT count(*) FROM episodes WHERE status = 'running') AS running,
+                  (SELECT count(*) FROM turns) AS turns,
+                  (SELECT count(*) FROM rewards) AS rewards,
+                  (SELECT count(DISTINCT episode_id) FROM episode_flags) AS flagged,
+                  (SELECT count(*) FROM deployments) AS deployments,
+                  (SELECT max(started_at) FROM turns) AS last_turn""",
     )
     rewards = _dicts(
-        con.execute(
-            """SELECT e.round, coalesce(e.split, 'train') AS split, avg(r.reward) AS mean, count(r.reward) AS n,
-                      min(r.reward) AS min, max(r.reward) AS max
-               FROM episodes e JOIN latest_rewards r USING (episode_id)
-               WHERE e.round IS NOT NULL GROUP BY ALL ORDER BY 1, 2"""
-        )
+        con,
+        """SELECT e.round, coalesce(e.split, 'train') AS split, avg(r.reward) AS mean, count(r.reward) AS n,
+                  min(r.reward) AS min, max(r.reward) AS max
+           FROM episodes e JOIN latest_rewards r USING (episode_id)
+           WHERE e.round IS NOT NULL GROUP BY ALL ORDER BY 1, 2""",
     )
     statuses = _dicts(
-        con.execute(
-            """SELECT round, coalesce(status, 'unknown') AS status, count(*) AS n FROM episodes
-               WHERE round IS NOT NULL GROUP BY ALL ORDER BY 1, 2"""
-        )
+        con,
+        """SELECT round, coalesce(status, 'unknown') AS status, count(*) AS n FROM episodes
+           WHERE round IS NOT NULL GROUP BY ALL ORDER BY 1, 2""",
     )
     turns = _dicts(
-        con.execute(
-            """SELECT e.round, count(*) AS turns,
-                      sum(coalesce(t.prompt_tokens, len(t.prompt_token_ids))) AS prompt_tokens,
-                      sum(coalesce(t.completion_tokens, len(t.completion_token_ids))) AS completion_tokens,
-                      count(*) FILTER (WHERE t.error IS NOT NULL OR t.status_code >= 400) AS failed_calls,
-                      quantile_cont(t.latency_ms, 0.5) AS latency_p50, quantile_cont(t.latency_ms, 0.9) AS latency_p90
-               FROM turns t JOIN episodes e USING (episode_id)
-               WHERE e.round IS NOT NULL GROUP BY ALL ORDER BY 1"""
-        )
+        con,
+        """SELECT e.round, count(*) AS turns,
+                  sum(coalesce(t.prompt_tokens, len(t.prompt_token_ids))) AS prompt_tokens,
+                  sum(coalesce(t.completion_tokens, len(t.completion_token_ids))) AS completion_tokens,
+                  count(*) FILTER (WHERE t.error IS NOT NULL OR t.status_code >= 400) AS failed_calls,
+                  quantile_cont(t.latency_ms, 0.5) AS latency_p50, quantile_cont(t.latency_ms, 0.9) AS latency_p90
+           FROM turns t JOIN episodes e USING (episode_id)
+           WHERE e.round IS NOT NULL GROUP BY ALL ORDER BY 1""",
     )
-    train = _dicts(con.execute("SELECT * EXCLUDE (config) FROM train_runs ORDER BY round, started_at"))
+    train = _dicts(con, "SELECT * EXCLUDE (config) FROM train_runs ORDER BY round, started_at")
     mismatch = [c for c in MISMATCH_FIGURES if c in cols.get("train_runs", set())]  # a store before the guard: none
     phases = _dicts(
-        con.execute(
-            """WITH latest AS (SELECT arg_max(run, created_at) AS run FROM loop_steps)
-               SELECT round, step, sum(TRY_CAST(details->>'seconds' AS DOUBLE)) AS seconds
-               FROM loop_steps WHERE run = (SELECT run FROM latest) GROUP BY ALL ORDER BY 1, 2"""
-        )
+        con,
+        """WITH latest AS (SELECT arg_max(run, created_at) AS run FROM loop_steps)
+           SELECT round, step, sum(TRY_CAST(details->>'seconds' AS DOUBLE)) AS seconds
+           FROM loop_steps WHERE run = (SELECT run FROM latest) GROUP BY ALL ORDER BY 1, 2""",
     )
     run = con.execute("SELECT arg_max(run, created_at) FROM loop_steps").fetchone()
     deployments = _dicts(
-        con.execute(
-            "SELECT name, base_model, kind, round, created_at FROM deployments ORDER BY created_at DESC LIMIT 20"
-        )
+        con, "SELECT name, base_model, kind, round, created_at FROM deployments ORDER BY created_at DESC LIMIT 20"
     )
     return {
         "totals": totals or {},
@@ -330,29 +308,27 @@ MAX_TURNS = 500  # an episode page shows at most this many calls (the rest: `lca
 
 def episode(con: duckdb.DuckDBPyConnection, episode_id: str) -> dict[str, Any] | None:
     return _one(
-        con.execute(
-            """SELECT e.*, coalesce(e.split, 'train') AS split,
-                      epoch(e.ended_at) - epoch(e.started_at) AS duration_s,
-                      concat_ws('/', e.round, coalesce(e.split, 'train'), e.task_id) AS group_id,
-                      r.reward, r.details AS reward_details, r.source AS reward_source
-               FROM episodes e LEFT JOIN latest_rewards r USING (episode_id) WHERE e.episode_id = ?""",
-            [episode_id],
-        )
+        con,
+        """SELECT e.*, coalesce(e.split, 'train') AS split,
+                  epoch(e.ended_at) - epoch(e.started_at) AS duration_s,
+                  concat_ws('/', e.round, coalesce(e.split, 'train'), e.task_id) AS group_id,
+                  r.reward, r.details AS reward_details, r.source AS reward_source
+           FROM episodes e LEFT JOIN latest_rewards r USING (episode_id) WHERE e.episode_id = ?""",
+        [episode_id],
     )
 
 
 def episode_extras(con: duckdb.DuckDBPyConnection, episode_id: str) -> dict[str, list[dict[str, Any]]]:
     """The episode's flags and every reward it was given (the latest counts)."""
     flags = _dicts(
-        con.execute(
-            "SELECT flag, details, created_at FROM episode_flags WHERE episode_id = ? ORDER BY created_at", [episode_id]
-        )
+        con,
+        "SELECT flag, details, created_at FROM episode_flags WHERE episode_id = ? ORDER BY created_at",
+        [episode_id],
     )
     rewards = _dicts(
-        con.execute(
-            "SELECT value, details, source, created_at FROM rewards WHERE episode_id = ? ORDER BY created_at",
-            [episode_id],
-        )
+        con,
+        "SELECT value, details, source, created_at FROM rewards WHERE episode_id = ? ORDER BY created_at",
+        [episode_id],
     )
     return {"flags": flags, "rewards": rewards}
 
@@ -371,11 +347,10 @@ def episode_turns(
     """The episode's calls in order (request bodies included: the conversation is read from them), and how many."""
     extra = "".join(f", {c}" for c in sorted(OPTIONAL_TURN_FLAGS.values()) if c in cols.get("turns", set()))
     rows = _dicts(
-        con.execute(
-            f"""SELECT {_TURN_COLUMNS}{extra}, count(*) OVER () AS n_all FROM turns WHERE episode_id = ?
-                ORDER BY seq NULLS LAST, started_at LIMIT {MAX_TURNS}""",
-            [episode_id],
-        )
+        con,
+        f"""SELECT {_TURN_COLUMNS}{extra}, count(*) OVER () AS n_all FROM turns WHERE episode_id = ?
+            ORDER BY seq NULLS LAST, started_at LIMIT {MAX_TURNS}""",
+        [episode_id],
     )
     return rows, int(rows[0]["n_all"]) if rows else 0
 
@@ -418,31 +393,30 @@ def group(con: duckdb.DuckDBPyConnection, round: int | None, split: str, task_id
     its statement narrowed to one group (the same eligibility, latest per key, and formula; a test holds the
     two equal), so a group costs a look-up, not an aggregation of every turn."""
     return _dicts(
-        con.execute(
-            """WITH g AS (
-                   SELECT e.episode_id, e.sample, e.status, e.started_at,
-                          epoch(e.ended_at) - epoch(e.started_at) AS duration_s, r.reward
-                   FROM episodes e LEFT JOIN latest_rewards r USING (episode_id)
-                   WHERE e.round IS NOT DISTINCT FROM $round AND coalesce(e.split, 'train') = $split
-                     AND e.task_id = $task),
-               t AS (SELECT episode_id, count(*) AS n_turns FROM turns
-                     WHERE episode_id IN (SELECT episode_id FROM g) GROUP BY episode_id),
-               fl AS (SELECT episode_id, list(DISTINCT flag ORDER BY flag) AS flags FROM episode_flags
-                      WHERE episode_id IN (SELECT episode_id FROM g) GROUP BY episode_id),
-               kept AS (SELECT episode_id, reward FROM g
-                        WHERE $round IS NOT NULL AND status = 'ok' AND reward IS NOT NULL
-                        QUALIFY row_number() OVER (PARTITION BY sample ORDER BY started_at DESC) = 1),
-               a AS (SELECT episode_id,
-                            (reward - avg(reward) OVER ()) / (coalesce(stddev_samp(reward) OVER (), 0) + 1e-4)
-                                AS advantage,
-                            max(reward) OVER () = min(reward) OVER () AS zero_variance
-                     FROM kept)
-               SELECT g.*, coalesce(t.n_turns, 0) AS n_turns, coalesce(fl.flags, []::VARCHAR[]) AS flags,
-                      a.advantage, a.zero_variance
-               FROM g LEFT JOIN t USING (episode_id) LEFT JOIN fl USING (episode_id) LEFT JOIN a USING (episode_id)
-               ORDER BY g.reward DESC NULLS LAST, g.sample, g.started_at""",
-            {"round": round, "split": split, "task": task_id},
-        )
+        con,
+        """WITH g AS (
+               SELECT e.episode_id, e.sample, e.status, e.started_at,
+                      epoch(e.ended_at) - epoch(e.started_at) AS duration_s, r.reward
+               FROM episodes e LEFT JOIN latest_rewards r USING (episode_id)
+               WHERE e.round IS NOT DISTINCT FROM $round AND coalesce(e.split, 'train') = $split
+                 AND e.task_id = $task),
+           t AS (SELECT episode_id, count(*) AS n_turns FROM turns
+                 WHERE episode_id IN (SELECT episode_id FROM g) GROUP BY episode_id),
+           fl AS (SELECT episode_id, list(DISTINCT flag ORDER BY flag) AS flags FROM episode_flags
+                  WHERE episode_id IN (SELECT episode_id FROM g) GROUP BY episode_id),
+           kept AS (SELECT episode_id, reward FROM g
+                    WHERE $round IS NOT NULL AND status = 'ok' AND reward IS NOT NULL
+                    QUALIFY row_number() OVER (PARTITION BY sample ORDER BY started_at DESC) = 1),
+           a AS (SELECT episode_id,
+                        (reward - avg(reward) OVER ()) / (coalesce(stddev_samp(reward) OVER (), 0) + 1e-4)
+                            AS advantage,
+                        max(reward) OVER () = min(reward) OVER () AS zero_variance
+                 FROM kept)
+           SELECT g.*, coalesce(t.n_turns, 0) AS n_turns, coalesce(fl.flags, []::VARCHAR[]) AS flags,
+                  a.advantage, a.zero_variance
+           FROM g LEFT JOIN t USING (episode_id) LEFT JOIN fl USING (episode_id) LEFT JOIN a USING (episode_id)
+           ORDER BY g.reward DESC NULLS LAST, g.sample, g.started_at""",
+        {"round": round, "split": split, "task": task_id},
     )
 
 

@@ -151,11 +151,8 @@ def token_view(turns: pa.Table, tokenizers: Tokenizers, base_models: dict[str, s
                 Token(i, t, lp if m else None, shade(lp) if m else -1)
                 for i, t, lp, m in zip(seg_ids, texts, logprobs[at : at + take], mask[at : at + take])
             ]
-            sample.segments.append(
-                Segment(
-                    call["seq"], tokens[: min(env_len, take)], tokens[min(env_len, take) :], bool(call["truncated"])
-                )
-            )
+            cut = min(env_len, take)
+            sample.segments.append(Segment(call["seq"], tokens[:cut], tokens[cut:], bool(call["truncated"])))
             budget -= take
             sample.hidden += (end - at) - take
             at = end

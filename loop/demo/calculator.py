@@ -19,10 +19,9 @@ questions are met once each; the held-out ones are other pairs.
 from __future__ import annotations
 
 import random
-import sys
 from pathlib import Path
 
-from lcap.loop.demo.task import DemoTask, bundled_agent, load_script
+from lcap.loop.demo.task import DemoTask, bundled_agent, load_script, script_command
 
 QUESTION = "What is {a} * {b}?"
 LOW, HIGH = 12, 99  # the factors: two digits, past what the model multiplies by heart
@@ -35,16 +34,7 @@ def agent_path() -> Path:
 
 
 def agent_command() -> list[str]:
-    return [
-        sys.executable,
-        str(agent_path()),
-        "--question",
-        "{question}",
-        "--turns",
-        str(TURNS),
-        "--max-tokens",
-        str(MAX_TOKENS),
-    ]
+    return script_command(agent_path(), question="{question}", turns=TURNS, max_tokens=MAX_TOKENS)
 
 
 def make_tasks(words: list[str], *, n_train: int, n_eval: int, seed: int = 0) -> tuple[list[dict], list[dict]]:

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from lcap.loop.demo.task import DemoSettings, DemoTask, demo_dir
+from lcap.loop.demo.task import DemoSettings, DemoTask, demo_dir, script_command
 from lcap.loop.demo.warm import Corpus, Example, answer_weights
 
 QUESTION = "Which is a number: {a} {b} {c}"
@@ -109,7 +108,7 @@ def demo_corpus(words: list[str], settings: DemoSettings) -> Corpus:
 
 def agent_command() -> list[str]:
     """scripts/demo/agent.py: one call, the question as the user message."""
-    return [sys.executable, str(demo_dir() / "agent.py"), "--question", "{question}"]
+    return script_command(demo_dir() / "agent.py", question="{question}")
 
 
 TASK = DemoTask("number", agent_command, make_tasks, demo_corpus)

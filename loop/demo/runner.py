@@ -364,15 +364,14 @@ def _plot(rows: list[dict], png: Path) -> None:
     import matplotlib.pyplot as plt  # the train extra, after its backend is chosen
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    ev = [(r["round"], r["eval_reward"]) for r in rows if r["eval_reward"] is not None]
-    right = [(r["round"], r["eval_right"]) for r in rows if r["eval_right"] is not None]
-    tr = [(r["round"], r["train_reward"]) for r in rows if r["train_reward"] is not None]
-    if ev:
-        ax.plot(*zip(*ev), marker="o", label="held-out mean reward (round 0: the base model)")
-    if right:
-        ax.plot(*zip(*right), marker="^", label="held-out right answers (success)")
-    if tr:
-        ax.plot(*zip(*tr), marker="s", linestyle="--", label="training episodes' mean reward (collected in the round)")
+    for key, style, label in (
+        ("eval_reward", "o-", "held-out mean reward (round 0: the base model)"),
+        ("eval_right", "^-", "held-out right answers (success)"),
+        ("train_reward", "s--", "training episodes' mean reward (collected in the round)"),
+    ):
+        points = [(r["round"], r[key]) for r in rows if r[key] is not None]
+        if points:
+            ax.plot(*zip(*points), style, label=label)
     ax.set_xlabel("round")
     ax.set_xticks([r["round"] for r in rows])
     ax.set_ylabel("mean reward / share right")

@@ -7,6 +7,7 @@ Each task's module (number.py, tools.py) makes its `DemoTask`; runner.py runs wh
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -96,6 +97,12 @@ def bundled_agent(filename: str) -> Path:
     if not path.exists():
         raise LcapError(f"bundled agent not found at {path}: run `lcap demo` from an lcap checkout")
     return path
+
+
+def script_command(path: Path, **flags: object) -> list[str]:
+    """The command that runs the agent script at `path` with `flags` (`--flag-name value` each, in order)."""
+    pairs = ((f"--{name.replace('_', '-')}", str(value)) for name, value in flags.items())
+    return [sys.executable, str(path), *(part for pair in pairs for part in pair)]
 
 
 def load_script(path: Path, name: str) -> ModuleType:

@@ -23,26 +23,13 @@ word triples it never saw. Calls 2 and 3 reach the policy as prompts stitched on
 ids; build-dataset merges an episode's calls into one sample whose tool results and observations are environment
 tokens (env_mask 0).
 
-The warm start answers the number word more often than the number task's (`warm_p_correct` 0.8 against 0.6, in
-both its phases): reading the words in a tool's result, after a lookup, the tiny model learns the rule more slowly
-than in a question, and at the number task's share its base model was right little more often than chance. At
-0.8 it is right about as often as the number task's base model, so RL starts from the same place on the rule.
-
-The warm start weighs every token of the lookup call as it weighs the copied word (`warm_answer_weight`), and
-learns 300 steps of episodes: the call's syntax is what a base model that can use its tool already knows, and
-not what RL is here to teach. A tool call vLLM's parser cannot read reaches the agent as a plain answer, and
-the episode, its words never looked up, is nearly always wrong; trained like an answer's other tokens, a few
-first calls in a hundred broke their JSON, and the real runs that missed the bar fell back in a round where
-fewer first calls were well-formed lookup calls (docs/benchmarks.md, "`lcap demo --task tools`").
-
-Each held-out question is asked twice a round: the tools task's right answers sit closer to the bar than the
-number task's, and at one episode a question a round's held-out share moves by chance about as much as the
-bar allows it to fall between the last two rounds (docs/benchmarks.md: a real run fell past that bound from
-one round to the next where the sweep, asking each question four times, saw a steady curve).
-
-RL steps at a third of the number task's learning rate: a sample here trains on three calls' tokens, the lookup's
-JSON among them, and at the number task's rate a round's update overshoots (in benchmarks/demo_sweep.py the second
-round leaves a policy that answers nothing well-formed).
+The task's defaults differ from the number task's, each for a reason docs/benchmarks.md ("`lcap demo --task
+tools`") measures: the warm start answers the number word more often (`warm_p_correct` 0.8), since the tiny model
+learns the rule more slowly from a tool's result than from a question; it weighs every token of the lookup call
+as the copied word (`warm_answer_weight`), since a call vLLM's parser cannot read leaves the episode nearly
+always wrong, and the call's syntax is not what RL is here to teach; each held-out question is asked twice a
+round, since at once a round's share moves by chance about as much as the bar allows; and RL steps at a third
+of the number task's learning rate, since a sample trains on three calls' tokens and a faster round overshoots.
 """
 
 from __future__ import annotations
@@ -50,13 +37,12 @@ from __future__ import annotations
 import functools
 import json
 import random
-import sys
 from pathlib import Path
 from types import ModuleType
 
 from lcap.loop.demo.number import FORMATS, make_tasks, make_triple
 from lcap.loop.demo.number import demo_corpus as number_corpus
-from lcap.loop.demo.task import DemoSettings, DemoTask, bundled_agent, load_script
+from lcap.loop.demo.task import DemoSettings, DemoTask, bundled_agent, load_script, script_command
 from lcap.loop.demo.warm import Corpus, Example, answer_weights
 
 QUESTION = "Which word is a number?"  # names none of the words, nor the key the tool knows
@@ -83,18 +69,7 @@ def agent_module() -> ModuleType:
 
 
 def agent_command() -> list[str]:
-    return [
-        sys.executable,
-        str(agent_path()),
-        "--question",
-        "{question}",
-        "--facts",
-        "{facts}",
-        "--turns",
-        str(TURNS),
-        "--max-tokens",
-        str(MAX_TOKENS),
-    ]
+    return script_command(agent_path(), question="{question}", facts="{facts}", turns=TURNS, max_tokens=MAX_TOKENS)
 
 
 def lookups_by_round(store) -> dict[int, dict]:
