@@ -2,7 +2,9 @@
 
 While any unit of work that may create them is open, the process's umask is 077 (a process-wide setting,
 so it is counted across threads and restored when the last one ends). Children lcap starts get the
-umask the user had (`USER_UMASK`), whatever a thread of lcap is doing at that moment.
+umask the user had (`USER_UMASK`), whatever a thread of lcap is doing at that moment, and so do the files and
+folders lcap makes for others to read (`user_mode`, `make_dirs`): a sandboxed agent and its verifier run as
+another user.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 USER_UMASK = os.umask(0o022)
 os.umask(USER_UMASK)
@@ -34,3 +37,16 @@ def private_files() -> Iterator[None]:
             _holders -= 1
             if _holders == 0:
                 os.umask(USER_UMASK)
+
+
+def user_mode(path: Path) -> None:
+    """Give `path` the mode the user's umask gives it (not the 077 a store write on another thread may hold now)."""
+    path.chmod((0o777 if path.is_dir() else 0o666) & ~USER_UMASK)
+
+
+def make_dirs(path: Path) -> None:
+    """`path` and the folders above it that do not exist yet, each with the user's mode."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for folder in reversed(missing):
+        folder.mkdir(exist_ok=True)
+        user_mode(folder)

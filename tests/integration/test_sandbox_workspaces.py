@@ -256,6 +256,51 @@ def test_pristine_tests_are_readable_whatever_the_umask_of_a_store_write_beside_
     assert modes == {"test_calc.py": 0o644, "tests": 0o755, "tests/unit": 0o755, "tests/unit/test_more.py": 0o644}
 
 
+def test_a_sandboxed_episode_runs_and_is_verified_while_a_store_write_holds_the_umask(fake_llm):
+    """The folders and files lcap makes for a sandboxed episode get the user's modes even while a store write holds
+    the process's umask at 077 (here: the whole collect): the agent, as nobody, enters its workspace, and the
+    verifier reads the agent's stdout and the pristine tests."""
+    base = Path(tempfile.mkdtemp(prefix="lcap-sandbox-umask-"))
+    base.chmod(0o755)
+    try:
+        (base / "ws").mkdir()
+        (base / "ws" / "calc.py").write_text(FIXED)
+        (base / "pristine").mkdir()
+        (base / "pristine" / "test_calc.py").write_text(TESTS)
+        (base / "agent.py").write_text("print('hello from the agent')\n")
+        (base / "verify.py").write_text(
+            "import json, os, subprocess, sys\n"
+            "said = open(os.environ['LCAP_AGENT_STDOUT']).read()\n"
+            "run = subprocess.run([sys.executable, '-m', 'unittest', 'test_calc'], capture_output=True)\n"
+            "print(json.dumps({'reward': float(run.returncode == 0 and 'hello' in said)}))\n"
+        )
+        task = {"id": "t", "workspace": "ws", "tests": "pristine/test_calc.py"}
+        (base / "tasks.jsonl").write_text(json.dumps(task) + "\n")
+        store = Store(base / "db" / "lcap.duckdb")
+        options = CollectOptions(
+            group_size=2,
+            upstream=fake_llm.url,
+            timeout=60.0,
+            verifier=f"python3 {base / 'verify.py'}",
+            sandbox=True,
+            run_dir=base / "run",
+        )
+        with private_files():
+            collect(
+                store,
+                tasks=base / "tasks.jsonl",
+                command=[SYSTEM_PYTHON, str(base / "agent.py")],
+                options=options,
+                progress=False,
+            )
+        rows = store.fetchall(
+            "SELECT e.status, e.error, r.value FROM episodes e LEFT JOIN rewards r USING (episode_id) ORDER BY 1"
+        )
+        assert rows == [("ok", None, 1.0)] * 2, rows
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def test_the_verifier_leaves_the_agents_workspace_as_the_agent_left_it(command_run):
     episodes, _, _ = command_run
     work = episodes["cheat"][0]["dir"] / "work"  # kept by --keep-workspaces
