@@ -443,8 +443,8 @@ def _child_pid(fd: int) -> int:
 def listen_in(pid: int, port: int, timeout: float = START_TIMEOUT) -> socket.socket:
     """A listener on 127.0.0.1:`port` in `pid`'s network namespace: made on a thread of its own that enters the
     namespace and ends there (a thread's network namespace is its own; lcap's other threads stay outside).
-    bubblewrap reports its sandbox's pid before the sandbox has brought its loopback up: until then (at most
-    `timeout` seconds) 127.0.0.1 cannot be bound there, and the bind is tried again."""
+    bubblewrap reports its sandbox's pid while the sandbox may still be setting its loopback up (the interface up,
+    127.0.0.1 not on it yet): until then (at most `timeout` seconds) the bind is refused, and tried again."""
     made: list[socket.socket | BaseException] = []
 
     def enter() -> None:
