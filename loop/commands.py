@@ -113,10 +113,16 @@ def demo(
     """Serve a policy with vLLM and train it with GRPO on a bundled agent and task set: SmolLM2-135M-Instruct, a
     real pretrained model, learning to use a calculator tool (the default), or a tiny model made here (a quick look).
 
-    Prints one line per round (training and held-out reward), then where the results are.
+    Prints one line per round (training and held-out reward), then where the results are. Exits 1 when the run
+    misses its learning targets (the same check as scripts/demo/check_learning.py).
     """
     from lcap.loop.demo.runner import demo_task, run_demo  # start-up: the whole loop's modules
 
     kind = demo_task(demo_options.task, demo_options.model)
     settings = kind.settings(seed)
-    run_demo(out, rounds=rounds, fresh=fresh, task=kind.name, settings=settings, echo=typer.echo, loop=options)
+    results = run_demo(
+        out, rounds=rounds, fresh=fresh, task=kind.name, settings=settings, echo=typer.echo, loop=options
+    )
+    if not results["targets"]["passed"]:
+        typer.echo("lcap: the demo missed its learning targets (above): exit 1", err=True)
+        raise typer.Exit(1)

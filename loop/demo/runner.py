@@ -33,6 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from lcap.config import LcapError
+from lcap.dataset.collect.episode import FINISHED
 from lcap.dataset.options import BuildOptions, CollectOptions
 from lcap.display import num, small
 from lcap.loop.demo import calculator, number, tools
@@ -98,9 +99,14 @@ def run_demo(
     timings: dict[str, float] = {}
 
     marker = out / "demo.json"
-    if marker.exists() and json.loads(marker.read_text()).get("task") != kind.name:
+    run = {"task": kind.name, "model": kind.model, "seed": settings.seed}
+    earlier = json.loads(marker.read_text()) if marker.exists() else {}
+    if earlier.get("task", kind.name) != kind.name:
         raise LcapError(f"{out} holds a demo of another task: use another --out, or --fresh to start over")
-    marker.write_text(json.dumps({"task": kind.name}))
+    differ = [f"--{key} {earlier[key]}" for key in ("model", "seed") if earlier.get(key, run[key]) != run[key]]
+    if differ:
+        raise LcapError(f"{out} holds a demo run with {', '.join(differ)}: use another --out, or --fresh to start over")
+    marker.write_text(json.dumps(run))
     if kind.model == "tiny":
         model = out / "model"
         if not (model / "warm_start.json").exists():
@@ -205,13 +211,15 @@ TARGET_FROM_BEST = 0.05  # ...and at most this below the best round's
 
 def held_out_by_round(store) -> list[dict]:
     """Per round, from the store: held-out episodes, their mean reward, and the shares of well-formed and right
-    answers (the verifier's details)."""
+    answers (the verifier's details). Every finished episode counts: one that crashed, timed out or went unrewarded
+    is a wrong answer with reward 0, never left out of the denominator; one still running (or interrupted, to be run
+    again on resume) is not counted yet."""
     with store.connect(read_only=True) as con:
-        rows = con.execute("""
-            SELECT round, count(*), avg(reward),
-                   avg((reward_details->>'well_formed')::BOOLEAN::INTEGER),
-                   avg((reward_details->>'right')::BOOLEAN::INTEGER)
-            FROM episode_summary WHERE split = 'eval' AND reward IS NOT NULL
+        rows = con.execute(f"""
+            SELECT round, count(*), avg(coalesce(reward, 0)),
+                   avg(coalesce((reward_details->>'well_formed')::BOOLEAN, false)::INTEGER),
+                   avg(coalesce((reward_details->>'right')::BOOLEAN, false)::INTEGER)
+            FROM episode_summary WHERE split = 'eval' AND status IN {FINISHED}
             GROUP BY round ORDER BY round""").fetchall()
     return [dict(round=n, episodes=k, reward=r, well_formed=f, right=g) for n, k, r, f, g in rows]
 

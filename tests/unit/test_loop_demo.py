@@ -96,3 +96,36 @@ def test_targets_read_from_the_store(tmp_path):
     before = {**rows[1], "right": last["right"] + TARGET_FALLBACK + 0.01}
     passed, lines = check_targets([rows[0], before, last])
     assert not passed and [line.split()[0] for line in lines] == ["ok", "ok", "ok", "MISS"]
+
+
+def test_held_out_counts_a_crashed_or_unrewarded_episode_as_wrong(tmp_path):
+    """An episode that crashed, timed out or went unrewarded is a wrong answer in the held-out figures, never out of
+    the denominator; one still running (or interrupted, run again on resume) is not counted yet."""
+    right = (True, True)
+    store = held_out_store(tmp_path, {1: [right] * 2})
+    for episode, status in (("crashed", "failed"), ("slow", "timeout"), ("running", None), ("stopped", "interrupted")):
+        store.start_episode(episode, command="agent", cwd=None, labels={"round": "1", "split": "eval"})
+        if status:
+            store.end_episode(episode, status=status, exit_code=1)
+    ((row),) = held_out_by_round(store)
+    assert (row["episodes"], row["reward"], row["right"], row["well_formed"]) == (4, 0.5, 0.5, 0.5)
+
+
+def test_demo_refuses_a_folder_of_another_seed_or_model_and_exits_1_when_it_misses_its_targets(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from lcap.cli import app
+    from lcap.loop.demo import runner
+
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / "demo.json").write_text(json.dumps({"task": "calculator", "model": "smollm2", "seed": 0}))
+    result = CliRunner().invoke(app, ["demo", "--seed", "1", "--out", str(out)])
+    assert result.exit_code == 2 and "holds a demo run with --seed 0" in result.output and "--fresh" in result.output
+    assert json.loads((out / "demo.json").read_text())["seed"] == 0  # nothing of the earlier run is touched
+
+    # The exit code follows the targets' verdict (the run itself is measured by scripts/demo.sh, not tested here).
+    for passed, code in ((False, 1), (True, 0)):
+        monkeypatch.setattr(runner, "run_demo", lambda *a, passed=passed, **k: {"targets": {"passed": passed}})
+        result = CliRunner().invoke(app, ["demo", "--out", str(out)])
+        assert result.exit_code == code, result.output
