@@ -127,6 +127,7 @@ class CaptureProxy:
         self._error: str | None = None
         self._master: Any = None
         self._calls: Calls | None = None
+        self._router: Router | None = None  # the calls' router: the mitmproxy guard asks it, the stop closes it
         self._episode_rows: EpisodeRows | None = None
         self._known = KnownEpisodes(options.max_episodes)
         self.rewards: RewardEndpoint | None = None
@@ -166,32 +167,11 @@ class CaptureProxy:
         if self.store is not None:
             self._episode_rows = EpisodeRows(self.store)
             self._episode_rows.start()
-        sessions = Sessions(
-            header=self.options.session_header,
-            conversations=bool(self.options.conversations),
-            limit=self.options.max_episodes,
-            opened=self._opened,
-        )
-        calls = Calls(
-            self.writer,
-            router,
-            token_ids=bool(self.token_ids),
-            upstream_api_key=os.environ.get("LCAP_UPSTREAM_API_KEY"),
-            keys=self.keys,
-            require_credentials=self.require_credentials,
-            max_episodes=self.options.max_episodes,
-            max_body_bytes=self.options.max_body_bytes,
-            stitch=self.options.stitch,
-            adapt=self.options.adapt,
-            heads=Heads(self.options.stitch_memory),
-            hold_timeout=self.options.hold_timeout,
-            max_held=self.options.max_held_calls,
-            sessions=sessions,
-            session_floor=session_floor(self.store) if self.store is not None and self.options.session_header else 0,
-        )
+        calls = self._make_calls(router)
         self._calls = calls
+        self._router = router
         self.writer.start()
-        self._thread = threading.Thread(target=self._serve, args=(calls,), name="lcap-proxy", daemon=True)
+        self._thread = threading.Thread(target=self._serve, args=(calls, router), name="lcap-proxy", daemon=True)
         self._thread.start()
         if not self._ready.wait(60) or self._error:
             self.writer.stop()
@@ -215,38 +195,8 @@ class CaptureProxy:
             namespaces=self.namespaces,
             forget=self._forget,
         )
-        if self.store is not None and self.options.rewards_port is not None and self.options.rewards_port >= 0:
-            self.rewards = RewardEndpoint(
-                self.store,
-                secrets.token_urlsafe(32),
-                host=self.options.rewards_host,
-                port=self.options.rewards_port,
-                max_pending=self.options.max_pending_rewards,
-                max_body=self.options.max_reward_bytes,
-                settle=self._episode_rows.settle if self._episode_rows is not None else (lambda: None),
-                known=self._known,
-            )
-            try:
-                self.rewards.start()
-            except BaseException:
-                self.stop()
-                raise
-        if self.store is not None:  # for `lcap episode new`, `lcap status`; a node's proxy is its collect driver's
-            self._record = ProxyRecord(
-                os.getpid(),
-                self.options.host,
-                self.port,
-                self.keys.key.hex(),
-                str(self.store.path),
-                started_at=time.time(),
-                command=command_line(),
-                upstream=self.options.upstream,
-                spool=str(self.writer.spool_directory) if self.writer.spool_directory else None,
-                rewards_url=self.rewards.url if self.rewards is not None else None,
-                reward_token=self.rewards.token if self.rewards is not None else None,
-            )
-            self._announcer = Announcer(self._record, self.counters)
-            self._announcer.start()
+        self._start_rewards()
+        self._announce()
         if self.exposed:
             log.warning(
                 "lcap: warning: the proxy listens on %s:%d, reachable from the network: every call needs episode "
@@ -257,6 +207,74 @@ class CaptureProxy:
                 if self.options.allow_private
                 else "loopback, link-local and private destinations are refused",
             )
+
+    def _make_calls(self, router: Router) -> Calls:
+        """What both transports do with a call, set up from the options."""
+        sessions = Sessions(
+            header=self.options.session_header,
+            conversations=bool(self.options.conversations),
+            limit=self.options.max_episodes,
+            opened=self._opened,
+        )
+        return Calls(
+            self.writer,
+            router,
+            token_ids=bool(self.token_ids),
+            upstream_api_key=os.environ.get("LCAP_UPSTREAM_API_KEY"),
+            keys=self.keys,
+            require_credentials=self.require_credentials,
+            max_episodes=self.options.max_episodes,
+            max_body_bytes=self.options.max_body_bytes,
+            stitch=self.options.stitch,
+            adapt=self.options.adapt,
+            heads=Heads(self.options.stitch_memory),
+            hold_timeout=self.options.hold_timeout,
+            max_held=self.options.max_held_calls,
+            sessions=sessions,
+            session_floor=session_floor(self.store) if self.store is not None and self.options.session_header else 0,
+        )
+
+    def _start_rewards(self) -> None:
+        """The reward endpoint of `--serve`, when asked for (a proxy with a store only)."""
+        if self.store is None or self.options.rewards_port is None or self.options.rewards_port < 0:
+            return
+        self.rewards = RewardEndpoint(
+            self.store,
+            secrets.token_urlsafe(32),
+            host=self.options.rewards_host,
+            port=self.options.rewards_port,
+            max_pending=self.options.max_pending_rewards,
+            max_body=self.options.max_reward_bytes,
+            settle=self._episode_rows.settle if self._episode_rows is not None else (lambda: None),
+            known=self._known,
+        )
+        try:
+            self.rewards.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _announce(self) -> None:
+        """The proxy's record, for `lcap episode new` and `lcap status` (a node's proxy has none: its collect
+        driver's is the one), announced while it runs."""
+        if self.store is None:
+            return
+        assert self.port is not None
+        self._record = ProxyRecord(
+            os.getpid(),
+            self.options.host,
+            self.port,
+            self.keys.key.hex(),
+            str(self.store.path),
+            started_at=time.time(),
+            command=command_line(),
+            upstream=self.options.upstream,
+            spool=str(self.writer.spool_directory) if self.writer.spool_directory else None,
+            rewards_url=self.rewards.url if self.rewards is not None else None,
+            reward_token=self.rewards.token if self.rewards is not None else None,
+        )
+        self._announcer = Announcer(self._record, self.counters)
+        self._announcer.start()
 
     def _start_namespaces(self) -> None:
         from lcap.capture.reach.dns import Resolver  # transparent mode only
@@ -309,15 +327,15 @@ class CaptureProxy:
         if self._episode_rows is not None:
             self._episode_rows.put(episode, labels)
 
-    def _serve(self, calls: Calls) -> None:
+    def _serve(self, calls: Calls, router: Router) -> None:
         try:
             with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-                runner.run(self._main(calls))
+                runner.run(self._main(calls, router))
         except Exception as exc:  # start-up failures end here; later ones are logged by mitmproxy
             self._error = self._error or f"capture proxy failed: {exc}"
             self._ready.set()
 
-    async def _main(self, calls: Calls) -> None:
+    async def _main(self, calls: Calls, router: Router) -> None:
         skip_debug_checks()
         # start-up: mitmproxy's master and addons, which only a running proxy needs
         from mitmproxy.addons import next_layer, proxyserver, tlsconfig
@@ -341,7 +359,7 @@ class CaptureProxy:
             server,
             next_layer.NextLayer(),
             TlsConfig(),
-            PrivateDestinations(destinations, calls.router),
+            PrivateDestinations(destinations, router),
             Limits(self.options),
             addon,
         )
@@ -432,8 +450,8 @@ class CaptureProxy:
             self._master.shutdown()
             self._thread.join(10)
         self._thread = None
-        if self._calls is not None:
-            self._calls.router.close()
+        if self._router is not None:
+            self._router.close()
         if self.rewards is not None:
             self.rewards.stop()
             self.rewards = None
@@ -495,9 +513,8 @@ class CaptureProxy:
         return self.port
 
     def _forget(self, episode_id: str) -> None:
-        """An ended episode makes no more calls: its stitching heads would only crowd out live episodes' heads."""
         if self._calls is not None:
-            self._calls.heads.forget(episode_id)
+            self._calls.forget(episode_id)
 
 
 def _loop_factory():
