@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -23,16 +23,15 @@ from lcap.capture.proxy.sessions import Sessions, is_session_episode, tenant_of
 from lcap.capture.proxy.streams import PolicyStream, SseRewriter, StreamCopy
 from lcap.capture.routing import policy_wire
 from lcap.capture.routing.routes import Route, Router
-from lcap.capture.routing.stitching import Head, Heads
+from lcap.capture.routing.stitching import ConversationHeads, Head
 from lcap.capture.storage.writer import TurnSink
-from lcap.capture.trust.credentials import EpisodeKeys
+from lcap.capture.trust.credentials import EpisodeKeys, HeaderFields
 from lcap.capture.trust.redact import CREDENTIAL_HEADERS
 from lcap.capture.turns import dialects, encoding
 from lcap.capture.turns.turn import PendingTurn
 
 log = logging.getLogger("lcap.capture")
 
-Fields = Sequence[tuple[bytes, bytes]]  # header fields: (name, value) pairs
 _CREDENTIALS = frozenset(name.encode() for name in CREDENTIAL_HEADERS)
 # A rerouted call has nothing to switch protocols to, and an upgrade asked on a POST makes readers disagree on its
 # body (llhttp, in uvicorn and Node, takes it for the next protocol's bytes): the request goes without it.
@@ -87,8 +86,8 @@ class Call:
     host: str
     port: int
     path: str
-    fields: Fields  # the request's header fields, minus lcap's own (and the agent's credentials when rerouted)
-    agent_fields: Fields = ()  # the fields as the agent sent them (minus lcap's): a failover reroutes from these
+    fields: HeaderFields  # the request's header fields, minus lcap's own (and the agent's credentials when rerouted)
+    agent_fields: HeaderFields = ()  # the fields as the agent sent them (minus lcap's): a failover reroutes from these
     body: bytes = b""  # the request body to send (rewritten when lcap changed it)
     raw: bytes = b""  # the request body as the agent sent it
     encoding: str | None = None  # the request body's Content-Encoding, when lcap decoded it to read it
@@ -128,7 +127,7 @@ class Calls:
         max_body_bytes: int = 64 << 20,
         stitch: bool = True,
         adapt: bool = True,
-        heads: Heads | None = None,
+        heads: ConversationHeads | None = None,
         hold_timeout: float = 600.0,
         max_held: int = 512,
         sessions: Sessions | None = None,
@@ -138,7 +137,7 @@ class Calls:
         self.router = router
         self.token_ids = token_ids
         self.stitch, self.adapt = stitch, adapt
-        self.heads = heads if heads is not None else Heads(256 << 20)
+        self.heads = heads if heads is not None else ConversationHeads(256 << 20)
         self.upstream_api_key = upstream_api_key
         self.keys = keys or EpisodeKeys.new()
         self.require_credentials = require_credentials
@@ -174,7 +173,7 @@ class Calls:
         episodes' heads."""
         self.heads.forget(episode)
 
-    def attribute(self, fields: Fields, fallback: str | None = None) -> tuple[str | None, Fields]:
+    def attribute(self, fields: HeaderFields, fallback: str | None = None) -> tuple[str | None, HeaderFields]:
         """The episode a request is written into (the one its credentials prove, else `fallback`: its tunnel's)
         and its fields without lcap's. `Unauthorized` when credentials are required and none proved one.
         Without credentials, a session header names the episode (capture/proxy/sessions.py)."""
@@ -234,7 +233,7 @@ class Calls:
         return self.in_flight.get(episode, 0) > 0
 
     def open_call(
-        self, dialect: str, episode: str | None, *, scheme: str, host: str, port: int, path: str, fields: Fields
+        self, dialect: str, episode: str | None, *, scheme: str, host: str, port: int, path: str, fields: HeaderFields
     ) -> Call:
         """A request to an LLM path, from its head alone: its route, its header fields for that route, and a
         turn not recorded yet. Clients often write the body separately: this work is then done while it comes."""
@@ -482,7 +481,9 @@ class Calls:
         pending.seq = self.next_seq(pending.episode_id)
         self.close_call(pending, error)
 
-    def rerouted_fields(self, fields: Fields, route: Route, drop: frozenset[bytes] = _CREDENTIALS) -> Fields:
+    def rerouted_fields(
+        self, fields: HeaderFields, route: Route, drop: frozenset[bytes] = _CREDENTIALS
+    ) -> HeaderFields:
         """The agent's fields for `route`: its credentials for the original host go, the Host field follows."""
         out = []
         for field in fields:

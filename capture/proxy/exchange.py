@@ -18,7 +18,7 @@ import httptools
 
 from lcap.capture.options import ProxyOptions
 from lcap.capture.proxy.calls import UNASKED_SWITCH, AnswerRefused, Call, Calls, HoldRefused
-from lcap.capture.proxy.connections import AgentReader, Expired, Plain, UpstreamPool
+from lcap.capture.proxy.connections import AgentReader, Connection, Expired, UpstreamPool
 from lcap.capture.proxy.http1 import refusal
 from lcap.capture.trust.destinations import Destinations, Forbidden
 from lcap.capture.turns.turn import agent_left
@@ -53,7 +53,7 @@ class _InFlight:
     __slots__ = ("gone", "upstream")
 
     def __init__(self) -> None:
-        self.upstream: Plain | None = None
+        self.upstream: Connection | None = None
         self.gone = False
 
     def agent_left(self) -> None:
@@ -156,7 +156,7 @@ class Exchange:
     def close(self) -> None:
         self.pool.close()
 
-    async def forward(self, client: Plain, call: Call, upstream_head: bytes, client_close: bool) -> bool:
+    async def forward(self, client: Connection, call: Call, upstream_head: bytes, client_close: bool) -> bool:
         """Forward one call and answer the agent; False when the agent's connection is done."""
         flight = _InFlight()
         reader = client.reader
@@ -211,8 +211,8 @@ class Exchange:
         return reuse is not None and not client_close
 
     async def _send(
-        self, client: Plain, call: Call, upstream_head: bytes, flight: _InFlight
-    ) -> tuple[Plain, _ResponseParts]:
+        self, client: Connection, call: Call, upstream_head: bytes, flight: _InFlight
+    ) -> tuple[Connection, _ResponseParts]:
         """Send the call upstream and read its response head. While every policy replica restarts, the call
         waits for one to serve again (`Calls.hold`). A call that cannot reach a policy replica (no connection, or
         the connection closed before any answer: the replica never answered it) goes to the episode's next
@@ -234,8 +234,8 @@ class Exchange:
                     raise unreached.error from None
 
     async def _attempt(
-        self, client: Plain, call: Call, upstream_head: bytes, flight: _InFlight
-    ) -> tuple[Plain, _ResponseParts]:
+        self, client: Connection, call: Call, upstream_head: bytes, flight: _InFlight
+    ) -> tuple[Connection, _ResponseParts]:
         """One upstream: a reused connection the upstream closed without a byte of answer is replaced once, as HTTP
         clients do with idle connections (the upstream closed it idle). `_Unreached` when the upstream never saw
         or never answered the call."""
@@ -262,7 +262,7 @@ class Exchange:
                     raise _Unreached(EOFError("the upstream closed the connection before answering")) from None
                 upstream, may_retry = None, False
 
-    async def _open(self, client: Plain, call: Call, key: tuple[str, str, int]) -> Plain:
+    async def _open(self, client: Connection, call: Call, key: tuple[str, str, int]) -> Connection:
         """A new upstream connection; the configured upstream is trusted, any other destination is checked."""
         timeout = self.options.connect_timeout
         try:
@@ -273,7 +273,13 @@ class Exchange:
             raise _UpstreamTimeout(f"no connection within {timeout:g} s (--connect-timeout)") from None
 
     async def _answer(
-        self, client: Plain, call: Call, upstream: Plain, parts: _ResponseParts, client_close: bool, flight: _InFlight
+        self,
+        client: Connection,
+        call: Call,
+        upstream: Connection,
+        parts: _ResponseParts,
+        client_close: bool,
+        flight: _InFlight,
     ) -> bool | None:
         """Relay the response to the agent, recording it. True: the upstream connection can serve another
         call; False: it cannot; None: neither can the agent's."""
@@ -337,8 +343,8 @@ class Exchange:
 
     async def _stream(
         self,
-        client: Plain,
-        upstream: Plain,
+        client: Connection,
+        upstream: Connection,
         parts: _ResponseParts,
         head: bytes,
         transform: Callable[[bytes], bytes | list[bytes]],
@@ -393,7 +399,7 @@ class _Stale(Exception):
     """The upstream closed a kept-alive connection before any of the response came back."""
 
 
-async def _recv(upstream: Plain, client: Plain, timeout: float) -> bytes:
+async def _recv(upstream: Connection, client: Connection, timeout: float) -> bytes:
     """The upstream's next bytes; `_UpstreamTimeout` when it is silent for `timeout` seconds."""
     try:
         with client.deadline(timeout, "upstream"):
@@ -404,7 +410,9 @@ async def _recv(upstream: Plain, client: Plain, timeout: float) -> bytes:
         ) from None
 
 
-async def _response_head(upstream: Plain, message: bytes, client: Plain, options: ProxyOptions) -> _ResponseParts:
+async def _response_head(
+    upstream: Connection, message: bytes, client: Connection, options: ProxyOptions
+) -> _ResponseParts:
     """Send the call and read its answer's head: its first byte within `first_byte_timeout`, the rest within
     `head_timeout` of it, and all of it (interim heads included) within `max_head_bytes`."""
     upstream.send(message)
@@ -435,7 +443,7 @@ async def _response_head(upstream: Plain, message: bytes, client: Plain, options
     return parts
 
 
-def _send_now(client: Plain, out: list[bytes]) -> None:
+def _send_now(client: Connection, out: list[bytes]) -> None:
     if not client.writer.is_closing():  # the hold's timer may fire after the agent left
         client.send(b"".join(out))
     out.clear()

@@ -33,8 +33,8 @@ from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
 
 from lcap.capture.options import ProxyOptions
-from lcap.capture.proxy.calls import BodyRefused, Calls, Fields, NoRoute, Unauthorized
-from lcap.capture.proxy.connections import READ_SIZE, Admission, AgentReader, Expired, Plain, Watches
+from lcap.capture.proxy.calls import BodyRefused, Calls, NoRoute, Unauthorized
+from lcap.capture.proxy.connections import READ_SIZE, Admission, AgentReader, Connection, Expired, Watches
 from lcap.capture.proxy.exchange import Exchange, request_head
 from lcap.capture.proxy.http1 import (
     HEAD_END,
@@ -50,6 +50,7 @@ from lcap.capture.proxy.tunnel import Tunnel, Tunnels
 from lcap.capture.reach.listeners import Admit
 from lcap.capture.reach.names import Names
 from lcap.capture.trust.certs import LeafCerts
+from lcap.capture.trust.credentials import HeaderFields
 from lcap.capture.trust.destinations import Destinations
 from lcap.capture.turns import dialects
 
@@ -129,7 +130,7 @@ class Front:
         task = asyncio.current_task()
         assert task is not None
         watch = self.watches.add(task)
-        client = Plain(reader, writer, watch)
+        client = Connection(reader, writer, watch)
         client.episode = episode
         peer = writer.get_extra_info("peername")
         # an episode's own listener is its own client (a namespace's connections all come from its 127.0.0.1)
@@ -160,7 +161,7 @@ class Front:
         finally:
             self.watches.active.discard(watch)
 
-    async def _refuse(self, client: Plain, refused: Refused) -> None:
+    async def _refuse(self, client: Connection, refused: Refused) -> None:
         """Answer with lcap's own refusal and end the connection. The agent may still be writing (a body past the
         limit): its side is read and dropped for up to `LINGER` seconds, so its kernel does not reset the
         connection before it has read the answer."""
@@ -178,7 +179,7 @@ class Front:
         finally:
             self._lingering -= 1
 
-    async def _serve(self, client: Plain, tunnel: Tunnel | None, buf: bytes) -> None:
+    async def _serve(self, client: Connection, tunnel: Tunnel | None, buf: bytes) -> None:
         """Serve one call after another on the agent's connection, until it closes or leaves for mitmproxy."""
         try:
             while True:
@@ -228,12 +229,12 @@ class Front:
 
     async def _take_call(
         self,
-        client: Plain,
+        client: Connection,
         tunnel: Tunnel | None,
         head: RequestHead,
         target: tuple[str, str, str, int, str],
         episode: str | None,
-        fields: Fields,
+        fields: HeaderFields,
         raw_head: bytes,
         buf: bytes,
     ) -> bytes | None:
@@ -279,7 +280,7 @@ class Front:
             return None
         return buf
 
-    async def _next_head(self, client: Plain, buf: bytes) -> tuple[bytes, bytes] | None:
+    async def _next_head(self, client: Connection, buf: bytes) -> tuple[bytes, bytes] | None:
         """(the next request head, the bytes after it); None when the agent closed its connection or left it idle
         for `idle_timeout` (`head_timeout` for a new connection that proved no episode). A head over `max_head_bytes` is
         a 431, one that takes over `head_timeout` a 408. While it waits for the head's first byte, the connection is
@@ -326,7 +327,7 @@ class Front:
             raise Refused(431, f"request head over {options.max_head_bytes} bytes (--max-head-bytes)")
         return buf[: end.end()], buf[end.end() :]
 
-    async def _body(self, client: Plain, buf: bytes, length: int) -> bytes | None:
+    async def _body(self, client: Connection, buf: bytes, length: int) -> bytes | None:
         """The body (and what follows it) once `length` bytes came; None when the agent left first."""
         pieces, have = [buf], len(buf)
         try:

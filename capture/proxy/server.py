@@ -51,7 +51,7 @@ from lcap.capture.reach.jvm import trust_store
 from lcap.capture.reach.names import Names
 from lcap.capture.routing.policy_wire import has_endpoints
 from lcap.capture.routing.routes import Router, parse_upstream
-from lcap.capture.routing.stitching import Heads
+from lcap.capture.routing.stitching import ConversationHeads
 from lcap.capture.storage.writer import TurnSink, TurnWriter, WriterReport
 from lcap.capture.trust.ca import CA_BASENAME, ca_bundle, ca_dir, ensure_ca
 from lcap.capture.trust.certs import LeafCerts, bounded_lru
@@ -227,7 +227,7 @@ class CaptureProxy:
             max_body_bytes=self.options.max_body_bytes,
             stitch=self.options.stitch,
             adapt=self.options.adapt,
-            heads=Heads(self.options.stitch_memory),
+            heads=ConversationHeads(self.options.stitch_memory),
             hold_timeout=self.options.hold_timeout,
             max_held=self.options.max_held_calls,
             sessions=sessions,

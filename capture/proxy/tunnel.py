@@ -26,7 +26,7 @@ from mitmproxy.proxy.layers.tls import parse_client_hello
 from mitmproxy.tls import ClientHello
 
 from lcap.capture.options import ProxyOptions
-from lcap.capture.proxy.connections import READ_SIZE, Expired, Plain, TlsServerSide, original_destination
+from lcap.capture.proxy.connections import READ_SIZE, Connection, Expired, TlsServerSide, original_destination
 from lcap.capture.proxy.http1 import Refused, RequestHead
 from lcap.capture.reach.names import Names
 from lcap.capture.trust.certs import LeafCerts
@@ -61,7 +61,7 @@ class Tunnels:
 
     def __init__(
         self,
-        serve: Callable[[Plain, Tunnel | None, bytes], Awaitable[None]],
+        serve: Callable[[Connection, Tunnel | None, bytes], Awaitable[None]],
         mitm_port: int,
         certs: LeafCerts,
         options: ProxyOptions,
@@ -81,7 +81,9 @@ class Tunnels:
         self.handoff_ports = handoff_ports
         self.names = names
 
-    async def connect(self, client: Plain, head: RequestHead, episode: str | None, raw_head: bytes, buf: bytes) -> None:
+    async def connect(
+        self, client: Connection, head: RequestHead, episode: str | None, raw_head: bytes, buf: bytes
+    ) -> None:
         """Accept a CONNECT; terminate TLS when the agent offers HTTP/1.1, else hand the tunnel on unopened."""
         host, _, port = head.target.decode("ascii", "replace").rpartition(":")
         if not host or not port.isdigit():
@@ -94,7 +96,7 @@ class Tunnels:
         client.send(b"HTTP/1.1 200 Connection established\r\n\r\n")
         return await self._open(client, tunnel, buf)
 
-    async def _open(self, client: Plain, tunnel: Tunnel, buf: bytes) -> None:
+    async def _open(self, client: Connection, tunnel: Tunnel, buf: bytes) -> None:
         """What the agent sends in an open tunnel: TLS is terminated and plain HTTP served (LLM calls take the short
         path), anything else is handed to mitmproxy unopened."""
         try:
@@ -110,7 +112,7 @@ class Tunnels:
             return await self.serve(client, tunnel, data)
         return await self.hand_off(client, data, tunnel)  # spliced unopened: mitmproxy takes it from there
 
-    async def redirected(self, client: Plain) -> None:
+    async def redirected(self, client: Connection) -> None:
         """A connection an agent's namespace redirected here (`--transparent`): served as if the agent had asked for
         a tunnel to where it was going. A destination on the host's loopback (a local model server, a database)
         is passed through as it is, unstored; so is a protocol where the server speaks first."""
@@ -134,20 +136,20 @@ class Tunnels:
             tunnel = Tunnel(host, port, _connect_head(host, port), client.episode, redirected=True)
             await self._open(client, tunnel, data)
 
-    async def _pass_through(self, client: Plain, host: str, port: int) -> None:
+    async def _pass_through(self, client: Connection, host: str, port: int) -> None:
         """Relay the agent's connection to `host:port` byte for byte, nothing looked at or stored."""
         try:
             with client.deadline(self.options.connect_timeout, "connect"):
                 reader, writer = await asyncio.open_connection(host, port, limit=READ_SIZE)
         except (Expired, OSError):
             return
-        server = Plain(reader, writer)
+        server = Connection(reader, writer)
         try:
             await _splice(client, server)
         finally:
             server.close()
 
-    async def _client_hello(self, client: Plain, data: bytes) -> tuple[bytes, ClientHello | None]:
+    async def _client_hello(self, client: Connection, data: bytes) -> tuple[bytes, ClientHello | None]:
         """What the agent first sends in a tunnel, and its TLS ClientHello if it is TLS. EOFError: it left."""
         while True:
             try:
@@ -161,7 +163,9 @@ class Tunnels:
                 raise EOFError
             data += chunk
 
-    async def _terminate(self, client: Plain, tunnel: Tunnel, data: bytes, hello: ClientHello) -> TlsServerSide | None:
+    async def _terminate(
+        self, client: Connection, tunnel: Tunnel, data: bytes, hello: ClientHello
+    ) -> TlsServerSide | None:
         """TLS with lcap's certificate for the agent's server name, when the agent offers HTTP/1.1; None
         otherwise (an HTTP/2-only offer: mitmproxy negotiates HTTP/2 itself)."""
         if hello.alpn_protocols and b"http/1.1" not in hello.alpn_protocols:
@@ -179,7 +183,7 @@ class Tunnels:
         await tls.handshake(data)
         return tls
 
-    async def hand_off(self, client: Plain, data: bytes, tunnel: Tunnel | None) -> None:
+    async def hand_off(self, client: Connection, data: bytes, tunnel: Tunnel | None) -> None:
         """Give the connection to mitmproxy: replay the CONNECT (and TLS) it came through, then what was read.
         mitmproxy accepts only connections from the ports the front registers here (`FrontOnly`)."""
         loop = asyncio.get_running_loop()
@@ -193,7 +197,7 @@ class Tunnels:
             self.handoff_ports[port] = tunnel.episode if tunnel is not None else client.episode
             await loop.sock_connect(sock, ("127.0.0.1", self.mitm_port))
             reader, writer = await asyncio.open_connection(sock=sock, limit=READ_SIZE)
-            mitm = Plain(reader, writer)
+            mitm = Connection(reader, writer)
             if tunnel is not None:
                 writer.write(tunnel.connect_head)
                 try:
@@ -240,7 +244,7 @@ def _is_address(host: str) -> bool:
     return True
 
 
-async def _pipe(src: Plain, dst: Plain) -> None:
+async def _pipe(src: Connection, dst: Connection) -> None:
     try:
         while data := await src.recv():
             dst.send(data)
@@ -250,6 +254,6 @@ async def _pipe(src: Plain, dst: Plain) -> None:
         dst.close()
 
 
-async def _splice(a: Plain, b: Plain) -> None:
+async def _splice(a: Connection, b: Connection) -> None:
     """Relay both ways until both directions ended."""
     await asyncio.gather(_pipe(a, b), _pipe(b, a))
