@@ -313,7 +313,7 @@ def capture_cost(n: int = 2000) -> tuple[float, float, float]:
 
 def _leaf_files(ca_dir: Path, tmp: Path) -> tuple[str, str]:
     """A certificate for 127.0.0.1 from lcap's CA, made as lcap makes the ones it shows agents, and its key."""
-    from lcap.capture.proxy.server import CA_BASENAME
+    from lcap.capture.trust.ca import CA_BASENAME
     from lcap.capture.trust.certs import LeafCerts
 
     chain, key = LeafCerts(ca_dir, CA_BASENAME).pem("127.0.0.1")

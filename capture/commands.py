@@ -84,6 +84,6 @@ def register(app: typer.Typer) -> None:
     @one_line_errors
     def ca() -> None:
         """Print the path of lcap's CA certificate (made on first use), to trust it by hand."""
-        from lcap.capture.proxy.server import ensure_ca  # start-up: mitmproxy
+        from lcap.capture.trust.ca import ensure_ca  # start-up: mitmproxy
 
         typer.echo(str(ensure_ca()))

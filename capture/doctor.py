@@ -28,21 +28,14 @@ import httpx
 from cryptography import x509
 
 from lcap.capture.options import ProxyOptions
-from lcap.capture.proxy.server import (
-    CA_BASENAME,
-    PROXY_VARS,
-    CaptureProxy,
-    ca_bundle,
-    ca_dir,
-    ca_files,
-    ensure_ca,
-    trust_env,
-)
+from lcap.capture.proxy.server import CaptureProxy
+from lcap.capture.reach.agent_env import PROXY_VARS, trust_env
 from lcap.capture.reach.jvm import TRUST_STORE
 from lcap.capture.reach.node_preload import PACKAGES, PRELOAD, installed_version, node_dir, node_options, preload_env
 from lcap.capture.sandbox import NAMESPACES, PACKAGE
 from lcap.capture.sandbox import missing as sandbox_missing
 from lcap.capture.storage.spool import KEY_NAME, SPOOL_MIN_FREE_BYTES, SPOOL_MIN_FREE_FRACTION, backlogs, spool_disk
+from lcap.capture.trust.ca import CA_BASENAME, ca_bundle, ca_dir, ca_files, ensure_ca
 from lcap.capture.trust.certs import LeafCerts
 from lcap.config import LcapError, lcap_home
 from lcap.doctor import Context, Result, check

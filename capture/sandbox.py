@@ -47,17 +47,16 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from lcap.capture.options import SandboxLimits
-from lcap.capture.proxy.server import CA_VARS, PROXY_VARS, Child, ca_dir
+from lcap.capture.reach.agent_env import CA_VARS, PROXY_VARS, Child
 from lcap.capture.reach.jvm import TRUST_STORE
 from lcap.capture.reach.node_preload import node_dir
+from lcap.capture.trust.ca import ca_dir
 from lcap.config import LcapError, lcap_home
-
-if TYPE_CHECKING:
-    from lcap.capture.proxy.server import CaptureProxy
 
 PACKAGE = "bubblewrap"
 CGROUPS = Path("/sys/fs/cgroup")
@@ -109,6 +108,15 @@ def closed_folder(folders: Sequence[Path]) -> Path | None:
     return Path(done.stdout) if done.stdout else None
 
 
+class SandboxedProxy(Protocol):
+    """What a sandbox needs of the capture proxy (a `CaptureProxy`): its port, and a listener made in an episode's
+    network served as that episode's."""
+
+    port: int | None
+
+    def serve_listener(self, episode_id: str, sock: socket.socket) -> AbstractContextManager[None]: ...
+
+
 class Sandbox:
     """What the sandboxed episodes of a run share: their limits, the paths hidden from them, and the capture proxy
     that serves their listeners."""
@@ -116,7 +124,7 @@ class Sandbox:
     def __init__(
         self,
         limits: SandboxLimits,
-        proxy: CaptureProxy,
+        proxy: SandboxedProxy,
         hidden: Sequence[Path],
         hidden_files: Sequence[Path] = (),
         cache: Path | None = None,

@@ -28,7 +28,7 @@ def run_checks(*names: str, db: Path | None = None) -> dict[str, Result]:
 @pytest.fixture(scope="module")
 def made_ca(tmp_path_factory) -> Path:
     """lcap's CA, made once for the module (an RSA key takes a while); each test copies it."""
-    from lcap.capture.proxy.server import ensure_ca
+    from lcap.capture.trust.ca import ensure_ca
 
     home = tmp_path_factory.mktemp("doctor-ca-home")
     saved = os.environ.get("LCAP_HOME")

@@ -126,7 +126,7 @@ class CaptureAddon:
             flow.response = http.Response.make(exc.status, f"lcap: {exc}\n".encode())
         except Exception:
             log.exception("lcap: capture error in request")
-            if self.calls.router.upstream is not None and dialects.match(flow.request.method, flow.request.path):
+            if self.calls.routed and dialects.match(flow.request.method, flow.request.path):
                 flow.response = http.Response.make(502, b"lcap: capture error (see lcap's log)\n")
 
     async def _request(self, flow: http.HTTPFlow) -> None:
@@ -244,7 +244,7 @@ class CaptureAddon:
             if message == "Client disconnected.":  # in the front's words, so both transports read alike
                 message = agent_left(flow.response is not None)
             else:
-                self.calls.router.failed(pending.replica, message)
+                self.calls.failed(pending, message)
             self.calls.close_call(pending, flow.metadata.pop(_TIMED_OUT, None) or message)
 
     def body_limit(self, flow: http.HTTPFlow, request: bool) -> int | None:

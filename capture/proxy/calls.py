@@ -15,24 +15,23 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from lcap.capture.proxy.sessions import Sessions, is_session_episode, tenant_of
+from lcap.capture.proxy.streams import PolicyStream, SseRewriter, StreamCopy
 from lcap.capture.routing import policy_wire
 from lcap.capture.routing.routes import Route, Router
-from lcap.capture.routing.stitching import Head, Heads
+from lcap.capture.routing.stitching import ConversationHeads, Head
 from lcap.capture.storage.writer import TurnSink
-from lcap.capture.trust.credentials import EpisodeKeys
+from lcap.capture.trust.credentials import EpisodeKeys, HeaderFields
 from lcap.capture.trust.redact import CREDENTIAL_HEADERS
 from lcap.capture.turns import dialects, encoding
-from lcap.capture.turns.sse import SseCutter
 from lcap.capture.turns.turn import PendingTurn
 
 log = logging.getLogger("lcap.capture")
 
-Fields = Sequence[tuple[bytes, bytes]]  # header fields: (name, value) pairs
 _CREDENTIALS = frozenset(name.encode() for name in CREDENTIAL_HEADERS)
 # A rerouted call has nothing to switch protocols to, and an upgrade asked on a POST makes readers disagree on its
 # body (llhttp, in uvicorn and Node, takes it for the next protocol's bytes): the request goes without it.
@@ -87,8 +86,8 @@ class Call:
     host: str
     port: int
     path: str
-    fields: Fields  # the request's header fields, minus lcap's own (and the agent's credentials when rerouted)
-    agent_fields: Fields = ()  # the fields as the agent sent them (minus lcap's): a failover reroutes from these
+    fields: HeaderFields  # the request's header fields, minus lcap's own (and the agent's credentials when rerouted)
+    agent_fields: HeaderFields = ()  # the fields as the agent sent them (minus lcap's): a failover reroutes from these
     body: bytes = b""  # the request body to send (rewritten when lcap changed it)
     raw: bytes = b""  # the request body as the agent sent it
     encoding: str | None = None  # the request body's Content-Encoding, when lcap decoded it to read it
@@ -98,9 +97,22 @@ class Call:
 
 
 class Calls:
-    """Attribution, rerouting and recording of LLM calls; the transports call these in order:
-    `open_call` (the head), `take_body`, `answer_head`, then `answer_body` (a whole answer) or `close_call`
-    (a stream, or a failure)."""
+    """Attribution, rerouting and recording of LLM calls: all that the two transports, the front
+    (capture/proxy/front.py, exchange.py) and the mitmproxy addon (capture/proxy/addon.py), ask of capture. They
+    use these methods only, never the `router` or the stitching `heads` behind them.
+
+    A call over HTTP, in order: `attribute` (the episode its head proves), `open_call` (its route and its turn),
+    `read_body` then `take_body` (an LLM call, numbered and recorded from here on, or a side call sent on as it
+    came), `must_hold` and `hold` (while every policy replica restarts), `failover` (its replica never answered),
+    `answer_head` (a stream's transform, or None), then `read_answer` and `answer_body` (a whole answer) or
+    `close_call` (a stream's end, or a failure). `failed`: the upstream broke the call (its replica leaves the
+    rotation); `refuse_call`: lcap refused the call before it was whole; `routed`: `--upstream` sends calls away
+    from their own host.
+
+    A Responses WebSocket (the addon only): `hold_websocket`, `route_for`, `rerouted_fields`, `next_seq` (a turn
+    per `response.create`), `policy_request` and `policy_parts` (lcap's endpoints), `close_call`.
+
+    The proxy that owns it (capture/proxy/server.py): `counts`, `busy`, `forget` (an episode ended)."""
 
     def __init__(
         self,
@@ -115,7 +127,7 @@ class Calls:
         max_body_bytes: int = 64 << 20,
         stitch: bool = True,
         adapt: bool = True,
-        heads: Heads | None = None,
+        heads: ConversationHeads | None = None,
         hold_timeout: float = 600.0,
         max_held: int = 512,
         sessions: Sessions | None = None,
@@ -125,7 +137,7 @@ class Calls:
         self.router = router
         self.token_ids = token_ids
         self.stitch, self.adapt = stitch, adapt
-        self.heads = heads if heads is not None else Heads(256 << 20)
+        self.heads = heads if heads is not None else ConversationHeads(256 << 20)
         self.upstream_api_key = upstream_api_key
         self.keys = keys or EpisodeKeys.new()
         self.require_credentials = require_credentials
@@ -146,7 +158,22 @@ class Calls:
         self.held = 0  # calls waiting now for a restarting replica (`hold`); changed on the proxy's loop only
         self.hold_refused = 0  # held calls answered 503 since the start (timeout, or past `max_held`)
 
-    def attribute(self, fields: Fields, fallback: str | None = None) -> tuple[str | None, Fields]:
+    @property
+    def routed(self) -> bool:
+        """Whether `--upstream` sends calls elsewhere than to their own host."""
+        return self.router.upstream is not None
+
+    def failed(self, pending: PendingTurn, why: str) -> None:
+        """The upstream failed `pending`'s call (no answer, a broken connection, past a deadline): its policy
+        replica, if it has one, leaves the rotation until a probe finds it serving again."""
+        self.router.failed(pending.replica, why)
+
+    def forget(self, episode: str) -> None:
+        """`episode` ended and makes no more calls: the stitching heads its calls left would only crowd out live
+        episodes' heads."""
+        self.heads.forget(episode)
+
+    def attribute(self, fields: HeaderFields, fallback: str | None = None) -> tuple[str | None, HeaderFields]:
         """The episode a request is written into (the one its credentials prove, else `fallback`: its tunnel's)
         and its fields without lcap's. `Unauthorized` when credentials are required and none proved one.
         Without credentials, a session header names the episode (capture/proxy/sessions.py)."""
@@ -206,7 +233,7 @@ class Calls:
         return self.in_flight.get(episode, 0) > 0
 
     def open_call(
-        self, dialect: str, episode: str | None, *, scheme: str, host: str, port: int, path: str, fields: Fields
+        self, dialect: str, episode: str | None, *, scheme: str, host: str, port: int, path: str, fields: HeaderFields
     ) -> Call:
         """A request to an LLM path, from its head alone: its route, its header fields for that route, and a
         turn not recorded yet. Clients often write the body separately: this work is then done while it comes."""
@@ -454,7 +481,9 @@ class Calls:
         pending.seq = self.next_seq(pending.episode_id)
         self.close_call(pending, error)
 
-    def rerouted_fields(self, fields: Fields, route: Route, drop: frozenset[bytes] = _CREDENTIALS) -> Fields:
+    def rerouted_fields(
+        self, fields: HeaderFields, route: Route, drop: frozenset[bytes] = _CREDENTIALS
+    ) -> HeaderFields:
         """The agent's fields for `route`: its credentials for the original host go, the Host field follows."""
         out = []
         for field in fields:
@@ -485,10 +514,10 @@ class Calls:
             return None
         pending.chunks = []
         if pending.policy and status < 400:
-            return _PolicyStream(self, pending, self.max_body_bytes)
+            return PolicyStream(pending, self.max_body_bytes, functools.partial(self.policy_parts, pending))
         if pending.added is not None and status < 400:
-            return _SseRewriter(pending, self.max_body_bytes)
-        return _Copy(pending, self.max_body_bytes)
+            return SseRewriter(pending, self.max_body_bytes)
+        return StreamCopy(pending, self.max_body_bytes)
 
     async def read_answer(self, pending: PendingTurn, body: bytes) -> bytes:
         """A whole answer as it came, decoded when lcap must rewrite it (the policy route, `--token-ids`) and it came
@@ -576,89 +605,3 @@ def with_route_model(request: dict, route: Route) -> dict:
     if route.model:
         forward["model"] = route.model
     return forward
-
-
-class _Copy:
-    """The turn's copy of a stream, its first `limit` bytes: past them the stream still flows to the agent whole, and
-    the turn keeps its start and says it was cut. Called with each chunk, it forwards the chunk as it is: the stream
-    is never buffered."""
-
-    __slots__ = ("kept", "limit", "pending")
-
-    def __init__(self, pending: PendingTurn, limit: int) -> None:
-        self.pending, self.limit, self.kept = pending, limit, 0
-
-    def __call__(self, data: bytes) -> bytes:
-        if data:
-            self.add(data)
-        return data
-
-    def add(self, data: bytes) -> None:
-        pending = self.pending
-        chunks = pending.chunks
-        assert chunks is not None
-        if not chunks and not self.kept:
-            pending.t_first = time.perf_counter()
-        room = self.limit - self.kept
-        if len(data) > room:
-            if room > 0:
-                chunks.append(data[:room])
-            if pending.error is None:
-                pending.error = f"capture: a stream over {self.limit} bytes (--max-body-bytes); the turn has its start"
-            self.kept = self.limit
-            return
-        self.kept += len(data)
-        chunks.append(data)
-
-
-class _PolicyStream:
-    """A stream from lcap's endpoints: forwarded without lcap's parts (which go to `Calls.policy_parts`); the turn
-    keeps a copy of what the agent got."""
-
-    def __init__(self, calls: Calls, pending: PendingTurn, limit: int) -> None:
-        self.copy = _Copy(pending, limit)
-        self.events = policy_wire.SseParts(functools.partial(calls.policy_parts, pending), limit)
-
-    def __call__(self, data: bytes) -> list[bytes]:
-        out = self.events(data)
-        for piece in out:
-            self.copy.add(piece)
-        return out
-
-
-class _SseRewriter:
-    """vLLM path: forward each complete SSE event without the fields lcap asked for, keeping the original."""
-
-    def __init__(self, pending: PendingTurn, limit: int) -> None:
-        self.pending = pending
-        self.limit = limit
-        self.copy = _Copy(pending, limit)
-        self.events = SseCutter()
-
-    def __call__(self, data: bytes) -> list[bytes]:
-        if not data:  # the end: whatever is left goes out as it is
-            rest = self.events.rest()
-            return [rest] if rest else []
-        self.copy.add(data)
-        out = [self._rewrite(event) for event in self.events.feed(data)]
-        if len(self.events) > self.limit:  # no event end in sight: out as it is
-            out.append(self.events.rest())
-        return out
-
-    def _rewrite(self, event: bytes) -> bytes:
-        lines = event.split(b"\n")
-        for i, line in enumerate(lines):
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            ending = line[len(line.rstrip(b"\r")) :]
-            if not payload.startswith(b"{"):
-                continue
-            try:
-                obj = json.loads(payload)
-            except ValueError:
-                continue
-            assert self.pending.added is not None
-            stripped = dialects.strip_added(obj, self.pending.added)
-            lines[i] = b"data: " + json.dumps(stripped, ensure_ascii=False, separators=(",", ":")).encode() + ending
-        return b"\n".join(lines)

@@ -211,7 +211,7 @@ class Admission:
         return True
 
 
-class Plain:
+class Connection:
     """A TCP connection as the front uses it: recv / send / drain / close. An agent's has the `Watch` of its waits."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, watch: Watch | None = None) -> None:
@@ -250,7 +250,7 @@ class Plain:
         self.writer.transport.abort()
 
 
-class TlsServerSide(Plain):
+class TlsServerSide(Connection):
     """The agent's side of an intercepted tunnel, TLS done in memory so the ClientHello can be read first."""
 
     def __init__(
@@ -312,11 +312,11 @@ class UpstreamPool:
     idle for longer than `POOL_AGE` seconds."""
 
     def __init__(self) -> None:
-        self.idle: OrderedDict[tuple[str, str, int], list[Plain]] = OrderedDict()
+        self.idle: OrderedDict[tuple[str, str, int], list[Connection]] = OrderedDict()
         self.count = 0
         self._pruning: asyncio.TimerHandle | None = None
 
-    def take(self, key: tuple[str, str, int]) -> Plain | None:
+    def take(self, key: tuple[str, str, int]) -> Connection | None:
         idle = self.idle.get(key)
         oldest = time.monotonic() - POOL_AGE
         while idle:
@@ -332,15 +332,15 @@ class UpstreamPool:
             conn.close()
         return None
 
-    async def open(self, key: tuple[str, str, int], address: str) -> Plain:
+    async def open(self, key: tuple[str, str, int], address: str) -> Connection:
         scheme, host, port = key
         tls = self._tls if scheme == "https" else None
         reader, writer = await asyncio.open_connection(
             address, port, ssl=tls, server_hostname=host if tls else None, limit=READ_SIZE
         )
-        return Plain(reader, writer)
+        return Connection(reader, writer)
 
-    def give_back(self, key: tuple[str, str, int], conn: Plain) -> None:
+    def give_back(self, key: tuple[str, str, int], conn: Connection) -> None:
         conn.idle_since = time.monotonic()
         self.idle.setdefault(key, []).append(conn)
         self.idle.move_to_end(key)

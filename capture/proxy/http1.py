@@ -121,6 +121,14 @@ def parse_request_head(raw: bytes) -> RequestHead:
     return RequestHead(method, target, version, fields, length, upgrade, expect)
 
 
+class Refused(Exception):
+    """The front answers the agent itself with `status` and closes the connection."""
+
+    def __init__(self, status: int, message: str, fields: bytes = b"") -> None:
+        super().__init__(message)
+        self.status, self.message, self.fields = status, message, fields
+
+
 def refusal(status: int, message: str, fields: bytes = b"", *, close: bool = True) -> bytes:
     """A whole answer of lcap's own: `status`, and `message` as its plain-text body."""
     body = f"lcap: {message}\n".encode("utf-8", "replace")

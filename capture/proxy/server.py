@@ -1,37 +1,31 @@
-"""The capture proxy, in its own thread, and the environment a child runs in.
+"""The capture proxy, in its own thread: its start (the upstream, the port, the limits), its parts and its stop.
 
 `CaptureProxy` is used by `lcap proxy` (one child, one episode) and by collect (one proxy, many
 concurrent episodes told apart by the proxy URL's credentials). Agents connect to the front
 (capture/proxy/front.py), which serves plain HTTP/1.1 LLM calls itself and hands everything else to an
 embedded mitmproxy on a loopback port. Only the mitmproxy addons lcap needs are loaded (proxy
-server, layer selection, TLS). With `--transparent`, each child runs in namespaces of its own whose
-every connection is redirected to the front (capture/reach/netns.py), and its DNS answered by lcap.
+server, layer selection, TLS). What each agent is given to reach it (its environment, its own listeners,
+its namespaces with `--transparent`) is capture/reach/agent_env.py's; lcap's CA is capture/trust/ca.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
-import fcntl
 import logging
 import os
 import resource
 import secrets
 import socket
-import ssl
-import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import CancelledError
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import certifi
 from mitmproxy import http, optmanager
-from mitmproxy.certs import CertStore
 from mitmproxy.options import Options
 from mitmproxy.utils import asyncio_utils
 
@@ -52,18 +46,18 @@ from lcap.capture.proxy.mitm_guards import (
 )
 from lcap.capture.proxy.rewards_api import KnownEpisodes, RewardEndpoint
 from lcap.capture.proxy.sessions import EpisodeRows, Sessions, session_floor
-from lcap.capture.reach.jvm import java_proxy_options, java_tool_options, non_proxy_hosts, trust_store
+from lcap.capture.reach.agent_env import AgentEnvironment, Child
+from lcap.capture.reach.jvm import trust_store
 from lcap.capture.reach.names import Names
-from lcap.capture.reach.node_preload import node_options, preload_env
-from lcap.capture.reach.peers import from_tree
 from lcap.capture.routing.policy_wire import has_endpoints
 from lcap.capture.routing.routes import Router, parse_upstream
-from lcap.capture.routing.stitching import Heads
+from lcap.capture.routing.stitching import ConversationHeads
 from lcap.capture.storage.writer import TurnSink, TurnWriter, WriterReport
+from lcap.capture.trust.ca import CA_BASENAME, ca_bundle, ca_dir, ensure_ca
 from lcap.capture.trust.certs import LeafCerts, bounded_lru
 from lcap.capture.trust.credentials import EpisodeKeys, ProxyRecord, remove_record
 from lcap.capture.trust.destinations import Destinations, is_loopback_host
-from lcap.config import LcapError, lcap_home
+from lcap.config import LcapError
 from lcap.policy import bearer, read_policy, record_path
 from lcap.store import Store
 
@@ -76,109 +70,6 @@ if TYPE_CHECKING:
     from lcap.capture.reach.netns import Namespaces
 
 log = logging.getLogger("lcap.capture")
-
-CA_BASENAME = "mitmproxy"
-PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
-CA_VARS = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS")
-# Hosts of hosted LLM APIs: a NO_PROXY entry covering them would let calls bypass capture.
-LLM_HOSTS = (
-    "api.openai.com",
-    "api.anthropic.com",
-    "generativelanguage.googleapis.com",
-    "openrouter.ai",
-    "api.mistral.ai",
-    "api.groq.com",
-    "api.together.xyz",
-    "api.deepseek.com",
-    "api.x.ai",
-)
-
-
-# --- the certificate authority ------------------------------------------------------------------
-
-
-def ca_dir() -> Path:
-    return lcap_home() / "ca"
-
-
-def ca_files() -> tuple[Path, Path]:
-    """lcap's CA certificate and its private key (which may not exist yet)."""
-    directory = ca_dir()
-    return directory / f"{CA_BASENAME}-ca-cert.pem", directory / f"{CA_BASENAME}-ca.pem"
-
-
-def ensure_ca() -> Path:
-    """Create lcap's CA on first use (key 0600) and return the path of its certificate."""
-    directory = ca_dir()
-    cert, key = ca_files()
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        if not (key.exists() and cert.exists()):
-            with _locked(directory / ".create.lock"):  # two proxies starting on a new home make one CA, not two
-                if not (key.exists() and cert.exists()):
-                    CertStore.create_store(directory, CA_BASENAME, 2048)
-        elif not os.access(key, os.R_OK):
-            raise PermissionError(f"cannot read {key}")
-        for secret in (key, directory / f"{CA_BASENAME}-ca.p12"):
-            if secret.exists():
-                secret.chmod(0o600)
-    except Exception as exc:
-        raise LcapError(f"bad CA dir {directory}: {exc}") from None
-    return cert
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An exclusive lock on `path` (created 0600) between processes, held for the block."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-def _system_roots() -> str | None:
-    paths = ssl.get_default_verify_paths()
-    candidates = [
-        paths.cafile,
-        paths.openssl_cafile,
-        "/etc/ssl/certs/ca-certificates.crt",
-        "/etc/pki/tls/certs/ca-bundle.crt",
-        certifi.where(),
-    ]
-    return next((c for c in candidates if c and os.path.isfile(c)), None)
-
-
-def ca_bundle(cert: Path | None = None) -> Path:
-    """System roots plus lcap's CA (`cert`, else made on first use) in one file: children trust both the real
-    internet and the proxy. Written again when the CA or the system roots are newer."""
-    cert = cert or ensure_ca()
-    bundle = ca_dir() / "bundle.pem"
-    roots = _system_roots()
-    newest = max(cert.stat().st_mtime, os.path.getmtime(roots) if roots else 0)
-    if not bundle.exists() or bundle.stat().st_mtime < newest:
-        parts = [Path(roots).read_bytes().rstrip(b"\n") + b"\n"] if roots else []
-        parts.append(cert.read_bytes())
-        tmp = bundle.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(b"".join(parts))
-        tmp.replace(bundle)
-    return bundle
-
-
-def trust_env(bundle: Path, java_options: str | None = None) -> dict[str, str]:
-    """The variables through which a child trusts `bundle` (lcap's CA and the system roots); the JVM's trust store
-    goes after the user's own `java_options`. A client lcap learns to point at its CA goes here: `lcap doctor` runs
-    each against a server with a certificate from that CA."""
-    store = trust_store(bundle, ca_dir())
-    return {**{name: str(bundle) for name in CA_VARS}, "JAVA_TOOL_OPTIONS": java_tool_options(java_options, store)}
-
-
-# --- the proxy ----------------------------------------------------------------------------------
-
-
-# The API keys SDKs refuse to start without; an agent behind a routing proxy gets a placeholder where it has none.
-PLACEHOLDER_KEYS = ("OPENAI_API_KEY", "ANTHROPIC_API_KEY")
 
 
 def probe_models(base_url: str, timeout: float = 5.0, *, key: str | None = None) -> list[dict]:
@@ -196,16 +87,6 @@ def probe_models(base_url: str, timeout: float = 5.0, *, key: str | None = None)
     except ValueError:
         data = []
     return [m for m in data if isinstance(m, dict)]
-
-
-@dataclass(frozen=True)
-class Child:
-    """How to start one episode's agent: its command line, environment, and the files it inherits."""
-
-    argv: list[str]
-    env: dict[str, str]
-    pass_fds: tuple[int, ...] = ()
-    on_start: Callable[[subprocess.Popen], None] = lambda child: None  # told the agent's process once it started
 
 
 class CaptureProxy:
@@ -246,6 +127,7 @@ class CaptureProxy:
         self._error: str | None = None
         self._master: Any = None
         self._calls: Calls | None = None
+        self._router: Router | None = None  # the calls' router: the mitmproxy guard asks it, the stop closes it
         self._episode_rows: EpisodeRows | None = None
         self._known = KnownEpisodes(options.max_episodes)
         self.rewards: RewardEndpoint | None = None
@@ -253,6 +135,7 @@ class CaptureProxy:
         self._java_store: Path | None = None
         self.names = Names()  # names lcap's DNS answered for namespaces (`--transparent`)
         self.namespaces: Namespaces | None = None
+        self.agents: AgentEnvironment | None = None  # what each episode's agent is given, once the proxy listens
 
     @property
     def url(self) -> str:
@@ -284,32 +167,11 @@ class CaptureProxy:
         if self.store is not None:
             self._episode_rows = EpisodeRows(self.store)
             self._episode_rows.start()
-        sessions = Sessions(
-            header=self.options.session_header,
-            conversations=bool(self.options.conversations),
-            limit=self.options.max_episodes,
-            opened=self._opened,
-        )
-        calls = Calls(
-            self.writer,
-            router,
-            token_ids=bool(self.token_ids),
-            upstream_api_key=os.environ.get("LCAP_UPSTREAM_API_KEY"),
-            keys=self.keys,
-            require_credentials=self.require_credentials,
-            max_episodes=self.options.max_episodes,
-            max_body_bytes=self.options.max_body_bytes,
-            stitch=self.options.stitch,
-            adapt=self.options.adapt,
-            heads=Heads(self.options.stitch_memory),
-            hold_timeout=self.options.hold_timeout,
-            max_held=self.options.max_held_calls,
-            sessions=sessions,
-            session_floor=session_floor(self.store) if self.store is not None and self.options.session_header else 0,
-        )
+        calls = self._make_calls(router)
         self._calls = calls
+        self._router = router
         self.writer.start()
-        self._thread = threading.Thread(target=self._serve, args=(calls,), name="lcap-proxy", daemon=True)
+        self._thread = threading.Thread(target=self._serve, args=(calls, router), name="lcap-proxy", daemon=True)
         self._thread.start()
         if not self._ready.wait(60) or self._error:
             self.writer.stop()
@@ -321,38 +183,20 @@ class CaptureProxy:
             except BaseException:
                 self.stop()
                 raise
-        if self.store is not None and self.options.rewards_port is not None and self.options.rewards_port >= 0:
-            self.rewards = RewardEndpoint(
-                self.store,
-                secrets.token_urlsafe(32),
-                host=self.options.rewards_host,
-                port=self.options.rewards_port,
-                max_pending=self.options.max_pending_rewards,
-                max_body=self.options.max_reward_bytes,
-                settle=self._episode_rows.settle if self._episode_rows is not None else (lambda: None),
-                known=self._known,
-            )
-            try:
-                self.rewards.start()
-            except BaseException:
-                self.stop()
-                raise
-        if self.store is not None:  # for `lcap episode new`, `lcap status`; a node's proxy is its collect driver's
-            self._record = ProxyRecord(
-                os.getpid(),
-                self.options.host,
-                self.port,
-                self.keys.key.hex(),
-                str(self.store.path),
-                started_at=time.time(),
-                command=command_line(),
-                upstream=self.options.upstream,
-                spool=str(self.writer.spool_directory) if self.writer.spool_directory else None,
-                rewards_url=self.rewards.url if self.rewards is not None else None,
-                reward_token=self.rewards.token if self.rewards is not None else None,
-            )
-            self._announcer = Announcer(self._record, self.counters)
-            self._announcer.start()
+        assert self.front is not None and self.loop is not None and self._bundle is not None
+        self.agents = AgentEnvironment(
+            self.proxy_url,
+            self.port,
+            self._bundle,
+            transparent=self.options.transparent,
+            routed=self.options.upstream is not None,
+            listeners=self.front,
+            loop=self.loop,
+            namespaces=self.namespaces,
+            forget=self._forget,
+        )
+        self._start_rewards()
+        self._announce()
         if self.exposed:
             log.warning(
                 "lcap: warning: the proxy listens on %s:%d, reachable from the network: every call needs episode "
@@ -363,6 +207,74 @@ class CaptureProxy:
                 if self.options.allow_private
                 else "loopback, link-local and private destinations are refused",
             )
+
+    def _make_calls(self, router: Router) -> Calls:
+        """What both transports do with a call, set up from the options."""
+        sessions = Sessions(
+            header=self.options.session_header,
+            conversations=bool(self.options.conversations),
+            limit=self.options.max_episodes,
+            opened=self._opened,
+        )
+        return Calls(
+            self.writer,
+            router,
+            token_ids=bool(self.token_ids),
+            upstream_api_key=os.environ.get("LCAP_UPSTREAM_API_KEY"),
+            keys=self.keys,
+            require_credentials=self.require_credentials,
+            max_episodes=self.options.max_episodes,
+            max_body_bytes=self.options.max_body_bytes,
+            stitch=self.options.stitch,
+            adapt=self.options.adapt,
+            heads=ConversationHeads(self.options.stitch_memory),
+            hold_timeout=self.options.hold_timeout,
+            max_held=self.options.max_held_calls,
+            sessions=sessions,
+            session_floor=session_floor(self.store) if self.store is not None and self.options.session_header else 0,
+        )
+
+    def _start_rewards(self) -> None:
+        """The reward endpoint of `--serve`, when asked for (a proxy with a store only)."""
+        if self.store is None or self.options.rewards_port is None or self.options.rewards_port < 0:
+            return
+        self.rewards = RewardEndpoint(
+            self.store,
+            secrets.token_urlsafe(32),
+            host=self.options.rewards_host,
+            port=self.options.rewards_port,
+            max_pending=self.options.max_pending_rewards,
+            max_body=self.options.max_reward_bytes,
+            settle=self._episode_rows.settle if self._episode_rows is not None else (lambda: None),
+            known=self._known,
+        )
+        try:
+            self.rewards.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _announce(self) -> None:
+        """The proxy's record, for `lcap episode new` and `lcap status` (a node's proxy has none: its collect
+        driver's is the one), announced while it runs."""
+        if self.store is None:
+            return
+        assert self.port is not None
+        self._record = ProxyRecord(
+            os.getpid(),
+            self.options.host,
+            self.port,
+            self.keys.key.hex(),
+            str(self.store.path),
+            started_at=time.time(),
+            command=command_line(),
+            upstream=self.options.upstream,
+            spool=str(self.writer.spool_directory) if self.writer.spool_directory else None,
+            rewards_url=self.rewards.url if self.rewards is not None else None,
+            reward_token=self.rewards.token if self.rewards is not None else None,
+        )
+        self._announcer = Announcer(self._record, self.counters)
+        self._announcer.start()
 
     def _start_namespaces(self) -> None:
         from lcap.capture.reach.dns import Resolver  # transparent mode only
@@ -415,15 +327,15 @@ class CaptureProxy:
         if self._episode_rows is not None:
             self._episode_rows.put(episode, labels)
 
-    def _serve(self, calls: Calls) -> None:
+    def _serve(self, calls: Calls, router: Router) -> None:
         try:
             with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-                runner.run(self._main(calls))
+                runner.run(self._main(calls, router))
         except Exception as exc:  # start-up failures end here; later ones are logged by mitmproxy
             self._error = self._error or f"capture proxy failed: {exc}"
             self._ready.set()
 
-    async def _main(self, calls: Calls) -> None:
+    async def _main(self, calls: Calls, router: Router) -> None:
         skip_debug_checks()
         # start-up: mitmproxy's master and addons, which only a running proxy needs
         from mitmproxy.addons import next_layer, proxyserver, tlsconfig
@@ -447,7 +359,7 @@ class CaptureProxy:
             server,
             next_layer.NextLayer(),
             TlsConfig(),
-            PrivateDestinations(destinations, calls.router),
+            PrivateDestinations(destinations, router),
             Limits(self.options),
             addon,
         )
@@ -538,8 +450,8 @@ class CaptureProxy:
             self._master.shutdown()
             self._thread.join(10)
         self._thread = None
-        if self._calls is not None:
-            self._calls.router.close()
+        if self._router is not None:
+            self._router.close()
         if self.rewards is not None:
             self.rewards.stop()
             self.rewards = None
@@ -560,7 +472,7 @@ class CaptureProxy:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    # --- the child's environment -------------------------------------------------------------
+    # --- the agents ---------------------------------------------------------------------------
 
     def proxy_url(self, episode_id: str | None) -> str:
         """The proxy URL whose credentials write calls into `episode_id` (`http://EPISODE:SECRET@host:port`)."""
@@ -575,104 +487,34 @@ class CaptureProxy:
     def child_env(
         self, episode_id: str | None, base: Mapping[str, str] | None = None, *, jvm_port: int | None = None
     ) -> dict[str, str]:
-        """The full environment of a child whose LLM calls go through this proxy as `episode_id`. JVMs are pointed
-        at `jvm_port` (an episode's own port: they cannot present credentials), else at the proxy's port. With
-        `--transparent` no proxy is set: the child's namespace sends everything to lcap."""
-        env = dict(os.environ if base is None else base)
-        if self.options.transparent:
-            for name in PROXY_VARS:
-                env.pop(name, None)
-        else:
-            proxy = self.proxy_url(episode_id)
-            for name in PROXY_VARS:
-                env[name] = proxy
-        for name in ("NO_PROXY", "no_proxy"):
-            if name in env:
-                env[name] = _no_proxy_without_llm_hosts(env[name])
-        env.update(trust_env(self._bundle or ca_bundle(), env.get("JAVA_TOOL_OPTIONS")))
-        if not self.options.transparent:  # the JVM ignores HTTPS_PROXY: it reads properties
-            env["JAVA_TOOL_OPTIONS"] += " " + java_proxy_options(
-                ("127.0.0.1", jvm_port or self._port()), non_proxy_hosts(env.get("NO_PROXY", env.get("no_proxy")))
-            )
-        env["NODE_OPTIONS"] = node_options(env.get("NODE_OPTIONS"))
-        env.update(preload_env())
-        if self.options.upstream is not None:
-            # lcap routes the calls and sends the upstream its own key (or none), never the agent's: an SDK that will
-            # not start without a key gets a placeholder
-            for name in PLACEHOLDER_KEYS:
-                env[name] = env.get(name) or "lcap-placeholder"
-        env["LCAP_PROXY_URL"] = self.url
-        if episode_id:
-            env["LCAP_EPISODE_ID"] = episode_id
-        return env
+        """The full environment of a child whose LLM calls go through this proxy as `episode_id`
+        (`AgentEnvironment.child_env`)."""
+        return self._agents().child_env(episode_id, base, jvm_port=jvm_port)
+
+    def episode_child(
+        self, episode_id: str, argv: Sequence[str], base: Mapping[str, str] | None = None
+    ) -> AbstractContextManager[Child]:
+        """How to run `argv` as `episode_id`'s agent, for as long as it runs (`AgentEnvironment.episode_child`)."""
+        return self._agents().episode_child(episode_id, argv, base)
+
+    def serve_listener(self, episode_id: str, sock: socket.socket) -> AbstractContextManager[None]:
+        """Serve `sock`, a listener made in an episode's own network namespace, as `episode_id`'s for the block
+        (`AgentEnvironment.serve_listener`)."""
+        return self._agents().serve_listener(episode_id, sock)
+
+    def _agents(self) -> AgentEnvironment:
+        if self.agents is None:
+            raise LcapError("the capture proxy is not started")
+        return self.agents
 
     def _port(self) -> int:
         if self.port is None:
             raise LcapError("the capture proxy is not started")
         return self.port
 
-    @contextlib.contextmanager
-    def episode_child(
-        self, episode_id: str, argv: Sequence[str], base: Mapping[str, str] | None = None
-    ) -> Iterator[Child]:
-        """How to run `argv` as `episode_id`'s agent, for as long as it runs: in its own namespaces with
-        `--transparent`, else with the proxy's environment and a loopback port of the episode's own for JVMs.
-        What the episode holds (its listeners, the heads its calls left for stitching) is released at the end of
-        the block, once the agent exited."""
-        if self.loop is None or self.front is None:
-            raise LcapError("the capture proxy is not started")
-        front, loop = self.front, self.loop
-        if self.namespaces is not None:
-            env = self.child_env(episode_id, base)
-            try:
-                with self.namespaces.launch(episode_id, env.get("PATH")) as launch:
-                    yield Child(launch.argv(argv), env, launch.pass_fds)
-            finally:
-                self._forget(episode_id)
-            return
-        started: list[int] = []  # the agent's pid: its processes alone may use the episode's port
-
-        def admit(listener: tuple[str, int], peer: tuple[str, int]) -> bool:
-            return bool(started) and from_tree(started[0], listener, peer)
-
-        server = asyncio.run_coroutine_threadsafe(front.listen_episode(episode_id, admit=admit), loop).result(30)
-        try:
-            port = server.sockets[0].getsockname()[1]
-            env = self.child_env(episode_id, base, jvm_port=port)
-            yield Child(list(argv), env, on_start=lambda child: started.append(child.pid))
-        finally:
-            _close_listener(server, loop)
-            self._forget(episode_id)
-
-    @contextlib.contextmanager
-    def serve_listener(self, episode_id: str, sock: socket.socket) -> Iterator[None]:
-        """Serve `sock`, a listener made in an episode's own network namespace (`--sandbox`), for the block: every
-        connection on it is `episode_id`'s, no credentials needed, since nothing else can reach it."""
-        if self.loop is None or self.front is None:
-            raise LcapError("the capture proxy is not started")
-        loop = self.loop
-        server = asyncio.run_coroutine_threadsafe(self.front.listen_episode(episode_id, sock), loop).result(30)
-        try:
-            yield
-        finally:
-            _close_listener(server, loop)
-            self._forget(episode_id)
-
     def _forget(self, episode_id: str) -> None:
-        """An ended episode makes no more calls: its stitching heads would only crowd out live episodes' heads."""
         if self._calls is not None:
-            self._calls.heads.forget(episode_id)
-
-
-async def _close(server: asyncio.AbstractServer) -> None:
-    """Close `server` on its own loop (its sockets are the loop's), returning once they are closed."""
-    server.close()
-
-
-def _close_listener(server: asyncio.AbstractServer, loop: asyncio.AbstractEventLoop) -> None:
-    """Close an episode's listener from another thread (on a loop that stopped, the loop closes it)."""
-    with contextlib.suppress(RuntimeError, TimeoutError, CancelledError):
-        asyncio.run_coroutine_threadsafe(_close(server), loop).result(30)
+            self._calls.forget(episode_id)
 
 
 def _loop_factory():
@@ -706,19 +548,6 @@ def _loop_exception(loop, context) -> None:
     if isinstance(exc, (asyncio.CancelledError, ConnectionError)):
         return
     log.error("lcap proxy: %s", context.get("message"), exc_info=exc)
-
-
-def _no_proxy_without_llm_hosts(value: str) -> str:
-    """NO_PROXY minus entries that would let LLM calls bypass the proxy (`*`, `.openai.com`, ...)."""
-    keep = []
-    for entry in (e.strip() for e in value.split(",")):
-        if not entry:
-            continue
-        bare = entry.lstrip("*").lstrip(".").split(":")[0].lower()
-        if entry == "*" or any(host == bare or host.endswith("." + bare) for host in LLM_HOSTS):
-            continue
-        keep.append(entry)
-    return ",".join(keep)
 
 
 def _fit_open_files(wanted: int) -> int:

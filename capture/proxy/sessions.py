@@ -28,14 +28,14 @@ import sys
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
+from lcap.capture.trust.credentials import HeaderFields
 from lcap.store import Store, now
 
 log = logging.getLogger("lcap.capture")
 
-Fields = Sequence[tuple[bytes, bytes]]
 T = TypeVar("T")
 SESSION_HEADER = "X-Lcap-Session"
 TENANT_FIELDS = (b"authorization", b"x-api-key", b"api-key")
@@ -44,7 +44,7 @@ _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[^"\\]{1,256})"')
 RESPONSE_ID_WINDOW = 8192  # bytes at the start of an answer where a Responses answer names itself
 
 
-def tenant_of(fields: Fields) -> str:
+def tenant_of(fields: HeaderFields) -> str:
     """The tenant of a request: a digest of its upstream credentials (the same for a call without any)."""
     digest = hashlib.sha256(b"lcap-tenant\0")
     for field in sorted((name.lower(), value) for name, value in fields if name.lower() in TENANT_FIELDS):
@@ -101,7 +101,7 @@ class Sessions:
         self._prefixes: OrderedDict[bytes, str | None] = OrderedDict()  # None: two conversations share it
         self._responses: OrderedDict[tuple[str, str], str] = OrderedDict()
 
-    def take_header(self, fields: Fields) -> tuple[str | None, Fields]:
+    def take_header(self, fields: HeaderFields) -> tuple[str | None, HeaderFields]:
         """(the session header's value, the fields without it); `fields` itself when it has none."""
         if self.header is None or not any(name.lower() == self.header for name, _ in fields):
             return None, fields
@@ -114,7 +114,7 @@ class Sessions:
                 keep.append((name, field_value))
         return value, tuple(keep)
 
-    def by_header(self, name: str, fields: Fields) -> str:
+    def by_header(self, name: str, fields: HeaderFields) -> str:
         tenant = tenant_of(fields)
         episode = session_episode(tenant, name)
         self._open(episode, {"session": name[:MAX_SESSION_LABEL], "tenant": tenant, "attributed_by": "header"})

@@ -47,8 +47,8 @@ from lcap.capture.reach.peers import tcp_table
 from lcap.config import LcapError
 
 if TYPE_CHECKING:
-    from lcap.capture.proxy.front import Front
     from lcap.capture.reach.dns import Resolver
+    from lcap.capture.reach.listeners import EpisodeListeners
 
 log = logging.getLogger("lcap.capture")
 
@@ -270,7 +270,7 @@ class Namespaces:
 
     def __init__(
         self,
-        front: Front,
+        front: EpisodeListeners,
         resolver: Resolver,
         loop: asyncio.AbstractEventLoop,
         *,

@@ -20,6 +20,8 @@ PER_EPISODE = 8  # conversations kept per episode
 
 @dataclass(slots=True, frozen=True)
 class Head:
+    """One conversation's last turn as lcap's endpoints left it, and what a next call must be to extend it."""
+
     blob: bytes  # the endpoints' head, as they sent it
     key: int  # the conversation's key
     items: int  # messages (or input items) of the call that left it
@@ -27,7 +29,10 @@ class Head:
     thread_seq: int  # seq of the first call of the chain of stitched calls this head ends
 
 
-class Heads:
+class ConversationHeads:
+    """The latest `Head` of each conversation of each episode, bounded in bytes over all of them (least recently
+    used first) and to `PER_EPISODE` conversations per episode; shared by the proxy's threads."""
+
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.bytes = 0

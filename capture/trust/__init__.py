@@ -1,3 +1,3 @@
-"""Secrets and trust: episode credentials, redaction of what is stored, where an exposed proxy may connect, and the TLS certificates made with lcap's CA.
+"""Secrets and trust: lcap's CA and the bundle children trust (`ca.py`), the TLS certificates made with it, episode credentials, redaction of what is stored, and where an exposed proxy may connect.
 
 May import: lcap's core."""

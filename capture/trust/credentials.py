@@ -31,7 +31,7 @@ from urllib.parse import quote, unquote
 from lcap.config import LcapError, lcap_home
 from lcap.processes import alive
 
-Fields = Sequence[tuple[bytes, bytes]]
+HeaderFields = Sequence[tuple[bytes, bytes]]  # an HTTP message's header fields: (name, value) pairs, in order
 EPISODE_HEADER = b"x-lcap-episode"
 PROXY_AUTHORIZATION = b"proxy-authorization"
 SECRET_HEX = 32  # 128 bits of the HMAC
@@ -64,7 +64,7 @@ class EpisodeKeys:
     def proxy_url(self, episode: str, host: str, port: int) -> str:
         return f"http://{self.pair(episode)}@{_url_host(host)}:{port}"
 
-    def take(self, fields: Fields) -> tuple[str | None, bool, Fields]:
+    def take(self, fields: HeaderFields) -> tuple[str | None, bool, HeaderFields]:
         """(the episode the request's credentials prove, whether it presented any, its fields without them).
 
         A valid `X-Lcap-Episode` wins over the proxy credentials; an invalid one proves nothing."""

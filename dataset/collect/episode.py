@@ -45,7 +45,7 @@ from lcap.processes import kill_group, run_child
 from lcap.store import Store
 
 if TYPE_CHECKING:
-    from lcap.capture.proxy.server import Child
+    from lcap.capture.reach.agent_env import Child
     from lcap.capture.sandbox import EpisodeSandbox, Sandbox
 
 log = logging.getLogger("lcap.dataset")

@@ -297,9 +297,9 @@ def test_a_stream_head_waits_briefly_for_its_first_event(store, monkeypatch, gap
     """The head of a streamed answer goes out in one write with the first body to send when that comes within
     `HEAD_HOLD` (one TLS record for the agent instead of two), and alone once `HEAD_HOLD` has passed: the head
     is never held until a slow first event."""
-    from lcap.capture.proxy import front
+    from lcap.capture.proxy import exchange
 
-    monkeypatch.setattr(front, "HEAD_HOLD", hold)
+    monkeypatch.setattr(exchange, "HEAD_HOLD", hold)
     upstream, thread = _sse_upstream(gap)
     url = f"http://127.0.0.1:{upstream.getsockname()[1]}"
     body = json.dumps({**CHAT, "stream": True}).encode()

@@ -25,7 +25,8 @@ from fixtures_capture import LCAP, SocketServer, turns, wait_until
 
 from lcap.capture.options import ProxyOptions
 from lcap.capture.proxy import connections
-from lcap.capture.proxy.server import CA_BASENAME, CaptureProxy, ca_dir
+from lcap.capture.proxy.server import CaptureProxy
+from lcap.capture.trust.ca import CA_BASENAME, ca_dir
 from lcap.capture.trust.certs import LeafCerts
 
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}

@@ -28,7 +28,8 @@ import pytest
 from fixtures_capture import LCAP, SECRET, FakeLLM, raw_exchange, run_lcap, serve_proxy, turns
 
 from lcap.capture.options import ProxyOptions
-from lcap.capture.proxy.server import CaptureProxy, ca_bundle
+from lcap.capture.proxy.server import CaptureProxy
+from lcap.capture.trust.ca import ca_bundle
 from lcap.capture.trust.credentials import EpisodeKeys
 from lcap.policy import PolicyServer, write_policy
 

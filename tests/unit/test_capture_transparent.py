@@ -61,7 +61,7 @@ def test_jvm_trust_store_and_options(tmp_path):
     from cryptography import x509
     from cryptography.hazmat.primitives.serialization import Encoding, pkcs12
 
-    from lcap.capture.proxy.server import ensure_ca
+    from lcap.capture.trust.ca import ensure_ca
 
     ca = x509.load_pem_x509_certificate(ensure_ca().read_bytes())
     store = pkcs12.load_pkcs12(pkcs12_trust_store([("lcap", ca.public_bytes(Encoding.DER))]), None)

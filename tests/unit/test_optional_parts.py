@@ -28,7 +28,7 @@ UI_REGISTRATION = ("lcap.ui", "lcap.ui.commands", "lcap.ui.options")
 CORE_COMMANDS = {
     "proxy": ("lcap.capture.run", "lcap.capture.proxy.server"),
     "episode": ("lcap.capture.trust.credentials", "lcap.store"),
-    "ca": ("lcap.capture.proxy.server",),
+    "ca": ("lcap.capture.trust.ca",),
     "collect": ("lcap.dataset.collect.episodes",),
     "build-dataset": ("lcap.dataset.build.builder", "lcap.dataset.build.explain"),
     "reward": ("lcap.dataset.collect.rewards",),

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from lcap.capture.routing import policy_wire
+from lcap.capture.routing.stitching import ConversationHeads
 from lcap.capture.routing.stitching import Head as ProxyHead
-from lcap.capture.routing.stitching import Heads
 
 PLUGIN = Path(__file__).resolve().parents[2] / "serve" / "vllm_plugin"
 
@@ -152,7 +152,7 @@ def test_request_body_and_stream_parts():
 
 
 def test_heads_are_bounded():
-    heads = Heads(max_bytes=100)
+    heads = ConversationHeads(max_bytes=100)
     heads.put("e1", ProxyHead(b"x" * 40, key=1, items=3, turn_id="t1", thread_seq=0))
     assert heads.pick("e1", 1, 5).turn_id == "t1"
     assert heads.pick("e1", 1, 3) is None  # a call with no more messages than the head's cannot extend it
