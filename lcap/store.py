@@ -16,6 +16,7 @@ collect round does hundreds of units of work.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -99,6 +100,8 @@ class Store:
             finally:
                 inst.depth -= 1
                 if inst.depth == 0:
+                    if not inst.read_only:
+                        self._drop_unused_wal()
                     _detach(inst.con)
 
     def _attach(self, con: duckdb.DuckDBPyConnection, read_only: bool) -> None:
@@ -132,9 +135,20 @@ class Store:
     def _private_wal(self) -> None:
         """The WAL this attach writes to, in place before its first write with mode 0600 (lcap.private_files)."""
         try:
-            private_file(self.path.with_name(self.path.name + ".wal"))
+            private_file(self._wal())
         except OSError as exc:
             raise LcapError(f"cannot make the WAL of store {self.path} private: {exc}") from exc
+
+    def _drop_unused_wal(self) -> None:
+        """The WAL `_private_wal` put in place, removed while the file is still attached if nothing was written to it
+        (DuckDB would leave it until the next attach)."""
+        with contextlib.suppress(OSError):
+            wal = self._wal()
+            if wal.stat().st_size == 0:
+                wal.unlink()
+
+    def _wal(self) -> Path:
+        return self.path.with_name(self.path.name + ".wal")
 
     def _while_locked(self, open_it: Callable[[], T]) -> T:
         """`open_it()`, after any process already waiting for the file, and retried while another process holds
@@ -178,6 +192,7 @@ class Store:
             stack.callback(con.close)
             if write:
                 self._private_wal()
+                stack.callback(self._drop_unused_wal)  # before the close
             for setting in _USER_SQL_SETTINGS:
                 con.execute(setting)
             yield con

@@ -44,8 +44,12 @@ def test_the_store_and_its_wal_are_created_private(tmp_path, umask_lets_others_r
     with store.user_sql(write=True) as con:  # `lcap sql --write`
         con.execute("INSERT INTO rewards (episode_id, value) VALUES ('e', 2)")
         assert is_private(db.with_name(db.name + ".wal"))
+    with store.connect():  # units of work that write nothing
+        pass
+    with store.user_sql(write=True) as con:
+        con.execute("SELECT count(*) FROM rewards").fetchall()
     assert process_umask() == before
-    assert sorted(p.name for p in db.parent.iterdir()) == ["lcap.duckdb"]  # no staging folder left behind
+    assert sorted(p.name for p in db.parent.iterdir()) == ["lcap.duckdb"]  # no staging folder or unused WAL left
 
 
 def test_the_wal_stays_private_past_duckdbs_automatic_checkpoint(tmp_path, umask_lets_others_read):
