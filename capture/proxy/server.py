@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import fcntl
 import logging
 import os
 import resource
@@ -64,6 +63,8 @@ from lcap.capture.trust.certs import LeafCerts, bounded_lru
 from lcap.capture.trust.credentials import EpisodeKeys, ProxyRecord, remove_record
 from lcap.capture.trust.destinations import Destinations, is_loopback_host
 from lcap.config import LcapError, lcap_home
+from lcap.files import atomic_write
+from lcap.locks import file_lock
 from lcap.policy import bearer, read_policy, record_path
 from lcap.store import Store
 
@@ -78,6 +79,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("lcap.capture")
 
 CA_BASENAME = "mitmproxy"
+CA_CREATE_WAIT = 60.0  # seconds a proxy waits while another makes lcap's CA (one RSA key)
 PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
 CA_VARS = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS")
 # Hosts of hosted LLM APIs: a NO_PROXY entry covering them would let calls bypass capture.
@@ -114,7 +116,8 @@ def ensure_ca() -> Path:
     try:
         directory.mkdir(parents=True, exist_ok=True)
         if not (key.exists() and cert.exists()):
-            with _locked(directory / ".create.lock"):  # two proxies starting on a new home make one CA, not two
+            # two proxies starting on a new home make one CA, not two
+            with file_lock(directory / ".create.lock", wait=CA_CREATE_WAIT, doing="making lcap's CA"):
                 if not (key.exists() and cert.exists()):
                     CertStore.create_store(directory, CA_BASENAME, 2048)
         elif not os.access(key, os.R_OK):
@@ -125,17 +128,6 @@ def ensure_ca() -> Path:
     except Exception as exc:
         raise LcapError(f"bad CA dir {directory}: {exc}") from None
     return cert
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An exclusive lock on `path` (created 0600) between processes, held for the block."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def _system_roots() -> str | None:
@@ -160,9 +152,7 @@ def ca_bundle(cert: Path | None = None) -> Path:
     if not bundle.exists() or bundle.stat().st_mtime < newest:
         parts = [Path(roots).read_bytes().rstrip(b"\n") + b"\n"] if roots else []
         parts.append(cert.read_bytes())
-        tmp = bundle.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(b"".join(parts))
-        tmp.replace(bundle)
+        atomic_write(bundle, b"".join(parts))
     return bundle
 
 
