@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from lcap.config import lcap_home
+from lcap.files import atomic_write
 from lcap.locks import file_lock
 
 
@@ -101,12 +102,9 @@ def read_policy() -> PolicyServer | None:
 
 def write_policy(server: PolicyServer) -> None:
     """Replace the record atomically, so a reader never sees half a file."""
-    path = record_path()
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     first = server.replicas[0]
     server.url, server.pid, server.log_path = first.url, first.pid, first.log_path
-    tmp.write_text(json.dumps(asdict(server), indent=2))
-    tmp.replace(path)
+    atomic_write(record_path(), json.dumps(asdict(server), indent=2))
 
 
 def clear_policy() -> None:

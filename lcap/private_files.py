@@ -1,52 +1,46 @@
-"""Files only their owner can read: the store and its WAL, which DuckDB creates with the process's umask.
+"""Files only their owner can read, made so by the mode they are created with, never by the process's umask: the
+umask is one setting for every thread of the process, so a thread that changed it would change the modes of the
+files every other thread makes meanwhile (a sandboxed verifier's tests, an agent's stdout).
 
-While any unit of work that may create them is open, the process's umask is 077 (a process-wide setting,
-so it is counted across threads and restored when the last one ends). Children lcap starts get the
-umask the user had (`USER_UMASK`), whatever a thread of lcap is doing at that moment, and so do the files and
-folders lcap makes for others to read (`user_mode`, `make_dirs`): a sandboxed agent and its verifier run as
-another user.
+DuckDB creates the store and its WAL itself, with the umask's mode; the store (lcap.store) keeps both private
+with these two helpers:
+- a new store file is made in a folder of its own that only the owner can enter, given mode 0600 there and then
+  linked to its name (`made_privately`), so that under its name it is never readable by others;
+- DuckDB deletes an empty WAL it finds when it attaches the file, writes to a WAL that exists as it is, and deletes
+  the WAL at each checkpoint; so once the file is attached for writing, an empty WAL of mode 0600 is put in place
+  (`private_file`), and the store's DuckDB checkpoints only when a unit of work ends, never within one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+import shutil
+import stat
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
-USER_UMASK = os.umask(0o022)
-os.umask(USER_UMASK)
 
-_lock = threading.Lock()
-_holders = 0
-
-
-@contextmanager
-def private_files() -> Iterator[None]:
-    """Files and directories created meanwhile are 0600 / 0700."""
-    global _holders
-    with _lock:
-        if _holders == 0:
-            os.umask(USER_UMASK | 0o077)
-        _holders += 1
+def private_file(path: Path) -> None:
+    """`path` exists and only its owner may read or write it: made empty with mode 0600 if missing, else given
+    that mode if others could read or write it."""
     try:
-        yield
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+    except FileExistsError:
+        if stat.S_IMODE(path.stat().st_mode) & 0o077:
+            path.chmod(0o600)
+
+
+def made_privately(path: Path, make: Callable[[Path], None]) -> None:
+    """Put at `path` (mode 0600) the file `make(p)` makes at `p`, whatever mode `make` gives it: `p` is in a folder
+    beside `path` that only the owner can enter. A file that appeared at `path` meanwhile is kept."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.new-", dir=path.parent))  # mode 0700
+    try:
+        made = staging / path.name
+        make(made)
+        made.chmod(0o600)
+        with contextlib.suppress(FileExistsError):
+            os.link(made, path)
     finally:
-        with _lock:
-            _holders -= 1
-            if _holders == 0:
-                os.umask(USER_UMASK)
-
-
-def user_mode(path: Path) -> None:
-    """Give `path` the mode the user's umask gives it (not the 077 a store write on another thread may hold now)."""
-    path.chmod((0o777 if path.is_dir() else 0o666) & ~USER_UMASK)
-
-
-def make_dirs(path: Path) -> None:
-    """`path` and the folders above it that do not exist yet, each with the user's mode."""
-    missing = [p for p in (path, *path.parents) if not p.exists()]
-    for folder in reversed(missing):
-        folder.mkdir(exist_ok=True)
-        user_mode(folder)
+        shutil.rmtree(staging, ignore_errors=True)

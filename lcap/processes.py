@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from lcap.config import LcapError
-from lcap.private_files import USER_UMASK
 
 TIMEOUT_EXIT = 124  # the exit code of a child ended by its timeout, as timeout(1) reports it
 
@@ -76,7 +75,6 @@ def run_child(
             stdout=stdout,
             stderr=stderr,
             start_new_session=own_group,
-            umask=USER_UMASK,  # not the 077 a thread's store write may hold at this moment (lcap.private_files)
             pass_fds=tuple(pass_fds),
         )
     except OSError as exc:

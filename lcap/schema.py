@@ -375,10 +375,10 @@ CREATE OR REPLACE VIEW turn_tokens AS
 # "Consecutive" is in (thread, seq) order: a stitched call follows the call it was stitched onto
 # even when other calls of the episode (a sub-agent, a title request) came in between.
 # `turn_segments(round, split)` (NULL: all) gives, per call, the sample it belongs to and its
-# segment: env tokens + completion; the view `samples` concatenates them in seq order. This is
-# the rule's SQL statement, for inspection; build-dataset applies the same rule vectorised on the
-# Arrow buffers of the joined turns (lcap.dataset.build.merge, faster than these list comparisons), and a
-# test checks that both agree.
+# segment: env tokens + completion; the view `samples` concatenates them in seq order. The rule
+# lcap applies is lcap.dataset.build.merge (build-dataset, `lcap export`, the UI's token view: vectorised on
+# the Arrow buffers of the joined turns); this is its SQL statement, for inspection in `lcap sql`, which
+# tests/unit/test_dataset_build.py holds equal to it.
 _SEGMENTS = """
     WITH tt AS (
         SELECT tt.episode_id, tt.seq, tt.thread, tt.prompt_ids, tt.completion_ids, tt.logprobs, tt.truncated,

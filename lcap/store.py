@@ -16,6 +16,7 @@ collect round does hundreds of units of work.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -31,7 +32,7 @@ import duckdb
 
 from lcap.config import LcapError
 from lcap.locks import flock_within
-from lcap.private_files import private_files
+from lcap.private_files import made_privately, private_file
 from lcap.schema import MIGRATIONS, PROMOTED_LABELS, SCHEMA_VERSION, TABLES, VIEWS
 
 _LOCKED = ("Could not set lock", "Conflicting lock", "database is locked")
@@ -55,7 +56,9 @@ class _Instance:
         self.lock = threading.RLock()
         self.depth = 0  # nested units of work share one attach
         self.read_only = False
-        self.private = ExitStack()  # a write unit of work creates the file and its WAL 0600
+        # A checkpoint deletes the WAL and the next write makes a new one with the umask's mode: the store checkpoints
+        # when a unit of work ends (DETACH), where the WAL goes, never within one (lcap.private_files).
+        self.con.execute(f"SET checkpoint_threshold = '{_NO_AUTOMATIC_CHECKPOINT}'")
 
 
 _instances: dict[Path, _Instance] = {}
@@ -85,13 +88,7 @@ class Store:
         inst = _instance(self.path)
         with inst.lock:
             if inst.depth == 0:
-                if not read_only:
-                    inst.private.enter_context(private_files())
-                try:
-                    self._attach(inst.con, read_only)
-                except BaseException:
-                    inst.private.close()
-                    raise
+                self._attach(inst.con, read_only)
                 inst.read_only = read_only
             elif inst.read_only and not read_only:
                 raise LcapError(f"store {self.path}: a write inside a read-only unit of work")
@@ -103,16 +100,15 @@ class Store:
             finally:
                 inst.depth -= 1
                 if inst.depth == 0:
-                    try:
-                        _detach(inst.con)
-                    finally:
-                        inst.private.close()
+                    if not inst.read_only:
+                        self._drop_unused_wal()
+                    _detach(inst.con)
 
     def _attach(self, con: duckdb.DuckDBPyConnection, read_only: bool) -> None:
         if read_only and not self.path.exists():
             raise LcapError(f"no store at {self.path} (run `lcap proxy` first, or pass --db)")
-        if not read_only:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not read_only and not self.path.exists():
+            self._create(con)
         mode = " (READ_ONLY)" if read_only else ""
 
         def attach() -> None:
@@ -120,6 +116,39 @@ class Store:
             con.execute(f"USE {_ALIAS}")
 
         self._while_locked(attach)
+        if not read_only:
+            self._private_wal()
+
+    def _create(self, con: duckdb.DuckDBPyConnection) -> None:
+        """A new, empty store file of mode 0600 (lcap.private_files)."""
+
+        def make(path: Path) -> None:
+            con.execute(f"ATTACH {_sql_string(str(path))} AS lcap_new")
+            con.execute("DETACH lcap_new")
+
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            made_privately(self.path, make)
+        except (OSError, duckdb.Error) as exc:
+            raise LcapError(f"cannot create store {self.path}: {exc}") from exc
+
+    def _private_wal(self) -> None:
+        """The WAL this attach writes to, in place before its first write with mode 0600 (lcap.private_files)."""
+        try:
+            private_file(self._wal())
+        except OSError as exc:
+            raise LcapError(f"cannot make the WAL of store {self.path} private: {exc}") from exc
+
+    def _drop_unused_wal(self) -> None:
+        """The WAL `_private_wal` put in place, removed while the file is still attached if nothing was written to it
+        (DuckDB would leave it until the next attach)."""
+        with contextlib.suppress(OSError):
+            wal = self._wal()
+            if wal.stat().st_size == 0:
+                wal.unlink()
+
+    def _wal(self) -> Path:
+        return self.path.with_name(self.path.name + ".wal")
 
     def _while_locked(self, open_it: Callable[[], T]) -> T:
         """`open_it()`, after any process already waiting for the file, and retried while another process holds
@@ -159,10 +188,11 @@ class Store:
         elif not self.path.exists():
             raise LcapError(f"no store at {self.path} (run `lcap proxy` first, or pass --db)")
         with ExitStack() as stack:
-            if write:
-                stack.enter_context(private_files())  # its WAL
             con = self._while_locked(lambda: duckdb.connect(str(self.path), read_only=not write))
             stack.callback(con.close)
+            if write:
+                self._private_wal()
+                stack.callback(self._drop_unused_wal)  # before the close
             for setting in _USER_SQL_SETTINGS:
                 con.execute(setting)
             yield con
@@ -267,7 +297,9 @@ class Store:
         )
 
 
+_NO_AUTOMATIC_CHECKPOINT = "1000TB"  # a WAL size no unit of work reaches
 _USER_SQL_SETTINGS = (
+    f"SET checkpoint_threshold = '{_NO_AUTOMATIC_CHECKPOINT}'",  # as the store's own instance (`_Instance`)
     "SET enable_external_access = false",
     "SET autoinstall_known_extensions = false",
     "SET autoload_known_extensions = false",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import threading
 import time
@@ -27,6 +26,7 @@ from lcap.dataset.build.explain import explain, lost_lines
 from lcap.dataset.collect.episodes import collect, load_tasks
 from lcap.dataset.options import BuildOptions, CollectOptions
 from lcap.display import rounded
+from lcap.files import atomic_write
 from lcap.loop.options import LoopOptions
 from lcap.serve.deploy import deploy
 from lcap.store import now
@@ -107,9 +107,7 @@ class LoopState:
         """Write the state atomically (a reader, or a resumed loop, never sees half a file)."""
         with self.lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(self.data, indent=2, default=str))
-            tmp.replace(self.path)
+            atomic_write(self.path, json.dumps(self.data, indent=2, default=str))
 
     def last_deployed(self) -> dict | None:
         deployed = [(int(k.split(":")[0]), v) for k, v in self.data["steps"].items() if k.endswith(":deploy")]

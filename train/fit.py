@@ -17,6 +17,7 @@ from typing import Any
 
 from lcap.config import LcapError
 from lcap.dataset.build.explain import Cause, explain, plural
+from lcap.files import atomic_write
 from lcap.noise import quiet_noise
 from lcap.train.mismatch import Mismatch, check_mismatch, measure_mismatch
 from lcap.train.options import TrainOptions
@@ -333,9 +334,7 @@ def guard_round(p: PreparedRound, options: TrainOptions) -> Mismatch:
     # Every process writes it, whole or not at all: on Ray each worker has a folder of its own, and the driver
     # gets the figures from whichever worker's error reaches it first.
     report = {"limit": options.mismatch_max, "held": mismatch.held, "unchecked": mismatch.unchecked()}
-    written = path.with_name(f".{path.name}.{os.getpid()}")
-    written.write_text(json.dumps({**report, "deployments": mismatch.details()}, indent=2))
-    written.replace(path)
+    atomic_write(path, json.dumps({**report, "deployments": mismatch.details()}, indent=2))
     shown = p.inputs.shown(p.out_dir)
     policy = str(shown.init_from) if shown.init_from else f"the base model {p.inputs.base_model}"
     where = round_name(p.out_dir)

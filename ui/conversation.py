@@ -1,8 +1,8 @@
 """A captured call as the model saw it: the request's messages per API dialect, and the answer.
 
 Each dialect spells a conversation differently (chat's `messages`, completions' `prompt`, Responses'
-`instructions` + `input` items, Anthropic's `system` + content blocks). They are read here into one
-shape, `Message`s of `Part`s (text, reasoning, a tool call with its arguments, a tool result), so one
+`instructions` + `input` items, Anthropic's `system` + content blocks); lcap.capture.turns.conversation reads
+them (as build-dataset's re-rendering does), and here they become one shape, `Message`s of `Part`s (text, reasoning, a tool call with its arguments, a tool result), so one
 template shows them all. The answer comes from the turn's parsed columns (completion_text,
 tool_calls, reasoning), which capture fills the same way for every dialect.
 
@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from lcap.capture.turns.conversation import Block, anthropic_entries, content_blocks, responses_entries
 
 MAX_TEXT = 20_000  # characters of one part shown inline; the rest is in the raw request
 
@@ -70,35 +72,22 @@ def _text(content: Any) -> str:
 
 
 def _content_parts(content: Any) -> list[Part]:
-    """Chat / Responses / Anthropic content: a string or a list of typed blocks."""
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [_part("text", content)] if content else []
-    if not isinstance(content, list):
-        return [_part("data", content)]
-    parts: list[Part] = []
-    for block in content:
-        if isinstance(block, str):
-            parts.append(_part("text", block))
-            continue
-        if not isinstance(block, dict):
-            parts.append(_part("data", block))
-            continue
-        kind = block.get("type")
-        if kind in ("text", "input_text", "output_text"):
-            parts.append(_part("text", block.get("text") or ""))
-        elif kind in ("thinking", "redacted_thinking", "reasoning_text", "summary_text"):
-            parts.append(_part("reasoning", block.get("thinking") or block.get("text") or ""))
-        elif kind == "tool_use":
-            parts.append(_call(block.get("input"), block.get("name"), block.get("id")))
-        elif kind == "tool_result":
-            parts.append(_part("tool_result", _text(block.get("content")), call_id=block.get("tool_use_id")))
-        elif kind in ("image", "image_url", "input_image", "input_audio", "input_file", "document"):
-            parts.append(Part("image", f"[{kind}]"))
-        else:
-            parts.append(_part("data", block))
-    return parts
+    """Chat / Responses / Anthropic content: a string or a list of typed blocks (lcap.capture.turns.conversation)."""
+    return [_block_part(block) for block in content_blocks(content)]
+
+
+def _block_part(block: Block) -> Part:
+    if block.kind == "text":
+        return _part("text", block.text)
+    if block.kind == "reasoning":
+        return _part("reasoning", block.text)
+    if block.kind == "call":
+        return _call(block.arguments, block.name, block.call_id)
+    if block.kind == "result":
+        return _part("tool_result", _text(block.content), call_id=block.call_id)
+    if block.kind == "media":
+        return Part("image", f"[{block.text}]")
+    return _part("data", block.raw)
 
 
 def _chat(request: dict) -> list[Message]:
@@ -134,44 +123,28 @@ def _completions(request: dict) -> list[Message]:
 
 def _responses(request: dict) -> list[Message]:
     messages = []
-    if request.get("instructions"):
-        messages.append(Message("system", [_part("text", request["instructions"])]))
-    items = request.get("input")
-    if isinstance(items, str):
-        return messages + [Message("user", [_part("text", items)])]
-    for item in items or ():
-        if not isinstance(item, dict):
-            continue
-        kind = item.get("type") or ("message" if "role" in item else None)
-        if kind == "message":
-            messages.append(Message(str(item.get("role") or "user"), _content_parts(item.get("content"))))
-        elif kind in ("function_call", "custom_tool_call"):
-            args = item.get("arguments") if kind == "function_call" else item.get("input")
-            messages.append(Message("assistant", [_call(args, item.get("name"), item.get("call_id"))]))
-        elif kind in ("function_call_output", "custom_tool_call_output"):
-            result = _part("tool_result", _text(item.get("output")), call_id=item.get("call_id"))
-            messages.append(Message("tool", [result]))
-        elif kind == "reasoning":
-            blocks = (item.get("summary") or []) + (item.get("content") or [])
-            text = "\n".join(b.get("text") or "" for b in blocks if isinstance(b, dict))
-            messages.append(Message("assistant", [_part("reasoning", text or "[encrypted reasoning]")]))
-        else:
-            messages.append(Message("assistant", [_part("data", item)]))
+    for entry in responses_entries(request):
+        if entry.kind == "message":
+            messages.append(Message(str(entry.role or "user"), _content_parts(entry.content)))
+        elif entry.kind == "call":
+            messages.append(Message("assistant", [_call(entry.arguments, entry.name, entry.call_id)]))
+        elif entry.kind == "result":
+            messages.append(Message("tool", [_part("tool_result", _text(entry.content), call_id=entry.call_id)]))
+        elif entry.kind == "reasoning":
+            messages.append(Message("assistant", [_part("reasoning", entry.text or "[encrypted reasoning]")]))
+        elif isinstance(entry.raw, dict):  # an item of a kind not shown otherwise
+            messages.append(Message("assistant", [_part("data", entry.raw)]))
     return messages
 
 
 def _messages(request: dict) -> list[Message]:
     messages = []
-    system = request.get("system")
-    if system:
-        messages.append(Message("system", _content_parts(system)))
-    for m in request.get("messages") or ():
-        if isinstance(m, dict):
-            parts = _content_parts(m.get("content"))
-            role = str(m.get("role") or "user")
-            if role == "user" and parts and all(p.kind == "tool_result" for p in parts):
-                role = "tool"
-            messages.append(Message(role, parts))
+    for entry in anthropic_entries(request):
+        parts = _content_parts(entry.content)
+        role = str(entry.role or "user")
+        if role == "user" and parts and all(p.kind == "tool_result" for p in parts):
+            role = "tool"
+        messages.append(Message(role, parts))
     return messages
 
 

@@ -15,12 +15,13 @@ JDK's own `cacerts` since JDK 18; JDK 11.0.12+ and 17 read it.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
+
+from lcap.files import atomic_write
 
 TRUST_STORE = "java-truststore.p12"
 
@@ -102,9 +103,7 @@ def trust_store(bundle: Path, directory: Path) -> Path:
             continue
         seen.add(der)
         certificates.append((f"{len(certificates)}-{cert.subject.rfc4514_string()[:64]}", der))
-    tmp = store.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_bytes(pkcs12_trust_store(certificates))
-    tmp.replace(store)
+    atomic_write(store, pkcs12_trust_store(certificates))
     return store
 
 

@@ -48,6 +48,7 @@ from lcap.capture.storage.spool import (
 )
 from lcap.capture.turns.turn import PendingTurn
 from lcap.config import lcap_home
+from lcap.locks import flock_within
 from lcap.processes import alive, python_helper
 from lcap.store import Store
 
@@ -460,9 +461,7 @@ class Drain:
 def _lock(directory: Path) -> int | None:
     """Hold the spool's writer lock (until this process ends); None if another writer holds it."""
     fd = os.open(directory / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    if not flock_within(fd, fcntl.LOCK_EX, 0):
         os.close(fd)
         return None
     return fd

@@ -4,19 +4,19 @@
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import ssl
-from collections.abc import Iterator
 from pathlib import Path
 
 import certifi
 from mitmproxy.certs import CertStore
 
 from lcap.config import LcapError, lcap_home
+from lcap.files import atomic_write
+from lcap.locks import file_lock
 
 CA_BASENAME = "mitmproxy"
+CA_CREATE_WAIT = 60.0  # seconds a proxy waits while another makes lcap's CA (one RSA key)
 
 
 def ca_dir() -> Path:
@@ -36,7 +36,8 @@ def ensure_ca() -> Path:
     try:
         directory.mkdir(parents=True, exist_ok=True)
         if not (key.exists() and cert.exists()):
-            with _locked(directory / ".create.lock"):  # two proxies starting on a new home make one CA, not two
+            # two proxies starting on a new home make one CA, not two
+            with file_lock(directory / ".create.lock", wait=CA_CREATE_WAIT, doing="making lcap's CA"):
                 if not (key.exists() and cert.exists()):
                     CertStore.create_store(directory, CA_BASENAME, 2048)
         elif not os.access(key, os.R_OK):
@@ -47,17 +48,6 @@ def ensure_ca() -> Path:
     except Exception as exc:
         raise LcapError(f"bad CA dir {directory}: {exc}") from None
     return cert
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An exclusive lock on `path` (created 0600) between processes, held for the block."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def _system_roots() -> str | None:
@@ -82,7 +72,5 @@ def ca_bundle(cert: Path | None = None) -> Path:
     if not bundle.exists() or bundle.stat().st_mtime < newest:
         parts = [Path(roots).read_bytes().rstrip(b"\n") + b"\n"] if roots else []
         parts.append(cert.read_bytes())
-        tmp = bundle.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(b"".join(parts))
-        tmp.replace(bundle)
+        atomic_write(bundle, b"".join(parts))
     return bundle

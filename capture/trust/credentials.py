@@ -18,9 +18,7 @@ import dataclasses
 import hashlib
 import hmac
 import json
-import os
 import secrets
-import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +27,7 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 from lcap.config import LcapError, lcap_home
+from lcap.files import atomic_write
 from lcap.processes import alive
 
 HeaderFields = Sequence[tuple[bytes, bytes]]  # an HTTP message's header fields: (name, value) pairs, in order
@@ -167,11 +166,7 @@ def records_dir() -> Path:
 def write_record(record: ProxyRecord) -> Path:
     """Write the record, 0600 from its first byte (it holds the key)."""
     path = records_dir() / f"{record.port}.json"
-    tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(record.__dict__, fh)
-    tmp.replace(path)
+    atomic_write(path, json.dumps(record.__dict__), mode=0o600)
     return path
 
 

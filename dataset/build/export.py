@@ -10,7 +10,7 @@ prompt string with no roles: a conversation would have to be invented) are skipp
 - `openai`: OpenAI's chat fine-tuning JSONL, one `{"messages", "tools"}` object a line.
 - `hf`: a Hugging Face dataset folder (`data/train-00000-of-00001.parquet`) that `datasets.load_dataset(PATH)`
   opens: messages, tools, the episode's labels and reward, and its token ids with the loss mask where the
-  episode's calls were captured with ids and stitch into one sample (the `samples` view).
+  episode's calls were captured with ids and stitch into one sample (build-dataset's merge, `merge.py`).
 - `verl`: `sft.parquet` (verl's multi-turn SFT data: `messages`, `tools`) and `rl.parquet` (verl's RL prompt
   data, one row a task: `data_source`, `prompt`, `ability`, `reward_model`, `extra_info`).
 
@@ -26,11 +26,8 @@ from __future__ import annotations
 import errno
 import itertools
 import json
-import os
-import tempfile
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,8 +38,10 @@ import pyarrow.parquet as pq
 
 from lcap.capture.trust.redact import redact_json, redact_keys
 from lcap.config import LcapError
+from lcap.dataset.build.merge import merge_turns
 from lcap.dataset.build.rebuild import chat_from_anthropic, chat_from_responses
 from lcap.dataset.build.select import select_episodes
+from lcap.files import replacing
 from lcap.store import Store
 
 FORMATS = ("openai", "hf", "verl")
@@ -86,13 +85,17 @@ SELECT s.episode_id, s.status, e.labels::VARCHAR
 FROM episode_selection s JOIN episodes e USING (episode_id)
 WHERE s.episode_id IN (SELECT unnest(?::VARCHAR[]))
 """
-# Where a batch's episodes' calls stitch into one sample of captured ids, that sample's tokens.
-_TOKENS = """
-SELECT episode_id, any_value(prompt_ids) AS prompt_ids, any_value(completion_ids) AS completion_ids,
-       any_value(env_mask) AS loss_mask, any_value(logprobs) AS logprobs
-FROM samples
-WHERE episode_id IN (SELECT unnest($episodes::VARCHAR[]))
-GROUP BY episode_id HAVING count(*) = 1 AND NOT bool_or(rebuilt)
+# A batch's episodes' calls with their token ids, as build-dataset reads them (`turn_tokens`), for the merge
+# (lcap.dataset.build.merge): where an episode's calls stitch into one sample of captured ids, that sample's tokens.
+_TURNS = """
+SELECT tt.episode_id, tt.seq, tt.thread, tt.deployment, tt.rebuilt, tt.truncated,
+       tt.prompt_ids::INTEGER[] AS prompt_ids, tt.completion_ids::INTEGER[] AS completion_ids,
+       (CASE WHEN len(tt.logprobs) = len(tt.completion_ids) THEN tt.logprobs
+             ELSE list_transform(tt.completion_ids, lambda x: 0.0) END)::FLOAT[] AS logprobs,
+       '' AS group_id
+FROM turn_tokens tt SEMI JOIN episode_advantages USING (episode_id)
+WHERE tt.episode_id IN (SELECT unnest($episodes::VARCHAR[]))
+  AND tt.prompt_ids IS NOT NULL AND tt.completion_ids IS NOT NULL
 """
 _TOKEN_COLUMNS = ("prompt_ids", "completion_ids", "loss_mask", "logprobs")
 
@@ -260,12 +263,7 @@ def conversations(
     for start in range(0, keys.num_rows, batch_rows):
         rows = keys.slice(start, batch_rows).to_pylist()
         calls = _calls(con, rows)
-        ids: dict[str, dict[str, Any]] = {}
-        if tokens:
-            chosen = [r["episode_id"] for r in rows]
-            ids = {
-                t["episode_id"]: t for t in con.sql(_TOKENS, params={"episodes": chosen}).to_arrow_table().to_pylist()
-            }
+        ids = _one_sample_tokens(con, [r["episode_id"] for r in rows]) if tokens else {}
         for row in rows:
             row.update(calls.get(row["turn_id"]) or {"dialect": None})
             row.update(ids.get(row["episode_id"]) or dict.fromkeys(_TOKEN_COLUMNS))
@@ -274,6 +272,24 @@ def conversations(
                 skipped[record] += 1
                 continue
             yield _redacted(record)
+
+
+def _one_sample_tokens(con: Any, episodes: list[str]) -> dict[str, dict[str, Any]]:
+    """Of `episodes`, those whose calls merge into one sample of captured ids (none rebuilt): that sample's tokens,
+    by the rule build-dataset trains on (lcap.dataset.build.merge)."""
+    samples = merge_turns(con.sql(_TURNS, params={"episodes": episodes}).to_arrow_table())
+    rows = samples.select(["episode_id", "rebuilt", "prompt_ids", "completion_ids", "env_mask", "logprobs"]).to_pylist()
+    parts = Counter(row["episode_id"] for row in rows)
+    return {
+        row["episode_id"]: {
+            "prompt_ids": row["prompt_ids"],
+            "completion_ids": row["completion_ids"],
+            "loss_mask": row["env_mask"],
+            "logprobs": row["logprobs"],
+        }
+        for row in rows
+        if parts[row["episode_id"]] == 1 and not row["rebuilt"]
+    }
 
 
 def transcripts(con: Any, episodes: list[str]) -> dict[str, dict[str, Any]]:
@@ -408,7 +424,7 @@ def _write_openai(records: Iterator[dict[str, Any]], out: Path) -> None:
     if out.is_dir():
         raise IsADirectoryError(errno.EISDIR, "a folder: openai's export is one file", str(out))
     out.parent.mkdir(parents=True, exist_ok=True)
-    with _replacing(out) as tmp, tmp.open("w", encoding="utf-8") as f:
+    with replacing(out, mode=0o600) as tmp, tmp.open("w", encoding="utf-8") as f:
         lines = 0
         for r in records:
             line: dict[str, Any] = {"messages": [_openai_message(m) for m in r["messages"]]}
@@ -426,7 +442,7 @@ def _write_parquet(
     """`rows` as one Parquet file, a row group per `batch_rows` rows; `made` gets the folders it creates."""
     made.extend(reversed([p for p in (path.parent, *path.parent.parents) if not p.exists()]))
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _replacing(path) as tmp:
+    with replacing(path, mode=0o600) as tmp:
         writer = None
         try:
             rows = iter(rows)
@@ -438,20 +454,6 @@ def _write_parquet(
                 writer.close()
         if writer is None:
             raise _Nothing
-
-
-@contextmanager
-def _replacing(path: Path) -> Iterator[Path]:
-    """A new file of its own beside `path` (not a name a link could already hold) to write, moved over `path` when
-    the block ends, removed if it fails."""
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        yield tmp
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _openai_message(m: dict[str, Any]) -> dict[str, Any]:

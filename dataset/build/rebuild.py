@@ -14,6 +14,7 @@ import re
 import sys
 from typing import Any
 
+from lcap.capture.turns.conversation import anthropic_entries, content_blocks, responses_entries
 from lcap.policy import read_policy
 from lcap.schema import TRUNCATED_REASONS
 from lcap.store import Store, now
@@ -125,38 +126,38 @@ def rebuild_turn(
 def chat_from_anthropic(request: dict) -> tuple[list[dict], list[dict] | None]:
     """An Anthropic Messages request as chat-template messages and tools (vLLM returns no ids for it)."""
     messages: list[dict[str, Any]] = []
-    system = request.get("system")
-    if isinstance(system, list):
-        system = "".join(block.get("text", "") for block in system if block.get("type") == "text")
-    if system:
-        messages.append({"role": "system", "content": system})
-    for message in request.get("messages") or []:
-        content = message.get("content")
+    for entry in anthropic_entries(request):
+        content = entry.content
+        if entry.role == "system" and entry.raw is None:  # the request's `system`
+            content = _joined_text(content) if isinstance(content, list) else content
+            if content:
+                messages.append({"role": "system", "content": content})
+            continue
         if isinstance(content, str):
-            messages.append({"role": message["role"], "content": content})
+            messages.append({"role": entry.role, "content": content})
             continue
         texts, calls = [], []
-        for block in content or []:
-            kind = block.get("type")
-            if kind == "text":
-                texts.append(block.get("text", ""))
-            elif kind == "tool_use":
-                calls.append({"id": block.get("id"), "name": block.get("name"), "arguments": block.get("input") or {}})
-            elif kind == "tool_result":
-                result = block.get("content")
-                if isinstance(result, list):
-                    result = "".join(part.get("text", "") for part in result if part.get("type") == "text")
-                messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result or ""})
+        for block in content_blocks(content):
+            if block.kind == "text":
+                texts.append(block.text or "")
+            elif block.kind == "call":
+                calls.append({"id": block.call_id, "name": block.name, "arguments": block.arguments or {}})
+            elif block.kind == "result":
+                result = _joined_text(block.content) if isinstance(block.content, list) else block.content
+                messages.append({"role": "tool", "tool_call_id": block.call_id, "content": result or ""})
         if texts or calls:
-            messages.append(
-                {"role": message["role"], "content": "".join(texts), **({"tool_calls": calls} if calls else {})}
-            )
+            messages.append({"role": entry.role, "content": "".join(texts), **({"tool_calls": calls} if calls else {})})
     tools = [
         _function_tool(t.get("name"), t.get("description", ""), t.get("input_schema"))
         for t in request.get("tools") or []
         if t.get("name")
     ]
     return messages, tools or None
+
+
+def _joined_text(content: list) -> str:
+    """Content blocks' text, joined (other blocks left out)."""
+    return "".join(block.text or "" for block in content_blocks(content) if block.kind == "text")
 
 
 def _function_tool(name: Any, description: Any, parameters: Any) -> dict[str, Any]:
@@ -176,31 +177,22 @@ def chat_from_responses(request: dict) -> tuple[list[dict], list[dict] | None] |
     all text becomes a string; other parts (images, files) are kept as they are."""
     if request.get("previous_response_id") or request.get("conversation"):
         return None
-    given = request.get("input")
-    if isinstance(given, str):
-        given = [{"role": "user", "content": given}]
-    if not isinstance(given, list):
+    if not isinstance(request.get("input"), (str, list)):
         return None
     messages: list[dict[str, Any]] = []
-    instructions = request.get("instructions")
-    if isinstance(instructions, str) and instructions:
-        messages.append({"role": "system", "content": instructions})
     reasoning: str | None = None
-    for item in given:
-        if not isinstance(item, dict):
-            return None
-        kind = item.get("type") or ("message" if "role" in item else None)
-        if kind == "message":
-            role = "system" if item.get("role") == "developer" else item.get("role")
-            message: dict[str, Any] = {"role": role, "content": _responses_content(item.get("content"))}
+    for entry in responses_entries(request):
+        if entry.kind == "message":
+            role = "system" if entry.role == "developer" else entry.role
+            message: dict[str, Any] = {"role": role, "content": _responses_content(entry.content)}
             if role == "assistant" and reasoning:
                 message["reasoning_content"], reasoning = reasoning, None
             messages.append(message)
-        elif kind == "function_call":
+        elif entry.kind == "call" and not entry.custom:
             call = {
-                "id": item.get("call_id") or item.get("id"),
+                "id": entry.call_id,
                 "type": "function",
-                "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"},
+                "function": {"name": entry.name, "arguments": entry.arguments or "{}"},
             }
             if messages and messages[-1]["role"] == "assistant":
                 messages[-1].setdefault("tool_calls", []).append(call)
@@ -208,13 +200,12 @@ def chat_from_responses(request: dict) -> tuple[list[dict], list[dict] | None] |
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
                 if reasoning:
                     messages[-1]["reasoning_content"], reasoning = reasoning, None
-        elif kind == "function_call_output":
-            output = _responses_content(item.get("output"))
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
-        elif kind == "reasoning":
-            parts = [*(item.get("summary") or ()), *(item.get("content") or ())]
-            texts = [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
-            reasoning = "\n".join(texts) or None
+        elif entry.kind == "result" and not entry.custom:
+            messages.append(
+                {"role": "tool", "tool_call_id": entry.call_id, "content": _responses_content(entry.content)}
+            )
+        elif entry.kind == "reasoning":
+            reasoning = entry.text
         else:
             return None
     tools = [

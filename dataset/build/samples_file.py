@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from lcap.config import LcapError
+from lcap.files import replacing
 
 SAMPLES_FILE = "samples.parquet"
 
@@ -51,13 +52,12 @@ def samples_path(path: str | Path) -> Path:
 def write_samples(table: pa.Table, path: Path, extra: pa.Table | None = None) -> None:
     """Write `table`'s sample columns atomically (a reader never sees half a file), and `extra`'s columns beside
     them (one row per sample: an SFT dataset's conversations), which `read_samples_table` leaves out."""
-    tmp = path.with_suffix(".parquet.tmp")
     samples = table.select(SAMPLE_SCHEMA.names).cast(SAMPLE_SCHEMA)
     if extra is not None:
         for name in extra.column_names:
             samples = samples.append_column(extra.schema.field(name), extra[name])
-    pq.write_table(samples, tmp, row_group_size=16384, use_dictionary=_DICTIONARY, write_statistics=_STATISTICS)
-    tmp.replace(path)
+    with replacing(path) as tmp:
+        pq.write_table(samples, tmp, row_group_size=16384, use_dictionary=_DICTIONARY, write_statistics=_STATISTICS)
 
 
 def read_samples_table(path: str | Path) -> pa.Table:

@@ -40,7 +40,6 @@ from lcap.dataset.collect.verifiers import (
 )
 from lcap.dataset.collect.workspaces import place_tests, pristine_tests, source_dir
 from lcap.display import printable
-from lcap.private_files import make_dirs, user_mode
 from lcap.processes import kill_group, run_child
 from lcap.store import Store
 
@@ -161,7 +160,7 @@ def run_episode(
         if sandbox is not None:  # a workspace a killed lcap left mounted
             release_mounts(spec.dir)
         shutil.rmtree(spec.dir)
-    make_dirs(spec.workdir)
+    spec.workdir.mkdir(parents=True)
     box = sandbox.episode(spec.episode_id, spec.workdir) if sandbox is not None else None
     try:
         return _run_in(spec, env, rules, files, flush, on_start, stopping, agent, box)
@@ -296,8 +295,6 @@ def _run_agent(
             on_start(proc)
 
     with open(spec.dir / "stdout.txt", "wb") as out, open(spec.dir / "stderr.txt", "wb") as err:
-        user_mode(spec.dir / "stdout.txt")  # a sandboxed verifier reads it (LCAP_AGENT_STDOUT)
-        user_mode(spec.dir / "stderr.txt")
         try:
             ended = run_child(
                 agent.argv if agent is not None else spec.argv,

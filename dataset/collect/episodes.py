@@ -54,7 +54,6 @@ from lcap.dataset.collect.summary import summarize
 from lcap.dataset.collect.verifiers import load_verifier, resolve_argv
 from lcap.dataset.options import CollectOptions
 from lcap.display import printable
-from lcap.private_files import make_dirs
 from lcap.processes import kill_group
 from lcap.ray_cluster import connect
 from lcap.store import Store
@@ -322,7 +321,7 @@ def _sandbox(options: CollectOptions, proxy: CaptureProxy, store: Store, plan: C
     if limits is None:
         return None
     run_dir = plan.run_dir
-    make_dirs(run_dir)  # the user's modes: the sandbox's user must enter it
+    run_dir.mkdir(parents=True, exist_ok=True)
     _check_reachable(plan)
     return Sandbox(limits, proxy, [run_dir], [Path(store.path)], cache=run_dir)
 

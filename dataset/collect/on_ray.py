@@ -73,6 +73,7 @@ from lcap.dataset.collect.episode import (
 )
 from lcap.dataset.collect.workspaces import source_dir
 from lcap.dataset.options import CollectOptions
+from lcap.files import atomic_write
 from lcap.policy import read_policy, record_path
 from lcap.processes import alive, kill_group
 from lcap.ray_cluster import describe
@@ -169,10 +170,7 @@ class NodeProxy:
         """A new policy record (a deploy between two collects of a loop): written over this proxy's copy, which its
         Router reads again when the file changes. Returns once any call routed from now on is routed by it: the
         Router looks at the file at most `REFRESH_S` after its last look."""
-        record = _policy_file(self._outbox().directory)
-        tmp = record.with_name(record.name + ".tmp")
-        _write_private(tmp, policy)
-        tmp.replace(record)
+        atomic_write(_policy_file(self._outbox().directory), policy, mode=0o600)
         time.sleep(REFRESH_S)
 
     def child_env(self, episode_id: str, base: Mapping[str, str]) -> dict[str, str]:

@@ -110,8 +110,7 @@ def pristine_tests(task: Mapping[str, Any], tasks_dir: Path) -> dict[str, bytes]
 
 def place_tests(workdir: Path, tests: Mapping[str, bytes]) -> None:
     """Write `tests` over whatever is at their paths in `workdir` (a file, a link, a directory), readable by the
-    sandbox's user: their modes are set, not left to the process's umask, which is 077 while another thread
-    writes to the store (lcap.private_files)."""
+    sandbox's user (the verifier runs as nobody): their modes are set, whatever the user's umask."""
     for rel, data in tests.items():
         target = workdir / rel
         for parent in reversed(target.relative_to(workdir).parents[:-1]):

@@ -23,7 +23,6 @@ from lcap.capture.sandbox import missing
 from lcap.dataset.collect.episodes import EpisodePool, collect, plan_collect
 from lcap.dataset.collect.workspaces import place_tests
 from lcap.dataset.options import CollectOptions
-from lcap.private_files import private_files
 from lcap.store import Store
 
 SYSTEM_PYTHON = "/usr/bin/python3"
@@ -245,20 +244,20 @@ def test_agent_that_edits_the_tests_is_scored_on_the_pristine_ones(command_run):
         assert "Ran 2 tests" in (episode["dir"] / "verifier.txt").read_text()
 
 
-def test_pristine_tests_are_readable_whatever_the_umask_of_a_store_write_beside_them(tmp_path):
-    """A store write on another thread holds the process's umask at 077: the pristine tests placed meanwhile are
-    still readable by the sandbox's user, or its verifier scores a fixed bug 0 (permission denied)."""
+def test_pristine_tests_are_readable_while_a_store_write_is_open_beside_them(tmp_path):
+    """A store write beside them (a unit of work open meanwhile) leaves the pristine tests placed readable by the
+    sandbox's user, or its verifier scores a fixed bug 0 (permission denied)."""
     work = tmp_path / "work"
     work.mkdir()
-    with private_files():
+    with Store(tmp_path / "beside.duckdb").connect():
         place_tests(work, {"test_calc.py": TESTS.encode(), "tests/unit/test_more.py": b"pass\n"})
     modes = {str(p.relative_to(work)): stat.S_IMODE(p.stat().st_mode) for p in sorted(work.rglob("*"))}
     assert modes == {"test_calc.py": 0o644, "tests": 0o755, "tests/unit": 0o755, "tests/unit/test_more.py": 0o644}
 
 
-def test_a_sandboxed_episode_runs_and_is_verified_while_a_store_write_holds_the_umask(fake_llm):
-    """The folders and files lcap makes for a sandboxed episode get the user's modes even while a store write holds
-    the process's umask at 077 (here: the whole collect): the agent, as nobody, enters its workspace, and the
+def test_a_sandboxed_episode_runs_and_is_verified_while_a_store_write_is_open(fake_llm):
+    """The folders and files lcap makes for a sandboxed episode get the user's modes even while a store write is
+    open (here: on another store, for the whole collect): the agent, as nobody, enters its workspace, and the
     verifier reads the agent's stdout and the pristine tests."""
     base = Path(tempfile.mkdtemp(prefix="lcap-sandbox-umask-"))
     base.chmod(0o755)
@@ -285,7 +284,7 @@ def test_a_sandboxed_episode_runs_and_is_verified_while_a_store_write_holds_the_
             sandbox=True,
             run_dir=base / "run",
         )
-        with private_files():
+        with Store(base / "db" / "beside.duckdb").connect():
             collect(
                 store,
                 tasks=base / "tasks.jsonl",
