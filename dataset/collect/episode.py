@@ -25,7 +25,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from lcap.capture.sandbox import limits_text, release_mounts
-from lcap.capture.trust.redact import redact_text
 from lcap.config import LcapError
 from lcap.dataset.collect.summary import CollectSummary
 from lcap.dataset.collect.verifiers import (
@@ -336,11 +335,7 @@ def record_outcome(store: Store, spec: EpisodeSpec, outcome: EpisodeOutcome) -> 
 def start_episode(store: Store, spec: EpisodeSpec) -> None:
     """The episode's row, marked running: even a task whose workdir cannot be set up leaves one."""
     store.start_episode(
-        spec.episode_id,
-        command=redact_text(shlex.join(spec.argv)),
-        cwd=str(spec.workdir),
-        labels=spec.labels,
-        replace=True,
+        spec.episode_id, command=shlex.join(spec.argv), cwd=str(spec.workdir), labels=spec.labels, replace=True
     )
 
 
