@@ -18,7 +18,7 @@ from lcap.display import printable
 
 
 def register(app: typer.Typer) -> None:
-    app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(collect)
+    app.command(context_settings={"allow_extra_args": True, "allow_interspersed_args": False})(collect)
     app.command()(reward)
     app.command()(rescore)
     app.command("build-dataset")(build_dataset)
