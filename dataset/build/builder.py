@@ -377,8 +377,9 @@ SELECT (SELECT count(*) FROM e) AS total,
        (SELECT count(*) FROM a) AS rewarded
 """
 
+# zero_variance: groups of two or more whose rewards were all equal (a single-episode group is `singleton`, not both).
 _GROUP_COUNTS = """
-SELECT count(*) AS total, count(*) FILTER (WHERE zero_variance) AS zero_variance,
+SELECT count(*) AS total, count(*) FILTER (WHERE zero_variance AND group_size > 1) AS zero_variance,
        count(*) FILTER (WHERE group_size = 1) AS singleton, coalesce(max(group_size), 0) AS max_size
 FROM (SELECT group_id, any_value(zero_variance) AS zero_variance, any_value(group_size) AS group_size
       FROM {advantages} WHERE {chosen} GROUP BY group_id)
