@@ -64,7 +64,7 @@ def collect(
     mean = "-" if result.mean_reward is None else f"{result.mean_reward:.4f}"
     typer.echo(
         f"collect {result.run_id} round {options.round} ({options.split}): {result.episodes} episodes, "
-        f"{result.finished} ok, {result.failed} failed, {result.skipped} skipped (already done), "
+        f"{result.finished} ok, {result.not_ok()}, {result.skipped} skipped (already done), "
         f"{result.tampered} tampered, mean reward {mean}; workdirs in {result.run_dir}"
         + (" on the nodes" if options.ray is not None else "")
     )

@@ -150,6 +150,7 @@ def build_dataset(
     by_population = episodes is None and (options.advantage != "group" or options.reward_source is not None)
     if by_population:  # the baseline's population and the reward source need the chosen episodes named
         episodes = _population(store, round, groups, options.split)
+    made = not out.exists()  # a folder made here and left empty is removed: nothing to train on leaves nothing
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -224,15 +225,27 @@ def build_dataset(
     report.groups["trainable"] = int(pc.sum(pc.greater_equal(sizes, 2)).as_py() or 0)  # GRPO needs two per group
 
     written = samples.filter(pa.array(keep))
-    write_samples(written, out / SAMPLES_FILE, _conversations(store, written) if sft else None)
+    if report.samples:  # else no file: an earlier build's stay as they were, the store's row says why (`last_report`)
+        write_samples(written, out / SAMPLES_FILE, _conversations(store, written) if sft else None)
     clock("write")
     report.seconds = rounded(time.perf_counter() - started)
     store.execute(
         "INSERT INTO dataset_reports (round, split, out, report, created_at) VALUES (?, ?, ?, ?, ?)",
         [round, options.split, str(out), json.dumps(asdict(report)), now()],
     )
-    (out / "report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
+    if report.samples:
+        (out / "report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
+    elif made and not any(out.iterdir()):
+        out.rmdir()
     return report
+
+
+def last_report(store: Store, out: Path) -> dict[str, Any] | None:
+    """The report of the latest build into `out` (one that wrote nothing has no report.json), or None."""
+    rows = store.fetchall(
+        "SELECT report FROM dataset_reports WHERE out = ? ORDER BY created_at DESC LIMIT 1", [str(Path(out))]
+    )
+    return json.loads(rows[0][0]) if rows else None
 
 
 def _turn_kinds(turns: pa.Table) -> dict[str, int]:

@@ -65,6 +65,11 @@ class CollectResult:
     tampered: int = 0
     summary: CollectSummary | None = None  # every episode of this collect, this run's and earlier ones'
 
+    def not_ok(self) -> str:
+        """This run's episodes that did not end ok, in the words of their status (`2 error`), as the summary's
+        `episodes:` line names them; `0 failed` when none."""
+        return ", ".join(f"{n} {status}" for status, n in self.statuses.items() if status != "ok") or "0 failed"
+
 
 @dataclass(frozen=True)
 class EpisodeSpec:
@@ -364,7 +369,7 @@ class Tally:
     def describe(self) -> str:
         r = self.result
         mean = f"{sum(self.rewards) / len(self.rewards):.3f}" if self.rewards else "-"
-        return f"ok {r.finished} failed {r.failed} running {self.running} reward {mean}"
+        return f"ok {r.finished}, {r.not_ok()}, running {self.running}, reward {mean}"
 
 
 class RunProgress:
