@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from lcap.capture.trust import redact
+from lcap import redact
 from lcap.capture.turns.turn import PendingTurn, build_row
 
 REPO = Path(__file__).resolve().parents[1]

@@ -21,7 +21,6 @@ from lcap.capture.sandbox import missing as sandbox_missing
 from lcap.capture.storage.writer import WriterReport
 from lcap.capture.trust.credentials import records_dir
 from lcap.capture.trust.destinations import is_loopback_host
-from lcap.capture.trust.redact import redact_text
 from lcap.config import LcapError, lcap_home
 from lcap.processes import ChildExit, run_child
 from lcap.store import Store
@@ -47,7 +46,7 @@ def run_proxy(
     proxy = _start(store, options)
     episode_id = episode or str(uuid.uuid4())
     try:
-        store.start_episode(episode_id, command=redact_text(shlex.join(command)), cwd=os.getcwd(), labels=labels)
+        store.start_episode(episode_id, command=shlex.join(command), cwd=os.getcwd(), labels=labels)
     except BaseException:  # an id that exists already: that episode is left as it is
         proxy.stop()
         raise

@@ -18,7 +18,7 @@ from lcap.display import printable
 
 
 def register(app: typer.Typer) -> None:
-    app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(collect)
+    app.command(context_settings={"allow_extra_args": True, "allow_interspersed_args": False})(collect)
     app.command()(reward)
     app.command()(rescore)
     app.command("build-dataset")(build_dataset)
@@ -64,7 +64,7 @@ def collect(
     mean = "-" if result.mean_reward is None else f"{result.mean_reward:.4f}"
     typer.echo(
         f"collect {result.run_id} round {options.round} ({options.split}): {result.episodes} episodes, "
-        f"{result.finished} ok, {result.failed} failed, {result.skipped} skipped (already done), "
+        f"{result.finished} ok, {result.not_ok()}, {result.skipped} skipped (already done), "
         f"{result.tampered} tampered, mean reward {mean}; workdirs in {result.run_dir}"
         + (" on the nodes" if options.ray is not None else "")
     )

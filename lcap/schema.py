@@ -4,6 +4,16 @@ Tables are append-mostly. Rows are written in batches (see `Store.append`), neve
 request. Views carry the joins, so `lcap sql` and the stages read the same definitions.
 """
 
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import duckdb
+from duckdb.sqltypes import VARCHAR
+
+from lcap.redact import redact_labels, redact_text
+
 # Episode labels that are also columns (for joins and filters): label -> (column, SQL type).
 PROMOTED_LABELS = {
     "task": ("task_id", "VARCHAR"),
@@ -13,9 +23,34 @@ PROMOTED_LABELS = {
 }
 
 # The store's shape. A new store gets TABLES at SCHEMA_VERSION; an older one is brought there by MIGRATIONS
-# (version reached -> statements), in order, inside the unit of work that first opens it for writing.
-SCHEMA_VERSION = 9
-MIGRATIONS: dict[int, tuple[str, ...]] = {
+# (version reached -> statements, or functions of the connection), in order, inside the unit of work that first
+# opens it for writing.
+SCHEMA_VERSION = 10
+
+
+def _redact_labels_json(labels: str) -> str:
+    value = json.loads(labels)
+    return json.dumps(redact_labels(value)) if isinstance(value, dict) else labels
+
+
+def redact_episodes(con: duckdb.DuckDBPyConnection) -> None:
+    """What came from the user's invocation, stored in clear before version 10: the episodes' commands, cwds,
+    labels (and the columns promoted from them) and errors, redacted as `Store.start_episode` now does."""
+    functions = {"lcap_redact_text": redact_text, "lcap_redact_labels": _redact_labels_json}
+    for name, function in functions.items():
+        con.create_function(name, function, [VARCHAR], VARCHAR, side_effects=False)
+    try:
+        con.execute(
+            """UPDATE episodes SET command = lcap_redact_text(command), cwd = lcap_redact_text(cwd),
+                      error = lcap_redact_text(error), labels = lcap_redact_labels(labels),
+                      task_id = lcap_redact_text(task_id), split = lcap_redact_text(split)"""
+        )
+    finally:
+        for name in functions:
+            con.remove_function(name)
+
+
+MIGRATIONS: dict[int, tuple[str | Callable[[duckdb.DuckDBPyConnection], None], ...]] = {
     2: (
         "ALTER TABLE episodes RENAME COLUMN group_index TO sample",
         "ALTER TABLE episodes ADD COLUMN split VARCHAR",
@@ -42,6 +77,7 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     7: ("ALTER TABLE train_runs ADD COLUMN IF NOT EXISTS mismatch_held VARCHAR",),
     8: ("ALTER TABLE rewards ADD COLUMN IF NOT EXISTS key VARCHAR",),
     9: ("ALTER TABLE deployments ADD COLUMN IF NOT EXISTS rollback_of VARCHAR",),
+    10: (redact_episodes,),
 }
 
 TABLES = """

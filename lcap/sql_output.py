@@ -45,6 +45,7 @@ def render(columns: Sequence[str], rows: Sequence[tuple], fmt: str, *, max_width
         writer.writerows([[_plain(v) for v in row] for row in rows])
         return out.getvalue()
     # start-up: rich (the CLI loads this module for its default width)
+    from rich.cells import cell_len
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
@@ -54,15 +55,17 @@ def render(columns: Sequence[str], rows: Sequence[tuple], fmt: str, *, max_width
         bool(rows) and all(isinstance(r[i], (int, float, Decimal)) or r[i] is None for r in rows)
         for i in range(len(columns))
     ]
+    headers = [cell(name, limit) for name in columns]
+    cells = [[cell(v, limit) for v in row] for row in rows]
     table = Table(show_lines=False)
-    for name, is_number in zip(columns, numeric):
-        table.add_column(
-            Text(printable(name)), justify="right" if is_number else "left", no_wrap=True, overflow="ellipsis"
-        )
-    for row in rows:
-        table.add_row(*(Text(cell(v, limit), style="dim" if v is None else "") for v in row))
+    for name, is_number in zip(headers, numeric):
+        table.add_column(Text(name), justify="right" if is_number else "left", no_wrap=True, overflow="ellipsis")
+    for row, texts in zip(rows, cells):
+        table.add_row(*(Text(text, style="dim" if v is None else "") for v, text in zip(row, texts)))
+    # As wide as the table needs: a narrower console would squeeze every column, headers included, to an ellipsis.
+    widths = [max([cell_len(h), *(cell_len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
     out = io.StringIO()
-    Console(file=out, width=200).print(table)
+    Console(file=out, width=sum(widths) + 3 * len(widths) + 1).print(table)
     out.write(f"({len(rows)} row{'s' if len(rows) != 1 else ''})\n")
     return out.getvalue()
 

@@ -33,6 +33,7 @@ import duckdb
 from lcap.config import LcapError
 from lcap.locks import flock_within
 from lcap.private_files import made_privately, private_file
+from lcap.redact import redact_labels, redact_text
 from lcap.schema import MIGRATIONS, PROMOTED_LABELS, SCHEMA_VERSION, TABLES, VIEWS
 
 _LOCKED = ("Could not set lock", "Conflicting lock", "database is locked")
@@ -212,7 +213,7 @@ class Store:
             )
         for target in range(version + 1, SCHEMA_VERSION + 1):
             for statement in MIGRATIONS[target]:
-                con.execute(statement)
+                statement(con) if callable(statement) else con.execute(statement)
         con.execute("DELETE FROM schema_version")
         con.execute("INSERT INTO schema_version VALUES (?)", [SCHEMA_VERSION])
         for ddl in self._extra_schema:
@@ -251,13 +252,15 @@ class Store:
     def start_episode(
         self, episode_id: str, *, command: str | None, cwd: str | None, labels: dict[str, str], replace: bool = False
     ) -> None:
-        """Record an episode as running; the labels of PROMOTED_LABELS are also stored in their columns.
+        """Record an episode as running; the labels of PROMOTED_LABELS are also stored in their columns. The
+        command, the cwd and the labels come from the user's invocation: they are stored redacted (`lcap.redact`).
 
         An id the store already holds is refused (a one-line error naming its status), unless `replace`: collect
         starts again an episode of its own that a crash cut short."""
         columns = ", ".join(column for column, _ in PROMOTED_LABELS.values())
         casts = ", ".join(f"TRY_CAST(? AS {kind})" for _, kind in PROMOTED_LABELS.values())
         verb = "INSERT OR REPLACE" if replace else "INSERT"
+        command, cwd, labels = redact_text(command), redact_text(cwd), redact_labels(labels)
         try:
             self.execute(
                 f"""{verb} INTO episodes (episode_id, command, cwd, started_at, status, labels, {columns})
@@ -293,7 +296,7 @@ class Store:
     ) -> None:
         self.execute(
             "UPDATE episodes SET ended_at = ?, status = ?, exit_code = ?, error = ? WHERE episode_id = ?",
-            [now(), status, exit_code, error, episode_id],
+            [now(), status, exit_code, redact_text(error), episode_id],  # an error may quote the command
         )
 
 
@@ -316,10 +319,10 @@ def table_names(con: duckdb.DuckDBPyConnection) -> set[str]:
 
 def _one_row(con: duckdb.DuckDBPyConnection) -> tuple[Any, ...]:
     """The row of a statement that always returns exactly one (an aggregate, or INSERT's row count)."""
-    row = con.fetchone()
-    if row is None:
-        raise LcapError("the store returned no row where one is always expected")
-    return row
+    rows = con.fetchall()  # all of them: a result left unfinished blocks the connection's next function call
+    if len(rows) != 1:
+        raise LcapError(f"the store returned {len(rows)} rows where one is always expected")
+    return rows[0]
 
 
 def _sql_string(value: str) -> str:

@@ -15,7 +15,7 @@ from lcap.train.options import TrainOptions
 
 
 def register(app: typer.Typer) -> None:
-    app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(loop)
+    app.command(context_settings={"allow_extra_args": True, "allow_interspersed_args": False})(loop)
     app.command()(demo)
 
 

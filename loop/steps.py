@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from lcap.capture.options import ProxyOptions
 from lcap.config import LcapError
-from lcap.dataset.build.builder import build_dataset
+from lcap.dataset.build.builder import build_dataset, last_report
 from lcap.dataset.build.explain import explain, lost_lines
 from lcap.dataset.collect.episodes import collect, load_tasks
 from lcap.dataset.options import BuildOptions, CollectOptions
@@ -211,7 +211,7 @@ def train_step(
         try:
             report = json.loads((data / "report.json").read_text())
         except (OSError, ValueError):
-            report = None
+            report = last_report(store, data)  # a build that found nothing writes no file
         why = explain(report) if report else f"no report.json in {data}"
         raise LcapError(f"round {n}: nothing to train on in {data}: {why}")
     result = train_round(store, run, n, options, data=data, progress=sys.stderr.isatty(), init_from=init_from)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lcap.capture.trust.credentials import ProxyRecord, write_record
-from lcap.capture.trust.redact import redact_text
+from lcap.redact import redact_text
 
 log = logging.getLogger("lcap.capture")
 

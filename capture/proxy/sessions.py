@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from lcap.capture.trust.credentials import HeaderFields
+from lcap.redact import redact_labels
 from lcap.store import Store, now
 
 log = logging.getLogger("lcap.capture")
@@ -225,7 +226,12 @@ class EpisodeRows:
         self._thread.start()
 
     def put(self, episode: str, labels: dict[str, str]) -> None:
-        row = {"episode_id": episode, "started_at": now(), "status": "running", "labels": json.dumps(labels)}
+        row = {
+            "episode_id": episode,
+            "started_at": now(),
+            "status": "running",
+            "labels": json.dumps(redact_labels(labels)),
+        }
         try:
             self._queue.put_nowait(row)
         except queue.Full:

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
-from lcap.capture.trust.redact import redact_json, redact_keys, redact_path, redact_text
 from lcap.capture.turns import dialects
 from lcap.capture.turns.encoding import BodyTooLarge, UndecodableBody, decode_body, raw_body
+from lcap.redact import redact_json, redact_keys, redact_path, redact_text
 
 log = logging.getLogger("lcap.capture")
 

@@ -150,6 +150,7 @@ def build_dataset(
     by_population = episodes is None and (options.advantage != "group" or options.reward_source is not None)
     if by_population:  # the baseline's population and the reward source need the chosen episodes named
         episodes = _population(store, round, groups, options.split)
+    made = not out.exists()  # a folder made here and left empty is removed: nothing to train on leaves nothing
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -224,15 +225,27 @@ def build_dataset(
     report.groups["trainable"] = int(pc.sum(pc.greater_equal(sizes, 2)).as_py() or 0)  # GRPO needs two per group
 
     written = samples.filter(pa.array(keep))
-    write_samples(written, out / SAMPLES_FILE, _conversations(store, written) if sft else None)
+    if report.samples:  # else no file: an earlier build's stay as they were, the store's row says why (`last_report`)
+        write_samples(written, out / SAMPLES_FILE, _conversations(store, written) if sft else None)
     clock("write")
     report.seconds = rounded(time.perf_counter() - started)
     store.execute(
         "INSERT INTO dataset_reports (round, split, out, report, created_at) VALUES (?, ?, ?, ?, ?)",
         [round, options.split, str(out), json.dumps(asdict(report)), now()],
     )
-    (out / "report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
+    if report.samples:
+        (out / "report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
+    elif made and not any(out.iterdir()):
+        out.rmdir()
     return report
+
+
+def last_report(store: Store, out: Path) -> dict[str, Any] | None:
+    """The report of the latest build into `out` (one that wrote nothing has no report.json), or None."""
+    rows = store.fetchall(
+        "SELECT report FROM dataset_reports WHERE out = ? ORDER BY created_at DESC LIMIT 1", [str(Path(out))]
+    )
+    return json.loads(rows[0][0]) if rows else None
 
 
 def _turn_kinds(turns: pa.Table) -> dict[str, int]:
@@ -377,8 +390,9 @@ SELECT (SELECT count(*) FROM e) AS total,
        (SELECT count(*) FROM a) AS rewarded
 """
 
+# zero_variance: groups of two or more whose rewards were all equal (a single-episode group is `singleton`, not both).
 _GROUP_COUNTS = """
-SELECT count(*) AS total, count(*) FILTER (WHERE zero_variance) AS zero_variance,
+SELECT count(*) AS total, count(*) FILTER (WHERE zero_variance AND group_size > 1) AS zero_variance,
        count(*) FILTER (WHERE group_size = 1) AS singleton, coalesce(max(group_size), 0) AS max_size
 FROM (SELECT group_id, any_value(zero_variance) AS zero_variance, any_value(group_size) AS group_size
       FROM {advantages} WHERE {chosen} GROUP BY group_id)

@@ -143,7 +143,7 @@ def causes(report: Any) -> list[Cause]:
                 "every chosen episode: no repeated prompt needed)",
             )
         )
-    equal = groups.get("zero_variance", 0) - singleton
+    equal = groups.get("zero_variance", 0)
     if grouped and equal > 0 and not options.get("keep_zero_variance"):
         out.append(
             Cause(

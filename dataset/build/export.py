@@ -36,12 +36,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from lcap.capture.trust.redact import redact_json, redact_keys
 from lcap.config import LcapError
 from lcap.dataset.build.merge import merge_turns
 from lcap.dataset.build.rebuild import chat_from_anthropic, chat_from_responses
 from lcap.dataset.build.select import select_episodes
 from lcap.files import replacing
+from lcap.redact import redact_json, redact_keys
 from lcap.store import Store
 
 FORMATS = ("openai", "hf", "verl")

@@ -25,7 +25,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from lcap.capture.sandbox import limits_text, release_mounts
-from lcap.capture.trust.redact import redact_text
 from lcap.config import LcapError
 from lcap.dataset.collect.summary import CollectSummary
 from lcap.dataset.collect.verifiers import (
@@ -64,6 +63,11 @@ class CollectResult:
     statuses: dict[str, int] = field(default_factory=dict)
     tampered: int = 0
     summary: CollectSummary | None = None  # every episode of this collect, this run's and earlier ones'
+
+    def not_ok(self) -> str:
+        """This run's episodes that did not end ok, in the words of their status (`2 error`), as the summary's
+        `episodes:` line names them; `0 failed` when none."""
+        return ", ".join(f"{n} {status}" for status, n in self.statuses.items() if status != "ok") or "0 failed"
 
 
 @dataclass(frozen=True)
@@ -333,11 +337,7 @@ def record_outcome(store: Store, spec: EpisodeSpec, outcome: EpisodeOutcome) -> 
 def start_episode(store: Store, spec: EpisodeSpec) -> None:
     """The episode's row, marked running: even a task whose workdir cannot be set up leaves one."""
     store.start_episode(
-        spec.episode_id,
-        command=redact_text(shlex.join(spec.argv)),
-        cwd=str(spec.workdir),
-        labels=spec.labels,
-        replace=True,
+        spec.episode_id, command=shlex.join(spec.argv), cwd=str(spec.workdir), labels=spec.labels, replace=True
     )
 
 
@@ -366,7 +366,7 @@ class Tally:
     def describe(self) -> str:
         r = self.result
         mean = f"{sum(self.rewards) / len(self.rewards):.3f}" if self.rewards else "-"
-        return f"ok {r.finished} failed {r.failed} running {self.running} reward {mean}"
+        return f"ok {r.finished}, {r.not_ok()}, running {self.running}, reward {mean}"
 
 
 class RunProgress:

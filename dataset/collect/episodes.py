@@ -282,7 +282,14 @@ def collect(
             )
         else:
             _run_local(store, todo, plan, tally, proxy_options, options, show)
-    result.summary = summarize(store, [s.episode_id for s in specs], plan.run_dir, options.round, options.transparent)
+    result.summary = summarize(
+        store,
+        [s.episode_id for s in specs],
+        plan.run_dir,
+        options.round,
+        options.transparent,
+        {s.episode_id: s.task for s in specs},
+    )
     return result
 
 

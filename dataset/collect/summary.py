@@ -5,8 +5,10 @@ per episode (and what zero means), rewards."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from lcap.dataset.build.explain import NO_CALLS_FIX, NO_CALLS_FIX_TRANSPARENT, plural
 from lcap.dataset.collect.verifiers import VERIFIER_OUTPUT
@@ -29,13 +31,19 @@ _STATUSES = """
 SELECT coalesce(status, 'unknown'), count(*) FROM episodes WHERE episode_id IN (SELECT unnest($ids))
 GROUP BY ALL ORDER BY count(*) DESC, 1
 """
-# Reasons told apart by their words, not their numbers (exit codes, seconds, line numbers); one example each.
+# Reasons told apart by their words, not their numbers (exit codes, seconds, line numbers) nor the task fields they
+# quote (an agent's usage error naming its --word): a field's value reads `{field}`. One example each.
 _REASONS = f"""
-SELECT regexp_replace(coalesce(error, status), '[0-9]+', 'N', 'g') AS kind, count(*) AS n,
-       min(episode_id) AS example, arg_min(coalesce(error, status), episode_id) AS text
-FROM episodes WHERE episode_id IN (SELECT unnest($ids)) AND status <> 'ok'
-GROUP BY kind ORDER BY n DESC, example LIMIT {REASONS}
+WITH f AS (SELECT unnest($ids) AS episode_id, unnest($fields::STRUCT(name VARCHAR, value VARCHAR)[][]) AS fields),
+     r AS (SELECT e.episode_id,
+                  list_reduce(f.fields, lambda text, field: replace(text, field.value, '{{' || field.name || '}}'),
+                              coalesce(e.error, e.status)) AS text
+           FROM episodes e JOIN f USING (episode_id) WHERE e.status <> 'ok')
+SELECT regexp_replace(text, '[0-9]+', 'N', 'g') AS kind, count(*) AS n, min(episode_id) AS example,
+       arg_min(text, episode_id) AS text
+FROM r GROUP BY kind ORDER BY n DESC, example LIMIT {REASONS}
 """
+MIN_FIELD_CHARS = 3  # shorter task values ("a", "12") are left in a reason: they would match words of every reason
 
 
 @dataclass
@@ -99,15 +107,22 @@ class CollectSummary:
 
 
 def summarize(
-    store: Store, episode_ids: list[str], run_dir: Path, round: int, transparent: bool = False
+    store: Store,
+    episode_ids: list[str],
+    run_dir: Path,
+    round: int,
+    transparent: bool = False,
+    tasks: Mapping[str, Mapping[str, Any]] = {},
 ) -> CollectSummary:
-    """The summary of these episodes (a collect's), their stderr.txt under `run_dir/round-N/EPISODE/`."""
+    """The summary of these episodes (a collect's), their stderr.txt under `run_dir/round-N/EPISODE/`; `tasks`: each
+    episode's task, whose field values its failure reason reads as `{field}`."""
     summary = CollectSummary(transparent=transparent)
     with store.connect(read_only=True) as con:
-        params = {"ids": episode_ids}
+        params: dict[str, Any] = {"ids": episode_ids}
         totals = con.execute(_TOTALS, params).fetchone()
         statuses = con.execute(_STATUSES, params).fetchall()
-        reasons = con.execute(_REASONS, params).fetchall()
+        fields = [_fields(tasks.get(episode, {})) for episode in episode_ids]
+        reasons = con.execute(_REASONS, params | {"fields": fields}).fetchall()
     assert totals is not None
     (
         summary.episodes,
@@ -130,6 +145,16 @@ def summarize(
     failures = sum(n for status, n in summary.statuses.items() if status != "ok")
     summary.other_failures = failures - sum(r.count for r in summary.reasons)
     return summary
+
+
+def _fields(task: Mapping[str, Any]) -> list[dict[str, str]]:
+    """A task's text and number fields as (name, value), the longest value first (replaced before its parts)."""
+    found = [
+        {"name": name, "value": str(value)}
+        for name, value in task.items()
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool) and len(str(value)) >= MIN_FIELD_CHARS
+    ]
+    return sorted(found, key=lambda field: -len(field["value"]))
 
 
 def _shown(path: Path) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from fixtures_capture import LCAP, agent, is_private, store_text, turns
 
-from lcap.capture.trust.redact import REDACTED, redact_keys, redact_text
+from lcap.redact import REDACTED, redact_keys, redact_text
 
 # One sample per format, as it would sit in an agent's context (an env dump, a config file, a tool's output).
 SAMPLES = {

@@ -40,7 +40,7 @@ def test_reward_command(builder, dstore, tmp_path):
     )
     assert built.returncode == 0, built.stderr
     assert built.stdout.startswith(f"round 1 (train): 1 samples -> {tmp_path / 'data'}")
-    assert "groups: total 1, zero_variance 1, singleton 1" in built.stdout
+    assert "groups: total 1, zero_variance 0, singleton 1" in built.stdout  # a single episode: singleton only
     bad = subprocess.run(
         [
             str(lcap),

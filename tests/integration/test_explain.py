@@ -70,8 +70,8 @@ def test_build_dataset_cli_exits_2_with_the_reason_when_nothing_is_left(builder,
     assert done.returncode == 2
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("lcap: round 1: nothing to train on: 2 of 2 finished episodes have no reward")
-    assert "round 1 (train): 0 samples" in done.stdout  # the report is still printed, and written
-    assert (tmp_path / "d" / "report.json").exists()
+    assert "round 1 (train): 0 samples" in done.stdout  # the report is still printed, not written (#51 row 5)
+    assert not (tmp_path / "d").exists()
 
 
 def test_build_dataset_cli_says_what_was_lost_when_some_samples_remain(builder, dstore, tmp_path):
@@ -125,6 +125,29 @@ def test_collect_ends_with_a_summary_that_says_where_to_look(capture_env, llm, t
     assert lines[i + 1] == "    2 x agent exited 3: boom at step 0"  # one reason, whatever the numbers in it
     example = lines[i + 2].strip().removeprefix("e.g. ")
     assert example.endswith("stderr.txt") and "boom at step 0" in (tmp_path / example).read_text()
+
+
+def test_collect_groups_failures_by_reason_whatever_task_fields_they_quote(capture_env, tmp_path):
+    """An agent's usage error quotes its task's word: the failures are one reason, the word read as `{word}` (#51 row
+    12: one line per task before)."""
+    (tmp_path / "agent.py").write_text(
+        "import sys\nprint('no such word:', *sys.argv[1:], file=sys.stderr)\nsys.exit(2)\n"
+    )
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"id": f"t{i}", "word": w}) + "\n" for i, w in enumerate(("button", "rabbit"))))
+    done = subprocess.run(
+        [LCAP, "collect", "--tasks", str(tasks), "-g", "1", "--upstream", "none"]
+        + ["--", sys.executable, "agent.py", "--word", "{word}"],
+        env=capture_env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = done.stdout.splitlines()
+    i = lines.index("  failures, most common first:")
+    assert lines[i + 1] == "    2 x agent exited 2: no such word: --word {word}", lines
+    assert ": 2 episodes, 0 ok, 2 failed, 0 skipped" in lines[0], lines[0]
 
 
 def test_collect_failure_reasons_are_text_not_markup(tmp_path, monkeypatch, capsys):
@@ -258,6 +281,9 @@ def test_a_crashing_verifier_is_shown_its_own_traceback(capture_env, llm, tmp_pa
         timeout=300,
     )
     lines = done.stdout.splitlines()
+    # the head line and the summary's status line name the same status (#51 row 6: "1 failed" against "error 1")
+    assert ": 1 episodes, 0 ok, 1 error, 0 skipped (already done)" in lines[0], lines[0]
+    assert "  episodes: error 1" in lines
     i = lines.index("  failures, most common first:")
     assert lines[i + 1].startswith("    1 x verifier: judge.py:judge raised KeyError"), lines
     example = lines[i + 2].strip().removeprefix("e.g. ")

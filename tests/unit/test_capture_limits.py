@@ -55,7 +55,7 @@ def test_idle_episodes_are_forgotten_and_still_sort(tmp_path):
 
 def test_the_redaction_cache_keeps_only_short_names():
     """Field names are checked against credential names through a cache: an agent's long keys do not enter it."""
-    from lcap.capture.trust import redact
+    from lcap import redact
 
     before = redact._secret_name.cache_info().currsize
     assert redact.redact_json({"k" * 100_000: "v", "x_unique_api_key": "v"}) == {

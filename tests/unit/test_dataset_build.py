@@ -11,6 +11,7 @@ import pytest
 from fixtures_dataset import chat_turns
 
 from lcap.dataset.build.builder import BuildOptions, build_dataset
+from lcap.dataset.build.explain import causes
 
 
 def _build(store, tmp_path, **options):
@@ -142,8 +143,13 @@ def test_cleaning_zero_variance_groups(builder, dstore, tmp_path):
     _group(builder, "alone", [0.3])
     report, samples, _ = _build(dstore, tmp_path)
     assert sorted(samples) == ["t0-0#0", "t0-1#0"]
-    assert report.groups["zero_variance"] == 2 and report.groups["singleton"] == 1
+    assert report.groups["zero_variance"] == 1 and report.groups["singleton"] == 1
     assert report.episodes["zero_variance"] == 4 and report.sample_counts["zero_variance"] == 4
+    # the groups line and the lost lines count the same groups (#51 row 7): one of equal rewards, one single
+    assert "groups: total 3, zero_variance 1, singleton 1," in "\n".join(report.lines())
+    lost = [str(cause) for cause in causes(report)]
+    assert any(line.startswith("1 of 3 groups got the same reward") for line in lost), lost
+    assert any(line.startswith("1 of 3 groups have a single rewarded episode") for line in lost), lost
     _, kept, _ = _build(dstore, tmp_path, keep_zero_variance=True)
     assert len(kept) == 6 and kept["same-0#0"]["advantage"] == 0.0
 

@@ -3,13 +3,11 @@ and the option that changes it (the CLI and collect's summary: tests/integration
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from fixtures_dataset import chat_turns, lost_samples_scenario
 
 from lcap.config import LcapError
-from lcap.dataset.build.builder import BuildOptions, build_dataset
+from lcap.dataset.build.builder import BuildOptions, build_dataset, last_report
 from lcap.dataset.build.explain import NO_CALLS_FIX, explain
 
 
@@ -60,8 +58,21 @@ def test_each_nothing_to_train_names_counts_and_the_option(name, builder, dstore
     line = explain(report)
     assert what in line, line
     assert fix in line, line
-    # from report.json as train and loop read it: the same words
-    assert explain(json.loads((tmp_path / "data" / "report.json").read_text())) == line
+    # nothing to train on writes no file (#51 row 5); the store's report, as train and loop read it: the same words
+    assert not (tmp_path / "data").exists()
+    assert explain(last_report(dstore, tmp_path / "data")) == line
+
+
+def test_an_empty_build_leaves_an_earlier_build_as_it_was(builder, dstore, tmp_path):
+    """A build that finds nothing writes no 0-row samples.parquet nor report.json over an earlier build's (#51 row 5)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "samples.parquet").write_bytes(b"earlier")
+    (data / "report.json").write_text("{}")
+    report = build_dataset(dstore, round=7, out=data)
+    assert report.samples == 0
+    assert (data / "samples.parquet").read_bytes() == b"earlier" and (data / "report.json").read_text() == "{}"
+    assert "the store has no train episode of round 7" in explain(last_report(dstore, data))
 
 
 @pytest.mark.parametrize("name", ["singleton", "equal_rewards"])

@@ -67,3 +67,49 @@ def test_a_version_4_store_gets_turns_replica(tmp_path):
     store = Store(path)
     store.append("turns", [{"turn_id": "t2", "replica": "r1"}])
     assert store.fetchall("SELECT turn_id, replica FROM turns ORDER BY turn_id") == [("t1", None), ("t2", "r1")]
+
+
+def test_an_episode_is_stored_with_its_invocation_redacted(tmp_path):
+    """Every writer of an episode's row goes through start_episode: command, cwd, labels, error redacted (#54)."""
+    from lcap.redact import REDACTED
+
+    store = Store(tmp_path / "s.duckdb")
+    store.start_episode(
+        "e1",
+        command="bash -c 'env CODEX_API_KEY=plain-value python agent.py'",
+        cwd="/work/API_TOKEN=in-a-folder-name",
+        labels={"api_key": "label-value", "task": "sk-proj-abcdefghij0123456789XYZ", "split": "train"},
+    )
+    store.end_episode("e1", status="failed", error="cannot run env CODEX_API_KEY=plain-value python agent.py")
+    (row,) = store.fetchall("SELECT command, cwd, labels, task_id, error FROM episodes")
+    command, cwd, labels, task_id, error = row
+    assert command == f"bash -c 'env CODEX_API_KEY={REDACTED} python agent.py'"
+    assert cwd == f"/work/API_TOKEN={REDACTED}"
+    assert json.loads(labels) == {"api_key": REDACTED, "task": REDACTED, "split": "train"}
+    assert task_id == REDACTED and error == f"cannot run env CODEX_API_KEY={REDACTED} python agent.py"
+
+
+def test_a_version_9_store_has_its_invocations_redacted_on_first_write(tmp_path):
+    """Stores made before version 10 held commands, cwds and labels in clear: the migration redacts their rows
+    (DuckDB does not zero the pages it frees: the file may keep the old bytes until it reuses them)."""
+    from lcap.redact import REDACTED
+
+    path = tmp_path / "v9.duckdb"
+    Store(path).append("episodes", [{"episode_id": "x"}])
+    labels = json.dumps({"task": "t", "token": "label-value", "note": "sk-proj-abcdefghij0123456789XYZ"})
+    con = duckdb.connect(str(path))  # written in clear, as lcap before version 10 did
+    con.execute(
+        "INSERT INTO episodes (episode_id, command, cwd, labels, task_id, error) VALUES ('e1', ?, ?, ?, 't', ?)",
+        ["env OPENAI_API_KEY=plain-value agent --api-key v2", "/w/DB_PASSWORD=p", labels, "agent --token v3 failed"],
+    )
+    con.execute("UPDATE schema_version SET version = 9")
+    con.close()
+    store = Store(path)
+    with store.connect():  # the first unit of work that may write brings the schema up to date
+        pass
+    rows = store.fetchall("SELECT command, cwd, labels, task_id, error FROM episodes WHERE episode_id = 'e1'")
+    ((command, cwd, labels, task_id, error),) = rows
+    assert command == f"env OPENAI_API_KEY={REDACTED} agent --api-key {REDACTED}"
+    assert cwd == f"/w/DB_PASSWORD={REDACTED}" and error == f"agent --token {REDACTED} failed"
+    assert json.loads(labels) == {"task": "t", "token": REDACTED, "note": REDACTED} and task_id == "t"
+    assert store.fetchall("SELECT command FROM episodes WHERE episode_id = 'x'") == [(None,)]
