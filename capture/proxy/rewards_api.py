@@ -8,7 +8,8 @@ tenant's episode is answered as an unknown one (404). The body is a JSON object:
     {"episode_id": ID | "session": NAME | "label": {KEY: VALUE, ...},
      "value": NUMBER, "source": TEXT, "details": OBJECT, "key": TEXT}
 
-`key` makes the post idempotent: a reward with that key already stored is not stored again (200, `stored: false`).
+`key` makes the post idempotent: a reward with that key already stored for the episode is not stored again (200,
+`stored: false`); another episode's key, another tenant's above all, is no match.
 Rewards are stored by one thread, in batches: the posts waiting when it turns to them share one attach of the store
 file (which a writer process or `lcap loop --live` may hold for a while), and each is answered once its row is in
 the store. Past `max_pending` waiting, a post gets 429 with Retry-After; a store that stays locked past its timeout,

@@ -20,7 +20,7 @@ import pytest
 from fixtures_capture import SECRET, FakeLLM, node_cache_dir, serve_proxy, wait_until
 
 from lcap.capture.proxy.rewards_api import RewardEndpoint
-from lcap.capture.proxy.sessions import EpisodeRows
+from lcap.capture.proxy.sessions import EpisodeRows, tenant_of_token
 from lcap.store import Store
 
 KEY_A, KEY_B = "sk-tenant-a-0123456789", "sk-tenant-b-9876543210"
@@ -299,3 +299,26 @@ def test_episode_rows_a_locked_store_refused_are_kept_and_stored_once_it_is_free
     assert rows.dropped == 0
     stored = store.fetchall("SELECT episode_id, labels->>'session' FROM episodes ORDER BY 1")
     assert stored == [("s-held-1", "held-1"), ("s-held-2", "held-2")]
+
+
+def test_two_tenants_rewards_with_the_same_key_are_both_stored(tmp_path):
+    """Tenant B posts its own episode's reward with the key tenant A used: it is stored (201), and A's retry with
+    that key is still answered `stored: false` (issue 48 row 1: B's reward was lost)."""
+    store = Store(tmp_path / "lcap.duckdb")
+    for name, key in (("a", KEY_A), ("b", KEY_B)):
+        store.start_episode(f"ep-{name}", command=None, cwd=None, labels={"tenant": tenant_of_token(key)})
+    endpoint = RewardEndpoint(store, "reward-token")
+    endpoint.start()
+    try:
+
+        def post(episode: str, key: str) -> httpx.Response:
+            body = {"episode_id": episode, "value": 1.0, "key": "grade-1"}
+            return httpx.post(endpoint.url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+        assert post("ep-a", KEY_A).json() == {"episode_id": "ep-a", "stored": True}
+        b = post("ep-b", KEY_B)
+        assert b.status_code == 201 and b.json() == {"episode_id": "ep-b", "stored": True}
+        assert post("ep-a", KEY_A).json()["stored"] is False
+    finally:
+        endpoint.stop()
+    assert store.fetchall("SELECT episode_id FROM rewards WHERE key = 'grade-1' ORDER BY 1") == [("ep-a",), ("ep-b",)]
