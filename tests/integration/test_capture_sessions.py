@@ -322,3 +322,40 @@ def test_two_tenants_rewards_with_the_same_key_are_both_stored(tmp_path):
     finally:
         endpoint.stop()
     assert store.fetchall("SELECT episode_id FROM rewards WHERE key = 'grade-1' ORDER BY 1") == [("ep-a",), ("ep-b",)]
+
+
+def test_a_lone_surrogate_in_one_post_fails_that_post_only_not_its_batch(tmp_path):
+    """Seven posts wait together for a held store: one has a lone surrogate in `source` (JSON `\\ud800`), six are
+    another tenant's good posts. The bad one is refused (400), the six are stored (issue 48 row 6: 503s)."""
+    db = tmp_path / "lcap.duckdb"
+    store = Store(db)
+    store.start_episode("ep-a", command=None, cwd=None, labels={"tenant": tenant_of_token(KEY_A)})
+    store.start_episode("ep-b", command=None, cwd=None, labels={"tenant": tenant_of_token(KEY_B)})
+    endpoint = RewardEndpoint(store, "reward-token")
+    endpoint.start()
+    answers: dict[str, httpx.Response] = {}
+
+    def post(name: str, body: bytes, key: str) -> None:
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        answers[name] = httpx.post(endpoint.url, content=body, headers=headers, timeout=60)
+
+    bad = b'{"episode_id": "ep-a", "value": 1, "source": "x\\ud800y", "key": "bad"}'
+    goods = {f"good-{n}": json.dumps({"episode_id": "ep-b", "value": 1, "key": f"g-{n}"}).encode() for n in range(6)}
+    try:
+        with subprocess.Popen([sys.executable, "-c", HOLD, str(db)], stdout=subprocess.PIPE, text=True) as holder:
+            try:
+                assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+                threads = [threading.Thread(target=post, args=("bad", bad, KEY_A))]
+                threads += [threading.Thread(target=post, args=(n, b, KEY_B)) for n, b in goods.items()]
+                for thread in threads:
+                    thread.start()
+                wait_until(lambda: (endpoint.pending >= 6 and "bad" in answers) or endpoint.pending >= 7, timeout=30)
+            finally:
+                holder.kill()
+            for thread in threads:
+                thread.join(60)
+    finally:
+        endpoint.stop()
+    assert answers["bad"].status_code == 400
+    assert sorted(answers[n].status_code for n in goods) == [201] * 6
+    assert store.fetchall("SELECT count(*) FROM rewards WHERE episode_id = 'ep-b'") == [(6,)]
