@@ -35,6 +35,7 @@ from typing import Any
 
 from lcap.capture.proxy.http1 import BadRequest, parse_request_head
 from lcap.capture.proxy.sessions import session_episode, take_batch, tenant_of_token
+from lcap.capture.trust.destinations import is_loopback_host
 from lcap.store import Store
 
 log = logging.getLogger("lcap.capture")
@@ -138,6 +139,12 @@ class RewardEndpoint:
         return f"http://{host}:{self.port}{PATH}"
 
     def start(self) -> None:
+        if not is_loopback_host(self.host):
+            log.warning(
+                "lcap: the reward endpoint listens on %s, beyond this machine: every post needs the reward token or "
+                "a tenant's credential, sent in clear over HTTP (put TLS in front of it)",
+                self.host,
+            )
         self._worker.start()
         self._thread = threading.Thread(target=self._run, name="lcap-reward-endpoint", daemon=True)
         self._thread.start()
@@ -165,13 +172,17 @@ class RewardEndpoint:
         try:
             loop.run_forever()
         finally:
-            self._server.close()
-            # A client's kept-alive connection still waits on its next request: end it, closing its socket.
-            handlers = asyncio.all_tasks(loop)
-            for handler in handlers:
-                handler.cancel()
-            loop.run_until_complete(asyncio.gather(*handlers, return_exceptions=True))
+            loop.run_until_complete(self._close())
             loop.close()
+
+    async def _close(self) -> None:
+        """Stop listening, and end every connection: a client's kept-alive one still waits on its next request."""
+        assert self._server is not None
+        self._server.close()
+        handlers = asyncio.all_tasks() - {asyncio.current_task()}
+        for handler in handlers:
+            handler.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.connections >= MAX_CONNECTIONS:
@@ -191,6 +202,8 @@ class RewardEndpoint:
                 if not keep:
                     return
         except (ConnectionError, asyncio.IncompleteReadError):
+            return
+        except asyncio.CancelledError:  # the endpoint stops; a handler ended cancelled is logged as an error by asyncio
             return
         finally:
             self.connections -= 1

@@ -359,3 +359,48 @@ def test_a_lone_surrogate_in_one_post_fails_that_post_only_not_its_batch(tmp_pat
     assert answers["bad"].status_code == 400
     assert sorted(answers[n].status_code for n in goods) == [201] * 6
     assert store.fetchall("SELECT count(*) FROM rewards WHERE episode_id = 'ep-b'") == [(6,)]
+
+
+EXPOSED = """
+import logging, sys
+from lcap.capture.proxy.rewards_api import RewardEndpoint
+from lcap.store import Store
+logging.basicConfig()
+endpoint = RewardEndpoint(Store(sys.argv[1]), "reward-token", host="0.0.0.0")
+endpoint.start()
+endpoint.stop()
+"""
+
+
+def test_stopping_lcap_proxy_serve_prints_no_traceback_and_an_exposed_endpoint_warns(capture_home, tmp_path, fake_llm):
+    """`lcap proxy --serve` stopped while a client holds a half-sent head and another an idle kept-alive connection
+    ends with its summary only (issue 48 row 9: a RuntimeError, no current event loop, on every stop). A reward
+    endpoint on a non-loopback address says so; it is tried in a network namespace of its own (`unshare -n`), where
+    0.0.0.0 reaches nothing beyond it."""
+    env = dict(os.environ, LCAP_HOME=str(capture_home), LCAP_DB=str(tmp_path / "lcap.duckdb"))
+    proc, proxy_port = serve_proxy(env, "--upstream", fake_llm.url)
+    try:
+        record = json.loads((capture_home / "proxies" / f"{proxy_port}.json").read_text())
+        port = int(record["rewards_url"].rsplit(":", 1)[1].split("/", 1)[0])
+        with (
+            socket.create_connection(("127.0.0.1", port)) as idle,
+            socket.create_connection(("127.0.0.1", port)) as half,
+        ):
+            half.sendall(b"POST /lcap/v1/rewards HTTP/1.1\r\nHost: x\r\n")
+            httpx.post(record["rewards_url"], json={}, timeout=30)  # a connection that answered one request, too
+            proc.send_signal(signal.SIGINT)
+            _, stderr = proc.communicate(timeout=60)
+            assert idle.recv(1) == b""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0
+    assert "Traceback" not in stderr and "Exception" not in stderr, stderr
+    exposed = subprocess.run(
+        ["unshare", "-n", sys.executable, "-c", EXPOSED, str(tmp_path / "exposed.duckdb")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert exposed.returncode == 0, exposed.stderr
+    assert "the reward endpoint listens on 0.0.0.0, beyond this machine" in exposed.stderr
