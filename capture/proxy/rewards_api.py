@@ -41,9 +41,11 @@ from lcap.store import Store
 log = logging.getLogger("lcap.capture")
 PATH = "/lcap/v1/rewards"
 MAX_HEAD = 16 * 1024
-HEAD_TIMEOUT_S = 10.0
+HEAD_TIMEOUT_S = 3.0  # a poster sends its head at once: a slow one only holds a connection
+BODY_TIMEOUT_S = 10.0
 MAX_TEXT = 1024  # characters of an id, session, label value, source or key
 MAX_CONNECTIONS = 1024
+MAX_PER_ADDRESS = 128  # one address's idle connections leave the others room
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,7 @@ class RewardEndpoint:
         self.max_pending, self.max_body = max_pending, max_body
         self.pending = 0  # posts read and waiting for, or in, the store thread
         self.connections = 0
+        self._by_address: dict[str, int] = {}  # open connections by the client's address
         self._queue: queue.Queue[_Post | None] = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="lcap-rewards", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -162,6 +165,7 @@ class RewardEndpoint:
 
     def _run(self) -> None:
         loop = self._loop = asyncio.new_event_loop()
+        loop.set_exception_handler(_quiet_cancel)
         try:
             self._server = loop.run_until_complete(
                 asyncio.start_server(self._connection, self.host, self.port, limit=MAX_HEAD)
@@ -179,16 +183,20 @@ class RewardEndpoint:
         """Stop listening, and end every connection: a client's kept-alive one still waits on its next request."""
         assert self._server is not None
         self._server.close()
-        handlers = asyncio.all_tasks() - {asyncio.current_task()}
-        for handler in handlers:
-            handler.cancel()
-        await asyncio.gather(*handlers, return_exceptions=True)
+        # Connections accepted before the close may start their handlers meanwhile: until none is left.
+        while handlers := asyncio.all_tasks() - {asyncio.current_task()}:
+            for handler in handlers:
+                handler.cancel()
+            await asyncio.gather(*handlers, return_exceptions=True)
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.connections >= MAX_CONNECTIONS:
+        peer = writer.get_extra_info("peername")
+        address = str(peer[0]) if peer else ""
+        if self.connections >= MAX_CONNECTIONS or self._by_address.get(address, 0) >= MAX_PER_ADDRESS:
             writer.close()
             return
         self.connections += 1
+        self._by_address[address] = self._by_address.get(address, 0) + 1
         try:
             while True:
                 try:
@@ -207,6 +215,9 @@ class RewardEndpoint:
             return
         finally:
             self.connections -= 1
+            self._by_address[address] -= 1
+            if not self._by_address[address]:
+                del self._by_address[address]
             writer.close()
 
     async def _one(self, reader: asyncio.StreamReader) -> tuple[Answer | None, bool]:
@@ -239,7 +250,7 @@ class RewardEndpoint:
         if scheme.lower() != "bearer" or not token.strip():
             raise Refusal(401, "Authorization: Bearer TOKEN required")
         try:
-            body = await asyncio.wait_for(reader.readexactly(length), HEAD_TIMEOUT_S)
+            body = await asyncio.wait_for(reader.readexactly(length), BODY_TIMEOUT_S)
         except TimeoutError:
             raise Refusal(408, "request body too slow") from None
         admin = hmac.compare_digest(token.strip().encode(), self.token.encode())
@@ -377,6 +388,13 @@ def _text(value: Any) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def _quiet_cancel(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The loop's error handler: a connection's handler cancelled at stop before it ran is no error (asyncio's
+    stream callback reports one, CancelledError); anything else is."""
+    if not isinstance(context.get("exception"), asyncio.CancelledError):
+        loop.default_exception_handler(context)
 
 
 def _write(writer: asyncio.StreamWriter, answer: Answer, keep: bool) -> None:

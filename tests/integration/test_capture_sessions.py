@@ -8,18 +8,20 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import selectors
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 from fixtures_capture import SECRET, FakeLLM, node_cache_dir, serve_proxy, wait_until
 
-from lcap.capture.proxy.rewards_api import RewardEndpoint
+from lcap.capture.proxy.rewards_api import MAX_CONNECTIONS, RewardEndpoint
 from lcap.capture.proxy.sessions import EpisodeRows, tenant_of_token
 from lcap.store import Store
 
@@ -363,7 +365,7 @@ def test_a_lone_surrogate_in_one_post_fails_that_post_only_not_its_batch(tmp_pat
 
 EXPOSED = """
 import logging, sys
-from lcap.capture.proxy.rewards_api import RewardEndpoint
+from lcap.capture.proxy.rewards_api import MAX_CONNECTIONS, RewardEndpoint
 from lcap.store import Store
 logging.basicConfig()
 endpoint = RewardEndpoint(Store(sys.argv[1]), "reward-token", host="0.0.0.0")
@@ -404,3 +406,60 @@ def test_stopping_lcap_proxy_serve_prints_no_traceback_and_an_exposed_endpoint_w
     )
     assert exposed.returncode == 0, exposed.stderr
     assert "the reward endpoint listens on 0.0.0.0, beyond this machine" in exposed.stderr
+
+
+def _slowloris(port: int, stop: threading.Event, closed: list[int], *, held: int, source: str) -> None:
+    """Hold `held` idle connections from `source` to 127.0.0.1:`port`, reopening each the endpoint closes (counted
+    in `closed[0]`), until `stop` (bounded: `held` sockets at once, 60 s)."""
+    sockets = selectors.DefaultSelector()
+    end = time.monotonic() + 60
+    try:
+        while not stop.is_set() and time.monotonic() < end:
+            while len(sockets.get_map()) < held:
+                sock = socket.socket()
+                sock.bind((source, 0))
+                sock.setblocking(False)
+                sock.connect_ex(("127.0.0.1", port))
+                sockets.register(sock, selectors.EVENT_READ)
+            for key, _ in sockets.select(0.05):
+                sock = key.fileobj
+                try:
+                    if sock.recv(4096):  # type: ignore[union-attr]
+                        continue
+                except OSError:
+                    pass
+                sockets.unregister(sock)
+                sock.close()  # type: ignore[union-attr]
+                closed[0] += 1
+    finally:
+        for key in list(sockets.get_map().values()):
+            key.fileobj.close()  # type: ignore[union-attr]
+        sockets.close()
+
+
+def test_a_valid_post_is_served_while_1100_idle_connections_are_held(tmp_path):
+    """1,100 idle connections from another loopback address (127.0.0.2), each reopened when the endpoint closes it:
+    14 posts from 127.0.0.1 meanwhile are all stored (issue 48 row 5: the 1,024 slots held, a post failed with
+    RemoteProtocolError). One address holds at most MAX_PER_ADDRESS connections; a head takes HEAD_TIMEOUT_S."""
+    store = Store(tmp_path / "lcap.duckdb")
+    store.start_episode("ep-loris", command=None, cwd=None, labels={})
+    endpoint = RewardEndpoint(store, "reward-token")
+    endpoint.start()
+    stop, closed = threading.Event(), [0]
+    attacker = threading.Thread(
+        target=_slowloris, args=(endpoint.port, stop, closed), kwargs={"held": 1100, "source": "127.0.0.2"}
+    )
+    attacker.start()
+    try:  # the endpoint's slots are full, or it turns the attacker's connections away
+        wait_until(lambda: endpoint.connections >= MAX_CONNECTIONS or closed[0] >= 1000, timeout=30)
+        headers = {"Authorization": "Bearer reward-token"}
+        statuses = []
+        for n in range(14):
+            body = {"episode_id": "ep-loris", "value": 1.0, "key": f"loris-{n}"}
+            statuses.append(httpx.post(endpoint.url, json=body, headers=headers, timeout=30).status_code)
+    finally:
+        stop.set()
+        attacker.join(90)
+        endpoint.stop()
+    assert statuses == [201] * 14
+    assert store.fetchall("SELECT count(*) FROM rewards WHERE episode_id = 'ep-loris'") == [(14,)]
