@@ -239,9 +239,14 @@ def plan_collect(
 
 
 def collect_proxy_options(options: CollectOptions, proxy_options: ProxyOptions | None) -> ProxyOptions:
-    """The capture proxy's options for a collect: `proxy_options`' limits, `options`' upstream and model."""
+    """The capture proxy's options for a collect: `proxy_options`' limits, `options`' upstream and model, and
+    whether its agents are sandboxed (it then connects to no private address but the upstream's)."""
     return replace(
-        proxy_options or ProxyOptions(), upstream=options.upstream, model=options.model, transparent=options.transparent
+        proxy_options or ProxyOptions(),
+        upstream=options.upstream,
+        model=options.model,
+        transparent=options.transparent,
+        sandbox=options.sandbox,
     )
 
 
