@@ -96,7 +96,7 @@ class ProxyOptions:
     allow_private: bool = option(
         False,
         flag="--allow-private",
-        help="On a non-loopback --host, still connect to loopback, link-local and private addresses "
+        help="On a non-loopback --host or with --sandbox, still connect to loopback, link-local and private addresses "
         "(refused with 403 otherwise).",
     )
     # --- what the proxy accepts from agents ---

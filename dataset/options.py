@@ -47,6 +47,11 @@ class CollectOptions:
     run_dir: Path | None = option(
         None, help="Where episode workdirs go (default ./lcap-runs/collect-ID; with --ray, this path on each node)."
     )
+    tasks_root: Path | None = option(
+        None,
+        help="The folder every path a task names (workspace, template, tests, a local repo) must resolve inside, "
+        "symlinks followed (default: the tasks file's folder).",
+    )
     ray: str | None = option(
         None,
         help="Run each episode as a Ray task on the cluster at this address (host:port, ray://host:port, or `auto`: "

@@ -273,14 +273,16 @@ class Store:
             raise LcapError(f"episode {episode_id!r} exists already (status {status}): give a new id") from None
 
     def add_reward(self, episode_id: str, value: float, *, details: str, source: str, key: str | None = None) -> bool:
-        """Append a reward (`details`: a JSON object's text); with `key`, only if no reward holds that key yet.
-        Returns whether it was stored."""
+        """Append a reward (`details`: a JSON object's text); with `key`, only if no reward of this episode holds
+        that key yet (a key is the poster's, per episode: another tenant's episode may use the same one). Returns
+        whether it was stored."""
         with self.connect() as con:
             (inserted,) = _one_row(
                 con.execute(
                     """INSERT INTO rewards (episode_id, value, details, source, created_at, key)
-                       SELECT ?, ?, ?, ?, ?, ? WHERE ? IS NULL OR NOT EXISTS (SELECT 1 FROM rewards WHERE key = ?)""",
-                    [episode_id, value, details, source, now(), key, key, key],
+                       SELECT ?, ?, ?, ?, ?, ? WHERE ? IS NULL
+                          OR NOT EXISTS (SELECT 1 FROM rewards WHERE key = ? AND episode_id = ?)""",
+                    [episode_id, value, details, source, now(), key, key, key, episode_id],
                 )
             )
         return bool(inserted)

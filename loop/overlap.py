@@ -41,6 +41,7 @@ from lcap.loop.steps import (
     collect_split,
     deploy_step,
     round_tasks,
+    tasks_root,
     train_step,
 )
 from lcap.store import now
@@ -139,7 +140,11 @@ class Producer:
 
     def _run(self) -> None:
         options = replace(
-            self.config.collect, split="train", upstream="policy", run_dir=Path(self.config.run) / "episodes"
+            self.config.collect,
+            split="train",
+            upstream="policy",
+            run_dir=Path(self.config.run) / "episodes",
+            tasks_root=tasks_root(self.config),
         )
         try:
             wave = 0

@@ -154,6 +154,7 @@ def collect_split(
         upstream="policy",
         model=model,
         run_dir=Path(config.run) / "episodes",
+        tasks_root=tasks_root(config),
         ray=config.train.ray,  # one --ray: the loop collects and trains on the same cluster
     )
     result = collect(
@@ -191,6 +192,11 @@ def round_tasks(config: LoopConfig, n: int) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(t) + "\n" for t in chosen))
     return path
+
+
+def tasks_root(config: LoopConfig) -> Path | None:
+    """The folder a round's task paths must resolve inside: the round's tasks file points into the user's."""
+    return config.collect.tasks_root or (Path(config.tasks).resolve().parent if config.tasks else None)
 
 
 def _anchored(task: dict[str, Any], tasks_dir: Path) -> dict[str, Any]:

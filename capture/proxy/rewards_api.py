@@ -8,7 +8,8 @@ tenant's episode is answered as an unknown one (404). The body is a JSON object:
     {"episode_id": ID | "session": NAME | "label": {KEY: VALUE, ...},
      "value": NUMBER, "source": TEXT, "details": OBJECT, "key": TEXT}
 
-`key` makes the post idempotent: a reward with that key already stored is not stored again (200, `stored: false`).
+`key` makes the post idempotent: a reward with that key already stored for the episode is not stored again (200,
+`stored: false`); another episode's key, another tenant's above all, is no match.
 Rewards are stored by one thread, in batches: the posts waiting when it turns to them share one attach of the store
 file (which a writer process or `lcap loop --live` may hold for a while), and each is answered once its row is in
 the store. Past `max_pending` waiting, a post gets 429 with Retry-After; a store that stays locked past its timeout,
@@ -34,14 +35,17 @@ from typing import Any
 
 from lcap.capture.proxy.http1 import BadRequest, parse_request_head
 from lcap.capture.proxy.sessions import session_episode, take_batch, tenant_of_token
+from lcap.capture.trust.destinations import is_loopback_host
 from lcap.store import Store
 
 log = logging.getLogger("lcap.capture")
 PATH = "/lcap/v1/rewards"
 MAX_HEAD = 16 * 1024
-HEAD_TIMEOUT_S = 10.0
+HEAD_TIMEOUT_S = 3.0  # a poster sends its head at once: a slow one only holds a connection
+BODY_TIMEOUT_S = 10.0
 MAX_TEXT = 1024  # characters of an id, session, label value, source or key
 MAX_CONNECTIONS = 1024
+MAX_PER_ADDRESS = 128  # one address's idle connections leave the others room
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,7 @@ class RewardEndpoint:
         self.max_pending, self.max_body = max_pending, max_body
         self.pending = 0  # posts read and waiting for, or in, the store thread
         self.connections = 0
+        self._by_address: dict[str, int] = {}  # open connections by the client's address
         self._queue: queue.Queue[_Post | None] = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="lcap-rewards", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -137,6 +142,12 @@ class RewardEndpoint:
         return f"http://{host}:{self.port}{PATH}"
 
     def start(self) -> None:
+        if not is_loopback_host(self.host):
+            log.warning(
+                "lcap: the reward endpoint listens on %s, beyond this machine: every post needs the reward token or "
+                "a tenant's credential, sent in clear over HTTP (put TLS in front of it)",
+                self.host,
+            )
         self._worker.start()
         self._thread = threading.Thread(target=self._run, name="lcap-reward-endpoint", daemon=True)
         self._thread.start()
@@ -154,6 +165,7 @@ class RewardEndpoint:
 
     def _run(self) -> None:
         loop = self._loop = asyncio.new_event_loop()
+        loop.set_exception_handler(_quiet_cancel)
         try:
             self._server = loop.run_until_complete(
                 asyncio.start_server(self._connection, self.host, self.port, limit=MAX_HEAD)
@@ -164,19 +176,27 @@ class RewardEndpoint:
         try:
             loop.run_forever()
         finally:
-            self._server.close()
-            # A client's kept-alive connection still waits on its next request: end it, closing its socket.
-            handlers = asyncio.all_tasks(loop)
-            for handler in handlers:
-                handler.cancel()
-            loop.run_until_complete(asyncio.gather(*handlers, return_exceptions=True))
+            loop.run_until_complete(self._close())
             loop.close()
 
+    async def _close(self) -> None:
+        """Stop listening, and end every connection: a client's kept-alive one still waits on its next request."""
+        assert self._server is not None
+        self._server.close()
+        # Connections accepted before the close may start their handlers meanwhile: until none is left.
+        while handlers := asyncio.all_tasks() - {asyncio.current_task()}:
+            for handler in handlers:
+                handler.cancel()
+            await asyncio.gather(*handlers, return_exceptions=True)
+
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.connections >= MAX_CONNECTIONS:
+        peer = writer.get_extra_info("peername")
+        address = str(peer[0]) if peer else ""
+        if self.connections >= MAX_CONNECTIONS or self._by_address.get(address, 0) >= MAX_PER_ADDRESS:
             writer.close()
             return
         self.connections += 1
+        self._by_address[address] = self._by_address.get(address, 0) + 1
         try:
             while True:
                 try:
@@ -191,8 +211,13 @@ class RewardEndpoint:
                     return
         except (ConnectionError, asyncio.IncompleteReadError):
             return
+        except asyncio.CancelledError:  # the endpoint stops; a handler ended cancelled is logged as an error by asyncio
+            return
         finally:
             self.connections -= 1
+            self._by_address[address] -= 1
+            if not self._by_address[address]:
+                del self._by_address[address]
             writer.close()
 
     async def _one(self, reader: asyncio.StreamReader) -> tuple[Answer | None, bool]:
@@ -225,7 +250,7 @@ class RewardEndpoint:
         if scheme.lower() != "bearer" or not token.strip():
             raise Refusal(401, "Authorization: Bearer TOKEN required")
         try:
-            body = await asyncio.wait_for(reader.readexactly(length), HEAD_TIMEOUT_S)
+            body = await asyncio.wait_for(reader.readexactly(length), BODY_TIMEOUT_S)
         except TimeoutError:
             raise Refusal(408, "request body too slow") from None
         admin = hmac.compare_digest(token.strip().encode(), self.token.encode())
@@ -354,7 +379,22 @@ def _read_post(body: bytes) -> dict[str, Any]:
 
 
 def _text(value: Any) -> bool:
-    return isinstance(value, str) and 0 < len(value) <= MAX_TEXT
+    """Text the store can hold: JSON's `\\ud800` decodes to a lone surrogate, which no UTF-8 column takes (raised in
+    the store thread, it failed every post of the batch)."""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_TEXT:
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _quiet_cancel(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The loop's error handler: a connection's handler cancelled at stop before it ran is no error (asyncio's
+    stream callback reports one, CancelledError); anything else is."""
+    if not isinstance(context.get("exception"), asyncio.CancelledError):
+        loop.default_exception_handler(context)
 
 
 def _write(writer: asyncio.StreamWriter, answer: Answer, keep: bool) -> None:

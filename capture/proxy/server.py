@@ -56,7 +56,7 @@ from lcap.capture.storage.writer import TurnSink, TurnWriter, WriterReport
 from lcap.capture.trust.ca import CA_BASENAME, ca_bundle, ca_dir, ensure_ca
 from lcap.capture.trust.certs import LeafCerts, bounded_lru
 from lcap.capture.trust.credentials import EpisodeKeys, ProxyRecord, remove_record
-from lcap.capture.trust.destinations import Destinations, is_loopback_host
+from lcap.capture.trust.destinations import Destinations, is_loopback_host, restricts
 from lcap.config import LcapError
 from lcap.policy import bearer, read_policy, record_path
 from lcap.store import Store
@@ -345,7 +345,10 @@ class CaptureProxy:
         master = Master(opts)
         front_only = FrontOnly({})
         destinations = Destinations(
-            restricted=self.exposed and not self.options.allow_private, timeout=self.options.connect_timeout
+            restricted=restricts(
+                exposed=self.exposed, sandboxed=self.options.sandbox, allow_private=self.options.allow_private
+            ),
+            timeout=self.options.connect_timeout,
         )
 
         class TlsConfig(tlsconfig.TlsConfig):

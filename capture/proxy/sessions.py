@@ -7,7 +7,9 @@ these rules that applies:
    the request before it goes upstream;
 2. a Responses API call's `previous_response_id`: the episode of the call that answered with that id;
 3. its conversation (when `conversations` is on): the episode of an earlier call whose whole message list starts
-   this call's messages, else a new episode.
+   this call's messages, else a new episode. The digests this takes run on the proxy's event loop, one per
+   message: a call of more than MAX_CONVERSATION_ITEMS messages is not digested (other agents' calls would wait
+   on it) and starts a new episode.
 
 Every key is scoped to the call's tenant, a digest of the credential it carries for its upstream (`Authorization`,
 `x-api-key`, `api-key`; a call with none is a tenant of its own): one tenant's session names, response ids and
@@ -43,6 +45,7 @@ TENANT_FIELDS = (b"authorization", b"x-api-key", b"api-key")
 MAX_SESSION_LABEL = 256  # characters of a session name kept as its episode's label (the id digests all of it)
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[^"\\]{1,256})"')
 RESPONSE_ID_WINDOW = 8192  # bytes at the start of an answer where a Responses answer names itself
+MAX_CONVERSATION_ITEMS = 4096  # messages of a call digested to place it by its conversation
 
 
 def tenant_of(fields: HeaderFields) -> str:
@@ -101,6 +104,7 @@ class Sessions:
         self._known: OrderedDict[str, None] = OrderedDict()
         self._prefixes: OrderedDict[bytes, str | None] = OrderedDict()  # None: two conversations share it
         self._responses: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self.too_long = 0  # calls of more than MAX_CONVERSATION_ITEMS messages: each a new episode, undigested
 
     def take_header(self, fields: HeaderFields) -> tuple[str | None, HeaderFields]:
         """(the session header's value, the fields without it); `fields` itself when it has none."""
@@ -134,6 +138,9 @@ class Sessions:
         items = _messages(dialect, request)
         if items is None:  # a chain this run never saw answered: a conversation of its own from here
             return self._new_conversation(tenant) if isinstance(previous, str) else None
+        if len(items) > MAX_CONVERSATION_ITEMS:
+            self.too_long += 1
+            return self._new_conversation(tenant)
         digests = _prefix_digests(tenant, dialect, items)
         with self._lock:
             earlier = (self._prefixes[digest] for digest in reversed(digests[1:-1]) if digest in self._prefixes)

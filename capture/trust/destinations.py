@@ -1,10 +1,14 @@
-"""Where an exposed proxy may connect: public addresses only, unless `--allow-private`.
+"""Where an exposed proxy, or one serving sandboxed agents, may connect: public addresses only, unless
+`--allow-private`.
 
 A proxy listening on a network address would otherwise fetch, for anyone who can reach it, what only
-its own machine can reach: loopback services, cloud metadata (link-local), the private network. While
-exposed, every destination but the configured upstream is resolved first, every address the name
-resolves to must be public, and the connection goes to the address that was checked, so a name that
-resolves differently the next time (DNS rebinding) cannot slip through.
+its own machine can reach: loopback services, cloud metadata (link-local), the private network. A sandboxed
+agent's only way out is its episode's listener on the proxy (capture/sandbox.py): through it, the host's
+loopback (`lcap ui`, another store's proxy, a database) would be one CONNECT away. In both cases
+(`restricts`) every destination but the configured upstream (the route the user named: `--upstream URL`,
+the policy) is resolved first, every address the name resolves to must be public, and the connection goes to
+the address that was checked, so a name that resolves differently the next time (DNS rebinding) cannot slip
+through.
 """
 
 from __future__ import annotations
@@ -12,6 +16,11 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
+
+
+def restricts(*, exposed: bool, sandboxed: bool, allow_private: bool) -> bool:
+    """Whether a proxy checks its destinations: listening beyond this machine, or serving sandboxed agents."""
+    return (exposed or sandboxed) and not allow_private
 
 
 class Forbidden(Exception):
@@ -64,8 +73,8 @@ class Destinations:
             self.refused += 1
             raise Forbidden(
                 f"{host} is {'a' if host in private else 'resolved to a'} non-public address"
-                f"{'' if host in private else ' (' + private[0] + ')'}: refused while the proxy is exposed "
-                "(--allow-private allows it)"
+                f"{'' if host in private else ' (' + private[0] + ')'}: refused while the proxy is exposed or "
+                "serves sandboxed agents (--allow-private allows it)"
             )
         return addresses[0]
 

@@ -126,6 +126,7 @@ class TaskFiles:
 
     tasks_dir: Path
     archive: bytes | None = None
+    root: Path | None = None  # the folder a task's paths must resolve inside (--tasks-root; None: tasks_dir)
 
 
 @dataclass
@@ -187,7 +188,7 @@ def _run_in(
     if box is None:
         _populate(spec.workdir, spec.task, files)
     else:
-        source = source_dir(spec.task, files.tasks_dir) if files.archive is None else None
+        source = source_dir(spec.task, files.tasks_dir, files.root) if files.archive is None else None
         if source is not None:  # copy-on-write over the task's directory, its copy made once per run
             box.prepare(lower=box.sandbox.lower(source))
             _write_files(spec.workdir, spec.task)
@@ -260,7 +261,7 @@ def _verify_in_sandbox(
 ) -> Verdict:
     """The verifier in a fresh sandbox over the agent's final workspace, the task's pristine tests put over it
     first (the agent never saw this copy of them); all it printed goes to verifier.txt."""
-    tests = pristine_tests(spec.task, files.tasks_dir)
+    tests = pristine_tests(spec.task, files.tasks_dir, files.root)
     checker = box.sandbox.verifier(spec.episode_id, spec.workdir, spec.dir / "verify", shown=[spec.dir / "stdout.txt"])
     try:
         checker.prepare(lower=spec.workdir)
@@ -414,7 +415,7 @@ def _populate(workdir: Path, task: Mapping[str, Any], files: TaskFiles) -> None:
         with tarfile.open(fileobj=io.BytesIO(files.archive)) as tar:
             tar.extractall(workdir, filter="tar")  # symlinks kept as they are, as copytree(symlinks=True) does
     else:
-        src = source_dir(task, files.tasks_dir)
+        src = source_dir(task, files.tasks_dir, files.root)
         if src is not None:
             shutil.copytree(src, workdir, dirs_exist_ok=True, symlinks=True)
     _write_files(workdir, task)

@@ -52,6 +52,7 @@ from lcap.dataset.collect.episode import (
 )
 from lcap.dataset.collect.summary import summarize
 from lcap.dataset.collect.verifiers import load_verifier, resolve_argv
+from lcap.dataset.collect.workspaces import check_paths
 from lcap.dataset.options import CollectOptions
 from lcap.display import printable
 from lcap.processes import kill_group
@@ -184,6 +185,9 @@ def plan_collect(
     episode an earlier run recorded in `store` keeps its id."""
     tasks = Path(tasks)
     task_rows = load_tasks(tasks)
+    files = TaskFiles(tasks.parent.resolve(), root=Path(options.tasks_root).resolve() if options.tasks_root else None)
+    for task in task_rows:
+        check_paths(task, files.tasks_dir, files.root)
     base = Path.cwd()
     template = resolve_argv(command, base)
     judge = load_verifier(options.verifier, base=base) if options.verifier else None
@@ -229,18 +233,19 @@ def plan_collect(
                 )
             )
     return CollectPlan(
-        run_id,
-        run_dir,
-        specs,
-        EpisodeRules(judge, guard, options.timeout, options.verify_failed),
-        TaskFiles(tasks.parent.resolve()),
+        run_id, run_dir, specs, EpisodeRules(judge, guard, options.timeout, options.verify_failed), files
     )
 
 
 def collect_proxy_options(options: CollectOptions, proxy_options: ProxyOptions | None) -> ProxyOptions:
-    """The capture proxy's options for a collect: `proxy_options`' limits, `options`' upstream and model."""
+    """The capture proxy's options for a collect: `proxy_options`' limits, `options`' upstream and model, and
+    whether its agents are sandboxed (it then connects to no private address but the upstream's)."""
     return replace(
-        proxy_options or ProxyOptions(), upstream=options.upstream, model=options.model, transparent=options.transparent
+        proxy_options or ProxyOptions(),
+        upstream=options.upstream,
+        model=options.model,
+        transparent=options.transparent,
+        sandbox=options.sandbox,
     )
 
 

@@ -666,7 +666,9 @@ class RayPool:
                 name=self.tally.result.run_id,
                 nodes=pins or nodes,
             )
-            run = _Run(self, proxies, ray.put(self.rules), _Templates(self.tasks_dir, specs), pins)
+            run = _Run(
+                self, proxies, ray.put(self.rules), _Templates(self.tasks_dir, specs, self.options.tasks_root), pins
+            )
             run.schedule(specs, progress)
         finally:
             if proxies is not self.node_proxies:
@@ -906,13 +908,13 @@ class _Templates:
     """Each task's template directory as a tar archive in Ray's object store: packed when its first episode is
     submitted, released after its last, so that a run holds few at a time."""
 
-    def __init__(self, tasks_dir: Path, specs: Iterable[EpisodeSpec]) -> None:
-        self.tasks_dir = tasks_dir
+    def __init__(self, tasks_dir: Path, specs: Iterable[EpisodeSpec], root: Path | None = None) -> None:
+        self.tasks_dir, self.root = tasks_dir, Path(root).resolve() if root is not None else None
         self.left = Counter(spec.task["id"] for spec in specs)
         self.refs: dict[str, Any] = {}
 
     def ref(self, spec: EpisodeSpec, *, again: bool = False) -> Any:
-        src = source_dir(spec.task, self.tasks_dir)
+        src = source_dir(spec.task, self.tasks_dir, self.root)
         if src is None:
             return None
         tid = spec.task["id"]

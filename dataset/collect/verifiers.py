@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 VERIFIER_OUTPUT = "verifier.txt"  # in the episode's folder, beside the agent's stdout.txt and stderr.txt
 DEFAULT_TIMEOUT = 600.0
 OUTPUT_DETAIL = 4000  # characters of a sandboxed verifier's output kept in the reward's details (all: verifier.txt)
+REAPER = Path(__file__).with_name("reaper.py")  # a verifier outside a sandbox runs under it (run_process)
+REAPER_GRACE_S = 5.0  # seconds the reaper has to end what a timed-out verifier left
 
 
 class VerifierError(Exception):
@@ -202,12 +204,15 @@ def run_process(
     name: str,
 ) -> tuple[int, str, str]:
     """Run a verifier's process (in `box`, a fresh sandbox, when given) to its end: (exit code, stdout, stderr).
-    It leads a process group of its own, killed when it ends or outlives `timeout`."""
+    It leads a process group of its own, killed when it ends or outlives `timeout`; outside a sandbox (whose PID
+    namespace ends with it) it runs under `reaper.py`, which also ends what left the group (`setsid`)."""
     pass_fds: tuple[int, ...] = ()
     on_start: Callable[[subprocess.Popen], None] | None = None
     if box is not None:
         child, env = box.child(argv, env, 0)
         argv, pass_fds, on_start, cwd = child.argv, child.pass_fds, child.on_start, box.workdir
+    else:
+        argv = [sys.executable, "-I", str(REAPER), *argv]
     try:
         proc = subprocess.Popen(
             list(argv),
@@ -238,6 +243,11 @@ def run_process(
 
 
 def _kill(proc: subprocess.Popen) -> None:
+    """End the verifier: its reaper first (SIGTERM: it kills what left the group), then the whole group."""
+    if proc.poll() is None:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(REAPER_GRACE_S)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

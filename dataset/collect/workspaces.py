@@ -6,6 +6,10 @@ or a URL git can fetch from here) checked out at that commit. A repository is cl
 mirror per repository, then a checkout per commit), so the episodes of one repository share one clone, across
 collects too. `tests` names the task's pristine test files: a file or directory relative to the tasks file, or
 {relative path: text}.
+
+Every path a task names (`workspace`, `template`, `tests` and each file under it, a local `repo`) must resolve,
+symlinks and all, inside the tasks file's folder or the `--tasks-root` the user named, and clear of lcap's home:
+a tasks file is input, and what it names is copied into the agent's workspace, in a sandbox too.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,29 +31,73 @@ GIT_TIMEOUT = 1800.0  # seconds one git command may take (a large repository's f
 CHECKOUT_WAIT = 2 * GIT_TIMEOUT  # for another process's clone and checkout of the same repository
 
 
-def source_dir(task: Mapping[str, Any], tasks_dir: Path) -> Path | None:
+def confined(task: Mapping[str, Any], field: str, path: str | Path, tasks_dir: Path, root: Path | None) -> Path:
+    """`path` (the task's `field`, relative to the tasks file's folder `tasks_dir` or absolute) with its symlinks
+    resolved; refused in one line unless it is inside `root` (None: `tasks_dir`) and neither in nor above lcap's
+    home (its CA key, the proxy's records, the spool's key)."""
+    resolved = (tasks_dir / path).resolve()
+    top = (root if root is not None else tasks_dir).resolve()
+    home = lcap_home().resolve()
+    if not resolved.is_relative_to(top):
+        raise LcapError(
+            f"task {task['id']}: {field} {str(path)!r} is outside {top} (the tasks file's folder; --tasks-root "
+            "names another)"
+        )
+    if resolved.is_relative_to(home) or home.is_relative_to(resolved):
+        raise LcapError(f"task {task['id']}: {field} {str(path)!r} reaches lcap's home {home}")
+    return resolved
+
+
+def check_paths(task: Mapping[str, Any], tasks_dir: Path, root: Path | None = None) -> None:
+    """Refuse a task whose `workspace`, `template`, `tests` or local `repo` is not `confined` to `root`, before any
+    episode runs (each is checked again where it is read)."""
+    for key in ("workspace", "template", "tests"):
+        if isinstance(task.get(key), str) and task[key]:
+            confined(task, key, task[key], tasks_dir, root)
+    repo = task.get("repo")
+    if isinstance(repo, str) and repo and _local(repo):
+        confined(task, "repo", repo.removeprefix("file://"), tasks_dir, root)
+
+
+def _local(repo: str) -> bool:
+    """Whether a task's `repo` names a repository on this machine: a path, or a file:// URL."""
+    return repo.startswith("file://") or ("://" not in repo and not repo.startswith("git@"))
+
+
+def source_dir(task: Mapping[str, Any], tasks_dir: Path, root: Path | None = None) -> Path | None:
     """The directory the task's workspace starts as: its `workspace`/`template` directory or its `repo` checked out
-    at `commit` (cached); None if it has neither."""
+    at `commit` (cached); None if it has neither. Its paths are `confined` to `root`."""
     if task.get("repo"):
         if task.get("workspace") or task.get("template"):
             raise LcapError(f"task {task['id']}: give either workspace or repo + commit, not both")
         if not task.get("commit"):
             raise LcapError(f"task {task['id']}: repo needs a commit")
-        return checkout(str(task["repo"]), str(task["commit"]), tasks_dir)
+        return checkout(
+            str(task["repo"]),
+            str(task["commit"]),
+            tasks_dir,
+            lambda path: confined(task, "repo", path, tasks_dir, root),
+        )
     key = "workspace" if task.get("workspace") else "template"
     template = task.get(key)
     if not template:
         return None
-    src = (tasks_dir / template).resolve()
+    if not isinstance(template, str):
+        raise LcapError(f"task {task['id']}: {key} must be a path (relative to the tasks file)")
+    src = confined(task, key, template, tasks_dir, root)
     if not src.is_dir():
         raise LcapError(f"task {task['id']}: {key} {src} is not a directory")
     return src
 
 
-def checkout(repo: str, commit: str, tasks_dir: Path) -> Path:
+def checkout(repo: str, commit: str, tasks_dir: Path, check: Callable[[str], Path] | None = None) -> Path:
     """`repo` at `commit`, checked out (with its .git) in lcap's cache: cloned and checked out on first use only.
-    Safe to call from several threads and processes at once."""
-    local = (tasks_dir / repo).resolve() if "://" not in repo and not repo.startswith("git@") else None
+    Safe to call from several threads and processes at once. `check`: a local repository's path is given to it
+    (`confined`) and the path it returns is cloned."""
+    local = None
+    if _local(repo):
+        name = repo.removeprefix("file://")
+        local = check(name) if check is not None else (tasks_dir / name).resolve()
     url = str(local) if local is not None and local.exists() else repo
     key = hashlib.sha256(url.encode()).hexdigest()[:16]
     cache = lcap_home() / "cache" / "repos"
@@ -84,20 +132,25 @@ def checkout(repo: str, commit: str, tasks_dir: Path) -> Path:
         return tree
 
 
-def pristine_tests(task: Mapping[str, Any], tasks_dir: Path) -> dict[str, bytes]:
+def pristine_tests(task: Mapping[str, Any], tasks_dir: Path, root: Path | None = None) -> dict[str, bytes]:
     """The task's `tests` as {path relative to the workspace: bytes}: a file (at its name), a directory (its files
-    at their paths in it), or {relative path: text}; empty if the task has none."""
+    at their paths in it), or {relative path: text}; empty if the task has none. A path, and each file under a
+    directory (a symlink is read where it leads), is `confined` to `root`."""
     tests = task.get("tests")
     if not tests:
         return {}
     if isinstance(tests, Mapping):
         out = {str(k): (v if isinstance(v, str) else str(v)).encode() for k, v in tests.items()}
     elif isinstance(tests, str):
-        src = (tasks_dir / tests).resolve()
+        src = confined(task, "tests", tests, tasks_dir, root)
         if src.is_file():
             out = {src.name: src.read_bytes()}
         elif src.is_dir():
-            out = {p.relative_to(src).as_posix(): p.read_bytes() for p in sorted(src.rglob("*")) if p.is_file()}
+            out = {
+                p.relative_to(src).as_posix(): confined(task, "tests", p, tasks_dir, root).read_bytes()
+                for p in sorted(src.rglob("*"))
+                if p.is_file()
+            }
         else:
             raise LcapError(f"task {task['id']}: tests {src} is neither a file nor a directory")
     else:

@@ -8,19 +8,21 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import selectors
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 from fixtures_capture import SECRET, FakeLLM, node_cache_dir, serve_proxy, wait_until
 
-from lcap.capture.proxy.rewards_api import RewardEndpoint
-from lcap.capture.proxy.sessions import EpisodeRows
+from lcap.capture.proxy.rewards_api import MAX_CONNECTIONS, RewardEndpoint
+from lcap.capture.proxy.sessions import EpisodeRows, tenant_of_token
 from lcap.store import Store
 
 KEY_A, KEY_B = "sk-tenant-a-0123456789", "sk-tenant-b-9876543210"
@@ -299,3 +301,165 @@ def test_episode_rows_a_locked_store_refused_are_kept_and_stored_once_it_is_free
     assert rows.dropped == 0
     stored = store.fetchall("SELECT episode_id, labels->>'session' FROM episodes ORDER BY 1")
     assert stored == [("s-held-1", "held-1"), ("s-held-2", "held-2")]
+
+
+def test_two_tenants_rewards_with_the_same_key_are_both_stored(tmp_path):
+    """Tenant B posts its own episode's reward with the key tenant A used: it is stored (201), and A's retry with
+    that key is still answered `stored: false` (issue 48 row 1: B's reward was lost)."""
+    store = Store(tmp_path / "lcap.duckdb")
+    for name, key in (("a", KEY_A), ("b", KEY_B)):
+        store.start_episode(f"ep-{name}", command=None, cwd=None, labels={"tenant": tenant_of_token(key)})
+    endpoint = RewardEndpoint(store, "reward-token")
+    endpoint.start()
+    try:
+
+        def post(episode: str, key: str) -> httpx.Response:
+            body = {"episode_id": episode, "value": 1.0, "key": "grade-1"}
+            return httpx.post(endpoint.url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+        assert post("ep-a", KEY_A).json() == {"episode_id": "ep-a", "stored": True}
+        b = post("ep-b", KEY_B)
+        assert b.status_code == 201 and b.json() == {"episode_id": "ep-b", "stored": True}
+        assert post("ep-a", KEY_A).json()["stored"] is False
+    finally:
+        endpoint.stop()
+    assert store.fetchall("SELECT episode_id FROM rewards WHERE key = 'grade-1' ORDER BY 1") == [("ep-a",), ("ep-b",)]
+
+
+def test_a_lone_surrogate_in_one_post_fails_that_post_only_not_its_batch(tmp_path):
+    """Seven posts wait together for a held store: one has a lone surrogate in `source` (JSON `\\ud800`), six are
+    another tenant's good posts. The bad one is refused (400), the six are stored (issue 48 row 6: 503s)."""
+    db = tmp_path / "lcap.duckdb"
+    store = Store(db)
+    store.start_episode("ep-a", command=None, cwd=None, labels={"tenant": tenant_of_token(KEY_A)})
+    store.start_episode("ep-b", command=None, cwd=None, labels={"tenant": tenant_of_token(KEY_B)})
+    endpoint = RewardEndpoint(store, "reward-token")
+    endpoint.start()
+    answers: dict[str, httpx.Response] = {}
+
+    def post(name: str, body: bytes, key: str) -> None:
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        answers[name] = httpx.post(endpoint.url, content=body, headers=headers, timeout=60)
+
+    bad = b'{"episode_id": "ep-a", "value": 1, "source": "x\\ud800y", "key": "bad"}'
+    goods = {f"good-{n}": json.dumps({"episode_id": "ep-b", "value": 1, "key": f"g-{n}"}).encode() for n in range(6)}
+    try:
+        with subprocess.Popen([sys.executable, "-c", HOLD, str(db)], stdout=subprocess.PIPE, text=True) as holder:
+            try:
+                assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+                threads = [threading.Thread(target=post, args=("bad", bad, KEY_A))]
+                threads += [threading.Thread(target=post, args=(n, b, KEY_B)) for n, b in goods.items()]
+                for thread in threads:
+                    thread.start()
+                wait_until(lambda: (endpoint.pending >= 6 and "bad" in answers) or endpoint.pending >= 7, timeout=30)
+            finally:
+                holder.kill()
+            for thread in threads:
+                thread.join(60)
+    finally:
+        endpoint.stop()
+    assert answers["bad"].status_code == 400
+    assert sorted(answers[n].status_code for n in goods) == [201] * 6
+    assert store.fetchall("SELECT count(*) FROM rewards WHERE episode_id = 'ep-b'") == [(6,)]
+
+
+EXPOSED = """
+import logging, sys
+from lcap.capture.proxy.rewards_api import MAX_CONNECTIONS, RewardEndpoint
+from lcap.store import Store
+logging.basicConfig()
+endpoint = RewardEndpoint(Store(sys.argv[1]), "reward-token", host="0.0.0.0")
+endpoint.start()
+endpoint.stop()
+"""
+
+
+def test_stopping_lcap_proxy_serve_prints_no_traceback_and_an_exposed_endpoint_warns(capture_home, tmp_path, fake_llm):
+    """`lcap proxy --serve` stopped while a client holds a half-sent head and another an idle kept-alive connection
+    ends with its summary only (issue 48 row 9: a RuntimeError, no current event loop, on every stop). A reward
+    endpoint on a non-loopback address says so; it is tried in a network namespace of its own (`unshare -n`), where
+    0.0.0.0 reaches nothing beyond it."""
+    env = dict(os.environ, LCAP_HOME=str(capture_home), LCAP_DB=str(tmp_path / "lcap.duckdb"))
+    proc, proxy_port = serve_proxy(env, "--upstream", fake_llm.url)
+    try:
+        record = json.loads((capture_home / "proxies" / f"{proxy_port}.json").read_text())
+        port = int(record["rewards_url"].rsplit(":", 1)[1].split("/", 1)[0])
+        with (
+            socket.create_connection(("127.0.0.1", port)) as idle,
+            socket.create_connection(("127.0.0.1", port)) as half,
+        ):
+            half.sendall(b"POST /lcap/v1/rewards HTTP/1.1\r\nHost: x\r\n")
+            httpx.post(record["rewards_url"], json={}, timeout=30)  # a connection that answered one request, too
+            proc.send_signal(signal.SIGINT)
+            _, stderr = proc.communicate(timeout=60)
+            assert idle.recv(1) == b""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0
+    assert "Traceback" not in stderr and "Exception" not in stderr, stderr
+    exposed = subprocess.run(
+        ["unshare", "-n", sys.executable, "-c", EXPOSED, str(tmp_path / "exposed.duckdb")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert exposed.returncode == 0, exposed.stderr
+    assert "the reward endpoint listens on 0.0.0.0, beyond this machine" in exposed.stderr
+
+
+def _slowloris(port: int, stop: threading.Event, closed: list[int], *, held: int, source: str) -> None:
+    """Hold `held` idle connections from `source` to 127.0.0.1:`port`, reopening each the endpoint closes (counted
+    in `closed[0]`), until `stop` (bounded: `held` sockets at once, 60 s)."""
+    sockets = selectors.DefaultSelector()
+    end = time.monotonic() + 60
+    try:
+        while not stop.is_set() and time.monotonic() < end:
+            while len(sockets.get_map()) < held:
+                sock = socket.socket()
+                sock.bind((source, 0))
+                sock.setblocking(False)
+                sock.connect_ex(("127.0.0.1", port))
+                sockets.register(sock, selectors.EVENT_READ)
+            for key, _ in sockets.select(0.05):
+                sock = key.fileobj
+                try:
+                    if sock.recv(4096):  # type: ignore[union-attr]
+                        continue
+                except OSError:
+                    pass
+                sockets.unregister(sock)
+                sock.close()  # type: ignore[union-attr]
+                closed[0] += 1
+    finally:
+        for key in list(sockets.get_map().values()):
+            key.fileobj.close()  # type: ignore[union-attr]
+        sockets.close()
+
+
+def test_a_valid_post_is_served_while_1100_idle_connections_are_held(tmp_path):
+    """1,100 idle connections from another loopback address (127.0.0.2), each reopened when the endpoint closes it:
+    14 posts from 127.0.0.1 meanwhile are all stored (issue 48 row 5: the 1,024 slots held, a post failed with
+    RemoteProtocolError). One address holds at most MAX_PER_ADDRESS connections; a head takes HEAD_TIMEOUT_S."""
+    store = Store(tmp_path / "lcap.duckdb")
+    store.start_episode("ep-loris", command=None, cwd=None, labels={})
+    endpoint = RewardEndpoint(store, "reward-token")
+    endpoint.start()
+    stop, closed = threading.Event(), [0]
+    attacker = threading.Thread(
+        target=_slowloris, args=(endpoint.port, stop, closed), kwargs={"held": 1100, "source": "127.0.0.2"}
+    )
+    attacker.start()
+    try:  # the endpoint's slots are full, or it turns the attacker's connections away
+        wait_until(lambda: endpoint.connections >= MAX_CONNECTIONS or closed[0] >= 1000, timeout=30)
+        headers = {"Authorization": "Bearer reward-token"}
+        statuses = []
+        for n in range(14):
+            body = {"episode_id": "ep-loris", "value": 1.0, "key": f"loris-{n}"}
+            statuses.append(httpx.post(endpoint.url, json=body, headers=headers, timeout=30).status_code)
+    finally:
+        stop.set()
+        attacker.join(90)
+        endpoint.stop()
+    assert statuses == [201] * 14
+    assert store.fetchall("SELECT count(*) FROM rewards WHERE episode_id = 'ep-loris'") == [(14,)]

@@ -5,6 +5,7 @@ complete, and the host is untouched."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -61,6 +62,20 @@ elif mode == "disk":
             f.flush()
 elif mode == "hang":
     time.sleep(600)
+elif mode == "via_proxy":  # through the episode's own listener, to the host's loopback
+    host, port = os.environ["HTTP_PROXY"].rsplit("/", 1)[1].rsplit(":", 1)
+    answers = {}
+    for name, request in task["requests"].items():
+        with socket.create_connection((host, int(port)), timeout=30) as conn:
+            conn.sendall(request.encode())
+            answer, deadline = b"", time.time() + 30
+            while b"non-public" not in answer and time.time() < deadline:
+                got = conn.recv(4096)
+                if not got:
+                    break
+                answer += got
+            answers[name] = answer.decode("utf-8", "replace")
+    print(json.dumps(answers))
 elif mode == "secrets":
     found = []
     for root in task["probe"]:
@@ -122,7 +137,7 @@ def sandboxed(fake_llm):
     store = Store(db_dir / "lcap.duckdb")
     (base / "agent.py").write_text(AGENT)
     common = {"pids": PIDS, "memory_mb": MEMORY_MB, "disk_mb": DISK_MB}
-    modes = ["llm", "write_outside", "host_port", "fork_bomb", "memory", "disk", "hang", "secrets"]
+    modes = ["llm", "write_outside", "host_port", "fork_bomb", "memory", "disk", "hang", "secrets", "via_proxy"]
     rows = [
         {
             "id": mode,
@@ -130,6 +145,7 @@ def sandboxed(fake_llm):
             "target": str(target),
             "port": listener.port,
             "probe": [str(home), str(store.path), str(store.path) + ".wal"],
+            "requests": _to_host_loopback(listener.port),
             **common,
         }
         for mode in modes
@@ -169,6 +185,23 @@ def sandboxed(fake_llm):
     shutil.rmtree(base, ignore_errors=True)
 
 
+def _to_host_loopback(port: int) -> dict[str, str]:
+    """Requests that ask the proxy for the host's loopback: absolute-form GET and CONNECT, by address, IPv6,
+    `localhost`, and this machine's name where it resolves to loopback (/etc/hosts)."""
+    requests = {
+        "get": f"GET http://127.0.0.1:{port}/ HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n",
+        "connect": f"CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n",
+        "connect_v6": f"CONNECT [::1]:{port} HTTP/1.1\r\nHost: [::1]:{port}\r\n\r\n",
+        "get_localhost": f"GET http://localhost:{port}/ HTTP/1.1\r\nHost: localhost:{port}\r\n\r\n",
+        "connect_localhost": f"CONNECT localhost:{port} HTTP/1.1\r\nHost: localhost:{port}\r\n\r\n",
+    }
+    name = socket.gethostname()
+    with contextlib.suppress(OSError):
+        if socket.gethostbyname(name).startswith("127."):
+            requests["get_by_name"] = f"GET http://{name}:{port}/ HTTP/1.1\r\nHost: {name}:{port}\r\n\r\n"
+    return requests
+
+
 def _stdout(run_dir: Path, episode_id: str) -> str:
     return (run_dir / "round-0" / episode_id / "stdout.txt").read_text()
 
@@ -192,6 +225,20 @@ def test_write_outside_the_workspace_is_refused(sandboxed):
 def test_host_loopback_port_is_unreachable(sandboxed):
     _, episodes, _, listener, _ = sandboxed
     assert episodes["host_port"]["status"] == "failed", episodes["host_port"]
+    assert listener.accepted == 0
+
+
+def test_the_host_loopback_is_refused_through_the_episodes_own_proxy(sandboxed):
+    """GET and CONNECT through the sandbox's listener to the host's 127.0.0.1, [::1], `localhost` and a name
+    resolving to 127.0.0.1: each answered 403 by the proxy, none reaches the host's listener (issue 48 row 2:
+    both reached it, and through it `lcap ui`). The LLM route the user named still works (the `llm` episode)."""
+    _, episodes, _, listener, run_dir = sandboxed
+    via = episodes["via_proxy"]
+    assert via["status"] == "ok", via
+    answers = json.loads(_stdout(run_dir, via["id"]).strip().splitlines()[-1])
+    assert set(answers) >= {"get", "connect", "connect_v6", "get_localhost", "connect_localhost"}
+    for name, answer in answers.items():  # the front answers 403; mitmproxy (absolute-form GET) its 502 with it
+        assert answer.startswith(("HTTP/1.1 403", "HTTP/1.1 502")) and "non-public address" in answer, (name, answer)
     assert listener.accepted == 0
 
 

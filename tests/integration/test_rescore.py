@@ -246,3 +246,47 @@ def test_two_rescores_of_one_source_at_once_store_each_reward_once(tmp_path, ver
     for proc in procs:
         assert proc.wait(timeout=240) == 0
     assert {e: len(r) for e, r in _rewards(store, "twice").items()} == {f"e{n}": 1 for n in range(4)}
+
+
+# A verifier that leaves a daemon behind: a child in a session of its own (out of the verifier's process group)
+# that ignores SIGTERM, its pid in `daemon.pid`; then it prints its verdict, or with `hang` never does.
+DETACH = r"""
+import os, subprocess, sys, time
+here = os.path.dirname(os.path.abspath(__file__))
+daemon = subprocess.Popen(
+    [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"],
+    start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+)
+open(os.path.join(here, f"daemon-{os.environ['LCAP_EPISODE_ID']}.pid"), "w").write(str(daemon.pid))
+if os.environ["LCAP_EPISODE_ID"] == "ep-hang":
+    time.sleep(600)
+print(1.0)
+"""
+
+
+def test_what_a_verifier_started_ends_with_it_or_at_its_timeout_even_out_of_its_group(tmp_path):
+    """A rescore verifier's detached child (setsid, SIGTERM ignored) is gone when rescore returns: after a verifier
+    that ended, and after one killed at its timeout (issue 48 row 7: it outlived rescore)."""
+    store = Store(tmp_path / "lcap.duckdb")
+    _episode(store, "ep-done", "Paris")
+    _episode(store, "ep-hang", "Paris")
+    (tmp_path / "detach.py").write_text(DETACH)
+    verifier = f"{sys.executable} {tmp_path / 'detach.py'}"
+    options = RescoreOptions(verifier=verifier, where="true", timeout=10, concurrency=2)
+    result = rescore(store, options)
+    assert (result.scored, result.failed) == (1, 1)
+    for episode in ("ep-done", "ep-hang"):
+        pid = int((tmp_path / f"daemon-{episode}.pid").read_text())
+        deadline = time.monotonic() + 10
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(pid), f"{episode}'s verifier left process {pid} running"
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not reaped by its parent, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

@@ -113,3 +113,14 @@ def test_a_version_9_store_has_its_invocations_redacted_on_first_write(tmp_path)
     assert cwd == f"/w/DB_PASSWORD={REDACTED}" and error == f"agent --token {REDACTED} failed"
     assert json.loads(labels) == {"task": "t", "token": REDACTED, "note": REDACTED} and task_id == "t"
     assert store.fetchall("SELECT command FROM episodes WHERE episode_id = 'x'") == [(None,)]
+def test_a_reward_key_is_scoped_to_its_episode_not_the_whole_store(tmp_path):
+    """Tenant B's reward with the key tenant A used on its own episode is stored; the same key again on one
+    episode is not (issue 48 row 1: B's reward was answered `stored: false` and lost)."""
+    store = Store(tmp_path / "s.duckdb")
+    for episode in ("ep-a", "ep-b"):
+        store.start_episode(episode, command=None, cwd=None, labels={})
+    assert store.add_reward("ep-a", 1.0, details="{}", source="ci", key="grade-1")
+    assert store.add_reward("ep-b", 0.5, details="{}", source="ci", key="grade-1")
+    assert not store.add_reward("ep-a", 0.0, details="{}", source="ci", key="grade-1")
+    rows = store.fetchall("SELECT episode_id, value FROM rewards WHERE key = 'grade-1' ORDER BY 1")
+    assert rows == [("ep-a", 1.0), ("ep-b", 0.5)]

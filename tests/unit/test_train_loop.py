@@ -59,6 +59,7 @@ def test_a_rounds_tasks_keep_their_templates(tmp_path):
     config = LoopConfig(run=tmp_path / "run", rounds=1, tasks=tasks, command=["agent"], tasks_per_round=3)
     chosen = round_tasks(config, 1)
     first, second, third = load_tasks(chosen)
-    assert template_dir(first, chosen.parent) == project / "repo"
-    assert template_dir(second, chosen.parent) is None
-    assert template_dir(third, chosen.parent) == project / "repo"
+    root = project  # the loop's collect names the user's tasks folder as --tasks-root
+    assert template_dir(first, chosen.parent, root) == project / "repo"
+    assert template_dir(second, chosen.parent, root) is None
+    assert template_dir(third, chosen.parent, root) == project / "repo"
