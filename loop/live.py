@@ -175,8 +175,6 @@ def run_live_loop(
         pass
     except _NoBatch as exc:
         echo(str(exc))
-    except KeyboardInterrupt:
-        echo("interrupted: the same command resumes at the first unfinished step")
     return summaries
 
 

@@ -1,11 +1,17 @@
-"""`lcap status`'s section of the loop: the last step `lcap loop` finished in the store (`loop_steps`), per run."""
+"""`lcap status`'s section of the loop: the last step `lcap loop` finished (`loop_steps`), per run, in the store
+asked about and in the store of every loop running now (each says where it writes: `running_loop`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
 
-from lcap.config import LcapError
+from lcap.config import LcapError, lcap_home
 from lcap.display import num
+from lcap.processes import alive
 from lcap.status import STORE_TIMEOUT, Section, View, age, section
 from lcap.store import Store, table_names
 
@@ -21,6 +27,39 @@ FROM loop_steps GROUP BY run ORDER BY max(created_at) DESC LIMIT {RUNS}
 """
 
 
+def _records() -> Path:
+    return lcap_home() / "loops"
+
+
+@contextlib.contextmanager
+def running_loop(db: Path, run: Path) -> Iterator[None]:
+    """While an `lcap loop` runs: $LCAP_HOME/loops/PID.json names its store and run, so `lcap status` finds them
+    whatever --db the loop was given."""
+    folder = _records()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{os.getpid()}.json"
+    path.write_text(json.dumps({"pid": os.getpid(), "db": str(Path(db).resolve()), "run": str(Path(run).resolve())}))
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def running_stores() -> list[Path]:
+    """The stores of the loops running now (a record whose process ended is skipped)."""
+    stores: list[Path] = []
+    folder = _records()
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            record = json.loads(path.read_text())
+            running = alive(int(record["pid"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if running and Path(record["db"]) not in stores:
+            stores.append(Path(record["db"]))
+    return stores
+
+
 @section("loop")
 def loop(view: View) -> Section:
     s = Section(
@@ -28,16 +67,20 @@ def loop(view: View) -> Section:
         ["run", "last step", "round", "held-out reward", "finished"],
         empty="no `lcap loop` step in this store",
     )
-    if not view.db.exists():
-        return s
-    try:
-        with Store(view.db, timeout=STORE_TIMEOUT).connect(read_only=True) as con:
-            rows = con.execute(_LAST_STEPS).fetchall() if "loop_steps" in table_names(con) else []
-    except LcapError as exc:
-        s.empty = f"store not readable now ({exc})"
-        return s
+    asked = view.db.resolve()
+    rows = []
+    for db in [asked, *(d for d in running_stores() if d != asked)]:
+        if not db.exists():
+            continue
+        try:
+            with Store(db, timeout=STORE_TIMEOUT).connect(read_only=True) as con:
+                rows += con.execute(_LAST_STEPS).fetchall() if "loop_steps" in table_names(con) else []
+        except LcapError as exc:
+            s.notes.append(f"store {db} not readable now ({exc})")
+        if db != asked:
+            s.notes.append(f"a running loop writes to {db} (--db)")
     data = []
-    for run, round_, step, reward, finished, details in rows:
+    for run, round_, step, reward, finished, details in sorted(rows, key=lambda r: -r[4])[:RUNS]:
         info = json.loads(details) if details else None
         shown = f"skipped: {info.get('reason')}" if step == "skipped" and isinstance(info, dict) else step
         s.rows.append([run, shown, str(round_), num(reward), f"{age(view.now - finished)} ago"])

@@ -115,6 +115,15 @@ class LoopState:
             tmp.write_text(json.dumps(self.data, indent=2, default=str))
             tmp.replace(self.path)
 
+    def where(self) -> str:
+        """Where the loop stands, for the line an interrupted loop prints: after its last finished step."""
+        with self.lock:
+            finished = sorted(self.data["steps"].items(), key=lambda kv: kv[1].get("finished_at", 0))
+        if not finished:
+            return "before its first step finished"
+        round_, step = finished[-1][0].split(":", 1)
+        return f"after round {round_}'s {step}"
+
     def last_deployed(self) -> dict | None:
         deployed = [(int(k.split(":")[0]), v) for k, v in self.data["steps"].items() if k.endswith(":deploy")]
         return max(deployed, key=lambda x: x[0])[1] if deployed else None

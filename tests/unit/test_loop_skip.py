@@ -144,3 +144,11 @@ def test_status_shows_a_skipped_round_and_the_held_out_reward(dstore, tmp_path):
     section = loop(View(dstore.path, time.time()))
     assert section.rows[0][1:4] == ["skipped: every group got the same reward (3 of 3)", "2", "0.500"]
     assert section.data[0]["held_out_reward"] == 0.5  # the eval's, not the training collect's 1.0
+
+
+def test_an_interrupted_loop_says_after_which_step(tmp_path):
+    state = LoopState(tmp_path / "run", "k")
+    assert state.where() == "before its first step finished"
+    state.finish(0, "eval", {})
+    state.finish(1, "collect", {})
+    assert state.where() == "after round 1's collect"
