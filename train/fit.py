@@ -35,8 +35,8 @@ class NothingToLearn(LcapError):
 
 
 def equal_rewards(report: Any) -> str | None:
-    """ "every group got the same reward (8 of 8)" when build-dataset's report (report.json's dict) found groups and
-    each had two or more rewarded samples with one reward (GRPO learns nothing from it); else None."""
+    """The reason "every group got the same reward (8 of 8)" when build-dataset's report (report.json's dict) found
+    groups and each had two or more rewarded samples with one reward (GRPO learns nothing from it); else None."""
     groups = (report or {}).get("groups") or {}
     total, equal = groups.get("total", 0), groups.get("zero_variance", 0) - groups.get("singleton", 0)
     if total and equal == total and not (report.get("options") or {}).get("keep_zero_variance"):
