@@ -2,26 +2,32 @@
 
     .venv/bin/python benchmarks/bench_async_loop.py [--out bench-async] [--rounds 4] [--seed 0]
         [--tasks-per-round 8] [--group-size 4] [--concurrency 8] [--max-staleness 1]
-        [--median 2] [--sigma 1.2] [--cap 30] [--eval 16]
+        [--median 2] [--sigma 1.2] [--cap 30] [--eval 128] [--python VLLM_PYTHON]
 
 The demo's tiny warm-started model, tasks and verifier (loop/demo/runner.py), one vLLM CPU server for both loops,
 and an agent whose episodes spend most of their time in a tool call of uneven length:
 scripts/agents/tool_sleeper.py sleeps a log-normal time (median `--median` s, shape `--sigma`, capped at
 `--cap`) seeded by the task and sample, then asks the policy. Both loops get the same tasks in the same
 order, the same policy (the server is put back on the base model between them), the same seed and the same
-sleeps; each has its own store and run folder under --out. The held-out set is evaluated before the first
-step and after each one, in both.
+sleeps; each has its own store and run folder under --out. The held-out set (--eval tasks, one episode each) is
+evaluated before the first step and after each one, in both. The bench's policy server has its own record under
+--out (it never stops or changes a server of the user's); any LCAP_HOME works, an empty one included (its vLLM:
+--python, else lcap's vLLM venv found as `lcap serve` finds it). A step with nothing to learn is skipped, as in
+any loop: its groups count as untrained.
 
 Prints one table: per loop, the wall time of its steps (from the end of the base policy's held-out run to
 the last step's), the groups trained, trained groups per hour, the trainer's and the agents' waiting time,
-samples dropped as stale, and the held-out reward after each step (the curve per trained group: each step
-trains --tasks-per-round groups). The overlapped loop's target: >= 1.5x the groups per hour.
+samples dropped as stale, and the held-out reward after each step with its 95% interval (Wilson for 0/1
+rewards, else normal; the curve per trained group: each step trains --tasks-per-round groups), then whether the
+overlapped loop's last held-out reward lies in the synchronous loop's interval. The overlapped loop's target:
+>= 1.5x the groups per hour, with held-out reward within the synchronous loop's 95% interval.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -44,7 +50,8 @@ def main() -> None:
     ap.add_argument("--median", type=float, default=2.0)
     ap.add_argument("--sigma", type=float, default=1.2)
     ap.add_argument("--cap", type=float, default=30.0)
-    ap.add_argument("--eval", type=int, default=16, help="held-out tasks, one episode each")
+    ap.add_argument("--eval", type=int, default=128, help="held-out tasks, one episode each, per evaluation")
+    ap.add_argument("--python", default=None, help="vLLM's interpreter (default: as `lcap serve` finds it)")
     args = ap.parse_args()
 
     import torch
@@ -69,12 +76,15 @@ def main() -> None:
 
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    python = resolve_python()  # lcap's vLLM venv, found (or made) where LCAP_HOME points before the bench's own
+    python = resolve_python(args.python)  # lcap's vLLM venv, found (or made) where LCAP_HOME points
     os.environ.setdefault("LCAP_HOME", str(out / "home"))
-    os.environ.setdefault("LCAP_POLICY_RECORD", str(out / "home" / "policy.json"))
+    # The bench's own server record, whatever LCAP_HOME says: it starts and stops that server, never the user's.
+    record = out / "home" / "policy.json"
+    os.environ["LCAP_POLICY_RECORD"] = str(record)
     os.environ.setdefault("OPENAI_API_KEY", "bench-placeholder")  # the SDK wants one; the policy route ignores it
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    Path(os.environ["LCAP_HOME"]).mkdir(parents=True, exist_ok=True)
+    for folder in (Path(os.environ["LCAP_HOME"]), record.parent):
+        folder.mkdir(parents=True, exist_ok=True)
     settings = DemoSettings(seed=args.seed, tasks_per_round=args.tasks_per_round, group_size=args.group_size)
     number = demo_task("number")
 
@@ -94,7 +104,7 @@ def main() -> None:
     agent += ["--sample", "{sample}", "--median", str(args.median), "--sigma", str(args.sigma)]
     agent += ["--cap", str(args.cap), "--seed", str(args.seed)]
 
-    if read_policy() is not None:
+    if read_policy() is not None:  # an earlier bench's server, left running
         stop_server()
     print("starting vLLM on the tiny model", flush=True)
     start_server(str(model), python=python, log_path=out / "vllm.log")
@@ -158,59 +168,87 @@ def main() -> None:
 
 
 def _figures(store, run: Path, seconds: float, args) -> dict:
-    """One loop's figures, measured the same way for both: trained groups from each step's dataset report (groups
-    with two or more samples), the agents' idle time as the steps' wall time less the training episodes' busy
-    time over the slots, the trainer's wait as the time it had no batch to train on."""
+    """One loop's figures, measured the same way for both: trained groups from each trained step's dataset report
+    (groups with two or more samples; a step skipped with nothing to learn trains none), the agents' idle time as
+    the steps' wall time less the training episodes' busy time over the slots, the trainer's wait as the time it
+    had no batch to train on, and each held-out evaluation's rewards."""
     state = json.loads((run / "state.json").read_text())["steps"]
     steps = range(1, args.rounds + 1)
+    trained = [n for n in steps if f"{n}:train" in state]
     groups = sum(
-        json.loads((run / f"round-{n}" / "data" / "report.json").read_text())["groups"]["trainable"] for n in steps
+        json.loads((run / f"round-{n}" / "data" / "report.json").read_text())["groups"]["trainable"] for n in trained
     )
-    eval_by_round = dict(
-        store.fetchall(
-            "SELECT round, avg(reward) FROM episode_summary WHERE split = 'eval' AND reward IS NOT NULL GROUP BY round"
-        )
-    )
+    rewards: dict[int, list[float]] = {}
+    for n, reward in store.fetchall(
+        "SELECT round, reward FROM episode_summary WHERE split = 'eval' AND reward IS NOT NULL ORDER BY round"
+    ):
+        rewards.setdefault(n, []).append(reward)
     ((busy,),) = store.fetchall("SELECT coalesce(sum(duration_s), 0) FROM episode_summary WHERE split = 'train'")
     overlapped = any(f"{n}:batch" in state for n in steps)
     if overlapped:
         ((trainer_wait, dropped),) = store.fetchall("SELECT sum(trainer_wait_s), sum(dropped_stale) FROM async_steps")
     else:  # the synchronous trainer waits for each round's whole collect
-        trainer_wait, dropped = sum(state[f"{n}:collect"]["seconds"] for n in steps), 0
+        trainer_wait, dropped = sum(state[f"{n}:collect"]["seconds"] for n in steps if f"{n}:collect" in state), 0
     return {
         "seconds": seconds,
         "groups": groups,
         "per_hour": groups * 3600 / seconds,
         "trainer_wait_s": trainer_wait,
         "agent_wait_s": seconds - busy / args.concurrency,
-        "dropped": dropped,
-        "held_out": [eval_by_round.get(n) for n in range(0, args.rounds + 1)],
+        "dropped": dropped or 0,
+        "skipped": [n for n in steps if f"{n}:skipped" in state],
+        "held_out": [_interval(rewards.get(n, [])) for n in range(0, args.rounds + 1)],
     }
+
+
+def _interval(rewards: list[float]) -> tuple[float, float, float, int] | None:
+    """Mean reward, its 95% interval and the count: Wilson's for 0/1 rewards, else mean +- 1.96 standard errors."""
+    n = len(rewards)
+    if not n:
+        return None
+    mean = sum(rewards) / n
+    z = 1.96
+    if all(r in (0, 1) for r in rewards):
+        centre = (mean + z * z / (2 * n)) / (1 + z * z / n)
+        half = z * math.sqrt(mean * (1 - mean) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+        return mean, centre - half, centre + half, n
+    sd = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1)) if n > 1 else 0.0
+    return mean, mean - z * sd / math.sqrt(n), mean + z * sd / math.sqrt(n), n
 
 
 def _print(results: dict, args) -> None:
     fmt = lambda x, d=1: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
+    shown = lambda c: "-" if c is None else f"{c[0]:.3f} [{c[1]:.3f}, {c[2]:.3f}] n={c[3]}"  # noqa: E731
     print()
     print(
         f"rounds {args.rounds} x {args.tasks_per_round} groups of {args.group_size}, concurrency {args.concurrency}, "
         f"tool time log-normal median {args.median}s sigma {args.sigma} cap {args.cap}s, seed {args.seed}, "
-        f"--max-staleness {args.max_staleness}"
+        f"--max-staleness {args.max_staleness}, held-out {args.eval} episodes per evaluation"
     )
     print(
         "| loop | steps wall s | groups trained | groups / hour | trainer waited s | agents idle s | dropped stale |"
-        " held-out reward: base, after each step |"
+        " skipped steps |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        curve = " ".join(fmt(x, 3) for x in r["held_out"])
         print(
             f"| {name} | {r['seconds']:.0f} | {r['groups']} | {r['per_hour']:.0f} | {fmt(r['trainer_wait_s'], 0)} | "
-            f"{fmt(r['agent_wait_s'], 0)} | {r['dropped']} | {curve} |"
+            f"{fmt(r['agent_wait_s'], 0)} | {r['dropped']} | {' '.join(map(str, r['skipped'])) or '-'} |"
         )
+    print("\nheld-out reward, mean [95% interval]: base, then after each step")
+    for name, r in results.items():
+        print(f"{name}: " + " | ".join(shown(c) for c in r["held_out"]))
     if "sync" in results and "async" in results:
-        print(
-            f"\noverlapped / synchronous groups per hour: {results['async']['per_hour'] / results['sync']['per_hour']:.2f}x"
-        )
+        sync, overlapped = results["sync"], results["async"]
+        ratio = overlapped["per_hour"] / sync["per_hour"] if sync["per_hour"] else float("nan")
+        print(f"\noverlapped / synchronous groups per hour: {ratio:.2f}x")
+        last = lambda r: next((c for c in reversed(r["held_out"]) if c is not None), None)  # noqa: E731
+        a, b = last(overlapped), last(sync)
+        if a is not None and b is not None:
+            inside = "within" if b[1] <= a[0] <= b[2] else "outside"
+            print(
+                f"overlapped's last held-out reward {a[0]:.3f} is {inside} the synchronous one's [{b[1]:.3f}, {b[2]:.3f}]"
+            )
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Annotated
 
@@ -63,8 +64,12 @@ def loop(
     The agent command follows `--`, a template as in `lcap collect`.
     """
     from lcap.loop.rounds import run_loop  # start-up: the whole loop's modules
-    from lcap.loop.steps import LoopConfig  # start-up: the whole loop's modules
+    from lcap.loop.status import running_loop  # start-up: the whole loop's modules
+    from lcap.loop.steps import LoopConfig, LoopState  # start-up: the whole loop's modules
     from lcap.store import Store  # start-up: duckdb
+
+    def stop(*_: object) -> None:  # SIGTERM ends the loop like Ctrl-C: its collect's agents killed, episodes marked
+        raise KeyboardInterrupt
 
     config = LoopConfig(
         run=run,
@@ -80,7 +85,18 @@ def loop(
         proxy=proxy,
         options=options,
     )
-    run_loop(Store(db), config, echo=typer.echo)
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        with running_loop(db, run):
+            run_loop(Store(db), config, echo=typer.echo)
+    except KeyboardInterrupt:
+        where = LoopState(run, config.key()).where()
+        typer.echo(
+            f"lcap loop: interrupted {where}; finished steps are kept in {run / 'state.json'}, re-run the same "
+            "command to resume",
+            err=True,
+        )
+        raise typer.Exit(130) from None
 
 
 @one_line_errors

@@ -29,6 +29,7 @@ not seen keeps its episode out.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from collections import Counter
@@ -40,6 +41,7 @@ from typing import Any
 from lcap.config import LcapError
 from lcap.display import num
 from lcap.loop.steps import (
+    SKIPPED,
     LoopConfig,
     LoopState,
     RoundSummary,
@@ -47,6 +49,9 @@ from lcap.loop.steps import (
     StopAfter,
     build_step,
     collect_split,
+    skip_step,
+    skipped_line,
+    solved,
     train_step,
 )
 from lcap.policy import read_policy
@@ -156,17 +161,20 @@ def run_live_loop(
     data.setdefault("lineage", [])
     data.setdefault("scores", {})
     step = StepRunner(store, state, run, stop_after)
-    first = next((n for n in range(1, config.rounds + 1) if not state.done(n, "promote")), config.rounds + 1)
+    first = next(
+        (n for n in range(1, config.rounds + 1) if not (state.done(n, "promote") or state.done(n, SKIPPED))),
+        config.rounds + 1,
+    )
     summaries: list[RoundSummary] = []
     try:
         for n in range(first, config.rounds + 1):
             summaries.append(_step(store, config, state, step, n, echo))
+            if summaries[-1].skipped and _stop_when_solved(store, config, state, step, n, echo):
+                break
     except StopAfter:
         pass
     except _NoBatch as exc:
         echo(str(exc))
-    except KeyboardInterrupt:
-        echo("interrupted: the same command resumes at the first unfinished step")
     return summaries
 
 
@@ -183,7 +191,10 @@ def _step(
     trained_from = batch["current"]
     train_options = replace(config.train, current=trained_from, mismatch_current_only=True)
     init = _policy_path(store, trained_from)
-    trained = step(n, "train", lambda: train_step(store, run, n, train_options, out, init_from=init))
+    trained = skip_step(step, n, "train", lambda: train_step(store, run, n, train_options, out, init_from=init))
+    if "skipped" in trained:  # nothing to learn: no candidate, the deployment stays
+        echo(skipped_line(f"step {n}", trained["skipped"]))
+        return RoundSummary(round=n, skipped=trained["skipped"]["reason"])
     candidate = step(n, "eval", lambda: _evaluate_candidate(store, config, n, trained["output"]))
     scores = state.data["scores"]
     against = read_policy_current()
@@ -211,6 +222,16 @@ def _step(
         f" {num(scores[against]['mean_reward'])} | {outcome} | {time.perf_counter() - t0:.0f}s"
     )
     return s
+
+
+def _stop_when_solved(store, config: LoopConfig, state: LoopState, step: StepRunner, n: int, echo) -> bool:
+    """After skipped step `n`: whether --stop-when-solved ends the loop (the current deployment measured again)."""
+    current = read_policy_current()
+    measure = functools.partial(step, n, "eval", lambda: _evaluate(store, config, n, "eval", current))
+    stop, said = solved(state, n, config.options.stop_when_solved, measure)
+    if said:
+        echo(said)
+    return stop
 
 
 def read_policy_current() -> str:

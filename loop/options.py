@@ -35,6 +35,13 @@ class LoopOptions:
         "(2, 3, ...) collect with that policy.",
     )
 
+    stop_when_solved: int = option(
+        0,
+        help="Stop the loop on its own after this many rounds in a row with nothing to learn (every group got the same "
+        "reward, or too few trainable tokens) once the held-out reward (--eval-tasks, measured again then) is at least "
+        "the last deployed round's. 0: every --rounds round runs (a round with nothing to learn is skipped).",
+    )
+
     live: bool = option(
         False,
         flag="--live",
@@ -58,8 +65,8 @@ class LoopOptions:
     )
 
     def __post_init__(self) -> None:
-        if self.max_staleness < 0 or self.groups_per_step < 0:
-            raise LcapError("--max-staleness and --groups-per-step must be 0 or more")
+        if self.max_staleness < 0 or self.groups_per_step < 0 or self.stop_when_solved < 0:
+            raise LcapError("--max-staleness, --groups-per-step and --stop-when-solved must be 0 or more")
         if self.min_samples < 2 or self.wait_timeout < 0:
             raise LcapError("--min-samples must be at least 2 (one group) and --wait-timeout 0 or more")
         if self.live and (self.overlap or self.sft_data is not None):

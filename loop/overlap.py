@@ -33,14 +33,19 @@ from lcap.dataset.build.samples_file import read_samples_table, write_samples
 from lcap.dataset.collect.episodes import EpisodePool, check_round_is_free, load_tasks, plan_collect
 from lcap.display import num
 from lcap.loop.steps import (
+    SKIPPED,
     LoopConfig,
     LoopState,
     RoundSummary,
     StepRunner,
     StopAfter,
     collect_split,
+    continued,
     deploy_step,
     round_tasks,
+    skip_step,
+    skipped_line,
+    solved,
     tasks_root,
     train_step,
 )
@@ -54,12 +59,14 @@ UNKNOWN = "unknown"  # the staleness of a sample served by a deployment the loop
 
 # Complete groups of the loop's training episodes not in any batch yet, the first finished first: complete when
 # every episode of the group has finished (and been verified), trainable when two or more of them are rewarded
-# and (unless zero-variance groups are kept) their rewards differ.
+# and (unless zero-variance groups are kept) their rewards differ; equal when two or more are and they do not.
 _COMPLETE = """
 SELECT group_id, max(ended_at) AS done_at,
        count(*) FILTER (WHERE status = 'ok' AND reward IS NOT NULL) >= 2
        AND ($keep_zero_variance OR coalesce(max(reward) FILTER (WHERE status = 'ok')
-                                            > min(reward) FILTER (WHERE status = 'ok'), false)) AS trainable
+                                            > min(reward) FILTER (WHERE status = 'ok'), false)) AS trainable,
+       count(*) FILTER (WHERE status = 'ok' AND reward IS NOT NULL) >= 2
+       AND max(reward) FILTER (WHERE status = 'ok') = min(reward) FILTER (WHERE status = 'ok') AS equal
 FROM episode_summary
 WHERE split = 'train' AND collect_run IN (SELECT unnest($runs::VARCHAR[]))
   AND group_id NOT IN (SELECT unnest($taken::VARCHAR[]))
@@ -204,9 +211,9 @@ def run_async_loop(
         echo(f"round 0 (base policy): held-out reward {num(info['mean_reward'])} ({info['rewarded']} episodes)")
         summaries.append(RoundSummary(round=0, eval_reward=info["mean_reward"]))
 
-    version = max((n for n in range(1, config.rounds + 1) if state.done(n, "deploy")), default=0)
+    version = max((n for n in range(1, config.rounds + 1) if _finished(state, n, "deploy")), default=0)
     last = "eval" if config.eval_tasks else "stats"
-    first = next((n for n in range(1, config.rounds + 1) if not state.done(n, last)), config.rounds + 1)
+    first = next((n for n in range(1, config.rounds + 1) if not _finished(state, n, last)), config.rounds + 1)
     pool = EpisodePool(store, config.collect, config.proxy, config.collect.concurrency)
     producer = Producer(config, pool, size, per_step, _wasted(data))
     producer.advance(version, _wasted(data))
@@ -218,8 +225,11 @@ def run_async_loop(
             for n in range(first, config.rounds + 1):
                 t0 = time.perf_counter()
                 versions = _versions(state, n)
+                current = max(versions, key=lambda name: versions[name])  # the policy step n trains from
                 while True:
                     batch = step(n, "batch", lambda: _take_batch(store, config, state, producer, pool, per_step))
+                    if not batch["groups"]:  # a batch's worth of groups in a row got equal rewards
+                        break
                     out = round_dir(run, n) / "data"
                     staleness = _build(store, config, n, batch["groups"], out, versions)
                     if staleness.trainable:
@@ -237,10 +247,28 @@ def run_async_loop(
                     state.finish(n, "void", void)
                     producer.advance(n - 1, _wasted(data))
                     echo(f"step {n}: every sample of {len(batch['groups'])} groups was stale, taking the next ones")
-                current = next(name for name, v in versions.items() if v == n - 1)  # the policy step n trains from
-                train_options = replace(config.train, current=current, mismatch_current_only=True)
-                stale = {"staleness": staleness.histogram, "dropped_stale_async": staleness.dropped}
-                trained = step(n, "train", lambda: {**train_step(store, run, n, train_options, out), **stale})
+                if batch["groups"]:
+                    train_options = replace(config.train, current=current, mismatch_current_only=True)
+                    stale = {"staleness": staleness.histogram, "dropped_stale_async": staleness.dropped}
+                    init = continued(state, n)
+                    trained = skip_step(
+                        step, n, "train", lambda: {**train_step(store, run, n, train_options, out, init), **stale}
+                    )
+                else:
+                    why = {"reason": batch["reason"], "kept": current, "groups": batch["equal"]}
+                    trained = {"skipped": step(n, SKIPPED, lambda: why)}
+                if "skipped" in trained:  # nothing to learn: the deployment stays, the next step takes new groups
+                    producer.advance(n, _wasted(data))
+                    summaries.append(RoundSummary(round=n, skipped=trained["skipped"]["reason"]))
+                    echo(skipped_line(f"step {n}", trained["skipped"]))
+                    stop, said = solved(
+                        state, n, config.options.stop_when_solved, _measure(held_out, step, store, config, n)
+                    )
+                    if said:
+                        echo(said)
+                    if stop:
+                        break
+                    continue
                 held_out.wait()  # the previous step's held-out episodes are all served by the policy they measure
                 deployed = step(n, "deploy", lambda: deploy_step(store, trained["output"], n))
                 producer.advance(n, _wasted(data))
@@ -278,10 +306,12 @@ def run_async_loop(
 
 
 def _take_batch(store, config: LoopConfig, state: LoopState, producer: Producer, pool, per_step: int) -> dict:
-    """Wait for `per_step` complete, trainable groups not taken yet; the first finished first."""
+    """Wait for `per_step` complete, trainable groups not taken yet, the first finished first; or, when `per_step`
+    groups in a row got one reward for every sample first, none (`equal`: those groups): nothing to learn."""
     data = state.data
     started = time.monotonic()
     untrainable_before = len(data["untrainable"])
+    equal: list[str] = []
     while True:
         if producer.error is not None:
             raise LcapError(f"collection stopped: {producer.error}") from producer.error
@@ -294,28 +324,32 @@ def _take_batch(store, config: LoopConfig, state: LoopState, producer: Producer,
                 "keep_zero_variance": config.build.keep_zero_variance,
             },
         )
-        untrainable = [g for g, _, ok in rows if not ok]
+        untrainable = [g for g, _, ok, _ in rows if not ok]
+        equal += [g for g, _, ok, same in rows if not ok and same]
         if untrainable:
             with state.lock:
                 data["untrainable"] = sorted(set(data["untrainable"]) | set(untrainable))
                 state.save()
             producer.advance(producer.version, _wasted(data))
-            if len(data["untrainable"]) - untrainable_before > UNTRAINABLE_MAX * per_step:
-                raise LcapError(
-                    f"{len(data['untrainable']) - untrainable_before} groups in a row cannot train (fewer than two "
-                    "rewarded episodes, or equal rewards): look at their episodes (`lcap ui`), or collect with a "
-                    "larger --group-size"
-                )
-        ready = [g for g, _, ok in rows if ok]
+        ready = [g for g, _, ok, _ in rows if ok]
+        waited = time.monotonic() - started
         if len(ready) >= per_step:
-            return {"groups": ready[:per_step], "queue": len(ready), "trainer_wait_s": time.monotonic() - started}
+            return {"groups": ready[:per_step], "queue": len(ready), "trainer_wait_s": waited}
+        if len(equal) >= per_step:
+            reason = f"every group got the same reward ({len(equal)} of {len(equal)})"
+            return {"groups": [], "equal": equal, "reason": reason, "queue": len(ready), "trainer_wait_s": waited}
+        if len(data["untrainable"]) - untrainable_before > UNTRAINABLE_MAX * per_step:
+            raise LcapError(
+                f"{len(data['untrainable']) - untrainable_before} groups in a row cannot train (fewer than two "
+                "rewarded episodes): look at their episodes (`lcap ui`), or collect with a larger --group-size"
+            )
         with pool.ended:
             pool.ended.wait(WAKE_S)
 
 
 def _build(store, config: LoopConfig, n: int, groups: Sequence[str], out: Path, versions: dict[str, int]) -> Staleness:
     build_dataset(store, round=n, out=out, options=replace(config.build, split="train"), groups=groups)
-    return drop_stale(out / "samples.parquet", versions, n - 1, config.options.max_staleness)
+    return drop_stale(out / "samples.parquet", versions, max(versions.values()), config.options.max_staleness)
 
 
 class _Background:
@@ -350,6 +384,19 @@ def _held_out(
     info = step(n, "eval", lambda: _evaluate(store, config, n))
     s.eval_reward = info["mean_reward"]
     echo(f"step {n}: held-out reward {num(info['mean_reward'])} ({info['rewarded']} episodes)")
+
+
+def _measure(held_out: _Background, step: StepRunner, store, config: LoopConfig, n: int) -> Callable[[], dict] | None:
+    """--stop-when-solved's held-out measure of the deployment step `n` kept (after the previous step's held-out run
+    ends); None without --eval-tasks."""
+    if not config.eval_tasks:
+        return None
+
+    def measure() -> dict:
+        held_out.wait()
+        return step(n, "eval", lambda: _evaluate(store, config, n))
+
+    return measure
 
 
 def _evaluate(store, config: LoopConfig, n: int) -> dict:
@@ -391,13 +438,19 @@ def _merged(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
 
 
 def _versions(state: LoopState, n: int) -> dict[str, int]:
-    """Deployment name -> version for the steps before `n`: the policy the loop started on is 0."""
+    """Deployment name -> version for the steps before `n`: the policy the loop started on is 0, each deploy after
+    it the next (a step skipped with nothing to learn deploys nothing: the policy stays, as does its version)."""
     versions = {state.data["base_deployment"]: 0}
     for k in range(1, n):
         deployed = state.done(k, "deploy")
         if deployed:
-            versions[deployed["name"]] = k
+            versions[deployed["name"]] = len(versions)
     return versions
+
+
+def _finished(state: LoopState, n: int, last: str) -> bool:
+    """Whether step `n` is over: its `last` step recorded, or the step skipped with nothing to learn."""
+    return state.done(n, last) is not None or state.done(n, SKIPPED) is not None
 
 
 def _taken(state: LoopState) -> set[str]:

@@ -36,9 +36,13 @@ from lcap.loop.steps import (
     StopAfter,
     build_step,
     collect_split,
+    continued,
     deploy_step,
     round_tasks,
     sft_step,
+    skip_step,
+    skipped_line,
+    solved,
     train_step,
 )
 from lcap.policy import read_policy
@@ -109,9 +113,18 @@ def _rounds(
             data = round_dir(run, n) / "data"
             build_step(step, config, n, "train", data, echo)
             said = _train_deploy_eval(
-                step, config, collect_step, s, lambda: train_step(store, run, n, config.train, data)
+                step,
+                config,
+                collect_step,
+                s,
+                lambda: train_step(store, run, n, config.train, data, continued(step.state, n)),
+                echo,
             )
             summaries.append(s)
+            if said is None:  # nothing to learn: skipped, the deployment stays
+                if _stop_when_solved(step, config, collect_step, n, echo):
+                    break
+                continue
             echo(
                 f"round {n}: train reward {num(s.train_reward)} ({got['rewarded']} episodes){said}"
                 f" | {time.perf_counter() - t0:.0f}s"
@@ -127,23 +140,47 @@ def _sft_round(store, config: LoopConfig, step: StepRunner, collect_step, echo: 
     run = Path(config.run)
     data = Path(config.options.sft_data or "")
     s = RoundSummary(round=1)
-    said = _train_deploy_eval(step, config, collect_step, s, lambda: sft_step(store, run, 1, config.train, data))
+    said = _train_deploy_eval(step, config, collect_step, s, lambda: sft_step(store, run, 1, config.train, data), echo)
     echo(f"round 1 (sft on {data}): {s.train['n_samples']} samples{said} | {time.perf_counter() - t0:.0f}s")
     return s
 
 
 def _train_deploy_eval(
-    step: StepRunner, config: LoopConfig, collect_step, s: RoundSummary, train: Callable[[], dict]
-) -> str:
-    """A round's training (`train`), deploy and held-out eval, recorded in `s`; what its line says of them."""
+    step: StepRunner,
+    config: LoopConfig,
+    collect_step,
+    s: RoundSummary,
+    train: Callable[[], dict],
+    echo: Callable[[str], None],
+) -> str | None:
+    """A round's training (`train`), deploy and held-out eval, recorded in `s`; what its line says of them (None: the
+    round had nothing to learn and was skipped, its one line printed)."""
     n = s.round
-    s.train = step(n, "train", train)
+    s.train = skip_step(step, n, "train", train)
+    if "skipped" in s.train:
+        s.skipped = s.train["skipped"]["reason"]
+        echo(skipped_line(f"round {n}", s.train["skipped"]))
+        return None
     s.deployed = step(n, "deploy", lambda: deploy_step(step.store, s.train["output"], n))["name"]
     if config.eval_tasks:
         tasks = config.eval_tasks
         s.eval_reward = step(n, "eval", lambda: collect_step(n, "eval", tasks, config.eval_group_size))["mean_reward"]
     held_out = f" | held-out {num(s.eval_reward)}" if config.eval_tasks else ""
     return f"{held_out} | {training_text(s.train)} | deployed {s.deployed}"
+
+
+def _stop_when_solved(step: StepRunner, config: LoopConfig, collect_step, n: int, echo: Callable[[str], None]) -> bool:
+    """After skipped round `n`: whether --stop-when-solved ends the loop (the held-out tasks run again to tell)."""
+    eval_tasks = config.eval_tasks
+    held_out = (
+        (lambda: step(n, "eval", lambda: collect_step(n, "eval", eval_tasks, config.eval_group_size)))
+        if eval_tasks
+        else None
+    )
+    stop, line = solved(step.state, n, config.options.stop_when_solved, held_out)
+    if line:
+        echo(line)
+    return stop
 
 
 def _redeploy_if_lost(state: LoopState, store, echo) -> None:

@@ -25,14 +25,18 @@ from lcap.dataset.build.builder import build_dataset, last_report
 from lcap.dataset.build.explain import explain, lost_lines
 from lcap.dataset.collect.episodes import collect, load_tasks
 from lcap.dataset.options import BuildOptions, CollectOptions
-from lcap.display import rounded
+from lcap.display import num, rounded
 from lcap.files import atomic_write
 from lcap.loop.options import LoopOptions
+from lcap.policy import read_policy
 from lcap.serve.deploy import deploy
 from lcap.store import now
+from lcap.train.fit import NothingToLearn, equal_rewards, read_report
 from lcap.train.grpo import PREVIOUS_ROUND, PreviousRound, round_dir, train_round
 from lcap.train.options import TrainOptions
 from lcap.train.sft import sft_round
+
+SKIPPED = "skipped"  # the loop_steps step of a round with nothing to learn: its details say why and what stays
 
 
 @dataclass
@@ -109,6 +113,15 @@ class LoopState:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(self.path, json.dumps(self.data, indent=2, default=str))
 
+    def where(self) -> str:
+        """Where the loop stands, for the line an interrupted loop prints: after its last finished step."""
+        with self.lock:
+            finished = sorted(self.data["steps"].items(), key=lambda kv: kv[1].get("finished_at", 0))
+        if not finished:
+            return "before its first step finished"
+        round_, step = finished[-1][0].split(":", 1)
+        return f"after round {round_}'s {step}"
+
     def last_deployed(self) -> dict | None:
         deployed = [(int(k.split(":")[0]), v) for k, v in self.data["steps"].items() if k.endswith(":deploy")]
         return max(deployed, key=lambda x: x[0])[1] if deployed else None
@@ -121,6 +134,7 @@ class RoundSummary:
     eval_reward: float | None = None
     train: dict[str, Any] = field(default_factory=dict)
     deployed: str | None = None
+    skipped: str | None = None  # why the round had nothing to learn (then nothing was trained or deployed)
 
 
 def split_reward(store, run_id: str, round: int, split: str) -> tuple[float | None, int]:
@@ -211,17 +225,48 @@ def train_step(
     store, run: Path, n: int, options: TrainOptions, data: Path, init_from: Path | PreviousRound | None = PREVIOUS_ROUND
 ) -> dict:
     """Train round `n` on the samples in `data`, from `init_from` (default: round n-1's output); with none, a
-    one-line error that says why (build's report)."""
+    one-line error that says why (build's report): `NothingToLearn` when the round's episodes ran well but teach
+    nothing (the loop skips such a round)."""
     samples = data / "samples.parquet"
     if not samples.exists() or pq.ParquetFile(samples).metadata.num_rows == 0:
-        try:
-            report = json.loads((data / "report.json").read_text())
-        except (OSError, ValueError):
-            report = last_report(store, data)  # a build that found nothing writes no file
-        why = explain(report) if report else f"no report.json in {data}"
-        raise LcapError(f"round {n}: nothing to train on in {data}: {why}")
+        report = read_report(data) or last_report(store, data)  # a build that found nothing writes no file
+        message = f"round {n}: nothing to train on in {data}: " + (
+            explain(report) if report else f"no report.json in {data}"
+        )
+        equal = equal_rewards(report)
+        raise NothingToLearn(message, equal) if equal else LcapError(message)
     result = train_round(store, run, n, options, data=data, progress=sys.stderr.isatty(), init_from=init_from)
     return _trained(result.output, result.metrics)
+
+
+def continued(state: LoopState, n: int) -> Path | None:
+    """What round `n` trains from: the output of the last round before it that deployed (rounds skipped with
+    nothing to learn in between), None for the base model."""
+    for m in range(n - 1, 0, -1):
+        trained = state.done(m, "train")
+        if trained and state.done(m, "deploy"):
+            return Path(trained["output"])
+    return None
+
+
+def skip_step(step: StepRunner, n: int, name: str, train: Callable[[], dict]) -> dict:
+    """Round `n`'s training (`train`, recorded as step `name`), or, when it has nothing to learn, the round recorded
+    as `skipped` with its reason and the deployment that stays (`{"skipped": ...}`): a loop goes on without it."""
+    skipped = step.state.done(n, SKIPPED)
+    if skipped is not None:
+        return {"skipped": skipped}
+    try:
+        return step(n, name, train)
+    except NothingToLearn as exc:
+        kept = read_policy()
+        why = {"reason": exc.reason, "kept": kept.current if kept else None}
+    return {"skipped": step(n, SKIPPED, lambda: why)}
+
+
+def skipped_line(what: str, skipped: dict) -> str:
+    """The one line a skipped round prints: "round 3: every group got the same reward (8 of 8): nothing to learn;
+    policy-r2 stays"."""
+    return f"{what}: {skipped['reason']}: nothing to learn; {skipped.get('kept') or 'the current deployment'} stays"
 
 
 def sft_step(store, run: Path, n: int, options: TrainOptions, data: Path) -> dict:
@@ -233,6 +278,29 @@ def sft_step(store, run: Path, n: int, options: TrainOptions, data: Path) -> dic
 def _trained(output: Path, metrics: dict[str, Any]) -> dict:
     """A training step's record: its output and the metrics that are numbers."""
     return {"output": str(output), **{k: v for k, v in metrics.items() if isinstance(v, (int, float)) or v is None}}
+
+
+def solved(state: LoopState, n: int, k: int, held_out: Callable[[], dict] | None) -> tuple[bool, str | None]:
+    """--stop-when-solved `k`: whether the loop stops after round `n`, and the line that says why (None: no line).
+    It stops when rounds n-k+1..n were all skipped (nothing to learn) and the held-out reward, measured again now
+    (`held_out`, None without --eval-tasks), is at least that of the last round that deployed (round 0: the base)."""
+    if not k or n < k or not all(state.done(m, SKIPPED) for m in range(n - k + 1, n + 1)):
+        return False, None
+    said = f"{k} rounds in a row with nothing to learn"
+    if held_out is None:
+        return True, f"stopping: {said} (--stop-when-solved {k})"
+    now, before = held_out()["mean_reward"], promoted_reward(state, n)
+    if now is None or (before is not None and now < before):
+        return False, f"round {n}: {said}, but held-out reward {num(now)} < {num(before)} when deployed: going on"
+    return True, f"stopping: {said}, held-out reward {num(now)} >= {num(before)} (--stop-when-solved {k})"
+
+
+def promoted_reward(state: LoopState, before: int) -> float | None:
+    """The held-out reward of the last round before `before` that deployed its policy (round 0: the base policy)."""
+    for m in range(before - 1, 0, -1):
+        if state.done(m, "deploy") or (state.done(m, "promote") or {}).get("promoted"):
+            return (state.done(m, "eval") or {}).get("mean_reward")
+    return (state.done(0, "eval") or {}).get("mean_reward")
 
 
 def build_step(

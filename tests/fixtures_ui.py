@@ -412,6 +412,24 @@ def fill_store(store, tokenizer_dir: Path, *, xss: bool = True) -> UiStore:
             for step, seconds in (("collect", 30.0), ("build", 0.2), ("train", 1.1), ("deploy", 0.1), ("eval", 15.0))
         ],
     )
+    store.append(  # round 3 had nothing to learn: skipped, round 2's deployment stayed
+        "loop_steps",
+        [
+            {
+                "run": "/runs/demo",
+                "round": 3,
+                "step": step,
+                "mean_reward": None,
+                "details": json.dumps(details),
+                "created_at": b.tick(),
+            }
+            for step, details in (
+                ("collect", {"seconds": 30.0}),
+                ("build", {"seconds": 0.2}),
+                ("skipped", {"reason": "every group got the same reward (2 of 2)", "kept": "demo-r2", "seconds": 0}),
+            )
+        ],
+    )
     return b
 
 

@@ -25,14 +25,39 @@ from lcap.train.progress import step_progress
 from lcap.train.samples import Groups, TokenCount, count_tokens, make_groups, read_samples
 
 
+class NothingToLearn(LcapError):
+    """A round whose episodes ran well but teach nothing: every group got the same reward, or fewer trainable tokens
+    than --min-tokens. `lcap train` refuses it (exit 2, as any LcapError); `lcap loop` records the round as skipped
+    and goes on with the deployment it has. `reason`: the short cause the loop prints."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def equal_rewards(report: Any) -> str | None:
+    """The reason "every group got the same reward (8 of 8)" when build-dataset's report (report.json's dict) found
+    groups and each had two or more rewarded samples with one reward (GRPO learns nothing from it); else None."""
+    groups = (report or {}).get("groups") or {}
+    total, equal = groups.get("total", 0), groups.get("zero_variance", 0)  # groups of two or more, singletons apart
+    if total and equal == total and not (report.get("options") or {}).get("keep_zero_variance"):
+        return f"every group got the same reward ({equal} of {total})"
+    return None
+
+
+def read_report(data: Path) -> dict | None:
+    """build-dataset's report.json in the folder `data`, or None when there is none to read."""
+    try:
+        report = json.loads((Path(data) / "report.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return report if isinstance(report, dict) else None
+
+
 def nothing_to_train(where: str, samples_path: Path, samples: list, groups: Any, current: str | None) -> str:
     """Why a round has no group GRPO can train on: build-dataset's losses (from the report.json beside the samples)
     and the trainer's own (stale samples dropped, samples alone in their group), with what changes each."""
-    report_path = Path(samples_path).parent / "report.json"
-    try:
-        report = json.loads(report_path.read_text())
-    except (OSError, ValueError):
-        report = None
+    report = read_report(Path(samples_path).parent)
     n_samples = len(samples)
     extra = []
     if groups.dropped_stale:
@@ -106,10 +131,17 @@ def check_trainable(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -
     groups = make_groups(samples, group_size=options.group_size, stale=options.stale, current=inputs.current)
     where = round_name(out_dir)
     if not groups.groups:
-        raise LcapError(nothing_to_train(where, inputs.shown(out_dir).samples, samples, groups, inputs.current))
-    refusal = too_few_tokens(where, count_tokens(groups.samples), options.min_tokens)
+        message = nothing_to_train(where, inputs.shown(out_dir).samples, samples, groups, inputs.current)
+        equal = equal_rewards(read_report(Path(inputs.samples).parent))
+        if equal and not groups.dropped_stale and not groups.dropped_small:
+            raise NothingToLearn(message, equal)
+        raise LcapError(message)
+    count = count_tokens(groups.samples)
+    refusal = too_few_tokens(where, count, options.min_tokens)
     if refusal:
-        raise LcapError(refusal)
+        raise NothingToLearn(
+            refusal, f"{plural(count.trainable, 'trainable token')}, fewer than --min-tokens {options.min_tokens}"
+        )
     return groups
 
 

@@ -59,8 +59,8 @@ class TrainOptions:
     is_min: float | None = option(None, help="Importance-ratio lower bound (mask modes).")
     min_tokens: int = option(
         MIN_TOKENS,
-        help="Refuse to train (or, in `lcap loop`, deploy) a round with fewer trainable tokens than this: completion "
-        "tokens with loss mask 1 in samples with a nonzero advantage.",
+        help="Refuse to train a round with fewer trainable tokens than this (`lcap loop` skips the round: nothing to "
+        "learn): completion tokens with loss mask 1 in samples with a nonzero advantage.",
     )
     mismatch_max: float = option(
         MISMATCH_MAX,

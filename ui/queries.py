@@ -285,6 +285,12 @@ def overview(con: duckdb.DuckDBPyConnection, cols: dict[str, set[str]]) -> dict[
            FROM loop_steps WHERE run = (SELECT run FROM latest) GROUP BY ALL ORDER BY 1, 2""",
     )
     run = con.execute("SELECT arg_max(run, created_at) FROM loop_steps").fetchone()
+    skipped = _dicts(  # rounds with nothing to learn: neither trained nor deployed (loop/steps.py skip_step)
+        con,
+        """WITH latest AS (SELECT arg_max(run, created_at) AS run FROM loop_steps)
+           SELECT round, any_value(details->>'reason') AS reason, any_value(details->>'kept') AS kept
+           FROM loop_steps WHERE run = (SELECT run FROM latest) AND step = 'skipped' GROUP BY round ORDER BY round""",
+    )
     deployments = _dicts(
         con, "SELECT name, base_model, kind, round, created_at FROM deployments ORDER BY created_at DESC LIMIT 20"
     )
@@ -297,6 +303,7 @@ def overview(con: duckdb.DuckDBPyConnection, cols: dict[str, set[str]]) -> dict[
         "mismatch": mismatch,
         "phases": phases,
         "run": run[0] if run else None,
+        "skipped": skipped,
         "deployments": deployments,
     }
 

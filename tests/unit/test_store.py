@@ -113,6 +113,8 @@ def test_a_version_9_store_has_its_invocations_redacted_on_first_write(tmp_path)
     assert cwd == f"/w/DB_PASSWORD={REDACTED}" and error == f"agent --token {REDACTED} failed"
     assert json.loads(labels) == {"task": "t", "token": REDACTED, "note": REDACTED} and task_id == "t"
     assert store.fetchall("SELECT command FROM episodes WHERE episode_id = 'x'") == [(None,)]
+
+
 def test_a_reward_key_is_scoped_to_its_episode_not_the_whole_store(tmp_path):
     """Tenant B's reward with the key tenant A used on its own episode is stored; the same key again on one
     episode is not (issue 48 row 1: B's reward was answered `stored: false` and lost)."""

@@ -166,6 +166,8 @@ def test_every_page_renders_what_the_store_holds(ui_db):
         for chart in ("chart-reward", "chart-status", "chart-tokens", "chart-train", "chart-phases"):
             assert f'id="{chart}"' in overview.text
         assert "/runs/demo/round-2/adapter" in overview.text
+        skipped = overview.text.split("Skipped rounds", 1)[1].split("</table>", 1)[0]  # round 3: nothing to learn
+        assert "<td>3</td><td>skipped: every group got the same reward (2 of 2)</td><td><code>demo-r2</code>" in skipped
         episode = c.get("/episode", params={"id": "ep-calc-2"})
         assert episode.status_code == 200
         for text in (
