@@ -26,7 +26,7 @@ episodes (its proxies' start and stop, when it starts them). The load averages (
 after each size.
 
 Ingest: an Outbox (capture/storage/outbox.py) in an actor on the worker node is filled with INGEST turns, then the driver's
-real ingest (dataset/collect/on_ray.py: takes, reseals, the one TurnWriter) moves them into a fresh store: turns/s from
+real ingest (capture/storage/ingest.py: takes, reseals, the one TurnWriter) moves them into a fresh store: turns/s from
 the first take to the last turn in the store; beside it, the same turns put straight into a local TurnWriter (what
 a local proxy does), the writer's own rate on this machine.
 """
@@ -247,8 +247,9 @@ def ingest_rate(n: int, node: str, db: Path) -> float:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from lcap.capture.storage.ingest import Ingest
     from lcap.capture.storage.writer import TurnWriter
-    from lcap.dataset.collect.on_ray import _Ingest
+    from lcap.dataset.collect.node_proxies import RayOutboxes
     from lcap.store import Store
 
     key = os.urandom(32)
@@ -272,7 +273,7 @@ def ingest_rate(n: int, node: str, db: Path) -> float:
         def take(self, after, limit, max_bytes, wait):
             return self.outbox.take(after, limit=limit, max_bytes=max_bytes, wait=wait)
 
-    class Proxies:
+    class Proxies(RayOutboxes):
         """The driver's list of node proxies, here the one filler."""
 
         def __init__(self, proxy) -> None:
@@ -295,7 +296,7 @@ def ingest_rate(n: int, node: str, db: Path) -> float:
     store = Store(db)
     writer = TurnWriter(store)
     writer.start()
-    ingest = _Ingest(Proxies(filler), writer, key)
+    ingest = Ingest(Proxies(filler), writer, key)
     t0 = time.perf_counter()
     ingest.start()
     while ingest.records < n:

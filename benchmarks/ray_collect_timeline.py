@@ -61,7 +61,9 @@ def driver(args: argparse.Namespace) -> None:
     import ray
 
     import lcap.ray_cluster
+    from lcap.capture.storage.ingest import Ingest
     from lcap.capture.storage.writer import TurnWriter
+    from lcap.dataset.collect import node_proxies
     from lcap.dataset.collect import on_ray as ray_collect
     from lcap.dataset.collect.episodes import collect
     from lcap.dataset.options import CollectOptions
@@ -72,12 +74,12 @@ def driver(args: argparse.Namespace) -> None:
     wrap(ray_collect.RayPool, "_nodes_that_fit", "nodes that fit (ray.nodes)")
     wrap(ray_collect.NodeProxies, "_start", "proxies created, writer and ingest started")
     wrap(ray_collect.NodeProxies, "close", "close (end of collect)")
-    wrap(ray_collect, "_stop_proxies", "  node proxies stopped, last turns taken")
-    wrap(ray_collect._Ingest, "stop", "  ingest thread stopped")
-    wrap(ray_collect.ray, "kill", "  ray.kill")
+    wrap(node_proxies, "_stop_proxies", "  node proxies stopped, last turns taken")
+    wrap(Ingest, "stop", "  ingest thread stopped")
+    wrap(node_proxies.ray, "kill", "  ray.kill")
     wrap(TurnWriter, "finish", "  writer finish (drain)")
     wrap(TurnWriter, "start", "writer process started")
-    wrap(ray_collect._Ingest, "settle", "settle (writer flush)", each=False)
+    wrap(Ingest, "settle", "settle (writer flush)", each=False)
 
     submits: list[float] = []
     finishes: list[float] = []
@@ -93,7 +95,7 @@ def driver(args: argparse.Namespace) -> None:
 
     ray_collect._Run._submit, ray_collect._Run._finish = submit, finish
 
-    original_start_proxy = ray_collect._start_proxy
+    original_start_proxy = node_proxies._start_proxy
 
     def start_proxy(config, node_id):
         before = set(psutil.pids())
@@ -110,7 +112,7 @@ def driver(args: argparse.Namespace) -> None:
         threading.Thread(target=wait, daemon=True).start()
         return handle
 
-    ray_collect._start_proxy = start_proxy
+    node_proxies._start_proxy = start_proxy
     store = Store(Path(args.db))
     for n in range(args.collects):
         events.clear()

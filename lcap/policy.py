@@ -3,7 +3,13 @@
 `lcap serve` writes it when every replica is healthy and `lcap deploy` updates `current` (and, for a full checkpoint
 reloaded in place, maps the new deployment to the name vLLM keeps serving it under); the proxy's
 `--upstream policy` reads it (again whenever the file changes) so that a new deployment reroutes
-new calls without restarting the proxy or the agents. The policy is served by one or more replicas
+new calls without restarting the proxy or the agents.
+
+`publish` is the one way a process changes the record: it replaces the file atomically and returns once every
+reader routes by it. Readers do not acknowledge a record (a proxy may run on another host, and one that routes
+nothing reads nothing); instead each looks at the record's `version` at most `REFRESH_S` before it routes a
+call (capture/routing/routes.py), so a writer that waits `PUBLISH_WAIT_S` knows that any call routed from then
+on is routed by what it wrote. The policy is served by one or more replicas
 (`lcap serve --replicas N`), each a vLLM server of its own; the proxy sends each episode to one of
 them (capture/proxy/calls.py `Router`). A record written before replicas existed describes one server:
 it reads as one replica, `r0`.
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -21,6 +28,10 @@ from pathlib import Path
 from lcap.config import lcap_home
 from lcap.files import atomic_write
 from lcap.locks import file_lock
+
+REFRESH_S = 0.5  # a reader looks at the record's version again at most this long before it routes a call
+# publish's wait: every reader's next look, and a margin for a look under way (its thread waiting for the reader's lock)
+PUBLISH_WAIT_S = 2 * REFRESH_S
 
 
 @dataclass
@@ -100,11 +111,31 @@ def read_policy() -> PolicyServer | None:
         return None
 
 
+def record_version() -> tuple[int, int, int] | None:
+    """What a reader compares to see that the record changed (None: there is none). The inode too: each write
+    replaces the file, and two writes within one tick of the clock share a mtime."""
+    try:
+        stat = os.stat(record_path())
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns, stat.st_size
+
+
+def publish(server: PolicyServer) -> None:
+    """Make `server` the record, and return once every reader routes by it: written atomically (`write_policy`),
+    then `PUBLISH_WAIT_S`, by which time every reader has looked at its version again before routing a call."""
+    write_policy(server)
+    time.sleep(PUBLISH_WAIT_S)
+
+
 def write_policy(server: PolicyServer) -> None:
-    """Replace the record atomically, so a reader never sees half a file."""
+    """Replace the record atomically, so a reader never sees half a file, creating its folder if it is missing; the
+    file is the user's alone. Returns at once: what changes the running policy calls `publish`."""
+    path = record_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
     first = server.replicas[0]
     server.url, server.pid, server.log_path = first.url, first.pid, first.log_path
-    atomic_write(record_path(), json.dumps(asdict(server), indent=2))
+    atomic_write(path, json.dumps(asdict(server), indent=2), mode=0o600)
 
 
 def clear_policy() -> None:

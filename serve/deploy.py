@@ -42,7 +42,7 @@ from functools import partial
 from pathlib import Path
 
 from lcap.config import LcapError
-from lcap.policy import PolicyServer, policy_lock, read_policy, write_policy
+from lcap.policy import PolicyServer, policy_lock, publish, read_policy
 from lcap.serve.reload import ReloadError, can_reload, reload_in_place
 from lcap.serve.same_model import difference
 from lcap.serve.server import in_flight, replicas_of
@@ -51,8 +51,6 @@ from lcap.store import Store, now
 
 log = logging.getLogger("lcap.serve")
 
-# after marking a replica draining: proxies re-read the record (capture/routing/routes.py REFRESH_S)
-DRAIN_GRACE_S = 2.0
 DRAIN_POLL_S = 0.5
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 SERVED_AS_KEPT = 64  # deployment -> vLLM name entries the record keeps (turns in flight may carry an older label)
@@ -124,7 +122,7 @@ def _load_lora(record: PolicyServer, path: Path, name: str, *, current: bool = T
     record.loras[name] = str(path)
     if current:
         record.current = name
-    write_policy(record)
+    publish(record)
     return record
 
 
@@ -146,13 +144,13 @@ def load_candidate(path: Path, *, round: int | None = None) -> str:
 
 def make_current(name: str) -> PolicyServer:
     """Make `name`, a deployment the replicas already serve (a loaded adapter, the base model, or the weights
-    reloaded in place), the current one: routed calls ask for it from the proxies' next read of the record."""
+    reloaded in place), the current one: routed calls ask for it once this returns (the record is published)."""
     with policy_lock():
         record = running_policy()
         if not servable(record, name):
             raise LcapError(f"the policy server does not serve {name!r}: deploy its adapter or checkpoint again")
         record.current = name
-        write_policy(record)
+        publish(record)
     return record
 
 
@@ -167,7 +165,7 @@ def forget_candidate(name: str) -> None:
         record = read_policy()
         if record is not None and name in record.loras and name != record.current:
             del record.loras[name]
-            write_policy(record)
+            publish(record)
 
 
 def record_deployment(
@@ -234,7 +232,7 @@ def _reload(record: PolicyServer, path: Path, name: str, drain_timeout: float) -
             raise ReloadError("the policy record disappeared during the deploy (`lcap serve --stop`?)")
         now_record.served_as = _served_as(now_record.served_as, name, served)
         now_record.replica(replica_name).current = name
-        write_policy(now_record)
+        publish(now_record)
 
     for replica in record.replicas:
         reload_in_place(
@@ -288,7 +286,7 @@ def _serving_checkpoint(record: PolicyServer, path: Path, name: str, served_mode
         serving.served_model = served_model
     for replica in serving.replicas:
         replica.current = None
-    write_policy(serving)
+    publish(serving)
     return serving
 
 
@@ -301,7 +299,7 @@ def _replace(name: str, spec: VllmSpec, *, drain_timeout: float, loras: dict[str
         raise LcapError("the policy record disappeared during the deploy (`lcap serve --stop`?)")
     replica = record.replica(name)
     replica.draining = True
-    write_policy(record)
+    publish(record)
     _drain(replica.url, record.api_key(), name, drain_timeout)
     restarted = replicas_of(record).restart(replica, spec)
     record = read_policy() or record
@@ -314,7 +312,7 @@ def _replace(name: str, spec: VllmSpec, *, drain_timeout: float, loras: dict[str
     restarted.current = None if spec.served_name == record.current else spec.served_name
     if loras and record.current in loras:
         restarted.current = None
-    write_policy(record)
+    publish(record)
 
 
 def _undrain() -> None:
@@ -324,12 +322,12 @@ def _undrain() -> None:
     if record is not None and any(r.draining for r in record.replicas):
         for replica in record.replicas:
             replica.draining = False
-        write_policy(record)
+        publish(record)
 
 
 def _drain(url: str, key: str | None, name: str, timeout: float) -> None:
-    """Wait until the replica has no request running or waiting (twice in a row), or `timeout` passes."""
-    time.sleep(DRAIN_GRACE_S)
+    """Wait until the replica has no request running or waiting (twice in a row), or `timeout` passes. (The record
+    that marked it draining was published: no call is routed to it meanwhile.)"""
     deadline = time.monotonic() + timeout
     quiet = 0
     while quiet < 2:

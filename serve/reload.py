@@ -8,9 +8,9 @@ restart on a full checkpoint); vllm_guard.py, where it runs, wants the key on th
 
 `reload_in_place` pauses the replica (`mode=wait`: new calls wait in vLLM's queue, calls in flight finish on the
 weights they started on), reloads the weights from the checkpoint with the worker's `reload_weights` (through lcap's
-worker extension, vllm_plugin/lcap_policy/reload.py), lets the caller switch the policy record (the replica is idle:
-nothing it has answered came from the new weights, everything it answers from now on will), waits until every proxy
-can have read the switch, and resumes. Whatever fails after the pause, the replica is resumed.
+worker extension, vllm_plugin/lcap_policy/reload.py), lets the caller publish the switch in the policy record (the
+replica is idle: nothing it has answered came from the new weights, everything it answers from now on will;
+lcap.policy `publish` returns once every proxy routes by it), and resumes. Whatever fails after the pause, the replica is resumed.
 """
 
 from __future__ import annotations
@@ -22,12 +22,10 @@ from pathlib import Path
 
 import httpx
 
-from lcap.capture.routing.routes import REFRESH_S
 from lcap.policy import bearer
 
 log = logging.getLogger("lcap.serve")
 
-SWITCH_GRACE_S = 2 * REFRESH_S  # between the record's switch and the resume: proxies re-read it (Router.settle)
 CALL_TIMEOUT_S = 60.0  # /is_paused, /resume
 RELOAD_TIMEOUT_S = 600.0  # reading a large checkpoint from disk
 RELOAD_METHOD = "lcap_reload_weights"  # vllm_plugin/lcap_policy/reload.py: vLLM's reload_weights, and CPU repacking
@@ -57,8 +55,8 @@ def can_reload(url: str, key: str | None) -> str | None:
 def reload_in_place(
     url: str, key: str | None, checkpoint: Path, *, drain_timeout: float, switch: Callable[[], None], name: str = ""
 ) -> None:
-    """Pause the replica at `url`, reload its weights from `checkpoint`, call `switch` (record the new deployment),
-    wait SWITCH_GRACE_S, resume. Calls still in flight after `drain_timeout` finish on the new weights.
+    """Pause the replica at `url`, reload its weights from `checkpoint`, call `switch` (publish the new deployment in
+    the record: it returns once every proxy routes by it, which Router.settle counts on), resume. Calls still in flight after `drain_timeout` finish on the new weights.
 
     ReloadError when vLLM refuses the checkpoint. vLLM's reload takes the model's layers apart before it reads the
     first tensor, so a reload that fails leaves a replica that cannot serve (a reload of the previous weights fails
@@ -88,7 +86,6 @@ def reload_in_place(
             raise ReloadError(f"/pause failed: {exc}") from None
         _reload_weights(url, headers, checkpoint)
         switch()
-        time.sleep(SWITCH_GRACE_S)
     finally:
         if paused:
             _resume(url, headers, name)

@@ -24,7 +24,7 @@ import httpx
 
 from lcap.capture.routing.policy_wire import has_endpoints
 from lcap.config import LcapError, lcap_home
-from lcap.policy import PolicyServer, Replica, bearer, clear_policy, policy_lock, read_policy, write_policy
+from lcap.policy import PolicyServer, Replica, bearer, clear_policy, policy_lock, publish, read_policy
 from lcap.processes import alive, kill_group
 from lcap.serve.options import ServeOptions
 from lcap.serve.ray_replicas import RayReplicas, new_key
@@ -226,7 +226,7 @@ def start_server(
             lcap_endpoints=has_endpoints(started[0].url, key=key),
             endpoint_env=endpoint_env,
         )
-        write_policy(record)
+        publish(record)
     except BaseException:  # servers that no record names would run on, unseen by `lcap serve --stop`
         for replica in started:
             backend.stop(replica, 30)

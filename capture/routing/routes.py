@@ -29,7 +29,6 @@ import functools
 import hashlib
 import itertools
 import logging
-import os
 import re
 import threading
 import time
@@ -37,11 +36,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from lcap.policy import read_policy, record_path
+from lcap.policy import REFRESH_S, read_policy, record_version
 
 log = logging.getLogger("lcap.capture")
 
-REFRESH_S = 0.5  # how often the policy record's mtime is checked
 HEALTH_INTERVAL_S = 2.0  # between two probes of a replica in the rotation
 PROBE_TIMEOUT_S = 5.0  # a busy CPU server can be slow to answer
 SWEEP_FAILURES = 2  # consecutive failed periodic probes that take a replica out (a failed call takes it out at once)
@@ -201,7 +199,7 @@ class Router:
         A full checkpoint reloaded in place (serve/deploy.py) changes a replica's weights under the name vLLM serves:
         a call sent while the replica was paused for the reload waits in vLLM and is served by the new weights. The
         deploy switches the record while the replica is paused with nothing running and resumes it only once every
-        proxy has had time to read the switch (twice REFRESH_S), so a call that ends after the switch was served by
+        proxy has had time to read the switch (lcap.policy `publish`), so a call that ends after the switch was served by
         the new deployment when both deployments are served under the same name; a LoRA or a restart changes the
         name, and then the label given when the call was sent stands."""
         if replica is None or deployment is None or self.upstream != "policy":
@@ -307,7 +305,7 @@ class Router:
     # --- the record ---------------------------------------------------------------------------
 
     def _look(self) -> None:
-        """Read the record again if REFRESH_S passed since the last look."""
+        """Read the record again if it changed and REFRESH_S passed since the last look: what `publish` counts on."""
         now = time.monotonic()
         if now - self._checked >= REFRESH_S:
             with self._lock:
@@ -315,12 +313,7 @@ class Router:
 
     def _refresh(self, now: float) -> None:
         self._checked = now
-        try:
-            stat = os.stat(record_path())
-            # the inode too: each write replaces the file, and two writes within one tick of the clock share a mtime
-            seen = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
-        except FileNotFoundError:
-            seen = None
+        seen = record_version()
         if seen == self._seen:
             return
         self._seen = seen

@@ -3,8 +3,8 @@
 DuckDB admits one writing process per file, so the proxies that `lcap collect --ray` runs on the
 cluster's nodes have no store: each hands its turns to an `Outbox` instead of a `TurnWriter`. The
 outbox appends them to a spool on the node (capture/storage/spool.py: length-prefixed records, sealed with
-the collect run's hand-off key, never in plain text on the node's disk), and the driver takes them
-in bounded batches and appends them to its own writer's spool (dataset/collect/on_ray.py).
+the collect run's hand-off key, never in plain text on the node's disk: `node_outbox`), and the driver's
+`Ingest` (ingest.py) takes them in bounded batches and appends them to its own writer's spool.
 
 The hand-off is exactly-once by position: the driver asks for the records after the spool position
 it has appended up to (`take(after=...)`), which also acknowledges everything before it. Segments
@@ -15,6 +15,7 @@ same position: nothing is skipped and nothing is appended twice.
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -23,11 +24,14 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from lcap.capture.storage.spool import SpoolAppender, SpoolReader
+from lcap.capture.storage.spool import SpoolAppender, SpoolReader, private_dir
 from lcap.capture.storage.writer import WriterReport
 from lcap.capture.turns.turn import PendingTurn
+from lcap.config import lcap_home
+from lcap.processes import alive
 
 Position = tuple[int, int]  # (segment, offset) in the spool
+SPOOL_DIR = "ray-spool"  # the node's outboxes, under its LCAP_HOME
 
 
 @dataclass
@@ -141,3 +145,19 @@ class Outbox:
         with self._changed:
             self._acked, self._acked_records = after, sent[1]
             self._changed.notify_all()
+
+
+def node_outbox(run: str, key: bytes) -> Outbox:
+    """The outbox of this process's proxy for collect run `run` on this node, sealed with the run's hand-off `key`:
+    `LCAP_HOME/ray-spool/PID-RUN`, where the node's other proxies keep theirs. Whatever a proxy that died left
+    there (`PID-*`, its spool and what the proxy kept beside it) is deleted first, not replayed: it belongs to
+    episodes that are run again (a finished episode's turns were all taken before it finished)."""
+    root = private_dir(lcap_home() / SPOOL_DIR)
+    for path in root.glob("*-*"):
+        pid = path.name.split("-", 1)[0]
+        if pid.isdigit() and not alive(int(pid)):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+    return Outbox(root / f"{os.getpid()}-{run}", AESGCM(key))

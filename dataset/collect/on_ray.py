@@ -13,12 +13,12 @@ bar, resume. What runs where:
   driver starts those of the nodes the episodes go to before it sends any; an episode that lands on a node
   without one (joined since, or its proxy lost) comes back unrun, and the driver starts one there and sends
   the episode back to that node. Agents reach the proxy on the node's loopback, so their traffic never
-  crosses nodes to be captured and TLS ends where the agent runs. `NodeProxies` holds them with the
-  hand-off below: a collect's own, or the one `lcap loop --ray` keeps across its collects (the proxies then
-  start once per node and loop, and take each deploy's record).
+  crosses nodes to be captured and TLS ends where the agent runs. `NodeProxies` (node_proxies.py) holds them
+  with the hand-off below: a collect's own, or the one `lcap loop --ray` keeps across its collects (the
+  proxies then start once per node and loop, and take each deploy's record).
 * The proxy's turns go to an `Outbox` (capture/storage/outbox.py), a spool on the node sealed with this run's
-  hand-off key, and the driver's ingest thread takes them in bounded batches, reseals them with this
-  home's spool key and appends them to its own `TurnWriter`: the one store writer, with its row
+  hand-off key, and the driver's `Ingest` (capture/storage/ingest.py) takes them in bounded batches, reseals
+  them with this home's spool key and appends them to its own `TurnWriter`: the one store writer, with its row
   builder, degraded rows and dead letters. The hand-off is exactly-once by spool position: each take
   names the position it has appended up to, which acknowledges everything before it.
 * An episode's task calls its node proxy's flush before returning, and that returns once the driver
@@ -37,28 +37,19 @@ from __future__ import annotations
 import io
 import logging
 import os
-import shutil
-import signal
 import tarfile
-import threading
 import time
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from lcap.capture.options import ProxyOptions
-from lcap.capture.proxy.server import CaptureProxy
-from lcap.capture.routing.routes import REFRESH_S
-from lcap.capture.storage.outbox import Outbox, Position, Taken
-from lcap.capture.storage.spool import private_dir, reseal
-from lcap.capture.storage.writer import TurnWriter
-from lcap.config import LcapError, lcap_home
+from lcap.config import LcapError
 from lcap.dataset.collect.episode import (
     EpisodeOutcome,
     EpisodeRules,
@@ -71,11 +62,10 @@ from lcap.dataset.collect.episode import (
     run_episode,
     start_episode,
 )
+from lcap.dataset.collect.node_proxies import CALL_S, PROXY_START_S, NodeProxies, first_line, ignoring_sigint
 from lcap.dataset.collect.workspaces import source_dir
 from lcap.dataset.options import CollectOptions
-from lcap.files import atomic_write
 from lcap.policy import read_policy, record_path
-from lcap.processes import alive, kill_group
 from lcap.ray_cluster import describe
 from lcap.store import Store
 
@@ -83,239 +73,8 @@ log = logging.getLogger("lcap.dataset")
 
 MAX_ATTEMPTS = 3  # runs of one episode whose node was lost, before it is recorded as an error
 MAX_MOVES = 3  # times one episode is sent back to a node whose proxy was missing, before it is an error
-PROXY_START_S = 120.0  # a node proxy's start: its CA, the upstream's probe, its port
-CALL_S = 60.0  # any other call to a node proxy
 FLUSH_S = 30.0  # an episode's turns reaching the driver after its agent ended
-TAKE_RECORDS = 2000  # a take's bound, the writer's batch
-TAKE_BYTES = 32 << 20
-TAKE_WAIT_S = 0.5  # a take waits this long on the node for a record (long poll)
-STOP_S = 20.0  # node proxies' drain at the end of the run
 MAX_TEMPLATE_BYTES = 1 << 30  # a template directory shipped through the object store
-SPOOL_DIR = "ray-spool"  # under the node's LCAP_HOME
-
-
-# --- on each node: the capture proxy --------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class NodeConfig:
-    """What every node proxy of a run is started with. It travels in Ray's actor arguments, never through a file;
-    the keys stay out of its repr (Ray shows arguments in some errors)."""
-
-    options: ProxyOptions
-    policy: str | None  # the policy record's text (`--upstream policy`), written on the node for its Router
-    key: bytes = field(repr=False)  # the run's hand-off key: the outbox is sealed with it
-    run: str  # names the node's spool directory
-    max_concurrency: int
-    # The policy replicas' key itself: the record names a file on the driver's machine, which another host lacks.
-    # The node's proxy holds it in memory only.
-    policy_key: str | None = field(default=None, repr=False)
-
-
-class NodeProxy:
-    """A capture proxy on one node with an Outbox for a writer, and the reaper of the node's agents.
-
-    Runs as a threaded Ray actor: episodes' flushes wait while the driver takes turns."""
-
-    def __init__(self, config: NodeConfig) -> None:
-        """Nothing slow: the actor is alive once it has its worker process (`placed`), and `start`, called by whoever
-        creates it, starts the proxy, so that where the start's time goes (Ray's worker or lcap's proxy) shows."""
-        self.config = config
-        self.error: str | None = None
-        self.groups: dict[str, int] = {}  # episode -> its agent's process group
-        self.lock = threading.Lock()
-        self.started = threading.Event()
-        self.outbox: Outbox | None = None
-        self.proxy: Any = None
-
-    def placed(self) -> int:
-        """Its worker's pid, once this actor has its worker process (before its proxy started)."""
-        return os.getpid()
-
-    def start(self) -> None:
-        """Start the proxy (its CA, the upstream's probe, its port); every other call waits for it."""
-        try:
-            config = self.config
-            root = private_dir(lcap_home() / SPOOL_DIR)
-            _remove_dead_spools(root)
-            directory = root / f"{os.getpid()}-{config.run}"
-            if config.policy is not None:
-                record = _policy_file(directory)
-                _write_private(record, config.policy)
-                os.environ["LCAP_POLICY_RECORD"] = str(record)  # this actor's process: what its Router reads
-            self.outbox = Outbox(directory, AESGCM(config.key))
-            self.proxy = CaptureProxy(None, config.options, writer=self.outbox, policy_key=config.policy_key)
-            self.proxy.start()
-        except LcapError as exc:
-            self.error = str(exc)
-        except Exception as exc:  # the driver says it in one line (episodes on this node end with it), no traceback
-            self.error = f"{exc.__class__.__name__}: {_first_line(exc)}"
-        finally:
-            self.started.set()
-
-    def ready(self) -> str | None:
-        """None once the proxy listens; else why it could not start."""
-        if not self.started.wait(PROXY_START_S):
-            return f"the capture proxy did not start in {PROXY_START_S:g}s"
-        return self.error
-
-    def _outbox(self) -> Outbox:
-        """The outbox, once `start` has made it (the driver's takes may come first)."""
-        self.started.wait(PROXY_START_S)
-        if self.outbox is None:
-            raise RuntimeError(f"this node's capture proxy did not start: {self.error}")
-        return self.outbox
-
-    def set_policy(self, policy: str) -> None:
-        """A new policy record (a deploy between two collects of a loop): written over this proxy's copy, which its
-        Router reads again when the file changes. Returns once any call routed from now on is routed by it: the
-        Router looks at the file at most `REFRESH_S` after its last look."""
-        atomic_write(_policy_file(self._outbox().directory), policy, mode=0o600)
-        time.sleep(REFRESH_S)
-
-    def child_env(self, episode_id: str, base: Mapping[str, str]) -> dict[str, str]:
-        self._outbox()
-        return self.proxy.child_env(episode_id, base)
-
-    def adopt(self, episode_id: str, pgid: int) -> None:
-        """The agent of `episode_id` leads process group `pgid`: `fence` and `kill_all` end it even when its runner
-        (a Ray worker) is gone."""
-        with self.lock:
-            self.groups[episode_id] = pgid
-
-    def release(self, episode_id: str) -> None:
-        with self.lock:
-            self.groups.pop(episode_id, None)
-
-    def flush(self, episode_id: str, timeout: float) -> bool:
-        self._outbox()
-        return self.proxy.flush(episode_id, timeout=timeout)
-
-    def take(self, after: Position | None, limit: int, max_bytes: int, wait: float) -> Taken:
-        return self._outbox().take(after, limit=limit, max_bytes=max_bytes, wait=wait)
-
-    def fence(self, episode_ids: list[str], timeout: float) -> bool:
-        """End these episodes here: kill their agents, let their calls finish and wait for the driver to take their
-        turns; False if that took longer than `timeout`."""
-        for eid in episode_ids:
-            with self.lock:
-                group = self.groups.pop(eid, None)
-            if group is not None:
-                kill_group(group, grace=1.0)
-        deadline = time.monotonic() + timeout
-        self.started.wait(timeout)
-        if self.proxy is None or self.error is not None:
-            return True
-        return all(self.proxy.flush(eid, timeout=max(0.0, deadline - time.monotonic())) for eid in episode_ids)
-
-    def kill_all(self) -> int:
-        with self.lock:
-            groups, self.groups = list(self.groups.values()), {}
-        for pgid in groups:
-            kill_group(pgid, grace=1.0)
-        return len(groups)
-
-    def stop(self, timeout: float) -> int:
-        """Kill what agents are left, stop the proxy (the driver takes its last turns, for up to `timeout`
-        seconds), delete its spool; returns the turns it never handed off."""
-        self.kill_all()
-        self.started.wait(timeout)
-        report = self.proxy.stop(drain=min(timeout, 10.0)) if self.proxy is not None and self.error is None else None
-        if self.outbox is not None:
-            self.outbox.remove()
-            _policy_file(self.outbox.directory).unlink(missing_ok=True)
-        return report.unstored if report is not None else 0
-
-
-def _policy_file(spool: Path) -> Path:
-    """The node proxy's copy of the policy record, beside its spool."""
-    return spool.with_name(spool.name + ".policy.json")
-
-
-def _write_private(path: Path, text: str) -> None:
-    """`text` in a file only this user reads: a policy record may hold the replicas' key."""
-    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-        f.write(text)
-
-
-def _remove_dead_spools(root: Path) -> None:
-    """Spools of node proxies that died: what they hold belongs to episodes that are run again (a finished
-    episode's turns were all taken before it finished), so they are deleted, not replayed."""
-    for path in root.glob("*-*"):
-        pid = path.name.split("-", 1)[0]
-        if pid.isdigit() and not alive(int(pid)):
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-
-
-def _start_proxy(config: NodeConfig, node_id: str) -> Any:
-    """A node proxy pinned to `node_id`, owned by this process (it ends with it), starting."""
-    handle: Any = _NodeProxyActor.options(
-        num_cpus=0,
-        max_concurrency=config.max_concurrency,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(config)
-    handle.start.remote()
-    return handle
-
-
-class _Proxies:
-    """A run's node proxies, one per node, held by the driver, which starts them and owns them (they end with it:
-    no actor of a run outlives its driver). Thread-safe: the ingest thread forgets the ones it finds dead."""
-
-    def __init__(self, config: NodeConfig) -> None:
-        self.config = config
-        self.proxies: dict[str, tuple[str, Any]] = {}  # node id -> (this proxy's key, its handle)
-        self.every: list[Any] = []  # every proxy started, dead ones included: all are killed at the end
-        self.lock = threading.Lock()
-        self.ref: Any = ray.put({})  # {node id: handle} in the object store, for the episodes' tasks
-
-    def ensure(self, node_ids: Iterable[str]) -> None:
-        """A proxy on each of these nodes, started now where there is none."""
-        with self.lock:
-            missing = [node_id for node_id in node_ids if node_id not in self.proxies]
-            for node_id in missing:
-                handle = _start_proxy(self.config, node_id)
-                self.every.append(handle)
-                self.proxies[node_id] = (f"{node_id}#{len(self.every)}", handle)
-            if missing:
-                self.ref = ray.put({node_id: handle for node_id, (_, handle) in self.proxies.items()})
-
-    def replace(self, node_id: str, lost: str | None) -> None:
-        """An episode found no live proxy on `node_id` (`lost`: the actor id of the one it found dead): start one,
-        unless another replaced it meanwhile."""
-        with self.lock:
-            if lost and node_id in self.proxies and self.proxies[node_id][1]._actor_id.hex() == lost:
-                del self.proxies[node_id]
-        self.ensure([node_id])
-
-    def set_policy(self, policy: str) -> bool:
-        """A new policy record for every proxy, those running and those started from now on; False if a proxy did
-        not answer in time (one that is gone is the ingest's to see)."""
-        with self.lock:
-            self.config = replace(self.config, policy=policy)
-            calls = [handle.set_policy.remote(policy) for _, handle in self.proxies.values()]
-        if not calls:
-            return True
-        _, late = ray.wait(calls, num_returns=len(calls), timeout=CALL_S)
-        return not late
-
-    def known(self) -> dict[str, Any]:
-        """Every proxy started and not forgotten, by key (a node's proxy started again has a new key)."""
-        with self.lock:
-            return {key: handle for key, handle in self.proxies.values()}
-
-    def forget(self, key: str) -> None:
-        """A proxy that died: the next episode on its node (if the node lives) has another started."""
-        node_id = key.split("#", 1)[0]
-        with self.lock:
-            if node_id in self.proxies and self.proxies[node_id][0] == key:
-                del self.proxies[node_id]
-
-
-_NodeProxyActor = ray.remote(NodeProxy)
 
 
 # --- on each node: one episode ------------------------------------------------------------------------
@@ -384,7 +143,7 @@ def _episode_task(
             proxy.release.remote(eid)
     except ray.exceptions.RayError as exc:
         _node_proxy.pop(cached, None)  # the next episode here looks for the node's proxy again
-        return _Report(lost=f"its node's capture proxy was lost: {_first_line(exc)}", node=where)
+        return _Report(lost=f"its node's capture proxy was lost: {first_line(exc)}", node=where)
     return _Report(outcome=outcome, node=where)
 
 
@@ -392,226 +151,6 @@ _node_proxy: dict[tuple[str, str], Any] = {}  # in a Ray worker: its node's prox
 
 
 _episode_remote = ray.remote(_episode_task)
-
-
-# --- on the driver: turns from the nodes into the store --------------------------------------------
-
-
-@dataclass
-class _Source:
-    proxy: Any
-    after: Position | None = None  # appended up to here (what the next take acknowledges)
-    taking: Any = None  # the take in flight
-    dead: bool = False
-
-
-class _Ingest:
-    """The driver's thread that takes the node proxies' turns and appends them to the one writer's spool."""
-
-    def __init__(self, proxies: _Proxies, writer: TurnWriter, key: bytes) -> None:
-        self.proxies, self.writer = proxies, writer
-        self.source_cipher = AESGCM(key)
-        self.sources: dict[str, _Source] = {}
-        self.appending = threading.Lock()  # held while a batch is appended: `settle` waits for it
-        self.lock = threading.Lock()  # over `sources`, which the driver's threads read
-        self.records = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="lcap-ray-ingest", daemon=True)
-        self.error: BaseException | None = None
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(CALL_S)
-
-    def live(self) -> dict[str, Any]:
-        with self.lock:
-            return {node: s.proxy for node, s in self.sources.items() if not s.dead}
-
-    def settle(self, timeout: float = FLUSH_S + 30) -> bool:
-        """Every turn appended so far is in the store (False after `timeout`)."""
-        with self.appending:
-            pass
-        return self.writer.flush(timeout)
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._refresh()
-                taking = {}
-                for node, source in list(self.sources.items()):
-                    if source.dead:
-                        continue
-                    if source.taking is None:
-                        source.taking = source.proxy.take.remote(source.after, TAKE_RECORDS, TAKE_BYTES, TAKE_WAIT_S)
-                    taking[source.taking] = node
-                if not taking:
-                    self._stop.wait(0.1)
-                    continue
-                ready, _ = ray.wait(list(taking), num_returns=1, timeout=TAKE_WAIT_S * 2)
-                if ready:
-                    ready, _ = ray.wait(list(taking), num_returns=len(taking), timeout=0)
-                for ref in ready:
-                    self._append(taking[ref], ref)
-        except BaseException as exc:  # the run cannot go on without its turns: the driver stops on it
-            self.error = exc
-            log.error("lcap: the driver stopped taking turns from the nodes: %s", _first_line(exc))
-
-    def _refresh(self) -> None:
-        known = self.proxies.known()
-        with self.lock:
-            for key, proxy in known.items():
-                self.sources.setdefault(key, _Source(proxy))
-
-    def _append(self, node: str, ref: Any) -> None:
-        source = self.sources[node]
-        source.taking = None
-        try:
-            taken: Taken = ray.get(ref, timeout=CALL_S)
-        except ray.exceptions.RayError as exc:
-            log.warning("lcap: lost the capture proxy of node %s: %s", node[:8], _first_line(exc))
-            with self.lock:
-                source.dead = True
-            self.proxies.forget(node)
-            return
-        with self.appending:
-            for payload in taken.records:
-                self.writer.put_sealed(reseal(self.source_cipher, self.writer.cipher, payload))
-            source.after = taken.end
-            self.records += len(taken.records)
-
-
-class NodeProxies:
-    """The node proxies of one or more collects and the hand-off of their turns to the store (the ingest thread and
-    the one writer).
-
-    A standalone `lcap collect --ray` has its own, stopped at its end. `lcap loop --ray` keeps one for all its
-    collects (each round's and each held-out one): a node's proxy is started once, by the first collect that runs
-    an episode there, and serves the loop's later collects too, instead of a new actor process per node and
-    collect. What stays per collect is what always was per episode: its credentials in the proxy URL (the turns'
-    episode, hence their round and split) and its flush. A deploy between two collects reaches the running
-    proxies through `prepare` (the new policy record, written over each proxy's copy) before any episode of the
-    next collect starts. Options that proxies are started with (the proxy options, the concurrency bound, the
-    replicas' key) cannot change under a running proxy: a collect that asks for others stops these and starts
-    new ones. Each collect also starts proxies on nodes that joined since (and on those whose proxy was lost)."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self.proxies: _Proxies | None = None
-        self.ingest: _Ingest | None = None
-        self.writer: TurnWriter | None = None
-        self._shape: tuple[ProxyOptions, int, str | None] | None = None  # what the running proxies were started with
-        self._policy: str | None = None
-        self.starts = 0  # how many times the proxies and their hand-off were started (a test and the benchmark read it)
-
-    def __enter__(self) -> NodeProxies:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @property
-    def started(self) -> list[Any]:
-        """[a reference to the running proxies by node], what the episodes' tasks are given."""
-        return [self.proxies.ref] if self.proxies is not None else []
-
-    @property
-    def run(self) -> str:
-        """Names the running proxies (an episode's worker keeps its node's proxy under it)."""
-        return self.proxies.config.run if self.proxies is not None else ""
-
-    def known(self) -> dict[str, Any]:
-        """The live proxies, by key."""
-        return self.proxies.known() if self.proxies is not None else {}
-
-    def prepare(
-        self,
-        options: ProxyOptions,
-        *,
-        max_concurrency: int,
-        policy: str | None,
-        policy_key: str | None,
-        name: str,
-        nodes: list[str],
-    ) -> None:
-        """Ready for a collect: started (or kept, with `policy` pushed to them if it changed), and the proxies of
-        `nodes` starting."""
-        shape = (options, max_concurrency, policy_key)
-        if self.proxies is not None and (shape != self._shape or (self.ingest and self.ingest.error is not None)):
-            self.close()  # started with other options, or its hand-off failed: these proxies cannot serve it
-        if self.proxies is not None and policy is not None and policy != self._policy:
-            if self.proxies.set_policy(policy):
-                self._policy = policy
-            else:  # new proxies start with the new record
-                log.warning("lcap: the node proxies did not take the new policy record in time: starting new ones")
-                self.close()
-        if self.proxies is None:
-            config = NodeConfig(
-                options, policy, os.urandom(32), f"{name}-{os.urandom(4).hex()}", max_concurrency, policy_key=policy_key
-            )
-            self._start(config, nodes)
-            self._shape, self._policy = shape, policy
-        else:
-            self.proxies.ensure(nodes)  # nodes that joined since, and those whose proxy was lost
-
-    def replace(self, node_id: str, lost: str | None) -> None:
-        """Start a proxy on `node_id`, which an episode found without a live one."""
-        assert self.proxies is not None
-        self.proxies.replace(node_id, lost)
-
-    def with_proxy(self, nodes: list[str]) -> list[str]:
-        """`nodes`, those where a proxy of these runs already (kept from an earlier collect) first."""
-        have = {key.split("#", 1)[0] for key in self.known()}
-        return sorted(nodes, key=lambda node: node not in have)
-
-    def _start(self, config: NodeConfig, nodes: list[str]) -> None:
-        """The proxies of `nodes` (first: each is an actor process to start), the writer and the ingest."""
-        self.proxies = _Proxies(config)
-        self.proxies.ensure(nodes)
-        self.writer = TurnWriter(self.store)
-        self.writer.start()
-        self.starts += 1
-        self.ingest = _Ingest(self.proxies, self.writer, config.key)
-        self.ingest.start()
-
-    def close(self) -> None:
-        """Stop every node proxy (each kills the agents left on its node; the ingest takes their last turns
-        meanwhile), then the writer. Safe to call twice; Ctrl-C does not interrupt it."""
-        if self.proxies is None:
-            return
-        proxies, ingest, writer = self.proxies, self.ingest, self.writer
-        self.proxies = self.ingest = self.writer = None
-        self._shape = self._policy = None
-        with _ignoring_sigint():
-            try:
-                if ingest is not None:
-                    _stop_proxies(ingest)
-            finally:
-                if ingest is not None:
-                    ingest.stop()
-                for proxy in proxies.every:
-                    ray.kill(proxy)
-                report = writer.finish() if writer is not None else None
-                if report is not None and report.unstored:
-                    log.warning("%s", report.summary(self.store.path))
-
-
-def _stop_proxies(ingest: _Ingest) -> None:
-    """Stop the live node proxies: the ingest takes their last turns meanwhile."""
-    proxies = ingest.live()
-    stops = [proxy.stop.remote(STOP_S) for proxy in proxies.values()]
-    if stops:
-        ready, _ = ray.wait(stops, num_returns=len(stops), timeout=STOP_S + CALL_S)
-        for ref in ready:
-            try:
-                unsent = ray.get(ref)
-            except ray.exceptions.RayError:
-                continue
-            if unsent:
-                log.warning("lcap: %d turns were left on a node proxy at its end", unsent)
-    ingest.settle(timeout=30)
 
 
 # --- on the driver: the pool ----------------------------------------------------------------------------
@@ -783,11 +322,11 @@ class _Run:
             try:
                 report: _Report = ray.get(ref)
             except ray.exceptions.RayTaskError as exc:  # the task's own code failed: an error, as locally
-                report = _Report(EpisodeOutcome("error", None, f"lcap on the node: {_first_line(exc)}"))
+                report = _Report(EpisodeOutcome("error", None, f"lcap on the node: {first_line(exc)}"))
             except ray.exceptions.TaskCancelledError:
                 report = _Report(EpisodeOutcome("interrupted", None, "collect was interrupted"))
             except ray.exceptions.RayError as exc:  # its node or worker died
-                lost.append((attempt, f"{type(exc).__name__}: {_first_line(exc)}"))
+                lost.append((attempt, f"{type(exc).__name__}: {first_line(exc)}"))
                 continue
             if report.no_proxy is not None:
                 moved.append((attempt, report))
@@ -878,7 +417,7 @@ class _Run:
         """Ctrl-C (or a failure of the run): the node proxies end the agents' process groups, the tasks are cancelled
         (their workers killed), and the episodes in flight are recorded as interrupted."""
         refs = list(self.inflight)
-        with _ignoring_sigint():
+        with ignoring_sigint():
             kills = [proxy.kill_all.remote() for proxy in self.ingest.live().values()]
             if kills:
                 ray.wait(kills, num_returns=len(kills), timeout=CALL_S)
@@ -888,20 +427,6 @@ class _Run:
             for attempt in self.inflight.values():
                 self._finish(attempt.spec, EpisodeOutcome("interrupted", None, "collect was interrupted"), ended)
             self.inflight.clear()
-
-
-class _ignoring_sigint:
-    """The clean-up after Ctrl-C runs to its end; a second Ctrl-C during it would leave agents running."""
-
-    def __enter__(self) -> None:
-        try:
-            self.previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        except ValueError:  # not the main thread
-            self.previous = None
-
-    def __exit__(self, *exc: object) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
 
 
 class _Templates:
@@ -958,8 +483,3 @@ def _resources_text(resources: Mapping[str, float]) -> str:
     hidden = ("memory", "object_store_memory")
     shown = {k: v for k, v in resources.items() if not k.startswith(("node:", "accelerator_type:")) and k not in hidden}
     return ", ".join(f"{k}={v:g}" for k, v in sorted(shown.items())) or "nothing"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:500] if text else type(exc).__name__

@@ -555,7 +555,7 @@ def test_a_nodes_episodes_start_before_another_nodes_proxy_is_ready(cluster, ups
 
     import ray
 
-    from lcap.dataset.collect import on_ray as ray_collect
+    from lcap.dataset.collect import node_proxies as ray_collect
 
     address, _, _ = cluster
     store, command = _driver_of(project, address)

@@ -53,7 +53,7 @@ def test_servers_no_record_names_are_stopped(tmp_path, monkeypatch):
 
     monkeypatch.setattr(server.LocalReplicas, "start", start)
     monkeypatch.setattr(server, "resolve_python", lambda python: sys.executable)
-    monkeypatch.setattr(server, "write_policy", refuse)
+    monkeypatch.setattr(server, "publish", refuse)
     with pytest.raises(OSError, match="No space left"):
         server.start_server(str(tmp_path), replicas=2)
     assert len(leaders) == 2 and all(p.wait(timeout=30) is not None for p in leaders)
@@ -66,13 +66,14 @@ def test_a_lone_replica_drains_and_is_not_left_draining_when_it_cannot_start_aga
     (A process group stands in for the running vLLM.)"""
     from fixtures_vllm import watching_record
 
+    from lcap import policy
     from lcap.config import LcapError
     from lcap.policy import read_policy
     from lcap.serve import deploy
 
     monkeypatch.setenv("LCAP_POLICY_RECORD", str(tmp_path / "policy.json"))
     monkeypatch.setenv("LCAP_HOME", str(tmp_path))
-    monkeypatch.setattr(deploy, "DRAIN_GRACE_S", 0.0)
+    monkeypatch.setattr(policy, "PUBLISH_WAIT_S", 0.0)
     running = subprocess.Popen(["sleep", "300"], start_new_session=True)
     record_dead_server(pid=running.pid)
     record = read_policy()

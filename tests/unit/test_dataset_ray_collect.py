@@ -11,7 +11,7 @@ def test_a_node_proxy_that_cannot_start_says_why_in_one_line(tmp_path, monkeypat
     its episodes report, one line, instead of a dead actor's traceback."""
     from lcap.capture.options import ProxyOptions
     from lcap.capture.proxy.server import CaptureProxy
-    from lcap.dataset.collect.on_ray import NodeConfig, NodeProxy
+    from lcap.dataset.collect.node_proxies import NodeConfig, NodeProxy
 
     monkeypatch.setenv("LCAP_HOME", str(capture_home))
 

@@ -45,7 +45,9 @@ def test_a_group_with_one_reward_is_an_error_not_a_solved_round(builder, dstore,
 def test_equal_rewards_reads_the_report():
     groups = {"total": 8, "zero_variance": 8, "singleton": 0}
     assert equal_rewards({"groups": groups}) == "every group got the same reward (8 of 8)"
-    assert equal_rewards({"groups": {**groups, "zero_variance": 7, "singleton": 1}}) is None  # zero_variance: groups of 2+
+    assert (
+        equal_rewards({"groups": {**groups, "zero_variance": 7, "singleton": 1}}) is None
+    )  # zero_variance: groups of 2+
     assert equal_rewards({"groups": {**groups, "zero_variance": 7}}) is None
     assert equal_rewards({"groups": groups, "options": {"keep_zero_variance": True}}) is None
     assert equal_rewards({"groups": {"total": 0, "zero_variance": 0}}) is None

@@ -210,3 +210,30 @@ def test_the_check_sees_a_package_without_a_docstring(tmp_path):
     modules = {f"lcap.{name}": tmp_path / name / "__init__.py" for name in ("said", "bare", "late")}
     modules["lcap.said.mod"] = tmp_path / "said" / "mod.py"
     assert packages_without_docstring(modules) == ["lcap.bare", "lcap.late"]
+
+
+def record_writers(modules: dict[str, Path]) -> list[str]:
+    """Every module but lcap.policy that names `write_policy`, the record's write without publish's wait."""
+    return sorted(
+        module
+        for module, path in modules.items()
+        if module != "lcap.policy"
+        and any(
+            (isinstance(node, ast.alias) and node.name == "write_policy")
+            or (isinstance(node, ast.Attribute) and node.attr == "write_policy")
+            for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        )
+    )
+
+
+def test_the_policy_record_has_one_publisher():
+    """Whatever changes the running policy calls lcap.policy.publish, which returns once every router routes by it."""
+    assert record_writers(_modules()) == []
+
+
+def test_the_check_sees_a_writer_of_the_record(tmp_path):
+    files = {"a": "from lcap.policy import write_policy\n", "b": "import lcap.policy\nlcap.policy.write_policy(r)\n"}
+    files["c"] = "from lcap.policy import publish\npublish(r)\n"
+    for name, text in files.items():
+        (tmp_path / f"{name}.py").write_text(text)
+    assert record_writers({f"lcap.x.{name}": tmp_path / f"{name}.py" for name in files}) == ["lcap.x.a", "lcap.x.b"]
