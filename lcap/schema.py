@@ -14,7 +14,7 @@ PROMOTED_LABELS = {
 
 # The store's shape. A new store gets TABLES at SCHEMA_VERSION; an older one is brought there by MIGRATIONS
 # (version reached -> statements), in order, inside the unit of work that first opens it for writing.
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     2: (
         "ALTER TABLE episodes RENAME COLUMN group_index TO sample",
@@ -42,6 +42,19 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     7: ("ALTER TABLE train_runs ADD COLUMN IF NOT EXISTS mismatch_held VARCHAR",),
     8: ("ALTER TABLE rewards ADD COLUMN IF NOT EXISTS key VARCHAR",),
     9: ("ALTER TABLE deployments ADD COLUMN IF NOT EXISTS rollback_of VARCHAR",),
+    10: (
+        """
+CREATE TABLE IF NOT EXISTS judge_cache (
+    rubric_hash     VARCHAR,   -- sha256 of the rubric's text
+    judge_model     VARCHAR,
+    transcript_hash VARCHAR,   -- sha256 of what the judge was shown of the episode (a group's: of the whole group)
+    mode            VARCHAR,   -- pointwise | group
+    episode_id      VARCHAR,   -- the episode first judged with this key
+    score           DOUBLE,
+    details         JSON,      -- reasons, the judge episode
+    created_at      TIMESTAMPTZ
+)""",
+    ),
 }
 
 TABLES = """
@@ -133,6 +146,18 @@ CREATE TABLE IF NOT EXISTS deployments (
     created_at  TIMESTAMPTZ,
     rollback_of VARCHAR    -- `lcap deploy --rollback`: the deployment this row took out of service (NULL: none)
 );
+-- dataset stage: an LLM judge's verdicts by (rubric, model, what it was shown): a second judging is free
+CREATE TABLE IF NOT EXISTS judge_cache (
+    rubric_hash     VARCHAR,   -- sha256 of the rubric's text
+    judge_model     VARCHAR,
+    transcript_hash VARCHAR,   -- sha256 of what the judge was shown of the episode (a group's: of the whole group)
+    mode            VARCHAR,   -- pointwise | group
+    episode_id      VARCHAR,   -- the episode first judged with this key
+    score           DOUBLE,
+    details         JSON,      -- reasons, the judge episode
+    created_at      TIMESTAMPTZ
+);
+
 -- dataset stage: flags raised on episodes (tampered, verifier_error, ...), one row per flag
 CREATE TABLE IF NOT EXISTS episode_flags (
     episode_id  VARCHAR,

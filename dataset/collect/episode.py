@@ -47,6 +47,7 @@ from lcap.store import Store
 if TYPE_CHECKING:
     from lcap.capture.proxy.server import Child
     from lcap.capture.sandbox import EpisodeSandbox, Sandbox
+    from lcap.dataset.judge.run import JudgeResult
 
 log = logging.getLogger("lcap.dataset")
 
@@ -65,6 +66,7 @@ class CollectResult:
     statuses: dict[str, int] = field(default_factory=dict)
     tampered: int = 0
     summary: CollectSummary | None = None  # every episode of this collect, this run's and earlier ones'
+    judge: JudgeResult | None = None  # --verifier judge:RUBRIC.md: the judge pass over the collect's episodes
 
 
 @dataclass(frozen=True)
