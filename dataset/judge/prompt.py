@@ -46,7 +46,7 @@ SYSTEM = (
 POINTWISE_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
-        "reasons": {"type": "string", "maxLength": 600},
+        "reasons": {"type": "string", "maxLength": 300},
         "score": {"type": "number", "minimum": 0, "maximum": 1},
     },
     "required": ["reasons", "score"],
@@ -202,7 +202,7 @@ def group_schema(labels: Sequence[str]) -> dict[str, Any]:
         "type": "object",
         "properties": {
             "id": {"type": "string", "enum": list(labels)},
-            "reasons": {"type": "string", "maxLength": 300},
+            "reasons": {"type": "string", "maxLength": 200},
             "score": {"type": "number", "minimum": 0, "maximum": 1},
         },
         "required": ["id", "reasons", "score"],
