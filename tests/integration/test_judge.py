@@ -17,8 +17,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from starlette.testclient import TestClient
 
 from lcap.store import Store
+from lcap.ui.app import create_app
+from lcap.ui.options import UiOptions
 
 LCAP = str(Path(sys.executable).parent / "lcap")
 _LABEL = re.compile(r'<transcript id="(\d+)">\n(.*?)\n</transcript>', re.DOTALL)
@@ -284,6 +287,14 @@ def test_some_judged_is_exit_0_with_the_failures_counted(tmp_path, store, judge)
     judge.mode = "good"
     assert rescore(store, rubric, judge).returncode == 0  # the rerun judges what the failure left
     assert len(rewards(store)) == 6
+
+
+def test_the_judged_episode_page_links_its_judge_calls(tmp_path, store, judge):
+    assert rescore(store, _rubric(tmp_path), judge).returncode == 0
+    (call,) = [eid for eid, judged, _, _ in judge_episodes(store) if "t1-0" in judged.split(",")]
+    client = TestClient(create_app(Path(store.path), UiOptions(), token=None), base_url="http://127.0.0.1")
+    page = client.get("/episode", params={"id": "t1-0"})
+    assert page.status_code == 200 and "Judged by" in page.text and call in page.text
 
 
 def test_judge_episodes_are_never_judged(tmp_path, store, judge):
