@@ -4,8 +4,8 @@ The endpoint is `--judge-url` and `--judge-model` with a key from the environmen
 policy server asked for its base model (no adapter: the weights being trained never judge themselves). The call
 goes through the judge pass's `CaptureProxy` with the judge episode's credentials, so the store keeps its
 request and answer as it keeps an agent's (redacted: the key never reaches disk). The answer is asked for as JSON
-under a schema (`response_format` json_schema: vLLM's guided decoding); an endpoint that ignores it is read by
-the parser all the same. A call that cannot connect, times out or gets a 429 or 5xx is tried again, at most
+under a schema (`response_format` json_schema; on lcap's own vLLM server `structured_outputs` with the same JSON
+as a regular expression, vLLM's guided decoding); an endpoint that ignores it is read by the parser all the same. A call that cannot connect, times out or gets a 429 or 5xx is tried again, at most
 `--judge-retries` times, each try bounded by `--judge-timeout`.
 """
 
@@ -35,6 +35,7 @@ class Endpoint:
     url: str  # base URL of the OpenAI API, ending before /chat/completions
     model: str
     key: str | None = field(default=None, repr=False)
+    vllm: bool = False  # lcap's policy server: vLLM's own structured_outputs (a regular expression)
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,9 @@ def resolve_endpoint(options: JudgeOptions) -> Endpoint:
             "--verifier judge: needs a judge: start lcap's policy server (`lcap serve`, its base weights judge) "
             "or give --judge-url and --judge-model"
         )
-    return Endpoint(record.url.rstrip("/") + "/v1", options.judge_model or record.served_model, record.api_key())
+    return Endpoint(
+        record.url.rstrip("/") + "/v1", options.judge_model or record.served_model, record.api_key(), vllm=True
+    )
 
 
 class JudgeClient:
@@ -71,15 +74,21 @@ class JudgeClient:
         self.retries = options.judge_retries
         self.max_tokens = options.judge_max_tokens
 
-    def ask(self, messages: list[dict[str, str]], schema: dict[str, Any], proxy: str, *, answers: int = 1) -> Answer:
-        """The judge's answer to `messages` (JSON under `schema`), the call made through the proxy URL `proxy`."""
+    def ask(
+        self, messages: list[dict[str, str]], schema: dict[str, Any], regex: str, proxy: str, *, answers: int = 1
+    ) -> Answer:
+        """The judge's answer to `messages` (JSON under `schema`, or on lcap's vLLM matching `regex`), the call made
+        through the proxy URL `proxy`."""
         body = {
             "model": self.endpoint.model,
             "messages": messages,
             "temperature": 0.0,
             "max_tokens": self.max_tokens * answers,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}},
         }
+        if self.endpoint.vllm:  # the JSON as a regular expression: a small judge would pad a schema's whitespace
+            body["structured_outputs"] = {"regex": regex}
+        else:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}}
         headers = {"authorization": f"Bearer {self.endpoint.key}"} if self.endpoint.key else {}
         started = time.monotonic()
         error = "no try"

@@ -43,12 +43,13 @@ SYSTEM = (
     "Answer with JSON only, following the schema you are given."
 )
 
+# Scores in tenths: a grammar of a few literals, which a small judge under guided decoding cannot run on in (a
+# free JSON number lets it write digits to the token limit); the parser takes any number in [0, 1].
+SCORE: dict[str, Any] = {"type": "number", "enum": [i / 10 for i in range(11)]}
+
 POINTWISE_SCHEMA: dict[str, Any] = {
     "type": "object",
-    "properties": {
-        "reasons": {"type": "string", "maxLength": 300},
-        "score": {"type": "number", "minimum": 0, "maximum": 1},
-    },
+    "properties": {"reasons": {"type": "string", "maxLength": 300}, "score": SCORE},
     "required": ["reasons", "score"],
     "additionalProperties": False,
 }
@@ -203,7 +204,7 @@ def group_schema(labels: Sequence[str]) -> dict[str, Any]:
         "properties": {
             "id": {"type": "string", "enum": list(labels)},
             "reasons": {"type": "string", "maxLength": 200},
-            "score": {"type": "number", "minimum": 0, "maximum": 1},
+            "score": SCORE,
         },
         "required": ["id", "reasons", "score"],
         "additionalProperties": False,
@@ -214,6 +215,25 @@ def group_schema(labels: Sequence[str]) -> dict[str, Any]:
         "required": ["scores"],
         "additionalProperties": False,
     }
+
+
+# On lcap's own vLLM server the answer is held to a regular expression of the same JSON instead of the schema: no
+# free whitespace and a bounded length (a small judge under a JSON grammar pads with spaces to its token limit),
+# the group's ids in the order shown, reasons of plain characters (nothing to escape).
+_TEXT = "[A-Za-z0-9 ,.;:'()!?+*/=-]"
+_TENTHS = r"(0|0\.[0-9]|1|1\.0)"
+
+
+def pointwise_regex() -> str:
+    return r'\{"reasons":"' + _TEXT + r'{0,200}","score":' + _TENTHS + r"\}"
+
+
+def group_regex(labels: Sequence[str]) -> str:
+    items = [
+        r'\{"id":"' + re.escape(label) + r'","reasons":"' + _TEXT + r'{0,120}","score":' + _TENTHS + r"\}"
+        for label in labels
+    ]
+    return r'\{"scores":\[' + ",".join(items) + r"\]\}"
 
 
 def parse_pointwise(text: str) -> tuple[float, str]:

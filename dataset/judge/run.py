@@ -38,10 +38,12 @@ from lcap.dataset.judge.prompt import (
     Sample,
     group_order,
     group_prompt,
+    group_regex,
     group_schema,
     parse_group,
     parse_pointwise,
     pointwise_prompt,
+    pointwise_regex,
     shown_size,
 )
 from lcap.dataset.options import JudgeOptions
@@ -285,10 +287,15 @@ def _judge(store: Store, proxy: Any, client: JudgeClient, rubric: Rubric, job: _
     try:
         if job.mode == "group":
             names = [label for label, _ in job.labelled]
-            messages, schema = group_prompt(rubric, job.labelled, budget), group_schema(names)
+            messages, schema, regex = (
+                group_prompt(rubric, job.labelled, budget),
+                group_schema(names),
+                group_regex(names),
+            )
         else:
-            messages, schema = pointwise_prompt(rubric, job.labelled[0][1], budget), POINTWISE_SCHEMA
-        answer = client.ask(messages, schema, proxy.proxy_url(judge_episode), answers=len(job.labelled))
+            messages = pointwise_prompt(rubric, job.labelled[0][1], budget)
+            schema, regex = POINTWISE_SCHEMA, pointwise_regex()
+        answer = client.ask(messages, schema, regex, proxy.proxy_url(judge_episode), answers=len(job.labelled))
         outcome.tokens, outcome.seconds = (answer.prompt_tokens, answer.completion_tokens), answer.seconds
         if job.mode == "group":
             by_label = parse_group(answer.content, names)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -17,11 +18,13 @@ from lcap.dataset.judge.prompt import (
     Sample,
     group_order,
     group_prompt,
+    group_regex,
     group_schema,
     is_judge,
     parse_group,
     parse_pointwise,
     pointwise_prompt,
+    pointwise_regex,
     quote,
 )
 
@@ -80,6 +83,18 @@ def test_group_prompt_labels_each_sample_and_shuffles_by_ids(rubric):
     assert text.count("</transcript>") == 6
     schema = group_schema([label for label, _ in order])
     assert schema["properties"]["scores"]["minItems"] == 6
+
+
+def test_the_regexes_match_only_answers_the_parser_takes():
+    point = re.compile(pointwise_regex())
+    assert point.fullmatch('{"reasons":"right, it says 5.","score":1}')
+    assert parse_pointwise('{"reasons":"ok","score":0.7}') == (0.7, "ok")
+    for bad in ('{"reasons":"x","score":1.5}', '{ "reasons":"x","score":1}', '{"reasons":"a\\"b","score":1}'):
+        assert not point.fullmatch(bad)
+    group = re.compile(group_regex(["1", "2"]))
+    answer = '{"scores":[{"id":"1","reasons":"good","score":0.9},{"id":"2","reasons":"","score":0}]}'
+    assert group.fullmatch(answer) and parse_group(answer, ["1", "2"]) == {"1": (0.9, "good"), "2": (0.0, "")}
+    assert not group.fullmatch(answer.replace('"id":"2"', '"id":"1"'))
 
 
 def test_digest_changes_with_what_the_judge_sees():
