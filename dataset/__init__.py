@@ -1,1 +1,1 @@
-"""Dataset: episodes, verifier rewards, cleaning, GRPO samples."""
+"""Dataset: episodes, verifier rewards, LLM judges (`judge/`), cleaning, GRPO samples."""

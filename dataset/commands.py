@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -15,6 +15,9 @@ from lcap.config import LcapError
 from lcap.dataset.build.explain import causes, explain
 from lcap.dataset.options import BuildOptions, CollectOptions, ExportOptions, RescoreOptions
 from lcap.display import printable
+
+if TYPE_CHECKING:
+    from lcap.dataset.judge.run import JudgeResult
 
 
 def register(app: typer.Typer) -> None:
@@ -70,6 +73,8 @@ def collect(
     )
     if result.summary is not None:
         typer.echo("\n".join(printable(line) for line in result.summary.lines()))
+    if result.judge is not None and _judge_said(result.judge):
+        raise typer.Exit(1)
     if result.failed and not result.finished:
         statuses = ", ".join(f"{n} {status}" for status, n in result.statuses.items())
         typer.echo(f"lcap: collect: no episode of this run finished ok ({statuses}): see the failures above", err=True)
@@ -106,6 +111,7 @@ def rescore(db: DbOption, options: RescoreOptions) -> None:
     own (--source), which `build-dataset --reward-source` trains on. Parallel (--concurrency); a rerun after a crash
     or Ctrl-C skips the episodes already scored, and no episode gets two rewards of one source."""
     from lcap.dataset.collect.rescore import rescore as run_rescore  # start-up: duckdb
+    from lcap.dataset.judge.run import JudgeResult  # start-up: duckdb
     from lcap.store import Store  # start-up: duckdb
 
     def stop(*_: object) -> None:  # SIGTERM ends rescore like Ctrl-C: verdicts in hand are stored
@@ -119,6 +125,10 @@ def rescore(db: DbOption, options: RescoreOptions) -> None:
             "lcap rescore: interrupted; verdicts in hand are stored, re-run the same command to resume", err=True
         )
         raise typer.Exit(130) from None
+    if isinstance(result, JudgeResult):
+        if _judge_said(result):
+            raise typer.Exit(1)
+        return
     typer.echo(result.line())
     for error in result.errors:
         typer.echo(f"lcap: rescore: {printable(error)}", err=True)
@@ -129,6 +139,23 @@ def rescore(db: DbOption, options: RescoreOptions) -> None:
             err=True,
         )
         raise typer.Exit(1)
+
+
+def _judge_said(result: JudgeResult) -> bool:
+    """Print a judge pass's line and first failures; True when nothing was judged though something failed (exit 1)."""
+    typer.echo(result.line())
+    for error in result.errors:
+        typer.echo(f"lcap: judge: {printable(error)}", err=True)
+    if result.failed and not (result.rewarded or result.skipped):
+        typer.echo(
+            f"lcap: judge: no episode was judged ({result.failed} failed, flag judge_error): see above", err=True
+        )
+        return True
+    if result.failed:
+        typer.echo(
+            f"lcap: judge: {result.failed} episodes left unrewarded (flag judge_error); re-run to judge them", err=True
+        )
+    return False
 
 
 @one_line_errors

@@ -21,13 +21,61 @@ from lcap.schema import ADVANTAGE_METHODS
 UPSTREAM_HELP = "'policy' (the deployed vLLM), a URL, or 'none' (the agent's own host)."
 
 
+JUDGE_MODES = ("group", "pointwise")
+
+
 @dataclass(frozen=True)
-class CollectOptions:
+class JudgeOptions:
+    """How a `--verifier judge:RUBRIC.md` judges (collect, the loop's collect, rescore); shared by their options."""
+
+    judge_url: str | None = option(
+        None,
+        help="With --verifier judge:RUBRIC.md: the judge's OpenAI-compatible base URL (e.g. http://host:8000/v1). "
+        "Default: lcap's policy server, its base weights (no adapter).",
+    )
+    judge_model: str | None = option(
+        None, help="The model the judge asks for (default: the policy server's base model; needed with --judge-url)."
+    )
+    judge_key_env: str = option(
+        "LCAP_JUDGE_API_KEY",
+        help="Environment variable holding the judge endpoint's API key (if unset: OPENAI_API_KEY; the policy "
+        "server's own key by default).",
+    )
+    judge_mode: Literal["group", "pointwise"] = option(
+        "group",
+        help="group: the samples of a task's group (same task and round) in one call, scored relative to each other "
+        "(RULER); pointwise: each episode on its own. A group over --judge-max-chars is judged pointwise.",
+    )
+    judge_max_chars: int = option(
+        6000,
+        help="Characters of episodes one judge prompt may quote (the judge's context budget): a longer transcript "
+        "keeps its head and end, and a group longer than this is judged pointwise.",
+    )
+    judge_concurrency: int = option(4, help="Judge calls at once.")
+    judge_timeout: float = option(120.0, help="Seconds one judge call may take.")
+    judge_retries: int = option(2, help="Tries again after a judge call that failed to connect, timed out or got 5xx.")
+    judge_max_tokens: int = option(400, help="Most tokens of one judge answer (a group's: per sample).")
+
+    def __post_init__(self) -> None:
+        if self.judge_mode not in JUDGE_MODES:
+            raise LcapError(f"--judge-mode must be group or pointwise, not {self.judge_mode!r}")
+        if self.judge_concurrency < 1 or self.judge_retries < 0 or self.judge_max_tokens < 1:
+            raise LcapError("--judge-concurrency and --judge-max-tokens must be at least 1, --judge-retries 0 or more")
+        if self.judge_timeout <= 0 or self.judge_max_chars < 500:
+            raise LcapError("--judge-timeout must be above 0 and --judge-max-chars at least 500")
+        if self.judge_url is not None and not self.judge_url.startswith(("http://", "https://")):
+            raise LcapError(f"--judge-url must be an http:// or https:// URL, not {self.judge_url!r}")
+
+
+@dataclass(frozen=True)
+class CollectOptions(JudgeOptions):
     """How `lcap collect` (and the loop's collect step) runs the agent; flags, defaults and help come from here."""
 
     group_size: int = option(8, flag="--group-size,-g", help="Samples per task (the GRPO group).")
     concurrency: int = option(8, flag="--concurrency,-j", help="Episodes running at once.")
-    verifier: str | None = option(None, help="Command, module:function or file.py:function.")
+    verifier: str | None = option(
+        None, help="Command, module:function, file.py:function, or judge:RUBRIC.md (an LLM judge, --judge-* flags)."
+    )
     timeout: float | None = option(600.0, help="Seconds per episode; its whole process group is killed.")
     verifier_timeout: float = option(
         600.0, help="Seconds the verifier may take per episode (a command's or, with --sandbox, any verifier's)."
@@ -75,6 +123,7 @@ class CollectOptions:
     )
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.group_size < 1 or self.concurrency < 1:
             raise LcapError("--group-size and --concurrency must be at least 1")
         if self.upstream == "none":
@@ -194,11 +243,13 @@ class ExportOptions:
 
 
 @dataclass(frozen=True)
-class RescoreOptions:
+class RescoreOptions(JudgeOptions):
     """What `lcap rescore` scores and how; flags, defaults and help come from here."""
 
     verifier: str | None = option(
-        None, help="Command, module:function or file.py:function: collect's verifier protocol, plus the transcript."
+        None,
+        help="Command, module:function or file.py:function: collect's verifier protocol, plus the transcript; or "
+        "judge:RUBRIC.md (an LLM judge, --judge-* flags).",
     )
     where: str | None = option(
         None,
@@ -217,6 +268,7 @@ class RescoreOptions:
     )
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not (self.verifier or "").strip():
             raise LcapError("lcap rescore needs --verifier")
         if not (self.where or "").strip():

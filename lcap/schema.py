@@ -25,7 +25,7 @@ PROMOTED_LABELS = {
 # The store's shape. A new store gets TABLES at SCHEMA_VERSION; an older one is brought there by MIGRATIONS
 # (version reached -> statements, or functions of the connection), in order, inside the unit of work that first
 # opens it for writing.
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 
 
 def _redact_labels_json(labels: str) -> str:
@@ -78,6 +78,19 @@ MIGRATIONS: dict[int, tuple[str | Callable[[duckdb.DuckDBPyConnection], None], .
     8: ("ALTER TABLE rewards ADD COLUMN IF NOT EXISTS key VARCHAR",),
     9: ("ALTER TABLE deployments ADD COLUMN IF NOT EXISTS rollback_of VARCHAR",),
     10: (redact_episodes,),
+    11: (
+        """
+CREATE TABLE IF NOT EXISTS judge_cache (
+    rubric_hash     VARCHAR,   -- sha256 of the rubric's text
+    judge_model     VARCHAR,
+    transcript_hash VARCHAR,   -- sha256 of what the judge was shown of the episode (a group's: of the whole group)
+    mode            VARCHAR,   -- pointwise | group
+    episode_id      VARCHAR,   -- the episode first judged with this key
+    score           DOUBLE,
+    details         JSON,      -- reasons, the judge episode
+    created_at      TIMESTAMPTZ
+)""",
+    ),
 }
 
 TABLES = """
@@ -169,6 +182,18 @@ CREATE TABLE IF NOT EXISTS deployments (
     created_at  TIMESTAMPTZ,
     rollback_of VARCHAR    -- `lcap deploy --rollback`: the deployment this row took out of service (NULL: none)
 );
+-- dataset stage: an LLM judge's verdicts by (rubric, model, what it was shown): a second judging is free
+CREATE TABLE IF NOT EXISTS judge_cache (
+    rubric_hash     VARCHAR,   -- sha256 of the rubric's text
+    judge_model     VARCHAR,
+    transcript_hash VARCHAR,   -- sha256 of what the judge was shown of the episode (a group's: of the whole group)
+    mode            VARCHAR,   -- pointwise | group
+    episode_id      VARCHAR,   -- the episode first judged with this key
+    score           DOUBLE,
+    details         JSON,      -- reasons, the judge episode
+    created_at      TIMESTAMPTZ
+);
+
 -- dataset stage: flags raised on episodes (tampered, verifier_error, ...), one row per flag
 CREATE TABLE IF NOT EXISTS episode_flags (
     episode_id  VARCHAR,

@@ -326,7 +326,8 @@ def episode(con: duckdb.DuckDBPyConnection, episode_id: str) -> dict[str, Any] |
 
 
 def episode_extras(con: duckdb.DuckDBPyConnection, episode_id: str) -> dict[str, list[dict[str, Any]]]:
-    """The episode's flags and every reward it was given (the latest counts)."""
+    """The episode's flags, every reward it was given (the latest counts) and the LLM judge calls that judged it
+    (episodes labelled role=judge whose `judged` names it)."""
     flags = _dicts(
         con,
         "SELECT flag, details, created_at FROM episode_flags WHERE episode_id = ? ORDER BY created_at",
@@ -337,7 +338,14 @@ def episode_extras(con: duckdb.DuckDBPyConnection, episode_id: str) -> dict[str,
         "SELECT value, details, source, created_at FROM rewards WHERE episode_id = ? ORDER BY created_at",
         [episode_id],
     )
-    return {"flags": flags, "rewards": rewards}
+    judges = _dicts(
+        con,
+        "SELECT episode_id, status, labels->>'judge_mode' AS mode, started_at FROM episodes "
+        "WHERE labels->>'role' = 'judge' AND list_contains(string_split(labels->>'judged', ','), ?) "
+        "ORDER BY started_at",
+        [episode_id],
+    )
+    return {"flags": flags, "rewards": rewards, "judges": judges}
 
 
 _TURN_COLUMNS = (

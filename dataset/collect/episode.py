@@ -45,6 +45,7 @@ from lcap.store import Store
 if TYPE_CHECKING:
     from lcap.capture.reach.agent_env import Child
     from lcap.capture.sandbox import EpisodeSandbox, Sandbox
+    from lcap.dataset.judge.run import JudgeResult
 
 log = logging.getLogger("lcap.dataset")
 
@@ -63,6 +64,7 @@ class CollectResult:
     statuses: dict[str, int] = field(default_factory=dict)
     tampered: int = 0
     summary: CollectSummary | None = None  # every episode of this collect, this run's and earlier ones'
+    judge: JudgeResult | None = None  # --verifier judge:RUBRIC.md: the judge pass over the collect's episodes
 
     def not_ok(self) -> str:
         """This run's episodes that did not end ok, in the words of their status (`2 error`), as the summary's

@@ -53,6 +53,8 @@ from lcap.dataset.collect.episode import (
 from lcap.dataset.collect.summary import summarize
 from lcap.dataset.collect.verifiers import load_verifier, resolve_argv
 from lcap.dataset.collect.workspaces import check_paths
+from lcap.dataset.judge.prompt import is_judge
+from lcap.dataset.judge.run import JudgeResult, check_judge, judge_episodes
 from lcap.dataset.options import CollectOptions
 from lcap.display import printable
 from lcap.processes import kill_group
@@ -190,7 +192,8 @@ def plan_collect(
         check_paths(task, files.tasks_dir, files.root)
     base = Path.cwd()
     template = resolve_argv(command, base)
-    judge = load_verifier(options.verifier, base=base) if options.verifier else None
+    # a judge is no per-episode verifier: it judges stored episodes once the agents ran (`judge_collected`)
+    judge = load_verifier(options.verifier, base=base) if options.verifier and not is_judge(options.verifier) else None
     if judge is not None:
         judge.timeout = options.verifier_timeout
     guard = tuple(options.protect) + (judge.protected if judge else ())
@@ -269,15 +272,17 @@ def collect(
         connect(options.ray)
     elif options.episode_resources or options.episode_cpus != 1.0:
         raise LcapError("--episode-cpus and --episode-resources place episodes on a Ray cluster: add --ray ADDRESS")
+    if is_judge(options.verifier):  # no rubric or no judge endpoint: a one-line error before any agent runs
+        check_judge(options.verifier or "", options)
     plan = plan_collect(tasks=tasks, command=command, options=options, labels=labels, store=store)
     check_round_is_free(store, plan.run_id, options.round, options.split, replace=options.replace)
     specs = plan.specs
     result = CollectResult(episodes=len(specs), run_id=plan.run_id, run_dir=str(plan.run_dir))
     todo = unfinished(store, specs)
     result.skipped = len(specs) - len(todo)
+    tally = Tally(result)
     if todo:
         proxy_options = collect_proxy_options(options, proxy_options)
-        tally = Tally(result)
         show = sys.stderr.isatty() if progress is None else progress
         if options.ray is not None:
             from lcap.dataset.collect.on_ray import RayPool  # the ray extra
@@ -287,6 +292,10 @@ def collect(
             )
         else:
             _run_local(store, todo, plan, tally, proxy_options, options, show)
+    if is_judge(options.verifier):
+        result.judge = judge_collected(store, specs, options)
+        rewards = [*result.judge.rewards, *tally.rewards]
+        result.mean_reward = sum(rewards) / len(rewards) if rewards else None
     result.summary = summarize(
         store,
         [s.episode_id for s in specs],
@@ -296,6 +305,21 @@ def collect(
         {s.episode_id: s.task for s in specs},
     )
     return result
+
+
+def judge_collected(store: Store, specs: Sequence[EpisodeSpec], options: CollectOptions) -> JudgeResult:
+    """`--verifier judge:RUBRIC.md`: judge the collect's episodes that ended ok and have no reward yet (a rerun
+    judges again those a failed judge call left unrewarded)."""
+    assert options.verifier is not None
+    rows = store.fetchall(
+        "SELECT episode_id FROM episode_summary WHERE episode_id IN (SELECT unnest(?)) AND status = 'ok' "
+        "AND reward IS NULL",
+        [[s.episode_id for s in specs]],
+    )
+    tasks = {str(s.task["id"]): s.task for s in specs}
+    return judge_episodes(
+        store, [r[0] for r in rows], options, options.verifier, source=options.verifier.strip(), tasks=tasks
+    )
 
 
 def _run_local(
@@ -448,6 +472,8 @@ class EpisodePool:
         self, store: Store, options: CollectOptions, proxy_options: ProxyOptions | None, concurrency: int
     ) -> None:
         self.store, self.concurrency, self.options = store, concurrency, options
+        if is_judge(options.verifier):
+            raise LcapError("--verifier judge: is not supported by lcap loop --async yet: use lcap loop")
         if options.sandbox and (reason := sandbox_missing()):
             raise LcapError(reason)
         self.proxy = CaptureProxy(store, collect_proxy_options(options, proxy_options))

@@ -34,6 +34,8 @@ from lcap.dataset.collect.verifiers import (
     VerifierError,
     load_verifier,
 )
+from lcap.dataset.judge.prompt import is_judge
+from lcap.dataset.judge.run import JudgeResult, judge_episodes
 from lcap.dataset.options import RescoreOptions
 from lcap.store import Store, now
 
@@ -105,8 +107,16 @@ class _Verdict:
     tampered: bool = False
 
 
-def rescore(store: Store, options: RescoreOptions, *, base: Path | None = None) -> RescoreResult:
-    """Score the episodes `options.where` picks with `options.verifier`; see the module docstring."""
+def rescore(store: Store, options: RescoreOptions, *, base: Path | None = None) -> RescoreResult | JudgeResult:
+    """Score the episodes `options.where` picks with `options.verifier`; see the module docstring. A judge
+    (`judge:RUBRIC.md`) is a pass of its own over them: `lcap.dataset.judge.run`."""
+    if is_judge(options.verifier):
+        tasks_by_id = {t["id"]: t for t in load_tasks(options.tasks)} if options.tasks else {}
+        chosen_ids = select_episodes(store, options.where or "")
+        verifier_spec, source_name = options.verifier or "", options.source_name()
+        return judge_episodes(
+            store, chosen_ids, options, verifier_spec, source=source_name, tasks=tasks_by_id, base=base
+        )
     started = time.perf_counter()
     verifier = load_verifier(options.verifier or "", base=base)
     if isinstance(verifier, CommandVerifier):

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lcap.config import LcapError
+from lcap.dataset.judge.prompt import is_judge
 
 if TYPE_CHECKING:
     from lcap.capture.sandbox import EpisodeSandbox
@@ -185,6 +186,8 @@ def load_verifier(spec: str, *, base: Path | None = None) -> Verifier:
     spec = spec.strip()
     if not spec:
         raise LcapError("empty --verifier")
+    if is_judge(spec):  # a judge scores stored episodes, in groups: lcap.dataset.judge.run, not per episode
+        raise LcapError("judge:RUBRIC.md is not a per-episode verifier: collect, loop and rescore run it")
     base = base or Path.cwd()
     match = _PY_SPEC.match(spec)
     if match:

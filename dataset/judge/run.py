@@ -1,0 +1,378 @@
+"""A judge pass: score stored episodes with an LLM judge and store its verdicts as rewards.
+
+`judge_episodes` is what `--verifier judge:RUBRIC.md` runs, once the episodes are stored: after collect's agents
+(collect and the loop's collect) and in `lcap rescore`. For each episode it reads the transcript from the store
+(`transcripts`: the conversation of the agent's own calls), its task (with an optional `reference`) and its stdout
+where collect kept it. In group mode the episodes of one task and round are judged in one call, relative to each
+other; a group whose text is over `--judge-max-chars`, or a lone episode, is judged pointwise.
+
+Every verdict is cached in `judge_cache` by (rubric hash, judge model, hash of what the judge was shown): judging
+the same episodes again with the same rubric and model calls nothing, and a changed rubric judges again. Rewards
+carry an idempotency key of (source, rubric, model, episode). A judge call that fails, times out or answers
+nonsense leaves its episodes unrewarded with flag `judge_error` (the reason, the judge episode): never reward 0.
+Each judge call is an episode of its own (label `role=judge`, `judged`: the episode ids it judged), made through
+a capture proxy of this pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import secrets
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lcap.capture.options import ProxyOptions
+from lcap.dataset.build.export import transcripts
+from lcap.dataset.judge.client import Endpoint, JudgeCallError, JudgeClient, resolve_endpoint
+from lcap.dataset.judge.prompt import (
+    POINTWISE_SCHEMA,
+    JudgeAnswerError,
+    Rubric,
+    Sample,
+    group_order,
+    group_prompt,
+    group_regex,
+    group_schema,
+    parse_group,
+    parse_pointwise,
+    pointwise_prompt,
+    pointwise_regex,
+    shown_size,
+)
+from lcap.dataset.options import JudgeOptions
+from lcap.store import Store, now
+
+log = logging.getLogger("lcap.dataset")
+
+FLAG = "judge_error"
+ROLE = "judge"  # the `role` label of a judge call's own episode
+ERRORS_SHOWN = 5
+LOAD_CHUNK = 64
+
+_EPISODES = """
+SELECT s.episode_id, s.task_id, s.round, s.flags, e.cwd, e.labels->>'role' AS role
+FROM episode_summary s JOIN episodes e USING (episode_id)
+WHERE s.episode_id IN (SELECT unnest(?::VARCHAR[]))
+"""
+_CACHED = """
+SELECT transcript_hash, score, details FROM judge_cache
+WHERE rubric_hash = ? AND judge_model = ? AND transcript_hash IN (SELECT unnest(?::VARCHAR[]))
+QUALIFY row_number() OVER (PARTITION BY transcript_hash ORDER BY created_at) = 1
+"""
+
+
+def reward_key(source: str, rubric: Rubric, model: str, episode_id: str) -> str:
+    """The idempotency key of a judge's reward of an episode: a changed rubric or model is a new reward."""
+    blob = "\0".join((source, rubric.digest, model, episode_id))
+    return "judge:" + hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+@dataclass
+class JudgeResult:
+    source: str
+    chosen: int = 0
+    skipped: int = 0  # rewarded by this source, rubric and model before
+    judged: int = 0  # rewarded from a judge call of this pass
+    cached: int = 0  # rewarded from the cache, no call
+    failed: int = 0  # flag judge_error, left unrewarded
+    tampered: int = 0  # collect's tamper guard flagged it: reward 0, not judged
+    calls: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    call_seconds: float = 0.0
+    seconds: float = 0.0
+    rewards: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def rewarded(self) -> int:
+        return self.judged + self.cached + self.tampered
+
+    def line(self) -> str:
+        mean = f"{statistics.fmean(self.rewards):.4f}" if self.rewards else "-"
+        return (
+            f"judge {self.source}: {self.chosen} episodes, {self.skipped} judged before (skipped), {self.judged} "
+            f"judged, {self.cached} from the cache, {self.failed} failed (flag {FLAG}, unrewarded), "
+            f"{self.tampered} tampered (reward 0), mean reward {mean}; {self.calls} judge calls, "
+            f"{self.prompt_tokens} prompt + {self.completion_tokens} answer tokens, {self.call_seconds:.1f}s in calls "
+            f"[{self.seconds:.1f}s]"
+        )
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One judge call: a group (labelled samples) or one sample, and each episode's cache hash."""
+
+    mode: str  # group | pointwise
+    labelled: list[tuple[str, Sample]]
+    hashes: dict[str, str]  # episode id -> transcript hash
+
+
+@dataclass
+class _Outcome:
+    job: _Job
+    scores: dict[str, tuple[float, str]] = field(default_factory=dict)  # episode id -> (score, reasons)
+    error: str | None = None
+    judge_episode: str | None = None
+    cached: bool = False
+    tokens: tuple[int, int] = (0, 0)
+    seconds: float = 0.0
+
+
+def check_judge(spec: str, options: JudgeOptions, base: Path | None = None) -> tuple[Rubric, Endpoint]:
+    """The rubric and the endpoint, or a one-line error: before any agent runs."""
+    return Rubric.load(spec, base), resolve_endpoint(options)
+
+
+def judge_episodes(
+    store: Store,
+    episode_ids: Sequence[str],
+    options: JudgeOptions,
+    spec: str,
+    *,
+    source: str,
+    tasks: Mapping[str, Mapping[str, Any]] | None = None,
+    base: Path | None = None,
+) -> JudgeResult:
+    """Judge `episode_ids` with the rubric of `spec` (`judge:RUBRIC.md`); their rewards are stored under `source`.
+    `tasks`: the tasks by id (a task's `reference` is shown to the judge); see the module docstring."""
+    started = time.perf_counter()
+    rubric, endpoint = check_judge(spec, options, base)
+    result = JudgeResult(source=source)
+    samples, tampered = _load(store, list(episode_ids), tasks or {})
+    result.chosen = len(samples) + len(tampered)
+    keys = {
+        eid: reward_key(source, rubric, endpoint.model, eid) for eid in [*(s.episode_id for s in samples), *tampered]
+    }
+    done = {
+        row[0]
+        for row in store.fetchall("SELECT key FROM rewards WHERE key IN (SELECT unnest(?))", [list(keys.values())])
+    }
+    result.skipped = sum(1 for key in keys.values() if key in done)
+    with store.connect():
+        for eid in tampered:
+            if keys[eid] not in done:
+                _reward(store, eid, 0.0, {"tampered": True, "by": "tamper-guard"}, source, keys[eid])
+                result.tampered += 1
+                result.rewards.append(0.0)
+    pending = [s for s in samples if keys[s.episode_id] not in done]
+    jobs = _plan(pending, options)
+    calls = _from_cache(store, rubric, endpoint, jobs, keys, result)
+    if calls:
+        _call_all(store, calls, rubric, endpoint, options, keys, result)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _load(store: Store, ids: list[str], tasks: Mapping[str, Mapping[str, Any]]) -> tuple[list[Sample], list[str]]:
+    """The samples to judge and the tampered episodes; judge episodes are never judged themselves."""
+    samples: list[Sample] = []
+    tampered: list[str] = []
+    for start in range(0, len(ids), LOAD_CHUNK):
+        chunk = ids[start : start + LOAD_CHUNK]
+        with store.connect(read_only=True) as con:
+            rows = con.execute(_EPISODES, [chunk]).fetchall()
+            said = transcripts(con, chunk)
+        for episode_id, task_id, round_, flags, cwd, role in rows:
+            if role == ROLE:
+                continue
+            if "tampered" in (flags or []):
+                tampered.append(episode_id)
+                continue
+            task = dict(tasks.get(str(task_id)) or {"id": task_id})
+            task.setdefault("round", round_)
+            stdout_file = Path(cwd).parent / "stdout.txt" if cwd else None
+            stdout = stdout_file.read_text(errors="replace") if stdout_file and stdout_file.is_file() else ""
+            samples.append(Sample(episode_id, task, said.get(episode_id) or {}, stdout))
+    return samples, tampered
+
+
+def _plan(samples: list[Sample], options: JudgeOptions) -> list[_Job]:
+    """The calls to make: one per group (same task and round) that fits the budget in group mode, else one per
+    sample."""
+    groups: dict[tuple[str, str], list[Sample]] = {}
+    for sample in samples:
+        groups.setdefault((str(sample.task.get("id")), str(sample.task.get("round"))), []).append(sample)
+    jobs = []
+    for members in groups.values():
+        fits = sum(shown_size(s) for s in members) <= options.judge_max_chars
+        if options.judge_mode == "group" and len(members) > 1 and fits:
+            labelled = group_order(members)
+            whole = hashlib.sha256("\0".join(f"{label}:{s.digest()}" for label, s in labelled).encode()).hexdigest()
+            hashes = {
+                s.episode_id: hashlib.sha256(f"group\0{whole}\0{label}".encode()).hexdigest() for label, s in labelled
+            }
+            jobs.append(_Job("group", labelled, hashes))
+        else:
+            jobs.extend(_Job("pointwise", [("1", s)], {s.episode_id: s.digest()}) for s in members)
+    return jobs
+
+
+def _from_cache(
+    store: Store, rubric: Rubric, endpoint: Endpoint, jobs: list[_Job], keys: dict[str, str], result: JudgeResult
+) -> list[_Job]:
+    """Reward what the cache holds (every episode of a job, or none of it); return the jobs left to call."""
+    hashes = [h for job in jobs for h in job.hashes.values()]
+    rows = store.fetchall(_CACHED, [rubric.digest, endpoint.model, hashes]) if hashes else []
+    cached = {h: (score, json.loads(details or "{}")) for h, score, details in rows}
+    left = []
+    with store.connect():
+        for job in jobs:
+            if not all(h in cached for h in job.hashes.values()):
+                left.append(job)
+                continue
+            for eid, h in job.hashes.items():
+                score, details = cached[h]
+                _reward(store, eid, score, {**details, "cached": True}, result.source, keys[eid])
+                result.cached += 1
+                result.rewards.append(score)
+    return left
+
+
+def _call_all(
+    store: Store,
+    jobs: list[_Job],
+    rubric: Rubric,
+    endpoint: Endpoint,
+    options: JudgeOptions,
+    keys: dict[str, str],
+    result: JudgeResult,
+) -> None:
+    """Make the judge calls, `--judge-concurrency` at once, through a capture proxy of this pass; store each
+    outcome as it arrives."""
+    from lcap.capture.proxy.server import CaptureProxy  # start-up: mitmproxy (rescore without a judge needs none)
+
+    client = JudgeClient(endpoint, options)
+    proxy = CaptureProxy(store, ProxyOptions())
+    proxy.start()
+    try:
+        with ThreadPoolExecutor(options.judge_concurrency, thread_name_prefix="lcap-judge") as pool:
+            running: set[Future[_Outcome]] = set()
+            try:
+                for job in jobs:
+                    while len(running) >= options.judge_concurrency:
+                        running = _store_done(store, running, rubric, endpoint, keys, result)
+                    running.add(pool.submit(_judge, store, proxy, client, rubric, job, options.judge_max_chars))
+                while running:
+                    running = _store_done(store, running, rubric, endpoint, keys, result)
+            finally:  # an interrupt: what finished is stored, what did not start never starts
+                for future in running:
+                    future.cancel()
+    finally:
+        proxy.stop()
+
+
+def _judge(store: Store, proxy: Any, client: JudgeClient, rubric: Rubric, job: _Job, budget: int) -> _Outcome:
+    """One judge call as an episode of its own (`budget`: characters of quoted episodes); its verdicts, or why
+    there are none."""
+    judged = [s.episode_id for _, s in job.labelled]
+    judge_episode = f"judge-{secrets.token_hex(10)}"
+    labels = {
+        "role": ROLE,
+        "judged": ",".join(judged),
+        "judge_mode": job.mode,
+        "judge_model": client.endpoint.model,
+        "rubric": rubric.path.name,
+        "rubric_sha256": rubric.digest[:16],
+    }
+    store.start_episode(judge_episode, command="lcap judge", cwd=None, labels=labels)
+    outcome = _Outcome(job, judge_episode=judge_episode)
+    try:
+        if job.mode == "group":
+            names = [label for label, _ in job.labelled]
+            messages, schema, regex = (
+                group_prompt(rubric, job.labelled, budget),
+                group_schema(names),
+                group_regex(names),
+            )
+        else:
+            messages = pointwise_prompt(rubric, job.labelled[0][1], budget)
+            schema, regex = POINTWISE_SCHEMA, pointwise_regex()
+        answer = client.ask(messages, schema, regex, proxy.proxy_url(judge_episode), answers=len(job.labelled))
+        outcome.tokens, outcome.seconds = (answer.prompt_tokens, answer.completion_tokens), answer.seconds
+        if job.mode == "group":
+            by_label = parse_group(answer.content, names)
+            outcome.scores = {s.episode_id: by_label[label] for label, s in job.labelled}
+        else:
+            outcome.scores = {judged[0]: parse_pointwise(answer.content)}
+    except (JudgeCallError, JudgeAnswerError) as exc:
+        outcome.error = str(exc)
+    except Exception as exc:  # lcap's own failure on one call: the episode's, never the pass's
+        log.warning("lcap: judge call %s failed", judge_episode, exc_info=True)
+        outcome.error = f"{exc.__class__.__name__}: {exc}"
+    if not proxy.flush(judge_episode):
+        log.warning("lcap: judge episode %s: its call is not in the store yet", judge_episode)
+    store.end_episode(judge_episode, status="ok" if outcome.error is None else "error", error=outcome.error)
+    return outcome
+
+
+def _store_done(
+    store: Store,
+    running: set[Future[_Outcome]],
+    rubric: Rubric,
+    endpoint: Endpoint,
+    keys: dict[str, str],
+    result: JudgeResult,
+) -> set[Future[_Outcome]]:
+    finished, rest = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
+    for future in finished:
+        _store(store, future.result(), rubric, endpoint, keys, result)
+    return rest
+
+
+def _store(
+    store: Store, outcome: _Outcome, rubric: Rubric, endpoint: Endpoint, keys: dict[str, str], result: JudgeResult
+) -> None:
+    """One call's verdicts as rewards and cache rows, or its episodes' judge_error flags, in one unit of work."""
+    job = outcome.job
+    result.calls += 1
+    result.prompt_tokens += outcome.tokens[0]
+    result.completion_tokens += outcome.tokens[1]
+    result.call_seconds += outcome.seconds
+    with store.connect():
+        if outcome.error is not None:
+            for eid in job.hashes:
+                why = {"source": result.source, "error": outcome.error, "judge_episode": outcome.judge_episode}
+                store.flag_episode(eid, FLAG, why)
+                result.failed += 1
+            if len(result.errors) < ERRORS_SHOWN:
+                result.errors.append(f"{', '.join(job.hashes)}: {outcome.error}")
+            return
+        rows = []
+        for eid, (score, reasons) in outcome.scores.items():
+            details = {
+                "score": score,
+                "reasons": reasons,
+                "judge_mode": job.mode,
+                "judge_model": endpoint.model,
+                "rubric": str(rubric.path),
+                "rubric_sha256": rubric.digest,
+                "judge_episode": outcome.judge_episode,
+            }
+            _reward(store, eid, score, details, result.source, keys[eid])
+            rows.append(
+                {
+                    "rubric_hash": rubric.digest,
+                    "judge_model": endpoint.model,
+                    "transcript_hash": job.hashes[eid],
+                    "mode": job.mode,
+                    "episode_id": eid,
+                    "score": score,
+                    "details": json.dumps(details),
+                    "created_at": now(),
+                }
+            )
+            result.judged += 1
+            result.rewards.append(score)
+        store.append("judge_cache", rows)
+
+
+def _reward(store: Store, episode_id: str, score: float, details: dict[str, Any], source: str, key: str) -> None:
+    store.add_reward(episode_id, float(score), details=json.dumps(details, default=str), source=source, key=key)
