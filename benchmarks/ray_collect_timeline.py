@@ -63,7 +63,7 @@ def driver(args: argparse.Namespace) -> None:
     import lcap.ray_cluster
     from lcap.capture.storage.writer import TurnWriter
     from lcap.dataset.collect import on_ray as ray_collect
-    from lcap.dataset.collect.episodes import collect
+    from lcap.dataset.collect.episodes import collect_episodes
     from lcap.dataset.options import CollectOptions
     from lcap.store import Store
 
@@ -133,7 +133,9 @@ def driver(args: argparse.Namespace) -> None:
             ray=args.address,
         )
         t0 = time.time()
-        result = collect(store, tasks=tasks, command=[sys.executable, args.agent], options=options, progress=False)
+        result = collect_episodes(
+            store, tasks=tasks, command=[sys.executable, args.agent], options=options, progress=False
+        )
         t_end = time.time()
         assert result.finished == result.episodes, result
         if n == 0:

@@ -20,19 +20,14 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from lcap.capture.options import ProxyOptions
+from lcap.capture import ProxyOptions
 from lcap.config import LcapError
-from lcap.dataset.build.builder import build_dataset
-from lcap.dataset.build.explain import explain, lost_lines
-from lcap.dataset.collect.episodes import collect, load_tasks
-from lcap.dataset.options import BuildOptions, CollectOptions
+from lcap.dataset import BuildOptions, CollectOptions, build_dataset, collect_episodes, explain, load_tasks, lost_lines
 from lcap.display import rounded
 from lcap.loop.options import LoopOptions
-from lcap.serve.deploy import deploy
+from lcap.serve import deploy_policy
 from lcap.store import now
-from lcap.train.grpo import PREVIOUS_ROUND, PreviousRound, round_dir, train_round
-from lcap.train.options import TrainOptions
-from lcap.train.sft import sft_round
+from lcap.train import PREVIOUS_ROUND, PreviousRound, TrainOptions, round_dir, sft_round, train_round
 
 
 @dataclass
@@ -158,7 +153,7 @@ def collect_split(
         run_dir=Path(config.run) / "episodes",
         ray=config.train.ray,  # one --ray: the loop collects and trains on the same cluster
     )
-    result = collect(
+    result = collect_episodes(
         store,
         tasks=tasks,
         command=config.command,
@@ -243,7 +238,7 @@ def build_step(
 
 def deploy_step(store, output: str, n: int) -> dict:
     """Deploy round `n`'s adapter or checkpoint: its deployment's name and path."""
-    return {"name": deploy(Path(output), round=n, store=store), "path": output}
+    return {"name": deploy_policy(Path(output), round=n, store=store), "path": output}
 
 
 class StopAfter(Exception):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from lcap.capture.routing.routes import REFRESH_S
+from lcap.capture import REFRESH_S
 from lcap.policy import bearer
 
 log = logging.getLogger("lcap.serve")

@@ -39,7 +39,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from lcap.capture.trust.redact import redact_json, redact_keys
+from lcap.capture import redact_json, redact_keys
 from lcap.config import LcapError
 from lcap.dataset.build.rebuild import chat_from_anthropic, chat_from_responses
 from lcap.dataset.build.select import select_episodes

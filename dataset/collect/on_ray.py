@@ -52,12 +52,7 @@ import ray
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from lcap.capture.options import ProxyOptions
-from lcap.capture.proxy.server import CaptureProxy
-from lcap.capture.routing.routes import REFRESH_S
-from lcap.capture.storage.outbox import Outbox, Position, Taken
-from lcap.capture.storage.spool import private_dir, reseal
-from lcap.capture.storage.writer import TurnWriter
+from lcap.capture import REFRESH_S, CaptureProxy, Outbox, Position, ProxyOptions, Taken, TurnWriter, private_dir, reseal
 from lcap.config import LcapError, lcap_home
 from lcap.dataset.collect.episode import (
     EpisodeOutcome,

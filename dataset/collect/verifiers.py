@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from lcap.config import LcapError
 
 if TYPE_CHECKING:
-    from lcap.capture.sandbox import EpisodeSandbox
+    from lcap.capture import EpisodeSandbox
 
 VERIFIER_OUTPUT = "verifier.txt"  # in the episode's folder, beside the agent's stdout.txt and stderr.txt
 DEFAULT_TIMEOUT = 600.0

@@ -129,7 +129,7 @@ def test_collect_ends_with_a_summary_that_says_where_to_look(capture_env, llm, t
 
 def test_collect_failure_reasons_are_text_not_markup(tmp_path, monkeypatch, capsys):
     """An agent's stderr with rich markup and ANSI escapes is printed as it is (escaped), and never breaks collect."""
-    from lcap.dataset.collect.episodes import collect
+    from lcap.dataset.collect.episodes import collect_episodes
     from lcap.dataset.options import CollectOptions
     from lcap.store import Store
 
@@ -138,7 +138,7 @@ def test_collect_failure_reasons_are_text_not_markup(tmp_path, monkeypatch, caps
     (tmp_path / "agent.py").write_text("import sys\nprint('[/bold] \\x1b[31mred', file=sys.stderr)\nsys.exit(1)\n")
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text('{"id": "t"}\n')
-    result = collect(
+    result = collect_episodes(
         Store(tmp_path / "lcap.duckdb"),
         tasks=tasks,
         command=[sys.executable, "agent.py"],
