@@ -85,7 +85,7 @@ def main(rounds: int, threads: int) -> None:
     from lcap.capture.options import ProxyOptions
     from lcap.capture.proxy.server import CaptureProxy
     from lcap.policy import read_policy
-    from lcap.serve.deploy import deploy
+    from lcap.serve.deploy import deploy_policy
     from lcap.serve.server import start_server, stop_server
     from lcap.serve.tiny_model import init_model
     from lcap.serve.vllm_process import resolve_python
@@ -112,7 +112,7 @@ def main(rounds: int, threads: int) -> None:
                         agents.wait_for(2 * threads)
                         pid = read_policy().pid
                         started = time.monotonic()
-                        name = deploy(
+                        name = deploy_policy(
                             checkpoints[deploys % 2],
                             name=f"{mode}-{i}",
                             round=deploys,

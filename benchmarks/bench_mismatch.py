@@ -49,7 +49,7 @@ def main() -> None:
     import torch
     from fixtures_vllm import make_lora, served_samples
 
-    from lcap.serve.deploy import deploy
+    from lcap.serve.deploy import deploy_policy
     from lcap.serve.server import start_server, stop_server
     from lcap.serve.tiny_model import init_model
     from lcap.train.grpo import prepare_round
@@ -66,8 +66,8 @@ def main() -> None:
     lora_b = make_lora(model, work / "other" / "adapter", seed=2, scale=args.scale)
     record = start_server(str(model), log_path=work / "vllm.log", timeout=900, progress=False)
     try:
-        name_a = deploy(lora_a, round=1)
-        name_b = deploy(lora_b, name="other")
+        name_a = deploy_policy(lora_a, round=1)
+        name_b = deploy_policy(lora_b, name="other")
         data = {
             name: served_samples(
                 record.url,

@@ -168,7 +168,7 @@ def collect_once(
 ) -> float:
     """Seconds of one collect of TASKS x GROUP episodes, checked: every episode ok, every call a turn. `command`: run
     as the `lcap collect` command, in a new process."""
-    from lcap.dataset.collect.episodes import collect, load_tasks
+    from lcap.dataset.collect.episodes import collect_episodes, load_tasks
     from lcap.dataset.options import CollectOptions
     from lcap.store import Store
 
@@ -188,7 +188,7 @@ def collect_once(
         options = CollectOptions(
             group_size=group, concurrency=args.concurrency, round=round, upstream=upstream, model="m", ray=address
         )
-        result = collect(
+        result = collect_episodes(
             store,
             tasks=tasks,
             command=[sys.executable, str(agent)],

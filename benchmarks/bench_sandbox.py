@@ -37,7 +37,7 @@ from lcap.capture.options import ProxyOptions, SandboxLimits
 from lcap.capture.proxy.server import CaptureProxy
 from lcap.capture.sandbox import CGROUPS, GROUP, Sandbox, missing
 from lcap.dataset.collect.episode import EpisodeRules, EpisodeSpec, TaskFiles, run_episode
-from lcap.dataset.collect.episodes import collect
+from lcap.dataset.collect.episodes import collect_episodes
 from lcap.dataset.options import CollectOptions
 from lcap.store import Store
 
@@ -184,7 +184,9 @@ def throughput(base: Path, limit: int) -> None:
         )
         start = time.perf_counter()
         task_file = sets / ("warm.jsonl" if kind == "warm-up" else "bench.jsonl")
-        result = collect(store, tasks=task_file, command=[SYSTEM_PYTHON, str(base / "fixer.py")], options=options)
+        result = collect_episodes(
+            store, tasks=task_file, command=[SYSTEM_PYTHON, str(base / "fixer.py")], options=options
+        )
         seconds = time.perf_counter() - start
         if kind == "warm-up":  # the first collect of a process pays its imports and bytecode: neither's cost
             continue
@@ -229,7 +231,7 @@ def idle(base: Path, count: int) -> None:
             ("python", [SYSTEM_PYTHON, "-c", "import time; time.sleep(6)"]),
         ):
             samples.clear()
-            collect(store, tasks=tasks, command=argv, options=options, progress=False)
+            collect_episodes(store, tasks=tasks, command=argv, options=options, progress=False)
             full = [s for s in samples if s[0] == count]
             if not full:
                 print(f"idle ({agent}): never saw {count} sandboxes at once")

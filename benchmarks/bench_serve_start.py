@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 def main(rounds: int) -> None:
     from fixtures_vllm import make_lora
 
-    from lcap.serve.deploy import deploy
+    from lcap.serve.deploy import deploy_policy
     from lcap.serve.server import start_server, stop_server
     from lcap.serve.tiny_model import init_model
     from lcap.serve.vllm_process import resolve_python
@@ -47,7 +47,7 @@ def main(rounds: int) -> None:
                 httpx.post(f"{record.url}/v1/chat/completions", json=body, timeout=120).raise_for_status()
                 first = time.monotonic() - t0
                 t0 = time.monotonic()
-                deploy(lora, round=i)
+                deploy_policy(lora, round=i)
                 load = time.monotonic() - t0
                 print(
                     f"{mode:6s} start {times[mode][-1]:6.1f} s  first request {first * 1000:6.0f} ms  LoRA hot-load {load * 1000:6.0f} ms",

@@ -65,7 +65,7 @@ def driver(args: argparse.Namespace) -> None:
     from lcap.capture.storage.writer import TurnWriter
     from lcap.dataset.collect import node_proxies
     from lcap.dataset.collect import on_ray as ray_collect
-    from lcap.dataset.collect.episodes import collect
+    from lcap.dataset.collect.episodes import collect_episodes
     from lcap.dataset.options import CollectOptions
     from lcap.store import Store
 
@@ -135,7 +135,9 @@ def driver(args: argparse.Namespace) -> None:
             ray=args.address,
         )
         t0 = time.time()
-        result = collect(store, tasks=tasks, command=[sys.executable, args.agent], options=options, progress=False)
+        result = collect_episodes(
+            store, tasks=tasks, command=[sys.executable, args.agent], options=options, progress=False
+        )
         t_end = time.time()
         assert result.finished == result.episodes, result
         if n == 0:

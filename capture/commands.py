@@ -9,14 +9,20 @@ from typing import Annotated
 import typer
 
 from lcap.capture.options import ProxyOptions
+from lcap.capture.reach.node_preload import install_node_preload
 from lcap.cli_options import DbOption, one_line_errors, parse_labels, with_options
+from lcap.cli_stages import StageRegistry
 from lcap.config import LcapError
 
 LabelOption = Annotated[list[str] | None, typer.Option(help="Episode label key=value (repeatable), e.g. task=17.")]
 
 
-def register(app: typer.Typer) -> None:
+def register(cli: StageRegistry) -> None:
     """Add this stage's commands to `app`. Keep module-level imports light: the CLI loads this at start."""
+    app = cli.app
+    cli.setup_parts["node"] = install_node_preload
+    cli.doctor_modules.append("lcap.capture.doctor")
+    cli.status_modules.append("lcap.capture.status")
 
     @app.command(context_settings={"allow_interspersed_args": False})
     @one_line_errors

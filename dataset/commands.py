@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from lcap.capture.options import NOT_POLICY_ROUTE_FLAGS, ProxyOptions
+from lcap.capture import NOT_POLICY_ROUTE_FLAGS, ProxyOptions
 from lcap.cli_options import DbOption, one_line_errors, parse_labels, with_options
+from lcap.cli_stages import StageRegistry
 from lcap.config import LcapError
 from lcap.dataset.build.explain import causes, explain
 from lcap.dataset.options import BuildOptions, CollectOptions, ExportOptions, RescoreOptions
@@ -20,7 +21,9 @@ if TYPE_CHECKING:
     from lcap.dataset.judge.run import JudgeResult
 
 
-def register(app: typer.Typer) -> None:
+def register(cli: StageRegistry) -> None:
+    """Add this stage's commands to the CLI."""
+    app = cli.app
     app.command(context_settings={"allow_extra_args": True, "allow_interspersed_args": False})(collect)
     app.command()(reward)
     app.command()(rescore)
@@ -48,7 +51,7 @@ def collect(
     LCAP_TASK (the task as JSON) and LCAP_EPISODE_ID, and runs in its own working directory.
     Re-running the same collect skips the episodes it already finished.
     """
-    from lcap.dataset.collect.episodes import collect as run_collect  # start-up: the capture proxy
+    from lcap.dataset.collect.episodes import collect_episodes as run_collect  # start-up: the capture proxy
     from lcap.store import Store  # start-up: duckdb
 
     labels = parse_labels(label)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from lcap.capture.options import (
+from lcap.capture import (
     keep_workspaces_option,
     sandbox_disk_option,
     sandbox_memory_option,

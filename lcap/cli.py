@@ -1,5 +1,6 @@
-"""The `lcap` command line: the top of the import graph. Each stage registers its own commands (its
-`commands.py`, which imports only the core and the stages before it); heavy imports stay inside them."""
+"""The `lcap` command line: the top of the import graph. Each stage registers itself, one way: its `commands.py`
+`register` adds its commands, its `lcap setup` parts and its doctor and status modules to a `StageRegistry`
+(lcap.cli_stages); heavy imports stay inside the commands."""
 
 from __future__ import annotations
 
@@ -13,17 +14,16 @@ from typing import Annotated
 
 import typer
 
-from lcap.capture.commands import register as register_capture
-from lcap.capture.reach.node_preload import install_node_preload
+from lcap.capture import commands as capture_commands
 from lcap.cli_options import DbOption, one_line_errors
+from lcap.cli_stages import StageRegistry
 from lcap.config import LcapError, lcap_home
-from lcap.dataset.commands import register as register_dataset
-from lcap.loop.commands import register as register_loop
-from lcap.serve.commands import register as register_serve
-from lcap.serve.vllm_env import ensure_vllm_env
+from lcap.dataset import commands as dataset_commands
+from lcap.loop import commands as loop_commands
+from lcap.serve import commands as serve_commands
 from lcap.sql_output import DEFAULT_MAX_WIDTH, render
-from lcap.train.commands import register as register_train
-from lcap.ui.commands import register as register_ui
+from lcap.train import commands as train_commands
+from lcap.ui import commands as ui_commands
 
 # Help read through a pipe or a pager: rich's 80-column default would cut long flag names (`--eval-group-si…`).
 HELP_WIDTH = 140
@@ -88,17 +88,13 @@ def setup(
 ) -> None:
     """Install what lcap runs beside itself: the Node proxy preload, vLLM's own venv, and the weights of
     `lcap init-model --from smollm2`. Idempotent."""
-    from lcap.serve.pretrained import install_source  # start-up: tokenizers
-
-    steps = {"node": install_node_preload, "vllm": ensure_vllm_env, "smollm2": lambda: install_source("smollm2")}
+    steps = STAGES.setup_parts
     for part in parts or list(steps):
         if part not in steps:
             raise LcapError(f"unknown set-up part {part!r}: use {', '.join(steps)}")
         typer.echo(f"lcap setup {part}: {steps[part]()}")
 
 
-# Modules whose import registers `lcap doctor` checks (lcap.doctor's registry), listed in the order shown.
-DOCTOR_CHECKS = ("lcap.capture.doctor", "lcap.serve.doctor", "lcap.doctor_checks", "lcap.ui.doctor")
 DOCTOR_SECTIONS = ("capture", "serve", "store", "optional")
 
 
@@ -147,8 +143,6 @@ def doctor(
     raise typer.Exit(code)
 
 
-# Modules whose import registers `lcap status` sections (lcap.status's registry), and the order they are shown in.
-STATUS_SECTIONS = ("lcap.capture.status", "lcap.serve.status", "lcap.loop.status")
 STATUS_ORDER = ("proxies", "writers", "policy", "store", "loop")
 
 
@@ -214,5 +208,11 @@ def _log_to_stderr() -> None:
 
 
 _log_to_stderr()
-for register in (register_capture, register_dataset, register_serve, register_train, register_loop, register_ui):
-    register(app)
+# The core's doctor checks (the store, optional parts), then every stage's, in the order of the import graph.
+STAGES = StageRegistry(app, doctor_modules=["lcap.doctor_checks"])
+for stage in (capture_commands, dataset_commands, serve_commands, train_commands, loop_commands, ui_commands):
+    stage.register(STAGES)
+# Modules whose import registers `lcap doctor` checks (lcap.doctor's registry) and `lcap status` sections
+# (lcap.status's), in the order shown.
+DOCTOR_CHECKS = tuple(STAGES.doctor_modules)
+STATUS_SECTIONS = tuple(STAGES.status_modules)

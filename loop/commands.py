@@ -8,14 +8,18 @@ from typing import Annotated
 
 import typer
 
-from lcap.capture.options import NOT_POLICY_ROUTE_FLAGS, ProxyOptions
+from lcap.capture import NOT_POLICY_ROUTE_FLAGS, ProxyOptions
 from lcap.cli_options import DbOption, one_line_errors, with_options
-from lcap.dataset.options import BuildOptions, CollectOptions
+from lcap.cli_stages import StageRegistry
+from lcap.dataset import BuildOptions, CollectOptions
 from lcap.loop.options import DemoOptions, LoopOptions
-from lcap.train.options import TrainOptions
+from lcap.train import TrainOptions
 
 
-def register(app: typer.Typer) -> None:
+def register(cli: StageRegistry) -> None:
+    """Add this stage's commands to the CLI."""
+    app = cli.app
+    cli.status_modules.append("lcap.loop.status")
     app.command(context_settings={"allow_extra_args": True, "allow_interspersed_args": False})(loop)
     app.command()(demo)
 

@@ -55,9 +55,8 @@ from lcap.loop.steps import (
     train_step,
 )
 from lcap.policy import read_policy
-from lcap.serve.deploy import forget_candidate, load_candidate, make_current, record_deployment
-from lcap.train.grpo import round_dir
-from lcap.train.progress import training_text
+from lcap.serve import forget_candidate, load_candidate, make_current, record_deployment
+from lcap.train import round_dir, training_text
 
 LIVE_SPLIT = "live"  # the split adopted live episodes get: build-dataset --split live reads them
 POLL_S = 2.0

@@ -28,9 +28,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lcap.config import LcapError
-from lcap.dataset.build.builder import build_dataset
-from lcap.dataset.build.samples_file import read_samples_table, write_samples
-from lcap.dataset.collect.episodes import EpisodePool, check_round_is_free, load_tasks, plan_collect
+from lcap.dataset import (
+    EpisodePool,
+    build_dataset,
+    check_round_is_free,
+    load_tasks,
+    plan_collect,
+    read_samples_table,
+    write_samples,
+)
 from lcap.display import num
 from lcap.loop.steps import (
     SKIPPED,
@@ -50,8 +56,7 @@ from lcap.loop.steps import (
     train_step,
 )
 from lcap.store import now
-from lcap.train.grpo import round_dir
-from lcap.train.progress import training_text
+from lcap.train import round_dir, training_text
 
 WAKE_S = 1.0  # the trainer re-reads the store at least this often while it waits (an episode's end wakes it sooner)
 UNTRAINABLE_MAX = 4  # a step stops waiting once this many batches' worth of groups in a row could not train

@@ -47,9 +47,8 @@ from lcap.loop.steps import (
 )
 from lcap.policy import read_policy
 from lcap.ray_cluster import connect
-from lcap.serve.deploy import check_lora_rank, deploy
-from lcap.train.grpo import resolve_base_model, round_dir
-from lcap.train.progress import training_text
+from lcap.serve import check_lora_rank, deploy_policy
+from lcap.train import resolve_base_model, round_dir, training_text
 
 
 def run_loop(
@@ -78,7 +77,7 @@ def run_loop(
     step = StepRunner(store, state, run, stop_after)
     if config.train.ray is None:
         return _rounds(store, config, step, echo, None)
-    from lcap.dataset.collect.on_ray import NodeProxies  # the ray extra
+    from lcap.dataset import NodeProxies  # the ray extra
 
     with NodeProxies(store) as node_proxies:  # started by the first collect, serving every collect of the loop
         return _rounds(store, config, step, echo, node_proxies)
@@ -188,4 +187,4 @@ def _redeploy_if_lost(state: LoopState, store, echo) -> None:
     policy = read_policy()
     if last and policy and policy.current != last["name"]:
         echo(f"policy server serves {policy.current}, not {last['name']}: deploying {last['path']} again")
-        deploy(Path(last["path"]), name=last["name"], store=store)
+        deploy_policy(Path(last["path"]), name=last["name"], store=store)

@@ -19,22 +19,35 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from lcap.capture.options import ProxyOptions
+from lcap.capture import ProxyOptions
 from lcap.config import LcapError
-from lcap.dataset.build.builder import build_dataset, last_report
-from lcap.dataset.build.explain import explain, lost_lines
-from lcap.dataset.collect.episodes import collect, load_tasks
-from lcap.dataset.options import BuildOptions, CollectOptions
+from lcap.dataset import (
+    BuildOptions,
+    CollectOptions,
+    build_dataset,
+    collect_episodes,
+    explain,
+    last_report,
+    load_tasks,
+    lost_lines,
+)
 from lcap.display import num, rounded
 from lcap.files import atomic_write
 from lcap.loop.options import LoopOptions
 from lcap.policy import read_policy
-from lcap.serve.deploy import deploy
+from lcap.serve import deploy_policy
 from lcap.store import now
-from lcap.train.fit import NothingToLearn, equal_rewards, read_report
-from lcap.train.grpo import PREVIOUS_ROUND, PreviousRound, round_dir, train_round
-from lcap.train.options import TrainOptions
-from lcap.train.sft import sft_round
+from lcap.train import (
+    PREVIOUS_ROUND,
+    NothingToLearn,
+    PreviousRound,
+    TrainOptions,
+    equal_rewards,
+    read_report,
+    round_dir,
+    sft_round,
+    train_round,
+)
 
 SKIPPED = "skipped"  # the loop_steps step of a round with nothing to learn: its details say why and what stays
 
@@ -171,7 +184,7 @@ def collect_split(
         tasks_root=tasks_root(config),
         ray=config.train.ray,  # one --ray: the loop collects and trains on the same cluster
     )
-    result = collect(
+    result = collect_episodes(
         store,
         tasks=tasks,
         command=config.command,
@@ -315,7 +328,7 @@ def build_step(
 
 def deploy_step(store, output: str, n: int) -> dict:
     """Deploy round `n`'s adapter or checkpoint: its deployment's name and path."""
-    return {"name": deploy(Path(output), round=n, store=store), "path": output}
+    return {"name": deploy_policy(Path(output), round=n, store=store), "path": output}
 
 
 class StopAfter(Exception):

@@ -1,8 +1,9 @@
 """lcap's import graph by sub-package (every lcap import, top-level or inside a function), as a Mermaid chart.
 
-    python3 scripts/import_graph.py    (from the repository root; docs/architecture.md shows its output)
+    .venv/bin/python scripts/import_graph.py    (from the repository root; docs/architecture.md shows its output)
 
-Module by module the graph has no cycle (tests/unit/test_structure.py); between sub-packages an arrow both ways means
+A name imported from a stage's face counts as an import of the module the face takes it from. Module by module
+the graph has no cycle (tests/unit/test_structure.py); between sub-packages an arrow both ways means
 modules of each import modules of the other, never the same ones.
 """
 
@@ -12,7 +13,10 @@ import ast
 import tomllib
 from pathlib import Path
 
+from lcap.faces import face_names
+
 STAGES = ("capture", "dataset", "loop", "serve", "train", "ui")
+FACES = {f"lcap.{stage}" for stage in STAGES}
 PACKAGE_DIRS: dict[str, str] = tomllib.loads(Path("pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
 
 
@@ -45,8 +49,14 @@ def edges(known: dict[str, Path]) -> set[tuple[str, str]]:
     for module, path in known.items():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "lcap":
+                face = face_names(known[node.module].with_suffix(".pyi")) if node.module in FACES else {}
                 targets = [
-                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module for a in node.names
+                    f"{node.module}.{a.name}"
+                    if f"{node.module}.{a.name}" in known
+                    else face[a.name][0]
+                    if a.name in face
+                    else node.module
+                    for a in node.names
                 ]
             elif isinstance(node, ast.Import):
                 targets = [a.name for a in node.names if a.name.split(".")[0] == "lcap"]

@@ -18,7 +18,7 @@ from pathlib import Path
 tree = Path(sys.argv[1])
 dirs = tomllib.loads(Path("pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
 for package, folder in dirs.items():
-    for source in Path(folder).rglob("*.py"):
+    for source in [*Path(folder).rglob("*.py"), *Path(folder).rglob("*.pyi")]:  # .pyi: each stage's face
         relative = source.relative_to(folder)
         if relative.parts[0] == "vllm_plugin":  # checked on its own below
             continue

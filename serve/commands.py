@@ -9,12 +9,25 @@ from typing import Annotated
 import typer
 
 from lcap.cli_options import DbOption, one_line_errors, with_options
+from lcap.cli_stages import StageRegistry
 from lcap.config import LcapError
 from lcap.serve.options import DeployOptions, ServeOptions, TinyModelOptions
+from lcap.serve.vllm_env import ensure_vllm_env
 
 
-def register(app: typer.Typer) -> None:
+def install_smollm2() -> str:
+    """`lcap setup smollm2`: the weights of `lcap init-model --from smollm2`."""
+    from lcap.serve.pretrained import install_source  # start-up: tokenizers
+
+    return install_source("smollm2")
+
+
+def register(cli: StageRegistry) -> None:
     """Add the policy-server commands to `app`."""
+    app = cli.app
+    cli.setup_parts.update(vllm=ensure_vllm_env, smollm2=install_smollm2)
+    cli.doctor_modules.append("lcap.serve.doctor")
+    cli.status_modules.append("lcap.serve.status")
 
     @app.command("init-model")
     @one_line_errors
@@ -125,8 +138,10 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Make a new checkpoint the current policy: every routed call is served by it from now on. With
         --rollback, make an earlier deployment current again."""
-        from lcap.serve.deploy import check_round  # start-up: httpx
-        from lcap.serve.deploy import deploy as deploy_policy  # start-up: httpx
+        from lcap.serve.deploy import (
+            check_round,  # start-up: httpx
+            deploy_policy,  # start-up: httpx
+        )
         from lcap.serve.rollback import rollback  # start-up: httpx
         from lcap.store import Store  # start-up: duckdb
 

@@ -56,7 +56,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 SERVED_AS_KEPT = 64  # deployment -> vLLM name entries the record keeps (turns in flight may carry an older label)
 
 
-def deploy(
+def deploy_policy(
     path: Path,
     *,
     name: str | None = None,

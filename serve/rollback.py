@@ -18,7 +18,7 @@ from pathlib import Path
 
 from lcap.config import LcapError
 from lcap.policy import read_policy
-from lcap.serve.deploy import deploy, make_current, record_deployment, running_policy, servable
+from lcap.serve.deploy import deploy_policy, make_current, record_deployment, running_policy, servable
 from lcap.store import Store
 
 _ROWS = """
@@ -59,7 +59,7 @@ def rollback(
         path = Path(target.path)
         if not path.exists():
             raise LcapError(f"{target.name}'s {target.kind} {path} is gone: it cannot be deployed again")
-        deploy(path, name=target.name, drain_timeout=drain_timeout, restart=restart)
+        deploy_policy(path, name=target.name, drain_timeout=drain_timeout, restart=restart)
         record = read_policy() or record
     record_deployment(store, record, target.name, target.path, target.kind, target.round, rollback_of=current)
     return target.name, current

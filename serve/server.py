@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from lcap.capture.routing.policy_wire import has_endpoints
+from lcap.capture import has_endpoints
 from lcap.config import LcapError, lcap_home
 from lcap.policy import PolicyServer, Replica, bearer, clear_policy, policy_lock, publish, read_policy
 from lcap.processes import alive, kill_group

@@ -11,14 +11,17 @@ from typing import Annotated
 import typer
 
 from lcap.cli_options import DbOption, one_line_errors, with_options
+from lcap.cli_stages import StageRegistry
 from lcap.config import LcapError
-from lcap.dataset.build.explain import lost_lines
+from lcap.dataset import lost_lines
 from lcap.processes import helper_env
 from lcap.train.accelerate_launch import accelerate_command
 from lcap.train.options import TrainOptions
 
 
-def register(app: typer.Typer) -> None:
+def register(cli: StageRegistry) -> None:
+    """Add this stage's commands to the CLI."""
+    app = cli.app
     app.command()(train)
 
 

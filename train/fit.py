@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lcap.config import LcapError
-from lcap.dataset.build.explain import Cause, explain, plural
+from lcap.dataset import Cause, explain, plural
 from lcap.files import atomic_write
 from lcap.noise import quiet_noise
 from lcap.train.mismatch import Mismatch, check_mismatch, measure_mismatch

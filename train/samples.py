@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from lcap.dataset.build.samples_file import read_samples_table
+from lcap.dataset import read_samples_table
 
 
 @dataclass

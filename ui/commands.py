@@ -5,11 +5,15 @@ from __future__ import annotations
 import typer
 
 from lcap.cli_options import DbOption, one_line_errors, with_options
+from lcap.cli_stages import StageRegistry
 from lcap.config import LcapError
 from lcap.ui.options import UiOptions
 
 
-def register(app: typer.Typer) -> None:
+def register(cli: StageRegistry) -> None:
+    """Add this stage's commands to the CLI."""
+    app = cli.app
+    cli.doctor_modules.append("lcap.ui.doctor")
     app.command()(ui)
 
 

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from lcap.capture.turns.conversation import Block, anthropic_entries, content_blocks, responses_entries
+from lcap.capture import Block, anthropic_entries, content_blocks, responses_entries
 
 MAX_TEXT = 20_000  # characters of one part shown inline; the rest is in the raw request
 

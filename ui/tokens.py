@@ -20,7 +20,7 @@ from typing import Any
 import pyarrow as pa
 from tokenizers import Tokenizer
 
-from lcap.dataset.build.merge import merge_turns
+from lcap.dataset import merge_turns
 
 MAX_TOKENS = 20_000  # tokens an episode's token view shows; the rest are counted
 _BUCKETS = (0.9, 0.6, 0.3, 0.1)  # probability thresholds of the logprob shades, most to least certain

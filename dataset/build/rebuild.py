@@ -14,7 +14,7 @@ import re
 import sys
 from typing import Any
 
-from lcap.capture.turns.conversation import anthropic_entries, content_blocks, responses_entries
+from lcap.capture import anthropic_entries, content_blocks, responses_entries
 from lcap.policy import read_policy
 from lcap.schema import TRUNCATED_REASONS
 from lcap.store import Store, now

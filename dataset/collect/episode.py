@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from lcap.capture.sandbox import limits_text, release_mounts
+from lcap.capture import limits_text, release_mounts
 from lcap.config import LcapError
 from lcap.dataset.collect.summary import CollectSummary
 from lcap.dataset.collect.verifiers import (
@@ -43,8 +43,7 @@ from lcap.processes import kill_group, run_child
 from lcap.store import Store
 
 if TYPE_CHECKING:
-    from lcap.capture.reach.agent_env import Child
-    from lcap.capture.sandbox import EpisodeSandbox, Sandbox
+    from lcap.capture import Child, EpisodeSandbox, Sandbox
     from lcap.dataset.judge.run import JudgeResult
 
 log = logging.getLogger("lcap.dataset")

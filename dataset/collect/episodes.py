@@ -32,10 +32,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lcap.capture.options import ProxyOptions, sandbox_limits
-from lcap.capture.proxy.server import CaptureProxy
-from lcap.capture.sandbox import Sandbox, closed_folder
-from lcap.capture.sandbox import missing as sandbox_missing
+from lcap.capture import CaptureProxy, ProxyOptions, Sandbox, closed_folder, sandbox_limits
+from lcap.capture import missing as sandbox_missing
 from lcap.config import LcapError
 from lcap.dataset.collect.episode import (
     CollectResult,
@@ -252,7 +250,7 @@ def collect_proxy_options(options: CollectOptions, proxy_options: ProxyOptions |
     )
 
 
-def collect(
+def collect_episodes(
     store: Store,
     *,
     tasks: Path,

@@ -29,11 +29,17 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from lcap.capture.options import ProxyOptions
-from lcap.capture.proxy.server import CaptureProxy
-from lcap.capture.storage.ingest import Ingest, OutboxLost
-from lcap.capture.storage.outbox import Outbox, Position, Taken, node_outbox
-from lcap.capture.storage.writer import TurnWriter
+from lcap.capture import (
+    CaptureProxy,
+    Ingest,
+    Outbox,
+    OutboxLost,
+    Position,
+    ProxyOptions,
+    Taken,
+    TurnWriter,
+    node_outbox,
+)
 from lcap.config import LcapError
 from lcap.policy import PolicyServer, publish
 from lcap.processes import kill_group

@@ -48,7 +48,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from lcap.capture.options import ProxyOptions
+from lcap.capture import ProxyOptions
 from lcap.config import LcapError
 from lcap.dataset.collect.episode import (
     EpisodeOutcome,

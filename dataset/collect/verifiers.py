@@ -44,7 +44,7 @@ from lcap.config import LcapError
 from lcap.dataset.judge.prompt import is_judge
 
 if TYPE_CHECKING:
-    from lcap.capture.sandbox import EpisodeSandbox
+    from lcap.capture import EpisodeSandbox
 
 VERIFIER_OUTPUT = "verifier.txt"  # in the episode's folder, beside the agent's stdout.txt and stderr.txt
 DEFAULT_TIMEOUT = 600.0

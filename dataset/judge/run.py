@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lcap.capture.options import ProxyOptions
+from lcap.capture import ProxyOptions
 from lcap.dataset.build.export import transcripts
 from lcap.dataset.judge.client import Endpoint, JudgeCallError, JudgeClient, resolve_endpoint
 from lcap.dataset.judge.prompt import (
@@ -247,7 +247,7 @@ def _call_all(
 ) -> None:
     """Make the judge calls, `--judge-concurrency` at once, through a capture proxy of this pass; store each
     outcome as it arrives."""
-    from lcap.capture.proxy.server import CaptureProxy  # start-up: mitmproxy (rescore without a judge needs none)
+    from lcap.capture import CaptureProxy  # start-up: mitmproxy (rescore without a judge needs none)
 
     client = JudgeClient(endpoint, options)
     proxy = CaptureProxy(store, ProxyOptions())

@@ -33,8 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from lcap.config import LcapError
-from lcap.dataset.collect.episode import FINISHED
-from lcap.dataset.options import BuildOptions, CollectOptions
+from lcap.dataset import FINISHED, BuildOptions, CollectOptions
 from lcap.display import num, small
 from lcap.loop.demo import calculator, number, tools
 from lcap.loop.demo.number import write_jsonl
@@ -43,12 +42,9 @@ from lcap.loop.options import DEMO_TASKS, LoopOptions
 from lcap.loop.rounds import run_loop
 from lcap.loop.steps import LoopConfig
 from lcap.policy import read_policy
-from lcap.serve.options import TinyModelOptions
-from lcap.serve.pretrained import STAMP, init_pretrained, pretrained_dir
-from lcap.serve.server import start_server, stop_server
-from lcap.serve.tiny_model import init_model
+from lcap.serve import STAMP, TinyModelOptions, init_model, init_pretrained, pretrained_dir, start_server, stop_server
 from lcap.store import Store
-from lcap.train.options import TrainOptions
+from lcap.train import TrainOptions
 
 # The policy's size: small enough to warm-start and train on two CPU cores in seconds, large enough to learn the task.
 MODEL = TinyModelOptions(hidden_size=128, num_layers=2, num_heads=2)

@@ -13,7 +13,7 @@ import pytest
 from fixtures_dataset import DATASET_VERIFIERS, py_agent
 
 from lcap.dataset.build.builder import BuildOptions, build_dataset
-from lcap.dataset.collect.episodes import collect
+from lcap.dataset.collect.episodes import collect_episodes
 from lcap.dataset.options import CollectOptions
 from lcap.store import Store
 
@@ -45,7 +45,7 @@ def _collect(
         verifier=verifier,
         protect=protect,
     )
-    return collect(store, tasks=tasks, command=command, options=options)
+    return collect_episodes(store, tasks=tasks, command=command, options=options)
 
 
 def _turns(store: Store, episode_id: str) -> list[dict]:

@@ -370,13 +370,15 @@ def _collect_once(
     store: Store, project: Path, command: list[str], address: str, upstream, *, group_size: int = 2, **kw
 ):
     """The project's tasks x `group_size`, two at a time, on the cluster, to the `upstream` (a test's fake LLM)."""
-    from lcap.dataset.collect.episodes import collect
+    from lcap.dataset.collect.episodes import collect_episodes
     from lcap.dataset.options import CollectOptions
 
     options = CollectOptions(
         group_size=group_size, concurrency=2, round=1, upstream=upstream.url, model="m", ray=address
     )
-    return collect(store, tasks=project / "tasks.jsonl", command=command, options=options, progress=False, **kw)
+    return collect_episodes(
+        store, tasks=project / "tasks.jsonl", command=command, options=options, progress=False, **kw
+    )
 
 
 def _policy_replica(
@@ -413,7 +415,7 @@ def test_a_loops_collects_share_the_node_proxies_and_each_sees_the_last_deploy(c
     (round 2 is served by round 1's deployment), and every proxy actor gone once the loop ends."""
     import ray
 
-    from lcap.dataset.collect.episodes import collect
+    from lcap.dataset.collect.episodes import collect_episodes
     from lcap.dataset.collect.on_ray import NodeProxies
     from lcap.dataset.options import CollectOptions
     from lcap.policy import read_policy, write_policy
@@ -426,7 +428,7 @@ def test_a_loops_collects_share_the_node_proxies_and_each_sees_the_last_deploy(c
             known = []
             for n in (1, 2):
                 options = CollectOptions(group_size=2, concurrency=2, round=n, verifier="judge.py:judge", ray=address)
-                result = collect(
+                result = collect_episodes(
                     store,
                     tasks=project / "tasks.jsonl",
                     command=command,
@@ -508,7 +510,7 @@ def test_kept_node_proxies_replace_a_lost_one_and_start_on_a_node_that_joins(clu
     starts one on the new node, keeps the other one, and stores every episode's turns once."""
     import ray
 
-    from lcap.dataset.collect.episodes import collect
+    from lcap.dataset.collect.episodes import collect_episodes
     from lcap.dataset.collect.on_ray import NodeProxies
     from lcap.dataset.options import CollectOptions
 
@@ -517,7 +519,7 @@ def test_kept_node_proxies_replace_a_lost_one_and_start_on_a_node_that_joins(clu
 
     def run(proxies: NodeProxies, n: int) -> dict:
         options = CollectOptions(group_size=2, concurrency=3, round=n, upstream=upstream.url, model="m", ray=address)
-        result = collect(
+        result = collect_episodes(
             store, tasks=project / "tasks.jsonl", command=command, options=options, progress=False, node_proxies=proxies
         )
         assert (result.finished, result.failed) == (4, 0)

@@ -10,7 +10,7 @@ import json
 import pytest
 from fixtures_dataset import py_agent
 
-from lcap.dataset.collect.episodes import collect
+from lcap.dataset.collect.episodes import collect_episodes
 from lcap.dataset.collect.rescore import rescore
 from lcap.dataset.judge.run import JudgeResult
 from lcap.dataset.options import CollectOptions, RescoreOptions
@@ -40,7 +40,7 @@ def test_a_judged_collect_on_the_tiny_model(vllm_policy, openai_env, tmp_path, m
         judge_max_tokens=200,
         judge_timeout=300,
     )
-    result = collect(store, tasks=tasks, command=command, options=options)
+    result = collect_episodes(store, tasks=tasks, command=command, options=options)
     judge = result.judge
     assert judge is not None and judge.chosen == 6
     assert judge.calls == 2  # one call per group

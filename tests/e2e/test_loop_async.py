@@ -171,8 +171,8 @@ def test_an_episode_spanning_a_deploy_keeps_each_turns_deployment(
     from transformers import AutoTokenizer
 
     from lcap.dataset.build.builder import build_dataset
-    from lcap.dataset.collect.episodes import collect
-    from lcap.serve.deploy import deploy
+    from lcap.dataset.collect.episodes import collect_episodes
+    from lcap.serve.deploy import deploy_policy
 
     monkeypatch.chdir(tmp_path)
     end = AutoTokenizer.from_pretrained(vllm_policy.model_dir).convert_tokens_to_ids("<|im_end|>")
@@ -185,9 +185,10 @@ def test_an_episode_spanning_a_deploy_keeps_each_turns_deployment(
     go = tmp_path / "go"
     agent = [sys.executable, str(tmp_path / "two_calls.py"), "{q}", str(end)]
 
-    collect(store, tasks=tmp_path / "tasks.jsonl", command=agent, options=options)  # round 0: no deploy between
+    # round 0: no deploy between
+    collect_episodes(store, tasks=tmp_path / "tasks.jsonl", command=agent, options=options)
     spanning = threading.Thread(
-        target=collect,
+        target=collect_episodes,
         args=(store,),
         kwargs=dict(tasks=tmp_path / "tasks.jsonl", command=[*agent, str(go)], options=replace(options, round=1)),
     )
@@ -196,7 +197,7 @@ def test_an_episode_spanning_a_deploy_keeps_each_turns_deployment(
     while not Path(f"{go}.called").exists():
         assert time.monotonic() < deadline and spanning.is_alive()
         time.sleep(0.1)
-    name = deploy(tiny_lora, round=1, store=store)
+    name = deploy_policy(tiny_lora, round=1, store=store)
     time.sleep(3)  # the proxy re-reads the policy record (capture/routing/routes.py REFRESH_S)
     go.touch()
     spanning.join(300)
@@ -221,7 +222,7 @@ def test_a_lora_deploy_drops_no_streaming_call(vllm_policy, tiny_lora, tmp_path)
     finish on the policy they started on, and calls after the switch ask for the adapter."""
     from lcap.capture.options import ProxyOptions
     from lcap.capture.proxy.server import CaptureProxy
-    from lcap.serve.deploy import deploy
+    from lcap.serve.deploy import deploy_policy
 
     calls: list[dict] = []
     stop = threading.Event()
@@ -254,7 +255,7 @@ def test_a_lora_deploy_drops_no_streaming_call(vllm_policy, tiny_lora, tmp_path)
             w.start()
         while len(calls) < 6:
             time.sleep(0.1)
-        name = deploy(tiny_lora, round=1, store=Store(tmp_path / "lcap.duckdb"))
+        name = deploy_policy(tiny_lora, round=1, store=Store(tmp_path / "lcap.duckdb"))
         done = time.monotonic()
         while not any(c["started"] > done + 3 for c in calls):
             time.sleep(0.1)

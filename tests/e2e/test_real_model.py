@@ -378,7 +378,7 @@ def test_full_checkpoint_reloads_in_place_on_smollm2(smollm2_policy, tmp_path):
     streamed and not: vLLM reloads it in place (the same process), no call fails, the calls after the deploy name
     it, and vLLM now scores the tokens the checkpoint served as it served them, and the base's tokens otherwise.
     The base's weights are deployed back after."""
-    from lcap.serve.deploy import deploy
+    from lcap.serve.deploy import deploy_policy
 
     before = read_policy()
     base = smollm2_policy.served_model
@@ -387,7 +387,7 @@ def test_full_checkpoint_reloads_in_place_on_smollm2(smollm2_policy, tmp_path):
     try:
         with policy_proxy(tmp_path) as proxy, Agents(proxy, threads=2, stream_every=2, max_tokens=8) as agents:
             agents.wait_for(2)
-            name = deploy(checkpoint, name="smollm2-r1", round=1, store=Store(db), drain_timeout=300)
+            name = deploy_policy(checkpoint, name="smollm2-r1", round=1, store=Store(db), drain_timeout=300)
             deployed_at = time.time()
             agents.wait_after(time.monotonic(), n=2)
         after = read_policy()
@@ -409,5 +409,5 @@ def test_full_checkpoint_reloads_in_place_on_smollm2(smollm2_policy, tmp_path):
         }
         assert shift[name] < 1e-3 < shift[base], shift
     finally:  # the tests that follow expect SmolLM2's own weights
-        deploy(smollm2_policy.model_dir, name=base)
+        deploy_policy(smollm2_policy.model_dir, name=base)
     assert read_policy().pid == before.pid and read_policy().base_model == str(smollm2_policy.model_dir.resolve())

@@ -36,12 +36,12 @@ def completion_ids(url: str, model: str) -> list[int]:
 
 
 def test_deploy_lora_hot_loads_it_as_the_current_policy(vllm_policy, tiny_lora, tmp_path):
-    from lcap.serve.deploy import deploy
+    from lcap.serve.deploy import deploy_policy
 
     store = Store(tmp_path / "lcap.duckdb")
     base = completion_ids(vllm_policy.url, vllm_policy.served_model)
 
-    name = deploy(tiny_lora, round=1, store=store)
+    name = deploy_policy(tiny_lora, round=1, store=store)
     record = read_policy()
     assert name.startswith("policy-r1-") and record.current == name
     assert record.loras[name] == str(tiny_lora.resolve()) and record.pid == vllm_policy.record.pid
@@ -62,7 +62,7 @@ def test_deploy_lora_hot_loads_it_as_the_current_policy(vllm_policy, tiny_lora, 
 
     # Deploying a name vLLM already holds (a resumed loop whose record was reset) replaces it in place.
     vllm_policy.use_base()
-    assert deploy(tiny_lora, name=name) == name and read_policy().current == name
+    assert deploy_policy(tiny_lora, name=name) == name and read_policy().current == name
     assert completion_ids(vllm_policy.url, name) != base
 
 
@@ -87,7 +87,7 @@ def test_full_checkpoint_reloads_in_place_while_calls_stream(vllm_policy, tmp_pa
     including calls sent while the replica was paused for the reload, which vLLM held and served afterwards."""
     from transformers import AutoModelForCausalLM
 
-    from lcap.serve.deploy import deploy
+    from lcap.serve.deploy import deploy_policy
 
     before = read_policy()
     base = vllm_policy.served_model
@@ -97,7 +97,7 @@ def test_full_checkpoint_reloads_in_place_while_calls_stream(vllm_policy, tmp_pa
         with policy_proxy(tmp_path) as proxy, Agents(proxy, threads=3, stream_every=1, max_tokens=24) as agents:
             agents.wait_for(6)
             with watching_record(lambda record: record.replicas[0].serving(record), every=0.01) as states:
-                name = deploy(checkpoint, name="tiny-r1", round=1, store=Store(db), drain_timeout=120)
+                name = deploy_policy(checkpoint, name="tiny-r1", round=1, store=Store(db), drain_timeout=120)
             agents.wait_for(6)
         after = read_policy()
         assert name == "tiny-r1" and after.current == name and after.served_name(name) == base
@@ -134,7 +134,7 @@ def test_full_checkpoint_reloads_in_place_while_calls_stream(vllm_policy, tmp_pa
         rows = Store(db).fetchall("SELECT name, path, kind, round FROM deployments")
         assert rows == [(name, str(checkpoint.resolve()), "full", 1)]
     finally:  # the tests that follow expect the tiny model's own weights
-        deploy(vllm_policy.model_dir, name=base)
+        deploy_policy(vllm_policy.model_dir, name=base)
     record = read_policy()
     assert record.pid == before.pid and record.base_model == str(vllm_policy.model_dir.resolve())
 

@@ -65,7 +65,7 @@ def test_agent_through_lcap_proxy_to_the_policy_then_a_new_deployment(vllm_polic
         pytest.skip("`lcap proxy` (capture stage) is not there yet")
     from transformers import AutoTokenizer
 
-    from lcap.serve.deploy import deploy
+    from lcap.serve.deploy import deploy_policy
     from lcap.store import Store
 
     agent = tmp_path / "agent.py"
@@ -125,7 +125,7 @@ def test_agent_through_lcap_proxy_to_the_policy_then_a_new_deployment(vllm_polic
         )
     assert [t["completion_text"] for t in base_turns] == base_run["answers"]
 
-    name = deploy(tiny_lora, round=1, store=Store(db))
+    name = deploy_policy(tiny_lora, round=1, store=Store(db))
     lora_run = run_agent("on-lora")
     lora_turns = stored_turns(db, "on-lora")
     assert [t["deployment"] for t in lora_turns] == [name, name]

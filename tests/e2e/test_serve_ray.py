@@ -49,7 +49,7 @@ def test_a_ray_replica_serves_behind_its_key_with_shipped_adapters_and_comes_bac
     import ray
 
     from lcap.config import LcapError
-    from lcap.serve.deploy import deploy
+    from lcap.serve.deploy import deploy_policy
     from lcap.serve.vllm_process import resolve_python
 
     try:
@@ -114,7 +114,7 @@ def test_a_ray_replica_serves_behind_its_key_with_shipped_adapters_and_comes_bac
                     == 200
                 )
                 assert client.post("https://api.anthropic.com/v1/messages", json=MESSAGES).status_code == 200
-                name = deploy(tiny_lora, round=1, store=Store(db))
+                name = deploy_policy(tiny_lora, round=1, store=Store(db))
                 time.sleep(0.7)
                 answer = client.post("https://api.openai.com/v1/chat/completions", json=CHAT)
                 assert answer.status_code == 200 and answer.json()["model"] == name

@@ -114,11 +114,11 @@ def test_episodes_stick_to_a_replica_and_spread_over_both(pair, tmp_path):
 def test_a_lora_deploy_reaches_both_replicas_before_any_call_asks_for_it(pair, tiny_lora, tmp_path):
     """Agents keep calling while the adapter is deployed: every call is answered (vLLM answers 404 for a model
     it does not serve), and from the switch on both replicas serve the adapter."""
-    from lcap.serve.deploy import deploy
+    from lcap.serve.deploy import deploy_policy
 
     with policy_proxy(tmp_path) as proxy, Agents(proxy, threads=4) as agents:
         agents.wait_for(8)
-        name = deploy(tiny_lora, round=1, store=Store(pair.db))
+        name = deploy_policy(tiny_lora, round=1, store=Store(pair.db))
         switched = time.monotonic()
         agents.wait_for(24)
         agents.wait_after(switched + 1)
@@ -139,7 +139,7 @@ def test_a_full_checkpoint_reloads_into_one_replica_at_a_time(pair, tmp_path):
     old one; no call fails, no server restarts, and every turn's deployment is the one its replica served then."""
     from fixtures_vllm import perturbed_checkpoint, watching_record
 
-    from lcap.serve.deploy import deploy
+    from lcap.serve.deploy import deploy_policy
 
     record = pair.record
     record.current = record.served_model  # off the LoRA of the test before: a LoRA current means a restart
@@ -150,7 +150,7 @@ def test_a_full_checkpoint_reloads_into_one_replica_at_a_time(pair, tmp_path):
         with policy_proxy(tmp_path) as proxy, Agents(proxy, threads=4, stream_every=2, max_tokens=16) as agents:
             agents.wait_for(8)
             with watching_record(lambda record: tuple(r.serving(record) for r in record.replicas)) as states:
-                name = deploy(checkpoint, name="tiny-r1", round=1, store=Store(pair.db), drain_timeout=120)
+                name = deploy_policy(checkpoint, name="tiny-r1", round=1, store=Store(pair.db), drain_timeout=120)
             agents.wait_for(8)
         after = pair.record
         assert after.current == name and after.served_name(name) == before.served_model
@@ -167,7 +167,7 @@ def test_a_full_checkpoint_reloads_into_one_replica_at_a_time(pair, tmp_path):
             index = int(row["replica"][1:])
             assert row["deployment"] == (name if row["ended_at"].timestamp() > switched[index] else old), row
     finally:  # the tests that follow expect the tiny model's own weights under its own name
-        deploy(pair.model_dir, name=before.current)
+        deploy_policy(pair.model_dir, name=before.current)
 
 
 @pytest.mark.slow
@@ -177,7 +177,7 @@ def test_a_full_checkpoint_rolls_one_replica_at_a_time(pair, tmp_path):
     flight at the drain finish, and once done every call asks for the new deployment."""
     from fixtures_vllm import watching_record
 
-    from lcap.serve.deploy import deploy
+    from lcap.serve.deploy import deploy_policy
 
     before = pair.record
     checkpoint = tmp_path / "round-2" / "checkpoint"
@@ -191,7 +191,9 @@ def test_a_full_checkpoint_rolls_one_replica_at_a_time(pair, tmp_path):
     with policy_proxy(tmp_path) as proxy, Agents(proxy, threads=4, max_tokens=24) as agents:
         agents.wait_for(8)
         with watching_record(replica_states, every=0.05) as states:
-            name = deploy(checkpoint, name="tiny-v2", round=2, store=Store(pair.db), drain_timeout=120, restart=True)
+            name = deploy_policy(
+                checkpoint, name="tiny-v2", round=2, store=Store(pair.db), drain_timeout=120, restart=True
+            )
             done = time.monotonic()
         agents.wait_for(16)
         agents.wait_after(done + 1)
@@ -261,7 +263,7 @@ def test_a_lone_replica_restarting_holds_calls_instead_of_failing_them(pair, tmp
     deployment, which their turns store. No call fails."""
     from fixtures_vllm import watching_record
 
-    from lcap.serve.deploy import deploy
+    from lcap.serve.deploy import deploy_policy
 
     record = pair.record
     try:
@@ -277,7 +279,7 @@ def test_a_lone_replica_restarting_holds_calls_instead_of_failing_them(pair, tmp
     with policy_proxy(tmp_path) as proxy, Agents(proxy, threads=3, stream_every=2, max_tokens=16) as agents:
         agents.wait_for(6)
         with watching_record(lambda record: record.replicas[0].draining, every=0.05) as states:
-            name = deploy(checkpoint, name="tiny-held", store=Store(pair.db), drain_timeout=120, restart=True)
+            name = deploy_policy(checkpoint, name="tiny-held", store=Store(pair.db), drain_timeout=120, restart=True)
         agents.wait_for(6)
     after = pair.record
     assert after.current == after.served_model == name and after.replicas[0].pid != record.replicas[0].pid

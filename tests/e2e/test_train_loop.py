@@ -143,10 +143,10 @@ def test_loop_two_rounds_killed_and_resumed(vllm_policy, tmp_path):
     # Another adapter loaded under round 2's deployed name: round 3 is served by it, and its training stops.
     from fixtures_vllm import make_lora
 
-    from lcap.serve.deploy import deploy
+    from lcap.serve.deploy import deploy_policy
 
     wrong = make_lora(vllm_policy.model_dir, tmp_path / "wrong" / "adapter", scale=2.0)  # far from any trained one
-    deploy(wrong, name=steps["2:deploy"]["name"])
+    deploy_policy(wrong, name=steps["2:deploy"]["name"])
     command[command.index("--rounds") + 1] = "3"
     third = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert third.returncode == 2, third.stdout[-3000:] + third.stderr[-3000:]

@@ -124,9 +124,9 @@ def train_args(run: Path, data: Path, db: Path, model_dir: Path) -> list[str]:
 
 @pytest.mark.vllm
 def test_right_deployment_passes_the_guard(vllm_policy, round_one, tmp_path):
-    from lcap.serve.deploy import deploy
+    from lcap.serve.deploy import deploy_policy
 
-    name = deploy(round_one / "round-1" / "adapter", round=1)
+    name = deploy_policy(round_one / "round-1" / "adapter", round=1)
     data = served_samples(vllm_policy.url, name, tmp_path / "data")
     store = Store(tmp_path / "lcap.duckdb")
     result = train_round(store, round_one, 2, train_options(vllm_policy.model_dir), data=data)
@@ -140,10 +140,10 @@ def test_right_deployment_passes_the_guard(vllm_policy, round_one, tmp_path):
 @pytest.mark.vllm
 def test_wrong_adapter_stops_lcap_train(vllm_policy, round_one, tmp_path):
     """vLLM serves another LoRA than the one round 2 continues: `lcap train` stops with one line, exit 2."""
-    from lcap.serve.deploy import deploy
+    from lcap.serve.deploy import deploy_policy
 
     wrong = make_lora(vllm_policy.model_dir, tmp_path / "other" / "adapter", seed=2)
-    name = deploy(wrong, round=1)
+    name = deploy_policy(wrong, round=1)
     data = served_samples(vllm_policy.url, name, tmp_path / "data")
     done = subprocess.run(
         train_args(round_one, data, tmp_path / "lcap.duckdb", vllm_policy.model_dir),
@@ -181,7 +181,7 @@ def test_a_checkpoint_reloaded_in_place_passes_the_guard_as_its_deployment(vllm_
     from fixtures_vllm import perturbed_checkpoint
 
     from lcap.policy import read_policy
-    from lcap.serve.deploy import deploy
+    from lcap.serve.deploy import deploy_policy
 
     # The session's server may run a copy of the tiny model whose config a test before changed: the checkpoint is
     # made from what it runs (the same weights), so it can reload in place.
@@ -189,11 +189,11 @@ def test_a_checkpoint_reloaded_in_place_passes_the_guard_as_its_deployment(vllm_
     pid, running = record.pid, Path(record.base_model)
     checkpoint = perturbed_checkpoint(running, tmp_path / "round-1" / "checkpoint")
     try:
-        name = deploy(checkpoint, name="tiny-r1", round=1)
+        name = deploy_policy(checkpoint, name="tiny-r1", round=1)
         assert read_policy().pid == pid and read_policy().served_name(name) == vllm_policy.served_model
         data = served_samples(vllm_policy.url, vllm_policy.served_model, tmp_path / "data", deployment=name)
     finally:  # the tests that follow expect the tiny model's own weights
-        deploy(running, name=vllm_policy.served_model)
+        deploy_policy(running, name=vllm_policy.served_model)
     measured = {}
     for label, model in (("checkpoint", checkpoint), ("base", vllm_policy.model_dir)):
         prepared = prepare_round(tmp_path / f"run-{label}", 1, train_options(model, full=True), data)

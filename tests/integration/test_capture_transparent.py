@@ -309,7 +309,7 @@ def test_java_default_mode(capture_env, llm, tmp_path):
 
 def test_collect_one_namespace_per_episode(tmp_path, monkeypatch, capture_env, llm, transparent_ok):
     """Concurrent episodes, each in its own namespace: every turn lands in its own episode, without credentials."""
-    from lcap.dataset.collect.episodes import collect
+    from lcap.dataset.collect.episodes import collect_episodes
     from lcap.dataset.options import CollectOptions
     from lcap.store import Store
 
@@ -332,7 +332,7 @@ def test_collect_one_namespace_per_episode(tmp_path, monkeypatch, capture_env, l
     script.chmod(0o755)
     store = Store(tmp_path / "c.duckdb")
     options = CollectOptions(group_size=2, concurrency=4, upstream=llm.url, transparent=True, timeout=120)
-    result = collect(store, tasks=tasks, command=[str(script)], options=options, labels={}, progress=False)
+    result = collect_episodes(store, tasks=tasks, command=[str(script)], options=options, labels={}, progress=False)
     assert (result.episodes, result.finished) == (4, 4), result.statuses
     rows = turns(tmp_path / "c.duckdb")
     episodes = {r[0] for r in store.fetchall("SELECT episode_id FROM episodes")}

@@ -22,7 +22,7 @@ from fixtures_capture import SocketServer, wait_until
 
 from lcap.capture.sandbox import CGROUPS, GROUP, listen_in, missing
 from lcap.config import LcapError
-from lcap.dataset.collect.episodes import collect
+from lcap.dataset.collect.episodes import collect_episodes
 from lcap.dataset.options import CollectOptions
 from lcap.store import Store
 
@@ -164,7 +164,7 @@ def sandboxed(fake_llm):
         keep_workspaces=True,
     )
     try:
-        result = collect(
+        result = collect_episodes(
             store, tasks=tasks, command=[SYSTEM_PYTHON, str(base / "agent.py")], options=options, progress=False
         )
     finally:
@@ -319,7 +319,7 @@ def test_without_bubblewrap_sandbox_is_a_one_line_error(tmp_path, monkeypatch):
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text('{"id": "t"}\n')
     with pytest.raises(LcapError, match="install the bubblewrap package") as err:
-        collect(
+        collect_episodes(
             Store(tmp_path / "lcap.duckdb"),
             tasks=tasks,
             command=["true"],
@@ -347,7 +347,7 @@ def test_a_folder_nobody_cannot_enter_is_refused_before_any_episode(monkeypatch)
         options = CollectOptions(group_size=1, upstream=None, sandbox=True, run_dir=base / "run", timeout=60.0)
 
         def run(agent: Path):
-            return collect(
+            return collect_episodes(
                 store, tasks=base / "tasks.jsonl", command=[SYSTEM_PYTHON, str(agent)], options=options, progress=False
             )
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lcap.dataset.collect.episodes import collect
+from lcap.dataset.collect.episodes import collect_episodes
 from lcap.dataset.options import CollectOptions
 from lcap.store import Store
 
@@ -101,7 +101,7 @@ def test_collect_records_every_outcome(collect_env):
     store = Store(tmp / "lcap.duckdb")
     started = time.monotonic()
     options = CollectOptions(group_size=2, concurrency=4, round=3, verifier="judge.py:judge", upstream=None, timeout=10)
-    result = collect(
+    result = collect_episodes(
         store, tasks=tasks, command=[sys.executable, "agent.py", "{mode}"], options=options, labels={"exp": "unit"}
     )
     assert time.monotonic() - started < 120  # under the hung agent's own sleep: it ended at its timeout
@@ -150,7 +150,7 @@ def test_verify_failed_verifies_an_agent_that_exits_non_zero(collect_env):
     tasks = _tasks(tmp / "tasks.jsonl", [{"id": "fail", "mode": "fail"}, {"id": "ok", "mode": "ok"}])
     store = Store(tmp / "lcap.duckdb")
     options = CollectOptions(group_size=1, concurrency=2, verifier="exits.py:judge", upstream=None, verify_failed=True)
-    result = collect(store, tasks=tasks, command=[sys.executable, "agent.py", "{mode}"], options=options)
+    result = collect_episodes(store, tasks=tasks, command=[sys.executable, "agent.py", "{mode}"], options=options)
     assert result.statuses == {"ok": 2}
     rows = _summary(store)
     assert rows[("fail", 0)][3:6] == ("ok", None, 0.0) and rows[("ok", 0)][3:6] == ("ok", None, 1.0)
@@ -168,7 +168,9 @@ def test_verifiers_are_told_the_episodes_sample(collect_env):
     for verifier, split in (("by_sample.py:judge", "train"), ("sh by_sample.sh", "eval")):
         store = Store(tmp / "lcap.duckdb")
         options = CollectOptions(group_size=3, concurrency=3, verifier=verifier, upstream=None, split=split)
-        assert collect(store, tasks=tasks, command=agent, options=options, progress=False).statuses == {"ok": 3}
+        assert collect_episodes(store, tasks=tasks, command=agent, options=options, progress=False).statuses == {
+            "ok": 3
+        }
         rows = store.fetchall("SELECT sample, reward FROM episode_summary WHERE split = ? ORDER BY 1", [split])
         assert rows == [(0, 0.0), (1, 1.0), (2, 2.0)], verifier
 
@@ -270,7 +272,9 @@ def test_episode_ids_are_not_guessable(collect_env):
     ids = []
     for name in ("a", "b"):
         store = Store(collect_env / f"{name}.duckdb")
-        collect(store, tasks=tasks, command=[sys.executable, "agent.py", "ok"], options=options, progress=False)
+        collect_episodes(
+            store, tasks=tasks, command=[sys.executable, "agent.py", "ok"], options=options, progress=False
+        )
         ids.append({r[0]: r[1] for r in store.fetchall("SELECT sample, episode_id FROM episodes")})
     assert sorted(ids[0]) == sorted(ids[1]) == [0, 1]
     for sample in (0, 1):

@@ -152,7 +152,7 @@ def test_collect_groups_failures_by_reason_whatever_task_fields_they_quote(captu
 
 def test_collect_failure_reasons_are_text_not_markup(tmp_path, monkeypatch, capsys):
     """An agent's stderr with rich markup and ANSI escapes is printed as it is (escaped), and never breaks collect."""
-    from lcap.dataset.collect.episodes import collect
+    from lcap.dataset.collect.episodes import collect_episodes
     from lcap.dataset.options import CollectOptions
     from lcap.store import Store
 
@@ -161,7 +161,7 @@ def test_collect_failure_reasons_are_text_not_markup(tmp_path, monkeypatch, caps
     (tmp_path / "agent.py").write_text("import sys\nprint('[/bold] \\x1b[31mred', file=sys.stderr)\nsys.exit(1)\n")
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text('{"id": "t"}\n')
-    result = collect(
+    result = collect_episodes(
         Store(tmp_path / "lcap.duckdb"),
         tasks=tasks,
         command=[sys.executable, "agent.py"],

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from lcap.capture.sandbox import missing
-from lcap.dataset.collect.episodes import EpisodePool, collect, plan_collect
+from lcap.dataset.collect.episodes import EpisodePool, collect_episodes, plan_collect
 from lcap.dataset.collect.workspaces import place_tests
 from lcap.dataset.options import CollectOptions
 from lcap.store import Store
@@ -175,7 +175,7 @@ def world(fake_llm):
             keep_workspaces=True,
             run_dir=base / f"run-{verifier.split(':')[0]}",
         )
-        result = collect(
+        result = collect_episodes(
             store, tasks=base / "tasks.jsonl", command=[SYSTEM_PYTHON, "agent.py"], options=options, progress=False
         )
         rows = store.fetchall(
@@ -285,7 +285,7 @@ def test_a_sandboxed_episode_runs_and_is_verified_while_a_store_write_is_open(fa
             run_dir=base / "run",
         )
         with Store(base / "db" / "beside.duckdb").connect():
-            collect(
+            collect_episodes(
                 store,
                 tasks=base / "tasks.jsonl",
                 command=[SYSTEM_PYTHON, str(base / "agent.py")],

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from lcap.cli import app
 from lcap.config import LcapError
 from lcap.policy import PolicyServer, write_policy
-from lcap.serve.deploy import deploy
+from lcap.serve.deploy import deploy_policy
 from lcap.serve.vllm_process import MAX_LORA_RANK
 from lcap.train.options import TrainOptions
 
@@ -87,7 +87,7 @@ def test_a_lone_replica_drains_and_is_not_left_draining_when_it_cannot_start_aga
             watching_record(lambda record: record.replicas[0].draining, every=0.01) as states,
             pytest.raises(LcapError, match="did not start again on 'm' either"),
         ):
-            deploy.deploy(checkpoint, name="m2", restart=True, drain_timeout=5)
+            deploy.deploy_policy(checkpoint, name="m2", restart=True, drain_timeout=5)
     finally:
         running.kill()
         running.wait()
@@ -255,9 +255,9 @@ def test_a_deploy_checks_the_adapters_rank_against_the_servers_own_limit(tmp_pat
     with pytest.raises(
         LcapError, match=f"rank {2 * MAX_LORA_RANK}; the server allows at most {MAX_LORA_RANK}"
     ) as refused:
-        deploy(adapter)
+        deploy_policy(adapter)
     assert f"-- --max-lora-rank {2 * MAX_LORA_RANK}" in str(refused.value)
     record("--max-lora-rank", str(4 * MAX_LORA_RANK))
     with pytest.raises(Exception) as failed:
-        deploy(adapter)
+        deploy_policy(adapter)
     assert "allows at most" not in str(failed.value)

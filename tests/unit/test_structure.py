@@ -1,11 +1,15 @@
-"""The shape of the code: imports flow one way, core <- capture <- dataset <- train/serve <- loop <- CLI; modules
-share public names only; no two modules import each other, however indirectly; every package says what it is."""
+"""The shape of the code: imports flow one way, core <- capture <- dataset <- train/serve <- loop <- CLI; a stage
+imports another only through that stage's face; modules share public names only; no two modules import each other,
+however indirectly; every package says what it is."""
 
 from __future__ import annotations
 
 import ast
+import importlib
 import tomllib
 from pathlib import Path
+
+from lcap.faces import face_names
 
 ROOT = Path(__file__).resolve().parents[2]
 # A stage may import the core, itself and the stages of lower layers; train and serve are peers and
@@ -41,8 +45,14 @@ def stage_of(module: str) -> str:
     return "core"
 
 
+def face(stage: str) -> dict[str, tuple[str, str]]:
+    """The names a stage shows other stages (its `__init__.pyi`), each with the module it comes from."""
+    return face_names(_package_dirs()[f"lcap.{stage}"] / "__init__.pyi")
+
+
 def imports_of(path: Path, known: set[str]) -> set[str]:
-    """Every `lcap...` module a file imports, at the top or inside a function."""
+    """Every `lcap...` module a file imports, at the top or inside a function; a name taken from a stage's face
+    counts as an import of the module the face takes it from."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -51,6 +61,12 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
             isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.split(".")[0] == "lcap"
         ):
             named = {f"{node.module}.{a.name}" for a in node.names} & known  # `from lcap import cli` names a module
+            shown = (
+                face(node.module.split(".")[1])
+                if node.module.count(".") == 1 and stage_of(node.module) in STAGES
+                else {}
+            )
+            named |= {shown[a.name][0] for a in node.names if a.name in shown}
             found.update(named or {node.module})
     return found
 
@@ -237,3 +253,70 @@ def test_the_check_sees_a_writer_of_the_record(tmp_path):
     for name, text in files.items():
         (tmp_path / f"{name}.py").write_text(text)
     assert record_writers({f"lcap.x.{name}": tmp_path / f"{name}.py" for name in files}) == ["lcap.x.a", "lcap.x.b"]
+
+
+def past_faces(modules: dict[str, Path]) -> list[str]:
+    """Every import of another stage that does not go through its face: a module inside the stage, or a name its face
+    does not list. The CLI alone imports a stage's `commands` module, to register it."""
+    bad = []
+    for module, path in sorted(modules.items()):
+        mine = stage_of(module)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [(a.name, None) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                # `from lcap.x import module` imports that module
+                targets = [
+                    (f"{node.module}.{a.name}", None) if f"{node.module}.{a.name}" in modules else (node.module, a.name)
+                    for a in node.names
+                ]
+            else:
+                continue
+            for target, name in targets:
+                theirs = stage_of(target)
+                if target.split(".")[0] != "lcap" or theirs not in STAGES or theirs == mine:
+                    continue
+                if mine == "cli" and target == f"lcap.{theirs}.commands":
+                    continue
+                if target != f"lcap.{theirs}" or name is None:
+                    bad.append(f"{module} imports {target}{f'.{name}' if name else ''} past lcap.{theirs}'s face")
+                elif name not in face(theirs):
+                    bad.append(f"{module} imports {name}, which lcap.{theirs}'s face does not show")
+    return bad
+
+
+def test_stages_import_each_other_through_their_faces():
+    assert past_faces(_modules()) == []
+
+
+def test_the_check_sees_an_import_past_a_face(tmp_path):
+    (tmp_path / "a.py").write_text(
+        "from lcap.capture import ProxyOptions\nfrom lcap.capture.proxy.server import CaptureProxy\n"
+        "import lcap.capture.sandbox\nfrom lcap.dataset.x import y\n"
+        "def f():\n    from lcap.capture import _hidden_thing\n"
+    )
+    (tmp_path / "cli.py").write_text(
+        "from lcap.capture import commands\nfrom lcap.ui.commands import register\nfrom lcap.serve.server import s\n"
+    )
+    (tmp_path / "commands.py").write_text("")
+    modules = {"lcap.dataset.a": "a", "lcap.cli": "cli", "lcap.capture.commands": "commands"}
+    found = past_faces({module: tmp_path / f"{name}.py" for module, name in modules.items()})
+    assert found == [
+        "lcap.cli imports lcap.serve.server.s past lcap.serve's face",
+        "lcap.dataset.a imports lcap.capture.proxy.server.CaptureProxy past lcap.capture's face",
+        "lcap.dataset.a imports lcap.capture.sandbox past lcap.capture's face",
+        "lcap.dataset.a imports _hidden_thing, which lcap.capture's face does not show",
+    ]
+
+
+def test_each_stage_says_what_it_may_import_and_its_face_names_what_exists():
+    for stage in STAGES:
+        package = importlib.import_module(f"lcap.{stage}")
+        assert "May import:" in (package.__doc__ or ""), stage
+        folder = _package_dirs()[f"lcap.{stage}"]
+        for name, (module, attribute) in face(stage).items():
+            assert stage_of(module) == stage, (stage, name, module)
+            # a face name that is also a sub-package's or module's name would be shadowed once that one is imported
+            assert not (folder / name).is_dir() and not (folder / f"{name}.py").exists(), (stage, name)
+            assert getattr(package, name) is getattr(importlib.import_module(module), attribute)
+        assert set(face(stage)) <= set(dir(package))

@@ -1,0 +1,33 @@
+"""The names other stages import from lcap.capture (lcap.faces)."""
+
+from lcap.capture.options import NOT_POLICY_ROUTE_FLAGS as NOT_POLICY_ROUTE_FLAGS
+from lcap.capture.options import ProxyOptions as ProxyOptions
+from lcap.capture.options import keep_workspaces_option as keep_workspaces_option
+from lcap.capture.options import sandbox_disk_option as sandbox_disk_option
+from lcap.capture.options import sandbox_limits as sandbox_limits
+from lcap.capture.options import sandbox_memory_option as sandbox_memory_option
+from lcap.capture.options import sandbox_option as sandbox_option
+from lcap.capture.options import sandbox_pids_option as sandbox_pids_option
+from lcap.capture.options import transparent_option as transparent_option
+from lcap.capture.proxy.server import CaptureProxy as CaptureProxy
+from lcap.capture.reach.agent_env import Child as Child
+from lcap.capture.routing.policy_wire import has_endpoints as has_endpoints
+from lcap.capture.sandbox import EpisodeSandbox as EpisodeSandbox
+from lcap.capture.sandbox import Sandbox as Sandbox
+from lcap.capture.sandbox import closed_folder as closed_folder
+from lcap.capture.sandbox import limits_text as limits_text
+from lcap.capture.sandbox import missing as missing
+from lcap.capture.sandbox import release_mounts as release_mounts
+from lcap.capture.storage.ingest import Ingest as Ingest
+from lcap.capture.storage.ingest import OutboxLost as OutboxLost
+from lcap.capture.storage.outbox import Outbox as Outbox
+from lcap.capture.storage.outbox import Position as Position
+from lcap.capture.storage.outbox import Taken as Taken
+from lcap.capture.storage.outbox import node_outbox as node_outbox
+from lcap.capture.storage.spool import private_dir as private_dir
+from lcap.capture.storage.spool import reseal as reseal
+from lcap.capture.storage.writer import TurnWriter as TurnWriter
+from lcap.capture.turns.conversation import Block as Block
+from lcap.capture.turns.conversation import anthropic_entries as anthropic_entries
+from lcap.capture.turns.conversation import content_blocks as content_blocks
+from lcap.capture.turns.conversation import responses_entries as responses_entries
