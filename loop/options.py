@@ -35,6 +35,11 @@ class LoopOptions:
         "(2, 3, ...) collect with that policy.",
     )
 
+    min_groups: int = option(
+        2,
+        help="Warn when a round trains on fewer groups than this (the count said): a round learnt from one or two "
+        "tasks moves the policy on little evidence (a larger --group-size or more tasks per round give more).",
+    )
     stop_when_solved: int = option(
         0,
         help="Stop the loop on its own after this many rounds in a row with nothing to learn (every group got the same "
@@ -65,8 +70,8 @@ class LoopOptions:
     )
 
     def __post_init__(self) -> None:
-        if self.max_staleness < 0 or self.groups_per_step < 0 or self.stop_when_solved < 0:
-            raise LcapError("--max-staleness, --groups-per-step and --stop-when-solved must be 0 or more")
+        if min(self.max_staleness, self.groups_per_step, self.stop_when_solved, self.min_groups) < 0:
+            raise LcapError("--max-staleness, --groups-per-step, --stop-when-solved and --min-groups must be 0 or more")
         if self.min_samples < 2 or self.wait_timeout < 0:
             raise LcapError("--min-samples must be at least 2 (one group) and --wait-timeout 0 or more")
         if self.live and (self.overlap or self.sft_data is not None):

@@ -38,6 +38,7 @@ from lcap.loop.steps import (
     collect_split,
     continued,
     deploy_step,
+    few_groups,
     round_tasks,
     sft_step,
     skip_step,
@@ -160,6 +161,8 @@ def _train_deploy_eval(
         s.skipped = s.train["skipped"]["reason"]
         echo(skipped_line(f"round {n}", s.train["skipped"]))
         return None
+    if warning := few_groups(f"round {n}", s.train, config.options.min_groups):
+        echo(warning)
     s.deployed = step(n, "deploy", lambda: deploy_step(step.store, s.train["output"], n))["name"]
     if config.eval_tasks:
         tasks = config.eval_tasks

@@ -269,11 +269,21 @@ def skip_step(step: StepRunner, n: int, name: str, train: Callable[[], dict]) ->
     if skipped is not None:
         return {"skipped": skipped}
     try:
-        return step(n, name, train)
+        trained = step(n, name, train)
     except NothingToLearn as exc:
         kept = read_policy()
         why = {"reason": exc.reason, "kept": kept.current if kept else None}
-    return {"skipped": step(n, SKIPPED, lambda: why)}
+        return {"skipped": step(n, SKIPPED, lambda: why)}
+    return trained
+
+
+def few_groups(what: str, trained: dict, minimum: int) -> str | None:
+    """The warning for a round trained on fewer than `minimum` groups (--min-groups), None otherwise (an SFT round,
+    which has no groups, included)."""
+    n = trained.get("n_groups")
+    if n is None or n >= minimum:
+        return None
+    return f"warning: {what} trained on {n} group{'s' if n != 1 else ''}, fewer than --min-groups {minimum}"
 
 
 def skipped_line(what: str, skipped: dict) -> str:

@@ -154,3 +154,12 @@ def test_an_interrupted_loop_says_after_which_step(tmp_path):
     state.finish(0, "eval", {})
     state.finish(1, "collect", {})
     assert state.where() == "after round 1's collect"
+
+
+def test_a_round_on_fewer_groups_than_min_groups_warns_with_the_count():
+    from lcap.loop.steps import few_groups
+
+    assert few_groups("round 1", {"n_groups": 1}, 2) == "warning: round 1 trained on 1 group, fewer than --min-groups 2"
+    assert few_groups("step 3", {"n_groups": 2}, 3) == "warning: step 3 trained on 2 groups, fewer than --min-groups 3"
+    assert few_groups("round 1", {"n_groups": 2}, 2) is None
+    assert few_groups("round 1", {"n_samples": 4}, 2) is None  # an SFT round has no groups
