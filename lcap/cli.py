@@ -208,10 +208,12 @@ def _log_to_stderr() -> None:
 
 
 _log_to_stderr()
-# The core's doctor checks (the store, optional parts), then every stage's, in the order of the import graph.
-STAGES = StageRegistry(app, doctor_modules=["lcap.doctor_checks"])
-for stage in (capture_commands, dataset_commands, serve_commands, train_commands, loop_commands, ui_commands):
+STAGES = StageRegistry(app)
+for stage in (capture_commands, dataset_commands, serve_commands, train_commands, loop_commands):
     stage.register(STAGES)
+# The core's doctor checks (the store, Ray) come after those of the stages it serves and before the UI's browser.
+STAGES.doctor_modules.append("lcap.doctor_checks")
+ui_commands.register(STAGES)
 # Modules whose import registers `lcap doctor` checks (lcap.doctor's registry) and `lcap status` sections
 # (lcap.status's), in the order shown.
 DOCTOR_CHECKS = tuple(STAGES.doctor_modules)

@@ -250,8 +250,8 @@ def test_train_and_the_loop_say_what_build_dataset_lost(builder, dstore, tmp_pat
     state = LoopState(run, config.key())
     state.finish(1, "collect", {"mean_reward": 0.5, "rewarded": 6})  # collected (by the builder above)
     said: list[str] = []
-    with pytest.raises(LcapError, match="fewer than --min-tokens 1000"):
-        _rounds(dstore, config, StepRunner(dstore, state, run), said.append, None)
+    _rounds(dstore, config, StepRunner(dstore, state, run), said.append, None)  # a loop skips such a round (#53)
+    assert any("fewer than --min-tokens 1000" in line for line in said), said
     assert [line for line in said if line.startswith("lost: ")] == lost
 
 
