@@ -182,3 +182,12 @@ def test_the_users_next_message_is_judged_once_per_turn_and_the_proxys_stop_ends
             if proc.poll() is None:
                 proc.kill()
     wait_until(lambda: not any(Path(f"/proc/{pid}").exists() and "judge-live" in _cmdline(pid) for pid in helpers), 30)
+
+
+def test_a_judge_that_cannot_start_stops_the_proxy_with_the_reason(capture_home, tmp_path, fake_llm):
+    env = dict(os.environ, LCAP_HOME=str(capture_home), LCAP_DB=str(tmp_path / "lcap.duckdb"))
+    missing = tmp_path / "missing.md"
+    args = ["proxy", "--serve", "--upstream", fake_llm.url, "--implicit-reward", f"judge:{missing} --judge-url x"]
+    done = subprocess.run([LCAP, *args], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--judge-url must be an http" in done.stderr and "lcap judge-live did not start" in done.stderr
