@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import secrets
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -32,16 +31,9 @@ from typing import Any
 
 from lcap.capture import CaptureProxy, ProxyOptions
 from lcap.dataset.build.rebuild import chat_from_anthropic
-from lcap.dataset.judge.client import JudgeCallError, JudgeClient
-from lcap.dataset.judge.prompt import (
-    FEEDBACK_SCHEMA,
-    JudgeAnswerError,
-    Rubric,
-    feedback_prompt,
-    feedback_regex,
-    parse_feedback,
-)
-from lcap.dataset.judge.run import FLAG, ROLE, check_judge
+from lcap.dataset.judge.client import JudgeClient
+from lcap.dataset.judge.prompt import FEEDBACK_SCHEMA, Rubric, feedback_prompt, feedback_regex, parse_feedback
+from lcap.dataset.judge.run import FLAG, ROLE, check_judge, judge_call
 from lcap.dataset.options import ImplicitOptions
 from lcap.store import Store, now
 
@@ -140,6 +132,7 @@ class ImplicitJudge:
         self.client = JudgeClient(self.endpoint, options)
         self.suffix = key_suffix(self.rubric, self.endpoint.model)
         self.result = ImplicitResult()
+        self._lock = threading.Lock()  # the result's counters, added to by the judge threads
         self.proxy: Any = None
 
     def __enter__(self) -> ImplicitJudge:
@@ -168,36 +161,22 @@ class ImplicitJudge:
         turn = read_feedback(row)
         if isinstance(turn, str):
             return None, None, f"not judged: {turn}", None
-        judge_episode = f"judge-{secrets.token_hex(10)}"
-        labels = {
-            "role": ROLE,
-            "judged": turn.episode_id,
-            "judged_turn": turn.turn_id,
-            "judge_mode": "implicit",
-            "judge_model": self.endpoint.model,
-            "rubric": self.rubric.path.name,
-            "rubric_sha256": self.rubric.digest[:16],
-        }
-        self.store.start_episode(judge_episode, command="lcap judge-live", cwd=None, labels=labels)
-        verdict, error = None, None
-        try:
-            messages = feedback_prompt(
-                self.rubric, turn.earlier, turn.reply, turn.message, self.options.judge_max_chars
-            )
-            answer = self.client.ask(messages, FEEDBACK_SCHEMA, feedback_regex(), self.proxy.proxy_url(judge_episode))
+        labels = {"judged": turn.episode_id, "judged_turn": turn.turn_id, "judge_mode": "implicit"}
+        prompt = feedback_prompt(self.rubric, turn.earlier, turn.reply, turn.message, self.options.judge_max_chars)
+        call = judge_call(
+            self.store,
+            self.proxy,
+            self.client,
+            self.rubric,
+            labels,
+            (prompt, FEEDBACK_SCHEMA, feedback_regex()),
+            parse_feedback,
+        )
+        with self._lock:
             self.result.calls += 1
-            self.result.prompt_tokens += answer.prompt_tokens
-            self.result.completion_tokens += answer.completion_tokens
-            verdict = parse_feedback(answer.content)
-        except (JudgeCallError, JudgeAnswerError) as exc:
-            error = str(exc)
-        except Exception as exc:  # lcap's own failure on one call: the turn's, never the watcher's
-            log.warning("lcap: judge call %s failed", judge_episode, exc_info=True)
-            error = f"{exc.__class__.__name__}: {exc}"
-        if not self.proxy.flush(judge_episode):
-            log.warning("lcap: judge episode %s: its call is not in the store yet", judge_episode)
-        self.store.end_episode(judge_episode, status="ok" if error is None else "error", error=error)
-        return turn, verdict, error, judge_episode
+            self.result.prompt_tokens += call.tokens[0]
+            self.result.completion_tokens += call.tokens[1]
+        return turn, call.value, call.error, call.judge_episode
 
     def _store(
         self,
