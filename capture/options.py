@@ -192,6 +192,12 @@ class ProxyOptions:
     )
     max_pending_rewards: int = option(256, help="Rewards waiting to be stored at once (429 past it).")
     max_reward_bytes: int = option(64 * 1024, help="Largest reward request body (413 past it).")
+    implicit_reward: str | None = option(
+        None,
+        help="With --serve: judge the user's next message in each session as feedback on the assistant turn before "
+        "it and store it as a reward of source 'implicit': 'judge:RUBRIC.md [lcap judge-live flags]', run as "
+        "`lcap judge-live` beside the proxy and stopped with it.",
+    )
     # --- state kept between calls ---
     max_certs: int = option(1000, help="TLS certificates kept for intercepted hosts (least recently used go).")
     max_episodes: int = option(

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import gc
 import os
+import select
 import shlex
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -22,7 +24,7 @@ from lcap.capture.storage.writer import WriterReport
 from lcap.capture.trust.credentials import records_dir
 from lcap.capture.trust.destinations import is_loopback_host
 from lcap.config import LcapError, lcap_home
-from lcap.processes import ChildExit, run_child
+from lcap.processes import ChildExit, python_helper, run_child
 from lcap.store import Store
 
 
@@ -40,6 +42,8 @@ def run_proxy(
 ) -> int:
     """Run `command` as one episode behind a fresh proxy; return its exit code. At the end, say on stderr how
     many of its turns were stored (a warning, and a `turns_unstored` flag on the episode, if some were not)."""
+    if options.implicit_reward:
+        raise LcapError("--implicit-reward judges the sessions of `lcap proxy --serve`: add --serve")
     if options.sandbox and ((reason := sandbox_missing()) or options.transparent):
         raise LcapError(reason or "--sandbox and --transparent both put the agent in namespaces: choose one")
     store = Store(db)
@@ -137,6 +141,11 @@ def serve_proxy(*, db: Path, options: ProxyOptions) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     proxy = _start(Store(db), options)
+    try:
+        judge, watching = _start_implicit(db, options.implicit_reward) if options.implicit_reward else (None, "")
+    except BaseException:
+        proxy.stop()
+        raise
     anonymous = (
         "refused (407)"
         if proxy.require_credentials
@@ -160,10 +169,58 @@ def serve_proxy(*, db: Path, options: ProxyOptions) -> None:
             f"{records_dir() / f'{proxy.port}.json'} or a tenant's upstream credential)",
             flush=True,
         )
+    if judge is not None:
+        print(f"  implicit rewards: {watching}", flush=True)
+        threading.Thread(target=_pass_on, args=(judge.stdout,), name="lcap-judge-live", daemon=True).start()
     try:
         while not stop.wait(0.5):
             pass
     finally:
+        if judge is not None:
+            _stop_implicit(judge)
         report = proxy.stop()
         if report is not None:
             print(report.summary(db), file=sys.stderr, flush=True)
+
+
+_READY = "lcap judge-live: watching"  # its first line (lcap.dataset.judge.implicit.READY)
+IMPLICIT_READY_S = 120.0  # for `lcap judge-live` to check its rubric and judge and start its capture proxy
+IMPLICIT_STOP_S = 15.0  # for it to end once its standard input closed (a judge call in flight is cut after)
+
+
+def _start_implicit(db: Path, spec: str) -> tuple[subprocess.Popen, str]:
+    """`--implicit-reward SPEC`: `lcap judge-live SPEC` as a child process (the dataset stage's command: capture
+    imports none of it), watching this store until its standard input closes, which this proxy's end (any end)
+    does. Returns once it said it watches, with what it said."""
+    argv = python_helper(sys.executable, "-m", "lcap", "judge-live", *shlex.split(spec))
+    argv += ["--db", str(db), "--until-stdin-closes"]
+    try:
+        child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    except OSError as exc:
+        raise LcapError(f"--implicit-reward: cannot start lcap judge-live: {exc.strerror or exc}") from None
+    assert child.stdout is not None
+    ready, _, _ = select.select([child.stdout], [], [], IMPLICIT_READY_S)
+    line = child.stdout.readline() if ready else ""
+    if not line.startswith(_READY):
+        _stop_implicit(child)
+        raise LcapError(f"--implicit-reward: lcap judge-live did not start (exit {child.returncode}): see above")
+    return child, line.strip()
+
+
+def _pass_on(lines) -> None:
+    for line in lines:
+        print(f"  {line.rstrip()}", flush=True)
+
+
+def _stop_implicit(child: subprocess.Popen) -> None:
+    try:
+        if child.stdin is not None:
+            child.stdin.close()
+        child.wait(IMPLICIT_STOP_S)
+    except (OSError, subprocess.TimeoutExpired):
+        child.terminate()
+        try:
+            child.wait(5)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()

@@ -1,5 +1,5 @@
-"""`lcap collect`, `lcap reward`, `lcap rescore`, `lcap build-dataset`, `lcap export` (flags from `CollectOptions`,
-`RescoreOptions`, `BuildOptions`, `ExportOptions`)."""
+"""`lcap collect`, `lcap reward`, `lcap rescore`, `lcap judge-live`, `lcap build-dataset`, `lcap export` (flags from
+`CollectOptions`, `RescoreOptions`, `ImplicitOptions`, `BuildOptions`, `ExportOptions`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from lcap.cli_options import DbOption, one_line_errors, parse_labels, with_optio
 from lcap.cli_stages import StageRegistry
 from lcap.config import LcapError
 from lcap.dataset.build.explain import causes, explain
-from lcap.dataset.options import BuildOptions, CollectOptions, ExportOptions, RescoreOptions
+from lcap.dataset.options import BuildOptions, CollectOptions, ExportOptions, ImplicitOptions, RescoreOptions
 from lcap.display import printable
 
 if TYPE_CHECKING:
@@ -27,6 +27,7 @@ def register(cli: StageRegistry) -> None:
     app.command(context_settings={"allow_extra_args": True, "allow_interspersed_args": False})(collect)
     app.command()(reward)
     app.command()(rescore)
+    app.command("judge-live")(judge_live)
     app.command("build-dataset")(build_dataset)
     app.command("export")(export)
 
@@ -141,6 +142,32 @@ def rescore(db: DbOption, options: RescoreOptions) -> None:
             "re-run the same command to score them",
             err=True,
         )
+        raise typer.Exit(1)
+
+
+@one_line_errors
+@with_options(ImplicitOptions, "options")
+def judge_live(
+    spec: Annotated[str, typer.Argument(help="The judge: judge:RUBRIC.md.")], db: DbOption, options: ImplicitOptions
+) -> None:
+    """Judge the user's next message in each live session as feedback on the assistant turn before it (satisfied,
+    corrected, abandoned) and store it as a reward of source `implicit`, once per turn; until Ctrl-C, or --once.
+    `lcap proxy --serve --implicit-reward judge:RUBRIC.md` runs it beside the proxy."""
+    from lcap.dataset.judge.implicit import judge_live as watch  # start-up: the capture proxy
+    from lcap.store import Store  # start-up: duckdb
+
+    def stop(*_: object) -> None:  # SIGTERM ends it like Ctrl-C: verdicts in hand are stored
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        result = watch(Store(db), spec, options, echo=lambda line: typer.echo(line))
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    typer.echo(result.line())
+    for error in result.errors:
+        typer.echo(f"lcap: judge-live: {printable(error)}", err=True)
+    if options.once and result.failed and not result.judged:
         raise typer.Exit(1)
 
 

@@ -283,3 +283,27 @@ class RescoreOptions(JudgeOptions):
     def source_name(self) -> str:
         """The source its rewards are stored under."""
         return self.source or f"rescore:{(self.verifier or '').strip()}"
+
+
+@dataclass(frozen=True)
+class ImplicitOptions(JudgeOptions):
+    """How `lcap judge-live` (and `lcap proxy --serve --implicit-reward`) finds and judges the user's next messages;
+    every judge call is pointwise (live traffic has no groups), so --judge-mode is not read."""
+
+    poll: float = option(5.0, help="Seconds between two looks at the store for turns to judge.")
+    batch: int = option(32, help="Turns judged per look at most (the oldest first).")
+    lookback: float = option(
+        24.0, help="Hours back a turn may have ended to be judged: each look reads the requests of that window only."
+    )
+    once: bool = option(False, flag="--once", help="Judge what is waiting, print the summary and exit.")
+    until_stdin_closes: bool = option(
+        False,
+        flag="--until-stdin-closes",
+        help="Stop when standard input closes (how `lcap proxy --serve --implicit-reward` ends its judge, whichever "
+        "way the proxy ends).",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.poll <= 0 or self.batch < 1 or self.lookback <= 0:
+            raise LcapError("--poll and --lookback must be above 0, --batch at least 1")

@@ -99,10 +99,12 @@ class CaptureProxy:
         *,
         writer: TurnSink | None = None,
         policy_key: str | None = None,
+        announce: bool = True,
     ) -> None:
         """`store` receives the turns through a writer process; a proxy on a Ray node has no store, and hands its
         turns to `writer` instead (an Outbox the collect driver empties). `policy_key`: the policy replicas' key,
-        held in memory, in place of the record's key file (a Ray node's proxy: that file is on the driver's machine)."""
+        held in memory, in place of the record's key file (a Ray node's proxy: that file is on the driver's machine).
+        `announce`: write the proxy's record (`lcap episode new`, `lcap status`); a judge's own proxy writes none."""
         if writer is None:
             if store is None:
                 raise ValueError("CaptureProxy needs a store or a writer")
@@ -110,6 +112,7 @@ class CaptureProxy:
         self.store = store
         self.options = options
         self.policy_key = policy_key
+        self.announce = announce
         self.token_ids = options.token_ids  # resolved at start(): on when the upstream is vLLM
         self.lcap_endpoints = False  # resolved at start() for a fixed --upstream URL (the policy record says it)
         self.keys = EpisodeKeys.new()  # this run's key: episode secrets are worthless to any other proxy
@@ -257,7 +260,7 @@ class CaptureProxy:
     def _announce(self) -> None:
         """The proxy's record, for `lcap episode new` and `lcap status` (a node's proxy has none: its collect
         driver's is the one), announced while it runs."""
-        if self.store is None:
+        if self.store is None or not self.announce:
             return
         assert self.port is not None
         self._record = ProxyRecord(

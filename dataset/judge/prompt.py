@@ -292,3 +292,54 @@ def _score(value: Any) -> float:
 
 def _reasons(value: Any) -> str:
     return (value if isinstance(value, str) else "")[:REASONS_MAX]
+
+
+# --- implicit rewards: the user's next message as feedback on the assistant turn before it -----------------
+
+FEEDBACK = ("satisfied", "corrected", "abandoned", "unclear")
+
+FEEDBACK_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "feedback": {"type": "string", "enum": list(FEEDBACK)},
+        "reasons": {"type": "string", "maxLength": 300},
+        "score": SCORE,
+    },
+    "required": ["feedback", "reasons", "score"],
+    "additionalProperties": False,
+}
+
+
+def feedback_prompt(
+    rubric: Rubric, earlier: Sequence[Mapping[str, Any]], reply: Mapping[str, Any], feedback: Any, budget: int
+) -> list[dict[str, str]]:
+    """A pointwise prompt judging the assistant turn `reply` by the user's next message `feedback`, `earlier` the
+    conversation before it; all three quoted as data (the user's message is as untrusted as the agent's text)."""
+    parts = [
+        f"<rubric>\n{rubric.text}\n</rubric>",
+        _block("conversation", [_message(m) for m in earlier], max(budget // 2, 200)),
+        _block("assistant_turn", _message(reply), max(budget // 3, 200)),
+        _block("user_next_message", feedback, max(budget // 6, 200)),
+    ]
+    parts.append(
+        "The user's next message is their reaction to the assistant turn. Classify it: satisfied (accepts it, thanks, "
+        "builds on it), corrected (says it is wrong or asks again), abandoned (gives up, ends in frustration) or "
+        "unclear. Then score the assistant turn from 0 (fails the rubric) to 1 (meets it fully), reading it through "
+        'that reaction: {"feedback": ..., "reasons": ..., "score": ...}'
+    )
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "\n\n".join(parts)}]
+
+
+def feedback_regex() -> str:
+    return r'\{"feedback":"(' + "|".join(FEEDBACK) + r')","reasons":"' + _TEXT + r'{0,200}","score":' + _TENTHS + r"\}"
+
+
+def parse_feedback(text: str) -> tuple[float, str, str]:
+    """(score, reasons, feedback) from an implicit judge's answer; a missing or unknown feedback is `unclear`."""
+    answer = _json_object(text)
+    feedback = answer.get("feedback")
+    return (
+        _score(answer.get("score")),
+        _reasons(answer.get("reasons")),
+        feedback if isinstance(feedback, str) and feedback in FEEDBACK else "unclear",
+    )

@@ -22,7 +22,7 @@ import logging
 import secrets
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -270,47 +270,77 @@ def _call_all(
 
 
 def _judge(store: Store, proxy: Any, client: JudgeClient, rubric: Rubric, job: _Job, budget: int) -> _Outcome:
-    """One judge call as an episode of its own (`budget`: characters of quoted episodes); its verdicts, or why
-    there are none."""
+    """One judge call of `job` (`budget`: characters of quoted episodes); its verdicts, or why there are none."""
     judged = [s.episode_id for _, s in job.labelled]
-    judge_episode = f"judge-{secrets.token_hex(10)}"
+    labels = {"judged": ",".join(judged), "judge_mode": job.mode}
+    if job.mode == "group":
+        names = [label for label, _ in job.labelled]
+        messages, schema, regex = group_prompt(rubric, job.labelled, budget), group_schema(names), group_regex(names)
+
+        def parse(content: str) -> dict[str, tuple[float, str]]:
+            by_label = parse_group(content, names)
+            return {s.episode_id: by_label[label] for label, s in job.labelled}
+    else:
+        messages = pointwise_prompt(rubric, job.labelled[0][1], budget)
+        schema, regex = POINTWISE_SCHEMA, pointwise_regex()
+
+        def parse(content: str) -> dict[str, tuple[float, str]]:
+            return {judged[0]: parse_pointwise(content)}
+
+    call = judge_call(store, proxy, client, rubric, labels, (messages, schema, regex), parse, answers=len(judged))
+    outcome = _Outcome(job, judge_episode=call.judge_episode, error=call.error, tokens=call.tokens)
+    outcome.scores, outcome.seconds = call.value or {}, call.seconds
+    return outcome
+
+
+@dataclass
+class JudgeCall:
+    """One judge call's parsed answer (`value`), or why there is none (`error`), and what it cost."""
+
+    judge_episode: str
+    value: Any = None
+    error: str | None = None
+    tokens: tuple[int, int] = (0, 0)
+    seconds: float = 0.0
+
+
+def judge_call(
+    store: Store,
+    proxy: Any,
+    client: JudgeClient,
+    rubric: Rubric,
+    labels: Mapping[str, str],
+    prompt: tuple[list[dict[str, str]], dict[str, Any], str],
+    parse: Callable[[str], Any],
+    *,
+    answers: int = 1,
+) -> JudgeCall:
+    """One judge call (`prompt`: the messages, the answer's schema and regular expression) through `proxy`, as an
+    episode of its own labelled `role=judge` with `labels`; its answer read by `parse`, which raises
+    JudgeAnswerError on nonsense. Never raises for the call: a failure is the call's `error`."""
+    call = JudgeCall(judge_episode=f"judge-{secrets.token_hex(10)}")
     labels = {
         "role": ROLE,
-        "judged": ",".join(judged),
-        "judge_mode": job.mode,
+        **labels,
         "judge_model": client.endpoint.model,
         "rubric": rubric.path.name,
         "rubric_sha256": rubric.digest[:16],
     }
-    store.start_episode(judge_episode, command="lcap judge", cwd=None, labels=labels)
-    outcome = _Outcome(job, judge_episode=judge_episode)
+    store.start_episode(call.judge_episode, command="lcap judge", cwd=None, labels=labels)
     try:
-        if job.mode == "group":
-            names = [label for label, _ in job.labelled]
-            messages, schema, regex = (
-                group_prompt(rubric, job.labelled, budget),
-                group_schema(names),
-                group_regex(names),
-            )
-        else:
-            messages = pointwise_prompt(rubric, job.labelled[0][1], budget)
-            schema, regex = POINTWISE_SCHEMA, pointwise_regex()
-        answer = client.ask(messages, schema, regex, proxy.proxy_url(judge_episode), answers=len(job.labelled))
-        outcome.tokens, outcome.seconds = (answer.prompt_tokens, answer.completion_tokens), answer.seconds
-        if job.mode == "group":
-            by_label = parse_group(answer.content, names)
-            outcome.scores = {s.episode_id: by_label[label] for label, s in job.labelled}
-        else:
-            outcome.scores = {judged[0]: parse_pointwise(answer.content)}
+        messages, schema, regex = prompt
+        answer = client.ask(messages, schema, regex, proxy.proxy_url(call.judge_episode), answers=answers)
+        call.tokens, call.seconds = (answer.prompt_tokens, answer.completion_tokens), answer.seconds
+        call.value = parse(answer.content)
     except (JudgeCallError, JudgeAnswerError) as exc:
-        outcome.error = str(exc)
+        call.error = str(exc)
     except Exception as exc:  # lcap's own failure on one call: the episode's, never the pass's
-        log.warning("lcap: judge call %s failed", judge_episode, exc_info=True)
-        outcome.error = f"{exc.__class__.__name__}: {exc}"
-    if not proxy.flush(judge_episode):
-        log.warning("lcap: judge episode %s: its call is not in the store yet", judge_episode)
-    store.end_episode(judge_episode, status="ok" if outcome.error is None else "error", error=outcome.error)
-    return outcome
+        log.warning("lcap: judge call %s failed", call.judge_episode, exc_info=True)
+        call.error = f"{exc.__class__.__name__}: {exc}"
+    if not proxy.flush(call.judge_episode):
+        log.warning("lcap: judge episode %s: its call is not in the store yet", call.judge_episode)
+    store.end_episode(call.judge_episode, status="ok" if call.error is None else "error", error=call.error)
+    return call
 
 
 def _store_done(
