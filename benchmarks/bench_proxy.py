@@ -271,9 +271,16 @@ def capture_call(sink: Any) -> Callable[[], None]:
     )
 
     def one() -> None:
-        episode, rest = calls.attribute(fields)
+        episode, role, rest = calls.attribute(fields)
         call = calls.open_call(
-            "chat", episode, scheme="https", host="api.openai.com", port=443, path="/v1/chat/completions", fields=rest
+            "chat",
+            episode,
+            role,
+            scheme="https",
+            host="api.openai.com",
+            port=443,
+            path="/v1/chat/completions",
+            fields=rest,
         )
         calls.take_body(call, body)
         calls.answer_head(call.pending, 200, "application/json", None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from lcap.capture.proxy.roles import parse_role_by
 from lcap.capture.storage.spool import SPOOL_BACKLOG_BYTES
 from lcap.cli_options import option
 from lcap.config import LcapError
@@ -177,6 +178,12 @@ class ProxyOptions:
         help="Header whose value names a call's session (its episode, scoped to the call's upstream credential) "
         "when it carries no episode credentials; never sent upstream ('' turns it off).",
     )
+    role_by: tuple[str, ...] = option(
+        (),
+        help="A call's role when it has no X-Lcap-Role header: model:NAME=ROLE (the agent asked for model NAME) or "
+        "system:REGEX=ROLE (its system prompt matches REGEX); the first that matches wins, else 'default'. "
+        "Repeatable; stored as turns.role.",
+    )
     conversations: bool | None = option(
         None,
         flag="--conversations/--no-conversations",
@@ -204,6 +211,9 @@ class ProxyOptions:
         100_000, help="Idle episodes whose call numbering is kept (least recently used go; see docs/guide.md)."
     )
 
+    def __post_init__(self) -> None:
+        parse_role_by(self.role_by)  # a rule lcap cannot read is refused before anything starts
+
 
 def sandbox_limits(options: Any) -> SandboxLimits | None:
     """The --sandbox limits of `options` (ProxyOptions or CollectOptions: both take the flags above), or None."""
@@ -215,5 +225,5 @@ def sandbox_limits(options: Any) -> SandboxLimits | None:
 
 
 # The flags `lcap collect` and `lcap loop` take from ProxyOptions (their proxy's other settings are the defaults).
-POLICY_ROUTE_FLAGS = ("stitch", "adapt", "stitch_memory", "hold_timeout", "max_held_calls")
+POLICY_ROUTE_FLAGS = ("stitch", "adapt", "stitch_memory", "hold_timeout", "max_held_calls", "role_by")
 NOT_POLICY_ROUTE_FLAGS = tuple(f for f in ProxyOptions.__dataclass_fields__ if f not in POLICY_ROUTE_FLAGS)

@@ -207,6 +207,11 @@ class BuildOptions:
         "every chosen episode) or rloo (leave-one-out mean over the chosen episodes). batch and rloo need no "
         "repeated prompt: live traffic, where a task is rarely run twice.",
     )
+    sample_weight: Literal["episode", "sample"] = option(
+        "episode",
+        help="Each sample's `weight`: episode (1/k for each of the k samples an episode splits into, so every "
+        "episode weighs the same however it splits) or sample (1 each). `lcap train --sample-weight` applies it.",
+    )
 
     def __post_init__(self) -> None:
         if self.truncated not in ("drop", "mask", "keep"):
@@ -220,6 +225,8 @@ class BuildOptions:
             raise LcapError("--reward-source must name a source")
         if self.format not in ("grpo", "sft"):
             raise LcapError(f"--format must be grpo or sft, not {self.format!r}")
+        if self.sample_weight not in ("episode", "sample"):
+            raise LcapError(f"--sample-weight must be episode or sample, not {self.sample_weight!r}")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ PROMOTED_LABELS = {
 # The store's shape. A new store gets TABLES at SCHEMA_VERSION; an older one is brought there by MIGRATIONS
 # (version reached -> statements, or functions of the connection), in order, inside the unit of work that first
 # opens it for writing.
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 
 
 def _redact_labels_json(labels: str) -> str:
@@ -91,6 +91,7 @@ CREATE TABLE IF NOT EXISTS judge_cache (
     created_at      TIMESTAMPTZ
 )""",
     ),
+    12: ("ALTER TABLE turns ADD COLUMN IF NOT EXISTS role VARCHAR",),  # turns captured before it: NULL
 }
 
 TABLES = """
@@ -150,7 +151,9 @@ CREATE TABLE IF NOT EXISTS turns (
     stitched_from        VARCHAR,   -- the turn_id whose prompt and completion this prompt starts with
     thread_seq           INTEGER,   -- seq of the first turn of its chain of stitched turns (its own seq if none)
     stitch_note          VARCHAR,   -- why a turn offered a previous one was not stitched onto it
-    adaptations          JSON       -- what was changed in the request and why: [{field, action, from, to, why}]
+    adaptations          JSON,      -- what was changed in the request and why: [{field, action, from, to, why}]
+    role                 VARCHAR    -- which of the agent's jobs made the call: its X-Lcap-Role header, a --role-by
+                                    -- rule's, or 'default' (NULL: captured before roles)
 );
 
 -- capture: spooled records the writer could not store as they were, kept whole (one row per record)
@@ -391,11 +394,13 @@ CREATE OR REPLACE VIEW episode_selection AS
                list(DISTINCT coalesce(model_served, model_requested))
                    FILTER (WHERE coalesce(model_served, model_requested) IS NOT NULL) AS models,
                mode(deployment) AS deployment,
-               list(DISTINCT deployment) FILTER (WHERE deployment IS NOT NULL) AS deployments
+               list(DISTINCT deployment) FILTER (WHERE deployment IS NOT NULL) AS deployments,
+               list(DISTINCT coalesce(role, 'default') ORDER BY coalesce(role, 'default')) AS roles
         FROM turns WHERE episode_id IS NOT NULL GROUP BY episode_id)
     SELECT s.episode_id, s.task_id, s.round, s.split, s.sample, s.group_id, s.collect_run AS run, e.labels,
            s.status, s.reward, s.reward_source, s.flags, s.n_turns, t.model, coalesce(t.models, []) AS models,
-           t.deployment, coalesce(t.deployments, []) AS deployments, s.started_at, s.ended_at,
+           t.deployment, coalesce(t.deployments, []) AS deployments, coalesce(t.roles, []) AS roles,
+           s.started_at, s.ended_at,
            now() - coalesce(s.ended_at, s.started_at) AS age
     FROM episode_summary s JOIN episodes e USING (episode_id) LEFT JOIN t USING (episode_id);
 

@@ -26,7 +26,7 @@ def register(cli: StageRegistry) -> None:
 
 @one_line_errors
 @with_options(LoopOptions, "options")
-@with_options(TrainOptions, "train", exclude=("current", "sft"))
+@with_options(TrainOptions, "train", exclude=("current", "sft", "sample_weight"))  # the build's weights
 @with_options(BuildOptions, "build", exclude=("split", "where", "format"))
 @with_options(CollectOptions, "collect", exclude=("round", "split", "upstream", "model", "run_dir", "ray"))
 @with_options(ProxyOptions, "proxy", exclude=NOT_POLICY_ROUTE_FLAGS)

@@ -22,7 +22,7 @@ from lcap.noise import quiet_noise
 from lcap.train.mismatch import Mismatch, check_mismatch, measure_mismatch
 from lcap.train.options import TrainOptions
 from lcap.train.progress import step_progress
-from lcap.train.samples import Groups, TokenCount, count_tokens, make_groups, read_samples
+from lcap.train.samples import Groups, TokenCount, count_tokens, make_groups, read_samples, weighted
 
 
 class NothingToLearn(LcapError):
@@ -127,7 +127,7 @@ def too_few_tokens(where: str, count: TokenCount, minimum: int) -> str | None:
 def check_trainable(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Groups:
     """The round's samples as GRPO groups, or a one-line error when it has no usable group or too few trainable
     tokens (before any model is loaded: a round that would train on nothing is neither trained nor deployed)."""
-    samples = read_samples(inputs.samples)
+    samples = weighted(read_samples(inputs.samples), options.sample_weight, options.loss_type)
     groups = make_groups(samples, group_size=options.group_size, stale=options.stale, current=inputs.current)
     where = round_name(out_dir)
     if not groups.groups:

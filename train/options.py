@@ -34,6 +34,12 @@ class TrainOptions:
         "(loss, clip, importance sampling, mismatch guard) do not apply.",
     )
     loss_type: str = option("dapo", help=f"TRL loss: {', '.join(LOSS_TYPES)}.")
+    sample_weight: str = option(
+        "episode",
+        help="episode: every episode weighs the same in the loss however many samples it split into (the "
+        "samples' `weight`, 1/k, scales their advantages under the per-sequence losses grpo and sapo; the "
+        "token-level losses already count an episode's tokens once). sample: each sample weighs 1.",
+    )
     learning_rate: float = option(1e-5, flag="--lr", help="Learning rate.")
     beta: float = option(0.0, help="KL coefficient against the base model (0: no reference pass).")
     epochs: int = option(
@@ -104,6 +110,8 @@ class TrainOptions:
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
             raise LcapError(f"unknown --loss-type {self.loss_type!r}: use {', '.join(LOSS_TYPES)}")
+        if self.sample_weight not in ("episode", "sample"):
+            raise LcapError(f"--sample-weight must be episode or sample, not {self.sample_weight!r}")
         if self.is_mode not in IS_MODES:
             raise LcapError(f"unknown --is-mode {self.is_mode!r}: use {', '.join(IS_MODES)}")
         if self.stale not in ("correct", "drop"):

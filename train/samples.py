@@ -6,6 +6,15 @@ captured group can be short (an episode failed, a stale sample was dropped). Sho
 padded with copies whose loss mask is all zero and whose advantage is zero: they take a slot in
 the batch but move nothing, so each keeps one prompt and one completion token (a full copy would cost a
 sample's whole forward and backward for nothing).
+
+Episode weighting (`--sample-weight episode`): an episode weighs the same in the loss whether it is one sample or k.
+TRL's token-level losses (dapo, bnpo, dr_grpo, cispo, luspo) sum every loss token of the batch under one
+normaliser, and an episode split into k samples has the same completion tokens as when it is one, so it already
+weighs the same: the builder's `weight` changes nothing there. The per-sequence losses (grpo, sapo) average each
+sample's tokens, then the samples: there each sample's advantage is multiplied by its `weight` (1/k), so the
+policy-gradient term of an episode's k samples sums to that of one sample,
+    loss = 1/B * sum_s weight_s * mean_t(-min(r_st * A_s, clip(r_st) * A_s)),
+exact for any weight >= 0 (min(r A w, clip(r) A w) = w min(r A, clip(r) A)). The KL term (--beta) stays per token.
 """
 
 from __future__ import annotations
@@ -14,6 +23,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lcap.dataset import read_samples_table
+
+# TRL's losses that average each sequence's tokens before averaging the sequences: an episode split into k samples
+# counts k times there unless its samples carry weight 1/k.
+PER_SEQUENCE_LOSSES = ("grpo", "sapo")
 
 
 @dataclass
@@ -32,6 +45,7 @@ class Sample:
     # False when the builder had no behaviour logprobs (re-tokenised turns, Responses turns): it
     # writes 0.0 there, which is no logprob of the serving policy, so the IS correction skips it.
     behaviour: bool = True
+    weight: float = 1.0  # the sample's share of its episode (samples.parquet's `weight`)
 
     def pad_copy(self) -> Sample:
         return replace(
@@ -95,9 +109,17 @@ def read_samples(path: str | Path) -> list[Sample]:
             deployment=r["deployment"],
             truncated=bool(r["truncated"]),
             behaviour=_has_behaviour_logprobs(r),
+            weight=1.0 if r["weight"] is None else r["weight"],
         )
         for r in read_samples_table(path).to_pylist()
     ]
+
+
+def weighted(samples: list[Sample], sample_weight: str, loss_type: str) -> list[Sample]:
+    """`samples` with each advantage multiplied by its weight where the loss needs it (see the module docstring)."""
+    if sample_weight == "sample" or loss_type not in PER_SEQUENCE_LOSSES:
+        return samples
+    return [replace(s, advantage=s.advantage * s.weight) for s in samples]
 
 
 def make_groups(

@@ -360,7 +360,8 @@ def episode_turns(
     con: duckdb.DuckDBPyConnection, episode_id: str, cols: dict[str, set[str]]
 ) -> tuple[list[dict[str, Any]], int]:
     """The episode's calls in order (request bodies included: the conversation is read from them), and how many."""
-    extra = "".join(f", {c}" for c in sorted(OPTIONAL_TURN_FLAGS.values()) if c in cols.get("turns", set()))
+    optional = sorted({*OPTIONAL_TURN_FLAGS.values(), "role"})  # role: a store captured since issue #52
+    extra = "".join(f", {c}" for c in optional if c in cols.get("turns", set()))
     rows = _dicts(
         con,
         f"""SELECT {_TURN_COLUMNS}{extra}, count(*) OVER () AS n_all FROM turns WHERE episode_id = ?

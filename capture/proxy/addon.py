@@ -69,7 +69,7 @@ class CaptureAddon:
     @_guarded
     def http_connect(self, flow: http.HTTPFlow) -> None:
         try:
-            episode, _ = self.calls.attribute(flow.request.headers.fields, self.front_episode(flow.client_conn))
+            episode, _, _ = self.calls.attribute(flow.request.headers.fields, self.front_episode(flow.client_conn))
         except Unauthorized:  # the front answers these itself: only a connection that bypassed it gets here
             flow.response = http.Response.make(407, b"lcap: episode credentials required\n", _AUTHENTICATE)
             return
@@ -87,7 +87,7 @@ class CaptureAddon:
         try:
             conn = flow.client_conn
             fallback = self._conn_episode[conn.id] if conn.id in self._conn_episode else self.front_episode(conn)
-            episode, fields = self.calls.attribute(req.headers.fields, fallback)
+            episode, role, fields = self.calls.attribute(req.headers.fields, fallback)
         except Unauthorized:
             log.warning("lcap: a request without episode credentials on a handed-off connection was cut off")
             flow.kill()
@@ -96,7 +96,7 @@ class CaptureAddon:
             req.headers.fields = tuple(fields)
         dialect = dialects.match(req.method, req.path)
         if dialect is not None:
-            flow.metadata[_OPEN] = (dialect, episode)
+            flow.metadata[_OPEN] = (dialect, episode, role)
         elif (
             req.method == "GET"
             and req.path.split("?", 1)[0].rstrip("/").endswith("/responses")

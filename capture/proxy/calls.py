@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from lcap.capture.proxy.roles import RoleRule, role_of, take_role_header
 from lcap.capture.proxy.sessions import Sessions, is_session_episode, tenant_of
 from lcap.capture.proxy.streams import PolicyStream, SseRewriter, StreamCopy
 from lcap.capture.routing import policy_wire
@@ -132,6 +133,7 @@ class Calls:
         max_held: int = 512,
         sessions: Sessions | None = None,
         session_floor: int = 0,
+        role_by: tuple[RoleRule, ...] = (),
     ) -> None:
         self.writer = writer
         self.router = router
@@ -152,6 +154,7 @@ class Calls:
         self._idle: OrderedDict[str | None, None] = OrderedDict()
         self._floor = 0
         self.session_floor = session_floor  # a header session's first seq here: above an earlier run's (a restart)
+        self.role_by = role_by  # --role-by: the rules a call without an X-Lcap-Role header takes its role from
         self._seq_lock = threading.Lock()
         self.numbered = 0  # calls numbered since the start
         self.hold_timeout, self.max_held = hold_timeout, max_held
@@ -173,10 +176,14 @@ class Calls:
         episodes' heads."""
         self.heads.forget(episode)
 
-    def attribute(self, fields: HeaderFields, fallback: str | None = None) -> tuple[str | None, HeaderFields]:
-        """The episode a request is written into (the one its credentials prove, else `fallback`: its tunnel's)
-        and its fields without lcap's. `Unauthorized` when credentials are required and none proved one.
-        Without credentials, a session header names the episode (capture/proxy/sessions.py)."""
+    def attribute(
+        self, fields: HeaderFields, fallback: str | None = None
+    ) -> tuple[str | None, str | None, HeaderFields]:
+        """The episode a request is written into (the one its credentials prove, else `fallback`: its tunnel's),
+        the role its `X-Lcap-Role` header names (capture/proxy/roles.py) and its fields without lcap's.
+        `Unauthorized` when credentials are required and none proved one. Without credentials, a session header
+        names the episode (capture/proxy/sessions.py)."""
+        role, fields = take_role_header(fields)
         episode, _, fields = self.keys.take(fields)
         episode = episode or fallback
         if self.sessions is not None:
@@ -185,7 +192,7 @@ class Calls:
                 episode = self.sessions.by_header(session, fields)
         if episode is None and self.require_credentials:
             raise Unauthorized
-        return episode, fields
+        return episode, role, fields
 
     def next_seq(self, episode: str | None) -> int:
         with self._seq_lock:
@@ -233,13 +240,24 @@ class Calls:
         return self.in_flight.get(episode, 0) > 0
 
     def open_call(
-        self, dialect: str, episode: str | None, *, scheme: str, host: str, port: int, path: str, fields: HeaderFields
+        self,
+        dialect: str,
+        episode: str | None,
+        role: str | None = None,
+        *,
+        scheme: str,
+        host: str,
+        port: int,
+        path: str,
+        fields: HeaderFields,
     ) -> Call:
         """A request to an LLM path, from its head alone: its route, its header fields for that route, and a
-        turn not recorded yet. Clients often write the body separately: this work is then done while it comes."""
+        turn not recorded yet (`role`: its header's, which `take_body` keeps over the --role-by rules). Clients
+        often write the body separately: this work is then done while it comes."""
         route = self.route_for(episode)
         pending = PendingTurn(episode_id=episode, seq=None, host=host, path=path, dialect=dialect)
         pending.body_limit = self.max_body_bytes
+        pending.role = role
         call = Call(pending, route, scheme, host, port, path, fields, fields)
         if route is None:
             pending.upstream = f"{scheme}://{host}:{port}"
@@ -394,6 +412,7 @@ class Calls:
             return False
         pending.request_body, call.body = plain, call.raw
         pending.model_requested = request.get("model")
+        pending.role = role_of(pending.role, self.role_by, request)
         if pending.episode_id is None and self.sessions is not None:
             self._attribute_by_body(call, request)
         if call.route is not None and exact:  # a body read leniently goes on as it came: the upstream judges it

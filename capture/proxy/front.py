@@ -192,7 +192,9 @@ class Front:
                 except BadRequest as exc:
                     raise Refused(400, f"bad request head: {exc}") from None
                 try:
-                    episode, fields = self.calls.attribute(head.fields, tunnel.episode if tunnel else client.episode)
+                    episode, role, fields = self.calls.attribute(
+                        head.fields, tunnel.episode if tunnel else client.episode
+                    )
                 except Unauthorized:
                     raise Refused(
                         407,
@@ -220,7 +222,7 @@ class Front:
                     target = _target(head, tunnel)
                 except Unserved:
                     return await self.tunnels.hand_off(client, raw_head + buf, tunnel)
-                rest = await self._take_call(client, tunnel, head, target, episode, fields, raw_head, buf)
+                rest = await self._take_call(client, tunnel, head, target, (episode, role), fields, raw_head, buf)
                 if rest is None:
                     return
                 buf = rest
@@ -233,7 +235,7 @@ class Front:
         tunnel: Tunnel | None,
         head: RequestHead,
         target: tuple[str, str, str, int, str],
-        episode: str | None,
+        attributed: tuple[str | None, str | None],  # the episode and the role `Calls.attribute` found
         fields: HeaderFields,
         raw_head: bytes,
         buf: bytes,
@@ -242,7 +244,9 @@ class Front:
         agent's connection is done."""
         dialect, scheme, host, port, path = target
         try:  # before the body: clients often write it separately, and this work is then done while it comes
-            call = self.calls.open_call(dialect, episode, scheme=scheme, host=host, port=port, path=path, fields=fields)
+            call = self.calls.open_call(
+                dialect, *attributed, scheme=scheme, host=host, port=port, path=path, fields=fields
+            )
             upstream_head, client_close = request_head(call)
         except NoRoute as exc:
             raise Refused(503, str(exc)) from None

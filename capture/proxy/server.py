@@ -45,6 +45,7 @@ from lcap.capture.proxy.mitm_guards import (
     install_websocket_limits,
 )
 from lcap.capture.proxy.rewards_api import KnownEpisodes, RewardEndpoint
+from lcap.capture.proxy.roles import parse_role_by
 from lcap.capture.proxy.sessions import EpisodeRows, Sessions, session_floor
 from lcap.capture.reach.agent_env import AgentEnvironment, Child
 from lcap.capture.reach.jvm import trust_store
@@ -235,6 +236,7 @@ class CaptureProxy:
             max_held=self.options.max_held_calls,
             sessions=sessions,
             session_floor=session_floor(self.store) if self.store is not None and self.options.session_header else 0,
+            role_by=parse_role_by(self.options.role_by),
         )
 
     def _start_rewards(self) -> None:

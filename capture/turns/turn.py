@@ -20,6 +20,8 @@ from lcap.capture.turns import dialects
 from lcap.capture.turns.encoding import BodyTooLarge, UndecodableBody, decode_body, raw_body
 from lcap.redact import redact_json, redact_keys, redact_path, redact_text
 
+DEFAULT_ROLE = "default"  # the role of a call no X-Lcap-Role header or --role-by rule gave one
+
 log = logging.getLogger("lcap.capture")
 
 
@@ -78,6 +80,7 @@ class PendingTurn:
         "request_encoding",
         "request_json",
         "response_body",
+        "role",
         "seq",
         "started_at",
         "status_code",
@@ -106,6 +109,7 @@ class PendingTurn:
         self.host, self.path, self.dialect, self.transport = host, path, dialect, transport
         self.upstream: str | None = None
         self.model_requested: str | None = None
+        self.role: str | None = None  # capture/proxy/roles.py: the header's, a --role-by rule's, or `default`
         self.deployment: str | None = None
         self.replica: str | None = None  # the policy replica lcap routed the call to: lcap's choice, never the agent's
         self.request_body: bytes = b""  # decoded, unless `request_encoding` says it could not be
@@ -203,6 +207,7 @@ def build_row(p: PendingTurn) -> dict[str, Any]:
         "model_served": turn.model_served,
         "deployment": p.deployment,
         "replica": getattr(p, "replica", None),  # a spool of an older lcap has no replica
+        "role": getattr(p, "role", None) or DEFAULT_ROLE,  # nor a role; a WebSocket's calls take the default
         "request": _dumps(request),
         "response": _dumps(turn.response),
         "status_code": p.status_code,
@@ -290,7 +295,17 @@ def skeleton_row(p: PendingTurn, reason: str) -> dict[str, Any]:
             row.update(started_at=_ts(started), ended_at=_ts(started + (ended - t0)), latency_ms=(ended - t0) * 1000.0)
     except Exception:  # a record this odd keeps no timing
         pass
-    for name in ("episode_id", "host", "dialect", "transport", "upstream", "model_requested", "deployment", "replica"):
+    for name in (
+        "episode_id",
+        "host",
+        "dialect",
+        "transport",
+        "upstream",
+        "model_requested",
+        "deployment",
+        "replica",
+        "role",
+    ):
         row[name] = text(getattr(p, name, None))
     try:
         row["path"] = text(redact_path(p.path))

@@ -27,7 +27,7 @@ from lcap.config import LcapError
 from lcap.dataset.build.export import MESSAGE, conversations
 from lcap.dataset.build.merge import merge_turns
 from lcap.dataset.build.rebuild import load_tokenizer, rebuild_missing_tokens, rerender_changes
-from lcap.dataset.build.samples_file import SAMPLES_FILE, write_samples
+from lcap.dataset.build.samples_file import SAMPLES_FILE, sample_weights, write_samples
 from lcap.dataset.build.select import select_episodes
 from lcap.dataset.options import BuildOptions
 from lcap.display import rounded
@@ -225,6 +225,7 @@ def build_dataset(
     report.groups["trainable"] = int(pc.sum(pc.greater_equal(sizes, 2)).as_py() or 0)  # GRPO needs two per group
 
     written = samples.filter(pa.array(keep))
+    written = written.append_column("weight", sample_weights(written["episode_id"], options.sample_weight))
     if report.samples:  # else no file: an earlier build's stay as they were, the store's row says why (`last_report`)
         write_samples(written, out / SAMPLES_FILE, _conversations(store, written) if sft else None)
     clock("write")

@@ -350,3 +350,38 @@ def test_the_builders_advantage_is_trained_as_is_not_recentred_per_group(tiny_tr
     model.eval()
     after = [model_token_logp(model, s) for s in samples]
     assert all(a > b for a, b in zip(after, before)), list(zip(after, before, [s.advantage for s in samples]))
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "sample_weight", "weighted"),
+    [("grpo", "episode", True), ("grpo", "sample", False), ("dapo", "episode", False)],
+)
+def test_the_samples_weight_scales_a_per_sequence_loss(
+    tiny_train_model, captured_samples, tmp_path, monkeypatch, loss_type, sample_weight, weighted
+):
+    """`--sample-weight episode`: under the per-sequence loss (grpo) each sample's advantage reaching the loss is its
+    builder's advantage times its `weight`, and a group of weight 0 moves nothing; `sample` and the token-level
+    losses (dapo), which already count an episode's tokens once however it splits, train the advantage as built."""
+    from safetensors.torch import load_file
+
+    rows = pq.read_table(captured_samples).to_pylist()
+    first = rows[0]["group_id"]
+    for row in rows:
+        row["weight"] = 0.0 if row["group_id"] == first else 0.5
+    data = write_samples(tmp_path / "data" / "samples.parquet", rows)
+    seen, _ = loss_inputs(monkeypatch)
+    options = train_options(
+        tiny_train_model, learning_rate=1e-3, batch_size=4, loss_type=loss_type, sample_weight=sample_weight
+    )
+    result = train_round(Store(tmp_path / "lcap.duckdb"), tmp_path / "run", 1, options, data=data)
+
+    groups = {r["group_id"] for r in rows}
+    expected = [
+        [r["advantage"] * (r["weight"] if weighted else 1.0) for r in rows if r["group_id"] == g] for g in groups
+    ]
+    reached = [inputs["advantages"].flatten().tolist() for inputs in seen]  # one group per step
+    rounded = lambda groups: sorted(sorted(round(a, 6) + 0.0 for a in g) for g in groups)  # noqa: E731 (+0.0: no -0.0)
+    assert rounded(reached) == rounded(expected)
+    assert any(a == 0 for step in reached for a in step) == weighted
+    lora_b = {k: v for k, v in load_file(result.output / "adapter_model.safetensors").items() if "lora_B" in k}
+    assert lora_b and any(v.abs().max() > 0 for v in lora_b.values())  # the second group, weight 0.5, trained

@@ -42,11 +42,22 @@ class Served:
         self.proc, self.port, self.db, self.record, self.llm, self.env = proc, port, db, record, llm, env
         self.proxy = f"http://127.0.0.1:{port}"
 
-    def call(self, body: dict, *, key: str, session: str | None = None, chunked: bool = False, path: str = "chat"):
+    def call(
+        self,
+        body: dict,
+        *,
+        key: str,
+        session: str | None = None,
+        chunked: bool = False,
+        path: str = "chat",
+        role: str | None = None,
+    ):
         """One call through the proxy as tenant `key` (chunked: a body the front hands to mitmproxy)."""
         headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
         if session is not None:
             headers["X-Lcap-Session"] = session
+        if role is not None:
+            headers["X-Lcap-Role"] = role
         data = json.dumps(body).encode()
         url = f"{self.llm.url}/v1/{'chat/completions' if path == 'chat' else 'responses'}"
         with httpx.Client(proxy=self.proxy, timeout=30) as client:
@@ -72,6 +83,7 @@ def served(capture_home, tmp_path_factory, fake_llm):
     env["PYTHONUNBUFFERED"] = "1"
     env["OPENAI_API_KEY"] = SECRET
     args = ("--upstream", fake_llm.url, "--max-pending-rewards", str(MAX_PENDING), "--max-reward-bytes", str(MAX_BODY))
+    args += ("--role-by", "model:planner-model=planner", "--role-by", "system:^You solve=solver")
     proc, port = serve_proxy(env, *args)
     try:
         record = json.loads((capture_home / "proxies" / f"{port}.json").read_text())
@@ -127,6 +139,39 @@ def test_session_header_on_both_transports_scoped_to_the_tenant_and_never_sent_u
         served.rows("SELECT episode_id, labels->>'session' FROM episodes WHERE episode_id IN (?, ?)", [a[0][0], other])
     )
     assert labels == {a[0][0]: "pr-101", other: "pr-101"}
+
+
+def test_each_call_of_an_episode_takes_its_role_from_its_header_else_a_role_by_rule(served):
+    """Issue #52: X-Lcap-Role wins and never goes upstream, on both transports; else the first --role-by rule
+    that matches (the model asked for, the system prompt); else `default`."""
+    planner = {**_chat("role-1 plan"), "model": "planner-model"}
+    solver = {
+        "model": "m",
+        "messages": [{"role": "system", "content": "You solve sums"}, {"role": "user", "content": "role-1 solve"}],
+    }
+    served.call(_chat("role-1 code"), key=KEY_A, session="pr-role", role="coder")
+    served.call(planner, key=KEY_A, session="pr-role", chunked=True)  # through mitmproxy
+    served.call(
+        {**planner, "messages": _chat("role-1 override")["messages"]},
+        key=KEY_A,
+        session="pr-role",
+        role="coder",
+        chunked=True,
+    )
+    served.call(solver, key=KEY_A, session="pr-role")
+    served.call(_chat("role-1 plain"), key=KEY_A, session="pr-role", role="not a role!")
+    _stored(served, "role-1", 5)
+    rows = served.rows("SELECT episode_id, request::VARCHAR, role FROM turns WHERE request::VARCHAR LIKE '%role-1%'")
+    assert len({episode for episode, _, _ in rows}) == 1  # one episode, several roles
+    roles = {
+        marker: role
+        for _, request, role in rows
+        for marker in ("code", "plan", "override", "solve", "plain")
+        if f"role-1 {marker}" in request
+    }
+    assert roles == {"code": "coder", "plan": "planner", "override": "coder", "solve": "solver", "plain": "default"}
+    sent = [r for r in served.llm.requests if "role-1" in json.dumps(r["body"])]
+    assert len(sent) == 5 and not any("x-lcap-role" in {k.lower() for k in r["headers"]} for r in sent)
 
 
 def test_a_header_session_going_on_after_a_restart_keeps_its_episode_and_numbers_its_calls_after_the_stored(served):

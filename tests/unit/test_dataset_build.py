@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from fixtures_dataset import chat_turns
 
+from lcap.config import LcapError
 from lcap.dataset.build.builder import BuildOptions, build_dataset
 from lcap.dataset.build.explain import causes
 
@@ -72,6 +73,36 @@ def test_multi_turn_merge_env_mask_and_split(builder, dstore, tmp_path):
 
     ds = datasets.load_dataset("parquet", data_files=str(out / "samples.parquet"), split="train")
     assert len(ds) == 3 and ds.features["env_mask"].feature.dtype == "int8"
+
+
+def _three_and_one(builder):
+    """ep-a: three samples (each call rewrites the history); ep-b: one."""
+    builder.episode(
+        "ep-a",
+        sample=0,
+        reward=1.0,
+        turns=[{"prompt_token_ids": [1, k], "completion_token_ids": [40 + k, 2]} for k in range(3)],
+    )
+    builder.episode("ep-b", sample=1, reward=0.0, turns=chat_turns([5, 2], [6, 2], env=[90]))
+
+
+def test_every_episode_weighs_the_same_however_many_samples_it_splits_into(builder, dstore, tmp_path):
+    _three_and_one(builder)
+    _, samples, _ = _build(dstore, tmp_path)
+    by_episode: dict[str, list[float]] = {}
+    for row in samples.values():
+        by_episode.setdefault(row["episode_id"], []).append(row["weight"])
+    assert sorted(len(w) for w in by_episode.values()) == [1, 3]
+    assert by_episode["ep-a"] == [pytest.approx(1 / 3)] * 3
+    assert {e: sum(w) for e, w in by_episode.items()} == {"ep-a": pytest.approx(1.0), "ep-b": pytest.approx(1.0)}
+
+
+def test_sample_weighting_weighs_each_sample_one(builder, dstore, tmp_path):
+    _three_and_one(builder)
+    _, samples, _ = _build(dstore, tmp_path, sample_weight="sample")
+    assert len(samples) == 4 and {r["weight"] for r in samples.values()} == {1.0}
+    with pytest.raises(LcapError, match="--sample-weight"):
+        BuildOptions(sample_weight="token")
 
 
 def test_merge_requires_exact_token_prefix(builder, dstore, tmp_path):

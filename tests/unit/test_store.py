@@ -69,6 +69,23 @@ def test_a_version_4_store_gets_turns_replica(tmp_path):
     assert store.fetchall("SELECT turn_id, replica FROM turns ORDER BY turn_id") == [("t1", None), ("t2", "r1")]
 
 
+def test_a_version_11_store_gets_turns_role_and_episode_selection_reads_it(tmp_path):
+    """Version 12 added turns.role (issue #52); a turn captured before it counts as `default` in `roles`."""
+    path = tmp_path / "v11.duckdb"
+    store = Store(path)
+    store.append("episodes", [{"episode_id": "e1", "status": "ok"}])
+    store.append("turns", [{"turn_id": "t1", "episode_id": "e1"}])
+    con = duckdb.connect(str(path))  # back to version 11's shape (the view reads the column: it goes too)
+    con.execute(
+        "DROP VIEW episode_selection; ALTER TABLE turns DROP COLUMN role; UPDATE schema_version SET version = 11"
+    )
+    con.close()
+    store = Store(path)
+    store.append("turns", [{"turn_id": "t2", "episode_id": "e1", "role": "planner"}])
+    assert store.fetchall("SELECT turn_id, role FROM turns ORDER BY turn_id") == [("t1", None), ("t2", "planner")]
+    assert store.fetchall("SELECT roles FROM episode_selection") == [(["default", "planner"],)]
+
+
 def test_an_episode_is_stored_with_its_invocation_redacted(tmp_path):
     """Every writer of an episode's row goes through start_episode: command, cwd, labels, error redacted (#54)."""
     from lcap.redact import REDACTED

@@ -313,12 +313,13 @@ def test_columns_a_newer_lcap_adds_are_shown_when_present(ui_db, tmp_path):
     newer = tmp_path / "newer.duckdb"
     newer.write_bytes(ui_db.read_bytes())
     store = Store(newer)
-    store.execute("UPDATE turns SET stitched = true WHERE episode_id = 'ep-r2-1'")
+    store.execute("UPDATE turns SET stitched = true, role = 'planner' WHERE episode_id = 'ep-r2-1'")
     store.execute("UPDATE train_runs SET mismatch_kl = 0.0123, mismatch = '[]'")
     older = tmp_path / "older.duckdb"
     older.write_bytes(ui_db.read_bytes())
     con = duckdb.connect(str(older))  # Store would migrate it back to today's columns
     con.execute("ALTER TABLE turns DROP COLUMN stitched")
+    con.execute("ALTER TABLE turns DROP COLUMN role")
     for column in ("mismatch_kl", "mismatch_logp_diff", "mismatch_seconds", "mismatch", "mismatch_held"):
         con.execute(f"ALTER TABLE train_runs DROP COLUMN {column}")
     con.close()
@@ -327,8 +328,11 @@ def test_columns_a_newer_lcap_adds_are_shown_when_present(ui_db, tmp_path):
         assert ">mismatch<" not in c.get("/").text and ">mismatch_held<" not in c.get("/").text  # not figures
         assert rows_of(c.get("/episodes", params={"flag": "stitched"}).text) == ["ep-r2-1"]
         assert 'badge flag-soft">stitched' in c.get("/episode", params={"id": "ep-r2-1"}).text
+        assert ">role: planner</span>" in c.get("/episode", params={"id": "ep-r2-1"}).text
     with client(older) as c:  # the older store: no such filter, no such column
         assert "stitched" not in c.get("/episodes").text and "mismatch" not in c.get("/").text
+        episode = c.get("/episode", params={"id": "ep-r2-1"})
+        assert episode.status_code == 200 and "role:" not in episode.text
 
 
 def test_security_headers_and_host_check(ui_db):

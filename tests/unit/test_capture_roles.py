@@ -1,0 +1,59 @@
+"""A call's role (capture/proxy/roles.py): the header, else the first --role-by rule that matches, else default."""
+
+from __future__ import annotations
+
+import pytest
+
+from lcap.capture.proxy.roles import parse_role_by, role_of, system_prompt, take_role_header
+from lcap.config import LcapError
+
+RULES = parse_role_by(["model:gpt-4o-mini=router", "system:(?i)you plan=planner", "model:x:y=a=b"])
+
+
+def test_the_header_wins_then_the_first_rule_that_matches_then_default():
+    planner = {"model": "gpt-4o-mini", "messages": [{"role": "system", "content": "You plan the work"}]}
+    assert role_of("coder", RULES, planner) == "coder"
+    assert role_of(None, RULES, planner) == "router"  # the first matching rule, in the order given
+    assert role_of(None, RULES, {**planner, "model": "other"}) == "planner"
+    assert role_of(None, RULES, {"model": "other", "messages": []}) == "default"
+    assert role_of(None, RULES, "not json") == "default"
+    assert role_of(None, RULES, {"model": "x:y=a"}) == "b"  # the role is after the last '='
+
+
+@pytest.mark.parametrize(
+    "request_body",
+    [
+        {"system": "You plan."},  # Anthropic Messages
+        {"system": [{"type": "text", "text": "You plan."}]},
+        {"instructions": "You plan."},  # Responses
+        {"input": [{"role": "developer", "content": [{"type": "input_text", "text": "You plan."}]}]},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "You plan."}]},
+    ],
+)
+def test_a_system_rule_reads_the_system_prompt_of_every_dialect(request_body):
+    assert "You plan." in system_prompt(request_body)
+    assert role_of(None, RULES, request_body) == "planner"
+
+
+@pytest.mark.parametrize(
+    ("rule", "why"),
+    [
+        ("planner", "use model:NAME=ROLE"),
+        ("thread:x=y", "use model:NAME=ROLE"),
+        ("model:=planner", "use model:NAME=ROLE"),
+        ("model:m=", "a role is"),
+        ("model:m=two words", "a role is"),
+        ("system:(unclosed=planner", "missing"),
+    ],
+)
+def test_a_rule_lcap_cannot_read_is_refused_in_one_line(rule, why):
+    with pytest.raises(LcapError, match=why):
+        parse_role_by([rule])
+
+
+def test_the_role_header_is_taken_out_whatever_its_case_and_a_bad_value_names_no_role():
+    fields = ((b"Host", b"api"), (b"X-LCAP-Role", b" coder "), (b"Accept", b"*/*"))
+    assert take_role_header(fields) == ("coder", ((b"Host", b"api"), (b"Accept", b"*/*")))
+    assert take_role_header(((b"x-lcap-role", b"../etc"),)) == (None, ())
+    plain = ((b"Host", b"api"),)
+    assert take_role_header(plain)[1] is plain
