@@ -166,6 +166,11 @@ class ProxyOptions:
     max_held_calls: int = option(
         512, help="Calls waiting at once for a restarting policy replica (--hold-timeout); past it a 503 at once."
     )
+    temperature: float | None = option(
+        None,
+        help="Sampling temperature of every call on the policy route, whatever the agent sends (0: greedy); the "
+        "policy server applies it and records the change per turn. Default: the agent's own.",
+    )
     max_spool_backlog: int = option(
         SPOOL_BACKLOG_BYTES,
         help="Bytes of finished turns held in memory while the spool's disk refuses writes (full, over quota); "
@@ -225,5 +230,5 @@ def sandbox_limits(options: Any) -> SandboxLimits | None:
 
 
 # The flags `lcap collect` and `lcap loop` take from ProxyOptions (their proxy's other settings are the defaults).
-POLICY_ROUTE_FLAGS = ("stitch", "adapt", "stitch_memory", "hold_timeout", "max_held_calls", "role_by")
+POLICY_ROUTE_FLAGS = ("stitch", "adapt", "stitch_memory", "hold_timeout", "max_held_calls", "role_by", "temperature")
 NOT_POLICY_ROUTE_FLAGS = tuple(f for f in ProxyOptions.__dataclass_fields__ if f not in POLICY_ROUTE_FLAGS)

@@ -11,8 +11,9 @@ import typer
 from lcap.capture import NOT_POLICY_ROUTE_FLAGS, ProxyOptions
 from lcap.cli_options import DbOption, one_line_errors, with_options
 from lcap.cli_stages import StageRegistry
+from lcap.config import LcapError
 from lcap.dataset import BuildOptions, CollectOptions
-from lcap.loop.options import DemoOptions, LoopOptions
+from lcap.loop.options import DemoOptions, EvalOptions, LoopOptions
 from lcap.train import TrainOptions
 
 
@@ -22,6 +23,7 @@ def register(cli: StageRegistry) -> None:
     cli.status_modules.append("lcap.loop.status")
     app.command(context_settings={"allow_extra_args": True, "allow_interspersed_args": False})(loop)
     app.command()(demo)
+    app.command("eval", context_settings={"allow_extra_args": True, "allow_interspersed_args": False})(evaluate)
 
 
 @one_line_errors
@@ -101,6 +103,49 @@ def loop(
             err=True,
         )
         raise typer.Exit(130) from None
+
+
+@one_line_errors
+@with_options(EvalOptions, "options")
+@with_options(
+    CollectOptions,
+    "collect",
+    exclude=(
+        "group_size",
+        "round",
+        "split",
+        "upstream",
+        "model",
+        "ray",
+        "episode_cpus",
+        "episode_resources",
+        "replace",
+    ),
+)
+@with_options(ProxyOptions, "proxy", exclude=NOT_POLICY_ROUTE_FLAGS)
+def evaluate(
+    ctx: typer.Context,
+    tasks: Annotated[Path, typer.Option("--tasks", help="The task set (JSONL with 'id'), as for `lcap collect`.")],
+    db: DbOption,
+    options: EvalOptions,
+    collect: CollectOptions,
+    proxy: ProxyOptions,
+) -> None:
+    """Evaluate deployments side by side on one task set: right answers, mean reward with its 95% interval, and
+    pass@k (k = --samples), printed and kept in the store (episodes of split eval, labelled eval and deployment).
+
+    Each deployment gets a collect whose every call asks for it; --temperature sets every call's sampling
+    temperature (0: greedy) whatever the agent sends. An episode that crashed or timed out counts as wrong.
+    The agent command follows `--`, a template as in `lcap collect`.
+    """
+    from lcap.loop.evaluate import run_eval  # start-up: collect's modules
+    from lcap.store import Store  # start-up: duckdb
+
+    if not ctx.args:
+        raise LcapError("give the agent command after `--`, as for `lcap collect`")
+    run_eval(
+        Store(db), tasks=tasks, command=list(ctx.args), options=options, collect=collect, proxy=proxy, echo=typer.echo
+    )
 
 
 @one_line_errors

@@ -1,9 +1,10 @@
-"""The options of `lcap loop` and `lcap demo` themselves (collect's, build's and train's live with their stages): each
+"""The options of `lcap loop`, `lcap demo` and `lcap eval` themselves (collect's, build's and train's live with their stages): each
 written once."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, get_args
 
 from lcap.cli_options import option
@@ -108,3 +109,24 @@ class DemoOptions:
             raise LcapError(f"--model {self.model!r}: choose one of {', '.join(DEMO_MODELS)}")
         if self.task is not None and self.task not in DEMO_TASKS:
             raise LcapError(f"--task {self.task!r}: choose one of {', '.join(DEMO_TASKS)}")
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """What `lcap eval` compares (its collect's flags are `lcap collect`'s; --temperature is the proxy's)."""
+
+    deployments: tuple[str, ...] = option(
+        (),
+        flag="--deployment",
+        help="A deployment to evaluate (repeatable; default: the current one): one the policy server serves (the "
+        "base model's served name, a loaded adapter) or a LoRA deployment of the store, loaded for the evaluation.",
+    )
+    samples: int = option(1, flag="--samples,-k", help="Samples per task: pass@k is reported for this k.")
+    label: str | None = option(
+        None, help="The `eval` label of the evaluation's episodes in the store (default: eval-DATE-TIME)."
+    )
+    out: Path | None = option(None, help="Also write the summary to this JSON file.")
+
+    def __post_init__(self) -> None:
+        if self.samples < 1:
+            raise LcapError(f"--samples {self.samples}: at least 1")

@@ -11,6 +11,10 @@ from lcap.config import LcapError
 RESPONSES_MAX_ENV = "LCAP_RESPONSES_MAX"
 RESPONSES_MAX_AGE_ENV = "LCAP_RESPONSES_MAX_AGE"
 RESPONSES_MAX_BYTES_ENV = "LCAP_RESPONSES_MAX_BYTES"
+# vLLM's CPU backend: OpenMP threads per model worker, and its own pinning ("nobind": leave placement to the OS,
+# since a user who caps the threads shares the machine and vLLM's default binds the workers to whole NUMA nodes).
+CPU_THREADS_ENV = "OMP_NUM_THREADS"
+CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 @dataclass(frozen=True)
@@ -86,14 +90,23 @@ class ServeOptions:
         help="Bytes the kept responses may hold in all, per replica (their items as JSON, each shared item once, and "
         "their exact ids); past it the oldest go.",
     )
+    cpu_threads: int | None = option(
+        None,
+        help="CPU threads each replica decodes with on vLLM's CPU backend (OMP_NUM_THREADS, unpinned), for a machine "
+        "shared with the agents or other users (default: vLLM's own, one per core it binds; OMP_NUM_THREADS set "
+        "in lcap's environment is otherwise passed through).",
+    )
 
     def endpoint_env(self) -> dict[str, str]:
-        """What lcap's policy endpoints read from their environment (serve/vllm_plugin/lcap_policy/responses_store.py
-        names the same variables; a test compares them)."""
+        """What each replica's environment gets from these options, kept in the policy record so that a restart
+        (a deploy) keeps it: what lcap's policy endpoints read (serve/vllm_plugin/lcap_policy/responses_store.py
+        names the same variables; a test compares them) and, with --cpu-threads, vLLM's CPU thread count."""
+        threads = {} if self.cpu_threads is None else {CPU_THREADS_ENV: str(self.cpu_threads), CPU_BIND_ENV: "nobind"}
         return {
             RESPONSES_MAX_ENV: str(self.responses_max),
             RESPONSES_MAX_AGE_ENV: repr(float(self.responses_max_age)),
             RESPONSES_MAX_BYTES_ENV: str(self.responses_max_bytes),
+            **threads,
         }
 
     def __post_init__(self) -> None:
@@ -103,6 +116,8 @@ class ServeOptions:
             raise LcapError(f"--gpus-per-replica {self.gpus_per_replica}: not negative")
         if self.ray is not None and self.port is not None:
             raise LcapError("--port is for local replicas: under --ray each replica takes a free port on its node")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise LcapError(f"--cpu-threads {self.cpu_threads}: at least 1")
         if self.responses_max < 0 or not self.responses_max_age > 0 or self.responses_max_bytes < 0:
             raise LcapError(
                 "--responses-max and --responses-max-bytes must be at least 0 and --responses-max-age positive"

@@ -128,6 +128,7 @@ class Calls:
         max_body_bytes: int = 64 << 20,
         stitch: bool = True,
         adapt: bool = True,
+        temperature: float | None = None,
         heads: ConversationHeads | None = None,
         hold_timeout: float = 600.0,
         max_held: int = 512,
@@ -138,7 +139,7 @@ class Calls:
         self.writer = writer
         self.router = router
         self.token_ids = token_ids
-        self.stitch, self.adapt = stitch, adapt
+        self.stitch, self.adapt, self.temperature = stitch, adapt, temperature
         self.heads = heads if heads is not None else ConversationHeads(256 << 20)
         self.upstream_api_key = upstream_api_key
         self.keys = keys or EpisodeKeys.new()
@@ -455,7 +456,9 @@ class Calls:
             if head is not None:
                 pending.offered_turn, pending.offered_thread = head.turn_id, head.thread_seq
         blob = head.blob if head is not None else None
-        return policy_wire.request_body(body, adapt=self.adapt, stitch=self.stitch, head=blob)
+        return policy_wire.request_body(
+            body, adapt=self.adapt, stitch=self.stitch, head=blob, temperature=self.temperature
+        )
 
     def policy_parts(self, pending: PendingTurn, record: bytes | None, head: bytes | None) -> None:
         """lcap's parts of an answer from its endpoints, as they arrive: the record, then the head, which becomes

@@ -231,6 +231,7 @@ class CaptureProxy:
             max_body_bytes=self.options.max_body_bytes,
             stitch=self.options.stitch,
             adapt=self.options.adapt,
+            temperature=self.options.temperature,
             heads=ConversationHeads(self.options.stitch_memory),
             hold_timeout=self.options.hold_timeout,
             max_held=self.options.max_held_calls,

@@ -10,6 +10,7 @@ next call). Where each part travels is written in lcap_policy/wire.py; these con
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 from lcap.capture.routing.routes import parse_upstream
@@ -49,13 +50,17 @@ def has_endpoints(base_url: str, timeout: float = 5.0, *, key: str | None = None
         return False
 
 
-def request_body(forward: bytes, *, adapt: bool, stitch: bool, head: bytes | None) -> bytes:
+def request_body(
+    forward: bytes, *, adapt: bool, stitch: bool, head: bytes | None, temperature: float | None = None
+) -> bytes:
     """The request as the agent wrote it (`forward`: a JSON object, model already the deployment's) with lcap's
-    member added; the head goes in as the bytes the endpoints sent, never decoded here."""
-    options = b'{"adapt":%s,"stitch":%s,"head":%s}' % (
+    member added; the head goes in as the bytes the endpoints sent, never decoded here. `temperature`: the
+    sampling temperature the endpoints set over the agent's (`--temperature`), None to keep the agent's."""
+    options = b'{"adapt":%s,"stitch":%s,"head":%s,"temperature":%s}' % (
         b"true" if adapt else b"false",
         b"true" if stitch else b"false",
         head if head is not None else b"null",
+        json.dumps(float(temperature)).encode() if temperature is not None else b"null",
     )
     body = forward.rstrip()
     if not body.endswith(b"}"):

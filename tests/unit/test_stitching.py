@@ -131,11 +131,22 @@ def test_wire_constants_agree(plugin):
     assert all(path.startswith(wire.PREFIX + "/v1/") for path in policy_wire.PATHS.values())
 
 
+def test_temperature_override_reaches_the_request(plugin):
+    """`--temperature T`: the proxy carries T in lcap's member and the endpoints set it over the agent's, recorded."""
+    adapt = importlib.import_module("lcap_policy.adapt")
+    sent = json.loads(
+        policy_wire.request_body(b'{"temperature":1.3}', adapt=True, stitch=True, head=None, temperature=0)
+    )
+    body = {k: v for k, v in sent.items() if k != "lcap"}
+    change = adapt.override_temperature(body, sent["lcap"]["temperature"])
+    assert body == {"temperature": 0.0} and (change["from"], change["to"]) == (1.3, 0.0)
+
+
 def test_request_body_and_stream_parts():
     body = policy_wire.request_body(b'{"model":"m","messages":[]}', adapt=True, stitch=False, head=b'{"ids":[1]}')
-    assert json.loads(body)["lcap"] == {"adapt": True, "stitch": False, "head": {"ids": [1]}}
-    assert json.loads(policy_wire.request_body(b"{}", adapt=False, stitch=True, head=None)) == {
-        "lcap": {"adapt": False, "stitch": True, "head": None}
+    assert json.loads(body)["lcap"] == {"adapt": True, "stitch": False, "head": {"ids": [1]}, "temperature": None}
+    assert json.loads(policy_wire.request_body(b"{}", adapt=False, stitch=True, head=None, temperature=0)) == {
+        "lcap": {"adapt": False, "stitch": True, "head": None, "temperature": 0.0}
     }
     with pytest.raises(ValueError):
         policy_wire.request_body(b"[1]", adapt=True, stitch=True, head=None)

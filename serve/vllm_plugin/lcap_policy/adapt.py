@@ -42,6 +42,14 @@ def adapt(
     return requested, changes
 
 
+def override_temperature(body: dict[str, Any], temperature: float) -> dict[str, Any]:
+    """Set the sampling temperature the proxy was told to use (`--temperature`) over the agent's, in place; the
+    change as recorded. Every dialect names it `temperature`."""
+    before = body.get("temperature")
+    body["temperature"] = temperature
+    return change("temperature", "set", before, temperature, "the proxy's --temperature")
+
+
 def clamps(
     dialect: str, body_limits: dict[str, Any], requested: dict[str, int], max_model_len: int, prompt_tokens: int
 ) -> list[dict[str, Any]]:

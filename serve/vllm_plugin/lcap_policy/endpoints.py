@@ -239,6 +239,9 @@ class Policy:
                 dialect, body, self.max_model_len, thinking_budgets=self.thinking_budgets
             )
         turn.limits = {name: body.get(name) for name in adapt.LIMIT_FIELDS[dialect]}
+        temperature = options.get("temperature")
+        if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
+            turn.adapted.append(adapt.override_temperature(body, float(temperature)))
         return turn, options
 
     async def prepare(
