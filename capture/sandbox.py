@@ -9,9 +9,10 @@ What one episode gets (`EpisodeSandbox`):
   starts in it, it alone is writable (besides a private $TMPDIR of the same size), and after the episode (verifier
   included) it is unmounted, copied to disk first with `--keep-workspaces`;
 - the host's `nobody` with no capabilities (bubblewrap runs as root, then `setpriv` drops to nobody before the
-  agent: root outside is not root inside), in mount, PID, IPC, UTS and network namespaces of its own: the host's
-  file system read-only, with lcap's home, the store's files and the collect's run folder hidden (only lcap's CA
-  bundle and the like are shown, under /run/lcap), and only the sandbox's own processes in /proc;
+  agent: root outside is not root inside), in mount, PID, IPC, UTS and network namespaces of its own: of the host
+  only what `sandbox_view.py` shows (the system folders, what the command runs, `--sandbox-share`), read-only, with
+  lcap's home, the store's files and the collect's run folder hidden in it (only lcap's CA bundle and the like are
+  shown, under /run/lcap), a private /tmp, and only the sandbox's own processes in /proc;
 - a network of its own loopback alone, where lcap listens on 127.0.0.1 at the proxy's port (a listener made in
   the namespace from outside, before the agent starts, and served by the proxy as this episode's: no credential
   enters the sandbox), so every LLM call is captured and nothing else leaves;
