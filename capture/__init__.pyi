@@ -8,6 +8,7 @@ from lcap.capture.options import sandbox_limits as sandbox_limits
 from lcap.capture.options import sandbox_memory_option as sandbox_memory_option
 from lcap.capture.options import sandbox_option as sandbox_option
 from lcap.capture.options import sandbox_pids_option as sandbox_pids_option
+from lcap.capture.options import sandbox_share_option as sandbox_share_option
 from lcap.capture.options import transparent_option as transparent_option
 from lcap.capture.proxy.server import CaptureProxy as CaptureProxy
 from lcap.capture.reach.agent_env import Child as Child

@@ -6,6 +6,7 @@ answer the agent can read: the status code of each is in its help, and the user 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from lcap.capture.proxy.roles import parse_role_by
@@ -33,8 +34,8 @@ def sandbox_option() -> bool:
         flag="--sandbox",
         help="Run the agent (each episode's, in collect) in a bubblewrap sandbox of its own (Linux, root, the "
         "bubblewrap package, cgroups v1): a tmpfs workspace with the task's files (lcap proxy: a copy of the current "
-        "folder), the host read-only with lcap's home, the store's files and the run folder hidden, the host's "
-        "nobody, its own PID and network namespaces whose only reachable address is the capture proxy, and the "
+        "folder), of the host only the system folders (/etc without its secrets), its command's and --sandbox-share, "
+        "read-only, a private /tmp, the host's nobody, its own PID and network namespaces whose only reachable address is the capture proxy, and the "
         "limits below; collect's --timeout is its wall time.",
     )
 
@@ -59,6 +60,14 @@ def keep_workspaces_option() -> bool:
     )
 
 
+def sandbox_share_option() -> tuple[str, ...]:
+    return option(
+        (),
+        help="With --sandbox: a folder (or file) of the host the agent sees read-only at its own path, beyond the "
+        "system folders, its command's and its workspace; repeatable.",
+    )
+
+
 @dataclass(frozen=True)
 class SandboxLimits:
     """What `--sandbox` allows one episode (the flags above)."""
@@ -67,6 +76,7 @@ class SandboxLimits:
     pids: int
     disk_mb: int
     keep_workspaces: bool = False
+    shares: tuple[Path, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -88,6 +98,7 @@ class ProxyOptions:
     sandbox_pids: int = sandbox_pids_option()
     sandbox_disk: int = sandbox_disk_option()
     keep_workspaces: bool = keep_workspaces_option()
+    sandbox_share: tuple[str, ...] = sandbox_share_option()
     require_credentials: bool | None = option(
         None,
         flag="--require-credentials/--anonymous",
@@ -226,7 +237,13 @@ def sandbox_limits(options: Any) -> SandboxLimits | None:
         return None
     if min(options.sandbox_memory, options.sandbox_pids, options.sandbox_disk) < 1:
         raise LcapError("--sandbox-memory, --sandbox-pids and --sandbox-disk must be at least 1")
-    return SandboxLimits(options.sandbox_memory, options.sandbox_pids, options.sandbox_disk, options.keep_workspaces)
+    shares = tuple(Path(p).resolve() for p in options.sandbox_share)
+    missing = [str(p) for p in shares if not p.exists()]
+    if missing:
+        raise LcapError(f"--sandbox-share: no such file or folder: {missing[0]}")
+    return SandboxLimits(
+        options.sandbox_memory, options.sandbox_pids, options.sandbox_disk, options.keep_workspaces, shares
+    )
 
 
 # The flags `lcap collect` and `lcap loop` take from ProxyOptions (their proxy's other settings are the defaults).

@@ -9,9 +9,10 @@ What one episode gets (`EpisodeSandbox`):
   starts in it, it alone is writable (besides a private $TMPDIR of the same size), and after the episode (verifier
   included) it is unmounted, copied to disk first with `--keep-workspaces`;
 - the host's `nobody` with no capabilities (bubblewrap runs as root, then `setpriv` drops to nobody before the
-  agent: root outside is not root inside), in mount, PID, IPC, UTS and network namespaces of its own: the host's
-  file system read-only, with lcap's home, the store's files and the collect's run folder hidden (only lcap's CA
-  bundle and the like are shown, under /run/lcap), and only the sandbox's own processes in /proc;
+  agent: root outside is not root inside), in mount, PID, IPC, UTS and network namespaces of its own: of the host
+  only what `sandbox_view.py` shows (the system folders, what the command runs, `--sandbox-share`), read-only, with
+  lcap's home, the store's files and the collect's run folder hidden in it (only lcap's CA bundle and the like are
+  shown, under /run/lcap), a private /tmp, and only the sandbox's own processes in /proc;
 - a network of its own loopback alone, where lcap listens on 127.0.0.1 at the proxy's port (a listener made in
   the namespace from outside, before the agent starts, and served by the proxy as this episode's: no credential
   enters the sandbox), so every LLM call is captured and nothing else leaves;
@@ -40,9 +41,7 @@ import select
 import shutil
 import signal
 import socket
-import stat
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -55,6 +54,7 @@ from lcap.capture.options import SandboxLimits
 from lcap.capture.reach.agent_env import CA_VARS, PROXY_VARS, Child
 from lcap.capture.reach.jvm import TRUST_STORE
 from lcap.capture.reach.node_preload import node_dir
+from lcap.capture.sandbox_view import command_paths, folders, outside_system, python_paths, share_args, system_args
 from lcap.capture.trust.ca import ca_dir
 from lcap.config import LcapError, lcap_home
 
@@ -142,6 +142,7 @@ class Sandbox:
         self._lowers: dict[Path, Path] = {}
         self._lowers_dir: Path | None = None
         self._lowers_lock = threading.Lock()
+        self._mount_points: list[Path] = []  # emptied workspace folders, removed by `close`
         _remove_orphan_cgroups()
 
     def lower(self, source: Path) -> Path:
@@ -162,26 +163,41 @@ class Sandbox:
             return self._lowers[source]
 
     def close(self) -> None:
-        """Remove the lower layers (after the last episode's workspace is unmounted)."""
+        """Remove the lower layers and the workspaces' mount points (after the last episode's workspace is
+        unmounted)."""
         with self._lowers_lock:
             if self._lowers_dir is not None:
                 shutil.rmtree(self._lowers_dir, ignore_errors=True)
             self._lowers, self._lowers_dir = {}, None
+            for folder in self._mount_points:
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            self._mount_points = []
 
-    def mounts(self) -> list[str]:
-        """bubblewrap's arguments that hide what the agent must not see: a hidden file's folder becomes a tmpfs
-        with every other entry bound back (as it was when the episode started), then each hidden folder a tmpfs."""
+    def remove_later(self, mount_point: Path) -> None:
+        """An episode's unmounted (empty) workspace folder, removed by `close`, not now: another episode's sandbox
+        that binds a folder above it (the host's /) holds a copy of its mount, and removing the folder detaches
+        that copy, which fails that sandbox's set-up if it comes while bubblewrap walks its mounts."""
+        with self._lowers_lock:
+            self._mount_points.append(mount_point)
+
+    def mounts(self, shares: Sequence[Path]) -> list[str]:
+        """bubblewrap's arguments that hide what the agent must not see in the `shares` it is shown: a hidden
+        file's folder becomes a tmpfs with every other entry bound back (as it was when the episode started), then
+        each hidden folder a tmpfs."""
         args: list[str] = []
         for file in self.hidden_files:
             folder = file.parent
             if any(folder.is_relative_to(h) for h in self.hidden) or not folder.is_dir():
+                continue
+            if not any(folder.is_relative_to(s) for s in shares):
                 continue
             args += ["--tmpfs", str(folder)]
             for entry in sorted(os.listdir(folder)):
                 if not entry.startswith(file.name):
                     args += ["--ro-bind", str(folder / entry), str(folder / entry)]
         for path in self.hidden:
-            if path.is_dir():
+            if path.is_dir() and any(path.is_relative_to(s) for s in shares):
                 args += ["--tmpfs", str(path)]
         return args
 
@@ -280,17 +296,19 @@ class EpisodeSandbox:
         info_r, info_w = os.pipe()
         block_r, block_w = os.pipe()
         self.pipes = [info_r, info_w, block_r, block_w]
-        args = ["bwrap", *NAMESPACES, "--die-with-parent", "--new-session"]
-        args += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
-        args += ["--tmpfs", "/run", "--perms", "0755", "--dir", str(SHOWN)]
-        args += self.sandbox.mounts()
-        hidden_above = [h for h in self.sandbox.hidden if self.inside.is_relative_to(h)]
-        if hidden_above:  # bubblewrap would make the folders down to the workspace root's alone
-            args += _folders(hidden_above[-1], self.inside)
-        if not self.network:  # the verifier: this Python, wherever it is installed, and the files it reads
-            args += _reachable(Path(sys.base_prefix))
-            for path in self.shown:
-                args += ["--ro-bind", str(path), str(path)]
+        args = ["bwrap", *NAMESPACES, "--die-with-parent", "--new-session", *system_args()]
+        args += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/run", "--perms", "0755", "--dir", str(SHOWN)]
+        args += ["--perms", "1777", "--size", str(self.limits.disk_mb << 20), "--tmpfs", "/tmp"]
+        behind = [p for p in self.shown if any(p.resolve().is_relative_to(h) for h in self.sandbox.hidden)]
+        shares = [*self.limits.shares, *command_paths(argv, env), *(p for p in self.shown if p not in behind)]
+        if not self.network:  # the verifier: this Python, wherever it is installed
+            shares += python_paths()
+        shares = outside_system(shares)
+        args += share_args(shares)
+        args += self.sandbox.mounts(shares)
+        args += folders(Path("/"), self.inside)  # bubblewrap would make the folders down to the workspace root's alone
+        for path in behind:  # a file of the episode's own (in the hidden run folder): shown over the hiding
+            args += folders(Path("/"), path) + ["--ro-bind", str(path), str(path)]
         for outside, inside in _shown(env).items():
             args += ["--ro-bind", outside, inside]
             for name, value in env.items():
@@ -360,14 +378,15 @@ class EpisodeSandbox:
         _umount(str(self.workdir))
         if self.layer is not None:
             _umount(str(self.layer))
-            self.layer.rmdir()
+            self.sandbox.remove_later(self.layer)
             self.layer = None
         self.mounted = False
-        if keep:
-            self.workdir.rmdir()
-            kept.rename(self.workdir)
+        if keep:  # moved into the (now empty) mount point, which stays: see `Sandbox.remove_later`
+            for entry in os.listdir(kept):
+                shutil.move(kept / entry, self.workdir / entry)
+            kept.rmdir()
         else:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.sandbox.remove_later(self.workdir)
 
 
 def limits_text(reached: Mapping[str, Any]) -> str:
@@ -382,27 +401,6 @@ def _shown(env: Mapping[str, str]) -> dict[str, str]:
     paths = {env[name] for name in CA_VARS if name in env}
     paths |= {str(ca_dir() / TRUST_STORE), str(node_dir() / "node_modules")}
     return {p: str(SHOWN / Path(p).name) for p in sorted(paths) if os.path.exists(p)}
-
-
-def _reachable(path: Path) -> list[str]:
-    """bubblewrap's arguments that let the agent's user reach `path` (an installation under /root): the topmost
-    folder above it that others may not enter becomes an empty tmpfs, and `path` alone is bound back into it."""
-    path = path.resolve()
-    for folder in reversed(path.parents):
-        try:
-            mode = folder.stat().st_mode
-        except OSError:
-            return []
-        if not mode & stat.S_IXOTH:
-            return ["--tmpfs", str(folder), *_folders(folder, path), "--ro-bind", str(path), str(path)]
-    return []
-
-
-def _folders(top: Path, path: Path) -> list[str]:
-    """bubblewrap's arguments that make the folders strictly between `top` and `path` (in a tmpfs at `top`) that
-    others may enter: bubblewrap makes the ones a bind mount needs root's alone."""
-    between = [p for p in reversed(path.parents) if p.is_relative_to(top) and p != top]
-    return [arg for p in between for arg in ("--perms", "0755", "--dir", str(p))]
 
 
 def _chown_tree(top: Path) -> None:

@@ -12,6 +12,7 @@ from lcap.capture import (
     sandbox_memory_option,
     sandbox_option,
     sandbox_pids_option,
+    sandbox_share_option,
     transparent_option,
 )
 from lcap.cli_options import option
@@ -115,6 +116,7 @@ class CollectOptions(JudgeOptions):
     sandbox_pids: int = sandbox_pids_option()
     sandbox_disk: int = sandbox_disk_option()
     keep_workspaces: bool = keep_workspaces_option()
+    sandbox_share: tuple[str, ...] = sandbox_share_option()
     replace: bool = option(
         False,
         help="Collect a --round and --split the store already holds episodes of from another collect (another "

@@ -36,6 +36,7 @@ from lcap.dataset.collect.verifiers import (
     hash_protected,
     tail,
     tampered_files,
+    verifier_files,
 )
 from lcap.dataset.collect.workspaces import place_tests, pristine_tests, source_dir
 from lcap.display import printable
@@ -263,7 +264,8 @@ def _verify_in_sandbox(
     """The verifier in a fresh sandbox over the agent's final workspace, the task's pristine tests put over it
     first (the agent never saw this copy of them); all it printed goes to verifier.txt."""
     tests = pristine_tests(spec.task, files.tasks_dir, files.root)
-    checker = box.sandbox.verifier(spec.episode_id, spec.workdir, spec.dir / "verify", shown=[spec.dir / "stdout.txt"])
+    shown = [spec.dir / "stdout.txt", *verifier_files(judge)]
+    checker = box.sandbox.verifier(spec.episode_id, spec.workdir, spec.dir / "verify", shown=shown)
     try:
         checker.prepare(lower=spec.workdir)
         place_tests(checker.workdir, tests)

@@ -178,6 +178,16 @@ class PythonVerifier:
 
 Verifier = CommandVerifier | PythonVerifier
 
+
+def verifier_files(judge: Verifier) -> list[Path]:
+    """What a verifier loads from the host besides its command's files, for its sandbox to show: a Python one's
+    file's folder (its siblings may be imported), or for a module the folder it is imported from."""
+    if isinstance(judge, PythonVerifier) and judge.source is not None:
+        target, _, base = judge.source
+        return [Path(target).parent if target.endswith(".py") else Path(base)]
+    return []
+
+
 _PY_SPEC = re.compile(r"^(?P<target>[\w.]+|\S+\.py):(?P<func>[A-Za-z_]\w*)$")
 
 

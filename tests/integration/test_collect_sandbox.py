@@ -76,6 +76,19 @@ elif mode == "via_proxy":  # through the episode's own listener, to the host's l
                 answer += got
             answers[name] = answer.decode("utf-8", "replace")
     print(json.dumps(answers))
+elif mode == "view":  # what of the host it sees: a canary in the host's /tmp, another run's folder, a share
+    seen = {p: os.path.exists(p) for p in (task["canary"], task["other_run"], "/root", "/home", "/work", "/etc/shadow")}
+    shared = open(task["shared"]).read()
+    try:
+        open(task["shared"], "a").write("changed")
+        wrote = True
+    except OSError:
+        wrote = False
+    try:
+        shadow = open("/etc/shadow").read()
+    except OSError:
+        shadow = None
+    print(json.dumps({"seen": seen, "shared": shared, "wrote_share": wrote, "shadow": shadow, "tmp": os.listdir("/tmp")}))
 elif mode == "secrets":
     found = []
     for root in task["probe"]:
@@ -137,7 +150,14 @@ def sandboxed(fake_llm):
     store = Store(db_dir / "lcap.duckdb")
     (base / "agent.py").write_text(AGENT)
     common = {"pids": PIDS, "memory_mb": MEMORY_MB, "disk_mb": DISK_MB}
-    modes = ["llm", "write_outside", "host_port", "fork_bomb", "memory", "disk", "hang", "secrets", "via_proxy"]
+    modes = ["llm", "write_outside", "host_port", "fork_bomb", "memory", "disk", "hang", "secrets", "via_proxy", "view"]
+    outside = Path(tempfile.mkdtemp(prefix="lcap-outside-"))  # in the host's /tmp, beside the base: not shown
+    outside.chmod(0o755)  # world-readable: what keeps it out is the sandbox, not its mode
+    (outside / "canary.txt").write_text("canary")
+    (outside / "other-run").mkdir()
+    shared = Path(tempfile.mkdtemp(prefix="lcap-shared-"))
+    shared.chmod(0o755)
+    (shared / "data.txt").write_text("shared data")
     rows = [
         {
             "id": mode,
@@ -146,6 +166,9 @@ def sandboxed(fake_llm):
             "port": listener.port,
             "probe": [str(home), str(store.path), str(store.path) + ".wal"],
             "requests": _to_host_loopback(listener.port),
+            "canary": str(outside / "canary.txt"),
+            "other_run": str(outside / "other-run"),
+            "shared": str(shared / "data.txt"),
             **common,
         }
         for mode in modes
@@ -162,6 +185,7 @@ def sandboxed(fake_llm):
         sandbox_pids=PIDS,
         sandbox_disk=DISK_MB,
         keep_workspaces=True,
+        sandbox_share=(str(shared),),
     )
     try:
         result = collect_episodes(
@@ -182,7 +206,8 @@ def sandboxed(fake_llm):
     }
     yield store, episodes, target, listener, Path(result.run_dir)
     listener.close()
-    shutil.rmtree(base, ignore_errors=True)
+    for folder in (base, outside, shared):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _to_host_loopback(port: int) -> dict[str, str]:
@@ -272,6 +297,20 @@ def test_agent_cannot_read_lcap_home_the_store_or_a_sibling(sandboxed):
     report = json.loads(_stdout(run_dir, episodes["secrets"]["id"]).strip().splitlines()[-1])
     assert report["found"] == []
     assert report["uid"] != 0 and int(report["caps"], 16) == 0
+
+
+def test_agent_sees_only_the_system_its_command_and_the_shares(sandboxed):
+    """Of the host, a sandboxed agent sees the system folders (/etc without its secrets), its command's folder and
+    each --sandbox-share, read-only: not a canary in the host's /tmp, another run's folder, /root, /home, /work."""
+    _, episodes, _, _, run_dir = sandboxed
+    assert episodes["view"]["status"] == "ok", episodes["view"]
+    report = json.loads(_stdout(run_dir, episodes["view"]["id"]).strip().splitlines()[-1])
+    seen = report["seen"]
+    assert not any(seen[p] for p in seen if p != "/etc/shadow"), seen
+    assert report["shadow"] in (None, ""), "the host's /etc/shadow is unreadable (a device node on a nodev mount)"
+    assert report["shared"] == "shared data" and report["wrote_share"] is False
+    # a private /tmp: only the folders above what is shown (the share, the agent's script's folder)
+    assert all(name.startswith(("lcap-shared-", "lcap-sandbox-")) for name in report["tmp"]), report["tmp"]
 
 
 def test_host_is_left_as_it_was(sandboxed):
