@@ -12,6 +12,7 @@ from lcap.capture.options import sandbox_share_option as sandbox_share_option
 from lcap.capture.options import transparent_option as transparent_option
 from lcap.capture.proxy.server import CaptureProxy as CaptureProxy
 from lcap.capture.reach.agent_env import Child as Child
+from lcap.capture.reach.node_preload import ensure_node_capture as ensure_node_capture
 from lcap.capture.routing.policy_wire import has_endpoints as has_endpoints
 from lcap.capture.sandbox import EpisodeSandbox as EpisodeSandbox
 from lcap.capture.sandbox import Sandbox as Sandbox

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from lcap.capture.options import ProxyOptions, SandboxLimits, sandbox_limits
 from lcap.capture.proxy.server import CaptureProxy
+from lcap.capture.reach.node_preload import ensure_node_capture
 from lcap.capture.sandbox import Sandbox, limits_text
 from lcap.capture.sandbox import missing as sandbox_missing
 from lcap.capture.storage.writer import WriterReport
@@ -46,6 +47,8 @@ def run_proxy(
         raise LcapError("--implicit-reward judges the sessions of `lcap proxy --serve`: add --serve")
     if options.sandbox and ((reason := sandbox_missing()) or options.transparent):
         raise LcapError(reason or "--sandbox and --transparent both put the agent in namespaces: choose one")
+    if not options.transparent:  # in its namespace every call reaches lcap: Node needs no preload there
+        ensure_node_capture(command)
     store = Store(db)
     proxy = _start(store, options)
     episode_id = episode or str(uuid.uuid4())

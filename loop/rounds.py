@@ -24,6 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from lcap.capture import ensure_node_capture
 from lcap.config import LcapError
 from lcap.display import num
 from lcap.loop.live import run_live_loop
@@ -58,6 +59,8 @@ def run_loop(
     """Run (or resume) the loop; `stop_after=(round, step)` ends it there (tests use it to stage a kill)."""
     run = Path(config.run)
     state = LoopState(run, config.key())
+    if config.command and not config.collect.transparent:  # a Node agent never runs uncaptured, in any round
+        ensure_node_capture(config.command)
     policy = read_policy()
     if policy is None:
         raise LcapError("no policy server is running: start one with `lcap serve --model M` (or run `lcap demo`)")

@@ -377,26 +377,44 @@ def _overview_charts(o: dict[str, Any]) -> list[dict[str, Any]]:
     """Chart specs (labels and series) for the overview; the browser draws them with Chart.js."""
     charts: list[dict[str, Any]] = []
 
-    def chart(id: str, title: str, type: str, labels: list, series: list, stacked: bool = False) -> None:
-        spec = {"id": id, "title": title, "type": type, "labels": labels, "series": series}
+    def chart(id: str, title: str, type: str, labels: list, series: list, stacked: bool = False, **more: Any) -> None:
+        spec = {"id": id, "title": title, "type": type, "labels": labels, "series": series, **more}
         charts.append({**spec, "stacked": True} if stacked else spec)
 
     if o["rewards"]:
-        chart("reward", "Mean reward per round", "line", *_by_round(o["rewards"], "split", "mean"))
+        finished = [r for r in o["rewards"] if not r.get("running")]  # a round still running: its mean is partial
+        rounds, series = _by_round(finished, "split", "mean")
+        partial = ", ".join(f"round {r['round']} {r['split']}" for r in o["rewards"] if r.get("running"))
+        title = "Mean reward per round" + (f" ({partial} still running: not drawn)" if partial else "")
+        chart("reward", title, "line", rounds, series, y=_reward_axis(finished))
     if o["statuses"]:
         chart("status", "Episodes by status", "bar", *_by_round(o["statuses"], "status", "n", missing=0), stacked=True)
     if o["turns"]:
         rounds = [r["round"] for r in o["turns"]]
         series = [{"label": k, "data": [r[f"{k}_tokens"] for r in o["turns"]]} for k in ("prompt", "completion")]
         chart("tokens", "Tokens per round", "bar", rounds, series, stacked=True)
-    if o["train"]:
+    if o["train"]:  # ratios and divergences on one axis; the mismatch check's seconds on their own
+        rounds = [r["round"] for r in o["train"]]
         metrics = ["kl", "is_ratio_mean", "clip_fraction", *o["mismatch"]]
-        series = [{"label": m, "data": [r.get(m) for r in o["train"]]} for m in metrics]
-        chart("train", "Training per round", "line", [r["round"] for r in o["train"]], series)
+        seconds = [m for m in metrics if m.endswith("_seconds")]
+        series = [{"label": m, "data": [r.get(m) for r in o["train"]]} for m in metrics if m not in seconds]
+        chart("train", "Training per round", "line", rounds, series)
+        if seconds:
+            series = [{"label": m, "data": [r.get(m) for r in o["train"]]} for m in seconds]
+            chart("train-seconds", "Mismatch check seconds per round", "line", rounds, series, y={"min": 0})
     if o["phases"]:
         phases = _by_round(o["phases"], "step", "seconds", order=("collect", "build", "train", "deploy", "eval"))
         chart("phases", "Seconds per loop phase", "bar", *phases, stacked=True)
     return charts
+
+
+def _reward_axis(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The reward chart's y-axis: 0..1 when every mean lies there (verifiers' usual range), else from 0 (or the
+    lowest mean) to the highest, so that one round's value is not drawn on a sliver of an axis."""
+    means = [r["mean"] for r in rows if r["mean"] is not None]
+    if all(0 <= m <= 1 for m in means):
+        return {"min": 0, "max": 1}
+    return {"suggestedMin": min(0, *means), "suggestedMax": max(1, *means)}
 
 
 def _by_round(

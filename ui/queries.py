@@ -257,9 +257,10 @@ def overview(con: duckdb.DuckDBPyConnection, cols: dict[str, set[str]]) -> dict[
     rewards = _dicts(
         con,
         """SELECT e.round, coalesce(e.split, 'train') AS split, avg(r.reward) AS mean, count(r.reward) AS n,
-                  min(r.reward) AS min, max(r.reward) AS max
-           FROM episodes e JOIN latest_rewards r USING (episode_id)
-           WHERE e.round IS NOT NULL GROUP BY ALL ORDER BY 1, 2""",
+                  min(r.reward) AS min, max(r.reward) AS max,
+                  count(*) FILTER (WHERE e.status = 'running') AS running
+           FROM episodes e LEFT JOIN latest_rewards r USING (episode_id)
+           WHERE e.round IS NOT NULL GROUP BY ALL HAVING n > 0 OR running > 0 ORDER BY 1, 2""",
     )
     statuses = _dicts(
         con,

@@ -8,9 +8,11 @@ does not hold its conversation (it continues another by `previous_response_id`) 
 prompt string with no roles: a conversation would have to be invented) are skipped and counted. Formats:
 
 - `openai`: OpenAI's chat fine-tuning JSONL, one `{"messages", "tools"}` object a line.
-- `hf`: a Hugging Face dataset folder (`data/train-00000-of-00001.parquet`) that `datasets.load_dataset(PATH)`
-  opens: messages, tools, the episode's labels and reward, and its token ids with the loss mask where the
-  episode's calls were captured with ids and stitch into one sample (build-dataset's merge, `merge.py`).
+- `hf`: a Hugging Face dataset folder that both `datasets.load_dataset(PATH)` (`data/train-00000-of-00001.parquet`)
+  and `datasets.load_from_disk(PATH)` (`dataset_dict.json` and `train/`, the layout `save_to_disk` writes: the same
+  rows again as an Arrow stream) open, a `train` split either way: messages, tools, the episode's labels (JSON
+  text) and reward, and its token ids with the loss mask where the episode's calls were captured with ids and
+  stitch into one sample (build-dataset's merge, `merge.py`), with a task or without (an `lcap proxy` episode).
 - `verl`: `sft.parquet` (verl's multi-turn SFT data: `messages`, `tools`) and `rl.parquet` (verl's RL prompt
   data, one row a task: `data_source`, `prompt`, `ability`, `reward_model`, `extra_info`).
 
@@ -23,9 +25,11 @@ file at the end; verl's task prompts are a second pass over each task's first ep
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import json
+import secrets
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -40,12 +44,14 @@ from lcap.config import LcapError
 from lcap.dataset.build.merge import merge_turns
 from lcap.dataset.build.rebuild import chat_from_anthropic, chat_from_responses
 from lcap.dataset.build.select import select_episodes
-from lcap.files import replacing
+from lcap.files import atomic_write, replacing
 from lcap.redact import redact_json, redact_keys
 from lcap.store import Store
 
 FORMATS = ("openai", "hf", "verl")
 HF_DATA_FILE = "data/train-00000-of-00001.parquet"
+HF_DISK_SPLIT = "train"  # load_from_disk's layout: dataset_dict.json naming this split, its folder of that name
+HF_DISK_FILE = "data-00000-of-00001.arrow"
 VERL_SFT_FILE = "sft.parquet"
 VERL_RL_FILE = "rl.parquet"
 VERL_DATA_SOURCE = "lcap"
@@ -69,7 +75,7 @@ call AS (
                  coalesce(json_array_length(t.request->'messages'), json_array_length(t.request->'input'), 0) DESC,
                  t.seq DESC) = 1)
 SELECT c.episode_id, c.task_id, c.round, c.split, c.run, c.model, c.deployment, c.reward, c.reward_source,
-       call.turn_id
+       c.labels::VARCHAR AS labels, call.turn_id
 FROM chosen c LEFT JOIN call USING (episode_id)
 ORDER BY c.started_at, c.episode_id
 """
@@ -93,7 +99,7 @@ SELECT tt.episode_id, tt.seq, tt.thread, tt.deployment, tt.rebuilt, tt.truncated
        (CASE WHEN len(tt.logprobs) = len(tt.completion_ids) THEN tt.logprobs
              ELSE list_transform(tt.completion_ids, lambda x: 0.0) END)::FLOAT[] AS logprobs,
        '' AS group_id
-FROM turn_tokens tt SEMI JOIN episode_advantages USING (episode_id)
+FROM turn_tokens tt
 WHERE tt.episode_id IN (SELECT unnest($episodes::VARCHAR[]))
   AND tt.prompt_ids IS NOT NULL AND tt.completion_ids IS NOT NULL
 """
@@ -128,6 +134,7 @@ HF_SCHEMA = pa.schema(
         ("deployment", pa.string()),
         ("reward", pa.float64()),
         ("reward_source", pa.string()),
+        ("labels", pa.string()),
         ("messages", pa.list_(MESSAGE)),
         ("tools", pa.string()),
         ("prompt_ids", pa.list_(pa.int32())),
@@ -215,7 +222,9 @@ def export(
             if format == "openai":
                 _write_openai(records, out)
             elif format == "hf":
-                _write_parquet(records, HF_SCHEMA, out / HF_DATA_FILE, batch_rows, made)
+                disk = out / HF_DISK_SPLIT / HF_DISK_FILE
+                _write_parquet(records, HF_SCHEMA, out / HF_DATA_FILE, batch_rows, made, stream=disk)
+                _write_disk_layout(out)
             else:
                 tasks = _Tasks()
                 _write_parquet(tasks.seen(records), VERL_SFT_SCHEMA, out / VERL_SFT_FILE, batch_rows, made)
@@ -354,6 +363,7 @@ def _record(row: dict[str, Any]) -> dict[str, Any] | str:
     return {
         **{k: row[k] for k in ("episode_id", "task_id", "round", "split", "run", "model", "deployment", "reward")},
         "reward_source": row["reward_source"],
+        "labels": row.get("labels"),
         "messages": messages,
         "tools": json.dumps(tools, ensure_ascii=False) if tools else None,
         **{k: row[k] for k in _TOKEN_COLUMNS},
@@ -437,23 +447,56 @@ def _write_openai(records: Iterator[dict[str, Any]], out: Path) -> None:
 
 
 def _write_parquet(
-    rows: Iterator[dict[str, Any]], schema: pa.Schema, path: Path, batch_rows: int, made: list[Path]
+    rows: Iterator[dict[str, Any]],
+    schema: pa.Schema,
+    path: Path,
+    batch_rows: int,
+    made: list[Path],
+    *,
+    stream: Path | None = None,
 ) -> None:
-    """`rows` as one Parquet file, a row group per `batch_rows` rows; `made` gets the folders it creates."""
-    made.extend(reversed([p for p in (path.parent, *path.parent.parents) if not p.exists()]))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with replacing(path, mode=0o600) as tmp:
-        writer = None
+    """`rows` as one Parquet file, a row group per `batch_rows` rows, and as an Arrow stream at `stream` too (the
+    file `save_to_disk` writes); `made` gets the folders it creates."""
+    for file in (path, stream) if stream is not None else (path,):
+        made.extend(reversed([p for p in (file.parent, *file.parent.parents) if not p.exists() and p not in made]))
+        file.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(replacing(path, mode=0o600))
+        tmp_stream = stack.enter_context(replacing(stream, mode=0o600)) if stream is not None else None
+        writers: list[Any] = []
         try:
             rows = iter(rows)
             while batch := [{k: row.get(k) for k in schema.names} for row in itertools.islice(rows, batch_rows)]:
-                writer = writer or pq.ParquetWriter(tmp, schema)
-                writer.write_table(pa.Table.from_pylist(batch, schema=schema))
+                if not writers:
+                    writers.append(pq.ParquetWriter(tmp, schema))
+                    if tmp_stream is not None:
+                        writers.append(pa.ipc.new_stream(str(tmp_stream), schema))
+                table = pa.Table.from_pylist(batch, schema=schema)
+                for writer in writers:
+                    writer.write_table(table)
         finally:
-            if writer is not None:
+            for writer in writers:
                 writer.close()
-        if writer is None:
+        if not writers:
             raise _Nothing
+
+
+def _write_disk_layout(out: Path) -> None:
+    """What `datasets.load_from_disk` reads beside the Arrow stream: a DatasetDict of one split (its list in
+    `dataset_dict.json`), the split's state (its files; no format) and info (the features come from the stream's
+    schema)."""
+    state: dict[str, Any] = {
+        "_data_files": [{"filename": HF_DISK_FILE}],
+        "_fingerprint": secrets.token_hex(8),
+        "_format_columns": None,
+        "_format_kwargs": {},
+        "_format_type": None,
+        "_output_all_columns": False,
+        "_split": HF_DISK_SPLIT,
+    }
+    atomic_write(out / HF_DISK_SPLIT / "state.json", json.dumps(state, indent=2), mode=0o600)
+    atomic_write(out / HF_DISK_SPLIT / "dataset_info.json", json.dumps({"description": "lcap export"}), mode=0o600)
+    atomic_write(out / "dataset_dict.json", json.dumps({"splits": [HF_DISK_SPLIT]}), mode=0o600)
 
 
 def _openai_message(m: dict[str, Any]) -> dict[str, Any]:

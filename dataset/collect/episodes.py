@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lcap.capture import CaptureProxy, ProxyOptions, Sandbox, closed_folder, sandbox_limits
+from lcap.capture import CaptureProxy, ProxyOptions, Sandbox, closed_folder, ensure_node_capture, sandbox_limits
 from lcap.capture import missing as sandbox_missing
 from lcap.config import LcapError
 from lcap.dataset.collect.episode import (
@@ -272,6 +272,8 @@ def collect_episodes(
         raise LcapError("--episode-cpus and --episode-resources place episodes on a Ray cluster: add --ray ADDRESS")
     if is_judge(options.verifier):  # no rubric or no judge endpoint: a one-line error before any agent runs
         check_judge(options.verifier or "", options)
+    if not options.transparent:  # in its namespace every call reaches lcap: Node needs no preload there
+        ensure_node_capture(command)
     plan = plan_collect(tasks=tasks, command=command, options=options, labels=labels, store=store)
     check_round_is_free(store, plan.run_id, options.round, options.split, replace=options.replace)
     specs = plan.specs

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from fixtures_dataset import chat_turns
@@ -168,6 +169,10 @@ def _all_text(path: Path) -> str:
         return "\n".join(_all_text(p) for p in sorted(path.rglob("*")) if p.is_file())
     if path.suffix == ".parquet":
         return json.dumps(pq.read_table(path).to_pylist(), default=str)
+    if path.name == "state.json":  # its _fingerprint is an id of each export's own (datasets' cache key)
+        return json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "_fingerprint"})
+    if path.suffix == ".arrow":  # load_from_disk's copy, an Arrow stream
+        return json.dumps(pa.ipc.open_stream(path.read_bytes()).read_all().to_pylist(), default=str)
     return path.read_text()
 
 
@@ -248,6 +253,26 @@ def test_hf_folder_opens_with_load_dataset(captured, tmp_path, monkeypatch):
     assert good["prompt_ids"] == [1, 2, 3]
     assert good["completion_ids"] == [5, 6, 90, 91, 7] and good["loss_mask"] == [1, 1, 0, 0, 1]
     assert rows["plain"]["prompt_ids"] is None  # captured without ids: none exported
+
+
+def test_hf_folder_opens_with_load_from_disk_and_keeps_a_proxy_episode(captured, builder, tmp_path, monkeypatch):
+    """An `lcap proxy` episode (no task, no round: only the labels it was given) keeps its captured ids; the same
+    folder opens with `load_from_disk` as with `load_dataset`, rows alike."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    captured.start_episode("proxied", command="python agent.py", cwd="/tmp", labels={"user": "ann"})
+    builder.turns("proxied", _tool_episode("425"))
+    captured.end_episode("proxied", status="ok", exit_code=0, error=None)
+    out = tmp_path / "hf"
+    report = export(captured, format="hf", out=out, where="episode_id IN ('proxied', 'good', 'plain')")
+    assert report.exported == 3 and report.with_token_ids == 2
+    on_disk = datasets.load_from_disk(str(out))["train"]
+    loaded = datasets.load_dataset(str(out), cache_dir=str(tmp_path / "cache"))["train"]
+    assert on_disk.to_list() == loaded.to_list()
+    rows = {r["episode_id"]: r for r in on_disk}
+    proxied = rows["proxied"]
+    assert proxied["task_id"] is None and proxied["round"] is None and json.loads(proxied["labels"]) == {"user": "ann"}
+    assert proxied["prompt_ids"] == [1, 2, 3] and proxied["completion_ids"] == [5, 6, 90, 91, 7]
+    assert json.loads(rows["good"]["labels"])["task"] == "mul-1"
 
 
 def test_verl_parquet_under_verls_column_names(captured, tmp_path, monkeypatch):

@@ -146,6 +146,7 @@ def test_overview_charts_put_each_value_under_its_round():
         "statuses": [{"round": 1, "status": "ok", "n": 3}],
         "turns": [],
         "train": [],
+        "mismatch": [],
         "phases": [{"round": 1, "step": "train", "seconds": 9.0}, {"round": 1, "step": "collect", "seconds": 4.0}],
     }
     charts = {c["id"]: c for c in _overview_charts(o)}
@@ -157,6 +158,51 @@ def test_overview_charts_put_each_value_under_its_round():
     assert charts["status"]["series"] == [{"label": "ok", "data": [3]}]
     assert [s["label"] for s in charts["phases"]["series"]] == ["collect", "train"]  # the loop's order
     assert set(charts) == {"reward", "status", "phases"}
+
+
+def test_overview_charts_leave_out_running_rounds_and_keep_axes_apart():
+    """A round whose episodes still run is not plotted (its mean is partial); rewards in [0, 1] get a 0..1 axis;
+    the mismatch check's seconds are not drawn on the axis of KL and the IS ratio."""
+    from lcap.ui.app import _overview_charts
+
+    o = {
+        "rewards": [
+            {"round": 0, "split": "eval", "mean": 0.172, "running": 0},
+            {"round": 1, "split": "train", "mean": 0.154, "running": 0},
+            {"round": 1, "split": "eval", "mean": 0.0, "running": 8},
+        ],
+        "statuses": [],
+        "turns": [],
+        "train": [{"round": 1, "kl": 0.01, "is_ratio_mean": 1.0, "clip_fraction": 0.0, "mismatch_seconds": 280.0}],
+        "mismatch": ["mismatch_seconds"],
+        "phases": [],
+    }
+    charts = {c["id"]: c for c in _overview_charts(o)}
+    reward = charts["reward"]
+    assert reward["labels"] == [0, 1]
+    assert reward["series"] == [{"label": "eval", "data": [0.172, None]}, {"label": "train", "data": [None, 0.154]}]
+    assert "round 1 eval still running" in reward["title"]
+    assert reward["y"] == {"min": 0, "max": 1}
+    assert [s["label"] for s in charts["train"]["series"]] == ["kl", "is_ratio_mean", "clip_fraction"]
+    assert [s["label"] for s in charts["train-seconds"]["series"]] == ["mismatch_seconds"]
+    o["rewards"] = [{"round": 1, "split": "train", "mean": 3.5}, {"round": 2, "split": "train", "mean": -1.0}]
+    assert _overview_charts(o)[0]["y"] == {"suggestedMin": -1.0, "suggestedMax": 3.5}  # outside [0, 1]: from the data
+
+
+def test_a_round_whose_episodes_still_run_is_marked_partial(tmp_path):
+    """Held-out episodes of round 1 still running: the table says the mean is partial, the chart leaves it out."""
+    db = tmp_path / "partial.duckdb"
+    store = Store(db)
+    for n, status in enumerate(("ok", "running", "running")):
+        store.start_episode(f"e{n}", command="agent", cwd="/", labels={"round": "1", "split": "eval", "task": "t"})
+        if status == "ok":
+            store.end_episode(f"e{n}", status="ok", exit_code=0, error=None)
+            store.add_reward(f"e{n}", 0.0, details="{}", source="verifier")
+    with client(db) as c:
+        page = c.get("/").text
+    assert "(partial: 2 running)" in page
+    spec = json.loads(page.split('id="chart-reward">', 1)[1].split("</script>", 1)[0])
+    assert spec["labels"] == [] and "round 1 eval still running" in spec["title"]
 
 
 def test_every_page_renders_what_the_store_holds(ui_db):

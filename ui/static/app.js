@@ -23,7 +23,10 @@ function drawCharts(root) {
       options: {
         responsive: true, maintainAspectRatio: false, animation: false,
         interaction: { mode: "index", intersect: false },
-        scales: { x: { stacked: !!spec.stacked }, y: { stacked: !!spec.stacked, beginAtZero: spec.type === "bar" } },
+        scales: {
+          x: { stacked: !!spec.stacked },
+          y: { stacked: !!spec.stacked, beginAtZero: spec.type === "bar", ...(spec.y || {}) },
+        },
       },
     });
   });
@@ -36,6 +39,9 @@ function startLive() {
   if (!window.EventSource) { status.textContent = "live: not supported"; return; }
   let first = true, pending = false;
   const source = new EventSource("/events");
+  source.onopen = () => {  // the stream is open: live, whether or not the store has moved yet
+    if (status.className !== "live on") { status.className = "live on"; status.textContent = "live: connected"; }
+  };
   source.addEventListener("change", () => {
     status.className = "live on";
     status.textContent = "live · " + new Date().toLocaleTimeString();
