@@ -53,7 +53,7 @@ from typing import Any, Protocol
 from lcap.capture.options import SandboxLimits
 from lcap.capture.reach.agent_env import CA_VARS, PROXY_VARS, Child
 from lcap.capture.reach.jvm import TRUST_STORE
-from lcap.capture.reach.node_preload import node_dir
+from lcap.capture.reach.node_preload import PRELOAD, node_dir
 from lcap.capture.sandbox_view import command_paths, folders, outside_system, python_paths, share_args, system_args
 from lcap.capture.trust.ca import ca_dir
 from lcap.config import LcapError, lcap_home
@@ -397,9 +397,9 @@ def limits_text(reached: Mapping[str, Any]) -> str:
 
 def _shown(env: Mapping[str, str]) -> dict[str, str]:
     """What of lcap's home the agent needs, outside -> inside: its CA bundle (never the CA's key), the JVM's trust
-    store, Node's preload packages; under /run/lcap, reachable whatever the folders above lcap's home allow."""
+    store, Node's preload and its packages; under /run/lcap, reachable whatever the folders above lcap's home allow."""
     paths = {env[name] for name in CA_VARS if name in env}
-    paths |= {str(ca_dir() / TRUST_STORE), str(node_dir() / "node_modules")}
+    paths |= {str(ca_dir() / TRUST_STORE), str(node_dir() / "node_modules"), str(PRELOAD)}
     return {p: str(SHOWN / Path(p).name) for p in sorted(paths) if os.path.exists(p)}
 
 
