@@ -26,7 +26,7 @@
 
 Every other internal of mitmproxy lcap reads or sets is here too, behind a named function, so that an upgrade of
 mitmproxy is ported in this one module (tests/unit/test_mitm_internals.py lists them and checks that no other
-module touches them): `skip_debug_checks`, `QuietTlsConfig`, `eager_tasks` (the proxy's start-up),
+module touches them): `skip_debug_checks`, `quiet_tls_config`, `eager_tasks` (the proxy's start-up),
 `bounded_lru` (the certificate cache), `connection_of` and `cut_upstream` (a call past its deadline) and
 `read_client_hello` (the front's tunnels).
 """
@@ -425,11 +425,11 @@ def quiet_tls_config() -> Any:
     """mitmproxy's TLS addon, less the CA reload it does again once running."""
     from mitmproxy.addons import tlsconfig  # start-up: mitmproxy's addons, which only a running proxy needs
 
-    class QuietTlsConfig(tlsconfig.TlsConfig):
+    class TlsConfig(tlsconfig.TlsConfig):  # its class name is its addon name, "tlsconfig", which lcap looks up
         def running(self) -> None:
             """Upstream reloads the CA here again, a workaround lcap does not need: it slows every start."""
 
-    return QuietTlsConfig()
+    return TlsConfig()
 
 
 def eager_tasks() -> AbstractContextManager[None]:
