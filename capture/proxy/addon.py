@@ -19,16 +19,9 @@ from mitmproxy import http
 from wsproto.frame_protocol import CloseReason
 
 from lcap.capture.options import ProxyOptions
-from lcap.capture.proxy.calls import (
-    AnswerRefused,
-    BodyRefused,
-    Calls,
-    HoldRefused,
-    NoRoute,
-    Unauthorized,
-    with_route_model,
-)
+from lcap.capture.proxy.calls import Calls, with_route_model
 from lcap.capture.proxy.mitm_guards import connection_of, cut_upstream
+from lcap.capture.proxy.refusals import AnswerRefused, BodyRefused, HoldRefused, NoRoute, Unauthorized
 from lcap.capture.routing import policy_wire
 from lcap.capture.routing.routes import Route
 from lcap.capture.turns import dialects

@@ -62,7 +62,7 @@ from wsproto.extensions import PerMessageDeflate
 from wsproto.frame_protocol import CloseReason
 
 from lcap.capture.options import ProxyOptions
-from lcap.capture.proxy.calls import UNASKED_SWITCH
+from lcap.capture.proxy.refusals import UNASKED_SWITCH
 from lcap.capture.routing.routes import Router
 from lcap.capture.trust.destinations import Destinations, Forbidden
 
