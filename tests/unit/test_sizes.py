@@ -24,11 +24,6 @@ LONG_FUNCTIONS = {
     "and watch, declared one after another, then listed in the routes",
     "serve/commands.py:register": "the CLI's command registration: the serve stage's typer commands (init-model, "
     "serve, deploy) declared one after another, as each stage joins the CLI (lcap/cli_stages.py)",
-    # Not split yet (issue #47): each entry goes when its function is split.
-    "dataset/build/builder.py:build_dataset": "not split yet (issue #47)",
-    "dataset/build/merge.py:merge_turns": "not split yet (issue #47)",
-    "loop/demo/runner.py:run_demo": "not split yet (issue #47)",
-    "loop/overlap.py:run_async_loop": "not split yet (issue #47)",
 }
 
 
