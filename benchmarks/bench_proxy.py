@@ -162,7 +162,7 @@ from mitmproxy.utils import asyncio_utils
 sys.path.insert(0, os.path.dirname(sys.argv[1]))
 from reroute import Reroute
 if os.environ.get("BENCH_SKIP_DEBUG_CHECKS"):  # benchmarks/count_proxy_instructions.py's middle row
-    from lcap.capture.proxy.server import skip_debug_checks
+    from lcap.capture.proxy.mitm_guards import skip_debug_checks
     skip_debug_checks()
 
 async def main():

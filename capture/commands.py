@@ -21,7 +21,7 @@ def register(cli: StageRegistry) -> None:
     """Add this stage's commands to `app`. Keep module-level imports light: the CLI loads this at start."""
     app = cli.app
     cli.setup_parts["node"] = install_node_preload
-    cli.doctor_modules.append("lcap.capture.doctor")
+    cli.doctor_modules += ["lcap.capture.doctor_trust", "lcap.capture.doctor"]  # the CA and its trust first
     cli.status_modules.append("lcap.capture.status")
 
     @app.command(context_settings={"allow_interspersed_args": False})

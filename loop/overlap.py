@@ -201,10 +201,7 @@ def run_async_loop(
     if config.train.ray is not None:
         raise LcapError("--async runs its episodes on this machine: with --ray, use the synchronous loop for now")
     run = Path(config.run)
-    data = state.data
-    data.setdefault("base_deployment", base_deployment)
-    data.setdefault("void", [])  # groups of batches whose every sample was dropped as stale
-    data.setdefault("untrainable", [])  # complete groups GRPO cannot learn from (fewer than two rewards, or equal)
+    data = _async_state(state, base_deployment)
     per_step = config.options.groups_per_step or _wave_size(config)
     size = config.collect.group_size
     summaries: list[RoundSummary] = []
@@ -231,37 +228,10 @@ def run_async_loop(
                 t0 = time.perf_counter()
                 versions = _versions(state, n)
                 current = max(versions, key=lambda name: versions[name])  # the policy step n trains from
-                while True:
-                    batch = step(n, "batch", lambda: _take_batch(store, config, state, producer, pool, per_step))
-                    if not batch["groups"]:  # a batch's worth of groups in a row got equal rewards
-                        break
-                    out = round_dir(run, n) / "data"
-                    staleness = _build(store, config, n, batch["groups"], out, versions)
-                    if staleness.trainable:
-                        break
-                    # every sample of the batch was stale: its groups are spent, the step takes another batch
-                    with state.lock:
-                        data["void"] = sorted(set(data["void"]) | set(batch["groups"]))
-                        del data["steps"][f"{n}:batch"]
-                    before = state.done(n, "void") or {"groups": [], "staleness": {}, "dropped": 0}
-                    void = {
-                        "groups": before["groups"] + batch["groups"],
-                        "staleness": _merged(before["staleness"], staleness.histogram),
-                        "dropped": before["dropped"] + staleness.dropped,
-                    }
-                    state.finish(n, "void", void)
-                    producer.advance(n - 1, _wasted(data))
-                    echo(f"step {n}: every sample of {len(batch['groups'])} groups was stale, taking the next ones")
-                if batch["groups"]:
-                    train_options = replace(config.train, current=current, mismatch_current_only=True)
-                    stale = {"staleness": staleness.histogram, "dropped_stale_async": staleness.dropped}
-                    init = continued(state, n)
-                    trained = skip_step(
-                        step, n, "train", lambda: {**train_step(store, run, n, train_options, out, init), **stale}
-                    )
-                else:
-                    why = {"reason": batch["reason"], "kept": current, "groups": batch["equal"]}
-                    trained = {"skipped": step(n, SKIPPED, lambda: why)}
+                batch, staleness, out = _trainable_batch(
+                    step, store, config, state, producer, pool, per_step, n, versions, echo
+                )
+                trained = _train(step, store, config, state, n, current, batch, staleness, out)
                 if "skipped" in trained:  # nothing to learn: the deployment stays, the next step takes new groups
                     producer.advance(n, _wasted(data))
                     summaries.append(RoundSummary(round=n, skipped=trained["skipped"]["reason"]))
@@ -278,18 +248,7 @@ def run_async_loop(
                 deployed = step(n, "deploy", lambda: deploy_step(store, trained["output"], n))
                 producer.advance(n, _wasted(data))
                 idle = pool.idle_seconds()
-                figures = {
-                    "groups": len(batch["groups"]),
-                    "queue": batch["queue"],
-                    "samples": trained.get("n_samples"),
-                    "dropped_stale": trained["dropped_stale_async"] + (state.done(n, "void") or {}).get("dropped", 0),
-                    "staleness": _merged(trained["staleness"], (state.done(n, "void") or {}).get("staleness", {})),
-                    "trainer_wait_s": batch["trainer_wait_s"],
-                    "agent_wait_s": idle - idle_before,
-                    "in_flight": pool.tally.running,
-                    "deployed": deployed["name"],
-                    "seconds": time.perf_counter() - t0,
-                }
+                figures = _figures(batch, trained, state, n, idle - idle_before, pool, deployed, t0)
                 idle_before = idle
                 step(n, "stats", lambda: _record(store, run, n, figures))
                 s = RoundSummary(round=n, train=trained, deployed=deployed["name"])
@@ -308,6 +267,99 @@ def run_async_loop(
     if producer.error is not None and not isinstance(producer.error, StopAfter):
         raise producer.error
     return summaries
+
+
+def _async_state(state: LoopState, base_deployment: str) -> dict:
+    """The loop state's data, with what the asynchronous loop keeps in it."""
+    data = state.data
+    data.setdefault("base_deployment", base_deployment)
+    data.setdefault("void", [])  # groups of batches whose every sample was dropped as stale
+    data.setdefault("untrainable", [])  # complete groups GRPO cannot learn from (fewer than two rewards, or equal)
+    return data
+
+
+def _trainable_batch(
+    step: StepRunner,
+    store,
+    config: LoopConfig,
+    state: LoopState,
+    producer: Producer,
+    pool,
+    per_step: int,
+    n: int,
+    versions: dict,
+    echo: Callable[[str], None],
+) -> tuple[dict, Any, Path]:
+    """Step `n`'s batch and its built samples' staleness: a batch whose every sample was stale is spent (its
+    groups void) and the next one taken; a batch without groups (equal rewards) ends the search."""
+    run, data = Path(config.run), state.data
+    staleness: Any = None
+    out = round_dir(run, n) / "data"
+    while True:
+        batch = step(n, "batch", lambda: _take_batch(store, config, state, producer, pool, per_step))
+        if not batch["groups"]:  # a batch's worth of groups in a row got equal rewards
+            break
+        out = round_dir(run, n) / "data"
+        staleness = _build(store, config, n, batch["groups"], out, versions)
+        if staleness.trainable:
+            break
+        # every sample of the batch was stale: its groups are spent, the step takes another batch
+        with state.lock:
+            data["void"] = sorted(set(data["void"]) | set(batch["groups"]))
+            del data["steps"][f"{n}:batch"]
+        before = state.done(n, "void") or {"groups": [], "staleness": {}, "dropped": 0}
+        void = {
+            "groups": before["groups"] + batch["groups"],
+            "staleness": _merged(before["staleness"], staleness.histogram),
+            "dropped": before["dropped"] + staleness.dropped,
+        }
+        state.finish(n, "void", void)
+        producer.advance(n - 1, _wasted(data))
+        echo(f"step {n}: every sample of {len(batch['groups'])} groups was stale, taking the next ones")
+    return batch, staleness, out
+
+
+def _train(
+    step: StepRunner,
+    store,
+    config: LoopConfig,
+    state: LoopState,
+    n: int,
+    current: str,
+    batch: dict,
+    staleness,
+    out: Path,
+) -> dict:
+    """Step `n`'s training on the batch's samples (built in `out`) from the `current` policy, or, for a batch
+    without groups, the step skipped with the reason."""
+    run = Path(config.run)
+    if batch["groups"]:
+        train_options = replace(config.train, current=current, mismatch_current_only=True)
+        stale = {"staleness": staleness.histogram, "dropped_stale_async": staleness.dropped}
+        init = continued(state, n)
+        trained = skip_step(step, n, "train", lambda: {**train_step(store, run, n, train_options, out, init), **stale})
+    else:
+        why = {"reason": batch["reason"], "kept": current, "groups": batch["equal"]}
+        trained = {"skipped": step(n, SKIPPED, lambda: why)}
+    return trained
+
+
+def _figures(
+    batch: dict, trained: dict, state: LoopState, n: int, agent_wait: float, pool, deployed: dict, t0: float
+) -> dict[str, Any]:
+    """Step `n`'s figures, as its stats row records them."""
+    return {
+        "groups": len(batch["groups"]),
+        "queue": batch["queue"],
+        "samples": trained.get("n_samples"),
+        "dropped_stale": trained["dropped_stale_async"] + (state.done(n, "void") or {}).get("dropped", 0),
+        "staleness": _merged(trained["staleness"], (state.done(n, "void") or {}).get("staleness", {})),
+        "trainer_wait_s": batch["trainer_wait_s"],
+        "agent_wait_s": agent_wait,
+        "in_flight": pool.tally.running,
+        "deployed": deployed["name"],
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def _take_batch(store, config: LoopConfig, state: LoopState, producer: Producer, pool, per_step: int) -> dict:

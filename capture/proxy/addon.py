@@ -19,15 +19,9 @@ from mitmproxy import http
 from wsproto.frame_protocol import CloseReason
 
 from lcap.capture.options import ProxyOptions
-from lcap.capture.proxy.calls import (
-    AnswerRefused,
-    BodyRefused,
-    Calls,
-    HoldRefused,
-    NoRoute,
-    Unauthorized,
-    with_route_model,
-)
+from lcap.capture.proxy.calls import Calls, with_route_model
+from lcap.capture.proxy.mitm_guards import connection_of, cut_upstream
+from lcap.capture.proxy.refusals import AnswerRefused, BodyRefused, HoldRefused, NoRoute, Unauthorized
 from lcap.capture.routing import policy_wire
 from lcap.capture.routing.routes import Route
 from lcap.capture.turns import dialects
@@ -272,14 +266,11 @@ class CaptureAddon:
     def _expire(self, flow: http.HTTPFlow, why: str) -> None:
         flow.metadata.pop(_TIMER, None)
         pending: PendingTurn | None = flow.metadata.get(_KEY)
-        handler = self.proxyserver.connections.get(flow.client_conn.id)
+        handler = connection_of(self.proxyserver, flow)
         if pending is None or pending.done or handler is None:
             return
         flow.metadata[_TIMED_OUT] = f"upstream {pending.upstream}: {why}"
-        if flow.server_conn in handler.transports:
-            handler.close_connection(flow.server_conn)  # mitmproxy answers 502 and calls `error`
-        else:  # still connecting: only the agent's connection can be cut
-            handler.close_connection(flow.client_conn)
+        cut_upstream(handler, flow)  # mitmproxy answers 502 and calls `error`
 
     # --- Responses API over WebSocket ---------------------------------------------------------
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from lcap.capture.proxy.refusals import AnswerRefused, BodyRefused, HoldRefused, NoRoute, Unauthorized
 from lcap.capture.proxy.roles import RoleRule, role_of, take_role_header
 from lcap.capture.proxy.sessions import Sessions, is_session_episode, tenant_of
 from lcap.capture.proxy.streams import PolicyStream, SseRewriter, StreamCopy
@@ -38,40 +39,6 @@ _CREDENTIALS = frozenset(name.encode() for name in CREDENTIAL_HEADERS)
 # body (llhttp, in uvicorn and Node, takes it for the next protocol's bytes): the request goes without it.
 _UPGRADE = frozenset((b"upgrade", b"http2-settings"))
 HOLD_POLL_S = 0.25  # how often a held call looks whether a replica serves again, or its agent left
-
-
-# --- which episode ------------------------------------------------------------------------------------
-
-
-class Unauthorized(Exception):
-    """Credentials are required and the request proves no episode: the agent gets a 407."""
-
-
-class NoRoute(Exception):
-    """`--upstream` is set but has no server to send to right now (no policy record): the agent gets a 503,
-    never the original host."""
-
-
-UNASKED_SWITCH = "the upstream switched protocols (101) on a call that asked for none"  # both transports' 502
-
-
-class BodyRefused(Exception):
-    """An LLM call whose body lcap cannot read as the upstream would (JSON nested past Python's parser): the agent
-    gets `status` with this message, and the turn is stored with it and the raw body."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class AnswerRefused(Exception):
-    """An answer lcap must rewrite (the policy route, `--token-ids`) but cannot decode within `--max-body-bytes`: the
-    agent gets a 502 with this message, and the turn is stored with it and the answer as it came."""
-
-
-class HoldRefused(Exception):
-    """A call held while every policy replica restarts that no replica took within `--hold-timeout`, or one past
-    `--max-held-calls`: the agent gets a 503 with this message, and the turn is stored with it."""
 
 
 # --- one call ---------------------------------------------------------------------------------------

@@ -17,9 +17,10 @@ from collections.abc import Callable
 import httptools
 
 from lcap.capture.options import ProxyOptions
-from lcap.capture.proxy.calls import UNASKED_SWITCH, AnswerRefused, Call, Calls, HoldRefused
+from lcap.capture.proxy.calls import Call, Calls
 from lcap.capture.proxy.connections import AgentReader, Connection, Expired, UpstreamPool
 from lcap.capture.proxy.http1 import refusal
+from lcap.capture.proxy.refusals import UNASKED_SWITCH, AnswerRefused, HoldRefused
 from lcap.capture.trust.destinations import Destinations, Forbidden
 from lcap.capture.turns.turn import agent_left
 

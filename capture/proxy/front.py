@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
 
 from lcap.capture.options import ProxyOptions
-from lcap.capture.proxy.calls import BodyRefused, Calls, NoRoute, Unauthorized
+from lcap.capture.proxy.calls import Calls
 from lcap.capture.proxy.connections import READ_SIZE, Admission, AgentReader, Connection, Expired, Watches
 from lcap.capture.proxy.exchange import Exchange, request_head
 from lcap.capture.proxy.http1 import (
@@ -46,6 +46,7 @@ from lcap.capture.proxy.http1 import (
     parse_request_head,
     refusal,
 )
+from lcap.capture.proxy.refusals import BodyRefused, NoRoute, Unauthorized
 from lcap.capture.proxy.tunnel import Tunnel, Tunnels
 from lcap.capture.reach.listeners import Admit
 from lcap.capture.reach.names import Names

@@ -23,16 +23,24 @@
 - `install_websocket_limits`, `install_reset_limit`: a WebSocket message past `--max-body-bytes` closes the
   socket with 1009; an agent resetting more than `--max-stream-resets` HTTP/2 streams a second gets GOAWAY.
   `Limits` hands each proxy's limits to these patches as options of its mitmproxy.
+
+Every other internal of mitmproxy lcap reads or sets is here too, behind a named function, so that an upgrade of
+mitmproxy is ported in this one module (tests/unit/test_mitm_internals.py lists them and checks that no other
+module touches them): `skip_debug_checks`, `quiet_tls_config`, `eager_tasks` (the proxy's start-up),
+`bounded_lru` (the certificate cache), `connection_of` and `cut_upstream` (a call past its deadline) and
+`read_client_hello` (the front's tunnels).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import re
 import time
 import zlib
 from collections.abc import Callable, Generator, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import h2.errors
@@ -41,17 +49,20 @@ import h11
 import wsproto.events
 from h11._readers import ChunkedReader
 from mitmproxy import flow as mflow
+from mitmproxy import http, optmanager
 from mitmproxy.net.http.http1 import expected_http_body_size
 from mitmproxy.proxy import commands, events
 from mitmproxy.proxy.layers import http as mhttp
-from mitmproxy.proxy.layers import websocket
+from mitmproxy.proxy.layers import tls, websocket
 from mitmproxy.proxy.layers.http import RequestProtocolError, _http1, _http2
 from mitmproxy.proxy.utils import expect
+from mitmproxy.tls import ClientHello
+from mitmproxy.utils import asyncio_utils
 from wsproto.extensions import PerMessageDeflate
 from wsproto.frame_protocol import CloseReason
 
 from lcap.capture.options import ProxyOptions
-from lcap.capture.proxy.calls import UNASKED_SWITCH
+from lcap.capture.proxy.refusals import UNASKED_SWITCH
 from lcap.capture.routing.routes import Router
 from lcap.capture.trust.destinations import Destinations, Forbidden
 
@@ -181,24 +192,35 @@ def install_http1_guards() -> None:
     """Patch mitmproxy's HTTP/1 layer as the module's docstring says. Installed once per process."""
     if getattr(_http1.Http1Client.read_headers, "lcap", False):
         return
+    skip_interim = _skip_interim(_http1.Http1Client.read_headers)
+    skip_interim.lcap = True  # type: ignore[attr-defined]
+    _http1.ChunkedReader = BoundedChunkedReader  # type: ignore[misc]  # make_body_reader's reader
+    _http1.Http1Client.read_headers = skip_interim  # type: ignore[method-assign]  # deliberate patches
+    _http1.Http1Server.read_headers = _bounded_request_head(  # type: ignore[method-assign]
+        _http1.Http1Server.read_headers
+    )
+    _http1.Http1Server.read_body = _answer_then_close(_http1.Http1Connection.read_body)  # type: ignore[method-assign]
 
-    class BoundedChunkedReader(ChunkedReader):
-        """h11's chunked body reader, refusing a chunk size past 2^64 and dropping trailers."""
 
-        def __call__(self, buf: Any) -> Any:
-            event = super().__call__(buf)
-            size = self._bytes_in_chunk  # what is left of the chunk: all of it when the chunk began here
-            if isinstance(event, h11.Data) and event.chunk_start:
-                size += len(event.data)
-            if size > MAX_CHUNK_SIZE:
-                raise h11.RemoteProtocolError("chunk size past 2^64")
-            if isinstance(event, h11.EndOfMessage) and event.headers:
-                return h11.EndOfMessage()
-            return event
+class BoundedChunkedReader(ChunkedReader):
+    """h11's chunked body reader, refusing a chunk size past 2^64 and dropping trailers."""
 
-    read_headers = _http1.Http1Client.read_headers
+    def __call__(self, buf: Any) -> Any:
+        event = super().__call__(buf)
+        size = self._bytes_in_chunk  # what is left of the chunk: all of it when the chunk began here
+        if isinstance(event, h11.Data) and event.chunk_start:
+            size += len(event.data)
+        if size > MAX_CHUNK_SIZE:
+            raise h11.RemoteProtocolError("chunk size past 2^64")
+        if isinstance(event, h11.EndOfMessage) and event.headers:
+            return h11.EndOfMessage()
+        return event
 
-    def skip_interim(self: Any, event: Any):  # mitmproxy's Http1Client.read_headers, past any 1xx but 101
+
+def _skip_interim(read_headers: Callable[..., Any]) -> Callable[..., Any]:
+    """mitmproxy's Http1Client.read_headers, past any 1xx but 101, its answer head bounded in size and time."""
+
+    def skip_interim(self: Any, event: Any):
         if isinstance(event, events.DataReceived) and self.request is not None:
             began = self.__dict__.setdefault("lcap_head_began", time.monotonic())
             while _INTERIM.match(bytes(self.buf._data[:16])):
@@ -229,9 +251,13 @@ def install_http1_guards() -> None:
         else:
             self.__dict__.pop("lcap_head_began", None)
 
-    read_request_head = _http1.Http1Server.read_headers
+    return skip_interim
 
-    def bounded_request_head(self: Any, event: Any):  # mitmproxy's Http1Server.read_headers, with the front's limit
+
+def _bounded_request_head(read_request_head: Callable[..., Any]) -> Callable[..., Any]:
+    """mitmproxy's Http1Server.read_headers, with the front's limit."""
+
+    def bounded_request_head(self: Any, event: Any):
         """A request head on a connection mitmproxy carries (the front read only the first) is bounded as on the
         front: past `--max-head-bytes`, a 431 and the connection closes."""
         yield from read_request_head(self, event)
@@ -243,9 +269,13 @@ def install_http1_guards() -> None:
             yield commands.CloseConnection(self.conn)
             self.state = self.done
 
-    read_body = _http1.Http1Connection.read_body
+    return bounded_request_head
 
-    def answer_then_close(self: Any, event: Any):  # mitmproxy's read_body, for the agent's side
+
+def _answer_then_close(read_body: Callable[..., Any]) -> Callable[..., Any]:
+    """mitmproxy's read_body, for the agent's side."""
+
+    def answer_then_close(self: Any, event: Any):
         """A request body mitmproxy cannot read (a bad chunk size) is answered 400 before the connection closes;
         mitmproxy closes it first, so its own 400 is never written."""
         body = read_body(self, event)
@@ -268,11 +298,7 @@ def install_http1_guards() -> None:
         if held is not None:
             yield held
 
-    skip_interim.lcap = True  # type: ignore[attr-defined]
-    _http1.ChunkedReader = BoundedChunkedReader  # type: ignore[misc]  # make_body_reader's reader
-    _http1.Http1Client.read_headers = skip_interim  # type: ignore[method-assign]  # deliberate patches
-    _http1.Http1Server.read_headers = bounded_request_head  # type: ignore[method-assign]
-    _http1.Http1Server.read_body = answer_then_close  # type: ignore[method-assign]
+    return answer_then_close
 
 
 def install_websocket_limits() -> None:
@@ -370,3 +396,84 @@ def install_reset_limit() -> None:
 
     count_resets.lcap = True  # type: ignore[attr-defined]
     _http2.Http2Server.handle_h2_event = count_resets  # type: ignore[method-assign]  # a deliberate patch
+
+
+# --- the proxy's start-up -------------------------------------------------------------------------
+
+
+def skip_debug_checks() -> None:
+    """Skip two pieces of per-call work mitmproxy does for its own debugging (benchmarks/count_proxy_instructions.py
+    counts their share of each proxied call): a runtime type check of every field of every Request and
+    Response it builds, which Python's -O already removes (`if __debug__`), and a deep copy of an option's
+    value on every read, which lcap keeps only for mutable values."""
+    if optmanager._Option.current is _current_option:
+        return
+    http.MessageData.__post_init__ = lambda self: None  # type: ignore[method-assign]  # a deliberate patch
+    optmanager._Option.current = _current_option  # type: ignore[method-assign,assignment]  # a deliberate patch
+
+
+def _current_option(option: Any) -> Any:
+    """mitmproxy's `_Option.current` without the deep copy of immutable values."""
+    value = option._default if option.value is optmanager.unset else option.value
+    return value if isinstance(value, _IMMUTABLE) else copy.deepcopy(value)
+
+
+_IMMUTABLE = (str, bytes, int, float, bool, type(None))
+
+
+def quiet_tls_config() -> Any:
+    """mitmproxy's TLS addon, less the CA reload it does again once running."""
+    from mitmproxy.addons import tlsconfig  # start-up: mitmproxy's addons, which only a running proxy needs
+
+    class TlsConfig(tlsconfig.TlsConfig):  # its class name is its addon name, "tlsconfig", which lcap looks up
+        def running(self) -> None:
+            """Upstream reloads the CA here again, a workaround lcap does not need: it slows every start."""
+
+    return TlsConfig()
+
+
+def eager_tasks() -> AbstractContextManager[None]:
+    """mitmproxy's eager task factory on the running loop, for the block."""
+    return asyncio_utils.set_eager_task_factory()
+
+
+def bounded_lru(store: Any, max_certs: int) -> Any:
+    """Make a mitmproxy `CertStore` keep the `max_certs` certificates used last. Its own bound (`STORE_CAP`)
+    drops the one made first, even a host every call goes to; here each hit moves its entry to the back of the
+    store's expiry queue, so the one used least recently goes instead."""
+    store.STORE_CAP = max_certs
+    get_cert = store.get_cert
+
+    def get_cert_lru(*args: Any, **kwargs: Any) -> Any:
+        entry = get_cert(*args, **kwargs)
+        queue = store.expire_queue
+        if queue and queue[-1] is not entry:
+            at = next((i for i, e in enumerate(queue) if e is entry), None)  # by identity: entries compare by value
+            if at is not None:  # a made certificate (the CA's own is not in the queue)
+                queue.append(queue.pop(at))
+        return entry
+
+    store.get_cert = get_cert_lru
+    return store
+
+
+# --- a call past its deadline, a tunnel's first bytes ------------------------------------------------
+
+
+def connection_of(proxyserver: Any, flow: http.HTTPFlow) -> Any | None:
+    """mitmproxy's handler of `flow`'s agent connection; None once it is gone."""
+    return proxyserver.connections.get(flow.client_conn.id)
+
+
+def cut_upstream(handler: Any, flow: http.HTTPFlow) -> None:
+    """Cut `flow`'s server connection (mitmproxy answers 502 and calls `error`); while it is still connecting,
+    only the agent's connection can be cut."""
+    if flow.server_conn in handler.transports:
+        handler.close_connection(flow.server_conn)
+    else:
+        handler.close_connection(flow.client_conn)
+
+
+def read_client_hello(data: bytes) -> ClientHello | None:
+    """The TLS ClientHello at the start of `data`; None while it is incomplete; ValueError: not TLS."""
+    return tls.parse_client_hello(data)

@@ -11,7 +11,6 @@ its namespaces with `--transparent`) is capture/reach/agent_env.py's; lcap's CA 
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import os
 import resource
@@ -25,9 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mitmproxy import http, optmanager
 from mitmproxy.options import Options
-from mitmproxy.utils import asyncio_utils
 
 from lcap.capture.options import ProxyOptions
 from lcap.capture.proxy.addon import CaptureAddon
@@ -39,10 +36,14 @@ from lcap.capture.proxy.mitm_guards import (
     FrontOnly,
     Limits,
     PrivateDestinations,
+    bounded_lru,
+    eager_tasks,
     install_body_limits,
     install_http1_guards,
     install_reset_limit,
     install_websocket_limits,
+    quiet_tls_config,
+    skip_debug_checks,
 )
 from lcap.capture.proxy.rewards_api import KnownEpisodes, RewardEndpoint
 from lcap.capture.proxy.roles import parse_role_by
@@ -55,7 +56,7 @@ from lcap.capture.routing.routes import Router, parse_upstream
 from lcap.capture.routing.stitching import ConversationHeads
 from lcap.capture.storage.writer import TurnSink, TurnWriter, WriterReport
 from lcap.capture.trust.ca import CA_BASENAME, ca_bundle, ca_dir, ensure_ca
-from lcap.capture.trust.certs import LeafCerts, bounded_lru
+from lcap.capture.trust.certs import LeafCerts
 from lcap.capture.trust.credentials import EpisodeKeys, ProxyRecord, remove_record
 from lcap.capture.trust.destinations import Destinations, is_loopback_host, restricts
 from lcap.config import LcapError
@@ -344,7 +345,7 @@ class CaptureProxy:
     async def _main(self, calls: Calls, router: Router) -> None:
         skip_debug_checks()
         # start-up: mitmproxy's master and addons, which only a running proxy needs
-        from mitmproxy.addons import next_layer, proxyserver, tlsconfig
+        from mitmproxy.addons import next_layer, proxyserver
         from mitmproxy.master import Master
 
         opts = Options()
@@ -357,17 +358,13 @@ class CaptureProxy:
             timeout=self.options.connect_timeout,
         )
 
-        class TlsConfig(tlsconfig.TlsConfig):
-            def running(self) -> None:
-                """Upstream reloads the CA here again, a workaround lcap does not need: it slows every start."""
-
         server = proxyserver.Proxyserver()
         addon = CaptureAddon(calls, self.options, server, front_only.episode)
         master.addons.add(
             front_only,
             server,
             next_layer.NextLayer(),
-            TlsConfig(),
+            quiet_tls_config(),
             PrivateDestinations(destinations, router),
             Limits(self.options),
             addon,
@@ -389,7 +386,7 @@ class CaptureProxy:
         self._master = master
         self.loop = asyncio.get_running_loop()
         self.loop.set_exception_handler(_loop_exception)  # kept through asyncio.run's shutdown
-        with asyncio_utils.set_eager_task_factory():
+        with eager_tasks():
             if not await server.setup_servers() or not server.listen_addrs():
                 self._error = "mitmproxy cannot listen on a loopback port"
                 self._ready.set()
@@ -529,26 +526,6 @@ class CaptureProxy:
 def _loop_factory():
     """uvloop where it is installed (a dependency except on Windows): a leaner event loop under every call."""
     return None if uvloop is None else uvloop.new_event_loop
-
-
-def skip_debug_checks() -> None:
-    """Skip two pieces of per-call work mitmproxy does for its own debugging (benchmarks/count_proxy_instructions.py
-    counts their share of each proxied call): a runtime type check of every field of every Request and
-    Response it builds, which Python's -O already removes (`if __debug__`), and a deep copy of an option's
-    value on every read, which lcap keeps only for mutable values."""
-    if optmanager._Option.current is _current_option:
-        return
-    http.MessageData.__post_init__ = lambda self: None  # type: ignore[method-assign]  # a deliberate patch
-    optmanager._Option.current = _current_option  # type: ignore[method-assign,assignment]  # a deliberate patch
-
-
-def _current_option(option: Any) -> Any:
-    """mitmproxy's `_Option.current` without the deep copy of immutable values."""
-    value = option._default if option.value is optmanager.unset else option.value
-    return value if isinstance(value, _IMMUTABLE) else copy.deepcopy(value)
-
-
-_IMMUTABLE = (str, bytes, int, float, bool, type(None))
 
 
 def _loop_exception(loop, context) -> None:

@@ -22,12 +22,12 @@ import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from mitmproxy.proxy.layers.tls import parse_client_hello
 from mitmproxy.tls import ClientHello
 
 from lcap.capture.options import ProxyOptions
 from lcap.capture.proxy.connections import READ_SIZE, Connection, Expired, TlsServerSide, original_destination
 from lcap.capture.proxy.http1 import Refused, RequestHead
+from lcap.capture.proxy.mitm_guards import read_client_hello
 from lcap.capture.reach.names import Names
 from lcap.capture.trust.certs import LeafCerts
 from lcap.capture.trust.destinations import Destinations, Forbidden
@@ -153,7 +153,7 @@ class Tunnels:
         """What the agent first sends in a tunnel, and its TLS ClientHello if it is TLS. EOFError: it left."""
         while True:
             try:
-                hello = parse_client_hello(data) if data else None
+                hello = read_client_hello(data) if data else None
             except ValueError:  # not TLS
                 return data, None
             if hello is not None or len(data) > self.options.max_head_bytes:

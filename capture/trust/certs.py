@@ -7,11 +7,12 @@ import ssl
 import tempfile
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from mitmproxy.certs import CertStore
+
+from lcap.capture.proxy.mitm_guards import bounded_lru
 
 
 class LeafCerts:
@@ -56,23 +57,3 @@ class LeafCerts:
             key_file.write_bytes(key)
             ctx.load_cert_chain(cert_file, key_file)
         return ctx
-
-
-def bounded_lru(store: Any, max_certs: int) -> Any:
-    """Make a mitmproxy `CertStore` keep the `max_certs` certificates used last. Its own bound (`STORE_CAP`)
-    drops the one made first, even a host every call goes to; here each hit moves its entry to the back of the
-    store's expiry queue, so the one used least recently goes instead."""
-    store.STORE_CAP = max_certs
-    get_cert = store.get_cert
-
-    def get_cert_lru(*args: Any, **kwargs: Any) -> Any:
-        entry = get_cert(*args, **kwargs)
-        queue = store.expire_queue
-        if queue and queue[-1] is not entry:
-            at = next((i for i, e in enumerate(queue) if e is entry), None)  # by identity: entries compare by value
-            if at is not None:  # a made certificate (the CA's own is not in the queue)
-                queue.append(queue.pop(at))
-        return entry
-
-    store.get_cert = get_cert_lru
-    return store

@@ -158,18 +158,7 @@ def build_dataset(
     sft = options.format == "sft"
 
     clock = _Clock(report.timings, started)
-    rebuilt = unrebuildable = 0
-    if options.rebuild:
-        for source in _source_rounds(store, round, groups, episodes):
-            done, failed = rebuild_missing_tokens(
-                store,
-                round=source,
-                split=options.split,
-                tokenizer=options.tokenizer,
-                teachers=sft,
-                episodes=None if episodes is None else list(episodes),
-            )
-            rebuilt, unrebuildable = rebuilt + done, unrebuildable + failed
+    rebuilt, unrebuildable = _rebuild(store, round, groups, episodes, options) if options.rebuild else (0, 0)
     clock("rebuild")
 
     if by_population and groups is not None:  # the groups' episodes, of any round (`round` names the async step)
@@ -194,32 +183,7 @@ def build_dataset(
 
     samples = merge_turns(turns, mask_truncated=options.truncated == "mask")
     clock("merge")
-    keep = np.ones(len(samples), dtype=bool)
-    flags = {
-        name: samples[name].to_numpy(zero_copy_only=False).astype(bool)
-        for name in ("zero_variance", "tampered", "truncated", "merged", "rebuilt")
-    }
-    if not options.keep_zero_variance and not sft:  # supervised samples need no group
-        keep &= ~flags["zero_variance"]
-    if options.drop_tampered:
-        keep &= ~flags["tampered"]
-    if options.truncated == "drop":
-        keep &= ~flags["truncated"]
-    split_episodes = samples["episode_id"].filter(pa.array(samples["part"].to_numpy() > 0))
-    report.sample_counts = {
-        "built": len(samples),
-        "written": int(keep.sum()),
-        "merged": int(flags["merged"].sum()),
-        "single_call": int((~flags["merged"]).sum()),
-        "zero_variance": int(flags["zero_variance"].sum()),
-        "truncated": int(flags["truncated"].sum()),
-        "truncated_masked": int((flags["truncated"] & keep).sum()) if options.truncated == "mask" else 0,
-        "truncated_kept": int((flags["truncated"] & keep).sum()) if options.truncated == "keep" else 0,
-        "tampered": int(flags["tampered"].sum()),
-        "rebuilt": int(flags["rebuilt"].sum()),
-        "episodes_split": len(pc.unique(split_episodes)),
-        "split_at_deploy": int(samples["after_deploy"].to_numpy(zero_copy_only=False).astype(bool).sum()),
-    }
+    keep, report.sample_counts = _keep(samples, options, sft)
     report.samples = report.sample_counts["written"]
     sizes = pc.value_counts(samples["group_id"].filter(pa.array(keep))).field("counts")
     report.groups["trainable"] = int(pc.sum(pc.greater_equal(sizes, 2)).as_py() or 0)  # GRPO needs two per group
@@ -239,6 +203,55 @@ def build_dataset(
     elif made and not any(out.iterdir()):
         out.rmdir()
     return report
+
+
+def _keep(samples: pa.Table, options: BuildOptions, sft: bool) -> tuple[np.ndarray, dict[str, int]]:
+    """Which merged samples the options keep, and the report's sample counts."""
+    keep = np.ones(len(samples), dtype=bool)
+    flags = {
+        name: samples[name].to_numpy(zero_copy_only=False).astype(bool)
+        for name in ("zero_variance", "tampered", "truncated", "merged", "rebuilt")
+    }
+    if not options.keep_zero_variance and not sft:  # supervised samples need no group
+        keep &= ~flags["zero_variance"]
+    if options.drop_tampered:
+        keep &= ~flags["tampered"]
+    if options.truncated == "drop":
+        keep &= ~flags["truncated"]
+    split_episodes = samples["episode_id"].filter(pa.array(samples["part"].to_numpy() > 0))
+    counts = {
+        "built": len(samples),
+        "written": int(keep.sum()),
+        "merged": int(flags["merged"].sum()),
+        "single_call": int((~flags["merged"]).sum()),
+        "zero_variance": int(flags["zero_variance"].sum()),
+        "truncated": int(flags["truncated"].sum()),
+        "truncated_masked": int((flags["truncated"] & keep).sum()) if options.truncated == "mask" else 0,
+        "truncated_kept": int((flags["truncated"] & keep).sum()) if options.truncated == "keep" else 0,
+        "tampered": int(flags["tampered"].sum()),
+        "rebuilt": int(flags["rebuilt"].sum()),
+        "episodes_split": len(pc.unique(split_episodes)),
+        "split_at_deploy": int(samples["after_deploy"].to_numpy(zero_copy_only=False).astype(bool).sum()),
+    }
+    return keep, counts
+
+
+def _rebuild(
+    store: Store, round: int | None, groups: Sequence[str] | None, episodes: Any, options: BuildOptions
+) -> tuple[int, int]:
+    """Token ids rebuilt now for the chosen episodes' calls that lack them: (rebuilt, could not be rebuilt)."""
+    rebuilt = unrebuildable = 0
+    for source in _source_rounds(store, round, groups, episodes):
+        done, failed = rebuild_missing_tokens(
+            store,
+            round=source,
+            split=options.split,
+            tokenizer=options.tokenizer,
+            teachers=options.format == "sft",
+            episodes=None if episodes is None else list(episodes),
+        )
+        rebuilt, unrebuildable = rebuilt + done, unrebuildable + failed
+    return rebuilt, unrebuildable
 
 
 def last_report(store: Store, out: Path) -> dict[str, Any] | None:

@@ -47,7 +47,6 @@ def causes(report: Any) -> list[Cause]:
     samples: Mapping[str, int] = r.get("sample_counts") or {}
     options: Mapping[str, Any] = r.get("options") or {}
     rnd, split = r.get("round"), r.get("split", "train")
-    out: list[Cause] = []
 
     total = episodes.get("total", 0)
     if not total and options.get("where"):
@@ -67,6 +66,18 @@ def causes(report: Any) -> list[Cause]:
             )
         ]
 
+    return [
+        *_episode_causes(episodes, options),
+        *_unusable_causes(episodes, turns),
+        *_group_causes(groups, samples, options),
+        *_sample_causes(samples, turns, options),
+    ]
+
+
+def _episode_causes(episodes: Mapping[str, int], options: Mapping[str, Any]) -> list[Cause]:
+    """Episodes that did not finish ok, and finished ones without a reward."""
+    out: list[Cause] = []
+    total = episodes.get("total", 0)
     failed, timeout, error, unfinished = (episodes.get(k, 0) for k in ("failed", "timeout", "error", "unfinished"))
     if failed + timeout + error + unfinished:
         parts = [
@@ -111,6 +122,12 @@ def causes(report: Any) -> list[Cause]:
             )
         )
 
+    return out
+
+
+def _unusable_causes(episodes: Mapping[str, int], turns: Mapping[str, int]) -> list[Cause]:
+    """Rewarded episodes with no LLM call a sample can be made of, and why."""
+    out: list[Cause] = []
     rewarded = episodes.get("rewarded", 0)
     unusable = episodes.get("no_usable_turns", 0)
     if unusable:
@@ -132,6 +149,12 @@ def causes(report: Any) -> list[Cause]:
             )
         )
 
+    return out
+
+
+def _group_causes(groups: Mapping[str, int], samples: Mapping[str, int], options: Mapping[str, Any]) -> list[Cause]:
+    """Groups GRPO cannot learn from: a single episode, or the same reward for every sample."""
+    out: list[Cause] = []
     grouped = options.get("format", "grpo") != "sft"  # an SFT sample needs no group: none is lost for want of one
     singleton = groups.get("singleton", 0) if grouped else 0
     group_total = groups.get("total", 0)
@@ -154,6 +177,12 @@ def causes(report: Any) -> list[Cause]:
             )
         )
 
+    return out
+
+
+def _sample_causes(samples: Mapping[str, int], turns: Mapping[str, int], options: Mapping[str, Any]) -> list[Cause]:
+    """Samples dropped by the build's options: truncated ones, tampered ones."""
+    out: list[Cause] = []
     truncated = samples.get("truncated", 0)
     if truncated and options.get("truncated", "drop") == "drop":
         calls = turns.get("truncated", 0)

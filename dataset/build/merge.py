@@ -53,48 +53,10 @@ def merge_turns(turns: pa.Table, *, mask_truncated: bool = False) -> pa.Table:
         both_null = pc.and_(pc.is_null(deployment[1:]), pc.is_null(deployment[:-1]))
         same_deployment[1:] = _bools(pc.or_(pc.fill_null(pc.equal(deployment[1:], deployment[:-1]), False), both_null))
 
-    # Candidates: call i continues call i-1 if the token check below also passes.
-    extends = same_episode & same_deployment
-    extends[1:] &= ~truncated[:-1]
-    extends[1:] &= p_len[1:] >= p_len[:-1] + c_len[:-1]
-    prev = np.flatnonzero(extends) - 1
-    for block in _blocks(p_len[prev]):
-        j = prev[block]
-        # prompt(i) starts with prompt(i-1) ...
-        idx, owner = _ranges(p_start[j], p_len[j])
-        shift = p_start[j + 1] - p_start[j]
-        bad = owner[p_val[idx] != p_val[idx + shift[owner]]]
-        extends[j[np.unique(bad)] + 1] = False
-    prev = np.flatnonzero(extends) - 1
-    for block in _blocks(c_len[prev]):
-        j = prev[block]
-        # ... followed by completion(i-1)
-        idx, owner = _ranges(c_start[j], c_len[j])
-        target = idx + (p_start[j + 1] + p_len[j] - c_start[j])[owner]
-        bad = owner[c_val[idx] != p_val[target]]
-        extends[j[np.unique(bad)] + 1] = False
-
-    # Each call's segment: environment tokens (the rest of its prompt when it extends) + its completion.
-    env_len = np.zeros(n, dtype=np.int64)
-    env_src = np.zeros(n, dtype=np.int64)
-    ext = np.flatnonzero(extends)
-    env_len[ext] = p_len[ext] - p_len[ext - 1] - c_len[ext - 1]
-    env_src[ext] = p_start[ext] + p_len[ext - 1] + c_len[ext - 1]
-    seg_len = env_len + c_len
-    seg_start = np.concatenate(([0], np.cumsum(seg_len)))
-    total = int(seg_start[-1])
-    ids = np.empty(total, dtype=np.int32)
-    logprobs = np.zeros(total, dtype=np.float32)
-    mask = np.zeros(total, dtype=np.int8)
-    env_dst, _ = _ranges(seg_start[:-1], env_len)
-    ids[env_dst] = p_val[_ranges(env_src, env_len)[0]]
-    comp_dst, comp_owner = _ranges(seg_start[:-1] + env_len, c_len)
-    comp_src = comp_dst + (c_start - seg_start[:-1] - env_len)[comp_owner]
-    ids[comp_dst] = c_val[comp_src]
-    logprobs[comp_dst] = l_val[comp_src + (l_start - c_start)[comp_owner]]
-    mask[comp_dst] = 1
-    if mask_truncated:
-        mask[comp_dst[truncated[comp_owner]]] = 0  # no stop token was produced and none is added
+    extends = _extends(same_episode, same_deployment, truncated, p_start, p_len, p_val, c_start, c_len, c_val)
+    seg_start, ids, logprobs, mask = _segments(
+        extends, p_start, p_len, p_val, c_start, c_len, c_val, l_start, l_val, truncated, mask_truncated
+    )
 
     starts = np.flatnonzero(~extends)
     ends = np.append(starts[1:], n)
@@ -129,6 +91,83 @@ def merge_turns(turns: pa.Table, *, mask_truncated: bool = False) -> pa.Table:
             "after_deploy": pa.array((same_episode & ~same_deployment)[starts]),
         }
     )
+
+
+def _extends(
+    same_episode: np.ndarray,
+    same_deployment: np.ndarray,
+    truncated: np.ndarray,
+    p_start: np.ndarray,
+    p_len: np.ndarray,
+    p_val: np.ndarray,
+    c_start: np.ndarray,
+    c_len: np.ndarray,
+    c_val: np.ndarray,
+) -> np.ndarray:
+    """Whether each call (in merge order) continues the one before it: same episode and deployment,
+    the one before not truncated, and its prompt is the one before's prompt followed by its completion."""
+    # Candidates: call i continues call i-1 if the token check below also passes.
+    extends = same_episode & same_deployment
+    extends[1:] &= ~truncated[:-1]
+    extends[1:] &= p_len[1:] >= p_len[:-1] + c_len[:-1]
+    prev = np.flatnonzero(extends) - 1
+    for block in _blocks(p_len[prev]):
+        j = prev[block]
+        # prompt(i) starts with prompt(i-1) ...
+        idx, owner = _ranges(p_start[j], p_len[j])
+        shift = p_start[j + 1] - p_start[j]
+        bad = owner[p_val[idx] != p_val[idx + shift[owner]]]
+        extends[j[np.unique(bad)] + 1] = False
+    prev = np.flatnonzero(extends) - 1
+    for block in _blocks(c_len[prev]):
+        j = prev[block]
+        # ... followed by completion(i-1)
+        idx, owner = _ranges(c_start[j], c_len[j])
+        target = idx + (p_start[j + 1] + p_len[j] - c_start[j])[owner]
+        bad = owner[c_val[idx] != p_val[target]]
+        extends[j[np.unique(bad)] + 1] = False
+
+    return extends
+
+
+def _segments(
+    extends: np.ndarray,
+    p_start: np.ndarray,
+    p_len: np.ndarray,
+    p_val: np.ndarray,
+    c_start: np.ndarray,
+    c_len: np.ndarray,
+    c_val: np.ndarray,
+    l_start: np.ndarray,
+    l_val: np.ndarray,
+    truncated: np.ndarray,
+    mask_truncated: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(segment starts, ids, logprobs, env_mask) of the merged samples, laid end to end."""
+    n = len(extends)
+    # Each call's segment: environment tokens (the rest of its prompt when it extends) + its completion.
+    env_len = np.zeros(n, dtype=np.int64)
+    env_src = np.zeros(n, dtype=np.int64)
+    ext = np.flatnonzero(extends)
+    env_len[ext] = p_len[ext] - p_len[ext - 1] - c_len[ext - 1]
+    env_src[ext] = p_start[ext] + p_len[ext - 1] + c_len[ext - 1]
+    seg_len = env_len + c_len
+    seg_start = np.concatenate(([0], np.cumsum(seg_len)))
+    total = int(seg_start[-1])
+    ids = np.empty(total, dtype=np.int32)
+    logprobs = np.zeros(total, dtype=np.float32)
+    mask = np.zeros(total, dtype=np.int8)
+    env_dst, _ = _ranges(seg_start[:-1], env_len)
+    ids[env_dst] = p_val[_ranges(env_src, env_len)[0]]
+    comp_dst, comp_owner = _ranges(seg_start[:-1] + env_len, c_len)
+    comp_src = comp_dst + (c_start - seg_start[:-1] - env_len)[comp_owner]
+    ids[comp_dst] = c_val[comp_src]
+    logprobs[comp_dst] = l_val[comp_src + (l_start - c_start)[comp_owner]]
+    mask[comp_dst] = 1
+    if mask_truncated:
+        mask[comp_dst[truncated[comp_owner]]] = 0  # no stop token was produced and none is added
+
+    return seg_start, ids, logprobs, mask
 
 
 def _buffers(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:

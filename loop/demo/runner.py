@@ -90,35 +90,11 @@ def run_demo(
     if fresh and out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    bundled = demo_dir()  # the shared verifier
     store = Store(out / "lcap.duckdb")
     timings: dict[str, float] = {}
 
-    marker = out / "demo.json"
-    run = {"task": kind.name, "model": kind.model, "seed": settings.seed}
-    earlier = json.loads(marker.read_text()) if marker.exists() else {}
-    if earlier.get("task", kind.name) != kind.name:
-        raise LcapError(f"{out} holds a demo of another task: use another --out, or --fresh to start over")
-    differ = [f"--{key} {earlier[key]}" for key in ("model", "seed") if earlier.get(key, run[key]) != run[key]]
-    if differ:
-        raise LcapError(f"{out} holds a demo run with {', '.join(differ)}: use another --out, or --fresh to start over")
-    marker.write_text(json.dumps(run))
-    if kind.model == "tiny":
-        model = out / "model"
-        if not (model / "warm_start.json").exists():
-            steps = settings.warm_steps + (settings.warm_up_steps if kind.warm_up else 0)
-            echo(f"[demo] making the tiny model in {model} and warm-starting it ({steps} supervised steps)")
-            warm_t0 = time.perf_counter()
-            shutil.rmtree(model, ignore_errors=True)
-            init_model(model, replace(MODEL, seed=settings.seed))
-            report = kind.warm_start(model, settings)
-            (model / "warm_start.json").write_text(json.dumps(report, indent=2))
-            echo(f"[demo] warm start done in {time.perf_counter() - warm_t0:.0f} s (final loss {report['loss']:.3f})")
-    else:
-        model = pretrained_dir(kind.model)
-        if not (model / STAMP).exists():
-            echo(f"[demo] converting {kind.model} into {model} (once, about a minute)")
-        init_pretrained(model, kind.model)
+    _claim(out, kind, settings)
+    model = _model(out, kind, settings, echo)
     timings["model"] = time.perf_counter() - t0
 
     train_tasks, held_out = kind.tasks(settings)
@@ -140,7 +116,31 @@ def run_demo(
     timings["server"] = time.perf_counter() - t0 - timings["model"]
 
     os.environ.setdefault("OPENAI_API_KEY", "demo-placeholder")  # the agent wants one; the proxy drops it
-    config = LoopConfig(
+    config = _loop_config(out, kind, settings, model, tasks, eval_tasks, rounds, loop)
+    try:
+        run_loop(store, config, echo=echo)
+    finally:
+        if started:
+            stop_server()
+    timings["loop"] = time.perf_counter() - t0 - timings["model"] - timings["server"]
+    results = summarise(out, store, timings, time.perf_counter() - t0, kind.name)
+    _tell(results, out, store, echo)
+    return results
+
+
+def _loop_config(
+    out: Path,
+    kind: DemoTask,
+    settings: DemoSettings,
+    model: Path,
+    tasks: Path,
+    eval_tasks: Path,
+    rounds: int | None,
+    loop: LoopOptions | None,
+) -> LoopConfig:
+    """The demo's loop over `tasks` and `eval_tasks` (held out), with the bundled verifier and the settings' sizes."""
+    bundled = demo_dir()  # the shared verifier
+    return LoopConfig(
         run=out / "run",
         rounds=settings.rounds if rounds is None else rounds,
         tasks=tasks,
@@ -169,13 +169,44 @@ def run_demo(
         ),
         options=loop or LoopOptions(),  # `lcap demo --async`: the overlapped loop
     )
-    try:
-        run_loop(store, config, echo=echo)
-    finally:
-        if started:
-            stop_server()
-    timings["loop"] = time.perf_counter() - t0 - timings["model"] - timings["server"]
-    results = summarise(out, store, timings, time.perf_counter() - t0, kind.name)
+
+
+def _claim(out: Path, kind: DemoTask, settings: DemoSettings) -> None:
+    """Mark `out` as this demo's run folder; LcapError where it holds another task's or settings' run."""
+    marker = out / "demo.json"
+    run = {"task": kind.name, "model": kind.model, "seed": settings.seed}
+    earlier = json.loads(marker.read_text()) if marker.exists() else {}
+    if earlier.get("task", kind.name) != kind.name:
+        raise LcapError(f"{out} holds a demo of another task: use another --out, or --fresh to start over")
+    differ = [f"--{key} {earlier[key]}" for key in ("model", "seed") if earlier.get(key, run[key]) != run[key]]
+    if differ:
+        raise LcapError(f"{out} holds a demo run with {', '.join(differ)}: use another --out, or --fresh to start over")
+    marker.write_text(json.dumps(run))
+
+
+def _model(out: Path, kind: DemoTask, settings: DemoSettings, echo: Callable[[str], None]) -> Path:
+    """The demo's policy model, made (the tiny model, warm-started) or converted once."""
+    if kind.model == "tiny":
+        model = out / "model"
+        if not (model / "warm_start.json").exists():
+            steps = settings.warm_steps + (settings.warm_up_steps if kind.warm_up else 0)
+            echo(f"[demo] making the tiny model in {model} and warm-starting it ({steps} supervised steps)")
+            warm_t0 = time.perf_counter()
+            shutil.rmtree(model, ignore_errors=True)
+            init_model(model, replace(MODEL, seed=settings.seed))
+            report = kind.warm_start(model, settings)
+            (model / "warm_start.json").write_text(json.dumps(report, indent=2))
+            echo(f"[demo] warm start done in {time.perf_counter() - warm_t0:.0f} s (final loss {report['loss']:.3f})")
+    else:
+        model = pretrained_dir(kind.model)
+        if not (model / STAMP).exists():
+            echo(f"[demo] converting {kind.model} into {model} (once, about a minute)")
+        init_pretrained(model, kind.model)
+    return model
+
+
+def _tell(results: dict, out: Path, store: Store, echo: Callable[[str], None]) -> None:
+    """What the demo showed, and where to look at it."""
     for r in results["rounds"]:
         if (r["calls_per_episode"] or 0) > 1:
             echo(
@@ -193,7 +224,6 @@ def run_demo(
     echo(f"[demo] look at every episode, call and round in a browser: lcap ui --db {shlex.quote(str(store.path))}")
     echo(f"[demo] table: {results['summary']}, curve: {results['png']}, figures: {out / 'results.json'}")
     echo(f'[demo] every captured call: lcap sql --db {out / "lcap.duckdb"} "select * from episode_summary"')
-    return results
 
 
 # What the demo must show, read from the store (scripts/demo/check_learning.py checks a finished run).

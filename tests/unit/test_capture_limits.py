@@ -4,9 +4,9 @@ body and memory limits on a running proxy: tests/integration/test_capture_limits
 from __future__ import annotations
 
 from lcap.capture.proxy.calls import Calls
+from lcap.capture.proxy.mitm_guards import bounded_lru
 from lcap.capture.routing.routes import Router
 from lcap.capture.trust.ca import CA_BASENAME, ca_dir
-from lcap.capture.trust.certs import bounded_lru
 from lcap.capture.turns.turn import PendingTurn
 
 

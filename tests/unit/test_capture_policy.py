@@ -10,7 +10,7 @@ def test_skip_debug_checks_keeps_option_semantics():
 
     from mitmproxy import optmanager
 
-    from lcap.capture.proxy.server import skip_debug_checks
+    from lcap.capture.proxy.mitm_guards import skip_debug_checks
 
     skip_debug_checks()
     skip_debug_checks()  # idempotent

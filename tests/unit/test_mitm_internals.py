@@ -1,6 +1,6 @@
 """The mitmproxy internals lcap patches or reads are there in the installed mitmproxy (and in h11 and wsproto, whose
 internals the patches reach through it): an upgrade fails here, naming what to port, before a guard silently stops
-guarding. Most are in capture/proxy/mitm_guards.py; the rest are named with the module that uses them."""
+guarding. All of them are in capture/proxy/mitm_guards.py: no other module touches them."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import tomllib
 from importlib.metadata import version
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 
 from lcap.noise import quiet_noise
@@ -40,16 +41,16 @@ NAMES = {
     "mitmproxy.proxy.layers.websocket:WebsocketLayer._handle_event": "mitm_guards.install_websocket_limits",
     "mitmproxy.net.http.http1:expected_http_body_size": "mitm_guards.install_body_limits",
     "mitmproxy.proxy.utils:expect": "mitm_guards.install_websocket_limits",
-    "mitmproxy.proxy.layers.tls:parse_client_hello": "the front reads the agent's ClientHello with it",
-    "mitmproxy.optmanager:_Option.current": "skip_debug_checks (the proxy's start-up) replaces it",
-    "mitmproxy.optmanager:unset": "skip_debug_checks",
-    "mitmproxy.http:MessageData.__post_init__": "skip_debug_checks replaces it",
-    "mitmproxy.addons.tlsconfig:TlsConfig.running": "the proxy's start-up overrides it",
-    "mitmproxy.addons.proxyserver:Proxyserver": "the addon cuts a call past its deadline through its connections",
-    "mitmproxy.proxy.server:ConnectionHandler.close_connection": "the addon cuts a call past its deadline",
-    "mitmproxy.certs:CertStore.STORE_CAP": "bounded_lru (the certificate cache) sets it",
-    "mitmproxy.certs:CertStore.get_cert": "bounded_lru wraps it",
-    "mitmproxy.utils.asyncio_utils:set_eager_task_factory": "the proxy's start-up",
+    "mitmproxy.proxy.layers.tls:parse_client_hello": "mitm_guards.read_client_hello (the front's tunnels)",
+    "mitmproxy.optmanager:_Option.current": "mitm_guards.skip_debug_checks replaces it",
+    "mitmproxy.optmanager:unset": "mitm_guards.skip_debug_checks",
+    "mitmproxy.http:MessageData.__post_init__": "mitm_guards.skip_debug_checks replaces it",
+    "mitmproxy.addons.tlsconfig:TlsConfig.running": "mitm_guards.quiet_tls_config overrides it",
+    "mitmproxy.addons.proxyserver:Proxyserver": "mitm_guards.connection_of",
+    "mitmproxy.proxy.server:ConnectionHandler.close_connection": "mitm_guards.cut_upstream",
+    "mitmproxy.certs:CertStore.STORE_CAP": "mitm_guards.bounded_lru (the certificate cache) sets it",
+    "mitmproxy.certs:CertStore.get_cert": "mitm_guards.bounded_lru wraps it",
+    "mitmproxy.utils.asyncio_utils:set_eager_task_factory": "mitm_guards.eager_tasks",
     "h11._readers:ChunkedReader.__call__": "mitm_guards.install_http1_guards subclasses it",
     "h11._receivebuffer:ReceiveBuffer.maybe_extract_lines": "mitm_guards.install_http1_guards",
     "wsproto.extensions:PerMessageDeflate.frame_inbound_payload_data": "mitm_guards.install_websocket_limits",
@@ -145,7 +146,7 @@ def drift(names=NAMES, state=STATE, signatures=SIGNATURES) -> list[str]:
 def _upgrade(what: str) -> str:
     return (
         f"mitmproxy {version('mitmproxy')} (h11 {version('h11')}, wsproto {version('wsproto')}) {what}: port the "
-        "patches (capture/proxy/mitm_guards.py and the uses named), run tests/integration/test_capture_*.py, then "
+        "patches (capture/proxy/mitm_guards.py), run tests/integration/test_capture_*.py, then "
         "raise pyproject's mitmproxy bound"
     )
 
@@ -200,3 +201,87 @@ def test_pyproject_bounds_mitmproxy_and_the_installed_one_is_within():
         assert any(s.operator in ("<", "<=", "==", "~=") for s in requirement.specifier), f"{requirement}: no bound"
     mine = [r for r in requirements if r.marker is None or r.marker.evaluate(env)]
     assert len(mine) == 1 and mine[0].specifier.contains(version("mitmproxy")), _upgrade(f"is not {mine}")
+
+
+# What only mitm_guards.py may touch. Modules: mitmproxy's proxy layers and server, its options' machinery, its
+# utilities and wire helpers, the TLS addon lcap overrides, and the protocol libraries under them (lcap's own use
+# of wsproto's public CloseReason, and of mitmproxy's public addons, master, flows, certs and tls, stays allowed).
+INTERNAL_MODULES = (
+    "mitmproxy.proxy",
+    "mitmproxy.optmanager",
+    "mitmproxy.utils",
+    "mitmproxy.net",
+    "mitmproxy.addons.tlsconfig",
+    "h11",
+    "h2",
+    "wsproto.extensions",
+    "wsproto.connection",
+)
+# Attributes of mitmproxy's objects that are not its API: the instance state and private names lcap reads or sets
+# (MessageData: whose __post_init__ skip_debug_checks replaces, a name too common to look for itself).
+INTERNAL_ATTRIBUTES = frozenset(
+    {"STORE_CAP", "expire_queue", "transports", "close_connection", "MessageData", "_Option", "parse_client_hello"}
+    | {a for attributes in STATE.values() for a in attributes if a.startswith("_")}
+)
+PRODUCT = ("lcap", "capture", "dataset", "train", "serve", "loop", "ui")
+
+
+def touches(source: str) -> list[str]:
+    """Where `source` imports one of mitmproxy's internal modules or private names, or reads or sets an internal
+    attribute, one line each."""
+    found = []
+
+    def internal(module: str) -> bool:
+        if module.split(".")[0] not in ("mitmproxy", "h11", "h2", "wsproto"):
+            return False
+        return any(p.startswith("_") for p in module.split(".")) or any(
+            module == m or module.startswith(m + ".") for m in INTERNAL_MODULES
+        )
+
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [f"{node.lineno}: import {a.name}" for a in node.names if internal(a.name)]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found += [
+                f"{node.lineno}: from {node.module} import {a.name}"
+                for a in node.names
+                if internal(node.module) or internal(f"{node.module}.{a.name}")
+            ]
+        elif isinstance(node, ast.Attribute) and node.attr in INTERNAL_ATTRIBUTES:
+            found.append(f"{node.lineno}: .{node.attr}")
+    return sorted(found, key=lambda line: int(line.split(":")[0]))
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted(p for folder in PRODUCT for p in (ROOT / folder).rglob("*.py") if "vllm_plugin" not in p.parts),
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_only_mitm_guards_touches_mitmproxys_internals(path):
+    if path == ROOT / "capture/proxy/mitm_guards.py":
+        return
+    found = touches(path.read_text())
+    assert not found, f"{path.relative_to(ROOT)} touches mitmproxy's internals {found}: go through mitm_guards.py"
+
+
+def test_touches_sees_an_internal_import_a_private_name_and_an_internal_attribute():
+    """The check can fail: each way of reaching into mitmproxy is found; its public API is not."""
+    source = (
+        "from mitmproxy.proxy.layers.tls import parse_client_hello\n"
+        "from mitmproxy import optmanager\n"
+        "from h11._readers import ChunkedReader\n"
+        "import mitmproxy.utils.asyncio_utils\n"
+        "from mitmproxy.http import HTTPFlow\n"
+        "from mitmproxy.addons import proxyserver\n"
+        "from wsproto.frame_protocol import CloseReason\n"
+        "handler.close_connection(flow.server_conn)\n"
+        "store.STORE_CAP = 5\n"
+    )
+    assert touches(source) == [
+        "1: from mitmproxy.proxy.layers.tls import parse_client_hello",
+        "2: from mitmproxy import optmanager",
+        "3: from h11._readers import ChunkedReader",
+        "4: import mitmproxy.utils.asyncio_utils",
+        "8: .close_connection",
+        "9: .STORE_CAP",
+    ]

@@ -16,7 +16,7 @@ handler: same template, same tool and reasoning parsers, same streaming events).
 - `previous_response_id` (lcap_policy.responses_store): resolved from lcap's own bounded store of the
   responses it served, into the whole conversation stitched onto the previous turn's exact ids.
 
-The wire format towards lcap's proxy is lcap_policy.wire.
+The wire format towards lcap's proxy is lcap_policy.wire; what lcap learns of one call is lcap_policy.turn's `Turn`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import json
 import logging
 import os
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from http import HTTPStatus
 from typing import Any
 
@@ -49,128 +49,12 @@ from vllm.renderers.params import merge_kwargs
 from vllm.sampling_params import RequestOutputKind
 
 from lcap_policy import adapt, responses_store, stitch, wire
+from lcap_policy.turn import Turn, dumps
 
 log = logging.getLogger("lcap_policy")
 router = APIRouter()
 _DONE = "data: [DONE]"
 _RESPONSE_END = ("response.completed", "response.incomplete", "response.failed")
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-
-
-@dataclass
-class Turn:
-    """What lcap learns about one call while vLLM serves it: the record and the head it answers with."""
-
-    dialect: str
-    adapted: list[dict] = field(default_factory=list)
-    requested: dict[str, int] = field(default_factory=dict)  # token limits over max_model_len, as asked
-    limits: dict[str, Any] = field(default_factory=dict)  # token limits as vLLM got them
-    stitched: bool = False
-    note: str | None = None  # why the turn was not stitched onto a previous one (when one was offered)
-    exact: bool = True  # False when the ids are not one prompt and one completion (n > 1, built-in tool loops)
-    prompt_ids: list[int] | None = None
-    completion_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish: str | None = None
-    stop_reason: Any = None
-    text: list[str] = field(default_factory=list)
-    calls: dict[int, dict] = field(default_factory=dict)
-    produced: list[dict] | None = None  # the assistant message(s) the agent got, as chat messages
-    n: int = 0
-    digests: list[str] = field(default_factory=list)
-    context: str = ""
-    stop_ids: frozenset[int] = frozenset()
-    max_model_len: int = 0
-    history: list[Any] | None = None  # Responses: the call's whole input items, kept with its answer
-
-    # --- reading what vLLM produced ---
-
-    def take_chat(self, obj: dict) -> None:
-        """One chat answer or stream chunk (as JSON), from the chat path asked for ids and logprobs."""
-        if obj.get("prompt_token_ids"):
-            self.prompt_ids = obj["prompt_token_ids"]
-        choices = obj.get("choices") or ()
-        if len(choices) > 1 or any((c.get("index") or 0) > 0 for c in choices):
-            self.exact = False
-        for choice in choices:
-            if (choice.get("index") or 0) != 0:
-                continue
-            self.completion_ids.extend(choice.get("token_ids") or ())
-            content = (choice.get("logprobs") or {}).get("content") or ()
-            self.logprobs.extend(float(item["logprob"]) for item in content)
-            self.finish = choice.get("finish_reason") or self.finish
-            if "stop_reason" in choice and choice.get("finish_reason"):
-                self.stop_reason = choice["stop_reason"]
-            message = choice.get("message") or choice.get("delta") or {}
-            if message.get("content"):
-                self.text.append(message["content"])
-            for call in message.get("tool_calls") or ():
-                slot = self.calls.setdefault(call.get("index", len(self.calls)), {"name": None, "arguments": ""})
-                function = call.get("function") or {}
-                slot["name"] = function.get("name") or slot["name"]
-                slot["arguments"] += function.get("arguments") or ""
-
-    def take_engine_output(self, output: Any, delta: bool) -> None:
-        """One engine output (Responses): ids and the sampled tokens' logprobs."""
-        if self.prompt_ids is None:
-            self.prompt_ids = list(output.prompt_token_ids or ())
-        elif list(output.prompt_token_ids or ()) != self.prompt_ids:
-            self.exact = False  # a second generation (a built-in tool's loop): not one prompt, one completion
-            return
-        completion = output.outputs[0]
-        ids = list(completion.token_ids or ())
-        logprobs = [step[token].logprob for token, step in zip(ids, completion.logprobs or ())]
-        if delta:
-            self.completion_ids.extend(ids)
-            self.logprobs.extend(logprobs)
-        else:
-            self.completion_ids, self.logprobs = ids, logprobs
-        if completion.finish_reason is not None:
-            self.finish, self.stop_reason = completion.finish_reason, completion.stop_reason
-
-    # --- what it answers with ---
-
-    def chat_message(self) -> dict:
-        calls = [
-            {"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-            for _, c in sorted(self.calls.items())
-        ]
-        return {"role": "assistant", "content": "".join(self.text), "tool_calls": calls}
-
-    def record(self) -> dict:
-        prompt_tokens = len(self.prompt_ids or ())
-        clamped = adapt.clamps(self.dialect, self.limits, self.requested, self.max_model_len, prompt_tokens)
-        exact = self.exact and self.prompt_ids is not None and bool(self.completion_ids)
-        return {
-            "stitched": self.stitched,
-            "note": self.note,
-            "adapted": self.adapted + clamped,
-            "exact": exact,
-            "logprobs": self.logprobs if exact and len(self.logprobs) == len(self.completion_ids) else None,
-        }
-
-    def head(self) -> stitch.Head | None:
-        if not (self.exact and self.prompt_ids and self.completion_ids and self.digests):
-            return None
-        last = self.completion_ids[-1]
-        ended = self.finish in ("stop", "tool_calls") and not isinstance(self.stop_reason, str)
-        produced = self.produced if self.produced is not None else [self.chat_message()]
-        return stitch.Head(
-            ids=self.prompt_ids + self.completion_ids,
-            prompt_len=len(self.prompt_ids),
-            n=self.n,
-            digests=self.digests,
-            context=self.context,
-            out=stitch.assistant_digest(produced),
-            stop=last if ended and last in self.stop_ids else None,
-        )
-
-    def trailer(self) -> tuple[str, str]:
-        head = self.head()
-        return _dumps(self.record()), head.dumps() if head is not None else "null"
 
 
 class Policy:
@@ -334,14 +218,14 @@ class Policy:
             return obj
 
         if isinstance(result, ChatCompletionResponse):
-            return _whole(_dumps(shown(result.model_dump())), turn)
+            return _whole(dumps(shown(result.model_dump())), turn)
 
         async def events() -> AsyncIterator[str]:
             async for item in result:
                 if item.startswith(_DONE):
                     yield _sse_trailer(turn)
                 elif item.startswith("data: "):
-                    item = f"data: {_dumps(shown(json.loads(item[6:])))}\n\n"
+                    item = f"data: {dumps(shown(json.loads(item[6:])))}\n\n"
                 yield item
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -367,7 +251,7 @@ class Policy:
             return _anthropic_error(result)
         if isinstance(result, ChatCompletionResponse):
             turn.take_chat(result.model_dump())
-            return _whole(_dumps(handler.messages_full_converter(result).model_dump(exclude_none=True)), turn)
+            return _whole(dumps(handler.messages_full_converter(result).model_dump(exclude_none=True)), turn)
 
         async def chat_events() -> AsyncIterator[str]:
             async for item in result:
@@ -477,21 +361,21 @@ class Policy:
                 data = event.model_dump_json(indent=None, by_alias=True)
                 if kind == "response.output_item.done":
                     payload = json.loads(data)
-                    data = _dumps({**payload, "item": responses_store.filled(payload["item"])})
+                    data = dumps({**payload, "item": responses_store.filled(payload["item"])})
                 elif kind in _RESPONSE_END:
                     payload = json.loads(data)
                     answered = _answered(_public(payload["response"]))
                     added = _added_items(payload, answered["output"])
                     for extra in added:
-                        yield extra["type"], _dumps(extra)
+                        yield extra["type"], dumps(extra)
                     sequence = payload.get("sequence_number", 0) + len(added)
-                    data = _dumps({**payload, "response": answered, "sequence_number": sequence})
+                    data = dumps({**payload, "response": answered, "sequence_number": sequence})
                     record, head = self.finish(turn, getattr(event, "response", None))
                     yield wire.RECORD_EVENT, record
                     yield wire.HEAD_EVENT, head
                 elif getattr(event, "response", None) is not None:
                     payload = json.loads(data)
-                    data = _dumps({**payload, "response": _public(payload["response"])})
+                    data = dumps({**payload, "response": _public(payload["response"])})
                 yield kind, data
         finally:
             self.taps.pop(started.request_id, None)
@@ -602,7 +486,7 @@ async def responses(body: dict = Body(...), *, raw_request: Request):  # noqa: B
         return JSONResponse(result.model_dump(mode="json", by_alias=True), status_code=result.error.code)
     if isinstance(result, ResponsesResponse):
         parts = policy.finish(turn, result)
-        return _whole(_dumps(_answered(_public(result.model_dump(mode="json", by_alias=True)))), turn, parts)
+        return _whole(dumps(_answered(_public(result.model_dump(mode="json", by_alias=True)))), turn, parts)
 
     async def events() -> AsyncIterator[str]:
         async for kind, data in policy.response_events(turn, started):
@@ -643,7 +527,7 @@ async def responses_socket(socket: WebSocket) -> None:
                         events[-1]["response"]["id"], responses_store.input_items(body.get("input")), None
                     )
                 for event in events:
-                    await socket.send_text(_dumps(event))
+                    await socket.send_text(dumps(event))
                 continue
             body["stream"] = True
             try:
@@ -681,7 +565,7 @@ def _ws_error(error: Any) -> str:
     """A Responses WebSocket `error` event (OpenAI's shape) of vLLM's error: the HTTP status the same call gets over
     HTTP, and the error itself."""
     body = {"type": error.type, "code": None, "message": error.message, "param": error.param}
-    return _dumps({"type": "error", "status": error.code, "error": body})
+    return dumps({"type": "error", "status": error.code, "error": body})
 
 
 def _invalid(message: str) -> Any:
