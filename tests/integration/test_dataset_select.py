@@ -57,6 +57,9 @@ def _build(store, tmp_path: Path, where: str | None, round: int | None = None, *
     report = build_dataset(
         store, round=round, out=out, options=BuildOptions(where=where, keep_zero_variance=True, **options)
     )
+    if not report.samples:  # nothing to train on writes no file (#51 row 5)
+        assert not (out / "samples.parquet").exists()
+        return report, []
     return report, pq.read_table(out / "samples.parquet").to_pylist()
 
 

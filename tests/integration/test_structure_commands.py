@@ -15,7 +15,8 @@ STAGES = ("capture", "dataset", "train", "serve", "loop", "ui")
 def test_each_stages_commands_import_on_their_own(stage):
     """A stage's commands load without the CLI module (they take shared options from lcap.cli_options)."""
     code = (
-        f"import sys, typer; import lcap.{stage}.commands as c; app = typer.Typer(); c.register(app); "
+        f"import sys, typer; import lcap.{stage}.commands as c; from lcap.cli_stages import StageRegistry; "
+        "c.register(StageRegistry(typer.Typer())); "
         "assert 'lcap.cli' not in sys.modules, 'lcap.cli was imported'"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
