@@ -50,6 +50,18 @@ def redact_episodes(con: duckdb.DuckDBPyConnection) -> None:
             con.remove_function(name)
 
 
+JUDGE_CACHE = """
+CREATE TABLE IF NOT EXISTS judge_cache (
+    rubric_hash     VARCHAR,   -- sha256 of the rubric's text
+    judge_model     VARCHAR,
+    transcript_hash VARCHAR,   -- sha256 of what the judge was shown of the episode (a group's: of the whole group)
+    mode            VARCHAR,   -- pointwise | group
+    episode_id      VARCHAR,   -- the episode first judged with this key
+    score           DOUBLE,
+    details         JSON,      -- reasons, the judge episode
+    created_at      TIMESTAMPTZ
+)"""
+
 MIGRATIONS: dict[int, tuple[str | Callable[[duckdb.DuckDBPyConnection], None], ...]] = {
     2: (
         "ALTER TABLE episodes RENAME COLUMN group_index TO sample",
@@ -78,19 +90,7 @@ MIGRATIONS: dict[int, tuple[str | Callable[[duckdb.DuckDBPyConnection], None], .
     8: ("ALTER TABLE rewards ADD COLUMN IF NOT EXISTS key VARCHAR",),
     9: ("ALTER TABLE deployments ADD COLUMN IF NOT EXISTS rollback_of VARCHAR",),
     10: (redact_episodes,),
-    11: (
-        """
-CREATE TABLE IF NOT EXISTS judge_cache (
-    rubric_hash     VARCHAR,   -- sha256 of the rubric's text
-    judge_model     VARCHAR,
-    transcript_hash VARCHAR,   -- sha256 of what the judge was shown of the episode (a group's: of the whole group)
-    mode            VARCHAR,   -- pointwise | group
-    episode_id      VARCHAR,   -- the episode first judged with this key
-    score           DOUBLE,
-    details         JSON,      -- reasons, the judge episode
-    created_at      TIMESTAMPTZ
-)""",
-    ),
+    11: (JUDGE_CACHE,),
     12: ("ALTER TABLE turns ADD COLUMN IF NOT EXISTS role VARCHAR",),  # turns captured before it: NULL
 }
 
@@ -185,17 +185,6 @@ CREATE TABLE IF NOT EXISTS deployments (
     created_at  TIMESTAMPTZ,
     rollback_of VARCHAR    -- `lcap deploy --rollback`: the deployment this row took out of service (NULL: none)
 );
--- dataset stage: an LLM judge's verdicts by (rubric, model, what it was shown): a second judging is free
-CREATE TABLE IF NOT EXISTS judge_cache (
-    rubric_hash     VARCHAR,   -- sha256 of the rubric's text
-    judge_model     VARCHAR,
-    transcript_hash VARCHAR,   -- sha256 of what the judge was shown of the episode (a group's: of the whole group)
-    mode            VARCHAR,   -- pointwise | group
-    episode_id      VARCHAR,   -- the episode first judged with this key
-    score           DOUBLE,
-    details         JSON,      -- reasons, the judge episode
-    created_at      TIMESTAMPTZ
-);
 
 -- dataset stage: flags raised on episodes (tampered, verifier_error, ...), one row per flag
 CREATE TABLE IF NOT EXISTS episode_flags (
@@ -289,6 +278,8 @@ CREATE TABLE IF NOT EXISTS dataset_reports (
     created_at  TIMESTAMPTZ
 );
 """
+# dataset stage: an LLM judge's verdicts by (rubric, model, what it was shown): a second judging is free
+TABLES += JUDGE_CACHE + ";\n"
 
 # How each dialect says a completion was cut by the token limit: chat/completions 'length',
 # Messages 'max_tokens', Responses 'max_output_tokens'. SQL asks `cut_by_token_limit(finish_reason)`.
