@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lcap.dataset.collect.episodes import collect
+from lcap.dataset.collect.episodes import collect_episodes
 from lcap.dataset.collect.rescore import rescore
 from lcap.dataset.judge.run import JudgeResult
 from lcap.dataset.options import CollectOptions, RescoreOptions
@@ -109,7 +109,7 @@ def main(n_tasks: int, group: int) -> None:
         options = CollectOptions(
             group_size=group, concurrency=4, round=1, upstream="policy", verifier=verify, timeout=300
         )
-        result = collect(store, tasks=tasks, command=agent_command(), options=options, progress=False)
+        result = collect_episodes(store, tasks=tasks, command=agent_command(), options=options, progress=False)
         print(f"  collect: {result.finished} ok, mean exact reward {result.mean_reward}", flush=True)
         where = "round = 1"
         runs = {mode: judged(store, tasks, rubric, f"judge-{mode}", mode, where) for mode in ("pointwise", "group")}
