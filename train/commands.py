@@ -13,7 +13,7 @@ import typer
 from lcap.cli_options import DbOption, one_line_errors, with_options
 from lcap.cli_stages import StageRegistry
 from lcap.config import LcapError
-from lcap.dataset import lost_lines
+from lcap.dataset import explain, last_report, lost_lines
 from lcap.processes import helper_env
 from lcap.train.accelerate_launch import accelerate_command
 from lcap.train.options import TrainOptions
@@ -57,11 +57,16 @@ def train(
         return
     from lcap.store import Store  # start-up: duckdb
     from lcap.train.fit import is_main_process  # start-up: pyarrow
-    from lcap.train.grpo import round_samples, train_round  # start-up: pyarrow
+    from lcap.train.grpo import round_dir, round_samples, train_round  # start-up: pyarrow
     from lcap.train.progress import round_line  # start-up: rich
     from lcap.train.sft import sft_round  # start-up: pyarrow
 
     if is_main_process():
+        built = Path(data) if data is not None else round_dir(run, round) / "data"
+        folder = built.parent if built.suffix == ".parquet" else built
+        # a build that found nothing writes no file: the store's report says why
+        if not (folder / "samples.parquet").exists() and (report := last_report(Store(db), folder)):
+            raise LcapError(f"round {round}: nothing to train on in {folder}: {explain(report)}")
         for line in lost_lines(round_samples(run, round, data).parent):
             typer.echo(line)
     trainer = sft_round if options.sft else train_round

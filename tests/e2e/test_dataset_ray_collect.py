@@ -297,7 +297,7 @@ def test_timeouts_and_ctrl_c_end_the_agents_on_their_nodes(cluster, upstream, pr
         _argv(project, address, upstream, "-g", "1", "--timeout", "8"), capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 1, result.stderr  # no episode finished ok
-    assert "2 episodes, 0 ok, 2 failed" in result.stdout and "timeout 2" in result.stdout
+    assert "2 episodes, 0 ok, 2 timeout" in result.stdout and "timeout 2" in result.stdout
     pids = [int(p) for line in hang.read_text().splitlines() for p in line.split()]
     assert len(pids) == 4 and all(_dead(p) for p in pids)  # agents and their grandchildren
 
