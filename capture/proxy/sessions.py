@@ -257,10 +257,14 @@ class EpisodeRows:
             return
         done.wait(timeout)
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, timeout: float | None = None) -> None:
+        """Store the rows still waiting and end the thread. The default wait covers one more write, which may wait
+        the store's whole attach timeout for a lock (a thread cut short there would drop its rows unsaid)."""
         if self._thread.is_alive():
             self._queue.put(None)
-            self._thread.join(timeout)
+            self._thread.join(self.store.timeout + 10.0 if timeout is None else timeout)
+            if self._thread.is_alive():
+                log.warning("lcap: the session episode rows were still being written when the proxy stopped")
 
     def _run(self) -> None:
         waiting: dict[str, dict[str, Any]] = {}  # rows not stored yet, by episode id

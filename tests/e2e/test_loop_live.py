@@ -158,18 +158,20 @@ def test_live_loop_promotes_rolls_back_and_refuses_while_traffic_flows(vllm_poli
         answered = {c["session"] for c in traffic.calls}
     finally:
         proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(120)
+        try:  # its pipes read to the end: a proxy whose log fills a pipe nobody reads would block writing it
+            said = proc.communicate(timeout=300)[1]
         finally:
             if proc.poll() is None:
                 proc.kill()
+    assert proc.returncode == 0, said[-3000:]
 
     store = Store(db)
     stored = store.fetchall(
         "SELECT e.labels->>'session', count(*), any_value(t.status_code) FROM turns t JOIN episodes e USING (episode_id) "
         "WHERE e.labels->>'session' IS NOT NULL GROUP BY 1"
     )
-    assert {s for s, _, _ in stored} == answered and all(n == 1 and code == 200 for _, n, code in stored)
+    assert {s for s, _, _ in stored} == answered, said[-3000:]
+    assert all(n == 1 and code == 200 for _, n, code in stored), said[-3000:]
     steps = {
         (n, step): json.loads(details)
         for n, step, details in store.fetchall("SELECT round, step, details FROM loop_steps WHERE step = 'promote'")
