@@ -21,6 +21,7 @@ import httpx
 import pytest
 from fixtures_capture import serve_proxy
 
+from lcap.capture.proxy.sessions import session_episode, tenant_of_token
 from lcap.policy import read_policy
 from lcap.store import Store
 
@@ -126,6 +127,16 @@ def _loop(tmp_path: Path, db: Path, env: dict, rounds: int, margin: float) -> su
     )
 
 
+def _missing(store: Store, sessions: set[str], said: str) -> str:
+    """Where answered sessions missing from the join went: their episode rows, turns and rewards, and the proxy's log."""
+    ids = {session_episode(tenant_of_token(KEY), s): s for s in sorted(sessions)[:20]}
+    found = {}
+    for table in ("episodes", "turns", "rewards"):
+        rows = store.fetchall(f"SELECT DISTINCT episode_id FROM {table} WHERE episode_id IN ?", [list(ids)])
+        found[table] = sorted(ids[e] for (e,) in rows)
+    return f"missing {sorted(sessions)}; of the first 20, stored in {found}\nproxy: {said[-3000:]}"
+
+
 def test_live_loop_promotes_rolls_back_and_refuses_while_traffic_flows(vllm_policy, tmp_path):
     (tmp_path / "agent.py").write_text(AGENT)
     (tmp_path / "verify.py").write_text(VERIFIER)
@@ -170,7 +181,7 @@ def test_live_loop_promotes_rolls_back_and_refuses_while_traffic_flows(vllm_poli
         "SELECT e.labels->>'session', count(*), any_value(t.status_code) FROM turns t JOIN episodes e USING (episode_id) "
         "WHERE e.labels->>'session' IS NOT NULL GROUP BY 1"
     )
-    assert {s for s, _, _ in stored} == answered, said[-3000:]
+    assert {s for s, _, _ in stored} == answered, _missing(store, answered - {s for s, _, _ in stored}, said)
     assert all(n == 1 and code == 200 for _, n, code in stored), said[-3000:]
     steps = {
         (n, step): json.loads(details)

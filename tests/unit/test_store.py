@@ -20,6 +20,15 @@ def test_append_takes_every_rows_columns_not_only_the_first_rows(tmp_path):
     ]
 
 
+def test_append_only_new_rows_is_not_blinded_by_a_null_key(tmp_path):
+    """A row with a NULL key in the table (a dead letter's skeleton turn) must not make `new_by` skip every new row:
+    SQL's `x NOT IN (..., NULL)` is never true."""
+    store = Store(tmp_path / "lcap.duckdb")
+    store.append("dead_letters", [{"record_id": None, "reason": "no id"}])
+    assert store.append("dead_letters", [{"record_id": "r1", "reason": "a"}], new_by="record_id") == 1
+    assert store.append("dead_letters", [{"record_id": "r1", "reason": "again"}], new_by="record_id") == 0
+
+
 def test_a_store_from_before_schema_versions_is_migrated(tmp_path):
     """Version 1 stores had episodes.group_index and no split column: the first write migrates them."""
     path = tmp_path / "old.duckdb"
