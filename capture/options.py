@@ -196,9 +196,9 @@ class ProxyOptions:
     )
     role_by: tuple[str, ...] = option(
         (),
-        help="A call's role when it has no X-Lcap-Role header: model:NAME=ROLE (the agent asked for model NAME) or "
-        "system:REGEX=ROLE (its system prompt matches REGEX); the first that matches wins, else 'default'. "
-        "Repeatable; stored as turns.role.",
+        help="A call's role when it has no X-Lcap-Role header: model:NAME=ROLE (the agent asked for model NAME), "
+        "system:REGEX=ROLE (its system prompt matches REGEX) or thread (the episode's first conversation is 'main', "
+        "its others 'subagent'); the first that matches wins, else 'default'. Repeatable; stored as turns.role.",
     )
     conversations: bool | None = option(
         None,

@@ -234,7 +234,9 @@ class Store:
         columns = dict.fromkeys(key for row in rows for key in row)  # every row's keys, not the first row's only
         batch = pa.Table.from_pydict({column: [row.get(column) for row in rows] for column in columns})
         # NOT EXISTS, not NOT IN: one NULL in the table's column would make NOT IN drop every row
-        only_new = f" AS b WHERE NOT EXISTS (SELECT 1 FROM {table} AS t WHERE t.{new_by} = b.{new_by})" if new_by else ""
+        only_new = (
+            f" AS b WHERE NOT EXISTS (SELECT 1 FROM {table} AS t WHERE t.{new_by} = b.{new_by})" if new_by else ""
+        )
         with self.connect() as con:
             con.register("_lcap_batch", batch)
             try:

@@ -98,6 +98,7 @@ class CaptureAddon:
         ):
             flow.metadata[_WS_KEY] = {
                 "episode": episode,
+                "role": role,  # its X-Lcap-Role header's; each response.create's role is decided from it
                 "turn": None,
                 "host": req.host,
                 "path": req.path,
@@ -354,6 +355,7 @@ class CaptureAddon:
         if warm_up:
             return
         started.request_json = frame
+        started.role = self.calls.role(state["role"], request, state["episode"], dialects.RESPONSES)
         started.model_requested = request.get("model")
         started.upstream = state["upstream"]
         started.deployment = route.deployment if route is not None else None

@@ -2,13 +2,18 @@
 
 In order: the `X-Lcap-Role` header (taken out before the upstream, as lcap's other headers are), else the first
 `--role-by` rule that matches (`model:NAME=ROLE`: the model the agent asked for is NAME; `system:REGEX=ROLE`: the
-call's system prompt matches REGEX, searched anywhere in it), else `default`. A header value that is no role name
-is not one: the rules decide (the agent's call goes on either way).
+call's system prompt matches REGEX, searched anywhere in it; `thread`: the first conversation an episode opens is
+`main`, any other it opens (a sub-agent's, which starts from its own system prompt and first message) `subagent`),
+else `default`. `thread` matches every call, so rules after it are never reached. A header value that is no role
+name is not one: the rules decide (the agent's call goes on either way).
 """
 
 from __future__ import annotations
 
 import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,18 +23,21 @@ from lcap.config import LcapError
 
 ROLE_HEADER = b"x-lcap-role"
 ROLE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # a path segment of a run folder, a LoRA name
-RULE_KINDS = ("model", "system")
+RULE_KINDS = ("model", "system", "thread")
+MAIN_ROLE, SUBAGENT_ROLE = "main", "subagent"  # what `--role-by thread` names an episode's first and other threads
 MAX_SYSTEM_CHARS = 64 * 1024  # of the system prompt a `system:` rule searches: a bound on each call's regex work
 
 
 @dataclass(frozen=True)
 class RoleRule:
-    kind: str  # model | system
+    kind: str  # model | system | thread
     pattern: str
     role: str
     regex: re.Pattern[str] | None = None
 
     def matches(self, request: dict[str, Any]) -> bool:
+        if self.kind == "thread":
+            return True
         if self.kind == "model":
             return request.get("model") == self.pattern
         assert self.regex is not None
@@ -40,10 +48,13 @@ def parse_role_by(rules: tuple[str, ...] | list[str]) -> tuple[RoleRule, ...]:
     """`--role-by` rules, in the order given; a rule lcap cannot read is a one-line error."""
     parsed = []
     for text in rules:
+        if text == "thread":
+            parsed.append(RoleRule("thread", "", MAIN_ROLE))
+            continue
         kind, sep, rest = text.partition(":")
         pattern, eq, role = rest.rpartition("=")
-        if not sep or not eq or kind not in RULE_KINDS or not pattern:
-            raise LcapError(f"--role-by {text!r}: use model:NAME=ROLE or system:REGEX=ROLE")
+        if not sep or not eq or kind not in RULE_KINDS[:2] or not pattern:
+            raise LcapError(f"--role-by {text!r}: use model:NAME=ROLE, system:REGEX=ROLE or thread")
         if not ROLE_NAME.fullmatch(role):
             raise LcapError(f"--role-by {text!r}: a role is 1-64 letters, digits, '_', '.' or '-'")
         regex = None
@@ -72,15 +83,40 @@ def take_role_header(fields: HeaderFields) -> tuple[str | None, HeaderFields]:
     return value, tuple(keep)
 
 
-def role_of(header: str | None, rules: tuple[RoleRule, ...], request: Any) -> str:
-    """The role of a call: its header's, else the first matching rule's, else `default`."""
+def role_of(
+    header: str | None, rules: tuple[RoleRule, ...], request: Any, first_thread: Callable[[], bool] = lambda: True
+) -> str:
+    """The role of a call: its header's, else the first matching rule's, else `default`. `first_thread`: whether
+    the call is in the first conversation its episode opened (asked only by a `thread` rule)."""
     if header is not None:
         return header
     if isinstance(request, dict):
         for rule in rules:
             if rule.matches(request):
-                return rule.role
+                return rule.role if rule.kind != "thread" or first_thread() else SUBAGENT_ROLE
     return DEFAULT_ROLE
+
+
+class EpisodeThreads:
+    """The first conversation (thread key) each episode opened, for `--role-by thread`. Bounded: past `limit`
+    episodes the least recently seen is forgotten (a call of it after that opens its first thread again)."""
+
+    def __init__(self, limit: int = 100_000) -> None:
+        self.limit = limit
+        self._first: OrderedDict[str | None, int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def is_first(self, episode: str | None, thread: int) -> bool:
+        with self._lock:
+            first = self._first.setdefault(episode, thread)
+            self._first.move_to_end(episode)
+            while len(self._first) > self.limit:
+                self._first.popitem(last=False)
+        return first == thread
+
+    def forget(self, episode: str) -> None:
+        with self._lock:
+            self._first.pop(episode, None)
 
 
 def system_prompt(request: dict[str, Any]) -> str:

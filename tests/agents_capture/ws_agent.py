@@ -1,6 +1,7 @@
 """A test agent: the Responses API over a WebSocket (as some coding CLIs speak it), default host.
 
-`websockets` (>= 15) reads HTTPS_PROXY and the CA from the environment, like an unmodified CLI.
+`websockets` (>= 15) reads HTTPS_PROXY and the CA from the environment, like an unmodified CLI. With WS_ROLE set,
+its opening sends `X-Lcap-Role: $WS_ROLE`.
 """
 
 import json
@@ -8,9 +9,10 @@ import os
 
 from websockets.sync.client import connect
 
-with connect(
-    "wss://api.openai.com/v1/responses", additional_headers={"Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"}
-) as ws:
+headers = {"Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"}
+if os.environ.get("WS_ROLE"):
+    headers["X-Lcap-Role"] = os.environ["WS_ROLE"]
+with connect("wss://api.openai.com/v1/responses", additional_headers=headers) as ws:
     ws.send(json.dumps({"type": "response.create", "generate": False, "model": "gpt-5", "input": "warm up"}))
     for prompt in ("Say hello", "Say it again"):
         ws.send(json.dumps({"type": "response.create", "model": "gpt-5", "input": prompt}))

@@ -293,6 +293,18 @@ def test_one_line_errors(capture_env, llm, tmp_path):
     assert unknown.returncode == 2 and "no-such-flag" in unknown.stderr
 
 
+@pytest.mark.parametrize(("header", "roles"), [(None, ["main", "subagent"]), ("coder", ["coder", "coder"])])
+def test_a_responses_websocket_call_takes_its_role_per_response_create(capture_env, llm, header, roles):
+    """Issue #52: each `response.create` over a WebSocket takes the opening's X-Lcap-Role, else the --role-by rules
+    (`thread`: its two prompts open two conversations); the header never reaches the upstream."""
+    env = {**capture_env, **({"WS_ROLE": header} if header else {})}
+    result = run_lcap(["proxy", "--upstream", llm.url, "--role-by", "thread", "--", *agent("ws_agent.py")], env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = turns(capture_env["LCAP_DB"])
+    assert [(r["transport"], r["role"]) for r in rows] == [("websocket", role) for role in roles]
+    assert not any("x-lcap-role" in {k.lower() for k in f["headers"]} for f in llm.requests)
+
+
 def test_capture_warnings_reach_stderr(capture_env):
     """mitmproxy routes the root logger into its own event log, which `lcap` does not show: lcap's warnings
     must still reach the terminal. A host name too long for a certificate makes one (the tunnel goes on)."""

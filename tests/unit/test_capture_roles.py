@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lcap.capture.proxy.roles import parse_role_by, role_of, system_prompt, take_role_header
+from lcap.capture.proxy.roles import EpisodeThreads, parse_role_by, role_of, system_prompt, take_role_header
+from lcap.capture.turns.dialects import thread_key
 from lcap.config import LcapError
 
 RULES = parse_role_by(["model:gpt-4o-mini=router", "system:(?i)you plan=planner", "model:x:y=a=b"])
@@ -39,7 +40,7 @@ def test_a_system_rule_reads_the_system_prompt_of_every_dialect(request_body):
     ("rule", "why"),
     [
         ("planner", "use model:NAME=ROLE"),
-        ("thread:x=y", "use model:NAME=ROLE"),
+        ("thread:x=y", "use model:NAME=ROLE, system:REGEX=ROLE or thread"),
         ("model:=planner", "use model:NAME=ROLE"),
         ("model:m=", "a role is"),
         ("model:m=two words", "a role is"),
@@ -57,3 +58,30 @@ def test_the_role_header_is_taken_out_whatever_its_case_and_a_bad_value_names_no
     assert take_role_header(((b"x-lcap-role", b"../etc"),)) == (None, ())
     plain = ((b"Host", b"api"),)
     assert take_role_header(plain)[1] is plain
+
+
+def test_by_thread_an_episodes_first_conversation_is_main_and_the_others_subagents():
+    """`--role-by thread`: a sub-agent opens a conversation of its own (its system prompt and first message); the
+    main agent's later calls, which extend its first conversation, stay `main`; another episode has its own first."""
+    rules = parse_role_by(["model:haiku=side", "thread"])
+    threads = EpisodeThreads()
+
+    def role(episode: str, request: dict) -> str:
+        return role_of(None, rules, request, lambda: threads.is_first(episode, thread_key("chat", request)[0]))
+
+    main = [{"role": "system", "content": "You are the lead."}, {"role": "user", "content": "fix the bug"}]
+    sub = [{"role": "system", "content": "You search files."}, {"role": "user", "content": "find foo"}]
+    assert role("e1", {"model": "m", "messages": main}) == "main"
+    assert role("e1", {"model": "m", "messages": sub}) == "subagent"
+    assert role("e1", {"model": "m", "messages": [*main, {"role": "assistant", "content": "ok"}]}) == "main"
+    assert role("e1", {"model": "haiku", "messages": sub}) == "side"  # an earlier rule wins
+    assert role("e2", {"model": "m", "messages": sub}) == "main"  # each episode's own first conversation
+    threads.forget("e1")
+    assert role("e1", {"model": "m", "messages": sub}) == "main"
+
+
+def test_episode_threads_are_bounded():
+    threads = EpisodeThreads(limit=2)
+    for episode in ("a", "b", "c"):
+        assert threads.is_first(episode, 1)
+    assert threads.is_first("a", 2)  # forgotten: its next call opens its first thread again
