@@ -355,7 +355,7 @@ class CaptureAddon:
         if warm_up:
             return
         started.request_json = frame
-        started.role = self.calls.role(state["role"], request, state["episode"], dialects.RESPONSES)
+        started.role = self.calls.roles.of(state["role"], request, state["episode"], dialects.RESPONSES)
         started.model_requested = request.get("model")
         started.upstream = state["upstream"]
         started.deployment = route.deployment if route is not None else None

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from lcap.capture.proxy.refusals import AnswerRefused, BodyRefused, HoldRefused, NoRoute, Unauthorized
-from lcap.capture.proxy.roles import EpisodeThreads, RoleRule, role_of, take_role_header
+from lcap.capture.proxy.roles import RoleRule, Roles, take_role_header
 from lcap.capture.proxy.sessions import Sessions, is_session_episode, tenant_of
 from lcap.capture.proxy.streams import PolicyStream, SseRewriter, StreamCopy
 from lcap.capture.routing import policy_wire
@@ -122,8 +122,7 @@ class Calls:
         self._idle: OrderedDict[str | None, None] = OrderedDict()
         self._floor = 0
         self.session_floor = session_floor  # a header session's first seq here: above an earlier run's (a restart)
-        self.role_by = role_by  # --role-by: the rules a call without an X-Lcap-Role header takes its role from
-        self.threads = EpisodeThreads()  # for `--role-by thread`: each episode's first conversation
+        self.roles = Roles(role_by)  # --role-by: the rules a call without an X-Lcap-Role header takes its role from
         self._seq_lock = threading.Lock()
         self.numbered = 0  # calls numbered since the start
         self.hold_timeout, self.max_held = hold_timeout, max_held
@@ -144,7 +143,7 @@ class Calls:
         """`episode` ended and makes no more calls: the stitching heads its calls left would only crowd out live
         episodes' heads."""
         self.heads.forget(episode)
-        self.threads.forget(episode)
+        self.roles.forget(episode)
 
     def attribute(
         self, fields: HeaderFields, fallback: str | None = None
@@ -384,7 +383,7 @@ class Calls:
         pending.model_requested = request.get("model")
         if pending.episode_id is None and self.sessions is not None:
             self._attribute_by_body(call, request)
-        pending.role = self.role(pending.role, request, pending.episode_id, pending.dialect)
+        pending.role = self.roles.of(pending.role, request, pending.episode_id, pending.dialect)
         if call.route is not None and exact:  # a body read leniently goes on as it came: the upstream judges it
             call.request = request
             call.body = self._forward(call)
@@ -392,14 +391,6 @@ class Calls:
         pending.started_at, pending.t0 = time.time(), time.perf_counter()  # the call starts once it is whole
         pending.seq = self.next_seq(pending.episode_id)
         return True
-
-    def role(self, header: str | None, request: Any, episode: str | None, dialect: str) -> str:
-        """A call's role (capture/proxy/roles.py): `header` is its X-Lcap-Role's, taken by `attribute`."""
-
-        def first_thread() -> bool:
-            return self.threads.is_first(episode, dialects.thread_key(dialect, request)[0])
-
-        return role_of(header, self.role_by, request, first_thread)
 
     def _attribute_by_body(self, call: Call, request: dict) -> None:
         """A call no credentials or header placed: its Responses chain or its conversation may (sessions.py)."""

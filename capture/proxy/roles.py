@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lcap.capture.trust.credentials import HeaderFields
+from lcap.capture.turns.dialects import thread_key
 from lcap.capture.turns.turn import DEFAULT_ROLE
 from lcap.config import LcapError
 
@@ -140,3 +141,22 @@ def _text(content: Any) -> str:
     if isinstance(content, list):  # content parts: {"type": "text", "text": ...} and its Responses kin
         return "\n".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
     return ""
+
+
+class Roles:
+    """The roles of one proxy's calls: its `--role-by` rules and, for `thread`, each episode's first conversation."""
+
+    def __init__(self, rules: tuple[RoleRule, ...] = (), *, limit: int = 100_000) -> None:
+        self.rules = rules
+        self.threads = EpisodeThreads(limit)
+
+    def of(self, header: str | None, request: Any, episode: str | None, dialect: str) -> str:
+        """A call's role; `header` is its X-Lcap-Role's (`take_role_header`)."""
+
+        def first_thread() -> bool:
+            return self.threads.is_first(episode, thread_key(dialect, request)[0])
+
+        return role_of(header, self.rules, request, first_thread)
+
+    def forget(self, episode: str) -> None:
+        self.threads.forget(episode)

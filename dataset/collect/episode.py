@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
 from lcap.capture import limits_text, release_mounts
@@ -41,6 +39,7 @@ from lcap.dataset.collect.verifiers import (
 from lcap.dataset.collect.workspaces import place_tests, pristine_tests, source_dir
 from lcap.display import printable
 from lcap.processes import kill_group, run_child
+from lcap.progress import Reporter
 from lcap.store import Store
 
 if TYPE_CHECKING:
@@ -374,41 +373,31 @@ class Tally:
 
 
 class RunProgress:
-    """Both pools' progress bar on stderr with the tally's counts, and one line for each episode that did not end ok."""
+    """Both pools' progress (lcap/progress.py: a bar on a terminal, else a line every 30 s) with the tally's counts,
+    and one line for each episode that did not end ok."""
 
     def __init__(self, show: bool, tally: Tally, total: int) -> None:
-        self.console = Console(stderr=True)
-        self.bar = Progress(
-            TextColumn("collect"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.description}"),
-            TimeElapsedColumn(),
-            console=self.console,
-            disable=not show,
-            transient=False,
-        )
-        self.tally, self.total = tally, total
+        self.tally = tally
+        self.reporter = Reporter("collect", total, tally.describe, show=show)
 
     def __enter__(self) -> RunProgress:
-        self.bar.__enter__()
-        self.job = self.bar.add_task(self.tally.describe(), total=self.total)
+        self.reporter.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.bar.__exit__(*exc)
+        self.reporter.__exit__(*exc)
 
     def refresh(self) -> None:
-        self.bar.update(self.job, description=self.tally.describe())
+        self.reporter.refresh()
 
     def ended(self, spec: EpisodeSpec, outcome: EpisodeOutcome | None) -> None:
         """An episode ended (`outcome` None: it never ran)."""
         if outcome is not None and outcome.status != "ok":  # the reason quotes the agent: text, not markup
-            self.console.print(  # one line per episode, however narrow the terminal: logs are read with grep
+            self.reporter.print(  # one line per episode, however narrow the terminal: logs are read with grep
                 Text.assemble((f"{spec.episode_id}: {outcome.status} ", "yellow"), printable(outcome.reason or "")),
                 soft_wrap=True,
             )
-        self.bar.update(self.job, advance=1, description=self.tally.describe())
+        self.reporter.advance()
 
 
 def _populate(workdir: Path, task: Mapping[str, Any], files: TaskFiles) -> None:
