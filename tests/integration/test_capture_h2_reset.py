@@ -59,6 +59,7 @@ class H2Client:
         self.conn.initiate_connection()
         self.tls.sendall(self.conn.data_to_send())
         self.events: list[h2.events.Event] = []
+        self.sent = 0  # bytes of the last `reset_streams` write
 
     def reset_streams(self, count: int, *, body: bool) -> int:
         """`count` streams opened and reset at once, all in one write (with `body`: each a whole request before its
@@ -71,6 +72,7 @@ class H2Client:
             self.conn.reset_stream(stream)
             first = len(self.conn.data_to_send(0)) if stream == 1 else 0
         data = self.conn.data_to_send()
+        self.sent = len(data)
         with contextlib.suppress(OSError):
             self.tls.sendall(data)
         return (len(data) - first) // max(1, count - 1)
@@ -178,16 +180,17 @@ def test_a_rapid_reset_flood_gets_goaway_and_every_other_call_is_answered(
 
 
 def test_streams_reset_in_the_read_of_their_request_cost_no_upstream_call(tmp_path, capture_home, monkeypatch, llm):
-    """Under the bound, whole requests each reset in the same write (HEADERS, DATA, RST_STREAM): none is sent
-    upstream or stored (nobody waits for its answer), the connection stays open, and a call on it afterwards is
-    answered and stored."""
+    """Under the bound, whole requests each reset in the same write (HEADERS, DATA, RST_STREAM; one TLS record,
+    within one parsed slice): none is sent upstream or stored (nobody waits for its answer), the connection stays
+    open, and a call on it afterwards is answered and stored."""
     monkeypatch.setenv("LCAP_HOME", str(capture_home))
     store = Store(tmp_path / "lcap.duckdb")
     options = ProxyOptions(upstream=llm.url, token_ids=False, require_credentials=False, max_stream_resets=CAP)
     with CaptureProxy(store, options) as proxy:
         attacker = H2Client(proxy)
         try:
-            attacker.reset_streams(CAP // 2, body=True)
+            attacker.reset_streams(20, body=True)
+            assert attacker.sent <= H2_SLICE_BYTES
             status, answer = attacker.call()
             assert not attacker.closed()
         finally:
