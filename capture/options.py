@@ -143,8 +143,8 @@ class ProxyOptions:
     )
     max_stream_resets: int = option(
         100,
-        help="HTTP/2 streams an agent may reset per second on one connection (past it the connection is closed: "
-        "GOAWAY, ENHANCE_YOUR_CALM).",
+        help="HTTP/2 streams an agent may reset within any second on one connection (past it the connection is "
+        "closed: GOAWAY, ENHANCE_YOUR_CALM; 0: no bound).",
     )
     # --- upstreams ---
     connect_timeout: float = option(30.0, help="Seconds to connect to an upstream (504).")

@@ -21,8 +21,9 @@
   Heads are bounded as on the front: an answer head past `--max-head-bytes` is a 502, one taking over
   `--head-timeout` after its first byte a 504; a request head past the limit a 431.
 - `install_websocket_limits`, `install_reset_limit`: a WebSocket message past `--max-body-bytes` closes the
-  socket with 1009; an agent resetting more than `--max-stream-resets` HTTP/2 streams a second gets GOAWAY.
-  `Limits` hands each proxy's limits to these patches as options of its mitmproxy.
+  socket with 1009; an agent resetting more than `--max-stream-resets` HTTP/2 streams within a second (a sliding
+  window) gets GOAWAY, and a stream it reset before lcap read its request costs no flow. `Limits` hands each
+  proxy's limits to these patches as options of its mitmproxy, and counts the connections closed.
 
 Every other internal of mitmproxy lcap reads or sets is here too, behind a named function, so that an upgrade of
 mitmproxy is ported in this one module (tests/unit/test_mitm_internals.py lists them and checks that no other
@@ -39,10 +40,13 @@ import logging
 import re
 import time
 import zlib
+from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
+import h2.connection
 import h2.errors
 import h2.events
 import h11
@@ -91,10 +95,21 @@ class FrontOnly:
 
 class Limits:
     """mitmproxy's `load`: lcap's limits become options of this proxy's mitmproxy, which the layers patched here
-    read from their context (the patches are the process's, the limits each proxy's own)."""
+    read from their context (the patches are the process's, the limits each proxy's own). `stream_reset_flood`:
+    an agent connection closed by `install_reset_limit`, logged and counted for this proxy's counters."""
 
     def __init__(self, options: ProxyOptions) -> None:
         self.options = options
+        self.reset_floods = 0
+
+    def stream_reset_flood(self, client: Any) -> None:
+        self.reset_floods += 1
+        log.warning(
+            "lcap: an agent connection reset over %d HTTP/2 streams in %g s and was closed (GOAWAY, "
+            "ENHANCE_YOUR_CALM; --max-stream-resets)",
+            self.options.max_stream_resets,
+            RESET_WINDOW_S,
+        )
 
     def load(self, loader: Any) -> None:
         o = self.options
@@ -371,31 +386,65 @@ def _bounded_inflate(extension: PerMessageDeflate, limit: int, proto: Any, data:
     return out
 
 
+RESET_WINDOW_S = 1.0  # the sliding window `--max-stream-resets` counts an agent connection's stream resets in
+H2_SLICE_BYTES = 4096  # what an agent sent is parsed this much at a time, its resets counted between the pieces
+
+
+@dataclass
+class StreamResetFloodHook(commands.StartHook):
+    """An agent connection was closed for resetting more than `--max-stream-resets` HTTP/2 streams in
+    `RESET_WINDOW_S` (`Limits.stream_reset_flood` logs and counts it)."""
+
+    client: Any
+    blocking = False
+
+
 def install_reset_limit() -> None:
-    """HTTP/2 rapid reset: an agent that resets more than `--max-stream-resets` streams within a second on one
-    connection has that connection closed (GOAWAY, ENHANCE_YOUR_CALM), so the work each stream's opening costs
-    cannot crowd out the other agents' calls. Installed once per process."""
-    handle = _http2.Http2Server.handle_h2_event
-    if getattr(handle, "lcap", False):
+    """HTTP/2 rapid reset (CVE-2023-44487), on mitmproxy's side of an agent's HTTP/2 connection:
+    - an agent that resets more than `--max-stream-resets` streams within any `RESET_WINDOW_S` on one connection has
+      it closed (GOAWAY, ENHANCE_YOUR_CALM), counted and logged (`StreamResetFloodHook`);
+    - what the agent sends is parsed `H2_SLICE_BYTES` at a time with the count between the pieces, so the flood is
+      cut within a slice of the bound, not after all that one read brought (thousands of streams);
+    - a stream the agent reset before lcap looked at its request (its HEADERS and RST_STREAM in one read) is
+      dropped there: no flow, no hook, no upstream call, only its reset counted.
+    Installed once per process."""
+    handle_event = _http2.Http2Server._handle_event
+    if getattr(handle_event, "lcap", False):
         return
+    handle_h2_event = _http2.Http2Server.handle_h2_event
+
+    def sliced(self: Any, event: Any):  # mitmproxy's Http2Server._handle_event, an agent's bytes a slice at a time
+        if not isinstance(event, events.DataReceived) or len(event.data) <= H2_SLICE_BYTES:
+            return (yield from handle_event(self, event))
+        data = event.data
+        for at in range(0, len(data), H2_SLICE_BYTES):
+            if self.h2_conn.state_machine.state is h2.connection.ConnectionState.CLOSED:
+                return  # closed by what an earlier slice held: the rest is not read
+            yield from handle_event(self, events.DataReceived(event.connection, data[at : at + H2_SLICE_BYTES]))
 
     def count_resets(self: Any, event: Any):  # mitmproxy's Http2Server.handle_h2_event, counting client resets
+        if isinstance(event, h2.events.RequestReceived) and self.is_closed(event.stream_id):
+            return False  # reset (or the connection closed) already: nobody waits for its answer
+        if isinstance(event, h2.events.TrailersReceived) and event.stream_id not in self.streams:
+            return False  # the trailers of a stream dropped above
         if isinstance(event, h2.events.StreamReset):
             cap = _limit(self.context.options, "lcap_max_stream_resets")
             if cap:
+                resets = self.__dict__.get("lcap_resets")
+                if resets is None or resets.maxlen != cap + 1:
+                    resets = self.__dict__["lcap_resets"] = deque(maxlen=cap + 1)
                 now = time.monotonic()
-                window = self.__dict__.get("lcap_resets")
-                if window is None or now - window[0] >= 1.0:
-                    window = self.__dict__["lcap_resets"] = [now, 0]
-                window[1] += 1
-                if window[1] > cap:
-                    why = f"lcap: over {cap} stream resets in a second (--max-stream-resets)"
+                resets.append(now)
+                if len(resets) > cap and now - resets[0] < RESET_WINDOW_S:
+                    why = f"lcap: over {cap} stream resets in {RESET_WINDOW_S:g} s (--max-stream-resets)"
+                    yield StreamResetFloodHook(self.conn)
                     yield from self.protocol_error(why, h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
                     return True
-        return (yield from handle(self, event))
+        return (yield from handle_h2_event(self, event))
 
-    count_resets.lcap = True  # type: ignore[attr-defined]
-    _http2.Http2Server.handle_h2_event = count_resets  # type: ignore[method-assign]  # a deliberate patch
+    sliced.lcap = True  # type: ignore[attr-defined]
+    _http2.Http2Server._handle_event = sliced  # type: ignore[method-assign]  # deliberate patches
+    _http2.Http2Server.handle_h2_event = count_resets  # type: ignore[method-assign]
 
 
 # --- the proxy's start-up -------------------------------------------------------------------------

@@ -124,6 +124,7 @@ class CaptureProxy:
         self.port: int | None = None
         self.front: Front | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the proxy thread's event loop, once started
+        self.limits = Limits(options)  # lcap's limits in its mitmproxy; counts the HTTP/2 connections it closed
         self._record: ProxyRecord | None = None
         self._announcer: Announcer | None = None
         self.writer: TurnSink = writer
@@ -366,7 +367,7 @@ class CaptureProxy:
             next_layer.NextLayer(),
             quiet_tls_config(),
             PrivateDestinations(destinations, router),
-            Limits(self.options),
+            self.limits,
             addon,
         )
         install_body_limits(addon.body_limit)
@@ -422,12 +423,13 @@ class CaptureProxy:
 
     def counters(self) -> dict[str, Any]:
         """What this proxy is doing now, as its record tells `lcap status`: calls and episodes (in flight), agent
-        connections, credentials refused, session rows not written yet, and where its turns are (spooled, stored,
+        connections, credentials refused, HTTP/2 connections closed for resetting streams, session rows not written yet, and where its turns are (spooled, stored,
         the writer process)."""
         out: dict[str, Any] = dict(self._calls.counts()) if self._calls is not None else {}
         out["connections"] = self.front.admission.open if self.front is not None else 0
         out["connections_shed"] = self.front.admission.shed if self.front is not None else 0
         out["refused_credentials"] = self.keys.refused
+        out["stream_reset_floods"] = self.limits.reset_floods  # HTTP/2 connections closed by --max-stream-resets
         if self._episode_rows is not None:  # sessions' episode rows: writes tried again, rows never stored
             out["episode_rows_failed_writes"] = self._episode_rows.failed_writes
             out["episode_rows_dropped"] = self._episode_rows.dropped
