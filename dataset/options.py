@@ -283,6 +283,17 @@ class RescoreOptions(JudgeOptions):
     tasks: Path | None = option(
         None, help="The tasks JSONL the episodes ran: a verifier gets its episode's task (else only its id)."
     )
+    sandbox: bool = option(
+        False,
+        flag="--sandbox",
+        help="Run every verifier in a bubblewrap sandbox, as `lcap collect --sandbox` runs a sandboxed task's "
+        "(no network, the host's nobody, of the host only the system folders, over a copy of the workspace). An "
+        "episode collected with --sandbox is verified sandboxed whether or not this is given.",
+    )
+    sandbox_memory: int = sandbox_memory_option()
+    sandbox_pids: int = sandbox_pids_option()
+    sandbox_disk: int = sandbox_disk_option()
+    sandbox_share: tuple[str, ...] = sandbox_share_option()
 
     def __post_init__(self) -> None:
         super().__post_init__()
