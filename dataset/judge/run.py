@@ -36,7 +36,14 @@ from typing import Any
 
 from lcap.capture import ProxyOptions
 from lcap.dataset.build.export import transcripts
-from lcap.dataset.judge.client import Endpoint, JudgeCallError, JudgeClient, model_context, resolve_endpoint
+from lcap.dataset.judge.client import (
+    MODELS_TIMEOUT_S,
+    Endpoint,
+    JudgeCallError,
+    JudgeClient,
+    model_context,
+    resolve_endpoint,
+)
 from lcap.dataset.judge.plan import Budget, Swiss, pair_result
 from lcap.dataset.judge.prompt import (
     POINTWISE_SCHEMA,
@@ -178,7 +185,7 @@ def judge_episodes(
                 result.tampered += 1
                 result.rewards.append(0.0)
     pending = [s for s in samples if keys[s.episode_id] not in done]
-    budget = judge_budget(endpoint, options) if pending else Budget(options.judge_context, options.judge_max_tokens)
+    budget = _budget(endpoint, options) if pending else Budget(options.judge_context, options.judge_max_tokens)
     jobs, refused = plan_jobs(pending, options, rubric, budget)
     _refuse(store, refused, result)
     calls = _from_cache(store, rubric, endpoint, jobs, keys, result)
@@ -188,9 +195,9 @@ def judge_episodes(
     return result
 
 
-def judge_budget(endpoint: Endpoint, options: JudgeOptions) -> Budget:
+def _budget(endpoint: Endpoint, options: JudgeOptions) -> Budget:
     """The judge's context: --judge-context, capped by the max_model_len its endpoint reports."""
-    reported = model_context(endpoint, min(options.judge_timeout, 10.0))
+    reported = model_context(endpoint, min(options.judge_timeout, MODELS_TIMEOUT_S))
     context = min(options.judge_context, reported) if reported else options.judge_context
     return Budget(context, options.judge_max_tokens)
 

@@ -288,6 +288,16 @@ def test_a_tight_judge_context_judges_groups_in_pairs(tmp_path, store, judge):
     assert again.returncode == 0 and "6 from the cache" in again.stdout and len(judge.requests) == 4
 
 
+def test_a_failed_comparison_ends_its_tournament_and_leaves_the_group_unrewarded(tmp_path, store, judge):
+    judge.mode = "garbage"
+    done = rescore(store, _rubric(tmp_path), judge, "--judge-context", str(PAIRS_ONLY), "--judge-max-tokens", "100")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert len(judge.requests) == 2  # each group's first comparison failed: no second round
+    assert rewards(store) == {}  # never reward 0, nor a score from half a tournament
+    flags = store.fetchall("SELECT episode_id, details->>'error' FROM episode_flags WHERE flag = 'judge_error'")
+    assert len(flags) == 6 and all(" vs " in why and "not a JSON object" in why for _, why in flags)
+
+
 def test_the_endpoints_max_model_len_caps_the_context(tmp_path, store, judge):
     judge.context = PAIRS_ONLY  # --judge-context stays at its default, larger
     done = rescore(store, _rubric(tmp_path), judge, "--judge-max-tokens", "100")
