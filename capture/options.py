@@ -232,7 +232,8 @@ class ProxyOptions:
 
 
 def sandbox_limits(options: Any) -> SandboxLimits | None:
-    """The --sandbox limits of `options` (ProxyOptions or CollectOptions: both take the flags above), or None."""
+    """The --sandbox limits of `options` (ProxyOptions, CollectOptions or RescoreOptions: they take the flags above;
+    rescore's, whose verifiers' workspaces are never kept, no --keep-workspaces), or None."""
     if not options.sandbox:
         return None
     if min(options.sandbox_memory, options.sandbox_pids, options.sandbox_disk) < 1:
@@ -242,7 +243,11 @@ def sandbox_limits(options: Any) -> SandboxLimits | None:
     if missing:
         raise LcapError(f"--sandbox-share: no such file or folder: {missing[0]}")
     return SandboxLimits(
-        options.sandbox_memory, options.sandbox_pids, options.sandbox_disk, options.keep_workspaces, shares
+        options.sandbox_memory,
+        options.sandbox_pids,
+        options.sandbox_disk,
+        getattr(options, "keep_workspaces", False),
+        shares,
     )
 
 

@@ -45,12 +45,18 @@ class JudgeOptions:
     judge_mode: Literal["group", "pointwise"] = option(
         "group",
         help="group: the samples of a task's group (same task and round) in one call, scored relative to each other "
-        "(RULER); pointwise: each episode on its own. A group over --judge-max-chars is judged pointwise.",
+        "(RULER); pointwise: each episode on its own. A group that does not fit one prompt (--judge-max-chars, "
+        "--judge-context) is judged in pairs, a Swiss tournament of O(n log n) calls.",
     )
     judge_max_chars: int = option(
         6000,
-        help="Characters of episodes one judge prompt may quote (the judge's context budget): a longer transcript "
-        "keeps its head and end, and a group longer than this is judged pointwise.",
+        help="Characters of episodes one judge prompt may quote: a longer transcript keeps its head and end, and "
+        "a group longer than this is judged in pairs.",
+    )
+    judge_context: int = option(
+        8192,
+        help="Tokens the judge model reads at most, prompt and answer (capped by the max_model_len the endpoint "
+        "reports, as vLLM does): a group over it is judged in pairs, an episode over it alone is left unrewarded.",
     )
     judge_concurrency: int = option(4, help="Judge calls at once.")
     judge_timeout: float = option(120.0, help="Seconds one judge call may take.")
@@ -64,6 +70,8 @@ class JudgeOptions:
             raise LcapError("--judge-concurrency and --judge-max-tokens must be at least 1, --judge-retries 0 or more")
         if self.judge_timeout <= 0 or self.judge_max_chars < 500:
             raise LcapError("--judge-timeout must be above 0 and --judge-max-chars at least 500")
+        if self.judge_context < 256:
+            raise LcapError("--judge-context must be at least 256 tokens")
         if self.judge_url is not None and not self.judge_url.startswith(("http://", "https://")):
             raise LcapError(f"--judge-url must be an http:// or https:// URL, not {self.judge_url!r}")
 
@@ -275,6 +283,17 @@ class RescoreOptions(JudgeOptions):
     tasks: Path | None = option(
         None, help="The tasks JSONL the episodes ran: a verifier gets its episode's task (else only its id)."
     )
+    sandbox: bool = option(
+        False,
+        flag="--sandbox",
+        help="Run every verifier in a bubblewrap sandbox, as `lcap collect --sandbox` runs a sandboxed task's "
+        "(no network, the host's nobody, of the host only the system folders, over a copy of the workspace). An "
+        "episode collected with --sandbox is verified sandboxed whether or not this is given.",
+    )
+    sandbox_memory: int = sandbox_memory_option()
+    sandbox_pids: int = sandbox_pids_option()
+    sandbox_disk: int = sandbox_disk_option()
+    sandbox_share: tuple[str, ...] = sandbox_share_option()
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -260,17 +260,37 @@ def _run_in(
 def _verify_in_sandbox(
     spec: EpisodeSpec, judge: Verifier, ctx: VerifierContext, box: EpisodeSandbox, files: TaskFiles
 ) -> Verdict:
-    """The verifier in a fresh sandbox over the agent's final workspace, the task's pristine tests put over it
-    first (the agent never saw this copy of them); all it printed goes to verifier.txt."""
+    """The verifier in a fresh sandbox over the agent's final workspace; all it printed goes to verifier.txt."""
     tests = pristine_tests(spec.task, files.tasks_dir, files.root)
-    shown = [spec.dir / "stdout.txt", *verifier_files(judge)]
-    checker = box.sandbox.verifier(spec.episode_id, spec.workdir, spec.dir / "verify", shown=shown)
+    shown = [spec.dir / "stdout.txt"]
+    verdict = verify_in_sandbox(
+        box.sandbox, judge, ctx, spec.dir / "verify", lower=spec.workdir, tests=tests, shown=shown
+    )
+    (spec.dir / VERIFIER_OUTPUT).write_text(verdict.output)
+    return verdict
+
+
+def verify_in_sandbox(
+    sandbox: Sandbox,
+    judge: Verifier,
+    ctx: VerifierContext,
+    folder: Path,
+    *,
+    lower: Path,
+    tests: Mapping[str, bytes],
+    shown: Sequence[Path] = (),
+) -> Verdict:
+    """`judge` in a fresh sandbox (`Sandbox.verifier`: no network, the host hidden but for `shown` and what the
+    verifier loads): its workspace, mounted at `folder` and seen at `ctx.workdir`, an overlay over `lower` (a
+    folder the sandbox's user owns) with the task's pristine `tests` put over it first (the agent never saw this
+    copy of them). What it writes there is dropped with it. collect's and rescore's sandboxed verifiers."""
+    checker = sandbox.verifier(ctx.episode_id, ctx.workdir, folder, shown=[*shown, *verifier_files(judge)])
     try:
-        checker.prepare(lower=spec.workdir)
+        checker.prepare(lower=lower)
         place_tests(checker.workdir, tests)
         checker.own()
         try:
-            verdict = judge(ctx, checker)
+            return judge(ctx, checker)
         except VerifierError as exc:
             reached = checker.limits_reached()
             if reached:
@@ -278,8 +298,6 @@ def _verify_in_sandbox(
             raise
     finally:
         checker.close()
-    (spec.dir / VERIFIER_OUTPUT).write_text(verdict.output)
-    return verdict
 
 
 def _run_agent(

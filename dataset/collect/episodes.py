@@ -230,6 +230,7 @@ def plan_collect(
                         "sample": str(sample),
                         "split": split,
                         "collect": run_id,
+                        **({"sandbox": "true"} if options.sandbox else {}),  # rescore verifies it sandboxed too
                     },
                 )
             )

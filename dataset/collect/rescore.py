@@ -8,32 +8,41 @@ each bounded by `--timeout`. Every reward carries an idempotency key per (source
 episodes the source scored, and a verdict written twice (a crash between a verifier and the write) is stored once.
 A failing verifier is an episode flag `rescore_error` (its source, the error, the end of what it said); an episode
 collect's tamper guard flagged gets reward 0 from the guard, unscored, as collect gives it.
+
+A verifier runs sandboxed where `--sandbox` is given, and for an episode collected with `--sandbox` (its label
+`sandbox`) whether or not it is: its workspace is an agent's work, and what verified it sandboxed once is never
+run on the host over it. The sandbox is collect's verifier sandbox, by the same function
+(`episode.verify_in_sandbox`): no network, the host's nobody, of the host only the system folders, the verifier's
+files, the episode's stdout and transcript, over a copy of its kept workspace (else an empty one) with the task's
+pristine tests put over it; lcap's home, the store, the collect's run folders and the other episodes' files
+hidden. Outside a sandbox a command verifier runs under collect's reaper (`verifiers.run_process`): everything it
+started ends at its timeout.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
+import socket
 import statistics
 import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from lcap.capture import Sandbox, missing, sandbox_limits
+from lcap.config import LcapError
 from lcap.dataset.build.export import transcripts
 from lcap.dataset.build.select import select_episodes
+from lcap.dataset.collect.episode import verify_in_sandbox
 from lcap.dataset.collect.episodes import load_tasks
-from lcap.dataset.collect.verifiers import (
-    CommandVerifier,
-    Verdict,
-    Verifier,
-    VerifierContext,
-    VerifierError,
-    load_verifier,
-)
+from lcap.dataset.collect.verifiers import Verdict, Verifier, VerifierContext, VerifierError, load_verifier
+from lcap.dataset.collect.workspaces import pristine_tests
 from lcap.dataset.judge.prompt import is_judge
 from lcap.dataset.judge.run import JudgeResult, judge_episodes
 from lcap.dataset.options import RescoreOptions
@@ -46,9 +55,17 @@ LOAD_CHUNK = 64  # episodes whose transcripts one read of the store loads
 OUTPUT_KEPT = 4000  # characters of a failing verifier's output kept in its flag
 
 _EPISODES = """
-SELECT s.episode_id, s.task_id, s.status, s.exit_code, s.flags, e.cwd, e.labels->>'collect' AS collect
+SELECT s.episode_id, s.task_id, s.status, s.exit_code, s.flags, e.cwd, e.labels->>'collect' AS collect,
+       e.labels->>'sandbox' = 'true' AS sandboxed
 FROM episode_summary s JOIN episodes e USING (episode_id)
 WHERE s.episode_id IN (SELECT unnest(?::VARCHAR[]))
+"""
+# The episodes collected with --sandbox among some, and the run folders their workspaces sit in (hidden from every
+# sandboxed verifier: the other episodes' workspaces and outputs).
+_SANDBOXED = """
+SELECT count(*) FILTER (WHERE labels->>'sandbox' = 'true'),
+       list(DISTINCT cwd) FILTER (WHERE labels->>'collect' IS NOT NULL AND cwd IS NOT NULL)
+FROM episodes WHERE episode_id IN (SELECT unnest(?::VARCHAR[]))
 """
 
 _STORE_VERDICTS = """
@@ -95,6 +112,7 @@ class _Episode:
     tampered: bool
     workspace: Path | None  # collect's workdir, still on disk
     transcript: dict[str, Any]
+    sandboxed: bool = False  # collected with --sandbox: verified in a sandbox whatever the flags say
 
 
 @dataclass
@@ -111,6 +129,10 @@ def rescore(store: Store, options: RescoreOptions, *, base: Path | None = None) 
     """Score the episodes `options.where` picks with `options.verifier`; see the module docstring. A judge
     (`judge:RUBRIC.md`) is a pass of its own over them: `lcap.dataset.judge.run`."""
     if is_judge(options.verifier):
+        if options.sandbox:
+            raise LcapError(
+                "--sandbox runs a verifier's process in a sandbox: a judge runs none (it needs the network)"
+            )
         tasks_by_id = {t["id"]: t for t in load_tasks(options.tasks)} if options.tasks else {}
         chosen_ids = select_episodes(store, options.where or "")
         verifier_spec, source_name = options.verifier or "", options.source_name()
@@ -119,8 +141,7 @@ def rescore(store: Store, options: RescoreOptions, *, base: Path | None = None) 
         )
     started = time.perf_counter()
     verifier = load_verifier(options.verifier or "", base=base)
-    if isinstance(verifier, CommandVerifier):
-        verifier.timeout = options.timeout
+    verifier.timeout = options.timeout  # a command's, and a Python one's in a sandbox (a process there too)
     source = options.source_name()
     tasks = {t["id"]: t for t in load_tasks(options.tasks)} if options.tasks else {}
     chosen = select_episodes(store, options.where or "")
@@ -135,21 +156,73 @@ def rescore(store: Store, options: RescoreOptions, *, base: Path | None = None) 
     result = RescoreResult(source=source, chosen=len(chosen), skipped=len(chosen) - len(pending))
     writer = _Writer(store, source, keys, result)
     episodes = _episodes(store, pending, tasks)
-    with ThreadPoolExecutor(options.concurrency, thread_name_prefix="lcap-rescore") as pool:
-        running: set[Future[_Verdict]] = set()
-        try:
-            for episode in episodes:
-                while len(running) >= options.concurrency:
+    boxes = _Boxes.open(store, options, pending)
+    try:
+        with ThreadPoolExecutor(options.concurrency, thread_name_prefix="lcap-rescore") as pool:
+            running: set[Future[_Verdict]] = set()
+            try:
+                for episode in episodes:
+                    while len(running) >= options.concurrency:
+                        running = _collect(running, writer)
+                    running.add(pool.submit(_score, verifier, episode, boxes))
+                while running:
                     running = _collect(running, writer)
-                running.add(pool.submit(_score, verifier, episode))
-            while running:
-                running = _collect(running, writer)
-        finally:  # an interrupt: what finished is stored, what did not start never starts
-            for future in running:
-                future.cancel()
-            writer.flush()
+            finally:  # an interrupt: what finished is stored, what did not start never starts
+                for future in running:
+                    future.cancel()
+                writer.flush()
+    finally:
+        if boxes is not None:
+            boxes.close()
     result.seconds = time.perf_counter() - started
     return result
+
+
+class _NoNetwork:
+    """The proxy of a sandbox that runs verifiers only: a verifier's sandbox has no network, nothing to serve."""
+
+    port: int | None = None
+
+    def serve_listener(self, episode_id: str, sock: socket.socket) -> AbstractContextManager[None]:
+        raise LcapError("a verifier's sandbox has no network")
+
+
+@dataclass
+class _Boxes:
+    """The sandbox rescore's sandboxed verifiers share, its scratch folder (hidden from them: each episode's
+    transcript, stdout and empty workspace, each shown only to its own verifier), and the tasks' folder (their
+    pristine tests)."""
+
+    sandbox: Sandbox
+    scratch: Path
+    everything: bool  # --sandbox: every verifier, not only the sandboxed episodes'
+    tasks_dir: Path | None
+
+    @classmethod
+    def open(cls, store: Store, options: RescoreOptions, episodes: list[str]) -> _Boxes | None:
+        """The sandbox, where --sandbox is given or an episode was collected with it; else None. Refused in one
+        line where it cannot run."""
+        sandboxed, cwds = store.fetchall(_SANDBOXED, [episodes])[0] if episodes else (0, [])
+        if not (options.sandbox or sandboxed):
+            return None
+        why = "--sandbox" if options.sandbox else f"{sandboxed} of these episodes were collected with --sandbox"
+        if reason := missing():
+            raise LcapError(f"rescore runs verifiers sandboxed ({why}): {reason}")
+        limits = sandbox_limits(replace(options, sandbox=True))  # without --sandbox: the sandboxed episodes'
+        assert limits is not None
+        scratch = Path(tempfile.mkdtemp(prefix="lcap-rescore-"))
+        runs = {Path(cwd).parent.parent for cwd in cwds or []}  # a collect's round folder: its episodes' folders
+        try:
+            sandbox = Sandbox(limits, _NoNetwork(), [scratch, *runs], [Path(store.path)], cache=scratch)
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        tasks_dir = Path(options.tasks).resolve().parent if options.tasks else None
+        return cls(sandbox, scratch, options.sandbox, tasks_dir)
+
+    def close(self) -> None:
+        self.sandbox.close()
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def _collect(running: set[Future[_Verdict]], writer: _Writer) -> set[Future[_Verdict]]:
@@ -169,7 +242,7 @@ def _episodes(store: Store, ids: list[str], tasks: dict[str, dict[str, Any]]) ->
             said = transcripts(con, chunk)
         by_id = {row[0]: row for row in rows}
         for episode_id in chunk:
-            _, task_id, status, exit_code, flags, cwd, collect = by_id[episode_id]
+            _, task_id, status, exit_code, flags, cwd, collect, sandboxed = by_id[episode_id]
             workspace = Path(cwd) if collect is not None and cwd and Path(cwd).is_dir() else None
             yield _Episode(
                 episode_id=episode_id,
@@ -179,23 +252,29 @@ def _episodes(store: Store, ids: list[str], tasks: dict[str, dict[str, Any]]) ->
                 tampered="tampered" in (flags or []),
                 workspace=workspace,
                 transcript=said[episode_id],
+                sandboxed=bool(sandboxed),
             )
 
 
-def _score(verifier: Verifier, episode: _Episode) -> _Verdict:
+def _score(verifier: Verifier, episode: _Episode, boxes: _Boxes | None = None) -> _Verdict:
     if episode.tampered:
         return _Verdict(episode.episode_id, 0.0, {"tampered": True, "by": "tamper-guard"}, tampered=True)
-    with tempfile.TemporaryDirectory(prefix="lcap-rescore-") as scratch:
-        transcript_file = Path(scratch) / "transcript.json"
+    sandboxed = boxes is not None and (boxes.everything or episode.sandboxed)
+    scratch_dir = tempfile.mkdtemp(prefix="ep-", dir=boxes.scratch if boxes is not None else None)
+    try:
+        scratch = Path(scratch_dir)
+        transcript_file = scratch / "transcript.json"
         transcript_file.write_text(json.dumps(episode.transcript, ensure_ascii=False, default=str))
+        transcript_file.chmod(0o644)  # a sandboxed verifier runs as nobody
         if episode.workspace is not None:
             workdir = episode.workspace
             stdout_file = workdir.parent / "stdout.txt"
             stdout = stdout_file.read_text(errors="replace") if stdout_file.is_file() else ""
         else:
-            workdir = Path(scratch) / "work"
+            workdir = scratch / "work"
             workdir.mkdir()
-            (Path(scratch) / "stdout.txt").write_text("")
+            stdout_file = scratch / "stdout.txt"
+            stdout_file.write_text("")
             stdout = ""
         ctx = VerifierContext(
             task=episode.task,
@@ -208,12 +287,36 @@ def _score(verifier: Verifier, episode: _Episode) -> _Verdict:
             transcript_file=transcript_file,
         )
         try:
-            verdict: Verdict = verifier(ctx)
+            if sandboxed:
+                assert boxes is not None
+                verdict = _in_sandbox(verifier, ctx, episode, boxes, scratch, stdout_file)
+            else:
+                verdict = verifier(ctx)
         except VerifierError as exc:
             return _Verdict(episode.episode_id, error=str(exc), output=exc.output)
         except Exception as exc:  # a verifier's own failure is the episode's, never the run's
             return _Verdict(episode.episode_id, error=f"{exc.__class__.__name__}: {exc}")
-    return _Verdict(episode.episode_id, verdict.reward, dict(verdict.details))
+    finally:
+        if boxes is None:
+            shutil.rmtree(scratch_dir, ignore_errors=True)
+        else:  # its folders stay until the sandbox closes: another sandbox's set-up may be walking their mounts
+            for name in ("transcript.json", "stdout.txt"):
+                (Path(scratch_dir) / name).unlink(missing_ok=True)
+    details = dict(verdict.details)
+    if sandboxed:
+        details["sandboxed"] = True
+    return _Verdict(episode.episode_id, verdict.reward, details)
+
+
+def _in_sandbox(
+    verifier: Verifier, ctx: VerifierContext, episode: _Episode, boxes: _Boxes, scratch: Path, stdout_file: Path
+) -> Verdict:
+    """collect's sandboxed verifier over a copy of the episode's workspace (owned by the sandbox's user), its
+    task's pristine tests put over it; shown its stdout and transcript."""
+    tests = pristine_tests(episode.task, boxes.tasks_dir) if boxes.tasks_dir is not None else {}
+    lower = boxes.sandbox.lower(ctx.workdir)
+    shown = [p for p in (stdout_file, ctx.transcript_file) if p is not None and p.is_file()]
+    return verify_in_sandbox(boxes.sandbox, verifier, ctx, scratch / "verify", lower=lower, tests=tests, shown=shown)
 
 
 class _Writer:

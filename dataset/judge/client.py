@@ -6,7 +6,8 @@ goes through the judge pass's `CaptureProxy` with the judge episode's credential
 request and answer as it keeps an agent's (redacted: the key never reaches disk). The answer is asked for as JSON
 under a schema (`response_format` json_schema; on lcap's own vLLM server `structured_outputs` with the same JSON
 as a regular expression, vLLM's guided decoding); an endpoint that ignores it is read by the parser all the same. A call that cannot connect, times out or gets a 429 or 5xx is tried again, at most
-`--judge-retries` times, each try bounded by `--judge-timeout`.
+`--judge-retries` times, each try bounded by `--judge-timeout`. `model_context` reads the model's context where
+the endpoint reports it (vLLM's `max_model_len`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from lcap.policy import read_policy
 
 BACKOFF_S = 1.0  # before the first retry; doubled each time
 ERROR_BODY = 300  # characters of an error answer kept in the reason
+MODELS_TIMEOUT_S = 10.0  # the most `GET /models` may take (the judge's context), within --judge-timeout
 
 
 class JudgeCallError(Exception):
@@ -63,6 +65,24 @@ def resolve_endpoint(options: JudgeOptions) -> Endpoint:
     return Endpoint(
         record.url.rstrip("/") + "/v1", options.judge_model or record.served_model, record.api_key(), vllm=True
     )
+
+
+def model_context(endpoint: Endpoint, timeout: float = MODELS_TIMEOUT_S) -> int | None:
+    """The judge model's context in tokens where its endpoint says (`max_model_len` in vLLM's `GET /v1/models`),
+    else None: an endpoint that does not say, cannot be reached or answers nonsense leaves `--judge-context` alone.
+    Asked directly, not through the capture proxy: it judges nothing."""
+    headers = {"authorization": f"Bearer {endpoint.key}"} if endpoint.key else {}
+    try:
+        with httpx.Client(trust_env=False, timeout=httpx.Timeout(timeout)) as client:
+            reply = client.get(f"{endpoint.url}/models", headers=headers)
+        models = reply.json().get("data") if reply.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    for model in models if isinstance(models, list) else []:
+        if isinstance(model, dict) and model.get("id") == endpoint.model:
+            length = model.get("max_model_len")
+            return length if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None
+    return None
 
 
 class JudgeClient:

@@ -4,7 +4,11 @@
 (collect and the loop's collect) and in `lcap rescore`. For each episode it reads the transcript from the store
 (`transcripts`: the conversation of the agent's own calls), its task (with an optional `reference`) and its stdout
 where collect kept it. In group mode the episodes of one task and round are judged in one call, relative to each
-other; a group whose text is over `--judge-max-chars`, or a lone episode, is judged pointwise.
+other; a lone episode is judged pointwise. Every prompt is checked against the judge's context before it is sent
+(`plan.py`: `--judge-context`, capped by the endpoint's `max_model_len`): a group that does not fit one prompt (or
+whose text is over `--judge-max-chars`) is judged in pairs, a Swiss tournament of O(n log n) calls whose standings
+give the scores; an episode whose prompt does not fit even alone is left unrewarded with that reason (flag
+`judge_error`, `too_long`). A reward's details say which mode judged it (`judge_mode`: group, pairs, pointwise).
 
 Every verdict is cached in `judge_cache` by (rubric hash, judge model, hash of what the judge was shown): judging
 the same episodes again with the same rubric and model calls nothing, and a changed rubric judges again. Rewards
@@ -22,17 +26,28 @@ import logging
 import secrets
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from lcap.capture import ProxyOptions
 from lcap.dataset.build.export import transcripts
-from lcap.dataset.judge.client import Endpoint, JudgeCallError, JudgeClient, resolve_endpoint
+from lcap.dataset.judge.client import (
+    MODELS_TIMEOUT_S,
+    Endpoint,
+    JudgeCallError,
+    JudgeClient,
+    model_context,
+    resolve_endpoint,
+)
+from lcap.dataset.judge.plan import Budget, Swiss, pair_result
 from lcap.dataset.judge.prompt import (
     POINTWISE_SCHEMA,
+    REASONS_MAX,
     JudgeAnswerError,
     Rubric,
     Sample,
@@ -82,6 +97,7 @@ class JudgeResult:
     judged: int = 0  # rewarded from a judge call of this pass
     cached: int = 0  # rewarded from the cache, no call
     failed: int = 0  # flag judge_error, left unrewarded
+    too_long: int = 0  # of the failed: a prompt over the judge's context even alone, never sent
     tampered: int = 0  # collect's tamper guard flagged it: reward 0, not judged
     calls: int = 0
     prompt_tokens: int = 0
@@ -99,31 +115,37 @@ class JudgeResult:
         mean = f"{statistics.fmean(self.rewards):.4f}" if self.rewards else "-"
         return (
             f"judge {self.source}: {self.chosen} episodes, {self.skipped} judged before (skipped), {self.judged} "
-            f"judged, {self.cached} from the cache, {self.failed} failed (flag {FLAG}, unrewarded), "
+            f"judged, {self.cached} from the cache, {self.failed} failed (flag {FLAG}, unrewarded{self._too_long()}), "
             f"{self.tampered} tampered (reward 0), mean reward {mean}; {self.calls} judge calls, "
             f"{self.prompt_tokens} prompt + {self.completion_tokens} answer tokens, {self.call_seconds:.1f}s in calls "
             f"[{self.seconds:.1f}s]"
         )
 
+    def _too_long(self) -> str:
+        return f", {self.too_long} too long for the judge's context" if self.too_long else ""
+
 
 @dataclass(frozen=True)
-class _Job:
-    """One judge call: a group (labelled samples) or one sample, and each episode's cache hash."""
+class JudgeJob:
+    """One judge call (a group, or one sample), or a group's tournament of pairwise calls; each episode's cache
+    hash."""
 
-    mode: str  # group | pointwise
+    mode: str  # group | pairs | pointwise
     labelled: list[tuple[str, Sample]]
     hashes: dict[str, str]  # episode id -> transcript hash
 
 
 @dataclass
 class _Outcome:
-    job: _Job
+    job: JudgeJob
     scores: dict[str, tuple[float, str]] = field(default_factory=dict)  # episode id -> (score, reasons)
     error: str | None = None
     judge_episode: str | None = None
     cached: bool = False
     tokens: tuple[int, int] = (0, 0)
     seconds: float = 0.0
+    calls: int = 1
+    more: dict[str, dict[str, Any]] = field(default_factory=dict)  # episode id -> more of its reward's details
 
 
 def check_judge(spec: str, options: JudgeOptions, base: Path | None = None) -> tuple[Rubric, Endpoint]:
@@ -163,12 +185,21 @@ def judge_episodes(
                 result.tampered += 1
                 result.rewards.append(0.0)
     pending = [s for s in samples if keys[s.episode_id] not in done]
-    jobs = _plan(pending, options)
+    budget = _budget(endpoint, options) if pending else Budget(options.judge_context, options.judge_max_tokens)
+    jobs, refused = plan_jobs(pending, options, rubric, budget)
+    _refuse(store, refused, result)
     calls = _from_cache(store, rubric, endpoint, jobs, keys, result)
     if calls:
-        _call_all(store, calls, rubric, endpoint, options, keys, result)
+        _call_all(store, calls, rubric, endpoint, options, keys, result, budget)
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _budget(endpoint: Endpoint, options: JudgeOptions) -> Budget:
+    """The judge's context: --judge-context, capped by the max_model_len its endpoint reports."""
+    reported = model_context(endpoint, min(options.judge_timeout, MODELS_TIMEOUT_S))
+    context = min(options.judge_context, reported) if reported else options.judge_context
+    return Budget(context, options.judge_max_tokens)
 
 
 def _load(store: Store, ids: list[str], tasks: Mapping[str, Mapping[str, Any]]) -> tuple[list[Sample], list[str]]:
@@ -194,30 +225,69 @@ def _load(store: Store, ids: list[str], tasks: Mapping[str, Mapping[str, Any]]) 
     return samples, tampered
 
 
-def _plan(samples: list[Sample], options: JudgeOptions) -> list[_Job]:
-    """The calls to make: one per group (same task and round) that fits the budget in group mode, else one per
-    sample."""
+def plan_jobs(
+    samples: list[Sample], options: JudgeOptions, rubric: Rubric, budget: Budget
+) -> tuple[list[JudgeJob], dict[str, str]]:
+    """The jobs, and the episodes too long for the judge's context even alone (id -> why). In group mode a group
+    (same task and round) is one call where its text is within --judge-max-chars and its prompt fits the context;
+    else a tournament of pairs where every pair's prompt fits; else (and a lone sample) pointwise."""
     groups: dict[tuple[str, str], list[Sample]] = {}
     for sample in samples:
         groups.setdefault((str(sample.task.get("id")), str(sample.task.get("round"))), []).append(sample)
-    jobs = []
+    jobs: list[JudgeJob] = []
+    refused: dict[str, str] = {}
+    chars = options.judge_max_chars
     for members in groups.values():
-        fits = sum(shown_size(s) for s in members) <= options.judge_max_chars
-        if options.judge_mode == "group" and len(members) > 1 and fits:
-            labelled = group_order(members)
-            whole = hashlib.sha256("\0".join(f"{label}:{s.digest()}" for label, s in labelled).encode()).hexdigest()
-            hashes = {
-                s.episode_id: hashlib.sha256(f"group\0{whole}\0{label}".encode()).hexdigest() for label, s in labelled
-            }
-            jobs.append(_Job("group", labelled, hashes))
-        else:
-            jobs.extend(_Job("pointwise", [("1", s)], {s.episode_id: s.digest()}) for s in members)
-    return jobs
+        fitting = []
+        for s in members:
+            alone = pointwise_prompt(rubric, s, chars)
+            if budget.fits(alone):
+                fitting.append(s)
+            else:
+                refused[s.episode_id] = budget.too_long(alone, 1, "its prompt alone")
+        mode = _group_mode(fitting, rubric, budget, chars) if options.judge_mode == "group" else "pointwise"
+        if mode == "pointwise":
+            jobs.extend(JudgeJob("pointwise", [("1", s)], {s.episode_id: s.digest()}) for s in fitting)
+            continue
+        labelled = group_order(fitting)
+        whole = hashlib.sha256("\0".join(f"{label}:{s.digest()}" for label, s in labelled).encode()).hexdigest()
+        hashes = {
+            s.episode_id: hashlib.sha256(f"{mode}\0{whole}\0{label}".encode()).hexdigest() for label, s in labelled
+        }
+        jobs.append(JudgeJob(mode, labelled, hashes))
+    return jobs, refused
+
+
+def _group_mode(samples: list[Sample], rubric: Rubric, budget: Budget, chars: int) -> str:
+    """group, pairs or pointwise: the first that fits. A pair's prompt is longest with its longest sample twice
+    (each of a pair is quoted within half of --judge-max-chars), so that pair fitting is every pair fitting."""
+    if len(samples) < 2:
+        return "pointwise"
+    if sum(shown_size(s) for s in samples) <= chars and budget.fits(
+        group_prompt(rubric, group_order(samples), chars), len(samples)
+    ):
+        return "group"
+    if all(budget.fits(group_prompt(rubric, [("1", s), ("2", s)], chars), 2) for s in samples):
+        return "pairs"
+    return "pointwise"
+
+
+def _refuse(store: Store, refused: Mapping[str, str], result: JudgeResult) -> None:
+    """The episodes too long for the judge's context: flag judge_error with the reason, unrewarded, no call."""
+    if not refused:
+        return
+    with store.connect():
+        for eid, why in refused.items():
+            store.flag_episode(eid, FLAG, {"source": result.source, "error": why, "too_long": True})
+            result.failed += 1
+            result.too_long += 1
+            if len(result.errors) < ERRORS_SHOWN:
+                result.errors.append(f"{eid}: {why}")
 
 
 def _from_cache(
-    store: Store, rubric: Rubric, endpoint: Endpoint, jobs: list[_Job], keys: dict[str, str], result: JudgeResult
-) -> list[_Job]:
+    store: Store, rubric: Rubric, endpoint: Endpoint, jobs: list[JudgeJob], keys: dict[str, str], result: JudgeResult
+) -> list[JudgeJob]:
     """Reward what the cache holds (every episode of a job, or none of it); return the jobs left to call."""
     hashes = [h for job in jobs for h in job.hashes.values()]
     rows = store.fetchall(_CACHED, [rubric.digest, endpoint.model, hashes]) if hashes else []
@@ -238,30 +308,43 @@ def _from_cache(
 
 def _call_all(
     store: Store,
-    jobs: list[_Job],
+    jobs: list[JudgeJob],
     rubric: Rubric,
     endpoint: Endpoint,
     options: JudgeOptions,
     keys: dict[str, str],
     result: JudgeResult,
+    budget: Budget,
 ) -> None:
     """Make the judge calls, `--judge-concurrency` at once, through a capture proxy of this pass; store each
-    outcome as it arrives."""
+    outcome as it arrives. A call's completion may queue more (a tournament's next round)."""
     from lcap.capture import CaptureProxy  # start-up: mitmproxy (rescore without a judge needs none)
 
     client = JudgeClient(endpoint, options)
     proxy = CaptureProxy(store, ProxyOptions())
     proxy.start()
+    chars = options.judge_max_chars
+    queue: deque[tuple[Callable[[], Any], Callable[[Any], None]]] = deque()
+
+    def done(outcome: _Outcome) -> None:
+        _store(store, outcome, rubric, endpoint, keys, result)
+
+    for job in jobs:
+        if job.mode == "pairs":
+            _Tournament(job, partial(_compare, store, proxy, client, rubric, chars, budget), queue.append, done).next()
+        else:
+            queue.append((partial(_judge, store, proxy, client, rubric, job, chars), done))
     try:
         with ThreadPoolExecutor(options.judge_concurrency, thread_name_prefix="lcap-judge") as pool:
-            running: set[Future[_Outcome]] = set()
+            running: dict[Future[Any], Callable[[Any], None]] = {}
             try:
-                for job in jobs:
-                    while len(running) >= options.judge_concurrency:
-                        running = _store_done(store, running, rubric, endpoint, keys, result)
-                    running.add(pool.submit(_judge, store, proxy, client, rubric, job, options.judge_max_chars))
-                while running:
-                    running = _store_done(store, running, rubric, endpoint, keys, result)
+                while queue or running:
+                    while queue and len(running) < options.judge_concurrency:
+                        call, then = queue.popleft()
+                        running[pool.submit(call)] = then
+                    finished, _ = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
+                    for future in finished:
+                        running.pop(future)(future.result())
             finally:  # an interrupt: what finished is stored, what did not start never starts
                 for future in running:
                     future.cancel()
@@ -269,7 +352,7 @@ def _call_all(
         proxy.stop()
 
 
-def _judge(store: Store, proxy: Any, client: JudgeClient, rubric: Rubric, job: _Job, budget: int) -> _Outcome:
+def _judge(store: Store, proxy: Any, client: JudgeClient, rubric: Rubric, job: JudgeJob, budget: int) -> _Outcome:
     """One judge call of `job` (`budget`: characters of quoted episodes); its verdicts, or why there are none."""
     judged = [s.episode_id for _, s in job.labelled]
     labels = {"judged": ",".join(judged), "judge_mode": job.mode}
@@ -291,6 +374,94 @@ def _judge(store: Store, proxy: Any, client: JudgeClient, rubric: Rubric, job: _
     outcome = _Outcome(job, judge_episode=call.judge_episode, error=call.error, tokens=call.tokens)
     outcome.scores, outcome.seconds = call.value or {}, call.seconds
     return outcome
+
+
+def _compare(
+    store: Store, proxy: Any, client: JudgeClient, rubric: Rubric, chars: int, budget: Budget, pair: list[Sample]
+) -> JudgeCall:
+    """One pairwise call of a tournament: the two samples as a group of two (shuffled by their ids); its value
+    {episode id: (score, reasons)}. A prompt over the context is not sent: the call's error says why."""
+    labelled = group_order(pair)
+    names = [label for label, _ in labelled]
+    messages = group_prompt(rubric, labelled, chars)
+    labels = {"judged": ",".join(s.episode_id for _, s in labelled), "judge_mode": "pairs"}
+    if not budget.fits(messages, 2):
+        return JudgeCall(judge_episode="", error=budget.too_long(messages, 2, "a comparison"))
+
+    def parse(content: str) -> dict[str, tuple[float, str]]:
+        by_label = parse_group(content, names)
+        return {s.episode_id: by_label[label] for label, s in labelled}
+
+    prompt = (messages, group_schema(names), group_regex(names))
+    return judge_call(store, proxy, client, rubric, labels, prompt, parse, answers=2)
+
+
+class _Tournament:
+    """A group judged in pairs (`plan.Swiss`): each round's pairwise calls are queued (`enqueue`) when the round
+    before is all in; the scores, once every round is, go to `finish` as one outcome. A call that fails ends the
+    tournament (no more rounds) and leaves the whole group unrewarded with its reason, as a failed group call."""
+
+    def __init__(
+        self,
+        job: JudgeJob,
+        compare: Callable[[list[Sample]], JudgeCall],
+        enqueue: Callable[[tuple[Callable[[], Any], Callable[[Any], None]]], None],
+        finish: Callable[[_Outcome], None],
+    ) -> None:
+        self.job, self.compare, self.enqueue, self.finish = job, compare, enqueue, finish
+        self.samples = dict(job.labelled)
+        self.swiss = Swiss([label for label, _ in job.labelled])
+        self.outcome = _Outcome(job, calls=0)
+        self.waiting = 0
+        self.said: dict[str, list[str]] = {label: [] for label in self.samples}
+        self.calls: dict[str, list[str]] = {label: [] for label in self.samples}
+
+    def next(self) -> None:
+        """Queue the next round's calls, or finish."""
+        pairs = self.swiss.pairs() if self.outcome.error is None else []
+        if not pairs:
+            self._finish()
+            return
+        self.waiting = len(pairs)
+        for first, second in pairs:
+            call = partial(self.compare, [self.samples[first], self.samples[second]])
+            self.enqueue((call, partial(self._record, first, second)))
+
+    def _record(self, first: str, second: str, call: JudgeCall) -> None:
+        outcome = self.outcome
+        if call.judge_episode:
+            outcome.calls += 1
+            outcome.tokens = (outcome.tokens[0] + call.tokens[0], outcome.tokens[1] + call.tokens[1])
+            outcome.seconds += call.seconds
+        if call.error is not None:
+            if outcome.error is None:
+                outcome.error = f"{self.samples[first].episode_id} vs {self.samples[second].episode_id}: {call.error}"
+                outcome.judge_episode = call.judge_episode or None
+        else:
+            verdicts = call.value
+            a, b = verdicts[self.samples[first].episode_id], verdicts[self.samples[second].episode_id]
+            self.swiss.record(first, second, pair_result(a[0], b[0]))
+            for label, (_, reasons) in ((first, a), (second, b)):
+                self.said[label].append(reasons)
+                self.calls[label].append(call.judge_episode)
+        self.waiting -= 1
+        if self.waiting == 0:
+            self.next()
+
+    def _finish(self) -> None:
+        outcome = self.outcome
+        if outcome.error is None:
+            for label, score in self.swiss.scores().items():
+                eid = self.samples[label].episode_id
+                outcome.scores[eid] = (score, " | ".join(r for r in self.said[label] if r)[:REASONS_MAX])
+                outcome.more[eid] = {
+                    "tournament": "swiss",
+                    "pair_points": self.swiss.points[label],
+                    "pairs_against": [self.samples[o].episode_id for o in self.swiss.met[label]],
+                    "judge_episodes": self.calls[label],
+                    "judge_episode": self.calls[label][-1] if self.calls[label] else None,
+                }
+        self.finish(outcome)
 
 
 @dataclass
@@ -343,26 +514,12 @@ def judge_call(
     return call
 
 
-def _store_done(
-    store: Store,
-    running: set[Future[_Outcome]],
-    rubric: Rubric,
-    endpoint: Endpoint,
-    keys: dict[str, str],
-    result: JudgeResult,
-) -> set[Future[_Outcome]]:
-    finished, rest = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
-    for future in finished:
-        _store(store, future.result(), rubric, endpoint, keys, result)
-    return rest
-
-
 def _store(
     store: Store, outcome: _Outcome, rubric: Rubric, endpoint: Endpoint, keys: dict[str, str], result: JudgeResult
 ) -> None:
-    """One call's verdicts as rewards and cache rows, or its episodes' judge_error flags, in one unit of work."""
+    """One job's verdicts as rewards and cache rows, or its episodes' judge_error flags, in one unit of work."""
     job = outcome.job
-    result.calls += 1
+    result.calls += outcome.calls
     result.prompt_tokens += outcome.tokens[0]
     result.completion_tokens += outcome.tokens[1]
     result.call_seconds += outcome.seconds
@@ -385,6 +542,7 @@ def _store(
                 "rubric": str(rubric.path),
                 "rubric_sha256": rubric.digest,
                 "judge_episode": outcome.judge_episode,
+                **outcome.more.get(eid, {}),
             }
             _reward(store, eid, score, details, result.source, keys[eid])
             rows.append(

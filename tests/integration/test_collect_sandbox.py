@@ -313,6 +313,12 @@ def test_agent_sees_only_the_system_its_command_and_the_shares(sandboxed):
     assert all(name.startswith(("lcap-shared-", "lcap-sandbox-")) for name in report["tmp"]), report["tmp"]
 
 
+def test_episodes_say_they_were_sandboxed_for_rescore(sandboxed):
+    """`lcap rescore` verifies an episode collected with --sandbox in a sandbox: its label says so."""
+    store = sandboxed[0]
+    assert store.fetchall("SELECT DISTINCT labels->>'sandbox' FROM episodes") == [("true",)]
+
+
 def test_host_is_left_as_it_was(sandboxed):
     """No workspace mount and no episode cgroup outlives the collect."""
     _, _, _, _, run_dir = sandboxed

@@ -29,16 +29,23 @@ _LABEL = re.compile(r'<transcript id="(\d+)">\n(.*?)\n</transcript>', re.DOTALL)
 
 class Judge:
     """An OpenAI-compatible chat endpoint: `mode` good (score 1 where the quoted transcript says Paris), garbage,
-    slow or error; it keeps every request body."""
+    slow or error; it keeps every chat request's body. Its `GET /v1/models` says `context` where set."""
 
     def __init__(self) -> None:
         self.mode = "good"
         self.requests: list[dict] = []
+        self.context: int | None = None  # the max_model_len its /v1/models reports, as vLLM's does; None: 404
         judge = self
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args) -> None:
                 pass
+
+            def do_GET(self) -> None:
+                if self.path != "/v1/models" or judge.context is None:
+                    return self._send(404, b'{"error": "not found"}')
+                models = {"data": [{"id": "judge-m", "object": "model", "max_model_len": judge.context}]}
+                self._send(200, json.dumps(models).encode())
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["content-length"])))
@@ -230,15 +237,86 @@ def test_pointwise_mode_makes_one_call_per_episode(tmp_path, store, judge):
     assert {eid for eid, (v, _) in rewards(store).items() if v == 1.0} == {"t1-0", "t2-0"}
 
 
-def test_a_group_over_the_budget_is_judged_pointwise(tmp_path, store, judge):
+def test_a_group_over_the_budget_is_judged_in_pairs(tmp_path, store, judge):
     for i in range(3):
         _episode(store, f"big-{i}", "big", i, "Paris " + "x" * 400)
     done = rescore(store, _rubric(tmp_path), judge, "--judge-max-chars", "1000")
     assert done.returncode == 0, done.stderr
     modes = {eid: d["judge_mode"] for eid, (_, d) in rewards(store).items()}
-    assert {modes[f"big-{i}"] for i in range(3)} == {"pointwise"}
+    assert {modes[f"big-{i}"] for i in range(3)} == {"pairs"}
     assert modes["t1-0"] == "group"
-    assert len(judge.requests) == 2 + 3
+    assert len(judge.requests) == 2 + 2  # the two groups, and the big group's Swiss tournament: 2 rounds of 1 pair
+
+
+# With --judge-max-tokens 100 the fixture's groups of three need about 860 tokens of context in one call, a pair
+# of them about 710 and one alone about 490 (lcap's estimate, dataset/judge/plan.py).
+PAIRS_ONLY = 780
+NONE_FITS = 450
+
+
+def _judged_in_pairs(store: Store, judge: Judge, done: subprocess.CompletedProcess) -> None:
+    """Every sample scored by a tournament of two pairwise calls per group, each call an episode of its own."""
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "6 judged" in done.stdout and "4 judge calls" in done.stdout and "0 failed" in done.stdout
+    assert len(judge.requests) == 4  # pair_calls(3) = 2 per group, not the 3 of every pair
+    for request in judge.requests:
+        assert len(_LABEL.findall(request["body"]["messages"][-1]["content"])) == 2
+        assert request["body"]["max_tokens"] == 2 * 100
+    got = rewards(store)
+    assert set(got) == {f"{t}-{s}" for t in ("t1", "t2") for s in range(3)}  # every sample has a score
+    assert {d["judge_mode"] for _, d in got.values()} == {"pairs"}
+    assert {d["tournament"] for _, d in got.values()} == {"swiss"}
+    for task in ("t1", "t2"):  # the one that says Paris wins every comparison: alone at the top
+        assert got[f"{task}-0"][0] == 1.0 and all(got[f"{task}-{s}"][0] < 1.0 for s in (1, 2))
+        assert all(0.0 <= got[f"{task}-{s}"][0] <= 1.0 for s in range(3))
+    calls = judge_episodes(store)
+    assert len(calls) == 4 and all(len(judged.split(",")) == 2 and status == "ok" for _, judged, status, _ in calls)
+    modes = store.fetchall("SELECT DISTINCT labels->>'judge_mode' FROM episodes WHERE labels->>'role' = 'judge'")
+    assert modes == [("pairs",)]
+    for _, details in got.values():
+        assert set(details["judge_episodes"]) <= {eid for eid, _, _, _ in calls} and details["judge_episodes"]
+    assert not store.fetchall("SELECT 1 FROM episode_flags WHERE flag = 'judge_error'")
+
+
+def test_a_tight_judge_context_judges_groups_in_pairs(tmp_path, store, judge):
+    rubric = _rubric(tmp_path)
+    done = rescore(store, rubric, judge, "--judge-context", str(PAIRS_ONLY), "--judge-max-tokens", "100")
+    _judged_in_pairs(store, judge, done)
+    again = rescore(
+        store, rubric, judge, "--judge-context", str(PAIRS_ONLY), "--judge-max-tokens", "100", "--source", "b"
+    )
+    assert again.returncode == 0 and "6 from the cache" in again.stdout and len(judge.requests) == 4
+
+
+def test_a_failed_comparison_ends_its_tournament_and_leaves_the_group_unrewarded(tmp_path, store, judge):
+    judge.mode = "garbage"
+    done = rescore(store, _rubric(tmp_path), judge, "--judge-context", str(PAIRS_ONLY), "--judge-max-tokens", "100")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert len(judge.requests) == 2  # each group's first comparison failed: no second round
+    assert rewards(store) == {}  # never reward 0, nor a score from half a tournament
+    flags = store.fetchall("SELECT episode_id, details->>'error' FROM episode_flags WHERE flag = 'judge_error'")
+    assert len(flags) == 6 and all(" vs " in why and "not a JSON object" in why for _, why in flags)
+
+
+def test_the_endpoints_max_model_len_caps_the_context(tmp_path, store, judge):
+    judge.context = PAIRS_ONLY  # --judge-context stays at its default, larger
+    done = rescore(store, _rubric(tmp_path), judge, "--judge-max-tokens", "100")
+    _judged_in_pairs(store, judge, done)
+
+
+def test_an_episode_too_long_for_the_context_alone_is_unrewarded_with_the_reason(tmp_path, store, judge):
+    judge.context = NONE_FITS
+    done = rescore(store, _rubric(tmp_path), judge, "--judge-max-tokens", "100")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "6 failed" in done.stdout and "6 too long for the judge's context" in done.stdout
+    assert judge.requests == [] and judge_episodes(store) == []  # nothing sent
+    assert rewards(store) == {}  # never reward 0
+    flags = store.fetchall(
+        "SELECT episode_id, details->>'error', details->>'too_long' FROM episode_flags WHERE flag = 'judge_error'"
+    )
+    assert len(flags) == 6
+    assert all("too long for the judge's context" in why and f"reads {NONE_FITS}" in why for _, why, _ in flags)
+    assert {too_long for _, _, too_long in flags} == {"true"}
 
 
 def test_cache_makes_a_second_judging_free_and_a_changed_rubric_judges_again(tmp_path, store, judge):
