@@ -147,3 +147,26 @@ def test_a_role_within_a_where_selection_and_another_baseline(two_roles, tmp_pat
     got = {r["episode_id"]: r["advantage"] for r in rows}
     assert got["t0-0"] == pytest.approx(1.0 - (0.0 + 0.5) / 2)  # leave-one-out over the solver's episodes
     assert report.title() == "every round (train) role solver where task_id = 't0'"
+
+
+def test_the_command_builds_a_role_and_names_the_roles_when_it_has_none(two_roles, tmp_path):
+    from typer.testing import CliRunner
+
+    from lcap.cli import app
+
+    db = str(two_roles.path)
+    out = tmp_path / "planner"
+    built = CliRunner().invoke(
+        app, ["build-dataset", "--round", "1", "--role", "planner", "--out", str(out), "--db", db]
+    )
+    assert built.exit_code == 0, built.output
+    assert built.output.startswith(f"round 1 (train) role planner: 4 samples -> {out}")
+    assert "roles: planner 8 calls in 4 episodes, solver 7 calls in 4 episodes" in built.output
+    missing = CliRunner().invoke(
+        app, ["build-dataset", "--round", "1", "--role", "coder", "--out", str(tmp_path / "c"), "--db", db]
+    )
+    assert missing.exit_code == 2
+    assert missing.output.strip() == (
+        "lcap: --role coder: no call of that role in round 1 (train) (roles there: planner, solver); "
+        "the store holds roles: planner, solver"
+    )
