@@ -28,6 +28,7 @@ from lcap.config import LcapError
 from lcap.policy import read_policy
 from lcap.store import now
 from lcap.train.fit import (
+    ROLE_FOLDER,
     FittedRound,
     PreparedRound,
     RoundInputs,
@@ -48,9 +49,6 @@ class TrainResult:
     output: Path
     kind: str
     metrics: dict[str, Any] = field(default_factory=dict)
-
-
-ROLE_FOLDER = "role-"  # RUN/round-N/role-R: role R's round
 
 
 def round_dir(run: Path, round: int, role: str | None = None) -> Path:
