@@ -197,14 +197,22 @@ def build_dataset(
     round: Annotated[
         int | None, typer.Option("--round", help="Round whose episodes to build (with --where: of this round only).")
     ] = None,
+    role: Annotated[
+        str | None,
+        typer.Option(
+            "--role",
+            help="Build from this role's calls only (turns.role), for `lcap train --role`: the episodes with a call "
+            "of it, each with its episode's reward, the baseline computed over them alone.",
+        ),
+    ] = None,
 ) -> None:
     """Join captured turns with rewards into GRPO samples (SQL views), clean them, write Parquet."""
     from lcap.dataset.build.builder import build_dataset as build  # start-up: duckdb, pyarrow
     from lcap.store import Store  # start-up: duckdb
 
-    report = build(Store(db), round=round, out=out, options=options)
+    report = build(Store(db), round=round, out=out, options=options, role=role)
     typer.echo("\n".join(report.lines()))
-    what = report.title() if options.where else f"round {round}"
+    what = report.title() if options.where or role else f"round {round}"
     if report.samples == 0:
         raise LcapError(f"{what}: nothing to train on: {explain(report)}")
     if options.format == "grpo" and not report.groups.get("trainable"):

@@ -293,6 +293,8 @@ BATCH_LAYOUT = 8
 VIEWS = f"""
 CREATE OR REPLACE MACRO cut_by_token_limit(reason) AS
     coalesce(reason IN ({", ".join(f"'{r}'" for r in TRUNCATED_REASONS)}), false);
+-- a call's role (turns.role); a call captured before roles was the agent's one role, `default`
+CREATE OR REPLACE MACRO turn_role(role) AS coalesce(role, 'default');
 """ + """
 -- each episode's latest reward from one source (`lcap rescore --source`, a verifier, 'cli', ...; NULL: any source)
 CREATE OR REPLACE MACRO rewards_from(source_) AS TABLE
@@ -386,7 +388,7 @@ CREATE OR REPLACE VIEW episode_selection AS
                    FILTER (WHERE coalesce(model_served, model_requested) IS NOT NULL) AS models,
                mode(deployment) AS deployment,
                list(DISTINCT deployment) FILTER (WHERE deployment IS NOT NULL) AS deployments,
-               list(DISTINCT coalesce(role, 'default') ORDER BY coalesce(role, 'default')) AS roles
+               list(DISTINCT turn_role(role) ORDER BY turn_role(role)) AS roles
         FROM turns WHERE episode_id IS NOT NULL GROUP BY episode_id)
     SELECT s.episode_id, s.task_id, s.round, s.split, s.sample, s.group_id, s.collect_run AS run, e.labels,
            s.status, s.reward, s.reward_source, s.flags, s.n_turns, t.model, coalesce(t.models, []) AS models,

@@ -30,7 +30,12 @@ def register(cli: StageRegistry) -> None:
 def train(
     round: Annotated[int, typer.Option("--round", help="The round to train (its collected episodes).")],
     db: DbOption,
-    run: Annotated[Path, typer.Option("--run", help="Run folder: RUN/round-N/{data,adapter,config.json}.")],
+    run: Annotated[
+        Path,
+        typer.Option(
+            "--run", help="Run folder: RUN/round-N/{data,adapter,config.json} (a role's: RUN/round-N/role-R/)."
+        ),
+    ],
     options: TrainOptions,
     data: Annotated[
         Path | None,
@@ -49,6 +54,14 @@ def train(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the accelerate command instead of running it.")
     ] = False,
+    role: Annotated[
+        str | None,
+        typer.Option(
+            "--role",
+            help="Train this role's LoRA adapter alone (RUN/round-N/role-R), on `lcap build-dataset --role` samples, "
+            "from its own latest adapter (the base model in its first round).",
+        ),
+    ] = None,
 ) -> None:
     """Train one GRPO round (TRL GRPOTrainer), or with --sft one SFT round (TRL SFTTrainer), on the round's captured
     samples; LoRA unless --full."""
@@ -57,20 +70,21 @@ def train(
         return
     from lcap.store import Store  # start-up: duckdb
     from lcap.train.fit import is_main_process  # start-up: pyarrow
-    from lcap.train.grpo import round_dir, round_samples, train_round  # start-up: pyarrow
+    from lcap.train.grpo import check_role, round_dir, round_samples, train_round  # start-up: pyarrow
     from lcap.train.progress import round_line  # start-up: rich
     from lcap.train.sft import sft_round  # start-up: pyarrow
 
+    check_role(role, options)
     if is_main_process():
-        built = Path(data) if data is not None else round_dir(run, round) / "data"
+        built = Path(data) if data is not None else round_dir(run, round, role) / "data"
         folder = built.parent if built.suffix == ".parquet" else built
         # a build that found nothing writes no file: the store's report says why
         if not (folder / "samples.parquet").exists() and (report := last_report(Store(db), folder)):
             raise LcapError(f"round {round}: nothing to train on in {folder}: {explain(report)}")
-        for line in lost_lines(round_samples(run, round, data).parent):
+        for line in lost_lines(round_samples(run, round, data, role).parent):
             typer.echo(line)
     trainer = sft_round if options.sft else train_round
-    result = trainer(Store(db), run, round, options, data=data, progress=True)
+    result = trainer(Store(db), run, round, options, data=data, progress=True, role=role)
     if is_main_process():
         typer.echo(round_line(round, result.metrics, result.output))
 

@@ -145,9 +145,19 @@ def check_trainable(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -
     return groups
 
 
+ROLE_FOLDER = "role-"  # RUN/round-N/role-R: role R's round (grpo.py's layout)
+
+
+def round_folder(out_dir: Path) -> str:
+    """The folder of the round written to `out_dir`, under its run: round-3, or round-3/role-planner for a role's."""
+    return f"{out_dir.parent.name}/{out_dir.name}" if out_dir.name.startswith(ROLE_FOLDER) else out_dir.name
+
+
 def round_name(out_dir: Path) -> str:
-    """How messages name the round written to `out_dir` (RUN/round-3: "round 3")."""
-    return out_dir.name.replace("-", " ")
+    """How messages name the round written to `out_dir` (RUN/round-3: "round 3"; RUN/round-3/role-planner:
+    "round 3 role planner")."""
+    round, _, role = round_folder(out_dir).partition(f"/{ROLE_FOLDER}")
+    return round.replace("-", " ") + (f" role {role}" if role else "")
 
 
 def world_size() -> int:

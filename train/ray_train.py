@@ -22,7 +22,7 @@ from typing import Any, cast
 
 from lcap.config import LcapError
 from lcap.ray_cluster import connect, describe
-from lcap.train.fit import FittedRound, RoundInputs, UserPaths, fit_round
+from lcap.train.fit import FittedRound, RoundInputs, UserPaths, fit_round, round_folder
 from lcap.train.options import TrainOptions
 
 # What rank 0 may send back (the adapter and TRL's logs): a LoRA adapter is a small part of its model.
@@ -54,7 +54,7 @@ def fit_on_ray(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Fit
         "local_model": local_model,
         "current": inputs.current,
         "options": options,
-        "round_name": out_dir.name,
+        "round_name": round_folder(out_dir),
         "user_paths": UserPaths(
             Path(inputs.samples).resolve(), inputs.init_from.resolve() if inputs.init_from else None, out_dir.resolve()
         ),
@@ -69,7 +69,7 @@ def fit_on_ray(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -> Fit
                 use_gpu=options.use_gpu,
                 resources_per_worker={"CPU": options.cpus_per_worker, **({"GPU": 1} if options.use_gpu else {})},
             ),
-            run_config=RunConfig(name=f"lcap-{out_dir.name}", storage_path=str(storage)),
+            run_config=RunConfig(name=f"lcap-{round_folder(out_dir).replace('/', '-')}", storage_path=str(storage)),
         )
         try:
             result = cast(Result, trainer.fit())  # ray.train's Result, as mypy reads it, is v1's

@@ -146,14 +146,16 @@ def sft_round(
     *,
     data: Path | None = None,
     progress: bool = False,
+    role: str | None = None,
 ) -> TrainResult:
-    """Train round `round` with SFT on its samples (RUN/round-N/data or `data`); record it as a GRPO round is."""
+    """Train round `round` with SFT on its samples (RUN/round-N/data or `data`); record it as a GRPO round is.
+    `role`: role R's adapter alone, in RUN/round-N/role-R, as a GRPO round of a role."""
     if options.ray is not None:
         raise LcapError("--sft with --ray is not supported: train SFT rounds here or with --accelerate-config")
     run = Path(run)
     started_at = now()
-    inputs = round_inputs(run, round, options, data)
-    fitted = fit_sft(inputs, round_dir(run, round), options, progress=progress)
+    inputs = round_inputs(run, round, options, data, role=role)
+    fitted = fit_sft(inputs, round_dir(run, round, role), options, progress=progress)
     if is_main_process():
-        record_round(store, run, round, inputs, fitted, options, started_at)
+        record_round(store, run, round, inputs, fitted, options, started_at, role)
     return TrainResult(round=round, output=fitted.output, kind=fitted.kind, metrics=fitted.metrics)

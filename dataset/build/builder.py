@@ -15,7 +15,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,7 @@ SELECT tt.episode_id, tt.seq, tt.thread, tt.deployment, tt.rebuilt, tt.truncated
              ELSE list_transform(tt.completion_ids, lambda x: 0.0) END)::FLOAT[] AS logprobs,
        a.task_id, a.round::INTEGER AS round, a.group_id, a.reward, a.advantage, a.zero_variance, a.tampered
 FROM turn_tokens tt JOIN {advantages} a USING (episode_id)
-WHERE {a_chosen} AND tt.prompt_ids IS NOT NULL AND tt.completion_ids IS NOT NULL
+WHERE {a_chosen} AND {tt_role} AND tt.prompt_ids IS NOT NULL AND tt.completion_ids IS NOT NULL
 """
 
 # --format sft: a call no policy deployment served (a teacher API's) takes its ids re-rendered with the student's
@@ -65,7 +65,7 @@ s AS (
            CASE WHEN tt.deployment IS NULL THEN rb.completion_token_ids ELSE tt.completion_ids END AS completion_ids,
            a.task_id, a.round, a.group_id, a.reward, a.advantage, a.zero_variance, a.tampered
     FROM turn_tokens tt JOIN {advantages} a USING (episode_id) LEFT JOIN rb USING (turn_id)
-    WHERE {a_chosen})
+    WHERE {a_chosen} AND {tt_role})
 SELECT episode_id, seq, thread, deployment, rebuilt, truncated,
        prompt_ids::INTEGER[] AS prompt_ids, completion_ids::INTEGER[] AS completion_ids,
        (CASE WHEN NOT rebuilt AND len(logprobs) = len(completion_ids) THEN logprobs
@@ -80,7 +80,7 @@ WITH rb AS (SELECT * FROM rebuilt_turns QUALIFY row_number() OVER (PARTITION BY 
 SELECT t.turn_id, t.completion_text, t.tool_calls::VARCHAR, rb.completion_token_ids, rb.tokenizer
 FROM turns t JOIN rb USING (turn_id)
 SEMI JOIN (SELECT episode_id FROM {advantages} a WHERE {a_chosen}) e USING (episode_id)
-WHERE t.deployment IS NULL
+WHERE t.deployment IS NULL AND {turn_role}
 ORDER BY t.turn_id
 """
 MAX_CHANGE_EXAMPLES = 10
@@ -101,12 +101,15 @@ class BuildReport:
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase
     sft: dict[str, Any] = field(default_factory=dict)  # --format sft: turns by kind, what re-rendering changed
+    role: str | None = None  # --role: the one role whose calls were built (None: every call)
+    roles: dict[str, dict[str, int]] = field(default_factory=dict)  # the chosen episodes' calls and episodes by role
 
     def title(self) -> str:
-        """What was built: `round N (split)`, with the --where condition when there is one."""
+        """What was built: `round N (split)`, with the role and the --where condition when there are."""
         where = self.options.get("where")
         chosen = f"round {self.round}" if self.round is not None else "every round"
-        return f"{chosen} ({self.split})" + (f" where {where}" if where else "")
+        role = f" role {self.role}" if self.role is not None else ""
+        return f"{chosen} ({self.split}){role}" + (f" where {where}" if where else "")
 
     def lines(self) -> list[str]:
         """The report as a few human lines (what the CLI prints)."""
@@ -117,7 +120,9 @@ class BuildReport:
             f"groups: {fmt(self.groups)}",
             f"turns: {fmt(self.turns)}",
             f"samples: {fmt(self.sample_counts)}",
-            f"advantage: {self.advantage}",
+            "roles: " + ", ".join(f"{r} {n['calls']} calls in {n['episodes']} episodes" for r, n in self.roles.items()),
+            f"advantage: {self.advantage}"
+            + (f", over the episodes with a call of role {self.role}" if self.role else ""),
             f"timings (s): {fmt(self.timings)}",
         ] + (
             [f"sft turns: {fmt(self.sft['turns'])}", f"re-rendering changed: {fmt(self.sft['rerender_changes'])}"]
@@ -133,11 +138,15 @@ def build_dataset(
     out: Path,
     options: BuildOptions = BuildOptions(),
     groups: Sequence[str] | None = None,
+    role: str | None = None,
 ) -> BuildReport:
     """Write `out/samples.parquet` and `out/report.json` for the `options.split` episodes of `round`, or with
     `groups` for those GRPO groups (of any round: an async loop step's batch; `round` then names the step).
     With `options.where`, the episodes that condition picks from `episode_selection` (of `round` when it is
-    given, of every round when it is None) are the population: their groups and advantages are theirs alone."""
+    given, of every round when it is None) are the population: their groups and advantages are theirs alone.
+    With `role`, only that role's calls (`turns.role`) make samples, and the population is the chosen episodes
+    with a call of that role: each keeps its episode's reward, and its advantage is computed over them alone
+    (the per-role baseline); a role without a call there is a one-line error naming the roles there are."""
     started = time.perf_counter()
     if round is None and options.where is None and groups is None:
         raise LcapError("build-dataset needs --round, --where or both")
@@ -146,10 +155,13 @@ def build_dataset(
     report = BuildReport(
         round=round, split=options.split, out=str(out), options=asdict(options), advantage=ADVANTAGES[options.advantage]
     )
-    episodes = None if options.where is None else select_episodes(store, options.where)
-    by_population = episodes is None and (options.advantage != "group" or options.reward_source is not None)
-    if by_population:  # the baseline's population and the reward source need the chosen episodes named
-        episodes = _population(store, round, groups, options.split)
+    clock = _Clock(report.timings, started)
+    chosen = _choose(store, round, groups, options, role is not None)
+    report.roles = _role_counts(store, chosen, options.split)
+    if role is not None:
+        chosen = _of_role(store, chosen, role, report)
+        report.role = role
+    clock("select")
     made = not out.exists()  # a folder made here and left empty is removed: nothing to train on leaves nothing
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -157,14 +169,8 @@ def build_dataset(
         raise LcapError(f"cannot write {out}: {exc.strerror or exc}") from None
     sft = options.format == "sft"
 
-    clock = _Clock(report.timings, started)
-    rebuilt, unrebuildable = _rebuild(store, round, groups, episodes, options) if options.rebuild else (0, 0)
+    rebuilt, unrebuildable = _rebuild(store, round, groups, chosen.episodes, options) if options.rebuild else (0, 0)
     clock("rebuild")
-
-    if by_population and groups is not None:  # the groups' episodes, of any round (`round` names the async step)
-        chosen = _Chosen(None, None, episodes, options.advantage, options.reward_source)
-    else:
-        chosen = _Chosen(round, groups, episodes, options.advantage, options.reward_source)
     params = chosen.params(options.split)
     with store.connect() as con:
         turns = con.sql(chosen(_SFT_TURNS if sft else _TURNS), params=params).to_arrow_table()
@@ -303,13 +309,15 @@ def _conversations(store: Store, samples: pa.Table) -> pa.Table:
 @dataclass(frozen=True)
 class _Chosen:
     """The episodes a build reads, all of one split: a round's, the listed groups', or a --where selection's
-    (of one round or of all); a selection's advantages come from `advantages_over` its episodes alone."""
+    (of one round or of all); a selection's advantages come from `advantages_over` its episodes alone. With
+    `role`, the calls it reads are that role's (`{tt_role}` on `turn_tokens tt`, `{turn_role}` on `turns`)."""
 
     round: int | None
     groups: Sequence[str] | None
     episodes: Sequence[str] | None
     method: str = "group"
     source: str | None = None
+    role: str | None = None
 
     def params(self, split: str) -> dict[str, Any]:
         params: dict[str, Any] = {"split": split}
@@ -332,12 +340,30 @@ class _Chosen:
         if self.episodes is not None:
             conditions.append("episode_id IN (SELECT unnest($episodes::VARCHAR[]))")
             advantages = f"advantages_by($episodes::VARCHAR[], '{self.method}', {_literal(self.source)})"
+        role = None if self.role is None else _literal(self.role)
         return sql.format(
             chosen=" AND ".join(conditions),
             a_chosen=" AND ".join(f"a.{c}" for c in conditions),
             advantages=advantages,
             rewards=f"rewards_from({_literal(self.source)})",
+            tt_role="true"
+            if role is None
+            else f"tt.turn_id IN (SELECT turn_id FROM turns WHERE turn_role(role) = {role})",
+            turn_role="true" if role is None else f"turn_role(role) = {role}",
         )
+
+
+def _choose(
+    store: Store, round: int | None, groups: Sequence[str] | None, options: BuildOptions, named: bool
+) -> _Chosen:
+    """The episodes a build reads; `named`: list them even where the round or the groups alone would say which."""
+    episodes = None if options.where is None else select_episodes(store, options.where)
+    by_population = episodes is None and (options.advantage != "group" or options.reward_source is not None or named)
+    if by_population:  # the baseline's population, the reward source and a role need the chosen episodes named
+        episodes = _population(store, round, groups, options.split)
+    if by_population and groups is not None:  # the groups' episodes, of any round (`round` names the async step)
+        return _Chosen(None, None, episodes, options.advantage, options.reward_source)
+    return _Chosen(round, groups, episodes, options.advantage, options.reward_source)
 
 
 def _literal(text: str | None) -> str:
@@ -353,6 +379,42 @@ def _population(store: Store, round: int | None, groups: Sequence[str] | None, s
         r[0]
         for r in store.fetchall(chosen("SELECT episode_id FROM episode_summary WHERE {chosen}"), chosen.params(split))
     ]
+
+
+# The chosen episodes' successful calls (`turn_tokens`, the calls a build reads) by role.
+_ROLE_COUNTS = """
+WITH e AS (SELECT episode_id FROM episode_summary WHERE {chosen}),
+     r AS (SELECT turn_id, turn_role(any_value(role)) AS role FROM turns SEMI JOIN e USING (episode_id) GROUP BY turn_id)
+SELECT r.role, count(*) AS calls, count(DISTINCT tt.episode_id) AS episodes
+FROM turn_tokens tt SEMI JOIN e USING (episode_id) JOIN r USING (turn_id)
+GROUP BY r.role ORDER BY r.role
+"""
+
+# The chosen episodes with a successful call of the role: a per-role build's population.
+_ROLE_EPISODES = """
+SELECT DISTINCT episode_id FROM turn_tokens tt
+WHERE {tt_role} AND episode_id IN (SELECT episode_id FROM episode_summary WHERE {chosen}) ORDER BY episode_id
+"""
+
+
+def _role_counts(store: Store, chosen: _Chosen, split: str) -> dict[str, dict[str, int]]:
+    """The chosen episodes' calls and episodes by role."""
+    rows = store.fetchall(chosen(_ROLE_COUNTS), chosen.params(split))
+    return {role: {"calls": calls, "episodes": episodes} for role, calls, episodes in rows}
+
+
+def _of_role(store: Store, chosen: _Chosen, role: str, report: BuildReport) -> _Chosen:
+    """`chosen` narrowed to `role`: its episodes with a call of that role, and of theirs that role's calls only."""
+    if role not in report.roles:
+        there = ", ".join(report.roles) or "none (no successful call)"
+        held = [r[0] for r in store.fetchall("SELECT DISTINCT turn_role(role) FROM turns ORDER BY 1")]
+        raise LcapError(
+            f"--role {role}: no call of that role in {report.title()} (roles there: {there}); "
+            f"the store holds roles: {', '.join(held) or 'none (no call)'}"
+        )
+    narrowed = replace(chosen, role=role)
+    episodes = [r[0] for r in store.fetchall(narrowed(_ROLE_EPISODES), chosen.params(report.split))]
+    return replace(narrowed, episodes=episodes)
 
 
 def _source_rounds(
@@ -414,7 +476,7 @@ FROM (SELECT group_id, any_value(zero_variance) AS zero_variance, any_value(grou
 
 _TURN_COUNTS = """
 WITH e AS (SELECT episode_id FROM episode_summary WHERE {chosen}),
-     t AS (SELECT * FROM turns WHERE episode_id IN (SELECT episode_id FROM e))
+     t AS (SELECT * FROM turns WHERE episode_id IN (SELECT episode_id FROM e) AND {turn_role})
 SELECT count(*) AS total, count(*) - count(DISTINCT turn_id) AS duplicate,
        count(*) FILTER (WHERE error IS NOT NULL OR status_code >= 400) AS failed_calls,
        count(*) FILTER (WHERE cut_by_token_limit(finish_reason)) AS truncated,
