@@ -118,14 +118,17 @@ def promote(
 
 def gate(step: StepRunner, config: LoopConfig, n: int, output: str, node_proxies: Any = None) -> dict:
     """Round `n`'s candidate (the adapter in `output`) evaluated, compared with the current deployment and promoted
-    or refused, each part a recorded step (`eval`, `eval-current` when needed, `promote`): the verdict."""
+    or refused, each part a recorded step (`eval`, `eval-current` when needed, `promote`): the verdict. A round
+    whose verdict is recorded (a resume) is that verdict: nothing is loaded or measured again."""
     store = step.store
-    candidate = step(n, "eval", lambda: evaluate_candidate(store, config, n, output, node_proxies))
-    against, current_reward = current_figure(step, config, n, node_proxies)
-    verdict = step(n, "promote", lambda: promote(store, config, n, candidate, against, current_reward, output))
+    verdict = step.state.done(n, "promote")
+    if verdict is None:
+        candidate = step(n, "eval", lambda: evaluate_candidate(store, config, n, output, node_proxies))
+        against, current_reward = current_figure(step, config, n, node_proxies)
+        verdict = step(n, "promote", lambda: promote(store, config, n, candidate, against, current_reward, output))
     if verdict["promoted"]:
-        remember(step.state, candidate["name"], candidate["mean_reward"], n)
-    return {**verdict, "path": candidate["path"]}
+        remember(step.state, verdict["candidate"], verdict["candidate_reward"], n)
+    return verdict
 
 
 def verdict_text(verdict: dict) -> str:
@@ -139,7 +142,7 @@ def verdict_text(verdict: dict) -> str:
 def follow(verdict: dict) -> dict:
     """After a promotion: the promoted candidate current (it is, unless a resume found the record elsewhere: then
     made current again, or deployed again when the server no longer serves it). The `deploy` step's record."""
-    name, path = verdict["candidate"], verdict["path"]
+    name, path = verdict["candidate"], verdict["train_output"]
     record = read_policy()
     if record is None or record.current != name:
         if record is not None and name in record.loras:

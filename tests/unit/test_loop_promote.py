@@ -111,10 +111,12 @@ def test_a_refused_round_deploys_nothing_and_the_next_trains_from_the_deployment
     assert continued(state, 3) == Path("/run/round-1/adapter")
     assert promoted_reward(state, 3) == 0.75  # --stop-when-solved compares with the deployment that stays
 
-    # Resumed: round 2 is its recorded verdict; nothing is trained, loaded, evaluated or deployed again.
+    # Resumed (after a deploy by hand of a deployment never measured): round 2 is its recorded verdict; nothing is
+    # trained, loaded, evaluated or deployed again.
+    server.current = "by-hand"
     resumed = StepRunner(dstore, LoopState(config.run, config.key()), config.run)
     again = _round(resumed, config, 2, {"output": "/elsewhere"}, lines)
-    assert again.refused == second.refused and server.current == "cand-1"
+    assert again.refused == second.refused and server.current == "by-hand"
     assert server.evaluated == ["1:eval:cand-1", "2:eval:cand-2"] and server.deployments == ["cand-1"]
     rows = dstore.fetchall("SELECT round, step FROM loop_steps ORDER BY created_at, round")
     assert rows == [(1, "train"), (1, "eval"), (1, "promote"), (1, "deploy"), (2, "train"), (2, "eval"), (2, "promote")]
