@@ -49,8 +49,9 @@ def loop(
         Path | None,
         typer.Option(
             "--eval-tasks",
-            help="Held-out tasks, run before round 1 and after each deploy; with --live, on each candidate (and "
-            "once on each current deployment) before it may be promoted.",
+            help="Held-out tasks, run before round 1 and on each round's candidate (and once on a current deployment "
+            "not measured yet) before it may be deployed (--promote-margin); with --async or --full, after each "
+            "deploy.",
         ),
     ] = None,
     eval_group_size: Annotated[int, typer.Option("--eval-group-size", help="Samples per held-out task.")] = 1,

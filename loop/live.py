@@ -16,7 +16,8 @@ The loop collects nothing to train on. Each step:
    deployment's score is recorded already (`scores` in RUN/state.json).
 4. **promote**: the candidate becomes current (a `deployments` row) if its held-out reward >= the current
    one's - --promote-margin, and the current deployment is still the one it was compared with; else it is
-   refused, with the reason in `loop_steps`, and dropped from the policy record.
+   refused, with the reason in `loop_steps`, and dropped from the policy record. Steps 3 and 4 are
+   loop/promotion.py's, the rule `lcap loop` follows too.
 
 Traffic keeps flowing throughout: the serving proxy routes to the record's current deployment, which only a
 promotion (or `lcap deploy --rollback`) moves; an adapter is hot-loaded, so calls in flight finish on the one
@@ -39,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from lcap.config import LcapError
-from lcap.display import num
+from lcap.loop.promotion import evaluate, gate, read_policy_current, verdict_text
 from lcap.loop.steps import (
     SKIPPED,
     LoopConfig,
@@ -48,14 +49,12 @@ from lcap.loop.steps import (
     StepRunner,
     StopAfter,
     build_step,
-    collect_split,
     skip_step,
     skipped_line,
     solved,
     train_step,
 )
 from lcap.policy import read_policy
-from lcap.serve import forget_candidate, load_candidate, make_current, record_deployment
 from lcap.train import round_dir, training_text
 
 LIVE_SPLIT = "live"  # the split adopted live episodes get: build-dataset --split live reads them
@@ -156,9 +155,7 @@ def run_live_loop(
     if config.train.full or config.train.ray is not None or config.train.num_workers > 1:
         raise LcapError("--live trains a LoRA adapter in this process: not with --full, --ray or --num-workers")
     run = Path(config.run)
-    data = state.data
-    data.setdefault("lineage", [])
-    data.setdefault("scores", {})
+    state.data.setdefault("lineage", [])
     step = StepRunner(store, state, run, stop_after)
     first = next(
         (n for n in range(1, config.rounds + 1) if not (state.done(n, "promote") or state.done(n, SKIPPED))),
@@ -194,31 +191,16 @@ def _step(
     if "skipped" in trained:  # nothing to learn: no candidate, the deployment stays
         echo(skipped_line(f"step {n}", trained["skipped"]))
         return RoundSummary(round=n, skipped=trained["skipped"]["reason"])
-    candidate = step(n, "eval", lambda: _evaluate_candidate(store, config, n, trained["output"]))
-    scores = state.data["scores"]
-    against = read_policy_current()
-    if against not in scores:  # the current deployment's held-out reward, measured once per deployment
-        measured = step(n, "eval-current", lambda: _evaluate(store, config, n, "eval-current", against))
-        against = measured["deployment"]  # after a resume: the deployment the recorded step measured
-        with state.lock:
-            scores[against] = {"mean_reward": measured["mean_reward"], "round": n}
-            state.save()
-    verdict = step(
-        n, "promote", lambda: _promote(store, config, n, candidate, against, scores[against]["mean_reward"], trained)
-    )
+    verdict = gate(step, config, n, trained["output"])
     if verdict["promoted"]:
-        with state.lock:
-            scores[candidate["name"]] = {"mean_reward": candidate["mean_reward"], "round": n}
-            state.save()
         _observe(state)
-    s = RoundSummary(round=n, train=trained, eval_reward=candidate["mean_reward"])
-    s.deployed = candidate["name"] if verdict["promoted"] else None
+    s = RoundSummary(round=n, train=trained, eval_reward=verdict["candidate_reward"])
+    s.deployed = verdict["candidate"] if verdict["promoted"] else None
+    s.refused = None if verdict["promoted"] else verdict["reason"]
     hist = " ".join(f"{k}:{v}" for k, v in batch["staleness"].items())
-    outcome = f"promoted {candidate['name']}" if verdict["promoted"] else f"refused: {verdict['reason']}"
     echo(
         f"step {n}: {len(batch['episodes'])} episodes ({batch['groups']} groups) | staleness {hist}"
-        f" | {training_text(trained)} | held-out {num(candidate['mean_reward'])} vs {against}"
-        f" {num(scores[against]['mean_reward'])} | {outcome} | {time.perf_counter() - t0:.0f}s"
+        f" | {training_text(trained)} | {verdict_text(verdict)} | {time.perf_counter() - t0:.0f}s"
     )
     return s
 
@@ -226,18 +208,11 @@ def _step(
 def _stop_when_solved(store, config: LoopConfig, state: LoopState, step: StepRunner, n: int, echo) -> bool:
     """After skipped step `n`: whether --stop-when-solved ends the loop (the current deployment measured again)."""
     current = read_policy_current()
-    measure = functools.partial(step, n, "eval", lambda: _evaluate(store, config, n, "eval", current))
+    measure = functools.partial(step, n, "eval", lambda: evaluate(store, config, n, "eval", current))
     stop, said = solved(state, n, config.options.stop_when_solved, measure)
     if said:
         echo(said)
     return stop
-
-
-def read_policy_current() -> str:
-    record = read_policy()
-    if record is None:
-        raise LcapError("the policy server stopped (its record is gone): start it again and rerun the loop")
-    return record.current
 
 
 def _observe(state: LoopState) -> str:
@@ -327,48 +302,3 @@ def _policy_path(store, name: str) -> Path | None:
         f"the current deployment {name!r} is not a LoRA adapter or the base model: --live trains adapters on the "
         "base model; deploy one (or roll back to one) first"
     )
-
-
-def _evaluate(store, config: LoopConfig, n: int, split: str, model: str | None) -> dict:
-    assert config.eval_tasks is not None
-    record = read_policy()
-    pinned = model if record is not None and model in record.loras else None
-    return {
-        **collect_split(store, config, n, split, config.eval_tasks, config.eval_group_size, model=pinned),
-        "deployment": model,
-    }
-
-
-def _evaluate_candidate(store, config: LoopConfig, n: int, output: str) -> dict:
-    """Load the round's adapter beside the current deployment (again, after a resume: the same name) and run the
-    held-out tasks against it."""
-    name = load_candidate(Path(output), round=n)
-    return {**_evaluate(store, config, n, "eval", name), "name": name, "path": output}
-
-
-def _promote(
-    store, config: LoopConfig, n: int, candidate: dict, against: str, current_reward: float | None, trained: dict
-) -> dict:
-    margin = config.options.promote_margin
-    reward = candidate["mean_reward"]
-    base = {
-        "candidate": candidate["name"],
-        "candidate_reward": reward,
-        "current": against,
-        "current_reward": current_reward,
-        "margin": margin,
-        "train_output": trained["output"],
-    }
-    now_current = read_policy_current()
-    if reward is None or current_reward is None:
-        why = "no held-out episode was rewarded (" + ("candidate" if reward is None else "current") + ")"
-    elif now_current != against:
-        why = f"the current deployment changed to {now_current} during the evaluation (a rollback?)"
-    elif reward >= current_reward - margin:
-        record = make_current(candidate["name"])
-        record_deployment(store, record, candidate["name"], candidate["path"], "lora", n)
-        return {**base, "promoted": True, "mean_reward": reward}
-    else:
-        why = f"held-out reward {num(reward)} < {num(current_reward)} - margin {margin:g}"
-    forget_candidate(candidate["name"])
-    return {**base, "promoted": False, "reason": why, "mean_reward": reward}

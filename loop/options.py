@@ -63,8 +63,11 @@ class LoopOptions:
     )
     promote_margin: float = option(
         0.0,
-        help="--live: promote the candidate when its held-out reward >= the current deployment's - this margin; "
-        "0 promotes one no worse, 0.02 tolerates noise, a negative margin demands a gain.",
+        help="With --eval-tasks (and --live): a round's adapter is evaluated on the held-out tasks beside the current "
+        "deployment before it is deployed, and promoted only when its held-out reward >= the current deployment's - "
+        "this margin, else refused (kept in the run folder; the next round trains from the current deployment). 0 "
+        "promotes one no worse, 0.02 tolerates noise, a negative margin demands a gain, one wider than the rewards' "
+        "range promotes every round. Not with --async or --full, which deploy before they evaluate.",
     )
     wait_timeout: float = option(
         0.0, help="--live: seconds a step waits for enough samples before the loop ends (0: wait until Ctrl-C)."

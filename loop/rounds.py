@@ -6,9 +6,13 @@ it continues at the first unfinished step: collect resumes itself (finished epis
 build and train are redone from their inputs, and the last deployed adapter is deployed again if
 the policy server no longer serves it (e.g. it was restarted).
 
-Round numbering: round N's samples are collected with the policy trained in round N-1 (round 1
-with the base), train on them, and deploy the result. With --eval-tasks the held-out tasks run
-before round 1 (`eval` of round 0, the base policy) and after each round's deploy.
+Round numbering: round N's samples are collected with the policy deployed last (round 1 with the
+base), train on them, and deploy the result. With --eval-tasks the held-out tasks run before round 1
+(`eval` of round 0, the base policy), and each round's adapter is a candidate (loop/promotion.py, the
+live loop's rule): loaded beside the current deployment, evaluated on the held-out tasks by name, and
+deployed only if it is no worse than the current one by more than --promote-margin; a refused round
+is kept in the run folder, deploys nothing, and the next round trains from the deployment that stays.
+A full checkpoint (--full) cannot be served beside the policy: it is deployed, then evaluated.
 
 With --live, loop/live.py runs the steps instead: trained on a serving proxy's rewarded traffic, each candidate
 evaluated before it is promoted.
@@ -17,6 +21,7 @@ With --sft-data, round 1 is an SFT round (train on those supervised samples, dep
 rounds are 2, 3, ...: the first of them collects with the SFT policy.
 """
 
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -29,6 +34,7 @@ from lcap.config import LcapError
 from lcap.display import num
 from lcap.loop.live import run_live_loop
 from lcap.loop.overlap import run_async_loop
+from lcap.loop.promotion import follow, gate, read_policy_current, remember, verdict_text
 from lcap.loop.steps import (
     LoopConfig,
     LoopState,
@@ -73,6 +79,11 @@ def run_loop(
         raise LcapError(f"--num-workers {config.train.num_workers} trains on a Ray cluster: add --ray ADDRESS")
     (run / "loop.json").write_text(json.dumps({**asdict(config), "key": config.key()}, indent=2, default=str))
     _redeploy_if_lost(state, store, echo)
+    if config.eval_tasks and not config.options.live and (config.options.overlap or not gated(config)):
+        echo(
+            f"note: {'--async' if config.options.overlap else '--full'} deploys each round before its held-out "
+            "evaluation (no --promote-margin gate: only an adapter of the synchronous loop is evaluated first)"
+        )
     if config.options.live:
         return run_live_loop(store, config, state, echo=echo, stop_after=stop_after)
     if config.options.overlap:
@@ -100,12 +111,17 @@ def _rounds(
     summaries: list[RoundSummary] = []
     try:
         if eval_tasks:
-            info = step(0, "eval", lambda: collect_step(0, "eval", eval_tasks, config.eval_group_size))
+            base = read_policy_current()
+            info = step(
+                0, "eval", lambda: {**collect_step(0, "eval", eval_tasks, config.eval_group_size), "deployment": base}
+            )
+            if info.get("deployment"):  # what a candidate is compared with until one is promoted
+                remember(step.state, info["deployment"], info["mean_reward"], 0)
             echo(f"round 0 (base policy): held-out reward {num(info['mean_reward'])} ({info['rewarded']} episodes)")
             summaries.append(RoundSummary(round=0, eval_reward=info["mean_reward"]))
         first = 1
         if config.options.sft_data:
-            summaries.append(_sft_round(store, config, step, collect_step, echo))
+            summaries.append(_sft_round(store, config, step, collect_step, echo, node_proxies))
             first = 2
         for n in range(first, first + config.rounds):
             t0 = time.perf_counter()
@@ -122,6 +138,7 @@ def _rounds(
                 s,
                 lambda: train_step(store, run, n, config.train, data, continued(step.state, n)),
                 echo,
+                node_proxies,
             )
             summaries.append(s)
             if said is None:  # nothing to learn: skipped, the deployment stays
@@ -137,13 +154,17 @@ def _rounds(
     return summaries
 
 
-def _sft_round(store, config: LoopConfig, step: StepRunner, collect_step, echo: Callable[[str], None]) -> RoundSummary:
-    """Round 1 of `--sft-data`: SFT on the given samples, deploy, and the held-out eval of the result."""
+def _sft_round(
+    store, config: LoopConfig, step: StepRunner, collect_step, echo: Callable[[str], None], node_proxies: Any
+) -> RoundSummary:
+    """Round 1 of `--sft-data`: SFT on the given samples, then deployed (with --eval-tasks, promoted or refused on
+    the held-out tasks as any round)."""
     t0 = time.perf_counter()
     run = Path(config.run)
     data = Path(config.options.sft_data or "")
     s = RoundSummary(round=1)
-    said = _train_deploy_eval(step, config, collect_step, s, lambda: sft_step(store, run, 1, config.train, data), echo)
+    train = functools.partial(sft_step, store, run, 1, config.train, data)
+    said = _train_deploy_eval(step, config, collect_step, s, train, echo, node_proxies)
     echo(f"round 1 (sft on {data}): {s.train['n_samples']} samples{said} | {time.perf_counter() - t0:.0f}s")
     return s
 
@@ -155,9 +176,11 @@ def _train_deploy_eval(
     s: RoundSummary,
     train: Callable[[], dict],
     echo: Callable[[str], None],
+    node_proxies: Any,
 ) -> str | None:
-    """A round's training (`train`), deploy and held-out eval, recorded in `s`; what its line says of them (None: the
-    round had nothing to learn and was skipped, its one line printed)."""
+    """A round's training (`train`), then its candidate promoted or refused on the held-out tasks (with
+    --eval-tasks; a full checkpoint: deployed, then evaluated) or deployed, recorded in `s`; what its line says of
+    them (None: the round had nothing to learn and was skipped, its one line printed)."""
     n = s.round
     s.train = skip_step(step, n, "train", train)
     if "skipped" in s.train:
@@ -166,12 +189,26 @@ def _train_deploy_eval(
         return None
     if warning := few_groups(f"round {n}", s.train, config.options.min_groups):
         echo(warning)
+    if gated(config):
+        verdict = gate(step, config, n, s.train["output"], node_proxies)
+        s.eval_reward = verdict["candidate_reward"]
+        if verdict["promoted"]:  # the `deploy` step every resume and reader looks for
+            s.deployed = step(n, "deploy", lambda: follow(verdict))["name"]
+        else:
+            s.refused = verdict["reason"]
+        return f" | {verdict_text(verdict)} | {training_text(s.train)}"
     s.deployed = step(n, "deploy", lambda: deploy_step(step.store, s.train["output"], n))["name"]
     if config.eval_tasks:
         tasks = config.eval_tasks
         s.eval_reward = step(n, "eval", lambda: collect_step(n, "eval", tasks, config.eval_group_size))["mean_reward"]
     held_out = f" | held-out {num(s.eval_reward)}" if config.eval_tasks else ""
     return f"{held_out} | {training_text(s.train)} | deployed {s.deployed}"
+
+
+def gated(config: LoopConfig) -> bool:
+    """Whether a round's policy is promoted on held-out evidence before it is deployed: with --eval-tasks, for an
+    adapter (a full checkpoint replaces the served weights, so it can only be evaluated once deployed)."""
+    return config.eval_tasks is not None and not config.train.full
 
 
 def _stop_when_solved(step: StepRunner, config: LoopConfig, collect_step, n: int, echo: Callable[[str], None]) -> bool:

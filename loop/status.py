@@ -18,7 +18,8 @@ from lcap.store import Store, table_names
 RUNS = 3  # runs shown, the most recent first
 
 # Per run, its last step and the last held-out reward it measured (an eval step's: a deploy's or collect's own
-# figure is no held-out one). A round skipped with nothing to learn is the step `skipped`, its reason in details.
+# figure is no held-out one). A round skipped with nothing to learn is the step `skipped`, its reason in details; a
+# candidate refused on held-out evidence is the step `promote` with `promoted` false and its reason.
 _LAST_STEPS = f"""
 SELECT run, arg_max(round, created_at), arg_max(step, created_at),
        arg_max(mean_reward, created_at) FILTER (WHERE step = 'eval' AND mean_reward IS NOT NULL),
@@ -82,7 +83,9 @@ def loop(view: View) -> Section:
     data = []
     for run, round_, step, reward, finished, details in sorted(rows, key=lambda r: -r[4])[:RUNS]:
         info = json.loads(details) if details else None
-        shown = f"skipped: {info.get('reason')}" if step == "skipped" and isinstance(info, dict) else step
+        shown = step
+        if isinstance(info, dict) and (step == "skipped" or (step == "promote" and info.get("promoted") is False)):
+            shown = f"{'skipped' if step == 'skipped' else 'refused'}: {info.get('reason')}"
         s.rows.append([run, shown, str(round_), num(reward), f"{age(view.now - finished)} ago"])
         data.append(
             {

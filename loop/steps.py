@@ -148,6 +148,7 @@ class RoundSummary:
     train: dict[str, Any] = field(default_factory=dict)
     deployed: str | None = None
     skipped: str | None = None  # why the round had nothing to learn (then nothing was trained or deployed)
+    refused: str | None = None  # why its candidate was not promoted (then it was trained, never deployed)
 
 
 def split_reward(store, run_id: str, round: int, split: str) -> tuple[float | None, int]:

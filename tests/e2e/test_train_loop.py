@@ -73,6 +73,8 @@ def loop_command(tmp_path: Path, db: Path) -> list[str]:
         "1e-3",
         "--report-to",
         "none",
+        "--promote-margin",  # every round deployed: these tests follow deploys (tests/e2e/test_loop_promote.py refuses)
+        "10",
         "--",
         sys.executable,
         str(tmp_path / "agent.py"),

@@ -1,0 +1,182 @@
+"""`lcap loop` with --eval-tasks promotes a round only on held-out evidence (loop/promotion.py, the rule `lcap loop
+--live` follows too): the rule, and a refused round's bookkeeping (it deploys nothing, now or on a resume, and the
+next round trains from the deployment that stays). The policy server and the collects are stand-ins here (no vLLM
+in the unit tier); tests/e2e/test_loop_promote.py runs the same rounds on the vLLM CPU server."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from lcap.loop import promotion
+from lcap.loop.options import LoopOptions
+from lcap.loop.promotion import refusal, remember
+from lcap.loop.steps import LoopConfig, LoopState, RoundSummary, StepRunner, continued, promoted_reward
+
+
+def test_a_candidate_is_promoted_when_no_worse_than_the_current_by_more_than_the_margin():
+    assert refusal(0.5, 0.5, 0.0) is None  # no worse
+    assert refusal(0.45, 0.5, 0.1) is None  # worse, within the margin
+    assert refusal(0.5, 0.5, -0.1) == "held-out reward 0.500 < 0.500 - margin -0.1"  # a gain demanded
+    assert refusal(0.045, 0.344, 0.0) == "held-out reward 0.045 < 0.344 - margin 0"
+    assert refusal(0.0, 1.0, 10.0) is None and refusal(1.0, 0.0, -10.0) is not None  # what the e2e test forces
+    assert refusal(None, 0.5, 10.0) == "no held-out episode was rewarded (candidate)"
+    assert refusal(0.5, None, 10.0) == "no held-out episode was rewarded (current)"
+
+
+class Server:
+    """The policy server as the loop sees it: the record (current, loaded adapters) and what was done to it."""
+
+    def __init__(self, current: str, figures: dict[str, float]) -> None:
+        self.current = current
+        self.loras: dict[str, str] = {}
+        self.figures = figures  # deployment -> the held-out reward its evaluation gets
+        self.evaluated: list[str] = []
+        self.deployments: list[str] = []
+
+    def install(self, monkeypatch) -> None:
+        record = lambda: SimpleNamespace(current=self.current, loras=dict(self.loras))  # noqa: E731
+        monkeypatch.setattr(promotion, "read_policy", record)
+        monkeypatch.setattr(promotion, "load_candidate", self.load)
+        monkeypatch.setattr(promotion, "make_current", self.make_current)
+        monkeypatch.setattr(promotion, "forget_candidate", lambda name: self.loras.pop(name))
+        monkeypatch.setattr(promotion, "record_deployment", lambda s, r, name, *a: self.deployments.append(name))
+        monkeypatch.setattr(promotion, "collect_split", self.collect)
+
+    def load(self, path: Path, *, round: int) -> str:
+        name = f"cand-{round}"
+        self.loras[name] = str(path)
+        return name
+
+    def make_current(self, name: str) -> None:
+        assert name in self.loras
+        self.current = name
+
+    def collect(self, store, config, n, split, tasks, group_size, node_proxies=None, model=None) -> dict:
+        served = model or self.current  # pinned by name, or the routed current deployment
+        self.evaluated.append(f"{n}:{split}:{served}")
+        return {"mean_reward": self.figures[served], "rewarded": 1}
+
+
+def _config(tmp_path: Path, margin: float = 0.0) -> LoopConfig:
+    return LoopConfig(
+        run=tmp_path / "run",
+        rounds=3,
+        tasks=tmp_path / "t.jsonl",
+        command=["agent"],
+        eval_tasks=tmp_path / "e.jsonl",
+        options=LoopOptions(promote_margin=margin),
+    )
+
+
+def _round(step: StepRunner, config: LoopConfig, n: int, trained: dict, lines: list[str]) -> RoundSummary:
+    from lcap.loop.rounds import _train_deploy_eval
+
+    s = RoundSummary(round=n)
+    said = _train_deploy_eval(step, config, None, s, lambda: trained, lines.append, None)
+    lines.append(f"round {n}:{said}")
+    return s
+
+
+def test_a_refused_round_deploys_nothing_and_the_next_trains_from_the_deployment_that_stays(
+    dstore, tmp_path, monkeypatch
+):
+    server = Server("base", {"base": 0.5, "cand-1": 0.75, "cand-2": 0.25})
+    server.install(monkeypatch)
+    config = _config(tmp_path)
+    state = LoopState(config.run, config.key())
+    remember(state, "base", 0.5, 0)  # round 0's held-out run of the base
+    step = StepRunner(dstore, state, config.run)
+    lines: list[str] = []
+
+    first = _round(step, config, 1, {"output": "/run/round-1/adapter", "n_groups": 4}, lines)
+    assert first.deployed == "cand-1" == server.current and server.deployments == ["cand-1"]
+    assert lines[-1].startswith("round 1: | held-out 0.750 vs base 0.500 | promoted cand-1 | loss ")
+    assert server.evaluated == ["1:eval:cand-1"]  # the candidate by name, before it served anything routed
+
+    second = _round(step, config, 2, {"output": "/run/round-2/adapter", "n_groups": 4}, lines)
+    assert second.deployed is None and second.refused == "held-out reward 0.250 < 0.750 - margin 0"
+    assert server.current == "cand-1" and "cand-2" not in server.loras and server.deployments == ["cand-1"]
+    assert (
+        "held-out 0.250 vs cand-1 0.750 | refused: held-out reward 0.250 < 0.750 - margin 0; cand-1 stays"
+        in (lines[-1])
+    )
+    assert server.evaluated == ["1:eval:cand-1", "2:eval:cand-2"]  # cand-1's figure kept, not measured again
+
+    # What a resume reads: round 2 deployed nothing, round 3 trains from round 1's adapter.
+    assert state.done(2, "deploy") is None and state.done(2, "promote")["promoted"] is False
+    assert state.last_deployed() == {**state.done(1, "deploy")} and state.last_deployed()["name"] == "cand-1"
+    assert continued(state, 3) == Path("/run/round-1/adapter")
+    assert promoted_reward(state, 3) == 0.75  # --stop-when-solved compares with the deployment that stays
+
+    # Resumed (after a deploy by hand of a deployment never measured): round 2 is its recorded verdict; nothing is
+    # trained, loaded, evaluated or deployed again.
+    server.current = "by-hand"
+    resumed = StepRunner(dstore, LoopState(config.run, config.key()), config.run)
+    again = _round(resumed, config, 2, {"output": "/elsewhere"}, lines)
+    assert again.refused == second.refused and server.current == "by-hand"
+    assert server.evaluated == ["1:eval:cand-1", "2:eval:cand-2"] and server.deployments == ["cand-1"]
+    rows = dstore.fetchall("SELECT round, step FROM loop_steps ORDER BY created_at, round")
+    assert rows == [(1, "train"), (1, "eval"), (1, "promote"), (1, "deploy"), (2, "train"), (2, "eval"), (2, "promote")]
+
+
+def test_a_current_deployment_without_a_figure_is_measured_once(dstore, tmp_path, monkeypatch):
+    """A deployment the loop never measured (deployed by hand, a store from before the rule): its held-out reward
+    is measured once, as step `eval-current`, then kept."""
+    server = Server("by-hand", {"by-hand": 0.5, "cand-1": 0.25, "cand-2": 0.5})
+    server.install(monkeypatch)
+    config = _config(tmp_path, margin=0.1)
+    step = StepRunner(dstore, LoopState(config.run, config.key()), config.run)
+    lines: list[str] = []
+    assert _round(step, config, 1, {"output": "/a"}, lines).refused is not None  # 0.25 < 0.5 - 0.1
+    assert _round(step, config, 2, {"output": "/b"}, lines).deployed == "cand-2"  # 0.5 >= 0.5 - 0.1
+    assert server.evaluated == ["1:eval:cand-1", "1:eval-current:by-hand", "2:eval:cand-2"]
+    assert step.state.data["scores"] == {
+        "by-hand": {"mean_reward": 0.5, "round": 1},
+        "cand-2": {"mean_reward": 0.5, "round": 2},
+    }
+
+
+def test_a_full_checkpoint_is_deployed_then_evaluated(dstore, tmp_path, monkeypatch):
+    """--full cannot be served beside the policy: the round deploys as before, the held-out run follows."""
+    from lcap.loop import rounds
+    from lcap.train import TrainOptions
+
+    server = Server("base", {"base": 0.5})
+    server.install(monkeypatch)
+    deployed = []
+    monkeypatch.setattr(rounds, "deploy_step", lambda store, output, n: deployed.append(output) or {"name": "full-1"})
+    config = _config(tmp_path)
+    config.train = TrainOptions(full=True)
+    step = StepRunner(dstore, LoopState(config.run, config.key()), config.run)
+    collected = []
+    collect_step = lambda n, split, tasks, size: collected.append(split) or {"mean_reward": 0.0}  # noqa: E731
+    s = RoundSummary(round=1)
+    said = rounds._train_deploy_eval(step, config, collect_step, s, lambda: {"output": "/ckpt"}, print, None)
+    assert deployed == ["/ckpt"] and collected == ["eval"] and s.deployed == "full-1" and "deployed full-1" in said
+    assert server.evaluated == []
+
+
+def test_status_says_a_refused_round_with_its_reason(dstore, tmp_path):
+    from lcap.loop.status import loop
+    from lcap.status import View
+
+    verdict = {"promoted": False, "reason": "held-out reward 0.045 < 0.344 - margin 0", "candidate": "c"}
+    dstore.append(
+        "loop_steps",
+        [
+            {
+                "run": "/runs/a",
+                "round": 1,
+                "step": step,
+                "mean_reward": 0.045,
+                "details": json.dumps(details),
+                "created_at": f"2026-01-01 00:0{i}:00+00",
+            }
+            for i, (step, details) in enumerate([("eval", {}), ("promote", verdict)])
+        ],
+    )
+    section = loop(View(dstore.path, time.time()))
+    assert section.rows[0][1] == "refused: held-out reward 0.045 < 0.344 - margin 0"
