@@ -239,15 +239,26 @@ def held_out_by_round(store) -> list[dict]:
     """Per round, from the store: held-out episodes, their mean reward, and the shares of well-formed and right
     answers (the verifier's details). Every finished episode counts: one that crashed, timed out or went unrewarded
     is a wrong answer with reward 0, never left out of the denominator; one still running (or interrupted, to be run
-    again on resume) is not counted yet."""
+    again on resume) is not counted yet. `promoted`: the loop's verdict on the round's adapter (False: refused on
+    this held-out result, so the deployment before it kept serving; None: round 0, or no verdict)."""
     with store.connect(read_only=True) as con:
         rows = con.execute(f"""
+            WITH verdict AS (
+                SELECT round, bool_and((details->>'promoted')::BOOLEAN) AS promoted
+                FROM loop_steps WHERE step = 'promote' GROUP BY round)
             SELECT round, count(*), avg(coalesce(reward, 0)),
                    avg(coalesce((reward_details->>'well_formed')::BOOLEAN, false)::INTEGER),
-                   avg(coalesce((reward_details->>'right')::BOOLEAN, false)::INTEGER)
-            FROM episode_summary WHERE split = 'eval' AND status IN {FINISHED}
+                   avg(coalesce((reward_details->>'right')::BOOLEAN, false)::INTEGER),
+                   any_value(verdict.promoted)
+            FROM episode_summary LEFT JOIN verdict USING (round)
+            WHERE split = 'eval' AND status IN {FINISHED}
             GROUP BY round ORDER BY round""").fetchall()
-    return [dict(round=n, episodes=k, reward=r, well_formed=f, right=g) for n, k, r, f, g in rows]
+    return [dict(round=n, episodes=k, reward=r, well_formed=f, right=g, promoted=p) for n, k, r, f, g, p in rows]
+
+
+def served(held_out: list[dict]) -> list[dict]:
+    """The held-out rounds whose policy served (a refused round's figures are its candidate's, which never did)."""
+    return [h for h in held_out if h.get("promoted") is not False]
 
 
 def calls_by_round(store) -> list[dict]:
@@ -280,7 +291,9 @@ def calls_by_round(store) -> list[dict]:
 
 def check_targets(held_out: list[dict], *, pretrained: bool = False) -> tuple[bool, list[str]]:
     """The demo's learning targets on the held-out rounds: each one's verdict as a line, and whether all pass. A tiny
-    model's are absolute (its warm start sets where it begins); a pretrained model's are its gain over round 0."""
+    model's are absolute (its warm start sets where it begins); a pretrained model's are its gain over round 0. Only
+    the rounds whose policy served count: the policy a run ends with is its last promoted round's."""
+    held_out = served(held_out)
     if len(held_out) < 2:
         return False, ["fewer than two held-out rounds in the store"]
     if pretrained:
@@ -350,7 +363,8 @@ def summarise(out: Path, store, timings: dict[str, float], seconds: float, task:
                 "loss": trained.get("loss"),
                 "is_ratio": trained.get("is_ratio_mean"),
                 "mismatch_kl": trained.get("mismatch_kl"),
-                "deployed": (state.get(f"{n}:deploy") or {}).get("name"),
+                "deployed": (state.get(f"{n}:deploy") or {}).get("name")
+                or ("refused" if h.get("promoted") is False else None),
             }
         )
     fmt = lambda x, d=3: "-" if x is None else f"{x:.{d}f}"  # noqa: E731

@@ -129,3 +129,17 @@ def test_demo_refuses_a_folder_of_another_seed_or_model_and_exits_1_when_it_miss
         monkeypatch.setattr(runner, "run_demo", lambda *a, passed=passed, **k: {"targets": {"passed": passed}})
         result = CliRunner().invoke(app, ["demo", "--out", str(out)])
         assert result.exit_code == code, result.output
+
+
+def test_a_refused_round_is_not_the_policy_the_run_ends_with(tmp_path):
+    """With --eval-tasks the loop refuses a round whose candidate is worse on the held-out tasks: its eval episodes
+    are the candidate's, which never served, so the targets judge the last promoted round instead."""
+    right, formed = (True, True), (True, False)
+    store = held_out_store(tmp_path, {0: [formed] * 10, 1: [right] * 9 + [formed], 2: [formed] * 10})
+    for n, promoted in ((1, True), (2, False)):
+        store.append("loop_steps", [{"round": n, "step": "promote", "details": json.dumps({"promoted": promoted})}])
+    rows = held_out_by_round(store)
+    assert [r["promoted"] for r in rows] == [None, True, False]
+    passed, lines = check_targets(rows)
+    assert passed and all("round 2" not in line for line in lines)  # round 1 serves: its figures are judged
+    assert not check_targets([{**r, "promoted": None} for r in rows])[0]  # counted as served, round 2 would fail
