@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from lcap.config import LcapError
 from lcap.dataset import FINISHED, BuildOptions, CollectOptions
@@ -344,7 +345,7 @@ def summarise(out: Path, store, timings: dict[str, float], seconds: float, task:
     held_out = {h["round"]: h for h in held_out_by_round(store)}
     calls = {c["round"]: c for c in calls_by_round(store)}
     rounds = sorted({int(k.split(":")[0]) for k in state} | set(held_out))
-    rows = []
+    rows: list[dict[str, Any]] = []
     for n in rounds:
         h = held_out.get(n, {})
         c = calls.get(n, {})
