@@ -308,8 +308,7 @@ def fit_round(inputs: RoundInputs, out_dir: Path, options: TrainOptions, *, prog
     quiet_training()
     p = prepare(inputs, out_dir, options)
     mismatch = guard_round(p, options)
-    if progress:
-        p.trainer.add_callback(step_progress(f"train {round_name(out_dir)}"))
+    p.trainer.add_callback(step_progress(f"train {round_name(out_dir)}", show=progress))
     trainer, groups = p.trainer, p.groups
     output, seconds = train_and_save(trainer, out_dir, p.kind)
 

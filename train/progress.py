@@ -1,4 +1,4 @@
-"""What a person sees while a round trains: a progress bar over optimiser steps, then one line.
+"""What a person sees while a round trains: progress over optimiser steps (a bar, or a line every 30 s), then one line.
 
 TRL's per-step log records go to TensorBoard (`RUN/round-N/trainer/runs`) and, averaged, to the
 `train_runs` table; the terminal gets a bar and the round's summary, never the raw dicts.
@@ -9,10 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
 from lcap.display import num, small
+from lcap.progress import Reporter
 
 
 def training_text(metrics: dict[str, Any]) -> str:
@@ -40,42 +38,35 @@ def round_line(round: int, metrics: dict[str, Any], output: Path) -> str:
     )
 
 
-def step_progress(label: str) -> Any:
-    """A TrainerCallback that draws a rich progress bar over the round's optimiser steps (main process only)."""
+def step_progress(label: str, show: bool | None = None) -> Any:
+    """A TrainerCallback that shows the round's optimiser steps and last loss (main process only): a bar on a
+    terminal, else a line at least every 30 s (lcap/progress.py). `show`: None for whichever stderr is."""
     from transformers import TrainerCallback  # the train extra
 
     class StepProgress(TrainerCallback):
         def __init__(self, label: str) -> None:
             self.label = label
-            self._bar: Any = None
-            self._task: Any = None
+            self.loss = ""
+            self._reporter: Reporter | None = None
 
         def on_train_begin(self, args, state, control, **kwargs):
             if not state.is_world_process_zero:
                 return
-            self._bar = Progress(
-                TextColumn(self.label),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.description}"),
-                TimeElapsedColumn(),
-                console=Console(stderr=True),
-                transient=True,
-            )
-            self._bar.start()
-            self._task = self._bar.add_task("", total=state.max_steps)
+            self._reporter = Reporter(self.label, state.max_steps, lambda: self.loss, show=show)
+            self._reporter.__enter__()
 
         def on_step_end(self, args, state, control, **kwargs):
-            if self._bar is not None:
-                self._bar.update(self._task, completed=state.global_step)
+            if self._reporter is not None:
+                self._reporter.advance(state.global_step - self._reporter.done)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if self._bar is not None and logs and "loss" in logs:
-                self._bar.update(self._task, description=f"loss {logs['loss']:.4f}")
+            if self._reporter is not None and logs and "loss" in logs:
+                self.loss = f"loss {logs['loss']:.4f}"
+                self._reporter.refresh()
 
         def on_train_end(self, args, state, control, **kwargs):
-            if self._bar is not None:
-                self._bar.stop()
-                self._bar = None
+            if self._reporter is not None:
+                self._reporter.__exit__(None, None, None)
+                self._reporter = None
 
     return StepProgress(label)

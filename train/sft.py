@@ -120,8 +120,7 @@ def fit_sft(inputs: RoundInputs, out_dir: Path, options: TrainOptions, *, progre
     """Train the SFT round in this process; rank 0 saves the adapter or checkpoint in OUT_DIR as GRPO's does."""
     quiet_training()
     p = prepare_sft(inputs, out_dir, options)
-    if progress:
-        p.trainer.add_callback(step_progress(f"train {round_name(out_dir)} (sft)"))
+    p.trainer.add_callback(step_progress(f"train {round_name(out_dir)} (sft)", show=progress))
     trainer = p.trainer
     output, seconds = train_and_save(trainer, out_dir, p.kind)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h and not math.isnan(h["loss"])]
