@@ -105,41 +105,55 @@ def test_each_roles_calls_land_on_its_adapter_and_a_role_rolls_back_alone(vllm_p
     ]
 
 
-def test_a_two_role_deploy_is_atomic_under_concurrent_calls(vllm_policy, adapters, tmp_path):
-    """Agents call as planner and as solver without pause while both roles move from round 1's adapters to round
-    2's in one deploy. Atomic means no call saw half of it: no call routed by the old record (its role's old adapter)
-    started after another call, of either role, routed by the new one had ended. (A deploy that published the two
-    roles one after the other leaves a window of at least a publish's wait in which new planner calls end while
-    solver calls still start on the old adapter.) Every call is stored with the adapter vLLM named."""
-    from lcap.serve.deploy import deploy_roles
+def test_a_two_role_deploy_is_atomic_under_concurrent_calls(vllm_policy, adapters, tmp_path, monkeypatch):
+    """Both roles move from round 1's adapters to round 2's in one deploy while agents call as planner and as solver
+    without pause. No call may see half of it, checked two ways:
+    - per record version: right after each record the deploy publishes (`lcap.policy.publish` returns once every
+      router routes by it), a probe call of each role is routed by that version; each version's pair must be
+      both-old or both-new (a deploy that wrote the roles one after the other publishes a planner-new,
+      solver-old version, which its probes show);
+    - over time: the proxy routes each call when its body is whole and stamps `started_at` then, on its one event
+      loop, so every call routed by the old record started before every call routed by the new one, of either role.
+    Every call is stored with the adapter vLLM names as the model it ran."""
+    import lcap.serve.deploy as deploy
 
     db = tmp_path / "lcap.duckdb"
-    old = deploy_roles({"planner": adapters["planner1"], "solver": adapters["solver1"]}, round=1)
-    new_names: dict[str, str] = {}
+    old = deploy.deploy_roles({"planner": adapters["planner1"], "solver": adapters["solver1"]}, round=1)
     stop = threading.Event()
     errors: list[str] = []
-
-    def agent(proxy: CaptureProxy, worker: int) -> None:
-        role = ("planner", "solver")[worker % 2]
-        n = 0
-        while not stop.is_set():
-            client, http = _client(proxy, f"w{worker}-e{n}", role)
-            with http:
-                for _ in range(2):
-                    try:
-                        _call(client)
-                    except Exception as exc:  # kept: a failed call fails the test below
-                        errors.append(f"{role}: {exc}")
-            n += 1
+    versions: list[str] = []  # the probes' episode ids, one per published record
 
     with CaptureProxy(Store(db), ProxyOptions(upstream="policy")) as proxy:
-        workers = [threading.Thread(target=agent, args=(proxy, i), daemon=True) for i in range(4)]
+
+        def agent(worker: int) -> None:
+            role = ("planner", "solver")[worker % 2]
+            n = 0
+            while not stop.is_set():
+                client, http = _client(proxy, f"w{worker}-e{n}", role)
+                with http:
+                    for _ in range(2):
+                        try:
+                            _call(client)
+                        except Exception as exc:  # kept: a failed call fails the test below
+                            errors.append(f"{role}: {exc}")
+                n += 1
+
+        def publish_then_probe(record) -> None:
+            publish(record)
+            episode = f"probe-{len(versions)}"
+            versions.append(episode)
+            for role in ("planner", "solver"):
+                client, http = _client(proxy, episode, role)
+                with http:
+                    _call(client)
+
+        publish = deploy.publish
+        monkeypatch.setattr(deploy, "publish", publish_then_probe)
+        workers = [threading.Thread(target=agent, args=(i,), daemon=True) for i in range(4)]
         for worker in workers:
             worker.start()
         time.sleep(3)
-        new_names.update(
-            deploy_roles({"planner": adapters["planner2"], "solver": adapters["solver2"]}, round=2, store=Store(db))
-        )
+        new = deploy.deploy_roles({"planner": adapters["planner2"], "solver": adapters["solver2"]}, round=2)
         time.sleep(3)
         stop.set()
         for worker in workers:
@@ -148,12 +162,19 @@ def test_a_two_role_deploy_is_atomic_under_concurrent_calls(vllm_policy, adapter
 
     rows = turns(db)
     assert all(r["status_code"] == 200 and r["deployment"] == r["model_served"] for r in rows), _served(rows)[:5]
-    generation = {old[role]: (role, 1) for role in old} | {new_names[role]: (role, 2) for role in new_names}
-    seen = [(r["started_at"], r["ended_at"], *generation[r["deployment"]]) for r in rows]
-    assert all(role == r["role"] for r, (_, _, role, _) in zip(rows, seen, strict=True))
-    assert {(role, g) for _, _, role, g in seen} == {("planner", 1), ("solver", 1), ("planner", 2), ("solver", 2)}, (
-        "the calls did not span the deploy: the test checked nothing"
+    generation = {old[role]: (role, 1) for role in old} | {new[role]: (role, 2) for role in new}
+    assert all(generation[r["deployment"]][0] == r["role"] for r in rows), _served(rows)
+
+    probes = {e: [generation[r["deployment"]][1] for r in rows if r["episode_id"] == e] for e in versions}
+    assert versions and all(g in ([1, 1], [2, 2]) for g in probes.values()), f"a record routed half a deploy: {probes}"
+    assert probes[versions[-1]] == [2, 2]
+
+    seen = [(r["started_at"], *generation[r["deployment"]]) for r in rows if not r["episode_id"].startswith("probe")]
+    assert {(role, g) for _, role, g in seen} == {("planner", 1), ("solver", 1), ("planner", 2), ("solver", 2)}, (
+        "the agents' calls did not span the deploy: the test checked nothing"
     )
-    first_new_end = min(ended for _, ended, _, g in seen if g == 2)
-    late_old = [(started, role) for started, _, role, g in seen if g == 1 and started > first_new_end]
-    assert not late_old, f"calls routed by the old record after a new one had ended at {first_new_end}: {late_old}"
+    last_old = max(started for started, _, g in seen if g == 1)
+    first_new = min(started for started, _, g in seen if g == 2)
+    assert last_old < first_new, (
+        f"a call routed by the old record started at {last_old}, after a new one at {first_new}"
+    )
