@@ -4,6 +4,7 @@ concurrent calls."""
 
 from __future__ import annotations
 
+import json
 import ssl
 import threading
 import time
@@ -77,6 +78,13 @@ def test_each_roles_calls_land_on_its_adapter_and_a_role_rolls_back_alone(vllm_p
                     _call(client, system)
 
     run_episode("e1")
+    roles = {"default": base, "planner": second["planner"], "solver": first["solver"]}
+    status = CliRunner().invoke(app, ["status", "--json", "--db", str(db)])
+    assert status.exit_code == 0, status.output
+    assert json.loads(status.output)["policy"]["role_deployments"] == roles
+    served = CliRunner().invoke(app, ["serve", "--status"])
+    assert served.exit_code == 0, served.output
+    assert json.loads(served.output)["role_deployments"] == roles
     assert _served(turns(db, "episode_id = 'e1'")) == [
         ("planner", second["planner"], second["planner"]),
         ("solver", first["solver"], first["solver"]),
