@@ -149,6 +149,8 @@ def deploy_roles(
         raise LcapError("--name names one deployment: leave it out when deploying several roles")
     adapters = {role: Path(path).expanduser().resolve() for role, path in paths.items()}
     for role, path in adapters.items():
+        if not path.exists():
+            raise LcapError(f"--role {role}: {path} does not exist: deploy a round's adapter (RUN/round-N/adapter)")
         if not (path / "adapter_config.json").is_file():
             raise LcapError(
                 f"--role {role}: {path} is not a LoRA adapter (adapter_config.json); a role's deployment is an "

@@ -172,6 +172,8 @@ def test_a_full_checkpoint_is_refused_while_a_role_has_an_adapter_of_its_own(rec
         deploy_policy(checkpoint)
     with pytest.raises(LcapError, match=r"--role solver: .* is not a LoRA adapter"):
         deploy_roles({"solver": checkpoint})
+    with pytest.raises(LcapError, match=r"--role solver: .*/gone does not exist"):
+        deploy_roles({"solver": tmp_path / "gone"})
     with pytest.raises(LcapError, match="--name names one deployment"):
         deploy_roles({"solver": checkpoint, "planner": checkpoint}, name="x")
     assert read_policy().role_deployments() == {"default": "m", "planner": "lora-a"}  # nothing changed
