@@ -10,6 +10,7 @@ from lcap.capture.options import sandbox_option as sandbox_option
 from lcap.capture.options import sandbox_pids_option as sandbox_pids_option
 from lcap.capture.options import sandbox_share_option as sandbox_share_option
 from lcap.capture.options import transparent_option as transparent_option
+from lcap.capture.proxy.roles import ROLE_NAME as ROLE_NAME
 from lcap.capture.proxy.server import CaptureProxy as CaptureProxy
 from lcap.capture.reach.agent_env import Child as Child
 from lcap.capture.reach.node_preload import ensure_node_capture as ensure_node_capture

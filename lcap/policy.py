@@ -13,6 +13,11 @@ on is routed by what it wrote. The policy is served by one or more replicas
 (`lcap serve --replicas N`), each a vLLM server of its own; the proxy sends each episode to one of
 them (capture/proxy/calls.py `Router`). A record written before replicas existed describes one server:
 it reads as one replica, `r0`.
+
+Roles (capture/proxy/roles.py: which of an agent's jobs made a call) each have a deployment: `roles` maps a role to
+the LoRA adapter that serves its calls, and a role not in it (`default` among them) is served by `current`. A record
+written before roles has none: every role is served by `current`, as every call was. A deploy of several roles is
+one `publish`, so no call is routed by half of it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from lcap.locks import file_lock
 REFRESH_S = 0.5  # a reader looks at the record's version again at most this long before it routes a call
 # publish's wait: every reader's next look, and a margin for a look under way (its thread waiting for the reader's lock)
 PUBLISH_WAIT_S = 2 * REFRESH_S
+DEFAULT_ROLE = "default"  # the role of a call no X-Lcap-Role header or --role-by rule gave one; `current` serves it
 
 
 @dataclass
@@ -48,9 +54,10 @@ class Replica:
     actor: str | None = None  # Ray: the named actor that runs and supervises it
     node: str | None = None  # Ray: the address of its node
 
-    def serving(self, record: PolicyServer) -> str:
-        """The deployment a call routed to this replica asks for."""
-        return self.current or record.current
+    def serving(self, record: PolicyServer, role: str | None = None) -> str:
+        """The deployment a call of `role` routed to this replica asks for: the role's own adapter, else what
+        serves the default role here."""
+        return record.roles.get(role or DEFAULT_ROLE) or self.current or record.current
 
 
 @dataclass
@@ -74,8 +81,12 @@ class PolicyServer:
     # deployment -> the name vLLM serves it under, for a full checkpoint reloaded in place (vLLM keeps the name it
     # started with); a deployment not here is served under its own name
     served_as: dict[str, str] = field(default_factory=dict)
+    # role -> the deployment (a served LoRA name) its calls ask for, for each role with one of its own; every other
+    # role, `default` included, is served by `current`. Records from before roles have none.
+    roles: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.roles = {role: name for role, name in self.roles.items() if role != DEFAULT_ROLE}  # default: `current`
         self.replicas = [r if isinstance(r, Replica) else Replica(**r) for r in self.replicas]
         if not self.replicas:  # a record of one server, from before replicas
             self.replicas = [Replica(name="r0", url=self.url, pid=self.pid, log_path=self.log_path)]
@@ -85,6 +96,18 @@ class PolicyServer:
             if replica.name == name:
                 return replica
         raise KeyError(name)
+
+    def deployment_of(self, role: str | None) -> str:
+        """The deployment that serves `role`'s calls: its own, else `current` (the default role's)."""
+        return self.roles.get(role or DEFAULT_ROLE) or self.current
+
+    def role_deployments(self) -> dict[str, str]:
+        """Every role with a deployment, `default` first: role -> the deployment that serves its calls."""
+        return {DEFAULT_ROLE: self.current, **dict(sorted(self.roles.items()))}
+
+    def in_use(self) -> set[str]:
+        """The deployments some role's calls are routed to now."""
+        return {self.current, *self.roles.values(), *(r.current for r in self.replicas if r.current)}
 
     def served_name(self, deployment: str) -> str:
         """The model name a call for `deployment` asks vLLM for."""

@@ -25,7 +25,7 @@ PROMOTED_LABELS = {
 # The store's shape. A new store gets TABLES at SCHEMA_VERSION; an older one is brought there by MIGRATIONS
 # (version reached -> statements, or functions of the connection), in order, inside the unit of work that first
 # opens it for writing.
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 
 
 def _redact_labels_json(labels: str) -> str:
@@ -92,6 +92,7 @@ MIGRATIONS: dict[int, tuple[str | Callable[[duckdb.DuckDBPyConnection], None], .
     10: (redact_episodes,),
     11: (JUDGE_CACHE,),
     12: ("ALTER TABLE turns ADD COLUMN IF NOT EXISTS role VARCHAR",),  # turns captured before it: NULL
+    13: ("ALTER TABLE deployments ADD COLUMN IF NOT EXISTS role VARCHAR",),  # deployments before it: NULL, default's
 }
 
 TABLES = """
@@ -180,10 +181,11 @@ CREATE TABLE IF NOT EXISTS deployments (
     name        VARCHAR,   -- the name vLLM serves it under; requests are routed to it
     path        VARCHAR,
     base_model  VARCHAR,
-    kind        VARCHAR,   -- base | lora | full
+    kind        VARCHAR,   -- base | lora | full | default (a role rolled back onto the default role's deployment)
     round       INTEGER,
     created_at  TIMESTAMPTZ,
-    rollback_of VARCHAR    -- `lcap deploy --rollback`: the deployment this row took out of service (NULL: none)
+    rollback_of VARCHAR,   -- `lcap deploy --rollback`: the deployment this row took out of service (NULL: none)
+    role        VARCHAR    -- the role it was deployed for (lcap/policy.py; NULL: before roles, the default role)
 );
 
 -- dataset stage: flags raised on episodes (tampered, verifier_error, ...), one row per flag

@@ -11,6 +11,7 @@ import typer
 from lcap.cli_options import DbOption, one_line_errors, with_options
 from lcap.cli_stages import StageRegistry
 from lcap.config import LcapError
+from lcap.policy import DEFAULT_ROLE
 from lcap.serve.options import DeployOptions, ServeOptions, TinyModelOptions
 from lcap.serve.vllm_env import ensure_vllm_env
 
@@ -137,29 +138,44 @@ def register(cli: StageRegistry) -> None:
         ] = None,
     ) -> None:
         """Make a new checkpoint the current policy: every routed call is served by it from now on. With
-        --rollback, make an earlier deployment current again."""
+        --rollback, make an earlier deployment current again. With --role, the deployment of one role of the agent,
+        or of several at once."""
         from lcap.serve.deploy import (
             check_round,  # start-up: httpx
             deploy_policy,  # start-up: httpx
+            deploy_roles,  # start-up: httpx
         )
         from lcap.serve.rollback import rollback  # start-up: httpx
         from lcap.store import Store  # start-up: duckdb
 
+        targets = options.targets(path)
         store = Store(db)
         if options.rollback:
             if options.name is not None:
                 raise LcapError("--rollback restores a deployment under its own name: give it as NAME, not --name")
+            ((role, name),) = targets.items()
             restored, replaced = rollback(
-                store, path, round=options.round, drain_timeout=options.drain_timeout, restart=options.restart
+                store,
+                name,
+                round=options.round,
+                drain_timeout=options.drain_timeout,
+                restart=options.restart,
+                role=role,
             )
             typer.echo(f"{restored} (rolled back from {replaced})")
             return
-        if path is None:
+        adapters = {role: Path(p) for role, p in targets.items() if p is not None}
+        if len(adapters) < len(targets):
             raise LcapError("give the adapter or checkpoint to deploy (RUN/round-N/adapter), or --rollback")
         if options.round is not None:
-            check_round(Path(path), options.round, store)
+            for adapter in adapters.values():
+                check_round(adapter, options.round, store)
+        if set(adapters) != {DEFAULT_ROLE}:
+            served_by = deploy_roles(adapters, name=options.name, round=options.round, store=store)
+            typer.echo("\n".join(f"{role}: {served}" for role, served in served_by.items()))
+            return
         served = deploy_policy(
-            Path(path),
+            adapters[DEFAULT_ROLE],
             name=options.name,
             round=options.round,
             store=store,

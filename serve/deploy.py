@@ -25,7 +25,13 @@ An adapter can also be loaded beside the current deployment without becoming cur
 `lcap loop --live` evaluates before it promotes it with `make_current`); `lcap deploy --rollback`
 (serve/rollback.py) makes an earlier deployment current again.
 
-Every deployment is a row in the store's `deployments` table, so each captured turn's `deployment`
+Each role of the agent (lcap/policy.py) can have an adapter of its own (`deploy_roles`): every role's adapter is
+hot-loaded into every replica first, then one record write makes each the deployment of its role, so a deploy of
+several roles is seen whole by every call routed after it and by none before. A role's deployment is a LoRA
+adapter: full fine-tuning stays single-role, and a full checkpoint is refused while a role has an adapter of its
+own (trained on the base it would replace).
+
+Every deployment is a row in the store's `deployments` table (with its role), so each captured turn's `deployment`
 says which policy produced it, and its `replica` which server.
 """
 
@@ -42,7 +48,7 @@ from functools import partial
 from pathlib import Path
 
 from lcap.config import LcapError
-from lcap.policy import PolicyServer, policy_lock, publish, read_policy
+from lcap.policy import DEFAULT_ROLE, PolicyServer, policy_lock, publish, read_policy
 from lcap.serve.reload import ReloadError, can_reload, reload_in_place
 from lcap.serve.same_model import difference
 from lcap.serve.server import in_flight, replicas_of
@@ -78,6 +84,7 @@ def deploy_policy(
             record = _load_lora(record, path, name)
         elif (path / "config.json").is_file():
             kind = "full"
+            _check_single_role(record, path)
             name = name or _unique_name(path, round)
             why = None if restart else _why_not_in_place(record, path)
             if why is None and not restart:
@@ -115,15 +122,64 @@ def check_lora_rank(record: PolicyServer, rank: int, what: str) -> None:
 
 
 def _load_lora(record: PolicyServer, path: Path, name: str, *, current: bool = True) -> PolicyServer:
-    config = json.loads((path / "adapter_config.json").read_text())
-    rank = max([config.get("r") or 0, *(config.get("rank_pattern") or {}).values()])
-    check_lora_rank(record, rank, f"adapter {path}")
-    _load_everywhere(record, {name: str(path)})
-    record.loras[name] = str(path)
+    _load_loras(record, {name: path})
     if current:
         record.current = name
     publish(record)
     return record
+
+
+def _load_loras(record: PolicyServer, loras: dict[str, Path]) -> None:
+    """Hot-load `loras` (name -> adapter) into every replica and list them in `record` (not published yet)."""
+    for path in loras.values():
+        config = json.loads((path / "adapter_config.json").read_text())
+        rank = max([config.get("r") or 0, *(config.get("rank_pattern") or {}).values()])
+        check_lora_rank(record, rank, f"adapter {path}")
+    _load_everywhere(record, {name: str(path) for name, path in loras.items()})
+    record.loras.update({name: str(path) for name, path in loras.items()})
+
+
+def deploy_roles(
+    paths: dict[str, Path], *, name: str | None = None, round: int | None = None, store: Store | None = None
+) -> dict[str, str]:
+    """Make each role's LoRA adapter in `paths` (role -> adapter) its deployment: every adapter is hot-loaded into
+    every replica, then one record write switches every role named (`default`: `current`), so no call is routed by
+    part of it. `name`: the served name, for one role only. Returns role -> the deployment it now asks for."""
+    if name is not None and len(paths) > 1:
+        raise LcapError("--name names one deployment: leave it out when deploying several roles")
+    adapters = {role: Path(path).expanduser().resolve() for role, path in paths.items()}
+    for role, path in adapters.items():
+        if not path.exists():
+            raise LcapError(f"--role {role}: {path} does not exist: deploy a round's adapter (RUN/round-N/adapter)")
+        if not (path / "adapter_config.json").is_file():
+            raise LcapError(
+                f"--role {role}: {path} is not a LoRA adapter (adapter_config.json); a role's deployment is an "
+                "adapter (full fine-tuning stays single-role: deploy a checkpoint without --role)"
+            )
+    names = {role: name or _unique_name(path, round, role) for role, path in adapters.items()}
+    with policy_lock():
+        record = running_policy()
+        _load_loras(record, {names[role]: path for role, path in adapters.items()})
+        for role, served in names.items():
+            if role == DEFAULT_ROLE:
+                record.current = served
+            else:
+                record.roles[role] = served
+        publish(record)
+    if store is not None:
+        for role, path in adapters.items():
+            record_deployment(store, record, names[role], str(path), "lora", round, role=role)
+    return names
+
+
+def _check_single_role(record: PolicyServer, path: Path) -> None:
+    """Refuse a full checkpoint while a role has an adapter of its own: it was trained on the base being replaced."""
+    if record.roles:
+        roles = ", ".join(sorted(record.roles))
+        raise LcapError(
+            f"{path} is a full checkpoint, and role(s) {roles} have adapters of their own on the base model it would "
+            f"replace: roll each back to the default's deployment first (`lcap deploy --rollback --role ROLE`)"
+        )
 
 
 def load_candidate(path: Path, *, round: int | None = None) -> str:
@@ -163,7 +219,7 @@ def forget_candidate(name: str) -> None:
     """Drop a candidate that was not promoted from the record (a restarted replica does not load it again)."""
     with policy_lock():
         record = read_policy()
-        if record is not None and name in record.loras and name != record.current:
+        if record is not None and name in record.loras and name not in record.in_use():
             del record.loras[name]
             publish(record)
 
@@ -176,9 +232,10 @@ def record_deployment(
     kind: str,
     round: int | None,
     rollback_of: str | None = None,
+    role: str = DEFAULT_ROLE,
 ) -> None:
-    """The `deployments` row of a deployment made current."""
-    row = {"name": name, "path": path, "base_model": record.base_model, "kind": kind, "round": round}
+    """The `deployments` row of a deployment made `role`'s (current, for the default role)."""
+    row = {"name": name, "path": path, "base_model": record.base_model, "kind": kind, "round": round, "role": role}
     store.append("deployments", [{**row, "created_at": now(), "rollback_of": rollback_of}])
 
 
@@ -198,7 +255,7 @@ def _load_everywhere(record: PolicyServer, loras: dict[str, str], only: str | No
     errors = [f"{n}: {f.exception()}" for n, fs in futures.items() for f in fs if f.exception() is not None]
     if errors:
         raise LcapError(
-            f"not every replica loaded {', '.join(loras.values())}, so {record.current!r} stays current: "
+            f"not every replica loaded {', '.join(loras.values())}, so every role keeps its deployment: "
             + "; ".join(errors)
         )
 
@@ -383,11 +440,13 @@ def check_round(path: Path, round: int, store: Store | None) -> None:
         )
 
 
-def _unique_name(path: Path, round: int | None) -> str:
-    """`policy-r{round}-{hash}`: the hash covers the files' names, sizes and mtimes, so a retrained adapter gets a new name."""
+def _unique_name(path: Path, round: int | None, role: str = DEFAULT_ROLE) -> str:
+    """`policy-r{round}-{hash}` (`policy-{role}-r{round}-{hash}` for another role than the default): the hash covers
+    the files' names, sizes and mtimes, so a retrained adapter gets a new name."""
     digest = hashlib.sha256(str(path).encode())
     for file in sorted(p for p in path.rglob("*") if p.is_file()):
         stat = file.stat()
         digest.update(f"{file.relative_to(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    prefix = f"policy-r{round}" if round is not None else "policy"
+    prefix = "policy" if role == DEFAULT_ROLE else f"policy-{role}"
+    prefix = f"{prefix}-r{round}" if round is not None else prefix
     return f"{prefix}-{digest.hexdigest()[:8]}"

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lcap.capture import ROLE_NAME
 from lcap.cli_options import option
 from lcap.config import LcapError
+from lcap.policy import DEFAULT_ROLE
 
 RESPONSES_MAX_ENV = "LCAP_RESPONSES_MAX"
 RESPONSES_MAX_AGE_ENV = "LCAP_RESPONSES_MAX_AGE"
@@ -148,3 +150,44 @@ class DeployOptions:
         help="Make an earlier deployment of the store current again: NAME, the latest of --round N, or by default "
         "the one the current deployment replaced; recorded as a new deployments row (rollback_of).",
     )
+    role: tuple[str, ...] = option(
+        (),
+        help="The agent's role to deploy for (default: the default role, `current`): --role R PATH makes the adapter "
+        "R's deployment; --role A=PATH --role B=PATH deploys several roles at once (one record write: no call sees "
+        "half of it); with --rollback, roll back role R only.",
+    )
+
+    def targets(self, path: str | None) -> dict[str, str | None]:
+        """role -> what to deploy for it (a path; with --rollback, a NAME or None), from --role and PATH."""
+        return deploy_targets(self.role, path, rollback=self.rollback)
+
+
+def deploy_targets(roles: tuple[str, ...], path: str | None, *, rollback: bool = False) -> dict[str, str | None]:
+    """role -> PATH from `lcap deploy`'s arguments: PATH alone (the default role), --role R PATH, or --role R=PATH
+    repeated (no PATH); one-line errors for any other mix."""
+    if not roles:
+        return {DEFAULT_ROLE: path}
+    pairs = [role.partition("=") for role in roles]
+    named = [(role, value) for role, sep, value in pairs if sep]
+    if named and len(named) < len(roles):
+        raise LcapError("give either --role R with PATH, or --role R=PATH for each role, not both")
+    if not named:
+        if len(roles) > 1:
+            raise LcapError("several roles at once: give each its adapter, --role A=PATH --role B=PATH")
+        targets: dict[str, str | None] = {roles[0]: path}
+    else:
+        if rollback:
+            raise LcapError("--rollback rolls back one role: --rollback --role R [NAME]")
+        if path is not None:
+            raise LcapError(f"{path}: with --role R=PATH every adapter is given with its role, not as PATH")
+        targets = {}
+        for role, value in named:
+            if role in targets:
+                raise LcapError(f"--role {role} is given twice")
+            if not value:
+                raise LcapError(f"--role {role}=: give the adapter to deploy for {role}")
+            targets[role] = value
+    for role in targets:
+        if not ROLE_NAME.fullmatch(role):
+            raise LcapError(f"--role {role!r}: a role is 1-64 letters, digits, '_', '.' or '-'")
+    return targets

@@ -265,6 +265,7 @@ def server_status() -> dict | None:
         replicas.append(state)
     out = {key: value for key, value in asdict(record).items() if key != "replicas"}
     out.update(
+        role_deployments=record.role_deployments(),
         alive=all(r["alive"] for r in replicas),
         healthy=all(r["healthy"] for r in replicas),
         replicas_healthy=sum(r["healthy"] for r in replicas),

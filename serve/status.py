@@ -1,5 +1,5 @@
 """`lcap status`'s section of the policy server: each recorded vLLM replica, whether it answers, and what it serves
-now."""
+now, for the default role and each role with a deployment of its own."""
 
 from __future__ import annotations
 
@@ -15,7 +15,17 @@ from lcap.status import Section, View, age, section
 def policy(view: View) -> Section:
     s = Section(
         "policy server",
-        ["replica", "url", "pid", "state", "up", "base model", "current deployment", "LoRAs loaded"],
+        [
+            "replica",
+            "url",
+            "pid",
+            "state",
+            "up",
+            "base model",
+            "current deployment",
+            "roles' deployments",
+            "LoRAs loaded",
+        ],
         empty="none recorded (`lcap serve --model M` starts one)",
     )
     record = read_policy()
@@ -43,10 +53,15 @@ def policy(view: View) -> Section:
         else:
             state = "healthy"
         current = replica.serving + ("" if replica.serves_current or not replica.healthy else " (NOT loaded)")
+        roles = ", ".join(
+            f"{role}: {name}" + ("" if name in replica.models or not replica.healthy else " (NOT loaded)")
+            for role, name in sorted(record.roles.items())
+        )
         who = str(r.pid) if r.pid is not None else f"Ray {r.node or '?'}"
-        s.rows.append([r.name, r.url, who, state, up, record.base_model, current, loras])
+        s.rows.append([r.name, r.url, who, state, up, record.base_model, current, roles or "-", loras])
     s.data = {
         **asdict(record),
+        "role_deployments": record.role_deployments(),
         "alive": health.alive,
         "healthy": health.healthy,
         "models": health.models,

@@ -38,12 +38,12 @@ class VllmServer:
     python: str  # the vLLM venv's interpreter
 
     def use_base(self) -> None:
-        """Point the record's `current` back at the base model (undo a test's `lcap deploy`)."""
+        """Point the record's `current` back at the base model, with no role of its own (undo a test's `lcap deploy`)."""
         from lcap.policy import read_policy, write_policy
 
         record = read_policy()
-        if record is not None and record.current != self.served_model:
-            record.current = self.served_model
+        if record is not None and (record.current != self.served_model or record.roles):
+            record.current, record.roles = self.served_model, {}
             write_policy(record)
 
 

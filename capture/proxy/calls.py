@@ -223,7 +223,7 @@ class Calls:
         """A request to an LLM path, from its head alone: its route, its header fields for that route, and a
         turn not recorded yet (`role`: its header's, which `take_body` keeps over the --role-by rules). Clients
         often write the body separately: this work is then done while it comes."""
-        route = self.route_for(episode)
+        route = self.route_for(episode, role)
         pending = PendingTurn(episode_id=episode, seq=None, host=host, path=path, dialect=dialect)
         pending.body_limit = self.max_body_bytes
         pending.role = role
@@ -234,9 +234,9 @@ class Calls:
             self._point(call, route)
         return call
 
-    def route_for(self, episode: str | None) -> Route | None:
-        """Where `episode`'s call goes: None to its own host; `NoRoute` when `--upstream` has no server now."""
-        route = self.router.route(episode)
+    def route_for(self, episode: str | None, role: str | None = None) -> Route | None:
+        """Where `episode`'s call of `role` goes: None to its own host; `NoRoute` when `--upstream` has no server now."""
+        route = self.router.route(episode, role=role)
         if route is None and self.router.upstream is not None:
             raise NoRoute(f"--upstream {self.router.upstream}: no server to send the call to")
         return route
@@ -262,7 +262,7 @@ class Calls:
             return False
         self.router.failed(route.replica, why)
         call.tried = call.tried | {route.replica}
-        other = self.router.route(call.pending.episode_id, call.tried)
+        other = self.router.route(call.pending.episode_id, call.tried, call.pending.role)
         if other is None:
             return False
         self._repoint(call, other)
@@ -290,7 +290,7 @@ class Calls:
         if call.held_until is None:
             call.held_until = time.monotonic() + self.hold_timeout
         refuse = functools.partial(self._refuse_held, call)
-        route = await self._wait_for_a_replica(call.held_until, gone, refuse, call.pending.episode_id)
+        route = await self._wait_for_a_replica(call.held_until, gone, refuse, call.pending)
         if route is None:
             return False
         call.tried = frozenset()  # the replicas it failed on have restarted
@@ -308,10 +308,14 @@ class Calls:
         return await self._wait_for_a_replica(deadline, gone, self._refuse_websocket) is not None
 
     async def _wait_for_a_replica(
-        self, deadline: float, gone: Callable[[], bool], refuse: Callable[[str], NoReturn], episode: str | None = None
+        self,
+        deadline: float,
+        gone: Callable[[], bool],
+        refuse: Callable[[str], NoReturn],
+        call: PendingTurn | None = None,
     ) -> Route | None:
-        """Wait while the router holds, until `deadline`: the route `episode` then takes, or None when the agent
-        left; `refuse` says why a wait ends without a replica."""
+        """Wait while the router holds, until `deadline`: the route `call` then takes (its episode's replica, its
+        role's deployment), or None when the agent left; `refuse` says why a wait ends without a replica."""
         if self.held >= self.max_held:
             refuse(f"too many calls wait for a restarting policy replica (--max-held-calls {self.max_held})")
         self.held += 1
@@ -325,7 +329,7 @@ class Calls:
             self.held -= 1
         if gone():
             return None
-        route = self.router.route(episode)
+        route = self.router.route(call.episode_id, role=call.role) if call is not None else self.router.route()
         if route is None:
             refuse(f"--upstream {self.router.upstream}: the policy server went away meanwhile")
         return route
@@ -384,6 +388,8 @@ class Calls:
         if pending.episode_id is None and self.sessions is not None:
             self._attribute_by_body(call, request)
         pending.role = self.roles.of(pending.role, request, pending.episode_id, pending.dialect)
+        if call.route is not None and call.route.replica is not None:  # the episode's replica, the role's adapter
+            self._repoint(call, self.router.route(pending.episode_id, role=pending.role) or call.route)
         if call.route is not None and exact:  # a body read leniently goes on as it came: the upstream judges it
             call.request = request
             call.body = self._forward(call)
@@ -401,10 +407,6 @@ class Calls:
         if episode is None:
             return
         pending.episode_id, pending.tenant = episode, tenant
-        if call.route is not None and call.route.replica is not None:  # replicas are picked per episode
-            route = self.router.route(episode)
-            if route is not None:
-                self._point(call, route)
 
     @staticmethod
     def _plain_fields(call: Call) -> None:

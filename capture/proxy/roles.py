@@ -19,8 +19,8 @@ from typing import Any
 
 from lcap.capture.trust.credentials import HeaderFields
 from lcap.capture.turns.dialects import thread_key
-from lcap.capture.turns.turn import DEFAULT_ROLE
 from lcap.config import LcapError
+from lcap.policy import DEFAULT_ROLE
 
 ROLE_HEADER = b"x-lcap-role"
 ROLE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # a path segment of a run folder, a LoRA name

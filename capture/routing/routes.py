@@ -21,6 +21,11 @@ checkpoint reloaded in place keeps the name vLLM started with) and its turn stor
 settled when the call ends (`Router.settle`). A proxy given a model that is one of the policy's
 adapters (one loaded beside the current deployment, as `lcap loop --live` evaluates a candidate) sends
 every call to it and labels the turns with it.
+
+Each call asks for its role's deployment (the record's `roles`; a role without one of its own gets the default's):
+the replica is picked per episode as above, then the role picks the adapter on it. Everything a call's route is
+made of comes from one read of the record (`_Table`, swapped whole), so a deploy of several roles, one record, is
+seen whole or not at all.
 """
 
 from __future__ import annotations
@@ -33,10 +38,10 @@ import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from lcap.policy import REFRESH_S, read_policy, record_version
+from lcap.policy import DEFAULT_ROLE, REFRESH_S, PolicyServer, Replica, read_policy, record_version
 
 log = logging.getLogger("lcap.capture")
 
@@ -115,6 +120,18 @@ def rank(episode: str, replica: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{replica}\0{episode}".encode(), digest_size=8).digest(), "big")
 
 
+@dataclass(frozen=True)
+class _Table:
+    """What the router read of one policy record: the routes every call is picked from, replaced whole."""
+
+    routes: tuple[Route, ...] = ()  # every replica's route for the default role
+    rotation: tuple[Route, ...] = ()  # the replicas new calls go to (none draining)
+    holding: bool = False  # the record marks every replica draining: new calls wait (`holding`)
+    by_replica: dict[str | None, Route] = field(default_factory=dict)
+    served_as: dict[str, str] = field(default_factory=dict)  # the record's deployment -> vLLM name map
+    by_role: dict[tuple[str, str | None], Route] = field(default_factory=dict)  # (role, replica): a role's own
+
+
 @dataclass(slots=True)
 class _Health:
     """A replica's standing with this router: out of the rotation or not, and when to probe it next."""
@@ -147,12 +164,8 @@ class Router:
         self._fixed = parse_upstream(fixed, model, lcap=lcap_endpoints) if fixed is not None else None
         self._checked = 0.0
         self._seen: tuple[int, int, int] | None = (-1, -1, -1)  # the record file's identity at the last read
-        self._routes: tuple[Route, ...] = ()  # every replica's route
-        self._rotation: tuple[Route, ...] = ()  # the replicas new calls go to (none draining)
-        self._holding = False  # the record marks every replica draining: new calls wait (`holding`)
+        self._table = _Table()
         self._out: frozenset[str] = frozenset()  # replicas out of the rotation until a probe answers
-        self._by_replica: dict[str | None, Route] = {}
-        self._served_as: dict[str, str] = {}  # the record's deployment -> vLLM name map (lcap/policy.py)
         self._health: dict[str, _Health] = {}
         self._round_robin = itertools.count()
         self._lock = threading.Lock()
@@ -165,16 +178,26 @@ class Router:
 
     # --- routing ------------------------------------------------------------------------------
 
-    def route(self, episode: str | None = None, avoid: frozenset[str] = frozenset()) -> Route | None:
-        """The route of a call of `episode`; `avoid`: replicas this call already failed on (None when none is left)."""
+    def route(
+        self, episode: str | None = None, avoid: frozenset[str] = frozenset(), role: str | None = None
+    ) -> Route | None:
+        """The route of a call of `episode` made by `role` (None: the default role's); `avoid`: replicas this call
+        already failed on (None when none is left)."""
         if self.upstream != "policy":
             return None if avoid else self._fixed
         self._look()
-        rotation = self._rotation
+        table = self._table  # one read of the record for the whole choice
+        replica = self._replica(table, episode, avoid)
+        if replica is None or not table.by_role or role is None:
+            return replica
+        return table.by_role.get((role, replica.replica), replica)
+
+    def _replica(self, table: _Table, episode: str | None, avoid: frozenset[str]) -> Route | None:
+        rotation = table.rotation
         if len(rotation) == 1 and not avoid:
             return rotation[0]
         candidates = [r for r in rotation if r.replica not in avoid] or [
-            r for r in self._routes if r.replica not in avoid
+            r for r in table.routes if r.replica not in avoid
         ]
         if len(candidates) > 1:
             out = self._out
@@ -191,7 +214,7 @@ class Router:
         if self.upstream != "policy":
             return False
         self._look()
-        return self._holding
+        return self._table.holding
 
     def settle(self, replica: str | None, deployment: str | None) -> str | None:
         """The deployment that served a call to `replica` that has just ended, labelled `deployment` when it was sent.
@@ -205,22 +228,23 @@ class Router:
         if replica is None or deployment is None or self.upstream != "policy":
             return deployment
         self._look()
-        route = self._by_replica.get(replica)
+        table = self._table
+        route = table.by_replica.get(replica)
         if route is None or route.deployment is None or route.deployment == deployment:
             return deployment
-        served = self._served_as
+        served = table.served_as
         if served.get(route.deployment, route.deployment) == served.get(deployment, deployment):
             return route.deployment
         return deployment
 
     def trusted(self, host: str, port: int) -> bool:
         """Whether (host, port) is an upstream lcap routes to (connections there are not checked as destinations)."""
-        routes = (self._fixed,) if self._fixed is not None else self._routes
+        routes = (self._fixed,) if self._fixed is not None else self._table.routes
         return any((host, port) == (r.host, r.port) for r in routes)
 
     def routes(self) -> tuple[Route, ...]:
         """Every replica's route as last read from the record."""
-        return self._routes
+        return self._table.routes
 
     def out_of_rotation(self) -> frozenset[str]:
         return self._out
@@ -265,7 +289,7 @@ class Router:
                 if sweep:
                     next_sweep = now + self.health_interval
                 due = []
-                for route in self._routes:
+                for route in self._table.routes:
                     health = self._health.get(route.replica or "")
                     if health is None:
                         continue
@@ -319,53 +343,58 @@ class Router:
         self._seen = seen
         try:
             record = read_policy()
-            routes: tuple[Route, ...] = ()
-            rotation: tuple[Route, ...] = ()
-            draining: set[str] = set()
-            if record is not None:
-                key = self.policy_key if self.policy_key is not None else record.api_key()
-                # a model that is one of the adapters the replicas serve: its calls are labelled with it
-                pinned = self.model if self.model is not None and self.model in record.loras else None
-                routes = tuple(
-                    parse_upstream(
-                        r.url,
-                        self.model or record.served_name(r.serving(record)),
-                        pinned or r.serving(record),
-                        replica=r.name,
-                        key=key,
-                        lcap=record.lcap_endpoints,
-                    )
-                    for r in record.replicas
-                )
-                draining = {r.name for r in record.replicas if r.draining}
-                rotation = tuple(route for route in routes if route.replica not in draining) or routes
-                served = dict(record.served_as)
+            table = self._read(record) if record is not None else _Table()
         except (ValueError, TypeError, KeyError, OSError) as exc:  # a record being rewritten: keep the last routes
             log.warning("lcap: unreadable policy record (%s); keeping the previous routes", exc)
             return
-        holding = bool(routes) and all(route.replica in draining for route in routes)
-        if holding != self._holding:
-            if holding:
+        if table.holding != self._table.holding:
+            if table.holding:
                 log.warning("lcap: every policy replica is restarting (a deploy): new calls wait for one to serve")
             else:
                 log.warning("lcap: the policy replicas are no longer all restarting: held calls go on")
-        self._holding = holding
-        previous = {r.replica: r for r in self._rotation}
+        previous = {r.replica: r for r in self._table.rotation}
         health: dict[str, _Health] = {}
-        for route in rotation:
+        for route in table.rotation:
             name = route.replica or ""
             kept = self._health.get(name)
             # A replica that changed (restarted, rolled to a new checkpoint, back from draining) starts afresh.
             health[name] = kept if kept is not None and previous.get(name) == route else _Health(route.url)
         self._health = health
         self._out = frozenset(name for name, h in health.items() if h.out)
-        self._routes, self._rotation = routes, rotation
-        self._by_replica = {route.replica: route for route in routes}
-        self._served_as = served if record is not None else {}
-        if len(routes) > 1 and self._prober is None:
+        self._table = table
+        if len(table.routes) > 1 and self._prober is None:
             self._prober = threading.Thread(target=self._probe_loop, name="lcap-replica-health", daemon=True)
             self._prober.start()
         self._wake.set()
+
+    def _read(self, record: PolicyServer) -> _Table:
+        """The routes of `record`: each replica's for the default role, and for each role with its own deployment."""
+        key = self.policy_key if self.policy_key is not None else record.api_key()
+        # a model that is one of the adapters the replicas serve: its calls are labelled with it
+        pinned = self.model if self.model is not None and self.model in record.loras else None
+
+        def route(replica: Replica, role: str) -> Route:
+            deployment = replica.serving(record, role)
+            return parse_upstream(
+                replica.url,
+                self.model or record.served_name(deployment),
+                pinned or deployment,
+                replica=replica.name,
+                key=key,
+                lcap=record.lcap_endpoints,
+            )
+
+        routes = tuple(route(r, DEFAULT_ROLE) for r in record.replicas)
+        draining = {r.name for r in record.replicas if r.draining}
+        rotation = tuple(r for r in routes if r.replica not in draining) or routes
+        return _Table(
+            routes=routes,
+            rotation=rotation,
+            holding=bool(routes) and all(r.replica in draining for r in routes),
+            by_replica={r.replica: r for r in routes},
+            served_as=dict(record.served_as),
+            by_role={(role, r.name): route(r, role) for role in record.roles for r in record.replicas},
+        )
 
 
 def _serving(client, route: Route) -> bool:

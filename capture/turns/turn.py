@@ -18,9 +18,8 @@ from typing import Any
 
 from lcap.capture.turns import dialects
 from lcap.capture.turns.encoding import BodyTooLarge, UndecodableBody, decode_body, raw_body
+from lcap.policy import DEFAULT_ROLE
 from lcap.redact import redact_json, redact_keys, redact_path, redact_text
-
-DEFAULT_ROLE = "default"  # the role of a call no X-Lcap-Role header or --role-by rule gave one
 
 log = logging.getLogger("lcap.capture")
 

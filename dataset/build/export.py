@@ -45,6 +45,7 @@ from lcap.dataset.build.merge import merge_turns
 from lcap.dataset.build.rebuild import chat_from_anthropic, chat_from_responses
 from lcap.dataset.build.select import select_episodes
 from lcap.files import atomic_write, replacing
+from lcap.progress import Reporter
 from lcap.redact import redact_json, redact_keys
 from lcap.store import Store
 
@@ -214,10 +215,13 @@ def export(
     skipped: Counter[str] = Counter()
     out = Path(out)
     made: list[Path] = []
+    shown = Reporter("export", None, lambda: "conversations written")
     try:
-        with store.connect(read_only=True) as con:
+        with shown, store.connect(read_only=True) as con:
             records = _counted(
-                conversations(con, episodes, tokens=format == "hf", skipped=skipped, batch_rows=batch_rows), report
+                conversations(con, episodes, tokens=format == "hf", skipped=skipped, batch_rows=batch_rows),
+                report,
+                shown,
             )
             if format == "openai":
                 _write_openai(records, out)
@@ -246,10 +250,11 @@ def export(
     return report
 
 
-def _counted(records: Iterator[dict[str, Any]], report: ExportReport) -> Iterator[dict[str, Any]]:
+def _counted(records: Iterator[dict[str, Any]], report: ExportReport, shown: Reporter) -> Iterator[dict[str, Any]]:
     for r in records:
         report.exported += 1
         report.with_token_ids += r["prompt_ids"] is not None
+        shown.advance()
         yield r
 
 

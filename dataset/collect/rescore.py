@@ -46,6 +46,7 @@ from lcap.dataset.collect.workspaces import pristine_tests
 from lcap.dataset.judge.prompt import is_judge
 from lcap.dataset.judge.run import JudgeResult, judge_episodes
 from lcap.dataset.options import RescoreOptions
+from lcap.progress import Reporter
 from lcap.store import Store, now
 
 FLAG = "rescore_error"
@@ -157,16 +158,17 @@ def rescore(store: Store, options: RescoreOptions, *, base: Path | None = None) 
     writer = _Writer(store, source, keys, result)
     episodes = _episodes(store, pending, tasks)
     boxes = _Boxes.open(store, options, pending)
+    shown = Reporter("rescore", len(pending), lambda: f"scored {result.scored}, failed {result.failed}")
     try:
-        with ThreadPoolExecutor(options.concurrency, thread_name_prefix="lcap-rescore") as pool:
+        with shown, ThreadPoolExecutor(options.concurrency, thread_name_prefix="lcap-rescore") as pool:
             running: set[Future[_Verdict]] = set()
             try:
                 for episode in episodes:
                     while len(running) >= options.concurrency:
-                        running = _collect(running, writer)
+                        running = _collect(running, writer, shown)
                     running.add(pool.submit(_score, verifier, episode, boxes))
                 while running:
-                    running = _collect(running, writer)
+                    running = _collect(running, writer, shown)
             finally:  # an interrupt: what finished is stored, what did not start never starts
                 for future in running:
                     future.cancel()
@@ -225,10 +227,11 @@ class _Boxes:
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
-def _collect(running: set[Future[_Verdict]], writer: _Writer) -> set[Future[_Verdict]]:
+def _collect(running: set[Future[_Verdict]], writer: _Writer, shown: Reporter) -> set[Future[_Verdict]]:
     done, rest = wait(running, timeout=WRITE_AFTER_S, return_when=FIRST_COMPLETED)
     for future in done:
         writer.add(future.result())
+        shown.advance()
     writer.flush_if_due()
     return rest
 
