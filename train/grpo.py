@@ -161,9 +161,9 @@ def round_inputs(
     if role is not None:
         check_role_samples(samples, role)
     current = options.current
-    if current is None:
+    if current is None:  # the deployment serving this round's calls now: the role's own, where it has one
         policy = read_policy()
-        current = policy.current if policy else None
+        current = policy.deployment_of(role) if policy else None
     if isinstance(init_from, PreviousRound) and role is not None:
         init_from = role_output(run, round, role)
     elif isinstance(init_from, PreviousRound):
