@@ -67,7 +67,8 @@ def loop(
 
     Resumable: killed anywhere, the same command continues at the first unfinished step. With --async,
     collection and training overlap (bounded by --max-staleness). With --live, it trains on a serving proxy's
-    rewarded traffic instead of collecting, and promotes a candidate only after a held-out evaluation.
+    rewarded traffic instead of collecting, and promotes a candidate only after a held-out evaluation. With
+    --per-role, each role of the agent trains an adapter of its own, deployed together.
     The agent command follows `--`, a template as in `lcap collect`.
     """
     from lcap.loop.rounds import run_loop  # start-up: the whole loop's modules
@@ -153,7 +154,7 @@ def evaluate(
 @with_options(
     LoopOptions,
     "options",
-    exclude=("groups_per_step", "sft_data", "live", "min_samples", "promote_margin", "wait_timeout"),
+    exclude=("groups_per_step", "sft_data", "live", "min_samples", "promote_margin", "wait_timeout", "per_role"),
 )
 @with_options(DemoOptions, "demo_options")
 def demo(

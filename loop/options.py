@@ -72,6 +72,15 @@ class LoopOptions:
     wait_timeout: float = option(
         0.0, help="--live: seconds a step waits for enough samples before the loop ends (0: wait until Ctrl-C)."
     )
+    per_role: bool = option(
+        False,
+        flag="--per-role",
+        help="Train every role of the agent (`turns.role`) an adapter of its own each round: the roles with a "
+        "successful call in the round's training episodes each get their build and training in RUN/round-N/role-R "
+        "(R's adapter continues R's own), then one deploy makes them all current at once; a role with nothing to "
+        "learn keeps its deployment. With --eval-tasks, each round deploys, then evaluates. Not with --full, --async, "
+        "--live or --sft-data (docs/guide.md, one adapter per role).",
+    )
 
     def __post_init__(self) -> None:
         if min(self.max_staleness, self.groups_per_step, self.stop_when_solved, self.min_groups) < 0:

@@ -17,6 +17,9 @@ A full checkpoint (--full) cannot be served beside the policy: it is deployed, t
 With --live, loop/live.py runs the steps instead: trained on a serving proxy's rewarded traffic, each candidate
 evaluated before it is promoted.
 
+With --per-role, loop/roles.py trains each round's roles an adapter each and deploys them at once; with
+--eval-tasks such a round is deployed, then evaluated (the promotion gate evaluates one candidate by name).
+
 With --sft-data, round 1 is an SFT round (train on those supervised samples, deploy, eval) and the --rounds RL
 rounds are 2, 3, ...: the first of them collects with the SFT policy.
 """
@@ -35,7 +38,9 @@ from lcap.display import num
 from lcap.loop.live import run_live_loop
 from lcap.loop.overlap import run_async_loop
 from lcap.loop.promotion import follow, gate, read_policy_current, remember, verdict_text
+from lcap.loop.roles import deploy_trained, train_roles
 from lcap.loop.steps import (
+    SKIPPED,
     LoopConfig,
     LoopState,
     RoundSummary,
@@ -55,7 +60,7 @@ from lcap.loop.steps import (
 )
 from lcap.policy import read_policy
 from lcap.ray_cluster import connect
-from lcap.serve import check_lora_rank, deploy_policy
+from lcap.serve import check_lora_rank, deploy_policy, deploy_roles
 from lcap.train import resolve_base_model, round_dir, training_text
 
 
@@ -80,9 +85,10 @@ def run_loop(
     (run / "loop.json").write_text(json.dumps({**asdict(config), "key": config.key()}, indent=2, default=str))
     _redeploy_if_lost(state, store, echo)
     if config.eval_tasks and not config.options.live and (config.options.overlap or not gated(config)):
+        flag = "--async" if config.options.overlap else "--per-role" if config.options.per_role else "--full"
         echo(
-            f"note: {'--async' if config.options.overlap else '--full'} deploys each round before its held-out "
-            "evaluation (no --promote-margin gate: only an adapter of the synchronous loop is evaluated first)"
+            f"note: {flag} deploys each round before its held-out evaluation (no --promote-margin gate: only one "
+            "adapter of the synchronous loop is evaluated first)"
         )
     if config.options.live:
         return run_live_loop(store, config, state, echo=echo, stop_after=stop_after)
@@ -129,17 +135,20 @@ def _rounds(
             tasks = round_tasks(config, n)
             got = step(n, "collect", lambda: collect_step(n, "train", tasks, config.collect.group_size))
             s.train_reward = got["mean_reward"]
-            data = round_dir(run, n) / "data"
-            build_step(step, config, n, "train", data, echo)
-            said = _train_deploy_eval(
-                step,
-                config,
-                collect_step,
-                s,
-                lambda: train_step(store, run, n, config.train, data, continued(step.state, n)),
-                echo,
-                node_proxies,
-            )
+            if config.options.per_role:
+                said = _per_role(step, config, collect_step, s, echo)
+            else:
+                data = round_dir(run, n) / "data"
+                build_step(step, config, n, "train", data, echo)
+                said = _train_deploy_eval(
+                    step,
+                    config,
+                    collect_step,
+                    s,
+                    lambda: train_step(store, run, n, config.train, data, continued(step.state, n)),
+                    echo,
+                    node_proxies,
+                )
             summaries.append(s)
             if said is None:  # nothing to learn: skipped, the deployment stays
                 if _stop_when_solved(step, config, collect_step, n, echo):
@@ -198,17 +207,42 @@ def _train_deploy_eval(
             s.refused = verdict["reason"]
         return f" | {verdict_text(verdict)} | {training_text(s.train)}"
     s.deployed = step(n, "deploy", lambda: deploy_step(step.store, s.train["output"], n))["name"]
-    if config.eval_tasks:
-        tasks = config.eval_tasks
-        s.eval_reward = step(n, "eval", lambda: collect_step(n, "eval", tasks, config.eval_group_size))["mean_reward"]
-    held_out = f" | held-out {num(s.eval_reward)}" if config.eval_tasks else ""
+    held_out = _held_out(step, config, collect_step, s)
     return f"{held_out} | {training_text(s.train)} | deployed {s.deployed}"
+
+
+def _per_role(
+    step: StepRunner, config: LoopConfig, collect_step, s: RoundSummary, echo: Callable[[str], None]
+) -> str | None:
+    """A round of --per-role (loop/roles.py): every role trained (one line each), their adapters deployed at once,
+    then evaluated (with --eval-tasks), recorded in `s`; what the round's line says of them (None: no role had
+    anything to learn, the round was skipped)."""
+    n = s.round
+    trained = train_roles(step, config, n, echo)
+    s.train = trained
+    if not trained:
+        s.skipped = (step.state.done(n, SKIPPED) or {}).get("reason")
+        return None
+    s.roles = deploy_trained(step, n, trained)
+    s.deployed = ", ".join(f"{role} {name}" for role, name in s.roles.items())
+    return f"{_held_out(step, config, collect_step, s)} | deployed {s.deployed}"
+
+
+def _held_out(step: StepRunner, config: LoopConfig, collect_step, s: RoundSummary) -> str:
+    """With --eval-tasks, round `s`'s deployment evaluated on the held-out tasks (recorded in `s`); what the round's
+    line says of it."""
+    if not config.eval_tasks:
+        return ""
+    n, tasks = s.round, config.eval_tasks
+    s.eval_reward = step(n, "eval", lambda: collect_step(n, "eval", tasks, config.eval_group_size))["mean_reward"]
+    return f" | held-out {num(s.eval_reward)}"
 
 
 def gated(config: LoopConfig) -> bool:
     """Whether a round's policy is promoted on held-out evidence before it is deployed: with --eval-tasks, for an
-    adapter (a full checkpoint replaces the served weights, so it can only be evaluated once deployed)."""
-    return config.eval_tasks is not None and not config.train.full
+    adapter (a full checkpoint replaces the served weights, so it can only be evaluated once deployed; --per-role's
+    adapters are several candidates, which the promotion gate does not evaluate together)."""
+    return config.eval_tasks is not None and not config.train.full and not config.options.per_role
 
 
 def _stop_when_solved(step: StepRunner, config: LoopConfig, collect_step, n: int, echo: Callable[[str], None]) -> bool:
@@ -226,8 +260,26 @@ def _stop_when_solved(step: StepRunner, config: LoopConfig, collect_step, n: int
 
 
 def _redeploy_if_lost(state: LoopState, store, echo) -> None:
+    if roles := state.deployed_roles():  # --per-role: each role's latest adapter of the loop
+        _redeploy_roles_if_lost(roles, store, echo)
+        return
     last = state.last_deployed()
     policy = read_policy()
     if last and policy and policy.current != last["name"]:
         echo(f"policy server serves {policy.current}, not {last['name']}: deploying {last['path']} again")
         deploy_policy(Path(last["path"]), name=last["name"], store=store)
+
+
+def _redeploy_roles_if_lost(roles: dict[str, dict], store, echo) -> None:
+    """--per-role: the roles whose loop deployment the policy server no longer serves (e.g. it was restarted)
+    deployed again, those of one round at once (a role's deployment is named by its adapter's files and round, so
+    it gets its own name again)."""
+    policy = read_policy()
+    lost = {role: info for role, info in roles.items() if policy and policy.deployment_of(role) != info["name"]}
+    if not lost:
+        return
+    said = ", ".join(f"{role} {info['name']}" for role, info in lost.items())
+    echo(f"policy server does not serve {said}: deploying them again")
+    for n in sorted({info["round"] for info in lost.values()}):
+        adapters = {role: Path(info["path"]) for role, info in lost.items() if info["round"] == n}
+        deploy_roles(adapters, round=n, store=store)

@@ -84,8 +84,9 @@ def loop(view: View) -> Section:
     for run, round_, step, reward, finished, details in sorted(rows, key=lambda r: -r[4])[:RUNS]:
         info = json.loads(details) if details else None
         shown = step
-        if isinstance(info, dict) and (step == "skipped" or (step == "promote" and info.get("promoted") is False)):
-            shown = f"{'skipped' if step == 'skipped' else 'refused'}: {info.get('reason')}"
+        skipped = step.split(":")[0] == "skipped"  # a round's, or one role's of --per-role (`skipped:ROLE`)
+        if isinstance(info, dict) and (skipped or (step == "promote" and info.get("promoted") is False)):
+            shown = f"{step if skipped else 'refused'}: {info.get('reason')}"
         s.rows.append([run, shown, str(round_), num(reward), f"{age(view.now - finished)} ago"])
         data.append(
             {

@@ -35,7 +35,7 @@ from lcap.display import num, rounded
 from lcap.files import atomic_write
 from lcap.loop.options import LoopOptions
 from lcap.policy import read_policy
-from lcap.serve import deploy_policy
+from lcap.serve import deploy_policy, deploy_roles
 from lcap.store import now
 from lcap.train import (
     PREVIOUS_ROUND,
@@ -76,6 +76,14 @@ class LoopConfig:
                 if self.options.live
                 else "give the training tasks (--tasks FILE)"
             )
+        if self.options.per_role and (
+            self.train.full or self.options.overlap or self.options.live or self.options.sft_data
+        ):
+            raise LcapError(
+                "--per-role trains a LoRA adapter per role in synchronous rounds: not with --full (one checkpoint "
+                "serves every role), --async or --live (their steps train one policy), nor --sft-data (its round's "
+                "adapter serves every role)"
+            )
 
     def key(self) -> str:
         """What must not change between a run and its resume (more rounds may be added)."""
@@ -95,6 +103,8 @@ class LoopConfig:
             ident.append("async")
         if self.options.live:  # nor is a live run's (batches of live episodes, candidates)
             ident.append("live")
+        if self.options.per_role:  # nor a per-role run's (each role's steps and adapters)
+            ident.append("per-role")
         return hashlib.sha1(json.dumps(ident).encode()).hexdigest()[:12]
 
 
@@ -139,6 +149,20 @@ class LoopState:
         deployed = [(int(k.split(":")[0]), v) for k, v in self.data["steps"].items() if k.endswith(":deploy")]
         return max(deployed, key=lambda x: x[0])[1] if deployed else None
 
+    def deployed_roles(self) -> dict[str, dict]:
+        """--per-role: each role's latest deployment by the loop (role -> its `name` and `path`), over every round's
+        deploy (a role a later round skipped keeps an earlier round's)."""
+        latest: dict[str, dict] = {}
+        deploys = [(int(k.split(":")[0]), v) for k, v in self.data["steps"].items() if k.endswith(":deploy")]
+        for _, info in sorted(deploys, key=lambda x: x[0]):
+            latest.update(info.get("roles") or {})
+        return latest
+
+
+def role_step(name: str, role: str | None) -> str:
+    """A step's name in state.json and `loop_steps`: `train`, or for one role of --per-role `train:planner`."""
+    return name if role is None else f"{name}:{role}"
+
 
 @dataclass
 class RoundSummary:
@@ -148,6 +172,7 @@ class RoundSummary:
     train: dict[str, Any] = field(default_factory=dict)
     deployed: str | None = None
     skipped: str | None = None  # why the round had nothing to learn (then nothing was trained or deployed)
+    roles: dict[str, str] = field(default_factory=dict)  # --per-role: role -> the deployment the round made its
     refused: str | None = None  # why its candidate was not promoted (then it was trained, never deployed)
 
 
@@ -236,20 +261,29 @@ def _anchored(task: dict[str, Any], tasks_dir: Path) -> dict[str, Any]:
 
 
 def train_step(
-    store, run: Path, n: int, options: TrainOptions, data: Path, init_from: Path | PreviousRound | None = PREVIOUS_ROUND
+    store,
+    run: Path,
+    n: int,
+    options: TrainOptions,
+    data: Path,
+    init_from: Path | PreviousRound | None = PREVIOUS_ROUND,
+    role: str | None = None,
 ) -> dict:
-    """Train round `n` on the samples in `data`, from `init_from` (default: round n-1's output); with none, a
-    one-line error that says why (build's report): `NothingToLearn` when the round's episodes ran well but teach
-    nothing (the loop skips such a round)."""
+    """Train round `n` on the samples in `data`, from `init_from` (default: round n-1's output; with `role`, that
+    role's latest adapter); with none, a one-line error that says why (build's report): `NothingToLearn` when the
+    round's episodes ran well but teach nothing (the loop skips such a round, or such a role)."""
     samples = data / "samples.parquet"
     if not samples.exists() or pq.ParquetFile(samples).metadata.num_rows == 0:
         report = read_report(data) or last_report(store, data)  # a build that found nothing writes no file
-        message = f"round {n}: nothing to train on in {data}: " + (
+        what = f"round {n}" if role is None else f"round {n} role {role}"
+        message = f"{what}: nothing to train on in {data}: " + (
             explain(report) if report else f"no report.json in {data}"
         )
         equal = equal_rewards(report)
         raise NothingToLearn(message, equal) if equal else LcapError(message)
-    result = train_round(store, run, n, options, data=data, progress=sys.stderr.isatty(), init_from=init_from)
+    result = train_round(
+        store, run, n, options, data=data, progress=sys.stderr.isatty(), init_from=init_from, role=role
+    )
     return _trained(result.output, result.metrics)
 
 
@@ -263,18 +297,19 @@ def continued(state: LoopState, n: int) -> Path | None:
     return None
 
 
-def skip_step(step: StepRunner, n: int, name: str, train: Callable[[], dict]) -> dict:
+def skip_step(step: StepRunner, n: int, name: str, train: Callable[[], dict], role: str | None = None) -> dict:
     """Round `n`'s training (`train`, recorded as step `name`), or, when it has nothing to learn, the round recorded
-    as `skipped` with its reason and the deployment that stays (`{"skipped": ...}`): a loop goes on without it."""
-    skipped = step.state.done(n, SKIPPED)
+    as `skipped` with its reason and the deployment that stays (`{"skipped": ...}`): a loop goes on without it.
+    With `role` (--per-role), that role's training, skipped as `skipped:ROLE` with the role's deployment."""
+    skipped = step.state.done(n, role_step(SKIPPED, role))
     if skipped is not None:
         return {"skipped": skipped}
     try:
         trained = step(n, name, train)
     except NothingToLearn as exc:
         kept = read_policy()
-        why = {"reason": exc.reason, "kept": kept.current if kept else None}
-        return {"skipped": step(n, SKIPPED, lambda: why)}
+        why = {"reason": exc.reason, "kept": kept.deployment_of(role) if kept else None}
+        return {"skipped": step(n, role_step(SKIPPED, role), lambda: why)}
     return trained
 
 
@@ -328,11 +363,22 @@ def promoted_reward(state: LoopState, before: int) -> float | None:
 
 
 def build_step(
-    step: StepRunner, config: LoopConfig, n: int, split: str, out: Path, echo: Callable[[str], None]
+    step: StepRunner,
+    config: LoopConfig,
+    n: int,
+    split: str,
+    out: Path,
+    echo: Callable[[str], None],
+    role: str | None = None,
 ) -> None:
-    """Build round `n`'s samples of `split` into `out` (once), then say what build-dataset lost."""
+    """Build round `n`'s samples of `split` (of `role`'s calls alone, as step `build:ROLE`) into `out` (once), then
+    say what build-dataset lost."""
     options = replace(config.build, split=split)
-    step(n, "build", lambda: {"samples": build_dataset(step.store, round=n, out=out, options=options).samples})
+    step(
+        n,
+        role_step("build", role),
+        lambda: {"samples": build_dataset(step.store, round=n, out=out, options=options, role=role).samples},
+    )
     for line in lost_lines(out):
         echo(line)
 
@@ -340,6 +386,13 @@ def build_step(
 def deploy_step(store, output: str, n: int) -> dict:
     """Deploy round `n`'s adapter or checkpoint: its deployment's name and path."""
     return {"name": deploy_policy(Path(output), round=n, store=store), "path": output}
+
+
+def deploy_roles_step(store, outputs: dict[str, str], n: int) -> dict:
+    """Deploy round `n`'s adapters of several roles (role -> adapter) in one atomic deploy (`lcap deploy --role A=P
+    --role B=Q`'s): each role's deployment name and path, under `roles`."""
+    served = deploy_roles({role: Path(path) for role, path in outputs.items()}, round=n, store=store)
+    return {"roles": {role: {"name": served[role], "path": path, "round": n} for role, path in outputs.items()}}
 
 
 class StopAfter(Exception):

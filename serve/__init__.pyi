@@ -2,6 +2,7 @@
 
 from lcap.serve.deploy import check_lora_rank as check_lora_rank
 from lcap.serve.deploy import deploy_policy as deploy_policy
+from lcap.serve.deploy import deploy_roles as deploy_roles
 from lcap.serve.deploy import forget_candidate as forget_candidate
 from lcap.serve.deploy import load_candidate as load_candidate
 from lcap.serve.deploy import make_current as make_current

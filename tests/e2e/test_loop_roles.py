@@ -1,0 +1,92 @@
+"""`lcap loop --per-role` on the real vLLM CPU server (the tiny model) with real TRL training: an agent whose every
+episode makes one planner call and one solver call (`X-Lcap-Role`) gets, after one round, an adapter per role in its
+own run folder, both deployed by one deploy, and the held-out episodes that follow are served by their roles'
+adapters. The step bookkeeping and the role listing alone: tests/unit/test_loop_roles.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lcap.policy import read_policy
+from lcap.store import Store
+
+REPO = Path(__file__).resolve().parents[2]
+
+# An unmodified OpenAI-SDK agent of two roles: the planner's call, then the solver's on what the planner said.
+AGENT = """
+import sys
+from openai import OpenAI
+client = OpenAI()
+said = sys.argv[1]
+for role in ("planner", "solver"):
+    reply = client.chat.completions.create(model="gpt-4o-mini", max_tokens=8, temperature=1.0, stop=[" "],
+                                           messages=[{"role": "user", "content": f"{role}: {said}"}],
+                                           extra_headers={"X-Lcap-Role": role})
+    said = reply.choices[0].message.content or ""
+print(said)
+"""
+
+# A reward per sample index: every group of two has two rewards, so each role has something to learn.
+VERIFIER = """
+def verify(ctx):
+    return float(ctx.sample)
+"""
+
+
+@pytest.mark.vllm
+def test_every_role_trains_its_own_adapter_and_one_deploy_serves_them(vllm_policy, tmp_path):
+    (tmp_path / "agent.py").write_text(AGENT)
+    (tmp_path / "verify.py").write_text(VERIFIER)
+    tasks, held_out = tmp_path / "tasks.jsonl", tmp_path / "eval.jsonl"
+    tasks.write_text(
+        "".join(
+            json.dumps({"id": f"t{i}", "q": f"Which is a number: {w}"}) + "\n" for i, w in enumerate(["one", "six"])
+        )
+    )
+    held_out.write_text(json.dumps({"id": "e0", "q": "Which is a number: ten"}) + "\n")
+    db, run = tmp_path / "lcap.duckdb", tmp_path / "run"
+    lcap = REPO / ".venv" / "bin" / "lcap"
+    command = [str(lcap) if lcap.exists() else "lcap", "loop", "--per-role", "--db", str(db), "--run", str(run)]
+    command += ["--rounds", "1", "--tasks", str(tasks), "--group-size", "2", "--concurrency", "4"]
+    command += ["--eval-tasks", str(held_out), "--verifier", f"{tmp_path / 'verify.py'}:verify"]
+    command += ["--truncated", "keep", "--min-groups", "1", "--lr", "1e-3", "--report-to", "none"]
+    command += ["--", sys.executable, str(tmp_path / "agent.py"), "{q}"]
+    env = dict(os.environ, OPENAI_API_KEY="sk-test")
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+
+    steps = json.loads((run / "state.json").read_text())["steps"]
+    deployed = steps["1:deploy"]["roles"]
+    assert set(deployed) == {"planner", "solver"} and steps["1:roles"]["roles"] == ["planner", "solver"]
+    for role, info in deployed.items():
+        adapter = run / "round-1" / f"role-{role}" / "adapter"
+        assert info["path"] == str(adapter) and (adapter / "adapter_config.json").is_file()
+        assert info["name"].startswith(f"policy-{role}-r1-")
+        assert {f"1:build:{role}", f"1:train:{role}"} <= set(steps)
+        # one line per role, naming its adapter
+        assert len([line for line in lines if line.startswith(f"round 1 role {role}: ")]) == 1, lines
+        assert any(line.endswith(f"| {adapter}") for line in lines), lines
+    assert lines[0].startswith("note: --per-role deploys each round before its held-out evaluation"), lines
+    round_line = next(line for line in lines if line.startswith("round 1: train reward"))
+    assert f"deployed planner {deployed['planner']['name']}, solver {deployed['solver']['name']}" in round_line
+
+    record = read_policy()
+    assert record is not None and record.roles == {role: info["name"] for role, info in deployed.items()}
+    assert record.current == vllm_policy.served_model  # the default role made no call: its deployment is untouched
+    assert all(record.loras[info["name"]] == info["path"] for info in deployed.values())
+    store = Store(db)
+    runs = store.fetchall("SELECT config->>'role', init_from, output FROM train_runs ORDER BY 1")
+    assert runs == [(role, None, deployed[role]["path"]) for role in ("planner", "solver")]  # both from the base
+    # the held-out episode after the deploy: each call served by its role's adapter
+    served = store.fetchall(
+        "SELECT t.role, t.deployment FROM turns t JOIN episode_summary e USING (episode_id) "
+        "WHERE e.split = 'eval' AND e.round = 1 ORDER BY t.seq"
+    )
+    assert served == [(role, deployed[role]["name"]) for role in ("planner", "solver")]
