@@ -146,17 +146,21 @@ class LoopState:
         return f"after round {round_}'s {step}"
 
     def last_deployed(self) -> dict | None:
-        deployed = [(int(k.split(":")[0]), v) for k, v in self.data["steps"].items() if k.endswith(":deploy")]
+        deployed = self._deploys()
         return max(deployed, key=lambda x: x[0])[1] if deployed else None
 
     def deployed_roles(self) -> dict[str, dict]:
         """--per-role: each role's latest deployment by the loop (role -> its `name` and `path`), over every round's
         deploy (a role a later round skipped keeps an earlier round's)."""
         latest: dict[str, dict] = {}
-        deploys = [(int(k.split(":")[0]), v) for k, v in self.data["steps"].items() if k.endswith(":deploy")]
-        for _, info in sorted(deploys, key=lambda x: x[0]):
+        for _, info in sorted(self._deploys(), key=lambda x: x[0]):
             latest.update(info.get("roles") or {})
         return latest
+
+    def _deploys(self) -> list[tuple[int, dict]]:
+        """Every round's `deploy` step (not a role's step that a role named `deploy` would end with)."""
+        split = [(k.split(":", 1), v) for k, v in self.data["steps"].items()]
+        return [(int(key[0]), v) for key, v in split if key[1:] == ["deploy"]]
 
 
 def role_step(name: str, role: str | None) -> str:

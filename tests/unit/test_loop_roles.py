@@ -167,7 +167,9 @@ def test_each_roles_latest_deployment_is_deployed_again_when_the_server_lost_it(
     }
     state.finish(1, "deploy", {"roles": first})
     state.finish(2, "deploy", {"roles": {"planner": {"name": "p2", "path": "/r2/p", "round": 2}}})
+    state.finish(3, "train:deploy", {"output": "/r3/d"})  # a role named `deploy`: its training is no deploy
     assert state.deployed_roles() == {"planner": {"name": "p2", "path": "/r2/p", "round": 2}, "solver": first["solver"]}
+    assert state.last_deployed() == state.done(2, "deploy")
 
     deployed: list[tuple[dict, int]] = []  # deploy_roles hot-loads into vLLM: the real one runs in the e2e test
     monkeypatch.setattr(rounds, "deploy_roles", lambda adapters, round, store: deployed.append((adapters, round)))
