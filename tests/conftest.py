@@ -67,6 +67,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path.parent.name in TIERS:
             item.add_marker(item.path.parent.name)
+        if item.path.parent.name == "unit" and item.get_closest_marker("serial"):
+            # scripts/test.sh's serial phase runs alone and collects tests/integration only: collecting the unit tier
+            # too (torch, transformers) would hold the whole machine for nothing, and a serial unit test would not run.
+            raise pytest.UsageError(
+                f"{item.nodeid}: a unit test cannot be marked serial (scripts/test.sh runs tests/integration's only)"
+            )
     items.sort(key=_e2e_cost_first)  # stable: each file's tests, and the other tiers, keep their order
 
 
