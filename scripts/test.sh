@@ -25,7 +25,7 @@ LCAP_HARNESS_DIR=${LCAP_SANDBOX_HARNESS_DIR:-/var/cache/lcap-harnesses} LCAP_HAR
   scripts/harnesses/install.sh codex mini
 status=0
 "${pytest[@]}" tests/unit tests/integration -m "not serial" "$@" || status=$?
-.venv/bin/python -m pytest tests/unit tests/integration -m serial "$@" || status=$?
+.venv/bin/python -m pytest tests/integration -m serial "$@" || status=$?  # a unit test cannot be serial (tests/conftest.py)
 # One OpenMP thread per process in e2e: its trainers and vLLM servers otherwise run a spinning thread per core
 # each, beside the other worker's (docs/benchmarks.md, the whole test suite).
 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "${pytest[@]}" tests/e2e "$@" || status=$?

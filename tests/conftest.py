@@ -22,6 +22,40 @@ pytest_plugins = [
 
 TIERS = ("unit", "integration", "e2e")
 
+
+# What each e2e file costs in a whole run (seconds on two workers, from CI's durations): scripts/test.sh hands files
+# out in collection order (`--no-loadscope-reorder`), each to the first idle worker, and the phase ends when the
+# slower worker does; the longest first leaves short files to even out the end. Only the order matters; a file not
+# listed counts as long, so a new one never lands alone at the end.
+E2E_SECONDS = {
+    "test_harnesses.py": 330,
+    "test_serve_replicas.py": 275,
+    "test_real_model.py": 240,
+    "test_dataset_ray_collect.py": 230,
+    "test_train_loop.py": 217,
+    "test_train_distributed.py": 155,
+    "test_loop_demo_tools.py": 140,
+    "test_loop_async.py": 100,
+    "test_loop_live.py": 93,
+    "test_train_grpo.py": 80,
+    "test_serve_ray.py": 76,
+    "test_coding_sandbox.py": 70,
+    "test_train_sft.py": 70,
+    "test_loop_skip.py": 69,
+    "test_serve_deploy.py": 50,
+    "test_policy_route.py": 40,
+    "test_dataset_e2e.py": 35,
+    "test_capture_vllm.py": 31,
+    "test_eval.py": 31,
+    "test_train_mismatch.py": 30,
+    "test_serve_vllm.py": 20,
+    "test_loop_demo.py": 20,
+    "test_serve_proxy.py": 15,
+    "test_judge_vllm.py": 10,
+    "test_doctor.py": 5,
+}
+UNLISTED_E2E_SECONDS = 120
+
 # A suite started in the background (`cmd &` in a script, nohup) inherits SIGINT ignored, and so
 # would every lcap and agent it starts; several tests send SIGINT on purpose. A handler here makes
 # the processes the tests start begin with SIGINT's default action, as from a terminal.
@@ -33,3 +67,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path.parent.name in TIERS:
             item.add_marker(item.path.parent.name)
+        if item.path.parent.name == "unit" and item.get_closest_marker("serial"):
+            # scripts/test.sh's serial phase runs alone and collects tests/integration only: collecting the unit tier
+            # too (torch, transformers) would hold the whole machine for nothing, and a serial unit test would not run.
+            raise pytest.UsageError(
+                f"{item.nodeid}: a unit test cannot be marked serial (scripts/test.sh runs tests/integration's only)"
+            )
+    items.sort(key=_e2e_cost_first)  # stable: each file's tests, and the other tiers, keep their order
+
+
+def _e2e_cost_first(item: pytest.Item) -> float:
+    if item.path.parent.name != "e2e":
+        return 0
+    return -E2E_SECONDS.get(item.path.name, UNLISTED_E2E_SECONDS)

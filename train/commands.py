@@ -13,7 +13,7 @@ import typer
 from lcap.cli_options import DbOption, one_line_errors, with_options
 from lcap.cli_stages import StageRegistry
 from lcap.config import LcapError
-from lcap.dataset import explain, last_report, lost_lines
+from lcap.dataset import explain, lost_lines
 from lcap.processes import helper_env
 from lcap.train.accelerate_launch import accelerate_command
 from lcap.train.options import TrainOptions
@@ -68,6 +68,7 @@ def train(
     if accelerate_config is not None:
         _accelerate(accelerate_config, options, dry_run)
         return
+    from lcap.dataset import last_report  # start-up: the builder's numpy and pyarrow, in every lcap command
     from lcap.store import Store  # start-up: duckdb
     from lcap.train.fit import is_main_process  # start-up: pyarrow
     from lcap.train.grpo import check_role, round_dir, round_samples, train_round  # start-up: pyarrow

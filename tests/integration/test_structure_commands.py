@@ -21,3 +21,14 @@ def test_each_stages_commands_import_on_their_own(stage):
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_cli_starts_without_numpy_or_pyarrow():
+    """Every `lcap` command pays the CLI's imports: numpy and pyarrow (a module-level import of the dataset builder
+    brought them, 40% of the start-up's CPU) load only inside the commands that use them."""
+    code = (
+        "import sys; sys.argv = ['lcap', 'sql', 'SELECT 1']; import lcap.cli; "
+        "heavy = sorted({'numpy', 'pyarrow'} & set(sys.modules)); assert not heavy, heavy"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
