@@ -277,7 +277,7 @@ class CaptureAddon:
 
     def _route_websocket(self, flow: http.HTTPFlow) -> None:
         state = flow.metadata[_WS_KEY]
-        route = self.calls.route_for(state["episode"])
+        route = self.calls.route_for(state["episode"], state["role"])
         req = flow.request
         state["upstream"] = f"{req.scheme}://{req.host}:{req.port}"
         if route is not None:
@@ -339,8 +339,10 @@ class CaptureAddon:
         route wants it (the deployment's model; on lcap's endpoints, lcap's options and the conversation's head)."""
         nested = frame.get("response")
         request: dict = nested if isinstance(nested, dict) else frame
-        route: Route | None = state["route"]
         warm_up = frame.get("generate") is False  # no model output, no turn
+        # A warm-up is no call: it opens no conversation of the episode (--role-by thread) and keeps the socket's route
+        role = None if warm_up else self.calls.roles.of(state["role"], request, state["episode"], dialects.RESPONSES)
+        route = self._role_route(state, role)
         if not warm_up:
             self._ws_close_turn(state, "superseded by a new response.create")
         started = self._ws_turn(state, numbered=not warm_up)
@@ -355,7 +357,7 @@ class CaptureAddon:
         if warm_up:
             return
         started.request_json = frame
-        started.role = self.calls.roles.of(state["role"], request, state["episode"], dialects.RESPONSES)
+        started.role = role
         started.model_requested = request.get("model")
         started.upstream = state["upstream"]
         started.deployment = route.deployment if route is not None else None
@@ -364,6 +366,18 @@ class CaptureAddon:
         started.events = []
         state["turn"] = started
         state["kept"] = 0
+
+    def _role_route(self, state: dict, role: str | None) -> Route | None:
+        """The route of one `response.create` of `role`: on the policy, its role's adapter on the replica the socket
+        is open to (each frame names its model); elsewhere, or without a role, the socket's own route."""
+        route: Route | None = state["route"]
+        if route is None or route.replica is None or role is None:
+            return route
+        try:
+            own = self.calls.route_for(state["episode"], role)
+        except NoRoute:
+            return route
+        return own if own is not None and own.replica == route.replica else route
 
     @_guarded
     def websocket_end(self, flow: http.HTTPFlow) -> None:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import os
 import ssl
+import subprocess
 import time
 from datetime import UTC, datetime
 
 import httpx
 import pytest
-from fixtures_capture import FakeLLM, fake_ids, turns
+from fixtures_capture import FakeLLM, agent, fake_ids, turns
 
 from lcap.capture.options import ProxyOptions
 from lcap.capture.proxy.server import CaptureProxy
@@ -311,3 +312,25 @@ def test_a_proxy_whose_model_is_a_loaded_adapter_sends_and_labels_calls_to_it(tm
             assert client.post("https://api.openai.com/v1/chat/completions", json=CHAT).status_code == 200
     assert [c["body"]["model"] for c in vllm_like.calls()] == ["candidate", "tiny"]
     assert [r["deployment"] for r in turns(tmp_path / "lcap.duckdb")] == ["candidate", "lora-1"]
+
+
+def test_each_response_create_over_a_websocket_goes_to_its_roles_adapter(tmp_path, policy_record, vllm_like):
+    """Serving per role on the Responses WebSocket (issue #52): the socket opens to the episode's replica, and each
+    `response.create` asks for its own role's adapter there (`--role-by thread`: the agent's two prompts are two
+    conversations, `main` then `subagent`); the turns name the adapter that served each."""
+    policy_record.loras = {"lora-sub": str(tmp_path / "sub")}
+    policy_record.roles = {"subagent": "lora-sub"}
+    write_policy(policy_record)
+    store = Store(tmp_path / "lcap.duckdb")
+    options = ProxyOptions(upstream="policy", token_ids=False, require_credentials=False, role_by=("thread",))
+    with CaptureProxy(store, options) as proxy:
+        env = {**proxy.child_env(None, base=dict(os.environ)), "OPENAI_API_KEY": "sk-test-ws-roles"}
+        done = subprocess.run(agent("ws_agent.py"), env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+    rows = turns(tmp_path / "lcap.duckdb")
+    assert [(r["transport"], r["role"], r["deployment"]) for r in rows] == [
+        ("websocket", "main", "lora-1"),
+        ("websocket", "subagent", "lora-sub"),
+    ]
+    frames = [f["body"] for f in vllm_like.requests if f["method"] == "WS" and f["body"].get("generate") is not False]
+    assert [f.get("model") or f.get("response", {}).get("model") for f in frames] == ["lora-1", "lora-sub"]
