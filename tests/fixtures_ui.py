@@ -427,6 +427,7 @@ def fill_store(store, tokenizer_dir: Path, *, xss: bool = True) -> UiStore:
                 ("collect", {"seconds": 30.0}),
                 ("build", {"seconds": 0.2}),
                 ("skipped", {"reason": "every group got the same reward (2 of 2)", "kept": "demo-r2", "seconds": 0}),
+                ("skipped:solver", {"reason": "no group with a reward spread", "kept": "demo-solver-r1", "seconds": 0}),
             )
         ],
     )

@@ -286,11 +286,13 @@ def overview(con: duckdb.DuckDBPyConnection, cols: dict[str, set[str]]) -> dict[
            FROM loop_steps WHERE run = (SELECT run FROM latest) GROUP BY ALL ORDER BY 1, 2""",
     )
     run = con.execute("SELECT arg_max(run, created_at) FROM loop_steps").fetchone()
-    skipped = _dicts(  # rounds with nothing to learn: neither trained nor deployed (loop/steps.py skip_step)
+    skipped = _dicts(  # rounds (or, with --per-role, a round's roles: `skipped:ROLE`) with nothing to learn
         con,
         """WITH latest AS (SELECT arg_max(run, created_at) AS run FROM loop_steps)
-           SELECT round, any_value(details->>'reason') AS reason, any_value(details->>'kept') AS kept
-           FROM loop_steps WHERE run = (SELECT run FROM latest) AND step = 'skipped' GROUP BY round ORDER BY round""",
+           SELECT round, nullif(split_part(step, ':', 2), '') AS role, any_value(details->>'reason') AS reason,
+                  any_value(details->>'kept') AS kept
+           FROM loop_steps WHERE run = (SELECT run FROM latest) AND (step = 'skipped' OR step LIKE 'skipped:%')
+           GROUP BY round, step ORDER BY round, role NULLS FIRST""",
     )
     deployments = _dicts(
         con, "SELECT name, base_model, kind, round, created_at FROM deployments ORDER BY created_at DESC LIMIT 20"

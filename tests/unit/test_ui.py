@@ -214,6 +214,9 @@ def test_every_page_renders_what_the_store_holds(ui_db):
         assert "/runs/demo/round-2/adapter" in overview.text
         skipped = overview.text.split("Skipped rounds", 1)[1].split("</table>", 1)[0]  # round 3: nothing to learn
         assert "<td>3</td><td>skipped: every group got the same reward (2 of 2)</td><td><code>demo-r2</code>" in skipped
+        assert (
+            "<td>3</td><td>role solver skipped: no group with a reward spread</td><td><code>demo-solver-r1" in skipped
+        )
         episode = c.get("/episode", params={"id": "ep-calc-2"})
         assert episode.status_code == 200
         for text in (
