@@ -11,10 +11,6 @@
 # checks them then).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Bytecode cached across the suite's hundreds of Python processes (lcap's own modules and the tests have none
-# installed), under .cache/ rather than beside the sources, whatever the environment says about writing it.
-unset PYTHONDONTWRITEBYTECODE
-export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-$PWD/.cache/pycache}
 scripts/setup.sh
 scripts/lint.sh
 pytest=(.venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder)
