@@ -15,8 +15,10 @@ from typer.testing import CliRunner
 from lcap.cli import app
 from lcap.config import LcapError
 from lcap.policy import PolicyServer, write_policy
+from lcap.serve import vllm_process
 from lcap.serve.deploy import deploy_policy
-from lcap.serve.vllm_process import MAX_LORA_RANK
+from lcap.serve.options import ServeOptions
+from lcap.serve.vllm_process import MAX_LORA_RANK, VllmSpec, launch
 from lcap.train.options import TrainOptions
 
 
@@ -261,3 +263,31 @@ def test_a_deploy_checks_the_adapters_rank_against_the_servers_own_limit(tmp_pat
     with pytest.raises(Exception) as failed:
         deploy_policy(adapter)
     assert "allows at most" not in str(failed.value)
+
+
+class _Listener:
+    """What `launch` asks of its listening socket (none is opened: only the environment it starts vLLM with is read)."""
+
+    def getsockname(self):
+        return ("127.0.0.1", 8765)
+
+    def fileno(self):
+        return 99
+
+
+@pytest.mark.parametrize("threads", [None, 3])
+def test_cpu_threads_reach_the_servers_environment(tmp_path, monkeypatch, threads):
+    """`lcap serve --cpu-threads N`: every vLLM server on CPU runs with N OpenMP threads, unpinned, over an
+    OMP_NUM_THREADS inherited from lcap's own environment (the demo sets 1); without it the inherited one stays."""
+    started: list[dict] = []
+    monkeypatch.setattr(vllm_process, "has_gpu", lambda: False)
+    monkeypatch.setattr(vllm_process, "cpu_kv_cache_gib", lambda *a: 1)
+    monkeypatch.setattr(vllm_process.subprocess, "Popen", lambda cmd, **kw: started.append(kw))  # no process here
+    env = ServeOptions(model="m", cpu_threads=threads).endpoint_env()
+    spec = VllmSpec("m", "m", None, None, (), 1.0, tuple(env.items()))
+    launch(spec, python="python", listener=_Listener(), log_path=tmp_path / "log", env={"OMP_NUM_THREADS": "1"})
+    server_env = started[0]["env"]
+    if threads is None:
+        assert server_env["OMP_NUM_THREADS"] == "1" and "VLLM_CPU_OMP_THREADS_BIND" not in server_env
+    else:
+        assert server_env["OMP_NUM_THREADS"] == "3" and server_env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"

@@ -1,5 +1,5 @@
 """`lcap init-model`, and `lcap serve` / `lcap deploy` decisions made without a process (the failure paths with
-processes: tests/integration/test_serve_model.py)."""
+processes, and the environment `launch` starts vLLM with: tests/integration/test_serve_model.py)."""
 
 from __future__ import annotations
 
@@ -216,38 +216,6 @@ def test_a_checkpoint_reloads_in_place_only_when_nothing_but_weight_values_chang
     template = variant("template")
     (template / "chat_template.jinja").write_text("{{ messages }}")
     assert "chat_template" in difference(template, running, running)
-
-
-class _Listener:
-    """What `launch` asks of its listening socket (a unit test opens none)."""
-
-    def getsockname(self):
-        return ("127.0.0.1", 8765)
-
-    def fileno(self):
-        return 99
-
-
-@pytest.mark.parametrize("threads", [None, 3])
-def test_cpu_threads_reach_the_servers_environment(tmp_path, monkeypatch, threads):
-    """`lcap serve --cpu-threads N`: every vLLM server on CPU runs with N OpenMP threads, unpinned, over an
-    OMP_NUM_THREADS inherited from lcap's own environment (the demo sets 1); without it the inherited one stays."""
-    from lcap.serve import vllm_process
-    from lcap.serve.options import ServeOptions
-    from lcap.serve.vllm_process import VllmSpec, launch
-
-    started: list[dict] = []
-    monkeypatch.setattr(vllm_process, "has_gpu", lambda: False)
-    monkeypatch.setattr(vllm_process, "cpu_kv_cache_gib", lambda *a: 1)
-    monkeypatch.setattr(vllm_process.subprocess, "Popen", lambda cmd, **kw: started.append(kw))  # no process here
-    env = ServeOptions(model="m", cpu_threads=threads).endpoint_env()
-    spec = VllmSpec("m", "m", None, None, (), 1.0, tuple(env.items()))
-    launch(spec, python="python", listener=_Listener(), log_path=tmp_path / "log", env={"OMP_NUM_THREADS": "1"})
-    server_env = started[0]["env"]
-    if threads is None:
-        assert server_env["OMP_NUM_THREADS"] == "1" and "VLLM_CPU_OMP_THREADS_BIND" not in server_env
-    else:
-        assert server_env["OMP_NUM_THREADS"] == "3" and server_env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
 
 
 def test_cpu_threads_must_be_positive():
