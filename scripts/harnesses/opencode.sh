@@ -12,9 +12,20 @@ if [ "${1:-}" = --messages ]; then npm=@ai-sdk/anthropic base=https://api.anthro
 export XDG_CONFIG_HOME=$harness_home/config XDG_DATA_HOME=$harness_home/data XDG_STATE_HOME=$harness_home/state
 export XDG_CACHE_HOME=$harness_home/cache OPENCODE_CONFIG=$harness_home/opencode.json
 export OPENCODE_DISABLE_MODELS_FETCH=1 OPENCODE_DISABLE_AUTOUPDATE=1 OPENCODE_DISABLE_LSP_DOWNLOAD=1
+# LCAP_OPENCODE_TOOLS (e.g. bash,write) keeps only those built-in tools and LCAP_OPENCODE_PROMPT replaces the build
+# agent's system prompt: together they are most of its prompt.
+tools=""
+if [ -n "${LCAP_OPENCODE_TOOLS:-}" ]; then
+  tools='"tools": {"*": false'
+  IFS=, read -ra kept <<<"$LCAP_OPENCODE_TOOLS"
+  for tool in "${kept[@]}"; do tools+=", \"$tool\": true"; done
+  tools+='},'
+fi
+prompt=""
+[ -z "${LCAP_OPENCODE_PROMPT:-}" ] || prompt=", \"prompt\": $(printf '%s' "$LCAP_OPENCODE_PROMPT" | python3 -c 'import json,sys; print(json.dumps(sys.stdin.read()))')"
 cat > "$OPENCODE_CONFIG" <<JSON
 {
-  "autoupdate": false,
+  "autoupdate": false,$tools
   "share": "disabled",
   "model": "lcap/policy",
   "provider": {
@@ -25,7 +36,7 @@ cat > "$OPENCODE_CONFIG" <<JSON
       "models": {"policy": {"name": "policy", "tool_call": true, "limit": {"context": 65536, "output": ${LCAP_MAX_OUTPUT_TOKENS:-4096}}}}
     }
   },
-  "agent": {"build": {"steps": ${LCAP_MAX_TURNS:-3}}}
+  "agent": {"build": {"steps": ${LCAP_MAX_TURNS:-3}$prompt}}
 }
 JSON
 exec "$(harness_bin opencode)" run --auto "$@"

@@ -14,9 +14,12 @@ a harness failing its task is fine, lcap failing is not. Collect runs with `--ve
 gives up on the random model's answers (Claude Code exits 1 when they keep hitting the token limit) is an
 episode to score.
 
-Training is most of the cost: CPU attention grows with each sample's length squared. Claude Code asks to continue
-each answer the token limit cut (four calls an episode), each prompt mostly its tool definitions: it gets two
-tools here (LCAP_CLAUDE_TOOLS); the others keep their whole prompts, the long-sample training path included.
+Training is most of the cost: CPU attention grows with each sample's length squared, and a harness's prompt is
+mostly its instructions and tool definitions (Codex 17k tokens, opencode 13k, Claude Code 23k). Each adapter's
+knobs shorten them here: Claude Code gets two tools (LCAP_CLAUDE_TOOLS), Codex one line of instructions and its
+multi-agent and goal tools off (LCAP_CODEX_INSTRUCTIONS, LCAP_CODEX_FEATURES_OFF), opencode one line and three
+tools (LCAP_OPENCODE_PROMPT, LCAP_OPENCODE_TOOLS). Claude Code's calls still run to ~6.5k tokens, which the trainer
+takes one sample at a time (its long-sample path); aider and mini-swe-agent keep their whole prompts.
 All seven run by default (their cost: docs/benchmarks.md, "Real harnesses"); LCAP_HARNESSES (comma-separated,
 or `all`) runs a subset, the others skipped with that reason. The harnesses are installed by
 scripts/harnesses/install.sh (idempotent, into LCAP_HARNESS_DIR or ~/.cache/lcap-harnesses), which scripts/test.sh
@@ -52,6 +55,9 @@ LCAP = str(Path(sys.executable).parent / "lcap")
 MAX_TURNS = 2  # harness turns/steps per episode (its own limit, where it has one)
 MAX_OUTPUT_TOKENS = 24  # per answer, where the harness has a setting: the tiny model rarely stops by itself
 CLAUDE_TOOLS = "Bash,Write"  # Claude Code's built-in tools: all of them are most of a ~23k-token prompt
+INSTRUCTIONS = "You are a coding agent. Use your tools to do the task, then stop."
+CODEX_FEATURES_OFF = "multi_agent,goals"  # their tools are half of Codex's tool definitions
+OPENCODE_TOOLS = "bash,write"  # opencode adds `edit`, which `write` needs
 # Seconds per episode. Codex has neither a turn nor an output limit, and the LoRA deployment answers its long prompt
 # slowly on a loaded CPU: a timed-out call is an unfinished turn, which the transport check counts as lcap's failure.
 EPISODE_TIMEOUT = 900
@@ -175,6 +181,10 @@ def matrix(vllm_server, tmp_path_factory) -> Iterator[Matrix]:
         LCAP_MAX_TURNS=str(MAX_TURNS),
         LCAP_MAX_OUTPUT_TOKENS=str(MAX_OUTPUT_TOKENS),
         LCAP_CLAUDE_TOOLS=CLAUDE_TOOLS,
+        LCAP_CODEX_INSTRUCTIONS=INSTRUCTIONS,
+        LCAP_CODEX_FEATURES_OFF=CODEX_FEATURES_OFF,
+        LCAP_OPENCODE_PROMPT=INSTRUCTIONS,
+        LCAP_OPENCODE_TOOLS=OPENCODE_TOOLS,
     )
     port = vllm_server.url.rsplit(":", 1)[1]
     offline = [sys.executable, str(HARNESSES / "offline.py"), "--port", port, "--"]
