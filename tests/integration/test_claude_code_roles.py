@@ -5,9 +5,9 @@ The upstream is scripted (FakeLLM's `script`, Anthropic Messages, streamed), bec
 decide to call a tool on purpose: the main thread's first call is answered with a tool_use of Claude Code's
 sub-agent tool (`Agent`, its input as the installed package's sdk-tools.d.ts `AgentInput` declares it), every other
 call with end_turn text. Claude Code itself is the real binary at scripts/harnesses/versions, started by
-scripts/harnesses/claude.sh as a user would, its calls to api.anthropic.com rerouted by the proxy. It needs node and
-the installed harness: the installer runs first (idempotent), and a harness it cannot install fails this test with
-the installer's message.
+scripts/harnesses/claude.sh as a user would, its calls to api.anthropic.com rerouted by the proxy. It needs the
+installed harness (npm installs it): the installer runs first (idempotent), and a harness it cannot install fails
+this test with the installer's message, never skips it.
 
 Claude Code opens every call's system prompt with a block that names the call (`x-anthropic-billing-header: ...;
 cch=HASH; ...`); before capture/turns/dialects.py left it out of a conversation's key, every main-thread call after
@@ -76,6 +76,7 @@ def test_a_claude_code_sub_agents_calls_are_its_thread_role(capture_env, claude_
         )
     finally:
         llm.shutdown()
+        llm.server_close()
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     calls = llm.calls("/messages")
     started = [c for c in calls if any(b.get("name") == SUBAGENT_TOOL for b in _tool_uses(c["body"]))]
