@@ -200,6 +200,12 @@ class ProxyOptions:
         "system:REGEX=ROLE (its system prompt matches REGEX) or thread (the episode's first conversation is 'main', "
         "its others 'subagent'); the first that matches wins, else 'default'. Repeatable; stored as turns.role.",
     )
+    role_models: tuple[tuple[str, str], ...] = option(
+        (),
+        cli=False,
+        help="(role, adapter) pins with --upstream policy: each role's calls ask for that adapter, loaded beside the "
+        "deployments, instead of the role's deployment (how `lcap loop --per-role` evaluates a round's candidates).",
+    )
     conversations: bool | None = option(
         None,
         flag="--conversations/--no-conversations",

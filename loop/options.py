@@ -67,7 +67,8 @@ class LoopOptions:
         "deployment before it is deployed, and promoted only when its held-out reward >= the current deployment's - "
         "this margin, else refused (kept in the run folder; the next round trains from the current deployment). 0 "
         "promotes one no worse, 0.02 tolerates noise, a negative margin demands a gain, one wider than the rewards' "
-        "range promotes every round. Not with --async or --full, which deploy before they evaluate.",
+        "range promotes every round. With --per-role, a round's adapters are judged together. Not with --async or "
+        "--full, which deploy before they evaluate.",
     )
     wait_timeout: float = option(
         0.0, help="--live: seconds a step waits for enough samples before the loop ends (0: wait until Ctrl-C)."
@@ -77,9 +78,10 @@ class LoopOptions:
         flag="--per-role",
         help="Train every role of the agent (`turns.role`) an adapter of its own each round: the roles with a "
         "successful call in the round's training episodes each get their build and training in RUN/round-N/role-R "
-        "(R's adapter continues R's own), then one deploy makes them all current at once; a role with nothing to "
-        "learn keeps its deployment. With --eval-tasks, each round deploys, then evaluates. Not with --full, --async, "
-        "--live or --sft-data (docs/guide.md, one adapter per role).",
+        "(R's adapter continues R's last deployed one), then one deploy makes them all current at once; a role with "
+        "nothing to learn keeps its deployment. With --eval-tasks, the round's adapters are promoted together or "
+        "refused together (--promote-margin). Not with --full, --async, --live or --sft-data (docs/guide.md, one "
+        "adapter per role).",
     )
 
     def __post_init__(self) -> None:

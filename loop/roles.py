@@ -4,11 +4,14 @@ at once.
 After a round's collect, the roles with a successful call in its training episodes (`turns.role`) are listed from
 the store (step `roles`, so a resumed round trains the same ones). Each role gets its own build (step `build:ROLE`,
 RUN/round-N/role-R/data, `build-dataset --role R`'s samples) and training (step `train:ROLE`, R's adapter in
-RUN/round-N/role-R/adapter, continuing R's own latest one as `lcap train --role R` does); a role with nothing to learn
-is recorded as `skipped:ROLE` and keeps its deployment. Then one deploy (step `deploy`) makes every trained role's
-adapter its role's deployment atomically (serve's `deploy_roles`, what `lcap deploy --role A=P --role B=Q` does)
-and records each. A killed loop resumes at the first unfinished step: finished roles are neither built nor trained
-again. A round where no role trained is the round's `skipped`, as in the single-role loop.
+RUN/round-N/role-R/adapter, continuing R's adapter the loop deployed last); a role with nothing to learn is recorded
+as `skipped:ROLE` and keeps its deployment. Then one deploy (step `deploy`) makes every trained role's adapter its
+role's deployment atomically (serve's `deploy_roles`, what `lcap deploy --role A=P --role B=Q` does) and records
+each. With --eval-tasks the round's adapters are first one candidate of the promotion gate (loop/promotion.py):
+evaluated together, then deployed together in that one write, or refused together (no `deploy` step: every role
+keeps its deployment, and the next round trains each from it). A killed loop resumes at the first unfinished step:
+finished roles are neither built nor trained again. A round where no role trained is the round's `skipped`, as in
+the single-role loop.
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ from lcap.loop.steps import (
     build_step,
     deploy_roles_step,
     few_groups,
+    role_continued,
     role_step,
     skip_step,
     skipped_line,
     train_step,
 )
 from lcap.policy import read_policy
-from lcap.train import PREVIOUS_ROUND, round_dir, training_text
+from lcap.train import round_dir, training_text
 
 # The roles with a successful call (`turn_tokens`: the calls a build reads) in a round's episodes of a split.
 _ROUND_ROLES = """
@@ -80,7 +84,7 @@ def _train_role(step: StepRunner, config: LoopConfig, n: int, role: str, echo: C
         step,
         n,
         role_step("train", role),
-        lambda: train_step(step.store, run, n, config.train, data, PREVIOUS_ROUND, role),
+        lambda: train_step(step.store, run, n, config.train, data, role_continued(step.state, n, role), role),
         role,
     )
     if "skipped" in record:

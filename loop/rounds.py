@@ -18,7 +18,8 @@ With --live, loop/live.py runs the steps instead: trained on a serving proxy's r
 evaluated before it is promoted.
 
 With --per-role, loop/roles.py trains each round's roles an adapter each and deploys them at once; with
---eval-tasks such a round is deployed, then evaluated (the promotion gate evaluates one candidate by name).
+--eval-tasks the round's adapters are one candidate of the same gate (each role's calls pinned to its adapter),
+promoted together or refused together.
 
 With --sft-data, round 1 is an SFT round (train on those supervised samples, deploy, eval) and the --rounds RL
 rounds are 2, 3, ...: the first of them collects with the SFT policy.
@@ -37,7 +38,7 @@ from lcap.config import LcapError
 from lcap.display import num
 from lcap.loop.live import run_live_loop
 from lcap.loop.overlap import run_async_loop
-from lcap.loop.promotion import follow, gate, read_policy_current, remember, verdict_text
+from lcap.loop.promotion import follow, gate, read_current, remember, verdict_text
 from lcap.loop.roles import deploy_trained, train_roles
 from lcap.loop.steps import (
     SKIPPED,
@@ -85,7 +86,7 @@ def run_loop(
     (run / "loop.json").write_text(json.dumps({**asdict(config), "key": config.key()}, indent=2, default=str))
     _redeploy_if_lost(state, store, echo)
     if config.eval_tasks and not config.options.live and (config.options.overlap or not gated(config)):
-        flag = "--async" if config.options.overlap else "--per-role" if config.options.per_role else "--full"
+        flag = "--async" if config.options.overlap else "--full"
         echo(
             f"note: {flag} deploys each round before its held-out evaluation (no --promote-margin gate: only one "
             "adapter of the synchronous loop is evaluated first)"
@@ -117,7 +118,7 @@ def _rounds(
     summaries: list[RoundSummary] = []
     try:
         if eval_tasks:
-            base = read_policy_current()
+            base = read_current(config.options.per_role)  # with --per-role: every role's deployment
             info = step(
                 0, "eval", lambda: {**collect_step(0, "eval", eval_tasks, config.eval_group_size), "deployment": base}
             )
@@ -136,7 +137,7 @@ def _rounds(
             got = step(n, "collect", lambda: collect_step(n, "train", tasks, config.collect.group_size))
             s.train_reward = got["mean_reward"]
             if config.options.per_role:
-                said = _per_role(step, config, collect_step, s, echo)
+                said = _per_role(step, config, collect_step, s, echo, node_proxies)
             else:
                 data = round_dir(run, n) / "data"
                 build_step(step, config, n, "train", data, echo)
@@ -212,20 +213,30 @@ def _train_deploy_eval(
 
 
 def _per_role(
-    step: StepRunner, config: LoopConfig, collect_step, s: RoundSummary, echo: Callable[[str], None]
+    step: StepRunner, config: LoopConfig, collect_step, s: RoundSummary, echo: Callable[[str], None], node_proxies: Any
 ) -> str | None:
-    """A round of --per-role (loop/roles.py): every role trained (one line each), their adapters deployed at once,
-    then evaluated (with --eval-tasks), recorded in `s`; what the round's line says of them (None: no role had
-    anything to learn, the round was skipped)."""
+    """A round of --per-role (loop/roles.py): every role trained (one line each), then their adapters deployed at
+    once, or with --eval-tasks promoted at once or refused together (loop/promotion.py), recorded in `s`; what the
+    round's line says of them (None: no role had anything to learn, the round was skipped)."""
     n = s.round
     trained = train_roles(step, config, n, echo)
     s.train = trained
     if not trained:
         s.skipped = (step.state.done(n, SKIPPED) or {}).get("reason")
         return None
-    s.roles = deploy_trained(step, n, trained)
-    s.deployed = ", ".join(f"{role} {name}" for role, name in s.roles.items())
-    return f"{_held_out(step, config, collect_step, s)} | deployed {s.deployed}"
+    if not gated(config):
+        s.roles = deploy_trained(step, n, trained)
+        s.deployed = ", ".join(f"{role} {name}" for role, name in s.roles.items())
+        return f"{_held_out(step, config, collect_step, s)} | deployed {s.deployed}"
+    verdict = gate(step, config, n, {role: record["output"] for role, record in trained.items()}, node_proxies)
+    s.eval_reward = verdict["candidate_reward"]
+    if verdict["promoted"]:  # the `deploy` step every resume (and _redeploy_if_lost) reads each role's from
+        deployed = step(n, "deploy", lambda: follow(verdict))["roles"]
+        s.roles = {role: info["name"] for role, info in deployed.items()}
+        s.deployed = ", ".join(f"{role} {name}" for role, name in s.roles.items())
+    else:
+        s.refused = verdict["reason"]
+    return f" | {verdict_text(verdict)}"
 
 
 def _held_out(step: StepRunner, config: LoopConfig, collect_step, s: RoundSummary) -> str:
@@ -240,9 +251,9 @@ def _held_out(step: StepRunner, config: LoopConfig, collect_step, s: RoundSummar
 
 def gated(config: LoopConfig) -> bool:
     """Whether a round's policy is promoted on held-out evidence before it is deployed: with --eval-tasks, for an
-    adapter (a full checkpoint replaces the served weights, so it can only be evaluated once deployed; --per-role's
-    adapters are several candidates, which the promotion gate does not evaluate together)."""
-    return config.eval_tasks is not None and not config.train.full and not config.options.per_role
+    adapter, or --per-role's adapters together (a full checkpoint replaces the served weights, so it can only be
+    evaluated once deployed)."""
+    return config.eval_tasks is not None and not config.train.full
 
 
 def _stop_when_solved(step: StepRunner, config: LoopConfig, collect_step, n: int, echo: Callable[[str], None]) -> bool:

@@ -198,11 +198,13 @@ def collect_split(
     group_size: int,
     node_proxies: Any = None,
     model: str | None = None,
+    role_models: dict[str, str] | None = None,
 ) -> dict:
     """One collect of the loop (`lcap collect` against the policy): a round's training episodes, or held-out ones.
     `node_proxies`: with --ray, the node proxies the loop keeps across its collects (dataset/collect/on_ray.py).
     `model`: an adapter the replicas serve to send every call to (a candidate `lcap loop --live` evaluates),
-    instead of the current deployment."""
+    instead of the current deployment; `role_models`: role -> such an adapter for that role's calls (the
+    candidates of a round of `lcap loop --per-role`), the other roles keeping their deployments."""
     options = replace(
         config.collect,
         group_size=group_size,
@@ -214,13 +216,10 @@ def collect_split(
         tasks_root=tasks_root(config),
         ray=config.train.ray,  # one --ray: the loop collects and trains on the same cluster
     )
+    pinned = tuple(sorted((role_models or {}).items()))
+    proxy = replace(config.proxy, role_models=pinned) if pinned else config.proxy
     result = collect_episodes(
-        store,
-        tasks=tasks,
-        command=config.command,
-        options=options,
-        proxy_options=config.proxy,
-        node_proxies=node_proxies,
+        store, tasks=tasks, command=config.command, options=options, proxy_options=proxy, node_proxies=node_proxies
     )
     mean, n = split_reward(store, result.run_id, round, split)
     return {
@@ -298,6 +297,17 @@ def continued(state: LoopState, n: int) -> Path | None:
         trained = state.done(m, "train")
         if trained and state.done(m, "deploy"):
             return Path(trained["output"])
+    return None
+
+
+def role_continued(state: LoopState, n: int, role: str) -> Path | None:
+    """What role `role`'s round `n` trains from with --per-role: its adapter of the last round before `n` that
+    deployed it (a round that refused its candidates, or skipped the role, deployed none), None for the base
+    model."""
+    for m in range(n - 1, 0, -1):
+        deployed = ((state.done(m, "deploy") or {}).get("roles") or {}).get(role)
+        if deployed:
+            return Path(deployed["path"])
     return None
 
 

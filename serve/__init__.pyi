@@ -6,6 +6,7 @@ from lcap.serve.deploy import deploy_roles as deploy_roles
 from lcap.serve.deploy import forget_candidate as forget_candidate
 from lcap.serve.deploy import load_candidate as load_candidate
 from lcap.serve.deploy import make_current as make_current
+from lcap.serve.deploy import make_roles_current as make_roles_current
 from lcap.serve.deploy import record_deployment as record_deployment
 from lcap.serve.options import TinyModelOptions as TinyModelOptions
 from lcap.serve.pretrained import STAMP as STAMP

@@ -22,7 +22,8 @@ back on the previous policy, adapters included; if that fails too, no replica st
 hold calls for a server that is not coming back).
 
 An adapter can also be loaded beside the current deployment without becoming current (`load_candidate`: what
-`lcap loop --live` evaluates before it promotes it with `make_current`); `lcap deploy --rollback`
+`lcap loop --live` evaluates before it promotes it with `make_current`, and `lcap loop --per-role` one per role,
+promoted together with `make_roles_current`); `lcap deploy --rollback`
 (serve/rollback.py) makes an earlier deployment current again.
 
 Each role of the agent (lcap/policy.py) can have an adapter of its own (`deploy_roles`): every role's adapter is
@@ -160,11 +161,7 @@ def deploy_roles(
     with policy_lock():
         record = running_policy()
         _load_loras(record, {names[role]: path for role, path in adapters.items()})
-        for role, served in names.items():
-            if role == DEFAULT_ROLE:
-                record.current = served
-            else:
-                record.roles[role] = served
+        _switch_roles(record, names)
         publish(record)
     if store is not None:
         for role, path in adapters.items():
@@ -182,10 +179,20 @@ def _check_single_role(record: PolicyServer, path: Path) -> None:
         )
 
 
-def load_candidate(path: Path, *, round: int | None = None) -> str:
-    """Hot-load a LoRA adapter into every replica under a new name without making it current: calls that ask for
-    that name (an evaluation's proxy, `--model NAME`) reach it, routed calls keep the current deployment. Returns
-    the name; `make_current` promotes it, `forget_candidate` drops it from the record."""
+def _switch_roles(record: PolicyServer, names: dict[str, str]) -> None:
+    """Make each deployment in `names` (role -> a served name) its role's in `record` (`default`: `current`)."""
+    for role, served in names.items():
+        if role == DEFAULT_ROLE:
+            record.current = served
+        else:
+            record.roles[role] = served
+
+
+def load_candidate(path: Path, *, round: int | None = None, role: str = DEFAULT_ROLE) -> str:
+    """Hot-load a LoRA adapter into every replica under a new name (that `role`'s deployment would have) without
+    making it current: calls that ask for that name (an evaluation's proxy, `--model NAME` or a role pin) reach it,
+    routed calls keep the current deployment. Returns the name; `make_current` (`make_roles_current`) promotes it,
+    `forget_candidate` drops it from the record."""
     path = Path(path).expanduser().resolve()
     if not (path / "adapter_config.json").is_file():
         raise LcapError(
@@ -193,7 +200,7 @@ def load_candidate(path: Path, *, round: int | None = None) -> str:
         )
     with policy_lock():
         record = running_policy()
-        name = _unique_name(path, round)
+        name = _unique_name(path, round, role)
         _load_lora(record, path, name, current=False)
     return name
 
@@ -206,6 +213,19 @@ def make_current(name: str) -> PolicyServer:
         if not servable(record, name):
             raise LcapError(f"the policy server does not serve {name!r}: deploy its adapter or checkpoint again")
         record.current = name
+        publish(record)
+    return record
+
+
+def make_roles_current(names: dict[str, str]) -> PolicyServer:
+    """Make each loaded adapter in `names` (role -> its served name) its role's deployment in one record write, as
+    `deploy_roles` does once it has loaded them: no call is routed by part of it."""
+    with policy_lock():
+        record = running_policy()
+        missing = sorted(name for name in names.values() if name not in record.loras)
+        if missing:
+            raise LcapError(f"the policy server does not serve {', '.join(missing)}: deploy their adapters again")
+        _switch_roles(record, names)
         publish(record)
     return record
 

@@ -51,6 +51,9 @@ class FakeLLM(ThreadingHTTPServer):
         self.requests: list[dict] = []
         self.text = "Hello from the upstream."
         self.tool_call: dict | None = None  # {"name": ..., "arguments": {...}} answers with a tool call
+        # Messages calls only: request body -> the tool call to answer it with (None: the text), for a scripted
+        # conversation (a harness's sub-agent, which the tiny policy never calls on purpose)
+        self.script: Callable[[dict], dict | None] | None = None
         self.fail: tuple[int, dict] | None = None
         self.gzip = False
         self.gate: threading.Event | None = None  # streams pause after the first chunk until set
@@ -72,6 +75,7 @@ class FakeLLM(ThreadingHTTPServer):
     def reset(self) -> None:
         self.requests.clear()
         self.response_ids = None
+        self.script = None
         self.models = ["fake-model"]
         self.end_gate = None
         self.line_end = "\n"
@@ -481,16 +485,13 @@ def _responses_events(server: FakeLLM, body: dict) -> list[dict]:
     return events
 
 
+def _messages_tool_call(server: FakeLLM, body: dict) -> dict | None:
+    return server.script(body) if server.script is not None else server.tool_call
+
+
 def _message(server: FakeLLM, body: dict) -> dict:
-    if server.tool_call:
-        content = [
-            {
-                "type": "tool_use",
-                "id": "toolu_1",
-                "name": server.tool_call["name"],
-                "input": server.tool_call["arguments"],
-            }
-        ]
+    if tool_call := _messages_tool_call(server, body):
+        content = [{"type": "tool_use", "id": "toolu_1", "name": tool_call["name"], "input": tool_call["arguments"]}]
         stop = "tool_use"
     else:
         content, stop = [{"type": "text", "text": server.text}], "end_turn"
@@ -518,13 +519,13 @@ def _messages_events(server: FakeLLM, body: dict) -> list[dict]:
         "usage": {"input_tokens": 11, "output_tokens": 1},
     }
     events = [{"type": "message_start", "message": start}]
-    if server.tool_call:
-        args = json.dumps(server.tool_call["arguments"])
+    if tool_call := _messages_tool_call(server, body):
+        args = json.dumps(tool_call["arguments"])
         events += [
             {
                 "type": "content_block_start",
                 "index": 0,
-                "content_block": {"type": "tool_use", "id": "toolu_1", "name": server.tool_call["name"], "input": {}},
+                "content_block": {"type": "tool_use", "id": "toolu_1", "name": tool_call["name"], "input": {}},
             },
             {
                 "type": "content_block_delta",

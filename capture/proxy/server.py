@@ -168,7 +168,11 @@ class CaptureProxy:
             with self.store.connect():  # the schema exists from the start: `lcap sql` works before the first turn
                 pass
         router = Router(
-            self.options.upstream, self.options.model, lcap_endpoints=self.lcap_endpoints, policy_key=self.policy_key
+            self.options.upstream,
+            self.options.model,
+            lcap_endpoints=self.lcap_endpoints,
+            policy_key=self.policy_key,
+            role_models=dict(self.options.role_models),
         )
         if self.store is not None:
             self._episode_rows = EpisodeRows(self.store)

@@ -20,7 +20,9 @@ A call asks vLLM for the name its deployment is served under (the record's `serv
 checkpoint reloaded in place keeps the name vLLM started with) and its turn stores the deployment,
 settled when the call ends (`Router.settle`). A proxy given a model that is one of the policy's
 adapters (one loaded beside the current deployment, as `lcap loop --live` evaluates a candidate) sends
-every call to it and labels the turns with it.
+every call to it and labels the turns with it; a proxy given role -> adapter pins (`role_models`, as
+`lcap loop --per-role` evaluates a round's candidates) sends each pinned role's calls to its adapter, the others
+to their deployments.
 
 Each call asks for its role's deployment (the record's `roles`; a role without one of its own gets the default's):
 the replica is picked per episode as above, then the role picks the adapter on it. Everything a call's route is
@@ -37,8 +39,9 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
 from lcap.policy import DEFAULT_ROLE, REFRESH_S, PolicyServer, Replica, read_policy, record_version
@@ -154,10 +157,14 @@ class Router:
         health_interval: float = HEALTH_INTERVAL_S,
         lcap_endpoints: bool = False,
         policy_key: str | None = None,
+        role_models: Mapping[str, str] | None = None,
     ) -> None:
         """`lcap_endpoints`: the fixed URL's server has lcap's policy endpoints (the policy record says it itself).
-        `policy_key`: the replicas' key, in place of the record's key file (which a Ray node's proxy cannot read)."""
+        `policy_key`: the replicas' key, in place of the record's key file (which a Ray node's proxy cannot read).
+        `role_models`: role -> an adapter the replicas serve that the role's calls ask for instead of the role's
+        deployment (`lcap loop --per-role` evaluates a round's candidates so); a role not in it keeps its own."""
         self.upstream, self.model = upstream, model
+        self.role_models = dict(role_models or {})
         self.policy_key = policy_key
         self.health_interval = health_interval
         fixed = upstream if upstream not in (None, "policy") else None
@@ -370,6 +377,9 @@ class Router:
     def _read(self, record: PolicyServer) -> _Table:
         """The routes of `record`: each replica's for the default role, and for each role with its own deployment."""
         key = self.policy_key if self.policy_key is not None else record.api_key()
+        if pins := {role: name for role, name in self.role_models.items() if name in record.loras}:
+            own = {role: name for role, name in pins.items() if role != DEFAULT_ROLE}
+            record = replace(record, current=pins.get(DEFAULT_ROLE, record.current), roles={**record.roles, **own})
         # a model that is one of the adapters the replicas serve: its calls are labelled with it
         pinned = self.model if self.model is not None and self.model in record.loras else None
 

@@ -14,6 +14,7 @@ from typing import Any
 
 CHAT, COMPLETIONS, RESPONSES, MESSAGES = "chat", "completions", "responses", "messages"
 TOKEN_ID_DIALECTS = frozenset((CHAT, COMPLETIONS, RESPONSES))  # vLLM returns token ids for these
+PER_CALL_SYSTEM_BLOCK = "x-anthropic-billing-header:"  # how Claude Code's per-call system block starts
 
 
 def match(method: str, path: str) -> str | None:
@@ -52,8 +53,17 @@ def thread_key(dialect: str, body: dict) -> tuple[int, int]:
     else:
         given = body.get("messages")
         items = given if isinstance(given, list) else []
-        start = _uncached([body.get("system"), items[:1]]) if dialect == MESSAGES else items[:1]
+        start = _uncached([_conversation_system(body.get("system")), items[:1]]) if dialect == MESSAGES else items[:1]
     return hash(json.dumps(start, sort_keys=True, ensure_ascii=False, default=str)), len(items)
+
+
+def _conversation_system(system: Any) -> Any:
+    """A Messages system prompt without the blocks that name the call rather than its conversation: Claude Code
+    opens every call's system prompt with its own `x-anthropic-billing-header: ...; cch=HASH; cc_turn_index=N;`
+    block, so with it each call of one conversation would key a conversation of its own."""
+    if not isinstance(system, list):
+        return system
+    return [b for b in system if not (isinstance(b, dict) and str(b.get("text", "")).startswith(PER_CALL_SYSTEM_BLOCK))]
 
 
 def _uncached(value: Any) -> Any:

@@ -85,3 +85,24 @@ def test_episode_threads_are_bounded():
     for episode in ("a", "b", "c"):
         assert threads.is_first(episode, 1)
     assert threads.is_first("a", 2)  # forgotten: its next call opens its first thread again
+
+
+def test_claude_codes_per_call_system_block_does_not_make_each_call_a_conversation():
+    """Claude Code opens every call's system prompt with a block naming the call (`x-anthropic-billing-header:
+    ...; cch=HASH; cc_turn_index=N;`): the main thread's calls are still one conversation, its sub-agent (another
+    system prompt) another. Without the fix every main-thread call after the first was a `subagent`."""
+
+    def call(billing: str, prompt: str, first: str, more: int = 0) -> dict:
+        system = [
+            {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1; cch={billing}; cc_turn_index=1;"},
+            {"type": "text", "text": prompt, **({"cache_control": {"type": "ephemeral"}} if more else {})},
+        ]
+        messages = [{"role": "user", "content": [{"type": "text", "text": first}]}]
+        return {"system": system, "messages": messages + [{"role": "assistant", "content": "ok"}] * more}
+
+    first = thread_key("messages", call("048d0", "You are the lead.", "fix the bug"))
+    later = thread_key("messages", call("9d246", "You are the lead.", "fix the bug", more=2))
+    sub = thread_key("messages", call("3e584", "You search files.", "find foo"))
+    assert first[0] == later[0] and (first[1], later[1]) == (1, 3)
+    assert sub[0] != first[0]
+    assert thread_key("messages", {"system": "plain", "messages": []})[0] != first[0]  # a string system: as it is

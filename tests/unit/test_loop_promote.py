@@ -1,6 +1,6 @@
 """`lcap loop` with --eval-tasks promotes a round only on held-out evidence (loop/promotion.py, the rule `lcap loop
 --live` follows too): the rule, and a refused round's bookkeeping (it deploys nothing, now or on a resume, and the
-next round trains from the deployment that stays). The policy server and the collects are stand-ins here (no vLLM
+next round trains from the deployment that stays), for one adapter and for --per-role's adapters together. The policy server and the collects are stand-ins here (no vLLM
 in the unit tier); tests/e2e/test_loop_promote.py runs the same rounds on the vLLM CPU server."""
 
 from __future__ import annotations
@@ -10,10 +10,12 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from lcap.loop import promotion
 from lcap.loop.options import LoopOptions
-from lcap.loop.promotion import refusal, remember
-from lcap.loop.steps import LoopConfig, LoopState, RoundSummary, StepRunner, continued, promoted_reward
+from lcap.loop.promotion import refusal, remember, roles_key
+from lcap.loop.steps import LoopConfig, LoopState, RoundSummary, StepRunner, continued, promoted_reward, role_continued
 
 
 def test_a_candidate_is_promoted_when_no_worse_than_the_current_by_more_than_the_margin():
@@ -27,26 +29,37 @@ def test_a_candidate_is_promoted_when_no_worse_than_the_current_by_more_than_the
 
 
 class Server:
-    """The policy server as the loop sees it: the record (current, loaded adapters) and what was done to it."""
+    """The policy server as the loop sees it: the record (current, each role's own deployment, loaded adapters) and
+    what was done to it."""
 
     def __init__(self, current: str, figures: dict[str, float]) -> None:
         self.current = current
+        self.roles: dict[str, str] = {}
         self.loras: dict[str, str] = {}
-        self.figures = figures  # deployment -> the held-out reward its evaluation gets
+        self.figures = figures  # deployment (--per-role: `roles_key` of every role's) -> its held-out reward
         self.evaluated: list[str] = []
         self.deployments: list[str] = []
 
     def install(self, monkeypatch) -> None:
-        record = lambda: SimpleNamespace(current=self.current, loras=dict(self.loras))  # noqa: E731
-        monkeypatch.setattr(promotion, "read_policy", record)
+        monkeypatch.setattr(promotion, "read_policy", self.record)
         monkeypatch.setattr(promotion, "load_candidate", self.load)
         monkeypatch.setattr(promotion, "make_current", self.make_current)
+        monkeypatch.setattr(promotion, "make_roles_current", self.make_roles_current)
         monkeypatch.setattr(promotion, "forget_candidate", lambda name: self.loras.pop(name))
-        monkeypatch.setattr(promotion, "record_deployment", lambda s, r, name, *a: self.deployments.append(name))
+        monkeypatch.setattr(promotion, "record_deployment", lambda s, r, name, *a, **k: self.deployments.append(name))
         monkeypatch.setattr(promotion, "collect_split", self.collect)
 
-    def load(self, path: Path, *, round: int) -> str:
-        name = f"cand-{round}"
+    def record(self) -> SimpleNamespace:
+        roles = dict(self.roles)
+        return SimpleNamespace(
+            current=self.current,
+            loras=dict(self.loras),
+            roles=roles,
+            deployment_of=lambda role: roles.get(role) or self.current,
+        )
+
+    def load(self, path: Path, *, round: int, role: str = "default") -> str:
+        name = f"cand-{round}" if role == "default" else f"cand-{role}-{round}"
         self.loras[name] = str(path)
         return name
 
@@ -54,8 +67,18 @@ class Server:
         assert name in self.loras
         self.current = name
 
-    def collect(self, store, config, n, split, tasks, group_size, node_proxies=None, model=None) -> dict:
+    def make_roles_current(self, names: dict[str, str]) -> None:
+        assert all(name in self.loras for name in names.values())
+        self.roles.update(names)
+
+    def collect(
+        self, store, config, n, split, tasks, group_size, node_proxies=None, model=None, role_models=None
+    ) -> dict:
         served = model or self.current  # pinned by name, or the routed current deployment
+        if role_models:  # each pinned role's calls served by its candidate, the others by their deployments
+            served = roles_key(self.current, {**self.roles, **role_models})
+        elif self.roles and model is None:
+            served = roles_key(self.current, self.roles)
         self.evaluated.append(f"{n}:{split}:{served}")
         return {"mean_reward": self.figures[served], "rewarded": 1}
 
@@ -180,3 +203,97 @@ def test_status_says_a_refused_round_with_its_reason(dstore, tmp_path):
     )
     section = loop(View(dstore.path, time.time()))
     assert section.rows[0][1] == "refused: held-out reward 0.045 < 0.344 - margin 0"
+
+
+def _role_round(step: StepRunner, config: LoopConfig, n: int, roles: tuple[str, ...], lines: list[str], monkeypatch):
+    """A round of --per-role whose training (loop/roles.py, tests/unit/test_loop_roles.py) trained `roles`."""
+    from lcap.loop import rounds
+
+    trained = {role: {"output": f"/run/round-{n}/role-{role}/adapter", "n_groups": 2} for role in roles}
+    monkeypatch.setattr(rounds, "train_roles", lambda step, config, n, echo: trained)
+    monkeypatch.setattr(rounds, "deploy_trained", lambda *a: pytest.fail("an ungated deploy"))  # the gate's absence
+    s = RoundSummary(round=n)
+    said = rounds._per_role(step, config, None, s, lines.append, None)
+    lines.append(f"round {n}:{said}")
+    return s
+
+
+def test_per_role_adapters_are_promoted_together_or_refused_together(dstore, tmp_path, monkeypatch):
+    """--per-role with --eval-tasks: a round's adapters (one per role it trained) are one candidate, evaluated with
+    each trained role pinned to its adapter, compared with every role's current deployment at once (held-out success
+    is an episode's), then made their roles' deployments in one write, or all refused: no `deploy` step, each
+    candidate dropped, and the next round trains each role from the adapter that stays."""
+    promoted_key = "base; planner=cand-planner-1, solver=cand-solver-1"
+    refused_key = "base; planner=cand-planner-2, solver=cand-solver-1"
+    server = Server("base", {"base": 0.5, promoted_key: 0.75, refused_key: 0.5})
+    server.install(monkeypatch)
+    config = _config(tmp_path, margin=0.1)
+    config.options = LoopOptions(promote_margin=0.1, per_role=True)
+    state = LoopState(config.run, config.key())
+    remember(state, "base", 0.5, 0)
+    step = StepRunner(dstore, state, config.run)
+    lines: list[str] = []
+
+    first = _role_round(step, config, 1, ("planner", "solver"), lines, monkeypatch)
+    assert server.roles == {"planner": "cand-planner-1", "solver": "cand-solver-1"} and server.current == "base"
+    assert first.roles == server.roles and first.deployed == "planner cand-planner-1, solver cand-solver-1"
+    assert sorted(server.deployments) == ["cand-planner-1", "cand-solver-1"]
+    assert lines[-1] == (
+        "round 1: | held-out 0.750 vs base 0.500 | promoted planner cand-planner-1, solver cand-solver-1"
+    )
+    assert server.evaluated == [f"1:eval:{promoted_key}"]  # pinned before anything routed served them
+    deployed = state.done(1, "deploy")["roles"]
+    assert deployed["planner"] == {"name": "cand-planner-1", "path": "/run/round-1/role-planner/adapter", "round": 1}
+    assert state.deployed_roles() == deployed  # what a restarted server gets deployed again
+
+    # Round 2 trains the planner alone: its candidate is judged with the solver's deployment, and refused
+    # (0.5 < 0.75 - 0.1): nothing deployed, the candidate dropped, each role keeps its adapter.
+    second = _role_round(step, config, 2, ("planner",), lines, monkeypatch)
+    assert second.refused == "held-out reward 0.500 < 0.750 - margin 0.1" and second.deployed is None
+    assert server.roles == {"planner": "cand-planner-1", "solver": "cand-solver-1"}
+    assert "cand-planner-2" not in server.loras and len(server.deployments) == 2
+    assert (
+        lines[-1]
+        == f"round 2: | held-out 0.500 vs {promoted_key} 0.750 | refused: {second.refused}; {promoted_key} stays"
+    )
+    assert server.evaluated == [f"1:eval:{promoted_key}", f"2:eval:{refused_key}"]  # round 1's figure kept
+    verdict = state.done(2, "promote")
+    assert verdict["promoted"] is False and state.done(2, "deploy") is None
+    assert verdict["roles"] == {
+        "planner": {"name": "cand-planner-2", "path": "/run/round-2/role-planner/adapter", "round": 2}
+    }  # each role's refused candidate, in loop_steps too
+    rows = dstore.fetchall("SELECT step, details->>'promoted' FROM loop_steps WHERE round = 2 ORDER BY created_at")
+    assert rows == [("eval", None), ("promote", "false")]
+
+    # Round 3 trains each role from the adapter that stays, not the refused one; a resume of round 2 is its verdict.
+    assert role_continued(state, 3, "planner") == Path("/run/round-1/role-planner/adapter")
+    assert role_continued(state, 3, "solver") == Path("/run/round-1/role-solver/adapter")
+    assert role_continued(state, 1, "planner") is None  # the base model
+    resumed = StepRunner(dstore, LoopState(config.run, config.key()), config.run)
+    again = _role_round(resumed, config, 2, ("planner",), lines, monkeypatch)
+    assert again.refused == second.refused and len(server.evaluated) == 2 and len(server.deployments) == 2
+
+
+def test_a_per_role_round_whose_deployments_changed_during_its_evaluation_is_refused(dstore, tmp_path, monkeypatch):
+    """A role rolled back (or deployed by hand) while the deployments it is compared with were measured (step
+    `eval-current`: a combination the loop never measured): what it was compared with no longer serves, so it is
+    refused, as a single adapter is."""
+    server = Server("base", {"base; planner=cand-planner-1, solver=s0": 0.9, "base; solver=s0": 0.5})
+    server.roles = {"solver": "s0"}
+    server.install(monkeypatch)
+    collect = server.collect
+
+    def collect_then_deploy(*args, **kwargs) -> dict:
+        got = collect(*args, **kwargs)
+        if args[3] == "eval-current":
+            server.roles["solver"] = "by-hand"
+        return got
+
+    monkeypatch.setattr(promotion, "collect_split", collect_then_deploy)
+    config = _config(tmp_path)
+    config.options = LoopOptions(per_role=True)
+    state = LoopState(config.run, config.key())
+    s = _role_round(StepRunner(dstore, state, config.run), config, 1, ("planner",), [], monkeypatch)
+    assert server.evaluated == ["1:eval:base; planner=cand-planner-1, solver=s0", "1:eval-current:base; solver=s0"]
+    assert s.refused == "the current deployment changed to base; solver=by-hand during the evaluation (a rollback?)"
+    assert server.roles == {"solver": "by-hand"} and "cand-planner-1" not in server.loras

@@ -97,6 +97,24 @@ def test_a_proxy_pinned_to_an_adapter_labels_every_roles_calls_with_it(record_en
         router.close()
 
 
+def test_a_proxy_with_role_pins_sends_each_pinned_roles_calls_to_its_candidate_and_the_others_to_theirs(record_env):
+    """`lcap loop --per-role` evaluates a round's candidates (one adapter per trained role, loaded beside the
+    deployments) through a proxy pinning each role to its candidate: a pinned role asks for its candidate and is
+    labelled with it, an unpinned role keeps its deployment, a pin to an adapter the server does not serve is none."""
+    write_policy(_record({"planner": "lora-a", "solver": "lora-b"}, current="lora-p1"))
+    router = Router("policy", None, role_models={"planner": "lora-p2", "default": "lora-s1", "solver": "gone"})
+    try:
+        routes = {role: router.route("e1", role=role) for role in ("planner", "solver", "coder", None)}
+        assert {role: (r.model, r.deployment) for role, r in routes.items()} == {
+            "planner": ("lora-p2", "lora-p2"),
+            "solver": ("lora-b", "lora-b"),  # its pin names no served adapter: its deployment
+            "coder": ("lora-s1", "lora-s1"),  # no deployment of its own: the default's, pinned
+            None: ("lora-s1", "lora-s1"),
+        }
+    finally:
+        router.close()
+
+
 @pytest.mark.parametrize(
     ("roles", "path", "rollback", "targets"),
     [
