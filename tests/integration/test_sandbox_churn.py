@@ -3,7 +3,7 @@ capture proxy and DuckDB file): a sandbox's set-up does not depend on the other 
 go meanwhile (an overlay workspace's layer unmounted while another sandbox binds the folders it is in), so no
 episode is lost: a sandbox binds the system folders and the agent's script's, not the host's / (with the run
 folder in it), so no sandbox's mount table holds another episode's mount.
-The issue's measurement at scale (hundreds of episodes under CPU hogs) is benchmarks/bench_sandbox.py's churn."""
+The issue's measurement at scale (hundreds of episodes under CPU hogs) is benchmarks/bench_sandbox_churn.py."""
 
 from __future__ import annotations
 
