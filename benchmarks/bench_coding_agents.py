@@ -1,5 +1,5 @@
-"""Real coding agents through `lcap collect --sandbox` on the policy route: mini-swe-agent and Codex, unmodified,
-on minibugs tasks, each episode in a bubblewrap sandbox of its own.
+"""Real coding agents through `lcap collect --sandbox` on the policy route: mini-swe-agent, Codex and Claude Code
+(`--agents mini,codex,claude`), unmodified, on minibugs tasks, each episode in a bubblewrap sandbox of its own.
 
     .venv/bin/python benchmarks/bench_coding_agents.py --model tiny --out /tmp/coding      # the tiny random model
     .venv/bin/python benchmarks/bench_coding_agents.py --model smollm2 --out /tmp/coding   # SmolLM2-135M, 8k context
@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 LCAP = str(Path(sys.executable).parent / "lcap")
 HARNESSES = REPO / "scripts" / "harnesses"
 MINIBUGS = REPO / "scripts" / "tasks" / "minibugs"
-SCRIPTS = {"mini": "mini.sh", "codex": "codex.sh"}
+SCRIPTS = {"mini": "mini.sh", "codex": "codex.sh", "claude": "claude.sh"}
 
 
 def load() -> str:
@@ -158,13 +158,18 @@ def report(agent: str, out: Path, markers: dict[str, str]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
-    parser.add_argument("--agents", default="mini,codex")
+    parser.add_argument("--agents", default="mini,codex", help=f"comma-separated, of {','.join(SCRIPTS)}")
     parser.add_argument("--episodes", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument("--max-turns", type=int, default=3, help="LCAP_MAX_TURNS: mini-swe-agent's step limit")
-    parser.add_argument("--max-output-tokens", type=int, default=64, help="LCAP_MAX_OUTPUT_TOKENS (mini-swe-agent)")
+    parser.add_argument(
+        "--max-turns", type=int, default=3, help="LCAP_MAX_TURNS: mini-swe-agent's and Claude Code's turn limit"
+    )
+    parser.add_argument(
+        "--max-output-tokens", type=int, default=64, help="LCAP_MAX_OUTPUT_TOKENS (mini-swe-agent, Claude Code)"
+    )
+    parser.add_argument("--claude-tools", default="", help="LCAP_CLAUDE_TOOLS (e.g. Bash,Write; default: all)")
     parser.add_argument("--context", type=int, help="vLLM --max-model-len (default: the model's own)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
@@ -179,6 +184,7 @@ def main() -> None:
         LCAP_HARNESS_DIR=os.environ.get("LCAP_HARNESS_DIR", "/var/cache/lcap-harnesses"),
         LCAP_MAX_TURNS=str(args.max_turns),
         LCAP_MAX_OUTPUT_TOKENS=str(args.max_output_tokens),
+        LCAP_CLAUDE_TOOLS=args.claude_tools,
     )
     tasks, markers = make_tasks(out, args.episodes // args.group_size, args.seed)
     serve(args.model, out, env, args.context)
