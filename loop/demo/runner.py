@@ -1,9 +1,10 @@
 """`lcap demo`: the whole loop on a bundled agent, task set and verifier, on this machine.
 
-Three tasks (`--task`), each a module: on the tiny model (`--model tiny`), `number` (loop/demo/number.py, a
+Four tasks (`--task`), each a module: on the tiny model (`--model tiny`), `number` (loop/demo/number.py, a
 single-call agent) and `tools` (loop/demo/tools.py, a three-call tool agent whose calls are stitched and
-merged); on SmolLM2-135M-Instruct (`--model smollm2`), `calculator` (loop/demo/calculator.py, a tool agent).
-All share what follows.
+merged); on SmolLM2-135M-Instruct (`--model smollm2`), `calculator` (loop/demo/calculator.py, a tool agent)
+and `roles` (loop/demo/roles.py, a planner and a solver, an adapter each: `lcap loop --per-role`). All share
+what follows.
 
 1. The tiny model: make it (`init_model`) and warm-start it (the task's `warm_start`): it answers
    half the time in the verifier's format and often the wrong word, like a base model that knows
