@@ -65,10 +65,7 @@ def make_tasks(words: list[str], *, n_train: int, n_eval: int, seed: int = 0) ->
     """Distinct number pairs (either order counts as one), none of the agent's worked examples', none both a training
     and a held-out task, each told by one of the problems. `words` is the tiny tasks' word list, unused here."""
     rng = random.Random(seed)
-    # the worked examples' numbers (the planner's are the solver's, which are calculator.py's)
-    seen = {
-        tuple(sorted(p)) for p in load_script(bundled_agent("calculator.py"), "lcap_demo_calculator_agent").EXAMPLES
-    }
+    seen = {tuple(sorted(p)) for p in load_script(agent_path(), "lcap_demo_planner_solver_agent").SOLVES}
     tasks: list[dict] = []
     while len(tasks) < n_train + n_eval:
         a, b = rng.randint(LOW, HIGH), rng.randint(LOW, HIGH)

@@ -43,6 +43,11 @@ def test_problems_are_distinct_products_told_in_words_apart_from_the_agents_work
     templates = [re.sub(r"\d+", "{}", t["problem"]) for t in train + held]
     assert set(templates) == {p.replace("{a}", "{}").replace("{b}", "{}") for p in roles.PROBLEMS}
     assert roles.make_tasks([], n_train=64, n_eval=64, seed=1) == (train, held)  # a seed is one task set
+    # every pair there is but the worked examples': none of theirs is ever drawn
+    every = (roles.HIGH - roles.LOW + 1) * (roles.HIGH - roles.LOW + 2) // 2
+    examples = {tuple(sorted(p)) for p in agent.SOLVES} | {tuple(sorted(numbers(p))) for p, _ in agent.PLANS}
+    drawn = roles.make_tasks([], n_train=every - len(examples), n_eval=0, seed=2)[0]
+    assert len(examples) == 3 and not {tuple(sorted(numbers(t["problem"]))) for t in drawn} & examples
     assert [t["id"] for t in train[:2] + held[:1]] == ["train-0", "train-1", "heldout-0"]
 
 
