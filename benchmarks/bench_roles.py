@@ -7,7 +7,7 @@ Decode: `lcap serve` on the model (SmolLM2-135M-Instruct by default, lcap's own 
 LoRA adapters of lcap's rank (16, all linear layers, non-zero weights) deployed as four roles (`deploy_roles`, as
 `lcap deploy --role` does), then 16 completions at once that ignore the end token (each decodes MAX_TOKENS tokens),
 spread round-robin over the first 1, 2 or 4 adapters; the same prompts in every arm, the arms interleaved in each
-repeat so that a busy machine slows them alike, after one warm-up request per adapter. Once with lcap's LoRA slots
+repeat so that a busy machine slows them alike, after a warm-up batch on each adapter. Once with lcap's LoRA slots
 (`--max-loras 2`: two adapters per batch) and once with `--max-loras 4` (one slot per role). Prints tokens/s per arm
 (median of the repeats) and each arm's ratio to one adapter.
 
