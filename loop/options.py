@@ -95,7 +95,7 @@ class LoopOptions:
             raise LcapError("--sft-data runs a synchronous SFT round first: drop --async, or run `lcap train --sft`")
 
 
-TaskName = Literal["number", "tools", "calculator"]
+TaskName = Literal["number", "tools", "calculator", "roles"]
 DEMO_TASKS: tuple[str, ...] = get_args(TaskName)
 ModelName = Literal["tiny", "smollm2"]
 DEMO_MODELS: tuple[str, ...] = get_args(ModelName)
@@ -115,7 +115,8 @@ class DemoOptions:
         None,
         help="The demo's task: for tiny, 'number' (tiny's default; one call: which word is a number) or 'tools' (three "
         "calls of a tool agent: look the number up, answer with what the tool said); for smollm2, 'calculator' (a "
-        "tool agent multiplies two-digit numbers).",
+        "tool agent multiplies two-digit numbers) or 'roles' (a planner writes a word problem's expression, a solver "
+        "works it out with the calculator: an adapter per role).",
     )
 
     def __post_init__(self) -> None:

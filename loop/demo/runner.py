@@ -1,9 +1,10 @@
 """`lcap demo`: the whole loop on a bundled agent, task set and verifier, on this machine.
 
-Three tasks (`--task`), each a module: on the tiny model (`--model tiny`), `number` (loop/demo/number.py, a
+Four tasks (`--task`), each a module: on the tiny model (`--model tiny`), `number` (loop/demo/number.py, a
 single-call agent) and `tools` (loop/demo/tools.py, a three-call tool agent whose calls are stitched and
-merged); on SmolLM2-135M-Instruct (`--model smollm2`), `calculator` (loop/demo/calculator.py, a tool agent).
-All share what follows.
+merged); on SmolLM2-135M-Instruct (`--model smollm2`), `calculator` (loop/demo/calculator.py, a tool agent)
+and `roles` (loop/demo/roles.py, a planner and a solver, an adapter each: `lcap loop --per-role`). All share
+what follows.
 
 1. The tiny model: make it (`init_model`) and warm-start it (the task's `warm_start`): it answers
    half the time in the verifier's format and often the wrong word, like a base model that knows
@@ -33,10 +34,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from lcap.capture import ProxyOptions
 from lcap.config import LcapError
 from lcap.dataset import FINISHED, BuildOptions, CollectOptions
 from lcap.display import num, small
-from lcap.loop.demo import calculator, number, tools
+from lcap.loop.demo import calculator, number, roles, tools
 from lcap.loop.demo.number import write_jsonl
 from lcap.loop.demo.task import DemoSettings, DemoTask, demo_dir
 from lcap.loop.options import DEMO_TASKS, LoopOptions
@@ -54,7 +56,7 @@ MODEL = TinyModelOptions(hidden_size=128, num_layers=2, num_heads=2)
 def demo_task(name: str | None, model: str | None = None) -> DemoTask:
     """The task `--task` names (for `--model`, when given), or the first of `--model`'s when it names none (of
     smollm2's, the main demo, when neither is given)."""
-    tasks = {task.name: task for task in (number.TASK, tools.TASK, calculator.TASK)}
+    tasks = {task.name: task for task in (number.TASK, tools.TASK, calculator.TASK, roles.TASK)}
     if name is None:
         name = next((t.name for t in tasks.values() if t.model == (model or "smollm2")), None)
     if name not in tasks:
@@ -125,6 +127,10 @@ def run_demo(
             stop_server()
     timings["loop"] = time.perf_counter() - t0 - timings["model"] - timings["server"]
     results = summarise(out, store, timings, time.perf_counter() - t0, kind.name)
+    if kind.report:  # the task's own figures (the roles task: success per role)
+        results["report"] = kind.report(store)
+        (out / "report.json").write_text(json.dumps(results["report"], indent=2))
+        echo(results["report"]["line"])
     _tell(results, out, store, echo)
     return results
 
@@ -140,7 +146,8 @@ def _loop_config(
     loop: LoopOptions | None,
 ) -> LoopConfig:
     """The demo's loop over `tasks` and `eval_tasks` (held out), with the bundled verifier and the settings' sizes."""
-    bundled = demo_dir()  # the shared verifier
+    bundled = demo_dir()  # the verifiers
+    options = loop or LoopOptions()  # `lcap demo --async`: the overlapped loop
     return LoopConfig(
         run=out / "run",
         rounds=settings.rounds if rounds is None else rounds,
@@ -153,7 +160,7 @@ def _loop_config(
             group_size=settings.group_size,
             concurrency=settings.concurrency,
             timeout=120.0,
-            verifier=f"{bundled / 'verify.py'}:verify",
+            verifier=f"{bundled / kind.verifier}:verify",
         ),
         # An answer cut by the token limit is trained on with its reward (0: unparsed) instead of dropped:
         # dropped, nothing weighs against a policy drifting away from ending its answer.
@@ -168,7 +175,8 @@ def _loop_config(
             report_to="tensorboard",
             seed=settings.seed,
         ),
-        options=loop or LoopOptions(),  # `lcap demo --async`: the overlapped loop
+        proxy=ProxyOptions(role_by=kind.role_by),
+        options=replace(options, per_role=True) if kind.role_by else options,  # an adapter per role
     )
 
 

@@ -52,7 +52,8 @@ class DemoTask:
     """What one demo task brings: the agent's command template, its train and held-out tasks, the model it trains
     (`model`: the tiny random-init one, or a pretrained source of lcap.serve.pretrained), the corpus a tiny model's
     warm start learns from (lcap.loop.demo.warm: one trainer for every task; none for a pretrained model), and its
-    own defaults for `DemoSettings`. The verifier (scripts/demo/verify.py) is shared."""
+    own defaults for `DemoSettings`. The verifier (scripts/demo/verify.py) is shared unless a task names its own; a
+    task of several roles (`role_by`) trains one adapter per role (`lcap loop --per-role`)."""
 
     name: str
     command: Callable[[], list[str]]
@@ -61,6 +62,9 @@ class DemoTask:
     defaults: dict[str, Any] = field(default_factory=dict)
     warm_up: Callable[[list[str], DemoSettings], Corpus] | None = None  # a corpus learnt first (`warm_up_steps`)
     model: str = "tiny"
+    verifier: str = "verify.py"  # in scripts/demo
+    role_by: tuple[str, ...] = ()  # the proxy's --role-by rules: with any, the loop trains an adapter per role
+    report: Callable[[Any], dict] | None = None  # the task's own figures from the store: `line` said, all in results
 
     def settings(self, seed: int = 0) -> DemoSettings:
         return replace(DemoSettings(seed=seed), **self.defaults)

@@ -6,7 +6,7 @@ Reads the held-out episodes of every round from OUT/lcap.duckdb (their rewards a
 well-formed / right details), prints one line per round (with, for a multi-call agent such as
 `lcap demo --task tools`, the training episodes' calls, the share of later calls stitched and samples
 per episode; for the tools task, how often the first call looked the words up and how often those episodes
-were right), then checks the targets at the last round: for the tiny model, held-out mean reward >= 0.8,
+were right; for the roles task, each role's success), then checks the targets at the last round: for the tiny model, held-out mean reward >= 0.8,
 held-out right answers >= 0.6, and neither fell by more than 0.1 from the round before; for a pretrained model
 (`lcap demo --model smollm2`), held-out right answers >= the base's (round 0) + 0.25 and at most 0.05 below the
 best round's (the targets are defined once, in lcap.loop.demo.runner). Exits 1 on FAIL.
@@ -49,6 +49,8 @@ for h in held_out:
         f"round {h['round']}: held-out reward {h['reward']:.3f}, well-formed {h['well_formed']:.2f}, "
         f"right {h['right']:.2f}{looked} ({h['episodes']} episodes){multi}"
     )
+if task is not None and (report := demo_task(task).report):  # the roles task: success per role
+    print(report(store)["line"].removeprefix("[demo] "))
 results = out / "results.json"
 if results.exists():
     print(f"total {json.loads(results.read_text())['seconds'] / 60:.1f} min (results.json)")
