@@ -188,7 +188,14 @@ def demo(
     kind = demo_task(demo_options.task, demo_options.model)
     settings = kind.settings(seed)
     results = run_demo(
-        out, rounds=rounds, fresh=fresh, task=kind.name, settings=settings, echo=typer.echo, loop=options
+        out,
+        rounds=rounds,
+        fresh=fresh,
+        task=kind.name,
+        settings=settings,
+        echo=typer.echo,
+        loop=options,
+        reward=demo_options.reward,
     )
     if not results["targets"]["passed"]:
         typer.echo("lcap: the demo missed its learning targets (above): exit 1", err=True)

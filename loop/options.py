@@ -99,6 +99,8 @@ TaskName = Literal["number", "tools", "calculator", "roles"]
 DEMO_TASKS: tuple[str, ...] = get_args(TaskName)
 ModelName = Literal["tiny", "smollm2"]
 DEMO_MODELS: tuple[str, ...] = get_args(ModelName)
+RewardName = Literal["verifier", "judge"]
+DEMO_REWARDS: tuple[str, ...] = get_args(RewardName)
 
 
 @dataclass(frozen=True)
@@ -118,12 +120,21 @@ class DemoOptions:
         "tool agent multiplies two-digit numbers) or 'roles' (a planner writes a word problem's expression, a solver "
         "works it out with the calculator: an adapter per role).",
     )
+    reward: RewardName = option(
+        "verifier",
+        help="What rewards the training episodes: 'verifier' (the task's exact verifier, scripts/demo/verify.py) or "
+        "'judge' (an LLM judge only, calculator task: the policy server's base weights score each episode against "
+        "scripts/demo/judge_rubric.md, given the right answer as its reference). The held-out figures are the exact "
+        "verifier's either way, and the summary gives the judge's agreement with it.",
+    )
 
     def __post_init__(self) -> None:
         if self.model is not None and self.model not in DEMO_MODELS:
             raise LcapError(f"--model {self.model!r}: choose one of {', '.join(DEMO_MODELS)}")
         if self.task is not None and self.task not in DEMO_TASKS:
             raise LcapError(f"--task {self.task!r}: choose one of {', '.join(DEMO_TASKS)}")
+        if self.reward not in DEMO_REWARDS:
+            raise LcapError(f"--reward {self.reward!r}: choose one of {', '.join(DEMO_REWARDS)}")
 
 
 @dataclass(frozen=True)

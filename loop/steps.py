@@ -66,6 +66,7 @@ class LoopConfig:
     train: TrainOptions = field(default_factory=TrainOptions)
     proxy: ProxyOptions = field(default_factory=ProxyOptions)  # its policy-route flags (stitch, adapt)
     options: LoopOptions = field(default_factory=LoopOptions)  # the loop's own: --async and its bounds
+    eval_verifier: str | None = None  # the held-out episodes' verifier (None: collect's, the training episodes')
 
     def __post_init__(self) -> None:
         if self.tasks_per_round < 0:
@@ -97,6 +98,8 @@ class LoopConfig:
         ]
         if self.tasks_per_round:
             ident.append(self.tasks_per_round)
+        if self.eval_verifier:
+            ident.append(["eval-verifier", self.eval_verifier])
         if self.options.sft_data:  # its round 1 is the SFT round: the RL rounds' numbers shift by one
             ident.append(["sft", str(Path(self.options.sft_data).resolve())])
         if self.options.overlap:  # an async run's state (batches of groups) is not a synchronous run's (rounds)
@@ -215,6 +218,7 @@ def collect_split(
         run_dir=Path(config.run) / "episodes",
         tasks_root=tasks_root(config),
         ray=config.train.ray,  # one --ray: the loop collects and trains on the same cluster
+        verifier=config.eval_verifier if split == "eval" and config.eval_verifier else config.collect.verifier,
     )
     pinned = tuple(sorted((role_models or {}).items()))
     proxy = replace(config.proxy, role_models=pinned) if pinned else config.proxy

@@ -10,8 +10,10 @@ through a capture proxy of its own, stored as an episode labelled `role=judge`; 
 session's episode with source `implicit` and the key `implicit:TURN:RUBRIC:MODEL` (TURN: the call that carried the
 user's message), through `Store.add_reward` as `POST /lcap/v1/rewards` stores one: judging again stores nothing
 twice. A judge that fails, times out or answers nonsense leaves the turn unrewarded with flag `judge_error` (the
-reason, the key), which keeps it out of later looks. An episode's latest reward is what training reads, so a
-session's reward is the feedback on its latest judged turn.
+reason, the key), which keeps it out of later looks; so does a prompt over the judge's context (run.py's
+`judge_budget`: `--judge-context`, capped by the endpoint's `max_model_len`), which is never sent (its flag says
+`too_long`). An episode's latest reward is what training reads, so a session's reward is the feedback on its
+latest judged turn.
 
 `lcap proxy --serve --implicit-reward SPEC` runs this command as a child process (`python -m lcap judge-live`,
 capture never imports this stage) and ends it with the proxy: it closes the child's standard input.
@@ -33,7 +35,7 @@ from lcap.capture import CaptureProxy, ProxyOptions
 from lcap.dataset.build.rebuild import chat_from_anthropic
 from lcap.dataset.judge.client import JudgeClient
 from lcap.dataset.judge.prompt import FEEDBACK_SCHEMA, Rubric, feedback_prompt, feedback_regex, parse_feedback
-from lcap.dataset.judge.run import FLAG, ROLE, check_judge, judge_call
+from lcap.dataset.judge.run import FLAG, ROLE, check_judge, judge_budget, judge_call
 from lcap.dataset.options import ImplicitOptions
 from lcap.store import Store, now
 
@@ -85,12 +87,17 @@ class Feedback:
         return f"implicit:{self.turn_id}:{suffix}"
 
 
+# what `ImplicitJudge._judge` makes of a waiting turn: (turn, verdict, error, judge episode, too long)
+Judged = tuple[Feedback | None, tuple[float, str, str] | None, str | None, str | None, bool]
+
+
 @dataclass
 class ImplicitResult:
     looks: int = 0
     judged: int = 0
     skipped: int = 0  # rewarded under this key already (another judge of the same store got there first)
     failed: int = 0  # flag judge_error, left unrewarded
+    too_long: int = 0  # of the failed: a prompt over the judge's context, never sent
     calls: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -101,9 +108,13 @@ class ImplicitResult:
         said = ", ".join(f"{n} {kind}" for kind, n in sorted(self.feedback.items())) or "none"
         return (
             f"judge-live: {self.judged} turns judged (source {SOURCE}; feedback: {said}), {self.skipped} judged "
-            f"before, {self.failed} failed (flag {FLAG}, unrewarded); {self.calls} judge calls, {self.prompt_tokens} "
+            f"before, {self.failed} failed (flag {FLAG}, unrewarded{self._too_long()}); {self.calls} judge calls, "
+            f"{self.prompt_tokens} "
             f"prompt + {self.completion_tokens} answer tokens, {self.looks} looks at the store"
         )
+
+    def _too_long(self) -> str:
+        return f", {self.too_long} too long for the judge's context" if self.too_long else ""
 
 
 def read_feedback(row: tuple) -> Feedback | str:
@@ -131,6 +142,7 @@ class ImplicitJudge:
         self.rubric, self.endpoint = check_judge(spec, options)
         self.client = JudgeClient(self.endpoint, options)
         self.suffix = key_suffix(self.rubric, self.endpoint.model)
+        self.budget = judge_budget(self.endpoint, options)
         self.result = ImplicitResult()
         self._lock = threading.Lock()  # the result's counters, added to by the judge threads
         self.proxy: Any = None
@@ -156,13 +168,16 @@ class ImplicitJudge:
                 self._store(row, *outcome)
         return len(rows)
 
-    def _judge(self, row: tuple) -> tuple[Feedback | None, tuple[float, str, str] | None, str | None, str | None]:
-        """(the turn, its verdict or None, the error or None, the judge episode) of one waiting turn."""
+    def _judge(self, row: tuple) -> Judged:
+        """(the turn, its verdict or None, the error or None, the judge episode, whether it was too long for the
+        judge's context) of one waiting turn."""
         turn = read_feedback(row)
         if isinstance(turn, str):
-            return None, None, f"not judged: {turn}", None
+            return None, None, f"not judged: {turn}", None, False
         labels = {"judged": turn.episode_id, "judged_turn": turn.turn_id, "judge_mode": "implicit"}
         prompt = feedback_prompt(self.rubric, turn.earlier, turn.reply, turn.message, self.options.judge_max_chars)
+        if not self.budget.fits(prompt):  # never sent: the endpoint would refuse it, or cut what it judges
+            return turn, None, self.budget.too_long(prompt, 1, "the turn's prompt"), None, True
         call = judge_call(
             self.store,
             self.proxy,
@@ -176,7 +191,7 @@ class ImplicitJudge:
             self.result.calls += 1
             self.result.prompt_tokens += call.tokens[0]
             self.result.completion_tokens += call.tokens[1]
-        return turn, call.value, call.error, call.judge_episode
+        return turn, call.value, call.error, call.judge_episode, False
 
     def _store(
         self,
@@ -185,13 +200,15 @@ class ImplicitJudge:
         verdict: tuple[float, str, str] | None,
         error: str | None,
         judge_episode: str | None,
+        too_long: bool,
     ) -> None:
         turn_id, episode_id, seq = str(row[0]), str(row[1]), int(row[2])
         key = f"implicit:{turn_id}:{self.suffix}"
         if verdict is None:
             why = {"source": SOURCE, "key": key, "turn": turn_id, "error": error, "judge_episode": judge_episode}
-            self.store.flag_episode(episode_id, FLAG, why)
+            self.store.flag_episode(episode_id, FLAG, {**why, "too_long": True} if too_long else why)
             self.result.failed += 1
+            self.result.too_long += too_long
             if len(self.result.errors) < ERRORS_SHOWN:
                 self.result.errors.append(f"{episode_id} call {seq}: {error}")
             return

@@ -185,7 +185,7 @@ def judge_episodes(
                 result.tampered += 1
                 result.rewards.append(0.0)
     pending = [s for s in samples if keys[s.episode_id] not in done]
-    budget = _budget(endpoint, options) if pending else Budget(options.judge_context, options.judge_max_tokens)
+    budget = judge_budget(endpoint, options) if pending else Budget(options.judge_context, options.judge_max_tokens)
     jobs, refused = plan_jobs(pending, options, rubric, budget)
     _refuse(store, refused, result)
     calls = _from_cache(store, rubric, endpoint, jobs, keys, result)
@@ -195,8 +195,9 @@ def judge_episodes(
     return result
 
 
-def _budget(endpoint: Endpoint, options: JudgeOptions) -> Budget:
-    """The judge's context: --judge-context, capped by the max_model_len its endpoint reports."""
+def judge_budget(endpoint: Endpoint, options: JudgeOptions) -> Budget:
+    """The judge's context: --judge-context, capped by the max_model_len its endpoint reports (every judge's rule:
+    a judge pass's and the implicit judge's)."""
     reported = model_context(endpoint, min(options.judge_timeout, MODELS_TIMEOUT_S))
     context = min(options.judge_context, reported) if reported else options.judge_context
     return Budget(context, options.judge_max_tokens)

@@ -38,7 +38,7 @@ from lcap.capture import ProxyOptions
 from lcap.config import LcapError
 from lcap.dataset import FINISHED, BuildOptions, CollectOptions
 from lcap.display import num, small
-from lcap.loop.demo import calculator, number, roles, tools
+from lcap.loop.demo import calculator, judged, number, roles, tools
 from lcap.loop.demo.number import write_jsonl
 from lcap.loop.demo.task import DemoSettings, DemoTask, demo_dir
 from lcap.loop.options import DEMO_TASKS, LoopOptions
@@ -76,12 +76,15 @@ def run_demo(
     settings: DemoSettings | None = None,
     echo: Callable[[str], None] = print,
     loop: LoopOptions | None = None,
+    reward: str = "verifier",
 ) -> dict:
+    kind = demo_task(task)
+    judged.check_reward(reward, kind, loop)  # a one-line error before the train extra loads
+
     # the train extra
     import torch
     from transformers.utils.logging import disable_progress_bar
 
-    kind = demo_task(task)
     settings = settings or kind.settings()
     disable_progress_bar()  # transformers' bars over loading and saving weights: the demo prints a line a round
     if (os.cpu_count() or 1) <= 2 and loop is not None and loop.overlap:
@@ -96,12 +99,12 @@ def run_demo(
     store = Store(out / "lcap.duckdb")
     timings: dict[str, float] = {}
 
-    _claim(out, kind, settings)
+    _claim(out, kind, settings, reward)
     model = _model(out, kind, settings, echo)
     timings["model"] = time.perf_counter() - t0
 
     train_tasks, held_out = kind.tasks(settings)
-    tasks = write_jsonl(out / "tasks.jsonl", train_tasks)
+    tasks = write_jsonl(out / "tasks.jsonl", judged.with_reference(train_tasks) if reward == "judge" else train_tasks)
     eval_tasks = write_jsonl(out / "heldout.jsonl", held_out)
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))  # stop vLLM on `kill` too
@@ -120,13 +123,17 @@ def run_demo(
 
     os.environ.setdefault("OPENAI_API_KEY", "demo-placeholder")  # the agent wants one; the proxy drops it
     config = _loop_config(out, kind, settings, model, tasks, eval_tasks, rounds, loop)
+    if reward == "judge":
+        config = judged.judged_config(config)
     try:
         run_loop(store, config, echo=echo)
     finally:
         if started:
             stop_server()
     timings["loop"] = time.perf_counter() - t0 - timings["model"] - timings["server"]
-    results = summarise(out, store, timings, time.perf_counter() - t0, kind.name)
+    if reward == "judge":
+        judged.label_exact(store, tasks)
+    results = summarise(out, store, timings, time.perf_counter() - t0, kind.name, reward)
     if kind.report:  # the task's own figures (the roles task: success per role)
         results["report"] = kind.report(store)
         (out / "report.json").write_text(json.dumps(results["report"], indent=2))
@@ -180,14 +187,18 @@ def _loop_config(
     )
 
 
-def _claim(out: Path, kind: DemoTask, settings: DemoSettings) -> None:
+def _claim(out: Path, kind: DemoTask, settings: DemoSettings, reward: str = "verifier") -> None:
     """Mark `out` as this demo's run folder; LcapError where it holds another task's or settings' run."""
     marker = out / "demo.json"
-    run = {"task": kind.name, "model": kind.model, "seed": settings.seed}
+    run = {"task": kind.name, "model": kind.model, "seed": settings.seed, "reward": reward}
     earlier = json.loads(marker.read_text()) if marker.exists() else {}
+    if earlier:
+        earlier.setdefault("reward", "verifier")  # a run from before --reward: the verifier's rewards trained it
     if earlier.get("task", kind.name) != kind.name:
         raise LcapError(f"{out} holds a demo of another task: use another --out, or --fresh to start over")
-    differ = [f"--{key} {earlier[key]}" for key in ("model", "seed") if earlier.get(key, run[key]) != run[key]]
+    differ = [
+        f"--{key} {earlier[key]}" for key in ("model", "seed", "reward") if earlier.get(key, run[key]) != run[key]
+    ]
     if differ:
         raise LcapError(f"{out} holds a demo run with {', '.join(differ)}: use another --out, or --fresh to start over")
     marker.write_text(json.dumps(run))
@@ -223,6 +234,8 @@ def _tell(results: dict, out: Path, store: Store, echo: Callable[[str], None]) -
                 f"{num(r['stitched'], 2)} of the later ones stitched, {num(r['samples_per_episode'], 2)} samples each "
                 f"({num(r['env_tokens_per_sample'], 0)} environment tokens per sample)"
             )
+    for line in judged.reward_lines(results.get("reward", "verifier"), results.get("judge_agreement") or []):
+        echo(f"[demo] {line}")
     first, last = results["rounds"][0], results["rounds"][-1]
     echo(
         f"[demo] held-out: reward {num(first['eval_reward'])} -> {num(last['eval_reward'])}, right answers "
@@ -347,7 +360,9 @@ def gain_targets(held_out: list[dict]) -> tuple[bool, list[str]]:
     return all(ok for ok, _ in checks), [f"{'ok  ' if ok else 'MISS'} {text}" for ok, text in checks]
 
 
-def summarise(out: Path, store, timings: dict[str, float], seconds: float, task: str = "number") -> dict:
+def summarise(
+    out: Path, store, timings: dict[str, float], seconds: float, task: str = "number", reward: str = "verifier"
+) -> dict:
     """Reward curve PNG + Markdown table + results.json from the store (held-out) and the loop's state (training)."""
     state = json.loads((out / "run" / "state.json").read_text())["steps"]
     held_out = {h["round"]: h for h in held_out_by_round(store)}
@@ -394,8 +409,11 @@ def summarise(out: Path, store, timings: dict[str, float], seconds: float, task:
     passed, verdicts = check_targets(list(held_out.values()), pretrained=demo_task(task).model != "tiny")
     png = out / "reward_curve.png"
     _plot(rows, png)
+    agreement = judged.agreement_by_round(store) if reward == "judge" else []
     results = {
         "task": task,
+        "reward": reward,
+        "judge_agreement": agreement,
         "rounds": rows,
         "seconds": seconds,
         "timings": timings,
@@ -407,7 +425,9 @@ def summarise(out: Path, store, timings: dict[str, float], seconds: float, task:
     (out / "summary.md").write_text(
         f"# lcap demo --task {task}\n\n{table}\n\ntotal {seconds:.0f} s "
         f"(model {timings.get('model', 0):.0f} s, vLLM start {timings.get('server', 0):.0f} s, "
-        f"loop {timings.get('loop', 0):.0f} s)\n\ntargets: {'PASS' if passed else 'FAIL'}\n"
+        f"loop {timings.get('loop', 0):.0f} s)\n\n"
+        + "".join(f"{line}\n" for line in judged.reward_lines(reward, agreement))
+        + f"\ntargets: {'PASS' if passed else 'FAIL'}\n"
         + "".join(f"- {v}\n" for v in verdicts)
     )
     (out / "results.json").write_text(json.dumps({k: v for k, v in results.items() if k != "table"}, indent=2))

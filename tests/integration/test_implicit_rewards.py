@@ -27,16 +27,29 @@ KEY = "sk-implicit-tenant-0123456789"
 
 class Judge:
     """An OpenAI-compatible chat endpoint: satisfied (1.0) where the quoted user's next message thanks, corrected
-    (0.0) otherwise; `garbage` answers prose. It keeps every prompt."""
+    (0.0) otherwise; `garbage` answers prose. It keeps every prompt. `GET /v1/models` reports `context` as its
+    model's max_model_len, as vLLM does (None: no models list)."""
 
     def __init__(self) -> None:
         self.garbage = False
         self.prompts: list[str] = []
+        self.context: int | None = None
         judge = self
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args) -> None:
                 pass
+
+            def do_GET(self) -> None:
+                if self.path != "/v1/models" or judge.context is None:
+                    self.send_error(404)
+                    return
+                data = json.dumps({"data": [{"id": "judge-m", "max_model_len": judge.context}]}).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["content-length"])))
@@ -191,3 +204,46 @@ def test_a_judge_that_cannot_start_stops_the_proxy_with_the_reason(capture_home,
     done = subprocess.run([LCAP, *args], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "--judge-url must be an http" in done.stderr and "lcap judge-live did not start" in done.stderr
+
+
+def test_a_turn_too_long_for_the_judges_context_is_never_sent_and_left_unrewarded_with_the_reason(
+    capture_home, tmp_path, fake_llm, judge
+):
+    """The implicit judge measures each prompt against the judge's context (--judge-context, capped by the
+    endpoint's max_model_len, the rule of a judge pass) before it calls: a turn over it is flagged `too_long` with
+    the tokens it needs, counted, and never sent; a turn within it is judged as ever."""
+    fake_llm.reset()
+    judge.context = 1200  # the endpoint's max_model_len, below --judge-context's 8192
+    db = tmp_path / "lcap.duckdb"
+    rubric = tmp_path / "support.md"
+    rubric.write_text("The assistant answers the user's question correctly and helpfully.")
+    env = dict(os.environ, LCAP_HOME=str(capture_home), LCAP_DB=str(db), LCAP_NODE_DIR=str(node_cache_dir()))
+    env.update(PYTHONUNBUFFERED="1", OPENAI_API_KEY=SECRET)
+    proc, port = serve_proxy(env, "--upstream", fake_llm.url)
+    proxy = f"http://127.0.0.1:{port}"
+    long = "Tell me everything about the history of Spain. " * 80  # ~3,800 characters, each block quotes its share
+    try:
+        _call(proxy, fake_llm.url, _chat("What is 2+2?", "4", "thanks, that's right"), "s-short")
+        _call(proxy, fake_llm.url, _chat(long, long, "no, wrong: " + long), "s-long")
+        store = Store(db)
+        wait_until(lambda: len(store.fetchall("SELECT * FROM turns")) >= 2, timeout=60)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    args = ["judge-live", f"judge:{rubric}", "--judge-url", judge.url, "--judge-model", "judge-m", "--once"]
+    done = subprocess.run(
+        [LCAP, *args, "--judge-max-tokens", "50"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "1 turns judged" in done.stdout and "1 failed (flag judge_error, unrewarded, 1 too long" in done.stdout
+    assert len(judge.prompts) == 1 and "history of Spain" not in judge.prompts[0]  # the long turn never sent
+    rewards = "SELECT e.labels->>'session', r.source FROM rewards r JOIN episodes e USING (episode_id)"
+    assert store.fetchall(rewards) == [("s-short", "implicit")]
+    ((session, details),) = store.fetchall(
+        "SELECT e.labels->>'session', f.details FROM episode_flags f JOIN episodes e USING (episode_id) "
+        "WHERE f.flag = 'judge_error'"
+    )
+    why = json.loads(details)
+    assert session == "s-long" and why["too_long"] is True and why["judge_episode"] is None
+    assert "too long for the judge's context" in why["error"] and "the judge reads 1200" in why["error"]
+    assert store.fetchall("SELECT count(*) FROM episodes WHERE labels->>'role' = 'judge'") == [(1,)]  # one call
