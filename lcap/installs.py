@@ -42,9 +42,9 @@ def run_install(cmd: Sequence[str], what: str, *, show: bool | None = None) -> N
     lines, None: whichever stderr is); an LcapError if it fails."""
     status = _Status()
     tail: deque[str] = deque(maxlen=TAIL_LINES)
+    status.shown = "starting"
     with Reporter(f"lcap: {what}", describe=status.text, show=show, counted=False) as shown:
         status.moved = shown.say
-        status.phase("starting")
         proc = subprocess.Popen(
             list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, bufsize=1
         )

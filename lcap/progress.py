@@ -66,12 +66,13 @@ class Reporter:
         console: Console | None = None,
         heartbeat: float | None = None,
         counted: bool = True,
+        doing: str = "",
     ) -> None:
         """`show`: the bar (a terminal) or plain lines (None: whichever stderr is); `heartbeat`: seconds between
         lines (None: `heartbeat_s()`); `counted`: False for a wait that has no units, only words and its time.
-        Without `describe` the words are the last `step`'s."""
+        Without `describe` the words are `doing`, then the last `step`'s."""
         self.label, self.total, self.counted = label, total, counted
-        self.doing = ""
+        self.doing = doing
         self.describe = describe or (lambda: self.doing)
         self.console = console or STDERR
         self.bar = show if show is not None else self.console.is_terminal

@@ -77,7 +77,7 @@ def deploy_policy(
     path = Path(path).expanduser().resolve()
     if not path.exists():
         raise LcapError(f"{path} does not exist: deploy a round's adapter or checkpoint (RUN/round-N/adapter)")
-    with policy_lock(), Reporter("deploy", counted=False) as shown:
+    with policy_lock(), Reporter("deploy", counted=False, doing=str(path)) as shown:
         record = running_policy()
         if (path / "adapter_config.json").is_file():
             kind = "lora"
