@@ -37,6 +37,7 @@ from lcap.config import LcapError
 from lcap.dataset import FINISHED, BuildOptions, CollectOptions
 from lcap.display import num, small
 from lcap.loop.demo import calculator, number, tools
+from lcap.loop.demo.control import greedy_summary, run_greedy
 from lcap.loop.demo.number import write_jsonl
 from lcap.loop.demo.task import DemoSettings, DemoTask, demo_dir
 from lcap.loop.options import DEMO_TASKS, LoopOptions
@@ -120,6 +121,7 @@ def run_demo(
     config = _loop_config(out, kind, settings, model, tasks, eval_tasks, rounds, loop)
     try:
         run_loop(store, config, echo=echo)
+        run_greedy(store, config, echo)  # the control: base and last round at temperature 0
     finally:
         if started:
             stop_server()
@@ -222,6 +224,8 @@ def _tell(results: dict, out: Path, store: Store, echo: Callable[[str], None]) -
         f"{results['seconds'] / 60:.1f} min; targets {'PASS' if results['targets']['passed'] else 'FAIL'} "
         f"(python scripts/demo/check_learning.py {out})"
     )
+    if results["greedy"]["rows"]:
+        echo(f"[demo] {results['greedy']['line']}")
     echo(f"[demo] look at every episode, call and round in a browser: lcap ui --db {shlex.quote(str(store.path))}")
     echo(f"[demo] table: {results['summary']}, curve: {results['png']}, figures: {out / 'results.json'}")
     echo(f'[demo] every captured call: lcap sql --db {out / "lcap.duckdb"} "select * from episode_summary"')
@@ -383,6 +387,7 @@ def summarise(out: Path, store, timings: dict[str, float], seconds: float, task:
             for r in rows
         ]
     )
+    greedy = greedy_summary(store)
     passed, verdicts = check_targets(list(held_out.values()), pretrained=demo_task(task).model != "tiny")
     png = out / "reward_curve.png"
     _plot(rows, png)
@@ -395,9 +400,12 @@ def summarise(out: Path, store, timings: dict[str, float], seconds: float, task:
         "summary": str(out / "summary.md"),
         "targets": {"passed": passed, "checks": verdicts},
         "table": table,
+        "greedy": greedy,
     }
     (out / "summary.md").write_text(
-        f"# lcap demo --task {task}\n\n{table}\n\ntotal {seconds:.0f} s "
+        f"# lcap demo --task {task}\n\n{table}\n\n"
+        + (f"{greedy['markdown']}\n\n" if greedy["rows"] else "")
+        + f"total {seconds:.0f} s "
         f"(model {timings.get('model', 0):.0f} s, vLLM start {timings.get('server', 0):.0f} s, "
         f"loop {timings.get('loop', 0):.0f} s)\n\ntargets: {'PASS' if passed else 'FAIL'}\n"
         + "".join(f"- {v}\n" for v in verdicts)

@@ -56,3 +56,26 @@ def test_one_round_of_the_tools_demo_stitches_and_merges(tmp_path, monkeypatch):
         ).fetchall()
     assert merged > 0 and masked > 0
     assert any("stitched" in line for line in lines)
+    _the_greedy_control_is_lcap_evals(tmp_path / "demo", results, lines)
+
+
+GREEDY_SQL = """
+SELECT count(*), count(DISTINCT e.task_id), avg(CASE WHEN reward >= 1 THEN 1 ELSE 0 END), avg(coalesce(reward, 0))
+FROM episode_summary e JOIN episodes USING (episode_id)
+WHERE e.split = 'compare' AND episodes.labels->>'eval' = 'demo-greedy' AND episodes.labels->>'deployment' = ?
+"""
+
+
+def _the_greedy_control_is_lcap_evals(out, results: dict, lines: list[str]) -> None:
+    """The summary's greedy rows: the base model and the last round that served, each once per held-out task, with
+    the figures of `lcap eval`'s episodes in the store; in summary.md and the demo's last lines too."""
+    greedy = results["greedy"]["rows"]
+    served = [r["round"] for r in results["rounds"] if r["round"] > 0 and r["deployed"] not in (None, "refused")]
+    assert [r["of_round"] for r in greedy] == [0, *served[-1:]]
+    store = Store(out / "lcap.duckdb")
+    for row in greedy:
+        episodes, tasks, right, mean = store.fetchall(GREEDY_SQL, [row["deployment"]])[0]
+        assert (row["episodes"], row["tasks"], row["k"]) == (episodes, tasks, 1) == (2, 2, 1)  # n_eval tasks, once
+        assert (row["right"], row["mean_reward"]) == pytest.approx((right, mean))
+    assert "| greedy (temperature 0) |" in (out / "summary.md").read_text()
+    assert any(line.startswith("[demo] greedy (temperature 0) right answers: base ") for line in lines)
