@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from lcap.capture import ProxyOptions
 from lcap.config import LcapError
 from lcap.display import num
 from lcap.loop.evaluate import EvalRow, plain, run_eval, summarise
@@ -46,7 +45,7 @@ def run_greedy(store, config: LoopConfig, echo: Callable[[str], None]) -> list[E
             command=config.command,
             options=EvalOptions(deployments=todo, samples=1, label=LABEL),
             collect=replace(config.collect, run_dir=config.run / "episodes", tasks_root=tasks_root(config)),
-            proxy=replace(config.proxy or ProxyOptions(), temperature=0.0),
+            proxy=replace(config.proxy, temperature=0.0),
             echo=echo,
         )
     return greedy_rows(store)
