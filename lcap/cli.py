@@ -88,11 +88,17 @@ def setup(
 ) -> None:
     """Install what lcap runs beside itself: the Node proxy preload, vLLM's own venv, and the weights of
     `lcap init-model --from smollm2`. Idempotent."""
+    from lcap.progress import Reporter  # start-up: rich
+
     steps = STAGES.setup_parts
     for part in parts or list(steps):
         if part not in steps:
             raise LcapError(f"unknown set-up part {part!r}: use {', '.join(steps)}")
-        typer.echo(f"lcap setup {part}: {steps[part]()}")
+        doing = "checking what is there, installing or making what is missing"
+        with Reporter(f"lcap setup {part}", counted=False, doing=doing) as shown:  # an install shows its own too
+            said = steps[part]()
+            shown.doing = "done"
+        typer.echo(f"lcap setup {part}: {said}")
 
 
 DOCTOR_SECTIONS = ("capture", "serve", "store", "optional")

@@ -2,9 +2,10 @@
 their size and time, then followed while they run.
 
 `run_install` reads the installer's output (pip's, with `--progress-bar raw` where the caller asks for it, or npm's)
-and shows where it is: on a terminal one status line rewritten in place (the package being collected, a download's
-megabytes, the packages being installed, the seconds since the start); elsewhere (a log, CI) only a line when the
-install moves from one phase to the next, a few lines in all. A failed install prints its last lines of output
+and shows where it is through lcap/progress.py: on a terminal one status line rewritten in place (the package being
+collected, a download's megabytes, the packages being installed, the time since the start); elsewhere (a log, CI) a
+line when the install moves from one phase to the next, and while one phase lasts (a download of vLLM, a wheel
+being built) a line at least every 30 s. A failed install prints its last lines of output
 before its one-line error, since its output is no longer passed through.
 """
 
@@ -13,15 +14,14 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TextIO
 
 from lcap.config import LcapError
+from lcap.progress import Reporter
 
 TAIL_LINES = 20  # what a failed install shows of its output
-WIDTH = 110  # a status line is cut here, so that it never wraps and rewrites in place
 
 _COLLECTING = re.compile(r"^(?:Collecting|Processing) (\S+)")  # from an index; a local file
 _DOWNLOADING = re.compile(r"^\s*Downloading (\S+)(?: \(([^)]+)\))?")
@@ -37,41 +37,45 @@ def announce(what: str, size: str, how_long: str, *, out: TextIO | None = None) 
     print(f"lcap: {what}: about {size}, {how_long}", file=out, flush=True)
 
 
-def run_install(cmd: Sequence[str], what: str, *, out: TextIO | None = None, tty: bool | None = None) -> None:
-    """Run an installer's `cmd` with its progress shown as `what` (module docstring); an LcapError if it fails."""
-    out = out or sys.stderr
-    tty = out.isatty() if tty is None else tty
-    status = _Status(what, out, tty)
+def run_install(cmd: Sequence[str], what: str, *, show: bool | None = None) -> None:
+    """Run an installer's `cmd` with its progress shown as `what` (module docstring; `show`: the status line, else
+    lines, None: whichever stderr is); an LcapError if it fails."""
+    status = _Status()
     tail: deque[str] = deque(maxlen=TAIL_LINES)
-    status.phase("starting")
-    proc = subprocess.Popen(
-        list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, bufsize=1
-    )
-    assert proc.stdout is not None
-    with proc:
-        for raw in proc.stdout:
-            line = raw.rstrip()
-            if not _PROGRESS.match(line):
-                tail.append(line)
-            status.read(line)
-        code = proc.wait()
+    status.shown = "starting"
+    with Reporter(f"lcap: {what}", describe=status.text, show=show, counted=False) as shown:
+        status.moved = shown.say
+        proc = subprocess.Popen(
+            list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, bufsize=1
+        )
+        assert proc.stdout is not None
+        with proc:
+            for raw in proc.stdout:
+                line = raw.rstrip()
+                if not _PROGRESS.match(line):
+                    tail.append(line)
+                status.read(line)
+                shown.refresh()
+            code = proc.wait()
+        status.shown, status.detail = ("done" if code == 0 else f"failed (exit code {code})"), ""
     if code != 0:
-        status.end(f"failed (exit code {code})")
         for line in tail:
-            print(f"  {line}", file=out)
+            shown.print(f"  {line}", markup=False, highlight=False)
         raise LcapError(f"could not {what} ({' '.join(cmd)} failed: its last lines are above)")
-    status.end("done")
 
 
 class _Status:
-    """Where one install is, shown on a terminal as one line rewritten in place, elsewhere as a line per phase."""
+    """Where one install is: its phase (off a terminal, a line when it begins) and, at a terminal, its detail."""
 
-    def __init__(self, what: str, out: TextIO, tty: bool) -> None:
-        self.what, self.out, self.tty = what, out, tty
-        self.start = time.monotonic()
-        self.shown_phase = ""
+    def __init__(self) -> None:
+        self.shown = ""
+        self.detail = ""
         self.collected = 0
         self.file = ""
+        self.moved: Callable[[], None] = lambda: None
+
+    def text(self) -> str:
+        return self.shown + (f": {self.detail}" if self.detail else "")
 
     def read(self, line: str) -> None:
         if m := _COLLECTING.match(line):
@@ -93,22 +97,11 @@ class _Status:
             self.phase(m.group(1))
 
     def phase(self, phase: str, detail: str = "") -> None:
-        """Show `phase` (and on a terminal `detail`): elsewhere a phase is printed once, when it begins."""
-        if self.tty:
-            text = f"lcap: {self.what}: {phase}" + (f": {detail}" if detail else "") + f" [{self._elapsed()}]"
-            self.out.write("\r\x1b[K" + text[:WIDTH])
-            self.out.flush()
-        elif phase != self.shown_phase:
-            print(f"lcap: {self.what}: {phase} [{self._elapsed()}]", file=self.out, flush=True)
-        self.shown_phase = phase
-
-    def end(self, how: str) -> None:
-        text = f"lcap: {self.what}: {how} [{self._elapsed()}]"
-        self.out.write(("\r\x1b[K" if self.tty else "") + text + "\n")
-        self.out.flush()
-
-    def _elapsed(self) -> str:
-        return f"{time.monotonic() - self.start:.0f} s"
+        """Now at `phase` (`detail`: what within it): a new phase is worth a line of its own."""
+        new = phase != self.shown
+        self.shown, self.detail = phase, detail
+        if new:
+            self.moved()
 
 
 def _packages(n: int) -> str:

@@ -185,11 +185,11 @@ def run_eval(
     echo(table(rows, proxy.temperature))
     if options.out is not None:
         summary = {"label": label, "tasks": str(tasks), "temperature": proxy.temperature, "rows": rows}
-        options.out.write_text(json.dumps(summary, default=_plain, indent=2) + "\n")
+        options.out.write_text(json.dumps(summary, default=plain, indent=2) + "\n")
     return rows
 
 
-def _plain(row: EvalRow) -> dict:
+def plain(row: EvalRow) -> dict:
     """A row as JSON: a figure over too few episodes (NaN) is null."""
     return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.__dict__.items()}
 

@@ -55,6 +55,7 @@ from lcap.loop.steps import (
     train_step,
 )
 from lcap.policy import read_policy
+from lcap.progress import Reporter
 from lcap.train import round_dir, training_text
 
 LIVE_SPLIT = "live"  # the split adopted live episodes get: build-dataset --split live reads them
@@ -235,6 +236,14 @@ def _fresh(lineage: list[str], max_staleness: int) -> dict[str, int]:
 
 
 def _take_batch(store, config: LoopConfig, state: LoopState, n: int, current: str) -> dict[str, Any]:
+    """`_next_batch`, shown while the step waits for traffic (lcap/progress.py: a line at least every 30 s)."""
+    ready = [0]
+    said = lambda: f"waiting for --min-samples {config.options.min_samples} ready episodes, {ready[0]} so far"  # noqa: E731
+    with Reporter(f"step {n}", describe=said, counted=False):
+        return _next_batch(store, config, state, n, current, ready)
+
+
+def _next_batch(store, config: LoopConfig, state: LoopState, n: int, current: str, shown: list[int]) -> dict[str, Any]:
     """Wait for --min-samples ready episodes in trainable groups; the batch is all of them."""
     options = config.options
     started = time.monotonic()
@@ -247,6 +256,7 @@ def _take_batch(store, config: LoopConfig, state: LoopState, n: int, current: st
             advantage=config.build.advantage,
             reward_source=config.build.reward_source,
         )
+        shown[0] = len(rows)
         if len(rows) >= options.min_samples:
             break
         waited = time.monotonic() - started

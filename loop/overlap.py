@@ -55,6 +55,7 @@ from lcap.loop.steps import (
     tasks_root,
     train_step,
 )
+from lcap.progress import Reporter
 from lcap.store import now
 from lcap.train import round_dir, training_text
 
@@ -363,6 +364,16 @@ def _figures(
 
 
 def _take_batch(store, config: LoopConfig, state: LoopState, producer: Producer, pool, per_step: int) -> dict:
+    """`_next_batch`, shown while the trainer waits for it (lcap/progress.py: a line at least every 30 s)."""
+    ready = [0]
+    said = lambda: f"waiting for {per_step} complete trainable groups, {ready[0]} ready"  # noqa: E731
+    with Reporter("trainer", describe=said, counted=False):
+        return _next_batch(store, config, state, producer, pool, per_step, ready)
+
+
+def _next_batch(
+    store, config: LoopConfig, state: LoopState, producer: Producer, pool, per_step: int, shown: list[int]
+) -> dict:
     """Wait for `per_step` complete, trainable groups not taken yet, the first finished first; or, when `per_step`
     groups in a row got one reward for every sample first, none (`equal`: those groups): nothing to learn."""
     data = state.data
@@ -389,6 +400,7 @@ def _take_batch(store, config: LoopConfig, state: LoopState, producer: Producer,
                 state.save()
             producer.advance(producer.version, _wasted(data))
         ready = [g for g, _, ok, _ in rows if ok]
+        shown[0] = len(ready)
         waited = time.monotonic() - started
         if len(ready) >= per_step:
             return {"groups": ready[:per_step], "queue": len(ready), "trainer_wait_s": waited}

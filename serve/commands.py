@@ -108,7 +108,6 @@ def register(cli: StageRegistry) -> None:
             ray=options.ray,
             gpus_per_replica=options.gpus_per_replica,
             store=Store(db),
-            progress=True,
             endpoint_env=options.endpoint_env(),
         )
         if len(record.replicas) == 1:

@@ -50,6 +50,7 @@ from pathlib import Path
 
 from lcap.config import LcapError
 from lcap.policy import DEFAULT_ROLE, PolicyServer, policy_lock, publish, read_policy
+from lcap.progress import Reporter
 from lcap.serve.reload import ReloadError, can_reload, reload_in_place
 from lcap.serve.same_model import difference
 from lcap.serve.server import in_flight, replicas_of
@@ -77,11 +78,12 @@ def deploy_policy(
     path = Path(path).expanduser().resolve()
     if not path.exists():
         raise LcapError(f"{path} does not exist: deploy a round's adapter or checkpoint (RUN/round-N/adapter)")
-    with policy_lock():
+    with policy_lock(), Reporter("deploy", counted=False, doing=str(path)) as shown:
         record = running_policy()
         if (path / "adapter_config.json").is_file():
             kind = "lora"
             name = name or _unique_name(path, round)
+            shown.step(f"hot-loading the adapter {path} as {name} into {_replicas(record)}")
             record = _load_lora(record, path, name)
         elif (path / "config.json").is_file():
             kind = "full"
@@ -89,6 +91,7 @@ def deploy_policy(
             name = name or _unique_name(path, round)
             why = None if restart else _why_not_in_place(record, path)
             if why is None and not restart:
+                shown.step(f"reloading the weights of {path} as {name} in place, {_replicas(record)} one at a time")
                 try:
                     record = _reload(record, path, name, drain_timeout)
                 except ReloadError as exc:
@@ -96,12 +99,18 @@ def deploy_policy(
             if why is not None or restart:
                 if why is not None:
                     log.warning("lcap: deploying %s by restarting vLLM: %s", path, why)
+                shown.step(f"restarting {_replicas(record)} on {path} as {name}, one at a time, each drained first")
                 record = _roll(read_policy() or record, path, name, drain_timeout)
         else:
             raise LcapError(f"{path} is neither a LoRA adapter (adapter_config.json) nor a checkpoint (config.json)")
+        shown.doing = f"{name} is current"
     if store is not None:
         record_deployment(store, record, name, str(path), kind, round)
     return name
+
+
+def _replicas(record: PolicyServer) -> str:
+    return "the replica" if len(record.replicas) == 1 else f"{len(record.replicas)} replicas"
 
 
 def running_policy() -> PolicyServer:
@@ -158,11 +167,14 @@ def deploy_roles(
                 "adapter (full fine-tuning stays single-role: deploy a checkpoint without --role)"
             )
     names = {role: name or _unique_name(path, round, role) for role, path in adapters.items()}
-    with policy_lock():
+    with policy_lock(), Reporter("deploy", counted=False) as shown:
         record = running_policy()
+        said = ", ".join(f"{role} {names[role]}" for role in adapters)
+        shown.step(f"hot-loading the adapters of {said} into {_replicas(record)}")
         _load_loras(record, {names[role]: path for role, path in adapters.items()})
         _switch_roles(record, names)
         publish(record)
+        shown.doing = f"{said} deployed"
     if store is not None:
         for role, path in adapters.items():
             record_deployment(store, record, names[role], str(path), "lora", round, role=role)

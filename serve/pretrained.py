@@ -29,6 +29,7 @@ from pathlib import Path
 from lcap.config import LcapError, lcap_home
 from lcap.installs import announce, run_install
 from lcap.locks import file_lock
+from lcap.progress import Reporter
 from lcap.serve.tiny_model import CHAT_TEMPLATE, save_checkpoint
 
 STAMP = "lcap-model.json"
@@ -153,7 +154,10 @@ def init_pretrained(out: Path, name: str) -> Path:
             raise LcapError(f"{out} exists, is not empty and holds no checkpoint lcap made")
         made = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
         try:
-            convert_gguf(gguf, made, template=template)
+            doing = f"{gguf.name} into a checkpoint in {out} (once)"
+            with Reporter(f"lcap: convert {source.name}", counted=False, doing=doing) as shown:
+                convert_gguf(gguf, made, template=template)
+                shown.doing = "done"
             (made / STAMP).write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
             if out.exists():
                 shutil.rmtree(out)

@@ -95,7 +95,7 @@ class LocalReplicas:
         with listen_socket(HOST, port) as listener:
             proc = launch(spec, python=self.python, listener=listener, log_path=log, env=_replica_env(replica.devices))
         try:
-            wait_healthy([(proc, replica.url, log)], spec.timeout, progress=False)
+            wait_healthy([(proc, replica.url, log)], spec.timeout)
         except BaseException:
             kill_group(proc.pid, grace=30)
             raise

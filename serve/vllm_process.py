@@ -12,18 +12,17 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from rich.console import Console
 
 from lcap.config import LcapError
 from lcap.policy import PolicyServer, bearer
 from lcap.processes import python_helper
+from lcap.progress import Reporter
 from lcap.serve.vllm_env import ensure_vllm_env, has_gpu, working_vllm_python
 
 MAX_LORA_RANK = 16  # the trainer's default rank; every slot of a larger rank slows all decoding
@@ -243,17 +242,20 @@ DEV_MODE_VARIABLE = "VLLM_SERVER_DEV_MODE"
 LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
 
 
-def wait_healthy(servers: Sequence[tuple[subprocess.Popen, str, Path]], timeout: float, progress: bool | None) -> None:
+def wait_healthy(
+    servers: Sequence[tuple[subprocess.Popen, str, Path]], timeout: float, progress: bool | None = None
+) -> None:
     """Wait until every (process, url, log) answers /health; LcapError (with the log's last lines) when one exits
-    or `timeout` passes first."""
-    show = sys.stderr.isatty() if progress is None else progress
-    status = None
-    if show:
-        status = Console(stderr=True).status("starting vLLM")
-        status.start()
-    started = time.monotonic()
+    or `timeout` passes first. Shown as it waits (lcap/progress.py; `progress`: the bar, else lines, None: whichever
+    stderr is): the replicas ready and the last line of vLLM's log."""
     waiting = list(servers)
-    try:
+
+    def said() -> str:
+        ready = f"{len(servers) - len(waiting)}/{len(servers)} ready, " if len(servers) > 1 else ""
+        return f"{ready}{tail(waiting[0][2], 1)[-100:]}" if waiting else f"{len(servers)} healthy"
+
+    started = time.monotonic()
+    with Reporter("starting vLLM", describe=said, show=progress, counted=False) as shown:
         while waiting:
             for proc, url, log_path in list(waiting):
                 if proc.poll() is not None:
@@ -265,19 +267,13 @@ def wait_healthy(servers: Sequence[tuple[subprocess.Popen, str, Path]], timeout:
                     waiting.remove((proc, url, log_path))
             if not waiting:
                 return
-            elapsed = time.monotonic() - started
-            if elapsed > timeout:
+            if time.monotonic() - started > timeout:
                 _, _, log_path = waiting[0]
                 raise LcapError(
                     f"vLLM was not healthy after {timeout:.0f}s; last lines of {log_path}:\n{tail(log_path)}"
                 )
-            if status is not None:
-                ready = f"{len(servers) - len(waiting)}/{len(servers)} ready, " if len(servers) > 1 else ""
-                status.update(f"starting vLLM: {ready}{elapsed:.0f}s  {tail(waiting[0][2], 1)[-100:]}")
+            shown.refresh()
             time.sleep(0.5)
-    finally:
-        if status is not None:
-            status.stop()
 
 
 def healthy(url: str) -> bool:

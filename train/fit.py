@@ -11,6 +11,7 @@ import json
 import math
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from lcap.config import LcapError
 from lcap.dataset import Cause, explain, plural
 from lcap.files import atomic_write
 from lcap.noise import quiet_noise
+from lcap.progress import Reporter
 from lcap.train.mismatch import Mismatch, check_mismatch, measure_mismatch
 from lcap.train.options import TrainOptions
 from lcap.train.progress import step_progress
@@ -306,8 +308,12 @@ class FittedRound:
 def fit_round(inputs: RoundInputs, out_dir: Path, options: TrainOptions, *, progress: bool = False) -> FittedRound:
     """Train the round in this process (one of `world_size()`); rank 0 saves the adapter or checkpoint in OUT_DIR."""
     quiet_training()
-    p = prepare(inputs, out_dir, options)
-    mismatch = guard_round(p, options)
+    shown = Reporter(f"train {round_name(out_dir)}", show=progress, counted=False, doing="loading the policy")
+    with shown if is_main_process() else nullcontext():  # lines at rank 0 only
+        p = prepare(inputs, out_dir, options)
+        shown.step("measuring the starting policy against the served logprobs (the mismatch guard)")
+        mismatch = guard_round(p, options)
+        shown.doing = "ready: training"
     p.trainer.add_callback(step_progress(f"train {round_name(out_dir)}", show=progress))
     trainer, groups = p.trainer, p.groups
     output, seconds = train_and_save(trainer, out_dir, p.kind)

@@ -39,6 +39,7 @@ from lcap.config import LcapError
 from lcap.dataset import FINISHED, BuildOptions, CollectOptions
 from lcap.display import num, small
 from lcap.loop.demo import calculator, judged, number, roles, tools
+from lcap.loop.demo.control import greedy_summary, run_greedy
 from lcap.loop.demo.number import write_jsonl
 from lcap.loop.demo.task import DemoSettings, DemoTask, demo_dir
 from lcap.loop.options import DEMO_TASKS, LoopOptions
@@ -127,6 +128,7 @@ def run_demo(
         config = judged.judged_config(config)
     try:
         run_loop(store, config, echo=echo)
+        run_greedy(store, config, echo)  # the control: base and last round at temperature 0
     finally:
         if started:
             stop_server()
@@ -243,6 +245,8 @@ def _tell(results: dict, out: Path, store: Store, echo: Callable[[str], None]) -
         f"{results['seconds'] / 60:.1f} min; targets {'PASS' if results['targets']['passed'] else 'FAIL'} "
         f"(python scripts/demo/check_learning.py {out})"
     )
+    if results["greedy"]["rows"]:
+        echo(f"[demo] {results['greedy']['line']}")
     echo(f"[demo] look at every episode, call and round in a browser: lcap ui --db {shlex.quote(str(store.path))}")
     echo(f"[demo] table: {results['summary']}, curve: {results['png']}, figures: {out / 'results.json'}")
     echo(f'[demo] every captured call: lcap sql --db {out / "lcap.duckdb"} "select * from episode_summary"')
@@ -406,6 +410,7 @@ def summarise(
             for r in rows
         ]
     )
+    greedy = greedy_summary(store)
     passed, verdicts = check_targets(list(held_out.values()), pretrained=demo_task(task).model != "tiny")
     png = out / "reward_curve.png"
     _plot(rows, png)
@@ -421,9 +426,12 @@ def summarise(
         "summary": str(out / "summary.md"),
         "targets": {"passed": passed, "checks": verdicts},
         "table": table,
+        "greedy": greedy,
     }
     (out / "summary.md").write_text(
-        f"# lcap demo --task {task}\n\n{table}\n\ntotal {seconds:.0f} s "
+        f"# lcap demo --task {task}\n\n{table}\n\n"
+        + (f"{greedy['markdown']}\n\n" if greedy["rows"] else "")
+        + f"total {seconds:.0f} s "
         f"(model {timings.get('model', 0):.0f} s, vLLM start {timings.get('server', 0):.0f} s, "
         f"loop {timings.get('loop', 0):.0f} s)\n\n"
         + "".join(f"{line}\n" for line in judged.reward_lines(reward, agreement))

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lcap.progress import Reporter
+
 
 @dataclass(frozen=True)
 class Example:
@@ -81,24 +83,27 @@ def warm_start(
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     model.train()
     loss = None
-    for _ in range(max(steps, 0)):
-        pick = torch.randint(0, len(rows), (batch_size,))
-        cache = None
-        if shared:
-            cache = decoder(input_ids=prefix, use_cache=True).cache
-            cache.batch_repeat_interleave(batch_size)
-        hidden = decoder(input_ids=inputs[pick, :-1], cache=cache, use_cache=cache is not None).last_hidden_state
-        w = weights[pick, 1:]
-        where = w > 0  # only the positions that predict a trained token go through the LM head
-        logits = head(hidden[where])
-        per_token = torch.nn.functional.cross_entropy(logits, inputs[pick, 1:][where], reduction="none")
-        step_loss = (per_token * w[where]).sum() / w[where].sum()
-        step_loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        loss = step_loss.item()
+    said = lambda: "" if loss is None else f"loss {loss:.3f}"  # noqa: E731
+    with Reporter("warm start", max(steps, 0), said) as shown:
+        for _ in range(max(steps, 0)):
+            pick = torch.randint(0, len(rows), (batch_size,))
+            cache = None
+            if shared:
+                cache = decoder(input_ids=prefix, use_cache=True).cache
+                cache.batch_repeat_interleave(batch_size)
+            hidden = decoder(input_ids=inputs[pick, :-1], cache=cache, use_cache=cache is not None).last_hidden_state
+            w = weights[pick, 1:]
+            where = w > 0  # only the positions that predict a trained token go through the LM head
+            logits = head(hidden[where])
+            per_token = torch.nn.functional.cross_entropy(logits, inputs[pick, 1:][where], reduction="none")
+            step_loss = (per_token * w[where]).sum() / w[where].sum()
+            step_loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            loss = step_loss.item()
+            shown.advance()
     model.eval()
     model.save_pretrained(model_dir, safe_serialization=True)
     return {"steps": steps, "loss": loss, "examples": len(rows), "batch_size": batch_size, "lr": lr}

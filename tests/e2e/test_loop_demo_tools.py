@@ -3,7 +3,11 @@ run is measured, not tested: docs/benchmarks.md#demo)."""
 
 from __future__ import annotations
 
+import io
+import itertools
 import shutil
+import sys
+import time
 from dataclasses import replace
 
 import pytest
@@ -43,7 +47,12 @@ def test_one_round_of_the_tools_demo_stitches_and_merges(tmp_path, monkeypatch):
         epochs=1,
     )
     lines: list[str] = []
-    results = run_demo(tmp_path / "demo", rounds=1, task="tools", settings=settings, echo=lines.append)
+    stamped = _Stamped()
+    monkeypatch.setattr(sys, "stderr", stamped)  # progress lines (not a terminal), each stamped as it comes
+    monkeypatch.setenv("LCAP_PROGRESS_S", str(BEAT))
+    results = run_demo(
+        tmp_path / "demo", rounds=1, task="tools", settings=settings, echo=lambda line: stamped.said(lines, line)
+    )
     assert [r["round"] for r in results["rounds"]] == [0, 1]
     (trained,) = calls_by_round(Store(tmp_path / "demo" / "lcap.duckdb"))
     assert trained["episodes"] == 12 and trained["calls"] == 3
@@ -56,3 +65,53 @@ def test_one_round_of_the_tools_demo_stitches_and_merges(tmp_path, monkeypatch):
         ).fetchall()
     assert merged > 0 and masked > 0
     assert any("stitched" in line for line in lines)
+    _the_greedy_control_is_lcap_evals(tmp_path / "demo", results, lines)
+    gap, before, after = stamped.longest_gap()
+    assert gap < GAP_MAX, f"{gap:.1f} s with nothing said between {before!r} and {after!r}"
+
+
+BEAT = 1.0  # LCAP_PROGRESS_S in the demo's run: 30 s in use
+GAP_MAX = 30.0  # the longest silence allowed at that beat: the piped bound in use, generous at a 1 s beat
+
+
+class _Stamped(io.StringIO):
+    """stderr (no terminal) that stamps each line it is given, and the demo's echo lines beside them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stamps: list[tuple[float, str]] = []
+
+    def write(self, text: str) -> int:
+        self.stamps += [(time.monotonic(), line) for line in text.splitlines() if line.strip()]
+        return super().write(text)
+
+    def said(self, lines: list[str], line: str) -> None:
+        lines.append(line)
+        self.stamps.append((time.monotonic(), line))
+
+    def longest_gap(self) -> tuple[float, str, str]:
+        pairs = list(itertools.pairwise(self.stamps))
+        (t0, before), (t1, after) = max(pairs, key=lambda p: p[1][0] - p[0][0])
+        return t1 - t0, before, after
+
+
+GREEDY_SQL = """
+SELECT count(*), count(DISTINCT e.task_id), avg(CASE WHEN reward >= 1 THEN 1 ELSE 0 END), avg(coalesce(reward, 0))
+FROM episode_summary e JOIN episodes USING (episode_id)
+WHERE e.split = 'compare' AND episodes.labels->>'eval' = 'demo-greedy' AND episodes.labels->>'deployment' = ?
+"""
+
+
+def _the_greedy_control_is_lcap_evals(out, results: dict, lines: list[str]) -> None:
+    """The summary's greedy rows: the base model and the last round that served, each once per held-out task, with
+    the figures of `lcap eval`'s episodes in the store; in summary.md and the demo's last lines too."""
+    greedy = results["greedy"]["rows"]
+    served = [r["round"] for r in results["rounds"] if r["round"] > 0 and r["deployed"] not in (None, "refused")]
+    assert [r["of_round"] for r in greedy] == [0, *served[-1:]]
+    store = Store(out / "lcap.duckdb")
+    for row in greedy:
+        episodes, tasks, right, mean = store.fetchall(GREEDY_SQL, [row["deployment"]])[0]
+        assert (row["episodes"], row["tasks"], row["k"]) == (episodes, tasks, 1) == (2, 2, 1)  # n_eval tasks, once
+        assert (row["right"], row["mean_reward"]) == pytest.approx((right, mean))
+    assert "| greedy (temperature 0) |" in (out / "summary.md").read_text()
+    assert any(line.startswith("[demo] greedy (temperature 0) right answers: base ") for line in lines)

@@ -143,3 +143,39 @@ def test_a_refused_round_is_not_the_policy_the_run_ends_with(tmp_path):
     passed, lines = check_targets(rows)
     assert passed and all("round 2" not in line for line in lines)  # round 1 serves: its figures are judged
     assert not check_targets([{**r, "promoted": None} for r in rows])[0]  # counted as served, round 2 would fail
+
+
+def test_the_greedy_control_is_read_back_as_lcap_eval_rows(tmp_path):
+    """The summary's greedy rows: `lcap eval`'s figures of each deployment's latest `demo-greedy` collect (an earlier
+    one, or another evaluation's, is not read), named base or by the round deployed, in the order they ran."""
+    from lcap.loop.demo.control import LABEL, greedy_summary
+
+    store = Store(tmp_path / "lcap.duckdb")
+    runs = [("base", "c-old", 1, [0, 0]), ("base", "c-base", 2, [1, 0]), ("policy-r1", "c-r1", 3, [1, 1])]
+    runs += [("policy-r1", "c-other", 4, [0, 0])]  # another evaluation of the same deployment: not the control's
+    for deployment, run, n, rewards in runs:
+        label = LABEL if run != "c-other" else "eval-by-hand"
+        for i, reward in enumerate(rewards):
+            episode = f"{run}-{i}"
+            labels = {"round": str(n), "split": "compare", "collect": run, "task": f"t{i}"}
+            store.start_episode(
+                episode, command="agent", cwd=None, labels={**labels, "eval": label, "deployment": deployment}
+            )
+            store.end_episode(episode, status="ok", exit_code=0)
+            store.append(
+                "rewards", [{"episode_id": episode, "value": float(reward), "details": "{}", "created_at": now()}]
+            )
+    store.append(
+        "deployments",
+        [
+            {"name": "base", "path": "m", "base_model": "m", "kind": "base", "round": None, "created_at": now()},
+            {"name": "policy-r1", "path": "a", "base_model": "m", "kind": "lora", "round": 1, "created_at": now()},
+        ],
+    )
+    control = greedy_summary(store)
+    assert [(r["deployment"], r["collect_run"], r["of_round"], r["episodes"], r["right"]) for r in control["rows"]] == [
+        ("base", "c-base", 0, 2, 0.5),
+        ("policy-r1", "c-r1", 1, 2, 1.0),
+    ]
+    assert control["line"] == "greedy (temperature 0) right answers: base 0.50 -> round 1 1.00"
+    assert "| base | base | 2 | 0.500 |" in control["markdown"]

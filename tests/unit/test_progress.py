@@ -5,9 +5,11 @@ from __future__ import annotations
 import io
 import time
 
+import pytest
 from rich.console import Console
 
-from lcap.progress import Reporter
+from lcap.config import LcapError
+from lcap.progress import HEARTBEAT_S, INTERVAL_VARIABLE, Reporter
 
 
 def _console(terminal: bool) -> tuple[Console, io.StringIO]:
@@ -47,3 +49,37 @@ def test_a_total_unknown_counts_what_is_done():
     with Reporter("export", None, console=console, heartbeat=10) as shown:
         shown.advance(7)
     assert out.getvalue().splitlines() == ["export: 0 (0:00)", "export: 7 (0:00)"]
+
+
+def test_a_wait_has_words_and_time_and_each_step_is_a_line_at_once():
+    """`counted=False` (a deploy, vLLM's start, an install): no count; `step` says the next phase at once."""
+    console, out = _console(terminal=False)
+    with Reporter("deploy", console=console, heartbeat=10, counted=False, doing="/run/round-1/adapter") as shown:
+        shown.step("hot-loading the adapter")
+        shown.doing = "round-1 is current"
+    assert out.getvalue().splitlines() == [
+        "deploy: /run/round-1/adapter (0:00)",
+        "deploy: hot-loading the adapter (0:00)",
+        "deploy: round-1 is current (0:00)",
+    ]
+
+
+def test_a_step_before_the_start_prints_nothing_and_a_wait_at_a_terminal_spins():
+    console, out = _console(terminal=True)
+    shown = Reporter("setup", console=console, heartbeat=0.05, counted=False)
+    shown.step("checking")  # not started: the start's line (here the spinner) says it
+    assert out.getvalue() == ""
+    with shown:
+        time.sleep(0.12)
+    assert "checking" in out.getvalue() and "setup: checking (" not in out.getvalue()
+
+
+def test_the_interval_comes_from_lcap_progress_s_within_bounds(monkeypatch):
+    monkeypatch.delenv(INTERVAL_VARIABLE, raising=False)
+    assert Reporter("x").heartbeat == HEARTBEAT_S == 30
+    monkeypatch.setenv(INTERVAL_VARIABLE, "0.5")
+    assert Reporter("x").heartbeat == 0.5 and Reporter("x", heartbeat=2).heartbeat == 2
+    for bad in ("0", "-1", "31", "soon"):
+        monkeypatch.setenv(INTERVAL_VARIABLE, bad)
+        with pytest.raises(LcapError, match=f"{INTERVAL_VARIABLE}={bad}: give seconds"):
+            Reporter("x")
