@@ -78,14 +78,18 @@ def deploy_policy(
     path = Path(path).expanduser().resolve()
     if not path.exists():
         raise LcapError(f"{path} does not exist: deploy a round's adapter or checkpoint (RUN/round-N/adapter)")
+    lora = (path / "adapter_config.json").is_file()
+    if not lora and not (path / "config.json").is_file():
+        raise LcapError(f"{path} is neither a LoRA adapter (adapter_config.json) nor a checkpoint (config.json)")
+    running_policy()  # a refusal is its one line, before any progress is shown
     with policy_lock(), Reporter("deploy", counted=False, doing=str(path)) as shown:
         record = running_policy()
-        if (path / "adapter_config.json").is_file():
+        if lora:
             kind = "lora"
             name = name or _unique_name(path, round)
             shown.step(f"hot-loading the adapter {path} as {name} into {_replicas(record)}")
             record = _load_lora(record, path, name)
-        elif (path / "config.json").is_file():
+        else:
             kind = "full"
             _check_single_role(record, path)
             name = name or _unique_name(path, round)
@@ -101,8 +105,6 @@ def deploy_policy(
                     log.warning("lcap: deploying %s by restarting vLLM: %s", path, why)
                 shown.step(f"restarting {_replicas(record)} on {path} as {name}, one at a time, each drained first")
                 record = _roll(read_policy() or record, path, name, drain_timeout)
-        else:
-            raise LcapError(f"{path} is neither a LoRA adapter (adapter_config.json) nor a checkpoint (config.json)")
         shown.doing = f"{name} is current"
     if store is not None:
         record_deployment(store, record, name, str(path), kind, round)
@@ -167,6 +169,7 @@ def deploy_roles(
                 "adapter (full fine-tuning stays single-role: deploy a checkpoint without --role)"
             )
     names = {role: name or _unique_name(path, round, role) for role, path in adapters.items()}
+    running_policy()  # a refusal is its one line, before any progress is shown
     with policy_lock(), Reporter("deploy", counted=False) as shown:
         record = running_policy()
         said = ", ".join(f"{role} {names[role]}" for role in adapters)
