@@ -53,7 +53,7 @@ def test_deploy_lora_hot_loads_it_as_the_current_policy(vllm_policy, tiny_lora, 
         app, ["deploy", str(tiny_lora), "--name", "policy-cli", "--round", "1", "--db", str(tmp_path / "lcap.duckdb")]
     )
     assert result.exit_code == 0, result.output
-    assert result.output.strip() == "policy-cli" and read_policy().current == "policy-cli"
+    assert result.stdout.strip() == "policy-cli" and read_policy().current == "policy-cli"
     assert completion_ids(vllm_policy.url, "policy-cli") == completion_ids(vllm_policy.url, name)
     assert store.fetchall("SELECT name, path, base_model, kind, round FROM deployments ORDER BY created_at") == [
         (name, str(tiny_lora.resolve()), str(vllm_policy.model_dir.resolve()), "lora", 1),

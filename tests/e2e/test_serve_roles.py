@@ -93,7 +93,7 @@ def test_each_roles_calls_land_on_its_adapter_and_a_role_rolls_back_alone(vllm_p
 
     result = CliRunner().invoke(app, ["deploy", "--rollback", "--role", "planner", "--db", str(db)])
     assert result.exit_code == 0, result.output
-    assert result.output.strip() == f"{first['planner']} (rolled back from {second['planner']})"
+    assert result.stdout.strip() == f"{first['planner']} (rolled back from {second['planner']})"
     assert read_policy().role_deployments() == {"default": base, "planner": first["planner"], "solver": first["solver"]}
     run_episode("e2")
     assert [d for _, d, _ in _served(turns(db, "episode_id = 'e2'"))] == [first["planner"], first["solver"], base]
