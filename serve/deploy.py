@@ -78,10 +78,10 @@ def deploy_policy(
     path = Path(path).expanduser().resolve()
     if not path.exists():
         raise LcapError(f"{path} does not exist: deploy a round's adapter or checkpoint (RUN/round-N/adapter)")
+    running_policy()  # a refusal is its one line, before any progress is shown
     lora = (path / "adapter_config.json").is_file()
     if not lora and not (path / "config.json").is_file():
         raise LcapError(f"{path} is neither a LoRA adapter (adapter_config.json) nor a checkpoint (config.json)")
-    running_policy()  # a refusal is its one line, before any progress is shown
     with policy_lock(), Reporter("deploy", counted=False, doing=str(path)) as shown:
         record = running_policy()
         if lora:
