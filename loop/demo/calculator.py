@@ -18,10 +18,9 @@ questions are met once each; the held-out ones are other pairs.
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
-from lcap.loop.demo.task import DemoTask, bundled_agent, load_script, script_command
+from lcap.loop.demo.task import DemoTask, bundled_agent, load_script, pair_tasks, script_command
 
 QUESTION = "What is {a} * {b}?"
 LOW, HIGH = 12, 99  # the factors: two digits, past what the model multiplies by heart
@@ -38,20 +37,18 @@ def agent_command() -> list[str]:
 
 
 def make_tasks(words: list[str], *, n_train: int, n_eval: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """Distinct factor pairs (either order counts as one), none of the agent's worked examples, none both a
-    training and a held-out task. `words` is the tiny tasks' word list, unused here."""
-    rng = random.Random(seed)
+    """Distinct factor pairs, none of the agent's worked examples (`pair_tasks`). `words` is the tiny tasks' word
+    list, unused here."""
     seen = {tuple(sorted(p)) for p in load_script(agent_path(), "lcap_demo_calculator_agent").EXAMPLES}
-    tasks: list[dict] = []
-    while len(tasks) < n_train + n_eval:
-        a, b = rng.randint(LOW, HIGH), rng.randint(LOW, HIGH)
-        if tuple(sorted((a, b))) in seen:
-            continue
-        seen.add(tuple(sorted((a, b))))
-        tasks.append({"question": QUESTION.format(a=a, b=b), "answer": str(a * b)})
-    train = [{"id": f"train-{i}", **t} for i, t in enumerate(tasks[:n_train])]
-    held = [{"id": f"heldout-{i}", **t} for i, t in enumerate(tasks[n_train:])]
-    return train, held
+    return pair_tasks(
+        seen,
+        lambda rng, a, b: {"question": QUESTION.format(a=a, b=b), "answer": str(a * b)},
+        n_train=n_train,
+        n_eval=n_eval,
+        seed=seed,
+        low=LOW,
+        high=HIGH,
+    )
 
 
 TASK = DemoTask(

@@ -17,11 +17,10 @@ episode's right answers, which its bar (the gain over the base) is measured on.
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 from lcap.dataset import FINISHED
-from lcap.loop.demo.task import DemoTask, bundled_agent, load_script, script_command
+from lcap.loop.demo.task import DemoTask, bundled_agent, load_script, pair_tasks, script_command
 
 # The problems: a product of two two-digit numbers told in words (the planner's job is to see the product).
 PROBLEMS = (
@@ -62,20 +61,18 @@ def agent_command() -> list[str]:
 
 
 def make_tasks(words: list[str], *, n_train: int, n_eval: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """Distinct number pairs (either order counts as one), none of the agent's worked examples', none both a training
-    and a held-out task, each told by one of the problems. `words` is the tiny tasks' word list, unused here."""
-    rng = random.Random(seed)
+    """Distinct number pairs, none of the agent's worked examples' (`pair_tasks`), each told by one of the problems.
+    `words` is the tiny tasks' word list, unused here."""
     seen = {tuple(sorted(p)) for p in load_script(agent_path(), "lcap_demo_planner_solver_agent").SOLVES}
-    tasks: list[dict] = []
-    while len(tasks) < n_train + n_eval:
-        a, b = rng.randint(LOW, HIGH), rng.randint(LOW, HIGH)
-        if tuple(sorted((a, b))) in seen:
-            continue
-        seen.add(tuple(sorted((a, b))))
-        tasks.append({"problem": rng.choice(PROBLEMS).format(a=a, b=b), "answer": str(a * b)})
-    train = [{"id": f"train-{i}", **t} for i, t in enumerate(tasks[:n_train])]
-    held = [{"id": f"heldout-{i}", **t} for i, t in enumerate(tasks[n_train:])]
-    return train, held
+    return pair_tasks(
+        seen,
+        lambda rng, a, b: {"problem": rng.choice(PROBLEMS).format(a=a, b=b), "answer": str(a * b)},
+        n_train=n_train,
+        n_eval=n_eval,
+        seed=seed,
+        low=LOW,
+        high=HIGH,
+    )
 
 
 def report(store) -> dict:

@@ -7,6 +7,8 @@ Each task's module (number.py, tools.py) makes its `DemoTask`; runner.py runs wh
 from __future__ import annotations
 
 import importlib.util
+import itertools
+import random
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -116,6 +118,35 @@ def load_script(path: Path, name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def pair_tasks(
+    seen: set[tuple[int, int]],
+    task: Callable[[random.Random, int, int], dict],
+    *,
+    n_train: int,
+    n_eval: int,
+    seed: int,
+    low: int,
+    high: int,
+) -> tuple[list[dict], list[dict]]:
+    """Training and held-out tasks over distinct number pairs in [low, high] (either order counts as one), none of
+    `seen` (the agent's worked examples), none both a training and a held-out task; `task(rng, a, b)` writes each,
+    drawing from the same generator after its pair."""
+    rng = random.Random(seed)
+    seen = set(seen)
+
+    def pairs():
+        while True:
+            a, b = rng.randint(low, high), rng.randint(low, high)
+            if tuple(sorted((a, b))) not in seen:
+                seen.add(tuple(sorted((a, b))))
+                yield a, b
+
+    tasks = [task(rng, a, b) for a, b in itertools.islice(pairs(), n_train + n_eval)]
+    train = [{"id": f"train-{i}", **t} for i, t in enumerate(tasks[:n_train])]
+    held = [{"id": f"heldout-{i}", **t} for i, t in enumerate(tasks[n_train:])]
+    return train, held
 
 
 def words() -> list[str]:

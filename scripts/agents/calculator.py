@@ -81,6 +81,11 @@ def main() -> None:
     for n, (a, b) in enumerate(EXAMPLES):
         messages += worked_example(a, b, n)
     messages.append({"role": "user", "content": args.question})
+    print(tool_loop(client, messages, args))
+
+
+def tool_loop(client: OpenAI, messages: list[dict], args: argparse.Namespace) -> str:
+    """Ask the model (--turns calls at most), running each calculator call it makes: its last reply's text."""
     answer = ""
     for _ in range(args.turns):
         response = client.chat.completions.create(
@@ -100,7 +105,7 @@ def main() -> None:
                 calculate(expression) if call.function.name == "calculator" else f"error: no tool {call.function.name}"
             )
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-    print(answer)
+    return answer
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ prompts (`--role-by 'system:^You are the planner=planner'`).
 
 import argparse
 import importlib.util
-import json
 import os
 import re
 from pathlib import Path
@@ -30,7 +29,7 @@ def _calculator_agent():
 
 
 _calc = _calculator_agent()
-TOOLS, calculate, worked_example = _calc.TOOLS, _calc.calculate, _calc.worked_example
+tool_loop, worked_example = _calc.tool_loop, _calc.worked_example
 
 PLANNER = (
     "You are the planner. Read the word problem and write the arithmetic expression that answers it, "
@@ -70,24 +69,7 @@ def solve(client: OpenAI, expression: str, args: argparse.Namespace) -> str:
     for n, (a, b) in enumerate(SOLVES):
         messages += worked_example(a, b, n)
     messages.append({"role": "user", "content": f"What is {expression}?"})
-    answer = ""
-    for _ in range(args.turns):
-        response = client.chat.completions.create(
-            model=args.model, messages=messages, tools=TOOLS, max_tokens=args.max_tokens, temperature=args.temperature
-        )
-        message = response.choices[0].message
-        answer = message.content or ""
-        if not message.tool_calls:
-            break
-        messages.append(message.model_dump(include={"role", "content", "tool_calls"}))
-        for call in message.tool_calls:
-            try:
-                expr = str(json.loads(call.function.arguments).get("expression", ""))
-            except (json.JSONDecodeError, AttributeError):
-                expr = ""
-            result = calculate(expr) if call.function.name == "calculator" else f"error: no tool {call.function.name}"
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-    return answer
+    return tool_loop(client, messages, args)
 
 
 def main() -> None:
