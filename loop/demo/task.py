@@ -139,8 +139,9 @@ def pair_tasks(
     def pairs():
         while True:
             a, b = rng.randint(low, high), rng.randint(low, high)
-            if tuple(sorted((a, b))) not in seen:
-                seen.add(tuple(sorted((a, b))))
+            pair = (min(a, b), max(a, b))
+            if pair not in seen:
+                seen.add(pair)
                 yield a, b
 
     tasks = [task(rng, a, b) for a, b in itertools.islice(pairs(), n_train + n_eval)]
