@@ -8,6 +8,13 @@ their rows so that a whole batch costs one attach. DuckDB's lock is no queue, so
 in first (`_Waiters`): else a writer with a backlog, attaching again the instant it detaches, would
 keep a collect's driver or `lcap sql` waiting for seconds.
 
+DuckDB's lock alone does not keep two processes' units of work apart: an attach reads the file's headers before
+it takes the lock, and never again after. An attach that read them while another process was checkpointing, and
+took the lock once that process let go, would work from the headers that checkpoint replaced: its own checkpoint
+would then reuse the blocks the other process had just written (their rows gone, with nothing said) and write its
+header over the other's. So lcap holds a lock of its own (`_Guard`, a flock on STORE.lock) from before DuckDB
+opens the file until it has closed it: exclusive for a write, shared for reads, as DuckDB's.
+
 The file is attached to one in-memory DuckDB per file and process, kept for the process's life:
 starting a DuckDB instance per unit of work costs far more CPU (it builds its catalog of built-in
 functions) than attaching and detaching the file (benchmarks/bench_store.py measures both); a
@@ -26,7 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import duckdb
 
@@ -39,7 +46,6 @@ from lcap.schema import MIGRATIONS, PROMOTED_LABELS, SCHEMA_VERSION, TABLES, VIE
 _LOCKED = ("Could not set lock", "Conflicting lock", "database is locked")
 RETRY_MAX_S = 0.025  # the longest pause between two attempts at a locked file
 LET_IN_S = 2.0  # the longest a process about to attach lets those already waiting attach first
-T = TypeVar("T")
 
 
 def now() -> datetime:
@@ -57,6 +63,7 @@ class _Instance:
         self.lock = threading.RLock()
         self.depth = 0  # nested units of work share one attach
         self.read_only = False
+        self.guard: _Guard | None = None  # held while the file is attached
         # A checkpoint deletes the WAL and the next write makes a new one with the umask's mode: the store checkpoints
         # when a unit of work ends (DETACH), where the WAL goes, never within one (lcap.private_files).
         self.con.execute(f"SET checkpoint_threshold = '{_NO_AUTOMATIC_CHECKPOINT}'")
@@ -89,7 +96,7 @@ class Store:
         inst = _instance(self.path)
         with inst.lock:
             if inst.depth == 0:
-                self._attach(inst.con, read_only)
+                inst.guard = self._attach(inst.con, read_only)
                 inst.read_only = read_only
             elif inst.read_only and not read_only:
                 raise LcapError(f"store {self.path}: a write inside a read-only unit of work")
@@ -101,11 +108,17 @@ class Store:
             finally:
                 inst.depth -= 1
                 if inst.depth == 0:
-                    if not inst.read_only:
-                        self._drop_unused_wal()
-                    _detach(inst.con)
+                    try:
+                        if not inst.read_only:
+                            self._drop_unused_wal()
+                        _detach(inst.con)
+                    finally:
+                        if inst.guard is not None:
+                            inst.guard.release()  # after the detach: DuckDB has closed the file
+                            inst.guard = None
 
-    def _attach(self, con: duckdb.DuckDBPyConnection, read_only: bool) -> None:
+    def _attach(self, con: duckdb.DuckDBPyConnection, read_only: bool) -> _Guard:
+        """Attach the file as `lcap_store` and use it; returns the guard held until it is detached."""
         if read_only and not self.path.exists():
             raise LcapError(f"no store at {self.path} (run `lcap proxy` first, or pass --db)")
         if not read_only and not self.path.exists():
@@ -116,9 +129,15 @@ class Store:
             con.execute(f"ATTACH {_sql_string(str(self.path))} AS {_ALIAS}{mode}")
             con.execute(f"USE {_ALIAS}")
 
-        self._while_locked(attach)
+        guard = self._while_locked(attach, exclusive=not read_only)
         if not read_only:
-            self._private_wal()
+            try:
+                self._private_wal()
+            except BaseException:
+                _detach(con)
+                guard.release()
+                raise
+        return guard
 
     def _create(self, con: duckdb.DuckDBPyConnection) -> None:
         """A new, empty store file of mode 0600 (lcap.private_files)."""
@@ -151,27 +170,34 @@ class Store:
     def _wal(self) -> Path:
         return self.path.with_name(self.path.name + ".wal")
 
-    def _while_locked(self, open_it: Callable[[], T]) -> T:
-        """`open_it()`, after any process already waiting for the file, and retried while another process holds
-        it (up to `timeout`)."""
+    def _while_locked(self, open_it: Callable[[], Any], *, exclusive: bool) -> _Guard:
+        """`open_it()` (which opens the file in DuckDB) under the store's guard, taken `exclusive` or shared, after
+        any process already waiting for the file, and retried while another process holds either (up to `timeout`).
+        Returns the guard, to release once DuckDB has closed the file."""
         deadline = time.monotonic() + self.timeout
         waiters = _Waiters(self.path)
         waiters.let_in()
+        guard = _Guard(self.path)
         delay = 0.005
         try:
             while True:
-                try:
-                    return open_it()
-                except duckdb.Error as exc:
-                    if not any(marker in str(exc) for marker in _LOCKED):
-                        raise LcapError(f"cannot open store {self.path}: {exc}") from exc
-                    if time.monotonic() > deadline:
-                        raise LcapError(
-                            f"store {self.path} stayed locked by another process for {self.timeout:.0f}s"
-                        ) from exc
-                    waiters.join()
-                    time.sleep(delay)
-                    delay = min(delay * 2, RETRY_MAX_S)
+                if guard.take(exclusive):
+                    try:
+                        open_it()
+                        return guard
+                    except duckdb.Error as exc:
+                        guard.release()
+                        if not any(marker in str(exc) for marker in _LOCKED):
+                            raise LcapError(f"cannot open store {self.path}: {exc}") from exc
+                        # held by a process that does not take the guard (the duckdb CLI, say)
+                    except BaseException:
+                        guard.release()
+                        raise
+                if time.monotonic() > deadline:
+                    raise LcapError(f"store {self.path} stayed locked by another process for {self.timeout:.0f}s")
+                waiters.join()
+                time.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_S)
         finally:
             waiters.leave()
 
@@ -189,7 +215,12 @@ class Store:
         elif not self.path.exists():
             raise LcapError(f"no store at {self.path} (run `lcap proxy` first, or pass --db)")
         with ExitStack() as stack:
-            con = self._while_locked(lambda: duckdb.connect(str(self.path), read_only=not write))
+            opened: list[duckdb.DuckDBPyConnection] = []
+            guard = self._while_locked(
+                lambda: opened.append(duckdb.connect(str(self.path), read_only=not write)), exclusive=write
+            )
+            stack.callback(guard.release)  # last: once the connection is closed
+            con = opened[0]
             stack.callback(con.close)
             if write:
                 self._private_wal()
@@ -335,6 +366,38 @@ def _one_row(con: duckdb.DuckDBPyConnection) -> tuple[Any, ...]:
 
 def _sql_string(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
+
+
+class _Guard:
+    """lcap's lock on a store file, through a lock file beside it (STORE.lock): held from before DuckDB opens the
+    file until it has closed it (the module's docstring says why DuckDB's own lock is not enough), exclusive for a
+    write, shared for reads. A flock, owned by its open file: the threads of one process exclude each other too,
+    and the probe DuckDB opens and closes before locking releases nothing of it. Where the lock file can be neither
+    made nor opened (a read-only folder, where no process can write the store either), DuckDB's lock is all."""
+
+    def __init__(self, store: Path) -> None:
+        self.path = store.with_name(store.name + ".lock")
+        self.fd: int | None = None
+
+    def take(self, exclusive: bool) -> bool:
+        """Whether the guard is held now (one try; True without a lock file)."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError:
+            try:
+                fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return True
+        if flock_within(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, 0):
+            self.fd = fd
+            return True
+        os.close(fd)
+        return False
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # (and its lock with it)
+            self.fd = None
 
 
 class _Waiters:

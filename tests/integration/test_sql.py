@@ -60,7 +60,8 @@ def test_sql_cannot_change_the_store_or_touch_the_file_system(tmp_path):
             else:
                 raise AssertionError(f"{sql!r} (write={write}) ran: {harm}")
             assert store.fetchall("SELECT count(*) FROM rewards") == [(1,)], f"{sql!r}: {harm}"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ca-key.pem", "lcap.duckdb"]  # nothing written
+    # nothing written (the store's lock file is lcap's: tests/unit/test_capture_secrets.py)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ca-key.pem", "lcap.duckdb", "lcap.duckdb.lock"]
     for sql in ("DELETE FROM rewards", f"COPY rewards TO '{tmp_path}/out.csv'", f"SELECT * FROM read_text('{secret}')"):
         result = lcap_sql(db, sql)
         assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, sql

@@ -49,7 +49,10 @@ def test_the_store_and_its_wal_are_created_private(tmp_path, umask_lets_others_r
     with store.user_sql(write=True) as con:
         con.execute("SELECT count(*) FROM rewards").fetchall()
     assert process_umask() == before
-    assert sorted(p.name for p in db.parent.iterdir()) == ["lcap.duckdb"]  # no staging folder or unused WAL left
+    # no staging folder or unused WAL left; the lock file stays (removing it would split the lock), private and empty
+    assert sorted(p.name for p in db.parent.iterdir()) == ["lcap.duckdb", "lcap.duckdb.lock"]
+    lock = db.with_name(db.name + ".lock")
+    assert is_private(lock) and lock.stat().st_size == 0
 
 
 def test_the_wal_stays_private_past_duckdbs_automatic_checkpoint(tmp_path, umask_lets_others_read):
