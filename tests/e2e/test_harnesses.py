@@ -6,8 +6,9 @@ scripts/harnesses/versions, run through its adapter in scripts/harnesses/ exactl
 The harnesses share one round, as a platform team would run several: a tasks file with one task per harness
 (the task's `harness` field picks the adapter through scripts/harnesses/run.sh), and in a network namespace
 with no route out (scripts/harnesses/offline.py: only the policy server's port is bridged in) one
-`lcap loop --rounds 1` collects two episodes of each on the tiny policy (vLLM CPU, the session's server),
-builds the dataset, trains one LoRA round on every harness's samples and deploys it; then one `lcap collect`
+`lcap loop --rounds 1` collects one episode of each (`--advantage batch`: the matrix checks lcap's pipeline, not
+learning) on the tiny policy (vLLM CPU, the session's server), builds the dataset, trains one LoRA round on every
+harness's samples and deploys it; then one `lcap collect`
 runs one more episode of each, which the new deployment must serve. Each check is parametrised per harness
 and reads that harness's rows (its task id) from the shared store. The tiny random model cannot do any task:
 a harness failing its task is fine, lcap failing is not. Collect runs with `--verify-failed`: a harness that
@@ -158,7 +159,7 @@ def install(names: list[str], directory: Path | None = None, python: str | None 
 
 @pytest.fixture(scope="module")
 def matrix(vllm_server, tmp_path_factory) -> Iterator[Matrix]:
-    """The selected harnesses through one `lcap loop --rounds 1` (two episodes each, build, train, deploy), then
+    """The selected harnesses through one `lcap loop --rounds 1` (one episode each, build, train, deploy), then
     one `lcap collect` of one episode each."""
     if not can_unshare():
         pytest.skip("no network namespace here (unshare --net): the harnesses must not reach the internet")
@@ -191,7 +192,7 @@ def matrix(vllm_server, tmp_path_factory) -> Iterator[Matrix]:
     agent = ["--", str(HARNESSES / "run.sh"), "{harness}", "{prompt}"]
     common = ["--db", str(run.db), "--tasks", str(work / "tasks.jsonl"), "--timeout", str(EPISODE_TIMEOUT)]
     common += ["--verifier", f"{work / 'verify.py'}:verify", "--verify-failed", "--concurrency", str(CONCURRENCY)]
-    waves = -(-2 * len(running) // CONCURRENCY)  # rounds of episodes the first collect needs, at worst
+    waves = -(-len(running) // CONCURRENCY)  # rounds of episodes the first collect needs, at worst
     vllm_server.use_base()
 
     def lcap(name: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -206,11 +207,12 @@ def matrix(vllm_server, tmp_path_factory) -> Iterator[Matrix]:
 
     phases: dict[str, float] = {}
     try:
-        # --truncated keep: the tiny model rarely stops, and masking its cut answers could leave no token to train
+        # --truncated keep: the tiny model rarely stops, and masking its cut answers could leave no token to train.
+        # One episode per task: --advantage batch (a baseline over every harness's episode) gives it an advantage.
         run.loop = lcap(
             "loop",
-            ["loop", "--run", str(run.run_dir), "--rounds", "1", *common, "--group-size", "2", "--keep-zero-variance"]
-            + ["--truncated", "keep", "--report-to", "none"],
+            ["loop", "--run", str(run.run_dir), "--rounds", "1", *common, "--group-size", "1", "--advantage", "batch"]
+            + ["--keep-zero-variance", "--truncated", "keep", "--report-to", "none"],
             waves * EPISODE_TIMEOUT + 1800,
         )
         state = run.run_dir / "state.json"
@@ -240,14 +242,14 @@ def harness(request, matrix: Matrix) -> Harness:
 
 
 def test_pipeline_completes(matrix: Matrix, harness: Harness, request):
-    """Collect (two episodes, turns captured), build-dataset, one train round and deploy all complete."""
+    """Collect (an episode, its turns captured), build-dataset, one train round and deploy all complete."""
     _pending(request, harness, "pipeline")
     assert matrix.loop is not None and matrix.loop.returncode == 0, matrix.why()
     store = matrix.store()
     episodes = store.fetchall(
         "SELECT episode_id, status FROM episodes WHERE round = 1 AND split = 'train' AND task_id = ?", [harness.name]
     )
-    assert len(episodes) == 2, episodes
+    assert len(episodes) == 1, episodes
     turns = store.fetchall(
         "SELECT t.episode_id, t.dialect, t.status_code, t.error FROM turns t JOIN episodes e USING (episode_id) "
         "WHERE e.round = 1 AND e.task_id = ? ORDER BY t.episode_id, t.seq",
