@@ -144,6 +144,13 @@ class DeployOptions:
         flag="--restart",
         help="Restart vLLM on a full checkpoint even when it could reload it in place (same config and tokenizer).",
     )
+    merge: bool = option(
+        False,
+        flag="--merge",
+        help="Merge the LoRA adapter into its base weights (written beside it, ADAPTER-merged) and deploy them as a "
+        "full checkpoint, reloaded in place: decodes at the base's speed, where a hot-loaded adapter slows every "
+        "call (a small model on a CPU). Not while roles have adapters of their own.",
+    )
     rollback: bool = option(
         False,
         flag="--rollback",

@@ -1,0 +1,112 @@
+"""`lcap deploy --merge`'s merge (serve/merge.py) and its refusals: the merged checkpoint scores as the adapter on its
+base does, it is written whole and reused, and every deploy that could serve other weights than the ones named is
+refused in one line before anything changes. (The deploy itself, on the real vLLM server: e2e/test_serve_merge.py.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from fixtures_vllm import make_lora
+from typer.testing import CliRunner
+
+from lcap.cli import app
+from lcap.config import LcapError
+from lcap.policy import PolicyServer, read_policy, write_policy
+from lcap.serve.merge import MARKER, merge_adapter, merged_path, root_base
+from lcap.serve.same_model import difference
+
+
+def _record(base: Path | str, roles: dict[str, str] | None = None) -> PolicyServer:
+    return PolicyServer("http://127.0.0.1:8123", None, str(base), "m", "m", "", "py", "", roles=roles or {})
+
+
+@pytest.fixture(scope="module")
+def tiny_train_model(tmp_path_factory) -> Path:
+    """A random two-layer Qwen2 model (no tokenizer to train: the merge never reads one), with a tokenizer setting
+    the merge must copy."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    out = tmp_path_factory.mktemp("merge-model") / "tiny"
+    Qwen2ForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    return out
+
+
+@pytest.fixture
+def adapter(tiny_train_model, tmp_path) -> Path:
+    return make_lora(tiny_train_model, tmp_path / "round-1" / "adapter", seed=3, rank=4)
+
+
+def test_the_merge_scores_as_the_adapter_on_its_base_and_reloads_in_place(tiny_train_model, adapter, tmp_path):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = merge_adapter(adapter, str(tiny_train_model))
+    assert out == merged_path(adapter) == adapter.parent / "adapter-merged"
+    assert [p.name for p in adapter.parent.iterdir() if p.name.startswith(".")] == []  # no temporary folder left
+    assert json.loads((out / MARKER).read_text())["base"] == str(tiny_train_model)
+    assert root_base(str(out)) == str(tiny_train_model) and root_base(str(tiny_train_model)) == str(tiny_train_model)
+    assert difference(out, tiny_train_model, tiny_train_model) is None  # only the weights' values changed
+
+    ids = torch.tensor([[1, 5, 9, 14, 3, 7]])
+    base = AutoModelForCausalLM.from_pretrained(tiny_train_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        plain = base(ids).logits
+        peft = PeftModel.from_pretrained(base, str(adapter)).eval()(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(ids).logits
+    assert torch.allclose(merged, peft, atol=1e-4) and not torch.allclose(merged, plain, atol=1e-2)
+
+    weights = out / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert merge_adapter(adapter, str(tiny_train_model)) == out and weights.stat().st_mtime_ns == stamp  # reused
+    make_lora(tiny_train_model, adapter, seed=4, rank=4)  # retrained: merged again, in place of the old merge
+    merge_adapter(adapter, str(tiny_train_model))
+    assert weights.stat().st_mtime_ns != stamp
+    assert sorted(p.name for p in adapter.parent.iterdir()) == ["adapter", "adapter-merged"]
+    assert (out / "tokenizer_config.json").read_text() == (tiny_train_model / "tokenizer_config.json").read_text()
+
+
+def test_a_merged_deploy_is_refused_in_one_line_where_it_would_serve_other_weights(
+    record_env, tiny_train_model, adapter, tmp_path
+):
+    from lcap.serve.deploy import deploy_policy
+
+    write_policy(_record(tiny_train_model, roles={"planner": "lora-a"}))
+    with pytest.raises(LcapError, match=r"roles planner have adapters of their own: one merged weight set cannot"):
+        deploy_policy(adapter, merge=True)
+
+    write_policy(_record(tmp_path / "another-base"))
+    with pytest.raises(LcapError, match=rf"trained on {tiny_train_model}, but the policy server serves .*another-base"):
+        deploy_policy(adapter, merge=True)
+
+    write_policy(_record(tiny_train_model))
+    with pytest.raises(LcapError, match=r"is not a LoRA adapter .*--merge merges an adapter"):
+        deploy_policy(tiny_train_model, merge=True)
+
+    # A server running a merge: the adapter's base is the merge's base; a hot-loaded adapter would sit on the merge.
+    merged = merge_adapter(adapter, str(tiny_train_model))
+    write_policy(_record(merged))
+    with pytest.raises(LcapError, match=r"runs merged weights .*deploy it with --merge"):
+        deploy_policy(adapter)
+    assert read_policy() == _record(merged)  # nothing changed
+
+    for args, why in (
+        (["--merge", "--role", "planner", str(adapter)], "--merge deploys one weight set for every role"),
+        (["--merge", "--rollback"], "--rollback restores a deployment as it was deployed"),
+    ):
+        result = CliRunner().invoke(app, ["deploy", *args, "--db", str(tmp_path / "lcap.duckdb")])
+        assert result.exit_code == 2 and why in result.output, result.output
