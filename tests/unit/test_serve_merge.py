@@ -4,6 +4,7 @@ refused in one line before anything changes. (The deploy itself, on the real vLL
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -110,3 +111,45 @@ def test_a_merged_deploy_is_refused_in_one_line_where_it_would_serve_other_weigh
     ):
         result = CliRunner().invoke(app, ["deploy", *args, "--db", str(tmp_path / "lcap.duckdb")])
         assert result.exit_code == 2 and why in result.output, result.output
+
+
+def test_loop_deploy_merge_deploys_each_round_merged_before_its_held_out_run(tmp_path, record_env, monkeypatch):
+    from lcap.dataset.options import CollectOptions
+    from lcap.loop import rounds, steps
+    from lcap.loop.options import LoopOptions
+    from lcap.loop.steps import LoopConfig, LoopState
+    from lcap.train.options import TrainOptions
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"id": "t0"}\n')
+    merged = LoopConfig(
+        run=tmp_path / "run",
+        rounds=1,
+        tasks=tasks,
+        command=["agent"],
+        collect=CollectOptions(group_size=2),
+        eval_tasks=tasks,
+        options=LoopOptions(deploy_merge=True),
+    )
+    assert not rounds.gated(merged) and rounds.gated(dataclasses.replace(merged, options=LoopOptions()))
+    for bad in ({"overlap": True}, {"live": True}, {"per_role": True}):
+        with pytest.raises(LcapError, match=r"^--deploy-merge deploys a synchronous round's one adapter"):
+            LoopOptions(deploy_merge=True, **bad)
+    with pytest.raises(LcapError, match=r"^--deploy-merge merges a round's LoRA adapter"):
+        dataclasses.replace(merged, train=TrainOptions(full=True))
+
+    deployed: list[tuple] = []  # deploy_policy merges and reloads in vLLM: the real one runs in the e2e test
+
+    def fake(path, *, name=None, round=None, store=None, merge=False) -> str:
+        deployed.append((path, name, merge))
+        return "d1"
+
+    monkeypatch.setattr(steps, "deploy_policy", fake)
+    monkeypatch.setattr(rounds, "deploy_policy", fake)
+    info = steps.deploy_step(None, "/r1/adapter", 1, merge=True)
+    assert info == {"name": "d1", "path": "/r1/adapter", "merged": True}
+    state = LoopState(tmp_path / "run", "k")
+    state.finish(1, "deploy", info)
+    write_policy(_record("/m"))  # the server lost it (restarted on the base): a resume deploys it merged again
+    rounds._redeploy_if_lost(state, None, lambda line: None)
+    assert deployed == [(Path("/r1/adapter"), None, True), (Path("/r1/adapter"), "d1", True)]
