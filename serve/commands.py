@@ -109,6 +109,7 @@ def register(cli: StageRegistry) -> None:
             gpus_per_replica=options.gpus_per_replica,
             store=Store(db),
             endpoint_env=options.endpoint_env(),
+            lora=not options.no_lora,
         )
         if len(record.replicas) == 1:
             typer.echo(

@@ -154,6 +154,11 @@ def running_policy() -> PolicyServer:
 
 def check_lora_rank(record: PolicyServer, rank: int, what: str) -> None:
     """Refuse an adapter of `rank` (`what`: how to name it) that the server has no LoRA slot for."""
+    if not record.lora:
+        raise LcapError(
+            f"{what}: the policy server runs without LoRA (`lcap serve --no-lora`), so an adapter deploys only merged "
+            "into the weights (`lcap deploy --merge`, `lcap loop --deploy-merge`)"
+        )
     allowed = int(flag_value(record.vllm_args, "--max-lora-rank") or MAX_LORA_RANK)
     if rank > allowed:
         raise LcapError(

@@ -153,3 +153,23 @@ def test_loop_deploy_merge_deploys_each_round_merged_before_its_held_out_run(tmp
     write_policy(_record("/m"))  # the server lost it (restarted on the base): a resume deploys it merged again
     rounds._redeploy_if_lost(state, None, lambda line: None)
     assert deployed == [(Path("/r1/adapter"), None, True), (Path("/r1/adapter"), "d1", True)]
+
+
+def test_a_server_without_lora_starts_vllm_without_it_and_refuses_every_hot_load(record_env, adapter):
+    from lcap.serve.deploy import deploy_policy, load_candidate
+    from lcap.serve.vllm_process import VllmSpec, server_command
+
+    with_lora = server_command("/py", "/m", port=1, served_name="m", gpu=False)
+    assert "--enable-lora" in with_lora
+    assert not {"--enable-lora", "--max-lora-rank", "--max-loras"} & set(
+        server_command("/py", "/m", port=1, served_name="m", gpu=False, lora=False)
+    )
+    record = _record(adapter.parent)
+    assert record.lora and VllmSpec.of(record).lora  # a record from before --no-lora: LoRA on
+    record.lora = False
+    write_policy(record)
+    assert read_policy().lora is False and VllmSpec.of(read_policy()).lora is False  # a restart keeps it off
+    for deploy in (deploy_policy, load_candidate):
+        with pytest.raises(LcapError, match=r"runs without LoRA \(`lcap serve --no-lora`\).*`lcap deploy --merge`"):
+            deploy(adapter)
+    assert read_policy() == record  # nothing changed
