@@ -43,7 +43,7 @@ E2E_SECONDS = {
     "test_train_sft.py": 70,
     "test_loop_skip.py": 69,
     "test_serve_deploy.py": 50,
-    "test_serve_merge.py": 50,
+    "test_serve_merge.py": 15,
     "test_policy_route.py": 40,
     "test_dataset_e2e.py": 35,
     "test_capture_vllm.py": 31,

@@ -173,3 +173,31 @@ def test_a_server_without_lora_starts_vllm_without_it_and_refuses_every_hot_load
         with pytest.raises(LcapError, match=r"runs without LoRA \(`lcap serve --no-lora`\).*`lcap deploy --merge`"):
             deploy(adapter)
     assert read_policy() == record  # nothing changed
+
+
+def test_the_demos_greedy_control_leaves_the_base_out_once_merged_weights_replaced_it(
+    tmp_path, record_env, monkeypatch
+):
+    from lcap.dataset.options import CollectOptions
+    from lcap.loop.demo import control
+    from lcap.loop.steps import LoopConfig
+    from lcap.store import Store
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"id": "t0"}\n')
+    config = LoopConfig(
+        run=tmp_path / "run", rounds=1, tasks=tasks, command=["agent"], collect=CollectOptions(), eval_tasks=tasks
+    )
+    asked: list[tuple[str, ...]] = []  # run_eval collects episodes through vLLM: the demo's e2e test runs it
+    monkeypatch.setattr(control, "run_eval", lambda store, *, options, **kw: asked.append(options.deployments))
+    record = _record("/m")
+    record.current = "policy-r1-abc"
+    write_policy(record)
+    lines: list[str] = []
+    store = Store(tmp_path / "lcap.duckdb")
+    control.run_greedy(store, config, lines.append)
+    record.current, record.served_as = "policy-merged-r1-abc", {"policy-merged-r1-abc": "m"}
+    write_policy(record)
+    control.run_greedy(store, config, lines.append)
+    assert asked == [("m", "policy-r1-abc"), ("policy-merged-r1-abc",)]
+    assert "the base model's weights no longer serve" in lines[-2]
