@@ -24,7 +24,7 @@ def _record(base: Path | str, roles: dict[str, str] | None = None) -> PolicyServ
 
 
 @pytest.fixture(scope="module")
-def tiny_train_model(tmp_path_factory) -> Path:
+def merge_model(tmp_path_factory) -> Path:
     """A random two-layer Qwen2 model (no tokenizer to train: the merge never reads one), with a tokenizer setting
     the merge must copy."""
     import torch
@@ -47,24 +47,24 @@ def tiny_train_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def adapter(tiny_train_model, tmp_path) -> Path:
-    return make_lora(tiny_train_model, tmp_path / "round-1" / "adapter", seed=3, rank=4)
+def adapter(merge_model, tmp_path) -> Path:
+    return make_lora(merge_model, tmp_path / "round-1" / "adapter", seed=3, rank=4)
 
 
-def test_the_merge_scores_as_the_adapter_on_its_base_and_reloads_in_place(tiny_train_model, adapter, tmp_path):
+def test_the_merge_scores_as_the_adapter_on_its_base_and_reloads_in_place(merge_model, adapter, tmp_path):
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    out = merge_adapter(adapter, str(tiny_train_model))
+    out = merge_adapter(adapter, str(merge_model))
     assert out == merged_path(adapter) == adapter.parent / "adapter-merged"
     assert [p.name for p in adapter.parent.iterdir() if p.name.startswith(".")] == []  # no temporary folder left
-    assert json.loads((out / MARKER).read_text())["base"] == str(tiny_train_model)
-    assert root_base(str(out)) == str(tiny_train_model) and root_base(str(tiny_train_model)) == str(tiny_train_model)
-    assert difference(out, tiny_train_model, tiny_train_model) is None  # only the weights' values changed
+    assert json.loads((out / MARKER).read_text())["base"] == str(merge_model)
+    assert root_base(str(out)) == str(merge_model) and root_base(str(merge_model)) == str(merge_model)
+    assert difference(out, merge_model, merge_model) is None  # only the weights' values changed
 
     ids = torch.tensor([[1, 5, 9, 14, 3, 7]])
-    base = AutoModelForCausalLM.from_pretrained(tiny_train_model, dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(merge_model, dtype=torch.float32).eval()
     with torch.no_grad():
         plain = base(ids).logits
         peft = PeftModel.from_pretrained(base, str(adapter)).eval()(ids).logits
@@ -73,33 +73,33 @@ def test_the_merge_scores_as_the_adapter_on_its_base_and_reloads_in_place(tiny_t
 
     weights = out / "model.safetensors"
     stamp = weights.stat().st_mtime_ns
-    assert merge_adapter(adapter, str(tiny_train_model)) == out and weights.stat().st_mtime_ns == stamp  # reused
-    make_lora(tiny_train_model, adapter, seed=4, rank=4)  # retrained: merged again, in place of the old merge
-    merge_adapter(adapter, str(tiny_train_model))
+    assert merge_adapter(adapter, str(merge_model)) == out and weights.stat().st_mtime_ns == stamp  # reused
+    make_lora(merge_model, adapter, seed=4, rank=4)  # retrained: merged again, in place of the old merge
+    merge_adapter(adapter, str(merge_model))
     assert weights.stat().st_mtime_ns != stamp
     assert sorted(p.name for p in adapter.parent.iterdir()) == ["adapter", "adapter-merged"]
-    assert (out / "tokenizer_config.json").read_text() == (tiny_train_model / "tokenizer_config.json").read_text()
+    assert (out / "tokenizer_config.json").read_text() == (merge_model / "tokenizer_config.json").read_text()
 
 
 def test_a_merged_deploy_is_refused_in_one_line_where_it_would_serve_other_weights(
-    record_env, tiny_train_model, adapter, tmp_path
+    record_env, merge_model, adapter, tmp_path
 ):
     from lcap.serve.deploy import deploy_policy
 
-    write_policy(_record(tiny_train_model, roles={"planner": "lora-a"}))
+    write_policy(_record(merge_model, roles={"planner": "lora-a"}))
     with pytest.raises(LcapError, match=r"roles planner have adapters of their own: one merged weight set cannot"):
         deploy_policy(adapter, merge=True)
 
     write_policy(_record(tmp_path / "another-base"))
-    with pytest.raises(LcapError, match=rf"trained on {tiny_train_model}, but the policy server serves .*another-base"):
+    with pytest.raises(LcapError, match=rf"trained on {merge_model}, but the policy server serves .*another-base"):
         deploy_policy(adapter, merge=True)
 
-    write_policy(_record(tiny_train_model))
+    write_policy(_record(merge_model))
     with pytest.raises(LcapError, match=r"is not a LoRA adapter .*--merge merges an adapter"):
-        deploy_policy(tiny_train_model, merge=True)
+        deploy_policy(merge_model, merge=True)
 
     # A server running a merge: the adapter's base is the merge's base; a hot-loaded adapter would sit on the merge.
-    merged = merge_adapter(adapter, str(tiny_train_model))
+    merged = merge_adapter(adapter, str(merge_model))
     write_policy(_record(merged))
     with pytest.raises(LcapError, match=r"runs merged weights .*deploy it with --merge"):
         deploy_policy(adapter)
