@@ -23,15 +23,19 @@ from lcap.serve.pretrained import init_pretrained, pretrained_dir
 from lcap.serve.server import start_server, stop_server
 
 
-async def decode(url: str, model: str, concurrency: int, max_tokens: int) -> float:
-    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="bench")
+async def decode(url: str, model: str, concurrency: int, max_tokens: int, temperature: float = 1.0) -> float:
+    """Tokens/s of `concurrency` completions at once, each decoding `max_tokens` tokens, after one warm-up."""
+    async with AsyncOpenAI(base_url=f"{url}/v1", api_key="bench") as client:  # closed before asyncio.run's loop
+        return await _decode(client, model, concurrency, max_tokens, temperature)
 
+
+async def _decode(client: AsyncOpenAI, model: str, concurrency: int, max_tokens: int, temperature: float) -> float:
     async def one(n: int) -> int:
         reply = await client.completions.create(
             model=model,
             prompt=f"Count on from {n}:",
             max_tokens=max_tokens,
-            temperature=1.0,
+            temperature=temperature,
             extra_body={"ignore_eos": True},
         )
         assert reply.usage is not None

@@ -84,6 +84,8 @@ class PolicyServer:
     # role -> the deployment (a served LoRA name) its calls ask for, for each role with one of its own; every other
     # role, `default` included, is served by `current`. Records from before roles have none.
     roles: dict[str, str] = field(default_factory=dict)
+    # whether the replicas run vLLM's LoRA support (`lcap serve --no-lora`: they do not, and adapters deploy merged)
+    lora: bool = True
 
     def __post_init__(self) -> None:
         self.roles = {role: name for role, name in self.roles.items() if role != DEFAULT_ROLE}  # default: `current`

@@ -83,6 +83,13 @@ class LoopOptions:
         "refused together (--promote-margin). Not with --full, --async, --live or --sft-data (docs/guide.md, one "
         "adapter per role).",
     )
+    deploy_merge: bool = option(
+        False,
+        flag="--deploy-merge",
+        help="Deploy each round's adapter merged into the base weights (`lcap deploy --merge`: reloaded in place, "
+        "served at the base model's speed) instead of hot-loaded. Like --full, each round is deployed before its "
+        "held-out run (no --promote-margin gate). Not with --full, --async, --live or --per-role.",
+    )
 
     def __post_init__(self) -> None:
         if min(self.max_staleness, self.groups_per_step, self.stop_when_solved, self.min_groups) < 0:
@@ -91,6 +98,10 @@ class LoopOptions:
             raise LcapError("--min-samples must be at least 2 (one group) and --wait-timeout 0 or more")
         if self.live and (self.overlap or self.sft_data is not None):
             raise LcapError("--live trains on live traffic: not with --async or --sft-data")
+        if self.deploy_merge and (self.overlap or self.live or self.per_role):
+            raise LcapError(
+                "--deploy-merge deploys a synchronous round's one adapter: not with --async, --live or --per-role"
+            )
         if self.overlap and self.sft_data is not None:
             raise LcapError("--sft-data runs a synchronous SFT round first: drop --async, or run `lcap train --sft`")
 

@@ -77,7 +77,7 @@ def run_loop(
     if policy is None:
         raise LcapError("no policy server is running: start one with `lcap serve --model M` (or run `lcap demo`)")
     resolve_base_model(run, config.train.base_model or policy.base_model)
-    if not config.train.full:  # a round's adapter the server cannot load fails now, not after the first round
+    if not config.train.full and not config.options.deploy_merge:  # a round's adapter the server cannot load fails now
         check_lora_rank(policy, config.train.lora_r, "--lora-r")
     if config.train.ray is not None:  # an unreachable cluster fails now, not after the first collect
         connect(config.train.ray)
@@ -86,7 +86,7 @@ def run_loop(
     (run / "loop.json").write_text(json.dumps({**asdict(config), "key": config.key()}, indent=2, default=str))
     _redeploy_if_lost(state, store, echo)
     if config.eval_tasks and not config.options.live and (config.options.overlap or not gated(config)):
-        flag = "--async" if config.options.overlap else "--full"
+        flag = "--async" if config.options.overlap else "--deploy-merge" if config.options.deploy_merge else "--full"
         echo(
             f"note: {flag} deploys each round before its held-out evaluation (no --promote-margin gate: only one "
             "adapter of the synchronous loop is evaluated first)"
@@ -207,7 +207,8 @@ def _train_deploy_eval(
         else:
             s.refused = verdict["reason"]
         return f" | {verdict_text(verdict)} | {training_text(s.train)}"
-    s.deployed = step(n, "deploy", lambda: deploy_step(step.store, s.train["output"], n))["name"]
+    merge = config.options.deploy_merge
+    s.deployed = step(n, "deploy", lambda: deploy_step(step.store, s.train["output"], n, merge))["name"]
     held_out = _held_out(step, config, collect_step, s)
     return f"{held_out} | {training_text(s.train)} | deployed {s.deployed}"
 
@@ -252,8 +253,8 @@ def _held_out(step: StepRunner, config: LoopConfig, collect_step, s: RoundSummar
 def gated(config: LoopConfig) -> bool:
     """Whether a round's policy is promoted on held-out evidence before it is deployed: with --eval-tasks, for an
     adapter, or --per-role's adapters together (a full checkpoint replaces the served weights, so it can only be
-    evaluated once deployed)."""
-    return config.eval_tasks is not None and not config.train.full
+    evaluated once deployed; so can a merged deploy's, --deploy-merge)."""
+    return config.eval_tasks is not None and not config.train.full and not config.options.deploy_merge
 
 
 def _stop_when_solved(step: StepRunner, config: LoopConfig, collect_step, n: int, echo: Callable[[str], None]) -> bool:
@@ -278,7 +279,7 @@ def _redeploy_if_lost(state: LoopState, store, echo) -> None:
     policy = read_policy()
     if last and policy and policy.current != last["name"]:
         echo(f"policy server serves {policy.current}, not {last['name']}: deploying {last['path']} again")
-        deploy_policy(Path(last["path"]), name=last["name"], store=store)
+        deploy_policy(Path(last["path"]), name=last["name"], store=store, merge=last.get("merged", False))
 
 
 def _redeploy_roles_if_lost(roles: dict[str, dict], store, echo) -> None:

@@ -86,6 +86,11 @@ class LoopConfig:
                 "adapter serves every role)"
             )
 
+        if self.options.deploy_merge and self.train.full:
+            raise LcapError(
+                "--deploy-merge merges a round's LoRA adapter: --full trains a checkpoint, deployed as it is"
+            )
+
     def key(self) -> str:
         """What must not change between a run and its resume (more rounds may be added)."""
         ident = [
@@ -401,9 +406,11 @@ def build_step(
         echo(line)
 
 
-def deploy_step(store, output: str, n: int) -> dict:
-    """Deploy round `n`'s adapter or checkpoint: its deployment's name and path."""
-    return {"name": deploy_policy(Path(output), round=n, store=store), "path": output}
+def deploy_step(store, output: str, n: int, merge: bool = False) -> dict:
+    """Deploy round `n`'s adapter or checkpoint (`merge`: the adapter merged into its base): its deployment's name
+    and path (and `merged`, which a resume deploys it again by)."""
+    name = deploy_policy(Path(output), round=n, store=store, merge=merge)
+    return {"name": name, "path": output, **({"merged": True} if merge else {})}
 
 
 def deploy_roles_step(store, outputs: dict[str, str], n: int) -> dict:

@@ -109,6 +109,7 @@ def register(cli: StageRegistry) -> None:
             gpus_per_replica=options.gpus_per_replica,
             store=Store(db),
             endpoint_env=options.endpoint_env(),
+            lora=not options.no_lora,
         )
         if len(record.replicas) == 1:
             typer.echo(
@@ -152,6 +153,8 @@ def register(cli: StageRegistry) -> None:
         if options.rollback:
             if options.name is not None:
                 raise LcapError("--rollback restores a deployment under its own name: give it as NAME, not --name")
+            if options.merge:
+                raise LcapError("--rollback restores a deployment as it was deployed (merged or not): drop --merge")
             ((role, name),) = targets.items()
             restored, replaced = rollback(
                 store,
@@ -170,6 +173,8 @@ def register(cli: StageRegistry) -> None:
             for adapter in adapters.values():
                 check_round(adapter, options.round, store)
         if set(adapters) != {DEFAULT_ROLE}:
+            if options.merge:
+                raise LcapError("--merge deploys one weight set for every role: not with --role")
             served_by = deploy_roles(adapters, name=options.name, round=options.round, store=store)
             typer.echo("\n".join(f"{role}: {served}" for role, served in served_by.items()))
             return
@@ -180,5 +185,6 @@ def register(cli: StageRegistry) -> None:
             store=store,
             drain_timeout=options.drain_timeout,
             restart=options.restart,
+            merge=options.merge,
         )
         typer.echo(served)

@@ -38,7 +38,6 @@ says which policy produced it, and its `replica` which server.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import re
@@ -51,6 +50,7 @@ from pathlib import Path
 from lcap.config import LcapError
 from lcap.policy import DEFAULT_ROLE, PolicyServer, policy_lock, publish, read_policy
 from lcap.progress import Reporter
+from lcap.serve.merge import check_merge_base, files_digest, merge_adapter, merged_path, root_base
 from lcap.serve.reload import ReloadError, can_reload, reload_in_place
 from lcap.serve.same_model import difference
 from lcap.serve.server import in_flight, replicas_of
@@ -72,43 +72,72 @@ def deploy_policy(
     store: Store | None = None,
     drain_timeout: float = 600.0,
     restart: bool = False,
+    merge: bool = False,
 ) -> str:
-    """Deploy a LoRA adapter (hot-load) or a full checkpoint (reload in place, else restart; `restart`: restart
-    anyway) on every replica; return the deployment name now `current`."""
+    """Deploy a LoRA adapter (hot-load; `merge`: merged into its base weights, then as a full checkpoint) or a full
+    checkpoint (reload in place, else restart; `restart`: restart anyway) on every replica; return the deployment
+    name now `current`."""
     path = Path(path).expanduser().resolve()
     if not path.exists():
         raise LcapError(f"{path} does not exist: deploy a round's adapter or checkpoint (RUN/round-N/adapter)")
-    running_policy()  # a refusal is its one line, before any progress is shown
+    record = running_policy()  # a refusal is its one line, before any progress is shown
     lora = (path / "adapter_config.json").is_file()
     if not lora and not (path / "config.json").is_file():
         raise LcapError(f"{path} is neither a LoRA adapter (adapter_config.json) nor a checkpoint (config.json)")
+    if merge:
+        _check_merge(record, path, lora)
     with policy_lock(), Reporter("deploy", counted=False, doing=str(path)) as shown:
         record = running_policy()
-        if lora:
+        if lora and not merge:
             kind = "lora"
             name = name or _unique_name(path, round)
             shown.step(f"hot-loading the adapter {path} as {name} into {_replicas(record)}")
             record = _load_lora(record, path, name)
         else:
-            kind = "full"
-            _check_single_role(record, path)
-            name = name or _unique_name(path, round)
-            why = None if restart else _why_not_in_place(record, path)
+            kind = "merged" if merge else "full"
+            if merge:  # the record may have changed while the lock was waited for
+                _check_merge(record, path, lora)
+            else:
+                _check_single_role(record, path)
+            name = name or _unique_name(path, round, merged=merge)
+            weights = path
+            if merge:
+                base = check_merge_base(path, record.base_model)
+                shown.step(f"merging the adapter {path} into {base}'s weights ({merged_path(path)})")
+                weights = merge_adapter(path, base)
+            why = None if restart else _why_not_in_place(record, weights)
             if why is None and not restart:
-                shown.step(f"reloading the weights of {path} as {name} in place, {_replicas(record)} one at a time")
+                shown.step(f"reloading the weights of {weights} as {name} in place, {_replicas(record)} one at a time")
                 try:
-                    record = _reload(record, path, name, drain_timeout)
+                    record = _reload(record, weights, name, drain_timeout)
                 except ReloadError as exc:
                     why = f"the reload failed ({exc})"
             if why is not None or restart:
                 if why is not None:
-                    log.warning("lcap: deploying %s by restarting vLLM: %s", path, why)
-                shown.step(f"restarting {_replicas(record)} on {path} as {name}, one at a time, each drained first")
-                record = _roll(read_policy() or record, path, name, drain_timeout)
+                    log.warning("lcap: deploying %s by restarting vLLM: %s", weights, why)
+                shown.step(f"restarting {_replicas(record)} on {weights} as {name}, one at a time, each drained first")
+                record = _roll(read_policy() or record, weights, name, drain_timeout)
         shown.doing = f"{name} is current"
     if store is not None:
         record_deployment(store, record, name, str(path), kind, round)
     return name
+
+
+def _check_merge(record: PolicyServer, path: Path, lora: bool) -> None:
+    """Refuse a merged deploy of anything but an adapter of the served base, or while roles have adapters."""
+    if not lora:
+        raise LcapError(f"{path} is not a LoRA adapter (adapter_config.json): --merge merges an adapter into its base")
+    if record.roles:
+        raise LcapError(
+            f"roles {', '.join(sorted(record.roles))} have adapters of their own: one merged weight set cannot serve "
+            "several roles (deploy without --merge, or roll each role back first: `lcap deploy --rollback --role R`)"
+        )
+    check_merge_base(path, record.base_model)
+
+
+def weights_of(kind: str, path: str) -> str:
+    """The weights a `deployments` row's deployment runs on: a merged one's merge, else its own path."""
+    return str(merged_path(Path(path))) if kind == "merged" else path
 
 
 def _replicas(record: PolicyServer) -> str:
@@ -125,6 +154,11 @@ def running_policy() -> PolicyServer:
 
 def check_lora_rank(record: PolicyServer, rank: int, what: str) -> None:
     """Refuse an adapter of `rank` (`what`: how to name it) that the server has no LoRA slot for."""
+    if not record.lora:
+        raise LcapError(
+            f"{what}: the policy server runs without LoRA (`lcap serve --no-lora`), so an adapter deploys only merged "
+            "into the weights (`lcap deploy --merge`, `lcap loop --deploy-merge`)"
+        )
     allowed = int(flag_value(record.vllm_args, "--max-lora-rank") or MAX_LORA_RANK)
     if rank > allowed:
         raise LcapError(
@@ -143,6 +177,11 @@ def _load_lora(record: PolicyServer, path: Path, name: str, *, current: bool = T
 
 def _load_loras(record: PolicyServer, loras: dict[str, Path]) -> None:
     """Hot-load `loras` (name -> adapter) into every replica and list them in `record` (not published yet)."""
+    if root_base(record.base_model) != record.base_model:
+        raise LcapError(
+            f"the policy server runs merged weights ({record.base_model}): an adapter hot-loaded on them would add "
+            "its change twice; deploy it with --merge, or deploy the base model first"
+        )
     for path in loras.values():
         config = json.loads((path / "adapter_config.json").read_text())
         rank = max([config.get("r") or 0, *(config.get("rank_pattern") or {}).values()])
@@ -475,13 +514,11 @@ def check_round(path: Path, round: int, store: Store | None) -> None:
         )
 
 
-def _unique_name(path: Path, round: int | None, role: str = DEFAULT_ROLE) -> str:
-    """`policy-r{round}-{hash}` (`policy-{role}-r{round}-{hash}` for another role than the default): the hash covers
-    the files' names, sizes and mtimes, so a retrained adapter gets a new name."""
-    digest = hashlib.sha256(str(path).encode())
-    for file in sorted(p for p in path.rglob("*") if p.is_file()):
-        stat = file.stat()
-        digest.update(f"{file.relative_to(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+def _unique_name(path: Path, round: int | None, role: str = DEFAULT_ROLE, *, merged: bool = False) -> str:
+    """`policy-r{round}-{hash}` (`policy-{role}-r{round}-{hash}` for another role than the default,
+    `policy-merged-r{round}-{hash}` for an adapter deployed merged): the hash covers the files' names, sizes and
+    mtimes, so a retrained adapter gets a new name."""
     prefix = "policy" if role == DEFAULT_ROLE else f"policy-{role}"
+    prefix = f"{prefix}-merged" if merged else prefix
     prefix = f"{prefix}-r{round}" if round is not None else prefix
-    return f"{prefix}-{digest.hexdigest()[:8]}"
+    return f"{prefix}-{files_digest(path)[:8]}"

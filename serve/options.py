@@ -99,6 +99,13 @@ class ServeOptions:
         "in lcap's environment is otherwise passed through).",
     )
 
+    no_lora: bool = option(
+        False,
+        flag="--no-lora",
+        help="Start vLLM without LoRA support: it decodes at the base model's speed, and adapters can only be deployed "
+        "merged into the weights (`lcap deploy --merge`, `lcap loop --deploy-merge`).",
+    )
+
     def endpoint_env(self) -> dict[str, str]:
         """What each replica's environment gets from these options, kept in the policy record so that a restart
         (a deploy) keeps it: what lcap's policy endpoints read (serve/vllm_plugin/lcap_policy/responses_store.py
@@ -143,6 +150,13 @@ class DeployOptions:
         False,
         flag="--restart",
         help="Restart vLLM on a full checkpoint even when it could reload it in place (same config and tokenizer).",
+    )
+    merge: bool = option(
+        False,
+        flag="--merge",
+        help="Merge the LoRA adapter into its base weights (written beside it, ADAPTER-merged) and deploy them as a "
+        "full checkpoint, reloaded in place: decodes at the base's speed, where a hot-loaded adapter slows every "
+        "call (a small model on a CPU). Not while roles have adapters of their own.",
     )
     rollback: bool = option(
         False,

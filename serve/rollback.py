@@ -6,7 +6,7 @@ was first deployed: rolling back twice walks two deployments back), or the base 
 has nothing before (a server started with another --db). What the replicas still serve is made current at once: a
 LoRA adapter the record lists, the base model or full checkpoint whose weights are the running ones (with an adapter
 on top now). Anything else is deployed again as `lcap deploy` would, under its old name: an adapter hot-loaded, a
-full checkpoint reloaded in place (or restarted on). Calls in flight finish on what they started on. The rollback is
+full checkpoint reloaded in place (or restarted on), an adapter deployed merged merged again (its merge reused). Calls in flight finish on what they started on. The rollback is
 a new `deployments` row: the restored deployment's name, path and kind, with `rollback_of` naming the deployment it
 took out of service.
 
@@ -22,7 +22,15 @@ from pathlib import Path
 
 from lcap.config import LcapError
 from lcap.policy import DEFAULT_ROLE, policy_lock, publish, read_policy
-from lcap.serve.deploy import deploy_policy, deploy_roles, make_current, record_deployment, running_policy, servable
+from lcap.serve.deploy import (
+    deploy_policy,
+    deploy_roles,
+    make_current,
+    record_deployment,
+    running_policy,
+    servable,
+    weights_of,
+)
 from lcap.store import Store
 
 FOLLOWS_DEFAULT = "default"  # the kind of a role's row that puts it back on the default role's deployment
@@ -38,7 +46,7 @@ class Earlier:
 
     name: str
     path: str
-    kind: str  # base | lora | full
+    kind: str  # base | lora | full | merged (`path`: the adapter merged)
     round: int | None
 
 
@@ -60,14 +68,18 @@ def rollback(
     target = earlier_deployment(store, current, name=name, round=round, served_model=record.served_model)
     if target.name == current:
         raise LcapError(f"{target.name} is the current deployment already: nothing to roll back")
-    same_weights = target.kind in ("base", "full") and str(Path(target.path)) == str(Path(record.base_model))
+    running = str(Path(record.base_model))
+    same_weights = (
+        target.kind in ("base", "full", "merged") and str(Path(weights_of(target.kind, target.path))) == running
+    )
     if servable(record, target.name) and (target.kind == "lora" or same_weights):
         record = make_current(target.name)
     else:
         path = Path(target.path)
         if not path.exists():
             raise LcapError(f"{target.name}'s {target.kind} {path} is gone: it cannot be deployed again")
-        deploy_policy(path, name=target.name, drain_timeout=drain_timeout, restart=restart)
+        merge = target.kind == "merged"
+        deploy_policy(path, name=target.name, drain_timeout=drain_timeout, restart=restart, merge=merge)
         record = read_policy() or record
     record_deployment(store, record, target.name, target.path, target.kind, target.round, rollback_of=current)
     return target.name, current

@@ -177,6 +177,7 @@ def start_server(
     store: Store | None = None,
     progress: bool | None = None,
     endpoint_env: dict[str, str] | None = None,
+    lora: bool = True,
 ) -> PolicyServer:
     """Start `replicas` vLLM servers on `model`, wait until all are healthy, record them (and, with `store`, the
     'base' deployment). `endpoint_env`: the options of lcap's endpoints (default: ServeOptions' defaults)."""
@@ -193,7 +194,9 @@ def start_server(
     gpus_per_server(extra_args)  # a malformed parallel size is an error before anything starts
     names = [f"r{i}" for i in range(replicas)]
     key_file = key = None
-    spec = VllmSpec(model, served_name, python, tool_parser, tuple(extra_args), timeout, tuple(endpoint_env.items()))
+    spec = VllmSpec(
+        model, served_name, python, tool_parser, tuple(extra_args), timeout, tuple(endpoint_env.items()), lora
+    )
     if ray is not None:
         ray_backend = RayReplicas(ray, python)  # joins the cluster: an unreachable one is an error before anything
         key_file = new_key()
@@ -225,6 +228,7 @@ def start_server(
             api_key_file=str(key_file) if key_file else None,
             lcap_endpoints=has_endpoints(started[0].url, key=key),
             endpoint_env=endpoint_env,
+            lora=lora,
         )
         publish(record)
     except BaseException:  # servers that no record names would run on, unseen by `lcap serve --stop`

@@ -50,6 +50,7 @@ class VllmSpec:
     extra_args: tuple[str, ...]  # the user's vLLM arguments, passed through
     timeout: float  # seconds to wait for /health
     endpoint_env: tuple[tuple[str, str], ...] = ()  # the options of lcap's endpoints (ServeOptions.endpoint_env)
+    lora: bool = True  # vLLM's LoRA support on (`lcap serve --no-lora`: off)
 
     @classmethod
     def of(cls, record: PolicyServer, timeout: float = 600.0) -> VllmSpec:
@@ -62,6 +63,7 @@ class VllmSpec:
             tuple(record.vllm_args),
             timeout,
             tuple(record.endpoint_env.items()),
+            record.lora,
         )
 
 
@@ -141,6 +143,7 @@ def server_command(
     tool_parser: str | None = TOOL_PARSER,
     extra_args: Sequence[str] = (),
     guarded: bool = False,
+    lora: bool = True,
 ) -> list[str]:
     """vLLM's OpenAI server on `model` with lcap's policy endpoints (LAUNCHER); `guarded`: behind the replica key
     on every path but /health (GUARD, which then runs LAUNCHER), for a replica reachable from the network."""
@@ -148,7 +151,8 @@ def server_command(
     cmd = [*start, "--model", model, "--served-model-name", served_name, "--host", host, "--port", str(port)]
     # GPU: the checkpoint's dtype (bf16 for fp32 weights); CPU: fp32, the path vLLM's CPU backend tests.
     cmd += ["--dtype", "auto" if gpu else "float32"]
-    cmd += ["--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK), "--max-loras", str(MAX_LORAS)]
+    if lora:  # off (`lcap serve --no-lora`), vLLM runs none of its LoRA kernels: adapters are deployed merged
+        cmd += ["--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK), "--max-loras", str(MAX_LORAS)]
     cmd += ["--worker-extension-cls", RELOAD_EXTENSION]
     if tool_parser:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", tool_parser]
@@ -205,6 +209,7 @@ def launch(
         tool_parser=spec.tool_parser,
         extra_args=extra_args,
         guarded=bool(key),
+        lora=spec.lora,
     )
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:

@@ -50,6 +50,7 @@ E2E_SECONDS = {
     "test_train_mismatch.py": 28,
     "test_coding_sandbox.py": 27,
     "test_serve_roles.py": 23,
+    "test_serve_merge.py": 15,
     "test_judge_vllm.py": 23,
     "test_train_grpo.py": 19,
     "test_doctor.py": 18,

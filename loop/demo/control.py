@@ -38,6 +38,12 @@ def run_greedy(store, config: LoopConfig, echo: Callable[[str], None]) -> list[E
         echo("[demo] greedy control: not for a --per-role demo (lcap eval serves every role one deployment)")
         return greedy_rows(store)
     wanted = list(dict.fromkeys([record.served_model, record.current]))
+    if record.served_as:  # the base's weights were replaced in place (--deploy-merge, --full)
+        echo(
+            "[demo] greedy control: the base model's weights no longer serve (a merged or full checkpoint replaced "
+            f"them): {record.current} only"
+        )
+        wanted = [record.current]
     done = {row.deployment for row in greedy_rows(store)}
     todo = tuple(name for name in wanted if name not in done)
     if todo:

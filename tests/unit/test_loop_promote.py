@@ -170,7 +170,9 @@ def test_a_full_checkpoint_is_deployed_then_evaluated(dstore, tmp_path, monkeypa
     server = Server("base", {"base": 0.5})
     server.install(monkeypatch)
     deployed = []
-    monkeypatch.setattr(rounds, "deploy_step", lambda store, output, n: deployed.append(output) or {"name": "full-1"})
+    monkeypatch.setattr(
+        rounds, "deploy_step", lambda store, output, n, merge=False: deployed.append(output) or {"name": "full-1"}
+    )
     config = _config(tmp_path)
     config.train = TrainOptions(full=True)
     step = StepRunner(dstore, LoopState(config.run, config.key()), config.run)

@@ -1,0 +1,138 @@
+"""Serving a round's adapter at bare vLLM's speed (issue #50 item 1): decode tokens/s of SmolLM2 at concurrency 1 and
+16 through `lcap serve`, three arms side by side in one run, interleaved:
+
+  (a) base      the base model on `lcap serve --no-lora` (bare vLLM: the same launch without --enable-lora)
+  (b) lora      a rank-16 adapter hot-loaded (`lcap deploy ADAPTER`) on `lcap serve` as it starts by default
+  (c) merged    the same adapter deployed `lcap deploy --merge` on the --no-lora server (reloaded in place)
+
+Usage: .venv/bin/python benchmarks/bench_serve_merge.py [--tokens N] [--repeats R]
+Needs `lcap setup smollm2`. Two servers run side by side (each with a policy record of its own): the LoRA one serves
+(b); the --no-lora one switches between (a) and (c) by in-place reloads (`lcap deploy`; the merge is written once and
+reused). Each repetition measures every arm once, in a rotated order; every request is greedy, ignores the end token
+(each decodes exactly N tokens) and uses the same prompts, after one warm-up request (bench_smollm2_decode.decode).
+Prints each arm's median tokens/s and the ratios to (a), with the CPU. The adapter is random (B matrices not zero):
+its values do not change the speed, only its rank and target modules do (the trainer's: rank 16, all linear layers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench_smollm2_decode import decode
+
+from lcap.serve.pretrained import init_pretrained, pretrained_dir
+
+LCAP = str(Path(sys.executable).parent / "lcap")
+ARMS = ("base", "lora", "merged")
+CONCURRENCY = (1, 16)
+
+
+def cpu() -> str:
+    model = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    vector = "AVX-512" if "avx512f" in flags else "AVX2 only" if "avx2" in flags else "no AVX2"
+    return f"{model}, {os.cpu_count()} cores, {vector}, load {os.getloadavg()[0]:.1f}"
+
+
+def random_adapter(model: Path, out: Path, rank: int = 16) -> Path:
+    """A PEFT LoRA adapter on `model` as `lcap train` makes one (rank 16, all linear layers), B matrices random."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", init_lora_weights=False)
+    peft_model = get_peft_model(base, config)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.01)
+    peft_model.save_pretrained(out)
+    return out
+
+
+class Server:
+    """One `lcap serve` with a policy record (and store) of its own, driven through the CLI."""
+
+    def __init__(self, work: Path, name: str) -> None:
+        self.env = dict(os.environ, LCAP_POLICY_RECORD=str(work / f"{name}.json"))
+        self.db = str(work / f"{name}.duckdb")
+        self.record = work / f"{name}.json"
+
+    def lcap(self, *args: str) -> str:
+        done = subprocess.run([LCAP, *args], env=self.env, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            raise SystemExit(f"lcap {' '.join(args)} failed ({done.returncode}): {done.stderr[-2000:]}")
+        return done.stdout.strip()
+
+    def serve(self, model: Path, *flags: str) -> None:
+        self.lcap("serve", "--model", str(model), "--timeout", "900", "--db", self.db, *flags)
+
+    def deploy(self, *args: str) -> str:
+        return self.lcap("deploy", *args, "--db", self.db).splitlines()[-1]
+
+    def url_and_model(self) -> tuple[str, str]:
+        record = json.loads(self.record.read_text())
+        return record["url"], record["served_model"]
+
+    def stop(self) -> None:
+        subprocess.run([LCAP, "serve", "--stop"], env=self.env, capture_output=True, timeout=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=64, help="tokens each request decodes")
+    parser.add_argument("--repeats", type=int, default=3, help="measurements of every arm, interleaved")
+    args = parser.parse_args()
+
+    model = init_pretrained(pretrained_dir("smollm2"), "smollm2")
+    work = Path(tempfile.mkdtemp(prefix="lcap-bench-merge-"))
+    adapter = random_adapter(model, work / "round-1" / "adapter")
+    plain, lora = Server(work, "no-lora"), Server(work, "lora")
+    rates: dict[str, dict[int, list[float]]] = {arm: {c: [] for c in CONCURRENCY} for arm in ARMS}
+    try:
+        plain.serve(model, "--no-lora")
+        lora.serve(model)
+        lora_name = lora.deploy(str(adapter))
+        lora_url = lora.url_and_model()[0]
+        plain_url, plain_model = plain.url_and_model()
+        for r in range(args.repeats):
+            order = ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]
+            for arm in order:
+                if arm == "base":
+                    plain.deploy(str(model), "--name", plain_model)
+                elif arm == "merged":
+                    plain.deploy(str(adapter), "--merge", "--name", "merged")
+                url, served = (lora_url, lora_name) if arm == "lora" else (plain_url, plain_model)
+                for c in CONCURRENCY:
+                    rates[arm][c].append(asyncio.run(decode(url, served, c, args.tokens, temperature=0.0)))
+                said = ", ".join(f"c={c} {rates[arm][c][-1]:6.1f}" for c in CONCURRENCY)
+                print(f"repeat {r + 1} {arm:7s} tokens/s: {said}", flush=True)
+    finally:
+        plain.stop()
+        lora.stop()
+    median = {arm: {c: statistics.median(rates[arm][c]) for c in CONCURRENCY} for arm in ARMS}
+    print(f"SmolLM2, fp32, {args.tokens} tokens per request, {args.repeats} repeats, greedy; {cpu()}")
+    for arm in ARMS:
+        said = ", ".join(f"c={c} {median[arm][c]:6.1f} tokens/s" for c in CONCURRENCY)
+        ratio = ", ".join(f"{median[arm][c] / median['base'][c]:.2f}x at c={c}" for c in CONCURRENCY)
+        print(f"{arm:7s} {said}  ({ratio} of base)")
+
+
+if __name__ == "__main__":
+    main()
