@@ -6,9 +6,9 @@ was first deployed: rolling back twice walks two deployments back), or the base 
 has nothing before (a server started with another --db). What the replicas still serve is made current at once: a
 LoRA adapter the record lists, the base model or full checkpoint whose weights are the running ones (with an adapter
 on top now). Anything else is deployed again as `lcap deploy` would, under its old name: an adapter hot-loaded, a
-full checkpoint reloaded in place (or restarted on), an adapter deployed merged merged again (its merge reused). Calls in flight finish on what they started on. The rollback is
-a new `deployments` row: the restored deployment's name, path and kind, with `rollback_of` naming the deployment it
-took out of service.
+full checkpoint reloaded in place (or restarted on), a merged adapter merged again (or its merge reused). Calls in
+flight finish on what they started on. The rollback is a new `deployments` row: the restored deployment's name, path
+and kind, with `rollback_of` naming the deployment it took out of service.
 
 `--role R` rolls back role R only (its rows of `deployments`), leaving every other role's deployment as it is: R's
 earlier adapter becomes its deployment again in one record write, or, before R's first deployment, R is served by
