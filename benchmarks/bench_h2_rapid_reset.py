@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import platform
 import socket
 import ssl
 import statistics
@@ -37,6 +36,7 @@ import h2.events
 import h2.exceptions
 import httpx
 from bench_proxy import LCAP, UPSTREAM, episode_proxy, start_proxy
+from machine import cpu
 
 HEADERS = [
     (":method", "POST"),
@@ -143,17 +143,6 @@ def _row(name: str, latencies: list[float]) -> str:
         f"  {name:8s} {len(latencies):5d} calls  median {statistics.median(latencies) * 1000:7.1f} ms"
         f"  worst {max(latencies) * 1000:8.1f} ms"
     )
-
-
-def cpu() -> str:
-    """The machine the figures come from: CPU model, cores, load."""
-    model = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return f"{model}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
 
 
 def run_arm(name: str, extra: list[str], args: argparse.Namespace, up_url: str, tmp: Path, env: dict) -> None:

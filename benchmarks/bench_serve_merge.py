@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import statistics
@@ -28,42 +27,15 @@ import tempfile
 from pathlib import Path
 
 from bench_smollm2_decode import decode
+from machine import cpu
 
 from lcap.serve.pretrained import init_pretrained, pretrained_dir
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 LCAP = str(Path(sys.executable).parent / "lcap")
 ARMS = ("base", "lora", "merged")
 CONCURRENCY = (1, 16)
-
-
-def cpu() -> str:
-    model = "unknown CPU"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    vector = "AVX-512" if "avx512f" in flags else "AVX2 only" if "avx2" in flags else "no AVX2"
-    return f"{model}, {os.cpu_count()} cores, {vector}, load {os.getloadavg()[0]:.1f}"
-
-
-def random_adapter(model: Path, out: Path, rank: int = 16) -> Path:
-    """A PEFT LoRA adapter on `model` as `lcap train` makes one (rank 16, all linear layers), B matrices random."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", init_lora_weights=False)
-    peft_model = get_peft_model(base, config)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.01)
-    peft_model.save_pretrained(out)
-    return out
 
 
 class Server:
@@ -100,9 +72,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="measurements of every arm, interleaved")
     args = parser.parse_args()
 
+    from fixtures_vllm import make_lora  # tests/ (put on the path above), as the other benchmarks take it
+
     model = init_pretrained(pretrained_dir("smollm2"), "smollm2")
     work = Path(tempfile.mkdtemp(prefix="lcap-bench-merge-"))
-    adapter = random_adapter(model, work / "round-1" / "adapter")
+    adapter = make_lora(model, work / "round-1" / "adapter", seed=0, rank=16, scale=0.01)  # lcap train's rank
     plain, lora = Server(work, "no-lora"), Server(work, "lora")
     rates: dict[str, dict[int, list[float]]] = {arm: {c: [] for c in CONCURRENCY} for arm in ARMS}
     try:

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import duckdb
 
@@ -46,6 +46,7 @@ from lcap.schema import MIGRATIONS, PROMOTED_LABELS, SCHEMA_VERSION, TABLES, VIE
 _LOCKED = ("Could not set lock", "Conflicting lock", "database is locked")
 RETRY_MAX_S = 0.025  # the longest pause between two attempts at a locked file
 LET_IN_S = 2.0  # the longest a process about to attach lets those already waiting attach first
+T = TypeVar("T")
 
 
 def now() -> datetime:
@@ -129,7 +130,7 @@ class Store:
             con.execute(f"ATTACH {_sql_string(str(self.path))} AS {_ALIAS}{mode}")
             con.execute(f"USE {_ALIAS}")
 
-        guard = self._while_locked(attach, exclusive=not read_only)
+        _, guard = self._while_locked(attach, exclusive=not read_only)
         if not read_only:
             try:
                 self._private_wal()
@@ -170,10 +171,10 @@ class Store:
     def _wal(self) -> Path:
         return self.path.with_name(self.path.name + ".wal")
 
-    def _while_locked(self, open_it: Callable[[], Any], *, exclusive: bool) -> _Guard:
+    def _while_locked(self, open_it: Callable[[], T], *, exclusive: bool) -> tuple[T, _Guard]:
         """`open_it()` (which opens the file in DuckDB) under the store's guard, taken `exclusive` or shared, after
         any process already waiting for the file, and retried while another process holds either (up to `timeout`).
-        Returns the guard, to release once DuckDB has closed the file."""
+        Returns what it returned and the guard, to release once DuckDB has closed the file."""
         deadline = time.monotonic() + self.timeout
         waiters = _Waiters(self.path)
         waiters.let_in()
@@ -183,8 +184,7 @@ class Store:
             while True:
                 if guard.take(exclusive):
                     try:
-                        open_it()
-                        return guard
+                        return open_it(), guard
                     except duckdb.Error as exc:
                         guard.release()
                         if not any(marker in str(exc) for marker in _LOCKED):
@@ -215,12 +215,10 @@ class Store:
         elif not self.path.exists():
             raise LcapError(f"no store at {self.path} (run `lcap proxy` first, or pass --db)")
         with ExitStack() as stack:
-            opened: list[duckdb.DuckDBPyConnection] = []
-            guard = self._while_locked(
-                lambda: opened.append(duckdb.connect(str(self.path), read_only=not write)), exclusive=write
+            con, guard = self._while_locked(
+                lambda: duckdb.connect(str(self.path), read_only=not write), exclusive=write
             )
             stack.callback(guard.release)  # last: once the connection is closed
-            con = opened[0]
             stack.callback(con.close)
             if write:
                 self._private_wal()

@@ -95,14 +95,13 @@ def deploy_policy(
             record = _load_lora(record, path, name)
         else:
             kind = "merged" if merge else "full"
-            if merge:  # the record may have changed while the lock was waited for
-                _check_merge(record, path, lora)
-            else:
+            if not merge:
                 _check_single_role(record, path)
             name = name or _unique_name(path, round, merged=merge)
             weights = path
             if merge:
-                base = check_merge_base(path, record.base_model)
+                # checked again: the record may have changed while the lock was waited for
+                base = _check_merge(record, path, lora)
                 shown.step(f"merging the adapter {path} into {base}'s weights ({merged_path(path)})")
                 weights = merge_adapter(path, base)
             why = None if restart else _why_not_in_place(record, weights)
@@ -123,8 +122,9 @@ def deploy_policy(
     return name
 
 
-def _check_merge(record: PolicyServer, path: Path, lora: bool) -> None:
-    """Refuse a merged deploy of anything but an adapter of the served base, or while roles have adapters."""
+def _check_merge(record: PolicyServer, path: Path, lora: bool) -> str:
+    """The base weights the adapter at `path` merges into; a refusal for anything but an adapter of the served base,
+    or while roles have adapters."""
     if not lora:
         raise LcapError(f"{path} is not a LoRA adapter (adapter_config.json): --merge merges an adapter into its base")
     if record.roles:
@@ -132,7 +132,7 @@ def _check_merge(record: PolicyServer, path: Path, lora: bool) -> None:
             f"roles {', '.join(sorted(record.roles))} have adapters of their own: one merged weight set cannot serve "
             "several roles (deploy without --merge, or roll each role back first: `lcap deploy --rollback --role R`)"
         )
-    check_merge_base(path, record.base_model)
+    return check_merge_base(path, record.base_model)
 
 
 def weights_of(kind: str, path: str) -> str:
