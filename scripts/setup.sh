@@ -24,6 +24,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$py" -m pip install -q -e ".[train,test,ui,ray]"
   echo "$want" > "$stamp"
 fi
+# lcap's own modules byte-compiled (only what changed): where PYTHONDONTWRITEBYTECODE is set, as on this project's
+# machines, every process would otherwise compile again each lcap module it imports, every `lcap` command included.
+"$py" -m compileall -q -j 0 lcap capture dataset train serve loop ui
 # The UI's browser tests drive the system Chromium (Playwright's own browser downloads are not reachable).
 if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
   sudo=$([ "$(id -u)" = 0 ] || echo sudo)

@@ -1,8 +1,9 @@
 """`lcap collect --ray`: episodes as Ray tasks on a real local cluster (`ray start` nodes on this machine, node IP
 127.0.0.1), captured by a proxy on each node, their turns stored once by the driver's writer; a node lost mid-run.
 
-The agents are real subprocesses calling a local fake upstream with the openai SDK through the node's capture
-proxy. What an agent sees (its proxy, the node it ran on) goes to a log named by its task, which the tests read.
+The agents are real subprocesses calling a local fake upstream (OpenAI chat calls without the SDK:
+tests/stdlib_agent.py) through the node's capture proxy. What an agent sees (its proxy, the node it ran on) goes
+to a log named by its task, which the tests read.
 Ray's health checks are lowered on the head so that a killed node is seen as dead in seconds.
 """
 
@@ -22,6 +23,7 @@ from typing import Any
 import pytest
 from fixtures_capture import SECRET, FakeLLM
 from fixtures_ray import closed_port, ray_head, ray_worker
+from stdlib_agent import chat_agent
 
 from lcap.store import Store
 
@@ -31,7 +33,7 @@ pytestmark = pytest.mark.slow
 LCAP = str(Path(sys.executable).parent / "lcap")
 
 
-AGENT = """
+AGENT = chat_agent("""
 import json, os, sys, time
 task = json.loads(os.environ["LCAP_TASK"])
 victim = os.environ.get("LCAP_TEST_VICTIM")
@@ -43,14 +45,12 @@ if task.get("hang"):  # a grandchild too: the whole process group must end on th
     with open(task["hang"], "a") as f:
         f.write(f"{os.getpid()} {child.pid}\\n")
     time.sleep(120)
-from openai import OpenAI
-client = OpenAI()
 for i in range(task["calls"]):
-    client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"{task['q']} {i}"}], max_tokens=4)
+    chat([{"role": "user", "content": f"{task['q']} {i}"}], model="m", max_tokens=4)
     if victim and i == 0:
         time.sleep(90)  # its node is lost meanwhile
 open("answer.txt", "w").write(open("hint.txt").read() + task["q"])
-"""
+""")
 
 
 VERIFIER = """

@@ -7,19 +7,18 @@ import json
 import sys
 
 import pytest
+from stdlib_agent import chat_agent
 from typer.testing import CliRunner
 
 from lcap.cli import app
 from lcap.store import Store
 
-# An unmodified OpenAI-SDK agent that asks for temperature 1.0; a space ends its answer.
-AGENT = """
+# An unmodified agent (an OpenAI chat call without the SDK: tests/stdlib_agent.py) that asks for temperature 1.0;
+# a space ends its answer.
+AGENT = chat_agent("""
 import sys
-from openai import OpenAI
-reply = OpenAI().chat.completions.create(model="gpt-4o-mini", max_tokens=8, temperature=1.0, stop=[" "],
-                                         messages=[{"role": "user", "content": sys.argv[1]}])
-print(reply.choices[0].message.content or "")
-"""
+print(chat([{"role": "user", "content": sys.argv[1]}], max_tokens=8, temperature=1.0, stop=[" "]))
+""")
 
 # 0/1 rewards that depend on the answer only (so greedy samples of one task agree on them too).
 VERIFIER = """

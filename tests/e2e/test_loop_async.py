@@ -18,6 +18,7 @@ import httpx
 import pyarrow.parquet as pq
 import pytest
 from openai import APIError, OpenAI
+from stdlib_agent import chat_agent
 
 from lcap.dataset.options import BuildOptions, CollectOptions
 from lcap.loop.options import LoopOptions
@@ -29,20 +30,19 @@ from lcap.train.options import TrainOptions
 REPO = Path(__file__).resolve().parents[2]
 
 
-# An unmodified OpenAI-SDK agent: one call, then (for a task with "hold") it waits for that file before it ends,
-# like an agent in a long tool call; a space ends its answer, so completions finish with "stop".
-AGENT = """
+# An unmodified agent (an OpenAI chat call without the SDK: tests/stdlib_agent.py): one call, then (for a task with
+# "hold") it waits for that file before it ends, like an agent in a long tool call; a space ends its answer, so
+# completions finish with "stop".
+AGENT = chat_agent("""
 import json, os, sys, time
 from pathlib import Path
-from openai import OpenAI
-reply = OpenAI().chat.completions.create(model="gpt-4o-mini", max_tokens=12, temperature=1.0, stop=[" "],
-                                         messages=[{"role": "user", "content": sys.argv[1]}])
+reply = chat([{"role": "user", "content": sys.argv[1]}], max_tokens=12, temperature=1.0, stop=[" "])
 hold = json.loads(os.environ["LCAP_TASK"]).get("hold")
 deadline = time.monotonic() + 300
 while hold and not Path(hold).exists() and time.monotonic() < deadline:
     time.sleep(0.1)
-print(reply.choices[0].message.content or "")
-"""
+print(reply)
+""")
 
 
 # Rewards with variance in every group: the share of lowercase letters, plus a step per sample index.

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fixtures_capture import serve_proxy
+from stdlib_agent import chat_agent
 
 from lcap.capture.proxy.sessions import session_episode, tenant_of_token
 from lcap.policy import read_policy
@@ -32,13 +33,10 @@ KEY = "sk-live-tenant-0123456789"
 PROMPTS = ("Which is a number: code seven tool", "Which is a number: list two text")
 
 # The held-out agent: one call through the loop's own proxy (lcap collect's), its answer on stdout.
-AGENT = """
+AGENT = chat_agent("""
 import sys
-from openai import OpenAI
-reply = OpenAI().chat.completions.create(model="gpt-4o-mini", max_tokens=8, temperature=1.0, stop=[" "],
-                                         messages=[{"role": "user", "content": sys.argv[1]}])
-print(reply.choices[0].message.content or "")
-"""
+print(chat([{"role": "user", "content": sys.argv[1]}], max_tokens=8, temperature=1.0, stop=[" "]))
+""")
 VERIFIER = """
 def verify(ctx):
     said = ctx.stdout.strip()

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from stdlib_agent import chat_agent
 
 from lcap.loop.status import loop as loop_status
 from lcap.policy import read_policy
@@ -25,19 +26,16 @@ from lcap.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
 
-# An unmodified OpenAI-SDK agent of two roles: the planner's call, then the solver's on what the planner said.
-AGENT = """
+# An unmodified agent of two roles (OpenAI chat calls without the SDK: tests/stdlib_agent.py): the planner's call,
+# then the solver's on what the planner said.
+AGENT = chat_agent("""
 import sys
-from openai import OpenAI
-client = OpenAI()
 said = sys.argv[1]
 for role in ("planner", "solver"):
-    reply = client.chat.completions.create(model="gpt-4o-mini", max_tokens=8, temperature=1.0, stop=[" "],
-                                           messages=[{"role": "user", "content": f"{role}: {said}"}],
-                                           extra_headers={"X-Lcap-Role": role})
-    said = reply.choices[0].message.content or ""
+    said = chat([{"role": "user", "content": f"{role}: {said}"}], max_tokens=8, temperature=1.0, stop=[" "],
+                headers={"X-Lcap-Role": role})
 print(said)
-"""
+""")
 
 # A reward per sample index: every group of two has two rewards, so each role has something to learn.
 VERIFIER = """

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from stdlib_agent import chat_agent
 
 from lcap.dataset.options import BuildOptions, CollectOptions
 from lcap.loop.options import LoopOptions
@@ -23,14 +24,12 @@ from lcap.train.options import TrainOptions
 
 REPO = Path(__file__).resolve().parents[2]
 
-# An unmodified OpenAI-SDK agent; a space ends its answer, so completions finish with "stop".
-AGENT = """
+# An unmodified agent (an OpenAI chat call without the SDK: tests/stdlib_agent.py); a space ends its answer, so
+# completions finish with "stop".
+AGENT = chat_agent("""
 import sys
-from openai import OpenAI
-reply = OpenAI().chat.completions.create(model="gpt-4o-mini", max_tokens=12, temperature=1.0, stop=[" "],
-                                         messages=[{"role": "user", "content": sys.argv[1]}])
-print(reply.choices[0].message.content or "")
-"""
+print(chat([{"role": "user", "content": sys.argv[1]}], max_tokens=12, temperature=1.0, stop=[" "]))
+""")
 
 # A task marked `same`: 1 for every answer (its group has nothing to learn); any other: variance in every group.
 VERIFIER = """

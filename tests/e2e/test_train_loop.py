@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from stdlib_agent import chat_agent
 
 from lcap.store import Store
 from lcap.train.options import MISMATCH_MAX
@@ -18,15 +19,12 @@ from lcap.train.options import MISMATCH_MAX
 REPO = Path(__file__).resolve().parents[2]
 
 
-# An unmodified OpenAI-SDK agent; a space ends its answer, so the tiny random model's completions
-# finish with "stop" (not "length") and are trainable.
-AGENT = """
+# An unmodified agent (an OpenAI chat call without the SDK: tests/stdlib_agent.py); a space ends its answer, so the
+# tiny random model's completions finish with "stop" (not "length") and are trainable.
+AGENT = chat_agent("""
 import sys
-from openai import OpenAI
-reply = OpenAI().chat.completions.create(model="gpt-4o-mini", max_tokens=12, temperature=1.0, stop=[" "],
-                                         messages=[{"role": "user", "content": sys.argv[1]}])
-print(reply.choices[0].message.content or "")
-"""
+print(chat([{"role": "user", "content": sys.argv[1]}], max_tokens=12, temperature=1.0, stop=[" "]))
+""")
 
 
 # Reward with variance on random text: the share of lowercase letters in the answer, and the episode's place in
@@ -171,7 +169,7 @@ def test_a_ray_loop_collects_each_round_with_the_last_deployment(vllm_policy, ra
     db = tmp_path / "lcap.duckdb"
     command = loop_command(tmp_path, db)
     # An agent on a Ray node gets its node's environment, where the cluster has no OPENAI_API_KEY.
-    (tmp_path / "agent.py").write_text(AGENT.replace("OpenAI()", 'OpenAI(api_key="sk-test")'))
+    (tmp_path / "agent.py").write_text('import os\nos.environ.setdefault("OPENAI_API_KEY", "sk-test")\n' + AGENT)
     end = command.index("--")
     command[end:end] = ["--ray", ray_cluster]
     env = dict(os.environ, OPENAI_API_KEY="sk-test")
