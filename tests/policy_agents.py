@@ -28,6 +28,7 @@ class Agents:
     threads: int = 4
     stream_every: int = 0  # every Nth episode streams (0: none)
     max_tokens: int = 8
+    pause: float = 0.0  # seconds each agent waits between its episodes: traffic that leaves a restarting server the CPU
     calls: list[dict] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
     _workers: list[threading.Thread] = field(default_factory=list)
@@ -84,6 +85,7 @@ class Agents:
                     outcome["ended"] = time.monotonic()
                     self.calls.append(outcome)
             episode_number += 1
+            self.stop.wait(self.pause)
 
 
 def policy_proxy(tmp_path: Path) -> CaptureProxy:

@@ -232,8 +232,9 @@ def scored_logprobs(server, model: str, row: dict) -> list[float]:
 @pytest.fixture(scope="module")
 def calculator_round(smollm2_server, tmp_path_factory):
     """`lcap loop --async` (run_loop with overlap) on the demo's calculator task and bundled agent, SmolLM2: two
-    steps of 2 training tasks x 2 episodes. --max-staleness 0: step 2's episodes wait for step 1's deploy, so every
-    one of them is served by step 1's adapter. No held-out run: under load, decoding beside training costs minutes."""
+    steps of 1 training task x 2 episodes (each step's training is most of this file's time). --max-staleness 0:
+    step 2's episodes wait for step 1's deploy, so every one of them is served by step 1's adapter. No held-out run:
+    under load, decoding beside training costs minutes."""
     from lcap.dataset.options import BuildOptions, CollectOptions
     from lcap.loop.demo import calculator
     from lcap.loop.demo.number import write_jsonl
@@ -245,14 +246,14 @@ def calculator_round(smollm2_server, tmp_path_factory):
 
     smollm2_server.use_base()
     out = tmp_path_factory.mktemp("calculator")
-    train, _ = calculator.make_tasks([], n_train=4, n_eval=0, seed=0)
+    train, _ = calculator.make_tasks([], n_train=2, n_eval=0, seed=0)
     (out / "verify.py").write_text(STEPPED_VERIFIER.format(demo=str(demo_dir())))
     config = LoopConfig(
         run=out / "run",
         rounds=2,
         tasks=write_jsonl(out / "tasks.jsonl", train),
         command=calculator.agent_command(),
-        tasks_per_round=2,
+        tasks_per_round=1,
         collect=CollectOptions(group_size=2, concurrency=4, timeout=300, verifier=f"{out / 'verify.py'}:verify"),
         build=BuildOptions(truncated="keep"),
         train=TrainOptions(base_model=str(smollm2_server.model_dir), learning_rate=1e-3, report_to="none"),
@@ -289,7 +290,7 @@ def test_one_async_calculator_round_end_to_end(smollm2_server, calculator_round)
             "SELECT episode_id, split, round, reward, sample FROM episode_summary"
         )
     }
-    assert sorted((s, n) for s, n, _, _ in episodes.values()) == [("train", 1)] * 4 + [("train", 2)] * 4
+    assert sorted((s, n) for s, n, _, _ in episodes.values()) == [("train", 1)] * 2 + [("train", 2)] * 2
     assert {r["episode_id"] for r in rows} == set(episodes)
     for row in rows:
         check_tokens(row, row["deployment"])
@@ -357,7 +358,7 @@ def test_mismatch_guard_on_served_lora_samples(smollm2_server, calculator_round,
         "SELECT mismatch_kl, mismatch_logp_diff, mismatch_held, mismatch FROM train_runs WHERE round = 2"
     )[0]
     (measured,) = json.loads(details)
-    assert held == measured["deployment"] == steps["1:deploy"]["name"] and measured["samples"] == 4
+    assert held == measured["deployment"] == steps["1:deploy"]["name"] and measured["samples"] == 2
     assert measured["tokens"] > 0 and 0 <= kl < MISMATCH_MAX / 100 and diff < 0.05
 
     wrong = tmp_path / "wrong"

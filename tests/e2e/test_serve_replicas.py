@@ -29,6 +29,9 @@ from lcap.store import Store
 pytestmark = pytest.mark.vllm
 
 LCAP = str(Path(sys.executable).parent / "lcap")
+# Seconds between an agent's episodes in the tests that restart a replica: calls all along, and the CPU left to
+# the restart (it takes a vLLM start, which agents calling flat out slow down for every test of the run).
+PAUSE = 0.5
 
 
 @dataclass
@@ -188,7 +191,7 @@ def test_a_full_checkpoint_rolls_one_replica_at_a_time(pair, tmp_path):
     def replica_states(record: PolicyServer) -> tuple:
         return tuple((r.name, r.draining, r.current) for r in record.replicas)
 
-    with policy_proxy(tmp_path) as proxy, Agents(proxy, threads=4, max_tokens=24) as agents:
+    with policy_proxy(tmp_path) as proxy, Agents(proxy, threads=4, max_tokens=24, pause=PAUSE) as agents:
         agents.wait_for(8)
         with watching_record(replica_states, every=0.05) as states:
             name = deploy_policy(
@@ -225,7 +228,10 @@ def test_a_killed_replica_moves_its_episodes_to_the_other(pair, tmp_path):
     first four (eight calls) all rank r1 first, so a count of calls alone may pass before r0 answered any."""
     victim = pair.record.replica("r0")
     served_before = _answered(victim.url)
-    with policy_proxy(tmp_path) as proxy, Agents(proxy, threads=4, stream_every=3, max_tokens=24) as agents:
+    with (
+        policy_proxy(tmp_path) as proxy,
+        Agents(proxy, threads=4, stream_every=3, max_tokens=24, pause=PAUSE) as agents,
+    ):
         agents.wait_for(12)
         deadline = time.monotonic() + 300
         while _answered(victim.url) < served_before + 2:
@@ -276,7 +282,10 @@ def test_a_lone_replica_restarting_holds_calls_instead_of_failing_them(pair, tmp
     checkpoint = tmp_path / "checkpoint"
     shutil.copytree(pair.model_dir, checkpoint)
 
-    with policy_proxy(tmp_path) as proxy, Agents(proxy, threads=3, stream_every=2, max_tokens=16) as agents:
+    with (
+        policy_proxy(tmp_path) as proxy,
+        Agents(proxy, threads=3, stream_every=2, max_tokens=16, pause=PAUSE) as agents,
+    ):
         agents.wait_for(6)
         with watching_record(lambda record: record.replicas[0].draining, every=0.05) as states:
             name = deploy_policy(checkpoint, name="tiny-held", store=Store(pair.db), drain_timeout=120, restart=True)
