@@ -23,10 +23,10 @@ pytest_plugins = [
 TIERS = ("unit", "integration", "e2e")
 
 
-# What each e2e file costs in a whole run (seconds on two workers, from a whole e2e run's durations): scripts/test.sh hands files
-# out in collection order (`--no-loadscope-reorder`), each to the first idle worker, and the phase ends when the
-# slower worker does; the longest first leaves short files to even out the end. Only the order matters; a file not
-# listed counts as long, so a new one never lands alone at the end.
+# What each e2e file costs in a whole run (seconds on two workers, from a whole e2e run's durations): scripts/test.sh
+# hands files out in collection order (`--no-loadscope-reorder`), each to the first idle worker, and the phase ends
+# when the slower worker does; the longest first leaves short files to even out the end. Only the order matters; a
+# file not listed counts as long, so a new one never lands alone at the end.
 E2E_SECONDS = {
     "test_train_loop.py": 349,
     "test_serve_replicas.py": 338,
