@@ -31,6 +31,7 @@ pytestmark = pytest.mark.vllm
 LCAP = str(Path(sys.executable).parent / "lcap")
 KEY = "sk-live-tenant-0123456789"
 PROMPTS = ("Which is a number: code seven tool", "Which is a number: list two text")
+PAUSE = 0.25  # seconds between an agent's sessions: steady traffic that leaves the loop's training and eval the CPU
 
 # The held-out agent: one call through the loop's own proxy (lcap collect's), its answer on stdout.
 AGENT = chat_agent("""
@@ -99,6 +100,7 @@ class Traffic:
                     continue
                 with self.lock:
                     self.calls.append({"session": session, "started": started, "model": model})
+                self.stop.wait(PAUSE)
 
     def served_after(self, since: float, count: int, timeout: float = 120) -> list[str]:
         """The models that answered the first `count` calls started after `since` (monotonic)."""
