@@ -167,13 +167,13 @@ class Exchange:
             upstream, parts = await self._send(client, call, upstream_head, flight)
             reuse = await self._answer(client, call, upstream, parts, client_close, flight)
         except HoldRefused as refused:  # its turn is stored and counted already
-            client.send(refusal(503, str(refused), close=False))
-            return True
+            client.send(refusal(503, str(refused), close=client_close))
+            return not client_close
         except AnswerRefused as refused:  # its turn is stored already
             if flight.upstream is not None:
                 flight.upstream.close()
-            client.send(refusal(502, str(refused), close=False))
-            return True
+            client.send(refusal(502, str(refused), close=client_close))
+            return not client_close
         except BaseException as exc:
             if flight.upstream is not None:
                 flight.upstream.close()
@@ -201,8 +201,8 @@ class Exchange:
             self.calls.close_call(call.pending, why)
             if call.pending.chunks is not None:  # a stream: the agent may have part of it, cut it off
                 return False
-            client.send(refusal(status, why, close=False))
-            return True
+            client.send(refusal(status, why, close=client_close))  # a call that asked to close gets it closed
+            return not client_close
         finally:
             reader.notify(None)
         if reuse:

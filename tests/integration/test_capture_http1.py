@@ -17,6 +17,7 @@ import time
 
 import pytest
 from fixtures_capture import raw_exchange, turns
+from fixtures_ray import closed_port
 
 from lcap.capture.options import ProxyOptions
 from lcap.capture.proxy.server import CaptureProxy
@@ -85,6 +86,18 @@ def test_a_head_two_parsers_could_read_differently_is_refused(proxy, llm, case):
     assert got.startswith(b"HTTP/1.1 400 Bad Request\r\n") and b"lcap: bad request head" in got, got[:300]
     assert b"connection: close" in got and took < 4  # answered and closed at once: nothing waits for more
     assert llm.requests == []
+
+
+def test_lcaps_own_answer_to_a_call_that_asked_to_close_closes_the_connection(proxy):
+    """A call with `connection: close` that ends in lcap's own answer (a 502: nothing listens upstream) gets
+    `connection: close` and the connection closed after it, as a relayed answer does (RFC 9112, 9.6): a client
+    reading to the end of the connection is not left waiting for the idle timeout (3 s here)."""
+    with closed_port() as port:
+        fields = b"connection: close\r\ncontent-length: %s\r\n" % N
+        got, took = exchange(proxy, request(f"http://127.0.0.1:{port}", fields))
+    head = got.split(b"\r\n\r\n", 1)[0]
+    assert head.startswith(b"HTTP/1.1 502 Bad Gateway\r\n") and b"connection: close" in head, got[:300]
+    assert took < 2
 
 
 @pytest.mark.parametrize(
