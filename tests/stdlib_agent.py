@@ -1,6 +1,6 @@
 """The source of an agent's chat call that needs no SDK, for the agents the loop and collect tests write and start by
-the hundred: importing the OpenAI SDK costs a process about 2.5 CPU-seconds here, more than the rest of a
-tiny-model episode together. It sends what the SDK sends (the same URL, headers and JSON, the same two retries)
+the hundred: importing the OpenAI SDK costs a process more CPU than the rest of a tiny-model episode together
+(docs/benchmarks.md, "The test suite's time"). It sends what the SDK sends (the same URL, headers and JSON, the same two retries)
 through the proxy lcap gives the agent (HTTPS_PROXY, its CA in SSL_CERT_FILE). What the SDKs themselves send and get
 through lcap is tested where that is the point (tests/integration/test_capture_agents.py, test_serve_proxy.py,
 test_real_model.py's bundled agents, the harness matrix)."""
