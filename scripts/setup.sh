@@ -26,7 +26,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 # lcap's own modules byte-compiled (only what changed): where PYTHONDONTWRITEBYTECODE is set, as on this project's
 # machines, every process would otherwise compile again each lcap module it imports, every `lcap` command included.
-"$py" -m compileall -q -j 0 lcap capture dataset train serve loop ui
+folders=$("$py" -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["tool"]["setuptools"]["package-dir"].values())')
+"$py" -m compileall -q -j 0 $folders
 # The UI's browser tests drive the system Chromium (Playwright's own browser downloads are not reachable).
 if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
   sudo=$([ "$(id -u)" = 0 ] || echo sudo)

@@ -95,15 +95,14 @@ def deploy_policy(
             record = _load_lora(record, path, name)
         else:
             kind = "merged" if merge else "full"
-            if not merge:
-                _check_single_role(record, path)
             name = name or _unique_name(path, round, merged=merge)
             weights = path
-            if merge:
-                # checked again: the record may have changed while the lock was waited for
+            if merge:  # checked again: the record may have changed while the lock was waited for
                 base = _check_merge(record, path, lora)
                 shown.step(f"merging the adapter {path} into {base}'s weights ({merged_path(path)})")
                 weights = merge_adapter(path, base)
+            else:
+                _check_single_role(record, path)
             why = None if restart else _why_not_in_place(record, weights)
             if why is None and not restart:
                 shown.step(f"reloading the weights of {weights} as {name} in place, {_replicas(record)} one at a time")

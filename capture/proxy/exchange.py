@@ -145,6 +145,13 @@ def _answer_head(status: int, reason: bytes, fields: list[tuple[bytes, bytes]]) 
     return b"HTTP/1.1 %d %s\r\n%s" % (status, reason, b"".join(b"%s: %s\r\n" % f for f in fields))
 
 
+def _own_answer(client: Connection, status: int, why: str, client_close: bool) -> bool:
+    """Answer the call with lcap's own `status`; whether the connection serves another call: not when the call asked
+    to close it (RFC 9112 9.6), as after a relayed answer."""
+    client.send(refusal(status, why, close=client_close))
+    return not client_close
+
+
 class Exchange:
     """One HTTP/1.1 call at a time per agent connection: sent upstream on a pooled connection, answered back."""
 
@@ -167,13 +174,11 @@ class Exchange:
             upstream, parts = await self._send(client, call, upstream_head, flight)
             reuse = await self._answer(client, call, upstream, parts, client_close, flight)
         except HoldRefused as refused:  # its turn is stored and counted already
-            client.send(refusal(503, str(refused), close=client_close))
-            return not client_close
+            return _own_answer(client, 503, str(refused), client_close)
         except AnswerRefused as refused:  # its turn is stored already
             if flight.upstream is not None:
                 flight.upstream.close()
-            client.send(refusal(502, str(refused), close=client_close))
-            return not client_close
+            return _own_answer(client, 502, str(refused), client_close)
         except BaseException as exc:
             if flight.upstream is not None:
                 flight.upstream.close()
@@ -201,8 +206,7 @@ class Exchange:
             self.calls.close_call(call.pending, why)
             if call.pending.chunks is not None:  # a stream: the agent may have part of it, cut it off
                 return False
-            client.send(refusal(status, why, close=client_close))  # a call that asked to close gets it closed
-            return not client_close
+            return _own_answer(client, status, why, client_close)
         finally:
             reader.notify(None)
         if reuse:
