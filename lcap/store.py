@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import threading
 import time
@@ -42,6 +43,8 @@ from lcap.locks import flock_within
 from lcap.private_files import made_privately, private_file
 from lcap.redact import redact_labels, redact_text
 from lcap.schema import MIGRATIONS, PROMOTED_LABELS, SCHEMA_VERSION, TABLES, VIEWS
+
+log = logging.getLogger(__name__)
 
 _LOCKED = ("Could not set lock", "Conflicting lock", "database is locked")
 RETRY_MAX_S = 0.025  # the longest pause between two attempts at a locked file
@@ -112,7 +115,7 @@ class Store:
                     try:
                         if not inst.read_only:
                             self._drop_unused_wal()
-                        _detach(inst.con)
+                        _detach(inst.con, self.path)
                     finally:
                         if inst.guard is not None:
                             inst.guard.release()  # after the detach: DuckDB has closed the file
@@ -135,7 +138,7 @@ class Store:
             try:
                 self._private_wal()
             except BaseException:
-                _detach(con)
+                _detach(con, self.path)
                 guard.release()
                 raise
         return guard
@@ -439,15 +442,21 @@ class _Waiters:
             self.fd = None
 
 
-def _detach(con: duckdb.DuckDBPyConnection) -> None:
-    """Release the file (DuckDB checkpoints it); a transaction a failed unit of work left open is rolled back."""
-    try:
-        con.execute("USE memory")
-        con.execute(f"DETACH {_ALIAS}")
-    except duckdb.Error:
+def _detach(con: duckdb.DuckDBPyConnection, path: Path) -> None:
+    """Release the file (DuckDB checkpoints it). A transaction the unit of work left open (one that failed inside
+    it) is rolled back first: a DETACH within it would wait for its commit, leaving the file attached. A checkpoint
+    that fails (a full disk) still releases the file, and what the unit of work committed stays in the WAL, which
+    the next attach applies and the next detach checkpoints: logged, not raised, as the writes are kept."""
+    with contextlib.suppress(duckdb.TransactionException):  # no transaction open: the usual case
         con.execute("ROLLBACK")
-        con.execute("USE memory")
+    con.execute("USE memory")
+    try:
         con.execute(f"DETACH {_ALIAS}")
+    except duckdb.Error as exc:
+        attached = con.execute("SELECT count(*) FROM duckdb_databases() WHERE database_name = ?", [_ALIAS]).fetchall()
+        if attached != [(0,)]:
+            raise
+        log.warning("store %s: its checkpoint failed; its WAL keeps what was written: %s", path, exc)
 
 
 def _json(value: Any) -> str:

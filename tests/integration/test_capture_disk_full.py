@@ -254,3 +254,24 @@ def test_the_writer_stores_a_spool_whose_disk_is_full(tmp_path, capture_home):
         report = writer.finish(timeout=60)
     assert report is not None and (report.spooled, report.stored, report.lost, report.unstored) == (4, 4, 0, 0)
     assert sorted(r["episode_id"] for r in turns(db)) == ["first", "held", "queued-1", "queued-2"]
+
+
+def test_a_store_whose_disk_fills_before_its_checkpoint_keeps_the_write_and_says_why(tmp_path, caplog):
+    """The store's own disk fills after a unit of work has written its WAL and before the checkpoint that releases
+    the file: the unit of work ends without an error (its writes are committed), the failed checkpoint is logged
+    with its cause, and the rows are there for the next unit of work, which checkpoints them once there is room."""
+    with small_disk(tmp_path / "disk") as disk:
+        store = Store(disk / "lcap.duckdb")
+        with store.connect() as con:
+            con.execute("CREATE TABLE notes (note VARCHAR)")
+        note = os.urandom(400_000).hex()  # little to compress: the checkpoint needs room for it
+        with caplog.at_level("WARNING", logger="lcap.store"), store.connect() as con:
+            con.execute("INSERT INTO notes VALUES (?)", [note])
+            filler = fill(disk)
+        assert "its checkpoint failed" in caplog.text and "No space left on device" in caplog.text, caplog.text
+        filler.unlink()
+        caplog.clear()
+        with store.connect() as con:
+            assert con.execute("SELECT note FROM notes").fetchall() == [(note,)]
+        assert caplog.text == "" and not (disk / "lcap.duckdb.wal").exists()  # checkpointed: the WAL is gone
+        assert _rows(disk / "lcap.duckdb", "SELECT count(*) FROM notes") == [(1,)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import duckdb
+import pytest
 
 from lcap.store import Store
 
@@ -152,3 +153,17 @@ def test_a_reward_key_is_scoped_to_its_episode_not_the_whole_store(tmp_path):
     assert not store.add_reward("ep-a", 0.0, details="{}", source="ci", key="grade-1")
     rows = store.fetchall("SELECT episode_id, value FROM rewards WHERE key = 'grade-1' ORDER BY 1")
     assert rows == [("ep-a", 1.0), ("ep-b", 0.5)]
+
+
+def test_a_unit_of_work_that_fails_inside_a_transaction_is_rolled_back_and_the_store_stays_usable(tmp_path):
+    store = Store(tmp_path / "lcap.duckdb")
+    with store.connect() as con:
+        con.execute("CREATE TABLE notes (note VARCHAR)")
+    with pytest.raises(RuntimeError), store.connect() as con:
+        con.execute("BEGIN")
+        con.execute("INSERT INTO notes VALUES ('half done')")
+        raise RuntimeError("the unit of work fails with its transaction open (and not aborted: no SQL error)")
+    with store.connect() as con:
+        assert con.execute("SELECT count(*) FROM notes").fetchall() == [(0,)]
+        con.execute("INSERT INTO notes VALUES ('next')")
+    assert store.fetchall("SELECT note FROM notes") == [("next",)]
