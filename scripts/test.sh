@@ -1,22 +1,23 @@
 #!/usr/bin/env bash
 # The README's test command: set up (idempotent), lint and type-check, then run the suite (every tier unless
 # arguments name tests: `scripts/test.sh tests/unit`; the unit tier alone, without set-up or lint, is
-# `.venv/bin/python -m pytest tests/unit`). The whole suite runs in two phases, each on two pytest-xdist workers,
-# one per core here: tests/unit and tests/integration, then tests/e2e (whose vLLM training and decoding would
-# starve an integration test's proxy beside it); between them, the tests marked `serial` run alone. Each file
-# runs on one worker (its module fixtures, a vLLM server or Ray cluster its tests share, are set up once), files
-# handed out in collection order (xdist's default would order them by their count of tests, leaving a one-test
-# file of minutes to the end). Tests named as arguments run on two workers; `-n 0` among the arguments runs them
-# serially. The whole suite first installs the harnesses of tests/e2e/test_harnesses.py (their fixture only
-# checks them then).
+# `.venv/bin/python -m pytest tests/unit`). The whole suite runs in two phases on pytest-xdist workers: tests/unit and
+# tests/integration on three (their tests wait on timeouts and subprocesses a good part of the time, which two
+# workers on two cores left idle), then tests/e2e on two, one per core (CPU-bound: vLLM training and decoding,
+# which would also starve an integration test's proxy beside it); between them, the tests marked `serial` run alone.
+# Each file runs on one worker (its module fixtures, a vLLM server or Ray cluster its tests share, are set up once),
+# files handed out in collection order (xdist's default would order them by their count of tests, leaving a
+# one-test file of minutes to the end). Tests named as arguments run on two workers; `-n 0` among the arguments
+# runs them serially. The whole suite first installs the harnesses of tests/e2e/test_harnesses.py (their fixture
+# only checks them then).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 scripts/lint.sh
-pytest=(.venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder)
+pytest=(.venv/bin/python -m pytest --dist loadfile --no-loadscope-reorder)
 for arg in "$@"; do
   if [[ $arg == tests* ]]; then
-    exec "${pytest[@]}" "$@"
+    exec "${pytest[@]}" -n 2 "$@"
   fi
 done
 scripts/harnesses/install.sh  # the real harnesses tests/e2e/test_harnesses.py runs (idempotent): set-up, not test time
@@ -24,9 +25,9 @@ scripts/harnesses/install.sh  # the real harnesses tests/e2e/test_harnesses.py r
 LCAP_HARNESS_DIR=${LCAP_SANDBOX_HARNESS_DIR:-/var/cache/lcap-harnesses} LCAP_HARNESS_PYTHON=/usr/bin/python3 \
   scripts/harnesses/install.sh codex mini
 status=0
-"${pytest[@]}" tests/unit tests/integration -m "not serial" "$@" || status=$?
+"${pytest[@]}" -n 3 tests/unit tests/integration -m "not serial" "$@" || status=$?
 .venv/bin/python -m pytest tests/integration -m serial "$@" || status=$?  # a unit test cannot be serial (tests/conftest.py)
 # One OpenMP thread per process in e2e: its trainers and vLLM servers otherwise run a spinning thread per core
 # each, beside the other worker's (docs/benchmarks.md, the whole test suite).
-OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "${pytest[@]}" tests/e2e "$@" || status=$?
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "${pytest[@]}" -n 2 tests/e2e "$@" || status=$?
 exit "$status"
