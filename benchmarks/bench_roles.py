@@ -58,26 +58,12 @@ async def _one(client: AsyncOpenAI, models: list[str], n: int, max_tokens: int) 
     return reply.usage.completion_tokens
 
 
-def make_adapters(model: Path, out: Path, n: int) -> list[Path]:
-    """`n` LoRA adapters of lcap's shape on `model`, each with other (non-zero) weights."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    paths = []
-    for i in range(n):
-        torch.manual_seed(i)
-        config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", init_lora_weights=False)
-        peft = get_peft_model(AutoModelForCausalLM.from_pretrained(model), config)
-        paths.append(out / f"adapter-{i}")
-        peft.save_pretrained(paths[-1])
-    return paths
-
-
 def decode_arms(model: Path, work: Path, max_tokens: int, repeats: int) -> None:
+    from fixtures_vllm import make_lora
+
     from lcap.serve import deploy_roles, start_server, stop_server
 
-    adapters = make_adapters(model, work, max(ADAPTERS))
+    adapters = [make_lora(model, work / f"adapter-{i}", seed=i, rank=16) for i in range(max(ADAPTERS))]
     for n, (setting, args) in enumerate(SETTINGS.items()):
         record = start_server(str(model), log_path=work / f"vllm-{n}.log", timeout=900, extra_args=args)
         try:
