@@ -25,7 +25,7 @@ PROMOTED_LABELS = {
 # The store's shape. A new store gets TABLES at SCHEMA_VERSION; an older one is brought there by MIGRATIONS
 # (version reached -> statements, or functions of the connection), in order, inside the unit of work that first
 # opens it for writing.
-SCHEMA_VERSION = 13
+SCHEMA_VERSION = 14
 
 
 def _redact_labels_json(labels: str) -> str:
@@ -93,6 +93,7 @@ MIGRATIONS: dict[int, tuple[str | Callable[[duckdb.DuckDBPyConnection], None], .
     11: (JUDGE_CACHE,),
     12: ("ALTER TABLE turns ADD COLUMN IF NOT EXISTS role VARCHAR",),  # turns captured before it: NULL
     13: ("ALTER TABLE deployments ADD COLUMN IF NOT EXISTS role VARCHAR",),  # deployments before it: NULL, default's
+    14: ("ALTER TABLE train_runs ADD COLUMN IF NOT EXISTS dropped_alone INTEGER",),  # rounds before it: NULL
 }
 
 TABLES = """
@@ -241,7 +242,8 @@ CREATE TABLE IF NOT EXISTS train_runs (
     mismatch            JSON,     -- [{deployment, samples, tokens, logp_diff, kl}]
     -- the one deployment held to the limit (an async step's: the one being trained), NULL: all of them; with
     -- mismatch_kl NULL and samples scored, the batch had none of its samples and the guard checked nothing
-    mismatch_held       VARCHAR
+    mismatch_held       VARCHAR,
+    dropped_alone       INTEGER    -- samples left out, alone in their group: GRPO had nothing to compare them with
 );
 
 -- train stage: `lcap loop` progress, one row per finished step of a round (collect, build, train, deploy, eval)

@@ -23,7 +23,7 @@ from lcap.noise import quiet_noise
 from lcap.progress import Reporter
 from lcap.train.mismatch import Mismatch, check_mismatch, measure_mismatch
 from lcap.train.options import TrainOptions
-from lcap.train.progress import step_progress
+from lcap.train.progress import alone_text, step_progress
 from lcap.train.samples import Groups, TokenCount, count_tokens, make_groups, read_samples, weighted
 
 
@@ -72,12 +72,7 @@ def nothing_to_train(where: str, samples_path: Path, samples: list, groups: Any,
         )
     if groups.dropped_small:
         extra.append(
-            Cause(
-                f"{plural(groups.dropped_small, 'sample')} "
-                f"{'is alone in its group' if groups.dropped_small == 1 else 'are alone in their groups'} "
-                "(GRPO compares two or more samples of a task)",
-                "undo what left them alone, or collect with a larger --group-size",
-            )
+            Cause(alone_text(groups.dropped_small), "undo what left them alone, or collect with a larger --group-size")
         )
     n_groups = len({s.group_id for s in samples})
     head = (
@@ -329,6 +324,7 @@ def fit_round(inputs: RoundInputs, out_dir: Path, options: TrainOptions, *, prog
         n_groups=len(groups.groups),
         group_size=groups.size,
         dropped_stale=groups.dropped_stale,
+        dropped_alone=groups.dropped_small,
         padded=groups.padded,
         mean_reward=groups.mean_reward(),
         **throughput(trainer, tokens, passes, seconds),

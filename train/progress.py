@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from lcap.dataset import plural
 from lcap.display import num, small
 from lcap.progress import Reporter
 
@@ -20,8 +21,18 @@ def training_text(metrics: dict[str, Any]) -> str:
     return (
         f"loss {num(metrics.get('loss'), 4)} | KL {num(metrics.get('kl'))} | IS ratio {num(metrics.get('is_ratio_mean'))}"
         f" | clip {num(metrics.get('clip_fraction'))} | {num(metrics.get('tokens_per_s'), 0)} tok/s"
-        f" | train/serve KL {small(metrics.get('mismatch_kl'))}{_unchecked(metrics)}"
+        f" | train/serve KL {small(metrics.get('mismatch_kl'))}{_unchecked(metrics)}{_left_out(metrics)}"
     )
+
+
+def alone_text(n: int) -> str:
+    """The samples a round leaves out because no other sample of their group is left to compare them with."""
+    alone = "is alone in its group" if n == 1 else "are alone in their groups"
+    return f"{plural(n, 'sample')} {alone} (GRPO compares two or more samples of a task)"
+
+
+def _left_out(metrics: dict[str, Any]) -> str:
+    return f" | left out: {alone_text(metrics['dropped_alone'])}" if metrics.get("dropped_alone") else ""
 
 
 def _unchecked(metrics: dict[str, Any]) -> str:
@@ -33,7 +44,7 @@ def round_line(round: int, metrics: dict[str, Any], output: Path) -> str:
     if "n_groups" not in metrics:
         return f"round {round}: {metrics['n_samples']} sft samples | {training_text(metrics)} -> {output}"
     return (
-        f"round {round}: {metrics['n_samples']} samples in {metrics['n_groups']} groups, "
+        f"round {round}: {plural(metrics['n_samples'], 'sample')} in {plural(metrics['n_groups'], 'group')}, "
         f"mean reward {num(metrics.get('mean_reward'))} | {training_text(metrics)} -> {output}"
     )
 

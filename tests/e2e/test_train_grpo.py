@@ -13,6 +13,7 @@ from logps import perturbed_samples, token_logps, train_options
 from lcap.store import Store
 from lcap.train.grpo import prepare_round, train_round
 from lcap.train.options import TrainOptions
+from lcap.train.progress import round_line
 from lcap.train.samples import Sample, read_samples
 
 
@@ -94,6 +95,22 @@ def test_a_short_group_is_filled_with_one_token_copies_that_change_nothing(
     assert loss == pytest.approx(loss_m, rel=1e-4) and adapter.keys() == adapter_m.keys()
     for key in adapter:
         torch.testing.assert_close(adapter[key], adapter_m[key], rtol=1e-4, atol=1e-6)
+
+
+def test_samples_left_alone_in_their_group_are_left_out_and_said_so(tiny_train_model, captured_samples, tmp_path):
+    """A group that the builder's drops (truncated calls, failed episodes) left with one sample gives GRPO nothing to
+    compare: the round trains without it, and its line says how many samples it left out, as the build's count of
+    samples and the round's would otherwise disagree with nothing said."""
+    rows = pq.read_table(captured_samples).to_pylist()
+    alone = [r for r in rows if r["group_id"] != "r1-t1" or r["sample_id"] == "s1-0"]  # r1-t1 keeps one of four
+    samples = write_samples(tmp_path / "data" / "samples.parquet", alone)
+    store = Store(tmp_path / "lcap.duckdb")
+    result = train_round(store, tmp_path / "run", 1, train_options(tiny_train_model, learning_rate=1e-3), data=samples)
+    assert (result.metrics["n_samples"], result.metrics["n_groups"], result.metrics["dropped_alone"]) == (4, 1, 1)
+    line = round_line(1, result.metrics, result.output)
+    assert line.startswith("round 1: 4 samples in 1 group,") and line.endswith(
+        f"left out: 1 sample is alone in its group (GRPO compares two or more samples of a task) -> {result.output}"
+    ), line
 
 
 def loss_inputs(monkeypatch) -> tuple[list[dict], list[bool]]:

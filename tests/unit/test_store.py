@@ -167,3 +167,17 @@ def test_a_unit_of_work_that_fails_inside_a_transaction_is_rolled_back_and_the_s
         assert con.execute("SELECT count(*) FROM notes").fetchall() == [(0,)]
         con.execute("INSERT INTO notes VALUES ('next')")
     assert store.fetchall("SELECT note FROM notes") == [("next",)]
+
+
+def test_a_version_13_store_gets_train_runs_dropped_alone(tmp_path):
+    """Version 14 added train_runs.dropped_alone; a round trained before it has NULL there."""
+    path = tmp_path / "v13.duckdb"
+    store = Store(path)
+    store.append("train_runs", [{"run": "r", "round": 1}])
+    con = duckdb.connect(str(path))  # back to version 13's shape
+    con.execute("ALTER TABLE train_runs DROP COLUMN dropped_alone; UPDATE schema_version SET version = 13")
+    con.close()
+    store = Store(path)
+    store.append("train_runs", [{"run": "r", "round": 2, "dropped_alone": 3}])
+    assert store.fetchall("SELECT round, dropped_alone FROM train_runs ORDER BY round") == [(1, None), (2, 3)]
+    assert store.fetchall("SELECT max(version) FROM schema_version") == [(14,)]
