@@ -205,10 +205,12 @@ def test_a_second_policy_change_waits_then_names_the_holder(tmp_path, monkeypatc
         pass
 
 
-def test_a_taken_port_is_refused_before_vllm_starts():
+def test_a_taken_port_is_refused_before_vllm_starts(tmp_path, monkeypatch):
     """`lcap serve --port P` where P is taken: one line naming the port, and no server left behind."""
     from lcap.serve.vllm_process import listen_socket
 
+    monkeypatch.setenv("LCAP_POLICY_RECORD", str(tmp_path / "policy.json"))  # not a server the machine's home runs
+    monkeypatch.setenv("LCAP_HOME", str(tmp_path))
     with listen_socket("127.0.0.1") as taken:
         port = taken.getsockname()[1]
         done = CliRunner().invoke(app, ["serve", "--model", "unused", "--port", str(port), "--python", sys.executable])
