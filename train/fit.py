@@ -70,9 +70,9 @@ def nothing_to_train(where: str, samples_path: Path, samples: list, groups: Any,
                 "train with --stale correct (importance-corrected, the default)",
             )
         )
-    if groups.dropped_small:
+    if groups.dropped_alone:
         extra.append(
-            Cause(alone_text(groups.dropped_small), "undo what left them alone, or collect with a larger --group-size")
+            Cause(alone_text(groups.dropped_alone), "undo what left them alone, or collect with a larger --group-size")
         )
     n_groups = len({s.group_id for s in samples})
     head = (
@@ -130,7 +130,7 @@ def check_trainable(inputs: RoundInputs, out_dir: Path, options: TrainOptions) -
     if not groups.groups:
         message = nothing_to_train(where, inputs.shown(out_dir).samples, samples, groups, inputs.current)
         equal = equal_rewards(read_report(Path(inputs.samples).parent))
-        if equal and not groups.dropped_stale and not groups.dropped_small:
+        if equal and not groups.dropped_stale and not groups.dropped_alone:
             raise NothingToLearn(message, equal)
         raise LcapError(message)
     count = count_tokens(groups.samples)
@@ -324,7 +324,7 @@ def fit_round(inputs: RoundInputs, out_dir: Path, options: TrainOptions, *, prog
         n_groups=len(groups.groups),
         group_size=groups.size,
         dropped_stale=groups.dropped_stale,
-        dropped_alone=groups.dropped_small,
+        dropped_alone=groups.dropped_alone,
         padded=groups.padded,
         mean_reward=groups.mean_reward(),
         **throughput(trainer, tokens, passes, seconds),

@@ -67,7 +67,7 @@ class Groups:
     size: int
     groups: dict[str, list[Sample]]
     dropped_stale: int = 0
-    dropped_small: int = 0
+    dropped_alone: int = 0
     padded: int = 0
 
     @property
@@ -145,17 +145,17 @@ def make_groups(
         by_group.setdefault(s.group_id, []).append(s)
     size = group_size or max((len(m) for m in by_group.values()), default=0)
     groups: dict[str, list[Sample]] = {}
-    dropped_small = padded = 0
+    dropped_alone = padded = 0
     for gid, members in by_group.items():
         if len(members) < min_group:
-            dropped_small += len(members)
+            dropped_alone += len(members)
             continue
         members = members[:size]
         while len(members) < size:
             members.append(members[len(members) % len(members)].pad_copy())
             padded += 1
         groups[gid] = members
-    return Groups(size=size, groups=groups, dropped_stale=dropped_stale, dropped_small=dropped_small, padded=padded)
+    return Groups(size=size, groups=groups, dropped_stale=dropped_stale, dropped_alone=dropped_alone, padded=padded)
 
 
 def _has_behaviour_logprobs(row: dict) -> bool:

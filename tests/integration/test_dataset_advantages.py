@@ -113,7 +113,7 @@ def test_build_dataset_trains_live_traffic_with_a_batch_baseline(mixed, tmp_path
         assert by_episode[episode]["advantage"] == pytest.approx((reward - mean) / (std + 1e-4))
         assert by_episode[episode]["merged"] and by_episode[episode]["n_turns"] == 2
     groups = make_groups(read_samples(tmp_path / "batch"))  # the trainer keeps them: one layout group of three
-    assert [len(m) for m in groups.groups.values()] == [3] and groups.dropped_small == 0
+    assert [len(m) for m in groups.groups.values()] == [3] and groups.dropped_alone == 0
 
 
 def test_build_dataset_reward_source_without_where_uses_the_round(mixed, tmp_path):

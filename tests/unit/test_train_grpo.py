@@ -29,7 +29,7 @@ def test_groups_pad_short_groups_and_drop_or_keep_stale():
         sample("c", 0),
     ]
     groups = make_groups(samples, stale="correct", current="r1")
-    assert groups.size == 4 and set(groups.groups) == {"a", "b"} and groups.dropped_small == 1
+    assert groups.size == 4 and set(groups.groups) == {"a", "b"} and groups.dropped_alone == 1
     padded = [s for s in groups.groups["b"] if s.padding]
     assert len(padded) == 1 and padded[0].advantage == 0.0 and set(padded[0].env_mask) == {0}
 
