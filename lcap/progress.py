@@ -88,9 +88,11 @@ class Reporter:
     def __enter__(self) -> Reporter:
         self._started = time.monotonic()
         if self.bar:
-            columns: list[Any] = [TextColumn(self.label)]
+            # Plain text, as the lines off a terminal: the words may quote a log or an agent ("[/path]" as markup
+            # would stop the bar with an error).
+            columns: list[Any] = [TextColumn(self.label, markup=False)]
             columns += [BarColumn(), MofNCompleteColumn()] if self.counted else [SpinnerColumn()]
-            columns += [TextColumn("{task.description}"), TimeElapsedColumn()]
+            columns += [TextColumn("{task.description}", markup=False), TimeElapsedColumn()]
             if self.total is not None:
                 columns.append(TimeRemainingColumn())
             self._progress = Progress(*columns, console=self.console, transient=False)

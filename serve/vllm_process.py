@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -20,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from lcap.config import LcapError
+from lcap.display import printable
 from lcap.policy import PolicyServer, bearer
 from lcap.processes import python_helper
 from lcap.progress import Reporter
@@ -257,7 +259,7 @@ def wait_healthy(
 
     def said() -> str:
         ready = f"{len(servers) - len(waiting)}/{len(servers)} ready, " if len(servers) > 1 else ""
-        return f"{ready}{tail(waiting[0][2], 1)[-100:]}" if waiting else f"{len(servers)} healthy"
+        return f"{ready}{log_news(waiting[0][2])}" if waiting else f"{len(servers)} healthy"
 
     started = time.monotonic()
     with Reporter("starting vLLM", describe=said, show=progress, counted=False) as shown:
@@ -294,6 +296,20 @@ def tail(path: Path, lines: int = 20) -> str:
     except FileNotFoundError:
         return ""
     return "\n".join([line for line in text.splitlines() if line.strip()][-lines:])
+
+
+# What vLLM puts before each message: "(EngineCore pid=30683) INFO 12-07 09:59:49 [cpu_model_runner.py:68] ".
+_VLLM_LOG_PREFIX = re.compile(r"^(?:\(\w+ pid=\d+\) )?(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) [\d-]+ [\d:.]+ \[[^\]]*\] ")
+NEWS_CHARS = 80
+
+
+def log_news(path: Path) -> str:
+    """The last line of a vLLM log as a progress line's words: its message without vLLM's prefix, cut at its end
+    to NEWS_CHARS, control characters escaped; nothing while the log's last line is `launch`'s command."""
+    line = _VLLM_LOG_PREFIX.sub("", tail(path, 1).strip())
+    if line.startswith("$ "):
+        return ""
+    return printable(line if len(line) <= NEWS_CHARS else line[: NEWS_CHARS - 1] + "…")
 
 
 def load_lora_over_http(url: str, name: str, path: Path | str, key: str | None) -> None:

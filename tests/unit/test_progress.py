@@ -83,3 +83,12 @@ def test_the_interval_comes_from_lcap_progress_s_within_bounds(monkeypatch):
         monkeypatch.setenv(INTERVAL_VARIABLE, bad)
         with pytest.raises(LcapError, match=f"{INTERVAL_VARIABLE}={bad}: give seconds"):
             Reporter("x")
+
+
+def test_words_quoting_a_log_are_shown_as_they_are_never_as_markup():
+    """A log line or an agent's text may hold "[/path]", which rich's markup would refuse with an error."""
+    console, out = _console(terminal=True)
+    said = "loading [/root/.lcap/vllm-venv] [bold]done"
+    with Reporter("starting vLLM", describe=lambda: said, console=console, counted=False) as shown:
+        shown.refresh()
+    assert said in out.getvalue()

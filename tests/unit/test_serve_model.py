@@ -224,3 +224,24 @@ def test_cpu_threads_must_be_positive():
 
     with pytest.raises(LcapError, match="--cpu-threads 0"):
         ServeOptions(cpu_threads=0)
+
+
+def test_vllms_start_is_shown_by_its_last_message_cut_at_its_end(tmp_path):
+    """`lcap serve`'s progress words: the message of vLLM's last log line, not its prefix nor its left end cut off."""
+    from lcap.serve.vllm_process import NEWS_CHARS, log_news
+
+    log = tmp_path / "vllm.log"
+    log.write_text("\n$ /venv/bin/python -I launch.py --model /m/tiny --port 45365\n")
+    assert log_news(log) == ""  # the command lcap started, not news of vLLM
+    log.write_text(
+        "(APIServer pid=30648) INFO 12-07 09:59:29 [api_utils.py:347] non-default args\n"
+        "(EngineCore pid=30683) INFO 12-07 09:59:49 [cpu_model_runner.py:68] Starting to load model /m/tiny...\n\n"
+    )
+    assert log_news(log) == "Starting to load model /m/tiny..."
+    log.write_text("Loading safetensors checkpoint shards: 100% Completed | 1/1 [00:00<00:00]\n")  # no prefix: whole
+    assert log_news(log) == "Loading safetensors checkpoint shards: 100% Completed | 1/1 [00:00<00:00]"
+    log.write_text("WARNING 12-07 09:59:48 [cpu_worker.py:114] " + "x" * 200 + "\x1b[31m\n")
+    assert log_news(log) == "x" * (NEWS_CHARS - 1) + "…"
+    log.write_text("INFO 12-07 09:59:48 [a.py:1] red \x1b[31mtext\n")
+    assert log_news(log) == "red \\x1b[31mtext"
+    assert log_news(tmp_path / "not-yet.log") == ""
