@@ -154,7 +154,17 @@ def evaluate(
 @with_options(
     LoopOptions,
     "options",
-    exclude=("groups_per_step", "sft_data", "live", "min_samples", "promote_margin", "wait_timeout", "per_role"),
+    # the demo decides how a round deploys (runner.deploys_merged) and which loop its task needs
+    exclude=(
+        "groups_per_step",
+        "sft_data",
+        "live",
+        "min_samples",
+        "promote_margin",
+        "wait_timeout",
+        "per_role",
+        "deploy_merge",
+    ),
 )
 @with_options(DemoOptions, "demo_options")
 def demo(

@@ -15,3 +15,4 @@ from lcap.serve.pretrained import pretrained_dir as pretrained_dir
 from lcap.serve.server import start_server as start_server
 from lcap.serve.server import stop_server as stop_server
 from lcap.serve.tiny_model import init_model as init_model
+from lcap.serve.vllm_env import has_gpu as has_gpu

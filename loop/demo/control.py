@@ -28,23 +28,28 @@ FROM episodes WHERE split = 'compare' AND labels->>'eval' = ? GROUP BY deploymen
 """
 
 
-def run_greedy(store, config: LoopConfig, echo: Callable[[str], None]) -> list[EvalRow]:
+def run_greedy(store, config: LoopConfig, echo: Callable[[str], None], *, base_only: bool = False) -> list[EvalRow]:
     """Evaluate the base model and the deployment serving now (the last promoted round) greedily, one sample per
-    held-out task, on the running policy server; a deployment already evaluated (a resumed demo) is not run again."""
+    held-out task, on the running policy server; a deployment already evaluated (a resumed demo) is not run again.
+    `base_only`: the base model alone, and only while it serves (before a loop whose deploys replace its weights)."""
     record = read_policy()
     if record is None or config.eval_tasks is None:
         raise LcapError("the demo's greedy control needs the policy server and the held-out tasks")
     if config.options.per_role:  # a round is one adapter per role: `lcap eval` names one deployment for every call
         echo("[demo] greedy control: not for a --per-role demo (lcap eval serves every role one deployment)")
         return greedy_rows(store)
-    wanted = list(dict.fromkeys([record.served_model, record.current]))
-    if record.served_as:  # the base's weights were replaced in place (--deploy-merge, --full)
-        echo(
-            "[demo] greedy control: the base model's weights no longer serve (a merged or full checkpoint replaced "
-            f"them): {record.current} only"
-        )
-        wanted = [record.current]
     done = {row.deployment for row in greedy_rows(store)}
+    base_serves = not record.served_as and record.current == record.served_model
+    wanted = list(dict.fromkeys([record.served_model, record.current]))
+    if base_only:
+        wanted = wanted[:1] if base_serves else []
+    elif record.served_as:  # the base's weights were replaced in place (--deploy-merge, --full)
+        if record.served_model not in done:
+            echo(
+                "[demo] greedy control: the base model's weights no longer serve (a merged or full checkpoint "
+                f"replaced them): {record.current} only"
+            )
+        wanted = [record.current]
     todo = tuple(name for name in wanted if name not in done)
     if todo:
         echo(f"[demo] greedy control: {', '.join(todo)} at temperature 0 on the held-out tasks")

@@ -46,7 +46,16 @@ from lcap.loop.options import DEMO_TASKS, LoopOptions
 from lcap.loop.rounds import run_loop
 from lcap.loop.steps import LoopConfig
 from lcap.policy import read_policy
-from lcap.serve import STAMP, TinyModelOptions, init_model, init_pretrained, pretrained_dir, start_server, stop_server
+from lcap.serve import (
+    STAMP,
+    TinyModelOptions,
+    has_gpu,
+    init_model,
+    init_pretrained,
+    pretrained_dir,
+    start_server,
+    stop_server,
+)
 from lcap.store import Store
 from lcap.train import TrainOptions
 
@@ -108,6 +117,13 @@ def run_demo(
     tasks = write_jsonl(out / "tasks.jsonl", judged.with_reference(train_tasks) if reward == "judge" else train_tasks)
     eval_tasks = write_jsonl(out / "heldout.jsonl", held_out)
 
+    config = _loop_config(out, kind, settings, model, tasks, eval_tasks, rounds, loop)
+    if reward == "judge":
+        config = judged.judged_config(config)
+    merged = deploys_merged(config.options, reward)
+    if merged:
+        config = replace(config, options=replace(config.options, deploy_merge=True))
+
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))  # stop vLLM on `kill` too
     running = read_policy()
     started = False
@@ -118,15 +134,14 @@ def run_demo(
         # vLLM means to serve with one torch thread, but its CPU backend skips that and runs an OpenMP
         # thread per core; on two cores shared with the agents those threads spin and wait on each other.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        start_server(str(model), store=store, log_path=out / "vllm.log")
+        start_server(str(model), store=store, log_path=out / "vllm.log", lora=not merged)
         started = True
     timings["server"] = time.perf_counter() - t0 - timings["model"]
 
     os.environ.setdefault("OPENAI_API_KEY", "demo-placeholder")  # the agent wants one; the proxy drops it
-    config = _loop_config(out, kind, settings, model, tasks, eval_tasks, rounds, loop)
-    if reward == "judge":
-        config = judged.judged_config(config)
     try:
+        if merged:  # the base model's weights serve only until round 1's deploy replaces them: its control first
+            run_greedy(store, config, echo, base_only=True)
         run_loop(store, config, echo=echo)
         run_greedy(store, config, echo)  # the control: base and last round at temperature 0
     finally:
@@ -142,6 +157,15 @@ def run_demo(
         echo(results["report"]["line"])
     _tell(results, out, store, echo)
     return results
+
+
+def deploys_merged(options: LoopOptions, reward: str = "verifier") -> bool:
+    """Whether the demo deploys each round merged into the policy's weights, on a vLLM started without LoRA
+    (`lcap serve --no-lora`, `lcap loop --deploy-merge`): on CPU, where vLLM's LoRA kernels decode at a fraction
+    of the base model's speed (docs/benchmarks.md, benchmarks/bench_serve_merge.py), for the loop that deploys one
+    adapter a round. Not on a GPU, nor where the loop needs adapters beside the base weights: `--async` and
+    `--live` (a candidate beside the current deployment), a role per adapter, the judge (the base weights judge)."""
+    return not has_gpu() and reward != "judge" and not (options.overlap or options.live or options.per_role)
 
 
 def _loop_config(

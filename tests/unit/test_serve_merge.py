@@ -201,3 +201,46 @@ def test_the_demos_greedy_control_leaves_the_base_out_once_merged_weights_replac
     control.run_greedy(store, config, lines.append)
     assert asked == [("m", "policy-r1-abc"), ("policy-merged-r1-abc",)]
     assert "the base model's weights no longer serve" in lines[-2]
+
+
+def test_the_demos_greedy_control_asks_the_base_before_merged_deploys_replace_it(tmp_path, record_env, monkeypatch):
+    """A merged demo evaluates the base model at temperature 0 before its loop, while the base weights still serve;
+    a demo resumed past round 1's merged deploy cannot, and asks nothing then."""
+    from lcap.dataset.options import CollectOptions
+    from lcap.loop.demo import control
+    from lcap.loop.steps import LoopConfig
+    from lcap.store import Store
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"id": "t0"}\n')
+    config = LoopConfig(
+        run=tmp_path / "run", rounds=1, tasks=tasks, command=["agent"], collect=CollectOptions(), eval_tasks=tasks
+    )
+    asked: list[tuple[str, ...]] = []
+    monkeypatch.setattr(control, "run_eval", lambda store, *, options, **kw: asked.append(options.deployments))
+    record = _record("/m")
+    write_policy(record)
+    store = Store(tmp_path / "lcap.duckdb")
+    control.run_greedy(store, config, print, base_only=True)
+    record.current, record.served_as = "policy-merged-r1-abc", {"policy-merged-r1-abc": "m"}
+    write_policy(record)
+    control.run_greedy(store, config, print, base_only=True)
+    assert asked == [("m",)]
+
+
+def test_the_demo_deploys_merged_on_cpu_where_its_loop_has_one_adapter_a_round(monkeypatch):
+    """On CPU the demo serves each round merged (vLLM without LoRA decodes several times faster); a loop that needs
+    adapters beside the base weights keeps hot-loading them, and so does a GPU."""
+    from dataclasses import replace
+
+    from lcap.loop.demo import runner
+    from lcap.loop.options import LoopOptions
+
+    monkeypatch.setattr(runner, "has_gpu", lambda: False)
+    plain = LoopOptions()
+    assert runner.deploys_merged(plain)
+    assert not runner.deploys_merged(plain, reward="judge")  # the judge is the base weights
+    for needs_adapters in (replace(plain, overlap=True), replace(plain, live=True), replace(plain, per_role=True)):
+        assert not runner.deploys_merged(needs_adapters)
+    monkeypatch.setattr(runner, "has_gpu", lambda: True)
+    assert not runner.deploys_merged(plain)
