@@ -157,12 +157,14 @@ def run_eval(
     proxy: ProxyOptions,
     echo: Callable[[str], None],
 ) -> list[EvalRow]:
-    """Evaluate each deployment (default: the current one) in turn on `tasks`, `options.samples` samples each."""
+    """Evaluate each deployment (default: the current one) in turn on `tasks`, `options.samples` samples each.
+    LcapError, once every deployment's figures are out, when one had no episode finish ok (an agent that cannot run
+    scores 0 everywhere: its figures would say nothing of the deployment)."""
     record = read_policy()
     if record is None:
         raise LcapError("no policy server: `lcap serve --model M` first")
     label = options.label or time.strftime("eval-%Y%m%d-%H%M%S")
-    rows = []
+    rows, none_ok = [], []
     for name in options.deployments or (record.current,):
         model, loaded = _pin(store, record, name)
         round = store.fetchall("SELECT coalesce(max(round), 0) + 1 FROM episodes WHERE split = ?", [SPLIT])[0][0]
@@ -182,10 +184,17 @@ def run_eval(
                 forget_candidate(model)
         rows.append(summarise(store, name, result.run_id, round, options.samples))
         echo(f"[eval] {name}: {result.episodes} episodes, {result.failed} failed (collect {result.run_id})")
+        if result.failed and not result.finished:
+            none_ok.append(f"{name} ({result.failed} failed)")
     echo(table(rows, proxy.temperature))
     if options.out is not None:
         summary = {"label": label, "tasks": str(tasks), "temperature": proxy.temperature, "rows": rows}
         options.out.write_text(json.dumps(summary, default=plain, indent=2) + "\n")
+    if none_ok:
+        raise LcapError(
+            f"eval: no episode of {', '.join(none_ok)} finished ok: see the failures above (the agent, not the "
+            "deployment, is what failed; its figures count every episode as wrong)"
+        )
     return rows
 
 
