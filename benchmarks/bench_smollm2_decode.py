@@ -23,13 +23,18 @@ from lcap.serve.pretrained import init_pretrained, pretrained_dir
 from lcap.serve.server import start_server, stop_server
 
 
-async def decode(url: str, model: str, concurrency: int, max_tokens: int, temperature: float = 1.0) -> float:
-    """Tokens/s of `concurrency` completions at once, each decoding `max_tokens` tokens, after one warm-up."""
+async def decode(
+    url: str, model: str, concurrency: int, max_tokens: int, temperature: float = 1.0, waves: int = 1
+) -> float:
+    """Tokens/s of `concurrency` completions at once, each decoding `max_tokens` tokens, after one warm-up; `waves`
+    such batches one after another, timed together (one short request alone is a noisy measure)."""
     async with AsyncOpenAI(base_url=f"{url}/v1", api_key="bench") as client:  # closed before asyncio.run's loop
-        return await _decode(client, model, concurrency, max_tokens, temperature)
+        return await _decode(client, model, concurrency, max_tokens, temperature, waves)
 
 
-async def _decode(client: AsyncOpenAI, model: str, concurrency: int, max_tokens: int, temperature: float) -> float:
+async def _decode(
+    client: AsyncOpenAI, model: str, concurrency: int, max_tokens: int, temperature: float, waves: int = 1
+) -> float:
     async def one(n: int) -> int:
         reply = await client.completions.create(
             model=model,
@@ -42,8 +47,9 @@ async def _decode(client: AsyncOpenAI, model: str, concurrency: int, max_tokens:
         return reply.usage.completion_tokens
 
     await one(0)
-    started = time.perf_counter()
-    tokens = sum(await asyncio.gather(*[one(i) for i in range(concurrency)]))
+    started, tokens = time.perf_counter(), 0
+    for wave in range(waves):
+        tokens += sum(await asyncio.gather(*[one(wave * concurrency + i) for i in range(concurrency)]))
     return tokens / (time.perf_counter() - started)
 
 
