@@ -325,10 +325,12 @@ def resolve_argv(argv: Sequence[str], base: Path) -> list[str]:
     """Make arguments that name an existing file relative to `base` absolute.
 
     Episodes run in their own working directory, so `python agent.py` typed in the project
-    directory must still find agent.py. Nothing else about the arguments changes.
+    directory must still find agent.py. Nothing else about the arguments changes: a symbolic link
+    stays one (a venv's `.venv/bin/python` links to the Python it was made from, which run by its
+    own path would not see the venv's packages).
     """
     return [
-        str((base / arg).resolve())
+        str(base / arg)
         if arg and not arg.startswith("-") and not os.path.isabs(arg) and "{" not in arg and (base / arg).is_file()
         else arg
         for arg in argv

@@ -8,7 +8,14 @@ from fixtures_dataset import verifier_context
 
 from lcap.config import LcapError
 from lcap.dataset.collect.episodes import episode_id, load_tasks, render_command
-from lcap.dataset.collect.verifiers import VerifierError, hash_protected, load_verifier, tampered_files, to_verdict
+from lcap.dataset.collect.verifiers import (
+    VerifierError,
+    hash_protected,
+    load_verifier,
+    resolve_argv,
+    tampered_files,
+    to_verdict,
+)
 
 
 def test_python_verifier_return_shapes_and_errors(tmp_path):
@@ -82,3 +89,15 @@ def test_load_tasks_errors(tmp_path):
             load_tasks(path)
     with pytest.raises(LcapError, match="cannot read tasks"):
         load_tasks(tmp_path / "missing.jsonl")
+
+
+def test_a_relative_venv_interpreter_is_made_absolute_without_leaving_the_venv(tmp_path):
+    """`lcap collect -- .venv/bin/python agent.py`: each episode runs in its own folder, so the paths become absolute,
+    but the venv's python stays the link it is (its target, run by its own path, would not see the venv's packages)."""
+    import sys
+
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / "bin" / "python").symlink_to(sys.executable)
+    (tmp_path / "agent.py").write_text("print('hi')\n")
+    argv = resolve_argv([".venv/bin/python", "./agent.py", "--flag", "{q}", "missing.py"], tmp_path)
+    assert argv == [str(tmp_path / ".venv/bin/python"), str(tmp_path / "agent.py"), "--flag", "{q}", "missing.py"]
