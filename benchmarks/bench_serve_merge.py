@@ -12,8 +12,9 @@ reused). Each repetition measures every arm once, in a rotated order; every requ
 (each decodes exactly N tokens) and uses the same prompts, after one warm-up request (bench_smollm2_decode.decode);
 at concurrency 1 each measure times W requests one after another (one request alone is a few seconds: noisy).
 Prints each arm's median tokens/s and the ratios to (a), and the paired ratio of each repeat (an arm against the base
-measured beside it in the same repeat: the machine's drift cancels), with the CPU. The adapter is random (B matrices not zero):
-its values do not change the speed, only its rank and target modules do (the trainer's: rank 16, all linear layers).
+measured beside it in the same repeat: the machine's drift cancels), with the CPU. The adapter is random (B matrices
+not zero): its values do not change the speed, only its rank and target modules do (the trainer's: rank 16, all
+linear layers).
 """
 
 from __future__ import annotations
