@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from datetime import UTC, datetime, timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -186,3 +188,18 @@ def lost_samples_scenario(builder, name: str) -> dict:
         builder.episode("b", sample=1, reward=0.0, turns=chat_turns([6, 2]), flags=["tampered"])
         return {"drop_tampered": True, "keep_zero_variance": True}
     return {}
+
+
+class _Quiet(BaseHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def policy_stand_in():
+    """Something that answers HTTP where the policy server would (collect checks that its upstream is reachable),
+    for agents that never call it."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import pytest
 from typer.testing import CliRunner
 
 from lcap.cli import app
@@ -16,26 +13,11 @@ from lcap.policy import PolicyServer, write_policy
 from lcap.store import Store
 
 
-class _Quiet(BaseHTTPRequestHandler):
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@pytest.fixture
-def upstream():
-    """Something that answers HTTP where the policy server would (collect checks that its upstream is reachable);
-    the agent fails before it calls."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Quiet)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-
-
-def test_an_eval_whose_every_episode_failed_says_so_and_exits_non_zero(tmp_path, monkeypatch, upstream):
+def test_an_eval_whose_every_episode_failed_says_so_and_exits_non_zero(tmp_path, monkeypatch, policy_stand_in):
     monkeypatch.setenv("LCAP_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("LCAP_POLICY_RECORD", str(tmp_path / "policy.json"))
     monkeypatch.chdir(tmp_path)
-    write_policy(PolicyServer(upstream, None, "/m", "m", "m", "", "python", "2026-01-01"))
+    write_policy(PolicyServer(policy_stand_in, None, "/m", "m", "m", "", "python", "2026-01-01"))
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps({"id": f"t{i}"}) + "\n" for i in range(3)))
     (tmp_path / "verify.py").write_text("def verify(ctx):\n    return 1.0\n")

@@ -11,32 +11,18 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-
-import pytest
 
 from lcap.policy import PolicyServer
 from lcap.store import Store
 
 
-@pytest.fixture
-def upstream():
-    """Something that answers HTTP where the policy server would (collect checks that its upstream is reachable)."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-
-
-def test_status_finds_a_running_loop_and_ctrl_c_says_where_it_stopped(tmp_path, upstream):
+def test_status_finds_a_running_loop_and_ctrl_c_says_where_it_stopped(tmp_path, policy_stand_in):
     home = tmp_path / "home"
     home.mkdir()
-    record = PolicyServer(upstream, None, "/m", "m", "m", "/tmp/vllm.log", "python", "2026-01-01")
+    record = PolicyServer(policy_stand_in, None, "/m", "m", "m", "/tmp/vllm.log", "python", "2026-01-01")
     (home / "policy.json").write_text(json.dumps(asdict(record)))
     (tmp_path / "tasks.jsonl").write_text(json.dumps({"id": "t0", "secs": 120}) + "\n")
     (tmp_path / "eval.jsonl").write_text(json.dumps({"id": "e0", "secs": 0}) + "\n")
