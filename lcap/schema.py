@@ -25,7 +25,7 @@ PROMOTED_LABELS = {
 # The store's shape. A new store gets TABLES at SCHEMA_VERSION; an older one is brought there by MIGRATIONS
 # (version reached -> statements, or functions of the connection), in order, inside the unit of work that first
 # opens it for writing.
-SCHEMA_VERSION = 14
+SCHEMA_VERSION = 15
 
 
 def _redact_labels_json(labels: str) -> str:
@@ -94,6 +94,7 @@ MIGRATIONS: dict[int, tuple[str | Callable[[duckdb.DuckDBPyConnection], None], .
     12: ("ALTER TABLE turns ADD COLUMN IF NOT EXISTS role VARCHAR",),  # turns captured before it: NULL
     13: ("ALTER TABLE deployments ADD COLUMN IF NOT EXISTS role VARCHAR",),  # deployments before it: NULL, default's
     14: ("ALTER TABLE train_runs ADD COLUMN IF NOT EXISTS dropped_alone INTEGER",),  # rounds before it: NULL
+    15: ("ALTER TABLE train_runs ADD COLUMN IF NOT EXISTS step_kl DOUBLE",),  # rounds before it: NULL
 }
 
 TABLES = """
@@ -243,7 +244,10 @@ CREATE TABLE IF NOT EXISTS train_runs (
     -- the one deployment held to the limit (an async step's: the one being trained), NULL: all of them; with
     -- mismatch_kl NULL and samples scored, the batch had none of its samples and the guard checked nothing
     mismatch_held       VARCHAR,
-    dropped_alone       INTEGER    -- samples left out, alone in their group: GRPO had nothing to compare them with
+    dropped_alone       INTEGER,   -- samples left out, alone in their group: GRPO had nothing to compare them with
+    -- the same measure after training, with the trained weights: how far the round moved the policy from the
+    -- deployment that served its samples (`lcap loop --max-step-kl` deploys no round that moved further)
+    step_kl             DOUBLE
 );
 
 -- train stage: `lcap loop` progress, one row per finished step of a round (collect, build, train, deploy, eval)

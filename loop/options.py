@@ -91,7 +91,18 @@ class LoopOptions:
         "held-out run (no --promote-margin gate). Not with --full, --async, --live or --per-role.",
     )
 
+    max_step_kl: float = option(
+        0.0,
+        help="Deploy no round that has no held-out gate (an --async step; a round with --full, --deploy-merge or no "
+        "--eval-tasks) whose training moved the policy further than this from the deployment that served its "
+        "samples: KL per token of the trained weights' log-probs of those samples against the served ones (step KL, "
+        "measured after training). Such a round is refused (kept in the run folder; the next trains from the "
+        "deployment that stays). 0: deploy every round.",
+    )
+
     def __post_init__(self) -> None:
+        if self.max_step_kl < 0:
+            raise LcapError(f"--max-step-kl {self.max_step_kl:g}: 0 (off) or more")
         if min(self.max_staleness, self.groups_per_step, self.stop_when_solved, self.min_groups) < 0:
             raise LcapError("--max-staleness, --groups-per-step, --stop-when-solved and --min-groups must be 0 or more")
         if self.min_samples < 2 or self.wait_timeout < 0:

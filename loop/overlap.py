@@ -38,6 +38,7 @@ from lcap.dataset import (
     write_samples,
 )
 from lcap.display import num
+from lcap.loop.promotion import guard_step, refused_text
 from lcap.loop.steps import (
     SKIPPED,
     LoopConfig,
@@ -210,9 +211,7 @@ def run_async_loop(
     step = StepRunner(store, state, run, stop_after)
 
     if config.eval_tasks:
-        info = step(0, "eval", lambda: _evaluate(store, config, 0))
-        echo(f"round 0 (base policy): held-out reward {num(info['mean_reward'])} ({info['rewarded']} episodes)")
-        summaries.append(RoundSummary(round=0, eval_reward=info["mean_reward"]))
+        summaries.append(_base_held_out(step, store, config, echo))
 
     version = max((n for n in range(1, config.rounds + 1) if _finished(state, n, "deploy")), default=0)
     last = "eval" if config.eval_tasks else "stats"
@@ -245,6 +244,10 @@ def run_async_loop(
                     if stop:
                         break
                     continue
+                if refused := _refused(step, config, n, trained, echo):
+                    summaries.append(refused)
+                    producer.advance(n, _wasted(data))
+                    continue
                 held_out.wait()  # the previous step's held-out episodes are all served by the policy they measure
                 deployed = step(n, "deploy", lambda: deploy_step(store, trained["output"], n))
                 producer.advance(n, _wasted(data))
@@ -268,6 +271,24 @@ def run_async_loop(
     if producer.error is not None and not isinstance(producer.error, StopAfter):
         raise producer.error
     return summaries
+
+
+def _base_held_out(step: StepRunner, store, config: LoopConfig, echo: Callable[[str], None]) -> RoundSummary:
+    """The held-out run of the policy the loop starts on (round 0), its line said."""
+    info = step(0, "eval", lambda: _evaluate(store, config, 0))
+    echo(f"round 0 (base policy): held-out reward {num(info['mean_reward'])} ({info['rewarded']} episodes)")
+    return RoundSummary(round=0, eval_reward=info["mean_reward"])
+
+
+def _refused(
+    step: StepRunner, config: LoopConfig, n: int, trained: dict, echo: Callable[[str], None]
+) -> RoundSummary | None:
+    """Step `n` refused by --max-step-kl, its line said: its summary (nothing deployed); None: deploy it."""
+    refused = guard_step(step, config, n, trained)
+    if refused is None:
+        return None
+    echo(f"step {n}: {refused_text(refused)} | {training_text(trained)}")
+    return RoundSummary(round=n, train=trained, refused=refused["reason"])
 
 
 def _async_state(state: LoopState, base_deployment: str) -> dict:
@@ -518,8 +539,14 @@ def _versions(state: LoopState, n: int) -> dict[str, int]:
 
 
 def _finished(state: LoopState, n: int, last: str) -> bool:
-    """Whether step `n` is over: its `last` step recorded, or the step skipped with nothing to learn."""
-    return state.done(n, last) is not None or state.done(n, SKIPPED) is not None
+    """Whether step `n` is over: its `last` step recorded, the step skipped with nothing to learn, or refused
+    (--max-step-kl)."""
+    refused = state.done(n, "promote")
+    return (
+        state.done(n, last) is not None
+        or state.done(n, SKIPPED) is not None
+        or bool(refused and not refused["promoted"])
+    )
 
 
 def _taken(state: LoopState) -> set[str]:

@@ -183,6 +183,39 @@ def promote(
     return {**base, "promoted": False, "reason": why}
 
 
+def step_refusal(trained: dict, limit: float) -> str | None:
+    """Why --max-step-kl `limit` refuses a round deployed without held-out evidence: its training (`trained`: the
+    round's record, or with --per-role role -> its record) moved the policy further than `limit` KL per token from
+    the deployment that served its samples (`step_kl`, lcap.train). None: deploy it (no limit, within it, or a round
+    not measured, such as an SFT round)."""
+    moved = {None: trained.get("step_kl")} if "output" in trained else {r: t.get("step_kl") for r, t in trained.items()}
+    far = {role: kl for role, kl in moved.items() if limit and kl is not None and kl > limit}
+    if not far:
+        return None
+    role, kl = max(far.items(), key=lambda kv: kv[1])
+    whose = "training" if role is None else f"role {role}'s training"
+    return f"{whose} moved the policy by KL {kl:.2g} per token, over --max-step-kl {limit:g}"
+
+
+def guard_step(step: StepRunner, config: LoopConfig, n: int, trained: dict) -> dict | None:
+    """Round `n`'s refusal by --max-step-kl, for a round deployed without held-out evidence (an --async step, or a
+    synchronous round without a gate): recorded once as step `promote` with `promoted` false, as a gate's refusal,
+    so a resume and `lcap status` read it. None: deploy the round."""
+    verdict = step.state.done(n, "promote")
+    if verdict is None:
+        why = step_refusal(trained, config.options.max_step_kl)
+        if why is None:
+            return None
+        current = read_current(config.options.per_role)
+        verdict = step(n, "promote", lambda: {"promoted": False, "reason": why, "current": current})
+    return None if verdict["promoted"] else verdict
+
+
+def refused_text(verdict: dict) -> str:
+    """What a round's line says of a refusal: why, and the deployment that stays."""
+    return f"refused: {verdict['reason']}; {verdict['current']} stays"
+
+
 def gate(step: StepRunner, config: LoopConfig, n: int, output: Candidate, node_proxies: Any = None) -> dict:
     """Round `n`'s candidate (the adapter in `output`; with --per-role, role -> its adapter) evaluated, compared with
     the current deployment and promoted or refused, each part a recorded step (`eval`, `eval-current` when needed,
@@ -209,7 +242,7 @@ def verdict_text(verdict: dict) -> str:
             ", ".join(f"{role} {info['name']}" for role, info in roles.items()) if roles else verdict["candidate"]
         )
         return f"{figures} | promoted {promoted}"
-    return f"{figures} | refused: {verdict['reason']}; {verdict['current']} stays"
+    return f"{figures} | {refused_text(verdict)}"
 
 
 def follow(verdict: dict) -> dict:

@@ -38,7 +38,7 @@ from lcap.config import LcapError
 from lcap.display import num
 from lcap.loop.live import run_live_loop
 from lcap.loop.overlap import run_async_loop
-from lcap.loop.promotion import follow, gate, read_current, remember, verdict_text
+from lcap.loop.promotion import follow, gate, guard_step, read_current, refused_text, remember, verdict_text
 from lcap.loop.roles import deploy_trained, train_roles
 from lcap.loop.steps import (
     SKIPPED,
@@ -207,6 +207,9 @@ def _train_deploy_eval(
         else:
             s.refused = verdict["reason"]
         return f" | {verdict_text(verdict)} | {training_text(s.train)}"
+    if (refused := guard_step(step, config, n, s.train)) is not None:
+        s.refused = refused["reason"]
+        return f" | {refused_text(refused)} | {training_text(s.train)}"
     merge = config.options.deploy_merge
     s.deployed = step(n, "deploy", lambda: deploy_step(step.store, s.train["output"], n, merge))["name"]
     held_out = _held_out(step, config, collect_step, s)
@@ -226,6 +229,9 @@ def _per_role(
         s.skipped = (step.state.done(n, SKIPPED) or {}).get("reason")
         return None
     if not gated(config):
+        if (refused := guard_step(step, config, n, trained)) is not None:
+            s.refused = refused["reason"]
+            return f" | {refused_text(refused)}"
         s.roles = deploy_trained(step, n, trained)
         s.deployed = ", ".join(f"{role} {name}" for role, name in s.roles.items())
         return f"{_held_out(step, config, collect_step, s)} | deployed {s.deployed}"

@@ -312,6 +312,9 @@ def fit_round(inputs: RoundInputs, out_dir: Path, options: TrainOptions, *, prog
     p.trainer.add_callback(step_progress(f"train {round_name(out_dir)}", show=progress))
     trainer, groups = p.trainer, p.groups
     output, seconds = train_and_save(trainer, out_dir, p.kind)
+    shown = Reporter(f"train {round_name(out_dir)}", show=progress, counted=False, doing="measuring its step KL")
+    with shown if is_main_process() and options.step_kl_samples else nullcontext():
+        moved = step_kl(p, options)
 
     tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in groups.samples)
     passes = (
@@ -329,7 +332,7 @@ def fit_round(inputs: RoundInputs, out_dir: Path, options: TrainOptions, *, prog
         mean_reward=groups.mean_reward(),
         **throughput(trainer, tokens, passes, seconds),
     )
-    metrics.update(mismatch.metrics())
+    metrics.update(mismatch.metrics(), step_kl=moved)
     return FittedRound.of(trainer, output, p.kind, metrics, mismatch.details())
 
 
@@ -383,6 +386,19 @@ def guard_round(p: PreparedRound, options: TrainOptions) -> Mismatch:
     where = round_name(p.out_dir)
     check_mismatch(mismatch, options.mismatch_max, where=where, policy=policy, details=str(shown.round_dir / path.name))
     return mismatch
+
+
+def step_kl(p: PreparedRound, options: TrainOptions) -> float | None:
+    """How far the round moved the policy: the mismatch guard's measure taken again with the trained weights, on
+    --step-kl-samples samples of the deployment being trained (`current`; unknown: of each deployment, the worst).
+    Its KL(served || trained) per token is the round's step; None when not measured or no sample was scored."""
+    if not options.step_kl_samples:
+        return None
+    held = p.inputs.current
+    samples = [s for s in p.groups.real_samples if held is None or s.deployment == held]
+    moved = measure_mismatch(p.trainer, samples, per_deployment=options.step_kl_samples, seed=options.seed, held=held)
+    worst = moved.worst
+    return worst.kl if worst else None
 
 
 @dataclass

@@ -83,6 +83,12 @@ class TrainOptions:
     mismatch_samples: int = option(
         32, help="Samples per deployment the mismatch check scores with one no-grad forward (0: all)."
     )
+    step_kl_samples: int = option(
+        8,
+        help="Samples the step KL scores after training, with the trained weights, of the deployment that served them "
+        "(one no-grad forward: how far the round moved the policy; `lcap loop --max-step-kl` reads it). 0: not "
+        "measured.",
+    )
     lora_r: int = option(16, help="LoRA rank.")
     lora_alpha: int = option(32, help="LoRA alpha.")
     lora_target: str = option("all-linear", help="LoRA target modules (PEFT target_modules).")
@@ -131,5 +137,5 @@ class TrainOptions:
             raise LcapError("--min-tokens must be 1 or more (a round with no trainable token trains nothing)")
         if self.sft and self.ray is not None:
             raise LcapError("--sft with --ray is not supported: train SFT rounds here or with --accelerate-config")
-        if self.mismatch_max < 0 or self.mismatch_samples < 0:
-            raise LcapError("--mismatch-max and --mismatch-samples must be 0 or more")
+        if self.mismatch_max < 0 or self.mismatch_samples < 0 or self.step_kl_samples < 0:
+            raise LcapError("--mismatch-max, --mismatch-samples and --step-kl-samples must be 0 or more")

@@ -21,7 +21,8 @@ def training_text(metrics: dict[str, Any]) -> str:
     return (
         f"loss {num(metrics.get('loss'), 4)} | KL {num(metrics.get('kl'))} | IS ratio {num(metrics.get('is_ratio_mean'))}"
         f" | clip {num(metrics.get('clip_fraction'))} | {num(metrics.get('tokens_per_s'), 0)} tok/s"
-        f" | train/serve KL {small(metrics.get('mismatch_kl'))}{_unchecked(metrics)}{_left_out(metrics)}"
+        f" | train/serve KL {small(metrics.get('mismatch_kl'))}{_unchecked(metrics)}"
+        f" | step KL {small(metrics.get('step_kl'))}{_left_out(metrics)}"
     )
 
 

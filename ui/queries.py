@@ -39,7 +39,8 @@ TURN_FLAGS = {
     "failed_call": "error IS NOT NULL OR status_code >= 400",
 }
 OPTIONAL_TURN_FLAGS = {"stitched": "stitched"}  # columns a newer capture adds; offered when the store has them
-MISMATCH_FIGURES = ("mismatch_kl", "mismatch_logp_diff", "mismatch_seconds")  # train_runs: the guard's charted figures
+# train_runs: the mismatch guard's charted figures, and the same measure after training (the round's step)
+MISMATCH_FIGURES = ("mismatch_kl", "mismatch_logp_diff", "mismatch_seconds", "step_kl")
 # The list's filters: a field of `EpisodeFilter` -> its condition on the episodes `e` and rewards `r` when it is set.
 FILTERS = {
     "round": "e.round = $round",
@@ -278,7 +279,7 @@ def overview(con: duckdb.DuckDBPyConnection, cols: dict[str, set[str]]) -> dict[
            WHERE e.round IS NOT NULL GROUP BY ALL ORDER BY 1""",
     )
     train = _dicts(con, "SELECT * EXCLUDE (config) FROM train_runs ORDER BY round, started_at")
-    mismatch = [c for c in MISMATCH_FIGURES if c in cols.get("train_runs", set())]  # a store before the guard: none
+    mismatch = [c for c in MISMATCH_FIGURES if c in cols.get("train_runs", set())]  # a store before them: none
     phases = _dicts(
         con,
         """WITH latest AS (SELECT arg_max(run, created_at) AS run FROM loop_steps)

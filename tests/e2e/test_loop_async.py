@@ -23,7 +23,8 @@ from stdlib_agent import chat_agent
 from lcap.dataset.options import BuildOptions, CollectOptions
 from lcap.loop.options import LoopOptions
 from lcap.loop.rounds import run_loop
-from lcap.loop.steps import LoopConfig
+from lcap.loop.steps import LoopConfig, LoopState, continued
+from lcap.policy import read_policy
 from lcap.store import Store
 from lcap.train.options import TrainOptions
 
@@ -160,6 +161,23 @@ def test_async_loop_steps_on_complete_groups_and_drops_stale_samples(vllm_policy
         "WHERE e.group_id = '1/train/slow'"
     )
     assert slow == [(vllm_policy.served_model,)]
+
+    # Each step's move is measured after training; resumed with a --max-step-kl every step exceeds, step 4 trains
+    # and is refused: recorded as such, never deployed, and the next step would train from step 3's adapter.
+    assert store.fetchall("SELECT count(*) FROM train_runs WHERE step_kl > 0") == [(3,)]
+    strict = replace(config, rounds=4, options=replace(config.options, max_step_kl=1e-12))
+    (fourth,) = run_loop(store, strict, echo=lines.append)
+    assert fourth.round == 4 and fourth.refused.startswith("training moved the policy by KL")
+    assert (
+        lines[-1].startswith("step 4: refused: training moved the policy by KL")
+        and f"; {deployed[2]} stays" in lines[-1]
+    )
+    state = LoopState(run, strict.key())
+    assert state.done(4, "promote")["promoted"] is False and state.done(4, "deploy") is None
+    assert continued(state, 5) == Path(state.done(3, "train")["output"])
+    assert read_policy().current == deployed[2] and store.fetchall(
+        "SELECT count(*) FROM deployments WHERE round = 4"
+    ) == [(0,)]
 
 
 @pytest.mark.vllm

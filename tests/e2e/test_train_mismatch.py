@@ -129,12 +129,22 @@ def test_right_deployment_passes_the_guard(vllm_policy, round_one, tmp_path):
     name = deploy_policy(round_one / "round-1" / "adapter", round=1)
     data = served_samples(vllm_policy.url, name, tmp_path / "data")
     store = Store(tmp_path / "lcap.duckdb")
-    result = train_round(store, round_one, 2, train_options(vllm_policy.model_dir), data=data)
-    kl, diff, details = store.fetchall("SELECT mismatch_kl, mismatch_logp_diff, mismatch FROM train_runs")[0]
+    options = train_options(vllm_policy.model_dir, learning_rate=3e-3)
+    result = train_round(store, round_one, 2, options, data=data)
+    kl, diff, details, step_kl = store.fetchall(
+        "SELECT mismatch_kl, mismatch_logp_diff, mismatch, step_kl FROM train_runs"
+    )[0]
     assert kl == result.metrics["mismatch_kl"] and 0 <= kl < MISMATCH_MAX / 100
     assert diff < 0.05
     (served,) = json.loads(details)
     assert served["deployment"] == name and served["samples"] == 16 and served["tokens"] > 50
+    # The step KL is the same measure taken with the trained weights: round 2's adapter, loaded as round 3 would
+    # continue it, scores the served tokens as far from `name` as the round recorded; further than before it trained.
+    then = prepare_round(round_one, 3, options, data)
+    moved = measure_mismatch(
+        then.trainer, then.groups.real_samples, per_deployment=options.step_kl_samples, seed=options.seed, held=name
+    )
+    assert step_kl == result.metrics["step_kl"] == pytest.approx(moved.worst.kl, rel=1e-3) and step_kl > kl
 
 
 @pytest.mark.vllm

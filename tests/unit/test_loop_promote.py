@@ -12,9 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from lcap.config import LcapError
 from lcap.loop import promotion
 from lcap.loop.options import LoopOptions
-from lcap.loop.promotion import refusal, remember, roles_key
+from lcap.loop.promotion import refusal, remember, roles_key, step_refusal
 from lcap.loop.steps import LoopConfig, LoopState, RoundSummary, StepRunner, continued, promoted_reward, role_continued
 
 
@@ -299,3 +300,57 @@ def test_a_per_role_round_whose_deployments_changed_during_its_evaluation_is_ref
     assert server.evaluated == ["1:eval:base; planner=cand-planner-1, solver=s0", "1:eval-current:base; solver=s0"]
     assert s.refused == "the current deployment changed to base; solver=by-hand during the evaluation (a rollback?)"
     assert server.roles == {"solver": "by-hand"} and "cand-planner-1" not in server.loras
+
+
+def test_a_round_that_moved_the_policy_too_far_is_refused_by_its_step_kl():
+    assert step_refusal({"output": "/a", "step_kl": 0.5}, 0.0) is None  # no limit
+    assert step_refusal({"output": "/a", "step_kl": 0.05}, 0.1) is None and step_refusal({"output": "/a"}, 0.1) is None
+    assert step_refusal({"output": "/a", "step_kl": 0.25}, 0.1) == (
+        "training moved the policy by KL 0.25 per token, over --max-step-kl 0.1"
+    )
+    roles = {"planner": {"output": "/p", "step_kl": 0.3}, "solver": {"output": "/s", "step_kl": 0.9}}
+    assert (
+        step_refusal(roles, 0.2)
+        == "role solver's training moved the policy by KL 0.9 per token, over --max-step-kl 0.2"
+    )
+    assert step_refusal(roles, 1.0) is None
+    with pytest.raises(LcapError, match="--max-step-kl -1: 0"):
+        LoopOptions(max_step_kl=-1)
+
+
+def test_an_ungated_round_past_max_step_kl_deploys_nothing_and_the_next_trains_from_the_deployment_that_stays(
+    dstore, tmp_path, monkeypatch
+):
+    """Without --eval-tasks (so with --full, --deploy-merge and an --async step) no held-out run vouches for a round
+    before it serves: a round whose step KL is past --max-step-kl is refused, recorded once as step `promote`."""
+    from lcap.loop import rounds
+    from lcap.loop.overlap import _finished
+
+    server = Server("base", {})
+    server.install(monkeypatch)
+    deployed = []
+    monkeypatch.setattr(
+        rounds, "deploy_step", lambda store, output, n, merge=False: deployed.append(output) or {"name": f"d-{n}"}
+    )
+    config = _config(tmp_path)
+    config.eval_tasks = None
+    config.options = LoopOptions(max_step_kl=0.1)
+    step = StepRunner(dstore, LoopState(config.run, config.key()), config.run)
+
+    def round_(n: int, trained: dict) -> tuple[RoundSummary, str | None]:
+        s = RoundSummary(round=n)
+        return s, rounds._train_deploy_eval(step, config, None, s, lambda: trained, print, None)
+
+    first, _ = round_(1, {"output": "/run/round-1/adapter", "n_groups": 4, "step_kl": 0.02})
+    second, said = round_(2, {"output": "/run/round-2/adapter", "n_groups": 4, "step_kl": 0.4})
+    assert first.deployed == "d-1" and second.deployed is None and deployed == ["/run/round-1/adapter"]
+    assert second.refused == "training moved the policy by KL 0.4 per token, over --max-step-kl 0.1"
+    assert said.startswith(f" | refused: {second.refused}; base stays | loss ")
+    verdict = step.state.done(2, "promote")
+    assert (verdict["promoted"], verdict["reason"], verdict["current"]) == (False, second.refused, "base")
+    assert continued(step.state, 3) == Path("/run/round-1/adapter") and _finished(step.state, 2, "stats")
+
+    # A resume reads the refusal, whatever the limit now: nothing is deployed.
+    config.options = LoopOptions(max_step_kl=0.0)
+    again, _ = round_(2, {"output": "/run/round-2/adapter", "n_groups": 4, "step_kl": 0.4})
+    assert again.refused == second.refused and deployed == ["/run/round-1/adapter"]

@@ -171,6 +171,8 @@ def test_a_unit_of_work_that_fails_inside_a_transaction_is_rolled_back_and_the_s
 
 def test_a_version_13_store_gets_train_runs_dropped_alone(tmp_path):
     """Version 14 added train_runs.dropped_alone; a round trained before it has NULL there."""
+    from lcap.schema import SCHEMA_VERSION
+
     path = tmp_path / "v13.duckdb"
     store = Store(path)
     store.append("train_runs", [{"run": "r", "round": 1}])
@@ -180,4 +182,4 @@ def test_a_version_13_store_gets_train_runs_dropped_alone(tmp_path):
     store = Store(path)
     store.append("train_runs", [{"run": "r", "round": 2, "dropped_alone": 3}])
     assert store.fetchall("SELECT round, dropped_alone FROM train_runs ORDER BY round") == [(1, None), (2, 3)]
-    assert store.fetchall("SELECT max(version) FROM schema_version") == [(14,)]
+    assert store.fetchall("SELECT max(version) FROM schema_version") == [(SCHEMA_VERSION,)]

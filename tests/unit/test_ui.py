@@ -363,17 +363,18 @@ def test_columns_a_newer_lcap_adds_are_shown_when_present(ui_db, tmp_path):
     newer.write_bytes(ui_db.read_bytes())
     store = Store(newer)
     store.execute("UPDATE turns SET stitched = true, role = 'planner' WHERE episode_id = 'ep-r2-1'")
-    store.execute("UPDATE train_runs SET mismatch_kl = 0.0123, mismatch = '[]'")
+    store.execute("UPDATE train_runs SET mismatch_kl = 0.0123, mismatch = '[]', step_kl = 0.0456")
     older = tmp_path / "older.duckdb"
     older.write_bytes(ui_db.read_bytes())
     con = duckdb.connect(str(older))  # Store would migrate it back to today's columns
     con.execute("ALTER TABLE turns DROP COLUMN stitched")
     con.execute("ALTER TABLE turns DROP COLUMN role")
-    for column in ("mismatch_kl", "mismatch_logp_diff", "mismatch_seconds", "mismatch", "mismatch_held"):
+    for column in ("mismatch_kl", "mismatch_logp_diff", "mismatch_seconds", "mismatch", "mismatch_held", "step_kl"):
         con.execute(f"ALTER TABLE train_runs DROP COLUMN {column}")
     con.close()
     with client(newer) as c:
         assert "0.0123" in c.get("/").text and ">mismatch_kl<" in c.get("/").text
+        assert "0.0456" in c.get("/").text and ">step_kl<" in c.get("/").text
         assert ">mismatch<" not in c.get("/").text and ">mismatch_held<" not in c.get("/").text  # not figures
         assert rows_of(c.get("/episodes", params={"flag": "stitched"}).text) == ["ep-r2-1"]
         assert 'badge flag-soft">stitched' in c.get("/episode", params={"id": "ep-r2-1"}).text
