@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_async_loop.py [--out bench-async] [--rounds 4] [--seed 0]
         [--tasks-per-round 8] [--group-size 4] [--concurrency 8] [--max-staleness 1]
-        [--median 2] [--sigma 1.2] [--cap 30] [--eval 128] [--python VLLM_PYTHON]
+        [--median 2] [--sigma 1.2] [--cap 30] [--eval 128] [--python VLLM_PYTHON] [--max-step-kl 0]
 
 The demo's tiny warm-started model, tasks and verifier (loop/demo/runner.py), one vLLM CPU server for both loops,
 and an agent whose episodes spend most of their time in a tool call of uneven length:
@@ -18,8 +18,10 @@ any loop: its groups count as untrained.
 Prints one table: per loop, the wall time of its steps (from the end of the base policy's held-out run to
 the last step's), the groups trained, trained groups per hour, the trainer's and the agents' waiting time,
 samples dropped as stale, and the held-out reward after each step with its 95% interval (Wilson for 0/1
-rewards, else normal; the curve per trained group: each step trains --tasks-per-round groups), then whether the
-overlapped loop's last held-out reward lies in the synchronous loop's interval. The overlapped loop's target:
+rewards, else normal; the curve per trained group: each step trains --tasks-per-round groups), each trained
+step's step KL (a refused one starred: the synchronous loop's gate, or --max-step-kl on the overlapped loop's
+ungated steps), then whether the overlapped loop's last held-out reward lies in the synchronous loop's interval.
+The overlapped loop's target:
 >= 1.5x the groups per hour, with held-out reward within the synchronous loop's 95% interval.
 """
 
@@ -52,6 +54,9 @@ def main() -> None:
     ap.add_argument("--cap", type=float, default=30.0)
     ap.add_argument("--eval", type=int, default=128, help="held-out tasks, one episode each, per evaluation")
     ap.add_argument("--python", default=None, help="vLLM's interpreter (default: as `lcap serve` finds it)")
+    ap.add_argument(
+        "--max-step-kl", type=float, default=0.0, help="lcap loop's --max-step-kl (the ungated async steps; 0: off)"
+    )
     args = ap.parse_args()
 
     import torch
@@ -143,7 +148,7 @@ def main() -> None:
                     report_to="none",
                     seed=args.seed,
                 ),
-                options=LoopOptions(overlap=overlap, max_staleness=args.max_staleness),
+                options=LoopOptions(overlap=overlap, max_staleness=args.max_staleness, max_step_kl=args.max_step_kl),
             )
             store = Store(folder / "lcap.duckdb")
             print(f"--- {name} loop", flush=True)
@@ -197,6 +202,8 @@ def _figures(store, run: Path, seconds: float, args) -> dict:
         "agent_wait_s": seconds - busy / args.concurrency,
         "dropped": dropped or 0,
         "skipped": [n for n in steps if f"{n}:skipped" in state],
+        "refused": [n for n in steps if state.get(f"{n}:promote", {}).get("promoted") is False],
+        "step_kl": dict(store.fetchall("SELECT round, step_kl FROM train_runs ORDER BY round")),
         "held_out": [_interval(rewards.get(n, [])) for n in range(0, args.rounds + 1)],
     }
 
@@ -238,6 +245,12 @@ def _print(results: dict, args) -> None:
     print("\nheld-out reward, mean [95% interval]: base, then after each step")
     for name, r in results.items():
         print(f"{name}: " + " | ".join(shown(c) for c in r["held_out"]))
+    print(
+        "\nstep KL of each trained step (how far it moved the policy; * refused: not deployed, by the gate or --max-step-kl)"
+    )
+    for name, r in results.items():
+        steps = (f"{n}: {kl:.3g}{'*' if n in r['refused'] else ''}" for n, kl in r["step_kl"].items() if kl is not None)
+        print(f"{name}: " + (" | ".join(steps) or "-"))
     if "sync" in results and "async" in results:
         sync, overlapped = results["sync"], results["async"]
         ratio = overlapped["per_hour"] / sync["per_hour"] if sync["per_hour"] else float("nan")
