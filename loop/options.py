@@ -96,8 +96,8 @@ class LoopOptions:
         help="Deploy no round that has no held-out gate (an --async step; a round with --full, --deploy-merge or no "
         "--eval-tasks) whose training moved the policy further than this from the deployment that served its "
         "samples: KL per token of the trained weights' log-probs of those samples against the served ones (step KL, "
-        "measured after training). Such a round is refused (kept in the run folder; the next trains from the "
-        "deployment that stays). 0: deploy every round.",
+        "measured after training; NaN weights: inf). Such a round is refused (kept in the run folder; the next trains "
+        "from the deployment that stays); one not measured (an SFT round) deploys. 0: deploy every round.",
     )
 
     def __post_init__(self) -> None:

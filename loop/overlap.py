@@ -49,6 +49,7 @@ from lcap.loop.steps import (
     collect_split,
     continued,
     deploy_step,
+    refused,
     round_tasks,
     skip_step,
     skipped_line,
@@ -244,8 +245,8 @@ def run_async_loop(
                     if stop:
                         break
                     continue
-                if refused := _refused(step, config, n, trained, echo):
-                    summaries.append(refused)
+                if kept := _refused(step, config, n, trained, echo):  # the deployment stays
+                    summaries.append(kept)
                     producer.advance(n, _wasted(data))
                     continue
                 held_out.wait()  # the previous step's held-out episodes are all served by the policy they measure
@@ -284,11 +285,11 @@ def _refused(
     step: StepRunner, config: LoopConfig, n: int, trained: dict, echo: Callable[[str], None]
 ) -> RoundSummary | None:
     """Step `n` refused by --max-step-kl, its line said: its summary (nothing deployed); None: deploy it."""
-    refused = guard_step(step, config, n, trained)
-    if refused is None:
+    verdict = guard_step(step, config, n, trained)
+    if verdict is None:
         return None
-    echo(f"step {n}: {refused_text(refused)} | {training_text(trained)}")
-    return RoundSummary(round=n, train=trained, refused=refused["reason"])
+    echo(f"step {n}: {refused_text(verdict)} | {training_text(trained)}")
+    return RoundSummary(round=n, train=trained, refused=verdict["reason"])
 
 
 def _async_state(state: LoopState, base_deployment: str) -> dict:
@@ -541,12 +542,7 @@ def _versions(state: LoopState, n: int) -> dict[str, int]:
 def _finished(state: LoopState, n: int, last: str) -> bool:
     """Whether step `n` is over: its `last` step recorded, the step skipped with nothing to learn, or refused
     (--max-step-kl)."""
-    refused = state.done(n, "promote")
-    return (
-        state.done(n, last) is not None
-        or state.done(n, SKIPPED) is not None
-        or bool(refused and not refused["promoted"])
-    )
+    return state.done(n, last) is not None or state.done(n, SKIPPED) is not None or refused(state, n) is not None
 
 
 def _taken(state: LoopState) -> set[str]:

@@ -188,8 +188,9 @@ def step_refusal(trained: dict, limit: float) -> str | None:
     round's record, or with --per-role role -> its record) moved the policy further than `limit` KL per token from
     the deployment that served its samples (`step_kl`, lcap.train). None: deploy it (no limit, within it, or a round
     not measured, such as an SFT round)."""
-    moved = {None: trained.get("step_kl")} if "output" in trained else {r: t.get("step_kl") for r, t in trained.items()}
-    far = {role: kl for role, kl in moved.items() if limit and kl is not None and kl > limit}
+    one = isinstance(trained.get("output"), str)  # a round's record; else --per-role's role -> record
+    moved = {None: trained.get("step_kl")} if one else {r: t.get("step_kl") for r, t in trained.items()}
+    far = {role: kl for role, kl in moved.items() if limit and kl is not None and not kl <= limit}  # NaN: too far
     if not far:
         return None
     role, kl = max(far.items(), key=lambda kv: kv[1])
@@ -200,7 +201,10 @@ def step_refusal(trained: dict, limit: float) -> str | None:
 def guard_step(step: StepRunner, config: LoopConfig, n: int, trained: dict) -> dict | None:
     """Round `n`'s refusal by --max-step-kl, for a round deployed without held-out evidence (an --async step, or a
     synchronous round without a gate): recorded once as step `promote` with `promoted` false, as a gate's refusal,
-    so a resume and `lcap status` read it. None: deploy the round."""
+    so a resume and `lcap status` read it. None: deploy the round (a round already deployed, as a resume after its
+    deploy finds it, included: a refusal only ever comes before the deploy)."""
+    if step.state.done(n, "deploy") is not None:
+        return None
     verdict = step.state.done(n, "promote")
     if verdict is None:
         why = step_refusal(trained, config.options.max_step_kl)
@@ -235,6 +239,8 @@ def gate(step: StepRunner, config: LoopConfig, n: int, output: Candidate, node_p
 
 def verdict_text(verdict: dict) -> str:
     """What a round's line says of its verdict: both figures, then the deployment made current or the refusal."""
+    if "candidate_reward" not in verdict:  # refused by --max-step-kl before any held-out run (then ungated)
+        return refused_text(verdict)
     figures = f"held-out {num(verdict['candidate_reward'])} vs {verdict['current']} {num(verdict['current_reward'])}"
     if verdict["promoted"]:
         roles = verdict.get("roles")

@@ -201,7 +201,7 @@ def _train_deploy_eval(
         echo(warning)
     if gated(config):
         verdict = gate(step, config, n, s.train["output"], node_proxies)
-        s.eval_reward = verdict["candidate_reward"]
+        s.eval_reward = verdict.get("candidate_reward")
         if verdict["promoted"]:  # the `deploy` step every resume and reader looks for
             s.deployed = step(n, "deploy", lambda: follow(verdict))["name"]
         else:
@@ -236,7 +236,7 @@ def _per_role(
         s.deployed = ", ".join(f"{role} {name}" for role, name in s.roles.items())
         return f"{_held_out(step, config, collect_step, s)} | deployed {s.deployed}"
     verdict = gate(step, config, n, {role: record["output"] for role, record in trained.items()}, node_proxies)
-    s.eval_reward = verdict["candidate_reward"]
+    s.eval_reward = verdict.get("candidate_reward")
     if verdict["promoted"]:  # the `deploy` step every resume (and _redeploy_if_lost) reads each role's from
         deployed = step(n, "deploy", lambda: follow(verdict))["roles"]
         s.roles = {role: info["name"] for role, info in deployed.items()}

@@ -86,6 +86,10 @@ class LoopConfig:
                 "adapter serves every role)"
             )
 
+        if self.options.max_step_kl and not self.train.step_kl_samples:
+            raise LcapError(
+                "--max-step-kl reads each round's step KL: not with --step-kl-samples 0, which measures none"
+            )
         if self.options.deploy_merge and self.train.full:
             raise LcapError(
                 "--deploy-merge merges a round's LoRA adapter: --full trains a checkpoint, deployed as it is"
@@ -375,6 +379,12 @@ def solved(state: LoopState, n: int, k: int, held_out: Callable[[], dict] | None
     if now is None or (before is not None and now < before):
         return False, f"round {n}: {said}, but held-out reward {num(now)} < {num(before)} when deployed: going on"
     return True, f"stopping: {said}, held-out reward {num(now)} >= {num(before)} (--stop-when-solved {k})"
+
+
+def refused(state: LoopState, n: int) -> dict | None:
+    """Round `n`'s refusal (step `promote` with `promoted` false: a gate's, or --max-step-kl's), None if it has none."""
+    verdict = state.done(n, "promote")
+    return verdict if verdict is not None and verdict.get("promoted") is False else None
 
 
 def promoted_reward(state: LoopState, before: int) -> float | None:

@@ -21,7 +21,7 @@ from lcap.dataset import Cause, explain, plural
 from lcap.files import atomic_write
 from lcap.noise import quiet_noise
 from lcap.progress import Reporter
-from lcap.train.mismatch import Mismatch, check_mismatch, measure_mismatch
+from lcap.train.mismatch import Mismatch, check_mismatch, measure_mismatch, pick_samples
 from lcap.train.options import TrainOptions
 from lcap.train.progress import alone_text, step_progress
 from lcap.train.samples import Groups, TokenCount, count_tokens, make_groups, read_samples, weighted
@@ -390,15 +390,20 @@ def guard_round(p: PreparedRound, options: TrainOptions) -> Mismatch:
 
 def step_kl(p: PreparedRound, options: TrainOptions) -> float | None:
     """How far the round moved the policy: the mismatch guard's measure taken again with the trained weights, on
-    --step-kl-samples samples of the deployment being trained (`current`; unknown: of each deployment, the worst).
-    Its KL(served || trained) per token is the round's step; None when not measured or no sample was scored."""
+    --step-kl-samples samples of the deployment being trained (`current`), or, where the round has none of its
+    samples (or `current` is unknown), of each deployment, the worst (its KL includes the drift since it served).
+    Its KL(served || trained) per token is the round's step: None when not measured (--step-kl-samples 0) or no
+    sample has a model token with served logprobs; inf when the trained weights score none of them (NaN)."""
     if not options.step_kl_samples:
         return None
     held = p.inputs.current
-    samples = [s for s in p.groups.real_samples if held is None or s.deployment == held]
-    moved = measure_mismatch(p.trainer, samples, per_deployment=options.step_kl_samples, seed=options.seed, held=held)
+    samples = [s for s in p.groups.real_samples if s.deployment == held] or p.groups.real_samples
+    picked = pick_samples(samples, options.step_kl_samples, options.seed)
+    if not picked:
+        return None
+    moved = measure_mismatch(p.trainer, samples, per_deployment=options.step_kl_samples, seed=options.seed)
     worst = moved.worst
-    return worst.kl if worst else None
+    return worst.kl if worst else math.inf
 
 
 @dataclass

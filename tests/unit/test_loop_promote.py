@@ -314,6 +314,9 @@ def test_a_round_that_moved_the_policy_too_far_is_refused_by_its_step_kl():
         == "role solver's training moved the policy by KL 0.9 per token, over --max-step-kl 0.2"
     )
     assert step_refusal(roles, 1.0) is None
+    assert step_refusal({"output": {"output": "/o", "step_kl": 0.9}}, 0.2).startswith("role output's training")
+    for diverged in (float("nan"), float("inf")):  # weights gone to NaN: the trained round scored nothing
+        assert step_refusal({"output": "/a", "step_kl": diverged}, 0.1) is not None
     with pytest.raises(LcapError, match="--max-step-kl -1: 0"):
         LoopOptions(max_step_kl=-1)
 
@@ -325,6 +328,7 @@ def test_an_ungated_round_past_max_step_kl_deploys_nothing_and_the_next_trains_f
     before it serves: a round whose step KL is past --max-step-kl is refused, recorded once as step `promote`."""
     from lcap.loop import rounds
     from lcap.loop.overlap import _finished
+    from lcap.train import TrainOptions
 
     server = Server("base", {})
     server.install(monkeypatch)
@@ -350,7 +354,26 @@ def test_an_ungated_round_past_max_step_kl_deploys_nothing_and_the_next_trains_f
     assert (verdict["promoted"], verdict["reason"], verdict["current"]) == (False, second.refused, "base")
     assert continued(step.state, 3) == Path("/run/round-1/adapter") and _finished(step.state, 2, "stats")
 
-    # A resume reads the refusal, whatever the limit now: nothing is deployed.
+    # A resume reads the refusal, whatever the limit now: nothing is deployed. A round deployed before is never
+    # refused after the fact by a lower limit.
     config.options = LoopOptions(max_step_kl=0.0)
     again, _ = round_(2, {"output": "/run/round-2/adapter", "n_groups": 4, "step_kl": 0.4})
     assert again.refused == second.refused and deployed == ["/run/round-1/adapter"]
+    config.options = LoopOptions(max_step_kl=0.001)
+    first_again, _ = round_(1, {"output": "/run/round-1/adapter", "n_groups": 4, "step_kl": 0.02})
+    assert first_again.deployed == "d-1" and first_again.refused is None and step.state.done(1, "promote") is None
+
+    # Resumed with a held-out gate (--eval-tasks, no --deploy-merge): the gate reads the refusal as its verdict.
+    config.eval_tasks = tmp_path / "e.jsonl"
+    gated_again, said = round_(2, {"output": "/run/round-2/adapter", "n_groups": 4, "step_kl": 0.4})
+    assert gated_again.refused == second.refused and said.startswith(f" | refused: {second.refused}; base stays")
+    assert server.evaluated == [] and deployed == ["/run/round-1/adapter"]
+    with pytest.raises(LcapError, match="not with --step-kl-samples 0"):
+        LoopConfig(
+            run=config.run,
+            rounds=1,
+            tasks=config.tasks,
+            command=["agent"],
+            train=TrainOptions(step_kl_samples=0),
+            options=LoopOptions(max_step_kl=0.1),
+        )
