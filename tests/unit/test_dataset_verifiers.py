@@ -3,6 +3,8 @@ processes: tests/integration/test_dataset_verifiers.py)."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from fixtures_dataset import verifier_context
 
@@ -94,8 +96,6 @@ def test_load_tasks_errors(tmp_path):
 def test_a_relative_venv_interpreter_is_made_absolute_without_leaving_the_venv(tmp_path):
     """`lcap collect -- .venv/bin/python agent.py`: each episode runs in its own folder, so the paths become absolute,
     but the venv's python stays the link it is (its target, run by its own path, would not see the venv's packages)."""
-    import sys
-
     (tmp_path / ".venv" / "bin").mkdir(parents=True)
     (tmp_path / ".venv" / "bin" / "python").symlink_to(sys.executable)
     (tmp_path / "agent.py").write_text("print('hi')\n")
