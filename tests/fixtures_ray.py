@@ -111,8 +111,9 @@ def _stop(proc: subprocess.Popen) -> None:
 NO_OOM_KILLER = {"RAY_memory_monitor_refresh_ms": "0"}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory) -> Iterator[str]:
-    """A 2-CPU Ray cluster shared by the session's tests; its address."""
+    """A 2-CPU Ray cluster shared by a file's tests; its address. Stopped when the file ends: an idle cluster's
+    daemons keep using CPU, which a session-long one would take from every later file on its worker."""
     with ray_head(tmp_path_factory.mktemp("ray") / "head.log", num_cpus=2, env=NO_OOM_KILLER) as address:
         yield address

@@ -24,7 +24,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lcap.config import LcapError
-from lcap.dataset.build.export import MESSAGE, conversations
+from lcap.dataset.build.export import conversations
+from lcap.dataset.build.export_schema import MESSAGE
 from lcap.dataset.build.merge import merge_turns
 from lcap.dataset.build.rebuild import load_tokenizer, rebuild_missing_tokens, rerender_changes
 from lcap.dataset.build.samples_file import SAMPLES_FILE, sample_weights, write_samples
@@ -197,7 +198,7 @@ def build_dataset(
     written = samples.filter(pa.array(keep))
     written = written.append_column("weight", sample_weights(written["episode_id"], options.sample_weight))
     if report.samples:  # else no file: an earlier build's stay as they were, the store's row says why (`last_report`)
-        write_samples(written, out / SAMPLES_FILE, _conversations(store, written) if sft else None)
+        write_samples(written, out / SAMPLES_FILE, _conversations(store, written, chosen.role) if sft else None)
     clock("write")
     report.seconds = rounded(time.perf_counter() - started)
     store.execute(
@@ -293,11 +294,16 @@ def _rerender_changes(con, chosen: _Chosen, params: dict[str, Any]) -> dict[str,
     return {change: counts[change] for change in ("whitespace", "tool JSON", "text")} | {"turns": examples}
 
 
-def _conversations(store: Store, samples: pa.Table) -> pa.Table:
-    """Each sample's episode's conversation (messages, tools), as `lcap export` writes it."""
+def _conversations(store: Store, samples: pa.Table, role: str | None) -> pa.Table:
+    """Each sample's episode's conversation (messages, tools), as `lcap export` writes it: the build's role's, else
+    the one of the episode's call with the most messages."""
     episodes = samples["episode_id"].to_pylist()
     with store.connect(read_only=True) as con:
-        by_episode = {r["episode_id"]: r for r in conversations(con, sorted(set(episodes)), tokens=False)}
+        by_episode = {
+            r["episode_id"]: r
+            for r in conversations(con, sorted(set(episodes)), tokens=False)
+            if (r["role"] == role if role is not None else r["rank"] == 1)
+        }
     return pa.table(
         {
             "messages": pa.array([(by_episode.get(e) or {}).get("messages") for e in episodes], pa.list_(MESSAGE)),

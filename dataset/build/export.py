@@ -1,7 +1,8 @@
 """`lcap export`: chosen episodes as the files other trainers read.
 
-One conversation per episode: the messages of its call whose prompt holds the most messages, and that call's
-answer (from the parsed columns capture fills for every dialect: text, tool calls, reasoning). Chat calls are
+One conversation per episode and role (an agent whose jobs call as roles, `turns.role`, has a conversation for
+each, the role's first call first): the messages of the role's call whose prompt holds the most messages, and that
+call's answer (from the parsed columns capture fills for every dialect: text, tool calls, reasoning). Chat calls are
 read as they are, Anthropic Messages and Responses calls as build-dataset's re-rendering reads them
 (`chat_from_anthropic`, `chat_from_responses`: text, tool calls and their results); a Responses call whose request
 does not hold its conversation (it continues another by `previous_response_id`) and legacy completions calls (a
@@ -11,10 +12,11 @@ prompt string with no roles: a conversation would have to be invented) are skipp
 - `hf`: a Hugging Face dataset folder that both `datasets.load_dataset(PATH)` (`data/train-00000-of-00001.parquet`)
   and `datasets.load_from_disk(PATH)` (`dataset_dict.json` and `train/`, the layout `save_to_disk` writes: the same
   rows again as an Arrow stream) open, a `train` split either way: messages, tools, the episode's labels (JSON
-  text) and reward, and its token ids with the loss mask where the episode's calls were captured with ids and
+  text), reward and role, and its token ids with the loss mask where the role's calls were captured with ids and
   stitch into one sample (build-dataset's merge, `merge.py`), with a task or without (an `lcap proxy` episode).
-- `verl`: `sft.parquet` (verl's multi-turn SFT data: `messages`, `tools`) and `rl.parquet` (verl's RL prompt
-  data, one row a task: `data_source`, `prompt`, `ability`, `reward_model`, `extra_info`).
+- `verl`: `sft.parquet` (verl's multi-turn SFT data: `messages`, `tools`, a row per conversation) and `rl.parquet`
+  (verl's RL prompt data, one row a task, from its first episode's first conversation: `data_source`, `prompt`,
+  `ability`, `reward_model`, `extra_info`).
 
 The selection, the joins and the choice of each episode's call are SQL over the store's views; Python shapes
 each chosen call's JSON into messages. Nothing holds the whole selection: the rows come from DuckDB in batches of
@@ -41,6 +43,17 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from lcap.config import LcapError
+from lcap.dataset.build.export_schema import (
+    HF_DATA_FILE,
+    HF_DISK_FILE,
+    HF_DISK_SPLIT,
+    HF_SCHEMA,
+    VERL_DATA_SOURCE,
+    VERL_RL_FILE,
+    VERL_RL_SCHEMA,
+    VERL_SFT_FILE,
+    VERL_SFT_SCHEMA,
+)
 from lcap.dataset.build.merge import merge_turns
 from lcap.dataset.build.rebuild import chat_from_anthropic, chat_from_responses
 from lcap.dataset.build.select import select_episodes
@@ -50,35 +63,36 @@ from lcap.redact import redact_json, redact_keys
 from lcap.store import Store
 
 FORMATS = ("openai", "hf", "verl")
-HF_DATA_FILE = "data/train-00000-of-00001.parquet"
-HF_DISK_SPLIT = "train"  # load_from_disk's layout: dataset_dict.json naming this split, its folder of that name
-HF_DISK_FILE = "data-00000-of-00001.arrow"
-VERL_SFT_FILE = "sft.parquet"
-VERL_RL_FILE = "rl.parquet"
-VERL_DATA_SOURCE = "lcap"
 _DIALECTS = ("chat", "messages", "responses")  # OpenAI chat completions, Anthropic Messages, Responses (read as chat)
 BATCH_ROWS = 256  # episodes fetched from DuckDB at once, and rows per Parquet row group
 
-# The episodes chosen, oldest first, each with the turn of its conversation's call (successful, a dialect export reads
-# preferred: the call whose request holds the most messages, the latest of equals). Keys only: sorting the calls'
-# text would hold the whole selection in DuckDB's memory.
+# The episodes chosen, oldest first, each role of each (in the order of their first calls) with the turn of its
+# conversation's call (successful, a dialect export reads preferred: the call whose request holds the most messages,
+# the latest of equals) and that call's `rank` among the episode's chosen calls by the same order (1: the call one
+# conversation of the whole episode would be). An episode with no successful call is one row, its role NULL. Keys
+# only: sorting the calls' text would hold the whole selection in DuckDB's memory.
 _EPISODES = """
 WITH chosen AS (
     SELECT * FROM episode_selection
     WHERE $episodes::VARCHAR[] IS NULL OR episode_id IN (SELECT unnest($episodes::VARCHAR[]))),
-call AS (
-    SELECT t.episode_id, t.turn_id
+ranked AS (
+    SELECT t.episode_id, turn_role(t.role) AS role, t.turn_id, t.seq,
+           t.dialect IN ('chat', 'messages', 'responses') AS readable,
+           coalesce(json_array_length(t.request->'messages'), json_array_length(t.request->'input'), 0) AS n_messages
     FROM turns t SEMI JOIN chosen USING (episode_id)
-    WHERE t.error IS NULL AND coalesce(t.status_code, 200) < 400 AND t.request IS NOT NULL
-    QUALIFY row_number() OVER (
-        PARTITION BY t.episode_id
-        ORDER BY t.dialect IN ('chat', 'messages', 'responses') DESC,
-                 coalesce(json_array_length(t.request->'messages'), json_array_length(t.request->'input'), 0) DESC,
-                 t.seq DESC) = 1)
+    WHERE t.error IS NULL AND coalesce(t.status_code, 200) < 400 AND t.request IS NOT NULL),
+call AS (
+    SELECT episode_id, role, turn_id, min(seq) OVER (PARTITION BY episode_id, role) AS first_seq
+    FROM ranked
+    QUALIFY row_number() OVER (PARTITION BY episode_id, role ORDER BY readable DESC, n_messages DESC, seq DESC) = 1),
+best AS (
+    SELECT turn_id, row_number() OVER (
+        PARTITION BY episode_id ORDER BY readable DESC, n_messages DESC, seq DESC) AS rank
+    FROM ranked SEMI JOIN call USING (turn_id))
 SELECT c.episode_id, c.task_id, c.round, c.split, c.run, c.model, c.deployment, c.reward, c.reward_source,
-       c.labels::VARCHAR AS labels, call.turn_id
-FROM chosen c LEFT JOIN call USING (episode_id)
-ORDER BY c.started_at, c.episode_id
+       c.labels::VARCHAR AS labels, call.role, call.turn_id, best.rank
+FROM chosen c LEFT JOIN call USING (episode_id) LEFT JOIN best USING (turn_id)
+ORDER BY c.started_at, c.episode_id, call.first_seq
 """
 # A batch of those calls, with their text.
 _CALLS = """
@@ -93,100 +107,43 @@ FROM episode_selection s JOIN episodes e USING (episode_id)
 WHERE s.episode_id IN (SELECT unnest(?::VARCHAR[]))
 """
 # A batch's episodes' calls with their token ids, as build-dataset reads them (`turn_tokens`), for the merge
-# (lcap.dataset.build.merge): where an episode's calls stitch into one sample of captured ids, that sample's tokens.
+# (lcap.dataset.build.merge), each role's calls a group of their own: where a role's calls stitch into one sample of
+# captured ids, that sample's tokens.
 _TURNS = """
+WITH r AS (
+    SELECT turn_id, turn_role(any_value(role)) AS role FROM turns
+    WHERE episode_id IN (SELECT unnest($episodes::VARCHAR[])) GROUP BY turn_id)
 SELECT tt.episode_id, tt.seq, tt.thread, tt.deployment, tt.rebuilt, tt.truncated,
        tt.prompt_ids::INTEGER[] AS prompt_ids, tt.completion_ids::INTEGER[] AS completion_ids,
        (CASE WHEN len(tt.logprobs) = len(tt.completion_ids) THEN tt.logprobs
              ELSE list_transform(tt.completion_ids, lambda x: 0.0) END)::FLOAT[] AS logprobs,
-       '' AS group_id
-FROM turn_tokens tt
+       r.role AS group_id
+FROM turn_tokens tt JOIN r USING (turn_id)
 WHERE tt.episode_id IN (SELECT unnest($episodes::VARCHAR[]))
   AND tt.prompt_ids IS NOT NULL AND tt.completion_ids IS NOT NULL
 """
 _TOKEN_COLUMNS = ("prompt_ids", "completion_ids", "loss_mask", "logprobs")
-
-_TOOL_CALL = pa.struct(
-    [
-        ("id", pa.string()),
-        ("type", pa.string()),
-        ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())])),
-    ]
-)
-MESSAGE = pa.struct(
-    [
-        ("role", pa.string()),
-        ("content", pa.string()),
-        ("reasoning_content", pa.string()),
-        ("tool_calls", pa.list_(_TOOL_CALL)),
-        ("tool_call_id", pa.string()),
-        ("name", pa.string()),
-    ]
-)
-# Tools are JSON text in Parquet: their parameter schemas differ in shape, which one Arrow struct cannot hold.
-HF_SCHEMA = pa.schema(
-    [
-        ("episode_id", pa.string()),
-        ("task_id", pa.string()),
-        ("round", pa.int32()),
-        ("split", pa.string()),
-        ("run", pa.string()),
-        ("model", pa.string()),
-        ("deployment", pa.string()),
-        ("reward", pa.float64()),
-        ("reward_source", pa.string()),
-        ("labels", pa.string()),
-        ("messages", pa.list_(MESSAGE)),
-        ("tools", pa.string()),
-        ("prompt_ids", pa.list_(pa.int32())),
-        ("completion_ids", pa.list_(pa.int32())),
-        ("loss_mask", pa.list_(pa.int8())),
-        ("logprobs", pa.list_(pa.float32())),
-    ]
-)
-VERL_SFT_SCHEMA = pa.schema(
-    [("messages", pa.list_(MESSAGE)), ("tools", pa.string()), ("episode_id", pa.string()), ("reward", pa.float64())]
-)
-VERL_RL_SCHEMA = pa.schema(
-    [
-        ("data_source", pa.string()),
-        ("prompt", pa.list_(MESSAGE)),
-        ("ability", pa.string()),
-        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-        (
-            "extra_info",
-            pa.struct(
-                [
-                    ("split", pa.string()),
-                    ("index", pa.int64()),
-                    ("task_id", pa.string()),
-                    ("episodes", pa.int64()),
-                    ("mean_reward", pa.float64()),
-                    ("tools", pa.string()),
-                ]
-            ),
-        ),
-    ]
-)
 
 
 @dataclass
 class ExportReport:
     format: str
     out: str
-    episodes: int = 0
-    exported: int = 0
+    episodes: int = 0  # chosen
+    exported: int = 0  # episodes with a conversation written
+    conversations: int = 0  # written: one per episode and role
     tasks: int = 0  # verl's RL prompts
-    with_token_ids: int = 0
-    skipped: dict[str, int] = field(default_factory=dict)
+    with_token_ids: int = 0  # conversations
+    skipped: dict[str, int] = field(default_factory=dict)  # conversations, by why
 
     def line(self) -> str:
         skipped = _skipped_text(self.skipped)
+        roles = f" ({self.conversations} conversations: one per role)" if self.conversations != self.exported else ""
         extra = f", {self.tasks} task prompts" if self.format == "verl" else ""
         ids = f", {self.with_token_ids} with token ids" if self.format == "hf" else ""
         return (
-            f"exported {self.exported} of {self.episodes} episodes as {self.format}{extra}{ids} -> {self.out} "
-            f"(skipped: {skipped})"
+            f"exported {self.exported} of {self.episodes} episodes{roles} as {self.format}{extra}{ids} -> "
+            f"{self.out} (skipped: {skipped})"
         )
 
 
@@ -218,6 +175,7 @@ def export(
     shown = Reporter("export", None, lambda: "conversations written")
     try:
         with shown, store.connect(read_only=True) as con:
+            report.episodes = len(episodes) if episodes is not None else _chosen(con)
             records = _counted(
                 conversations(con, episodes, tokens=format == "hf", skipped=skipped, batch_rows=batch_rows),
                 report,
@@ -238,7 +196,6 @@ def export(
     except _Nothing:
         for folder in reversed(made):  # the folders this export made, now empty
             folder.rmdir()
-        report.episodes = sum(skipped.values())
         raise LcapError(
             f"nothing exported: {report.episodes} episodes chosen, none with a conversation "
             f"(skipped: {_skipped_text(skipped)}); nothing written"
@@ -246,16 +203,22 @@ def export(
     except OSError as exc:
         raise LcapError(f"cannot write {out}: {exc.strerror or exc}") from None
     report.skipped = dict(skipped)
-    report.episodes = report.exported + sum(skipped.values())
     return report
 
 
 def _counted(records: Iterator[dict[str, Any]], report: ExportReport, shown: Reporter) -> Iterator[dict[str, Any]]:
-    for r in records:
-        report.exported += 1
+    last = None
+    for r in records:  # an episode's conversations come one after another
+        report.exported += r["episode_id"] != last
+        last = r["episode_id"]
+        report.conversations += 1
         report.with_token_ids += r["prompt_ids"] is not None
         shown.advance()
         yield r
+
+
+def _chosen(con: Any) -> int:
+    return con.execute("SELECT count(*) FROM episode_selection").fetchall()[0][0]
 
 
 def conversations(
@@ -267,8 +230,9 @@ def conversations(
     batch_rows: int = BATCH_ROWS,
     only: list[str] | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """The chosen episodes (None: all; of them, `only` these) as redacted records, oldest first, fetched `batch_rows`
-    at a time, with the token columns when `tokens` (else None); those skipped are counted in `skipped`, by why."""
+    """The chosen episodes (None: all; of them, `only` these) as redacted records, one per episode and role, oldest
+    first, fetched `batch_rows` at a time, with the token columns when `tokens` (else None); those skipped are counted
+    in `skipped`, by why."""
     skipped = Counter() if skipped is None else skipped
     # The keys as one Arrow table (a few columns of labels an episode); the calls' text a batch at a time.
     keys = con.sql(_EPISODES, params={"episodes": episodes}).to_arrow_table()
@@ -277,10 +241,10 @@ def conversations(
     for start in range(0, keys.num_rows, batch_rows):
         rows = keys.slice(start, batch_rows).to_pylist()
         calls = _calls(con, rows)
-        ids = _one_sample_tokens(con, [r["episode_id"] for r in rows]) if tokens else {}
+        ids = _one_sample_tokens(con, list({r["episode_id"]: None for r in rows})) if tokens else {}
         for row in rows:
             row.update(calls.get(row["turn_id"]) or {"dialect": None})
-            row.update(ids.get(row["episode_id"]) or dict.fromkeys(_TOKEN_COLUMNS))
+            row.update(ids.get((row["episode_id"], row["role"])) or dict.fromkeys(_TOKEN_COLUMNS))
             record = _record(row)
             if isinstance(record, str):
                 skipped[record] += 1
@@ -288,50 +252,64 @@ def conversations(
             yield _redacted(record)
 
 
-def _one_sample_tokens(con: Any, episodes: list[str]) -> dict[str, dict[str, Any]]:
-    """Of `episodes`, those whose calls merge into one sample of captured ids (none rebuilt): that sample's tokens,
-    by the rule build-dataset trains on (lcap.dataset.build.merge)."""
+def _one_sample_tokens(con: Any, episodes: list[str]) -> dict[tuple[str, str], dict[str, Any]]:
+    """Of `episodes`' roles, by (episode, role), those whose calls merge into one sample of captured ids (none
+    rebuilt): that sample's tokens, by the rule build-dataset trains on (lcap.dataset.build.merge)."""
     samples = merge_turns(con.sql(_TURNS, params={"episodes": episodes}).to_arrow_table())
-    rows = samples.select(["episode_id", "rebuilt", "prompt_ids", "completion_ids", "env_mask", "logprobs"]).to_pylist()
-    parts = Counter(row["episode_id"] for row in rows)
+    columns = ["episode_id", "group_id", "rebuilt", "prompt_ids", "completion_ids", "env_mask", "logprobs"]
+    rows = samples.select(columns).to_pylist()
+    parts = Counter((row["episode_id"], row["group_id"]) for row in rows)
     return {
-        row["episode_id"]: {
+        (row["episode_id"], row["group_id"]): {
             "prompt_ids": row["prompt_ids"],
             "completion_ids": row["completion_ids"],
             "loss_mask": row["env_mask"],
             "logprobs": row["logprobs"],
         }
         for row in rows
-        if parts[row["episode_id"]] == 1 and not row["rebuilt"]
+        if parts[row["episode_id"], row["group_id"]] == 1 and not row["rebuilt"]
     }
 
 
 def transcripts(con: Any, episodes: list[str]) -> dict[str, dict[str, Any]]:
-    """What `lcap rescore` hands a verifier for each episode: the export's record in the OpenAI chat form (the
-    messages of its conversation's call and that call's answer, redacted, an answer cut by the token limit
+    """What `lcap rescore` and the judges are given of each episode: the export's record in the OpenAI chat form
+    (the messages of its conversation's call and that call's answer, redacted, an answer cut by the token limit
     included), its `status`, `labels` and `truncated` (the answer was cut by the token limit), `tools` as a list;
-    `messages` None with `no_messages` saying why where the export has no conversation for it."""
+    `messages` None with `no_messages` saying why where the export has no conversation for it. Those of the
+    episode's one conversation: of an agent whose jobs call as roles, the role whose call holds the most messages;
+    `roles` has every role's (`role`, `messages`, `tools`, `no_messages`, `truncated`), the first call's first."""
     keys = con.sql(_EPISODES, params={"episodes": episodes}).to_arrow_table().to_pylist()
     calls = _calls(con, keys)
     facts = {
         episode: (status, json.loads(labels or "{}"))
         for episode, status, labels in con.execute(_STATUS_AND_LABELS, [episodes]).fetchall()
     }
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for row in keys:
         row.update(calls.get(row["turn_id"]) or {"dialect": None, "truncated": False})
-        status, labels = facts.get(row["episode_id"], (None, {}))
-        base = {k: row[k] for k in ("episode_id", "task_id", "round", "split", "run", "model", "deployment")}
-        base.update(status=status, labels=labels, truncated=bool(row["truncated"]), messages=None, tools=None)
-        record = _record({**row, "truncated": False, **dict.fromkeys(_TOKEN_COLUMNS)})
-        if isinstance(record, str):
-            base["no_messages"] = record
-        else:
-            record = _redacted(record)
-            base.update(messages=record["messages"], tools=json.loads(record["tools"]) if record["tools"] else None)
-            base["no_messages"] = None
-        out[row["episode_id"]] = base
+        said = _said(row)
+        base = out.get(row["episode_id"])
+        if base is None:
+            status, labels = facts.get(row["episode_id"], (None, {}))
+            base = {k: row[k] for k in ("episode_id", "task_id", "round", "split", "run", "model", "deployment")}
+            base.update(status=status, labels=labels, roles=[])
+            out[row["episode_id"]] = base
+        if row["role"] is not None:
+            base["roles"].append({"role": row["role"], **said})
+        if row["rank"] in (1, None):  # the episode's one conversation
+            base.update(said)
     return out
+
+
+def _said(row: dict[str, Any]) -> dict[str, Any]:
+    """A transcript's conversation of the call in `row`: messages, tools, truncated, or why there are none."""
+    said: dict[str, Any] = {"truncated": bool(row["truncated"]), "messages": None, "tools": None}
+    record = _record({**row, "truncated": False, **dict.fromkeys(_TOKEN_COLUMNS)})
+    if isinstance(record, str):
+        return {**said, "no_messages": record}
+    record = _redacted(record)
+    tools = json.loads(record["tools"]) if record["tools"] else None
+    return {**said, "messages": record["messages"], "tools": tools, "no_messages": None}
 
 
 def _calls(con: Any, keys: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -367,6 +345,8 @@ def _record(row: dict[str, Any]) -> dict[str, Any] | str:
     messages.append(_answer(row))
     return {
         **{k: row[k] for k in ("episode_id", "task_id", "round", "split", "run", "model", "deployment", "reward")},
+        "role": row["role"],
+        "rank": row["rank"],  # 1: the conversation of the whole episode (`_EPISODES`)
         "reward_source": row["reward_source"],
         "labels": row.get("labels"),
         "messages": messages,
@@ -524,14 +504,20 @@ class _Task:
 
 
 class _Tasks:
-    """verl's RL prompts, one row a task: counted while the SFT rows stream past, then each task's first episode's
-    messages before its first answer, read again."""
+    """verl's RL prompts, one row a task: counted while the SFT rows stream past (an episode's conversations one
+    after another), then each task's first episode's first conversation's messages before its first answer, read
+    again."""
 
     def __init__(self) -> None:
         self.first: dict[str, _Task] = {}
 
     def seen(self, records: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        last = None
         for r in records:
+            if r["episode_id"] == last:  # the episode's next role
+                yield r
+                continue
+            last = r["episode_id"]
             key = r["task_id"] or r["episode_id"]
             task = self.first.get(key)
             if task is None:
@@ -546,8 +532,12 @@ class _Tasks:
         return [t.first for t in self.first.values()]
 
     def prompts(self, firsts: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        done: set[str] = set()
         for r in firsts:
             key = r["task_id"] or r["episode_id"]
+            if key in done:  # the first episode's other roles
+                continue
+            done.add(key)
             task = self.first[key]
             messages = r["messages"]
             end = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))

@@ -48,10 +48,10 @@ def merge_turns(turns: pa.Table, *, mask_truncated: bool = False) -> pa.Table:
     deployment = turns["deployment"].chunk(0).take(order)
     same_episode = np.zeros(n, dtype=bool)
     same_deployment = np.zeros(n, dtype=bool)
-    if n > 1:
-        same_episode[1:] = _bools(pc.equal(episode[1:], episode[:-1]))
-        both_null = pc.and_(pc.is_null(deployment[1:]), pc.is_null(deployment[:-1]))
-        same_deployment[1:] = _bools(pc.or_(pc.fill_null(pc.equal(deployment[1:], deployment[:-1]), False), both_null))
+    if n > 1:  # an episode's calls in two groups (`lcap export`'s roles) are two runs of calls
+        group = turns["group_id"].chunk(0).take(order)
+        same_episode[1:] = _bools(pc.equal(episode[1:], episode[:-1])) & _same_as_before(group)
+        same_deployment[1:] = _same_as_before(deployment)
 
     extends = _extends(same_episode, same_deployment, truncated, p_start, p_len, p_val, c_start, c_len, c_val)
     seg_start, ids, logprobs, mask = _segments(
@@ -176,6 +176,12 @@ def _buffers(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
     off = arr.offsets.to_numpy().astype(np.int64)
     values = arr.values.slice(off[0], off[-1] - off[0]).to_numpy(zero_copy_only=False)
     return off - off[0], values
+
+
+def _same_as_before(values) -> np.ndarray:
+    """For each value but the first, whether it equals the one before it (two nulls are equal)."""
+    both_null = pc.and_(pc.is_null(values[1:]), pc.is_null(values[:-1]))
+    return _bools(pc.or_(pc.fill_null(pc.equal(values[1:], values[:-1]), False), both_null))
 
 
 def _bools(arr) -> np.ndarray:

@@ -100,12 +100,14 @@ class Sample:
     stdout: str = ""
 
     def data(self) -> dict[str, Any]:
-        """What of the episode is shown: the task (its reference apart), the conversation, the end of stdout."""
+        """What of the episode is shown: the task (its reference apart), the conversation (an agent whose jobs call
+        as roles: each role's, the first to call first), the end of stdout."""
         task = {k: v for k, v in self.task.items() if k not in ("reference", "files")}
-        conversation = [_message(m) for m in self.transcript.get("messages") or []]
-        shown: dict[str, Any] = {"task": task, "conversation": conversation}
-        if not conversation:
-            shown["no_conversation"] = self.transcript.get("no_messages") or "no LLM call stored"
+        roles = self.transcript.get("roles") or []
+        if len(roles) > 1:
+            shown: dict[str, Any] = {"task": task, "roles": [{"role": r["role"], **_conversation(r)} for r in roles]}
+        else:
+            shown = {"task": task, **_conversation(self.transcript)}
         if self.stdout.strip():
             shown["stdout"] = self.stdout[-STDOUT_MAX:]
         return shown
@@ -117,6 +119,14 @@ class Sample:
         """sha256 of what the judge is shown of this episode (the cache's transcript hash)."""
         blob = json.dumps([self.data(), self.reference()], sort_keys=True, ensure_ascii=False, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _conversation(said: Mapping[str, Any]) -> dict[str, Any]:
+    """A transcript's (or one role's) conversation as shown, or why there is none."""
+    conversation = [_message(m) for m in said.get("messages") or []]
+    if conversation:
+        return {"conversation": conversation}
+    return {"conversation": [], "no_conversation": said.get("no_messages") or "no LLM call stored"}
 
 
 def _message(message: Mapping[str, Any]) -> dict[str, Any]:

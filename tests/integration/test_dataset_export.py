@@ -23,7 +23,7 @@ from openai.types.chat import (
 from pydantic import TypeAdapter
 
 from lcap.config import LcapError
-from lcap.dataset.build.export import HF_DATA_FILE, ExportReport, export
+from lcap.dataset.build.export import HF_DATA_FILE, ExportReport, export, transcripts
 
 LCAP = str(Path(sys.executable).parent / "lcap")
 SECRET = "sk-proj-4f9Qx7Lm2Rt8Vb3Nc6Kd1Hs5Jw0Pz"  # key-shaped: the store's redaction replaces it
@@ -390,3 +390,77 @@ def test_nothing_exported_leaves_no_folder(captured, tmp_path):
         with pytest.raises(LcapError, match="nothing exported: 0 episodes chosen"):
             export(captured, format=fmt, out=tmp_path / "new" / fmt, where="reward > 5")
     assert not (tmp_path / "new").exists()
+
+
+def _role_calls(role: str, system: dict, ids: list[int], questions: list[str]) -> list[dict]:
+    """One role's chat calls, each prompt extending the one before with the answer and a user message."""
+    messages, calls = [system], []
+    for k, (turn, question) in enumerate(zip(chat_turns(*[[i] for i in ids]), questions, strict=True)):
+        messages = [*messages, {"role": "user", "content": question}]
+        answer = f"{role} {k}"
+        calls.append(
+            {**turn, "role": role, "request": {"model": "policy", "messages": messages}, "completion_text": answer}
+        )
+        messages = [*messages, {"role": "assistant", "content": answer}]
+    return calls
+
+
+@pytest.fixture
+def two_roles(builder, dstore):
+    """Episode `roles` (task plan-1): a planner's two calls and a solver's two, interleaved, each role's conversation
+    stitching into one sample of its own; the planner called first."""
+    planner = _role_calls("planner", {"role": "system", "content": "You plan."}, [10, 11], ["Plan 2+3.", "And?"])
+    solver = _role_calls("solver", {"role": "system", "content": "You solve."}, [20, 21], ["Solve 2+3.", "Sure?"])
+    solver[0]["prompt_token_ids"] = [4, 5]  # the solver's own system prompt
+    solver[1]["prompt_token_ids"] = [4, 5, 20, 90, 91]
+    builder.episode("roles", task="plan-1", reward=1.0, turns=_stored([planner[0], solver[0], planner[1], solver[1]]))
+    return dstore
+
+
+def test_an_episode_of_two_roles_exports_a_conversation_per_role(two_roles, tmp_path, monkeypatch):
+    """Each role's conversation, the first to call first, with its own token ids; verl's task prompt is the first
+    role's; a re-scoring verifier or judge gets every role's conversation, and as its one conversation the call
+    that holds the most messages."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    report = export(two_roles, format="hf", out=tmp_path / "hf")
+    assert (report.episodes, report.exported, report.conversations, report.with_token_ids) == (1, 1, 2, 2)
+    assert "exported 1 of 1 episodes (2 conversations: one per role) as hf, 2 with token ids" in report.line()
+    rows = datasets.load_dataset(str(tmp_path / "hf"), cache_dir=str(tmp_path / "cache"))["train"].to_list()
+    assert [(r["episode_id"], r["role"]) for r in rows] == [("roles", "planner"), ("roles", "solver")]
+    planner, solver = rows
+    assert [m["content"] for m in planner["messages"]] == ["You plan.", "Plan 2+3.", "planner 0", "And?", "planner 1"]
+    assert [m["content"] for m in solver["messages"]] == ["You solve.", "Solve 2+3.", "solver 0", "Sure?", "solver 1"]
+    assert planner["completion_ids"] == [10, 90, 91, 11] and planner["loss_mask"] == [1, 0, 0, 1]
+    assert solver["prompt_ids"] == [4, 5] and solver["completion_ids"] == [20, 90, 91, 21]
+
+    lines = [json.loads(line) for line in _exported(two_roles, tmp_path / "roles.jsonl").splitlines()]
+    assert [line["messages"][0]["content"] for line in lines] == ["You plan.", "You solve."]
+
+    export(two_roles, format="verl", out=tmp_path / "verl")
+    assert pq.read_table(tmp_path / "verl" / "sft.parquet").column("role").to_pylist() == ["planner", "solver"]
+    (task,) = pq.read_table(tmp_path / "verl" / "rl.parquet").to_pylist()
+    assert [m["content"] for m in task["prompt"]] == ["You plan.", "Plan 2+3."] and task["extra_info"]["episodes"] == 1
+
+    with two_roles.connect(read_only=True) as con:
+        said = transcripts(con, ["roles"])["roles"]
+    assert [(r["role"], r["messages"][-1]["content"]) for r in said["roles"]] == [
+        ("planner", "planner 1"),
+        ("solver", "solver 1"),
+    ]
+    assert said["messages"] == said["roles"][1]["messages"]  # of equal length, the later call
+
+
+def _exported(store, out: Path) -> str:
+    export(store, format="openai", out=out)
+    return out.read_text()
+
+
+def test_a_roles_sft_samples_carry_that_roles_conversation(two_roles, tmp_path):
+    """build-dataset --format sft --role R: each sample's conversation beside its ids is R's, as export writes it."""
+    from lcap.dataset.build.builder import BuildOptions, build_dataset
+
+    for role, system in (("planner", "You plan."), ("solver", "You solve.")):
+        out = tmp_path / role
+        build_dataset(two_roles, round=None, out=out, options=BuildOptions(format="sft", where="true"), role=role)
+        (sample,) = pq.read_table(out / "samples.parquet").to_pylist()
+        assert sample["messages"][0]["content"] == system and sample["messages"][-1]["content"] == f"{role} 1"

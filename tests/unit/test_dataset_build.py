@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from fixtures_dataset import chat_turns
@@ -13,6 +14,7 @@ from fixtures_dataset import chat_turns
 from lcap.config import LcapError
 from lcap.dataset.build.builder import BuildOptions, build_dataset
 from lcap.dataset.build.explain import causes
+from lcap.dataset.build.merge import merge_turns
 
 
 def _build(store, tmp_path, **options):
@@ -120,6 +122,32 @@ def test_merge_requires_exact_token_prefix(builder, dstore, tmp_path):
     _, samples, _ = _build(dstore, tmp_path)
     assert sorted(samples) == ["ep-a#0", "ep-a#1", "ep-b#0"]
     assert not samples["ep-a#1"]["merged"] and samples["ep-a#1"]["prompt_ids"] == [1, 2, 40, 42, 90]
+
+
+def test_an_episodes_calls_in_two_groups_never_merge_into_one_sample():
+    """`lcap export` merges each role's calls as a group of their own: a sub-agent whose prompt holds the whole
+    conversation of the role that called it still starts a sample of its own role."""
+    ids = pa.list_(pa.int32())
+    calls = pa.table(
+        {
+            "episode_id": ["e", "e"],
+            "group_id": ["planner", "solver"],
+            "seq": [0, 1],
+            "deployment": ["d", "d"],
+            "truncated": [False, False],
+            "rebuilt": [False, False],
+            "prompt_ids": pa.array([[1, 2], [1, 2, 40, 90]], ids),
+            "completion_ids": pa.array([[40], [50]], ids),
+            "logprobs": pa.array([[-0.5], [-0.5]], pa.list_(pa.float32())),
+        }
+    )
+    samples = merge_turns(calls).to_pylist()
+    assert [(s["group_id"], s["prompt_ids"], s["completion_ids"]) for s in samples] == [
+        ("planner", [1, 2], [40]),
+        ("solver", [1, 2, 40, 90], [50]),
+    ]
+    one_group = merge_turns(calls.set_column(1, "group_id", pa.array(["g", "g"]))).to_pylist()
+    assert [(s["prompt_ids"], s["completion_ids"]) for s in one_group] == [([1, 2], [40, 90, 50])]
 
 
 def test_advantages_are_group_normalised_with_sample_std(builder, dstore, tmp_path):

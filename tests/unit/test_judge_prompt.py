@@ -162,3 +162,24 @@ def test_parse_group_needs_every_label_once():
             parse_group(json.dumps({"scores": scores}), labels)
     with pytest.raises(JudgeAnswerError):
         parse_group('{"scores": 3}', labels)
+
+
+def test_an_episode_of_two_roles_shows_each_roles_conversation(rubric):
+    """An agent whose jobs call as roles: the judge sees every role's conversation (the planner's plan as well as
+    the solver's answer), each quoted as data; an episode of one role is shown as before (its cache key kept)."""
+    one = sample("e1", "5")
+    planner = {
+        "role": "planner",
+        "messages": [{"role": "user", "content": "Plan 2+3."}, {"role": "assistant", "content": ESCAPE}],
+    }
+    solver = {"role": "solver", "messages": one.transcript["messages"]}
+    silent = {"role": "checker", "messages": None, "no_messages": "no successful call"}
+    two = Sample("e2", one.task, {**one.transcript, "roles": [planner, solver, silent]}, stdout="5")
+    shown = two.data()
+    assert [r["role"] for r in shown["roles"]] == ["planner", "solver", "checker"] and "conversation" not in shown
+    assert shown["roles"][0]["conversation"][1]["content"] == ESCAPE
+    assert shown["roles"][2] == {"role": "checker", "conversation": [], "no_conversation": "no successful call"}
+    text = user_text(pointwise_prompt(rubric, two, 10_000))
+    assert "Plan 2+3." in text and text.count("</transcript>") == 1  # the planner's text cannot close the block
+    alone = Sample("e1", one.task, {**one.transcript, "roles": [solver]}, stdout="5")
+    assert alone.data() == one.data() and alone.digest() == one.digest()
