@@ -87,7 +87,7 @@ def ray_node(args: list[str], log: Path, env: Mapping[str, str]) -> Iterator[sub
 
 def _stop(proc: subprocess.Popen) -> None:
     """SIGKILL the node's process group: a test's cluster keeps nothing, and Ray's daemons take SIGTERM as a
-    request they answer in their own time (a head's group was still up 15 s after one)."""
+    request they answer in their own time (docs/benchmarks.md, the test suite's time)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
