@@ -241,7 +241,7 @@ def conversations(
     for start in range(0, keys.num_rows, batch_rows):
         rows = keys.slice(start, batch_rows).to_pylist()
         calls = _calls(con, rows)
-        ids = _one_sample_tokens(con, list({r["episode_id"]: None for r in rows})) if tokens else {}
+        ids = _one_sample_tokens(con, list({r["episode_id"] for r in rows})) if tokens else {}
         for row in rows:
             row.update(calls.get(row["turn_id"]) or {"dialect": None})
             row.update(ids.get((row["episode_id"], row["role"])) or dict.fromkeys(_TOKEN_COLUMNS))
