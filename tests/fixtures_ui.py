@@ -431,6 +431,25 @@ def fill_store(store, tokenizer_dir: Path, *, xss: bool = True) -> UiStore:
             )
         ],
     )
+    refusal = {"promoted": False, "current": "demo-r2", "candidate": "demo-r4", "seconds": 0.1}
+    store.append(  # round 4 trained, but its held-out run refused it: round 2's deployment stayed
+        "loop_steps",
+        [
+            {
+                "run": "/runs/demo",
+                "round": 4,
+                "step": step,
+                "mean_reward": None,
+                "details": json.dumps(details),
+                "created_at": b.tick(),
+            }
+            for step, details in (
+                ("collect", {"seconds": 30.0}),
+                ("train", {"seconds": 1.1}),
+                ("promote", refusal | {"reason": "held-out reward 0.4 < 0.5 - margin 0"}),
+            )
+        ],
+    )
     return b
 
 

@@ -196,7 +196,8 @@ def create_app(db: Path, options: UiOptions, *, token: str | None, max_listeners
         return Response(text or "null", media_type="application/json")
 
     async def events(request: Request) -> Response:
-        """Server-sent events: `change` with the store's fingerprint whenever it moves, `busy` when unreadable."""
+        """Server-sent events: `change` with the store's fingerprint whenever it moves, `busy` when unreadable, `end`
+        before the stream closes after STREAM_SECONDS (the browser then reconnects)."""
         if not listeners.acquire(blocking=False):
             return PlainTextResponse("too many live pages open; retrying", 503, headers={"Retry-After": "5"})
 
@@ -218,6 +219,7 @@ def create_app(db: Path, options: UiOptions, *, token: str | None, max_listeners
                         yield ": ping\n\n"
                         beat = time.monotonic()
                     await asyncio.sleep(options.poll)  # a client that leaves cancels this (Starlette watches)
+                yield "event: end\ndata: {}\n\n"  # a planned end: the page reconnects without saying so
             finally:
                 listeners.release()
 

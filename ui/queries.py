@@ -287,12 +287,18 @@ def overview(con: duckdb.DuckDBPyConnection, cols: dict[str, set[str]]) -> dict[
            FROM loop_steps WHERE run = (SELECT run FROM latest) GROUP BY ALL ORDER BY 1, 2""",
     )
     run = con.execute("SELECT arg_max(run, created_at) FROM loop_steps").fetchone()
-    skipped = _dicts(  # rounds (or, with --per-role, a round's roles: `skipped:ROLE`) with nothing to learn
+    undeployed = _dicts(  # rounds (or, with --per-role, a round's roles: `skipped:ROLE`) with nothing to learn, and
+        # rounds trained but refused (a held-out gate's or --max-step-kl's `promote` step with `promoted` false)
         con,
         """WITH latest AS (SELECT arg_max(run, created_at) AS run FROM loop_steps)
-           SELECT round, nullif(split_part(step, ':', 2), '') AS role, any_value(details->>'reason') AS reason,
-                  any_value(details->>'kept') AS kept
-           FROM loop_steps WHERE run = (SELECT run FROM latest) AND (step = 'skipped' OR step LIKE 'skipped:%')
+           SELECT round, nullif(split_part(step, ':', 2), '') AS role,
+                  CASE WHEN step = 'promote' THEN 'refused' ELSE 'skipped' END AS verdict,
+                  any_value(details->>'reason') AS reason,
+                  any_value(coalesce(details->>'kept', details->>'current')) AS kept
+           FROM loop_steps
+           WHERE run = (SELECT run FROM latest)
+             AND (step = 'skipped' OR step LIKE 'skipped:%'
+                  OR (step = 'promote' AND TRY_CAST(details->>'promoted' AS BOOLEAN) IS FALSE))
            GROUP BY round, step ORDER BY round, role NULLS FIRST""",
     )
     deployments = _dicts(
@@ -307,7 +313,7 @@ def overview(con: duckdb.DuckDBPyConnection, cols: dict[str, set[str]]) -> dict[
         "mismatch": mismatch,
         "phases": phases,
         "run": run[0] if run else None,
-        "skipped": skipped,
+        "undeployed": undeployed,
         "deployments": deployments,
     }
 

@@ -212,11 +212,15 @@ def test_every_page_renders_what_the_store_holds(ui_db):
         for chart in ("chart-reward", "chart-status", "chart-tokens", "chart-train", "chart-phases"):
             assert f'id="{chart}"' in overview.text
         assert "/runs/demo/round-2/adapter" in overview.text
-        skipped = overview.text.split("Skipped rounds", 1)[1].split("</table>", 1)[0]  # round 3: nothing to learn
-        assert "<td>3</td><td>skipped: every group got the same reward (2 of 2)</td><td><code>demo-r2</code>" in skipped
+        # round 3: nothing to learn; round 4: refused by its held-out run; rounds 1 and 2 deployed
+        undeployed = overview.text.split("Rounds not deployed", 1)[1].split("</table>", 1)[0]
+        assert "<td>3</td><td>skipped: every group got the same reward (2 of 2)</td><td><code>demo-r2</code>" in undeployed
         assert (
-            "<td>3</td><td>role solver skipped: no group with a reward spread</td><td><code>demo-solver-r1" in skipped
+            "<td>3</td><td>role solver skipped: no group with a reward spread</td><td><code>demo-solver-r1"
+            in undeployed
         )
+        assert "<td>4</td><td>refused: held-out reward 0.4 &lt; 0.5 - margin 0</td><td><code>demo-r2</code>" in undeployed
+        assert undeployed.count("<tr>") == 4  # the header and three rows
         episode = c.get("/episode", params={"id": "ep-calc-2"})
         assert episode.status_code == 200
         for text in (
@@ -434,3 +438,12 @@ def test_a_groups_advantages_are_the_ones_build_dataset_uses(ui_db, tmp_path):
     assert mine.keys() == view.keys()
     for episode, (advantage, zero) in view.items():
         assert mine[episode][0] == pytest.approx(advantage) and mine[episode][1] == zero, episode
+
+
+def test_the_live_stream_says_when_it_ends_as_planned(ui_db, monkeypatch):
+    """A stream closes after STREAM_SECONDS and the browser reconnects: its last event says so (`end`), so the page
+    does not show `live: reconnecting` for a planned close (ui/static/app.js)."""
+    monkeypatch.setattr("lcap.ui.app.STREAM_SECONDS", 0.5)
+    with client(ui_db, poll=0.2) as c, c.stream("GET", "/events") as answer:
+        events = [line for line in answer.iter_lines() if line.startswith("event: ")]
+    assert events[0] == "event: change" and events[-1] == "event: end"

@@ -54,7 +54,12 @@ function startLive() {
     status.className = "live busy";
     status.textContent = "live: store busy (" + JSON.parse(e.data) + ")";
   });
-  source.onerror = () => { status.className = "live"; status.textContent = "live: reconnecting"; };
+  let ending = false;  // the server said `end`: the stream closes as planned and reopens by itself
+  source.addEventListener("end", () => { ending = true; });
+  source.onerror = () => {
+    if (ending) { ending = false; return; }
+    status.className = "live"; status.textContent = "live: reconnecting";
+  };
   window.addEventListener("pagehide", () => source.close());
 }
 
