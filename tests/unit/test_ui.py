@@ -214,12 +214,16 @@ def test_every_page_renders_what_the_store_holds(ui_db):
         assert "/runs/demo/round-2/adapter" in overview.text
         # round 3: nothing to learn; round 4: refused by its held-out run; rounds 1 and 2 deployed
         undeployed = overview.text.split("Rounds not deployed", 1)[1].split("</table>", 1)[0]
-        assert "<td>3</td><td>skipped: every group got the same reward (2 of 2)</td><td><code>demo-r2</code>" in undeployed
+        assert (
+            "<td>3</td><td>skipped: every group got the same reward (2 of 2)</td><td><code>demo-r2</code>" in undeployed
+        )
         assert (
             "<td>3</td><td>role solver skipped: no group with a reward spread</td><td><code>demo-solver-r1"
             in undeployed
         )
-        assert "<td>4</td><td>refused: held-out reward 0.4 &lt; 0.5 - margin 0</td><td><code>demo-r2</code>" in undeployed
+        assert (
+            "<td>4</td><td>refused: held-out reward 0.4 &lt; 0.5 - margin 0</td><td><code>demo-r2</code>" in undeployed
+        )
         assert undeployed.count("<tr>") == 4  # the header and three rows
         episode = c.get("/episode", params={"id": "ep-calc-2"})
         assert episode.status_code == 200
