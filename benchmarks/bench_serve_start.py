@@ -1,8 +1,11 @@
-"""vLLM CPU start-up of the tiny model: lcap's single-process default vs vLLM's three processes.
+"""vLLM CPU start-up of the tiny model: lcap's default (the model worker inside the engine-core process, which is
+forked from the API server) vs that engine core spawned (vLLM's CPU default) vs vLLM's three processes.
 
 Usage: .venv/bin/python benchmarks/bench_serve_start.py [ROUNDS]
-Alternates the two modes (this machine is shared and noisy) and prints seconds to /health and the
-ratio, plus the time to hot-load a LoRA adapter and the first request's latency.
+Alternates the modes (these machines are noisy) and prints, per start, seconds to /health and the CPU-seconds
+the server's processes used to get there, then the first request's latency, the time to hot-load a LoRA adapter
+and a decode rate (greedy, 128 tokens a request: four requests one at a time and two batches of 16 at once; the
+forked engine core must decode as fast as a spawned one); then the medians and the ratios against the default.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -32,31 +36,86 @@ def main(rounds: int) -> None:
     os.environ["LCAP_POLICY_RECORD"] = str(work / "policy.json")
     model = init_model(work / "tiny")
     lora = make_lora(model, work / "adapter")
-    times: dict[str, list[float]] = {"single": [], "multi": []}
+    seen: dict[str, dict[str, list[float]]] = {mode: {"start": [], "cpu": [], "decode": []} for mode in MODES}
     for i in range(rounds):
-        for mode in ("single", "multi"):
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if mode == "single" else "1"
+        for mode, env in MODES.items():
+            os.environ.update(env)
             started = time.monotonic()
             record = start_server(
                 str(model), python=python, log_path=work / f"{mode}-{i}.log", timeout=900, progress=False
             )
-            times[mode].append(time.monotonic() - started)
+            seen[mode]["start"].append(time.monotonic() - started)
+            seen[mode]["cpu"].append(group_cpu(record.pid))
             try:
                 body = {"model": record.current, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
                 t0 = time.monotonic()
                 httpx.post(f"{record.url}/v1/chat/completions", json=body, timeout=120).raise_for_status()
                 first = time.monotonic() - t0
+                seen[mode]["decode"].append(decode_rate(record.url, record.current))
                 t0 = time.monotonic()
                 deploy_policy(lora, round=i)
                 load = time.monotonic() - t0
                 print(
-                    f"{mode:6s} start {times[mode][-1]:6.1f} s  first request {first * 1000:6.0f} ms  LoRA hot-load {load * 1000:6.0f} ms",
+                    f"{mode:6s} start {seen[mode]['start'][-1]:5.1f} s, {seen[mode]['cpu'][-1]:5.1f} CPU-s  "
+                    f"first request {first * 1000:5.0f} ms  decode {seen[mode]['decode'][-1]:6.1f} tokens/s  "
+                    f"LoRA hot-load {load * 1000:5.0f} ms",
                     flush=True,
                 )
             finally:
                 stop_server()
-    single, multi = statistics.median(times["single"]), statistics.median(times["multi"])
-    print(f"median start: single-process {single:.1f} s, three processes {multi:.1f} s, ratio {multi / single:.2f}x")
+    median = {mode: {k: statistics.median(v) for k, v in figures.items()} for mode, figures in seen.items()}
+    base = median["fork"]
+    for mode, m in median.items():
+        print(
+            f"median {mode:6s}: start {m['start']:5.1f} s ({m['start'] / base['start']:.2f}x the default), "
+            f"{m['cpu']:5.1f} CPU-s ({m['cpu'] / base['cpu']:.2f}x), decode {m['decode']:6.1f} tokens/s "
+            f"({m['decode'] / base['decode']:.2f}x)"
+        )
+
+
+MODES = {  # lcap's default first
+    "fork": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "LCAP_FORK_ENGINE": "1"},
+    "spawn": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "LCAP_FORK_ENGINE": "0"},
+    "multi": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "LCAP_FORK_ENGINE": "0"},
+}
+
+
+def group_cpu(pid: int) -> float:
+    """CPU-seconds (user + system) used so far by the processes of `pid`'s process group, reaped children
+    included (the server runs in a group of its own)."""
+    tick, group, total = os.sysconf("SC_CLK_TCK"), os.getpgid(pid), 0
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if entry.name.isdigit() and int(fields[2]) == group:
+            total += sum(int(f) for f in fields[11:15])
+    return total / tick
+
+
+def decode_rate(url: str, model: str, tokens: int = 128) -> float:
+    """Completion tokens per second, greedy: after a warm-up batch, 4 requests one at a time, then 2 batches of 16
+    requests at once, each of `tokens` tokens."""
+    body = {
+        "model": model,
+        "prompt": "Count: one two three",
+        "max_tokens": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+
+    def batch(size: int) -> tuple[int, float]:
+        with ThreadPoolExecutor(size) as pool:
+            t0 = time.monotonic()
+            done = list(
+                pool.map(lambda _: httpx.post(f"{url}/v1/completions", json=body, timeout=300).json(), range(size))
+            )
+            return sum(d["usage"]["completion_tokens"] for d in done), time.monotonic() - t0
+
+    batch(16)
+    made = [batch(size) for size in (1, 1, 1, 1, 16, 16)]
+    return sum(n for n, _ in made) / sum(t for _, t in made)
 
 
 if __name__ == "__main__":

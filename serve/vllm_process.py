@@ -31,6 +31,7 @@ MAX_LORA_RANK = 16  # the trainer's default rank; every slot of a larger rank sl
 MAX_LORAS = 2  # adapters resident per batch: the new deployment and the one still finishing calls
 TOOL_PARSER = "hermes"  # <tool_call>{json}</tool_call>: the tiny model's template and Qwen2.5/3's
 HEALTH_TIMEOUT_S = 2.0
+FORK_ENGINE_VARIABLE = "LCAP_FORK_ENGINE"  # 1: vllm_plugin/launch.py forks vLLM's engine core instead of spawning it
 _PARALLEL_FLAGS = {  # vLLM's flags whose product is the GPUs one server uses
     "--tensor-parallel-size": "tp",
     "-tp": "tp",
@@ -201,6 +202,8 @@ def launch(
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and "--distributed-executor-backend" not in extra_args:
             extra_args += ["--distributed-executor-backend", "uni"]
+            # ...and that engine-core process forked from the API server, not spawned (vllm_plugin/launch.py).
+            env.setdefault(FORK_ENGINE_VARIABLE, "1")
     cmd = server_command(
         python,
         spec.model,

@@ -7,6 +7,11 @@ installed, so that setting it does not turn off plugins vLLM would have loaded a
 
 The server listens on the socket lcap bound for it (inherited, its descriptor in LCAP_LISTEN_FD): vLLM's
 `create_server_socket` is replaced by one that returns it, so the port lcap chose can't be taken meanwhile.
+
+With LCAP_FORK_ENGINE=1 (lcap sets it on CPU, where the model runs inside the engine-core process) that process
+is forked from the API server, as vLLM does on GPUs, instead of spawned: vLLM's CPU platform asks for spawn, which
+imports vLLM and torch a second time. The API server has run no tensor operation by then (no OpenMP thread pool
+to inherit); the engine core sets its threads up itself.
 """
 
 import os
@@ -28,6 +33,7 @@ def main() -> None:
         names = {name for name in allowed.split(",") if name}
     os.environ["VLLM_PLUGINS"] = ",".join(sorted(names | {"lcap"}))
     serve_on_inherited_socket()
+    fork_engine_core()
     sys.argv[0] = "vllm.entrypoints.openai.api_server"
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
 
@@ -42,6 +48,18 @@ def serve_on_inherited_socket() -> None:
         sys.exit("lcap: vLLM's launcher has no create_server_socket to hand lcap's socket to (vLLM 0.32 has it)")
     sock = socket.socket(fileno=int(fd))
     launcher.create_server_socket = lambda addr, *, reuse_port: sock
+
+
+def fork_engine_core() -> None:
+    if os.environ.pop("LCAP_FORK_ENGINE", None) != "1":
+        return
+    import multiprocessing
+
+    from vllm.v1.engine import utils
+
+    if not hasattr(utils, "get_mp_context"):
+        sys.exit("lcap: vLLM's engine launcher has no get_mp_context to fork the engine core by (vLLM 0.32 has it)")
+    utils.get_mp_context = lambda: multiprocessing.get_context("fork")
 
 
 if __name__ == "__main__":

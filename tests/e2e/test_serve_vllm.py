@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import pytest
 
+from lcap.policy import read_policy
 from lcap.serve.tiny_model import CORPUS_TOOLS
 
 pytestmark = pytest.mark.vllm
@@ -105,3 +107,21 @@ def test_served_at_the_models_own_length(vllm_server):
         timeout=300,
     ).json()
     assert answer["usage"]["completion_tokens"] == 256, answer
+
+
+def test_the_engine_core_is_forked_from_the_api_server(vllm_server):
+    """On CPU, vLLM's engine core (the process that runs the model) is forked from its API server, as vLLM does on
+    GPUs, instead of spawned: a start without a second import of vLLM and torch (serve/vllm_plugin/launch.py).
+    Python starts its resource tracker, a process of its own, for every spawn and never for a fork: the API server's
+    one child is the engine core."""
+
+    def parent(pid: str) -> int | None:
+        try:
+            return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError):
+            return None
+
+    api = read_policy().pid  # the session's server, restarted or not
+    children = [p for p in Path("/proc").iterdir() if p.name.isdigit() and parent(p.name) == api]
+    lines = [(child / "cmdline").read_bytes().replace(b"\0", b" ").strip() for child in children]
+    assert lines == [b"VLLM::EngineCore"], lines
