@@ -10,8 +10,8 @@ The server listens on the socket lcap bound for it (inherited, its descriptor in
 
 With LCAP_FORK_ENGINE=1 (lcap sets it on CPU, where the model runs inside the engine-core process) that process
 is forked from the API server, as vLLM does on GPUs, instead of spawned: vLLM's CPU platform asks for spawn, which
-imports vLLM and torch a second time. The API server has run no tensor operation by then (no OpenMP thread pool
-to inherit); the engine core sets its threads up itself.
+imports vLLM and torch a second time. The API server loads no model; the engine core sets its OpenMP threads up
+itself, after the fork.
 """
 
 import os
