@@ -4,8 +4,8 @@ forked from the API server) vs that engine core spawned (vLLM's CPU default) vs 
 Usage: .venv/bin/python benchmarks/bench_serve_start.py [ROUNDS]
 Alternates the modes (these machines are noisy) and prints, per start, seconds to /health and the CPU-seconds
 the server's processes used to get there, then the first request's latency, the time to hot-load a LoRA adapter
-and a decode rate (greedy, 128 tokens a request: four requests one at a time and two batches of 16 at once; the
-forked engine core must decode as fast as a spawned one); then the medians and the ratios against the default.
+and a decode rate (greedy, 128 tokens a request: four requests one at a time and two batches of 16 at once: whether
+the forked engine core decodes as fast as a spawned one); then the medians and the ratios against the default.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+
+from lcap.serve.vllm_process import FORK_ENGINE_VARIABLE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -74,9 +76,9 @@ def main(rounds: int) -> None:
 
 
 MODES = {  # lcap's default first
-    "fork": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "LCAP_FORK_ENGINE": "1"},
-    "spawn": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "LCAP_FORK_ENGINE": "0"},
-    "multi": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "LCAP_FORK_ENGINE": "0"},
+    "fork": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", FORK_ENGINE_VARIABLE: "1"},
+    "spawn": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", FORK_ENGINE_VARIABLE: "0"},
+    "multi": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", FORK_ENGINE_VARIABLE: "0"},
 }
 
 

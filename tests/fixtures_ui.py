@@ -412,43 +412,29 @@ def fill_store(store, tokenizer_dir: Path, *, xss: bool = True) -> UiStore:
             for step, seconds in (("collect", 30.0), ("build", 0.2), ("train", 1.1), ("deploy", 0.1), ("eval", 15.0))
         ],
     )
-    store.append(  # round 3 had nothing to learn: skipped, round 2's deployment stayed
-        "loop_steps",
-        [
-            {
-                "run": "/runs/demo",
-                "round": 3,
-                "step": step,
-                "mean_reward": None,
-                "details": json.dumps(details),
-                "created_at": b.tick(),
-            }
-            for step, details in (
-                ("collect", {"seconds": 30.0}),
-                ("build", {"seconds": 0.2}),
-                ("skipped", {"reason": "every group got the same reward (2 of 2)", "kept": "demo-r2", "seconds": 0}),
-                ("skipped:solver", {"reason": "no group with a reward spread", "kept": "demo-solver-r1", "seconds": 0}),
-            )
-        ],
-    )
+    solver_skipped = {"reason": "no group with a reward spread", "kept": "demo-solver-r1", "seconds": 0}
     refusal = {"promoted": False, "current": "demo-r2", "candidate": "demo-r4", "seconds": 0.1}
-    store.append(  # round 4 trained, but its held-out run refused it: round 2's deployment stayed
+    store.append(  # round 3 had nothing to learn: skipped; round 4 trained, but its held-out run refused it
         "loop_steps",
         [
             {
                 "run": "/runs/demo",
-                "round": 4,
+                "round": n,
                 "step": step,
                 "mean_reward": None,
                 "details": json.dumps(details),
                 "created_at": b.tick(),
             }
-            for step, details in (
-                ("collect", {"seconds": 30.0}),
-                ("train", {"seconds": 1.1}),
-                ("promote", refusal | {"reason": "held-out reward 0.4 < 0.5 - margin 0"}),
+            for n, step, details in (
+                (3, "collect", {"seconds": 30.0}),
+                (3, "build", {"seconds": 0.2}),
+                (3, "skipped", {"reason": "every group got the same reward (2 of 2)", "kept": "demo-r2", "seconds": 0}),
+                (3, "skipped:solver", solver_skipped),
+                (4, "collect", {"seconds": 30.0}),
+                (4, "train", {"seconds": 1.1}),
+                (4, "promote", refusal | {"reason": "held-out reward 0.4 < 0.5 - margin 0"}),
             )
-        ],
+        ],  # either way round 2's deployment stayed
     )
     return b
 

@@ -112,8 +112,8 @@ def test_served_at_the_models_own_length(vllm_server):
 def test_the_engine_core_is_forked_from_the_api_server(vllm_server):
     """On CPU, vLLM's engine core (the process that runs the model) is forked from its API server, as vLLM does on
     GPUs, instead of spawned: a start without a second import of vLLM and torch (serve/vllm_plugin/launch.py).
-    Python starts its resource tracker, a process of its own, for every spawn and never for a fork: the API server's
-    one child is the engine core."""
+    A spawn always starts Python's resource tracker, a process of its own, beside the engine core; a fork needs
+    none: the API server's one child is the engine core."""
 
     def parent(pid: str) -> int | None:
         try:
