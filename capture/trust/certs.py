@@ -50,6 +50,9 @@ class LeafCerts:
         chain, key = self.pem(host)
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.set_alpn_protocols(["http/1.1"])
+        # No TLS 1.3 session tickets: sent right after the handshake, they cross the agent's first write, and a
+        # client that reads in one thread while it writes in another (websockets' sync client) may lose that write.
+        ctx.num_tickets = 0
         with tempfile.TemporaryDirectory(prefix="lcap-leaf-") as tmp:  # ssl loads key pairs from files only
             cert_file, key_file = Path(tmp, "cert.pem"), Path(tmp, "key.pem")
             cert_file.write_bytes(chain)

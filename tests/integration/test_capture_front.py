@@ -9,6 +9,7 @@ either side of a call: the agent leaving mid-stream, the upstream dropping conne
 from __future__ import annotations
 
 import json
+import select
 import socket
 import ssl
 import subprocess
@@ -107,6 +108,26 @@ def test_an_http2_only_tunnel_goes_to_mitmproxy_unopened(store):
             assert tls.selected_alpn_protocol() == "h2"
             issuer = dict(x[0] for x in tls.getpeercert()["issuer"])
             assert issuer["organizationName"] == "mitmproxy"  # lcap's CA, made by mitmproxy's CertStore
+
+
+def test_the_fronts_tls_sends_nothing_after_the_handshake_until_asked(store):
+    """TLS 1.3 servers usually send session tickets right after the handshake, while the client already writes
+    its request. A client that reads in one thread while it writes in another (websockets' sync client) then
+    sometimes loses its request: a Responses WebSocket opening through lcap hung until the idle timeout, about one
+    opening in a hundred. The front terminates TLS without tickets, so nothing crosses the client's first write."""
+    with (
+        CaptureProxy(store, ANONYMOUS) as proxy,
+        socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock,
+    ):
+        sock.sendall(b"CONNECT api.openai.com:443 HTTP/1.1\r\nHost: api.openai.com:443\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        ctx = ssl.create_default_context(cafile=proxy.child_env(None, base={})["SSL_CERT_FILE"])
+        with ctx.wrap_socket(sock, server_hostname="api.openai.com") as tls:
+            assert tls.version() == "TLSv1.3" and tls.selected_alpn_protocol() in (None, "http/1.1")
+            readable, _, _ = select.select([tls.fileno()], [], [], 1.0)
+            assert not readable, "the front sent TLS records (session tickets) before the agent's first request"
+            tls.sendall(b"GET /v1/models HTTP/1.1\r\nHost: api.openai.com\r\nConnection: close\r\n\r\n")
+            assert tls.recv(4096).startswith(b"HTTP/1.1 ")
 
 
 def test_an_agent_that_leaves_mid_stream_leaves_an_error_turn(store, llm):
