@@ -12,6 +12,9 @@
 # only checks them then).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+start=$SECONDS
+times=()  # each phase's seconds, said together at the end, where a log's tail shows them
+phase() { times+=("$1 $((SECONDS - start)) s"); start=$SECONDS; }
 scripts/setup.sh
 scripts/lint.sh
 pytest=(.venv/bin/python -m pytest --dist loadfile --no-loadscope-reorder)
@@ -24,10 +27,18 @@ scripts/harnesses/install.sh  # the real harnesses tests/e2e/test_harnesses.py r
 # ...and the two tests/e2e/test_coding_sandbox.py runs under --sandbox, where the sandbox's user can reach them
 LCAP_HARNESS_DIR=${LCAP_SANDBOX_HARNESS_DIR:-/var/cache/lcap-harnesses} LCAP_HARNESS_PYTHON=/usr/bin/python3 \
   scripts/harnesses/install.sh codex mini
+phase "set-up and lint"
 status=0
 "${pytest[@]}" -n 3 tests/unit tests/integration -m "not serial" "$@" || status=$?
+phase "unit and integration"
 .venv/bin/python -m pytest tests/integration -m serial "$@" || status=$?  # a unit test cannot be serial (tests/conftest.py)
+phase "serial"
 # One OpenMP thread per process in e2e: its trainers and vLLM servers otherwise run a spinning thread per core
 # each, beside the other worker's (docs/benchmarks.md, the whole test suite).
 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "${pytest[@]}" -n 2 tests/e2e "$@" || status=$?
+phase "e2e"
+# ...and on which kind of machine (this project's machines differ: with AVX-512, or AVX2 only and slower)
+cpu="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs), $(nproc) cores, $(grep -q avx512f /proc/cpuinfo \
+  && echo with || echo without) AVX-512"
+echo "scripts/test.sh: $(printf '%s, ' "${times[@]}")on $cpu"
 exit "$status"
