@@ -33,6 +33,8 @@ import threading
 import time
 from pathlib import Path
 
+from machine import processes
+
 from lcap.capture.options import ProxyOptions, SandboxLimits
 from lcap.capture.proxy.server import CaptureProxy
 from lcap.capture.sandbox import CGROUPS, GROUP, Sandbox, missing
@@ -217,7 +219,7 @@ def idle(base: Path, count: int) -> None:
                     continue
                 sandboxes += 1
                 rss += sum(_rss(int(p)) for p in pids)
-            outside = sum(_rss(p) for p in _children_named(os.getpid(), "bwrap"))
+            outside = sum(_rss(p.pid) for p in processes() if p.comm == "bwrap" and p.ppid == os.getpid())
             samples.append((sandboxes, usage, rss, outside))
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -253,21 +255,6 @@ def _rss(pid: int) -> int:
     except OSError:
         pass
     return 0
-
-
-def _children_named(parent: int, name: str) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        comm, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
-        if comm == name and int(rest[1]) == parent:
-            out.append(int(entry.name))
-    return out
 
 
 if __name__ == "__main__":

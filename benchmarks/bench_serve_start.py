@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+from machine import processes
 
 from lcap.serve.vllm_process import FORK_ENGINE_VARIABLE
 
@@ -85,15 +86,8 @@ MODES = {  # lcap's default first
 def group_cpu(pid: int) -> float:
     """CPU-seconds (user + system) used so far by the processes of `pid`'s process group, reaped children
     included (the server runs in a group of its own)."""
-    tick, group, total = os.sysconf("SC_CLK_TCK"), os.getpgid(pid), 0
-    for entry in Path("/proc").iterdir():
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if entry.name.isdigit() and int(fields[2]) == group:
-            total += sum(int(f) for f in fields[11:15])
-    return total / tick
+    group = os.getpgid(pid)
+    return sum(p.cpu_with_children for p in processes() if p.pgrp == group)
 
 
 def decode_rate(url: str, model: str, tokens: int = 128) -> float:

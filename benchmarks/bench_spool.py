@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import random
 import shutil
 import statistics
@@ -41,6 +40,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_proxy import Sink, _pct, capture_call
+from machine import proc_stat
 
 from lcap.capture.storage.writer import BATCH_RECORDS, TurnWriter
 from lcap.capture.turns.turn import PendingTurn, build_row
@@ -53,12 +53,6 @@ class Run:
     turns_per_s: float
     proxy_cpu: float  # ms per turn
     writer_cpu: float  # ms per turn
-
-
-def _cpu_of(pid: int) -> float:
-    """Seconds of CPU process `pid` has used so far (Linux)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _calls(sink: Any, n: int, every: float) -> tuple[list[float], float, float]:
@@ -92,12 +86,12 @@ def spool_and_writer(store: Store, root: Path, n: int, every: float) -> Run:
     writer.flush()  # the writer process is up
     pid = writer.counters()["writer_pid"]
     assert isinstance(pid, int)
-    before = _cpu_of(pid)
+    before = proc_stat(pid).cpu
     times, t0, c0 = _calls(writer, n, every)
     proxy_cpu = time.process_time() - c0
     assert writer.flush(timeout=600)
     wall = time.perf_counter() - t0
-    writer_cpu = _cpu_of(pid) - before
+    writer_cpu = proc_stat(pid).cpu - before
     assert writer.stop()
     return Run(times, n / wall, proxy_cpu / n * 1000, writer_cpu / n * 1000)
 

@@ -1,11 +1,16 @@
-"""The machine a benchmark's figures come from, printed with them: CPU model, cores, vector extensions, load."""
+"""The machine a benchmark's figures come from, printed with them (CPU model, cores, vector extensions, load), and
+what its processes cost, read from /proc (Linux): one reading of a process's stat file for every benchmark."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import platform
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+
+TICK = os.sysconf("SC_CLK_TCK")
 
 
 def cpu() -> str:
@@ -21,3 +26,42 @@ def cpu() -> str:
                 break
     vector = "AVX-512" if "avx512f" in flags else "AVX2 only" if "avx2" in flags else "no AVX2"
     return f"{model}, {os.cpu_count()} cores, {vector}, load {os.getloadavg()[0]:.1f}"
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    """What /proc/PID/stat says of a process: its name, parent, process group and CPU-seconds (user + system),
+    with or without its reaped children's."""
+
+    pid: int
+    comm: str
+    ppid: int
+    pgrp: int
+    cpu: float
+    cpu_with_children: float
+
+
+def proc_stat(pid: int) -> ProcStat | None:
+    """`pid`'s stat, or None once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    comm, rest = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
+    own = int(rest[11]) + int(rest[12])
+    return ProcStat(pid, comm, int(rest[1]), int(rest[2]), own / TICK, (own + int(rest[13]) + int(rest[14])) / TICK)
+
+
+def processes() -> Iterator[ProcStat]:
+    """Every process there is now (those that end meanwhile are left out)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (stat := proc_stat(int(entry.name))) is not None:
+            yield stat
+
+
+def cmdline(pid: int) -> bytes:
+    """`pid`'s command line (NUL-separated), empty once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""

@@ -56,6 +56,7 @@ from pathlib import Path
 
 import httpx
 from bench_proxy import LCAP, start_proxy
+from machine import cmdline, processes
 
 UPSTREAM = r"""
 import asyncio, json, socket, struct, sys
@@ -215,19 +216,7 @@ def fd_kinds(pid: int, listen_port: int) -> Counter[str]:
 
 def writer_pids(proxy_pid: int) -> list[int]:
     """The proxy's turn writer processes (`python ... lcap.capture.storage.writer ...`), children of the proxy."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == proxy_pid and b"lcap.capture.storage.writer" in cmdline:
-            found.append(int(entry.name))
-    return found
+    return [p.pid for p in processes() if p.ppid == proxy_pid and b"lcap.capture.storage.writer" in cmdline(p.pid)]
 
 
 def episode_proxy_urls(port: int, n: int, env: dict[str, str]) -> list[str]:
