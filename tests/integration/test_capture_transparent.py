@@ -347,15 +347,21 @@ def test_collect_one_namespace_per_episode(tmp_path, monkeypatch, capture_env, l
     assert not any(_in_namespace(int(inode)) for inode in namespaces)  # and none of them is left
 
 
-def _in_namespace(inode: int) -> list[int]:
-    """Processes whose network namespace is `inode`."""
+def _in_namespace(inode: int, kind: str = "net", started_by: float | None = None) -> list[int]:
+    """Processes whose `kind` namespace is `inode`; with `started_by` (seconds of the boot clock), only those that
+    started by then. The kernel gives a freed namespace's number to the next one made, at once, and the other xdist
+    workers make namespaces all the time: a process started later is in a new namespace of the same number."""
     found = []
+    tick = os.sysconf("SC_CLK_TCK")
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if os.stat(f"/proc/{pid}/ns/net").st_ino == inode:
-                found.append(int(pid))
-        except OSError:
+            if os.stat(f"/proc/{pid}/ns/{kind}").st_ino != inode:
+                continue
+            started = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]) / tick
+        except (OSError, ValueError, IndexError):
             continue
+        if started_by is None or started <= started_by:
+            found.append(int(pid))
     return found
 
 
@@ -434,13 +440,15 @@ def test_kill_9_leaves_nothing_behind(capture_env, llm, transparent_ok):
     assert line[0] == "whoami:", line
     net, mnt, pid = int(line[1]), int(line[2]), int(line[3])
     assert _in_namespace(net) == [pid] and net != os.stat("/proc/self/ns/net").st_ino
+    assert _in_namespace(mnt, "mnt") == [pid]
+    killed = time.clock_gettime(time.CLOCK_BOOTTIME)  # the clock of a process's start time in /proc/PID/stat
     proc.kill()
     proc.wait()
     deadline = time.monotonic() + 10
-    while _in_namespace(net) and time.monotonic() < deadline:
+    while _in_namespace(net, started_by=killed) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _in_namespace(net)
-    assert not [p for p in filter(str.isdigit, os.listdir("/proc")) if _inode(f"/proc/{p}/ns/mnt") == mnt]
+    assert not _in_namespace(net, started_by=killed)
+    assert not _in_namespace(mnt, "mnt", started_by=killed)
     assert subprocess.run(["iptables-save"], capture_output=True, text=True).stdout.count("REDIRECT") == (
         host_rules.count("REDIRECT")
     )
@@ -451,13 +459,6 @@ def test_kill_9_leaves_nothing_behind(capture_env, llm, transparent_ok):
 def _sandbox_work(mount: str) -> bool:
     """An episode's work folder that `lcap collect --sandbox`, on another worker or another run, mounted meanwhile."""
     return mount.split()[4].endswith("/work") and "uid=65534,gid=65534" in mount
-
-
-def _inode(path: str) -> int | None:
-    try:
-        return os.stat(path).st_ino
-    except OSError:
-        return None
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root to hide iptables")
