@@ -43,7 +43,6 @@ from lcap.ui.tokens import Tokenizers, token_view
 HERE = Path(__file__).resolve().parent
 COOKIE = "lcap_ui_token"
 MAX_LISTENERS = 32  # live pages (EventSource streams) served at once; more get 503 and retry
-STREAM_SECONDS = 300.0  # a live stream ends after this long; the browser reconnects by itself
 HEARTBEAT_SECONDS = 15.0
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
@@ -197,7 +196,7 @@ def create_app(db: Path, options: UiOptions, *, token: str | None, max_listeners
 
     async def events(request: Request) -> Response:
         """Server-sent events: `change` with the store's fingerprint whenever it moves, `busy` when unreadable, `end`
-        before the stream closes after STREAM_SECONDS (the browser then reconnects)."""
+        before the stream closes after `--stream-seconds` (the browser then reconnects)."""
         if not listeners.acquire(blocking=False):
             return PlainTextResponse("too many live pages open; retrying", 503, headers={"Retry-After": "5"})
 
@@ -205,7 +204,7 @@ def create_app(db: Path, options: UiOptions, *, token: str | None, max_listeners
             try:
                 yield f"retry: {int(max(options.poll, 1) * 1000)}\n\n"
                 last: tuple[int, ...] | None = None
-                ends = time.monotonic() + STREAM_SECONDS
+                ends = time.monotonic() + options.stream_seconds
                 beat = time.monotonic()
                 while time.monotonic() < ends:
                     value, error = await watch.current()

@@ -16,6 +16,11 @@ class UiOptions:
     host: str = option("127.0.0.1", help="Listen address; any other than loopback requires the printed token.")
     port: int = option(8765, help="Listen port (0: a free one).")
     poll: float = option(2.0, help="Seconds between the live view's checks of the store for new rows.")
+    stream_seconds: float = option(
+        300.0,
+        help="Seconds a page's live stream stays open before the page opens a new one by itself (lower it where a "
+        "proxy in front cuts long responses).",
+    )
     store_timeout: float = option(
         10.0, help="Seconds a page waits for the store while another process (a proxy's writer) holds it."
     )
@@ -30,6 +35,8 @@ class UiOptions:
             raise LcapError(f"--port {self.port}: use 0 to 65535")
         if not 0.2 <= self.poll <= 60:
             raise LcapError(f"--poll {self.poll}: use 0.2 to 60 seconds")
+        if not 1 <= self.stream_seconds <= 3600:
+            raise LcapError(f"--stream-seconds {self.stream_seconds}: use 1 to 3600 seconds")
         if self.store_timeout <= 0:
             raise LcapError(f"--store-timeout {self.store_timeout}: must be positive")
 

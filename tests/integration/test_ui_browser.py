@@ -221,6 +221,28 @@ def test_live_updates_arrive_without_a_reload(page, tmp_path):
         server.stop()
 
 
+def test_a_planned_end_of_the_live_stream_reconnects_without_saying_so(page, tmp_path):
+    """`lcap ui --stream-seconds 1`: the live stream ends every second as planned and the page opens a new one
+    without ever showing `live: reconnecting`, which it keeps for a server that went away; updates still arrive."""
+    db = tmp_path / "live.duckdb"
+    fill_store(Store(db), tmp_path / "tokenizer", xss=False)
+    server = UiServer(db, "--stream-seconds", "1")
+    try:
+        visit(page, server.url + "/episodes")
+        shown = set()
+        deadline = time.monotonic() + 3.5  # two planned ends, each followed by the browser's retry (1 s)
+        while time.monotonic() < deadline:
+            shown.add(page.inner_text("#live"))
+            time.sleep(0.05)
+        assert not [text for text in shown if "reconnecting" in text], shown
+        Store(db).start_episode("ep-after-ends", command="agent", cwd="/", labels={"task": "t", "round": "3"})
+        page.wait_for_selector("#rows >> text=ep-after-ends", timeout=15_000)
+        assert page.problems == []
+    finally:
+        server.stop()
+    wait_until(lambda: "reconnecting" in page.inner_text("#live"), timeout=10)  # the server gone: now it says so
+
+
 def test_screens_fit_a_phone(ui, page):
     page.set_viewport_size({"width": 390, "height": 844})
     for path in ("/", "/episodes", "/episode?id=ep-calc-0"):

@@ -444,10 +444,10 @@ def test_a_groups_advantages_are_the_ones_build_dataset_uses(ui_db, tmp_path):
         assert mine[episode][0] == pytest.approx(advantage) and mine[episode][1] == zero, episode
 
 
-def test_the_live_stream_says_when_it_ends_as_planned(ui_db, monkeypatch):
-    """A stream closes after STREAM_SECONDS and the browser reconnects: its last event says so (`end`), so the page
-    does not show `live: reconnecting` for a planned close (ui/static/app.js)."""
-    monkeypatch.setattr("lcap.ui.app.STREAM_SECONDS", 0.5)
-    with client(ui_db, poll=0.2) as c, c.stream("GET", "/events") as answer:
+def test_the_live_stream_says_when_it_ends_as_planned(ui_db):
+    """A stream closes after `--stream-seconds` and the browser reconnects: its last event says so (`end`), so the
+    page does not show `live: reconnecting` for a planned close (ui/static/app.js; in a browser:
+    tests/integration/test_ui_browser.py)."""
+    with client(ui_db, poll=0.2, stream_seconds=1) as c, c.stream("GET", "/events") as answer:
         events = [line for line in answer.iter_lines() if line.startswith("event: ")]
     assert events[0] == "event: change" and events[-1] == "event: end"
