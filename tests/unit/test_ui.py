@@ -12,6 +12,7 @@ import duckdb
 import pytest
 from fixtures_ui import XSS
 
+from lcap.config import LcapError
 from lcap.store import Store
 from lcap.ui.conversation import conversation, prompt_messages
 from lcap.ui.options import UiOptions
@@ -451,3 +452,6 @@ def test_the_live_stream_says_when_it_ends_as_planned(ui_db):
     with client(ui_db, poll=0.2, stream_seconds=1) as c, c.stream("GET", "/events") as answer:
         events = [line for line in answer.iter_lines() if line.startswith("event: ")]
     assert events[0] == "event: change" and events[-1] == "event: end"
+    for bad in (0.5, 3601):
+        with pytest.raises(LcapError, match=f"--stream-seconds {bad}: use 1 to 3600 seconds"):
+            UiOptions(stream_seconds=bad)
