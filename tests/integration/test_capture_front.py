@@ -15,6 +15,8 @@ import ssl
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -96,38 +98,36 @@ def test_expect_and_chunked_request_bodies_are_captured_through_mitmproxy(store,
 def test_an_http2_only_tunnel_goes_to_mitmproxy_unopened(store):
     """A client that offers only h2 in its ClientHello (gRPC, say) must get h2: the front cannot speak it, so it
     splices the tunnel to mitmproxy, which terminates TLS with lcap's CA and negotiates HTTP/2."""
-    with (
-        CaptureProxy(store, ANONYMOUS) as proxy,
-        socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock,
-    ):
-        sock.sendall(b"CONNECT api.openai.com:443 HTTP/1.1\r\nHost: api.openai.com:443\r\n\r\n")
-        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
-        ctx = ssl.create_default_context(cafile=proxy.child_env(None, base={})["SSL_CERT_FILE"])
-        ctx.set_alpn_protocols(["h2"])
-        with ctx.wrap_socket(sock, server_hostname="api.openai.com") as tls:
-            assert tls.selected_alpn_protocol() == "h2"
-            issuer = dict(x[0] for x in tls.getpeercert()["issuer"])
-            assert issuer["organizationName"] == "mitmproxy"  # lcap's CA, made by mitmproxy's CertStore
+    with CaptureProxy(store, ANONYMOUS) as proxy, _tunnel_to_openai(proxy, alpn=["h2"]) as tls:
+        assert tls.selected_alpn_protocol() == "h2"
+        issuer = dict(x[0] for x in tls.getpeercert()["issuer"])
+        assert issuer["organizationName"] == "mitmproxy"  # lcap's CA, made by mitmproxy's CertStore
 
 
 def test_the_fronts_tls_sends_nothing_after_the_handshake_until_asked(store):
     """TLS 1.3 servers usually send session tickets right after the handshake, while the client already writes
     its request. A client that reads in one thread while it writes in another (websockets' sync client) then
-    sometimes loses its request: a Responses WebSocket opening through lcap hung until the idle timeout, about one
-    opening in a hundred. The front terminates TLS without tickets, so nothing crosses the client's first write."""
-    with (
-        CaptureProxy(store, ANONYMOUS) as proxy,
-        socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock,
-    ):
+    may lose its request: a Responses WebSocket opening through lcap hung until the idle timeout, rarely, on a
+    loaded machine. The front terminates TLS without tickets, so nothing crosses the client's first write."""
+    with CaptureProxy(store, ANONYMOUS) as proxy, _tunnel_to_openai(proxy) as tls:
+        assert tls.version() == "TLSv1.3" and tls.selected_alpn_protocol() in (None, "http/1.1")
+        readable, _, _ = select.select([tls.fileno()], [], [], 1.0)
+        assert not readable, "the front sent TLS records (session tickets) before the agent's first request"
+        tls.sendall(b"GET /v1/models HTTP/1.1\r\nHost: api.openai.com\r\nConnection: close\r\n\r\n")
+        assert tls.recv(4096).startswith(b"HTTP/1.1 ")
+
+
+@contextmanager
+def _tunnel_to_openai(proxy: CaptureProxy, alpn: list[str] | None = None) -> Iterator[ssl.SSLSocket]:
+    """A raw CONNECT to api.openai.com:443 through `proxy`, then TLS in it (offering `alpn`), trusting lcap's CA."""
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
         sock.sendall(b"CONNECT api.openai.com:443 HTTP/1.1\r\nHost: api.openai.com:443\r\n\r\n")
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")
         ctx = ssl.create_default_context(cafile=proxy.child_env(None, base={})["SSL_CERT_FILE"])
+        if alpn:
+            ctx.set_alpn_protocols(alpn)
         with ctx.wrap_socket(sock, server_hostname="api.openai.com") as tls:
-            assert tls.version() == "TLSv1.3" and tls.selected_alpn_protocol() in (None, "http/1.1")
-            readable, _, _ = select.select([tls.fileno()], [], [], 1.0)
-            assert not readable, "the front sent TLS records (session tickets) before the agent's first request"
-            tls.sendall(b"GET /v1/models HTTP/1.1\r\nHost: api.openai.com\r\nConnection: close\r\n\r\n")
-            assert tls.recv(4096).startswith(b"HTTP/1.1 ")
+            yield tls
 
 
 def test_an_agent_that_leaves_mid_stream_leaves_an_error_turn(store, llm):
