@@ -30,8 +30,8 @@ def cpu() -> str:
 
 @dataclass(frozen=True)
 class ProcStat:
-    """What /proc/PID/stat says of a process: its name, parent, process group and CPU-seconds (user + system),
-    with or without its reaped children's."""
+    """What /proc/PID/stat says of a process: its name, parent, process group, CPU-seconds (user + system) with
+    or without its reaped children's, and when it started (seconds of the boot clock, CLOCK_BOOTTIME)."""
 
     pid: int
     comm: str
@@ -39,6 +39,7 @@ class ProcStat:
     pgrp: int
     cpu: float
     cpu_with_children: float
+    started: float
 
 
 def proc_stat(pid: int) -> ProcStat | None:
@@ -49,7 +50,8 @@ def proc_stat(pid: int) -> ProcStat | None:
         return None
     comm, rest = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
     own = int(rest[11]) + int(rest[12])
-    return ProcStat(pid, comm, int(rest[1]), int(rest[2]), own / TICK, (own + int(rest[13]) + int(rest[14])) / TICK)
+    with_children = own + int(rest[13]) + int(rest[14])
+    return ProcStat(pid, comm, int(rest[1]), int(rest[2]), own / TICK, with_children / TICK, int(rest[19]) / TICK)
 
 
 def processes() -> Iterator[ProcStat]:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import pytest
+from machine import cmdline, processes
 
 from lcap.policy import read_policy
 from lcap.serve.tiny_model import CORPUS_TOOLS
@@ -115,13 +115,6 @@ def test_the_engine_core_is_forked_from_the_api_server(vllm_server):
     A spawn always starts Python's resource tracker, a process of its own, beside the engine core; a fork needs
     none: the API server's one child is the engine core."""
 
-    def parent(pid: str) -> int | None:
-        try:
-            return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError):
-            return None
-
     api = read_policy().pid  # the session's server, restarted or not
-    children = [p for p in Path("/proc").iterdir() if p.name.isdigit() and parent(p.name) == api]
-    lines = [(child / "cmdline").read_bytes().replace(b"\0", b" ").strip() for child in children]
+    lines = [cmdline(p.pid).replace(b"\0", b" ").strip() for p in processes() if p.ppid == api]
     assert lines == [b"VLLM::EngineCore"], lines

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from fixtures_capture import AGENTS, LCAP, SECRET, agent, dns_query, open_files, run_lcap, turns
+from machine import proc_stat
 
 from lcap.capture.proxy.connections import original_destination
 from lcap.capture.reach import netns
@@ -363,16 +364,15 @@ def _in_namespace(inode: int, kind: str = "net", started_by: float | None = None
     started by then. The kernel gives a freed namespace's number to the next one made, at once, and the other xdist
     workers make namespaces all the time: a process started later is in a new namespace of the same number."""
     found = []
-    tick = os.sysconf("SC_CLK_TCK")
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             if os.stat(f"/proc/{pid}/ns/{kind}").st_ino != inode:
                 continue
-            started = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]) / tick
-        except (OSError, ValueError, IndexError):
+        except OSError:
             continue
-        if started_by is None or started <= started_by:
-            found.append(int(pid))
+        if started_by is not None and ((stat := proc_stat(int(pid))) is None or stat.started > started_by):
+            continue
+        found.append(int(pid))
     return found
 
 

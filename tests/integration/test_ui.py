@@ -9,18 +9,12 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 from fixtures_ui import LCAP, UiServer
 
 from lcap.store import Store
 from lcap.ui.options import UiOptions
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-sys.path.insert(0, str(REPO / "benchmarks"))
 
 
 def test_no_store_is_one_line_and_exit_2(tmp_path):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import time
 from pathlib import Path
 
@@ -15,9 +14,6 @@ from fixtures_capture import agent, run_lcap, wait_until  # polled from Python: 
 from fixtures_ui import XSS, UiServer, fill_store
 
 from lcap.store import Store
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import duckdb
@@ -16,11 +15,6 @@ from lcap.config import LcapError
 from lcap.store import Store
 from lcap.ui.conversation import conversation, prompt_messages
 from lcap.ui.options import UiOptions
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-sys.path.insert(0, str(REPO / "benchmarks"))
 
 
 @pytest.fixture(scope="session")
